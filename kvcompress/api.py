@@ -1,0 +1,93 @@
+"""The public functions of DESIGN.md §6: methods(), compress(), stream()."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import methods as _methods  # noqa: F401  (registers every method)
+from .methods.base import (
+    Stream,
+    Tokens,
+    build_method,
+    check_kv,
+    check_sink_window,
+    query_positions_for,
+    compress_tokens,
+    get_method_class,
+    make_generator,
+    method_names,
+    resolve_budget,
+)
+from .summary import KVSummary
+
+
+def methods() -> list[str]:
+    """Names of all registered methods."""
+    return method_names()
+
+
+def default_sink_window(method: str, sink: int | None, window: int | None) -> tuple[int, int]:
+    """The method's own seed defaults where sink/window are None."""
+    cls = get_method_class(method)
+    return (cls.default_sink if sink is None else sink, cls.default_window if window is None else window)
+
+
+def compress(
+    method: str,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None = None,
+    pre_rope_keys: torch.Tensor | None = None,
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    sink: int | None = None,
+    window: int | None = None,
+    seed: int | torch.Generator | None = 0,
+    scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    layer_idx: int | None = None,
+    num_layers: int | None = None,
+    **method_params,
+) -> KVSummary:
+    """One-shot compression of one layer's keys/values [B, H_kv, n, d] into a KVSummary.
+
+    Exactly one of `budget` (middle slots kept per head; sink and window are extra and exact) or
+    `compression_ratio` (fraction of the n tokens removed). sink/window default to the method's
+    seed. queries [B, H_q, n_q, d] post-RoPE for query-aware methods; pre_rope_keys [B, H_kv, n, d]
+    for Compactor. positions [n] or [B, H_kv, n] default to 0..n-1.
+    """
+    m = build_method(method, **method_params)
+    sink, window = default_sink_window(method, sink, window)
+    check_sink_window(sink, window)
+    check_kv(keys, values, queries)
+    b, h, n, d = keys.shape
+    if pre_rope_keys is not None and pre_rope_keys.shape != keys.shape:
+        raise ValueError(f"pre_rope_keys must have the keys' shape {tuple(keys.shape)}, got {tuple(pre_rope_keys.shape)}")
+    middle_budget = resolve_budget(n, budget, compression_ratio, sink, window)
+    if positions is None:
+        positions = torch.arange(n, device=keys.device)
+    positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
+    s = 1.0 / math.sqrt(d) if scale is None else scale
+    tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions))
+    return compress_tokens(m, tokens, middle_budget, sink, window, make_generator(seed, keys.device))
+
+
+def stream(
+    method: str,
+    budget: int,
+    sink: int | None = None,
+    window: int | None = None,
+    seed: int | torch.Generator | None = 0,
+    scale: float | None = None,
+    **method_params,
+) -> Stream:
+    """A streaming compressor: `.update(keys, values, queries=None)` any number of times, `.summary()`.
+
+    Between updates the method stores at most `budget` slots per head besides the exact sink and
+    window (block-wise methods also hold the block in progress during an update).
+    """
+    m = build_method(method, **method_params)
+    sink, window = default_sink_window(method, sink, window)
+    return Stream(m, budget, sink, window, make_generator(seed), scale)

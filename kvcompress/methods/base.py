@@ -1,0 +1,387 @@
+"""The two compressor shapes, the method registry and the shared sink/window handling (DESIGN.md §2, §6).
+
+A method is a dataclass whose fields are its parameters. It sees only the compressible middle of
+a layer (sink and window are handled here, the same way for every method) as a `Tokens` bundle,
+and must honour `budget`: at most `budget` slots per head in what it returns.
+
+- One-shot: `Method.compress(tokens, budget, generator) -> KVSummary`.
+- Streaming: `Method.new_stream(budget, generator) -> StreamState` with `absorb(tokens)` and
+  `summary()`. A method that is natively one-shot streams block-wise (`BlockwiseState`): tokens
+  are buffered and evicted back to `budget` after every block, so at most budget + block slots
+  are stored. A natively streaming method's one-shot `compress` runs its stream over the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable, ClassVar
+
+import torch
+
+from ..summary import KVSummary, concat, gather_slots
+
+_REGISTRY: dict[str, type["Method"]] = {}
+
+
+@dataclass
+class Tokens:
+    """Exact tokens handed to a method.
+
+    keys [B,H_kv,n,d] (post-RoPE), values [B,H_kv,n,d_v], positions [B,H_kv,n] (int64),
+    queries [B,H_q,n_q,d] or None (the most recent queries seen with these tokens, post-RoPE),
+    pre_rope_keys [B,H_kv,n,d] or None, scale (attention scale s), layer_idx / num_layers when
+    called from a model (PyramidKV uses them), query_positions [n_q] (original positions of the
+    queries, for causal scoring; None means the queries follow every token).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor | None = None
+    pre_rope_keys: torch.Tensor | None = None
+    scale: float = 1.0
+    layer_idx: int | None = None
+    num_layers: int | None = None
+    query_positions: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def slice(self, start: int, stop: int) -> "Tokens":
+        """Tokens start:stop along the token axis (queries kept as they are)."""
+        pre = self.pre_rope_keys[:, :, start:stop] if self.pre_rope_keys is not None else None
+        return replace(
+            self,
+            keys=self.keys[:, :, start:stop],
+            values=self.values[:, :, start:stop],
+            positions=self.positions[:, :, start:stop],
+            pre_rope_keys=pre,
+        )
+
+    def exact(self) -> KVSummary:
+        return KVSummary.exact(self.keys, self.values, self.positions)
+
+
+def cat_tokens(parts: list[Tokens]) -> Tokens:
+    """Concatenate token bundles along the token axis; queries and pre-RoPE keys from the parts that have them."""
+    last = parts[-1]
+    pre = None
+    if all(p.pre_rope_keys is not None for p in parts):
+        pre = torch.cat([p.pre_rope_keys for p in parts], 2)
+    return replace(
+        last,
+        keys=torch.cat([p.keys for p in parts], 2),
+        values=torch.cat([p.values for p in parts], 2),
+        positions=torch.cat([p.positions for p in parts], 2),
+        pre_rope_keys=pre,
+    )
+
+
+class StreamState:
+    """Per-layer streaming state of one method over the compressible middle."""
+
+    def absorb(self, tokens: Tokens) -> None:
+        raise NotImplementedError
+
+    def summary(self) -> KVSummary | None:
+        """The current summary (None before any token)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the state stores (including any workspace kept between updates)."""
+        s = self.summary()
+        return s.nbytes() if s is not None else 0
+
+
+@dataclass
+class Method:
+    """Base of every registered method. Subclasses are dataclasses; their fields are parameters."""
+
+    name: ClassVar[str] = ""
+    needs_queries: ClassVar[bool] = False
+    needs_pre_rope_keys: ClassVar[bool] = False
+    default_sink: ClassVar[int] = 4
+    default_window: ClassVar[int] = 64
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        """One-shot: summarise `tokens` in at most `budget` slots per head."""
+        state = self.new_stream(budget, generator)
+        state.absorb(tokens)
+        return state.summary()
+
+    def new_stream(self, budget: int, generator: torch.Generator) -> StreamState:
+        """Streaming: a fresh state holding at most `budget` slots per head between updates."""
+        return BlockwiseState(self, budget, generator)
+
+    def check_inputs(self, tokens: Tokens) -> None:
+        """Raise a clear error when the method's required inputs are missing."""
+        if self.needs_queries and tokens.queries is None:
+            raise ValueError(f"method {self.name!r} scores tokens with queries: pass queries=[B, H_q, n_q, d]")
+        if self.needs_pre_rope_keys and tokens.pre_rope_keys is None:
+            raise ValueError(f"method {self.name!r} scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
+
+
+class ScoreMethod(Method):
+    """A score-then-top-k method: subclasses implement `score`; the top `budget` per head are kept."""
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        """[B, H_kv, n] importance of each token (higher is kept)."""
+        raise NotImplementedError
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        if tokens.length <= budget:
+            return tokens.exact()
+        return keep_top(tokens, self.score(tokens, generator), budget)
+
+
+def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
+    """Keep the `budget` highest-scoring tokens per head, in their original order, with log-weight 0.
+
+    scores [B,H,n] may contain -inf for tokens that must go.
+    """
+    index = scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values
+    keys, values, positions = gather_slots(tokens.keys, tokens.values, tokens.positions, index)
+    return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
+
+
+class BlockwiseState(StreamState):
+    """Block-wise streaming of a one-shot method: buffer, then evict back to `budget` after each block.
+
+    The buffer holds the previous summary's slots plus the new block, so peak storage is
+    budget + block slots per head (KeyDiff's block prompt processing, seed 004 Eq. 6). The
+    re-compression sees only plain kept tokens; weighted slots are not re-weighted here.
+    """
+
+    def __init__(self, method: Method, budget: int, generator: torch.Generator):
+        self.method, self.budget, self.generator = method, budget, generator
+        self.kept: Tokens | None = None
+        self.peak_slots = 0
+
+    def absorb(self, tokens: Tokens) -> None:
+        buffer = tokens if self.kept is None else cat_tokens([self.kept, tokens])
+        self.peak_slots = max(self.peak_slots, buffer.length)
+        if buffer.length > self.budget:
+            summary = self.method.compress(buffer, self.budget, self.generator)
+            pre = None
+            if buffer.pre_rope_keys is not None:
+                index = _positions_index(buffer.positions, summary.positions)
+                pre = buffer.pre_rope_keys.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.keys.shape[-1]))
+            buffer = replace(buffer, keys=summary.keys, values=summary.values, positions=summary.positions, pre_rope_keys=pre)
+        self.kept = buffer
+
+    def summary(self) -> KVSummary | None:
+        return self.kept.exact() if self.kept is not None else None
+
+    def nbytes(self) -> int:
+        if self.kept is None:
+            return 0
+        extra = self.kept.pre_rope_keys
+        return self.summary().nbytes() + (extra.numel() * extra.element_size() if extra is not None else 0)
+
+
+def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+    """Positions of queries that came with tokens at `positions` [B,H,n]: the last n_q of them (None if n_q > n)."""
+    if queries is None or queries.shape[2] > positions.shape[2]:
+        return None
+    return positions[0, 0, positions.shape[2] - queries.shape[2] :]
+
+
+def attention_mass(tokens: Tokens, last: int | None = None, chunk: int = 256) -> torch.Tensor:
+    """[B, H_kv, n]: softmax attention of the (last `last`) queries on the tokens, summed over queries, averaged over each GQA group.
+
+    Softmax runs over the given tokens only; queries see only tokens at or before their own
+    position when `query_positions` is known. Processed in query chunks (no n_q x n tensor beyond one chunk).
+    """
+    queries, qpos = tokens.queries, tokens.query_positions
+    if last is not None:
+        queries = queries[:, :, -last:]
+        qpos = qpos[-last:] if qpos is not None else None
+    b, hq, nq, d = queries.shape
+    hkv = tokens.keys.shape[1]
+    q = queries.float().reshape(b, hkv, hq // hkv, nq, d)
+    keys = tokens.keys.float()
+    mass = torch.zeros(b, hkv, tokens.length, device=keys.device)
+    for start in range(0, nq, chunk):
+        logits = torch.einsum("bhgqd,bhnd->bhgqn", q[:, :, :, start : start + chunk], keys) * tokens.scale
+        if qpos is not None:
+            hidden = tokens.positions[:, :, None, None, :] > qpos[start : start + chunk].to(keys.device)[None, None, None, :, None]
+            logits = logits.masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        mass += probs.sum(dim=3).mean(dim=2)
+    return mass
+
+
+def _positions_index(all_positions: torch.Tensor, kept_positions: torch.Tensor) -> torch.Tensor:
+    """Index into the token axis of `all_positions` [B,H,n] of each kept position [B,H,k] (both ascending)."""
+    return torch.searchsorted(all_positions.contiguous(), kept_positions.contiguous())
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available by its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"method name {cls.name!r} is registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def method_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_method_class(name: str) -> type[Method]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
+    return _REGISTRY[name]
+
+
+def build_method(name: str, **params) -> Method:
+    """Instantiate a registered method with its parameters, rejecting unknown ones by name."""
+    cls = get_method_class(name)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"method {name!r} has no parameter(s) {unknown}; its parameters are {sorted(known)}")
+    return cls(**params)
+
+
+def make_generator(seed: int | torch.Generator | None, device: torch.device | str = "cpu") -> torch.Generator:
+    if isinstance(seed, torch.Generator):
+        return seed
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0 if seed is None else int(seed))
+    return gen
+
+
+def resolve_budget(n: int, budget: int | None, compression_ratio: float | None, sink: int, window: int) -> int:
+    """Middle budget (slots per head, sink and window not counted) from exactly one of budget / ratio.
+
+    compression_ratio is the fraction of all n tokens removed (kvpress convention): the layer keeps
+    ceil((1 - ratio) * n) tokens, of which sink + window are exact, the rest is the middle budget.
+    """
+    if (budget is None) == (compression_ratio is None):
+        raise ValueError("pass exactly one of budget (tokens kept per head) or compression_ratio (fraction removed)")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        return budget
+    if not isinstance(compression_ratio, (int, float)) or not (0.0 <= compression_ratio < 1.0) or math.isnan(compression_ratio):
+        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
+    kept = math.ceil((1.0 - compression_ratio) * n - 1e-9)
+    middle = kept - sink - window
+    if middle < 1 and n > sink + window:
+        raise ValueError(
+            f"compression_ratio={compression_ratio} keeps {kept} of {n} tokens, which does not leave room beyond "
+            f"sink={sink} + window={window}; lower the ratio or the sink/window"
+        )
+    return max(middle, 1)
+
+
+def check_kv(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+    """Shape and finiteness checks with errors that name the argument."""
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(f"keys and values must be [B, H_kv, n, d]; got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on [B, H_kv, n]")
+    if keys.shape[2] == 0:
+        raise ValueError("empty context: keys have no tokens (n = 0)")
+    for name, t in (("keys", keys), ("values", values), ("queries", queries)):
+        if t is not None and not torch.isfinite(t).all():
+            raise ValueError(f"{name} contain NaN or infinite entries")
+    if queries is not None:
+        if queries.ndim != 4 or queries.shape[0] != keys.shape[0] or queries.shape[-1] != keys.shape[-1]:
+            raise ValueError(f"queries must be [B, H_q, n_q, d] matching keys {tuple(keys.shape)}; got {tuple(queries.shape)}")
+        if queries.shape[1] % keys.shape[1] != 0:
+            raise ValueError(f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({keys.shape[1]})")
+
+
+def check_sink_window(sink: int, window: int) -> None:
+    for name, v in (("sink", sink), ("window", window)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+
+
+def split_exact(tokens: Tokens, sink: int, window: int) -> tuple[Tokens, Tokens, Tokens]:
+    """(sink tokens, middle, window tokens) of a token bundle."""
+    n = tokens.length
+    head = min(sink, n)
+    tail_start = max(head, n - window)
+    return tokens.slice(0, head), tokens.slice(head, tail_start), tokens.slice(tail_start, n)
+
+
+def compress_tokens(method: Method, tokens: Tokens, budget: int, sink: int, window: int, generator) -> KVSummary:
+    """Sink and window exact, the middle compressed by `method` to at most `budget` slots per head."""
+    head, middle, tail = split_exact(tokens, sink, window)
+    parts = [head.exact()]
+    if middle.length > budget:
+        method.check_inputs(middle)
+        parts.append(method.compress(middle, budget, generator))
+    elif middle.length > 0:
+        parts.append(middle.exact())
+    parts.append(tail.exact())
+    return concat([p for p in parts if p.num_slots > 0] or [parts[0]])
+
+
+class Stream:
+    """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
+
+    update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
+    the method's state, which stores at most `budget` slots per head between updates (plus the
+    block in progress for block-wise methods). summary() is sink + method summary + window.
+    """
+
+    def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None):
+        check_sink_window(sink, window)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        self.method, self.budget, self.sink, self.window = method, budget, sink, window
+        self.generator, self.scale = generator, scale
+        self.state = method.new_stream(budget, generator)
+        self.head: Tokens | None = None
+        self.recent: Tokens | None = None
+        self.seen = 0
+
+    def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
+        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count)."""
+        check_kv(keys, values, queries)
+        b, h, n, d = keys.shape
+        if positions is None:
+            positions = torch.arange(self.seen, self.seen + n, device=keys.device)
+        positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+        qpos = query_positions_for(queries, positions)
+        block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos)
+        self.seen += n
+        have = self.head.length if self.head is not None else 0
+        take = min(self.sink - have, n)
+        if take > 0:
+            part = block.slice(0, take)
+            self.head = part if self.head is None else cat_tokens([self.head, part])
+            block = block.slice(take, n)
+        if block.length == 0:
+            return
+        self.recent = block if self.recent is None else cat_tokens([self.recent, block])
+        overflow = self.recent.length - self.window
+        if overflow > 0:
+            leaving = replace(self.recent.slice(0, overflow), queries=queries, query_positions=qpos)
+            self.method.check_inputs(leaving)
+            self.state.absorb(leaving)
+            self.recent = self.recent.slice(overflow, self.recent.length)
+
+    def summary(self) -> KVSummary:
+        parts = [p.exact() for p in (self.head,) if p is not None]
+        middle = self.state.summary()
+        if middle is not None:
+            parts.append(middle)
+        if self.recent is not None and self.recent.length > 0:
+            parts.append(self.recent.exact())
+        if not parts:
+            raise ValueError("the stream has seen no tokens yet")
+        return concat(parts)
+
+    def nbytes(self) -> int:
+        exact = sum(p.exact().nbytes() for p in (self.head, self.recent) if p is not None)
+        return exact + self.state.nbytes()

@@ -1,0 +1,47 @@
+"""PyramidKV: layer budgets that shrink with depth, SnapKV scores inside each layer.
+
+Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..summary import KVSummary
+from .base import ScoreMethod, Tokens, register
+from .snapkv import pooled_observation_scores
+
+
+def layer_budget(budget: int, layer_idx: int, num_layers: int, beta: float) -> int:
+    """Budget of one layer: linear from 2*budget - budget/beta (layer 0) down to budget/beta (last layer), mean `budget`."""
+    low = max(1, round(budget / beta))
+    high = 2 * budget - low
+    if num_layers <= 1:
+        return budget
+    return max(1, round(high - (high - low) * layer_idx / (num_layers - 1)))
+
+
+@register
+@dataclass
+class PyramidKV(ScoreMethod):
+    """`budget` is the mean over layers; layer l keeps `layer_budget(budget, l, L, beta)` (beta = 20 as
+    in the paper's code). Without layer information (a lone layer) it keeps `budget`, like SnapKV.
+    Lower layers may therefore hold more than `budget` slots; the total over layers is L * budget."""
+
+    name = "pyramidkv"
+    needs_queries = True
+    beta: float = 20.0
+    observation_window: int = 32
+    kernel_size: int = 7
+
+    def __post_init__(self):
+        if not self.beta >= 1.0:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        if tokens.layer_idx is not None and tokens.num_layers is not None:
+            budget = layer_budget(budget, tokens.layer_idx, tokens.num_layers, self.beta)
+        return super().compress(tokens, budget, generator)

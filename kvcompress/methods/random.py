@@ -1,0 +1,30 @@
+"""Uniform random eviction: the sampling baseline of BalanceKV (seed 000) and kvpress's RandomPress."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..summary import KVSummary
+from .base import ScoreMethod, Tokens, register
+
+
+@register
+@dataclass
+class Random(ScoreMethod):
+    """Keep `budget` tokens per head drawn uniformly without replacement (seeded by `generator`).
+
+    weighted=True gives each kept slot log-weight log(n / budget), the unbiased uniform-sampling
+    estimator the coreset papers compare against; weighted=False is plain eviction.
+    """
+
+    name = "random"
+    weighted: bool = False
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        return torch.rand(tokens.positions.shape, generator=generator, device=generator.device).to(tokens.keys.device)
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        summary = super().compress(tokens, budget, generator)
+        if self.weighted and tokens.length > budget:
+            summary.log_weights.fill_(float(torch.tensor(tokens.length / budget).log()))
+        return summary

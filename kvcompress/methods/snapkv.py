@@ -1,0 +1,38 @@
+"""SnapKV: keep the tokens the last queries attend to.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import ScoreMethod, Tokens, attention_mass, register
+
+
+def pooled_observation_scores(tokens: Tokens, observation_window: int, kernel_size: int) -> torch.Tensor:
+    """[B,H_kv,n]: attention of the last `observation_window` queries, GQA-averaged, average-pooled along tokens."""
+    mass = attention_mass(tokens, last=observation_window)
+    b, h, n = mass.shape
+    pooled = F.avg_pool1d(mass.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2, count_include_pad=False)
+    return pooled.reshape(b, h, -1)[..., :n]
+
+
+@register
+@dataclass
+class SnapKV(ScoreMethod):
+    """Score each token by the attention it receives from the last `observation_window` (32) queries,
+    averaged over the query heads of its KV group, smoothed by 1-D average pooling (`kernel_size` 7).
+
+    The softmax runs over the compressible tokens; the observation queries are the most recent
+    queries given (in a model: those of the context's last tokens, i.e. the exact window).
+    """
+
+    name = "snapkv"
+    needs_queries = True
+    observation_window: int = 32
+    kernel_size: int = 7
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)
