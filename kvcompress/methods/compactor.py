@@ -1,0 +1,238 @@
+"""Compactor: approximate leverage scores of pre-RoPE keys blended with chunked non-causal attention.
+
+Chari & Van Durme, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
+Leverage Scores", 2025 (seeds/002, Alg. 1, Sec. 3.1-3.4, App. C/D; DESIGN.md §4). The
+context-calibrated choice of the ratio (seed Sec. 3.5) is `kvcompress.calibration`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import Method, StreamState, Tokens, cat_tokens, register
+from ..summary import KVSummary, gather_slots
+
+LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
+SKETCHES = ("gaussian", "srht")
+# Relative floor on the squared singular values of the sketched keys (seed App. C: eps ~ 1e-6),
+# taken relative to the largest so it means the same for any key scale.
+_SIGMA2_FLOOR = 1e-6
+# Queries scored per step of the chunked attention: the step's logits are at most
+# H_q x _ROWS_PER_STEP x chunk_size floats, whatever the context length.
+_ROWS_PER_STEP = 4096
+
+
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """[n, n] Walsh-Hadamard matrix with +-1 entries (Sylvester construction; n a power of two)."""
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def sketch_matrix(d: int, p: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """[d, p'] right sketch Phi (float32).
+
+    gaussian: entries N(0, 1/p), p' = p (seed Alg. 1). srht: sqrt(1/p)·D·H·R (seed App. D) with D
+    random signs, H the Walsh-Hadamard matrix of the next power of two d' >= d (equivalent to
+    zero-padding the keys to d' columns, which leaves leverage unchanged) and R p' = min(p, d')
+    columns drawn without replacement. Applied as one GEMM: for head dims <= 256 a dense d x p
+    product is as fast as the butterfly and keeps one code path.
+    """
+    device = generator.device
+    if kind == "gaussian":
+        return torch.randn(d, p, generator=generator, device=device) / math.sqrt(p)
+    size = 1 << max(0, (d - 1).bit_length())
+    signs = torch.randint(0, 2, (size,), generator=generator, device=device).float() * 2 - 1
+    cols = torch.randperm(size, generator=generator, device=device)[: min(p, size)]
+    return (signs[:, None] * hadamard(size, device)[:, cols])[:d] / math.sqrt(p)
+
+
+def exact_leverage(keys: torch.Tensor) -> torch.Tensor:
+    """[B,H,n] exact leverage ||U_i||^2 of each row of keys [B,H,n,d] (thin SVD in float64, rank-truncated)."""
+    u, s, _ = torch.linalg.svd(keys.double(), full_matrices=False)
+    tol = s[..., :1] * max(keys.shape[-2:]) * torch.finfo(torch.float64).eps
+    return (u.pow(2) * (s > tol)[..., None, :]).sum(-1).float()
+
+
+def leverage_scores(keys: torch.Tensor, route: str, sketch: str, sketch_dim: int, generator: torch.Generator) -> torch.Tensor:
+    """[B,H,n] (approximate) leverage scores of keys [B,H,n,d], computed in float32.
+
+    route "sketch" (seed Alg. 1): K^ = K·Phi, G = K^T K^ (p x p), SVD(G) = V S^2 V^T,
+    U~ = K^ V S^-1, o_i = ||U~_i||^2 with S^2 floored at 1e-6 of its largest entry. "qr": o_i =
+    ||Q_i||^2 of the reduced QR of K^. "eig": eigh of G instead of its SVD (the least stable route,
+    seed App. C). "exact": leverage of K itself (no sketch).
+    """
+    if route == "exact":
+        return exact_leverage(keys)
+    k_hat = keys.float() @ sketch_matrix(keys.shape[-1], sketch_dim, sketch, generator).to(keys.device)
+    if route == "qr":
+        return torch.linalg.qr(k_hat).Q.pow(2).sum(-1)
+    gram = k_hat.transpose(-1, -2) @ k_hat
+    if route == "eig":
+        sigma2, basis = torch.linalg.eigh(gram)
+    else:
+        basis, sigma2, _ = torch.linalg.svd(gram)
+    sigma2 = torch.maximum(sigma2, _SIGMA2_FLOOR * sigma2.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    u = k_hat @ (basis * sigma2.rsqrt()[..., None, :])
+    return u.pow(2).sum(-1)
+
+
+def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float, chunk_size: int) -> torch.Tensor:
+    """[B,H_kv,n]: column sums of non-causal softmax(s·Q[c] K[c]^T) within chunks of `chunk_size` tokens (seed Eq. 5).
+
+    queries [B,H_q,n,d] are the queries of the same n tokens as keys [B,H_kv,n,d]; scores are
+    averaged over the query heads of each KV group. No tensor larger than
+    H_q x _ROWS_PER_STEP x chunk_size is formed, so memory never grows like n^2.
+    """
+    b, hq, n, d = queries.shape
+    hkv = keys.shape[1]
+    pad = (-n) % chunk_size
+    chunks = (n + pad) // chunk_size
+    q = F.pad(queries.float(), (0, 0, 0, pad)).reshape(b, hkv, hq // hkv, chunks, chunk_size, d)
+    k = F.pad(keys.float(), (0, 0, 0, pad)).reshape(b, hkv, chunks, chunk_size, d)
+    valid = (torch.arange(n + pad, device=keys.device) < n).reshape(chunks, chunk_size)
+    out = torch.empty(b, hkv, chunks, chunk_size, device=keys.device)
+    step = max(1, _ROWS_PER_STEP // chunk_size)
+    for c0 in range(0, chunks, step):
+        c1 = min(chunks, c0 + step)
+        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q[:, :, :, c0:c1], k[:, :, c0:c1]) * scale
+        logits = logits.masked_fill(~valid[c0:c1, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1) * valid[c0:c1, :, None]
+        out[:, :, c0:c1] = probs.sum(dim=4).mean(dim=2)
+    return out.reshape(b, hkv, -1)[..., :n]
+
+
+def standardise(x: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std along the token axis, per head; a constant row maps to 0."""
+    x = x.float()
+    std = x.std(dim=-1, keepdim=True, unbiased=False)
+    return (x - x.mean(dim=-1, keepdim=True)) / std.clamp_min(1e-12)
+
+
+@register
+@dataclass
+class Compactor(Method):
+    """Keep the top-`budget` tokens per head by s = z(a) + leverage_weight·z(o) (seed Eq. 6).
+
+    o: leverage scores of the pre-RoPE keys (`leverage` route "sketch" | "exact" | "qr" | "eig",
+    `sketch` "gaussian" | "srht", `sketch_dim` k = 64). a: non-causal attention of each token's own
+    chunk of `chunk_size` = 256 tokens (column sums, GQA-averaged), mean-pooled over
+    `kernel_size` = 7 tokens as SnapKV does, times ||v|| (seed Sec. 3.3). `attention=False` is the
+    seed's "no a" ablation (s = z(o), no queries needed). Defaults follow the seed: lambda 0.3,
+    k 64, C 256, and every token is scored (sink = window = 0).
+
+    Queries: a token's attention score uses the queries of its own chunk, so the queries of the
+    tokens being compressed must be given (`query_positions` must cover their positions). In a
+    model the prefill supplies them; the question is never seen (query-agnostic).
+
+    Streaming: each block is attention-scored when it arrives (the score of a token depends only
+    on its chunk, chunks restart at each block), the raw a of every kept token is stored beside
+    it, and at each eviction leverage is recomputed over kept + new pre-RoPE keys and both scores
+    are re-standardised. With blocks that are multiples of `chunk_size`, the one-block case is the
+    one-shot algorithm.
+    """
+
+    name = "compactor"
+    needs_queries = True
+    needs_pre_rope_keys = True
+    default_sink = 0
+    default_window = 0
+    leverage_weight: float = 0.3
+    leverage: str = "sketch"
+    sketch: str = "gaussian"
+    sketch_dim: int = 64
+    chunk_size: int = 256
+    kernel_size: int = 7
+    attention: bool = True
+
+    def __post_init__(self):
+        if self.leverage not in LEVERAGE_ROUTES:
+            raise ValueError(f"leverage must be one of {LEVERAGE_ROUTES}, got {self.leverage!r}")
+        if self.sketch not in SKETCHES:
+            raise ValueError(f"sketch must be one of {SKETCHES}, got {self.sketch!r}")
+        for field, value in (("sketch_dim", self.sketch_dim), ("chunk_size", self.chunk_size), ("kernel_size", self.kernel_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (centred pooling), got {self.kernel_size}")
+        if not isinstance(self.leverage_weight, (int, float)) or not math.isfinite(self.leverage_weight) or self.leverage_weight < 0:
+            raise ValueError(f"leverage_weight must be a finite number >= 0, got {self.leverage_weight!r}")
+        if not isinstance(self.attention, bool):
+            raise ValueError(f"attention must be True or False, got {self.attention!r}")
+
+    def check_inputs(self, tokens: Tokens) -> None:
+        if self.attention and tokens.queries is None:
+            raise ValueError("method 'compactor' scores tokens with their own queries: pass queries=[B, H_q, n, d] (or attention=False)")
+        if tokens.pre_rope_keys is None:
+            raise ValueError("method 'compactor' scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
+
+    def attention_scores(self, tokens: Tokens) -> torch.Tensor:
+        """[B,H_kv,n]: pooled, value-norm-scaled non-causal chunk attention of the tokens (their own queries)."""
+        a = chunked_noncausal_attention(own_queries(tokens), tokens.keys, tokens.scale, self.chunk_size)
+        b, h, n = a.shape
+        pooled = F.avg_pool1d(a.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=self.kernel_size // 2, count_include_pad=False)
+        return pooled.reshape(b, h, n) * tokens.values.float().norm(dim=-1)
+
+    def blend(self, attention: torch.Tensor | None, pre_rope_keys: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """[B,H_kv,n]: z(a) + lambda·z(o), or z(o) without the attention term."""
+        outlier = standardise(leverage_scores(pre_rope_keys, self.leverage, self.sketch, self.sketch_dim, generator))
+        if attention is None:
+            return outlier
+        return standardise(attention) + self.leverage_weight * outlier
+
+    def new_stream(self, budget: int, generator: torch.Generator) -> StreamState:
+        return CompactorState(self, budget, generator)
+
+
+def own_queries(tokens: Tokens) -> torch.Tensor:
+    """[B,H_q,n,d]: the query of each token, matched by position; a clear error if any is missing."""
+    pos = tokens.positions[0, 0]
+    qpos = tokens.query_positions
+    if qpos is not None:
+        qpos = qpos.to(pos.device)
+        index = torch.searchsorted(qpos, pos).clamp_max(qpos.numel() - 1)
+        if torch.equal(qpos[index], pos):
+            return tokens.queries[:, :, index]
+    raise ValueError(
+        "compactor's attention term needs the query of every token it compresses (queries aligned with the "
+        f"keys' positions {pos[0].item()}..{pos[-1].item()}); pass queries for all of them, or use attention=False. "
+        "In a stream the exact window must be 0 (the stream hands a block's queries only with that block)."
+    )
+
+
+class CompactorState(StreamState):
+    """Kept tokens (with their pre-RoPE keys and raw attention scores), evicted back to `budget` per block."""
+
+    def __init__(self, method: Compactor, budget: int, generator: torch.Generator):
+        self.method, self.budget, self.generator = method, budget, generator
+        self.kept: Tokens | None = None
+        self.attn: torch.Tensor | None = None
+
+    def absorb(self, tokens: Tokens) -> None:
+        self.method.check_inputs(tokens)
+        attn = self.method.attention_scores(tokens) if self.method.attention else None
+        buffer = tokens if self.kept is None else cat_tokens([self.kept, tokens])
+        if attn is not None and self.attn is not None:
+            attn = torch.cat([self.attn, attn], dim=2)
+        if buffer.length > self.budget:
+            scores = self.method.blend(attn, buffer.pre_rope_keys, self.generator)
+            index = scores.topk(self.budget, dim=-1).indices.sort(dim=-1).values
+            keys, values, positions = gather_slots(buffer.keys, buffer.values, buffer.positions, index)
+            pre = buffer.pre_rope_keys.gather(2, index.unsqueeze(-1).expand(*index.shape, keys.shape[-1]))
+            buffer = Tokens(keys, values, positions, None, pre, buffer.scale, buffer.layer_idx, buffer.num_layers)
+            attn = attn.gather(2, index) if attn is not None else None
+        self.kept, self.attn = buffer, attn
+
+    def summary(self) -> KVSummary | None:
+        return self.kept.exact() if self.kept is not None else None
+
+    def nbytes(self) -> int:
+        if self.kept is None:
+            return 0
+        extra = [t for t in (self.kept.pre_rope_keys, self.attn) if t is not None]
+        return self.summary().nbytes() + sum(t.numel() * t.element_size() for t in extra)
