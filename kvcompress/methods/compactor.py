@@ -64,7 +64,8 @@ def leverage_scores(keys: torch.Tensor, route: str, sketch: str, sketch_dim: int
 
     route "sketch" (seed Alg. 1): K^ = K·Phi, G = K^T K^ (p x p), SVD(G) = V S^2 V^T,
     U~ = K^ V S^-1, o_i = ||U~_i||^2 with S^2 floored at 1e-6 of its largest entry. "qr": o_i =
-    ||Q_i||^2 of the reduced QR of K^. "eig": eigh of G instead of its SVD (the least stable route,
+    ||Q_i||^2 of the reduced QR of K^ (not rank-revealing: with sketch_dim above the keys' rank it
+    also counts the spurious directions). "eig": eigh of G instead of its SVD (the least stable route,
     seed App. C). "exact": leverage of K itself (no sketch).
     """
     if route == "exact":

@@ -1,0 +1,218 @@
+"""Compactor (seed 002): leverage routes, chunked non-causal attention, blend, streaming, errors."""
+
+import math
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvcompress as kvc
+from kvcompress.methods import compactor as cm
+from kvcompress.methods.base import Tokens, make_generator
+
+
+def _low_rank_keys(b=1, h=2, n=400, d=64, rank=24, seed=0):
+    """Keys with a decaying spectrum plus a few heavy rows, like real pre-RoPE keys (anisotropic, outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(rank, d, generator=g)
+    coef = torch.randn(b, h, n, rank, generator=g) * torch.logspace(0, -1.5, rank)
+    keys = coef @ basis + 0.05 * torch.randn(b, h, n, d, generator=g)
+    heavy = torch.randint(0, n, (8,), generator=g)
+    keys[:, :, heavy] *= 4
+    return keys
+
+
+def _layer(n=300, hkv=3, hq=9, d=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    pre = _low_rank_keys(1, hkv, n, d, seed=seed)
+    keys = pre + 0.3 * torch.randn(1, hkv, n, d, generator=g)
+    values = torch.randn(1, hkv, n, d, generator=g)
+    queries = torch.randn(1, hq, n, d, generator=g)
+    return keys.to(dtype), values.to(dtype), queries.to(dtype), pre.to(dtype)
+
+
+def test_exact_leverage_matches_definition_and_sums_to_rank():
+    keys = _low_rank_keys(n=200, d=32, rank=32)
+    lev = cm.exact_leverage(keys)
+    u = torch.linalg.svd(keys[0, 0].double(), full_matrices=False).U
+    torch.testing.assert_close(lev[0, 0].double(), u.pow(2).sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lev.sum(-1), torch.full((1, 2), 32.0), rtol=1e-4, atol=1e-4)
+    rank_deficient = torch.cat([keys[..., :8], torch.zeros(1, 2, 200, 24)], -1)
+    torch.testing.assert_close(cm.exact_leverage(rank_deficient).sum(-1), torch.full((1, 2), 8.0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("route", ["sketch", "qr", "eig"])
+def test_srht_with_full_dimension_is_exact(route):
+    # With p = d the SRHT is an orthogonal rotation, so every sketched route recovers exact leverage.
+    keys = _low_rank_keys(n=300, d=32, rank=32)
+    approx = cm.leverage_scores(keys, route, "srht", 32, make_generator(1))
+    torch.testing.assert_close(approx, cm.exact_leverage(keys), rtol=1e-3, atol=1e-4)
+
+
+def test_srht_pads_non_power_of_two_dims():
+    keys = _low_rank_keys(n=200, d=48, rank=48)
+    phi = cm.sketch_matrix(48, 64, "srht", make_generator(0))
+    assert phi.shape == (48, 64)
+    # K·Phi has the column space of K (Phi has full row rank), so the SVD route is exact; QR is not
+    # rank-revealing and counts the 16 spurious directions too (seed App. C: the less robust route).
+    approx = cm.leverage_scores(keys, "sketch", "srht", 64, make_generator(0))
+    torch.testing.assert_close(approx, cm.exact_leverage(keys), rtol=1e-3, atol=1e-3)
+    assert cm.leverage_scores(keys, "qr", "srht", 64, make_generator(0)).sum(-1).min() > 60
+
+
+@pytest.mark.parametrize("route,sketch", [("sketch", "gaussian"), ("qr", "gaussian"), ("eig", "gaussian"), ("sketch", "srht")])
+def test_sketched_leverage_ranks_like_exact(route, sketch):
+    keys = _low_rank_keys(n=600, d=64, rank=24)
+    exact = cm.exact_leverage(keys)
+    approx = cm.leverage_scores(keys, route, sketch, 64, make_generator(3))
+    for h in range(keys.shape[1]):
+        rho = spearmanr(exact[0, h].numpy(), approx[0, h].numpy()).statistic
+        assert rho >= 0.8, (route, sketch, h, rho)
+        top = exact[0, h].topk(60).indices
+        assert len(set(top.tolist()) & set(approx[0, h].topk(60).indices.tolist())) >= 30
+
+
+def test_sketch_is_reproducible_from_the_generator():
+    keys = _low_rank_keys()
+    a = cm.leverage_scores(keys, "sketch", "gaussian", 16, make_generator(5))
+    b = cm.leverage_scores(keys, "sketch", "gaussian", 16, make_generator(5))
+    c = cm.leverage_scores(keys, "sketch", "gaussian", 16, make_generator(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _dense_block_noncausal(queries, keys, scale, chunk):
+    """Reference: the full n x n non-causal matrix with a block-diagonal chunk mask, column sums, GQA mean."""
+    b, hq, n, d = queries.shape
+    hkv = keys.shape[1]
+    k = keys.repeat_interleave(hq // hkv, dim=1)
+    logits = queries.double() @ k.double().transpose(-1, -2) * scale
+    block = torch.arange(n) // chunk
+    logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))
+    cols = torch.softmax(logits, -1).sum(-2)
+    return cols.reshape(b, hkv, hq // hkv, n).mean(2)
+
+
+@pytest.mark.parametrize("n,chunk", [(30, 8), (64, 16), (20, 64)])
+def test_chunked_attention_equals_dense(monkeypatch, n, chunk):
+    monkeypatch.setattr(cm, "_ROWS_PER_STEP", 16)  # several steps even on a small case
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g)
+    got = cm.chunked_noncausal_attention(q, k, 0.25, chunk)
+    torch.testing.assert_close(got.double(), _dense_block_noncausal(q, k, 0.25, chunk), rtol=1e-5, atol=1e-5)
+    if chunk >= n:  # one chunk: the plain non-causal column sums softmax(QK^T) of seed Sec. 3.3
+        assert torch.allclose(got.sum(-1), torch.full((2, 2), float(n)), atol=1e-4)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces (a CPU memory probe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_scoring_8k_tokens_never_forms_an_n_by_n_matrix():
+    n, hq, d = 8192, 2, 64
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 1, n, d, generator=g), torch.randn(1, 1, n, d, generator=g)
+    tokens = Tokens(keys, values, torch.arange(n).expand(1, 1, n), torch.randn(1, hq, n, d, generator=g), keys, 0.125, query_positions=torch.arange(n))
+    method = cm.Compactor()
+    with _LargestTensor() as probe:
+        scores = method.blend(method.attention_scores(tokens), keys, make_generator(0))
+    assert scores.shape == (1, 1, n) and torch.isfinite(scores).all()
+    # The biggest intermediate is one step of chunk logits: H_q x 4096 rows x C = 2 x 4096 x 256.
+    assert probe.largest <= hq * cm._ROWS_PER_STEP * 256
+    assert probe.largest < n * n // 16
+
+
+def test_keeps_budget_and_key_outliers_without_attention():
+    keys, values, queries, pre = _layer(n=200)
+    pre[:, :, [50, 120]] = 0
+    pre[:, :, 50, 0] = 40.0  # a direction no other key uses: leverage 1
+    pre[:, :, 120, 1] = 40.0
+    s = kvc.compress("compactor", keys, values, pre_rope_keys=pre, budget=20, attention=False)
+    assert s.num_slots == 20
+    for h in range(3):
+        assert {50, 120} <= set(s.positions[0, h].tolist())
+
+
+def test_blend_weights_and_ablations_change_the_choice():
+    keys, values, queries, pre = _layer(n=500)
+    kept = {}
+    for name, params in {"full": {}, "lam0": {"leverage_weight": 0.0}, "no_a": {"attention": False}, "exact": {"leverage": "exact"}}.items():
+        s = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, compression_ratio=0.5, **params)
+        assert s.num_slots == 250 and (s.positions.diff(dim=-1) > 0).all()
+        kept[name] = s.positions
+    # lambda = 0 keeps exactly the top of z(a): the pooled, value-scaled chunk attention.
+    method = cm.Compactor()
+    tokens = Tokens(keys, values, torch.arange(500).expand(1, 3, 500), queries, pre, 1 / 8, query_positions=torch.arange(500))
+    a = method.attention_scores(tokens)
+    assert torch.equal(kept["lam0"], a.topk(250).indices.sort().values)
+    assert not torch.equal(kept["full"], kept["no_a"]) and not torch.equal(kept["full"], kept["lam0"])
+
+
+def test_default_is_reproducible_and_half_precision_is_finite():
+    keys, values, queries, pre = _layer(n=400)
+    a = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=100, seed=7)
+    b = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=100, seed=7)
+    assert torch.equal(a.positions, b.positions)
+    big = [t * 300 for t in (keys, values, queries, pre)]  # logits far beyond float16 range
+    for dtype in (torch.float16, torch.bfloat16):
+        s = kvc.compress("compactor", *[t.to(dtype) for t in big[:2]], queries=big[2].to(dtype), pre_rope_keys=big[3].to(dtype), budget=100)
+        assert s.keys.dtype == dtype and s.num_slots == 100
+    method = cm.Compactor()
+    tokens = Tokens(*[t.half() for t in big[:2]], torch.arange(400).expand(1, 3, 400), big[2].half(), big[3].half(), 1 / 8, query_positions=torch.arange(400))
+    assert torch.isfinite(method.blend(method.attention_scores(tokens), tokens.pre_rope_keys, make_generator(0))).all()
+
+
+def test_sink_and_window_are_exact_and_queries_are_matched_by_position():
+    keys, values, queries, pre = _layer(n=300)
+    s = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=50, sink=4, window=16)
+    assert s.num_slots == 70
+    assert s.positions[0, 0, :4].tolist() == [0, 1, 2, 3] and s.positions[0, 0, -16:].tolist() == list(range(284, 300))
+    # the middle (tokens 4..283) is scored with the queries of tokens 4..283
+    middle = Tokens(keys[:, :, 4:284], values[:, :, 4:284], torch.arange(4, 284).expand(1, 3, 280), queries[:, :, 4:284], pre[:, :, 4:284], 1 / 8)
+    middle.query_positions = torch.arange(4, 284)
+    method = cm.Compactor()
+    ref = method.blend(method.attention_scores(middle), middle.pre_rope_keys, make_generator(0)).topk(50).indices.sort().values + 4
+    assert torch.equal(s.positions[:, :, 4:54], ref)
+
+
+def test_stream_matches_one_shot_when_one_block_and_stays_bounded():
+    keys, values, queries, pre = _layer(n=512)
+    one = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=128)
+    st = kvc.stream("compactor", budget=128)
+    st.update(keys, values, queries, pre_rope_keys=pre)
+    assert torch.equal(st.summary().positions, one.positions)
+    st = kvc.stream("compactor", budget=128)
+    for start in range(0, 512, 256):
+        sl = slice(start, start + 256)
+        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl])
+        assert st.summary().num_slots <= 128
+        assert st.state.attn.shape == (1, 3, min(128, start + 256))
+    assert st.nbytes() > st.summary().nbytes()  # pre-RoPE keys and scores are stored too
+
+
+def test_errors_name_the_problem():
+    keys, values, queries, pre = _layer(n=100)
+    with pytest.raises(ValueError, match="pre_rope_keys"):
+        kvc.compress("compactor", keys, values, queries=queries, budget=10)
+    with pytest.raises(ValueError, match="queries"):
+        kvc.compress("compactor", keys, values, pre_rope_keys=pre, budget=10)
+    with pytest.raises(ValueError, match="query of every token"):
+        kvc.compress("compactor", keys, values, queries=queries[:, :, -32:], pre_rope_keys=pre, budget=10)
+    st = kvc.stream("compactor", budget=10, window=8)
+    st.update(keys[:, :, :50], values[:, :, :50], queries[:, :, :50], pre_rope_keys=pre[:, :, :50])
+    with pytest.raises(ValueError, match="window must be 0"):  # tokens 42..49 left the window without their queries
+        st.update(keys[:, :, 50:], values[:, :, 50:], queries[:, :, 50:], pre_rope_keys=pre[:, :, 50:])
+    for bad in ({"leverage": "svd"}, {"sketch": "sparse"}, {"sketch_dim": 0}, {"chunk_size": 2.5}, {"kernel_size": 4}, {"leverage_weight": -1.0}, {"leverage_weight": math.nan}, {"attention": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=10, **bad)
