@@ -1,0 +1,322 @@
+"""Thinformer Express: kernel halving, Compress2 and the Express weighted cache.
+
+Gong, Schröder, Carrell, Mackey et al., "Express Language Modeling" (seed 003: Express, Alg. 1;
+Compress2, Alg. 2; Subsample, Alg. 3; Thinformer Express, Alg. 4; Offline-Express, App. H), with
+kernel halving from Carrell et al., "Low-Rank Thinning", ICML 2025 (Alg. B.1). The seed text lost
+its formulas; DESIGN.md §4 restates the structure. Constants the surviving text does not fix are
+chosen here, each with its reason:
+
+- Kernel (DESIGN §4): k((k,v),(k',v')) = exp(s<k,k'> − shift)·(<v,v'> + b²). shift and b are
+  computed **per Halve call** (per batch, head and group, over that call's input). Kernel halving
+  is invariant to scaling the kernel, so shift only prevents overflow (shift = max s‖k‖² bounds
+  every entry by 1); b = max|v_ij| of the call's input, the tightest value bound available to a
+  stream without looking back at evicted tokens. The kernel matrix is formed in float64 so the
+  small entries of low-norm keys do not underflow.
+- Halve threshold multiplier ½ + log(2S/δ) with S the call's input size and δ = `delta`
+  (default 0.5, the failure probability Carrell et al.'s code uses); the first pair is fixed
+  (its first point joins the coreset) and the coreset is swapped for its complement with
+  probability ½, independently per (batch, head, group).
+- Exact phase: the first m tokens fill the cache C exactly; the three following thin phases run
+  with thinning factor ℓ = 1 (blocks of m tokens kept as they are), so the first 4m tokens are
+  held exactly, then the first Halve phase brings them to m slots of weight 4 and ℓ = 4.
+  Afterwards ℓ grows ×4 per Halve phase (base-4 counting: C plus three siblings of m slots of
+  weight ℓ are 4m slots, two Halves give m slots of weight 4ℓ).
+- Compress2 on a block of ℓ·m tokens (Compress structure of Shetty et al.): leaves of L samples
+  are kept as they are, four outputs of one level are concatenated and halved into one output of
+  the next level, so level j outputs hold L·2^j slots and depth D = log2(ℓ) levels give exactly
+  m = L·2^D slots. The oversampling parameter g sets the smallest leaf, L ≥ 4^g (the first Halve
+  acts on ≥ 4^(g+1) points, as in KT-Compress); D is capped by D_max, the largest D with
+  2^D | m and m/2^D ≥ 4^g. Once log2(ℓ) > D_max (the threshold set by the inflation factor),
+  stratified Subsample keeps one uniformly chosen token per stratum of ℓ/2^D_max consecutive
+  tokens; before that nothing is filtered.
+- Streaming Subsample keeps a reservoir candidate for the stratum in progress (uniform over the
+  stratum's tokens seen so far, weight = their count), so the weights always add up to the tokens
+  seen and the candidate is an exact uniform draw when the stratum completes.
+- m from `budget`: the state between updates is C (m) + two finished siblings (2m) + the block in
+  progress (at most three outputs per level, the open leaf and the candidate), at most
+  6m − 2·L_min slots with L_min = m/2^D_max. A stream uses the largest m whose bound fits
+  `budget`; a one-shot `compress` (n known) uses the largest m whose state after n tokens fits.
+  m is restricted to numbers with at most three significant bits (c·2^k, c ≤ 7), so Compress2
+  keeps several halving levels; budget must be ≥ 4 (the bound for m = 1).
+
+All slots keep chronological order, so positions are ascending within each head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..summary import KVSummary, concat, gather_slots
+from .base import Method, StreamState, Tokens, register
+
+_LOG2 = math.log(2.0)
+
+
+def kernel_halving(
+    keys: torch.Tensor, values: torch.Tensor, scale: float, generator: torch.Generator, delta: float = 0.5
+) -> torch.Tensor:
+    """Kernel halving of each group of key–value pairs under the attention kernel; returns kept indices.
+
+    keys [..., S, d], values [..., S, d_v] with S even; leading dims (batch, head, group) are
+    halved independently in one batched program. Returns index [..., S/2] (ascending): one
+    member of each consecutive pair (2i, 2i+1).
+    """
+    size = keys.shape[-2]
+    if size % 2:
+        raise ValueError(f"kernel halving needs an even number of points per group, got {size}")
+    k = keys.double()
+    v = values.double()
+    logits = (k @ k.transpose(-1, -2)) * scale
+    shift = logits.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True).unsqueeze(-1)
+    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
+    kernel = torch.exp(logits - shift) * (v @ v.transpose(-1, -2) + b2)
+    kdiff = kernel[..., ::2, ::2] - kernel[..., ::2, 1::2] - kernel[..., 1::2, ::2] + kernel[..., 1::2, 1::2]
+    pairs = size // 2
+    root = kdiff.diagonal(dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
+    multiplier = 0.5 + math.log(2.0 * size / delta)
+    uniforms = torch.rand(kdiff.shape[:-1], generator=generator, device=generator.device, dtype=torch.float64)
+    thresholds = (2.0 * uniforms.to(k.device) - 1.0) * multiplier * root * root.cummax(dim=-1).values
+    swap = torch.zeros(kdiff.shape[:-1], dtype=torch.bool, device=k.device)
+    signed = kdiff[..., 0, :].clone()
+    for i in range(1, pairs):
+        take_second = thresholds[..., i] <= signed[..., i]
+        swap[..., i] = take_second
+        signed += (1.0 - 2.0 * take_second.double()).unsqueeze(-1) * kdiff[..., i, :]
+    complement = torch.rand(kdiff.shape[:-2], generator=generator, device=generator.device) < 0.5
+    swap ^= complement.to(k.device).unsqueeze(-1)
+    return 2 * torch.arange(pairs, device=k.device) + swap.long()
+
+
+def halve_groups(slots: KVSummary, group: int, scale: float, generator: torch.Generator, delta: float) -> KVSummary:
+    """Split the slots into consecutive groups of `group` and kernel-halve every group in parallel.
+
+    Slots of one group must carry equal weight; the kept half gets log-weight + log 2.
+    """
+    b, h, n, d = slots.keys.shape
+    shape = (b, h, n // group, group)
+    keys = slots.keys.reshape(*shape, d)
+    values = slots.values.reshape(*shape, slots.values.shape[-1])
+    index = kernel_halving(keys, values, scale, generator, delta)
+    idx = index.unsqueeze(-1)
+    kept_k = keys.gather(3, idx.expand(*index.shape, d)).reshape(b, h, n // 2, d)
+    kept_v = values.gather(3, idx.expand(*index.shape, values.shape[-1])).reshape(b, h, n // 2, -1)
+    kept_w = slots.log_weights.reshape(shape).gather(3, index).reshape(b, h, n // 2) + _LOG2
+    kept_p = slots.positions.reshape(shape).gather(3, index).reshape(b, h, n // 2)
+    return KVSummary(kept_k, kept_v, kept_w, kept_p)
+
+
+def max_depth(m: int, g: int) -> int:
+    """D_max: the most Compress2 levels for cache size m, i.e. the largest D with 2^D | m and m / 2^D >= 4^g."""
+    depth = 0
+    while m % (2 ** (depth + 1)) == 0 and m // 2 ** (depth + 1) >= 4**g:
+        depth += 1
+    return depth
+
+
+def block_plan(ell: int, m: int, g: int) -> tuple[int, int, int]:
+    """(stratum, leaf, depth) for a block of ell·m tokens: Subsample strata, Compress2 leaf size and levels."""
+    depth = min(ell.bit_length() - 1, max_depth(m, g))
+    return ell >> depth, m >> depth, depth
+
+
+def cache_slots(n: int, m: int, g: int) -> int:
+    """Slots per head the Express state holds after absorbing n tokens (closed form of the base-4 count)."""
+    if n <= m:
+        return n
+    r = 0
+    while 4 ** (r + 1) * m <= n:
+        r += 1
+    ell = 4**r
+    siblings, t = divmod(n - ell * m, ell * m)
+    stratum, leaf, depth = block_plan(ell, m, g)
+    samples, partial = divmod(t, stratum)
+    leaves, open_leaf = divmod(samples, leaf)
+    levels = sum(((leaves // 4**j) % 4) * (leaf << j) for j in range(depth))
+    return m * (1 + siblings) + levels + open_leaf + int(partial > 0)
+
+
+def stream_bound(m: int, g: int) -> int:
+    """Most slots per head the Express state holds between updates, for any stream length: 6m − 2·L_min."""
+    return 6 * m - 2 * (m >> max_depth(m, g))
+
+
+def _sizes_desc(limit: int):
+    """Cache sizes m <= limit with at most three significant bits, largest first."""
+    sizes = {c << k for c in range(1, 8) for k in range(limit.bit_length()) if c << k <= limit}
+    return sorted(sizes, reverse=True)
+
+
+def _check_budget(budget: int) -> None:
+    if budget < stream_bound(1, 0):
+        raise ValueError(f"express needs budget >= 4 (its smallest cache, m = 1, holds up to 4 slots), got {budget}")
+
+
+class ExpressState(StreamState):
+    """The Express weighted cache of target size m (seed 003 Alg. 1) over the compressible middle.
+
+    Holds C (m slots of weight ℓ, or the exact phase), the finished sibling blocks, and the block
+    in progress as Compress2 levels, an open leaf and a Subsample candidate. `summary()` is all of
+    them: WtdAttention attends exactly to the not-yet-thinned samples of the block in progress.
+    """
+
+    def __init__(self, m: int, g: int, delta: float, generator: torch.Generator):
+        self.m, self.g, self.delta, self.generator = m, g, delta, generator
+        self.scale = 1.0
+        self.ell = 1
+        self.cache: KVSummary | None = None
+        self.siblings: list[KVSummary] = []
+        self._start_block()
+
+    def _start_block(self) -> None:
+        self.block_seen = 0
+        self.stratum, self.leaf, self.depth = block_plan(self.ell, self.m, self.g)
+        self.levels: list[KVSummary | None] = [None] * self.depth
+        self.open_leaf: KVSummary | None = None
+        self.candidate: KVSummary | None = None
+        self.count = 0
+
+    def absorb(self, tokens: Tokens) -> None:
+        self.scale = tokens.scale
+        start, n = 0, tokens.length
+        while start < n:
+            have = self.cache.num_slots if self.cache is not None else 0
+            if self.ell == 1 and have < self.m:
+                stop = min(n, start + self.m - have)
+                self.cache = _join(self.cache, tokens.slice(start, stop).exact())
+            else:
+                stop = min(n, start + self.ell * self.m - self.block_seen)
+                self._thin(tokens.slice(start, stop))
+            start = stop
+
+    def _thin(self, part: Tokens) -> None:
+        """Subsample then Compress2 tokens of the block in progress; finish the block when it is full."""
+        self.block_seen += part.length
+        buffer = _join(self.open_leaf, self._subsample(part))
+        if buffer is None:
+            return
+        full = buffer.num_slots // self.leaf * self.leaf
+        self.open_leaf = _take(buffer, full, buffer.num_slots)
+        if full:
+            self._compress2(_take(buffer, 0, full))
+        if self.block_seen == self.ell * self.m:
+            self._finish_block()
+
+    def _subsample(self, part: Tokens) -> KVSummary | None:
+        """Stratified Subsample: one uniform token per stratum; the stratum in progress stays a reservoir candidate."""
+        if self.stratum == 1:
+            return part.exact()
+        s, seen_before, t = self.stratum, self.count, part.length
+        total = seen_before + t
+        strata = -(-total // s)
+        edges = torch.arange(strata + 1, device=part.keys.device) * s
+        lo = (edges[:-1] - seen_before).clamp_min(0)
+        hi = (edges[1:] - seen_before).clamp_max(t)
+        b, h = part.keys.shape[:2]
+        u = torch.rand(b, h, strata, generator=self.generator, device=self.generator.device).to(part.keys.device)
+        index = (lo + (u * (hi - lo)).long()).clamp_max(hi - 1)
+        keys, values, positions = gather_slots(part.keys, part.values, part.positions, index)
+        picked = KVSummary(keys, values, torch.zeros(index.shape, device=keys.device), positions)
+        if self.candidate is not None:
+            first = min(total, s)
+            keep_old = torch.rand(b, h, 1, generator=self.generator, device=self.generator.device) < seen_before / first
+            picked = _replace_first(picked, self.candidate, keep_old.to(part.keys.device))
+        last_count = total - (strata - 1) * s
+        picked.log_weights[:] = math.log(s)
+        complete = strata if last_count == s else strata - 1
+        self.count = 0 if last_count == s else last_count
+        self.candidate = None
+        if complete < strata:
+            self.candidate = _take(picked, complete, strata)
+            self.candidate.log_weights[:] = math.log(last_count)
+        return _take(picked, 0, complete) if complete else None
+
+    def _compress2(self, leaves: KVSummary) -> None:
+        """Push complete leaves into Compress2: every four outputs of a level are halved, all groups of a level at once."""
+        carry = leaves
+        for j in range(self.depth):
+            buffer = _join(self.levels[j], carry)
+            group = 4 * (self.leaf << j)
+            done = buffer.num_slots // group * group
+            self.levels[j] = _take(buffer, done, buffer.num_slots)
+            if done == 0:
+                return
+            carry = halve_groups(_take(buffer, 0, done), group, self.scale, self.generator, self.delta)
+        self.siblings.append(carry)
+
+    def _finish_block(self) -> None:
+        """A block is m slots of weight ℓ; after three of them, two Halves bring C + siblings from 4m to m (ℓ ← 4ℓ)."""
+        if len(self.siblings) == 3:
+            merged = concat([self.cache, *self.siblings])
+            for size in (4 * self.m, 2 * self.m):
+                merged = halve_groups(merged, size, self.scale, self.generator, self.delta)
+            self.cache, self.siblings = merged, []
+            self.ell *= 4
+        self._start_block()
+
+    def summary(self) -> KVSummary | None:
+        parts = [self.cache, *self.siblings, *reversed(self.levels), self.open_leaf, self.candidate]
+        parts = [p for p in parts if p is not None and p.num_slots > 0]
+        return concat(parts) if parts else None
+
+
+def _join(a: KVSummary | None, b: KVSummary | None) -> KVSummary | None:
+    if a is None or a.num_slots == 0:
+        return b
+    if b is None or b.num_slots == 0:
+        return a
+    return concat([a, b])
+
+
+def _take(s: KVSummary, start: int, stop: int) -> KVSummary:
+    return KVSummary(s.keys[:, :, start:stop], s.values[:, :, start:stop], s.log_weights[:, :, start:stop], s.positions[:, :, start:stop])
+
+
+def _replace_first(picked: KVSummary, old: KVSummary, keep_old: torch.Tensor) -> KVSummary:
+    """picked with its first slot replaced by `old` where keep_old [B,H,1] is set."""
+    mask = keep_old.unsqueeze(-1)
+    picked.keys[:, :, :1] = torch.where(mask, old.keys, picked.keys[:, :, :1])
+    picked.values[:, :, :1] = torch.where(mask, old.values, picked.values[:, :, :1])
+    picked.positions[:, :, :1] = torch.where(keep_old, old.positions, picked.positions[:, :, :1])
+    return picked
+
+
+@register
+@dataclass
+class Express(Method):
+    """Thinformer Express (seed 003): a kernel-halving weighted cache of size O(m) for any stream length.
+
+    Streaming is native (`new_stream`): m is the largest size whose worst-case state,
+    6m − 2·L_min slots, fits `budget`. One-shot `compress` is Offline-Express (seed App. H): the
+    whole prompt is absorbed in one call, so each block's Compress2 runs level by level with all
+    Halve calls of a level batched, and m is the largest size whose state after the n known tokens
+    fits `budget`. Seed defaults: 32 sink + 32 window tokens exact.
+
+    g: Compress2 oversampling (leaves of at least 4^g samples); delta: Halve failure probability.
+    """
+
+    name = "express"
+    default_sink = 32
+    default_window = 32
+    g: int = 0
+    delta: float = 0.5
+
+    def __post_init__(self):
+        if isinstance(self.g, bool) or not isinstance(self.g, int) or not 0 <= self.g <= 8:
+            raise ValueError(f"g (Compress2 oversampling) must be an integer in [0, 8], got {self.g!r}")
+        if not isinstance(self.delta, (int, float)) or not 0.0 < self.delta <= 1.0:
+            raise ValueError(f"delta (Halve failure probability) must be in (0, 1], got {self.delta!r}")
+
+    def new_stream(self, budget: int, generator: torch.Generator) -> ExpressState:
+        _check_budget(budget)
+        m = next(m for m in _sizes_desc(budget) if stream_bound(m, self.g) <= budget)
+        return ExpressState(m, self.g, float(self.delta), generator)
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        _check_budget(budget)
+        m = next(m for m in _sizes_desc(budget) if cache_slots(tokens.length, m, self.g) <= budget)
+        state = ExpressState(m, self.g, float(self.delta), generator)
+        state.absorb(tokens)
+        return state.summary()
