@@ -1,0 +1,149 @@
+"""The public API: registry, parameter checks, sink/window handling, both compressor shapes for every method."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.base import get_method_class
+from kvcompress.methods.pyramidkv import layer_budget
+
+BASELINES = ["streamingllm", "random", "knorm", "snapkv", "tova", "h2o", "pyramidkv"]
+
+
+def _kv(n=300, b=1, hkv=3, hq=9, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hq, n, d, generator=g))
+
+
+def _inputs(name, k, q):
+    cls = get_method_class(name)
+    return {"queries": q, "pre_rope_keys": k if cls.needs_pre_rope_keys else None}
+
+
+def test_registry_lists_the_baselines():
+    assert set(BASELINES) <= set(kvc.methods())
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_budget_sink_window_exact(name):
+    k, v, q = _kv()
+    s = kvc.compress(name, k, v, budget=50, sink=4, window=16, **_inputs(name, k, q))
+    finite = torch.isfinite(s.log_weights).sum(-1)
+    assert int(finite.max()) <= 4 + 50 + 16
+    for h in range(3):
+        kept = set(s.positions[0, h][torch.isfinite(s.log_weights[0, h])].tolist())
+        assert set(range(4)) <= kept and set(range(284, 300)) <= kept
+        # kept slots carry their own keys and values
+        idx = s.positions[0, h]
+        torch.testing.assert_close(s.keys[0, h], k[0, h, idx])
+        torch.testing.assert_close(s.values[0, h], v[0, h, idx])
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_stream_is_bounded_and_keeps_sink_window(name):
+    k, v, q = _kv(n=1000)
+    st = kvc.stream(name, budget=40, sink=4, window=16)
+    for i in range(0, 1000, 64):
+        st.update(k[:, :, i : i + 64], v[:, :, i : i + 64], queries=q[:, :, i : i + 64])
+        s = st.summary()
+        assert s.num_slots <= 4 + 40 + 16
+    pos = set(s.positions[0, 0].tolist())
+    assert set(range(4)) <= pos and set(range(984, 1000)) <= pos
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_ratio_zero_keeps_everything(name):
+    k, v, q = _kv(n=120)
+    s = kvc.compress(name, k, v, compression_ratio=0.0, **_inputs(name, k, q))
+    assert s.num_slots == 120
+    torch.testing.assert_close(s.keys, k)
+    assert (s.log_weights == 0).all()
+
+
+def test_compression_ratio_counts_every_token():
+    k, v, q = _kv(n=200)
+    s = kvc.compress("knorm", k, v, compression_ratio=0.75, sink=4, window=16)
+    assert s.num_slots == math.ceil(0.25 * 200)
+
+
+def test_random_is_reproducible_and_seeded():
+    k, v, _ = _kv()
+    a = kvc.compress("random", k, v, budget=30, seed=1)
+    b = kvc.compress("random", k, v, budget=30, seed=1)
+    c = kvc.compress("random", k, v, budget=30, seed=2)
+    assert torch.equal(a.positions, b.positions) and not torch.equal(a.positions, c.positions)
+    w = kvc.compress("random", k, v, budget=30, sink=0, window=0, weighted=True)
+    torch.testing.assert_close(w.total_weight(), torch.full((1, 3), 300.0, dtype=torch.float64))
+
+
+def test_streamingllm_keeps_most_recent():
+    k, v, _ = _kv(n=100)
+    s = kvc.compress("streamingllm", k, v, budget=10, sink=4, window=6)
+    assert s.positions[0, 0].tolist() == list(range(4)) + list(range(84, 100))
+
+
+def test_snapkv_keeps_what_the_last_queries_attend_to():
+    k, v, q = _kv(n=200, d=16)
+    q = q.clone()
+    q[:, :, -32:] = 0
+    q[:, :, -32:] += 8 * k[:, :, 77].repeat_interleave(3, dim=1)[:, :, None, :] / k[:, :, 77].norm(dim=-1, keepdim=True).repeat_interleave(3, dim=1)[:, :, None, :]
+    s = kvc.compress("snapkv", k, v, queries=q, budget=10, sink=0, window=0, kernel_size=1)
+    assert (s.positions == 77).any(-1).all()
+
+
+def test_pyramidkv_layer_budgets_average_to_budget():
+    budgets = [layer_budget(100, layer, 30, 20.0) for layer in range(30)]
+    assert budgets[0] > budgets[-1] and abs(sum(budgets) / 30 - 100) < 1.0
+    k, v, q = _kv(n=400)
+    low = kvc.compress("pyramidkv", k, v, queries=q, budget=100, sink=0, window=0, layer_idx=0, num_layers=30)
+    high = kvc.compress("pyramidkv", k, v, queries=q, budget=100, sink=0, window=0, layer_idx=29, num_layers=30)
+    assert low.num_slots == budgets[0] and high.num_slots == budgets[-1]
+
+
+def test_h2o_is_causal_when_queries_match_tokens():
+    k, v, q = _kv(n=50)
+    s = kvc.compress("h2o", k, v, queries=q, budget=5, sink=0, window=0)
+    # The first token receives the full attention of query 0: it is a heavy hitter under causal scoring.
+    assert (s.positions[..., 0] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\)"),
+        ({"compression_ratio": -0.1}, r"compression_ratio must be in \[0, 1\)"),
+        ({"compression_ratio": float("nan")}, r"compression_ratio must be in \[0, 1\)"),
+        ({"budget": 0}, "budget must be an integer >= 1"),
+        ({"budget": 10, "compression_ratio": 0.5}, "exactly one of budget"),
+        ({}, "exactly one of budget"),
+        ({"budget": 10, "sink": -1}, "sink must be an integer >= 0"),
+        ({"budget": 10, "bogus": 3}, r"has no parameter\(s\) \['bogus'\]"),
+        ({"compression_ratio": 0.99, "sink": 4, "window": 16}, "does not leave room beyond sink"),
+    ],
+)
+def test_bad_parameters_are_named(kwargs, match):
+    k, v, _ = _kv()
+    with pytest.raises(ValueError, match=match):
+        kvc.compress("knorm", k, v, **kwargs)
+
+
+def test_unknown_method_lists_known_ones():
+    k, v, _ = _kv()
+    with pytest.raises(ValueError, match="unknown method 'nope'; known methods: .*knorm.*snapkv"):
+        kvc.compress("nope", k, v, budget=3)
+
+
+def test_bad_tensors_are_named():
+    k, v, q = _kv()
+    bad = k.clone()
+    bad[0, 0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="keys contain NaN"):
+        kvc.compress("knorm", bad, v, budget=3)
+    with pytest.raises(ValueError, match="empty context"):
+        kvc.compress("knorm", k[:, :, :0], v[:, :, :0], budget=3)
+    with pytest.raises(ValueError, match=r"scores tokens with queries: pass queries"):
+        kvc.compress("snapkv", k, v, budget=3)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        kvc.compress("snapkv", k, v, queries=q[:, :4], budget=3)

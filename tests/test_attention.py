@@ -1,0 +1,101 @@
+"""weighted_attention against SDPA and the defining properties of log-weights and normalizers."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvcompress as kvc
+from kvcompress.summary import KVSummary, Normalizer, concat
+
+
+def _qkv(b=2, hq=6, hkv=3, nq=7, n=11, d=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def test_equals_sdpa_non_causal():
+    q, k, v = _qkv()
+    out = kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(11)))
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_equals_sdpa_causal_with_positions():
+    q, k, v = _qkv(nq=11, n=11)
+    out = kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(11)), query_positions=torch.arange(11))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_block_after_prefix_and_custom_scale():
+    q, k, v = _qkv(nq=4, n=11)
+    qpos = torch.arange(7, 11)
+    out = kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(11)), scale=0.3, query_positions=qpos)
+    mask = torch.arange(11)[None, :] <= qpos[:, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_log_weight_log2_equals_duplicate_token():
+    q, k, v = _qkv(b=1, n=5)
+    weighted = KVSummary.exact(k, v, torch.arange(5))
+    weighted.log_weights[..., 2] = math.log(2.0)
+    dup = KVSummary.exact(torch.cat([k, k[:, :, 2:3]], 2), torch.cat([v, v[:, :, 2:3]], 2), torch.tensor([0, 1, 2, 3, 4, 2]))
+    torch.testing.assert_close(kvc.weighted_attention(q, weighted), kvc.weighted_attention(q, dup), atol=1e-5, rtol=1e-5)
+
+
+def test_minus_inf_slots_change_nothing():
+    q, k, v = _qkv(b=1, n=5)
+    base = KVSummary.exact(k, v, torch.arange(5))
+    junk = KVSummary.exact(torch.randn(1, 3, 3, 8) * 100, torch.randn(1, 3, 3, 8) * 100, torch.tensor([0, 1, 2]))
+    junk.log_weights.fill_(float("-inf"))
+    torch.testing.assert_close(kvc.weighted_attention(q, concat([base, junk])), kvc.weighted_attention(q, base))
+
+
+def test_normalizer_used_for_denominator_only():
+    q, k, v = _qkv(b=1, nq=3, n=5)
+    num = KVSummary.exact(k[:, :, :2], v[:, :, :2], torch.arange(2))
+    num.normalizer = Normalizer(k, torch.zeros(1, 3, 5), torch.arange(5).expand(1, 3, 5))
+    out = kvc.weighted_attention(q, num)
+    kq = q.reshape(1, 3, 2, 3, 8)
+    logits = torch.einsum("bhgqd,bhnd->bhgqn", kq, k) / math.sqrt(8)
+    expected = torch.einsum("bhgqn,bhnd->bhgqd", logits[..., :2].exp(), v[:, :, :2]) / logits.exp().sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expected.reshape(1, 6, 3, 8), atol=1e-5, rtol=1e-5)
+    # The same slots with their own normalizer give the ordinary softmax.
+    same = KVSummary.exact(k, v, torch.arange(5))
+    same.normalizer = same.as_normalizer()
+    torch.testing.assert_close(kvc.weighted_attention(q, same), kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(5))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_large_logits_are_finite(dtype):
+    q, k, v = _qkv(dtype=dtype)
+    q, k = q * 200, k * 200  # logits ~ 1e5: exp overflows in any precision without log-space
+    s = KVSummary.exact(k, v, torch.arange(11))
+    out = kvc.weighted_attention(q, s)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    s.normalizer = s.as_normalizer()
+    assert torch.isfinite(kvc.weighted_attention(q, s)).all()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_query_chunking_matches_unchunked(monkeypatch):
+    import kvcompress.attention as attention
+
+    q, k, v = _qkv(nq=50, n=40)
+    s = KVSummary.exact(k, v, torch.arange(40))
+    full = kvc.weighted_attention(q, s, query_positions=torch.arange(50))
+    monkeypatch.setattr(attention, "_MAX_LOGITS", 2 * 6 * 40 * 3)  # three queries per chunk
+    torch.testing.assert_close(kvc.weighted_attention(q, s, query_positions=torch.arange(50)), full)
+
+
+def test_head_mismatch_is_an_error():
+    q, k, v = _qkv(hq=4, hkv=3)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(11)))

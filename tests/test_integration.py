@@ -1,0 +1,161 @@
+"""The transformers integration on tiny randomly initialised models (Llama, Qwen2, Qwen3, Mistral)."""
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kvcompress as kvc
+from kvcompress.cache import CompressedCache, CompressionSettings
+from kvcompress.integration import generate_ids, use_compressed_attention
+from kvcompress.methods.base import build_method
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def tiny(arch="llama", seed=0):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**SMALL, **extra)).eval()
+
+
+def _prompt(n=150, m=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (1, n), generator=g), torch.randint(0, 96, (1, m), generator=g)
+
+
+def _reference(model, ctx, question, new=12):
+    out = model.generate(torch.cat([ctx, question], 1), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return out[0, ctx.shape[1] + question.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_no_compression_reproduces_plain_generate(arch, mode):
+    model = tiny(arch)
+    ctx, question = _prompt()
+    ref = _reference(model, ctx, question)
+    for method in ["snapkv", "knorm"]:
+        size = {"compression_ratio": 0.0} if mode == "prefill" else {"budget": 10_000}
+        res = generate_ids(model, ctx, question, method=method, mode=mode, max_new_tokens=12, stop_at_eos=False, chunk_size=32, **size)
+        assert res.token_ids == ref, (arch, mode, method)
+
+
+def test_budget_at_least_context_reproduces_in_prefill():
+    model = tiny()
+    ctx, question = _prompt()
+    res = generate_ids(model, ctx, question, method="h2o", budget=ctx.shape[1], max_new_tokens=12, stop_at_eos=False)
+    assert res.token_ids == _reference(model, ctx, question)
+
+
+def test_model_generate_with_compressed_cache():
+    model = tiny("qwen2")
+    ctx, question = _prompt()
+    ids = torch.cat([ctx, question], 1)
+    ref = _reference(model, ctx, question)
+    cache = CompressedCache(model, CompressionSettings(build_method("tova"), "prefill", compression_ratio=0.0))
+    with use_compressed_attention(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert out[0, ids.shape[1] :].tolist() == ref
+    assert cache.get_seq_length() == ids.shape[1] + 11
+
+
+def test_compressed_layers_really_shrink():
+    model = tiny()
+    ctx, question = _prompt(n=400)
+    full = generate_ids(model, ctx, question, method="snapkv", compression_ratio=0.0, max_new_tokens=4, stop_at_eos=False)
+    half = generate_ids(model, ctx, question, method="snapkv", compression_ratio=0.5, max_new_tokens=4, stop_at_eos=False)
+    assert half.kv_bytes < 0.6 * full.kv_bytes
+    # 200 context tokens kept + 8 question + 3 decoded, per layer
+    assert half.slots_per_layer == [200 + 8 + 3] * 2
+    # the stored bytes are what the tensors hold: keys+values (fp32) + log-weights (fp32) + positions (int64)
+    per_slot = 2 * 2 * 16 * 4 + 2 * (4 + 8)
+    assert half.kv_bytes == sum(half.slots_per_layer) * per_slot
+
+
+def test_chunked_peak_memory_is_budget_plus_block():
+    model = tiny()
+    small, _ = _prompt(n=300)
+    big, _ = _prompt(n=1200)
+    peaks = []
+    for ctx in (small, big):
+        res = generate_ids(model, ctx, None, method="knorm", budget=64, sink=4, window=16, mode="chunked", chunk_size=32, max_new_tokens=2, stop_at_eos=False)
+        peaks.append(res.peak_kv_bytes)
+        assert max(res.slots_per_layer) <= 4 + 64 + 16 + 1
+    assert peaks[0] == peaks[1]
+
+
+def test_question_is_kept_out_of_compression_by_default():
+    model = tiny()
+    ctx, question = _prompt(n=200, m=20)
+    res = generate_ids(model, ctx, question, method="streamingllm", budget=10, sink=2, window=4, max_new_tokens=1, stop_at_eos=False)
+    assert res.slots_per_layer == [2 + 10 + 4 + 20] * 2
+    res = generate_ids(model, ctx, question, method="streamingllm", budget=10, sink=2, window=4, max_new_tokens=1, stop_at_eos=False, compress_question=True)
+    assert res.slots_per_layer == [2 + 10 + 4] * 2
+
+
+def test_decode_mode_stays_bounded_while_generating():
+    model = tiny()
+    ctx, question = _prompt(n=100)
+    res = generate_ids(model, ctx, question, method="knorm", budget=20, sink=2, window=8, mode="decode", max_new_tokens=60, stop_at_eos=False)
+    assert res.slots_per_layer == [30, 30]
+
+
+def test_rope_positions_keep_counting_original_tokens():
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=20, sink=2, window=4))
+    with use_compressed_attention(model), torch.no_grad():
+        model(ctx, past_key_values=cache)
+        assert cache.layers[0].slots() == 26 and cache.get_seq_length() == 300
+        model(question, past_key_values=cache)
+    assert cache.layers[0].stored().positions[0, 0, -8:].tolist() == list(range(300, 308))
+
+
+def test_pre_rope_keys_are_recovered():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny()
+    cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=3))
+    cache._rotary = model.model.rotary_emb
+    k = torch.randn(1, 2, 10, 16)
+    pos = torch.arange(5, 15)
+    cos, sin = model.model.rotary_emb(k, pos[None])
+    _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
+    torch.testing.assert_close(cache.pre_rope_keys(rotated, pos), k, atol=1e-5, rtol=1e-5)
+
+
+def test_errors():
+    model = tiny()
+    ctx, question = _prompt()
+    with pytest.raises(ValueError, match="empty context"):
+        generate_ids(model, ctx[:, :0], question, method="knorm", budget=4)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        generate_ids(model, ctx, question, method="knorm", budget=4, mode="fast")
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\)"):
+        generate_ids(model, ctx, question, method="knorm", compression_ratio=1.5)
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        generate_ids(model, ctx, question, method="nope", budget=4)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
+        generate_ids(gpt2, ctx % 50, None, method="knorm", budget=4)
+    with pytest.raises(ValueError, match="padded batches"):
+        with use_compressed_attention(model):
+            cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=4))
+            model(torch.cat([ctx, ctx]), attention_mask=torch.cat([torch.ones_like(ctx), torch.zeros_like(ctx)]), past_key_values=cache)
