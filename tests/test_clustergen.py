@@ -1,0 +1,89 @@
+"""ClusterGen (seed 001, Sec. 3.2): greedy k-center centres + recent window, one-shot and block-wise."""
+
+import itertools
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.clustergen import farthest_point
+
+torch.set_num_threads(1)
+
+
+def blobs(n, clusters=8, d=16, heads=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(heads, clusters, d, generator=g) * 4
+    labels = torch.randint(0, clusters, (heads, n), generator=g)
+    labels[:, :clusters] = torch.arange(clusters)
+    keys = centres.gather(1, labels[..., None].expand(-1, -1, d)) + 0.05 * torch.randn(heads, n, d, generator=g)
+    return keys[None], torch.randn(1, heads, n, d, generator=g), labels
+
+
+def test_greedy_radius_is_within_twice_the_optimum():
+    g = torch.Generator().manual_seed(1)
+    points = torch.randn(3, 11, 2, generator=g)
+    k = 3
+    _, nearest = farthest_point(points, k)
+    greedy = nearest.amax(-1)
+    dist = torch.cdist(points, points)
+    for row in range(3):
+        best = min(float(dist[row][:, list(c)].amin(-1).amax()) for c in itertools.combinations(range(11), k))
+        assert float(greedy[row]) <= 2 * best + 1e-6
+
+
+def test_one_centre_per_cluster_plus_exact_window():
+    keys, values, labels = blobs(400)
+    window = 32
+    summ = kvc.compress("clustergen", keys, values, budget=8, window=window)
+    assert summ.num_slots == 8 + window
+    centres = summ.positions[..., :8]
+    for h in range(2):
+        assert len(labels[h, centres[0, h]].unique()) == 8
+    assert torch.equal(summ.positions[..., 8:], torch.arange(400 - window, 400).expand(1, 2, window))
+    assert torch.equal(summ.log_weights, torch.zeros(1, 2, 8 + window))
+    assert torch.equal(summ.keys[..., :8, :], keys[0, torch.arange(2)[:, None], centres[0]][None])
+
+
+def test_defaults_follow_the_seed_no_sinks():
+    keys, values, _ = blobs(300)
+    summ = kvc.compress("clustergen", keys, values, compression_ratio=0.5)
+    assert summ.num_slots == 150
+    assert torch.equal(summ.positions[..., -64:], torch.arange(236, 300).expand(1, 2, 64))
+
+
+def test_weighted_centres_stand_for_their_nearest_keys():
+    keys, values, labels = blobs(300)
+    summ = kvc.compress("clustergen", keys, values, budget=8, window=0, weighted=True)
+    assert torch.allclose(summ.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
+    for h in range(2):
+        sizes = torch.bincount(labels[h], minlength=8).double()
+        order = labels[h, summ.positions[0, h]]
+        assert torch.allclose(summ.log_weights[0, h].double().exp(), sizes[order])
+
+
+def test_repeated_keys_are_never_chosen_twice():
+    base = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(3))
+    keys = base.repeat(1, 1, 10, 1)
+    summ = kvc.compress("clustergen", keys, keys.clone(), budget=6, window=0)
+    assert len(summ.positions[0, 0].unique()) == 6
+
+
+def test_blockwise_stream_keeps_every_cluster_within_budget():
+    keys, values, labels = blobs(600)
+    st = kvc.stream("clustergen", budget=8, window=16, seed=0)
+    for start in range(0, 600, 50):
+        st.update(keys[:, :, start : start + 50], values[:, :, start : start + 50])
+        assert st.state.kept.length <= 8
+    summ = st.summary()
+    assert summ.num_slots == 8 + 16
+    for h in range(2):
+        assert len(labels[h, summ.positions[0, h, :8]].unique()) == 8
+
+
+def test_half_precision_and_bad_parameter():
+    keys, values, _ = blobs(200)
+    summ = kvc.compress("clustergen", keys.half(), values.half(), budget=8, window=8)
+    assert summ.keys.dtype == torch.float16
+    with pytest.raises(ValueError, match="no parameter"):
+        kvc.compress("clustergen", keys, values, budget=8, k=3)
