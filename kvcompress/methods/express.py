@@ -35,7 +35,9 @@ chosen here, each with its reason:
 - m from `budget`: the state between updates is C (m) + two finished siblings (2m) + the block in
   progress (at most three outputs per level, the open leaf and the candidate), at most
   6m − 2·L_min slots with L_min = m/2^D_max. A stream uses the largest m whose bound fits
-  `budget`; a one-shot `compress` (n known) uses the largest m whose state after n tokens fits.
+  `budget`; a one-shot `compress` (n known) uses the m whose state after the n tokens holds the
+  most slots within `budget` (ties: the larger m), since that state size jumps between m and
+  ~6m with n.
   m is restricted to numbers with at most three significant bits (c·2^k, c ≤ 7), so Compress2
   keeps several halving levels; budget must be ≥ 4 (the bound for m = 1).
 
@@ -291,8 +293,8 @@ class Express(Method):
     Streaming is native (`new_stream`): m is the largest size whose worst-case state,
     6m − 2·L_min slots, fits `budget`. One-shot `compress` is Offline-Express (seed App. H): the
     whole prompt is absorbed in one call, so each block's Compress2 runs level by level with all
-    Halve calls of a level batched, and m is the largest size whose state after the n known tokens
-    fits `budget`. Seed defaults: 32 sink + 32 window tokens exact.
+    Halve calls of a level batched, and m is chosen so that the state after the n known tokens
+    holds as many slots as `budget` allows. Seed defaults: 32 sink + 32 window tokens exact.
 
     g: Compress2 oversampling (leaves of at least 4^g samples); delta: Halve failure probability.
     """
@@ -316,7 +318,8 @@ class Express(Method):
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         _check_budget(budget)
-        m = next(m for m in _sizes_desc(budget) if cache_slots(tokens.length, m, self.g) <= budget)
+        fits = [(cache_slots(tokens.length, m, self.g), m) for m in _sizes_desc(budget)]
+        m = max((slots, m) for slots, m in fits if slots <= budget)[1]
         state = ExpressState(m, self.g, float(self.delta), generator)
         state.absorb(tokens)
         return state.summary()

@@ -1,0 +1,187 @@
+"""Thinformer Express (seed 003): kernel halving, Subsample, the Express cache and Offline-Express."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.base import Tokens, make_generator
+from kvcompress.methods.express import (
+    ExpressState,
+    block_plan,
+    cache_slots,
+    halve_groups,
+    kernel_halving,
+    max_depth,
+    stream_bound,
+)
+from kvcompress.summary import KVSummary
+
+torch.set_num_threads(1)
+
+
+def _clustered(n, heads=2, d=8, seed=0, dtype=torch.float32):
+    """Keys drawn around a few centres of equal norm (as real keys cluster), values correlated with the keys."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(heads, 6, d, generator=g), dim=-1) * 3.0
+    label = torch.randint(0, 6, (heads, n), generator=g)
+    keys = centres.gather(1, label.unsqueeze(-1).expand(heads, n, d)) + 0.4 * torch.randn(heads, n, d, generator=g)
+    values = torch.tanh(keys @ torch.randn(d, d, generator=g)) + 0.3 * torch.randn(heads, n, d, generator=g)
+    queries = torch.randn(2 * heads, 16, d, generator=g) * 1.5
+    return keys[None].to(dtype), values[None].to(dtype), queries[None].to(dtype)
+
+
+def test_kernel_halving_keeps_one_of_each_pair_reproducibly():
+    keys, values, _ = _clustered(64, heads=3)
+    keys = keys.reshape(1, 3, 4, 16, 8)
+    values = values.reshape(1, 3, 4, 16, 8)
+    a = kernel_halving(keys, values, 8**-0.5, make_generator(5))
+    b = kernel_halving(keys, values, 8**-0.5, make_generator(5))
+    assert a.shape == (1, 3, 4, 8)
+    assert torch.equal(a, b)
+    assert torch.equal(a // 2, torch.arange(8).expand_as(a))
+    assert not torch.equal(a, kernel_halving(keys, values, 8**-0.5, make_generator(6)))
+
+
+def test_kernel_halving_rejects_odd_groups():
+    keys, values, _ = _clustered(7, heads=1)
+    with pytest.raises(ValueError, match="even"):
+        kernel_halving(keys, values, 1.0, make_generator(0))
+
+
+def test_halving_huge_half_precision_keys_stays_finite():
+    keys, values, queries = _clustered(256, dtype=torch.float16)
+    keys = keys * 60  # s·‖k‖² in the thousands: exp would overflow without the shift
+    slots = KVSummary.exact(keys, values, torch.arange(256))
+    half = halve_groups(slots, 256, 8**-0.5, make_generator(0), 0.5)
+    assert half.keys.dtype == torch.float16 and half.num_slots == 128
+    assert torch.isfinite(half.log_weights).all() and torch.allclose(half.total_weight(), torch.tensor(256.0, dtype=torch.float64))
+    out = kvc.weighted_attention(queries, half)
+    assert torch.isfinite(out).all()
+
+
+def test_kernel_halving_beats_uniform_halving_on_clustered_data():
+    """Margin: kernel halving's mean relative error over 20 seeds is below 0.95 x uniform halving's."""
+    keys, values, queries = _clustered(512)
+    exact = kvc.exact_attention(queries, keys, values)
+    slots = KVSummary.exact(keys, values, torch.arange(512))
+    kh, uni = [], []
+    for seed in range(20):
+        half = halve_groups(slots, 512, 8**-0.5, make_generator(seed), 0.5)
+        kh.append(kvc.relative_error(kvc.weighted_attention(queries, half), exact))
+        pick = torch.rand(1, 2, 256, generator=make_generator(seed)).lt(0.5).long() + 2 * torch.arange(256)
+        uniform = KVSummary(*[t.gather(2, pick.unsqueeze(-1).expand(-1, -1, -1, 8)) for t in (keys, values)],
+                            torch.full((1, 2, 256), math.log(2.0)), pick)
+        uni.append(kvc.relative_error(kvc.weighted_attention(queries, uniform), exact))
+    assert sum(kh) / len(kh) < 0.95 * sum(uni) / len(uni)
+
+
+def test_plan_and_bounds():
+    assert max_depth(64, 0) == 6 and max_depth(64, 1) == 4 and max_depth(80, 0) == 4 and max_depth(7, 0) == 0
+    assert block_plan(1, 64, 0) == (1, 64, 0)
+    assert block_plan(16, 64, 0) == (1, 4, 4)
+    assert block_plan(256, 64, 1) == (16, 4, 4)  # past D_max: strata of ℓ / 2^D_max tokens
+    assert stream_bound(64, 0) == 6 * 64 - 2
+    assert max(cache_slots(n, 16, 0) for n in range(1, 4097)) == stream_bound(16, 0) == 94
+
+
+@pytest.mark.parametrize("g", [0, 1])
+def test_stream_invariants_over_64k_tokens(g):
+    """After every update: slots <= the documented bound (== the closed form), weights sum to the tokens seen."""
+    n, budget = 65536, 96
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 1, n, 4, generator=gen)
+    values = torch.randn(1, 1, n, 4, generator=gen)
+    st = kvc.stream("express", budget=budget, sink=0, window=0, g=g)
+    m = st.state.m
+    assert stream_bound(m, g) <= budget
+    sizes = torch.randint(1, 300, (2000,), generator=gen).tolist()
+    start, most = 0, 0
+    for i, size in enumerate(sizes):
+        size = 1 if i < 600 else size  # decode-like single tokens first, then blocks
+        stop = min(n, start + size)
+        st.update(keys[:, :, start:stop], values[:, :, start:stop])
+        s = st.summary()
+        assert s.num_slots == cache_slots(stop, m, g) <= stream_bound(m, g)
+        assert abs(float(s.total_weight()) - stop) < 1e-3 * stop
+        most = max(most, s.num_slots)
+        start = stop
+        if start == n:
+            break
+    assert start == n and st.state.ell >= 256
+    assert (s.positions.diff(dim=-1) > 0).all()
+    assert most > budget // 2
+
+
+def test_subsample_reservoir_is_uniform_within_each_stratum():
+    """Strata of 4 tokens arriving in pieces of 3: each stratum's pick is uniform over its 4 tokens."""
+    heads = 4000
+    state = ExpressState(1, 0, 0.5, make_generator(0))
+    state.stratum = 4
+    keys = torch.zeros(1, heads, 12, 1)
+    picks = []
+    for start in range(0, 12, 3):
+        part = Tokens(keys[:, :, start : start + 3], keys[:, :, start : start + 3], torch.arange(start, start + 3).expand(1, heads, 3))
+        out = state._subsample(part)
+        if out is not None:
+            picks.append(out.positions)
+            assert torch.allclose(out.log_weights, torch.tensor(math.log(4.0)))
+        if state.candidate is not None:
+            assert float(state.candidate.log_weights[0, 0, 0].exp()) == pytest.approx(state.count)
+    picks = torch.cat(picks, -1)[0]
+    assert picks.shape == (heads, 3)
+    for stratum in range(3):
+        counts = torch.bincount(picks[:, stratum] - 4 * stratum, minlength=4).float()
+        assert counts.shape == (4,) and (counts - heads / 4).abs().max() < 5 * math.sqrt(heads / 4)
+
+
+def test_large_cache_is_exact_attention():
+    keys, values, queries = _clustered(300)
+    s = kvc.compress("express", keys, values, budget=299, sink=0, window=0)
+    assert s.num_slots <= 299
+    st = kvc.stream("express", budget=4000, sink=0, window=0)
+    assert st.state.m >= 300
+    for start in range(0, 300, 37):
+        st.update(keys[:, :, start : start + 37], values[:, :, start : start + 37])
+    summary = st.summary()
+    assert summary.num_slots == 300 and torch.all(summary.log_weights == 0)
+    exact = kvc.exact_attention(queries, keys, values)
+    assert torch.allclose(kvc.weighted_attention(queries, summary), exact, atol=1e-6)
+
+
+def test_offline_express_equals_stream_structure_and_fits_budget():
+    keys, values, queries = _clustered(3000)
+    for budget in (40, 200, 333):
+        s = kvc.compress("express", keys, values, budget=budget, sink=0, window=0, seed=3)
+        assert budget // 2 <= s.num_slots <= budget  # m is chosen to fill the budget for the known n
+        assert torch.allclose(s.total_weight(), torch.tensor(3000.0, dtype=torch.float64))
+        assert (s.positions.diff(dim=-1) > 0).all()
+    with_edges = kvc.compress("express", keys, values, budget=200)  # seed defaults: 32 sink + 32 window
+    assert with_edges.num_slots <= 200 + 64
+    assert torch.equal(with_edges.positions[0, 0, :32], torch.arange(32))
+    assert torch.equal(with_edges.positions[0, 0, -32:], torch.arange(2968, 3000))
+    again = kvc.compress("express", keys, values, budget=200, seed=0)
+    assert torch.equal(again.positions, with_edges.positions)
+
+
+def test_express_cache_beats_uniform_sampling_at_equal_slots():
+    keys, values, queries = _clustered(2048)
+    exact = kvc.exact_attention(queries, keys, values)
+    ex, uni = [], []
+    for seed in range(3):
+        s = kvc.compress("express", keys, values, budget=128, sink=0, window=0, seed=seed)
+        ex.append(kvc.relative_error(kvc.weighted_attention(queries, s), exact))
+        r = kvc.compress("random", keys, values, budget=s.num_slots, sink=0, window=0, seed=seed, weighted=True)
+        uni.append(kvc.relative_error(kvc.weighted_attention(queries, r), exact))
+    assert sum(ex) < sum(uni)
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [({"budget": 3}, "budget >= 4"), ({"budget": 64, "g": -1}, "g"), ({"budget": 64, "delta": 0.0}, "delta")],
+)
+def test_bad_parameters(params, match):
+    keys, values, _ = _clustered(200)
+    with pytest.raises(ValueError, match=match):
+        kvc.compress("express", keys, values, sink=0, window=0, **params)
