@@ -1,0 +1,1 @@
+"""Evaluation: real q/k/v capture, real-prose text, offline task generators."""

