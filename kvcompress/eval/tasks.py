@@ -1,0 +1,369 @@
+"""Offline long-context tasks: RULER-style synthetic tasks, LongEval line retrieval, needle grids.
+
+Every generator is seeded (`random.Random(seed)`) and returns a `Sample`: the context, the
+question (asked after the context, see `integration.model.build_prompt`), the expected answers,
+the token-length target, the measured length and the depth of each inserted item (fraction of the
+context's tokens that precede it). Lengths are counted with the tokenizer when one is given, else
+estimated as one token per 4 characters. Each task has a scorer `score(sample, prediction) ->
+float in [0, 1]`.
+
+Tasks (RULER, Hsieh et al. 2024; LongEval, Li et al. 2023 as used by seed 001 Sec. 3.2):
+- `niah_single`: one needle "One of the special magic {kind} for {key} is: {value}." with kind
+  numbers (7 digits), words or UUIDs, in a haystack of filler sentences or real prose.
+- `niah_multikey`: the asked needle among distractor needles with other keys.
+- `niah_multivalue`: one key with several values; all must be returned.
+- `niah_multiquery`: several needles, all asked.
+- `variable_tracking`: "VAR X = 12345." then chained assignments "VAR Y = VAR X."; return every
+  variable holding the value.
+- `common_words`: a numbered word list where a few words are much more frequent; return them.
+- `frequent_words`: words drawn from a Zipf law over made-up words; return the most frequent.
+- `line_retrieval`: LongEval lines "line {topic}: REGISTER_CONTENT is <n>"; return n for a topic.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+HAYSTACKS = ("filler", "prose")
+NEEDLE_KINDS = ("numbers", "words", "uuids")
+TASKS = (
+    "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
+    "variable_tracking", "common_words", "frequent_words", "line_retrieval",
+)
+
+
+@dataclass
+class Sample:
+    """One task instance.
+
+    answers: every expected answer string; `depths`: for each inserted item (needle, assignment,
+    target line) the fraction of context tokens before it, in insertion order (the asked one first
+    where one is asked). n_tokens: the context's measured (or estimated) length.
+    """
+
+    task: str
+    context: str
+    question: str
+    answers: list[str]
+    target_tokens: int
+    n_tokens: int
+    depths: list[float] = field(default_factory=list)
+    needles: list[str] = field(default_factory=list)
+
+    @property
+    def depth(self) -> float | None:
+        """Depth of the first (asked) item, or None for tasks without inserted items."""
+        return self.depths[0] if self.depths else None
+
+
+def token_counter(tokenizer=None) -> Callable[[Sequence[str]], list[float]]:
+    """texts -> token counts: the tokenizer's (no special tokens), else the estimate len / 4."""
+    if tokenizer is None:
+        return lambda texts: [len(t) / 4 for t in texts]
+    return lambda texts: [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def _check(name: str, value, low, high=None):
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@functools.lru_cache(maxsize=1)
+def _prose_sentences() -> tuple[str, ...]:
+    from .capture import prose_paragraphs
+
+    return tuple(s for p in prose_paragraphs() for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
+
+
+@functools.lru_cache(maxsize=1)
+def vocabulary() -> tuple[str, ...]:
+    """Plain lowercase English words (5–10 letters) of the real-prose source, sorted."""
+    words = {w for s in _prose_sentences() for w in re.findall(r"\b[a-z]{5,10}\b", s)}
+    return tuple(sorted(words))
+
+
+def _haystack_units(haystack: str, rng: random.Random) -> Callable[[int], list[str]]:
+    """n -> the next n haystack sentences (filler cycles; prose starts at a random sentence)."""
+    if haystack == "filler":
+        cycle = itertools.cycle(s + "." for s in FILLER.strip().rstrip(".").split(". "))
+    elif haystack == "prose":
+        sentences = _prose_sentences()
+        start = rng.randrange(len(sentences))
+        cycle = itertools.cycle(sentences[start:] + sentences[:start])
+    else:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
+    return lambda n: list(itertools.islice(cycle, n))
+
+
+def _assemble(units, items, item_depths, target_tokens, count, sep=" ") -> tuple[str, list[float], int]:
+    """Fill `target_tokens` with units from `units(n)` and insert `items` at `item_depths`.
+
+    Returns (context, measured depth of each item, n_tokens). Items go between units, at the unit
+    boundary nearest to depth × (tokens of the filled haystack).
+    """
+    room = target_tokens - sum(count([sep + t for t in items]))
+    body: list[str] = []
+    sizes: list[int] = []
+    while sum(sizes) < room:
+        more = units(max(16, int(room - sum(sizes)) // 8))
+        body.extend(more)
+        sizes.extend(count([sep + u for u in more]))
+    cum = list(itertools.accumulate(sizes))
+    while body and cum[-1] > room:
+        body.pop()
+        cum.pop()
+    total = cum[-1] if cum else 0
+    slots = [min(range(len(cum) + 1), key=lambda i: abs((cum[i - 1] if i else 0) - d * total)) for d in item_depths]
+    pieces: list[str] = []
+    order = sorted(range(len(items)), key=lambda j: (slots[j], j))
+    nxt = 0
+    for j in order:
+        pieces.extend(body[nxt : slots[j]])
+        nxt = slots[j]
+        pieces.append(items[j])
+    pieces.extend(body[nxt:])
+    context = sep.join(pieces)
+    n_tokens = round(count([context])[0])
+    depths = []
+    for j, item in enumerate(items):
+        before = context[: context.index(item)]
+        depths.append(count([before])[0] / n_tokens)
+    return context, depths, n_tokens
+
+
+def _needle_value(kind: str, rng: random.Random) -> str:
+    if kind == "numbers":
+        return str(rng.randrange(1_000_000, 10_000_000))
+    if kind == "words":
+        return rng.choice(vocabulary())
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    raise ValueError(f"kind must be one of {NEEDLE_KINDS}, got {kind!r}")
+
+
+def _keys(rng: random.Random, n: int) -> list[str]:
+    return rng.sample(vocabulary(), n)
+
+
+def _needle(kind: str, key: str, value: str) -> str:
+    return f"One of the special magic {kind} for {key} is: {value}."
+
+
+def _niah(task, target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, n_values, n_queries) -> Sample:
+    """RULER needle-in-a-haystack: n_keys keys (the first n_queries asked), n_values values each."""
+    _check("target_tokens", target_tokens, 64)
+    _check("depth", depth, 0.0, 1.0)
+    rng = random.Random(seed)
+    count = token_counter(tokenizer)
+    units = _haystack_units(haystack, rng)
+    keys = _keys(rng, n_keys)
+    values = [[_needle_value(kind, rng) for _ in range(n_values)] for _ in keys]
+    needles = [_needle(kind, k, v) for k, vs in zip(keys, values) for v in vs]
+    depths = [depth] + [rng.random() for _ in needles[1:]]
+    context, measured, n_tokens = _assemble(units, needles, depths, target_tokens, count)
+    asked = keys[:n_queries]
+    answers = [v for vs in values[:n_queries] for v in vs]
+    what = f"are all the special magic {kind}" if n_values * n_queries > 1 else f"is the special magic {kind[:-1]}"
+    question = f"What {what} for {', '.join(asked)} mentioned in the provided text? Answer with the value only."
+    return Sample(task, context, question, answers, target_tokens, n_tokens, measured, needles)
+
+
+def niah_single(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers") -> Sample:
+    """One needle at `depth` (0 = start of the context, 1 = end)."""
+    return _niah("niah_single", target_tokens, depth, seed, tokenizer, haystack, kind, 1, 1, 1)
+
+
+def niah_multikey(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_keys=4) -> Sample:
+    """The asked needle at `depth` plus n_keys − 1 distractor needles with other keys at random depths."""
+    _check("n_keys", n_keys, 2)
+    return _niah("niah_multikey", target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, 1, 1)
+
+
+def niah_multivalue(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_values=4) -> Sample:
+    """n_values needles with the same key (the first at `depth`); all values are expected."""
+    _check("n_values", n_values, 2)
+    return _niah("niah_multivalue", target_tokens, depth, seed, tokenizer, haystack, kind, 1, n_values, 1)
+
+
+def niah_multiquery(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_queries=4) -> Sample:
+    """n_queries needles with different keys (the first at `depth`), all asked."""
+    _check("n_queries", n_queries, 2)
+    return _niah("niah_multiquery", target_tokens, depth, seed, tokenizer, haystack, kind, n_queries, 1, n_queries)
+
+
+def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, haystack="filler", n_hops=4, n_chains=2) -> Sample:
+    """n_chains assignment chains of n_hops hops spread through the haystack; the first is asked.
+
+    The asked chain's first assignment sits at `depth`, its later hops at increasing random depths.
+    """
+    _check("target_tokens", target_tokens, 64)
+    _check("depth", depth, 0.0, 1.0)
+    _check("n_hops", n_hops, 1)
+    _check("n_chains", n_chains, 1)
+    rng = random.Random(seed)
+    count = token_counter(tokenizer)
+    names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in range(n_chains * (n_hops + 1))]
+    while len(set(names)) < len(names):
+        names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in names]
+    values = rng.sample(range(10_000, 100_000), n_chains)
+    items, depths = [], []
+    for c in range(n_chains):
+        chain = names[c * (n_hops + 1) : (c + 1) * (n_hops + 1)]
+        start = depth if c == 0 else rng.random() * 0.5
+        hop_depths = sorted(rng.uniform(start, 1.0) for _ in range(n_hops))
+        items += [f"VAR {chain[0]} = {values[c]}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
+        depths += [start] + hop_depths
+    context, measured, n_tokens = _assemble(_haystack_units(haystack, rng), items, depths, target_tokens, count)
+    question = (
+        f"Find all variables that are assigned the value {values[0]} in the text above, "
+        "directly or through other variables. Answer with the variable names only."
+    )
+    return Sample("variable_tracking", context, question, names[: n_hops + 1], target_tokens, n_tokens, measured, items)
+
+
+def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common_freq=30, rare_freq=3) -> Sample:
+    """RULER CWE: n_common words appear common_freq times each, filler words rare_freq times each.
+
+    The rare words fill the rest of the length (estimated per word), shuffled with the common ones.
+    """
+    _check("target_tokens", target_tokens, 64)
+    _check("n_common", n_common, 1)
+    _check("rare_freq", rare_freq, 1)
+    _check("common_freq", common_freq, rare_freq + 1)
+    rng = random.Random(seed)
+    count = token_counter(tokenizer)
+    vocab = list(vocabulary())
+    rng.shuffle(vocab)
+    common, rare_pool = vocab[:n_common], vocab[n_common:]
+    per_word = sum(count([f" {i + 100}. {w}" for i, w in enumerate(vocab[:50])])) / 50
+    n_rare = max(0, (int(target_tokens / per_word) - n_common * common_freq) // rare_freq)
+    if n_rare > len(rare_pool):
+        raise ValueError(f"target_tokens too large for the vocabulary ({len(rare_pool)} rare words)")
+    words = common * common_freq + rare_pool[:n_rare] * rare_freq
+    rng.shuffle(words)
+    context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    n_tokens = round(count([context])[0])
+    question = f"What are the {n_common} most common words in the numbered list above? Answer with the words only."
+    return Sample("common_words", context, question, common, target_tokens, n_tokens)
+
+
+def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alpha=2.0, vocab_size=500) -> Sample:
+    """RULER FWE: made-up words drawn from a Zipf law (P(rank r) ∝ r^-alpha); return the n_answers most frequent."""
+    _check("target_tokens", target_tokens, 64)
+    _check("n_answers", n_answers, 1)
+    _check("alpha", alpha, 1.0)
+    _check("vocab_size", vocab_size, n_answers + 1)
+    rng = random.Random(seed)
+    count = token_counter(tokenizer)
+    made_up = set()
+    while len(made_up) < vocab_size:
+        made_up.add("".join(rng.choices("bcdfghjklmnprstvwz", k=3)) + rng.choice("aeiou") + "".join(rng.choices("bcdfghklmnprst", k=2)))
+    made_up = sorted(made_up)
+    rng.shuffle(made_up)
+    weights = [(r + 1) ** -alpha for r in range(vocab_size)]
+    per_word = sum(count([" " + w for w in made_up[:50]])) / 50
+    n_words = max(1, int(target_tokens / per_word))
+    words = rng.choices(made_up, weights=weights, k=n_words)
+    freq = {w: words.count(w) for w in set(words)}
+    ranked = sorted(freq, key=lambda w: (-freq[w], made_up.index(w)))
+    while len(ranked) > n_answers and freq[ranked[n_answers - 1]] == freq[ranked[n_answers]]:
+        words.append(ranked[n_answers - 1])
+        freq[ranked[n_answers - 1]] += 1
+        ranked = sorted(freq, key=lambda w: (-freq[w], made_up.index(w)))
+    context = " ".join(words)
+    question = (
+        f"What are the {n_answers} most frequently appearing words in the text above? Answer with the words only."
+    )
+    return Sample("frequent_words", context, question, ranked[:n_answers], target_tokens, round(count([context])[0]))
+
+
+def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None) -> Sample:
+    """LongEval lines: 'line {adjective-noun}: REGISTER_CONTENT is <{number}>'; ask the line at `depth`."""
+    _check("target_tokens", target_tokens, 64)
+    _check("depth", depth, 0.0, 1.0)
+    rng = random.Random(seed)
+    count = token_counter(tokenizer)
+    vocab = vocabulary()
+    per_line = count([f"line {vocab[0]}-{vocab[1]}: REGISTER_CONTENT is <12345>"])[0] + 1
+    n_lines = max(2, target_tokens // per_line)
+    topics: set[str] = set()
+    while len(topics) < n_lines:
+        topics.add(f"{rng.choice(vocab)}-{rng.choice(vocab)}")
+    ordered = sorted(topics)
+    rng.shuffle(ordered)
+    numbers = [rng.randrange(1, 50_000) for _ in ordered]
+    lines = [f"line {t}: REGISTER_CONTENT is <{v}>" for t, v in zip(ordered, numbers)]
+    text = "\n".join(lines)
+    while len(lines) > 2 and count([text])[0] > target_tokens:
+        lines.pop()
+        text = "\n".join(lines)
+    target = min(len(lines) - 1, round(depth * (len(lines) - 1)))
+    topic = ordered[target]
+    measured = count([text[: text.index(lines[target])]])[0] / count([text])[0]
+    question = f"What is the REGISTER_CONTENT in line {topic}? I need the number."
+    return Sample(
+        "line_retrieval", text, question, [str(numbers[target])], target_tokens, round(count([text])[0]), [measured], [lines[target]]
+    )
+
+
+GENERATORS: dict[str, Callable[..., Sample]] = {
+    "niah_single": niah_single,
+    "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
+    "niah_multiquery": niah_multiquery,
+    "variable_tracking": variable_tracking,
+    "common_words": common_words,
+    "frequent_words": frequent_words,
+    "line_retrieval": line_retrieval,
+}
+
+
+def generate_sample(task: str, **kwargs) -> Sample:
+    """Build one sample of the named task (keyword arguments go to its generator)."""
+    if task not in GENERATORS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    return GENERATORS[task](**kwargs)
+
+
+def string_match_all(answers: Sequence[str], prediction: str) -> float:
+    """Fraction of expected answers found in the prediction (case-insensitive, whole words)."""
+    pred = prediction.lower()
+    found = sum(bool(re.search(rf"(?<![\w-]){re.escape(a.lower())}(?![\w-])", pred)) for a in answers)
+    return found / len(answers)
+
+
+def first_number(prediction: str) -> str | None:
+    """The first integer in a prediction (LongEval's scoring extracts it), or None."""
+    m = re.search(r"\d+", prediction)
+    return m.group(0) if m else None
+
+
+def score(sample: Sample, prediction: str) -> float:
+    """Task score in [0, 1]: string_match_all, or for line_retrieval whether the first number matches."""
+    if sample.task == "line_retrieval":
+        return float(first_number(prediction) == sample.answers[0])
+    return string_match_all(sample.answers, prediction)
+
+
+def needle_grid(lengths: Sequence[int], depths: Sequence[float], seed=0, task="niah_single", **kwargs) -> list[Sample]:
+    """Samples for a needle heat-map: every (length, depth) pair, row-major over lengths.
+
+    The sample at grid cell (i, j) uses seed `seed + i * len(depths) + j`.
+    """
+    if not lengths or not depths:
+        raise ValueError("lengths and depths must be non-empty")
+    return [
+        generate_sample(task, target_tokens=n, depth=d, seed=seed + i * len(depths) + j, **kwargs)
+        for i, n in enumerate(lengths)
+        for j, d in enumerate(depths)
+    ]

@@ -1,0 +1,144 @@
+"""Offline task generators: answers really sit in the context at the stated depth; scorers."""
+
+import re
+
+import pytest
+
+from kvcompress.eval import tasks as T
+
+
+@pytest.mark.parametrize("haystack", T.HAYSTACKS)
+@pytest.mark.parametrize("kind", T.NEEDLE_KINDS)
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_single_needle_at_stated_depth(haystack, kind, depth):
+    s = T.niah_single(1000, depth, seed=5, haystack=haystack, kind=kind)
+    (answer,) = s.answers
+    (needle,) = s.needles
+    assert s.context.count(needle) == 1 and answer in needle
+    start = s.context.index(needle)
+    assert abs(start / len(s.context) - depth) < 0.05
+    assert abs(s.depth - depth) < 0.05
+    assert abs(s.n_tokens - 1000) < 60
+    assert T.score(s, f"The value is {answer}.") == 1.0
+
+
+def test_same_seed_same_sample_and_different_seeds_differ():
+    a, b, c = (T.niah_single(800, 0.5, seed=k) for k in (1, 1, 2))
+    assert a == b
+    assert a.answers != c.answers
+
+
+@pytest.mark.parametrize("task", ["niah_multikey", "niah_multivalue", "niah_multiquery"])
+def test_multi_needles_present_and_answers_are_asked(task):
+    s = T.generate_sample(task, target_tokens=1500, depth=0.6, seed=3)
+    assert len(s.needles) == 4 and len(s.depths) == 4
+    for needle, depth in zip(s.needles, s.depths):
+        assert s.context.count(needle) == 1
+        assert abs(s.context.index(needle) / len(s.context) - depth) < 0.05
+    assert abs(s.depth - 0.6) < 0.05
+    for a in s.answers:
+        assert a in s.context
+    asked = re.findall(r"for (.*) mentioned", s.question)[0].split(", ")
+    if task == "niah_multikey":
+        assert len(asked) == 1 and len(s.answers) == 1
+        distractor_values = [n.rsplit(" ", 1)[1].rstrip(".") for n in s.needles[1:]]
+        assert T.score(s, distractor_values[0]) == 0.0
+    elif task == "niah_multivalue":
+        assert len(asked) == 1 and len(s.answers) == 4
+        assert T.score(s, " ".join(s.answers[:2])) == 0.5
+    else:
+        assert len(asked) == 4 and len(s.answers) == 4
+    assert T.score(s, ", ".join(s.answers)) == 1.0
+
+
+def test_variable_tracking_chain_resolves_to_answer():
+    s = T.variable_tracking(1500, depth=0.2, seed=4, n_hops=3, n_chains=2)
+    value = re.search(r"value (\d+)", s.question).group(1)
+    assign = dict(re.findall(r"VAR (\w+) = (VAR \w+|\d+)\.", s.context))
+    holding = {v for v in assign if _resolve(assign, v) == value}
+    assert holding == set(s.answers) and len(s.answers) == 4
+    first = s.context.index(f"VAR {s.answers[0]} = {value}.")
+    assert abs(first / len(s.context) - 0.2) < 0.05
+    assert T.score(s, " ".join(s.answers)) == 1.0
+    other = next(v for v in assign if v not in holding)
+    assert T.score(s, other) == 0.0
+
+
+def _resolve(assign, name):
+    while assign[name].startswith("VAR "):
+        name = assign[name][4:]
+    return assign[name]
+
+
+def test_common_words_are_most_common():
+    s = T.common_words(1500, seed=2, n_common=5, common_freq=20, rare_freq=2)
+    words = re.findall(r"\d+\. (\w+)", s.context)
+    counts = {w: words.count(w) for w in set(words)}
+    assert all(counts[w] == 20 for w in s.answers)
+    assert max(c for w, c in counts.items() if w not in s.answers) == 2
+    assert T.score(s, ", ".join(s.answers)) == 1.0
+    assert T.score(s, ", ".join(s.answers[:2])) == pytest.approx(0.4)
+
+
+def test_frequent_words_are_strictly_most_frequent():
+    s = T.frequent_words(1500, seed=2, n_answers=3)
+    words = s.context.split()
+    counts = sorted(((words.count(w), w) for w in set(words)), reverse=True)
+    assert [w for _, w in counts[:3]] == s.answers
+    assert counts[2][0] > counts[3][0]
+    assert abs(s.n_tokens - 1500) < 150
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_line_retrieval_target_line(depth):
+    s = T.line_retrieval(1200, depth, seed=1)
+    topic = re.search(r"line (\S+)\?", s.question).group(1)
+    lines = s.context.split("\n")
+    idx = [i for i, line in enumerate(lines) if line.startswith(f"line {topic}:")]
+    assert len(idx) == 1
+    assert lines[idx[0]] == s.needles[0] and f"<{s.answers[0]}>" in lines[idx[0]]
+    assert abs(idx[0] / max(1, len(lines) - 1) - depth) < 0.02
+    assert T.score(s, f"The REGISTER_CONTENT in line {topic} is <{s.answers[0]}>.") == 1.0
+    assert T.score(s, "It is 99999999.") == 0.0
+    assert T.score(s, "I do not know.") == 0.0
+
+
+def test_scorer_needs_whole_answer():
+    s = T.niah_single(600, 0.5, seed=0)
+    a = s.answers[0]
+    assert T.score(s, a[:-1]) == 0.0
+    assert T.score(s, a + "9") == 0.0
+    assert T.score(s, f"**{a}**") == 1.0
+
+
+def test_token_length_calibrated_with_tokenizer_counter():
+    def split_words(texts, add_special_tokens):
+        return {"input_ids": [t.split() for t in texts]}
+
+    s = T.niah_single(700, 0.5, seed=0, tokenizer=None)
+    w = T.niah_single(700, 0.5, seed=0, tokenizer=split_words)
+    assert abs(w.n_tokens - 700) < 15 and w.n_tokens == len(w.context.split())
+    assert len(w.context) > len(s.context)
+
+
+def test_needle_grid():
+    grid = T.needle_grid([400, 800], [0.0, 0.5, 1.0], seed=10)
+    assert len(grid) == 6
+    assert [g.target_tokens for g in grid] == [400] * 3 + [800] * 3
+    assert [round(g.depth, 1) for g in grid] == [0.0, 0.5, 1.0] * 2
+    assert len({g.answers[0] for g in grid}) == 6
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match="depth"):
+        T.niah_single(500, 1.5)
+    with pytest.raises(ValueError, match="haystack"):
+        T.niah_single(500, 0.5, haystack="essays")
+    with pytest.raises(ValueError, match="kind"):
+        T.niah_single(500, 0.5, kind="colors")
+    with pytest.raises(ValueError, match="target_tokens"):
+        T.line_retrieval(10)
+    with pytest.raises(ValueError, match="task"):
+        T.generate_sample("needle")
+    with pytest.raises(ValueError, match="n_keys"):
+        T.niah_multikey(500, n_keys=1)
