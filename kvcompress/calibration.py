@@ -1,0 +1,237 @@
+"""Context-calibrated compression (Compactor seed 002, Sec. 3.5; DESIGN.md §4), for any method.
+
+For a method and a model, the NLL ratio y = NLL(t; q, c) / NLL(t; q, c~_r) of a known answer t
+after keeping a fraction r of the context c is modelled as
+
+    f(r) = (e^{kr} - 1) / (e^k - 1),   k = alpha·NLL(c) + beta,
+
+(f(0) = 0, f(1) = 1) where NLL(c) is the model's token-averaged NLL of the context itself.
+`fit` finds alpha, beta from (r, NLL(c), y) triples with an asymmetric squared loss (a curve
+above the measured y would choose too small an r, so those residuals weigh `asymmetry` times
+more); `Calibration.retention` inverts f for a quality budget gamma:
+r* = ln(1 + gamma(e^k - 1)) / k, written as 1 + ln(gamma + (1 - gamma)e^{-k}) / k for k > 0 so
+it never overflows; k -> 0 gives r* -> gamma. Compression ratios follow the kvpress convention of
+the rest of the library: compression_ratio = 1 - r (fraction removed).
+
+`make_triples` measures the triples on a model through the compressed cache (context compressed
+in prefill mode, question and answer appended exactly: the query-agnostic setting), and
+`calibrated_ratio` is the run-time step: one plain prefill for NLL(c), then r*.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .api import default_sink_window
+from .cache import CompressedCache, CompressionSettings
+from .methods.base import build_method, resolve_budget
+
+# |k| below this is treated as 0 (f(r) = r); the error of doing so is below 1e-7.
+_KAPPA_EPS = 1e-6
+
+
+def retention_curve(r, kappa) -> torch.Tensor:
+    """f(r) = (e^{kr} - 1)/(e^k - 1) elementwise (float64), overflow-free for any k (broadcasts r and k)."""
+    r = torch.as_tensor(r, dtype=torch.float64)
+    kappa = torch.as_tensor(kappa, dtype=torch.float64)
+    kp, kn = kappa.clamp_min(_KAPPA_EPS), kappa.clamp_max(-_KAPPA_EPS)
+    positive = torch.exp(kp * (r - 1)) * torch.expm1(-kp * r) / torch.expm1(-kp)
+    negative = torch.expm1(kn * r) / torch.expm1(kn)
+    return torch.where(kappa.abs() < _KAPPA_EPS, r, torch.where(kappa > 0, positive, negative))
+
+
+def optimal_retention(kappa: float, quality: float) -> float:
+    """Smallest r in (0, 1] with f(r) >= quality, in closed form (overflow-safe for large |k|)."""
+    check_quality(quality)
+    if quality == 1.0:  # only the full context has f = 1 (and log1p(-1) would be -inf for very negative k)
+        return 1.0
+    if abs(kappa) < _KAPPA_EPS:
+        r = quality
+    elif kappa > 0:
+        r = 1.0 + math.log(quality + (1.0 - quality) * math.exp(-kappa)) / kappa
+    else:
+        r = math.log1p(quality * math.expm1(kappa)) / kappa
+    return min(1.0, max(r, 0.0))
+
+
+def check_quality(quality: float) -> None:
+    if isinstance(quality, bool) or not isinstance(quality, (int, float)) or not (0.0 < quality <= 1.0):
+        raise ValueError(f"quality (the NLL-ratio budget gamma) must be in (0, 1], got {quality!r}")
+
+
+@dataclass
+class Calibration:
+    """A fitted curve for one method (and model): k = alpha·NLL(c) + beta."""
+
+    method: str
+    alpha: float
+    beta: float
+    asymmetry: float = 4.0
+    model: str | None = None
+    method_params: dict = field(default_factory=dict)
+    n_triples: int = 0
+    loss: float = float("nan")
+
+    def kappa(self, nll_context: float) -> float:
+        return self.alpha * float(nll_context) + self.beta
+
+    def predict(self, retention, nll_context) -> torch.Tensor:
+        """Predicted NLL ratio f(r) at retention(s) r for context NLL(s)."""
+        return retention_curve(retention, self.alpha * torch.as_tensor(nll_context, dtype=torch.float64) + self.beta)
+
+    def retention(self, nll_context: float, quality: float) -> float:
+        """r*: the fraction of the context to keep so the predicted NLL ratio is >= quality."""
+        return optimal_retention(self.kappa(nll_context), quality)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        data = json.loads(Path(path).read_text())
+        missing = {"method", "alpha", "beta"} - set(data)
+        if missing:
+            raise ValueError(f"{path}: not a calibration file (missing {sorted(missing)})")
+        return cls(**data)
+
+
+def choose_ratio(calibration: Calibration | str | Path, nll_context: float, quality: float) -> float:
+    """compression_ratio (fraction removed, kvpress convention) = 1 - r* for a context of NLL `nll_context`."""
+    if not isinstance(calibration, Calibration):
+        calibration = Calibration.load(calibration)
+    return max(0.0, 1.0 - calibration.retention(nll_context, quality))
+
+
+def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, method_params: dict | None = None) -> Calibration:
+    """Fit alpha, beta to triples (dicts with "retention", "nll_context", "nll_ratio", or 3-tuples in that order).
+
+    Loss: mean of w·(f(r) - y)^2 with w = asymmetry where f(r) > y (the curve promises more quality
+    than measured, i.e. would over-compress) and 1 elsewhere. L-BFGS in float64 from a few
+    starting points (k = 0, -3, +3); the best one is kept.
+    """
+    if not isinstance(asymmetry, (int, float)) or not asymmetry >= 1.0:
+        raise ValueError(f"asymmetry must be >= 1 (weight of over-compressing residuals), got {asymmetry!r}")
+    rows = [(t["retention"], t["nll_context"], t["nll_ratio"]) if isinstance(t, dict) else tuple(t) for t in triples]
+    if len(rows) < 2:
+        raise ValueError(f"fit needs at least 2 triples, got {len(rows)}")
+    r, nll, y = torch.tensor(rows, dtype=torch.float64).T
+    if not (torch.isfinite(r).all() and torch.isfinite(nll).all() and torch.isfinite(y).all()):
+        raise ValueError("triples contain NaN or infinite values")
+    if ((r <= 0) | (r > 1)).any():
+        raise ValueError("triples' retention must be in (0, 1]")
+
+    def loss_of(params: torch.Tensor) -> torch.Tensor:
+        err = retention_curve(r, params[0] * nll + params[1]) - y
+        return (torch.where(err > 0, float(asymmetry), 1.0) * err.square()).mean()
+
+    best = None
+    for beta0 in (0.0, -3.0, 3.0):
+        params = torch.tensor([0.0, beta0], dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([params], max_iter=200, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            loss = loss_of(params)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        with torch.no_grad():
+            loss = float(loss_of(params))
+        if math.isfinite(loss) and (best is None or loss < best[0]):
+            best = (loss, params.detach().clone())
+    loss, (alpha, beta) = best[0], best[1].tolist()
+    return Calibration(method, alpha, beta, float(asymmetry), model, dict(method_params or {}), len(rows), loss)
+
+
+def mean_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Token-averaged NLL of targets [1, L] under logits [1, L, V] (logits[i] predicts targets[i]), in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(-logp.gather(-1, targets[..., None]).mean())
+
+
+@torch.inference_mode()
+def full_nlls(model, context_ids: torch.Tensor, continuation_ids: torch.Tensor, answer_len: int) -> tuple[float, float]:
+    """(NLL(c), NLL(t; q, c)) with the full cache: one plain forward over context + continuation.
+
+    continuation_ids [1, m] = question then answer; the answer is its last `answer_len` tokens.
+    """
+    ids = torch.cat([context_ids, continuation_ids], 1)
+    logits = model(ids).logits
+    n = context_ids.shape[1]
+    total = ids.shape[1]
+    nll_context = mean_nll(logits[:, : n - 1], ids[:, 1:n])
+    nll_answer = mean_nll(logits[:, total - answer_len - 1 : total - 1], ids[:, total - answer_len :])
+    return nll_context, nll_answer
+
+
+@torch.inference_mode()
+def compressed_answer_nll(
+    model, context_ids, continuation_ids, answer_len: int, method: str, compression_ratio: float,
+    sink: int | None = None, window: int | None = None, seed: int = 0, **method_params,
+) -> float:
+    """NLL(t; q, c~_r): the context compressed once (prefill mode), then question + answer exact."""
+    from .integration.generate import use_compressed_attention
+
+    m = build_method(method, **method_params)
+    sink, window = default_sink_window(method, sink, window)
+    budget = resolve_budget(context_ids.shape[1], None, compression_ratio, sink, window)
+    cache = CompressedCache(model, CompressionSettings(m, "prefill", budget, None, sink, window, seed))
+    with use_compressed_attention(model):
+        model(context_ids, past_key_values=cache, use_cache=True)
+        logits = model(continuation_ids, past_key_values=cache, use_cache=True).logits
+    m_len = continuation_ids.shape[1]
+    return mean_nll(logits[:, m_len - answer_len - 1 : m_len - 1], continuation_ids[:, m_len - answer_len :])
+
+
+def encode_sample(tokenizer, context: str, question: str, answer: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(context_ids [1,n], question+answer ids [1,m], answer length) with the chat prompt of `build_prompt`."""
+    from .integration.model import build_prompt
+
+    context_ids, question_ids = build_prompt(tokenizer, context, question)
+    answer_ids = torch.tensor([tokenizer.encode(answer, add_special_tokens=False)], dtype=torch.long)
+    if answer_ids.shape[1] == 0:
+        raise ValueError("the known continuation (answer) is empty")
+    return context_ids, torch.cat([question_ids, answer_ids], 1), answer_ids.shape[1]
+
+
+def make_triples(model, tokenizer, samples, method: str, retentions, seed: int = 0, progress=None, **method_params) -> list[dict]:
+    """(retention, NLL(c), NLL ratio) for every sample x retention.
+
+    samples: iterables of (context, question, answer) (or dicts with those keys, plus an optional
+    "task"). Each sample costs one full forward and one compressed prefill per retention.
+    """
+    triples = []
+    for i, sample in enumerate(samples):
+        if isinstance(sample, dict):
+            context, question, answer, task = sample["context"], sample["question"], sample["answer"], sample.get("task")
+        else:
+            (context, question, answer), task = sample, None
+        context_ids, continuation_ids, answer_len = encode_sample(tokenizer, context, question, answer)
+        nll_context, nll_full = full_nlls(model, context_ids, continuation_ids, answer_len)
+        for r in retentions:
+            nll_r = compressed_answer_nll(model, context_ids, continuation_ids, answer_len, method, 1.0 - r, seed=seed, **method_params)
+            triples.append({
+                "sample": i, "task": task, "retention": float(r), "nll_context": nll_context,
+                "nll_full": nll_full, "nll_compressed": nll_r, "nll_ratio": nll_full / nll_r,
+            })
+            if progress is not None:
+                progress(triples[-1])
+    return triples
+
+
+@torch.inference_mode()
+def calibrated_ratio(model, context_ids: torch.Tensor, calibration: Calibration | str | Path, quality: float) -> dict:
+    """Run-time choice for one context: one plain prefill gives NLL(c), the curve gives r*.
+
+    Returns {"nll_context", "retention", "compression_ratio"}; pass compression_ratio to generate.
+    """
+    logits = model(context_ids).logits
+    nll = mean_nll(logits[:, :-1], context_ids[:, 1:])
+    ratio = choose_ratio(calibration, nll, quality)
+    return {"nll_context": nll, "retention": 1.0 - ratio, "compression_ratio": ratio}

@@ -1,0 +1,111 @@
+"""Context-calibrated compression (seed 002 Sec. 3.5): the curve, its inverse, the fit, the JSON file."""
+
+import math
+
+import pytest
+import torch
+
+from kvcompress import calibration as cal
+
+KAPPAS = [-700.0, -50.0, -3.0, -1e-9, 0.0, 1e-9, 0.5, 3.0, 50.0, 700.0, 5000.0]
+
+
+def _naive(r, k):
+    return (math.exp(k * r) - 1) / (math.exp(k) - 1)
+
+
+@pytest.mark.parametrize("kappa", KAPPAS)
+def test_curve_is_a_finite_monotone_map_from_0_to_1(kappa):
+    r = torch.linspace(0, 1, 101, dtype=torch.float64)
+    f = cal.retention_curve(r, kappa)
+    assert torch.isfinite(f).all()
+    assert f[0] == 0 and abs(float(f[-1]) - 1) < 1e-12
+    assert (f.diff() >= -1e-15).all()
+    if 1e-3 < abs(kappa) < 700:
+        for x in (0.1, 0.5, 0.9):
+            assert math.isclose(float(cal.retention_curve(x, kappa)), _naive(x, kappa), rel_tol=1e-9, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("kappa", KAPPAS)
+@pytest.mark.parametrize("quality", [0.5, 0.9, 0.95, 0.999, 1.0])
+def test_optimal_retention_inverts_the_curve(kappa, quality):
+    r = cal.optimal_retention(kappa, quality)
+    assert 0.0 <= r <= 1.0
+    assert float(cal.retention_curve(r, kappa)) >= quality - 1e-9
+    if r > 1e-6:  # the smallest such r: a little less falls short
+        assert float(cal.retention_curve(r * (1 - 1e-4), kappa)) < quality + 1e-12
+
+
+def test_optimal_retention_known_values():
+    assert math.isclose(cal.optimal_retention(-3.0, 0.95), math.log1p(0.95 * math.expm1(-3.0)) / -3.0)
+    assert 0.77 < cal.optimal_retention(-3.0, 0.95) < 0.78  # DESIGN.md §4 example
+    assert math.isclose(cal.optimal_retention(1e-9, 0.95), 0.95)
+    assert math.isclose(cal.optimal_retention(1e-4, 0.95), 0.95, rel_tol=1e-4)
+    assert cal.optimal_retention(1000.0, 0.95) > 0.999  # large positive k: incompressible, no overflow
+    with pytest.raises(ValueError, match="quality"):
+        cal.optimal_retention(-3.0, 0.0)
+    with pytest.raises(ValueError, match="quality"):
+        cal.optimal_retention(-3.0, 1.5)
+
+
+def _synthetic_triples(alpha, beta, noise, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for nll in torch.linspace(1.0, 4.0, 8).tolist():
+        for r in (0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+            y = float(cal.retention_curve(r, alpha * nll + beta)) + noise * float(torch.randn(1, generator=g))
+            rows.append({"retention": r, "nll_context": nll, "nll_ratio": y})
+    return rows
+
+
+def test_fit_recovers_parameters_from_exact_triples():
+    c = cal.fit(_synthetic_triples(2.0, -9.0, 0.0), "compactor", asymmetry=1.0)
+    assert math.isclose(c.alpha, 2.0, abs_tol=1e-3) and math.isclose(c.beta, -9.0, abs_tol=1e-3)
+    assert c.n_triples == 48 and c.loss < 1e-10
+
+
+def test_asymmetric_loss_keeps_the_curve_below_the_data():
+    triples = _synthetic_triples(2.0, -9.0, 0.05, seed=1)
+    sym = cal.fit(triples, "compactor", asymmetry=1.0)
+    asym = cal.fit(triples, "compactor", asymmetry=8.0)
+    r = torch.tensor([t["retention"] for t in triples], dtype=torch.float64)
+    nll = torch.tensor([t["nll_context"] for t in triples], dtype=torch.float64)
+    y = torch.tensor([t["nll_ratio"] for t in triples], dtype=torch.float64)
+    over_sym = (sym.predict(r, nll) > y).float().mean()
+    over_asym = (asym.predict(r, nll) > y).float().mean()
+    assert over_asym < over_sym
+    # a more cautious curve asks for more retention at the same quality budget
+    assert asym.retention(2.5, 0.95) > sym.retention(2.5, 0.95)
+
+
+def test_json_round_trip_and_choose_ratio(tmp_path):
+    c = cal.Calibration("snapkv", alpha=1.5, beta=-7.0, model="SmolLM2", method_params={"window": 32}, n_triples=10, loss=0.01)
+    path = tmp_path / "cal.json"
+    c.save(path)
+    assert cal.Calibration.load(path) == c
+    kappa = 1.5 * 2.0 - 7.0
+    assert math.isclose(cal.choose_ratio(path, 2.0, 0.95), 1 - cal.optimal_retention(kappa, 0.95))
+    assert math.isclose(cal.choose_ratio(c, 2.0, 0.95), cal.choose_ratio(path, 2.0, 0.95))
+    (tmp_path / "bad.json").write_text('{"alpha": 1}')
+    with pytest.raises(ValueError, match="not a calibration file"):
+        cal.Calibration.load(tmp_path / "bad.json")
+
+
+def test_fit_rejects_bad_input():
+    good = _synthetic_triples(1.0, -5.0, 0.0)
+    with pytest.raises(ValueError, match="asymmetry"):
+        cal.fit(good, "compactor", asymmetry=0.5)
+    with pytest.raises(ValueError, match="at least 2"):
+        cal.fit(good[:1], "compactor")
+    with pytest.raises(ValueError, match="retention"):
+        cal.fit([(0.0, 2.0, 0.5), (0.5, 2.0, 0.9)], "compactor")
+    with pytest.raises(ValueError, match="NaN"):
+        cal.fit([(0.5, float("nan"), 0.5), (0.5, 2.0, 0.9)], "compactor")
+
+
+def test_mean_nll_matches_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(1, 7, 11, generator=g), torch.randint(0, 11, (1, 7), generator=g)
+    ref = torch.nn.functional.cross_entropy(logits[0], targets[0])
+    assert math.isclose(cal.mean_nll(logits.half(), targets), float(ref), rel_tol=1e-2)
+    assert math.isclose(cal.mean_nll(logits, targets), float(ref), rel_tol=1e-6)
