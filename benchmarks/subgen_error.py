@@ -107,7 +107,7 @@ def write_markdown(rows, args) -> None:
         "| t \\ s | " + " | ".join(str(s) for s in args.s) + " |",
         "|---|" + "---|" * len(args.s),
     ]
-    for metric, label in (("rel_err", "‖z−Attn‖/‖Attn‖"), ("seed_err", "seed Eq. 3 ε"), ("den_err", "|τ/Z−1|")):
+    for metric, label in (("rel_err", "‖z−Attn‖/‖Attn‖"), ("seed_err", "seed Eq. 3 ε"), ("den_err", "mean abs(τ/Z − 1)")):
         lines.append(f"| **{label}** |" + " |" * len(args.s))
         for t in args.t:
             cells = [f"{r[metric]:.3g} ± {r[metric + '_std']:.2g}" for s in args.s for r in rows if r["s"] == s and r["t"] == t]

@@ -87,3 +87,18 @@ def test_half_precision_and_bad_parameter():
     assert summ.keys.dtype == torch.float16
     with pytest.raises(ValueError, match="no parameter"):
         kvc.compress("clustergen", keys, values, budget=8, k=3)
+
+
+@pytest.mark.e2e
+def test_generate_on_the_default_model(default_model):
+    """ClusterGen through kvc.generate keeps (1 - ratio) of the context: centres + recent window."""
+    from kvcompress.eval.tasks import line_retrieval
+
+    model, tok = default_model
+    sample = line_retrieval(target_tokens=400, depth=0.5, seed=0, tokenizer=tok)
+    res = kvc.generate(model, tok, sample.context, sample.question, method="clustergen", compression_ratio=0.5,
+                       max_new_tokens=4, progress=False)
+    kept = -(-res.context_tokens // 2)
+    exact_after = res.prompt_tokens - res.context_tokens + len(res.token_ids) - 1
+    assert res.slots_per_layer == [kept + exact_after] * len(res.slots_per_layer)
+    assert res.kv_bytes < 0.6 * res.kv_bytes_full

@@ -229,3 +229,22 @@ def test_bad_parameters_raise(params, budget, match):
     keys, values, _ = blobs(200)
     with pytest.raises(ValueError, match=match):
         kvc.compress("subgen", keys, values, budget=budget, **params)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_generate_on_the_default_model(default_model, mode):
+    """SubGen through kvc.generate: the cache stores s numerator slots + the window, the normalizer
+    its cluster samples, all within the budget, and fewer bytes than the full cache."""
+    from kvcompress.eval.tasks import line_retrieval
+
+    model, tok = default_model
+    sample = line_retrieval(target_tokens=400, depth=0.5, seed=0, tokenizer=tok)
+    budget = 96
+    res = kvc.generate(model, tok, sample.context, sample.question, method="subgen", budget=budget, mode=mode,
+                       max_new_tokens=4, progress=False)
+    assert len(res.token_ids) >= 1 and res.budget == budget
+    assert res.kv_bytes < res.kv_bytes_full
+    s = budget // 2
+    exact_after = res.prompt_tokens - res.context_tokens + len(res.token_ids) - 1
+    assert max(res.slots_per_layer) <= s + 64 + (exact_after if mode == "prefill" else 0)
