@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .summary import KVSummary
 
@@ -17,14 +18,29 @@ from .summary import KVSummary
 _MAX_LOGITS = 1 << 25
 
 
-def _masked_logits(q, keys, log_weights, positions, scale, query_positions):
-    """q [B,Hkv,g,c,d] (float32), keys [B,Hkv,n,d] -> [B,Hkv,g,c,n] logits + log-weights, causal -inf."""
-    logits = torch.einsum("bhgqd,bhnd->bhgqn", q, keys.float()) * scale
-    logits = logits + log_weights.float()[:, :, None, None, :]
+def _bias(log_weights, positions, query_positions, group):
+    """[B, H_q, c, n] additive bias: log-weights, and -inf where a slot lies after the query (causal)."""
+    bias = log_weights.float()[:, :, None, :]
     if query_positions is not None:
-        hidden = positions[:, :, None, None, :] > query_positions[:, None, None, :, None]
-        logits = logits.masked_fill(hidden, float("-inf"))
-    return logits
+        hidden = positions[:, :, None, :] > query_positions[:, None, :, None]
+        bias = bias.masked_fill(hidden, float("-inf"))
+    return bias.repeat_interleave(group, dim=1)
+
+
+def _logits(q, keys, log_weights, positions, scale, query_positions, group):
+    """q [B,H_q,c,d] float32 -> [B,H_q,c,n] scaled logits plus log-weights, causal -inf."""
+    b, hq, c, d = q.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    logits = torch.matmul(q.view(b, hkv, group * c, d), keys.float().transpose(-1, -2)).view(b, hq, c, n) * scale
+    return logits + _bias(log_weights, positions, query_positions, group)
+
+
+def _visible(positions: torch.Tensor, query_positions: torch.Tensor | None) -> int:
+    """Number of leading slots to keep: every slot after the last one visible to some query is dropped."""
+    if query_positions is None or positions.shape[-1] == 0:
+        return positions.shape[-1]
+    seen = (positions <= query_positions.max()).flatten(0, 1).any(0).nonzero()
+    return int(seen.max()) + 1 if seen.numel() else 0
 
 
 def weighted_attention(
@@ -39,6 +55,11 @@ def weighted_attention(
     reads KV head h // (H_q / H_kv)); scale defaults to 1/sqrt(d). query_positions [q] or [B, q]:
     when given, a query attends only to slots whose position is <= its own (causal). A query with
     no visible slot gets 0. Returns [B, H_q, q, d_v] in the queries' dtype.
+
+    Without a normalizer this is SDPA with the log-weights (and causality) as an additive bias;
+    with one, numerator and denominator are separate log-sum-exps. Queries go in chunks so no
+    more than about _MAX_LOGITS scores exist at once, and slots after the last one a chunk can
+    see are skipped.
     """
     b, hq, nq, d = queries.shape
     hkv = summary.keys.shape[1]
@@ -52,26 +73,26 @@ def weighted_attention(
     den = summary.denominator()
     n_slots = summary.num_slots + (den.keys.shape[2] if summary.normalizer is not None else 0)
     chunk = max(1, _MAX_LOGITS // max(1, b * hq * n_slots))
-    q = queries.float().reshape(b, hkv, group, nq, d)
-    values = summary.values.float()
+    q = queries.float()
     outs = []
     for start in range(0, nq, chunk):
-        qc = q[:, :, :, start : start + chunk]
+        qc = q[:, :, start : start + chunk]
         qpos = query_positions[:, start : start + chunk] if query_positions is not None else None
-        logits = _masked_logits(qc, summary.keys, summary.log_weights, summary.positions, scale, qpos)
+        n = _visible(summary.positions, qpos)
+        keys, values = summary.keys[:, :, :n], summary.values[:, :, :n].float()
+        log_weights, positions = summary.log_weights[:, :, :n], summary.positions[:, :, :n]
         if summary.normalizer is None:
-            log_den = torch.logsumexp(logits, dim=-1, keepdim=True)
-            probs = torch.exp(logits - log_den).nan_to_num(0.0)
-            out = torch.einsum("bhgqn,bhnd->bhgqd", probs, values)
-        else:
-            den_logits = _masked_logits(qc, den.keys, den.log_weights, den.positions, scale, qpos)
-            log_den = torch.logsumexp(den_logits, dim=-1, keepdim=True)
-            top = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
-            num = torch.einsum("bhgqn,bhnd->bhgqd", torch.exp(logits - top), values)
-            out = num * torch.exp(top - log_den).nan_to_num(0.0, posinf=0.0)
-        outs.append(out)
-    out = torch.cat(outs, dim=3).reshape(b, hq, nq, -1)
-    return out.to(queries.dtype)
+            bias = _bias(log_weights, positions, qpos, group).expand(b, hq, qc.shape[2], n)
+            out = F.scaled_dot_product_attention(qc, keys.float(), values, attn_mask=bias, scale=scale, enable_gqa=True)
+            outs.append(out.nan_to_num(0.0))
+            continue
+        logits = _logits(qc, keys, log_weights, positions, scale, qpos, group)
+        den_logits = _logits(qc, den.keys, den.log_weights, den.positions, scale, qpos, group)
+        log_den = torch.logsumexp(den_logits, dim=-1, keepdim=True)
+        top = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+        num = torch.matmul(torch.exp(logits - top).view(b, hkv, -1, n), values).view(b, hq, qc.shape[2], -1)
+        outs.append(num * torch.exp(top - log_den).nan_to_num(0.0, posinf=0.0))
+    return torch.cat(outs, dim=2).to(queries.dtype)
 
 
 def exact_attention(

@@ -176,14 +176,14 @@ def generate_ids(
             logits = model(block, past_key_values=past, use_cache=True).logits[:, -1]
             if bar is not None and cache is None:
                 bar.update(1)
+        cache_bar(cache, None)
+        if bar is not None:
+            bar.close()
         if cache is not None:
             cache.absorbing = mode == "decode"
         if rest is not None:
             logits = model(rest, past_key_values=past, use_cache=True).logits[:, -1]
         prefill_seconds = time.perf_counter() - start
-        cache_bar(cache, None)
-        if bar is not None:
-            bar.close()
 
         eos = _eos_ids(model) if stop_at_eos else set()
         new_tokens: list[int] = []
