@@ -111,8 +111,8 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
     """Fit alpha, beta to triples (dicts with "retention", "nll_context", "nll_ratio", or 3-tuples in that order).
 
     Loss: mean of w·(f(r) - y)^2 with w = asymmetry where f(r) > y (the curve promises more quality
-    than measured, i.e. would over-compress) and 1 elsewhere. L-BFGS in float64 from a few
-    starting points (k = 0, -3, +3); the best one is kept.
+    than measured, i.e. would over-compress) and 1 elsewhere. Levenberg-Marquardt in float64 from
+    a few starting points (k = 0, -3, +3); the best one is kept.
     """
     if not isinstance(asymmetry, (int, float)) or not asymmetry >= 1.0:
         raise ValueError(f"asymmetry must be >= 1 (weight of over-compressing residuals), got {asymmetry!r}")
@@ -125,28 +125,40 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
     if ((r <= 0) | (r > 1)).any():
         raise ValueError("triples' retention must be in (0, 1]")
 
-    def loss_of(params: torch.Tensor) -> torch.Tensor:
+    def residuals(params: torch.Tensor) -> torch.Tensor:
+        """sqrt(w)·(f(r) - y), so the loss is their mean square."""
         err = retention_curve(r, params[0] * nll + params[1]) - y
-        return (torch.where(err > 0, float(asymmetry), 1.0) * err.square()).mean()
+        return torch.where(err > 0, math.sqrt(asymmetry), 1.0) * err
 
     best = None
     for beta0 in (0.0, -3.0, 3.0):
-        params = torch.tensor([0.0, beta0], dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([params], max_iter=200, line_search_fn="strong_wolfe")
-
-        def closure():
-            opt.zero_grad()
-            loss = loss_of(params)
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        with torch.no_grad():
-            loss = float(loss_of(params))
+        params = levenberg_marquardt(residuals, torch.tensor([0.0, beta0], dtype=torch.float64))
+        loss = float(residuals(params).square().mean())
         if math.isfinite(loss) and (best is None or loss < best[0]):
-            best = (loss, params.detach().clone())
+            best = (loss, params)
     loss, (alpha, beta) = best[0], best[1].tolist()
     return Calibration(method, alpha, beta, float(asymmetry), model, dict(method_params or {}), len(rows), loss)
+
+
+def levenberg_marquardt(residuals, params: torch.Tensor, iterations: int = 200, h: float = 1e-6) -> torch.Tensor:
+    """Minimise mean(residuals(params)^2) over a few float64 parameters (central-difference Jacobian)."""
+    damping = 1e-3
+    res = residuals(params)
+    eye = torch.eye(params.numel(), dtype=torch.float64)
+    for _ in range(iterations):
+        jac = torch.stack([(residuals(params + h * e) - residuals(params - h * e)) / (2 * h) for e in eye], 1)
+        jtj = jac.T @ jac
+        step = torch.linalg.solve(jtj + damping * torch.diag(jtj.diagonal()) + 1e-12 * eye, -jac.T @ res)
+        trial = residuals(params + step)
+        if torch.isfinite(trial).all() and trial.square().sum() < res.square().sum():
+            params, res, damping = params + step, trial, damping / 3
+            if step.abs().max() < 1e-10:
+                break
+        else:
+            damping *= 4
+            if damping > 1e12:
+                break
+    return params
 
 
 def mean_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
