@@ -134,6 +134,18 @@ class CompressedLayer(CacheLayerMixin):
         )
         return compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
 
+    def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> None:
+        """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d]."""
+        if self.cache.settings.mode != "prefill" or self.front is not None or self.seen:
+            raise ValueError("load_prefill needs a fresh layer of a prefill-mode cache")
+        self.lazy_initialization(keys, values)
+        positions = torch.arange(keys.shape[2], device=keys.device)
+        start = time.perf_counter()
+        self.front = self._compress_once(keys, values, positions, queries, scale)
+        self.stats.compress_seconds += time.perf_counter() - start
+        self.seen = keys.shape[2]
+        self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
+
     def nbytes(self) -> int:
         """Bytes of every tensor this layer stores (compressed front, its workspace, exact tail)."""
         front = self.front.nbytes() if self.front is not None else 0
@@ -176,6 +188,22 @@ class CompressedCache(Cache):
         self._rotary = find_rotary_embedding(model) if settings.method.needs_pre_rope_keys else None
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.num_layers)])
 
+    @classmethod
+    def from_prefill(cls, model, settings: CompressionSettings, captured: dict) -> "CompressedCache":
+        """A prefill-mode cache built from one recorded full prefill of the context.
+
+        captured: {layer: (queries, keys, values)} for every layer, post-RoPE (as
+        `kvcompress.eval.capture.capture_qkv` returns them). One prefill then serves any number
+        of methods and ratios: each gets its own compressed copy.
+        """
+        cache = cls(model, settings)
+        if sorted(captured) != list(range(cache.num_layers)):
+            raise ValueError(f"captured must hold every layer 0..{cache.num_layers - 1}")
+        scales = attention_scales(model)
+        for layer, (queries, keys, values) in captured.items():
+            cache.layers[layer].load_prefill(queries, keys, values, scales[layer])
+        return cache
+
     def generator(self, layer_idx: int) -> torch.Generator:
         return make_generator(self.settings.seed * 100003 + layer_idx)
 
@@ -216,6 +244,11 @@ def check_supported(model) -> None:
     layer_types = getattr(model.config, "layer_types", None)
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"unsupported model: layer types {sorted(set(layer_types))}; kvcompress needs full attention in every layer")
+
+
+def attention_scales(model) -> dict[int, float]:
+    """{layer_idx: attention scale} of the model's attention modules."""
+    return {m.layer_idx: m.scaling for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
 
 
 def find_rotary_embedding(model):

@@ -159,3 +159,17 @@ def test_errors():
         with use_compressed_attention(model):
             cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=4))
             model(torch.cat([ctx, ctx]), attention_mask=torch.cat([torch.ones_like(ctx), torch.zeros_like(ctx)]), past_key_values=cache)
+
+
+def test_recorded_prefill_serves_many_methods_like_a_fresh_prefill():
+    from kvcompress.eval.capture import capture_qkv
+
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    captured = capture_qkv(model, ctx)
+    for method in ["snapkv", "knorm"]:
+        fresh = generate_ids(model, ctx, question, method=method, compression_ratio=0.5, max_new_tokens=6, stop_at_eos=False)
+        reused = generate_ids(model, ctx, question, method=method, compression_ratio=0.5, max_new_tokens=6, stop_at_eos=False, prefill=captured)
+        assert reused.token_ids == fresh.token_ids and reused.slots_per_layer == fresh.slots_per_layer
+    with pytest.raises(ValueError, match="recorded prefill"):
+        generate_ids(model, ctx, question, method="knorm", budget=8, mode="chunked", prefill=captured)

@@ -112,6 +112,7 @@ def generate_ids(
     compress_question: bool = False,
     progress: bool = False,
     stop_at_eos: bool = True,
+    prefill: dict | None = None,
     **method_params,
 ) -> GenerationResult:
     """Greedy generation on token ids [1, n] through a compressed cache; `method=None` is the full cache.
@@ -121,7 +122,9 @@ def generate_ids(
     method's stream (stored KV <= sink + budget + window + chunk_size per head); decode: as
     chunked, and every later token (question, answer) keeps going through the stream. A
     compression_ratio is resolved against the context length (the prompt length in prefill
-    mode with compress_question).
+    mode with compress_question). prefill: a recorded full prefill of the context
+    ({layer: (queries, keys, values)}, see `kvcompress.eval.capture.capture_qkv`) to compress
+    instead of running the context again (prefill mode, question kept out of compression).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -146,9 +149,14 @@ def generate_ids(
         compressed_length = n_prompt if (compress_question or mode == "decode") else n_context
         middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window)
         settings = CompressionSettings(m, mode, middle_budget, None, sink, window, seed)
-        cache = CompressedCache(model, settings)
-    elif budget is not None or compression_ratio is not None or method_params:
-        raise ValueError("method=None is the full cache: it takes no budget, compression_ratio or method parameters")
+        if prefill is not None:
+            if mode != "prefill" or compress_question:
+                raise ValueError("a recorded prefill serves mode='prefill' with the question kept out of compression")
+            cache = CompressedCache.from_prefill(model, settings, prefill)
+        else:
+            cache = CompressedCache(model, settings)
+    elif budget is not None or compression_ratio is not None or method_params or prefill is not None:
+        raise ValueError("method=None is the full cache: it takes no budget, compression_ratio, method parameters or recorded prefill")
 
     one_forward = mode == "prefill" or cache is None
     absorbed = question_ids if (compress_question and question_ids is not None) else None
@@ -157,6 +165,10 @@ def generate_ids(
     else:
         blocks = list(context_ids.split(chunk_size, dim=1)) + (list(absorbed.split(chunk_size, dim=1)) if absorbed is not None else [])
     rest = question_ids if absorbed is None else None
+    if prefill is not None:
+        if question_ids is None:
+            raise ValueError("a recorded prefill needs question_ids: the question's forward gives the first answer token")
+        blocks = []
 
     bar = None
     if progress and n_prompt >= PROGRESS_MIN_TOKENS:
