@@ -27,9 +27,6 @@ from pathlib import Path
 
 import torch
 
-from .api import default_sink_window
-from .cache import CompressedCache, CompressionSettings
-from .methods.base import build_method, resolve_budget
 
 # |k| below this is treated as 0 (f(r) = r); the error of doing so is below 1e-7.
 _KAPPA_EPS = 1e-6
@@ -167,38 +164,19 @@ def mean_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(-logp.gather(-1, targets[..., None]).mean())
 
 
-@torch.inference_mode()
-def full_nlls(model, context_ids: torch.Tensor, continuation_ids: torch.Tensor, answer_len: int) -> tuple[float, float]:
-    """(NLL(c), NLL(t; q, c)) with the full cache: one plain forward over context + continuation.
+def answer_nll(model, cache, continuation_ids: torch.Tensor, answer_len: int) -> float:
+    """NLL(t; q, c~): continuation_ids [1, m] = question then answer (its last `answer_len` tokens), after the cache's context."""
+    from .eval.prefill_replay import continuation_logits
 
-    continuation_ids [1, m] = question then answer; the answer is its last `answer_len` tokens.
-    """
-    ids = torch.cat([context_ids, continuation_ids], 1)
-    logits = model(ids).logits
-    n = context_ids.shape[1]
-    total = ids.shape[1]
-    nll_context = mean_nll(logits[:, : n - 1], ids[:, 1:n])
-    nll_answer = mean_nll(logits[:, total - answer_len - 1 : total - 1], ids[:, total - answer_len :])
-    return nll_context, nll_answer
+    m = continuation_ids.shape[1]
+    logits = continuation_logits(model, cache, continuation_ids)
+    return mean_nll(logits[:, m - answer_len - 1 : m - 1], continuation_ids[:, m - answer_len :])
 
 
 @torch.inference_mode()
-def compressed_answer_nll(
-    model, context_ids, continuation_ids, answer_len: int, method: str, compression_ratio: float,
-    sink: int | None = None, window: int | None = None, seed: int = 0, **method_params,
-) -> float:
-    """NLL(t; q, c~_r): the context compressed once (prefill mode), then question + answer exact."""
-    from .integration.generate import use_compressed_attention
-
-    m = build_method(method, **method_params)
-    sink, window = default_sink_window(method, sink, window)
-    budget = resolve_budget(context_ids.shape[1], None, compression_ratio, sink, window)
-    cache = CompressedCache(model, CompressionSettings(m, "prefill", budget, None, sink, window, seed))
-    with use_compressed_attention(model):
-        model(context_ids, past_key_values=cache, use_cache=True)
-        logits = model(continuation_ids, past_key_values=cache, use_cache=True).logits
-    m_len = continuation_ids.shape[1]
-    return mean_nll(logits[:, m_len - answer_len - 1 : m_len - 1], continuation_ids[:, m_len - answer_len :])
+def context_nll(model, context_ids: torch.Tensor) -> float:
+    """NLL(c): the model's token-averaged NLL of the context itself (one plain forward)."""
+    return mean_nll(model(context_ids).logits[:, :-1], context_ids[:, 1:])
 
 
 def encode_sample(tokenizer, context: str, question: str, answer: str) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -215,9 +193,12 @@ def encode_sample(tokenizer, context: str, question: str, answer: str) -> tuple[
 def make_triples(model, tokenizer, samples, method: str, retentions, seed: int = 0, progress=None, **method_params) -> list[dict]:
     """(retention, NLL(c), NLL ratio) for every sample x retention.
 
-    samples: iterables of (context, question, answer) (or dicts with those keys, plus an optional
-    "task"). Each sample costs one full forward and one compressed prefill per retention.
+    samples: (context, question, answer) tuples or dicts with those keys (plus an optional "task").
+    Per sample: one forward for NLL(c), one shared prefill (`eval.prefill_replay`), then per
+    retention the context compressed in prefill mode and question + answer appended exactly.
     """
+    from .eval.prefill_replay import SharedPrefill
+
     triples = []
     for i, sample in enumerate(samples):
         if isinstance(sample, dict):
@@ -225,9 +206,12 @@ def make_triples(model, tokenizer, samples, method: str, retentions, seed: int =
         else:
             (context, question, answer), task = sample, None
         context_ids, continuation_ids, answer_len = encode_sample(tokenizer, context, question, answer)
-        nll_context, nll_full = full_nlls(model, context_ids, continuation_ids, answer_len)
+        nll_context = context_nll(model, context_ids)
+        shared = SharedPrefill(model, context_ids)
+        nll_full = answer_nll(model, shared.cache(None), continuation_ids, answer_len)
         for r in retentions:
-            nll_r = compressed_answer_nll(model, context_ids, continuation_ids, answer_len, method, 1.0 - r, seed=seed, **method_params)
+            cache = shared.cache(method, 1.0 - r, seed=seed, **method_params)
+            nll_r = answer_nll(model, cache, continuation_ids, answer_len)
             triples.append({
                 "sample": i, "task": task, "retention": float(r), "nll_context": nll_context,
                 "nll_full": nll_full, "nll_compressed": nll_r, "nll_ratio": nll_full / nll_r,
@@ -243,7 +227,62 @@ def calibrated_ratio(model, context_ids: torch.Tensor, calibration: Calibration 
 
     Returns {"nll_context", "retention", "compression_ratio"}; pass compression_ratio to generate.
     """
-    logits = model(context_ids).logits
-    nll = mean_nll(logits[:, :-1], context_ids[:, 1:])
+    nll = context_nll(model, context_ids)
     ratio = choose_ratio(calibration, nll, quality)
     return {"nll_context": nll, "retention": 1.0 - ratio, "compression_ratio": ratio}
+
+
+def offline_samples(tokenizer, task_names, per_task: int, tokens: int, first_seed: int = 0) -> list[dict]:
+    """Calibration samples from the offline task set: {"task", "context", "question", "answer"} (answers joined by ", ")."""
+    from .eval.tasks import generate_sample
+
+    out = []
+    for task in task_names:
+        for seed in range(first_seed, first_seed + per_task):
+            s = generate_sample(task, target_tokens=tokens, seed=seed, tokenizer=tokenizer)
+            out.append({"task": task, "seed": seed, "context": s.context, "question": s.question, "answer": ", ".join(s.answers)})
+    return out
+
+
+def add_cli(subparsers) -> None:
+    """`kvcompress calibrate`: measure triples for a method on a model, fit the curve, save the JSON file."""
+    from .cli import add_model_arg
+
+    p = subparsers.add_parser(
+        "calibrate", help="fit the context-calibration curve of a method (Compactor seed Sec. 3.5)",
+        description="Measure (retention, NLL(context), NLL ratio of the known answer) triples on offline tasks, "
+        "fit k = alpha*NLL(c) + beta of f(r) = (e^{kr}-1)/(e^k-1) with an asymmetric loss, and save the fit as JSON.",
+    )
+    p.add_argument("--method", default="compactor", help="registered method name (default compactor)")
+    p.add_argument("--tasks", default="niah_single,niah_multikey,variable_tracking,common_words", help="comma-separated offline task names")
+    p.add_argument("--samples", type=int, default=2, help="samples per task (default 2)")
+    p.add_argument("--tokens", type=int, default=512, help="context length target in tokens (default 512)")
+    p.add_argument("--retentions", default="0.1,0.25,0.5,0.75,0.9", help="fractions of the context kept (default 0.1,...,0.9)")
+    p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="first task seed and the method's seed")
+    p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
+    p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
+    add_model_arg(p)
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args) -> int:
+    from .integration import load_model
+
+    retentions = [float(x) for x in args.retentions.split(",")]
+    if any(not 0 < r <= 1 for r in retentions):
+        raise ValueError(f"--retentions must lie in (0, 1], got {args.retentions}")
+    if args.samples < 1 or args.tokens < 16:
+        raise ValueError("--samples must be >= 1 and --tokens >= 16")
+    model, tokenizer = load_model(args.model)
+    samples = offline_samples(tokenizer, args.tasks.split(","), args.samples, args.tokens, args.seed)
+    triples = make_triples(
+        model, tokenizer, samples, args.method, retentions, seed=args.seed,
+        progress=lambda t: print(f"sample {t['sample']} r={t['retention']:.2f}: NLL(c)={t['nll_context']:.3f} ratio={t['nll_ratio']:.3f}", flush=True),
+    )
+    if args.triples is not None:
+        args.triples.write_text(json.dumps(triples, indent=1) + "\n")
+    calibration = fit(triples, args.method, args.asymmetry, model=args.model or "SmolLM2-135M-Instruct")
+    calibration.save(args.out)
+    print(f"alpha={calibration.alpha:.4f} beta={calibration.beta:.4f} (loss {calibration.loss:.4g}, {calibration.n_triples} triples) -> {args.out}")
+    return 0

@@ -216,3 +216,45 @@ def test_errors_name_the_problem():
     for bad in ({"leverage": "svd"}, {"sketch": "sparse"}, {"sketch_dim": 0}, {"chunk_size": 2.5}, {"kernel_size": 4}, {"leverage_weight": -1.0}, {"leverage_weight": math.nan}, {"attention": "yes"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=10, **bad)
+
+
+@pytest.fixture(scope="module")
+def real_layers():
+    """Pre-RoPE keys of three layers of the default model on ~600 tokens of real prose."""
+    from kvcompress.eval.capture import prose_text
+    from kvcompress.eval.prefill_replay import SharedPrefill
+
+    model, tok = kvc.load_model()
+    ids = tok(prose_text(3000), add_special_tokens=False, return_tensors="pt")["input_ids"][:, :600]
+    return model, tok, SharedPrefill(model, ids)
+
+
+@pytest.mark.e2e
+def test_sketched_leverage_tracks_exact_on_real_keys(real_layers):
+    _, _, shared = real_layers
+    for layer in (2, 15, 28):
+        pre = shared.layers[layer][3]
+        exact = cm.exact_leverage(pre)
+        approx = cm.leverage_scores(pre, "sketch", "gaussian", 64, make_generator(layer))
+        for h in range(pre.shape[1]):
+            rho = spearmanr(exact[0, h].numpy(), approx[0, h].numpy()).statistic
+            assert rho >= 0.8, (layer, h, rho)
+
+
+@pytest.mark.e2e
+def test_generate_with_compactor_matches_the_shared_prefill_replay(real_layers):
+    import math as _math
+
+    from kvcompress.eval import tasks
+    from kvcompress.eval.prefill_replay import SharedPrefill, greedy_answer
+    from kvcompress.integration.model import build_prompt
+
+    model, tok, _ = real_layers
+    sample = tasks.generate_sample("niah_single", target_tokens=300, seed=0, tokenizer=tok)
+    res = kvc.generate(model, tok, sample.context, sample.question, method="compactor", compression_ratio=0.5, max_new_tokens=12, progress=False)
+    context_ids, question_ids = build_prompt(tok, sample.context, sample.question)
+    n = context_ids.shape[1]
+    # the context keeps ceil(0.5 n) tokens per head; question and answer follow exactly
+    assert res.slots_per_layer == [_math.ceil(0.5 * n) + question_ids.shape[1] + len(res.token_ids) - 1] * 30
+    replay = greedy_answer(model, SharedPrefill(model, context_ids).cache("compactor", 0.5), question_ids, 12)
+    assert replay == res.token_ids
