@@ -31,7 +31,7 @@ def _logits(q, keys, log_weights, positions, scale, query_positions, group):
     """q [B,H_q,c,d] float32 -> [B,H_q,c,n] scaled logits plus log-weights, causal -inf."""
     b, hq, c, d = q.shape
     hkv, n = keys.shape[1], keys.shape[2]
-    logits = torch.matmul(q.view(b, hkv, group * c, d), keys.float().transpose(-1, -2)).view(b, hq, c, n) * scale
+    logits = torch.matmul(q.reshape(b, hkv, group * c, d), keys.float().transpose(-1, -2)).view(b, hq, c, n) * scale
     return logits + _bias(log_weights, positions, query_positions, group)
 
 

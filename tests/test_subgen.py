@@ -248,3 +248,16 @@ def test_generate_on_the_default_model(default_model, mode):
     s = budget // 2
     exact_after = res.prompt_tokens - res.context_tokens + len(res.token_ids) - 1
     assert max(res.slots_per_layer) <= s + 64 + (exact_after if mode == "prefill" else 0)
+
+
+def test_chunked_queries_over_a_normalizer_match_one_chunk(monkeypatch):
+    """weighted_attention splits long query blocks into chunks (non-contiguous slices): same result with a normalizer."""
+    import kvcompress.attention as attention
+
+    keys, values, _ = blobs(300)
+    summ = kvc.compress("subgen", keys, values, budget=64, window=16)
+    q = torch.randn(1, 4, 40, 16, generator=torch.Generator().manual_seed(4))
+    qpos = torch.arange(260, 300)
+    whole = attention.weighted_attention(q, summ, query_positions=qpos)
+    monkeypatch.setattr(attention, "_MAX_LOGITS", 2000)
+    assert torch.allclose(attention.weighted_attention(q, summ, query_positions=qpos), whole, atol=1e-6)
