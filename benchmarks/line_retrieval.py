@@ -51,8 +51,8 @@ def run(args) -> None:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new_file:
             writer.writeheader()
-        for length in args.lengths:
-            for i in range(args.samples):
+        for i in range(args.samples):
+            for length in args.lengths:
                 depth = (i + 0.5) / args.samples
                 sample = line_retrieval(target_tokens=length, depth=depth, seed=i, tokenizer=tokenizer)
                 for kept in args.kept:
