@@ -25,7 +25,7 @@ from scipy.stats import spearmanr
 import kvcompress as kvc
 from kvcompress.calibration import answer_nll, encode_sample
 from kvcompress.eval import tasks
-from kvcompress.eval.prefill_replay import SharedPrefill, greedy_answer
+from kvcompress.eval.prefill_replay import SharedPrefill
 from kvcompress.methods.base import make_generator
 from kvcompress.methods.compactor import exact_leverage, leverage_scores
 
@@ -44,7 +44,8 @@ VARIANTS = [
 
 def leverage_agreement(shared: SharedPrefill, sample_id: int) -> list[dict]:
     rows = []
-    for layer, (_, _, _, pre) in enumerate(shared.layers):
+    for layer in sorted(shared.captured):
+        pre = shared.pre_rope_keys(layer)
         exact = exact_leverage(pre)[0]
         approx = leverage_scores(pre, "sketch", "gaussian", 64, make_generator(layer))[0]
         for h in range(pre.shape[1]):
@@ -79,13 +80,13 @@ def main(argv=None):
         shared = SharedPrefill(model, context_ids)
         agreement += leverage_agreement(shared, sample_id)
         nll_full = answer_nll(model, shared.cache(None), continuation_ids, answer_len)
-        full_text = tok.decode(greedy_answer(model, shared.cache(None), question_ids, args.max_new_tokens), skip_special_tokens=True)
+        full_text = tok.decode(shared.answer_ids(question_ids, None, max_new_tokens=args.max_new_tokens), skip_special_tokens=True)
         rows.append({"task": task, "seed": seed, "variant": "full", "kept": 1.0, "score": tasks.score(sample, full_text),
                      "nll_ratio": 1.0, "answer": full_text.strip()})
         for name, method, params in VARIANTS:
             for frac in kept:
                 nll = answer_nll(model, shared.cache(method, 1.0 - frac, **params), continuation_ids, answer_len)
-                text = tok.decode(greedy_answer(model, shared.cache(method, 1.0 - frac, **params), question_ids, args.max_new_tokens), skip_special_tokens=True)
+                text = tok.decode(shared.answer_ids(question_ids, method, 1.0 - frac, args.max_new_tokens, **params), skip_special_tokens=True)
                 rows.append({"task": task, "seed": seed, "variant": name, "kept": frac, "score": tasks.score(sample, text),
                              "nll_ratio": nll_full / nll, "answer": text.strip()})
         print(f"{task} seed {seed}: {context_ids.shape[1]} tokens, {time.time() - t0:.0f}s, full: {full_text.strip()!r}", flush=True)

@@ -233,7 +233,7 @@ def real_layers():
 def test_sketched_leverage_tracks_exact_on_real_keys(real_layers):
     _, _, shared = real_layers
     for layer in (2, 15, 28):
-        pre = shared.layers[layer][3]
+        pre = shared.pre_rope_keys(layer)
         exact = cm.exact_leverage(pre)
         approx = cm.leverage_scores(pre, "sketch", "gaussian", 64, make_generator(layer))
         for h in range(pre.shape[1]):
@@ -246,7 +246,7 @@ def test_generate_with_compactor_matches_the_shared_prefill_replay(real_layers):
     import math as _math
 
     from kvcompress.eval import tasks
-    from kvcompress.eval.prefill_replay import SharedPrefill, greedy_answer
+    from kvcompress.eval.prefill_replay import SharedPrefill
     from kvcompress.integration.model import build_prompt
 
     model, tok, _ = real_layers
@@ -256,5 +256,5 @@ def test_generate_with_compactor_matches_the_shared_prefill_replay(real_layers):
     n = context_ids.shape[1]
     # the context keeps ceil(0.5 n) tokens per head; question and answer follow exactly
     assert res.slots_per_layer == [_math.ceil(0.5 * n) + question_ids.shape[1] + len(res.token_ids) - 1] * 30
-    replay = greedy_answer(model, SharedPrefill(model, context_ids).cache("compactor", 0.5), question_ids, 12)
+    replay = SharedPrefill(model, context_ids).answer_ids(question_ids, "compactor", 0.5, max_new_tokens=12)
     assert replay == res.token_ids

@@ -3,9 +3,8 @@
 In prefill mode (DESIGN.md §3) a layer is compressed only after its own attention over the whole
 block, so the context's hidden states, and every layer's q/k/v, do not depend on the method. A
 `SharedPrefill` captures them once (`eval.capture.capture_qkv`), then `cache(method, ...)`
-compresses every layer with `kvc.compress` exactly as `CompressedCache` does in prefill mode and
-returns a `CompressedCache` holding the summaries, ready for the question and the answer. The
-result equals `kvc.generate(..., mode="prefill")` up to float rounding (SDPA vs weighted attention
+builds a prefill-mode `CompressedCache` from that record (`CompressedCache.from_prefill`), ready
+for the question and the answer. The result equals `kvc.generate(..., mode="prefill")` up to float rounding (SDPA vs weighted attention
 in the shared prefill).
 """
 
@@ -13,43 +12,42 @@ from __future__ import annotations
 
 import torch
 
-from ..api import compress, default_sink_window
+from ..api import default_sink_window
 from ..cache import CompressedCache, CompressionSettings
 from ..methods.base import build_method
-from ..summary import KVSummary
 from .capture import capture_qkv
 
 
 class SharedPrefill:
-    """The context's per-layer (queries, keys, values, pre-RoPE keys), captured in one forward."""
+    """The context's per-layer post-RoPE (queries, keys, values), captured in one forward."""
 
     def __init__(self, model, context_ids: torch.Tensor):
-        self.model = model
-        self.context_ids = context_ids
+        self.model, self.context_ids = model, context_ids
         self.n = context_ids.shape[1]
-        captured = capture_qkv(model, context_ids)
-        positions = torch.arange(self.n)
-        unrotate = CompressedCache(model, CompressionSettings(build_method("compactor"), budget=1))
-        self.layers = [(q, k, v, unrotate.pre_rope_keys(k, positions)) for q, k, v in captured.values()]
-        self.scale = model.model.layers[0].self_attn.scaling
+        self.captured = capture_qkv(model, context_ids)
 
     def cache(self, method: str | None, compression_ratio: float = 0.0, sink=None, window=None, seed: int = 0, **params) -> CompressedCache:
-        """A prefill-mode cache whose layers hold `method`'s summaries of the context (None: exact, the full cache)."""
-        settings = CompressionSettings(build_method(method or "random", **params), budget=1, seed=seed)
-        cache = CompressedCache(self.model, settings)
-        if method is not None:
-            sink, window = default_sink_window(method, sink, window)
-        for idx, (layer, (q, k, v, pre)) in enumerate(zip(cache.layers, self.layers)):
-            if method is None:
-                front = KVSummary.exact(k, v, torch.arange(self.n))
-            else:
-                front = compress(
-                    method, k, v, queries=q, pre_rope_keys=pre, compression_ratio=compression_ratio, sink=sink, window=window,
-                    seed=cache.generator(idx), scale=self.scale, layer_idx=idx, num_layers=len(self.layers), **params,
-                )
-            layer.lazy_initialization(k, v)
-            layer.front, layer.seen = front, self.n
-        return cache
+        """A prefill-mode cache holding `method`'s compression of the context (None: the exact, full cache)."""
+        method, compression_ratio = _full_as_ratio_zero(method, compression_ratio)
+        sink, window = default_sink_window(method, sink, window)
+        settings = CompressionSettings(build_method(method, **params), "prefill", None, compression_ratio, sink, window, seed)
+        return CompressedCache.from_prefill(self.model, settings, self.captured)
+
+    def answer_ids(self, question_ids: torch.Tensor, method: str | None, compression_ratio: float = 0.0, max_new_tokens: int = 16, **params) -> list[int]:
+        """Greedy answer token ids to the question after `method`'s compression (`generate_ids` on the record)."""
+        from ..integration.generate import generate_ids
+
+        method, compression_ratio = _full_as_ratio_zero(method, compression_ratio)
+        res = generate_ids(
+            self.model, self.context_ids, question_ids, method=method, compression_ratio=compression_ratio,
+            max_new_tokens=max_new_tokens, prefill=self.captured, **params,
+        )
+        return res.token_ids
+
+    def pre_rope_keys(self, layer: int) -> torch.Tensor:
+        """[1, H_kv, n, d] pre-RoPE keys of a layer (un-rotated as the integration does)."""
+        unrotate = CompressedCache(self.model, CompressionSettings(build_method("compactor"), budget=1))
+        return unrotate.pre_rope_keys(self.captured[layer][1], torch.arange(self.n))
 
 
 @torch.inference_mode()
@@ -61,17 +59,6 @@ def continuation_logits(model, cache: CompressedCache, ids: torch.Tensor) -> tor
         return model(ids, past_key_values=cache, use_cache=True).logits
 
 
-@torch.inference_mode()
-def greedy_answer(model, cache: CompressedCache, question_ids: torch.Tensor, max_new_tokens: int = 16) -> list[int]:
-    """Greedy token ids after the question (stops at EOS)."""
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
-    logits = continuation_logits(model, cache, question_ids)[:, -1]
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        token = int(logits.argmax(-1))
-        out.append(token)
-        if token in eos or len(out) == max_new_tokens:
-            break
-        logits = continuation_logits(model, cache, torch.tensor([[token]]))[:, -1]
-    return out
+def _full_as_ratio_zero(method: str | None, compression_ratio: float) -> tuple[str, float]:
+    """The full cache from a record: any method at ratio 0 keeps every token exactly."""
+    return ("streamingllm", 0.0) if method is None else (method, compression_ratio)
