@@ -71,11 +71,12 @@ def time_calls(fn: Callable[[], object], repeats: int, max_seconds: float = math
 
 def fit_exponent(sizes: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
     """(a, c) of values ≈ c·sizes^a by least squares on log values vs log sizes (needs >= 2 distinct sizes)."""
-    x, y = np.log(np.asarray(sizes, dtype=float)), np.log(np.asarray(values, dtype=float))
-    if len(x) != len(y) or len(np.unique(x)) < 2:
-        raise ValueError(f"fit_exponent needs >= 2 distinct sizes with one value each, got {len(x)} sizes and {len(y)} values")
-    if not np.isfinite(y).all():
-        raise ValueError("fit_exponent needs positive, finite values")
+    sizes, values = np.asarray(sizes, dtype=float), np.asarray(values, dtype=float)
+    if len(sizes) != len(values) or len(np.unique(sizes)) < 2:
+        raise ValueError(f"fit_exponent needs >= 2 distinct sizes with one value each, got {len(sizes)} sizes and {len(values)} values")
+    if not (np.isfinite(values).all() and (values > 0).all() and (sizes > 0).all()):
+        raise ValueError("fit_exponent needs positive, finite sizes and values")
+    x, y = np.log(sizes), np.log(values)
     a, log_c = np.polyfit(x, y, 1)
     return float(a), float(math.exp(log_c))
 
@@ -199,26 +200,28 @@ def overhead_rows(
     _check_positive("max_seconds", max_seconds, 0)
     for n in sizes:
         _check_positive("sizes", n, 2)
+    jobs = []
+    for method in methods:
+        jobs.append((method, "compress"))
+        if stream == "all" or (stream == "native" and natively_streaming(method)):
+            jobs.append((method, "stream"))
     rows: list[dict] = []
     for shape in shapes:
         too_slow: set[tuple[str, str]] = set()
         for n in sorted(sizes):
             if ("exact", "exact") in too_slow:
-                rows.append({"shape": shape.name, "n": n, "method": "exact", "kind": "exact", "skipped": True})
+                too_slow.update(jobs)
+                rows += [{"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True} for m, k in (("exact", "exact"), *jobs)]
                 continue
             layer = synthetic_layer(shape, n, torch.Generator().manual_seed(seed + n))
             exact = time_calls(lambda: exact_attention_pass(layer), repeats, max_seconds)
             rows.append(_timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
-            jobs = []
-            for method in methods:
-                jobs.append((method, "compress", one_shot(method, layer, compression_ratio, seed)))
-                if stream == "all" or (stream == "native" and natively_streaming(method)):
-                    jobs.append((method, "stream", streamed(method, layer, compression_ratio, block, seed)))
-            for method, kind, fn in jobs:
+            for method, kind in jobs:
                 if (method, kind) in too_slow:
                     rows.append({"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
                     continue
+                fn = one_shot(method, layer, compression_ratio, seed) if kind == "compress" else streamed(method, layer, compression_ratio, block, seed)
                 times = time_calls(fn, repeats, max_seconds)
                 rows.append(_timing_row(shape, n, method, kind, times, exact))
                 log(f"{shape.name} n={n}: {method} {kind} {min(times):.3f}s = {rows[-1]['ratio_min']:.3f}x exact")

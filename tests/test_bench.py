@@ -1,0 +1,157 @@
+"""Cost-benchmark machinery (kvcompress.eval.bench): runs on tiny sizes and writes its files. No timing is asserted."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cli import build_parser, main
+from kvcompress.eval import bench
+
+TINY = bench.Shape("tiny", 1, 2, 8)
+
+
+def test_fit_exponent_recovers_power_law():
+    sizes = [1024, 2048, 4096, 8192, 16384]
+    a, c = bench.fit_exponent(sizes, [3e-9 * n**1.7 for n in sizes])
+    assert a == pytest.approx(1.7, abs=1e-9) and c == pytest.approx(3e-9, rel=1e-6)
+    noise = [1.05, 0.95, 1.02, 0.97, 1.01]
+    a, _ = bench.fit_exponent(sizes, [2e-6 * n * e for n, e in zip(sizes, noise)])
+    assert a == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("sizes, values", [([1024], [1.0]), ([8, 8], [1.0, 2.0]), ([8, 16], [1.0, 0.0]), ([8, 16], [1.0])])
+def test_fit_exponent_rejects_bad_input(sizes, values):
+    with pytest.raises(ValueError, match="fit_exponent"):
+        bench.fit_exponent(sizes, values)
+
+
+def test_time_calls_counts_and_stops_early():
+    calls = []
+    assert len(bench.time_calls(lambda: calls.append(1), 4)) == 4 and len(calls) == 4
+    assert len(bench.time_calls(lambda: calls.append(1), 5, max_seconds=0.0)) == 1
+    with pytest.raises(ValueError, match="repeats"):
+        bench.time_calls(lambda: None, 0)
+
+
+def test_synthetic_layer_shapes():
+    layer = bench.synthetic_layer(bench.SHAPES["smollm2"], 16, torch.Generator().manual_seed(0))
+    assert layer["keys"].shape == layer["values"].shape == layer["pre_rope_keys"].shape == (1, 3, 16, 64)
+    assert layer["queries"].shape == (1, 9, 16, 64)
+    assert bench.exact_attention_pass(layer).shape == (1, 9, 16, 64)
+
+
+def test_overhead_covers_every_method():
+    rows = bench.overhead_rows(kvc.methods(), [TINY], [32, 64], repeats=2, stream="none", log=lambda s: None)
+    for n in (32, 64):
+        exact = [r for r in rows if r["n"] == n and r["kind"] == "exact"]
+        assert len(exact) == 1
+        for method in kvc.methods():
+            (row,) = [r for r in rows if r["n"] == n and r["method"] == method]
+            assert row["kind"] == "compress" and row["repeats"] == 2 and row["min_s"] <= row["median_s"]
+            assert row["ratio_min"] == pytest.approx(row["min_s"] / exact[0]["min_s"])
+    exps = bench.exponent_rows(rows)
+    assert {(e["method"], e["kind"]) for e in exps} == {(r["method"], r["kind"]) for r in rows}
+    assert all(math.isfinite(e["time_exponent"]) and math.isfinite(e.get("ratio_exponent", 0.0)) for e in exps)
+
+
+def test_overhead_streams_natively_streaming_methods():
+    assert bench.natively_streaming("subgen") and not bench.natively_streaming("knorm")
+    rows = bench.overhead_rows(["subgen", "knorm"], [TINY], [64], repeats=1, block=16, log=lambda s: None)
+    assert [(r["method"], r["kind"]) for r in rows] == [("exact", "exact"), ("subgen", "compress"), ("subgen", "stream"), ("knorm", "compress")]
+    rows = bench.overhead_rows(["knorm"], [TINY], [64], repeats=1, block=16, stream="all", log=lambda s: None)
+    assert [(r["method"], r["kind"]) for r in rows] == [("exact", "exact"), ("knorm", "compress"), ("knorm", "stream")]
+
+
+def test_overhead_skips_larger_sizes_after_the_limit():
+    rows = bench.overhead_rows(["knorm"], [TINY], [32, 64], repeats=3, stream="all", max_seconds=0.0, log=lambda s: None)
+    first = [r for r in rows if r["n"] == 32]
+    assert all(not r.get("skipped") and r["repeats"] == 1 for r in first)
+    later = [r for r in rows if r["n"] == 64]  # the exact pass went over the limit too: the whole size is skipped
+    assert {(r["method"], r["kind"]) for r in later} == {("exact", "exact"), ("knorm", "compress"), ("knorm", "stream")}
+    assert all(r["skipped"] and "min_s" not in r for r in later)
+    assert bench.exponent_rows(rows) == []
+
+
+@pytest.mark.parametrize("kwargs, match", [({"stream": "some"}, "stream"), ({"compression_ratio": 1.0}, "compression_ratio"),
+                                           ({"block": 0}, "block"), ({"sizes": [1]}, "sizes")])
+def test_overhead_rejects_bad_options(kwargs, match):
+    args = {"methods": ["knorm"], "shapes": [TINY], "sizes": [32]} | kwargs
+    with pytest.raises(ValueError, match=match):
+        bench.overhead_rows(**args)
+
+
+def test_attention_step_rows():
+    rows = bench.attention_step_rows(TINY, contexts=(64,), kept=(0.25, 0.5), repeats=2, log=lambda s: None)
+    assert [(r["path"], r["kept"], r["slots"]) for r in rows] == [("sdpa", 1.0, 64), ("weighted", 1.0, 64), ("weighted", 0.25, 16), ("weighted", 0.5, 32)]
+    assert rows[0]["speedup"] == pytest.approx(1.0)
+
+
+def test_peak_process_memory_sees_an_allocation():
+    def allocate():
+        t = torch.ones(64 * 2**20 // 4)
+        return float(t[0])
+
+    out, peak, before = bench.peak_process_memory(allocate)
+    assert out == 1.0 and peak - before >= 48 * 2**20
+
+
+def test_cli_runs_and_writes_tables_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--sections", "overhead,attention", "--methods", "knorm,subgen", "--shapes", "smollm2", "--sizes", "32,64", "--repeats", "1",
+            "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "2", "--out", str(out)]
+    assert main(argv) == 0
+    for name in ("overhead.csv", "exponents.csv", "attention.csv", "bench.md", "overhead.png", "decode.png"):
+        assert (out / name).stat().st_size > 0
+    with open(out / "overhead.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["method"], r["kind"]) for r in rows} == {("exact", "exact"), ("knorm", "compress"), ("subgen", "compress"), ("subgen", "stream")}
+    assert (out / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
+    assert "Machine:" in md and "torch threads" in md and "| knorm |" in md and "| subgen |" in md
+
+
+def test_cli_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = capsys.readouterr().out
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["bench"]
+    for action in sub._actions:
+        for opt in action.option_strings:
+            assert opt in text
+        assert action.help
+    for name in bench.SECTIONS:
+        assert name in text
+
+
+@pytest.mark.parametrize("kwargs, match", [({"sections": ["speed"]}, "sections"), ({"methods": ["nope"]}, "unknown method"),
+                                           ({"shapes": ["gpt"]}, "shapes"), ({"threads": 0}, "threads")])
+def test_run_rejects_bad_options(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench.run(tmp_path, **kwargs)
+
+
+@pytest.mark.e2e
+def test_memory_chunked_flat_prefill_grows(default_model, tmp_path):
+    model, tokenizer = default_model
+    rows = bench.memory_rows(model, tokenizer, "knorm", sizes=(384, 768), budget=64, chunk_size=64, log=lambda s: None)
+    chunked = [r for r in rows if r["mode"] == "chunked"]
+    prefill = [r for r in rows if r["mode"] == "prefill"]
+    assert [r["n"] for r in chunked] == [384, 768]
+    assert chunked[0]["peak_kv_bytes"] == chunked[1]["peak_kv_bytes"]
+    assert prefill[1]["peak_kv_bytes"] == 2 * prefill[0]["peak_kv_bytes"]
+    bench.plot_memory(rows, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_decode_rows_on_the_default_model(default_model):
+    model, tokenizer = default_model
+    rows = bench.decode_rows(model, tokenizer, ["knorm"], context_tokens=256, kept=(0.5,), new_tokens=3, log=lambda s: None)
+    assert [(r["method"], r["kept"]) for r in rows] == [("full", 1.0), ("knorm", 0.5)]
+    assert rows[0]["speedup"] == pytest.approx(1.0)
+    assert all(r["new_tokens"] == 3 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["kv_bytes"] < rows[1]["kv_bytes_full"]
