@@ -43,6 +43,18 @@ def _visible(positions: torch.Tensor, query_positions: torch.Tensor | None) -> i
     return int(seen.max()) + 1 if seen.numel() else 0
 
 
+def _plain_causal(summary: KVSummary, query_positions: torch.Tensor | None) -> bool:
+    """True when the slots are exactly the queries' own tokens, unweighted: ordinary causal self-attention (a prefill)."""
+    nq = query_positions.shape[-1] if query_positions is not None else 0
+    return (
+        nq > 1
+        and summary.normalizer is None
+        and summary.num_slots == nq
+        and bool((summary.log_weights == 0).all())
+        and bool((summary.positions == query_positions[:, None, :]).all())
+    )
+
+
 def weighted_attention(
     queries: torch.Tensor,
     summary: KVSummary,
@@ -70,6 +82,11 @@ def weighted_attention(
     group = hq // hkv
     if query_positions is not None:
         query_positions = query_positions.to(summary.positions.device).long().expand(b, nq)
+    if _plain_causal(summary, query_positions):
+        out = F.scaled_dot_product_attention(
+            queries.float(), summary.keys.float(), summary.values.float(), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.to(queries.dtype)
     den = summary.denominator()
     n_slots = summary.num_slots + (den.keys.shape[2] if summary.normalizer is not None else 0)
     chunk = max(1, _MAX_LOGITS // max(1, b * hq * n_slots))

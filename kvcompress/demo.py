@@ -23,9 +23,9 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=3000, depth
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known methods: {', '.join(kvc.methods())}")
     model, tokenizer = load_model(model_path)
-    sample = niah_single(target_tokens=tokens, depth=depth, seed=seed, tokenizer=tokenizer, haystack="prose")
+    sample = niah_single(target_tokens=tokens, depth=depth, seed=seed, tokenizer=tokenizer)
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question)
-    print(f"context: {context_ids.shape[1]} tokens of real prose, needle at depth {sample.depth:.0%}: {sample.needles[0]!r}")
+    print(f"context: {context_ids.shape[1]} tokens, needle at depth {sample.depth:.0%}: {sample.needles[0]!r}")
     print(f"question: {sample.question}\n")
     start = time.perf_counter()
     prefill = capture_qkv(model, context_ids)
