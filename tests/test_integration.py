@@ -173,3 +173,18 @@ def test_recorded_prefill_serves_many_methods_like_a_fresh_prefill():
         assert reused.token_ids == fresh.token_ids and reused.slots_per_layer == fresh.slots_per_layer
     with pytest.raises(ValueError, match="recorded prefill"):
         generate_ids(model, ctx, question, method="knorm", budget=8, mode="chunked", prefill=captured)
+
+
+def test_context_calibrated_ratio_is_chosen_and_reported(tmp_path):
+    from kvcompress.calibration import Calibration
+
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    path = tmp_path / "fit.json"
+    Calibration("knorm", alpha=0.0, beta=-3.0).save(path)  # kappa = -3: keep r* = ln(1 + 0.95(e^-3 - 1)) / -3
+    res = generate_ids(model, ctx, question, method="knorm", quality=0.95, calibration=path, max_new_tokens=2, stop_at_eos=False, sink=0, window=0)
+    chosen = res.extra["calibration"]
+    assert chosen["retention"] == pytest.approx(0.776, abs=1e-3)
+    assert res.slots_per_layer[0] == round(chosen["retention"] * 300 + 0.5) + 8 + 1
+    with pytest.raises(ValueError, match="quality and calibration together"):
+        generate_ids(model, ctx, question, method="knorm", quality=0.95, calibration=path, budget=10)

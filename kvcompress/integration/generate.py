@@ -113,6 +113,8 @@ def generate_ids(
     progress: bool = False,
     stop_at_eos: bool = True,
     prefill: dict | None = None,
+    quality: float | None = None,
+    calibration=None,
     **method_params,
 ) -> GenerationResult:
     """Greedy generation on token ids [1, n] through a compressed cache; `method=None` is the full cache.
@@ -125,6 +127,10 @@ def generate_ids(
     mode with compress_question). prefill: a recorded full prefill of the context
     ({layer: (queries, keys, values)}, see `kvcompress.eval.capture.capture_qkv`) to compress
     instead of running the context again (prefill mode, question kept out of compression).
+    quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path): context-
+    calibrated compression (Compactor seed §3.5) — the ratio is the smallest compression whose
+    predicted quality meets `quality`, chosen from this context's NLL; it is reported in
+    `result.extra["calibration"]`.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -140,6 +146,14 @@ def generate_ids(
     question_ids = question_ids.to(device) if question_ids is not None and question_ids.shape[1] > 0 else None
     n_context = context_ids.shape[1]
     n_prompt = n_context + (question_ids.shape[1] if question_ids is not None else 0)
+    chosen = None
+    if quality is not None or calibration is not None:
+        from ..calibration import calibrated_ratio
+
+        if quality is None or calibration is None or budget is not None or compression_ratio is not None or method is None:
+            raise ValueError("context-calibrated compression takes a method, quality and calibration together, and no budget or compression_ratio")
+        chosen = calibrated_ratio(model, context_ids, calibration, quality)
+        compression_ratio = chosen["compression_ratio"]
 
     cache, middle_budget = None, None
     if method is not None:
@@ -230,6 +244,7 @@ def generate_ids(
         prefill_seconds=prefill_seconds,
         compress_seconds=compress_seconds,
         decode_seconds=decode_seconds,
+        extra={"calibration": chosen} if chosen is not None else {},
     )
 
 
