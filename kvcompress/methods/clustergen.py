@@ -29,14 +29,21 @@ def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = No
     g = x.shape[0]
     rows = torch.arange(g, device=x.device)
     index = torch.zeros(g, k, dtype=torch.long, device=x.device)
-    nearest = (x - x[:, :1]).norm(dim=-1)
+    sq_norms = x.square().sum(-1)
+
+    def distance_to(centre: torch.Tensor) -> torch.Tensor:
+        # ‖x - c‖ via ‖x‖² - 2<x, c> + ‖c‖²: one matrix-vector product, no [G, n, d] temporary per step.
+        dot = torch.bmm(x, centre.unsqueeze(-1)).squeeze(-1)
+        return (sq_norms - 2.0 * dot + centre.square().sum(-1, keepdim=True)).clamp_min(0.0).sqrt()
+
+    nearest = distance_to(x[:, 0])
     if valid is not None:
         nearest = nearest.masked_fill(~valid, float("-inf"))
     nearest[:, 0] = float("-inf")
     for j in range(1, k):
         nxt = nearest.argmax(dim=-1)
         index[:, j] = nxt
-        nearest = torch.minimum(nearest, (x - x[rows, nxt][:, None]).norm(dim=-1))
+        nearest = torch.minimum(nearest, distance_to(x[rows, nxt]))
         nearest[rows, nxt] = float("-inf")
     return index, nearest
 
