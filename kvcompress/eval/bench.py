@@ -440,15 +440,29 @@ def overhead_pivot(rows: Sequence[dict], shape: str, kind: str) -> list[dict]:
     return list(table.values())
 
 
-def plot_overhead(rows: Sequence[dict], path: Path) -> None:
-    """Ratio to exact attention vs n (log-log), one panel per shape; solid compress, dashed stream."""
+def _subplots(ncols: int, size: tuple[float, float]):
+    """(figure, axes [1, ncols]) on matplotlib's Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(1, ncols, figsize=size, squeeze=False)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_overhead(rows: Sequence[dict], path: Path) -> None:
+    """Ratio to exact attention vs n (log-log), one panel per shape; solid compress, dashed stream."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 5), squeeze=False)
+    fig, axes = _subplots(len(shapes), (7 * len(shapes), 5))
     for ax, shape in zip(axes[0], shapes):
         series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rows:
@@ -464,20 +478,12 @@ def plot_overhead(rows: Sequence[dict], path: Path) -> None:
         ax.set_ylabel("time / one exact causal attention pass")
         ax.set_title(f"compression overhead, {shape} shape")
         ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> None:
     """Left: decode tokens/s over the full cache's per method and kept fraction; right: attention-step speedups."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5), squeeze=False)
+    fig, axes = _subplots(2, (14, 5))
     ax = axes[0][0]
     if decode:
         methods = list(dict.fromkeys(r["method"] for r in decode if r["method"] != "full"))
@@ -499,20 +505,12 @@ def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> Non
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_ylabel("full-cache SDPA step time / step time")
         ax.set_title(f"attention-only decode step, {step[0]['shape']} shape")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_memory(rows: Sequence[dict], path: Path) -> None:
     """Peak KV bytes and peak process-memory growth vs prompt length, one line per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), squeeze=False)
+    fig, axes = _subplots(2, (12, 4.5))
     for ax, key, label in ((axes[0][0], "peak_kv_bytes", "peak KV bytes stored (MiB)"),
                            (axes[0][1], "peak_rss_growth_bytes", "peak process memory growth (MiB)")):
         for mode in dict.fromkeys(r["mode"] for r in rows):
@@ -523,10 +521,7 @@ def plot_memory(rows: Sequence[dict], path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"prefill vs chunked, {rows[0]['method']}, middle budget {rows[0]['budget']}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=()) -> None:
