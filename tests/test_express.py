@@ -11,6 +11,7 @@ from kvcompress.methods.express import (
     ExpressState,
     block_plan,
     cache_slots,
+    fill_budget,
     halve_groups,
     kernel_halving,
     max_depth,
@@ -61,20 +62,39 @@ def test_halving_huge_half_precision_keys_stays_finite():
     assert torch.isfinite(out).all()
 
 
-def test_kernel_halving_beats_uniform_halving_on_clustered_data():
-    """Margin: kernel halving's mean relative error over 20 seeds is below 0.95 x uniform halving's."""
+def _uniform_half(keys, values, generator):
+    """Half of the tokens per head, uniformly without replacement, each weighing 2."""
+    b, h, n, d = keys.shape
+    pick = torch.rand(b, h, n, generator=generator).topk(n // 2).indices.sort().values
+    kept = [t.gather(2, pick.unsqueeze(-1).expand(-1, -1, -1, d)) for t in (keys, values)]
+    return KVSummary(*kept, torch.full(pick.shape, math.log(2.0)), pick)
+
+
+def test_greedy_kernel_halving_beats_uniform_halving_on_clustered_data():
+    """Margin: over 20 seeds, the greedy walk's mean relative error after one Halve is below 0.75 x the
+    uniform half's (measured 0.053 vs 0.092) and below the randomised self-balancing walk's (0.083)."""
     keys, values, queries = _clustered(512)
     exact = kvc.exact_attention(queries, keys, values)
     slots = KVSummary.exact(keys, values, torch.arange(512))
-    kh, uni = [], []
+    errors = {"greedy": [], "self-balancing": [], "uniform": []}
     for seed in range(20):
-        half = halve_groups(slots, 512, 8**-0.5, make_generator(seed), 0.5)
-        kh.append(kvc.relative_error(kvc.weighted_attention(queries, half), exact))
-        pick = torch.rand(1, 2, 256, generator=make_generator(seed)).lt(0.5).long() + 2 * torch.arange(256)
-        uniform = KVSummary(*[t.gather(2, pick.unsqueeze(-1).expand(-1, -1, -1, 8)) for t in (keys, values)],
-                            torch.full((1, 2, 256), math.log(2.0)), pick)
-        uni.append(kvc.relative_error(kvc.weighted_attention(queries, uniform), exact))
-    assert sum(kh) / len(kh) < 0.95 * sum(uni) / len(uni)
+        for name, delta in (("greedy", None), ("self-balancing", 0.5)):
+            half = halve_groups(slots, 512, 8**-0.5, make_generator(seed), delta)
+            errors[name].append(kvc.relative_error(kvc.weighted_attention(queries, half), exact))
+        uniform = _uniform_half(keys, values, make_generator(seed))
+        errors["uniform"].append(kvc.relative_error(kvc.weighted_attention(queries, uniform), exact))
+    mean = {name: sum(e) / len(e) for name, e in errors.items()}
+    assert mean["greedy"] < 0.75 * mean["uniform"]
+    assert mean["greedy"] < mean["self-balancing"]
+
+
+def test_greedy_walk_is_symmetrised():
+    """Greedy halving is deterministic up to the coin that swaps coreset and complement."""
+    keys, values, _ = _clustered(64, heads=1)
+    outs = {tuple(kernel_halving(keys, values, 8**-0.5, make_generator(seed)).flatten().tolist()) for seed in range(16)}
+    assert len(outs) == 2
+    a, b = (torch.tensor(o) for o in outs)
+    assert torch.equal(a ^ 1, b)
 
 
 def test_plan_and_bounds():
@@ -150,19 +170,33 @@ def test_large_cache_is_exact_attention():
     assert torch.allclose(kvc.weighted_attention(queries, summary), exact, atol=1e-6)
 
 
-def test_offline_express_equals_stream_structure_and_fits_budget():
+def test_offline_express_fills_the_budget_exactly():
+    """One-shot Express returns exactly min(budget, n) slots for any budget >= 1 (top-up by halving a subset)."""
     keys, values, queries = _clustered(3000)
-    for budget in (40, 200, 333):
+    for budget in (1, 2, 3, 5, 40, 200, 333, 1100):
         s = kvc.compress("express", keys, values, budget=budget, sink=0, window=0, seed=3)
-        assert budget // 3 <= s.num_slots <= budget  # m is chosen to fill the budget for the known n
+        assert s.num_slots == budget
         assert torch.allclose(s.total_weight(), torch.tensor(3000.0, dtype=torch.float64))
         assert (s.positions.diff(dim=-1) > 0).all()
+    short = kvc.compress("express", keys[:, :, :37], values[:, :, :37], budget=200, sink=0, window=0)
+    assert short.num_slots == 37 and torch.all(short.log_weights == 0)
     with_edges = kvc.compress("express", keys, values, budget=200)  # seed defaults: 32 sink + 32 window
-    assert with_edges.num_slots <= 200 + 64
+    assert with_edges.num_slots == 200 + 64
     assert torch.equal(with_edges.positions[0, 0, :32], torch.arange(32))
     assert torch.equal(with_edges.positions[0, 0, -32:], torch.arange(2968, 3000))
     again = kvc.compress("express", keys, values, budget=200, seed=0)
     assert torch.equal(again.positions, with_edges.positions)
+
+
+def test_fill_budget_merges_unequal_weights_without_bias():
+    """Two single slots of weights 1 and 3 merged into one: the heavier is kept 3/4 of the time, weight 4."""
+    heads = 4000
+    keys = torch.randn(1, heads, 2, 2)
+    s = KVSummary(keys, keys, torch.tensor([0.0, math.log(3.0)]).expand(1, heads, 2), torch.arange(2).expand(1, heads, 2))
+    out = fill_budget(s, 1, 1.0, make_generator(0), None)
+    assert out.num_slots == 1 and torch.allclose(out.log_weights.exp(), torch.tensor(4.0))
+    share = out.positions.float().mean()
+    assert abs(float(share) - 0.75) < 5 * math.sqrt(0.75 * 0.25 / heads)
 
 
 def test_express_cache_beats_uniform_sampling_at_equal_slots():
@@ -179,7 +213,8 @@ def test_express_cache_beats_uniform_sampling_at_equal_slots():
 
 @pytest.mark.parametrize(
     "params, match",
-    [({"budget": 3}, "budget >= 4"), ({"budget": 64, "g": -1}, "g"), ({"budget": 64, "delta": 0.0}, "delta")],
+    [({"budget": 0}, "budget"), ({"budget": 64, "g": -1}, "g"), ({"budget": 64, "delta": 0.0}, "delta"),
+     ({"budget": 64, "halving": "coin"}, "halving")],
 )
 def test_bad_parameters(params, match):
     keys, values, _ = _clustered(200)
@@ -187,18 +222,21 @@ def test_bad_parameters(params, match):
         kvc.compress("express", keys, values, sink=0, window=0, **params)
 
 
+def test_stream_rejects_budgets_below_four():
+    with pytest.raises(ValueError, match="budget >= 4"):
+        kvc.stream("express", budget=3, sink=0, window=0)
+
+
 @pytest.mark.e2e
-@pytest.mark.xfail(strict=False, reason="measured 2026-11-21: KH 0.1372 vs uniform 0.1366 mean error at 1024 tokens "
-                   "(a tie); at 2048 tokens the benchmark shows KH 1-5 % lower on all four layers")
 def test_kernel_halving_beats_uniform_half_on_real_layers():
-    """Real post-RoPE keys/values of SmolLM2 (layers 2 and 26, 1024 prose tokens): after one Halve of the
-    middle (sink 32 and the last 256 query tokens exact), the causal attention error of the last 256
-    queries, averaged over 8 seeds and both layers, is below the uniform half's (margin: strictly lower;
-    the measured gap in benchmarks/results/express_attention_error.md is 1-5 %)."""
+    """Real post-RoPE keys/values of SmolLM2 (layers 2, 10, 18, 26; 1024 prose tokens): after one greedy
+    Halve of the middle (sink 32 and the last 256 query tokens exact), the causal attention error of the
+    last 256 queries, averaged over 4 seeds and the four layers, is below 0.9 x the uniform half's
+    (measured over 8 seeds: 0.119 vs 0.148; benchmarks/results/express_attention_error.md, part A)."""
     from kvcompress.eval.capture import capture_qkv, prose_text
 
     model, tokenizer = kvc.load_model()
-    captured = capture_qkv(model, tokenizer, prose_text(seed=0), layers=[2, 26], max_tokens=1024)
+    captured = capture_qkv(model, tokenizer, prose_text(seed=0), layers=[2, 10, 18, 26], max_tokens=1024)
     kh, uni = [], []
     for q, k, v in captured.values():
         q, k, v = q.float(), k.float(), v.float()
@@ -207,13 +245,11 @@ def test_kernel_halving_beats_uniform_half_on_real_layers():
         exact = kvc.exact_attention(q[:, :, stop:], k, v, causal_offset=stop)
         edges = [KVSummary.exact(k[:, :, a:b], v[:, :, a:b], positions[a:b]) for a, b in ((0, 32), (stop, n))]
         middle = KVSummary.exact(k[:, :, 32:stop], v[:, :, 32:stop], positions[32:stop])
-        half_n = middle.num_slots // 2
-        for seed in range(8):
-            half = halve_groups(middle, middle.num_slots, 64**-0.5, make_generator(seed), 0.5)
-            pick = torch.rand(1, k.shape[1], middle.num_slots, generator=make_generator(seed)).topk(half_n).indices.sort().values
-            uniform = KVSummary(*[t.gather(2, pick.unsqueeze(-1).expand(-1, -1, -1, 64)) for t in (middle.keys, middle.values)],
-                                torch.full(pick.shape, math.log(2.0)), pick + 32)
+        for seed in range(4):
+            half = halve_groups(middle, middle.num_slots, 64**-0.5, make_generator(seed), None)
+            uniform = _uniform_half(middle.keys, middle.values, make_generator(seed))
+            uniform.positions += 32
             for out, s in ((kh, half), (uni, uniform)):
                 summary = kvc.summary.concat([edges[0], s, edges[1]])
                 out.append(kvc.relative_error(kvc.weighted_attention(q[:, :, stop:], summary, query_positions=positions[stop:]), exact))
-    assert sum(kh) / len(kh) < sum(uni) / len(uni)
+    assert sum(kh) / len(kh) < 0.9 * sum(uni) / len(uni)
