@@ -181,6 +181,7 @@ def overhead_rows(
     stream: str = "native",
     seed: int = 0,
     log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median}.
 
@@ -215,21 +216,28 @@ def overhead_rows(
                 continue
             layer = synthetic_layer(shape, n, torch.Generator().manual_seed(seed + n))
             exact = time_calls(lambda: exact_attention_pass(layer), repeats, max_seconds)
-            rows.append(_timing_row(shape, n, "exact", "exact", exact, None))
+            _add(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
             for method, kind in jobs:
                 if (method, kind) in too_slow:
-                    rows.append({"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
+                    _add(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
                     continue
                 fn = one_shot(method, layer, compression_ratio, seed) if kind == "compress" else streamed(method, layer, compression_ratio, block, seed)
                 times = time_calls(fn, repeats, max_seconds)
-                rows.append(_timing_row(shape, n, method, kind, times, exact))
+                _add(rows, on_row, _timing_row(shape, n, method, kind, times, exact))
                 log(f"{shape.name} n={n}: {method} {kind} {min(times):.3f}s = {rows[-1]['ratio_min']:.3f}x exact")
                 if min(times) > max_seconds:
                     too_slow.add((method, kind))
             if min(exact) > max_seconds:
                 too_slow.add(("exact", "exact"))
     return rows
+
+
+def _add(rows: list[dict], on_row, row: dict) -> None:
+    """Append a row and hand the rows so far to on_row (so a long run's results are saved as they come)."""
+    rows.append(row)
+    if on_row is not None:
+        on_row(rows)
 
 
 def exponent_rows(rows: Sequence[dict]) -> list[dict]:
@@ -269,6 +277,7 @@ def decode_rows(
     new_tokens: int = 32,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Rows {method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full}.
 
@@ -290,12 +299,13 @@ def decode_rows(
     prefill = capture_qkv(model, ctx)
     common = {"max_new_tokens": new_tokens, "stop_at_eos": False, "seed": seed}
     full = generate_ids(model, ctx, question, method=None, **common)
-    rows = [_decode_row(full, 1.0, full)]
+    rows: list[dict] = []
+    _add(rows, on_row, _decode_row(full, 1.0, full))
     log(f"decode full: {full.decode_tokens_per_second:.2f} tokens/s")
     for method in methods:
         for k in kept:
             res = generate_ids(model, ctx, question, method=method, compression_ratio=1.0 - k, prefill=prefill, **common)
-            rows.append(_decode_row(res, k, full))
+            _add(rows, on_row, _decode_row(res, k, full))
             log(f"decode {method} kept={k}: {res.decode_tokens_per_second:.2f} tokens/s = {rows[-1]['speedup']:.2f}x full")
     return rows
 
@@ -371,6 +381,7 @@ def memory_rows(
     chunk_size: int = 128,
     modes: Sequence[str] = ("chunked", "prefill"),
     log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Rows {mode, method, n, budget, peak_kv_bytes, kv_bytes, kv_bytes_full, peak_rss_bytes, rss_before_bytes, peak_rss_growth_bytes, prompt_s}.
 
@@ -387,7 +398,7 @@ def memory_rows(
             res, peak, before = peak_process_memory(
                 lambda: generate_ids(model, ids, None, method=method, budget=budget, mode=mode, max_new_tokens=1, chunk_size=chunk_size)
             )
-            rows.append({"mode": mode, "method": method, "n": ids.shape[1], "budget": budget, "peak_kv_bytes": res.peak_kv_bytes,
+            _add(rows, on_row, {"mode": mode, "method": method, "n": ids.shape[1], "budget": budget, "peak_kv_bytes": res.peak_kv_bytes,
                          "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full, "peak_rss_bytes": peak,
                          "rss_before_bytes": before, "peak_rss_growth_bytes": peak - before, "prompt_s": res.prefill_seconds})
             log(f"memory {mode} n={n}: peak KV {res.peak_kv_bytes / 2**20:.1f} MiB, peak RSS growth {(peak - before) / 2**20:.1f} MiB")
@@ -600,8 +611,13 @@ def run(
     log(machine)
     out_dir = Path(out_dir)
     results: dict[str, list[dict]] = {}
+
+    def saver(name: str) -> Callable[[list[dict]], None]:
+        return lambda rows: write_csv(rows, out_dir / f"{name}.csv")
+
     if "overhead" in sections:
-        rows = overhead_rows(methods, [SHAPES[s] for s in shapes], sizes, compression_ratio, repeats, block, max_seconds, stream, seed, log)
+        rows = overhead_rows(methods, [SHAPES[s] for s in shapes], sizes, compression_ratio, repeats, block, max_seconds, stream, seed, log,
+                             saver("overhead"))
         results["overhead"], results["exponents"] = rows, exponent_rows(rows)
         plot_overhead(rows, out_dir / "overhead.png")
     if "attention" in sections:
@@ -612,11 +628,11 @@ def run(
 
         model, tokenizer = load_model(model_path)
     if "decode" in sections:
-        results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log)
+        results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log, saver("decode"))
     if "decode" in sections or "attention" in sections:
         plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
     if "memory" in sections:
-        results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, log=log)
+        results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, log=log, on_row=saver("memory"))
         plot_memory(results["memory"], out_dir / "memory.png")
     for name, rows in results.items():
         write_csv(rows, out_dir / f"{name}.csv")
