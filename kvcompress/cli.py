@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 # Subcommands defined next to the code they run: each module has add_cli(subparsers).
-_SUBCOMMAND_MODULES = ("kvcompress.demo", "kvcompress.calibration", "kvcompress.eval.bench_cli")
+_SUBCOMMAND_MODULES = ("kvcompress.demo", "kvcompress.calibration", "kvcompress.eval.bench_cli", "kvcompress.eval.cli")
 
 
 def _add_size_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,128 @@
+"""PNG plots of sweep and approximation-bench results (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .runner import FULL, aggregate  # noqa: E402
+from .tasks import TASKS  # noqa: E402
+
+
+def _grid_of(n: int, cols: int = 4) -> tuple[int, int]:
+    cols = min(cols, n)
+    return -(-n // cols), cols
+
+
+def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "prefill") -> Path | None:
+    """One panel per task (mean over lengths and samples) plus 'all tasks': score vs compression ratio, a line per method.
+
+    The full cache is a dashed horizontal line. Returns the path, or None when there is nothing to plot.
+    """
+    rows = [r for r in records if not r["grid"] and (r["mode"] == mode or r["method"] == FULL)]
+    by_task = aggregate(rows, by=("method", "ratio", "mode", "task"))
+    overall = [a | {"task": "all tasks"} for a in aggregate(rows, by=("method", "ratio", "mode"))]
+    panels = [t for t in TASKS if any(a["task"] == t for a in by_task)] + ["all tasks"]
+    if len(panels) == 1:
+        return None
+    methods = sorted({a["method"] for a in by_task} - {FULL})
+    colors = plt.colormaps["tab20"].resampled(max(len(methods), 1))
+    nrows, ncols = _grid_of(len(panels))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
+    for ax, panel in zip(axes.flat, panels):
+        data = [a for a in by_task + overall if a["task"] == panel and a["n"] > 0]
+        for i, method in enumerate(methods):
+            pts = sorted((a["ratio"], a["score"]) for a in data if a["method"] == method)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, color=colors(i), label=method)
+        full = [a["score"] for a in data if a["method"] == FULL]
+        if full:
+            ax.axhline(full[0], color="black", ls="--", lw=1, label="full cache")
+        ax.set_title(panel, fontsize=10)
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("compression ratio (fraction removed)")
+    return _finish_panels(fig, axes, len(panels), "score", f"Task score vs compression ratio ({mode} mode)", path)
+
+
+def _finish_panels(fig, axes, n_panels: int, ylabel: str, title: str, path) -> Path:
+    """Hide unused panels, label the rows, put one legend below, save and close."""
+    for ax in axes.flat[n_panels:]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_needle_heatmaps(records: list[dict], path: str | Path) -> Path | None:
+    """Needle grid: one heat-map (context length × depth, colour = score) per method @ ratio (mode)."""
+    agg = aggregate(records, grid=True, by=("method", "ratio", "mode", "length", "depth"))
+    if not agg:
+        return None
+    panels = list(dict.fromkeys((a["method"], a["ratio"], a["mode"]) for a in agg))
+    lengths = sorted({a["length"] for a in agg})
+    depths = sorted({a["depth"] for a in agg})
+    nrows, ncols = _grid_of(len(panels), cols=5)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(2.8 * ncols, 2.4 * nrows), squeeze=False)
+    image = None
+    for ax, (method, ratio, mode) in zip(axes.flat, panels):
+        grid = [[float("nan")] * len(depths) for _ in lengths]
+        for a in agg:
+            if (a["method"], a["ratio"], a["mode"]) == (method, ratio, mode):
+                grid[lengths.index(a["length"])][depths.index(a["depth"])] = a["score"]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_title("full cache" if method == FULL else f"{method} @ {ratio:g}", fontsize=9)
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("needle depth", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("context tokens", fontsize=8)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="score")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_approx(rows: list[dict], path: str | Path) -> Path | None:
+    """Relative attention error vs compression ratio, one panel per layer, a line per method, error bars over seeds."""
+    if not rows:
+        return None
+    layers = sorted({r["layer"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colors = plt.colormaps["tab20"].resampled(max(len(methods), 1))
+    nrows, ncols = _grid_of(len(layers))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
+    for ax, layer in zip(axes.flat, layers):
+        for i, method in enumerate(methods):
+            pts = sorted((r["ratio"], r["error_mean"], r["error_std"]) for r in rows if r["layer"] == layer and r["method"] == method)
+            x, y, e = zip(*pts)
+            ax.errorbar(x, y, yerr=e, marker="o", ms=3, lw=1.2, capsize=2, color=colors(i), label=method)
+        ax.set_title(f"layer {layer}", fontsize=10)
+        ax.set_xlabel("compression ratio of the middle")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    title = f"Attention approximation error on real q/k/v ({rows[0]['tokens']} tokens)"
+    return _finish_panels(fig, axes, len(layers), "relative error", title, path)
+
+
+def plot_sweep(records: list[dict], out_dir: str | Path) -> list[Path]:
+    """Every plot of a sweep: accuracy_vs_ratio_<mode>.png per mode and needle_heatmap.png."""
+    out = Path(out_dir)
+    modes = sorted({r["mode"] for r in records if r["method"] != FULL})
+    paths = [plot_accuracy_vs_ratio(records, out / f"accuracy_vs_ratio_{mode}.png", mode) for mode in modes]
+    paths.append(plot_needle_heatmaps(records, out / "needle_heatmap.png"))
+    return [p for p in paths if p is not None]

@@ -1,0 +1,164 @@
+"""Evaluation suite on a tiny random Llama with a byte-level tokenizer: sweep outputs, resume, tables, approx bench, CLI."""
+
+import csv
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kvcompress.cli import build_parser
+from kvcompress.eval import runner
+from kvcompress.eval.approx import ApproxConfig, run_approx, write_approx
+from kvcompress.eval.plots import plot_approx, plot_sweep
+from kvcompress.eval.runner import FULL, SweepConfig, read_results, run_sweep, write_summary
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(alphabet), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def small_config(**kw):
+    base = dict(methods=["knorm", "random"], ratios=[0.5], tasks=["niah_single", "common_words"], lengths=[200],
+                samples=2, grid_lengths=[150, 220], grid_depths=[0.0, 1.0], grid_ratios=[0.5], max_new_tokens=2)
+    return SweepConfig(**(base | kw))
+
+
+def test_sweep_writes_results_summary_and_plots(tiny, tmp_path):
+    model, tokenizer = tiny
+    records = run_sweep(model, tokenizer, small_config(), tmp_path, progress=False)
+    # 2 tasks × 1 length × 2 samples + 2 × 2 grid samples, each with full + 2 methods × 1 ratio
+    assert len(records) == (4 + 4) * 3
+    assert len({r["key"] for r in records}) == len(records)
+    assert all(r["error"] is None and 0.0 <= r["score"] <= 1.0 for r in records)
+    assert {r["method"] for r in records} == {FULL, "knorm", "random"}
+    compressed = [r for r in records if r["method"] != FULL]
+    assert all(r["kv_bytes"] < r["kv_bytes_full"] for r in compressed)
+    needles = [r for r in records if r["task"] == "niah_single" and not r["grid"]]
+    assert sorted({r["depth"] for r in needles}) == [0.118, 0.5]
+    assert all(r["depth"] is None for r in records if r["task"] == "common_words")
+
+    csv_path, md_path = write_summary(records, tmp_path)
+    rows = list(csv.DictReader(csv_path.open()))
+    task_rows = [r for r in rows if r["kind"] == "task"]
+    grid_rows = [r for r in rows if r["kind"] == "grid"]
+    assert len(task_rows) == 3 * 2  # (full, knorm, random) × 2 tasks × 1 length
+    assert len(grid_rows) == 3 * 2 * 2  # 3 entries × 2 lengths × 2 depths
+    assert all(int(r["n"]) == 2 for r in task_rows) and all(int(r["n"]) == 1 for r in grid_rows)
+    md = md_path.read_text()
+    task_table = md.split("### Needle grid")[0]
+    lines = [ln for ln in task_table.splitlines() if ln.startswith("|")]
+    assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single ", " common_words ", " 200 tok ", " all "]
+    assert [ln.split("|")[1].strip() for ln in lines[2:]] == ["full cache", "knorm @ 0.5", "random @ 0.5"]
+    grid_lines = [ln for ln in md.split("### Needle grid")[1].splitlines() if ln.startswith("|")]
+    assert len(grid_lines) == 2 + 3 * 2
+
+    paths = plot_sweep(records, tmp_path)
+    assert sorted(p.name for p in paths) == ["accuracy_vs_ratio_prefill.png", "needle_heatmap.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    config = small_config(grid_lengths=[], grid_depths=[])
+    complete = {r["key"]: r for r in run_sweep(model, tokenizer, config, tmp_path / "a", progress=False)}
+
+    calls = []
+    real_answer = runner._answer
+
+    def interrupted(*args, **kwargs):
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(args[2].key)
+        return real_answer(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_answer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(model, tokenizer, config, tmp_path / "b", progress=False)
+    path = tmp_path / "b" / runner.RESULTS_FILE
+    assert len(read_results(path)) == 5
+    with path.open("a") as f:
+        f.write('{"key": "cut sh')  # a line torn by the interruption
+    calls.clear()
+    monkeypatch.setattr(runner, "_answer", lambda *a, **k: (calls.append(a[2].key), real_answer(*a, **k))[1])
+    resumed = run_sweep(model, tokenizer, config, tmp_path / "b", progress=False)
+    assert len(calls) == len(complete) - 5 and not set(calls) & {r["key"] for r in read_results(path)[:5]}
+    assert {r["key"] for r in resumed} == set(complete)
+    for r in resumed:
+        assert r["prediction"] == complete[r["key"]]["prediction"]
+    calls.clear()
+    run_sweep(model, tokenizer, config, tmp_path / "b", progress=False)
+    assert calls == []
+
+
+def test_prefill_reuse_matches_reprefilling(tiny, tmp_path):
+    model, tokenizer = tiny
+    config = dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"], include_full=False, max_new_tokens=6)
+    reused = run_sweep(model, tokenizer, small_config(**config), tmp_path / "a", progress=False)
+    fresh = run_sweep(model, tokenizer, small_config(reuse_prefill=False, **config), tmp_path / "b", progress=False)
+    assert [r["prediction"] for r in reused] == [r["prediction"] for r in fresh]
+    assert all(r["capture_s"] > 0 for r in reused) and all(r["capture_s"] == 0 for r in fresh)
+
+
+def test_streaming_modes_and_unfit_cells_are_recorded(tiny, tmp_path):
+    model, tokenizer = tiny
+    config = small_config(methods=["streamingllm", "balancekv"], modes=["prefill", "chunked"], tasks=["niah_single"],
+                          lengths=[600], grid_lengths=[], grid_depths=[], samples=1, include_full=False)
+    records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    by = {(r["method"], r["mode"]): r for r in records}
+    assert by[("streamingllm", "chunked")]["error"] is None
+    # BalanceKV's seed keeps 256 sink + 256 window tokens exactly: no room at 600 tokens and ratio 0.5
+    assert "sink" in by[("balancekv", "prefill")]["error"] and by[("balancekv", "prefill")]["score"] is None
+    md = write_summary(records, tmp_path)[1].read_text()
+    assert "| balancekv @ 0.5 (prefill) | n/a |" in md
+
+
+def test_config_errors_name_the_parameter():
+    for kw, name in [({"methods": ["nope"]}, "methods"), ({"ratios": [1.0]}, "ratios"), ({"tasks": ["x"]}, "tasks"),
+                     ({"modes": ["fast"]}, "modes"), ({"samples": 0}, "samples"), ({"lengths": [10]}, "lengths"),
+                     ({"grid_lengths": [100], "grid_depths": []}, "grid_lengths"), ({"grid_task": "common_words"}, "grid_task")]:
+        with pytest.raises(ValueError, match=name):
+            SweepConfig(**kw)
+    with pytest.raises(ValueError, match="tokens"):
+        ApproxConfig(tokens=300, sink=256, n_queries=256)
+
+
+def test_approx_bench_rows_error_bars_and_exactness(tiny, tmp_path):
+    model, tokenizer = tiny
+    config = ApproxConfig(methods=["random", "knorm"], ratios=[0.0, 0.75], layers=[0, 1], tokens=240, n_queries=32, sink=16, seeds=3)
+    rows = run_approx(model, tokenizer, config, progress=False)
+    assert len(rows) == 2 * 2 * 2
+    cell = {(r["method"], r["ratio"], r["layer"]): r for r in rows}
+    for layer in (0, 1):
+        for method in ("random", "knorm"):
+            assert cell[(method, 0.0, layer)]["error_mean"] < 1e-4  # nothing removed: exact attention
+            assert 0.0 < cell[(method, 0.75, layer)]["error_mean"] < 2.0
+        assert cell[("knorm", 0.75, layer)]["error_std"] == 0.0  # deterministic
+        assert cell[("random", 0.75, layer)]["error_std"] > 0.0  # seeds differ
+    csv_path, md_path = write_approx(rows, tmp_path)
+    assert len(list(csv.DictReader(csv_path.open()))) == len(rows)
+    assert md_path.read_text().splitlines()[0] == "| method | ratio | layer 0 | layer 1 |"
+    assert plot_approx(rows, tmp_path / "approx.png").stat().st_size > 1000
+
+
+def test_eval_help_documents_every_option(capsys):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["eval"]
+    for action in sub._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--help"])
+    out = capsys.readouterr().out
+    assert "approx" in out and "resumes" in out
+    args = parser.parse_args(["eval", "approx", "--layers", "1,2", "--ratios", "0.5,0.75"])
+    assert args.bench == "approx" and args.layers == [1, 2] and args.ratios == [0.5, 0.75]
