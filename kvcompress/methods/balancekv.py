@@ -149,7 +149,7 @@ def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
 class BalanceKV(Method):
     """BalanceKV (seed 000). Defaults follow the seed: b = 256, sinks 256 + window 256 exact (App. B.1).
 
-    block_size: b, tokens per SoftmaxBalance call (one-shot blocks and the stream's batch size t);
+    block_size: b, tokens per SoftmaxBalance block (one-shot blocks, and blocks inside each stream halving);
     even. step: the walk's probability rule p = ½ − yᵀη/(2cR²) with cR² = 1/(2·step) (the form
     and default 4.0 of the authors' implementation); step=None uses the theoretical c = 30·log(b/δ)
     of seed Alg. 2 with delta the failure probability. On real keys exp(s<k̄_i,k̄_j>) is tiny next
@@ -162,7 +162,9 @@ class BalanceKV(Method):
     "key" for its normaliser as in seed Alg. 1. augment: fraction of the budget kept exactly for the
     keys most anti-correlated with the rest (seed Sec. 4.3), 0 turns it off. levels: T of
     MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the seed's
-    T = log(n/t)).
+    T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
+    block_size); a batch larger than block_size is balanced as parallel blocks, which cuts the
+    walk's sequential steps per token by batch/block_size.
 
     One-shot: rounds halve the middle until the budget is met. A round halves as many tokens of
     the current (heaviest) level as are needed; when fewer than all, the halved subset is drawn
@@ -182,6 +184,7 @@ class BalanceKV(Method):
     kernel: str = "value"
     augment: float = 0.0
     levels: int | None = 2
+    batch: int | None = None
 
     def __post_init__(self):
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2 or self.block_size % 2:
@@ -196,7 +199,14 @@ class BalanceKV(Method):
             raise ValueError(f"augment must be in [0, 1), got {self.augment!r}")
         if self.levels is not None and (isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels < 1):
             raise ValueError(f"levels must be None or an integer >= 1, got {self.levels!r}")
+        if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 2 or self.batch % 2):
+            raise ValueError(f"batch must be None or an even integer >= 2, got {self.batch!r}")
         self.failures = 0
+
+    @property
+    def stream_batch(self) -> int:
+        """t of MergeAndReduce: tokens per halving call (block_size when `batch` is None)."""
+        return self.block_size if self.batch is None else self.batch
 
     def log_gain(self, log_r2: torch.Tensor) -> torch.Tensor:
         """log(1 / (2c)) of the walk in units of R² (see `balancing_walk`), per block from log R² [N].
@@ -306,7 +316,7 @@ class MergeAndReduce:
         """Halve every full level (seed Alg. 4 lines 11-17)."""
         level = 0
         while level <= max(self.levels, default=-1):
-            batch = self.owner.block_size
+            batch = self.owner.stream_batch
             if self.count(level) >= batch and (self.top is None or level < self.top):
                 self.halve_level(level, batch, scale, generator)
             else:
@@ -320,7 +330,7 @@ class BalanceKVStream(StreamState):
     """Streaming BalanceKV (seed Alg. 1) per head: value-norm buckets for the numerator, keys only for the normaliser.
 
     A token with 2^i <= ‖v‖ < 2^(i+1) enters numerator bucket i; every token also enters the
-    normaliser instance. Tokens are taken `block_size` at a time. Departure from the seed forced by
+    normaliser instance. Tokens are taken `batch` (t) at a time. Departure from the seed forced by
     the hard budget: the numerator and normaliser slots of a head together never exceed `budget`;
     when they would, the fullest level (ties: the lighter one) has its oldest even number of
     slots halved ahead of time (a forced extra halving), so memory stays
@@ -348,8 +358,9 @@ class BalanceKVStream(StreamState):
             self.template = (tokens.keys[:1, :1, :0], tokens.values[:1, :1, :0])
             self.heads = [({}, MergeAndReduce(self.method, "key", self.method.levels)) for _ in range(b * h)]
         buckets = torch.floor(torch.log2(tokens.values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny))).long()
-        for start in range(0, n, self.method.block_size):
-            part = tokens.slice(start, min(n, start + self.method.block_size))
+        step = self.method.stream_batch
+        for start in range(0, n, step):
+            part = tokens.slice(start, min(n, start + step))
             for head, (numerators, denominator) in enumerate(self.heads):
                 i, j = divmod(head, h)
                 keys, values, positions = part.keys[i, j], part.values[i, j], part.positions[i, j]

@@ -1,0 +1,211 @@
+"""BalanceKV (seed 000): the walk, the block-parallel one-shot form, the MergeAndReduce stream."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.base import Tokens
+from kvcompress.methods.balancekv import BalanceKV, balance_kernel, balancing_walk, halve
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _kv(b=1, h=2, n=300, d=16, seed=0, dtype=torch.float32):
+    g = _gen(seed)
+    keys = torch.randn(b, h, n, d, generator=g)
+    values = torch.randn(b, h, n, d, generator=g)
+    return keys.to(dtype), values.to(dtype)
+
+
+def test_walk_splits_every_block_exactly_in_half_and_ignores_padding():
+    g = _gen()
+    keys, values = torch.randn(5, 32, 8, generator=g), torch.randn(5, 32, 8, generator=g)
+    valid = torch.ones(5, 32, dtype=torch.bool)
+    valid[3, 20:] = False
+    kernel, log_r2 = balance_kernel(keys, values, valid, 1 / math.sqrt(8), "value")
+    assert kernel.abs().max() <= 1.0 + 1e-6
+    assert (kernel[3, 20:] == 0).all() and (kernel[3, :, 20:] == 0).all()
+    signs, fails = balancing_walk(kernel, valid, log_r2 + math.log(4.0), _gen(1))
+    assert ((signs == 1).sum(-1) == valid.sum(-1) // 2).all()
+    assert ((signs == -1).sum(-1) == valid.sum(-1) // 2).all()
+    assert (signs[3, 20:] == 0).all()
+    assert fails >= 0
+    again, _ = balancing_walk(kernel, valid, log_r2 + math.log(4.0), _gen(1))
+    assert torch.equal(signs, again)
+
+
+def test_walk_balances_better_than_random_signs():
+    # Pairs of near-identical keys: a balanced split puts the two members of a pair on opposite sides.
+    g = _gen(2)
+    base = torch.randn(64, 16, 16, generator=g) * 0.7
+    keys = torch.cat([base, base + 0.01 * torch.randn(base.shape, generator=g)], 1)
+    valid = torch.ones(64, 32, dtype=torch.bool)
+    kernel, log_r2 = balance_kernel(keys, None, valid, 0.25, "key")
+    walk, fails = balancing_walk(kernel, valid, log_r2 + math.log(4.0), _gen(3))
+    theory, theory_fails = balancing_walk(kernel, valid, torch.full_like(log_r2, -math.log(60 * math.log(3200))), _gen(3))
+    quad = lambda s: torch.einsum("ni,nij,nj->n", s, kernel, s).mean()  # ‖Σ η_i φ(k_i)‖² / R²
+    assert quad(walk) < 0.5 * quad(theory)
+    assert fails > 0 and theory_fails == 0
+
+
+def test_halve_keeps_half_of_each_row_with_probability_half():
+    keys, values = _kv(b=1, h=1, n=40, d=8)
+    method = BalanceKV(block_size=16)
+    counts = torch.zeros(40)
+    for seed in range(80):
+        index, _ = halve(keys[0], values[0], 0.35, method, "value", _gen(seed))
+        assert index.shape == (1, 20) and torch.equal(index, index.sort(-1).values)
+        counts[index[0]] += 1
+    assert (counts / 80 - 0.5).abs().max() < 0.2
+
+
+@pytest.mark.parametrize("n,budget", [(300, 75), (300, 100), (301, 37), (1000, 250), (257, 4)])
+def test_one_shot_budget_and_weights(n, budget):
+    keys, values = _kv(n=n)
+    s = kvc.compress("balancekv", keys, values, budget=budget, sink=0, window=0, block_size=64)
+    assert s.num_slots == budget
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), float(n), dtype=torch.float64))
+    assert (s.positions.diff(dim=-1) > 0).all() and s.positions.min() >= 0 and s.positions.max() < n
+    gathered = keys.gather(2, s.positions.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    assert torch.equal(gathered, s.keys)
+
+
+def test_budget_below_the_distinct_weights_is_a_clear_error():
+    keys, values = _kv(n=257)
+    with pytest.raises(ValueError, match="budget"):
+        kvc.compress("balancekv", keys, values, budget=1, sink=0, window=0, block_size=64)
+
+
+def test_rounds_follow_the_budget_and_weights_are_powers_of_two():
+    keys, values = _kv(n=1024 + 32)
+    s = kvc.compress("balancekv", keys, values, budget=256, sink=16, window=16, block_size=256)
+    middle = s.log_weights[:, :, 16:-16]
+    assert middle.shape[-1] == 1024 // 4
+    assert torch.allclose(middle, torch.full_like(middle, 2 * math.log(2)))
+    plain = kvc.compress("balancekv", keys, values, budget=256, sink=16, window=16, weighted=False)
+    assert (plain.log_weights == 0).all()
+
+
+def test_sink_and_window_exact_and_seeded():
+    keys, values = _kv(n=700)
+    a = kvc.compress("balancekv", keys, values, budget=64, sink=8, window=32, seed=3, block_size=32)
+    b = kvc.compress("balancekv", keys, values, budget=64, sink=8, window=32, seed=3, block_size=32)
+    c = kvc.compress("balancekv", keys, values, budget=64, sink=8, window=32, seed=4, block_size=32)
+    assert torch.equal(a.positions, b.positions) and not torch.equal(a.positions, c.positions)
+    assert torch.equal(a.positions[0, 0, :8], torch.arange(8))
+    assert torch.equal(a.positions[0, 0, -32:], torch.arange(668, 700))
+
+
+def test_defaults_follow_the_seed():
+    m = BalanceKV()
+    assert (m.default_sink, m.default_window, m.block_size, m.levels) == (256, 256, 256, 2)
+    keys, values = _kv(h=3, n=2048, d=64)
+    s = kvc.compress("balancekv", keys, values, compression_ratio=0.5)
+    assert torch.equal(s.positions[0, 0, :256], torch.arange(256))
+    assert s.num_slots == 1024
+
+
+def test_half_precision_inputs_stay_finite():
+    keys, values = _kv(n=600, d=64, dtype=torch.float16)
+    keys = keys * 12  # logits far beyond float16's exp range
+    s = kvc.compress("balancekv", keys, values, budget=100, sink=4, window=16, block_size=64)
+    assert s.keys.dtype == torch.float16 and torch.allclose(s.total_weight(), torch.full((1, 2), 600.0, dtype=torch.float64))
+    q = torch.randn(1, 4, 5, 64).half() * 12
+    assert torch.isfinite(kvc.weighted_attention(q, s)).all()
+
+
+def test_augmented_variant_keeps_anti_correlated_keys_exactly():
+    g = _gen(5)
+    direction = torch.randn(16, generator=g)
+    keys = direction + 0.3 * torch.randn(1, 1, 400, 16, generator=g)
+    keys[0, 0, [50, 222, 333]] = -3 * direction
+    values = torch.randn(1, 1, 400, 16, generator=g)
+    s = kvc.compress("balancekv", keys, values, budget=40, sink=0, window=0, augment=0.1, block_size=64)
+    kept = dict(zip(s.positions[0, 0].tolist(), s.log_weights[0, 0].tolist()))
+    assert all(kept.get(p) == 0.0 for p in (50, 222, 333))
+    assert math.isclose(s.total_weight().item(), 400.0, rel_tol=1e-6)
+
+
+def test_failures_are_counted_not_raised():
+    keys, values = _kv(n=512, d=16)
+    m = BalanceKV(block_size=64)
+    tokens = Tokens(keys, values, torch.arange(512).expand(1, 2, 512), scale=0.25)
+    m.compress(tokens, 128, _gen())
+    assert m.failures > 0
+    theory = BalanceKV(block_size=64, step=None)
+    theory.compress(tokens, 128, _gen())
+    assert theory.failures == 0
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"block_size": 7}, "block_size"),
+        ({"delta": 0.0}, "delta"),
+        ({"step": -1.0}, "step"),
+        ({"kernel": "rbf"}, "kernel"),
+        ({"augment": 1.0}, "augment"),
+        ({"levels": 0}, "levels"),
+        ({"batch": 3}, "batch"),
+    ],
+)
+def test_bad_parameters(params, match):
+    keys, values = _kv(n=64)
+    with pytest.raises(ValueError, match=match):
+        kvc.compress("balancekv", keys, values, budget=8, sink=0, window=0, **params)
+
+
+def test_beats_uniform_sampling_on_clustered_keys():
+    # Keys in tight clusters, moderate logits: balancing keeps every cluster represented.
+    g = _gen(7)
+    centres = torch.randn(1, 1, 24, 32, generator=g) * 2.5
+    assign = torch.randint(0, 24, (1, 1, 1536), generator=g)
+    keys = centres[0, 0, assign] + 0.3 * torch.randn(1, 1, 1536, 32, generator=g)
+    values = torch.randn(1, 24, 32, generator=g)[0, assign] + 0.1 * torch.randn(1, 1, 1536, 32, generator=g)
+    queries = torch.randn(1, 2, 64, 32, generator=g) * 1.5
+    exact = kvc.exact_attention(queries, keys, values)
+    err = {}
+    for name, params in (("balancekv", {"block_size": 128}), ("random", {"weighted": True})):
+        err[name] = sum(
+            kvc.relative_error(kvc.weighted_attention(queries, kvc.compress(name, keys, values, budget=192, sink=0, window=0, seed=s, **params)), exact)
+            for s in range(4)
+        )
+    assert err["balancekv"] < err["random"]
+
+
+def test_stream_weights_sum_and_size_bounded_over_32k_tokens():
+    g = _gen(11)
+    st = kvc.stream("balancekv", budget=1024, sink=4, window=32, seed=0, block_size=128, batch=1024)
+    seen, peak = 0, 0
+    for _ in range(32):
+        keys = torch.randn(1, 1, 1024, 8, generator=g)
+        values = torch.randn(1, 1, 1024, 8, generator=g) * (0.5 + torch.rand(1, 1, 1024, 1, generator=g))
+        st.update(keys, values)
+        seen += 1024
+        middle = st.state.summary()
+        slots = (middle.log_weights > -math.inf).sum() + (middle.normalizer.log_weights > -math.inf).sum()
+        peak = max(peak, int(slots))
+        absorbed = seen - 4 - 32
+        assert math.isclose(middle.total_weight().item(), absorbed, rel_tol=1e-6)
+        assert math.isclose(middle.normalizer.log_weights.double().exp().sum().item(), absorbed, rel_tol=1e-6)
+    assert peak <= 1024
+    full = st.summary()
+    queries = torch.randn(1, 2, 3, 8, generator=g)
+    assert torch.isfinite(kvc.weighted_attention(queries, full)).all()
+
+
+def test_stream_estimates_attention():
+    keys, values = _kv(b=1, h=2, n=2048, d=16, seed=4)
+    values = 1.0 + 0.3 * values  # attention outputs well away from zero, so relative error is meaningful
+    queries = torch.randn(1, 4, 8, 16, generator=_gen(9))
+    exact = kvc.exact_attention(queries, keys, values)
+    st = kvc.stream("balancekv", budget=512, sink=0, window=0, block_size=64, batch=256)
+    for start in range(0, 2048, 256):
+        st.update(keys[:, :, start : start + 256], values[:, :, start : start + 256])
+    summary = st.summary()
+    assert summary.normalizer is not None
+    assert kvc.relative_error(kvc.weighted_attention(queries, summary), exact) < 0.1
