@@ -99,14 +99,14 @@ def kernel_halving(
         multiplier = 0.5 + math.log(2.0 * size / delta)
         uniforms = torch.rand(kdiff.shape[:-1], generator=generator, device=generator.device, dtype=torch.float64)
         thresholds = (2.0 * uniforms.to(k.device) - 1.0) * multiplier * root * root.cummax(dim=-1).values
-    swap = torch.zeros(kdiff.shape[:-1], dtype=torch.bool, device=k.device)
     signed = kdiff[..., 0, :].clone()
+    rows, columns, limits = kdiff.unbind(-2), signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
+    signs = [torch.ones_like(limits[0])]
     for i in range(1, pairs):
-        take_second = thresholds[..., i] < signed[..., i]
-        swap[..., i] = take_second
-        signed += (1.0 - 2.0 * take_second.double()).unsqueeze(-1) * kdiff[..., i, :]
+        signs.append(torch.where(columns[i] > limits[i], -1.0, 1.0))
+        signed.addcmul_(signs[i], rows[i])
     complement = torch.rand(kdiff.shape[:-2], generator=generator, device=generator.device) < 0.5
-    swap ^= complement.to(k.device).unsqueeze(-1)
+    swap = (torch.cat(signs, -1) < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
 
 
@@ -189,7 +189,8 @@ class ExpressState(StreamState):
         self.block_seen = 0
         self.stratum, self.leaf, self.depth = block_plan(self.ell, self.m, self.g)
         self.levels: list[KVSummary | None] = [None] * self.depth
-        self.open_leaf: KVSummary | None = None
+        self.open_parts: list[KVSummary] = []
+        self.open_slots = 0
         self.candidate: KVSummary | None = None
         self.count = 0
 
@@ -209,12 +210,16 @@ class ExpressState(StreamState):
     def _thin(self, part: Tokens) -> None:
         """Subsample then Compress2 tokens of the block in progress; finish the block when it is full."""
         self.block_seen += part.length
-        buffer = _join(self.open_leaf, self._subsample(part))
-        if buffer is None:
-            return
-        full = buffer.num_slots // self.leaf * self.leaf
-        self.open_leaf = _take(buffer, full, buffer.num_slots)
-        if full:
+        picked = self._subsample(part)
+        if picked is not None:
+            self.open_parts.append(picked)
+            self.open_slots += picked.num_slots
+        if self.open_slots >= self.leaf:
+            buffer = concat(self.open_parts)
+            full = buffer.num_slots // self.leaf * self.leaf
+            rest = _take(buffer, full, buffer.num_slots)
+            self.open_parts = [rest] if rest.num_slots else []
+            self.open_slots = rest.num_slots
             self._compress2(_take(buffer, 0, full))
         if self.block_seen == self.ell * self.m:
             self._finish_block()
@@ -224,6 +229,9 @@ class ExpressState(StreamState):
         if self.stratum == 1:
             return part.exact()
         s, seen_before, t = self.stratum, self.count, part.length
+        if t == 1 and seen_before + 1 < s:
+            self._reservoir_step(part.exact())
+            return None
         total = seen_before + t
         strata = -(-total // s)
         edges = torch.arange(strata + 1, device=part.keys.device) * s
@@ -247,6 +255,18 @@ class ExpressState(StreamState):
             self.candidate = _take(picked, complete, strata)
             self.candidate.log_weights[:] = math.log(last_count)
         return _take(picked, 0, complete) if complete else None
+
+    def _reservoir_step(self, token: KVSummary) -> None:
+        """One token inside the stratum in progress (decode): it replaces the candidate with probability 1/count."""
+        self.count += 1
+        if self.candidate is not None:
+            u = torch.rand(token.positions.shape, generator=self.generator, device=self.generator.device)
+            new = (u.to(token.positions.device) * self.count < 1.0)
+            c, mask = self.candidate, new.unsqueeze(-1)
+            token = KVSummary(torch.where(mask, token.keys, c.keys), torch.where(mask, token.values, c.values),
+                              c.log_weights, torch.where(new, token.positions, c.positions))
+        token.log_weights.fill_(math.log(self.count))
+        self.candidate = token
 
     def _compress2(self, leaves: KVSummary) -> None:
         """Push complete leaves into Compress2: every four outputs of a level are halved, all groups of a level at once."""
@@ -272,7 +292,7 @@ class ExpressState(StreamState):
         self._start_block()
 
     def summary(self) -> KVSummary | None:
-        parts = [self.cache, *self.siblings, *reversed(self.levels), self.open_leaf, self.candidate]
+        parts = [self.cache, *self.siblings, *reversed(self.levels), *self.open_parts, self.candidate]
         parts = [p for p in parts if p is not None and p.num_slots > 0]
         return concat(parts) if parts else None
 
