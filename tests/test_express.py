@@ -188,6 +188,14 @@ def test_offline_express_fills_the_budget_exactly():
     assert torch.equal(again.positions, with_edges.positions)
 
 
+def test_halving_parameter_selects_the_walk():
+    keys, values, _ = _clustered(1000)
+    greedy = kvc.compress("express", keys, values, budget=100, sink=0, window=0)
+    walk = kvc.compress("express", keys, values, budget=100, sink=0, window=0, halving="self-balancing", delta=0.1)
+    assert greedy.num_slots == walk.num_slots == 100
+    assert not torch.equal(greedy.positions, walk.positions)
+
+
 def test_fill_budget_merges_unequal_weights_without_bias():
     """Two single slots of weights 1 and 3 merged into one: the heavier is kept 3/4 of the time, weight 4."""
     heads = 4000

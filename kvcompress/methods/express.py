@@ -23,8 +23,8 @@ chosen here, each with its reason:
   a_i = (½ + log(2S/δ))·√Kdiff_ii·max_{j≤i}√Kdiff_jj of DESIGN §4 the relative error after one
   Halve was 0.1447 vs 0.1475 for a uniform half, because the exp kernel's dynamic range on real
   keys makes max_j √Kdiff_jj (set by a few large-norm keys) dwarf every α_i, so every later
-  pair is a fair coin flip — multiplying a_i by 1/8.7 changed no decision at all; the greedy
-  walk gave 0.1194. "self-balancing" keeps the randomised walk, multiplier ½ + log(2S/δ) with
+  pair is a fair coin flip (dividing a_i by its multiplier, ≈ 8.5 here, changed no decision);
+  the greedy walk gave 0.1194. "self-balancing" keeps the randomised walk, multiplier ½ + log(2S/δ) with
   S the call's input size and δ = `delta` (default 0.5, the failure probability Carrell et
   al.'s code uses).
 - Exact phase: the first m tokens fill the cache C exactly; the three following thin phases run
