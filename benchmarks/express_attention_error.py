@@ -3,8 +3,8 @@
 Captures post-RoPE q/k/v of a few layers of SmolLM2-135M-Instruct on real prose and reports the
 relative error ‖z − Attn‖/‖Attn‖ of causal attention, averaged over seeds:
 
-A. one kernel Halve of the middle vs a uniform half (both weight 2), sink 32 and the last 256
-   tokens (the queries) exact;
+A. one kernel Halve of the middle (the default greedy walk and the randomised self-balancing walk,
+   δ = 0.5) vs a uniform half (all weight 2), sink 32 and the last 256 tokens (the queries) exact;
 B. the Express stream (sink 32, window 32) vs uniform sampling with as many middle slots, at
    checkpoints across the stream; the 64 queries after each checkpoint attend to the summary plus
    their own block exactly;
@@ -63,9 +63,10 @@ def part_a(layer, q, k, v, seeds):
     edges = (exact_part(k, v, 0, SINK), exact_part(k, v, stop, n))
     rows = []
     for seed in range(seeds):
-        half = halve_groups(middle, middle.num_slots, k.shape[-1] ** -0.5, make_generator(seed), 0.5)
+        greedy = halve_groups(middle, middle.num_slots, k.shape[-1] ** -0.5, make_generator(seed), None)
+        balancing = halve_groups(middle, middle.num_slots, k.shape[-1] ** -0.5, make_generator(seed), 0.5)
         uni = uniform_sample(k, v, SINK, stop, middle.num_slots // 2, make_generator(seed))
-        for name, s in (("kernel halving", half), ("uniform half", uni)):
+        for name, s in (("kernel halving (greedy)", greedy), ("kernel halving (self-balancing)", balancing), ("uniform half", uni)):
             rows.append(dict(part="A", layer=layer, method=name, tokens=n, slots=s.num_slots, seed=seed,
                              error=causal_error(queries, k, v, concat([edges[0], s, edges[1]]), n - QUERY_WINDOW)))
     return rows
