@@ -12,7 +12,7 @@ import time
 DEFAULT_METHODS = ("streamingllm", "snapkv", "knorm", "keydiff", "compactor", "balancekv", "express", "clustergen")
 
 
-def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=3000, depth=0.4, seed=0, model_path=None, max_new_tokens=16) -> list[dict]:
+def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=3000, depth=0.4, seed=0, model_path=None, max_new_tokens=32) -> list[dict]:
     """Rows of {method, answer, correct, kv_bytes, kv_bytes_full, seconds}; prints them as they come."""
     import kvcompress as kvc
     from .eval.capture import capture_qkv
