@@ -387,10 +387,13 @@ def memory_rows(
 
     The prompt (n tokens of real prose, no question) goes through `generate_ids` with a fixed
     middle budget and one new token; peak_kv_bytes is what the cache stored at its largest,
-    peak_rss_growth_bytes the process's resident set at its peak minus before the call.
+    peak_rss_growth_bytes the process's resident set at its peak minus before the call (after
+    one warm-up forward, so paging in the weights does not count).
     """
     from ..integration import generate_ids
 
+    # Warm-up: the first forward pages in the (memory-mapped) weights, which is not prefill memory.
+    generate_ids(model, context_ids(tokenizer, 16), None, method=None, max_new_tokens=1)
     rows = []
     for mode in modes:
         for n in sorted(sizes):
