@@ -111,6 +111,15 @@ def test_cli_runs_and_writes_tables_and_plots(tmp_path):
     assert (out / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
     assert "Machine:" in md and "torch threads" in md and "| knorm |" in md and "| subgen |" in md
+    (out / "bench.md").unlink()
+    assert main(["bench", "--report-only", "--out", str(out)]) == 0
+    assert (out / "bench.md").read_text() == md
+    assert bench.read_csv(out / "overhead.csv")[0]["n"] == 32
+
+
+def test_report_needs_csvs(tmp_path):
+    with pytest.raises(ValueError, match="no bench CSV"):
+        bench.report(tmp_path)
 
 
 def test_cli_help_documents_every_option(capsys):

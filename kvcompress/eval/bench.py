@@ -418,6 +418,23 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
+def read_csv(path: Path) -> list[dict]:
+    """Rows written by write_csv, numbers parsed back (int, float or bool), empty cells dropped."""
+
+    def parse(v: str):
+        if v in ("True", "False"):
+            return v == "True"
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    with open(path, newline="") as f:
+        return [{k: parse(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -475,6 +492,8 @@ def _save(fig, path: Path) -> None:
 
 def plot_overhead(rows: Sequence[dict], path: Path) -> None:
     """Ratio to exact attention vs n (log-log), one panel per shape; solid compress, dashed stream."""
+    import matplotlib
+
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = _subplots(len(shapes), (7 * len(shapes), 5))
     for ax, shape in zip(axes[0], shapes):
@@ -482,9 +501,12 @@ def plot_overhead(rows: Sequence[dict], path: Path) -> None:
         for r in rows:
             if r["shape"] == shape and "ratio_min" in r and not r.get("skipped"):
                 series.setdefault((r["method"], r["kind"]), []).append((r["n"], r["ratio_min"]))
+        methods = sorted({m for m, _ in series})
+        colors = matplotlib.colormaps["tab20"].resampled(max(1, len(methods)))
         for (method, kind), pts in sorted(series.items()):
             ns, ratios = zip(*pts)
-            ax.plot(ns, ratios, "-o" if kind == "compress" else "--x", label=f"{method} ({kind})", markersize=3)
+            style = "-o" if kind == "compress" else "--x"
+            ax.plot(ns, ratios, style, color=colors(methods.index(method)), label=f"{method} ({kind})", markersize=3)
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -568,6 +590,26 @@ def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(
     path.write_text("\n".join(out))
 
 
+def report(out_dir: Path) -> dict[str, list[dict]]:
+    """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt) a run left there."""
+    out_dir = Path(out_dir)
+    results = {name: read_csv(out_dir / f"{name}.csv") for name in SECTIONS if (out_dir / f"{name}.csv").is_file()}
+    if not results:
+        raise ValueError(f"out_dir {str(out_dir)!r} holds no bench CSV ({', '.join(SECTIONS)})")
+    if "overhead" in results:
+        results["exponents"] = exponent_rows(results["overhead"])
+        plot_overhead(results["overhead"], out_dir / "overhead.png")
+        write_csv(results["exponents"], out_dir / "exponents.csv")
+    if "decode" in results or "attention" in results:
+        plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
+    if "memory" in results:
+        plot_memory(results["memory"], out_dir / "memory.png")
+    machine = (out_dir / "machine.txt").read_text().strip() if (out_dir / "machine.txt").is_file() else "not recorded"
+    write_markdown(out_dir / "bench.md", machine, results.get("overhead", ()), results.get("exponents", ()),
+                   results.get("decode", ()), results.get("attention", ()), results.get("memory", ()))
+    return results
+
+
 def run(
     out_dir: Path,
     sections: Sequence[str] = SECTIONS,
@@ -594,7 +636,10 @@ def run(
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict[str, list[dict]]:
-    """Run the chosen sections, writing <section>.csv, bench.md and PNGs into out_dir; returns the rows."""
+    """Run the chosen sections, writing <section>.csv, machine.txt, bench.md and PNGs into out_dir; returns the rows of every CSV there.
+
+    Sections already in out_dir from an earlier run stay in the report (rerun a section to replace it).
+    """
     from ..api import methods as all_methods
 
     unknown = [s for s in sections if s not in SECTIONS]
@@ -618,13 +663,15 @@ def run(
     def saver(name: str) -> Callable[[list[dict]], None]:
         return lambda rows: write_csv(rows, out_dir / f"{name}.csv")
 
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "machine.txt").write_text(machine + "\n")
     if "overhead" in sections:
         rows = overhead_rows(methods, [SHAPES[s] for s in shapes], sizes, compression_ratio, repeats, block, max_seconds, stream, seed, log,
                              saver("overhead"))
-        results["overhead"], results["exponents"] = rows, exponent_rows(rows)
-        plot_overhead(rows, out_dir / "overhead.png")
+        results["overhead"] = rows
     if "attention" in sections:
         results["attention"] = attention_step_rows(SHAPES[step_shape], step_contexts, decode_kept, step_repeats, seed, log)
+        write_csv(results["attention"], out_dir / "attention.csv")
     model = tokenizer = None
     if "decode" in sections or "memory" in sections:
         from ..integration import load_model
@@ -632,13 +679,6 @@ def run(
         model, tokenizer = load_model(model_path)
     if "decode" in sections:
         results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log, saver("decode"))
-    if "decode" in sections or "attention" in sections:
-        plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
     if "memory" in sections:
         results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, log=log, on_row=saver("memory"))
-        plot_memory(results["memory"], out_dir / "memory.png")
-    for name, rows in results.items():
-        write_csv(rows, out_dir / f"{name}.csv")
-    write_markdown(out_dir / "bench.md", machine, results.get("overhead", ()), results.get("exponents", ()),
-                   results.get("decode", ()), results.get("attention", ()), results.get("memory", ()))
-    return results
+    return report(out_dir)

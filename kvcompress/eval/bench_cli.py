@@ -39,6 +39,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="output directory (default benchmarks/results/bench)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
+    p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite bench.md and the plots from the CSVs already in --out")
     g = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")
     g.add_argument("--shapes", type=_words, default=["smollm2", "llama8b"],
                    help=f"layer shapes, among {','.join(bench.SHAPES)} (default smollm2,llama8b)")
@@ -67,6 +68,9 @@ def add_cli(subparsers) -> None:
 
 
 def _run(args) -> int:
+    if args.report_only:
+        bench.report(args.out)
+        return 0
     bench.run(
         args.out, sections=args.sections, methods=args.methods, shapes=args.shapes, sizes=args.sizes,
         compression_ratio=args.compression_ratio, repeats=args.repeats, block=args.block, max_seconds=args.max_seconds,
