@@ -4,7 +4,8 @@ Runs one exact prefill of `--tokens` tokens of real prose on SmolLM2-135M-Instru
 3 KV heads, head_dim 64; SDPA attention, KV cache on), capturing the post-RoPE keys/values of every
 layer. The 30 layers are then stacked on the batch axis ([30, 3, n, 64]) and compressed by
 BalanceKV at T = 2 (budget n/4, no sink/window, b = 256) as one batched tensor program. Reports the
-minimum wall time over `--repeats` runs of each and their ratio.
+minimum wall time over `--repeats` runs of each and their ratio, both with `--threads` torch
+threads (default 1: on the shared 2-core machine a 2-thread pool stalls under load).
 
 Writes benchmarks/results/balancekv_speed.{csv,md}.
 """
@@ -38,8 +39,10 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both the prefill and BalanceKV")
     args = parser.parse_args()
-    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    threads = args.threads
 
     model, tokenizer = kvc.load_model()
     ids = tokenizer(prose_text(8 * args.tokens, seed=0), add_special_tokens=False, return_tensors="pt")["input_ids"][:, : args.tokens]

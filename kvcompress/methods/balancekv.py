@@ -86,7 +86,7 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
         eta = torch.where(uniform[:, j] < 0.5 - push, 1.0, -1.0)
         eta = torch.where(plus >= half, -1.0, torch.where(j - plus >= half, 1.0, eta))
         plus += eta > 0
-        drift += eta[:, None] * kernel[:, j]
+        drift.addcmul_(eta[:, None], kernel[:, j])
         signs[:, j] = eta
         pushes[:, j] = push
     fails = ((pushes.abs() > 0.5) & valid).sum()
