@@ -78,7 +78,7 @@ def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeyp
     def interrupted(*args, **kwargs):
         if len(calls) == 5:
             raise KeyboardInterrupt
-        calls.append(args[2].key)
+        calls.append(args[1].key)
         return real_answer(*args, **kwargs)
 
     monkeypatch.setattr(runner, "_answer", interrupted)
@@ -89,7 +89,7 @@ def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeyp
     with path.open("a") as f:
         f.write('{"key": "cut sh')  # a line torn by the interruption
     calls.clear()
-    monkeypatch.setattr(runner, "_answer", lambda *a, **k: (calls.append(a[2].key), real_answer(*a, **k))[1])
+    monkeypatch.setattr(runner, "_answer", lambda *a, **k: (calls.append(a[1].key), real_answer(*a, **k))[1])
     resumed = run_sweep(model, tokenizer, config, tmp_path / "b", progress=False)
     assert len(calls) == len(complete) - 5 and not set(calls) & {r["key"] for r in read_results(path)[:5]}
     assert {r["key"] for r in resumed} == set(complete)

@@ -193,7 +193,7 @@ def read_results(path: Path) -> list[dict]:
     return records
 
 
-def _answer(model, tokenizer, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int):
+def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int):
     from ..integration import generate_ids
 
     if cell.method == FULL:
@@ -250,7 +250,7 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
                 record = _record(cell, sample, context_ids, capture_s)
                 start = time.perf_counter()
                 try:
-                    res = _answer(model, tokenizer, cell, context_ids, question_ids, captured, config, max_new)
+                    res = _answer(model, cell, context_ids, question_ids, captured, config, max_new)
                 except (ValueError, RuntimeError) as err:
                     record["error"] = f"{type(err).__name__}: {err}"
                     bar.write(f"[{cell.key}] {record['error']}")
@@ -375,7 +375,11 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
                                ("grid", True, ("method", "ratio", "mode", "task", "length", "depth"))):
             for row in aggregate(records, grid=grid, by=by):
                 w.writerow({"kind": kind, "depth": ""} | row)
-    parts = []
+    captures = {(r["grid"], r["task"], r["length"], r["index"], r["depth"]): r["capture_s"] for r in records}
+    wall = sum(r["wall_s"] for r in records) + sum(captures.values())
+    n_err = sum(r["error"] is not None for r in records)
+    parts = [f"{len(records)} cells ({n_err} could not run), {wall / 3600:.2f} h of recorded wall time "
+             f"(context captures {sum(captures.values()) / 3600:.2f} h).", ""]
     table = markdown_table(records)
     if table:
         parts += ["### Task scores (%)", "", table, ""]
