@@ -630,6 +630,7 @@ def run(
     memory_method: str = "keydiff",
     memory_sizes: Sequence[int] = (2048, 4096, 8192, 16384),
     memory_budget: int = 1024,
+    memory_modes: Sequence[str] = ("chunked", "prefill"),
     chunk_size: int = 128,
     threads: int | None = None,
     model_path: str | None = None,
@@ -680,5 +681,5 @@ def run(
     if "decode" in sections:
         results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log, saver("decode"))
     if "memory" in sections:
-        results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, log=log, on_row=saver("memory"))
+        results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, memory_modes, log, saver("memory"))
     return report(out_dir)

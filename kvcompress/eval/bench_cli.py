@@ -62,6 +62,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("--memory-method", default="keydiff", help="method of the memory runs (default keydiff)")
     g.add_argument("--memory-sizes", type=_ints, default=[2048, 4096, 8192, 16384], help="prompt lengths (default 2048,4096,8192,16384)")
     g.add_argument("--memory-budget", type=int, default=1024, help="middle budget (slots per KV head) of the memory runs (default 1024)")
+    g.add_argument("--memory-modes", type=_words, default=["chunked", "prefill"], help="generation modes compared (default chunked,prefill)")
     g.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked mode (default 128)")
     add_model_arg(p)
     p.set_defaults(func=_run)
@@ -76,7 +77,7 @@ def _run(args) -> int:
         compression_ratio=args.compression_ratio, repeats=args.repeats, block=args.block, max_seconds=args.max_seconds,
         stream=args.stream, decode_context=args.decode_context, decode_kept=args.kept, decode_tokens=args.decode_tokens,
         step_shape=args.step_shape, step_contexts=args.step_contexts, step_repeats=args.step_repeats,
-        memory_method=args.memory_method, memory_sizes=args.memory_sizes, memory_budget=args.memory_budget,
+        memory_method=args.memory_method, memory_sizes=args.memory_sizes, memory_budget=args.memory_budget, memory_modes=args.memory_modes,
         chunk_size=args.chunk_size, threads=args.threads, model_path=args.model, seed=args.seed,
     )
     return 0
