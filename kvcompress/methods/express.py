@@ -188,9 +188,8 @@ class ExpressState(StreamState):
     def _start_block(self) -> None:
         self.block_seen = 0
         self.stratum, self.leaf, self.depth = block_plan(self.ell, self.m, self.g)
-        self.levels: list[KVSummary | None] = [None] * self.depth
-        self.open_parts: list[KVSummary] = []
-        self.open_slots = 0
+        self.levels = [_Buffer() for _ in range(self.depth)]
+        self.open_leaf = _Buffer()
         self.candidate: KVSummary | None = None
         self.count = 0
 
@@ -210,17 +209,9 @@ class ExpressState(StreamState):
     def _thin(self, part: Tokens) -> None:
         """Subsample then Compress2 tokens of the block in progress; finish the block when it is full."""
         self.block_seen += part.length
-        picked = self._subsample(part)
-        if picked is not None:
-            self.open_parts.append(picked)
-            self.open_slots += picked.num_slots
-        if self.open_slots >= self.leaf:
-            buffer = concat(self.open_parts)
-            full = buffer.num_slots // self.leaf * self.leaf
-            rest = _take(buffer, full, buffer.num_slots)
-            self.open_parts = [rest] if rest.num_slots else []
-            self.open_slots = rest.num_slots
-            self._compress2(_take(buffer, 0, full))
+        leaves = self.open_leaf.push(self._subsample(part), self.leaf)
+        if leaves is not None:
+            self._compress2(leaves)
         if self.block_seen == self.ell * self.m:
             self._finish_block()
 
@@ -272,13 +263,11 @@ class ExpressState(StreamState):
         """Push complete leaves into Compress2: every four outputs of a level are halved, all groups of a level at once."""
         carry = leaves
         for j in range(self.depth):
-            buffer = _join(self.levels[j], carry)
             group = 4 * (self.leaf << j)
-            done = buffer.num_slots // group * group
-            self.levels[j] = _take(buffer, done, buffer.num_slots)
-            if done == 0:
+            full = self.levels[j].push(carry, group)
+            if full is None:
                 return
-            carry = halve_groups(_take(buffer, 0, done), group, self.scale, self.generator, self.delta)
+            carry = halve_groups(full, group, self.scale, self.generator, self.delta)
         self.siblings.append(carry)
 
     def _finish_block(self) -> None:
@@ -292,7 +281,10 @@ class ExpressState(StreamState):
         self._start_block()
 
     def summary(self) -> KVSummary | None:
-        parts = [self.cache, *self.siblings, *reversed(self.levels), *self.open_parts, self.candidate]
+        parts = [self.cache, *self.siblings]
+        for buffer in (*reversed(self.levels), self.open_leaf):
+            parts += buffer.parts
+        parts.append(self.candidate)
         parts = [p for p in parts if p is not None and p.num_slots > 0]
         return concat(parts) if parts else None
 
@@ -340,6 +332,28 @@ def _merge_weighted_pair(pair: KVSummary, generator: torch.Generator) -> KVSumma
 def _select(s: KVSummary, index: torch.Tensor) -> KVSummary:
     """The slots at `index` [k] (the same slots in every head)."""
     return KVSummary(s.keys[:, :, index], s.values[:, :, index], s.log_weights[:, :, index], s.positions[:, :, index])
+
+
+class _Buffer:
+    """Slots waiting for a full group, kept as a list of parts so that adding one costs no copy."""
+
+    def __init__(self):
+        self.parts: list[KVSummary] = []
+        self.slots = 0
+
+    def push(self, part: KVSummary | None, group: int) -> KVSummary | None:
+        """Add `part`; once whole groups are there, return them (a multiple of `group` slots) and keep the rest."""
+        if part is not None and part.num_slots:
+            self.parts.append(part)
+            self.slots += part.num_slots
+        if self.slots < group:
+            return None
+        buffer = concat(self.parts)
+        full = self.slots // group * group
+        rest = _take(buffer, full, self.slots)
+        self.parts = [rest] if rest.num_slots else []
+        self.slots = rest.num_slots
+        return _take(buffer, 0, full)
 
 
 def _join(a: KVSummary | None, b: KVSummary | None) -> KVSummary | None:
