@@ -24,7 +24,10 @@ chosen here, each with its reason:
   Halve was 0.1447 vs 0.1475 for a uniform half, because the exp kernel's dynamic range on real
   keys makes max_j √Kdiff_jj (set by a few large-norm keys) dwarf every α_i, so every later
   pair is a fair coin flip (dividing a_i by its multiplier, ≈ 8.5 here, changed no decision);
-  the greedy walk gave 0.1194. "self-balancing" keeps the randomised walk, multiplier ½ + log(2S/δ) with
+  the greedy walk gave 0.1194. With 2,048 tokens (one Halve of 1,760 tokens, 10 seeds) the gain
+  shrinks: greedy 0.1200, randomised 0.1227, uniform 0.1242; inside the Express cache (Halves of
+  small Compress2 groups and of 4m) the one-shot cache beats uniform sampling and BalanceKV at
+  equal memory for budgets 256 and 512 (benchmarks/express_attention_error.py). "self-balancing" keeps the randomised walk, multiplier ½ + log(2S/δ) with
   S the call's input size and δ = `delta` (default 0.5, the failure probability Carrell et
   al.'s code uses).
 - Exact phase: the first m tokens fill the cache C exactly; the three following thin phases run
