@@ -34,6 +34,7 @@ def _generate_cli(subparsers) -> None:
     p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's seed default)")
     p.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode mode")
     p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     add_model_arg(p)
     p.set_defaults(func=_run_generate)
 
@@ -51,12 +52,35 @@ def _run_generate(args) -> int:
     size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window}
     res = generate(
         model, tokenizer, context, args.question, method=None if full else args.method, mode=args.mode,
-        max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, compress_question=args.compress_question, **size,
+        max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, compress_question=args.compress_question,
+        **size, **parse_params(args.param),
     )
     print(res.text)
     print()
     print(res.report())
     return 0
+
+
+def parse_params(items: list[str]) -> dict:
+    """["name=value", ...] -> {name: value} with ints, floats and true/false converted."""
+    params = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            params[name] = lowered == "true"
+            continue
+        for convert in (int, float):
+            try:
+                params[name] = convert(text)
+                break
+            except ValueError:
+                continue
+        else:
+            params[name] = text
+    return params
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -147,3 +147,13 @@ def test_bad_tensors_are_named():
         kvc.compress("snapkv", k, v, budget=3)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         kvc.compress("snapkv", k, v, queries=q[:, :4], budget=3)
+
+
+def test_cli_method_parameters_are_parsed():
+    from kvcompress.cli import parse_params
+
+    assert parse_params(["anchor=median", "block_size=128", "beta=2.5", "weighted=true"]) == {
+        "anchor": "median", "block_size": 128, "beta": 2.5, "weighted": True,
+    }
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_params(["anchor"])
