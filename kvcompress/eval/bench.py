@@ -518,29 +518,28 @@ def plot_overhead(rows: Sequence[dict], path: Path) -> None:
 
 
 def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> None:
-    """Left: decode tokens/s over the full cache's per method and kept fraction; right: attention-step speedups."""
-    fig, axes = _subplots(2, (14, 5))
-    ax = axes[0][0]
-    if decode:
-        methods = list(dict.fromkeys(r["method"] for r in decode if r["method"] != "full"))
-        kept = sorted({r["kept"] for r in decode if r["method"] != "full"})
-        width = 0.8 / max(1, len(kept))
-        for i, k in enumerate(kept):
-            vals = {r["method"]: r["speedup"] for r in decode if r["kept"] == k and r["method"] != "full"}
-            ax.bar(np.arange(len(methods)) + i * width, [vals.get(m, np.nan) for m in methods], width, label=f"{k:.0%} kept")
-        ax.set_xticks(np.arange(len(methods)) + width * (len(kept) - 1) / 2, methods, rotation=45, ha="right")
+    """A panel of decode tokens/s over the full cache's per method and kept fraction, and one of attention-step speed-ups (those with rows)."""
+    panels = [(kind, rows) for kind, rows in (("decode", decode), ("step", step)) if rows]
+    fig, axes = _subplots(len(panels), (7 * len(panels), 5))
+    for ax, (kind, rows) in zip(axes[0], panels):
+        if kind == "decode":
+            methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "full"))
+            kept = sorted({r["kept"] for r in rows if r["method"] != "full"})
+            width = 0.8 / max(1, len(kept))
+            for i, k in enumerate(kept):
+                vals = {r["method"]: r["speedup"] for r in rows if r["kept"] == k and r["method"] != "full"}
+                ax.bar(np.arange(len(methods)) + i * width, [vals.get(m, np.nan) for m in methods], width, label=f"{k:.0%} kept")
+            ax.set_xticks(np.arange(len(methods)) + width * (len(kept) - 1) / 2, methods, rotation=45, ha="right")
+            ax.set_ylabel("decode tokens/s / full cache")
+            ax.set_title(f"greedy decoding, default model, {rows[0]['context_tokens']}-token context")
+            ax.legend()
+        else:
+            labels = [f"{r['context'] // 1024}k {r['path']} {r['kept']:.0%}" for r in rows]
+            ax.bar(np.arange(len(rows)), [r["speedup"] for r in rows])
+            ax.set_xticks(np.arange(len(rows)), labels, rotation=45, ha="right")
+            ax.set_ylabel("full-cache SDPA step time / step time")
+            ax.set_title(f"attention-only decode step, {rows[0]['shape']} shape")
         ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_ylabel("decode tokens/s / full cache")
-        ax.set_title(f"greedy decoding, default model, {decode[0]['context_tokens']}-token context")
-        ax.legend()
-    ax = axes[0][1]
-    if step:
-        labels = [f"{r['context'] // 1024}k {r['path']} {r['kept']:.0%}" for r in step]
-        ax.bar(np.arange(len(step)), [r["speedup"] for r in step])
-        ax.set_xticks(np.arange(len(step)), labels, rotation=45, ha="right")
-        ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_ylabel("full-cache SDPA step time / step time")
-        ax.set_title(f"attention-only decode step, {step[0]['shape']} shape")
     _save(fig, path)
 
 
