@@ -35,7 +35,7 @@ def _logits(q, keys, log_weights, positions, scale, query_positions, group):
     return logits + _bias(log_weights, positions, query_positions, group)
 
 
-def _visible(positions: torch.Tensor, query_positions: torch.Tensor | None) -> int:
+def visible_slots(positions: torch.Tensor, query_positions: torch.Tensor | None) -> int:
     """Number of leading slots to keep: every slot after the last one visible to some query is dropped."""
     if query_positions is None or positions.shape[-1] == 0:
         return positions.shape[-1]
@@ -95,7 +95,7 @@ def weighted_attention(
     for start in range(0, nq, chunk):
         qc = q[:, :, start : start + chunk]
         qpos = query_positions[:, start : start + chunk] if query_positions is not None else None
-        n = _visible(summary.positions, qpos)
+        n = visible_slots(summary.positions, qpos)
         keys, values = summary.keys[:, :, :n], summary.values[:, :, :n].float()
         log_weights, positions = summary.log_weights[:, :, :n], summary.positions[:, :, :n]
         if summary.normalizer is None:

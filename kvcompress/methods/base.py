@@ -19,6 +19,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from ..attention import visible_slots
 from ..summary import KVSummary, concat, gather_slots
 
 _REGISTRY: dict[str, type["Method"]] = {}
@@ -200,16 +201,22 @@ def attention_mass(tokens: Tokens, last: int | None = None, chunk: int = 256) ->
         qpos = qpos[-last:] if qpos is not None else None
     b, hq, nq, d = queries.shape
     hkv = tokens.keys.shape[1]
-    q = queries.float().reshape(b, hkv, hq // hkv, nq, d)
+    group = hq // hkv
+    q = queries.float().reshape(b, hkv, group, nq, d)
     keys = tokens.keys.float()
     mass = torch.zeros(b, hkv, tokens.length, device=keys.device)
     for start in range(0, nq, chunk):
-        logits = torch.einsum("bhgqd,bhnd->bhgqn", q[:, :, :, start : start + chunk], keys) * tokens.scale
-        if qpos is not None:
-            hidden = tokens.positions[:, :, None, None, :] > qpos[start : start + chunk].to(keys.device)[None, None, None, :, None]
+        qc = q[:, :, :, start : start + chunk]
+        c = qc.shape[3]
+        qp = qpos[start : start + chunk].to(keys.device) if qpos is not None else None
+        n = visible_slots(tokens.positions, qp)
+        logits = torch.matmul(qc.reshape(b, hkv, group * c, d), keys[:, :, :n].transpose(-1, -2)).view(b, hkv, group, c, n)
+        logits = logits * tokens.scale
+        if qp is not None:
+            hidden = tokens.positions[:, :, None, None, :n] > qp[None, None, None, :, None]
             logits = logits.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        mass += probs.sum(dim=3).mean(dim=2)
+        mass[:, :, :n] += probs.sum(dim=3).mean(dim=2)
     return mass
 
 
