@@ -72,8 +72,9 @@ def per_query_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((num / exact.double().norm(dim=-1).clamp_min(1e-300)).mean())
 
 
-def layer_errors(method: str, queries, keys, values, scale: float, config: ApproxConfig, pre_rope_keys=None) -> dict[float, list[float]]:
-    """{ratio: [error per seed]} for one layer's captured q/k/v ([1,H,n,d])."""
+def layer_errors(method: str, queries, keys, values, scale: float, config: ApproxConfig, pre_rope_keys=None,
+                 layer_idx: int | None = None, num_layers: int | None = None) -> dict[float, list[float]]:
+    """{ratio: [error per seed]} for one layer's captured q/k/v ([1,H,n,d]); layer_idx / num_layers for layer-aware budgets (PyramidKV)."""
     n = keys.shape[2]
     middle = n - config.sink - config.n_queries
     targets = queries[:, :, n - config.n_queries :]
@@ -86,7 +87,7 @@ def layer_errors(method: str, queries, keys, values, scale: float, config: Appro
         for seed in range(config.seeds):
             summary = compress(
                 method, keys, values, queries=queries, pre_rope_keys=pre_rope_keys, budget=budget,
-                sink=config.sink, window=config.n_queries, seed=seed, scale=scale,
+                sink=config.sink, window=config.n_queries, seed=seed, scale=scale, layer_idx=layer_idx, num_layers=num_layers,
             )
             errs.append(per_query_error(weighted_attention(targets, summary, scale=scale, query_positions=qpos), exact))
         out[ratio] = errs
@@ -108,7 +109,8 @@ def run_approx(model, tokenizer, config: ApproxConfig, progress: bool = True) ->
         for layer, (q, k, v) in captured.items():
             start = time.perf_counter()
             pre = unrotate.pre_rope_keys(k, torch.arange(n))
-            errors = layer_errors(method, q, k, v, scales[layer], config, pre_rope_keys=pre)
+            errors = layer_errors(method, q, k, v, scales[layer], config, pre_rope_keys=pre, layer_idx=layer,
+                                  num_layers=model.config.num_hidden_layers)
             seconds = (time.perf_counter() - start) / (len(config.ratios) * config.seeds)
             for ratio, errs in errors.items():
                 t = torch.tensor(errs, dtype=torch.float64)
