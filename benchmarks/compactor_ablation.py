@@ -7,9 +7,14 @@ NLL(answer | full) / NLL(answer | compressed) (1 = no loss). One shared prefill 
 every variant (`eval.prefill_replay`). The same run measures sketched vs exact leverage of the
 real pre-RoPE keys (Spearman, top-k overlap) per layer and head.
 
-    python benchmarks/compactor_ablation.py --tokens 512 --samples 3
+    python benchmarks/compactor_ablation.py --tokens 1024 --samples 3
 
-Writes benchmarks/results/compactor_ablation.{csv,md,png} and compactor_leverage_agreement.csv.
+The four main variants (Compactor, SnapKV, Knorm, random) are also scored on their greedy answer;
+the Table-2 ablation variants get a greedy answer too only with --ablation-answers (otherwise
+only their NLL ratio is measured: each answer costs a full decode). With --part NAME a run writes
+compactor_ablation_part_NAME.csv (and the agreement rows) so several processes can split the
+tasks; --report-only merges every part into benchmarks/results/compactor_ablation.{csv,md,png}
+and compactor_leverage_agreement.csv.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvcompress.methods.base import make_generator
 from kvcompress.methods.compactor import exact_leverage, leverage_scores
 
 RESULTS = Path(__file__).parent / "results"
+MAIN = ("compactor", "snapkv", "knorm", "random")
 VARIANTS = [
     ("compactor", "compactor", {}),
     ("snapkv", "snapkv", {}),
@@ -64,14 +70,25 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=3, help="samples per task")
     p.add_argument("--tasks", default="niah_single,niah_multikey,niah_multivalue")
     p.add_argument("--kept", default="0.5,0.25", help="fractions of the context kept")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="room for the model's full-sentence answers")
+    p.add_argument("--ablation-answers", action="store_true", help="also decode (and score) the ablation variants")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--part", default=None, help="write a partial CSV under this name (merged by --report-only)")
+    p.add_argument("--report-only", action="store_true", help="merge the part CSVs and write the summary")
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     kept = [float(x) for x in args.kept.split(",")]
+    if args.report_only:
+        rows, agreement = merge_parts()
+        write_summary(rows, agreement, kept, args)
+        return
+    torch.set_num_threads(args.threads)
     model, tok = kvc.load_model()
     rows, agreement = [], []
-    out_csv = RESULTS / "compactor_ablation.csv"
-    samples = [(task, seed) for task in args.tasks.split(",") for seed in range(args.samples)]
+    suffix = f"_part_{args.part}" if args.part else ""
+    out_csv = RESULTS / f"compactor_ablation{suffix}.csv"
+    samples = [(task, seed) for task in args.tasks.split(",") for seed in range(args.first_seed, args.first_seed + args.samples)]
     for sample_id, (task, seed) in enumerate(samples):
         sample = tasks.generate_sample(task, target_tokens=args.tokens, seed=seed, tokenizer=tok)
         context_ids, continuation_ids, answer_len = encode_sample(tok, sample.context, sample.question, ", ".join(sample.answers))
@@ -86,19 +103,46 @@ def main(argv=None):
         for name, method, params in VARIANTS:
             for frac in kept:
                 nll = answer_nll(model, shared.cache(method, 1.0 - frac, **params), continuation_ids, answer_len)
-                text = tok.decode(shared.answer_ids(question_ids, method, 1.0 - frac, args.max_new_tokens, **params), skip_special_tokens=True)
-                rows.append({"task": task, "seed": seed, "variant": name, "kept": frac, "score": tasks.score(sample, text),
-                             "nll_ratio": nll_full / nll, "answer": text.strip()})
+                text, score = None, None
+                if name in MAIN or args.ablation_answers:
+                    text = tok.decode(shared.answer_ids(question_ids, method, 1.0 - frac, args.max_new_tokens, **params), skip_special_tokens=True)
+                    score = tasks.score(sample, text)
+                rows.append({"task": task, "seed": seed, "variant": name, "kept": frac, "score": score,
+                             "nll_ratio": nll_full / nll, "answer": text.strip() if text is not None else ""})
         print(f"{task} seed {seed}: {context_ids.shape[1]} tokens, {time.time() - t0:.0f}s, full: {full_text.strip()!r}", flush=True)
-        with out_csv.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    with (RESULTS / "compactor_leverage_agreement.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(agreement[0]))
+        write_csv(out_csv, rows)
+        write_csv(RESULTS / f"compactor_leverage_agreement{suffix}.csv", agreement)
+    if not args.part:
+        write_summary(rows, agreement, kept, args)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
-        w.writerows(agreement)
-    write_summary(rows, agreement, kept, args)
+        w.writerows(rows)
+
+
+def merge_parts() -> tuple[list[dict], list[dict]]:
+    """Rows of every part CSV (numbers parsed; empty score = not decoded), also written as the merged CSVs."""
+    merged = {}
+    for stem in ("compactor_ablation", "compactor_leverage_agreement"):
+        rows = []
+        for path in sorted(RESULTS.glob(f"{stem}_part_*.csv")):
+            with path.open() as f:
+                rows += list(csv.DictReader(f))
+        write_csv(RESULTS / f"{stem}.csv", rows)
+        merged[stem] = [{k: _number(v) for k, v in r.items()} for r in rows]
+    return merged["compactor_ablation"], merged["compactor_leverage_agreement"]
+
+
+def _number(v: str):
+    if v == "":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return v
 
 
 def write_summary(rows, agreement, kept, args):
@@ -108,11 +152,13 @@ def write_summary(rows, agreement, kept, args):
     import matplotlib.pyplot as plt
 
     names = ["full"] + [v[0] for v in VARIANTS]
-    n_samples = sum(1 for r in rows if r["variant"] == "full")
+    full_rows = [r for r in rows if r["variant"] == "full"]
+    tasks_run = sorted({r["task"] for r in full_rows})
     lines = [
-        f"# Compactor, query-agnostic, SmolLM2-135M-Instruct ({args.tasks}; ~{args.tokens} tokens; {n_samples} samples)",
+        f"# Compactor, query-agnostic, SmolLM2-135M-Instruct ({', '.join(tasks_run)}; ~{args.tokens} tokens; {len(full_rows)} samples)",
         "",
-        "Score = task score of the greedy answer (mean over samples); NLL ratio = NLL(answer | full) / NLL(answer | compressed).",
+        "Score = task score of the greedy answer (mean over samples; '-' = not decoded, NLL only); "
+        "NLL ratio = NLL(answer | full) / NLL(answer | compressed), mean over samples (1 = no loss).",
         "",
         "| variant | " + " | ".join(f"score @{int(k * 100)}% kept | NLL ratio @{int(k * 100)}%" for k in kept) + " |",
         "|---|" + "---|---|" * len(kept),
@@ -122,10 +168,10 @@ def write_summary(rows, agreement, kept, args):
         cells, ys = [], []
         for k in kept:
             sel = [r for r in rows if r["variant"] == name and (name == "full" or r["kept"] == k)]
-            score = sum(r["score"] for r in sel) / len(sel)
+            scored = [r["score"] for r in sel if r["score"] is not None]
             ratio = sum(r["nll_ratio"] for r in sel) / len(sel)
-            cells.append(f"{score:.2f} | {ratio:.3f}")
-            ys.append(score)
+            cells.append(f"{sum(scored) / len(scored):.2f} | {ratio:.3f}" if scored else f"- | {ratio:.3f}")
+            ys.append(ratio)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         ax.plot([int(k * 100) for k in kept], ys, marker="o", label=name, linestyle="--" if name.startswith("compactor:") else "-")
     rho = torch.tensor([a["spearman"] for a in agreement])
@@ -138,7 +184,7 @@ def write_summary(rows, agreement, kept, args):
     ]
     (RESULTS / "compactor_ablation.md").write_text("\n".join(lines) + "\n")
     ax.set_xlabel("% of context kept")
-    ax.set_ylabel("mean task score")
+    ax.set_ylabel("mean NLL ratio (1 = no loss)")
     ax.set_title("query-agnostic needle tasks, SmolLM2-135M")
     ax.legend(fontsize=7)
     fig.tight_layout()
