@@ -30,7 +30,8 @@ def test_same_seed_same_sample_and_different_seeds_differ():
 
 @pytest.mark.parametrize("task", ["niah_multikey", "niah_multivalue", "niah_multiquery"])
 def test_multi_needles_present_and_answers_are_asked(task):
-    s = T.generate_sample(task, target_tokens=1500, depth=0.6, seed=3)
+    count = {"niah_multikey": "n_keys", "niah_multivalue": "n_values", "niah_multiquery": "n_queries"}[task]
+    s = T.generate_sample(task, target_tokens=1500, depth=0.6, seed=3, **{count: 4})
     assert len(s.needles) == 4 and len(s.depths) == 4
     for needle, depth in zip(s.needles, s.depths):
         assert s.context.count(needle) == 1

@@ -183,19 +183,19 @@ def niah_single(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack=
     return _niah("niah_single", target_tokens, depth, seed, tokenizer, haystack, kind, 1, 1, 1)
 
 
-def niah_multikey(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_keys=4) -> Sample:
+def niah_multikey(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_keys=2) -> Sample:
     """The asked needle at `depth` plus n_keys − 1 distractor needles with other keys at random depths."""
     _check("n_keys", n_keys, 2)
     return _niah("niah_multikey", target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, 1, 1)
 
 
-def niah_multivalue(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_values=4) -> Sample:
+def niah_multivalue(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_values=2) -> Sample:
     """n_values needles with the same key (the first at `depth`); all values are expected."""
     _check("n_values", n_values, 2)
     return _niah("niah_multivalue", target_tokens, depth, seed, tokenizer, haystack, kind, 1, n_values, 1)
 
 
-def niah_multiquery(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_queries=4) -> Sample:
+def niah_multiquery(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_queries=2) -> Sample:
     """n_queries needles with different keys (the first at `depth`), all asked."""
     _check("n_queries", n_queries, 2)
     return _niah("niah_multiquery", target_tokens, depth, seed, tokenizer, haystack, kind, n_queries, 1, n_queries)
