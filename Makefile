@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test env
+.PHONY: demo test test-e2e env
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,5 +17,10 @@ env: $(BIN)/python
 demo: env
 	$(BIN)/kvcompress demo
 
+# Unit tests (small tensors, tiny random models) + the quick end-to-end smoke tests on the real model.
 test: env
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not e2e or smoke"
+
+# Every end-to-end test on the real default model, including the method comparisons (slow on 2 cores).
+test-e2e: env
+	$(BIN)/python -m pytest -q -m e2e

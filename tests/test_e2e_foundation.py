@@ -6,7 +6,7 @@ import kvcompress as kvc
 from kvcompress.cli import main
 from kvcompress.eval.tasks import niah_single, score
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.smoke]
 
 
 @pytest.fixture(scope="module")

@@ -126,6 +126,7 @@ def test_load_model_bad_path(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_first_load_builds_cache_and_second_load_is_fast_and_identical(monkeypatch, tmp_path):
     torch.set_num_threads(1)
     monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path))
@@ -148,6 +149,7 @@ def test_first_load_builds_cache_and_second_load_is_fast_and_identical(monkeypat
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_build_prompt_splits_chat_template():
     model, tok = kvmodel.load_model()
     ctx, q = kvmodel.build_prompt(tok, "The sky is blue.", "What color is the sky?")
@@ -167,6 +169,7 @@ def test_build_prompt_splits_chat_template():
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_capture_reproduces_attention_default_model():
     torch.set_num_threads(1)
     model, tok = kvmodel.load_model()
