@@ -220,7 +220,7 @@ def test_errors_name_the_problem():
 
 @pytest.fixture(scope="module")
 def real_layers():
-    """Pre-RoPE keys of three layers of the default model on ~600 tokens of real prose."""
+    """The default model and its shared prefill (every layer) of ~600 tokens of real prose."""
     from kvcompress.eval.capture import prose_text
     from kvcompress.eval.prefill_replay import SharedPrefill
 
@@ -229,16 +229,35 @@ def real_layers():
     return model, tok, SharedPrefill(model, ids)
 
 
+def _floored_exact_leverage(keys: torch.Tensor) -> torch.Tensor:
+    """Exact leverage (float64 SVD of the keys themselves) with the sketch route's floor sigma^2 >= 1e-6·max."""
+    u, s, _ = torch.linalg.svd(keys.double(), full_matrices=False)
+    s2 = s.square()
+    floored = torch.maximum(s2, cm._SIGMA2_FLOOR * s2.amax(-1, keepdim=True))
+    return (u.square() * (s2 / floored)[..., None, :]).sum(-1)
+
+
 @pytest.mark.e2e
 def test_sketched_leverage_tracks_exact_on_real_keys(real_layers):
+    # Every layer and KV head of the default model. Layer 0's pre-RoPE keys are nearly rank-deficient
+    # (condition number ~1e8, 20-27 of 64 singular values below 1e-3 of the largest on ~1k-token
+    # contexts): plain exact leverage counts those near-null directions as fully as the others, while
+    # the sketch route floors sigma^2 at 1e-6 of its largest (seed App. C), so on layer 0 it tracks
+    # plain exact leverage only at Spearman ~0.5-0.8 (measured in benchmarks/compactor_ablation.py).
+    # Against exact leverage with the same floor (the quantity the sketch estimates) every head is
+    # >= 0.8, and against plain exact leverage every head of layers 1-29 is.
     _, _, shared = real_layers
-    for layer in (2, 15, 28):
+    for layer in sorted(shared.captured):
         pre = shared.pre_rope_keys(layer)
-        exact = cm.exact_leverage(pre)
+        plain = cm.exact_leverage(pre)
+        floored = _floored_exact_leverage(pre)
         approx = cm.leverage_scores(pre, "sketch", "gaussian", 64, make_generator(layer))
         for h in range(pre.shape[1]):
-            rho = spearmanr(exact[0, h].numpy(), approx[0, h].numpy()).statistic
-            assert rho >= 0.8, (layer, h, rho)
+            rho_floored = spearmanr(floored[0, h].numpy(), approx[0, h].numpy()).statistic
+            assert rho_floored >= 0.8, (layer, h, rho_floored)
+            if layer > 0:
+                rho = spearmanr(plain[0, h].numpy(), approx[0, h].numpy()).statistic
+                assert rho >= 0.8, (layer, h, rho)
 
 
 @pytest.mark.e2e
