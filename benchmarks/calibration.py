@@ -8,8 +8,9 @@ with gamma.
 
     python benchmarks/calibration.py --method compactor --tokens 384 --train 2 --heldout 2
 
-Writes benchmarks/results/calibration_<method>.{csv,md,png,json} (json: the fitted calibration;
-csv: training triples and held-out rows).
+Writes benchmarks/results/calibration_<method>[_<tag>].{csv,md,png,json} (json: the fitted
+calibration; csv: training triples and held-out rows). --triples-from reuses the training triples
+of an earlier run's CSV (e.g. to refit with another --asymmetry) instead of measuring them again.
 """
 
 from __future__ import annotations
@@ -36,16 +37,23 @@ def main(argv=None):
     p.add_argument("--retentions", default="0.1,0.25,0.5,0.75,0.9")
     p.add_argument("--quality", type=float, default=0.95)
     p.add_argument("--asymmetry", type=float, default=4.0)
+    p.add_argument("--triples-from", type=Path, default=None, help="reuse the training triples of this calibration CSV")
+    p.add_argument("--tag", default=None, help="suffix of the output files")
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"calibration_{args.method}"
+    stem = RESULTS / (f"calibration_{args.method}_{args.tag}" if args.tag else f"calibration_{args.method}")
     model, tok = kvc.load_model()
     task_names = args.tasks.split(",")
     retentions = [float(x) for x in args.retentions.split(",")]
     log = lambda t: print(f"  {t['task']} #{t['sample']} r={t['retention']:.2f} NLL(c)={t['nll_context']:.3f} ratio={t['nll_ratio']:.3f}", flush=True)
 
-    train = cal.offline_samples(tok, task_names, args.train, args.tokens, first_seed=0)
-    triples = cal.make_triples(model, tok, train, args.method, retentions, progress=log)
+    if args.triples_from is not None:
+        triples = read_triples(args.triples_from)
+    else:
+        train = cal.offline_samples(tok, task_names, args.train, args.tokens, first_seed=0)
+        triples = cal.make_triples(model, tok, train, args.method, retentions, progress=log)
     calibration = cal.fit(triples, args.method, args.asymmetry, model="SmolLM2-135M-Instruct")
     calibration.save(stem.with_suffix(".json"))
     print(f"fit: alpha={calibration.alpha:.4f} beta={calibration.beta:.4f} loss={calibration.loss:.4g}", flush=True)
@@ -67,6 +75,14 @@ def main(argv=None):
     write_report(stem, calibration, triples, rows, args)
 
 
+def read_triples(path: Path) -> list[dict]:
+    """The training rows of an earlier run's CSV, numbers parsed."""
+    with path.open() as f:
+        rows = [r for r in csv.DictReader(f) if r["split"] == "train"]
+    numeric = ("retention", "nll_context", "nll_full", "nll_compressed", "nll_ratio")
+    return [{**r, **{k: float(r[k]) for k in numeric}, "sample": int(r["sample"])} for r in rows]
+
+
 def write_report(stem, calibration, triples, rows, args):
     import matplotlib
 
@@ -78,7 +94,7 @@ def write_report(stem, calibration, triples, rows, args):
         f"# Context-calibrated compression: {args.method} on SmolLM2-135M-Instruct (~{args.tokens}-token contexts)",
         "",
         f"Fit on {len(triples)} training triples ({args.tasks}, {args.train} samples/task, retentions {args.retentions}), "
-        f"asymmetry {args.asymmetry}: alpha = {calibration.alpha:.4f}, beta = {calibration.beta:.4f}, loss {calibration.loss:.4g}.",
+        f"asymmetry {args.asymmetry}" + (f" (triples reused from {args.triples_from.name})" if args.triples_from else "") + f": alpha = {calibration.alpha:.4f}, beta = {calibration.beta:.4f}, loss {calibration.loss:.4g}.",
         "",
         f"Held-out contexts (other seeds), quality budget gamma = {args.quality}: measured NLL ratio >= gamma on **{met} of {len(rows)}**.",
         "",
