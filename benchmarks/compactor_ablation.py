@@ -14,7 +14,7 @@ the Table-2 ablation variants get a greedy answer too only with --ablation-answe
 only their NLL ratio is measured: each answer costs a full decode). With --part NAME a run writes
 compactor_ablation_part_NAME.csv (and the agreement rows) so several processes can split the
 tasks; --report-only merges every part into benchmarks/results/compactor_ablation.{csv,md,png}
-and compactor_leverage_agreement.csv.
+and compactor_ablation_leverage.csv. --name replaces the stem "compactor_ablation" (a separate run).
 """
 
 from __future__ import annotations
@@ -76,18 +76,19 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--part", default=None, help="write a partial CSV under this name (merged by --report-only)")
     p.add_argument("--report-only", action="store_true", help="merge the part CSVs and write the summary")
+    p.add_argument("--name", default="compactor_ablation", help="stem of the result files")
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     kept = [float(x) for x in args.kept.split(",")]
     if args.report_only:
-        rows, agreement = merge_parts()
+        rows, agreement = merge_parts(args.name)
         write_summary(rows, agreement, kept, args)
         return
     torch.set_num_threads(args.threads)
     model, tok = kvc.load_model()
     rows, agreement = [], []
     suffix = f"_part_{args.part}" if args.part else ""
-    out_csv = RESULTS / f"compactor_ablation{suffix}.csv"
+    out_csv = RESULTS / f"{args.name}{suffix}.csv"
     samples = [(task, seed) for task in args.tasks.split(",") for seed in range(args.first_seed, args.first_seed + args.samples)]
     for sample_id, (task, seed) in enumerate(samples):
         sample = tasks.generate_sample(task, target_tokens=args.tokens, seed=seed, tokenizer=tok)
@@ -111,7 +112,7 @@ def main(argv=None):
                              "nll_ratio": nll_full / nll, "answer": text.strip() if text is not None else ""})
         print(f"{task} seed {seed}: {context_ids.shape[1]} tokens, {time.time() - t0:.0f}s, full: {full_text.strip()!r}", flush=True)
         write_csv(out_csv, rows)
-        write_csv(RESULTS / f"compactor_leverage_agreement{suffix}.csv", agreement)
+        write_csv(RESULTS / f"{args.name}_leverage{suffix}.csv", agreement)
     if not args.part:
         write_summary(rows, agreement, kept, args)
 
@@ -123,17 +124,17 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def merge_parts() -> tuple[list[dict], list[dict]]:
+def merge_parts(name: str) -> tuple[list[dict], list[dict]]:
     """Rows of every part CSV (numbers parsed; empty score = not decoded), also written as the merged CSVs."""
     merged = {}
-    for stem in ("compactor_ablation", "compactor_leverage_agreement"):
+    for stem in (name, f"{name}_leverage"):
         rows = []
         for path in sorted(RESULTS.glob(f"{stem}_part_*.csv")):
             with path.open() as f:
                 rows += list(csv.DictReader(f))
         write_csv(RESULTS / f"{stem}.csv", rows)
         merged[stem] = [{k: _number(v) for k, v in r.items()} for r in rows]
-    return merged["compactor_ablation"], merged["compactor_leverage_agreement"]
+    return merged[name], merged[f"{name}_leverage"]
 
 
 def _number(v: str):
@@ -181,14 +182,16 @@ def write_summary(rows, agreement, kept, args):
         "",
         f"Sketched (Gaussian, k=64) vs exact leverage of the real pre-RoPE keys, over {len(agreement)} (sample, layer, head):",
         f"Spearman median {rho.median():.3f}, min {rho.min():.3f}; top-25% overlap mean {ov25.mean():.3f}; top-50% overlap mean {ov50.mean():.3f}.",
+        f"Heads with Spearman < 0.8: {int((rho < 0.8).sum())} of {len(agreement)}, in layers {sorted({int(a['layer']) for a in agreement if a['spearman'] < 0.8})}; "
+        f"without layer 0: min {min((a['spearman'] for a in agreement if a['layer'] != 0), default=float('nan')):.3f}.",
     ]
-    (RESULTS / "compactor_ablation.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     ax.set_xlabel("% of context kept")
     ax.set_ylabel("mean NLL ratio (1 = no loss)")
     ax.set_title("query-agnostic needle tasks, SmolLM2-135M")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "compactor_ablation.png", dpi=120)
+    fig.savefig(RESULTS / f"{args.name}.png", dpi=120)
     print("\n".join(lines))
 
 

@@ -5,7 +5,10 @@ Each sample (`kvcompress.eval.tasks.line_retrieval`) is a list of numbered lines
 correct when its first number matches (LongEval's scoring). The context is compressed once after
 prefill (the seed applies its k-center once to the whole cache) with the same share of the cache
 kept for every method (compression_ratio = 1 − kept), the question is appended exactly, greedy
-decoding. Rows are appended to benchmarks/results/line_retrieval.csv as they finish (a rerun
+decoding. The context of each sample is prefilled once and that record is compressed by every
+method (`generate_ids(prefill=...)`, equal to a fresh prefill-mode `generate`); prefill_s is that
+shared prefill. Method "full" is the uncompressed cache (kept = 1), run once per sample to show
+whether the model can do the task at all. Rows are appended to benchmarks/results/line_retrieval.csv as they finish (a rerun
 skips rows already there); the accuracy table goes to line_retrieval.md and .png.
 
     python benchmarks/line_retrieval.py [--lengths 2048 4096] [--kept 0.5 0.35] [--samples 4]
@@ -26,7 +29,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
+from kvcompress.eval.capture import capture_qkv  # noqa: E402
 from kvcompress.eval.tasks import line_retrieval, score  # noqa: E402
+from kvcompress.integration.generate import generate_ids  # noqa: E402
+from kvcompress.integration.model import build_prompt  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 CSV = RESULTS / "line_retrieval.csv"
@@ -35,10 +41,13 @@ FIELDS = ["length", "tokens", "kept", "method", "sample", "depth", "answer", "pr
 
 
 def done_rows() -> list[dict]:
-    if not CSV.exists():
-        return []
-    with open(CSV) as f:
-        return list(csv.DictReader(f))
+    """Rows of line_retrieval.csv and of every part file (line_retrieval_part_*.csv)."""
+    rows = []
+    for path in [CSV, *sorted(RESULTS.glob("line_retrieval_part_*.csv"))]:
+        if path.exists():
+            with open(path) as f:
+                rows += list(csv.DictReader(f))
+    return rows
 
 
 def run(args) -> None:
@@ -46,33 +55,44 @@ def run(args) -> None:
     model, tokenizer = kvc.load_model()
     RESULTS.mkdir(exist_ok=True)
     seen = {(r["length"], r["kept"], r["method"], r["sample"]) for r in done_rows()}
-    new_file = not CSV.exists()
-    with open(CSV, "a", newline="") as f:
+    out = RESULTS / f"line_retrieval_part_{args.part}.csv" if args.part else CSV
+    new_file = not out.exists()
+    with open(out, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new_file:
             writer.writeheader()
-        for i in range(args.samples):
+        for i in range(args.first_sample, args.first_sample + args.samples):
             for length in args.lengths:
-                depth = (i + 0.5) / args.samples
+                depth = (i % 4 + 0.5) / 4
                 sample = line_retrieval(target_tokens=length, depth=depth, seed=i, tokenizer=tokenizer)
-                for kept in args.kept:
-                    for method in args.methods:
-                        key = (str(length), str(kept), method, str(i))
-                        if key in seen:
-                            continue
-                        res = kvc.generate(
-                            model, tokenizer, sample.context, sample.question, method=method,
-                            compression_ratio=round(1.0 - kept, 6), max_new_tokens=args.max_new_tokens, progress=False,
+                runs = [(k, m) for k in args.kept for m in args.methods if m != "full"]
+                if "full" in args.methods:
+                    runs.insert(0, (1.0, "full"))
+                runs = [(k, m) for k, m in runs if (str(length), str(k), m, str(i)) not in seen]
+                if not runs:
+                    continue
+                context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question)
+                start = time.perf_counter()
+                record = capture_qkv(model, context_ids)
+                prefill_s = time.perf_counter() - start
+                for kept, method in runs:
+                    if method == "full":
+                        res = generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=args.max_new_tokens)
+                    else:
+                        res = generate_ids(
+                            model, context_ids, question_ids, method=method, compression_ratio=round(1.0 - kept, 6),
+                            max_new_tokens=args.max_new_tokens, prefill=record,
                         )
-                        row = {
-                            "length": length, "tokens": res.context_tokens, "kept": kept, "method": method, "sample": i,
-                            "depth": round(sample.depth, 3), "answer": sample.answers[0], "prediction": res.text.replace("\n", " "),
-                            "correct": score(sample, res.text), "kv_fraction": round(res.kv_bytes / res.kv_bytes_full, 4),
-                            "prefill_s": round(res.prefill_seconds, 2), "compress_s": round(res.compress_seconds, 2),
-                        }
-                        writer.writerow(row)
-                        f.flush()
-                        print(f"[{time.strftime('%H:%M:%S')}] {row}", flush=True)
+                    text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+                    row = {
+                        "length": length, "tokens": res.context_tokens, "kept": kept, "method": method, "sample": i,
+                        "depth": round(sample.depth, 3), "answer": sample.answers[0], "prediction": text.replace("\n", " "),
+                        "correct": score(sample, text), "kv_fraction": round(res.kv_bytes / res.kv_bytes_full, 4),
+                        "prefill_s": round(prefill_s, 2), "compress_s": round(res.compress_seconds, 2),
+                    }
+                    writer.writerow(row)
+                    f.flush()
+                    print(f"[{time.strftime('%H:%M:%S')}] {row}", flush=True)
 
 
 def summarize() -> None:
@@ -121,9 +141,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="target context tokens")
     parser.add_argument("--kept", type=float, nargs="+", default=[0.5, 0.35], help="share of the cache kept")
-    parser.add_argument("--methods", nargs="+", default=["clustergen", "subgen", "streamingllm", "h2o"])
-    parser.add_argument("--samples", type=int, default=4, help="questions per length (depths spread evenly)")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--methods", nargs="+", default=["full", "clustergen", "subgen", "streamingllm", "h2o"],
+                        help='"full" = the uncompressed cache')
+    parser.add_argument("--samples", type=int, default=4, help="questions per length (depths cycle through 1/8, 3/8, 5/8, 7/8)")
+    parser.add_argument("--part", default=None, help="append to line_retrieval_part_PART.csv (parallel runs; all parts are summarized)")
+    parser.add_argument("--first-sample", type=int, default=0, help="first sample index (split a run over processes)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summarize-only", action="store_true", help="only rebuild the .md/.png from the CSV")
     args = parser.parse_args()
