@@ -14,7 +14,6 @@ Writes benchmarks/results/balancekv_attention_error.{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.capture import capture_qkv, prose_text
+from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
@@ -78,10 +78,7 @@ def main():
                 print(rows[-1], flush=True)
 
     RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "balancekv_attention_error.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(RESULTS / "balancekv_attention_error.csv", rows)
     lines = [
         f"# BalanceKV vs uniform: relative attention error (SmolLM2-135M, {args.prompts} prose prompts × {args.tokens} tokens, "
         f"sink {args.sink} + last {args.window} exact, mean ± std over {args.seeds} seeds)",

@@ -33,6 +33,7 @@ from kvcompress.eval import tasks
 from kvcompress.eval.prefill_replay import SharedPrefill
 from kvcompress.methods.base import make_generator
 from kvcompress.methods.compactor import exact_leverage, leverage_scores
+from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
 MAIN = ("compactor", "snapkv", "knorm", "random")
@@ -115,13 +116,6 @@ def main(argv=None):
         write_csv(RESULTS / f"{args.name}_leverage{suffix}.csv", agreement)
     if not args.part:
         write_summary(rows, agreement, kept, args)
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def merge_parts(name: str) -> tuple[list[dict], list[dict]]:

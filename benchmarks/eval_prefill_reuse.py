@@ -13,7 +13,6 @@ cell times and the total speed-up; the reused sweep's total includes its capture
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import tempfile
 import time
@@ -23,6 +22,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.runner import SweepConfig, read_results, run_sweep
+from kvcompress.eval.tables import write_csv
 
 OUT = Path(__file__).parent / "results"
 
@@ -61,10 +61,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch)
     OUT.mkdir(exist_ok=True)
-    with (OUT / "eval_prefill_reuse.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(OUT / "eval_prefill_reuse.csv", rows)
     lines = [
         f"Sub-sweep: {len(methods)} methods at ratio {args.ratio}, {args.task}, {args.length} tokens, {args.samples} sample(s), "
         f"{args.max_new_tokens} answer tokens, {args.threads} thread(s).",

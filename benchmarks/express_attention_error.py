@@ -16,7 +16,6 @@ Writes benchmarks/results/express_attention_error.{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 from pathlib import Path
@@ -28,6 +27,7 @@ from kvcompress.eval.capture import capture_qkv, prose_text
 from kvcompress.methods.base import make_generator
 from kvcompress.methods.express import halve_groups
 from kvcompress.summary import KVSummary, concat
+from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
 SINK, QUERY_WINDOW = 32, 256
@@ -129,10 +129,7 @@ def summarise(rows):
 
 def write(rows, summary):
     RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "express_attention_error.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+    write_csv(RESULTS / "express_attention_error.csv", summary)
     lines = ["# Express attention error on real layers (SmolLM2-135M-Instruct, real prose)", ""]
     titles = {"A": "A. One Halve vs uniform half", "B": "B. Express stream vs uniform at equal middle slots",
               "C": "C. One-shot, equal budget (sink 32 + last 256 exact)"}

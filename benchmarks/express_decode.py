@@ -19,7 +19,6 @@ Writes benchmarks/results/express_decode.{csv,md}.
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from kvcompress.eval.capture import prose_text
 from kvcompress.integration.generate import generate_ids, use_compressed_attention
 from kvcompress.integration.model import build_prompt
 from kvcompress.methods.base import build_method
+from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -128,10 +128,7 @@ def main():
         print(rows[-1], flush=True)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "express_decode.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(RESULTS / "express_decode.csv", rows)
     cols = list(rows[0])
     lines = ["# Express long-form decoding (SmolLM2-135M-Instruct, CPU, greedy)", "",
              f"cache size {args.cache_size} stored slots per KV head for every method (sink/window per method's seed "

@@ -15,7 +15,6 @@ Writes benchmarks/results/keydiff_memory.{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 import kvcompress as kvc  # noqa: E402
 from kvcompress.eval.capture import prose_text  # noqa: E402
 from kvcompress.integration import generate_ids  # noqa: E402
+from kvcompress.eval.tables import write_csv  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -70,10 +70,7 @@ def main() -> None:
                          keydiff_prefill_s=round(keydiff_seconds, 1), full_prefill_s=round(full_seconds, 1)))
         print(rows[-1], flush=True)
     RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "keydiff_memory.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(RESULTS / "keydiff_memory.csv", rows)
     mib = 1 << 20
     lines = [
         f"# KeyDiff chunked prefill (B={args.block}, N={args.budget}) vs full-cache prefill, SmolLM2-135M float32",

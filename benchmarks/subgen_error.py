@@ -14,7 +14,6 @@ Writes benchmarks/results/subgen_error.{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
+from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -91,10 +91,7 @@ def main() -> None:
             print(f"t={t:3d} s={s:5d} m={max(clusters):3d} rel_err={mean[0]:.3f}±{std[0]:.3f} "
                   f"seed_err={mean[1]:.4f}±{std[1]:.4f} den_err={mean[2]:.4f}±{std[2]:.4f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "subgen_error.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(RESULTS / "subgen_error.csv", rows)
     write_markdown(rows, args)
     plot(rows, args)
 

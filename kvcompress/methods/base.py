@@ -14,6 +14,7 @@ and must honour `budget`: at most `budget` slots per head in what it returns.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 from typing import Callable, ClassVar
 
@@ -80,15 +81,16 @@ def cat_tokens(parts: list[Tokens]) -> Tokens:
     )
 
 
-class StreamState:
+class StreamState(ABC):
     """Per-layer streaming state of one method over the compressible middle."""
 
+    @abstractmethod
     def absorb(self, tokens: Tokens) -> None:
-        raise NotImplementedError
+        """Take the next tokens leaving the exact window."""
 
+    @abstractmethod
     def summary(self) -> KVSummary | None:
         """The current summary (None before any token)."""
-        raise NotImplementedError
 
     def nbytes(self) -> int:
         """Bytes of every tensor the state stores (including any workspace kept between updates)."""
@@ -124,12 +126,12 @@ class Method:
             raise ValueError(f"method {self.name!r} scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
 
 
-class ScoreMethod(Method):
+class ScoreMethod(Method, ABC):
     """A score-then-top-k method: subclasses implement `score`; the top `budget` per head are kept."""
 
+    @abstractmethod
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         """[B, H_kv, n] importance of each token (higher is kept)."""
-        raise NotImplementedError
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:
