@@ -132,6 +132,23 @@ def test_config_errors_name_the_parameter():
         ApproxConfig(tokens=300, sink=256, n_queries=256)
 
 
+def test_task_params_reach_the_generator_and_the_cell_key(tiny, tmp_path):
+    model, tokenizer = tiny
+    config = small_config(tasks=["niah_multikey"], samples=1, grid_lengths=[], grid_depths=[],
+                          task_params={"niah_multikey": {"n_keys": 3}})
+    spec = runner.sample_specs(config)[0]
+    assert len(spec.build(config, tokenizer).needles) == 3
+    records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    assert all("niah_multikey;n_keys=3|" in r["key"] for r in records)
+    for bad, name in [({"nope": {}}, "task"), ({"niah_single": {"n_keys": 2}}, "n_keys"), ({"niah_single": {"seed": 1}}, "seed")]:
+        with pytest.raises(ValueError, match=name):
+            SweepConfig(task_params=bad)
+    args = build_parser().parse_args(["eval", "--task-param", "niah_multikey.n_keys=4", "--task-param", "line_retrieval.n_lines=1"])
+    from kvcompress.eval.cli import _sweep_config
+
+    assert _sweep_config(args).task_params == {"niah_multikey": {"n_keys": 4}, "line_retrieval": {"n_lines": 1}}
+
+
 def test_approx_bench_rows_error_bars_and_exactness(tiny, tmp_path):
     model, tokenizer = tiny
     config = ApproxConfig(methods=["random", "knorm"], ratios=[0.0, 0.75], layers=[0, 1], tokens=240, n_queries=32, sink=16, seeds=3)

@@ -166,6 +166,8 @@ def test_build_prompt_splits_chat_template():
     ctx_only, closing = kvmodel.build_prompt(tok, "Some context.")
     assert tok.decode(ctx_only[0]).endswith("Some context.")
     assert tok.decode(closing[0]) == "<|im_end|>\n<|im_start|>assistant\n"
+    _, primed = kvmodel.build_prompt(tok, "The sky is blue.", "What color is the sky?", answer_prefix="The sky is")
+    assert tok.decode(primed[0]) == tok.decode(q[0]) + "The sky is"
 
 
 @pytest.mark.e2e

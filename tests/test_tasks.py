@@ -104,6 +104,20 @@ def test_line_retrieval_target_line(depth):
     assert T.score(s, "I do not know.") == 0.0
 
 
+@pytest.mark.parametrize("n_lines", [1, 3])
+def test_line_retrieval_sparse_lines_in_prose(n_lines):
+    s = T.line_retrieval(1500, 0.3, seed=2, n_lines=n_lines, haystack="prose")
+    topic = re.search(r"line (\S+)\?", s.question).group(1)
+    assert len(re.findall(r"line \S+: REGISTER_CONTENT is <\d+>", s.context)) == n_lines
+    assert s.context.count(s.needles[0]) == 1 and f"<{s.answers[0]}>" in s.needles[0]
+    before = s.context[: s.context.index(s.needles[0])]
+    assert abs(len(before) / len(s.context) - 0.3) < 0.05 and abs(s.depth - 0.3) < 0.05
+    assert s.answer_prefix == f"line {topic}: REGISTER_CONTENT is <"
+    assert T.score(s, f"{s.answers[0]}>") == 1.0
+    with pytest.raises(ValueError, match="n_lines"):
+        T.line_retrieval(500, n_lines=0)
+
+
 def test_scorer_needs_whole_answer():
     s = T.niah_single(600, 0.5, seed=0)
     a = s.answers[0]

@@ -60,6 +60,9 @@ def add_cli(subparsers) -> None:
     t.add_argument("--seed", type=int, default=0, help="base seed of the task generators and of randomised methods (default 0)")
     t.add_argument("--haystack", default="filler", choices=HAYSTACKS, help="needle haystack: repeated filler or real prose (default filler)")
     t.add_argument("--kind", default="numbers", choices=NEEDLE_KINDS, help="needle values (default numbers)")
+    t.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",
+                   help="a task generator argument, e.g. --task-param niah_multikey.n_keys=4 or "
+                        "--task-param line_retrieval.n_lines=1 (repeatable; see kvcompress.eval.tasks)")
     t.add_argument("--grid-lengths", type=_ints, default=[], help="needle heat-map context lengths (comma-separated; default: no heat-map)")
     t.add_argument("--grid-depths", type=_floats, default=[], help="needle heat-map depths in [0, 1] (comma-separated)")
     t.add_argument("--grid-ratios", type=_floats, default=[0.75], help="compression ratios of the heat-map (default 0.75)")
@@ -116,8 +119,21 @@ def _sweep_config(args):
         lengths=args.lengths, samples=args.samples, seed=args.seed, haystack=args.haystack, kind=args.kind,
         grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,
         include_full=not args.no_full, reuse_prefill=not args.no_reuse_prefill, max_new_tokens=args.max_new_tokens,
-        chunk_size=args.chunk_size,
+        chunk_size=args.chunk_size, task_params=_task_params(args.task_param),
     )
+
+
+def _task_params(items: list[str]) -> dict[str, dict]:
+    """["task.name=value", ...] -> {task: {name: value}} (values converted as `--param` does)."""
+    from ..cli import parse_params
+
+    out: dict[str, dict] = {}
+    for item in items:
+        task, dot, rest = item.partition(".")
+        if not dot or not task:
+            raise ValueError(f"--task-param takes TASK.NAME=VALUE, got {item!r}")
+        out.setdefault(task, {}).update(parse_params([rest]))
+    return out
 
 
 def _approx_config(args):

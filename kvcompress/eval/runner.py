@@ -39,6 +39,8 @@ from .capture import capture_qkv
 from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
 
 FULL = "full"
+# Generator arguments the sweep sets itself (not settable through task_params).
+_SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
 RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
 DEFAULT_RATIOS = (0.5, 0.75, 0.9)
@@ -82,6 +84,7 @@ class SweepConfig:
     reuse_prefill: bool = True
     max_new_tokens: int | None = None
     chunk_size: int = 128
+    task_params: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.methods is None:
@@ -114,6 +117,13 @@ class SweepConfig:
             raise ValueError(f"haystack must be one of {HAYSTACKS}, got {self.haystack!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for task, params in self.task_params.items():
+            if task not in GENERATORS:
+                raise ValueError(f"task_params: task must be one of {TASKS}, got {task!r}")
+            allowed = set(inspect.signature(GENERATORS[task]).parameters) - set(_SWEEP_ARGUMENTS)
+            bad = sorted(set(params) - allowed)
+            if bad:
+                raise ValueError(f"task_params[{task!r}]: parameters must be among {sorted(allowed)}, got {bad}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,7 @@ class SampleSpec:
     index: int
     depth: float | None
     grid: bool = False
+    params: tuple = ()
 
     def build(self, config: SweepConfig, tokenizer) -> Sample:
         params = inspect.signature(GENERATORS[self.task]).parameters
@@ -134,6 +145,7 @@ class SampleSpec:
         for name in ("haystack", "kind"):
             if name in params:
                 kwargs[name] = getattr(config, name)
+        kwargs.update(self.params)
         return generate_sample(self.task, **kwargs)
 
 
@@ -149,7 +161,8 @@ class Cell:
     @property
     def key(self) -> str:
         s = self.sample
-        return f"{'grid' if s.grid else 'task'}|{s.task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
+        task = s.task + "".join(f";{k}={v}" for k, v in s.params)
+        return f"{'grid' if s.grid else 'task'}|{task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
 
 
 def sample_depth(index: int) -> float:
@@ -165,10 +178,12 @@ def sample_specs(config: SweepConfig) -> list[SampleSpec]:
         for length in config.lengths:
             for task in config.tasks:
                 takes_depth = "depth" in inspect.signature(GENERATORS[task]).parameters
-                specs.append(SampleSpec(task, length, i, sample_depth(i) if takes_depth else None))
+                params = tuple(sorted(config.task_params.get(task, {}).items()))
+                specs.append(SampleSpec(task, length, i, sample_depth(i) if takes_depth else None, params=params))
     for i, length in enumerate(config.grid_lengths):
         for j, depth in enumerate(config.grid_depths):
-            specs.append(SampleSpec(config.grid_task, length, i * len(config.grid_depths) + j, depth, grid=True))
+            params = tuple(sorted(config.task_params.get(config.grid_task, {}).items()))
+            specs.append(SampleSpec(config.grid_task, length, i * len(config.grid_depths) + j, depth, grid=True, params=params))
     return specs
 
 
@@ -239,7 +254,7 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
             if not cells:
                 continue
             sample = spec.build(config, tokenizer)
-            context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question)
+            context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             max_new = config.max_new_tokens or MAX_NEW_TOKENS[spec.task]
             captured, capture_s = None, 0.0
             if config.reuse_prefill and any(c.mode == "prefill" and c.method != FULL for c in cells):

@@ -47,7 +47,9 @@ class Sample:
 
     answers: every expected answer string; `depths`: for each inserted item (needle, assignment,
     target line) the fraction of context tokens before it, in insertion order (the asked one first
-    where one is asked). n_tokens: the context's measured (or estimated) length.
+    where one is asked). n_tokens: the context's measured (or estimated) length. answer_prefix:
+    text that starts the answer (see `integration.model.build_prompt`); the prediction scored is
+    what the model writes after it.
     """
 
     task: str
@@ -58,6 +60,7 @@ class Sample:
     n_tokens: int
     depths: list[float] = field(default_factory=list)
     needles: list[str] = field(default_factory=list)
+    answer_prefix: str = ""
 
     @property
     def depth(self) -> float | None:
@@ -287,32 +290,48 @@ def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alph
     return Sample("frequent_words", context, question, ranked[:n_answers], target_tokens, round(count([context])[0]))
 
 
-def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None) -> Sample:
-    """LongEval lines: 'line {adjective-noun}: REGISTER_CONTENT is <{number}>'; ask the line at `depth`."""
+def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_lines=None, haystack="filler") -> Sample:
+    """LongEval lines 'line {adjective-noun}: REGISTER_CONTENT is <{number}>'; ask the line at `depth`.
+
+    n_lines None: the context is nothing but lines (LongEval's dense form). n_lines k >= 1: k lines
+    spread through a `haystack` (the asked one at `depth`, the others at random depths), for models
+    too small to retrieve among hundreds of near-identical lines.
+    """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
     rng = random.Random(seed)
     count = token_counter(tokenizer)
     vocab = vocabulary()
-    per_line = count([f"line {vocab[0]}-{vocab[1]}: REGISTER_CONTENT is <12345>"])[0] + 1
-    n_lines = max(2, target_tokens // per_line)
+    if n_lines is None:
+        per_line = count([f"line {vocab[0]}-{vocab[1]}: REGISTER_CONTENT is <12345>"])[0] + 1
+        wanted = max(2, int(target_tokens // per_line))
+    else:
+        _check("n_lines", n_lines, 1)
+        wanted = n_lines
     topics: set[str] = set()
-    while len(topics) < n_lines:
+    while len(topics) < wanted:
         topics.add(f"{rng.choice(vocab)}-{rng.choice(vocab)}")
     ordered = sorted(topics)
     rng.shuffle(ordered)
     numbers = [rng.randrange(1, 50_000) for _ in ordered]
     lines = [f"line {t}: REGISTER_CONTENT is <{v}>" for t, v in zip(ordered, numbers)]
-    text = "\n".join(lines)
-    while len(lines) > 2 and count([text])[0] > target_tokens:
-        lines.pop()
+    if n_lines is None:
         text = "\n".join(lines)
-    target = min(len(lines) - 1, round(depth * (len(lines) - 1)))
-    topic = ordered[target]
-    measured = count([text[: text.index(lines[target])]])[0] / count([text])[0]
-    question = f"What is the REGISTER_CONTENT in line {topic}? I need the number."
+        while len(lines) > 2 and count([text])[0] > target_tokens:
+            lines.pop()
+            text = "\n".join(lines)
+        target = min(len(lines) - 1, round(depth * (len(lines) - 1)))
+        measured = count([text[: text.index(lines[target])]])[0] / count([text])[0]
+        n_tokens = round(count([text])[0])
+    else:
+        target = 0
+        depths = [depth] + [rng.random() for _ in lines[1:]]
+        text, found, n_tokens = _assemble(_haystack_units(haystack, rng), [ln + "." for ln in lines], depths, target_tokens, count)
+        measured = found[0]
+    question = f"What is the REGISTER_CONTENT in line {ordered[target]}? I need the number."
+    prefix = f"line {ordered[target]}: REGISTER_CONTENT is <"
     return Sample(
-        "line_retrieval", text, question, [str(numbers[target])], target_tokens, round(count([text])[0]), [measured], [lines[target]]
+        "line_retrieval", text, question, [str(numbers[target])], target_tokens, n_tokens, [measured], [lines[target]], prefix
     )
 
 

@@ -115,7 +115,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
 _QUESTION_MARK = "\x00KVC_QUESTION\x00"
 
 
-def build_prompt(tokenizer, context: str, question: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_prompt(
+    tokenizer, context: str, question: str | None = None, answer_prefix: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chat-formatted (context_ids [1, n_c], question_ids [1, n_q]) for an instruct model.
 
     The user turn is `context + "\\n\\n" + question`, rendered by the tokenizer's chat template
@@ -124,7 +126,9 @@ def build_prompt(tokenizer, context: str, question: str | None = None) -> tuple[
     prefix and the context (the part to compress); question_ids hold "\\n\\n" + question, the end
     of the user turn and the assistant header (appended exactly after compression). With
     question None the split falls at the end of the context, and question_ids hold only the
-    template's closing tokens. Without a chat template the plain text is used.
+    template's closing tokens. Without a chat template the plain text is used. `answer_prefix`
+    (RULER's convention) starts the assistant's answer: it is appended after the assistant header,
+    so generation continues it.
     """
     tail = "" if question is None else "\n\n" + question
     user = context + _QUESTION_MARK + tail
@@ -134,6 +138,7 @@ def build_prompt(tokenizer, context: str, question: str | None = None) -> tuple[
         )
     else:
         text = user
+    text += answer_prefix
     head, rest = text.split(_QUESTION_MARK)
     ids = [tokenizer(part, add_special_tokens=False, return_tensors="pt")["input_ids"] for part in (head, rest)]
     return ids[0], ids[1]
