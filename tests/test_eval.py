@@ -57,7 +57,8 @@ def test_sweep_writes_results_summary_and_plots(tiny, tmp_path):
     md = md_path.read_text()
     task_table = md.split("### Needle grid")[0]
     lines = [ln for ln in task_table.splitlines() if ln.startswith("|")]
-    assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single ", " common_words ", " 200 tok ", " all "]
+    # the random tiny model fails every task with the full cache too: both are flagged
+    assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single† ", " common_words† ", " 200 tok ", " all "]
     assert [ln.split("|")[1].strip() for ln in lines[2:]] == ["full cache", "knorm @ 0.5", "random @ 0.5"]
     grid_lines = [ln for ln in md.split("### Needle grid")[1].splitlines() if ln.startswith("|")]
     assert len(grid_lines) == 2 + 3 * 2
@@ -120,6 +121,21 @@ def test_streaming_modes_and_unfit_cells_are_recorded(tiny, tmp_path):
     assert "sink" in by[("balancekv", "prefill")]["error"] and by[("balancekv", "prefill")]["score"] is None
     md = write_summary(records, tmp_path)[1].read_text()
     assert "| balancekv @ 0.5 (prefill) | n/a |" in md
+
+
+def test_tasks_beyond_the_model_are_flagged_and_left_out_of_the_averages():
+    def rec(method, ratio, task, score):
+        return {"grid": False, "method": method, "ratio": ratio, "mode": "-" if method == FULL else "prefill",
+                "task": task, "length": 1000, "depth": None, "error": None, "score": score}
+
+    records = [rec(FULL, None, "niah_single", 1.0), rec(FULL, None, "niah_multikey", 0.5),
+               rec("knorm", 0.5, "niah_single", 0.0), rec("knorm", 0.5, "niah_multikey", 1.0)]
+    assert runner.beyond_model(records) == ["niah_multikey"]
+    lines = [ln for ln in runner.markdown_table(records).splitlines() if ln.startswith("|")]
+    assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single ", " niah_multikey† ", " 1000 tok ", " all "]
+    assert lines[2].split("|")[1:-1] == [" full cache ", " 100 ", " 50 ", " 100 ", " 100 "]
+    assert lines[3].split("|")[1:-1] == [" knorm @ 0.5 ", " 0 ", " 100 ", " 0 ", " 0 "]
+    assert "beyond this model" in runner.markdown_table(records)
 
 
 def test_config_errors_name_the_parameter():
