@@ -204,7 +204,7 @@ def attention_mass(tokens: Tokens, last: int | None = None, chunk: int = 256) ->
     b, hq, nq, d = queries.shape
     hkv = tokens.keys.shape[1]
     group = hq // hkv
-    q = queries.float().reshape(b, hkv, group, nq, d)
+    q = queries.float().reshape(b, hkv, group, nq, d) * tokens.scale
     keys = tokens.keys.float()
     mass = torch.zeros(b, hkv, tokens.length, device=keys.device)
     for start in range(0, nq, chunk):
@@ -213,11 +213,9 @@ def attention_mass(tokens: Tokens, last: int | None = None, chunk: int = 256) ->
         qp = qpos[start : start + chunk].to(keys.device) if qpos is not None else None
         n = visible_slots(tokens.positions, qp)
         logits = torch.matmul(qc.reshape(b, hkv, group * c, d), keys[:, :, :n].transpose(-1, -2)).view(b, hkv, group, c, n)
-        logits = logits * tokens.scale
         if qp is not None:
-            hidden = tokens.positions[:, :, None, None, :n] > qp[None, None, None, :, None]
-            logits = logits.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+            logits.masked_fill_(tokens.positions[:, :, None, None, :n] > qp[None, None, None, :, None], float("-inf"))
+        probs = logits.softmax(dim=-1).nan_to_num_(0.0)
         mass[:, :, :n] += probs.sum(dim=3).mean(dim=2)
     return mass
 
