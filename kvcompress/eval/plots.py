@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .runner import FULL, aggregate  # noqa: E402
+from .runner import FULL, aggregate, beyond_model  # noqa: E402
 from .tasks import TASKS  # noqa: E402
 
 
@@ -21,11 +21,14 @@ def _grid_of(n: int, cols: int = 4) -> tuple[int, int]:
 def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "prefill") -> Path | None:
     """One panel per task (mean over lengths and samples) plus 'all tasks': score vs compression ratio, a line per method.
 
-    The full cache is a dashed horizontal line. Returns the path, or None when there is nothing to plot.
+    The full cache is a dashed horizontal line. Tasks in `runner.beyond_model` get a † in their
+    title and are left out of 'all tasks', as in the summary table. Returns the path, or None
+    when there is nothing to plot.
     """
     rows = [r for r in records if not r["grid"] and (r["mode"] == mode or r["method"] == FULL)]
+    hard = beyond_model(rows)
     by_task = aggregate(rows, by=("method", "ratio", "mode", "task"))
-    overall = [a | {"task": "all tasks"} for a in aggregate(rows, by=("method", "ratio", "mode"))]
+    overall = [a | {"task": "all tasks"} for a in aggregate([r for r in rows if r["task"] not in hard], by=("method", "ratio", "mode"))]
     panels = [t for t in TASKS if any(a["task"] == t for a in by_task)] + ["all tasks"]
     if len(panels) == 1:
         return None
@@ -42,7 +45,7 @@ def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "p
         full = [a["score"] for a in data if a["method"] == FULL]
         if full:
             ax.axhline(full[0], color="black", ls="--", lw=1, label="full cache")
-        ax.set_title(panel, fontsize=10)
+        ax.set_title(panel + (" † (full cache < 90%)" if panel in hard else ""), fontsize=10)
         ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
     for ax in axes[-1]:
