@@ -127,6 +127,10 @@ class SweepConfig:
             if bad:
                 raise ValueError(f"task_params[{task!r}]: parameters must be among {sorted(allowed)}, got {bad}")
 
+    def params_of(self, task: str) -> tuple:
+        """The task's `task_params` as sorted (name, value) pairs (hashable, part of the cell key)."""
+        return tuple(sorted(self.task_params.get(task, {}).items()))
+
 
 @dataclass(frozen=True)
 class SampleSpec:
@@ -180,12 +184,11 @@ def sample_specs(config: SweepConfig) -> list[SampleSpec]:
         for length in config.lengths:
             for task in config.tasks:
                 takes_depth = "depth" in inspect.signature(GENERATORS[task]).parameters
-                params = tuple(sorted(config.task_params.get(task, {}).items()))
-                specs.append(SampleSpec(task, length, i, sample_depth(i) if takes_depth else None, params=params))
+                specs.append(SampleSpec(task, length, i, sample_depth(i) if takes_depth else None, params=config.params_of(task)))
     for i, length in enumerate(config.grid_lengths):
         for j, depth in enumerate(config.grid_depths):
-            params = tuple(sorted(config.task_params.get(config.grid_task, {}).items()))
-            specs.append(SampleSpec(config.grid_task, length, i * len(config.grid_depths) + j, depth, grid=True, params=params))
+            specs.append(SampleSpec(config.grid_task, length, i * len(config.grid_depths) + j, depth, grid=True,
+                                    params=config.params_of(config.grid_task)))
     return specs
 
 
