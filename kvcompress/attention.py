@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .checks import check_queries
 from .summary import KVSummary
 
 # Largest number of float32 logits materialised at once (per call); queries are processed in
@@ -73,10 +74,9 @@ def weighted_attention(
     more than about _MAX_LOGITS scores exist at once, and slots after the last one a chunk can
     see are skipped.
     """
+    check_queries(queries, summary.keys, "the summary's keys")
     b, hq, nq, d = queries.shape
     hkv = summary.keys.shape[1]
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     group = hq // hkv

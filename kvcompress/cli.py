@@ -122,8 +122,9 @@ def _generate_cli(subparsers) -> None:
 
 
 def _run_generate(args) -> int:
+    from .api import default_sink_window
     from .integration import generate, load_model
-    from .methods.base import build_method
+    from .methods.base import build_method, check_sink_window, resolve_budget
 
     if not args.context_file.is_file():
         raise ValueError(f"--context-file {str(args.context_file)!r} does not exist")
@@ -139,6 +140,8 @@ def _run_generate(args) -> int:
     params = parse_params(args.param)
     if not full:
         build_method(args.method, **params)
+        check_sink_window(*default_sink_window(args.method, args.sink, args.window))
+        resolve_budget(10**9, args.budget, args.compression_ratio, 0, 0)
     context = args.context_file.read_text()
     model, tokenizer = load_model(args.model)
     size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window}

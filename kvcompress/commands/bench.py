@@ -47,11 +47,14 @@ def add_cli(subparsers) -> None:
     g.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked mode (default 128)")
     add_model_arg(p)
     add_device_args(p)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, measurement_defaults={a.dest: a.default for a in p._actions if a.dest not in ("help", "out", "report_only")})
 
 
 def _run(args) -> int:
     if args.report_only:
+        given = sorted(name for name, default in args.measurement_defaults.items() if getattr(args, name) != default)
+        if given:
+            raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {['--' + g.replace('_', '-') for g in given]}")
         bench.report(args.out)
         return 0
     device, dtype = resolve_device(args.device, args.dtype)

@@ -48,6 +48,8 @@ def _run(args) -> int:
     check_positive("--tokens", args.tokens, 16)
     if not args.asymmetry >= 1:
         raise ValueError(f"--asymmetry must be >= 1, got {args.asymmetry}")
+    if args.triples is not None and args.triples.resolve() == args.out.resolve():
+        raise ValueError(f"--triples and --out name the same file {str(args.out)!r}; the triples would overwrite the calibration")
     for flag, path in (("--out", args.out), ("--triples", args.triples)):
         if path is not None and not path.parent.is_dir():
             raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")

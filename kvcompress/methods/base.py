@@ -14,6 +14,7 @@ and must honour `budget`: at most `budget` slots per head in what it returns.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 from typing import Callable, ClassVar
@@ -21,6 +22,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ..attention import visible_slots
+from ..checks import as_count, as_fraction, check_queries, check_same_device, check_tensor, describe
 from ..summary import KVSummary, concat, gather_slots
 
 _REGISTRY: dict[str, type["Method"]] = {}
@@ -105,6 +107,7 @@ class Method:
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
     needs_pre_rope_keys: ClassVar[bool] = False
+    randomized: ClassVar[bool] = False  # draws from the generator: the seed changes the summary
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
 
@@ -256,59 +259,123 @@ def build_method(name: str, **params) -> Method:
 
 
 def make_generator(seed: int | torch.Generator | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator from `seed`: an int seeds it (reproducible), None draws a fresh random seed (a different result each call), a Generator is used as is."""
     if isinstance(seed, torch.Generator):
         return seed
     gen = torch.Generator(device=device)
-    gen.manual_seed(0 if seed is None else int(seed))
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(as_count("seed", seed, 0))
     return gen
 
 
-def resolve_budget(n: int, budget: int | None, compression_ratio: float | None, sink: int, window: int) -> int:
+def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
+    """Smallest n with ceil((1 - ratio)·n) >= kept_needed."""
+    n = max(1, math.ceil(kept_needed / (1.0 - compression_ratio)) - 1)
+    while math.ceil((1.0 - compression_ratio) * n - 1e-9) < kept_needed:
+        n += 1
+    return n
+
+
+def smallest_stream_budget(method: "Method") -> int:
+    """The smallest budget the method's streaming state accepts (1 for most; BalanceKV and Express need more)."""
+    for budget in range(1, 65):
+        try:
+            method.new_stream(budget, torch.Generator())
+        except ValueError:
+            continue
+        return budget
+    raise ValueError(f"method {method.name!r} accepts no streaming budget up to 64")
+
+
+def resolve_budget(
+    n: int,
+    budget: int | None,
+    compression_ratio: float | None,
+    sink: int,
+    window: int,
+    method: "Method | None" = None,
+    streaming: bool = False,
+) -> int:
     """Middle budget (slots per head, sink and window not counted) from exactly one of budget / ratio.
 
     compression_ratio is the fraction of all n tokens removed (kvpress convention): the layer keeps
     ceil((1 - ratio) * n) tokens, of which sink + window are exact, the rest is the middle budget.
+    A ratio that would remove tokens but leaves no room beyond sink + window is an error naming
+    the largest ratio and the smallest context that work (never a silent "keep everything").
+    With `method` and streaming=True (chunked/decode generation), a middle budget below what the
+    method's stream accepts is an error that says where the budget came from.
     """
     if (budget is None) == (compression_ratio is None):
-        raise ValueError("pass exactly one of budget (tokens kept per head) or compression_ratio (fraction removed)")
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-        return budget
-    if not isinstance(compression_ratio, (int, float)) or not (0.0 <= compression_ratio < 1.0) or math.isnan(compression_ratio):
-        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
-    kept = math.ceil((1.0 - compression_ratio) * n - 1e-9)
-    middle = kept - sink - window
-    if middle < 1 and n > sink + window:
         raise ValueError(
-            f"compression_ratio={compression_ratio} keeps {kept} of {n} tokens, which does not leave room beyond "
-            f"sink={sink} + window={window}; lower the ratio or the sink/window"
+            f"pass exactly one of budget (tokens kept per head) or compression_ratio (fraction removed); got budget={budget!r}, compression_ratio={compression_ratio!r}"
         )
-    return max(middle, 1)
+    if budget is not None:
+        middle = as_count("budget", budget, 1)
+        origin = f"budget={middle}"
+    else:
+        ratio = as_fraction("compression_ratio", compression_ratio, "the fraction of tokens removed")
+        kept = math.ceil((1.0 - ratio) * n - 1e-9)
+        middle = kept - sink - window
+        origin = f"compression_ratio={ratio} of n={n} tokens (keeps {kept}: sink={sink} + window={window} exact, a middle budget of {middle})"
+        if middle < 1 and kept < n:
+            needed = sink + window + 1
+            fixes = [f"a context of at least {_smallest_context(needed, ratio)} tokens", "a smaller sink/window"]
+            if n >= needed:
+                fixes.insert(0, f"compression_ratio <= {math.floor((1 - needed / n) * 1e4) / 1e4}")
+            raise ValueError(
+                f"compression_ratio={ratio} keeps {kept} of n={n} tokens, which does not leave room beyond sink={sink} + window={window} "
+                f"(always kept exactly), so the ratio cannot be honoured; use " + ", or ".join(fixes)
+            )
+        middle = max(middle, 1)
+    if streaming and method is not None:
+        smallest = smallest_stream_budget(method)
+        if middle < smallest:
+            raise ValueError(f"{origin}: streaming {method.name} (chunked/decode mode) needs a middle budget >= {smallest} per KV head")
+    return middle
 
 
-def check_kv(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None) -> None:
-    """Shape and finiteness checks with errors that name the argument."""
-    if keys.ndim != 4 or values.ndim != 4:
-        raise ValueError(f"keys and values must be [B, H_kv, n, d]; got {tuple(keys.shape)} and {tuple(values.shape)}")
+def check_kv(keys, values, queries=None, pre_rope_keys=None) -> None:
+    """Shape, dtype, device and finiteness checks of one layer's inputs, with errors that name the argument."""
+    check_tensor("keys", keys, "[B, H_kv, n, d]", 4)
+    check_tensor("values", values, "[B, H_kv, n, d_v]", 4)
     if keys.shape[:3] != values.shape[:3]:
-        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on [B, H_kv, n]")
+        raise ValueError(f"keys and values must agree on [B, H_kv, n]; got keys {describe(keys)} and values {describe(values)}")
+    check_same_device("values", values, "keys", keys)
     if keys.shape[2] == 0:
-        raise ValueError("empty context: keys have no tokens (n = 0)")
-    for name, t in (("keys", keys), ("values", values), ("queries", queries)):
+        raise ValueError(f"empty context: keys have no tokens (n = 0), got {describe(keys)}")
+    if queries is not None:
+        check_queries(queries, keys)
+    if pre_rope_keys is not None:
+        check_tensor("pre_rope_keys", pre_rope_keys, "[B, H_kv, n, d]", 4)
+        if pre_rope_keys.shape != keys.shape:
+            raise ValueError(f"pre_rope_keys must have the keys' shape {list(keys.shape)}, got {describe(pre_rope_keys)}")
+        check_same_device("pre_rope_keys", pre_rope_keys, "keys", keys)
+    for name, t in (("keys", keys), ("values", values), ("queries", queries), ("pre_rope_keys", pre_rope_keys)):
         if t is not None and not torch.isfinite(t).all():
             raise ValueError(f"{name} contain NaN or infinite entries")
-    if queries is not None:
-        if queries.ndim != 4 or queries.shape[0] != keys.shape[0] or queries.shape[-1] != keys.shape[-1]:
-            raise ValueError(f"queries must be [B, H_q, n_q, d] matching keys {tuple(keys.shape)}; got {tuple(queries.shape)}")
-        if queries.shape[1] % keys.shape[1] != 0:
-            raise ValueError(f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({keys.shape[1]})")
 
 
-def check_sink_window(sink: int, window: int) -> None:
-    for name, v in (("sink", sink), ("window", window)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+def check_positions(positions, keys: torch.Tensor) -> None:
+    """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]."""
+    b, h, n, _ = keys.shape
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or tuple(positions.shape) not in ((n,), (b, h, n)):
+        raise ValueError(f"positions must be an integer tensor [n] = [{n}] or [B, H_kv, n] = [{b}, {h}, {n}], got {describe(positions)}")
+
+
+def check_scale(scale) -> float | None:
+    """The attention scale: None (1/sqrt(d)) or a finite number > 0, as a Python float."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale (the attention scale s) must be a finite number > 0 or None for 1/sqrt(d), got {scale!r}")
+    return float(scale)
+
+
+def check_sink_window(sink, window) -> tuple[int, int]:
+    """(sink, window) as Python ints >= 0."""
+    return as_count("sink", sink, 0), as_count("window", window, 0)
 
 
 def split_exact(tokens: Tokens, sink: int, window: int) -> tuple[Tokens, Tokens, Tokens]:
@@ -341,22 +408,35 @@ class Stream:
     """
 
     def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None):
-        check_sink_window(sink, window)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        sink, window = check_sink_window(sink, window)
+        budget = as_count("budget", budget, 1)
         self.method, self.budget, self.sink, self.window = method, budget, sink, window
-        self.generator, self.scale = generator, scale
+        self.generator, self.scale = generator, check_scale(scale)
         self.state = method.new_stream(budget, generator)
         self.head: Tokens | None = None
         self.recent: Tokens | None = None
         self.seen = 0
+        self.layout: tuple | None = None  # (B, H_kv, d, d_v, dtype, device) of the first update
 
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
-        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count)."""
-        check_kv(keys, values, queries)
+        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count).
+
+        Every update must have the first one's batch, KV heads, head dims, dtype and device.
+        """
+        check_kv(keys, values, queries, pre_rope_keys)
         b, h, n, d = keys.shape
+        layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            fb, fh, fd, fdv, fdtype, fdevice = self.layout
+            raise ValueError(
+                f"stream.update: keys {describe(keys)} / values {describe(values)} do not match the earlier updates: every update must have "
+                f"batch {fb}, {fh} KV heads, key dim {fd}, value dim {fdv}, dtype {str(fdtype).removeprefix('torch.')}, device {fdevice}"
+            )
         if positions is None:
             positions = torch.arange(self.seen, self.seen + n, device=keys.device)
+        check_positions(positions, keys)
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)

@@ -279,6 +279,7 @@ class SubGen(Method):
     """
 
     name = "subgen"
+    randomized = True
     default_sink = 0
     default_window = 64
     s: int | None = None
