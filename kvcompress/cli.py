@@ -88,13 +88,14 @@ def check_positive(flag: str, value, minimum=1) -> None:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
 
 
-def check_methods(flag: str, names) -> None:
-    """Raise ValueError naming `flag` for method names that are not registered."""
-    from .api import methods
+def check_method(flag: str, name: str) -> None:
+    """Raise ValueError naming `flag` when `name` is not a registered method."""
+    from .methods.base import get_method_class
 
-    unknown = [m for m in names if m not in methods()]
-    if unknown:
-        raise ValueError(f"{flag}: unknown method(s) {unknown}; known methods: {', '.join(methods())}")
+    try:
+        get_method_class(name)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from None
 
 
 def _add_size_args(p: argparse.ArgumentParser) -> None:
@@ -130,7 +131,7 @@ def _run_generate(args) -> int:
         raise ValueError(f"--context-file {str(args.context_file)!r} does not exist")
     full = args.method == "full"
     if not full:
-        check_methods("--method", [args.method])
+        check_method("--method", args.method)
         if args.budget is None and args.compression_ratio is None:
             raise ValueError("pass --compression-ratio or --budget (or --method full)")
     elif args.budget is not None or args.compression_ratio is not None or args.param:

@@ -184,6 +184,12 @@ def test_bad_positions_are_named(positions):
         kvc.compress("knorm", keys, values, budget=8, positions=positions)
 
 
+def test_positions_out_of_order_are_refused():
+    keys, values = _kv()
+    with pytest.raises(ValueError, match="positions must be strictly increasing"):
+        kvc.compress("keydiff", keys, values, budget=8, positions=torch.arange(40).flip(0))
+
+
 @pytest.mark.parametrize("bad, expected", [
     ({"keys": torch.randn(2, 40, 8)}, r"keys must be a 4-D tensor \[B, H_kv, n, d\], got tensor \[2, 40, 8\]"),
     ({"keys": torch.randint(0, 5, (1, 2, 40, 8))}, "keys must be a floating-point tensor"),

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 
 # Lowest first; a module's layer is the longest matching prefix of its dotted name (without "kvcompress.").
 LAYERS = [
-    ("core", ("summary", "attention")),
+    ("core", ("summary", "attention", "checks")),
     ("methods", ("methods",)),
     ("api", ("api",)),
     ("cache", ("cache", "calibration")),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cli import add_model_arg, check_methods, check_positive, float_list, name_list
+from ..cli import add_model_arg, check_method, check_positive, float_list, name_list
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
 
@@ -37,7 +37,7 @@ def _run(args) -> int:
     from ..eval.tasks import TASKS
     from ..integration import calibrate, load_model
 
-    check_methods("--method", [args.method])
+    check_method("--method", args.method)
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"--tasks: unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")

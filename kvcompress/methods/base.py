@@ -357,11 +357,13 @@ def check_kv(keys, values, queries=None, pre_rope_keys=None) -> None:
             raise ValueError(f"{name} contain NaN or infinite entries")
 
 
-def check_positions(positions, keys: torch.Tensor) -> None:
-    """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]."""
+def check_positions(positions, keys: torch.Tensor, ordered: bool = True) -> None:
+    """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]; `ordered`: also strictly increasing along the tokens (a device sync)."""
     b, h, n, _ = keys.shape
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or tuple(positions.shape) not in ((n,), (b, h, n)):
         raise ValueError(f"positions must be an integer tensor [n] = [{n}] or [B, H_kv, n] = [{b}, {h}, {n}], got {describe(positions)}")
+    if ordered and n > 1 and not bool((positions.diff(dim=-1) > 0).all()):
+        raise ValueError("positions must be strictly increasing along the tokens (the original index of each token, in order)")
 
 
 def check_scale(scale) -> float | None:
@@ -436,7 +438,7 @@ class Stream:
             )
         if positions is None:
             positions = torch.arange(self.seen, self.seen + n, device=keys.device)
-        check_positions(positions, keys)
+        check_positions(positions, keys, ordered=False)  # shape only: no sync per streamed block
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)
