@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -91,9 +91,12 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a calibration file (a JSON object with method, alpha, beta)")
         missing = {"method", "alpha", "beta"} - set(data)
-        if missing:
-            raise ValueError(f"{path}: not a calibration file (missing {sorted(missing)})")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if missing or unknown:
+            raise ValueError(f"{path}: not a calibration file (missing {sorted(missing)}, unknown {sorted(unknown)})")
         return cls(**data)
 
 

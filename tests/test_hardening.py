@@ -203,9 +203,30 @@ def test_bad_keys_and_values_are_named(bad, expected):
         kvc.compress("knorm", args["keys"], args["values"], budget=8)
 
 
-def test_generate_names_float_context_ids():
+def test_generate_names_float_context_ids_and_batched_question_ids():
+    model = _tiny_model()
     with pytest.raises(ValueError, match="context_ids must be an integer tensor"):
-        generate_ids(_tiny_model(), torch.zeros(1, 10), None, method="knorm", budget=4)
+        generate_ids(model, torch.zeros(1, 10), None, method="knorm", budget=4)
+    with pytest.raises(ValueError, match=r"question_ids must be an integer tensor \[1, m\] or None, got tensor \[2, 3\]"):
+        generate_ids(model, _ids(10), _ids(6).view(2, 3), method="knorm", budget=4)
+
+
+def test_generate_names_a_seed_it_cannot_use():
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        generate_ids(_tiny_model(), _ids(10), None, method="random", budget=4, seed=None)
+
+
+@pytest.mark.parametrize("text", ['{"method": "knorm", "alpha": 1, "beta": 2, "gamma": 3}', "[1, 2]"])
+def test_a_calibration_file_with_unknown_fields_is_named(tmp_path, text):
+    path = tmp_path / "cal.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="not a calibration file"):
+        Calibration.load(path)
+
+
+def test_calibrate_names_a_malformed_sample():
+    with pytest.raises(ValueError, match=r"samples\[1\] must be \(context, question, answer\)"):
+        kvc.calibrate(None, None, [("c", "q", "a"), {"context": "c"}], "knorm")
 
 
 @pytest.mark.smoke

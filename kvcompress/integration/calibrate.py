@@ -43,10 +43,7 @@ def make_triples(model, tokenizer, samples, method: str, retentions, seed: int =
     """
     triples = []
     for i, sample in enumerate(samples):
-        if isinstance(sample, dict):
-            context, question, answer, task = sample["context"], sample["question"], sample["answer"], sample.get("task")
-        else:
-            (context, question, answer), task = sample, None
+        context, question, answer, task = _unpack(sample, i)
         context_ids, continuation_ids, answer_len = encode_sample(tokenizer, context, question, answer)
         nll_context = context_nll(model, context_ids)
         shared = SharedPrefill(model, context_ids)
@@ -61,6 +58,19 @@ def make_triples(model, tokenizer, samples, method: str, retentions, seed: int =
             if progress is not None:
                 progress(triples[-1])
     return triples
+
+
+def _unpack(sample, i: int) -> tuple[str, str, str, str | None]:
+    """(context, question, answer, task or None) of a sample: a dict with those keys or a 3-tuple of strings."""
+    if isinstance(sample, dict) and {"context", "question", "answer"} <= set(sample):
+        context, question, answer, task = sample["context"], sample["question"], sample["answer"], sample.get("task")
+    elif isinstance(sample, (tuple, list)) and len(sample) == 3:
+        (context, question, answer), task = sample, None
+    else:
+        raise ValueError(f"samples[{i}] must be (context, question, answer) or a dict with those keys, got {type(sample).__name__}")
+    if not all(isinstance(x, str) for x in (context, question, answer)):
+        raise ValueError(f"samples[{i}]: context, question and answer must be strings")
+    return context, question, answer, task
 
 
 def calibrate(
@@ -86,6 +96,8 @@ def calibrate(
     samples = list(samples)
     if not samples:
         raise ValueError("samples must hold at least one (context, question, answer); got none")
+    for i, sample in enumerate(samples):
+        _unpack(sample, i)
     retentions = list(retentions)
     bad = [r for r in retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r <= 1) or math.isnan(r)]
     if not retentions or bad:

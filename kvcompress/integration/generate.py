@@ -146,6 +146,8 @@ def generate_ids(
     check_supported(model)
     device = next(model.parameters()).device
     context_ids = context_ids.to(device)
+    if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
+        raise ValueError(f"question_ids must be an integer tensor [1, m] or None, got {describe(question_ids)}")
     question_ids = question_ids.to(device) if question_ids is not None and question_ids.shape[1] > 0 else None
     n_context = context_ids.shape[1]
     n_prompt = n_context + (question_ids.shape[1] if question_ids is not None else 0)
