@@ -17,7 +17,7 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
