@@ -82,6 +82,7 @@ CASES = {
     "calibrate missing model directory": ([*CAL, "--model", "{tmp}/no-model"], "checkpoint"),
     # the command itself
     "unknown subcommand": (["compress"], "compress"),
+    "unknown flag": ([*GEN, "--budget", "8", "--temperature", "0.5"], "--temperature"),
     "no subcommand": ([], "command"),
 }
 
