@@ -83,6 +83,15 @@ def test_a_ratio_too_small_for_a_streaming_method_names_the_ratio_not_a_missing_
         generate_ids(_tiny_model(), _ids(10), None, method=method, compression_ratio=0.5, sink=0, window=4, mode="chunked", max_new_tokens=1)
 
 
+@pytest.mark.xfail(reason="SubGen's estimator is being reworked by its owner (issues 15/17): today relative error ~10 at x1 and ~1e10 at x10", strict=False)
+@pytest.mark.parametrize("key_scale", [1.0, 10.0, 300.0])
+def test_subgen_attention_stays_finite_and_below_the_error_of_attending_to_nothing(key_scale):
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = torch.randn(1, 2, 512, 16, generator=g) * key_scale, torch.randn(1, 2, 512, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    out = kvc.weighted_attention(queries, kvc.compress("subgen", keys, values, budget=128, sink=0, window=0, seed=0))
+    assert torch.isfinite(out).all() and kvc.relative_error(out, kvc.exact_attention(queries, keys, values)) < 1.0
+
+
 def test_weighted_attention_refuses_a_query_batch_that_differs_from_the_summary():
     keys, values = _kv(b=1)
     s = kvc.compress("knorm", keys, values, budget=8, sink=0, window=0)
