@@ -7,8 +7,9 @@ the mean of the task means (LongBench's convention), and LongBench-E adds one co
 bucket (mean over tasks within the bucket).
 
 Intervals (95%): Wilson for a task whose sample scores are all 0 or 1, else the normal
-approximation mean ± 1.96·s/√n (clipped to [0, 100]); a mean over tasks gets
-± 1.96·√(Σ se_t²)/T from the tasks' standard errors. Cells that could not run are left out and
+approximation mean ± 1.96·s/√n (clipped to [0, 100]; none for a single non-binary sample); a
+mean over tasks gets ± 1.96·√(Σ se_t²)/T from the tasks' standard errors (a binary task's se is
+its Wilson half-width / 1.96). Cells that could not run are left out and
 flag the entry with `*`.
 """
 
@@ -48,8 +49,15 @@ def score_stats(scores: list[float]) -> dict:
         low, high = wilson_interval(sum(scores), n)
         se = (high - low) / (2 * Z95)  # the Wilson half-width as a standard error, for means over tasks
     else:
-        low, high = max(0.0, mean - Z95 * se), min(1.0, mean + Z95 * se)
+        low, high = _clipped(mean, se)
     return {"mean": mean, "se": se, "low": low, "high": high, "n": n}
+
+
+def _clipped(mean: float, se: float) -> tuple[float, float]:
+    """mean -/+ 1.96 se within [0, 1]; NaN bounds when se is unknown (one non-binary sample)."""
+    if math.isnan(se):
+        return float("nan"), float("nan")
+    return max(0.0, mean - Z95 * se), min(1.0, mean + Z95 * se)
 
 
 def mean_of_tasks(stats: list[dict]) -> dict:
@@ -58,8 +66,8 @@ def mean_of_tasks(stats: list[dict]) -> dict:
         return stats[0]
     mean = sum(s["mean"] for s in stats) / len(stats)
     se = math.sqrt(sum(s["se"] ** 2 for s in stats)) / len(stats)
-    return {"mean": mean, "se": se, "low": max(0.0, mean - Z95 * se), "high": min(1.0, mean + Z95 * se),
-            "n": sum(s["n"] for s in stats)}
+    low, high = _clipped(mean, se)
+    return {"mean": mean, "se": se, "low": low, "high": high, "n": sum(s["n"] for s in stats)}
 
 
 def _entry(record: dict) -> tuple:
@@ -128,6 +136,8 @@ def _text(cell: dict | None) -> str:
     if cell["n"] == 0:
         return "n/a"
     flag = "*" if cell["errors"] else ""
+    if math.isnan(cell["low"]):
+        return f"{100 * cell['mean']:.1f}{flag} (n={cell['n']}, no interval)"
     return f"{100 * cell['mean']:.1f}{flag} [{100 * cell['low']:.1f}, {100 * cell['high']:.1f}]"
 
 
