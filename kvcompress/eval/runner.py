@@ -301,7 +301,10 @@ class ResultsFile:
         tail = f.read()
         self._done.update(r["key"] for r in _parse_lines(tail))
         self._offset += len(tail)
-        return bool(tail) and not tail.endswith(b"\n")
+        if self._offset == 0:
+            return False
+        f.seek(self._offset - 1)
+        return f.read(1) != b"\n"
 
     def keys(self) -> set[str]:
         """Keys of every record now in the file."""
