@@ -5,9 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvcompress.cli import main
 from kvcompress.eval import metrics
@@ -203,26 +200,10 @@ def test_leaderboard_values_and_intervals():
     assert lines[5] == "| knorm @ 0.5 | 10.0* (n=5, no interval) | 0.0 [0.0, 49.0] | 20.0* (n=1, no interval) |"
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama with a byte-level tokenizer, saved as a local checkpoint."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(alphabet), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(path)
-    return path
-
-
-def test_cli_benchmark_sweep_scores_with_the_benchmark_metric(tiny_dir, tmp_path, capsys):
+def test_cli_benchmark_sweep_scores_with_the_benchmark_metric(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["eval", "--benchmark", "longbench", "--data", str(FIXTURES / "longbench"), "--tasks", "hotpotqa,trec",
-            "--model", str(tiny_dir), "--methods", "knorm", "--ratios", "0.2", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]
+            "--model", str(tiny_checkpoint), "--methods", "knorm", "--ratios", "0.2", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]
     assert main(args) == 0
     records = read_results(out / "results.jsonl")
     items = {(i.task, i.index): i for i in load_benchmark("longbench", FIXTURES / "longbench", tasks=["hotpotqa", "trec"])}
@@ -237,3 +218,16 @@ def test_cli_benchmark_sweep_scores_with_the_benchmark_metric(tiny_dir, tmp_path
     assert "### longbench" in capsys.readouterr().out
     assert main(args) == 0  # resumed: nothing left to do, nothing recorded twice
     assert len(read_results(out / "results.jsonl")) == len(records)
+
+
+def test_sweep_config_with_a_benchmark_rejects_generated_task_settings():
+    from kvcompress.eval.runner import SweepConfig
+
+    config = SweepConfig(benchmark="ruler", data=str(FIXTURES / "ruler"), samples=None, methods=["knorm"])
+    assert config.tasks is None and config.samples is None
+    for kw, name in [({"benchmark": "mmlu", "data": "x"}, "benchmark"), ({"benchmark": "ruler"}, "data"),
+                     ({"benchmark": "ruler", "data": "x", "lengths": [512]}, "lengths"),
+                     ({"benchmark": "ruler", "data": "x", "haystack": "prose"}, "haystack"),
+                     ({"samples": None}, "samples")]:
+        with pytest.raises(ValueError, match=name):
+            SweepConfig(**kw)

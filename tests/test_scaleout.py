@@ -10,9 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvcompress.cli import build_parser
 from kvcompress.eval import runner
@@ -22,22 +19,6 @@ from kvcompress.integration import load_model
 REPO = Path(__file__).resolve().parent.parent
 TIMINGS = {"wall_s", "capture_s", "prefill_s", "compress_s", "decode_s"}
 CONFIG = dict(methods=["knorm", "random"], ratios=[0.5], tasks=["niah_single"], lengths=[200], samples=2, max_new_tokens=3)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama with a byte-level tokenizer, saved as a local checkpoint (what Ray workers load)."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(alphabet), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +35,8 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def local_records(tiny_dir, tmp_path_factory):
-    model, tokenizer = load_model(tiny_dir)
+def local_records(tiny_checkpoint, tmp_path_factory):
+    model, tokenizer = load_model(tiny_checkpoint)
     return run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path_factory.mktemp("local"), progress=False)
 
 
@@ -68,9 +49,9 @@ def recorded_keys(out_dir):
     return [json.loads(line)["key"] for line in lines if line.strip()]
 
 
-def test_two_shards_match_the_local_run(tiny_dir, local_records, tmp_path):
+def test_two_shards_match_the_local_run(tiny_checkpoint, local_records, tmp_path):
     assert len(local_records) == 2 * 3 and all(r["error"] is None for r in local_records)
-    model, tokenizer = load_model(tiny_dir)
+    model, tokenizer = load_model(tiny_checkpoint)
     first = run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(0, 2))
     assert {r["index"] for r in first} == {0}  # shard 0 of 2: the first sample with all its cells
     records = run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(1, 2))
@@ -84,10 +65,10 @@ def test_two_shards_match_the_local_run(tiny_dir, local_records, tmp_path):
         build_parser().parse_args(["eval", "--shard", "4/4"])
 
 
-def test_ray_run_matches_the_local_run(ray_cluster, tiny_dir, local_records, tmp_path):
+def test_ray_run_matches_the_local_run(ray_cluster, tiny_checkpoint, local_records, tmp_path):
     from kvcompress.eval.ray_sweep import run_sweep_ray
 
-    records, failures = run_sweep_ray(functools.partial(load_model, str(tiny_dir)), SweepConfig(**CONFIG), tmp_path, progress=False)
+    records, failures = run_sweep_ray(functools.partial(load_model, str(tiny_checkpoint)), SweepConfig(**CONFIG), tmp_path, progress=False)
     assert failures == []
     assert comparable(records) == comparable(local_records)
     assert sorted(recorded_keys(tmp_path)) == sorted(r["key"] for r in local_records)
@@ -116,20 +97,20 @@ class KillOnce:
         return model, tokenizer
 
 
-def test_killed_worker_is_retried_and_a_resumed_sweep_records_every_cell_once(ray_cluster, tiny_dir, local_records, tmp_path):
+def test_killed_worker_is_retried_and_a_resumed_sweep_records_every_cell_once(ray_cluster, tiny_checkpoint, local_records, tmp_path):
     from kvcompress.eval.ray_sweep import run_sweep_ray
 
     config = SweepConfig(**CONFIG)
     # retried: the killed worker's sample runs again on a fresh worker
-    records, failures = run_sweep_ray(KillOnce(tiny_dir, tmp_path / "killed-a"), config, tmp_path / "a", max_retries=1, progress=False)
+    records, failures = run_sweep_ray(KillOnce(tiny_checkpoint, tmp_path / "killed-a"), config, tmp_path / "a", max_retries=1, progress=False)
     assert (tmp_path / "killed-a").exists() and failures == []
     assert comparable(records) == comparable(local_records)
     assert sorted(recorded_keys(tmp_path / "a")) == sorted(r["key"] for r in local_records)
     # no retries: the killed worker's sample stays to do; the resumed sweep does exactly those cells
-    records, failures = run_sweep_ray(KillOnce(tiny_dir, tmp_path / "killed-b"), config, tmp_path / "b", max_retries=0, progress=False)
+    records, failures = run_sweep_ray(KillOnce(tiny_checkpoint, tmp_path / "killed-b"), config, tmp_path / "b", max_retries=0, progress=False)
     assert len(failures) == 1 and "WorkerCrashedError" in failures[0]
     assert len(records) == 3 and len(set(recorded_keys(tmp_path / "b"))) == 3
-    records, failures = run_sweep_ray(KillOnce(tiny_dir, tmp_path / "killed-b"), config, tmp_path / "b", max_retries=0, progress=False)
+    records, failures = run_sweep_ray(KillOnce(tiny_checkpoint, tmp_path / "killed-b"), config, tmp_path / "b", max_retries=0, progress=False)
     assert failures == []
     keys = recorded_keys(tmp_path / "b")
     assert sorted(keys) == sorted(r["key"] for r in local_records)  # every cell, exactly once

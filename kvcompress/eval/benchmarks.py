@@ -213,7 +213,10 @@ def _load_from_disk(root: Path) -> list[dict]:
 
 def _read(file: Path) -> list[dict]:
     """Rows of a jsonl or parquet file, read with `datasets` (offline); a malformed file names its bad row."""
-    import datasets
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("reading benchmark files needs the `datasets` package: pip install kvcompress[bench]") from err
 
     datasets.disable_progress_bars()
     builder = "parquet" if file.suffix == ".parquet" else "json"

@@ -152,9 +152,12 @@ class SweepConfig:
             raise ValueError(f"benchmark must be one of {BENCHMARKS}, got {self.benchmark!r}")
         if not self.data:
             raise ValueError(f"benchmark {self.benchmark!r} needs data: the path of its files, got {self.data!r}")
-        if self.grid_lengths or self.grid_depths or self.task_params:
-            raise ValueError("grid_lengths, grid_depths and task_params belong to the generated tasks; "
-                             f"leave them unset with benchmark {self.benchmark!r}")
+        changed = [name for name, value, default in (
+            ("lengths", self.lengths, list(DEFAULT_LENGTHS)), ("haystack", self.haystack, "filler"), ("kind", self.kind, "numbers"),
+            ("task_params", self.task_params, {}), ("grid_lengths", self.grid_lengths, []), ("grid_depths", self.grid_depths, []),
+        ) if value != default]
+        if changed:
+            raise ValueError(f"{changed} belong to the generated tasks; leave them unset with benchmark {self.benchmark!r}")
 
     def params_of(self, task: str) -> tuple:
         """The task's `task_params` as sorted (name, value) pairs (hashable, part of the cell key)."""
