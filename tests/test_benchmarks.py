@@ -231,3 +231,17 @@ def test_sweep_config_with_a_benchmark_rejects_generated_task_settings():
                      ({"samples": None}, "samples")]:
         with pytest.raises(ValueError, match=name):
             SweepConfig(**kw)
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_default_model_answers_the_ruler_fixture(default_model, tmp_path):
+    """The question split off RULER's input and the answer prefix reach the real model: it finds the needle."""
+    from kvcompress.eval.runner import SweepConfig, run_sweep
+
+    model, tokenizer = default_model
+    config = SweepConfig(benchmark="ruler", data=str(FIXTURES / "ruler"), tasks=["niah_single_1"], samples=1,
+                         methods=["streamingllm"], ratios=[0.2], max_new_tokens=12)
+    records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    assert [(r["method"], r["score"]) for r in records] == [(FULL, 1.0), ("streamingllm", 1.0)]
+    assert all(r["prediction"].startswith("1234567") for r in records)
