@@ -8,7 +8,8 @@ a .jsonl / .parquet file, a directory searched recursively for them, or a direct
 - ``ruler``: the jsonl of RULER's `prepare.py` (`input`, `outputs`, `length`, optional
   `answer_prefix`), one file per task: `<task>/validation.jsonl` (task = folder) or `<task>.jsonl`.
   RULER's templates end with the question on its own line: the question is what follows the last
-  line break of `input`, the rest is the context. Metric string-match-all (string-match-part for
+  line break of `input`, the rest is the context. Prepare the data with RULER's
+  `--model_template_type base` (the model's chat template is applied here, by `build_prompt`). Metric string-match-all (string-match-part for
   the `qa_*` tasks); answer lengths by task family (niah 128, vt 30, cwe 120, fwe 50, qa 32 tokens).
 - ``longbench`` / ``longbench-e``: `<dataset>.jsonl` / `<dataset>_e.jsonl` with `context`,
   `input`, `answers`, `all_classes`, `length`; each dataset's metric and answer length (LongBench's
@@ -290,10 +291,10 @@ def _ruler_family(task: str, row: _Row) -> tuple[str, int]:
 
 def _parse_ruler(row: _Row) -> BenchmarkItem:
     task = row.file.parent.name if row.file.stem in ("validation", "test") else row.file.stem
-    text = row.text("input")
-    context, newline, question = text.rpartition("\n")
+    context, newline, question = row.text("input").rstrip().rpartition("\n")
     if not newline or not context.strip() or not question.strip():
-        raise row.error("input", "must end with the question on its own line (RULER's templates do)")
+        raise row.error("input", "must end with the question on its own line, as RULER's templates do with "
+                        "--model_template_type base (kvcompress applies the model's chat template itself)")
     metric, max_new = _ruler_family(task, row)
     return BenchmarkItem("ruler", task, row.number, context, question, row.answers("outputs"), metric, max_new,
                          answer_prefix=row.text("answer_prefix", optional=True), length=row.integer("length"), source=row.source)
