@@ -126,3 +126,18 @@ def test_results_file_never_records_a_cell_twice(tmp_path):
         f.write('{"key": "torn')
     assert first.write([{"key": "a"}, {"key": "d"}]) == 1
     assert [r["key"] for r in runner.read_results(path)] == ["a", "b", "c", "d"]
+
+
+def test_cli_runs_a_benchmark_on_ray(ray_cluster, tiny_checkpoint, tmp_path, capsys):
+    from kvcompress.cli import main
+
+    fixtures = REPO / "tests" / "fixtures" / "ruler"
+    args = ["eval", "--benchmark", "ruler", "--data", str(fixtures), "--model", str(tiny_checkpoint), "--methods", "knorm",
+            "--ratios", "0.2", "--max-new-tokens", "2", "--ray", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    records = runner.read_results(tmp_path / runner.RESULTS_FILE)
+    assert len(records) == 3 * 2 and all(r["error"] is None and r["benchmark"] == "ruler" for r in records)
+    assert "| method @ ratio | average | niah_single_1 | qa_1 |" in capsys.readouterr().out
+    assert (tmp_path / "leaderboard_ruler.html").is_file()
+    assert main(args + ["--shard", "0/2"]) == 2  # Ray distributes the samples itself
+    assert "--shard and --ray" in capsys.readouterr().err
