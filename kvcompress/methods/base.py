@@ -248,11 +248,15 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_logits(rows: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, query_positions, group: int) -> torch.Tensor:
-    """rows [B,H_kv,c*group,d] (query-major) x keys [B,H_kv,n,d] -> [B,H_kv,c*group,n], -inf where a key lies after its query."""
+    """rows [B,H_kv,c*group,d] (query-major) x keys [B,H_kv,n,d] -> [B,H_kv,c*group,n], -inf where a key lies after its query.
+
+    Positions ascend along the slot axis, so only the slots after the first query's position are masked.
+    """
     logits = torch.matmul(rows, keys.transpose(-1, -2))
     if query_positions is not None and keys.shape[2]:
-        hidden = positions[:, :, None, :] > query_positions.repeat_interleave(group)[None, None, :, None]
-        logits.masked_fill_(hidden, float("-inf"))
+        start = int((positions <= query_positions.min()).sum(-1).min())
+        hidden = positions[:, :, None, start:] > query_positions.repeat_interleave(group)[None, None, :, None]
+        logits[..., start:].masked_fill_(hidden, float("-inf"))
     return logits
 
 
