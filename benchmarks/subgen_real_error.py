@@ -13,8 +13,6 @@ and within 2x of its unscaled error. Writes benchmarks/results/subgen_real_error
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import kvcompress as kvc
 from kvcompress.cache import attention_scales
 from kvcompress.eval.approx import ApproxConfig, layer_errors
 from kvcompress.eval.capture import capture_qkv, prose_text
+from kvcompress.eval.bench import machine_description
 from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
@@ -38,6 +37,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.875, help="fraction of the middle removed (0.875 = 1/8 kept)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    machine = machine_description(1)
     model, tok = kvc.load_model()
     config = ApproxConfig(methods=list(METHODS), ratios=[args.ratio], layers=list(LAYERS), seeds=args.seeds)
     captured = capture_qkv(model, tok, prose_text(n_chars=8 * config.tokens, seed=config.text_seed), layers=LAYERS, max_tokens=config.tokens)
@@ -56,7 +56,7 @@ def main() -> None:
     lines = [
         f"# SubGen vs uniform sampling on real layers, {1 - args.ratio:g} of the middle kept",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, torch threads 1, {datetime.date.today()}; "
+        f"Machine: {machine}; "
         f"default model, 2048 tokens of prose (text seed 0), sink 256 + window 256 exact, {args.seeds} seeds, mean ± std.",
         "",
         "| keys × | method | " + " | ".join(f"layer {layer}" for layer in LAYERS) + " | mean |",

@@ -12,14 +12,13 @@ task's own score; 95% Wilson intervals. Writes benchmarks/results/tova_needles.{
 
 from __future__ import annotations
 
-import datetime
-import platform
 from pathlib import Path
 
 import torch
 from scipy.stats import binomtest
 
 import kvcompress as kvc
+from kvcompress.eval.bench import machine_description
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import niah_single, score
 from kvcompress.integration import build_prompt, generate_ids
@@ -32,6 +31,7 @@ CELLS = (("full", None, {}), ("tova layer", "tova", {"average": "layer"}), ("tov
 
 def main() -> None:
     torch.set_num_threads(1)
+    machine = machine_description(1)
     model, tok = kvc.load_model()
     rows = []
     for index, depth in enumerate(DEPTHS):
@@ -49,7 +49,7 @@ def main() -> None:
     lines = [
         f"# TOVA on the filler needle task: 2048 tokens, {len(DEPTHS)} depths, compression ratio {RATIO}",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, torch threads 1, {datetime.date.today()}; "
+        f"Machine: {machine}; "
         "default model, greedy, one sample per depth. 95% Wilson intervals.",
         "",
         "| cell | hits | rate | 95% interval | depths missed |",
