@@ -31,10 +31,12 @@ def reference_mass(q, k, scale, query_positions, average="group"):
     return mass.mean(1, keepdim=True).expand_as(mass) if average == "layer" else mass
 
 
-@pytest.mark.parametrize("average", ["group", "layer"])
-def test_attention_mass_softmax_runs_over_every_key_sink_and_window_included(average):
-    """The middle's scores are its columns of the full causal softmax, sink and window keys in the denominator."""
+@pytest.mark.parametrize("average, key_scale", [("group", 1.0), ("layer", 1.0), ("group", 50.0)])
+def test_attention_mass_softmax_runs_over_every_key_sink_and_window_included(average, key_scale):
+    """The middle's scores are its columns of the full causal softmax, sink and window keys in the denominator
+    (keys x50: logits far beyond float32's exp range take the max-shifted path)."""
     k, v, q = layer()
+    k = k * key_scale
     n, sink, window, scale = k.shape[2], 8, 20, 0.3
     pos = torch.arange(n).expand(1, 3, n)
     whole = Tokens(k, v, pos, q, scale=scale, query_positions=torch.arange(n))
