@@ -259,12 +259,14 @@ class SubGen(Method):
     0.95); the uniform reservoir takes
     the rest: r = budget − s − max_clusters. Slots per head = s + r + max_clusters = budget.
     Memory O(d·budget) whatever the stream length. Cost per block of b tokens O(b·cap·d) plus
-    `cap` vectorised steps. Seed defaults for sink/window: no sinks (`default_sink = 0`) and a
-    recent window (64).
+    `cap` vectorised steps. Window: the seed's recent window (64). Sink: 4 tokens kept exactly
+    (`default_sink = 4`; departure: the seed keeps none, but then the first token's large
+    attention mass enters only through whichever samples happen to hold it, and the model's
+    output degenerated end to end).
     """
 
     name = "subgen"
-    default_sink = 0
+    default_sink = 4
     default_window = 64
     s: int | None = None
     max_clusters: int | None = None
