@@ -52,8 +52,8 @@ class SubGenState(StreamState):
       independently holds a block token drawn ∝ its weight with probability W / (seen + W).
     - Clustering: every key within δ of a centre joins its nearest centre. Keys farther than δ
       open clusters in farthest-first order (the farthest uncovered key of each row opens the
-      next one; `cap` masked steps per block, vectorised over tokens and rows, no Python loop over
-      tokens), until every key lies within δ of a centre. Departure: the seed opens them in
+      next one; at most `cap` masked steps per block, vectorised over tokens and rows, no Python loop
+      over tokens), until every key lies within δ of a centre. Departure: the seed opens them in
       arrival order; both leave centres more than δ apart and every key within δ of its centre.
     - Cluster cap (departure: the seed lets m grow with the data): when keys remain uncovered
       with `cap` clusters live, the doubling step of streaming k-center (Charikar et al. 1997)
