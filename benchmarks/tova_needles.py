@@ -2,8 +2,9 @@
 
 RULER-style single needle (`eval.tasks.niah_single`, filler haystack, 7-digit number) at depths
 0, 0.1, ..., 1.0 of a 2048-token context, one sample per depth (seed = depth index). Each sample
-is answered greedily by the full cache and by TOVA in prefill mode at compression ratio 0.75
-(TOVA's default sink 4 + window 64), with `average="layer"` (the paper's and kvpress's definition,
+is prefilled once (`capture_qkv`) and answered greedily from that prefill: by the full cache
+(compression ratio 0, every token kept) and by TOVA at compression ratio 0.75 (TOVA's default
+sink 4 + window 64), with `average="layer"` (the paper's and kvpress's definition,
 the default) and `average="group"` (the earlier per-KV-head averaging). Hits are counted with the
 task's own score; 95% Wilson intervals. Writes benchmarks/results/tova_needles.{csv,md}.
 
@@ -19,6 +20,7 @@ from scipy.stats import binomtest
 
 import kvcompress as kvc
 from kvcompress.eval.bench import machine_description
+from kvcompress.eval.capture import capture_qkv
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import niah_single, score
 from kvcompress.integration import build_prompt, generate_ids
@@ -26,7 +28,7 @@ from kvcompress.integration import build_prompt, generate_ids
 RESULTS = Path(__file__).parent / "results"
 DEPTHS = [i / 10 for i in range(11)]
 RATIO = 0.75
-CELLS = (("full", None, {}), ("tova layer", "tova", {"average": "layer"}), ("tova group", "tova", {"average": "group"}))
+CELLS = (("full", {}, 0.0), ("tova layer", {"average": "layer"}, RATIO), ("tova group", {"average": "group"}, RATIO))
 
 
 def main() -> None:
@@ -37,9 +39,10 @@ def main() -> None:
     for index, depth in enumerate(DEPTHS):
         sample = niah_single(target_tokens=2048, depth=depth, seed=index, tokenizer=tok, haystack="filler")
         context_ids, question_ids = build_prompt(tok, sample.context, sample.question, sample.answer_prefix)
-        for label, method, params in CELLS:
-            size = {"compression_ratio": RATIO} if method else {}
-            res = generate_ids(model, context_ids, question_ids, method=method, max_new_tokens=32, **size, **params)
+        captured = capture_qkv(model, context_ids)
+        for label, params, ratio in CELLS:
+            res = generate_ids(model, context_ids, question_ids, method="tova", compression_ratio=ratio, max_new_tokens=32,
+                               prefill=captured, **params)
             text = tok.decode(res.token_ids, skip_special_tokens=True)
             rows.append({"cell": label, "depth": depth, "context_tokens": context_ids.shape[1], "hit": score(sample, text),
                          "answer": sample.answers[0], "prediction": text.strip().replace("\n", " ")})
