@@ -6,6 +6,15 @@ kernel halving from Carrell et al., "Low-Rank Thinning", ICML 2025 (Alg. B.1). T
 its formulas; DESIGN.md §4 restates the structure. Constants the surviving text does not fix are
 chosen here, each with its reason:
 
+- Bounded Halve calls (`max_group`, default 128): a Halve input larger than max_group slots (the
+  Halve phase's 4m and 2m, Compress2's top levels, the top-up) is halved as consecutive chunks of
+  max_group slots. Departure from the seed, whose two warm-start Halves act on all of 4m: kernel
+  halving costs O(S²) for S points and its walk is sequential, so one Halve of 4m = O(budget)
+  points made compression cost O(n²) (9.8x an exact attention pass at 8k tokens). Chunked, every
+  token costs O(max_group) per level and the walk is a loop of at most max_group / 2 steps,
+  vectorised over all chunks, heads and batch. On real layers (eval/approx.py, 2,048 tokens,
+  layers 1, 2, 5, 15, 5 seeds) 128 and 256 differ within the seeds' spread (mean error at 1/8
+  kept 0.144 vs 0.150), and 128 is about 3x faster.
 - Kernel (DESIGN §4): k((k,v),(k',v')) = exp(s<k,k'> − shift)·(<v,v'> + b²). shift and b are
   computed **per Halve call** (per batch, head and group, over that call's input). Kernel halving
   is invariant to scaling the kernel, so shift only prevents overflow (shift = max s‖k‖² bounds
@@ -49,12 +58,16 @@ chosen here, each with its reason:
 - m from `budget`: the state between updates is C (m) + two finished siblings (2m) + the block in
   progress (at most three outputs per level, the open leaf and the candidate), at most
   6m − 2·L_min slots with L_min = m/2^D_max. A stream uses the largest m whose bound fits
-  `budget` (budget >= 4). A one-shot `compress` (n known) uses the m whose state after the n
-  tokens is the smallest holding at least min(budget, n) slots (ties: the larger m) and then
-  fills the budget exactly by halving a subset of that state (`fill_budget`, the "halve a chosen
-  subset, keep the rest" top-up of seed 000 App. B.5): one-shot Express returns exactly
-  min(budget, n) slots per head for any budget >= 1, never a silently smaller cache.
-  m is restricted to numbers with at most three significant bits (c·2^k, c ≤ 7), so Compress2
+  `budget` (budget >= 4). A one-shot `compress` (n known, `offline_plan`) is the Express state
+  at a point of the stream: a cache of size m absorbs the first n − held tokens and the last
+  `held` are the input not yet absorbed, which WtdAttention attends to exactly. Only sizes that
+  reach a Halve phase (4m <= n − held) qualify, so every ratio gives a thinned, multi-level
+  cache: a state alone holds at most about 3n/8 slots, and below that ratio `held` fills the
+  rest. Among the sizes, held is the smallest count reaching `budget`, and the plan with the
+  fewest slots over budget wins (ties: the larger m); the excess is removed by halving a subset
+  of the state (`fill_budget`, the "halve a chosen subset, keep the rest" top-up of seed 000
+  App. B.5): one-shot Express returns exactly min(budget, n) slots per head for any budget >= 1,
+  never a silently smaller cache. m is restricted to numbers with at most three significant bits (c·2^k, c ≤ 7), so Compress2
   keeps several halving levels.
 
 All slots keep chronological order, so positions are ascending within each head.
@@ -436,15 +449,17 @@ class Express(Method):
     6m − 2·L_min slots, fits `budget`, so a stream needs budget >= 4 (m = 1 holds C and up to
     three finished blocks); its state size then moves between m and the bound with the stream
     length (base-4 counting), and filling the rest would mean halving a different subset after
-    every token. One-shot `compress` is Offline-Express (seed App. H): the whole prompt is
-    absorbed in one call, so each block's Compress2 runs level by level with all Halve calls of a
-    level batched; m is the size whose state after the n known tokens is the smallest one holding
-    at least `budget` slots, and `fill_budget` halves a subset of it down to exactly
-    min(budget, n) slots (any budget >= 1). Seed defaults: 32 sink + 32 window tokens exact.
+    every token. One-shot `compress` is Offline-Express (seed App. H): the first n − held tokens
+    are absorbed in one call, so each block's Compress2 runs level by level with all Halve calls
+    of a level batched, and the last `held` tokens stay exact as the stream's not-yet-absorbed
+    input (`offline_plan` picks m and held; every ratio gives a cache that went through a Halve
+    phase); `fill_budget` halves a subset down to exactly min(budget, n) slots (any budget >= 1).
+    Seed defaults: 32 sink + 32 window tokens exact.
 
     g: Compress2 oversampling (leaves of at least 4^g samples). halving: "greedy" (default, the
     greedy self-balancing walk) or "self-balancing" (the randomised walk of Dwivedi & Mackey with
-    failure probability `delta`, used only then).
+    failure probability `delta`, used only then). max_group: the most points one Halve call sees
+    (even, >= 4; larger inputs are halved in consecutive chunks of this size).
     """
 
     name = "express"
@@ -453,7 +468,7 @@ class Express(Method):
     g: int = 0
     halving: str = "greedy"
     delta: float = 0.5
-    max_group: int = 256
+    max_group: int = 128
 
     def __post_init__(self):
         if isinstance(self.g, bool) or not isinstance(self.g, int) or not 0 <= self.g <= 8:
