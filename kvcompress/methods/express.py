@@ -64,11 +64,12 @@ chosen here, each with its reason:
   reach a Halve phase (4m <= n − held) qualify, so every ratio gives a thinned, multi-level
   cache: a state alone holds at most about 3n/8 slots, and below that ratio `held` fills the
   rest. Among the sizes, held is the smallest count reaching `budget`, and the plan with the
-  fewest slots over budget wins (ties: the larger m); the excess is removed by halving a subset
-  of the state (`fill_budget`, the "halve a chosen subset, keep the rest" top-up of seed 000
-  App. B.5): one-shot Express returns exactly min(budget, n) slots per head for any budget >= 1,
-  never a silently smaller cache. m is restricted to numbers with at most three significant bits (c·2^k, c ≤ 7), so Compress2
-  keeps several halving levels.
+  fewest slots over budget wins (ties: the larger m; preferring the fewest held tokens instead
+  gave the same error on held-out layers 3 and 10 of other prose); the excess is removed by
+  halving a subset of the state (`fill_budget`, the "halve a chosen subset, keep the rest"
+  top-up of seed 000 App. B.5): one-shot Express returns exactly min(budget, n) slots per head
+  for any budget >= 1, never a silently smaller cache. m is restricted to numbers with at most
+  three significant bits (c·2^k, c ≤ 7), so Compress2 keeps several halving levels.
 
 All slots keep chronological order, so positions are ascending within each head.
 """
