@@ -13,6 +13,7 @@ from kvcompress.methods.express import (
     cache_slots,
     fill_budget,
     halve_groups,
+    offline_plan,
     kernel_halving,
     max_depth,
     stream_bound,
@@ -137,7 +138,7 @@ def test_stream_invariants_over_64k_tokens(g):
 def test_subsample_reservoir_is_uniform_within_each_stratum():
     """Strata of 4 tokens arriving in pieces of 3: each stratum's pick is uniform over its 4 tokens."""
     heads = 4000
-    state = ExpressState(1, 0, 0.5, make_generator(0))
+    state = ExpressState(1, 0, 0.5, make_generator(0), 256)
     state.stratum = 4
     keys = torch.zeros(1, heads, 12, 1)
     picks = []
@@ -188,6 +189,60 @@ def test_offline_express_fills_the_budget_exactly():
     assert torch.equal(again.positions, with_edges.positions)
 
 
+def test_one_shot_at_ratio_half_is_an_express_cache():
+    """Ratio 0.5 of 2,048 tokens (budget 1,024) is an Express state, not one Halve of everything.
+
+    Invariants: exactly `budget` slots, chronological, weights summing to the 2,048 tokens; every
+    weight a power of two, never increasing with position (older tokens are thinned more); the
+    heaviest weight ℓ >= 4 (a Halve phase ran) held by a multiple of m slots (C and finished
+    siblings); at least one Compress2 level between ℓ and 1; the last `held` tokens exact (weight 1).
+    """
+    n, budget = 2048, 1024
+    keys, values, _ = _clustered(n)
+    m, held = offline_plan(n, budget, 0)
+    assert 4 * m <= n - held
+    s = kvc.compress("express", keys, values, budget=budget, sink=0, window=0, seed=1)
+    assert s.num_slots == budget
+    assert (s.positions.diff(dim=-1) > 0).all()
+    assert torch.allclose(s.total_weight(), torch.tensor(float(n), dtype=torch.float64))
+    weights = s.log_weights.exp().round()
+    assert torch.allclose(s.log_weights.exp(), weights, rtol=1e-5)
+    assert torch.equal(weights, 2.0 ** weights.log2().round())
+    assert (weights.diff(dim=-1) <= 0).all()
+    top = weights.max()
+    assert top >= 4 and int((weights[0, 0] == top).sum()) % m == 0
+    assert len(weights[0, 0].unique()) >= 3
+    assert torch.equal(s.positions[..., budget - held :], torch.arange(n - held, n).expand(1, 2, held))
+    assert torch.all(weights[..., budget - held :] == 1)
+
+
+def test_no_halve_call_sees_more_than_max_group(monkeypatch):
+    """One-shot at ratio 0.5 and the stream: every kernel-halving call gets groups of at most max_group points."""
+    from kvcompress.methods import express
+
+    sizes = []
+
+    def recording(keys, values, scale, generator, delta=None):
+        sizes.append(keys.shape[-2])
+        return kernel_halving(keys, values, scale, generator, delta)
+
+    monkeypatch.setattr(express, "kernel_halving", recording)
+    keys, values, _ = _clustered(4096)
+    kvc.compress("express", keys, values, budget=2048, sink=0, window=0, max_group=64)
+    st = kvc.stream("express", budget=2048, sink=0, window=0, max_group=64)
+    for start in range(0, 4096, 128):
+        st.update(keys[:, :, start : start + 128], values[:, :, start : start + 128])
+    assert sizes and max(sizes) == 64
+
+
+def test_offline_plan_fills_the_budget():
+    """The plan's state plus held tokens is the smallest reachable size >= budget; None only above n − 3."""
+    for n, budget in ((2048, 1024), (8192, 1024), (8192, 4096), (3000, 7), (1000, 997)):
+        m, held = offline_plan(n, budget, 0)
+        assert 4 * m <= n - held and cache_slots(n - held, m, 0) + held >= budget
+    assert offline_plan(1000, 998, 0) is None
+
+
 def test_halving_parameter_selects_the_walk():
     keys, values, _ = _clustered(1000)
     greedy = kvc.compress("express", keys, values, budget=100, sink=0, window=0)
@@ -201,7 +256,7 @@ def test_fill_budget_merges_unequal_weights_without_bias():
     heads = 4000
     keys = torch.randn(1, heads, 2, 2)
     s = KVSummary(keys, keys, torch.tensor([0.0, math.log(3.0)]).expand(1, heads, 2), torch.arange(2).expand(1, heads, 2))
-    out = fill_budget(s, 1, 1.0, make_generator(0), None)
+    out = fill_budget(s, 1, 1.0, make_generator(0), None, 256)
     assert out.num_slots == 1 and torch.allclose(out.log_weights.exp(), torch.tensor(4.0))
     share = out.positions.float().mean()
     assert abs(float(share) - 0.75) < 5 * math.sqrt(0.75 * 0.25 / heads)
@@ -222,7 +277,8 @@ def test_express_cache_beats_uniform_sampling_at_equal_slots():
 @pytest.mark.parametrize(
     "params, match",
     [({"budget": 0}, "budget"), ({"budget": 64, "g": -1}, "g"), ({"budget": 64, "delta": 0.0}, "delta"),
-     ({"budget": 64, "halving": "coin"}, "halving")],
+     ({"budget": 64, "halving": "coin"}, "halving"), ({"budget": 64, "max_group": 7}, "max_group"),
+     ({"budget": 64, "max_group": 2}, "max_group")],
 )
 def test_bad_parameters(params, match):
     keys, values, _ = _clustered(200)

@@ -14,6 +14,7 @@ from ..cache import MODES, CompressedCache, CompressionSettings, check_supported
 from ..checks import as_count, describe
 from ..methods.base import build_method, check_sink_window, resolve_budget
 from .attention import ATTENTION_NAME
+from .prefill_approx import check_prefill_approx, timed_approximate_prefill
 
 # Prompts longer than this show a progress bar while they are processed.
 PROGRESS_MIN_TOKENS = 1024
@@ -115,6 +116,7 @@ def generate_ids(
     progress: bool = False,
     stop_at_eos: bool = True,
     prefill: dict | None = None,
+    prefill_approx: str | None = None,
     quality: float | None = None,
     calibration=None,
     **method_params,
@@ -129,6 +131,8 @@ def generate_ids(
     mode with compress_question). prefill: a recorded full prefill of the context
     ({layer: (queries, keys, values)}, see `kvcompress.eval.capture.capture_qkv`) to compress
     instead of running the context again (prefill mode, question kept out of compression).
+    prefill_approx="express": seed 003's recipe (`integration.prefill_approx`) — the context's
+    cache comes from a chunked forward with Express attention, then `method` compresses it.
     quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path): context-
     calibrated compression (Compactor seed §3.5) — the ratio is the smallest compression whose
     predicted quality meets `quality`, chosen from this context's NLL; it is reported in
@@ -159,6 +163,11 @@ def generate_ids(
             raise ValueError("context-calibrated compression takes a method, quality and calibration together, and no budget or compression_ratio")
         chosen = calibrated_ratio(model, context_ids, calibration, quality)
         compression_ratio = chosen["compression_ratio"]
+
+    approx_seconds = 0.0
+    if prefill_approx is not None:  # seed 003's recipe: Express computes the context's cache, `method` compresses it
+        check_prefill_approx(prefill_approx, method, mode, compress_question, prefill, question_ids)
+        prefill, approx_seconds = timed_approximate_prefill(model, context_ids, prefill_approx, chunk_size, seed)
 
     cache, middle_budget = None, None
     if method is not None:
@@ -214,7 +223,7 @@ def generate_ids(
             cache.absorbing = mode == "decode"
         if rest is not None:
             logits = model(rest, past_key_values=past, use_cache=True).logits[:, -1]
-        prefill_seconds = time.perf_counter() - start
+        prefill_seconds = time.perf_counter() - start + approx_seconds
 
         eos = _eos_ids(model) if stop_at_eos else set()
         new_tokens: list[int] = []

@@ -6,12 +6,21 @@ kernel halving from Carrell et al., "Low-Rank Thinning", ICML 2025 (Alg. B.1). T
 its formulas; DESIGN.md §4 restates the structure. Constants the surviving text does not fix are
 chosen here, each with its reason:
 
+- Bounded Halve calls (`max_group`, default 128): a Halve input larger than max_group slots (the
+  Halve phase's 4m and 2m, Compress2's top levels, the top-up) is halved as consecutive chunks of
+  max_group slots. Departure from the seed, whose two warm-start Halves act on all of 4m: kernel
+  halving costs O(S²) for S points and its walk is sequential, so one Halve of 4m = O(budget)
+  points made compression cost O(n²) (9.8x an exact attention pass at 8k tokens). Chunked, every
+  token costs O(max_group) per level and the walk is a loop of at most max_group / 2 steps,
+  vectorised over all chunks, heads and batch. On real layers (eval/approx.py, 2,048 tokens,
+  layers 1, 2, 5, 15, 5 seeds) 128 and 256 differ within the seeds' spread (mean error at 1/8
+  kept 0.144 vs 0.150), and 128 is about 3x faster.
 - Kernel (DESIGN §4): k((k,v),(k',v')) = exp(s<k,k'> − shift)·(<v,v'> + b²). shift and b are
   computed **per Halve call** (per batch, head and group, over that call's input). Kernel halving
   is invariant to scaling the kernel, so shift only prevents overflow (shift = max s‖k‖² bounds
   every entry by 1); b = max|v_ij| of the call's input, the tightest value bound available to a
-  stream without looking back at evicted tokens. The kernel matrix is formed in float64 so the
-  small entries of low-norm keys do not underflow.
+  stream without looking back at evicted tokens. Inner products are float32 matmuls; the kernel
+  matrix is formed from them in float64 so the small entries of low-norm keys do not underflow.
 - Halve's walk (`halving`): the signed sum ψ = Σ_{j<i} ε_j f_j of pair differences
   f_j = k(x_{2j},·) − k(x_{2j+1},·) is checked through α_i = <ψ, f_i> = Σ_j ε_j Kdiff_ji, and
   member 1 of pair i is kept (ε_i = +1) with probability ½(1 − α_i/a_i), clipped (Dwivedi &
@@ -49,13 +58,18 @@ chosen here, each with its reason:
 - m from `budget`: the state between updates is C (m) + two finished siblings (2m) + the block in
   progress (at most three outputs per level, the open leaf and the candidate), at most
   6m − 2·L_min slots with L_min = m/2^D_max. A stream uses the largest m whose bound fits
-  `budget` (budget >= 4). A one-shot `compress` (n known) uses the m whose state after the n
-  tokens is the smallest holding at least min(budget, n) slots (ties: the larger m) and then
-  fills the budget exactly by halving a subset of that state (`fill_budget`, the "halve a chosen
-  subset, keep the rest" top-up of seed 000 App. B.5): one-shot Express returns exactly
-  min(budget, n) slots per head for any budget >= 1, never a silently smaller cache.
-  m is restricted to numbers with at most three significant bits (c·2^k, c ≤ 7), so Compress2
-  keeps several halving levels.
+  `budget` (budget >= 4). A one-shot `compress` (n known, `offline_plan`) is the Express state
+  at a point of the stream: a cache of size m absorbs the first n − held tokens and the last
+  `held` are the input not yet absorbed, which WtdAttention attends to exactly. Only sizes that
+  reach a Halve phase (4m <= n − held) qualify, so every ratio gives a thinned, multi-level
+  cache: a state alone holds at most about 3n/8 slots, and below that ratio `held` fills the
+  rest. Among the sizes, held is the smallest count reaching `budget`, and the plan with the
+  fewest slots over budget wins (ties: the larger m; preferring the fewest held tokens instead
+  gave the same error on held-out layers 3 and 10 of other prose); the excess is removed by
+  halving a subset of the state (`fill_budget`, the "halve a chosen subset, keep the rest"
+  top-up of seed 000 App. B.5): one-shot Express returns exactly min(budget, n) slots per head
+  for any budget >= 1, never a silently smaller cache. m is restricted to numbers with at most
+  three significant bits (c·2^k, c ≤ 7), so Compress2 keeps several halving levels.
 
 All slots keep chronological order, so positions are ascending within each head.
 """
@@ -87,13 +101,14 @@ def kernel_halving(
     size = keys.shape[-2]
     if size % 2:
         raise ValueError(f"kernel halving needs an even number of points per group, got {size}")
-    k = keys.double()
-    v = values.double()
+    k = keys.float()
+    v = values.float()
     logits = (k @ k.transpose(-1, -2)) * scale
     shift = logits.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True).unsqueeze(-1)
     b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
-    kernel = torch.exp(logits - shift) * (v @ v.transpose(-1, -2) + b2)
-    kdiff = kernel[..., ::2, ::2] - kernel[..., ::2, 1::2] - kernel[..., 1::2, ::2] + kernel[..., 1::2, 1::2]
+    kernel = torch.exp((logits - shift).double()) * (v @ v.transpose(-1, -2) + b2).double()
+    pair_columns = kernel[..., ::2] - kernel[..., 1::2]
+    kdiff = pair_columns[..., ::2, :] - pair_columns[..., 1::2, :]
     pairs = size // 2
     if delta is None:
         thresholds = torch.zeros(kdiff.shape[:-1], dtype=torch.float64, device=k.device)
@@ -129,6 +144,23 @@ def halve_groups(slots: KVSummary, group: int, scale: float, generator: torch.Ge
     kept_w = slots.log_weights.reshape(shape).gather(3, index).reshape(b, h, n // 2) + _LOG2
     kept_p = slots.positions.reshape(shape).gather(3, index).reshape(b, h, n // 2)
     return KVSummary(kept_k, kept_v, kept_w, kept_p)
+
+
+def halve(slots: KVSummary, group: int, scale: float, generator: torch.Generator, delta: float | None, max_group: int) -> KVSummary:
+    """Kernel-halve consecutive groups of `group` equal-weight slots, no Halve call seeing more than max_group slots.
+
+    A group larger than max_group (the Halve phase's 4m and 2m, Compress2's top levels, the
+    budget top-up) is halved as consecutive chunks of max_group slots, the last one smaller:
+    cost O(n·max_group) instead of O(n²), and a walk of at most max_group / 2 steps.
+    """
+    if group <= max_group:
+        return halve_groups(slots, group, scale, generator, delta)
+    n = slots.num_slots
+    whole = n // max_group * max_group
+    parts = [halve_groups(_take(slots, 0, whole), max_group, scale, generator, delta)] if whole else []
+    if whole < n:
+        parts.append(halve_groups(_take(slots, whole, n), n - whole, scale, generator, delta))
+    return concat(parts)
 
 
 def max_depth(m: int, g: int) -> int:
@@ -172,6 +204,32 @@ def _sizes_desc(limit: int):
     return sorted(sizes, reverse=True)
 
 
+def offline_plan(n: int, budget: int, g: int) -> tuple[int, int] | None:
+    """(m, held) for one-shot Express on n tokens: a cache of size m absorbs the first n − held, the last `held` stay exact.
+
+    Only sizes that reach a Halve phase (4m <= n − held) are considered. For each, held is the
+    smallest count with cache_slots(n − held, m) + held >= budget; that sum never decreases as
+    held grows (absorbing a token adds at most one slot), so a binary search finds it. The plan
+    with the fewest slots over `budget` wins (ties: the larger m). None when no size reaches a
+    Halve phase with `budget` slots (budget > n − 3).
+    """
+    best = None
+    for m in _sizes_desc(n // 4):
+        lo, hi = 0, n - 4 * m
+        if cache_slots(n - hi, m, g) + hi < budget:
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cache_slots(n - mid, m, g) + mid >= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        key = (cache_slots(n - lo, m, g) + lo - budget, -m)
+        if best is None or key < best[0]:
+            best = (key, m, lo)
+    return None if best is None else (best[1], best[2])
+
+
 class ExpressState(StreamState):
     """The Express weighted cache of target size m (seed 003 Alg. 1) over the compressible middle.
 
@@ -180,8 +238,8 @@ class ExpressState(StreamState):
     them: WtdAttention attends exactly to the not-yet-thinned samples of the block in progress.
     """
 
-    def __init__(self, m: int, g: int, delta: float | None, generator: torch.Generator):
-        self.m, self.g, self.delta, self.generator = m, g, delta, generator
+    def __init__(self, m: int, g: int, delta: float | None, generator: torch.Generator, max_group: int):
+        self.m, self.g, self.delta, self.generator, self.max_group = m, g, delta, generator, max_group
         self.scale = 1.0
         self.ell = 1
         self.cache: KVSummary | None = None
@@ -270,7 +328,7 @@ class ExpressState(StreamState):
             full = self.levels[j].push(carry, group)
             if full is None:
                 return
-            carry = halve_groups(full, group, self.scale, self.generator, self.delta)
+            carry = halve(full, group, self.scale, self.generator, self.delta, self.max_group)
         self.siblings.append(carry)
 
     def _finish_block(self) -> None:
@@ -278,7 +336,7 @@ class ExpressState(StreamState):
         if len(self.siblings) == 3:
             merged = concat([self.cache, *self.siblings])
             for size in (4 * self.m, 2 * self.m):
-                merged = halve_groups(merged, size, self.scale, self.generator, self.delta)
+                merged = halve(merged, size, self.scale, self.generator, self.delta, self.max_group)
             self.cache, self.siblings = merged, []
             self.ell *= 4
         self._start_block()
@@ -292,12 +350,15 @@ class ExpressState(StreamState):
         return concat(parts) if parts else None
 
 
-def fill_budget(summary: KVSummary, budget: int, scale: float, generator: torch.Generator, delta: float | None) -> KVSummary:
+def fill_budget(
+    summary: KVSummary, budget: int, scale: float, generator: torch.Generator, delta: float | None, max_group: int
+) -> KVSummary:
     """Reduce an Express state to exactly `budget` slots per head by halving a subset (seed 000 App. B.5 trick).
 
     Slot weights are token counts and their layout is the same in every head. While there are
     more slots than `budget`: the weight class with the most slots (ties: the lighter) gives its
-    2h oldest slots, h = min(excess, count // 2), to one kernel Halve (kept slots weigh double);
+    2h oldest slots, h = min(excess, count // 2), to kernel halving in chunks of at most max_group
+    slots (kept slots weigh double);
     all other slots stay as they are. Only when every class has a single slot are the last two
     slots merged into one, kept with probability proportional to its weight and carrying both
     weights (unbiased). The total weight is preserved; a reduced pair sits where its first slot
@@ -311,7 +372,7 @@ def fill_budget(summary: KVSummary, budget: int, scale: float, generator: torch.
         pool = torch.nonzero(counts == classes[best]).flatten()
         if len(pool) >= 2:
             chosen = pool[: 2 * min(summary.num_slots - budget, len(pool) // 2)]
-            reduced = halve_groups(_select(summary, chosen), len(chosen), scale, generator, delta)
+            reduced = halve(_select(summary, chosen), len(chosen), scale, generator, delta, max_group)
         else:
             chosen = torch.arange(summary.num_slots - 2, summary.num_slots, device=counts.device)
             reduced = _merge_weighted_pair(_select(summary, chosen), generator)
@@ -389,15 +450,17 @@ class Express(Method):
     6m − 2·L_min slots, fits `budget`, so a stream needs budget >= 4 (m = 1 holds C and up to
     three finished blocks); its state size then moves between m and the bound with the stream
     length (base-4 counting), and filling the rest would mean halving a different subset after
-    every token. One-shot `compress` is Offline-Express (seed App. H): the whole prompt is
-    absorbed in one call, so each block's Compress2 runs level by level with all Halve calls of a
-    level batched; m is the size whose state after the n known tokens is the smallest one holding
-    at least `budget` slots, and `fill_budget` halves a subset of it down to exactly
-    min(budget, n) slots (any budget >= 1). Seed defaults: 32 sink + 32 window tokens exact.
+    every token. One-shot `compress` is Offline-Express (seed App. H): the first n − held tokens
+    are absorbed in one call, so each block's Compress2 runs level by level with all Halve calls
+    of a level batched, and the last `held` tokens stay exact as the stream's not-yet-absorbed
+    input (`offline_plan` picks m and held; every ratio gives a cache that went through a Halve
+    phase); `fill_budget` halves a subset down to exactly min(budget, n) slots (any budget >= 1).
+    Seed defaults: 32 sink + 32 window tokens exact.
 
     g: Compress2 oversampling (leaves of at least 4^g samples). halving: "greedy" (default, the
     greedy self-balancing walk) or "self-balancing" (the randomised walk of Dwivedi & Mackey with
-    failure probability `delta`, used only then).
+    failure probability `delta`, used only then). max_group: the most points one Halve call sees
+    (even, >= 4; larger inputs are halved in consecutive chunks of this size).
     """
 
     name = "express"
@@ -407,6 +470,7 @@ class Express(Method):
     g: int = 0
     halving: str = "greedy"
     delta: float = 0.5
+    max_group: int = 128
 
     def __post_init__(self):
         if isinstance(self.g, bool) or not isinstance(self.g, int) or not 0 <= self.g <= 8:
@@ -415,6 +479,8 @@ class Express(Method):
             raise ValueError(f"halving must be 'greedy' or 'self-balancing', got {self.halving!r}")
         if not isinstance(self.delta, (int, float)) or not 0.0 < self.delta <= 1.0:
             raise ValueError(f"delta (Halve failure probability) must be in (0, 1], got {self.delta!r}")
+        if isinstance(self.max_group, bool) or not isinstance(self.max_group, int) or self.max_group < 4 or self.max_group % 2:
+            raise ValueError(f"max_group (largest Halve input) must be an even integer >= 4, got {self.max_group!r}")
 
     @property
     def _delta(self) -> float | None:
@@ -427,14 +493,18 @@ class Express(Method):
                 f"finished blocks: 4 slots), got {budget}; one-shot compress accepts any budget >= 1"
             )
         m = next(m for m in _sizes_desc(budget) if stream_bound(m, self.g) <= budget)
-        return ExpressState(m, self.g, self._delta, generator)
+        return ExpressState(m, self.g, self._delta, generator, self.max_group)
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if budget < 1:
             raise ValueError(f"express needs budget >= 1, got {budget}")
         n = tokens.length
-        fits = [(cache_slots(n, m, self.g), -m) for m in _sizes_desc(2 * budget)]
-        m = -min(f for f in fits if f[0] >= min(budget, n))[1]
-        state = ExpressState(m, self.g, self._delta, generator)
-        state.absorb(tokens)
-        return fill_budget(state.summary(), budget, tokens.scale, generator, self._delta)
+        plan = offline_plan(n, budget, self.g)
+        if plan is None:
+            held = tokens.exact()
+        else:
+            m, kept_exact = plan
+            state = ExpressState(m, self.g, self._delta, generator, self.max_group)
+            state.absorb(tokens.slice(0, n - kept_exact))
+            held = concat([state.summary(), tokens.slice(n - kept_exact, n).exact()]) if kept_exact else state.summary()
+        return fill_budget(held, budget, tokens.scale, generator, self._delta, self.max_group)

@@ -1,0 +1,96 @@
+"""Seed 003's prefill recipe: Express approximates the prefill attention, then any method compresses the cache.
+
+Gong, Schröder, Carrell, Mackey et al., "Express Language Modeling" (seed 003, Sec. 4 "Accelerating
+KV cache compression", Fig. 2, App. I.2): the context is fed through the model in chunks; each
+chunk's queries attend to a Thinformer Express cache of everything before the chunk (32 sink and
+32 window tokens exact, the middle thinned by the Express stream) plus the chunk itself exactly,
+so no layer ever attends over the whole context. The keys and values this approximate forward
+produces, for every context token, then form the cache that the eviction method (SnapKV,
+PyramidKV, StreamingLLM, ... any registered method) compresses as after an exact prefill.
+
+`approximate_prefill` returns the same record as an exact prefill capture ({layer: (queries,
+keys, values)}), so `CompressedCache.from_prefill` compresses it unchanged;
+`kvc.generate(..., prefill_approx="express")` composes the two.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import CompressedCache, CompressedLayer, CompressionSettings
+from ..methods.base import build_method
+
+PREFILL_APPROXIMATIONS = ("express",)
+# The seed's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.
+EXPRESS_SINK, EXPRESS_WINDOW = 32, 32
+# Middle slots per head of the Express stream during the prefill (the seed's m is not in the surviving text).
+DEFAULT_EXPRESS_BUDGET = 512
+
+
+class _RecordingLayer(CompressedLayer):
+    """A chunked-mode layer that also keeps every block's queries, keys and values as the model produced them."""
+
+    def __init__(self, cache: CompressedCache, layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self.blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def commit(self, queries: torch.Tensor, scale: float) -> None:
+        keys, values, _ = self.pending
+        self.blocks.append((queries, keys, values))
+        super().commit(queries, scale)
+
+
+def check_prefill_approx(prefill_approx: str, method: str | None, mode: str, compress_question: bool, prefill, question_ids) -> None:
+    """ValueError unless the recipe applies: a known approximation, a method, prefill mode, a question kept exact, no recorded prefill."""
+    if prefill_approx not in PREFILL_APPROXIMATIONS:
+        raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS} or None, got {prefill_approx!r}")
+    if method is None or mode != "prefill" or compress_question or prefill is not None or question_ids is None:
+        raise ValueError(
+            "prefill_approx computes the context's cache approximately, compresses it with `method`, then reads the "
+            "question exactly: it needs a method, mode='prefill', compress_question=False, a question and no recorded "
+            f"prefill (got method={method!r}, mode={mode!r}, compress_question={compress_question!r}, "
+            f"question given: {question_ids is not None}, prefill given: {prefill is not None})"
+        )
+
+
+@torch.inference_mode()
+def approximate_prefill(
+    model,
+    context_ids: torch.Tensor,
+    prefill_approx: str = "express",
+    budget: int = DEFAULT_EXPRESS_BUDGET,
+    chunk_size: int = 128,
+    seed: int = 0,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """{layer: (queries [1,H_q,n,d], keys [1,H_kv,n,d], values [1,H_kv,n,d])} of the context [1, n], computed with Express attention.
+
+    The context goes through the model in chunks of `chunk_size` tokens over a chunked-mode
+    Express cache (sink 32, window 32, `budget` middle slots per head); every chunk's post-RoPE
+    queries, keys and values are kept, on the model's device, in its dtype.
+    """
+    from .generate import use_compressed_attention
+
+    if prefill_approx not in PREFILL_APPROXIMATIONS:
+        raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS}, got {prefill_approx!r}")
+    for name, value in (("budget", budget), ("chunk_size", chunk_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    settings = CompressionSettings(build_method("express"), "chunked", budget, None, EXPRESS_SINK, EXPRESS_WINDOW, seed)
+    cache = CompressedCache(model, settings)
+    cache.layers = [_RecordingLayer(cache, i) for i in range(cache.num_layers)]
+    with use_compressed_attention(model):
+        for block in context_ids.split(chunk_size, dim=1):
+            model(block, past_key_values=cache, use_cache=True)
+    return {
+        i: tuple(torch.cat([blk[j] for blk in layer.blocks], dim=2) for j in range(3))
+        for i, layer in enumerate(cache.layers)
+    }
+
+
+def timed_approximate_prefill(model, context_ids, prefill_approx: str, chunk_size: int, seed: int):
+    """(record, seconds) of `approximate_prefill` with its defaults for the Express cache."""
+    start = time.perf_counter()
+    record = approximate_prefill(model, context_ids, prefill_approx, chunk_size=chunk_size, seed=seed)
+    return record, time.perf_counter() - start
