@@ -24,8 +24,6 @@ FEW = settings(max_examples=20, deadline=None, derandomize=True, phases=[Phase.e
 
 # Known failures of methods whose owners are reworking them (issues 15/17); strict=False so the fix turns them green.
 KNOWN = {
-    ("finite", "subgen"): "SubGen's outputs overflow to inf with keys x300 in float16/bfloat16",
-    ("batch", "subgen"): "SubGen's summary of batch row 0 changes when row 1 changes",
     ("stream", "balancekv"): "BalanceKV's stream can exceed its budget by a slot and fails with 'min() arg is an empty sequence' on 1-token blocks",
 }
 # SubGen samples with replacement (DESIGN.md §4: duplicates count separately), so its slots may repeat a token.
@@ -101,6 +99,19 @@ def denominator_weight(summary) -> torch.Tensor:
     """[B, H]: how many tokens the softmax denominator's slots stand for."""
     lw = summary.normalizer.log_weights if summary.normalizer is not None else summary.log_weights
     return lw.double().exp().sum(-1)
+
+
+def assert_weights_sum_to(method: str, summary, n: int) -> None:
+    """A coreset's weights add up to the n tokens it summarises.
+
+    SubGen is a sampling estimator, not a coreset: cluster_weight (0.95) of its weight is exact
+    cluster counts, the rest an unbiased but unbounded ||v||^2-sampling estimate of n, so its sum
+    is finite and at least 0.95·n, equal to n only in expectation."""
+    total = denominator_weight(summary)
+    if method == "subgen":
+        assert torch.isfinite(total).all() and (total >= 0.95 * n * (1 - 1e-4)).all()
+    else:
+        assert torch.allclose(total, torch.full_like(total, float(n)), rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -193,7 +204,7 @@ def test_weights_of_a_coreset_sum_to_the_tokens_seen(method, layer, budget):
     if s is None:
         return
     if is_weighted(s):
-        assert torch.allclose(denominator_weight(s), torch.full(s.log_weights.shape[:2], float(n), dtype=torch.float64), rtol=1e-4)
+        assert_weights_sum_to(method, s, n)
     else:  # plain eviction: every slot stands for itself
         assert torch.equal(denominator_weight(s), (torch.isfinite(s.log_weights)).sum(-1).double())
 
@@ -264,7 +275,7 @@ def test_streams_stay_bounded(method, layer, budget, blocks):
             assert middle_slots(middle, 0) <= budget
         s = stream.summary()
         if is_weighted(s):
-            assert torch.allclose(denominator_weight(s), torch.full(s.log_weights.shape[:2], float(seen), dtype=torch.float64), rtol=1e-4)
+            assert_weights_sum_to(method, s, seen)
     assert stream.seen == n
 
 
