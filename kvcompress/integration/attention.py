@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import weighted_attention
 
@@ -17,32 +17,70 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
 
     Over a CompressedCache layer: weighted attention over its view (log-weights as a bias, causal
     by original positions, padding slots ignored), then the layer absorbs the new block with these
-    queries. Without one (no cache, e.g. a plain forward) the keys are exact and causal.
+    queries. Without one (a sliding-window layer, no cache, a plain forward) the keys are exact and
+    the model's mask applies (`exact_attention_with_mask`).
     """
     layer = getattr(key, "kvcompress_layer", None)
+    softcap = kwargs.get("softcap")
     if layer is None:
-        out = F.scaled_dot_product_attention(
-            query.float(), key.float(), value.float(), is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=True
-        ).to(query.dtype)
-        return out.transpose(1, 2).contiguous(), None
+        return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+    layer.mask_padding(attention_mask)
     view = layer.view
     n_new = query.shape[2]
     query_positions = torch.arange(layer.seen - n_new, layer.seen, device=query.device)
     progress = layer.cache.progress
-    out = weighted_attention(query, view, scaling, query_positions)
+    if softcap is None:
+        out = weighted_attention(query, view, scaling, query_positions)
+    else:
+        out = softcapped_weighted_attention(query, view, scaling, softcap, query_positions)
     layer.commit(query, scaling)
     if progress is not None:
         progress.update(1)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _unpadded_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
-    """Mask builder for the 'kvcompress' implementation: causality comes from positions, so no mask;
-    padded batches are refused rather than silently attended."""
-    if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-        raise ValueError("kvcompress attention does not support padded batches: pass unpadded sequences (batch size 1 or equal lengths)")
-    return None
+# --- padded batches and model families (Gemma 2 soft-capping, sliding-window layers) ---
+
+
+def _softcap_scores(query, keys, scaling, softcap):
+    """[B,H_q,q,n] float32 logits tanh(s<q,k>/cap)·cap (Gemma 2), keys [B,H_kv,n,d] shared by GQA groups."""
+    group = query.shape[1] // keys.shape[1]
+    logits = torch.matmul(query.float(), keys.float().repeat_interleave(group, 1).transpose(-1, -2)) * scaling
+    return torch.tanh(logits / softcap) * softcap
+
+
+def softcapped_weighted_attention(query, summary, scaling, softcap, query_positions):
+    """weighted_attention with soft-capped logits: log-weights and causality added after the cap. -> [B,H_q,q,d_v]."""
+    group = query.shape[1] // summary.keys.shape[1]
+
+    def biased(keys, log_weights, positions):
+        scores = _softcap_scores(query, keys, scaling, softcap) + log_weights.float().repeat_interleave(group, 1)[:, :, None]
+        hidden = positions.repeat_interleave(group, 1)[:, :, None, :] > query_positions[None, None, :, None]
+        return scores.masked_fill(hidden, float("-inf"))
+
+    den = summary.denominator()
+    numerator = biased(summary.keys, summary.log_weights, summary.positions)
+    log_den = torch.logsumexp(biased(den.keys, den.log_weights, den.positions), dim=-1, keepdim=True)
+    probs = torch.exp(numerator - log_den).nan_to_num(0.0)
+    return torch.matmul(probs, summary.values.float().repeat_interleave(group, 1)).to(query.dtype)
+
+
+def exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs):
+    """Exact attention over every key with the model's boolean mask (None: causal) -> ([B,q,H_q,d], None); SDPA unless soft-capped."""
+    if softcap is None:
+        kwargs.pop("softcap", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    scores = _softcap_scores(query, key, scaling, softcap)
+    if attention_mask is None:
+        n_q, n_k = query.shape[2], key.shape[2]
+        attention_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(n_k - n_q)
+    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+    group = query.shape[1] // key.shape[1]
+    out = torch.matmul(probs, value.float().repeat_interleave(group, 1)).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, _unpadded_mask)
+# SDPA's boolean masks (None where plain causal suffices). Over a compressed layer the columns are
+# original positions (its get_mask_sizes), so the last row tells which tokens are padding.
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
