@@ -134,8 +134,6 @@ class CompressedLayer(CacheLayerMixin):
             )
         n = self.pending[0].shape[2]
         real = attention_mask[:, 0, -1, -n:]
-        if bool(real.all()):
-            return
         self.pending_real = real
         hidden = ~real[:, None, :].expand(-1, self.view.log_weights.shape[1], -1)
         stored = self.view.num_slots - n
@@ -151,12 +149,12 @@ class CompressedLayer(CacheLayerMixin):
         settings = self.cache.settings
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
-            if real is None:
+            if not has_padding(real):
                 self.front = self._compress_once(keys, values, positions, queries, scale)
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
-            if real is not None:
+            if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={settings.mode!r}")
             if self.front is None:
                 self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale)
@@ -210,10 +208,13 @@ class CompressedLayer(CacheLayerMixin):
         front = self.front.nbytes() if self.front is not None else 0
         return front + (self.tail.nbytes() if self.tail is not None else 0)
 
-    def slots(self) -> int:
-        """Occupied slots per head (finite log-weight), averaged over batch and heads."""
+    def slots(self, row: int | None = None) -> int:
+        """Occupied slots per head (finite log-weight), averaged over heads and the batch (or of one batch row)."""
         s = self.stored()
-        return 0 if s is None else int(torch.isfinite(s.log_weights).float().sum(-1).mean().round())
+        if s is None:
+            return 0
+        occupied = torch.isfinite(s.log_weights).float().sum(-1)
+        return int((occupied if row is None else occupied[row]).mean().round())
 
     def get_seq_length(self) -> int:
         # Original positions: generation keeps counting tokens seen, not slots stored.
@@ -259,7 +260,7 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
     def nbytes(self) -> int:
         return 0 if not self.is_initialized else 2 * self.keys.numel() * self.keys.element_size()
 
-    def slots(self) -> int:
+    def slots(self, row: int | None = None) -> int:
         return 0 if not self.is_initialized else self.keys.shape[2]
 
     def snapshot(self):
@@ -270,6 +271,11 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
             self.is_initialized, self.keys, self.values, self.cumulative_length = False, None, None, 0
         else:
             self.keys, self.values, self.cumulative_length = state
+
+
+def has_padding(real: torch.Tensor | None) -> bool:
+    """Whether a block's real-token flags [B, n] (None: no mask) mark any padding (one device sync)."""
+    return real is not None and not bool(real.all())
 
 
 def stack_rows(rows: list[KVSummary]) -> KVSummary:
@@ -396,8 +402,9 @@ class CompressedCache(Cache):
     def peak_bytes(self) -> int:
         return sum(layer.stats.peak_bytes for layer in self.layers)
 
-    def slots_per_layer(self) -> list[int]:
-        return [layer.slots() for layer in self.layers]
+    def slots_per_layer(self, row: int | None = None) -> list[int]:
+        """Occupied slots per KV head in each layer (averaged over the batch, or of one batch row)."""
+        return [layer.slots(row) for layer in self.layers]
 
     def compress_seconds(self) -> float:
         return sum(layer.stats.compress_seconds for layer in self.layers)

@@ -1,14 +1,18 @@
-"""transformers integration: the compressed cache's attention function, the default model, generate()."""
+"""transformers integration: the compressed cache's attention function, the default model, generate(), the pipeline."""
 
+from ..cache import CompressedCache
 from .attention import ATTENTION_NAME, kvcompress_attention
-from .generate import GenerationResult, generate, generate_ids, use_compressed_attention
+from .generate import GenerationResult, answer_questions_ids, generate, generate_batch_ids, generate_ids, use_compressed_attention
 from .model import build_prompt, load_model
 
 __all__ = [
     "ATTENTION_NAME",
+    "CompressedCache",
     "GenerationResult",
+    "answer_questions_ids",
     "build_prompt",
     "generate",
+    "generate_batch_ids",
     "generate_ids",
     "kvcompress_attention",
     "load_model",

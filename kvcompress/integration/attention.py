@@ -21,7 +21,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     the model's mask applies (`exact_attention_with_mask`).
     """
     layer = getattr(key, "kvcompress_layer", None)
-    softcap = kwargs.get("softcap")
+    softcap = kwargs.pop("softcap", None)
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     layer.mask_padding(attention_mask)
@@ -43,10 +43,12 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
 
 
 def _softcap_scores(query, keys, scaling, softcap):
-    """[B,H_q,q,n] float32 logits tanh(s<q,k>/cap)·cap (Gemma 2), keys [B,H_kv,n,d] shared by GQA groups."""
+    """[B,H_q,q,n] float32 logits tanh(s<q,k>/cap)·cap (Gemma 2), keys [B,H_kv,n,d] shared by GQA groups.
+
+    Computed in the query's dtype, as Gemma 2's own attention does, so bfloat16 matches it."""
     group = query.shape[1] // keys.shape[1]
-    logits = torch.matmul(query.float(), keys.float().repeat_interleave(group, 1).transpose(-1, -2)) * scaling
-    return torch.tanh(logits / softcap) * softcap
+    logits = torch.matmul(query, keys.to(query.dtype).repeat_interleave(group, 1).transpose(-1, -2)) * scaling
+    return (torch.tanh(logits / softcap) * softcap).float()
 
 
 def softcapped_weighted_attention(query, summary, scaling, softcap, query_positions):
@@ -61,22 +63,21 @@ def softcapped_weighted_attention(query, summary, scaling, softcap, query_positi
     den = summary.denominator()
     numerator = biased(summary.keys, summary.log_weights, summary.positions)
     log_den = torch.logsumexp(biased(den.keys, den.log_weights, den.positions), dim=-1, keepdim=True)
-    probs = torch.exp(numerator - log_den).nan_to_num(0.0)
-    return torch.matmul(probs, summary.values.float().repeat_interleave(group, 1)).to(query.dtype)
+    probs = torch.exp(numerator - log_den).nan_to_num(0.0).to(query.dtype)
+    return torch.matmul(probs, summary.values.to(query.dtype).repeat_interleave(group, 1))
 
 
 def exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs):
     """Exact attention over every key with the model's boolean mask (None: causal) -> ([B,q,H_q,d], None); SDPA unless soft-capped."""
     if softcap is None:
-        kwargs.pop("softcap", None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     scores = _softcap_scores(query, key, scaling, softcap)
     if attention_mask is None:
         n_q, n_k = query.shape[2], key.shape[2]
         attention_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(n_k - n_q)
-    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).nan_to_num(0.0).to(query.dtype)
     group = query.shape[1] // key.shape[1]
-    out = torch.matmul(probs, value.float().repeat_interleave(group, 1)).to(query.dtype)
+    out = torch.matmul(probs, value.repeat_interleave(group, 1))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,184 @@
+"""Plain transformers use (issue 14): model.generate with a CompressedCache, many questions per context,
+left-padded batches, the pipeline, Phi-3 and Gemma 2/3, on tiny randomly initialised models."""
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kvcompress as kvc
+from kvcompress.cache import SUPPORTED_MODEL_TYPES, CompressedCache, CompressionSettings, SlidingWindowLayer
+from kvcompress.methods.base import build_method
+from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0)
+# Gemma layers slide over 32 tokens, so prompts of 100+ tokens really slide.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"head_dim": 16, "sliding_window": 32}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]}),
+}
+
+
+def tiny(family="llama", dtype=torch.float32):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**SMALL, **extra)).eval().to(dtype)
+
+
+def _ids(n, seed=1):
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, cache=None, new=10, **kw):
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ratio_zero_cache_reproduces_plain_generate(family, dtype):
+    model = tiny(family, dtype)
+    ids = _ids(100)
+    plain = _greedy(model, ids)  # before the cache switches the attention implementation
+    cache = CompressedCache(model, "knorm", compression_ratio=0.0)
+    assert model.config._attn_implementation == "kvcompress"
+    assert torch.equal(_greedy(model, ids, cache), plain)
+    assert cache.get_seq_length() == 100 + 9
+    sliding = [isinstance(layer, SlidingWindowLayer) for layer in cache.layers]
+    assert sliding == ([True, False] if family.startswith("gemma") else [False, False])
+    if family.startswith("gemma"):
+        assert cache.layers[0].slots() == 31  # the window keeps its last sliding_window - 1 tokens exact
+    # the model keeps working without the cache once switched (exact attention with the usual masks)
+    assert torch.equal(_greedy(model, ids), plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3", "phi3"])
+def test_compression_really_happens_and_generation_options_work(family):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            self.chunks.append("end")
+
+    model = tiny(family)
+    ids = _ids(300)
+    cache = CompressedCache(model, "snapkv", compression_ratio=0.5, window=16, sink=4)
+    streamer = Collect()
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=True, top_k=5, streamer=streamer, eos_token_id=95)
+    compressed = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, SlidingWindowLayer)]
+    assert all(cache.layers[i].slots() == 150 + out.shape[1] - 300 - 1 for i in compressed)
+    assert streamer.chunks[-1] == "end" and len(streamer.chunks) == out.shape[1] - 300 + 2
+    again = CompressedCache(model, "snapkv", compression_ratio=0.5, window=16, sink=4)
+    torch.manual_seed(5)
+    a = model.generate(ids, past_key_values=again, max_new_tokens=6, do_sample=True, top_k=5)
+    torch.manual_seed(5)
+    b = model.generate(ids, past_key_values=CompressedCache(model, "snapkv", compression_ratio=0.5, window=16, sink=4), max_new_tokens=6, do_sample=True, top_k=5)
+    assert torch.equal(a, b)
+
+
+def _left_padded(prompts):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.cat([torch.cat([torch.zeros(1, width - p.shape[1], dtype=torch.long), p], 1) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - p.shape[1] for p in prompts]).long()
+    return ids, mask
+
+
+@pytest.mark.parametrize("method", ["keydiff", "balancekv"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_left_padded_batch_rows_equal_solo_runs(method, ratio):
+    model = tiny("llama")
+    prompts = [_ids(150, 1), _ids(97, 2), _ids(123, 3)]
+    ids, mask = _left_padded(prompts)
+    cache = CompressedCache(model, method, compression_ratio=ratio, sink=2, window=8)
+    batch = _greedy(model, ids, cache, attention_mask=mask)
+    for row, prompt in enumerate(prompts):
+        solo = _greedy(model, prompt, CompressedCache(model, method, compression_ratio=ratio, sink=2, window=8))
+        assert torch.equal(batch[row], solo[0]), (method, ratio, row)
+        stored = cache.layers[0].stored()
+        kept = torch.isfinite(stored.log_weights[row]).sum(-1)
+        assert (stored.positions[row][torch.isfinite(stored.log_weights[row])] >= ids.shape[1] - prompt.shape[1]).all()  # no padding kept
+        assert (kept == cache.layers[0].slots(row)).all()
+
+
+def test_left_padded_batch_through_kvc_generate_ids_and_gemma():
+    for family in ["llama", "gemma2"]:
+        model = tiny(family)
+        contexts = [_ids(140, 4), _ids(90, 5), _ids(111, 6)]
+        question = _ids(7, 7)
+        batch = generate_batch_ids(model, contexts, question, method="keydiff", compression_ratio=0.5, max_new_tokens=8, stop_at_eos=False, sink=2, window=8)
+        for row, ctx in enumerate(contexts):
+            solo = generate_ids(model, ctx, question, method="keydiff", compression_ratio=0.5, max_new_tokens=8, stop_at_eos=False, sink=2, window=8)
+            assert batch[row].token_ids == solo.token_ids, (family, row)
+            assert batch[row].slots_per_layer == solo.slots_per_layer and batch[row].budget == solo.budget
+            assert batch[row].context_tokens == ctx.shape[1]
+    with pytest.raises(ValueError, match="mode='prefill'"):
+        generate_batch_ids(model, contexts, question, method="keydiff", budget=16, mode="chunked")
+
+
+def test_many_questions_compress_once_and_match_single_runs():
+    model = tiny("llama")
+    ctx = _ids(200, 8)
+    questions = [_ids(6, 9), _ids(11, 10), _ids(4, 11)]
+    calls = []
+    results = answer_questions_ids(model, ctx, questions, method="snapkv", compression_ratio=0.5, max_new_tokens=7, stop_at_eos=False, window=8)
+    for q, res in zip(questions, results):
+        single = generate_ids(model, ctx, q, method="snapkv", compression_ratio=0.5, max_new_tokens=7, stop_at_eos=False, window=8)
+        assert res.token_ids == single.token_ids
+        assert res.slots_per_layer == single.slots_per_layer
+        assert res.extra["question_seconds"] <= res.decode_seconds
+        calls.append(res.prefill_seconds)
+    assert len(set(calls)) == 1  # one shared prefill
+    full = answer_questions_ids(model, ctx, questions, method=None, max_new_tokens=7, stop_at_eos=False)
+    for q, res in zip(questions, full):
+        assert res.token_ids == generate_ids(model, ctx, q, method=None, max_new_tokens=7, stop_at_eos=False).token_ids
+    with pytest.raises(ValueError, match="compress_question"):
+        answer_questions_ids(model, ctx, questions, method="snapkv", budget=8, compress_question=True)
+
+
+def test_many_questions_do_not_recompress(monkeypatch):
+    from kvcompress.cache import CompressedLayer
+
+    model = tiny("gemma3")
+    count = []
+    original = CompressedLayer._compress_once
+    monkeypatch.setattr(CompressedLayer, "_compress_once", lambda self, *a: count.append(1) or original(self, *a))
+    answer_questions_ids(model, _ids(120), [_ids(5, s) for s in range(4)], method="knorm", compression_ratio=0.5, window=8, max_new_tokens=3)
+    assert len(count) == 1  # one full-attention layer, compressed once for four questions
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(ValueError, match="gemma2, gemma3_text") as err:
+        CompressedCache(gpt2, "knorm", budget=4)
+    assert all(name in str(err.value) for name in SUPPORTED_MODEL_TYPES)
+    with pytest.raises(ValueError, match="not both"):
+        CompressedCache(tiny(), CompressionSettings(build_method("knorm"), budget=4), budget=3)
+    with pytest.raises(ValueError, match="method must be a method name"):
+        CompressedCache(tiny(), 3)
