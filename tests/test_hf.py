@@ -182,3 +182,68 @@ def test_unsupported_architecture_names_the_supported_ones():
         CompressedCache(tiny(), CompressionSettings(build_method("knorm"), budget=4), budget=3)
     with pytest.raises(ValueError, match="method must be a method name"):
         CompressedCache(tiny(), 3)
+
+
+def test_transformers_internals_we_rely_on_have_not_moved():
+    """Fails loudly when transformers moves the internal APIs the integration is built on (tested: 5.23)."""
+    import inspect
+
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from kvcompress.integration.attention import ATTENTION_NAME
+
+    assert transformers.__version__.startswith("5.23."), f"kvcompress is tested with transformers 5.23, found {transformers.__version__}"
+    assert ALL_MASK_ATTENTION_FUNCTIONS[ATTENTION_NAME] is sdpa_mask
+    assert {"batch_size", "q_length", "kv_length", "kv_offset", "mask_function", "attention_mask", "allow_is_causal_skip"} <= set(inspect.signature(sdpa_mask).parameters)
+    assert {"module", "query", "key", "value", "attention_mask", "scaling"} <= set(inspect.signature(sdpa_attention_forward).parameters)
+    assert {"lazy_initialization", "update", "get_mask_sizes", "get_seq_length", "get_max_length", "reset"} <= set(dir(CacheLayerMixin))
+    assert {"is_sliding", "is_linear", "is_dummy", "get_mask_sizes", "get_seq_length", "crop"} <= set(dir(Cache))
+    layer = DynamicSlidingWindowLayer(sliding_window=4)
+    layer.update(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2))
+    assert (layer.keys.shape[2], layer.cumulative_length, layer.get_mask_sizes(1)) == (3, 6, (4, 3))
+    types, kwargs = get_layer_types_and_kwargs(tiny("gemma3").config)
+    assert types == ["sliding_attention", "full_attention"] and kwargs[0] == {"sliding_window": 32}
+
+
+def test_layer_snapshot_restore_and_sliding_window_state():
+    model = tiny("gemma2")
+    cache = CompressedCache(model, "knorm", budget=16, sink=2, window=4)
+    with torch.no_grad():
+        model(_ids(80), past_key_values=cache)
+        state = cache.snapshot()
+        before = [(layer.slots(), layer.get_seq_length()) for layer in cache.layers]
+        model(_ids(40, 2), past_key_values=cache)
+        assert cache.get_seq_length() == 120
+        cache.restore(state)
+    assert [(layer.slots(), layer.get_seq_length()) for layer in cache.layers] == before == [(31, 80), (22, 80)]
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_readme_use_snippets_run(default_model):
+    """Every python block of the README's Use section runs, in order, in one namespace.
+
+    The tensor-level snippet works on the reader's own tensors: the namespace starts with random
+    keys/values/queries [1, 3, 1024, 64] and blocks of 256 of them."""
+    import re
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    use = readme.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", use, flags=re.S)
+    assert len(blocks) >= 5
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = (torch.randn(1, 3, 1024, 64, generator=g) for _ in range(3))
+    blocks_of_tensors = list(zip(keys.split(256, dim=2), values.split(256, dim=2)))
+    namespace = {"keys": keys, "values": values, "queries": queries, "blocks": blocks_of_tensors, "_loaded": default_model}
+    for code in blocks:
+        exec(compile(code.replace("kvc.load_model()", "_loaded"), "README.md", "exec"), namespace)
+    model, tokenizer = default_model
+    assert namespace["batch"]["input_ids"].shape[0] == len(namespace["results"]) == 2
+    solo = kvc.generate(model, tokenizer, namespace["contexts"][1], namespace["question"], method="balancekv", compression_ratio=0.5, max_new_tokens=16)
+    assert namespace["results"][1].token_ids == solo.token_ids and solo.text
+    assert namespace["s"].total_weight().shape == (1, 3)
