@@ -247,3 +247,39 @@ def test_readme_use_snippets_run(default_model):
     solo = kvc.generate(model, tokenizer, namespace["contexts"][1], namespace["question"], method="balancekv", compression_ratio=0.5, max_new_tokens=16)
     assert namespace["results"][1].token_ids == solo.token_ids and solo.text
     assert namespace["s"].total_weight().shape == (1, 3)
+
+
+def _word_tokenizer():
+    """A word-level tokenizer over the tiny models' 96 ids ("w0".."w92" plus [UNK], [PAD], [EOS]), no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "[EOS]"] + [f"w{i}" for i in range(93)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+def test_pipeline_answers_like_kvc_generate():
+    from transformers import pipeline
+
+    from kvcompress.integration import PIPELINE_TASK
+
+    model, tokenizer = tiny("qwen2"), _word_tokenizer()
+    g = torch.Generator().manual_seed(3)
+    context = " ".join(f"w{int(i)}" for i in torch.randint(0, 93, (160,), generator=g))
+    questions = ["w5 w7 w9", "w1 w2 w3 w4 w8"]
+    options = dict(method="snapkv", compression_ratio=0.5, window=8, max_new_tokens=5, stop_at_eos=False)
+    pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
+    out = pipe(context, questions=questions, **options)
+    direct = kvc.generate(model, tokenizer, context, questions=questions, progress=False, **options)
+    assert out["answers"] == [r.text for r in direct] and all(out["answers"])
+    assert [r.token_ids for r in out["results"]] == [r.token_ids for r in direct]
+    one = pipe(context, question=questions[1], **options)
+    assert one["answer"] == direct[1].text and one["result"].slots_per_layer == direct[1].slots_per_layer
+    with pytest.raises(ValueError, match="not both"):
+        pipe(context, question="w1", questions=["w2"], **options)
+    with pytest.raises(ValueError, match="empty context"):
+        pipe(" ", question="w1", **options)
+    batch = kvc.generate(model, tokenizer, [context, "w3 w4 w5"], "w6", progress=False, **options)
+    assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, "w3 w4 w5")]
