@@ -13,13 +13,13 @@ from __future__ import annotations
 import inspect
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from ..api import default_sink_window
-from ..cache import MODES, CompressedCache, CompressionSettings, check_supported
+from ..cache import MODES, CompressedCache, CompressedLayer, CompressionSettings, check_supported
 from ..methods.base import build_method, check_sink_window, resolve_budget
 from .attention import ATTENTION_NAME
 
@@ -197,11 +197,8 @@ class _Session:
         """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds)."""
         self.cache = self.new_cache()
         rows = self.context_ids.shape[0]
-        self.ids = self.context_ids[:, :0]
+        self.ids = self.context_ids if self.prefill is not None else self.context_ids[:, :0]  # what the cache holds
         self.mask = torch.ones_like(self.ids)
-        if self.prefill is not None:
-            self.ids = self.context_ids
-            self.mask = torch.ones_like(self.ids)
         absorbed = self.question_ids if (self.compress_question and self.question_ids is not None) else None
         if self.prefill is not None:
             if self.question_ids is None:
@@ -213,7 +210,7 @@ class _Session:
             blocks = list(self.context_ids.split(self.chunk_size, dim=1)) + (list(absorbed.split(self.chunk_size, dim=1)) if absorbed is not None else [])
         bar = None
         if progress and self.n_prompt >= PROGRESS_MIN_TOKENS:
-            per_block = self.model.config.num_hidden_layers if self.method_name is not None else 1
+            per_block = sum(isinstance(layer, CompressedLayer) for layer in self.cache.layers) if self.method_name is not None else 1
             bar = tqdm(total=len(blocks) * per_block, desc=f"prefill ({self.mode})", unit="layer" if len(blocks) == 1 else "step", leave=False)
         compressed = self.method_name is not None
         if compressed:
@@ -284,8 +281,12 @@ class _Session:
 _SESSION_OPTIONS = ("method", "budget", "compression_ratio", "mode", "sink", "window", "seed", "chunk_size", "compress_question", "prefill", "quality", "calibration")
 
 
-def _session(model, prompt: _Prompt, options: dict, method_params: dict) -> _Session:
-    return _Session(model, prompt, *(options[k] for k in _SESSION_OPTIONS), method_params)
+def _session(model, prompt: _Prompt, options: dict) -> _Session:
+    """A session from generate_ids' keyword options (its defaults where absent); other names are method parameters."""
+    defaults = {k: p.default for k, p in inspect.signature(generate_ids).parameters.items() if k in _SESSION_OPTIONS}
+    merged = {**defaults, **{k: v for k, v in options.items() if k in defaults}}
+    method_params = {k: v for k, v in options.items() if k not in defaults}
+    return _Session(model, prompt, *(merged[k] for k in _SESSION_OPTIONS), method_params)
 
 
 @torch.inference_mode()
@@ -326,22 +327,15 @@ def generate_ids(
     `result.extra["calibration"]`. The first answer token is the argmax after the prompt; the
     rest comes from greedy `model.generate` on the same cache.
     """
-    options = dict(locals())
+    options = {k: v for k, v in locals().items() if k in _SESSION_OPTIONS}
     if context_ids.ndim == 2 and context_ids.shape[0] != 1:
         raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
-    session = _session(model, _Prompt(context_ids, question_ids), options, method_params)
+    session = _session(model, _Prompt(context_ids, question_ids), {**options, **method_params})
     with use_compressed_attention(model) if method is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
-        if session.question_ids is not None and not compress_question:
-            logits, prefill_seconds = _timed(session.forward, session.question_ids, prefill_seconds)
-        (tokens,), _, decode_seconds = session.answer(None, logits, max_new_tokens, stop_at_eos)
-    return session.result(tokens, prefill_seconds, decode_seconds, 0, {})
-
-
-def _timed(fn, arg, already: float):
-    start = time.perf_counter()
-    out = fn(arg)
-    return out, already + time.perf_counter() - start
+        question = session.question_ids if not compress_question else None
+        (tokens,), question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
+    return session.result(tokens, prefill_seconds + question_seconds, decode_seconds, 0, {})
 
 
 @torch.inference_mode()
@@ -361,10 +355,7 @@ def answer_questions_ids(
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
     if options.get("compress_question"):
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
-    defaults = {k: p.default for k, p in inspect.signature(generate_ids).parameters.items() if k in _SESSION_OPTIONS}
-    unknown = set(options) - set(defaults)
-    method_params = {k: options.pop(k) for k in unknown}
-    session = _session(model, _Prompt(context_ids, None), {**defaults, **options}, method_params)
+    session = _session(model, _Prompt(context_ids, None), options)
     results = []
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         _, prefill_seconds = session.run_context(progress)
@@ -400,9 +391,7 @@ def generate_batch_ids(
     pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
     mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
-    defaults = {k: p.default for k, p in inspect.signature(generate_ids).parameters.items() if k in _SESSION_OPTIONS}
-    method_params = {k: options.pop(k) for k in set(options) - set(defaults)}
-    session = _session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None), {**defaults, **options}, method_params)
+    session = _session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None), options)
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not session.compress_question else None
