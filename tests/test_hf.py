@@ -283,3 +283,27 @@ def test_pipeline_answers_like_kvc_generate():
         pipe(" ", question="w1", **options)
     batch = kvc.generate(model, tokenizer, [context, "w3 w4 w5"], "w6", progress=False, **options)
     assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, "w3 w4 w5")]
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_pre_rope_keys_are_recovered_for_partial_and_per_layer_type_rope(family):
+    """Compactor scores pre-RoPE keys: Phi-3 rotates a prefix of each head (partial_rotary_factor), Gemma 3 has global and local RoPE."""
+    import importlib
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    extra = {**extra, "partial_rotary_factor": 0.5} if family == "phi3" else extra
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL, **extra)).eval()
+    modeling = importlib.import_module(type(model).__module__)
+    ids = _ids(120)
+    plain = _greedy(model, ids)
+    cache = CompressedCache(model, "compactor", budget=4)
+    k = torch.randn(1, 2, 10, model.config.head_dim if family == "gemma3" else 16)
+    pos = torch.arange(5, 15)
+    rope = model.model.rotary_emb
+    cos, sin = rope(k, pos[None], "full_attention") if family == "gemma3" else rope(k, pos[None])
+    if family == "phi3":
+        assert cos.shape[-1] == 8
+    _, rotated = modeling.apply_rotary_pos_emb(k, k, cos, sin)
+    torch.testing.assert_close(cache.pre_rope_keys(rotated, pos), k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(_greedy(model, ids, CompressedCache(model, "compactor", compression_ratio=0.0)), plain)
