@@ -231,6 +231,12 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = 0
         self.stats = LayerStats()
 
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
+        if isinstance(self.front, Stream):
+            raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.settings.mode!r}")
+        self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (self.front, self.tail))
+
     def snapshot(self):
         """The layer's state, to restore() later (a live stream is copied, summaries are never modified in place)."""
         front = copy.deepcopy(self.front) if isinstance(self.front, Stream) else self.front
@@ -271,6 +277,16 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
             self.is_initialized, self.keys, self.values, self.cumulative_length = False, None, None, 0
         else:
             self.keys, self.values, self.cumulative_length = state
+
+
+def select_rows(summary: KVSummary, index: torch.Tensor) -> KVSummary:
+    """The batch rows `index` [k] of a summary (normalizer included)."""
+    index = index.to(summary.keys.device)
+    norm = summary.normalizer
+    if norm is not None:
+        norm = Normalizer(*(t.index_select(0, index) for t in (norm.keys, norm.log_weights, norm.positions)))
+    rows = (t.index_select(0, index) for t in (summary.keys, summary.values, summary.log_weights, summary.positions))
+    return KVSummary(*rows, normalizer=norm)
 
 
 def has_padding(real: torch.Tensor | None) -> bool:

@@ -307,3 +307,15 @@ def test_pre_rope_keys_are_recovered_for_partial_and_per_layer_type_rope(family)
     _, rotated = modeling.apply_rotary_pos_emb(k, k, cos, sin)
     torch.testing.assert_close(cache.pre_rope_keys(rotated, pos), k, atol=1e-5, rtol=1e-5)
     assert torch.equal(_greedy(model, ids, CompressedCache(model, "compactor", compression_ratio=0.0)), plain)
+
+
+def test_beam_search_with_a_ratio_zero_cache_equals_plain_beam_search():
+    model = tiny("qwen2")
+    ids = _ids(90)
+    plain = _greedy(model, ids, num_beams=3)
+    assert torch.equal(_greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.0), num_beams=3), plain)
+    half = CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8)
+    assert _greedy(model, ids, half, num_beams=3).shape == (1, 10)
+    assert half.layers[0].slots() == 45 + 9  # half of the 90 prompt tokens, then the 9 decoded ones exact, in every beam
+    with pytest.raises(ValueError, match="beam search"):
+        _greedy(model, ids, CompressedCache(model, "knorm", budget=16, mode="decode"), num_beams=3)
