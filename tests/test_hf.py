@@ -319,3 +319,13 @@ def test_beam_search_with_a_ratio_zero_cache_equals_plain_beam_search():
     assert half.layers[0].slots() == 45 + 9  # half of the 90 prompt tokens, then the 9 decoded ones exact, in every beam
     with pytest.raises(ValueError, match="beam search"):
         _greedy(model, ids, CompressedCache(model, "knorm", budget=16, mode="decode"), num_beams=3)
+
+
+def test_softcapped_attention_chunks_agree_with_one_pass(monkeypatch):
+    from kvcompress.integration import attention
+
+    model = tiny("gemma2")
+    ids = _ids(100)
+    whole = _greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8))
+    monkeypatch.setattr(attention, "_query_chunks", lambda query, n_keys: [(s, s + 7) for s in range(0, query.shape[2], 7)])
+    assert torch.equal(_greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8)), whole)

@@ -51,34 +51,47 @@ def _softcap_scores(query, keys, scaling, softcap):
     return (torch.tanh(logits / softcap) * softcap).float()
 
 
+def _query_chunks(query, n_keys):
+    """Query index ranges such that no chunk holds more than about 2^25 scores."""
+    b, hq, nq, _ = query.shape
+    chunk = max(1, (1 << 25) // max(1, b * hq * n_keys))
+    return [(start, start + chunk) for start in range(0, nq, chunk)]
+
+
 def softcapped_weighted_attention(query, summary, scaling, softcap, query_positions):
     """weighted_attention with soft-capped logits: log-weights and causality added after the cap. -> [B,H_q,q,d_v]."""
     group = query.shape[1] // summary.keys.shape[1]
+    den = summary.denominator()
 
-    def biased(keys, log_weights, positions):
-        scores = _softcap_scores(query, keys, scaling, softcap) + log_weights.float().repeat_interleave(group, 1)[:, :, None]
-        hidden = positions.repeat_interleave(group, 1)[:, :, None, :] > query_positions[None, None, :, None]
+    def biased(q, qpos, keys, log_weights, positions):
+        scores = _softcap_scores(q, keys, scaling, softcap) + log_weights.float().repeat_interleave(group, 1)[:, :, None]
+        hidden = positions.repeat_interleave(group, 1)[:, :, None, :] > qpos[None, None, :, None]
         return scores.masked_fill(hidden, float("-inf"))
 
-    den = summary.denominator()
-    numerator = biased(summary.keys, summary.log_weights, summary.positions)
-    log_den = torch.logsumexp(biased(den.keys, den.log_weights, den.positions), dim=-1, keepdim=True)
-    probs = torch.exp(numerator - log_den).nan_to_num(0.0).to(query.dtype)
-    return torch.matmul(probs, summary.values.to(query.dtype).repeat_interleave(group, 1))
+    outs = []
+    for start, stop in _query_chunks(query, summary.num_slots + den.keys.shape[2]):
+        q, qpos = query[:, :, start:stop], query_positions[start:stop]
+        numerator = biased(q, qpos, summary.keys, summary.log_weights, summary.positions)
+        log_den = torch.logsumexp(biased(q, qpos, den.keys, den.log_weights, den.positions), dim=-1, keepdim=True)
+        probs = torch.exp(numerator - log_den).nan_to_num(0.0).to(query.dtype)
+        outs.append(torch.matmul(probs, summary.values.to(query.dtype).repeat_interleave(group, 1)))
+    return torch.cat(outs, dim=2)
 
 
 def exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs):
     """Exact attention over every key with the model's boolean mask (None: causal) -> ([B,q,H_q,d], None); SDPA unless soft-capped."""
     if softcap is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    scores = _softcap_scores(query, key, scaling, softcap)
+    n_q, n_k = query.shape[2], key.shape[2]
     if attention_mask is None:
-        n_q, n_k = query.shape[2], key.shape[2]
-        attention_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(n_k - n_q)
-    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).nan_to_num(0.0).to(query.dtype)
+        attention_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(n_k - n_q)[None, None]
     group = query.shape[1] // key.shape[1]
-    out = torch.matmul(probs, value.repeat_interleave(group, 1))
-    return out.transpose(1, 2).contiguous(), None
+    outs = []
+    for start, stop in _query_chunks(query, n_k):
+        scores = _softcap_scores(query[:, :, start:stop], key, scaling, softcap)
+        probs = scores.masked_fill(~attention_mask[:, :, start:stop], float("-inf")).softmax(-1).nan_to_num(0.0).to(query.dtype)
+        outs.append(torch.matmul(probs, value.repeat_interleave(group, 1)))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
