@@ -190,8 +190,10 @@ class _Session:
         ids = ids.expand(self.ids.shape[0], -1)
         mask = torch.ones_like(ids) if mask is None else mask
         self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, mask], 1)
-        positions = (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]
-        return self.model(ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True).logits[:, -1]
+        padding = {}
+        if self.context_mask is not None:  # a padded batch: the mask and the rows' own positions
+            padding = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
+        return self.model(ids, past_key_values=self.cache, use_cache=True, **padding).logits[:, -1]
 
     def run_context(self, progress: bool):
         """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds)."""
