@@ -13,6 +13,13 @@ Modes:
 - "chunked": while `absorbing` is True every block goes through the method's stream (the caller
   feeds the prompt in blocks of B tokens: stored KV stays at budget + B); afterwards exact.
 - "decode": every token, prompt and generated, goes through the stream.
+
+Padded batches (left padding, prefill mode): the model's boolean mask tells each layer which
+tokens of a block are padding; they get log-weight -inf (never attended) and each padded row is
+compressed alone, so no padding is kept and every row equals its solo run. Sliding-window
+layers (Gemma 2/3, Phi-3/Mistral with a window) are transformers' exact sliding-window layers.
+`snapshot()`/`restore()` roll the cache back to a compressed context (many questions, one
+compression); `reorder_cache` serves beam search.
 """
 
 from __future__ import annotations
