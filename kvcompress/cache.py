@@ -143,10 +143,10 @@ class CompressedLayer(CacheLayerMixin):
         real = attention_mask[:, 0, -1, -n:]
         self.pending_real = real
         hidden = ~real[:, None, :].expand(-1, self.view.log_weights.shape[1], -1)
-        stored = self.view.num_slots - n
-        log_weights = self.view.log_weights.clone()
-        log_weights[..., stored:] = log_weights[..., stored:].masked_fill(hidden, float("-inf"))
-        self.view.log_weights = log_weights
+        view = self.view
+        stored = view.num_slots - n
+        log_weights = torch.cat([view.log_weights[..., :stored], view.log_weights[..., stored:].masked_fill(hidden, float("-inf"))], -1)
+        self.view = KVSummary(view.keys, view.values, log_weights, view.positions, view.normalizer)  # a new summary: its weights are not all 0
 
     def commit(self, queries: torch.Tensor, scale: float) -> None:
         """Absorb the pending block, now that its queries [B, H_q, n, d] are known."""
@@ -172,7 +172,8 @@ class CompressedLayer(CacheLayerMixin):
         else:
             block = KVSummary.exact(keys, values, positions)
             if real is not None:
-                block.log_weights = block.log_weights.masked_fill(~real[:, None, :], float("-inf"))
+                padded = block.log_weights.masked_fill(~real[:, None, :], float("-inf"))
+                block = KVSummary(keys, values, padded, block.positions)
             self.tail = block if self.tail is None else concat([self.tail, block])
             return
         self.stats.compress_seconds += time.perf_counter() - start
@@ -245,13 +246,17 @@ class CompressedLayer(CacheLayerMixin):
         self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (self.front, self.tail))
 
     def snapshot(self):
-        """The layer's state, to restore() later (a live stream is copied, summaries are never modified in place)."""
-        front = copy.deepcopy(self.front) if isinstance(self.front, Stream) else self.front
-        return front, self.tail, self.seen
+        """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live stream) copied."""
+        return _frozen(self.front), self.tail, self.seen
 
     def restore(self, state) -> None:
         front, self.tail, self.seen = state
-        self.front = copy.deepcopy(front) if isinstance(front, Stream) else front
+        self.front = _frozen(front)
+
+
+def _frozen(front):
+    """front itself if it is an immutable KVSummary (or None), else a deep copy (a stream or buffer that grows in place)."""
+    return front if front is None or isinstance(front, KVSummary) else copy.deepcopy(front)
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):

@@ -153,6 +153,11 @@ def test_many_questions_compress_once_and_match_single_runs():
         assert res.extra["question_seconds"] <= res.decode_seconds
         calls.append(res.prefill_seconds)
     assert len(set(calls)) == 1  # one shared prefill
+    for mode in ["chunked", "decode"]:  # a live stream is copied per question
+        streamed = answer_questions_ids(model, ctx, questions, method="knorm", budget=40, mode=mode, chunk_size=32, max_new_tokens=7, stop_at_eos=False, window=8)
+        for q, res in zip(questions, streamed):
+            single = generate_ids(model, ctx, q, method="knorm", budget=40, mode=mode, chunk_size=32, max_new_tokens=7, stop_at_eos=False, window=8)
+            assert (res.token_ids, res.slots_per_layer) == (single.token_ids, single.slots_per_layer), mode
     full = answer_questions_ids(model, ctx, questions, method=None, max_new_tokens=7, stop_at_eos=False)
     for q, res in zip(questions, full):
         assert res.token_ids == generate_ids(model, ctx, q, method=None, max_new_tokens=7, stop_at_eos=False).token_ids
