@@ -47,6 +47,7 @@ from .methods.base import (
 from .summary import KVSummary, Normalizer, concat
 
 MODES = ("prefill", "chunked", "decode")
+ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache needs (kvcompress.integration.attention)
 
 
 @dataclass
@@ -342,10 +343,11 @@ class CompressedCache(Cache):
     is compressed once), or "chunked"/"decode" with a budget (see the module docstring).
     Sliding-window layers (Gemma 2/3, Phi-3 with a window) keep their window exact.
 
-    Building the cache switches the model to the 'kvcompress' attention implementation
-    (`model.set_attn_implementation("kvcompress")`), which attends over compressed layers and runs
-    exact SDPA with the usual masks everywhere else, so the model keeps working without the cache;
-    `use_compressed_attention(model)` does the same and restores the previous implementation on exit.
+    Built from a method name, the cache switches the model to the 'kvcompress' attention
+    implementation (`model.set_attn_implementation("kvcompress")`), which attends over compressed
+    layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
+    without the cache. Built from a CompressionSettings (library use) it leaves the model as is:
+    run it under `use_compressed_attention(model)`, which also restores the previous one on exit.
     """
 
     def __init__(
@@ -382,7 +384,8 @@ class CompressedCache(Cache):
             for i, (kind, window) in enumerate(layer_types)
         ]
         super().__init__(layers=layers)
-        select_compressed_attention(model)
+        if isinstance(method, str):
+            select_compressed_attention(model)
 
     @classmethod
     def from_prefill(cls, model, settings: CompressionSettings, captured: dict) -> "CompressedCache":
@@ -483,8 +486,10 @@ def find_rotary_embedding(model):
 
 
 def select_compressed_attention(model) -> None:
-    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration.attention`)."""
-    from .integration.attention import ATTENTION_NAME
+    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration`)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)

@@ -183,6 +183,9 @@ def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="gemma2, gemma3_text") as err:
         CompressedCache(gpt2, "knorm", budget=4)
     assert all(name in str(err.value) for name in SUPPORTED_MODEL_TYPES)
+    model = tiny()
+    CompressedCache(model, CompressionSettings(build_method("knorm"), budget=4))
+    assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
     with pytest.raises(ValueError, match="not both"):
         CompressedCache(tiny(), CompressionSettings(build_method("knorm"), budget=4), budget=3)
     with pytest.raises(ValueError, match="method must be a method name"):
@@ -282,6 +285,9 @@ def test_pipeline_answers_like_kvc_generate():
     assert [r.token_ids for r in out["results"]] == [r.token_ids for r in direct]
     one = pipe(context, question=questions[1], **options)
     assert one["answer"] == direct[1].text and one["result"].slots_per_layer == direct[1].slots_per_layer
+    model = tiny()
+    CompressedCache(model, CompressionSettings(build_method("knorm"), budget=4))
+    assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
     with pytest.raises(ValueError, match="not both"):
         pipe(context, question="w1", questions=["w2"], **options)
     with pytest.raises(ValueError, match="empty context"):

@@ -8,8 +8,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import weighted_attention
-
-ATTENTION_NAME = "kvcompress"
+from ..cache import ATTENTION_NAME
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

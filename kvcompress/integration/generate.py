@@ -19,9 +19,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..api import default_sink_window
-from ..cache import MODES, CompressedCache, CompressedLayer, CompressionSettings, check_supported
+from ..cache import MODES, CompressedCache, CompressedLayer, CompressionSettings, check_supported, select_compressed_attention
 from ..methods.base import build_method, check_sink_window, resolve_budget
-from .attention import ATTENTION_NAME
+from . import attention  # noqa: F401  (registers the kvcompress attention)
 
 # Prompts longer than this show a progress bar while they are processed.
 PROGRESS_MIN_TOKENS = 1024
@@ -89,7 +89,7 @@ class use_compressed_attention:
 
     def __enter__(self):
         self.previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTENTION_NAME)
+        select_compressed_attention(self.model)
         return self.model
 
     def __exit__(self, *exc):
