@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import kvcompress as kvc
-from kvcompress.cache import SUPPORTED_MODEL_TYPES, CompressedCache, CompressionSettings, SlidingWindowLayer
+from kvcompress.cache import SUPPORTED_MODEL_TYPES, CompressedCache, CompressionSettings, SlidingWindowLayer, check_supported
 from kvcompress.methods.base import build_method
 from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
 
@@ -340,3 +340,18 @@ def test_softcapped_attention_chunks_agree_with_one_pass(monkeypatch):
     whole = _greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8))
     monkeypatch.setattr(attention, "_query_chunks", lambda query, n_keys: [(s, s + 7) for s in range(0, query.shape[2], 7)])
     assert torch.equal(_greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8)), whole)
+
+
+@pytest.mark.parametrize("family", ["phi3", "mistral"])
+def test_sliding_window_checkpoints_keep_the_window_exact(family):
+    config_cls, model_cls, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SMALL, "sliding_window": 32})).eval()
+    ids = _ids(100)
+    plain = _greedy(model, ids)
+    cache = CompressedCache(model, "knorm", compression_ratio=0.5, window=8)
+    assert torch.equal(_greedy(model, ids, cache), plain)  # every layer slides: nothing to compress, windows exact
+    assert cache.slots_per_layer() == [31, 31]
+    torch.manual_seed(0)
+    unbounded = model_cls(config_cls(**{**SMALL, "sliding_window": SMALL["max_position_embeddings"]})).eval()
+    assert all(kind == "full_attention" for kind, _ in check_supported(unbounded))
