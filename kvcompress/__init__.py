@@ -5,6 +5,7 @@ from .attention import exact_attention, relative_error, weighted_attention
 from .summary import KVSummary, Normalizer
 
 __all__ = [
+    "CompressedCache",
     "KVSummary",
     "Normalizer",
     "calibrate",
@@ -21,7 +22,7 @@ __all__ = [
 
 def __getattr__(name):
     # The model integration imports transformers; load it only when asked for.
-    if name in ("calibrate", "generate", "load_model"):
+    if name in ("CompressedCache", "calibrate", "generate", "load_model"):
         from . import integration
 
         return getattr(integration, name)

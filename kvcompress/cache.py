@@ -13,20 +13,41 @@ Modes:
 - "chunked": while `absorbing` is True every block goes through the method's stream (the caller
   feeds the prompt in blocks of B tokens: stored KV stays at budget + B); afterwards exact.
 - "decode": every token, prompt and generated, goes through the stream.
+
+Padded batches (left padding, prefill mode): the model's boolean mask tells each layer which
+tokens of a block are padding; they get log-weight -inf (never attended) and each padded row is
+compressed alone, so no padding is kept and every row equals its solo run. Sliding-window
+layers (Gemma 2/3, Phi-3/Mistral with a window) are transformers' exact sliding-window layers.
+`snapshot()`/`restore()` roll the cache back to a compressed context (many questions, one
+compression); `reorder_cache` serves beam search.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from .methods.base import Method, Stream, Tokens, compress_tokens, make_generator, query_positions_for, resolve_budget
-from .summary import KVSummary, concat
+from .api import default_sink_window
+from .methods.base import (
+    Method,
+    Stream,
+    Tokens,
+    build_method,
+    check_sink_window,
+    compress_tokens,
+    make_generator,
+    query_positions_for,
+    resolve_budget,
+)
+from .summary import KVSummary, Normalizer, concat
 
 MODES = ("prefill", "chunked", "decode")
+ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache needs (kvcompress.integration.attention)
 
 
 @dataclass
@@ -68,6 +89,7 @@ class CompressedLayer(CacheLayerMixin):
         self.front: KVSummary | Stream | None = None
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.pending_real: torch.Tensor | None = None
         self.seen = 0
         self.stats = LayerStats()
 
@@ -92,6 +114,7 @@ class CompressedLayer(CacheLayerMixin):
         n = key_states.shape[2]
         positions = torch.arange(self.seen, self.seen + n, device=key_states.device)
         self.pending = (key_states, value_states, positions)
+        self.pending_real = None
         self.seen += n
         new = KVSummary.exact(key_states, value_states, positions)
         stored = self.stored()
@@ -102,15 +125,45 @@ class CompressedLayer(CacheLayerMixin):
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
         return keys, view.values
 
+    def mask_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Take the padding of the pending block from the model's 4D boolean mask [B, 1, q, seen] (None: no padding).
+
+        The mask's columns are original positions 0..seen-1 (see get_mask_sizes); a column hidden from
+        the block's last query is padding (left padding: the last query is a real token and sees
+        every real token of its row). Padding slots of the view get log-weight -inf (never
+        attended), and commit() leaves them out of what is stored.
+        """
+        if attention_mask is None:
+            return
+        if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[-1] != self.seen:
+            raise ValueError(
+                f"kvcompress expects a boolean attention mask [B, 1, q, {self.seen}] from its mask function, "
+                f"got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        n = self.pending[0].shape[2]
+        real = attention_mask[:, 0, -1, -n:]
+        self.pending_real = real
+        hidden = ~real[:, None, :].expand(-1, self.view.log_weights.shape[1], -1)
+        view = self.view
+        stored = view.num_slots - n
+        log_weights = torch.cat([view.log_weights[..., :stored], view.log_weights[..., stored:].masked_fill(hidden, float("-inf"))], -1)
+        self.view = KVSummary(view.keys, view.values, log_weights, view.positions, view.normalizer)  # a new summary: its weights are not all 0
+
     def commit(self, queries: torch.Tensor, scale: float) -> None:
         """Absorb the pending block, now that its queries [B, H_q, n, d] are known."""
         keys, values, positions = self.pending
-        self.pending, self.view = None, None
+        real = self.pending_real
+        self.pending, self.pending_real, self.view = None, None, None
         settings = self.cache.settings
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
-            self.front = self._compress_once(keys, values, positions, queries, scale)
+            if not has_padding(real):
+                self.front = self._compress_once(keys, values, positions, queries, scale)
+            else:
+                self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
+            if has_padding(real):
+                raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={settings.mode!r}")
             if self.front is None:
                 self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale)
             self.front.update(
@@ -119,9 +172,22 @@ class CompressedLayer(CacheLayerMixin):
             )
         else:
             block = KVSummary.exact(keys, values, positions)
+            if real is not None:
+                padded = block.log_weights.masked_fill(~real[:, None, :], float("-inf"))
+                block = KVSummary(keys, values, padded, block.positions)
             self.tail = block if self.tail is None else concat([self.tail, block])
             return
         self.stats.compress_seconds += time.perf_counter() - start
+
+    def _compress_rows(self, keys, values, positions, queries, scale, real) -> KVSummary:
+        """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf padding slots."""
+        rows = []
+        for b in range(keys.shape[0]):
+            index = real[b].nonzero().squeeze(-1)
+            rows.append(self._compress_once(
+                keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale
+            ))
+        return stack_rows(rows)
 
     def _compress_once(self, keys, values, positions, queries, scale) -> KVSummary:
         settings = self.cache.settings
@@ -151,10 +217,13 @@ class CompressedLayer(CacheLayerMixin):
         front = self.front.nbytes() if self.front is not None else 0
         return front + (self.tail.nbytes() if self.tail is not None else 0)
 
-    def slots(self) -> int:
-        """Occupied slots per head (finite log-weight), averaged over batch and heads."""
+    def slots(self, row: int | None = None) -> int:
+        """Occupied slots per head (finite log-weight), averaged over heads and the batch (or of one batch row)."""
         s = self.stored()
-        return 0 if s is None else int(torch.isfinite(s.log_weights).float().sum(-1).mean().round())
+        if s is None:
+            return 0
+        occupied = torch.isfinite(s.log_weights).float().sum(-1)
+        return int((occupied if row is None else occupied[row]).mean().round())
 
     def get_seq_length(self) -> int:
         # Original positions: generation keeps counting tokens seen, not slots stored.
@@ -167,26 +236,156 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.front = self.tail = self.pending = None
+        self.front = self.tail = self.pending = self.pending_real = None
         self.seen = 0
         self.stats = LayerStats()
 
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
+        if isinstance(self.front, Stream):
+            raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.settings.mode!r}")
+        self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (self.front, self.tail))
+
+    def snapshot(self):
+        """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live stream) copied."""
+        return _frozen(self.front), self.tail, self.seen
+
+    def restore(self, state) -> None:
+        front, self.tail, self.seen = state
+        self.front = _frozen(front)
+
+
+def _frozen(front):
+    """front itself if it is an immutable KVSummary (or None), else a deep copy (a stream or buffer that grows in place)."""
+    return front if front is None or isinstance(front, KVSummary) else copy.deepcopy(front)
+
+
+class SlidingWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window attention layer (Gemma 2/3, Phi-3): its window is kept exact, never compressed."""
+
+    def __init__(self, sliding_window: int):
+        super().__init__(sliding_window=sliding_window)
+        self.stats = LayerStats()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
+        return keys, values
+
+    def load_prefill(self, queries, keys, values, scale) -> None:
+        """Take a recorded prefill of the context: the window keeps its last tokens."""
+        self.update(keys, values)
+
+    def nbytes(self) -> int:
+        return 0 if not self.is_initialized else 2 * self.keys.numel() * self.keys.element_size()
+
+    def slots(self, row: int | None = None) -> int:
+        return 0 if not self.is_initialized else self.keys.shape[2]
+
+    def snapshot(self):
+        return (self.keys, self.values, self.cumulative_length) if self.is_initialized else None
+
+    def restore(self, state) -> None:
+        if state is None:
+            self.is_initialized, self.keys, self.values, self.cumulative_length = False, None, None, 0
+        else:
+            self.keys, self.values, self.cumulative_length = state
+
+
+def select_rows(summary: KVSummary, index: torch.Tensor) -> KVSummary:
+    """The batch rows `index` [k] of a summary (normalizer included)."""
+    index = index.to(summary.keys.device)
+    norm = summary.normalizer
+    if norm is not None:
+        norm = Normalizer(*(t.index_select(0, index) for t in (norm.keys, norm.log_weights, norm.positions)))
+    rows = (t.index_select(0, index) for t in (summary.keys, summary.values, summary.log_weights, summary.positions))
+    return KVSummary(*rows, normalizer=norm)
+
+
+def has_padding(real: torch.Tensor | None) -> bool:
+    """Whether a block's real-token flags [B, n] (None: no mask) mark any padding (one device sync)."""
+    return real is not None and not bool(real.all())
+
+
+def stack_rows(rows: list[KVSummary]) -> KVSummary:
+    """Stack one-row summaries [1, H, n_b] into [B, H, max n_b], filling short rows with empty slots (log-weight -inf, position -1)."""
+    width = max(r.num_slots for r in rows)
+
+    def pad(t, size, value):
+        return torch.nn.functional.pad(t, (0, 0, 0, size - t.shape[2]) if t.ndim == 4 else (0, size - t.shape[2]), value=value)
+
+    out = KVSummary(
+        torch.cat([pad(r.keys, width, 0.0) for r in rows]),
+        torch.cat([pad(r.values, width, 0.0) for r in rows]),
+        torch.cat([pad(r.log_weights, width, float("-inf")) for r in rows]),
+        torch.cat([pad(r.positions, width, -1) for r in rows]),
+    )
+    if any(r.normalizer is not None for r in rows):
+        dens = [r.denominator() for r in rows]
+        size = max(d.keys.shape[2] for d in dens)
+        out.normalizer = Normalizer(
+            torch.cat([pad(d.keys, size, 0.0) for d in dens]),
+            torch.cat([pad(d.log_weights, size, float("-inf")) for d in dens]),
+            torch.cat([pad(d.positions, size, -1) for d in dens]),
+        )
+    return out
+
 
 class CompressedCache(Cache):
-    """A Cache whose layers store compressed KV. Use with the 'kvcompress' attention implementation.
+    """A transformers `Cache` whose full-attention layers store compressed KV; pass it as `past_key_values`.
 
-    model: the transformers model (for the layer count and, for methods that need pre-RoPE keys,
-    its rotary embedding); settings: what to compress and how.
+        cache = CompressedCache(model, "snapkv", compression_ratio=0.5)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+
+    method: a registered method name (its parameters go in **method_params), or a ready
+    `CompressionSettings` (then no other option). Exactly one of budget / compression_ratio;
+    sink/window default to the method's paper; mode "prefill" (the first forward, i.e. the prompt,
+    is compressed once), or "chunked"/"decode" with a budget (see the module docstring).
+    Sliding-window layers (Gemma 2/3, Phi-3 with a window) keep their window exact.
+
+    Built from a method name, the cache switches the model to the 'kvcompress' attention
+    implementation (`model.set_attn_implementation("kvcompress")`), which attends over compressed
+    layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
+    without the cache. Built from a CompressionSettings (library use) it leaves the model as is:
+    run it under `use_compressed_attention(model)`, which also restores the previous one on exit.
     """
 
-    def __init__(self, model, settings: CompressionSettings):
-        check_supported(model)
+    def __init__(
+        self,
+        model,
+        method: "str | CompressionSettings",
+        *,
+        budget: int | None = None,
+        compression_ratio: float | None = None,
+        mode: str = "prefill",
+        sink: int | None = None,
+        window: int | None = None,
+        seed: int = 0,
+        **method_params,
+    ):
+        layer_types = check_supported(model)
+        if isinstance(method, CompressionSettings):
+            if budget is not None or compression_ratio is not None or sink is not None or window is not None or method_params:
+                raise ValueError("CompressedCache takes either a CompressionSettings or a method name with its options, not both")
+            settings = method
+        elif isinstance(method, str):
+            sink, window = default_sink_window(method, sink, window)
+            check_sink_window(sink, window)
+            settings = CompressionSettings(build_method(method, **method_params), mode, budget, compression_ratio, sink, window, seed)
+        else:
+            raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionSettings, got {method!r}")
         self.settings = settings
-        self.num_layers = model.config.num_hidden_layers
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.absorbing = True
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
         self._rotary = find_rotary_embedding(model) if settings.method.needs_pre_rope_keys else None
-        super().__init__(layers=[CompressedLayer(self, i) for i in range(self.num_layers)])
+        layers = [
+            CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)
+            for i, (kind, window) in enumerate(layer_types)
+        ]
+        super().__init__(layers=layers)
+        if isinstance(method, str):
+            select_compressed_attention(model)
 
     @classmethod
     def from_prefill(cls, model, settings: CompressionSettings, captured: dict) -> "CompressedCache":
@@ -204,6 +403,15 @@ class CompressedCache(Cache):
             cache.layers[layer].load_prefill(queries, keys, values, scales[layer])
         return cache
 
+    def snapshot(self) -> list:
+        """Every layer's state (cheap: stored tensors are shared), for restore(): e.g. right after a context is compressed."""
+        return [layer.snapshot() for layer in self.layers]
+
+    def restore(self, snapshot: list) -> None:
+        """Roll every layer back to a snapshot(): later tokens are forgotten, the compressed context is reused as is."""
+        for layer, state in zip(self.layers, snapshot):
+            layer.restore(state)
+
     def generator(self, layer_idx: int) -> torch.Generator:
         return make_generator(self.settings.seed * 100003 + layer_idx)
 
@@ -211,11 +419,13 @@ class CompressedCache(Cache):
         """Un-rotate post-RoPE keys [B,H,n,d] at positions [n] with the model's rotary embedding (None if not needed)."""
         if self._rotary is None:
             return None
-        cos, sin = self._rotary(keys, positions[None].expand(keys.shape[0], -1))
+        rotary, extra = self._rotary
+        cos, sin = rotary(keys, positions[None].expand(keys.shape[0], -1), **extra)
         cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-        half = keys.shape[-1] // 2
-        rotated_half = torch.cat((-keys[..., half:], keys[..., :half]), dim=-1)
-        return keys * cos - rotated_half * sin
+        rotated, kept = keys[..., : cos.shape[-1]], keys[..., cos.shape[-1] :]  # partial rotary (Phi-3) rotates a prefix
+        half = rotated.shape[-1] // 2
+        rotated_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+        return torch.cat([rotated * cos - rotated_half * sin, kept], dim=-1)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
@@ -223,27 +433,42 @@ class CompressedCache(Cache):
     def peak_bytes(self) -> int:
         return sum(layer.stats.peak_bytes for layer in self.layers)
 
-    def slots_per_layer(self) -> list[int]:
-        return [layer.slots() for layer in self.layers]
+    def slots_per_layer(self, row: int | None = None) -> list[int]:
+        """Occupied slots per KV head in each layer (averaged over the batch, or of one batch row)."""
+        return [layer.slots(row) for layer in self.layers]
 
     def compress_seconds(self) -> float:
         return sum(layer.stats.compress_seconds for layer in self.layers)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
-def check_supported(model) -> None:
-    """Raise a clear error for a model whose attention does not go through AttentionInterface."""
-    model_type = getattr(model.config, "model_type", None)
+def check_supported(model) -> list[tuple[str, int | None]]:
+    """[(layer type, sliding window)] per layer: "full_attention" (compressed) or "sliding_attention" (window kept exact).
+
+    Raises a clear error for a model kvcompress does not support. A sliding window at least as long
+    as the model's positions never slides, so such a layer counts as full attention.
+    """
+    config = model.config
+    model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"unsupported model type {model_type!r}: kvcompress supports decoder-only models using transformers' "
-            f"AttentionInterface with full attention in every layer: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"AttentionInterface: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    layer_types = getattr(model.config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"unsupported model: layer types {sorted(set(layer_types))}; kvcompress needs full attention in every layer")
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"unsupported model: layer types {unknown}; kvcompress handles full_attention and sliding_attention layers")
+    longest = getattr(config, "max_position_embeddings", None)
+    layers = []
+    for kind, kw in zip(types, kwargs):
+        window = kw.get("sliding_window")
+        if kind == "sliding_attention" and longest is not None and window >= longest:
+            kind, window = "full_attention", None
+        layers.append((kind, window))
+    return layers
 
 
 def attention_scales(model) -> dict[int, float]:
@@ -252,7 +477,19 @@ def attention_scales(model) -> dict[int, float]:
 
 
 def find_rotary_embedding(model):
+    """(rotary embedding module, extra forward kwargs for the full-attention layers' rotation)."""
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
-            return module
+            takes_type = "layer_type" in inspect.signature(module.forward).parameters  # Gemma 3: local and global RoPE
+            return module, ({"layer_type": "full_attention"} if takes_type else {})
     raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
+
+
+def select_compressed_attention(model) -> None:
+    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration`)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)

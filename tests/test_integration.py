@@ -133,7 +133,7 @@ def test_pre_rope_keys_are_recovered():
 
     model = tiny()
     cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=3))
-    cache._rotary = model.model.rotary_emb
+    cache._rotary = (model.model.rotary_emb, {})
     k = torch.randn(1, 2, 10, 16)
     pos = torch.arange(5, 15)
     cos, sin = model.model.rotary_emb(k, pos[None])
@@ -155,10 +155,11 @@ def test_errors():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
     with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
         generate_ids(gpt2, ctx % 50, None, method="knorm", budget=4)
-    with pytest.raises(ValueError, match="padded batches"):
-        with use_compressed_attention(model):
-            cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=4))
-            model(torch.cat([ctx, ctx]), attention_mask=torch.cat([torch.ones_like(ctx), torch.zeros_like(ctx)]), past_key_values=cache)
+    with pytest.raises(ValueError, match="mode='prefill' only"):
+        with use_compressed_attention(model), torch.no_grad():
+            cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "chunked", budget=4))
+            padded = torch.cat([torch.zeros_like(ctx[:, :5]), torch.ones_like(ctx[:, 5:])], 1)
+            model(torch.cat([ctx, ctx]), attention_mask=torch.cat([padded, torch.ones_like(ctx)]), past_key_values=cache)
 
 
 def test_recorded_prefill_serves_many_methods_like_a_fresh_prefill():

@@ -1,19 +1,28 @@
-"""`kvc.generate`: greedy generation through a compressed cache in one of three modes (DESIGN.md §3)."""
+"""`kvc.generate`: greedy generation through a compressed cache in one of three modes (DESIGN.md §3).
+
+The prompt is run here (context in one forward or in blocks, then the question), the first answer
+token is the argmax of its last logits, and the rest of the answer comes from an ordinary greedy
+`model.generate(past_key_values=cache)`; what this adds is the statistics. Many questions about one
+context (`answer_questions_ids`) compress the context once and answer each question from a
+snapshot of the compressed cache; a batch of contexts (`generate_batch_ids`) is left-padded, and
+padding is never kept or attended.
+"""
 
 from __future__ import annotations
 
+import inspect
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from ..api import default_sink_window
-from ..cache import MODES, CompressedCache, CompressionSettings, check_supported
+from ..cache import MODES, CompressedCache, CompressedLayer, CompressionSettings, check_supported, select_compressed_attention
 from ..checks import as_count, describe
 from ..methods.base import build_method, check_sink_window, resolve_budget
-from .attention import ATTENTION_NAME
+from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
 
 # Prompts longer than this show a progress bar while they are processed.
@@ -83,7 +92,7 @@ class use_compressed_attention:
 
     def __enter__(self):
         self.previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTENTION_NAME)
+        select_compressed_attention(self.model)
         return self.model
 
     def __exit__(self, *exc):
@@ -96,6 +105,195 @@ def _eos_ids(model) -> set[int]:
     if eos is None:
         return set()
     return set(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+@contextmanager
+def _eos_ignored(model, ignore: bool):
+    """While active, model.generate does not stop at the end-of-sequence token (when `ignore`)."""
+    eos = model.generation_config.eos_token_id
+    if ignore:
+        model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = eos
+
+
+@dataclass
+class _Prompt:
+    """A tokenised prompt batch: context ids [B, n] (left-padded, mask [B, n] or None) and question ids [B or 1, m] or None."""
+
+    context_ids: torch.Tensor
+    question_ids: torch.Tensor | None
+    mask: torch.Tensor | None = None
+
+
+class _Session:
+    """One compressed context on the model: builds the cache, prefills, then answers (greedy) through model.generate."""
+
+    def __init__(self, model, prompt: _Prompt, method, budget, compression_ratio, mode, sink, window, seed, chunk_size,
+                 compress_question, prefill, quality, calibration, method_params):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        context_ids = prompt.context_ids
+        if context_ids.ndim != 2 or context_ids.shape[1] == 0:
+            raise ValueError("empty context: context_ids must be [B, n] with n >= 1")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+        seed = as_count("seed", seed, 0)
+        check_supported(model)
+        self.model, self.mode, self.chunk_size = model, mode, chunk_size
+        self.device = next(model.parameters()).device
+        self.context_ids = context_ids.to(self.device)
+        self.context_mask = prompt.mask.to(self.device) if prompt.mask is not None else None
+        if self.context_mask is not None and (mode != "prefill" or prefill is not None):
+            raise ValueError(f"a padded batch is compressed in mode='prefill' from a fresh prefill, got mode={mode!r}")
+        question_ids = prompt.question_ids
+        self.question_ids = question_ids.to(self.device) if question_ids is not None and question_ids.shape[1] > 0 else None
+        n_context = context_ids.shape[1]
+        n_prompt = n_context + (self.question_ids.shape[1] if self.question_ids is not None else 0)
+        self.n_context, self.n_prompt, self.method_name = n_context, n_prompt, method
+        self.compress_question = compress_question
+        self.chosen = None
+        if quality is not None or calibration is not None:
+            from ..calibration import calibrated_ratio
+
+            if quality is None or calibration is None or budget is not None or compression_ratio is not None or method is None:
+                raise ValueError("context-calibrated compression takes a method, quality and calibration together, and no budget or compression_ratio")
+            if context_ids.shape[0] != 1:
+                raise ValueError(f"context-calibrated compression takes one context, got a batch of {context_ids.shape[0]}")
+            self.chosen = calibrated_ratio(model, self.context_ids, calibration, quality)
+            compression_ratio = self.chosen["compression_ratio"]
+
+        self.cache, self.middle_budget, self.prefill, self.settings = None, None, prefill, None
+        if method is not None:
+            m = build_method(method, **method_params)
+            sink, window = default_sink_window(method, sink, window)
+            check_sink_window(sink, window)
+            compressed_length = n_prompt if (compress_question or mode == "decode") else n_context
+            self.middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window, m, streaming=mode != "prefill")
+            # In prefill mode a ratio is resolved by each layer against what it compresses (a padded row: its own length).
+            per_row = mode == "prefill" and compression_ratio is not None
+            self.settings = CompressionSettings(m, mode, None if per_row else self.middle_budget, compression_ratio if per_row else None, sink, window, seed)
+        elif budget is not None or compression_ratio is not None or method_params or prefill is not None:
+            raise ValueError("method=None is the full cache: it takes no budget, compression_ratio, method parameters or recorded prefill")
+        if prefill is not None and (mode != "prefill" or compress_question):
+            raise ValueError("a recorded prefill serves mode='prefill' with the question kept out of compression")
+
+    def new_cache(self):
+        if self.method_name is None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.model.config)
+        if self.prefill is not None:
+            return CompressedCache.from_prefill(self.model, self.settings, self.prefill)
+        return CompressedCache(self.model, self.settings)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ids [B or 1, b] (their padding mask [B, b], default none) through the cache; -> last logits [B, V]."""
+        ids = ids.expand(self.ids.shape[0], -1)
+        mask = torch.ones_like(ids) if mask is None else mask
+        self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, mask], 1)
+        padding = {}
+        if self.context_mask is not None:  # a padded batch: the mask and the rows' own positions
+            padding = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
+        return self.model(ids, past_key_values=self.cache, use_cache=True, **padding).logits[:, -1]
+
+    def run_context(self, progress: bool):
+        """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds)."""
+        self.cache = self.new_cache()
+        rows = self.context_ids.shape[0]
+        self.ids = self.context_ids if self.prefill is not None else self.context_ids[:, :0]  # what the cache holds
+        self.mask = torch.ones_like(self.ids)
+        absorbed = self.question_ids if (self.compress_question and self.question_ids is not None) else None
+        if self.prefill is not None:
+            if self.question_ids is None:
+                raise ValueError("a recorded prefill needs question_ids: the question's forward gives the first answer token")
+            blocks = []
+        elif self.mode == "prefill" or self.method_name is None:
+            blocks = [self.context_ids if absorbed is None else torch.cat([self.context_ids, absorbed.expand(rows, -1)], 1)]
+        else:
+            blocks = list(self.context_ids.split(self.chunk_size, dim=1)) + (list(absorbed.split(self.chunk_size, dim=1)) if absorbed is not None else [])
+        bar = None
+        if progress and self.n_prompt >= PROGRESS_MIN_TOKENS:
+            per_block = sum(isinstance(layer, CompressedLayer) for layer in self.cache.layers) if self.method_name is not None else 1
+            bar = tqdm(total=len(blocks) * per_block, desc=f"prefill ({self.mode})", unit="layer" if len(blocks) == 1 else "step", leave=False)
+        compressed = self.method_name is not None
+        if compressed:
+            self.cache.progress = bar
+        start = time.perf_counter()
+        logits = None
+        for i, block in enumerate(blocks):
+            mask = None
+            if i == 0 and self.context_mask is not None:
+                mask = torch.cat([self.context_mask, torch.ones_like(block[:, self.context_mask.shape[1] :])], 1)
+            logits = self.forward(block, mask)
+            if bar is not None and not compressed:
+                bar.update(1)
+        if compressed:
+            self.cache.progress = None
+            self.cache.absorbing = self.mode == "decode"
+        if bar is not None:
+            bar.close()
+        return logits, time.perf_counter() - start
+
+    def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool) -> tuple[list[list[int]], float, float]:
+        """Append question_ids (exact) and decode greedily; -> (tokens per row, question seconds, decode seconds)."""
+        start = time.perf_counter()
+        if question_ids is not None:
+            logits = self.forward(question_ids)
+        question_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        first = logits.argmax(-1, keepdim=True)
+        eos = _eos_ids(self.model) if stop_at_eos else set()
+        tokens = first
+        if max_new_tokens > 1 and not all(int(t) in eos for t in first[:, 0]):
+            seen = self.ids.shape[1]
+            ids, mask = torch.cat([self.ids, first], 1), torch.cat([self.mask, torch.ones_like(first)], 1)
+            pad = self.model.generation_config.pad_token_id
+            pad = pad if pad is not None else (min(eos) if eos else 0)
+            with _eos_ignored(self.model, not stop_at_eos):
+                out = self.model.generate(
+                    ids, attention_mask=mask, past_key_values=self.cache, max_new_tokens=max_new_tokens - 1,
+                    do_sample=False, pad_token_id=pad,
+                )
+            tokens = out[:, seen:]
+        decode_seconds = time.perf_counter() - start
+        answers = []
+        for row in tokens.tolist():
+            stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
+            answers.append(row[: stop + 1])
+        return answers, question_seconds, decode_seconds
+
+    def result(self, tokens: list[int], prefill_seconds: float, decode_seconds: float, row: int, extra: dict) -> GenerationResult:
+        dtype = next(self.model.parameters()).dtype
+        total = self.n_prompt + max(len(tokens) - 1, 0)
+        full = full_kv_bytes(self.model, total, dtype)
+        if self.method_name is not None:
+            kv_bytes, peak, compress_seconds = self.cache.nbytes(), self.cache.peak_bytes(), self.cache.compress_seconds()
+            slots = self.cache.slots_per_layer(row)
+        else:
+            kv_bytes, peak, slots, compress_seconds = full, full, [total] * self.model.config.num_hidden_layers, 0.0
+        if self.chosen is not None:
+            extra = {**extra, "calibration": self.chosen}
+        return GenerationResult(
+            text="", token_ids=tokens, method=self.method_name or "full", mode=self.mode,
+            context_tokens=self.n_context, prompt_tokens=self.n_prompt, budget=self.middle_budget,
+            slots_per_layer=slots, kv_bytes_full=full, kv_bytes=kv_bytes, peak_kv_bytes=peak,
+            prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
+            realised_compression_ratio=1.0 - sum(slots) / len(slots) / total,
+        )
+
+
+_SESSION_OPTIONS = ("method", "budget", "compression_ratio", "mode", "sink", "window", "seed", "chunk_size", "compress_question", "prefill", "quality", "calibration")
+
+
+def _session(model, prompt: _Prompt, options: dict) -> _Session:
+    """A session from generate_ids' keyword options (its defaults where absent); other names are method parameters."""
+    defaults = {k: p.default for k, p in inspect.signature(generate_ids).parameters.items() if k in _SESSION_OPTIONS}
+    merged = {**defaults, **{k: v for k, v in options.items() if k in defaults}}
+    method_params = {k: v for k, v in options.items() if k not in defaults}
+    return _Session(model, prompt, *(merged[k] for k in _SESSION_OPTIONS), method_params)
 
 
 @torch.inference_mode()
@@ -136,142 +334,103 @@ def generate_ids(
     quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path): context-
     calibrated compression (Compactor seed §3.5) — the ratio is the smallest compression whose
     predicted quality meets `quality`, chosen from this context's NLL; it is reported in
-    `result.extra["calibration"]`.
+    `result.extra["calibration"]`. The first answer token is the argmax after the prompt; the
+    rest comes from greedy `model.generate` on the same cache.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    options = {k: v for k, v in locals().items() if k in _SESSION_OPTIONS}
     if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
         raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [1, n] with n >= 1, got {describe(context_ids)}")
     if context_ids.shape[0] != 1:
-        raise ValueError(f"generate takes one sequence (batch size 1), got batch size {context_ids.shape[0]}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    seed = as_count("seed", seed, 0)
-    check_supported(model)
-    device = next(model.parameters()).device
-    context_ids = context_ids.to(device)
+        raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
     if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
         raise ValueError(f"question_ids must be an integer tensor [1, m] or None, got {describe(question_ids)}")
-    question_ids = question_ids.to(device) if question_ids is not None and question_ids.shape[1] > 0 else None
-    n_context = context_ids.shape[1]
-    n_prompt = n_context + (question_ids.shape[1] if question_ids is not None else 0)
-    chosen = None
-    if quality is not None or calibration is not None:
-        from ..calibration import calibrated_ratio
-
-        if quality is None or calibration is None or budget is not None or compression_ratio is not None or method is None:
-            raise ValueError("context-calibrated compression takes a method, quality and calibration together, and no budget or compression_ratio")
-        chosen = calibrated_ratio(model, context_ids, calibration, quality)
-        compression_ratio = chosen["compression_ratio"]
-
     approx_seconds = 0.0
     if prefill_approx is not None:  # seed 003's recipe: Express computes the context's cache, `method` compresses it
         check_prefill_approx(prefill_approx, method, mode, compress_question, prefill, question_ids)
-        prefill, approx_seconds = timed_approximate_prefill(model, context_ids, prefill_approx, chunk_size, seed)
-
-    cache, middle_budget = None, None
-    if method is not None:
-        m = build_method(method, **method_params)
-        sink, window = default_sink_window(method, sink, window)
-        check_sink_window(sink, window)
-        compressed_length = n_prompt if (compress_question or mode == "decode") else n_context
-        middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window, m, streaming=mode != "prefill")
-        settings = CompressionSettings(m, mode, middle_budget, None, sink, window, seed)
-        if prefill is not None:
-            if mode != "prefill" or compress_question:
-                raise ValueError("a recorded prefill serves mode='prefill' with the question kept out of compression")
-            cache = CompressedCache.from_prefill(model, settings, prefill)
-        else:
-            cache = CompressedCache(model, settings)
-    elif budget is not None or compression_ratio is not None or method_params or prefill is not None:
-        raise ValueError("method=None is the full cache: it takes no budget, compression_ratio, method parameters or recorded prefill")
-
-    one_forward = mode == "prefill" or cache is None
-    absorbed = question_ids if (compress_question and question_ids is not None) else None
-    if one_forward:
-        blocks = [context_ids if absorbed is None else torch.cat([context_ids, absorbed], 1)]
-    else:
-        blocks = list(context_ids.split(chunk_size, dim=1)) + (list(absorbed.split(chunk_size, dim=1)) if absorbed is not None else [])
-    rest = question_ids if absorbed is None else None
-    if prefill is not None:
-        if question_ids is None:
-            raise ValueError("a recorded prefill needs question_ids: the question's forward gives the first answer token")
-        blocks = []
-
-    bar = None
-    if progress and n_prompt >= PROGRESS_MIN_TOKENS:
-        per_block = model.config.num_hidden_layers if cache is not None else 1
-        bar = tqdm(total=len(blocks) * per_block, desc=f"prefill ({mode})", unit="layer" if len(blocks) == 1 else "step", leave=False)
-
-    with use_compressed_attention(model) if cache is not None else nullcontext():
-        past = cache
-        if cache is None:
-            from transformers import DynamicCache
-
-            past = DynamicCache(config=model.config)
-        cache_bar(cache, bar)
-        start = time.perf_counter()
-        logits = None
-        for block in blocks:
-            logits = model(block, past_key_values=past, use_cache=True).logits[:, -1]
-            if bar is not None and cache is None:
-                bar.update(1)
-        cache_bar(cache, None)
-        if bar is not None:
-            bar.close()
-        if cache is not None:
-            cache.absorbing = mode == "decode"
-        if rest is not None:
-            logits = model(rest, past_key_values=past, use_cache=True).logits[:, -1]
-        prefill_seconds = time.perf_counter() - start + approx_seconds
-
-        eos = _eos_ids(model) if stop_at_eos else set()
-        new_tokens: list[int] = []
-        start = time.perf_counter()
-        for step in range(max_new_tokens):
-            token = int(logits.argmax(-1))
-            new_tokens.append(token)
-            if token in eos or step == max_new_tokens - 1:
-                break
-            logits = model(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True).logits[:, -1]
-        decode_seconds = time.perf_counter() - start
-
-    dtype = next(model.parameters()).dtype
-    total = n_prompt + max(len(new_tokens) - 1, 0)
-    full = full_kv_bytes(model, total, dtype)
-    if cache is not None:
-        kv_bytes, peak, slots, compress_seconds = cache.nbytes(), cache.peak_bytes(), cache.slots_per_layer(), cache.compress_seconds()
-    else:
-        kv_bytes, peak, slots, compress_seconds = full, full, [total] * model.config.num_hidden_layers, 0.0
-    return GenerationResult(
-        text="",
-        token_ids=new_tokens,
-        method=method or "full",
-        mode=mode,
-        context_tokens=n_context,
-        prompt_tokens=n_prompt,
-        budget=middle_budget,
-        slots_per_layer=slots,
-        kv_bytes_full=full,
-        kv_bytes=kv_bytes,
-        peak_kv_bytes=peak,
-        prefill_seconds=prefill_seconds,
-        compress_seconds=compress_seconds,
-        decode_seconds=decode_seconds,
-        extra={"calibration": chosen} if chosen is not None else {},
-        realised_compression_ratio=1.0 - sum(slots) / len(slots) / total,
-    )
+        options["prefill"], approx_seconds = timed_approximate_prefill(model, context_ids, prefill_approx, chunk_size, as_count("seed", seed, 0))
+    session = _session(model, _Prompt(context_ids, question_ids), {**options, **method_params})
+    with use_compressed_attention(model) if method is not None else nullcontext():
+        logits, prefill_seconds = session.run_context(progress)
+        question = session.question_ids if not compress_question else None
+        (tokens,), question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
+    return session.result(tokens, approx_seconds + prefill_seconds + question_seconds, decode_seconds, 0, {})
 
 
-def cache_bar(cache, bar) -> None:
-    if cache is not None:
-        cache.progress = bar
+@torch.inference_mode()
+def answer_questions_ids(
+    model, context_ids: torch.Tensor, questions_ids: list[torch.Tensor], max_new_tokens: int = 64, stop_at_eos: bool = True,
+    progress: bool = False, **options,
+) -> list[GenerationResult]:
+    """One context [1, n], many questions [1, m_i]: the context is prefilled and compressed once.
+
+    Each question then starts from a snapshot of the compressed cache (`CompressedCache.restore`):
+    no re-prefill, no re-compression. Every result carries the shared `prefill_seconds` (context
+    prefill + compression, paid once) and its own `decode_seconds` (question forward + answer;
+    `extra["question_seconds"]` is the question forward). Takes generate_ids' options except
+    compress_question (a compressed question would change the compressed context).
+    """
+    if not questions_ids:
+        raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
+    if options.get("compress_question"):
+        raise ValueError("many questions share one compressed context: compress_question=True is not possible")
+    session = _session(model, _Prompt(context_ids, None), options)
+    results = []
+    with use_compressed_attention(model) if session.method_name is not None else nullcontext():
+        _, prefill_seconds = session.run_context(progress)
+        compressed, seen, ids, mask = session.method_name is not None, session.cache.get_seq_length(), session.ids, session.mask
+        snapshot = session.cache.snapshot() if compressed else None
+        for question_ids in questions_ids:
+            if compressed:
+                session.cache.restore(snapshot)
+            else:
+                session.cache.crop(seen - session.cache.get_seq_length())  # the full cache rolls back by cropping (a negative count)
+            session.ids, session.mask = ids, mask
+            session.question_ids = question_ids.to(session.device)
+            session.n_prompt = session.n_context + question_ids.shape[1]
+            (tokens,), question_seconds, decode_seconds = session.answer(session.question_ids, None, max_new_tokens, stop_at_eos)
+            results.append(session.result(tokens, prefill_seconds, question_seconds + decode_seconds, 0, {"question_seconds": question_seconds}))
+    return results
+
+
+@torch.inference_mode()
+def generate_batch_ids(
+    model, contexts_ids: list[torch.Tensor], question_ids: torch.Tensor | None = None, max_new_tokens: int = 64,
+    stop_at_eos: bool = True, progress: bool = False, pad_token_id: int | None = None, **options,
+) -> list[GenerationResult]:
+    """A batch of contexts [1, n_b] (any lengths) with one question [1, m], left-padded into one forward.
+
+    Padding is never attended, kept or counted: each row is compressed alone (prefill mode) and
+    answers as it would alone. Results share the batch's times and KV bytes (for the whole batch);
+    `slots_per_layer` is the row's own.
+    """
+    if not contexts_ids:
+        raise ValueError("contexts_ids must be a non-empty list of [1, n] token id tensors")
+    width = max(c.shape[1] for c in contexts_ids)
+    pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
+    ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
+    mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
+    session = _session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None), options)
+    with use_compressed_attention(model) if session.method_name is not None else nullcontext():
+        logits, prefill_seconds = session.run_context(progress)
+        question = session.question_ids if not session.compress_question else None
+        answers, question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
+    results = []
+    for row, tokens in enumerate(answers):
+        res = session.result(tokens, prefill_seconds + question_seconds, decode_seconds, row, {"batch_size": len(answers)})
+        res.context_tokens = contexts_ids[row].shape[1]
+        res.prompt_tokens = session.n_prompt - width + res.context_tokens
+        settings = session.settings
+        if settings is not None and settings.compression_ratio is not None:
+            length = res.prompt_tokens if session.compress_question else res.context_tokens
+            res.budget = resolve_budget(length, None, settings.compression_ratio, settings.sink, settings.window)
+        results.append(res)
+    return results
 
 
 def generate(
     model,
     tokenizer,
-    context: str,
+    context: str | list[str],
     question: str | None = None,
     method: str | None = "snapkv",
     compression_ratio: float | None = None,
@@ -279,25 +438,41 @@ def generate(
     mode: str = "prefill",
     max_new_tokens: int = 64,
     progress: bool = True,
+    questions: list[str] | None = None,
     **kwargs,
-) -> GenerationResult:
+) -> GenerationResult | list[GenerationResult]:
     """Answer `question` about `context` with a compressed cache (see `generate_ids` for every option).
 
     The context is compressed and the question appended exactly afterwards (kvpress's
     convention; `compress_question=True` opts in). Returns a GenerationResult with the answer
     text and stats (tokens kept per layer, KV bytes full/stored/peak, prefill, compression and
-    decode time).
+    decode time). `questions=[...]` (instead of question): one answer per question, the context
+    compressed once (`answer_questions_ids`). A list of contexts: one left-padded batch, one
+    answer per context (`generate_batch_ids`).
     """
     from .model import build_prompt
 
-    if not isinstance(context, str):
-        raise ValueError(f"context must be a str, got {type(context).__name__} (decode bytes first, e.g. context.decode('utf-8'))")
-    if not context.strip():
-        raise ValueError("empty context: pass a non-empty context string")
-    context_ids, question_ids = build_prompt(tokenizer, context, question)
-    result = generate_ids(
-        model, context_ids, question_ids, method=method, budget=budget, compression_ratio=compression_ratio,
-        mode=mode, max_new_tokens=max_new_tokens, progress=progress, **kwargs,
-    )
-    result.text = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
-    return result
+    contexts = context if isinstance(context, list) else [context]
+    bad = next((c for c in contexts if not isinstance(c, str)), None)
+    if bad is not None:
+        raise ValueError(f"context must be a str (or a list of str), got {type(bad).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad, bytes) else ""))
+    if not contexts or any(not c.strip() for c in contexts):
+        raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
+    if questions is not None and (question is not None or isinstance(context, list)):
+        raise ValueError("questions=[...] asks many questions about one context: pass one context string and no question")
+    size = dict(method=method, budget=budget, compression_ratio=compression_ratio, mode=mode, max_new_tokens=max_new_tokens, progress=progress)
+    if questions is not None:
+        if not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions):
+            raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
+        context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0])
+        questions_ids = [build_prompt(tokenizer, contexts[0], q)[1] for q in questions]
+        results = answer_questions_ids(model, context_ids, questions_ids, **size, **kwargs)
+    elif isinstance(context, list):
+        prompts = [build_prompt(tokenizer, c, question) for c in contexts]
+        results = generate_batch_ids(model, [c for c, _ in prompts], prompts[0][1], pad_token_id=tokenizer.pad_token_id, **size, **kwargs)
+    else:
+        context_ids, question_ids = build_prompt(tokenizer, context, question)
+        results = [generate_ids(model, context_ids, question_ids, **size, **kwargs)]
+    for res in results:
+        res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
+    return results if (questions is not None or isinstance(context, list)) else results[0]

@@ -1,0 +1,63 @@
+"""The `kvcompress-text-generation` transformers pipeline: many questions about one context, compressed once.
+
+    from transformers import pipeline
+    pipe = pipeline("kvcompress-text-generation", model=model, tokenizer=tokenizer)
+    out = pipe(context, questions=["Who?", "When?"], method="snapkv", compression_ratio=0.5, max_new_tokens=32)
+    out["answers"]        # one answer per question ("answer" for question="...")
+
+Registered on import of `kvcompress.integration` (as kvpress registers `kv-press-text-generation`).
+The context goes through the chat template (`build_prompt`), is prefilled and compressed once,
+and each question decodes from a snapshot of the compressed cache (`answer_questions_ids`).
+"""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from .generate import answer_questions_ids
+from .model import build_prompt
+
+TASK = "kvcompress-text-generation"
+
+
+class CompressedTextGenerationPipeline(Pipeline):
+    """pipe(context, question=None | questions=[...], answer_prefix="", method=..., compression_ratio=... | budget=...,
+    mode="prefill", max_new_tokens=64, **options) -> {"answer", "result"} or {"answers", "results"}.
+
+    options are `generate_ids`' (sink, window, seed, chunk_size, method parameters, ...); results
+    are the `GenerationResult`s (stats: kept slots, KV bytes, the shared prefill time, each
+    question's decode time).
+    """
+
+    _load_tokenizer = True
+    _pipeline_calls_generate = True
+
+    def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", **options):
+        if question is not None and questions is not None:
+            raise ValueError("pass question (one) or questions (a list), not both")
+        if questions is not None and (not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions)):
+            raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
+        return {"question": question, "questions": questions, "answer_prefix": answer_prefix}, options, {"single": questions is None}
+
+    def preprocess(self, context, question=None, questions=None, answer_prefix=""):
+        if not isinstance(context, str) or not context.strip():
+            raise ValueError("empty context: pass a non-empty context string")
+        asked = questions if questions is not None else [question]
+        context_ids, _ = build_prompt(self.tokenizer, context, asked[0], answer_prefix)
+        return {"context_ids": context_ids, "questions_ids": [build_prompt(self.tokenizer, context, q, answer_prefix)[1] for q in asked]}
+
+    def _forward(self, inputs, **options):
+        options.setdefault("method", "snapkv")
+        return {"results": answer_questions_ids(self.model, inputs["context_ids"], inputs["questions_ids"], **options)}
+
+    def postprocess(self, outputs, single=True):
+        results = outputs["results"]
+        for res in results:
+            res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
+        if single:
+            return {"answer": results[0].text, "result": results[0]}
+        return {"answers": [res.text for res in results], "results": results}
+
+
+PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=CompressedTextGenerationPipeline, pt_model=AutoModelForCausalLM)

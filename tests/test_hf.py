@@ -1,0 +1,357 @@
+"""Plain transformers use (issue 14): model.generate with a CompressedCache, many questions per context,
+left-padded batches, the pipeline, Phi-3 and Gemma 2/3, on tiny randomly initialised models."""
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kvcompress as kvc
+from kvcompress.cache import SUPPORTED_MODEL_TYPES, CompressedCache, CompressionSettings, SlidingWindowLayer, check_supported
+from kvcompress.methods.base import build_method
+from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0)
+# Gemma layers slide over 32 tokens, so prompts of 100+ tokens really slide.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"head_dim": 16, "sliding_window": 32}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]}),
+}
+
+
+def tiny(family="llama", dtype=torch.float32):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**SMALL, **extra)).eval().to(dtype)
+
+
+def _ids(n, seed=1):
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, cache=None, new=10, **kw):
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ratio_zero_cache_reproduces_plain_generate(family, dtype):
+    model = tiny(family, dtype)
+    ids = _ids(100)
+    plain = _greedy(model, ids)  # before the cache switches the attention implementation
+    cache = CompressedCache(model, "knorm", compression_ratio=0.0)
+    assert model.config._attn_implementation == "kvcompress"
+    assert torch.equal(_greedy(model, ids, cache), plain)
+    assert cache.get_seq_length() == 100 + 9
+    sliding = [isinstance(layer, SlidingWindowLayer) for layer in cache.layers]
+    assert sliding == ([True, False] if family.startswith("gemma") else [False, False])
+    if family.startswith("gemma"):
+        assert cache.layers[0].slots() == 31  # the window keeps its last sliding_window - 1 tokens exact
+    # the model keeps working without the cache once switched (exact attention with the usual masks)
+    assert torch.equal(_greedy(model, ids), plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3", "phi3"])
+def test_compression_really_happens_and_generation_options_work(family):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            self.chunks.append("end")
+
+    model = tiny(family)
+    ids = _ids(300)
+    cache = CompressedCache(model, "snapkv", compression_ratio=0.5, window=16, sink=4)
+    streamer = Collect()
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=True, top_k=5, streamer=streamer, eos_token_id=95)
+    compressed = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, SlidingWindowLayer)]
+    assert all(cache.layers[i].slots() == 150 + out.shape[1] - 300 - 1 for i in compressed)
+    assert streamer.chunks[-1] == "end" and len(streamer.chunks) == out.shape[1] - 300 + 2
+    again = CompressedCache(model, "snapkv", compression_ratio=0.5, window=16, sink=4)
+    torch.manual_seed(5)
+    a = model.generate(ids, past_key_values=again, max_new_tokens=6, do_sample=True, top_k=5)
+    torch.manual_seed(5)
+    b = model.generate(ids, past_key_values=CompressedCache(model, "snapkv", compression_ratio=0.5, window=16, sink=4), max_new_tokens=6, do_sample=True, top_k=5)
+    assert torch.equal(a, b)
+
+
+def _left_padded(prompts):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.cat([torch.cat([torch.zeros(1, width - p.shape[1], dtype=torch.long), p], 1) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - p.shape[1] for p in prompts]).long()
+    return ids, mask
+
+
+@pytest.mark.parametrize("method", ["keydiff", "balancekv"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_left_padded_batch_rows_equal_solo_runs(method, ratio):
+    model = tiny("llama")
+    prompts = [_ids(150, 1), _ids(97, 2), _ids(123, 3)]
+    ids, mask = _left_padded(prompts)
+    cache = CompressedCache(model, method, compression_ratio=ratio, sink=2, window=8)
+    batch = _greedy(model, ids, cache, attention_mask=mask)
+    for row, prompt in enumerate(prompts):
+        solo = _greedy(model, prompt, CompressedCache(model, method, compression_ratio=ratio, sink=2, window=8))
+        assert torch.equal(batch[row], solo[0]), (method, ratio, row)
+        stored = cache.layers[0].stored()
+        kept = torch.isfinite(stored.log_weights[row]).sum(-1)
+        assert (stored.positions[row][torch.isfinite(stored.log_weights[row])] >= ids.shape[1] - prompt.shape[1]).all()  # no padding kept
+        assert (kept == cache.layers[0].slots(row)).all()
+
+
+def test_left_padded_batch_through_kvc_generate_ids_and_gemma():
+    for family in ["llama", "gemma2"]:
+        model = tiny(family)
+        contexts = [_ids(140, 4), _ids(90, 5), _ids(111, 6)]
+        question = _ids(7, 7)
+        batch = generate_batch_ids(model, contexts, question, method="keydiff", compression_ratio=0.5, max_new_tokens=8, stop_at_eos=False, sink=2, window=8)
+        for row, ctx in enumerate(contexts):
+            solo = generate_ids(model, ctx, question, method="keydiff", compression_ratio=0.5, max_new_tokens=8, stop_at_eos=False, sink=2, window=8)
+            assert batch[row].token_ids == solo.token_ids, (family, row)
+            assert batch[row].slots_per_layer == solo.slots_per_layer and batch[row].budget == solo.budget
+            assert batch[row].context_tokens == ctx.shape[1]
+    with pytest.raises(ValueError, match="mode='prefill'"):
+        generate_batch_ids(model, contexts, question, method="keydiff", budget=16, mode="chunked")
+
+
+def test_many_questions_compress_once_and_match_single_runs():
+    model = tiny("llama")
+    ctx = _ids(200, 8)
+    questions = [_ids(6, 9), _ids(11, 10), _ids(4, 11)]
+    calls = []
+    results = answer_questions_ids(model, ctx, questions, method="snapkv", compression_ratio=0.5, max_new_tokens=7, stop_at_eos=False, window=8)
+    for q, res in zip(questions, results):
+        single = generate_ids(model, ctx, q, method="snapkv", compression_ratio=0.5, max_new_tokens=7, stop_at_eos=False, window=8)
+        assert res.token_ids == single.token_ids
+        assert res.slots_per_layer == single.slots_per_layer
+        assert res.extra["question_seconds"] <= res.decode_seconds
+        calls.append(res.prefill_seconds)
+    assert len(set(calls)) == 1  # one shared prefill
+    for mode in ["chunked", "decode"]:  # a live stream is copied per question
+        streamed = answer_questions_ids(model, ctx, questions, method="knorm", budget=40, mode=mode, chunk_size=32, max_new_tokens=7, stop_at_eos=False, window=8)
+        for q, res in zip(questions, streamed):
+            single = generate_ids(model, ctx, q, method="knorm", budget=40, mode=mode, chunk_size=32, max_new_tokens=7, stop_at_eos=False, window=8)
+            assert (res.token_ids, res.slots_per_layer) == (single.token_ids, single.slots_per_layer), mode
+    full = answer_questions_ids(model, ctx, questions, method=None, max_new_tokens=7, stop_at_eos=False)
+    for q, res in zip(questions, full):
+        assert res.token_ids == generate_ids(model, ctx, q, method=None, max_new_tokens=7, stop_at_eos=False).token_ids
+    with pytest.raises(ValueError, match="compress_question"):
+        answer_questions_ids(model, ctx, questions, method="snapkv", budget=8, compress_question=True)
+
+
+def test_many_questions_do_not_recompress(monkeypatch):
+    from kvcompress.cache import CompressedLayer
+
+    model = tiny("gemma3")
+    count = []
+    original = CompressedLayer._compress_once
+    monkeypatch.setattr(CompressedLayer, "_compress_once", lambda self, *a: count.append(1) or original(self, *a))
+    answer_questions_ids(model, _ids(120), [_ids(5, s) for s in range(4)], method="knorm", compression_ratio=0.5, window=8, max_new_tokens=3)
+    assert len(count) == 1  # one full-attention layer, compressed once for four questions
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(ValueError, match="gemma2, gemma3_text") as err:
+        CompressedCache(gpt2, "knorm", budget=4)
+    assert all(name in str(err.value) for name in SUPPORTED_MODEL_TYPES)
+    model = tiny()
+    CompressedCache(model, CompressionSettings(build_method("knorm"), budget=4))
+    assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
+    with pytest.raises(ValueError, match="not both"):
+        CompressedCache(tiny(), CompressionSettings(build_method("knorm"), budget=4), budget=3)
+    with pytest.raises(ValueError, match="method must be a method name"):
+        CompressedCache(tiny(), 3)
+
+
+def test_transformers_internals_we_rely_on_have_not_moved():
+    """Fails loudly when transformers moves the internal APIs the integration is built on (tested: 5.23)."""
+    import inspect
+
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from kvcompress.integration.attention import ATTENTION_NAME
+
+    assert transformers.__version__.startswith("5.23."), f"kvcompress is tested with transformers 5.23, found {transformers.__version__}"
+    assert ALL_MASK_ATTENTION_FUNCTIONS[ATTENTION_NAME] is sdpa_mask
+    assert {"batch_size", "q_length", "kv_length", "kv_offset", "mask_function", "attention_mask", "allow_is_causal_skip"} <= set(inspect.signature(sdpa_mask).parameters)
+    assert {"module", "query", "key", "value", "attention_mask", "scaling"} <= set(inspect.signature(sdpa_attention_forward).parameters)
+    assert {"lazy_initialization", "update", "get_mask_sizes", "get_seq_length", "get_max_length", "reset"} <= set(dir(CacheLayerMixin))
+    assert {"is_sliding", "is_linear", "is_dummy", "get_mask_sizes", "get_seq_length", "crop"} <= set(dir(Cache))
+    layer = DynamicSlidingWindowLayer(sliding_window=4)
+    layer.update(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2))
+    assert (layer.keys.shape[2], layer.cumulative_length, layer.get_mask_sizes(1)) == (3, 6, (4, 3))
+    types, kwargs = get_layer_types_and_kwargs(tiny("gemma3").config)
+    assert types == ["sliding_attention", "full_attention"] and kwargs[0] == {"sliding_window": 32}
+
+
+def test_layer_snapshot_restore_and_sliding_window_state():
+    model = tiny("gemma2")
+    cache = CompressedCache(model, "knorm", budget=16, sink=2, window=4)
+    with torch.no_grad():
+        model(_ids(80), past_key_values=cache)
+        state = cache.snapshot()
+        before = [(layer.slots(), layer.get_seq_length()) for layer in cache.layers]
+        model(_ids(40, 2), past_key_values=cache)
+        assert cache.get_seq_length() == 120
+        cache.restore(state)
+    assert [(layer.slots(), layer.get_seq_length()) for layer in cache.layers] == before == [(31, 80), (22, 80)]
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_readme_use_snippets_run(default_model):
+    """Every python block of the README's Use section runs, in order, in one namespace.
+
+    The tensor-level snippet works on the reader's own tensors: the namespace starts with random
+    keys/values/queries [1, 3, 1024, 64] and blocks of 256 of them."""
+    import re
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    use = readme.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", use, flags=re.S)
+    assert len(blocks) >= 5
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = (torch.randn(1, 3, 1024, 64, generator=g) for _ in range(3))
+    blocks_of_tensors = list(zip(keys.split(256, dim=2), values.split(256, dim=2)))
+    namespace = {"keys": keys, "values": values, "queries": queries, "blocks": blocks_of_tensors, "_loaded": default_model}
+    for code in blocks:
+        exec(compile(code.replace("kvc.load_model()", "_loaded"), "README.md", "exec"), namespace)
+    model, tokenizer = default_model
+    assert namespace["batch"]["input_ids"].shape[0] == len(namespace["results"]) == 2
+    solo = kvc.generate(model, tokenizer, namespace["contexts"][1], namespace["question"], method="balancekv", compression_ratio=0.5, max_new_tokens=16)
+    assert namespace["results"][1].token_ids == solo.token_ids and solo.text
+    assert namespace["s"].total_weight().shape == (1, 3)
+
+
+def _word_tokenizer():
+    """A word-level tokenizer over the tiny models' 96 ids ("w0".."w92" plus [UNK], [PAD], [EOS]), no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "[EOS]"] + [f"w{i}" for i in range(93)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+def test_pipeline_answers_like_kvc_generate():
+    from transformers import pipeline
+
+    from kvcompress.integration import PIPELINE_TASK
+
+    model, tokenizer = tiny("qwen2"), _word_tokenizer()
+    g = torch.Generator().manual_seed(3)
+    context = " ".join(f"w{int(i)}" for i in torch.randint(0, 93, (160,), generator=g))
+    questions = ["w5 w7 w9", "w1 w2 w3 w4 w8"]
+    options = dict(method="snapkv", compression_ratio=0.5, window=8, max_new_tokens=5, stop_at_eos=False)
+    pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
+    out = pipe(context, questions=questions, **options)
+    direct = kvc.generate(model, tokenizer, context, questions=questions, progress=False, **options)
+    assert out["answers"] == [r.text for r in direct] and all(out["answers"])
+    assert [r.token_ids for r in out["results"]] == [r.token_ids for r in direct]
+    one = pipe(context, question=questions[1], **options)
+    assert one["answer"] == direct[1].text and one["result"].slots_per_layer == direct[1].slots_per_layer
+    model = tiny()
+    CompressedCache(model, CompressionSettings(build_method("knorm"), budget=4))
+    assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
+    with pytest.raises(ValueError, match="not both"):
+        pipe(context, question="w1", questions=["w2"], **options)
+    with pytest.raises(ValueError, match="empty context"):
+        pipe(" ", question="w1", **options)
+    batch = kvc.generate(model, tokenizer, [context, "w3 w4 w5"], "w6", progress=False, **options)
+    assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, "w3 w4 w5")]
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_pre_rope_keys_are_recovered_for_partial_and_per_layer_type_rope(family):
+    """Compactor scores pre-RoPE keys: Phi-3 rotates a prefix of each head (partial_rotary_factor), Gemma 3 has global and local RoPE."""
+    import importlib
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    extra = {**extra, "partial_rotary_factor": 0.5} if family == "phi3" else extra
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL, **extra)).eval()
+    modeling = importlib.import_module(type(model).__module__)
+    ids = _ids(120)
+    plain = _greedy(model, ids)
+    cache = CompressedCache(model, "compactor", budget=4)
+    k = torch.randn(1, 2, 10, model.config.head_dim if family == "gemma3" else 16)
+    pos = torch.arange(5, 15)
+    rope = model.model.rotary_emb
+    cos, sin = rope(k, pos[None], "full_attention") if family == "gemma3" else rope(k, pos[None])
+    if family == "phi3":
+        assert cos.shape[-1] == 8
+    _, rotated = modeling.apply_rotary_pos_emb(k, k, cos, sin)
+    torch.testing.assert_close(cache.pre_rope_keys(rotated, pos), k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(_greedy(model, ids, CompressedCache(model, "compactor", compression_ratio=0.0)), plain)
+
+
+def test_beam_search_with_a_ratio_zero_cache_equals_plain_beam_search():
+    model = tiny("qwen2")
+    ids = _ids(90)
+    plain = _greedy(model, ids, num_beams=3)
+    assert torch.equal(_greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.0), num_beams=3), plain)
+    half = CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8)
+    assert _greedy(model, ids, half, num_beams=3).shape == (1, 10)
+    assert half.layers[0].slots() == 45 + 9  # half of the 90 prompt tokens, then the 9 decoded ones exact, in every beam
+    with pytest.raises(ValueError, match="beam search"):
+        _greedy(model, ids, CompressedCache(model, "knorm", budget=16, mode="decode"), num_beams=3)
+
+
+def test_softcapped_attention_chunks_agree_with_one_pass(monkeypatch):
+    from kvcompress.integration import attention
+
+    model = tiny("gemma2")
+    ids = _ids(100)
+    whole = _greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8))
+    monkeypatch.setattr(attention, "_query_chunks", lambda query, n_keys: [(s, s + 7) for s in range(0, query.shape[2], 7)])
+    assert torch.equal(_greedy(model, ids, CompressedCache(model, "balancekv", compression_ratio=0.5, sink=4, window=8)), whole)
+
+
+@pytest.mark.parametrize("family", ["phi3", "mistral"])
+def test_sliding_window_checkpoints_keep_the_window_exact(family):
+    config_cls, model_cls, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SMALL, "sliding_window": 32})).eval()
+    ids = _ids(100)
+    plain = _greedy(model, ids)
+    cache = CompressedCache(model, "knorm", compression_ratio=0.5, window=8)
+    assert torch.equal(_greedy(model, ids, cache), plain)  # every layer slides: nothing to compress, windows exact
+    assert cache.slots_per_layer() == [31, 31]
+    torch.manual_seed(0)
+    unbounded = model_cls(config_cls(**{**SMALL, "sliding_window": SMALL["max_position_embeddings"]})).eval()
+    assert all(kind == "full_attention" for kind, _ in check_supported(unbounded))
