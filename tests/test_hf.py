@@ -292,8 +292,9 @@ def test_pipeline_answers_like_kvc_generate():
         pipe(context, question="w1", questions=["w2"], **options)
     with pytest.raises(ValueError, match="empty context"):
         pipe(" ", question="w1", **options)
-    batch = kvc.generate(model, tokenizer, [context, "w3 w4 w5"], "w6", progress=False, **options)
-    assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, "w3 w4 w5")]
+    short = " ".join(f"w{i}" for i in range(3, 43))  # long enough for ratio 0.5 beyond sink + window
+    batch = kvc.generate(model, tokenizer, [context, short], "w6", progress=False, **options)
+    assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, short)]
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma3"])

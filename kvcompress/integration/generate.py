@@ -455,7 +455,7 @@ def generate(
     contexts = context if isinstance(context, list) else [context]
     bad = next((c for c in contexts if not isinstance(c, str)), None)
     if bad is not None:
-        raise ValueError(f"context must be a str (or a list of str), got {type(bad).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad, bytes) else ""))
+        raise ValueError(f"context must be a str, got {type(bad).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad, bytes) else "") + "; a batch is a list of str")
     if not contexts or any(not c.strip() for c in contexts):
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
     if questions is not None and (question is not None or isinstance(context, list)):
