@@ -36,9 +36,13 @@ from tqdm.auto import tqdm
 from ..cache import MODES
 from ..methods.base import method_names
 from .capture import capture_qkv
+from .stats import paired_comparisons, wilson
+from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
 
 FULL = "full"
+# Methods built from other methods: compared with the best single method, never chosen as it.
+COMPOSED = ("hybrid",)
 # A task counts as a compression result only where the full cache scores at least this.
 FULL_CACHE_BAR = 0.9
 # Generator arguments the sweep sets itself (not settable through task_params).
@@ -47,17 +51,6 @@ RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
 DEFAULT_RATIOS = (0.5, 0.75, 0.9)
 DEFAULT_LENGTHS = (2048, 4096)
-# Answer lengths in tokens (SmolLM2 tokenises digits one by one): room for every expected answer.
-MAX_NEW_TOKENS = {
-    "niah_single": 32,
-    "niah_multikey": 32,
-    "niah_multivalue": 64,
-    "niah_multiquery": 64,
-    "variable_tracking": 40,
-    "common_words": 64,
-    "frequent_words": 32,
-    "line_retrieval": 16,
-}
 
 
 @dataclass
@@ -66,7 +59,8 @@ class SweepConfig:
 
     samples: samples per (task, length); tasks that take a depth place sample i at
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
-    sample per cell, compressed at `grid_ratios`). max_new_tokens None uses MAX_NEW_TOKENS.
+    sample per cell, compressed at `grid_ratios`). max_new_tokens None uses each sample's own limit
+    (`Sample.max_new_tokens`); decoding also stops at the sample's stop strings and at EOS.
     """
 
     methods: list[str] | None = None
@@ -213,15 +207,16 @@ def read_results(path: Path) -> list[dict]:
     return records
 
 
-def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int):
+def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids):
     from ..integration import generate_ids
 
     if cell.method == FULL:
-        return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new)
+        return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": _stream_budget(cell, context_ids.shape[1])}
     return generate_ids(
         model, context_ids, question_ids, method=cell.method, mode=cell.mode, max_new_tokens=max_new,
-        seed=config.seed, chunk_size=config.chunk_size, prefill=captured if cell.mode == "prefill" else None, **size,
+        seed=config.seed, chunk_size=config.chunk_size, prefill=captured if cell.mode == "prefill" else None,
+        stop_token_ids=stop_ids, **size,
     )
 
 
@@ -260,7 +255,8 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
                 continue
             sample = spec.build(config, tokenizer)
             context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-            max_new = config.max_new_tokens or MAX_NEW_TOKENS[spec.task]
+            max_new = config.max_new_tokens or sample.max_new_tokens
+            stop_ids = stop_token_ids(tokenizer, sample.stop)
             captured, capture_s = None, 0.0
             if config.reuse_prefill and any(c.mode == "prefill" and c.method != FULL for c in cells):
                 start = time.perf_counter()
@@ -270,7 +266,7 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
                 record = _record(cell, sample, context_ids, capture_s)
                 start = time.perf_counter()
                 try:
-                    res = _answer(model, cell, context_ids, question_ids, captured, config, max_new)
+                    res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids)
                 except (ValueError, RuntimeError) as err:
                     record["error"] = f"{type(err).__name__}: {err}"
                     bar.write(f"[{cell.key}] {record['error']}")
@@ -279,6 +275,7 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
                     record.update(
                         prediction=prediction, score=score(sample, prediction), kv_bytes=res.kv_bytes, kv_bytes_full=res.kv_bytes_full,
                         prefill_s=res.prefill_seconds, compress_s=res.compress_seconds, decode_s=res.decode_seconds,
+                        new_tokens=len(res.token_ids),
                     )
                 record["wall_s"] = time.perf_counter() - start
                 f.write(json.dumps(record) + "\n")
@@ -312,15 +309,20 @@ def _mean_sem(values: list[float]) -> tuple[float, float]:
 
 
 def aggregate(records: list[dict], grid: bool = False, by: tuple[str, ...] = ("method", "ratio", "mode", "task", "length")) -> list[dict]:
-    """Mean score (and its standard error) per group of `by`, with the count of errored cells."""
+    """Mean score, its standard error and 95% Wilson interval (ci_low, ci_high) per group of `by`,
+    with the count of errored cells and the mean wall time per answered cell."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in _rows(records, grid):
         groups[tuple(r[k] for k in by)].append(r)
     out = []
     for key, rs in groups.items():
-        scores = [r["score"] for r in rs if r["error"] is None]
+        answered = [r for r in rs if r["error"] is None]
+        scores = [r["score"] for r in answered]
         mean, sem = _mean_sem(scores) if scores else (float("nan"), float("nan"))
-        out.append(dict(zip(by, key)) | {"n": len(scores), "errors": len(rs) - len(scores), "score": mean, "sem": sem})
+        low, high = wilson(sum(scores), len(scores))
+        wall = sum(r["wall_s"] for r in answered) / len(answered) if answered else float("nan")
+        out.append(dict(zip(by, key)) | {"n": len(scores), "errors": len(rs) - len(scores), "score": mean, "sem": sem,
+                                         "ci_low": low, "ci_high": high, "wall_s": wall})
     return sorted(out, key=_order)
 
 
@@ -332,11 +334,12 @@ def _order(row: dict) -> tuple:
 
 
 def _fmt(row: dict | None) -> str:
+    """Score % with its 95% Wilson interval, e.g. `83 (66–93)`."""
     if row is None:
         return ""
     if row["n"] == 0:
         return "n/a"
-    return f"{100 * row['score']:.0f}" + ("*" if row["errors"] else "")
+    return f"{100 * row['score']:.0f} ({100 * row['ci_low']:.0f}–{100 * row['ci_high']:.0f})" + ("*" if row["errors"] else "")
 
 
 def _label(method: str, ratio, mode: str, modes: list[str]) -> str:
@@ -354,8 +357,9 @@ def beyond_model(records: list[dict]) -> list[str]:
 
 
 def markdown_table(records: list[dict]) -> str:
-    """Task-sweep scores (%) per method@ratio: one column per task (mean over lengths) and per length
-    (mean over tasks). Tasks in `beyond_model` are marked † and left out of the per-length and "all" columns."""
+    """Task-sweep scores (%, with 95% Wilson intervals) per method@ratio: one column per task (mean over
+    lengths) and per length (mean over tasks). Tasks in `beyond_model` are marked † and left out of the
+    per-length and "all" columns."""
     rows = [r for r in _rows(records, False)]
     if not rows:
         return ""
@@ -376,6 +380,40 @@ def markdown_table(records: list[dict]) -> str:
     if hard:
         lines += ["", f"† full cache below {FULL_CACHE_BAR:.0%}: the task is beyond this model, so it is not a compression "
                   "result; it is left out of the per-length and \"all\" columns."]
+    return "\n".join(lines)
+
+
+def paired_table(records: list[dict]) -> str:
+    """Each method against the best single method of its (ratio, mode, task) on the same samples (exact sign test)."""
+    singles = sorted({r["method"] for r in records} - {FULL, *COMPOSED})
+    rows = paired_comparisons(records, singles)
+    if not rows:
+        return ""
+    modes = sorted({r["mode"] for r in rows})
+    head = ["method @ ratio", "task", "best single method", "pairs", "method %", "best %", "wins", "losses", "p (sign test)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["ratio"], r["mode"], TASKS.index(r["task"]), r["method"] not in COMPOSED, r["method"])):
+        lines.append("| " + " | ".join([
+            _label(r["method"], r["ratio"], r["mode"], modes), r["task"], r["baseline"], str(r["n_pairs"]),
+            f"{100 * r['method_score']:.0f}", f"{100 * r['baseline_score']:.0f}", str(r["wins"]), str(r["losses"]), f"{r['p']:.3g}",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def wall_table(records: list[dict]) -> str:
+    """Mean wall time, decode time and decoded tokens per answered cell, per task and length (full cache apart)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _rows(records, False):
+        if r["error"] is None:
+            groups[(r["task"], r["length"], r["method"] == FULL)].append(r)
+    if not groups:
+        return ""
+    lines = ["| task | tokens | cells | wall s | decode s | decoded tokens |", "|---|---|---|---|---|---|"]
+    for (task, length, full), rs in sorted(groups.items(), key=lambda kv: (TASKS.index(kv[0][0]), kv[0][1], not kv[0][2])):
+        tokens = [r["new_tokens"] for r in rs if "new_tokens" in r]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        lines.append(f"| {task}{' (full cache)' if full else ''} | {length} | {len(rs)} | {mean([r['wall_s'] for r in rs]):.2f} | "
+                     f"{mean([r['decode_s'] for r in rs]):.2f} | {f'{mean(tokens):.1f}' if tokens else 'not recorded'} |")
     return "\n".join(lines)
 
 
@@ -400,7 +438,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     """`summary.csv` (one row per method, ratio, mode, task, length; and the grid cells) and `summary.md`."""
     out = Path(out_dir)
     csv_path, md_path = out / "summary.csv", out / "summary.md"
-    fields = ["kind", "method", "ratio", "mode", "task", "length", "depth", "n", "errors", "score", "sem"]
+    fields = ["kind", "method", "ratio", "mode", "task", "length", "depth", "n", "errors", "score", "sem", "ci_low", "ci_high", "wall_s"]
     with csv_path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -415,7 +453,16 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
              f"(context captures {sum(captures.values()) / 3600:.2f} h).", ""]
     table = markdown_table(records)
     if table:
-        parts += ["### Task scores (%)", "", table, ""]
+        parts += ["### Task scores (%, 95% Wilson interval)", "", table, ""]
+    paired = paired_table(records)
+    if paired:
+        parts += ["### Paired comparison with the best single method (same samples)", "",
+                  "wins / losses: samples where the method scores above / below the best single method of its "
+                  "ratio and task (the one with the highest mean there); p: exact two-sided sign test "
+                  "(McNemar's exact test for 0/1 scores).", "", paired, ""]
+    walls = wall_table(records)
+    if walls:
+        parts += ["### Wall time per cell (s, mean over answered cells; decoded tokens)", "", walls, ""]
     grid = heatmap_table(records)
     if grid:
         parts += ["### Needle grid (%)", "", grid, ""]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -115,6 +116,7 @@ def generate_ids(
     prefill: dict | None = None,
     quality: float | None = None,
     calibration=None,
+    stop_token_ids: Collection[int] = (),
     **method_params,
 ) -> GenerationResult:
     """Greedy generation on token ids [1, n] through a compressed cache; `method=None` is the full cache.
@@ -130,7 +132,7 @@ def generate_ids(
     quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path): context-
     calibrated compression (Compactor seed §3.5) — the ratio is the smallest compression whose
     predicted quality meets `quality`, chosen from this context's NLL; it is reported in
-    `result.extra["calibration"]`.
+    `result.extra["calibration"]`. stop_token_ids: decoding also stops after any of these tokens.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -211,7 +213,7 @@ def generate_ids(
             logits = model(rest, past_key_values=past, use_cache=True).logits[:, -1]
         prefill_seconds = time.perf_counter() - start
 
-        eos = _eos_ids(model) if stop_at_eos else set()
+        eos = (_eos_ids(model) if stop_at_eos else set()) | set(stop_token_ids)
         new_tokens: list[int] = []
         start = time.perf_counter()
         for step in range(max_new_tokens):
