@@ -5,7 +5,9 @@ Each sample (task, length, index, depth) is generated offline (`eval.tasks`), ch
 cache and for every (method, ratio, mode) cell. In prefill mode the context is prefilled once
 (`eval.capture.capture_qkv`) and that recorded prefill is compressed by every method and ratio,
 each on its own copy (`generate_ids(prefill=...)`), so M methods cost one context prefill per
-sample instead of M; `reuse_prefill=False` re-prefills per cell (for the speed-up measurement).
+sample instead of M; the full cache answers from the same record with every token kept.
+`reuse_prefill=False` re-prefills per cell (for the speed-up measurement). Decoding stops at the
+sample's answer limit, its stop strings or EOS (`Sample.max_new_tokens`, `Sample.stop`).
 
 Results are appended to `results.jsonl` in the output directory, one line per cell, flushed as
 they are produced; a rerun with the same directory skips every cell already recorded, so an
@@ -36,6 +38,7 @@ from tqdm.auto import tqdm
 from ..cache import MODES
 from ..methods.base import method_names
 from .capture import capture_qkv
+from .prefill_replay import full_as_ratio_zero
 from .stats import paired_comparisons, wilson
 from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
@@ -208,10 +211,16 @@ def read_results(path: Path) -> list[dict]:
 
 
 def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids):
+    """The cell's generation; the full cache is answered from the recorded prefill when there is one
+    (every token kept exactly, `prefill_replay.full_as_ratio_zero`), so it costs no second prefill."""
     from ..integration import generate_ids
 
-    if cell.method == FULL:
+    if cell.method == FULL and captured is None:
         return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new, stop_token_ids=stop_ids)
+    if cell.method == FULL:
+        method, ratio = full_as_ratio_zero(None, 0.0)
+        return generate_ids(model, context_ids, question_ids, method=method, compression_ratio=ratio, prefill=captured,
+                            max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": _stream_budget(cell, context_ids.shape[1])}
     return generate_ids(
         model, context_ids, question_ids, method=cell.method, mode=cell.mode, max_new_tokens=max_new,
@@ -258,7 +267,7 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
             max_new = config.max_new_tokens or sample.max_new_tokens
             stop_ids = stop_token_ids(tokenizer, sample.stop)
             captured, capture_s = None, 0.0
-            if config.reuse_prefill and any(c.mode == "prefill" and c.method != FULL for c in cells):
+            if config.reuse_prefill and any(c.mode == "prefill" or c.method == FULL for c in cells):
                 start = time.perf_counter()
                 captured = capture_qkv(model, context_ids)
                 capture_s = time.perf_counter() - start
@@ -291,7 +300,7 @@ def _record(cell: Cell, sample: Sample, context_ids, capture_s: float) -> dict:
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
         "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
-        "error": None, "capture_s": capture_s if cell.method != FULL and cell.mode == "prefill" else 0.0,
+        "error": None, "capture_s": capture_s if cell.method == FULL or cell.mode == "prefill" else 0.0,
     }
 
 
