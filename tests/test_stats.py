@@ -70,3 +70,9 @@ def test_tasks_carry_answer_limits_stop_strings_and_a_needle_answer_prefix():
     line = generate_sample("line_retrieval", target_tokens=200, seed=1, n_lines=1)
     assert line.max_new_tokens == 8 and ">" in line.stop
     assert generate_sample("common_words", target_tokens=300, seed=1).stop == ()
+
+
+def test_best_baseline_ties_go_to_the_method_with_more_samples():
+    records = [_rec("a", 0, 1.0)] + [_rec("b", i, 1.0) for i in range(5)] + [_rec("c", i, 0.0) for i in range(5)]
+    rows = paired_comparisons(records, ["a", "b", "c"])
+    assert {r["baseline"] for r in rows} == {"b"}

@@ -43,7 +43,8 @@ def sign_test(wins: int, losses: int) -> float:
 def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str, ...] = ("ratio", "mode", "task")) -> list[dict]:
     """Each method against the best of `baselines` in its group `by`, on the samples both answered.
 
-    The best baseline of a group is the one with the highest mean score there (ties: first by name).
+    The best baseline of a group is the one with the highest mean score there (ties: the one with
+    more answered samples, then the first by name).
     Returns rows: group fields, method, baseline, n_pairs, method / baseline mean on the pairs,
     wins (method better), losses, p (exact sign test).
     """
@@ -53,10 +54,10 @@ def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str,
         groups[tuple(r[k] for k in by)][r["method"]][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]
     rows = []
     for group, by_method in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
-        means = {m: sum(s.values()) / len(s) for m, s in by_method.items() if m in baselines}
-        if not means:
+        ranks = {m: (sum(s.values()) / len(s), len(s)) for m, s in by_method.items() if m in baselines}
+        if not ranks:
             continue
-        best = max(sorted(means), key=lambda m: means[m])
+        best = max(sorted(ranks), key=lambda m: ranks[m])
         for method in sorted(by_method):
             if method == best:
                 continue
