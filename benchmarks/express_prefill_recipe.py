@@ -47,7 +47,6 @@ from transformers.integrations import sdpa_attention
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.eval.capture import capture_qkv
-from kvcompress.eval.runner import MAX_NEW_TOKENS
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.attention import ATTENTION_NAME, kvcompress_attention
@@ -170,7 +169,7 @@ def main() -> None:
         depth = 0.05 + 0.9 * i / max(1, args.samples - 1)
         for task, (generator, extra) in TASKS.items():
             sample = generate_sample(generator, target_tokens=args.tokens, depth=depth, seed=args.seed + i, tokenizer=tokenizer, **extra)
-            max_new = args.max_new_tokens or MAX_NEW_TOKENS[generator]
+            max_new = args.max_new_tokens or sample.max_new_tokens
             rows += run_sample(model, tokenizer, (exact_timer, timer, compress_timer), task, sample, args.ratio, max_new)
             print(task, i, [(r["method"], r["prefill"], r["score"]) for r in rows[-2 * len(METHODS):]], flush=True)
             write_csv(args.out.with_suffix(".csv"), rows)

@@ -55,11 +55,15 @@ def test_sweep_writes_results_summary_and_plots(tiny, tmp_path):
     assert len(grid_rows) == 3 * 2 * 2  # 3 entries × 2 lengths × 2 depths
     assert all(int(r["n"]) == 2 for r in task_rows) and all(int(r["n"]) == 1 for r in grid_rows)
     md = md_path.read_text()
-    task_table = md.split("### Needle grid")[0]
+    task_table = md.split("### Paired comparison")[0]
     lines = [ln for ln in task_table.splitlines() if ln.startswith("|")]
     # the random tiny model fails every task with the full cache too: both are flagged
     assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single† ", " common_words† ", " 200 tok ", " all "]
     assert [ln.split("|")[1].strip() for ln in lines[2:]] == ["full cache", "knorm @ 0.5", "random @ 0.5"]
+    assert all("(" in ln and "–" in ln for ln in lines[2:])  # every score carries its Wilson interval
+    paired = [ln for ln in md.split("### Paired comparison")[1].split("### Wall time")[0].splitlines() if ln.startswith("|")]
+    assert len(paired) == 2 + 2  # one non-best method per task
+    assert "decoded tokens" in md
     grid_lines = [ln for ln in md.split("### Needle grid")[1].splitlines() if ln.startswith("|")]
     assert len(grid_lines) == 2 + 3 * 2
 
@@ -126,15 +130,15 @@ def test_streaming_modes_and_unfit_cells_are_recorded(tiny, tmp_path):
 def test_tasks_beyond_the_model_are_flagged_and_left_out_of_the_averages():
     def rec(method, ratio, task, score):
         return {"grid": False, "method": method, "ratio": ratio, "mode": "-" if method == FULL else "prefill",
-                "task": task, "length": 1000, "depth": None, "error": None, "score": score}
+                "task": task, "length": 1000, "depth": None, "error": None, "score": score, "wall_s": 1.0}
 
     records = [rec(FULL, None, "niah_single", 1.0), rec(FULL, None, "niah_multikey", 0.5),
                rec("knorm", 0.5, "niah_single", 0.0), rec("knorm", 0.5, "niah_multikey", 1.0)]
     assert runner.beyond_model(records) == ["niah_multikey"]
     lines = [ln for ln in runner.markdown_table(records).splitlines() if ln.startswith("|")]
     assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single ", " niah_multikey† ", " 1000 tok ", " all "]
-    assert lines[2].split("|")[1:-1] == [" full cache ", " 100 ", " 50 ", " 100 ", " 100 "]
-    assert lines[3].split("|")[1:-1] == [" knorm @ 0.5 ", " 0 ", " 100 ", " 0 ", " 0 "]
+    assert lines[2].split("|")[1:-1] == [" full cache ", " 100 (21–100) ", " 50 (5–95) ", " 100 (21–100) ", " 100 (21–100) "]
+    assert lines[3].split("|")[1:-1] == [" knorm @ 0.5 ", " 0 (0–79) ", " 100 (21–100) ", " 0 (0–79) ", " 0 (0–79) "]
     assert "beyond this model" in runner.markdown_table(records)
 
 

@@ -73,8 +73,9 @@ def per_query_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def layer_errors(method: str, queries, keys, values, scale: float, config: ApproxConfig, pre_rope_keys=None,
-                 layer_idx: int | None = None, num_layers: int | None = None) -> dict[float, list[float]]:
-    """{ratio: [error per seed]} for one layer's captured q/k/v ([1,H,n,d]); layer_idx / num_layers for layer-aware budgets (PyramidKV)."""
+                 layer_idx: int | None = None, num_layers: int | None = None, **method_params) -> dict[float, list[float]]:
+    """{ratio: [error per seed]} for one layer's captured q/k/v ([1,H,n,d]); layer_idx / num_layers for layer-aware budgets (PyramidKV);
+    method_params go to the method."""
     n = keys.shape[2]
     middle = n - config.sink - config.n_queries
     targets = queries[:, :, n - config.n_queries :]
@@ -88,6 +89,7 @@ def layer_errors(method: str, queries, keys, values, scale: float, config: Appro
             summary = compress(
                 method, keys, values, queries=queries, pre_rope_keys=pre_rope_keys, budget=budget,
                 sink=config.sink, window=config.n_queries, seed=seed, scale=scale, layer_idx=layer_idx, num_layers=num_layers,
+                **method_params,
             )
             errs.append(per_query_error(weighted_attention(targets, summary, scale=scale, query_positions=qpos), exact))
         out[ratio] = errs

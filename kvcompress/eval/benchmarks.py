@@ -124,11 +124,6 @@ class BenchmarkItem:
         """First part of the sweep's cell key: the benchmark's name."""
         return self.benchmark
 
-    @property
-    def answer_limit(self) -> int:
-        """Answer tokens: the benchmark's setting for the task."""
-        return self.max_new_tokens
-
     def score(self, prediction: str) -> float:
         """The benchmark's metric of `prediction` (the text generated after the answer prefix), in [0, 1]."""
         if self.first_line_only:
@@ -144,10 +139,12 @@ class BenchmarkItem:
         return {"benchmark": self.benchmark, "bucket": self.bucket, "metric": self.metric, "source": self.source}
 
     def build(self, config, tokenizer) -> Sample:
-        """The item as a task `Sample` (context, question, answers, answer prefix, measured tokens)."""
+        """The item as a task `Sample` (context, question, answers, answer prefix, measured tokens, the
+        benchmark's answer length; a one-line answer stops at the newline, as LongBench decodes them)."""
         n_tokens = round(token_counter(tokenizer)([self.context])[0])
         return Sample(task=self.task, context=self.context, question=self.question, answers=list(self.answers),
-                      target_tokens=n_tokens, n_tokens=n_tokens, answer_prefix=self.answer_prefix)
+                      target_tokens=n_tokens, n_tokens=n_tokens, answer_prefix=self.answer_prefix,
+                      max_new_tokens=self.max_new_tokens, stop=("\n",) if self.first_line_only else ())
 
 
 def longbench_e_bucket(length: int) -> str:

@@ -13,6 +13,10 @@ from .runner import FULL, aggregate, beyond_model  # noqa: E402
 from .tasks import TASKS  # noqa: E402
 
 
+# Horizontal offset between methods' points at one ratio (in ratio units), so error bars do not overlap.
+_NUDGE = 0.004
+
+
 def _grid_of(n: int, cols: int = 4) -> tuple[int, int]:
     cols = min(cols, n)
     return -(-n // cols), cols
@@ -21,7 +25,9 @@ def _grid_of(n: int, cols: int = 4) -> tuple[int, int]:
 def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "prefill") -> Path | None:
     """One panel per task (mean over lengths and samples) plus 'all tasks': score vs compression ratio, a line per method.
 
-    The full cache is a dashed horizontal line. Tasks in `runner.beyond_model` get a † in their
+    Each point has its 95% Wilson interval as an error bar (points of different methods at one
+    ratio are nudged apart so the bars stay readable). The full cache is a dashed horizontal line
+    in a grey band (its interval). Tasks in `runner.beyond_model` get a † in their
     title and are left out of 'all tasks', as in the summary table. Returns the path, or None
     when there is nothing to plot.
     """
@@ -39,12 +45,16 @@ def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "p
     for ax, panel in zip(axes.flat, panels):
         data = [a for a in by_task + overall if a["task"] == panel and a["n"] > 0]
         for i, method in enumerate(methods):
-            pts = sorted((a["ratio"], a["score"]) for a in data if a["method"] == method)
+            pts = sorted((a["ratio"], a["score"], a["ci_low"], a["ci_high"]) for a in data if a["method"] == method)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, color=colors(i), label=method)
-        full = [a["score"] for a in data if a["method"] == FULL]
+                x, y, low, high = zip(*pts)
+                nudge = (i - (len(methods) - 1) / 2) * _NUDGE
+                ax.errorbar([v + nudge for v in x], y, yerr=[[m - lo for m, lo in zip(y, low)], [hi - m for m, hi in zip(y, high)]],
+                            marker="o", ms=3, lw=1.2, elinewidth=0.8, capsize=1.5, color=colors(i), label=method)
+        full = [a for a in data if a["method"] == FULL]
         if full:
-            ax.axhline(full[0], color="black", ls="--", lw=1, label="full cache")
+            ax.axhline(full[0]["score"], color="black", ls="--", lw=1, label="full cache")
+            ax.axhspan(full[0]["ci_low"], full[0]["ci_high"], color="grey", alpha=0.15, lw=0)
         ax.set_title(panel + (" † (full cache < 90%)" if panel in hard else ""), fontsize=10)
         ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)

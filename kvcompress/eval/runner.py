@@ -5,7 +5,9 @@ Each sample (task, length, index, depth) is generated offline (`eval.tasks`), ch
 cache and for every (method, ratio, mode) cell. In prefill mode the context is prefilled once
 (`eval.capture.capture_qkv`) and that recorded prefill is compressed by every method and ratio,
 each on its own copy (`generate_ids(prefill=...)`), so M methods cost one context prefill per
-sample instead of M; `reuse_prefill=False` re-prefills per cell (for the speed-up measurement).
+sample instead of M; the full cache answers from the same record with every token kept.
+`reuse_prefill=False` re-prefills per cell (for the speed-up measurement). Decoding stops at the
+sample's answer limit, its stop strings or EOS (`Sample.max_new_tokens`, `Sample.stop`).
 
 Results are appended to `results.jsonl` in the output directory, one line per cell, flushed as
 they are produced; a rerun with the same directory skips every cell already recorded, so an
@@ -45,9 +47,14 @@ from ..cache import MODES
 from ..methods.base import method_names
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
+from .prefill_replay import full_as_ratio_zero
+from .stats import paired_comparisons, wilson
+from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
 
 FULL = "full"
+# Methods built from other methods: compared with the best single method, never chosen as it.
+COMPOSED = ("hybrid",)
 # A task counts as a compression result only where the full cache scores at least this.
 FULL_CACHE_BAR = 0.9
 # Generator arguments the sweep sets itself (not settable through task_params).
@@ -56,17 +63,6 @@ RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
 DEFAULT_RATIOS = (0.5, 0.75, 0.9)
 DEFAULT_LENGTHS = (2048, 4096)
-# Answer lengths in tokens (SmolLM2 tokenises digits one by one): room for every expected answer.
-MAX_NEW_TOKENS = {
-    "niah_single": 32,
-    "niah_multikey": 32,
-    "niah_multivalue": 64,
-    "niah_multiquery": 64,
-    "variable_tracking": 40,
-    "common_words": 64,
-    "frequent_words": 32,
-    "line_retrieval": 16,
-}
 
 
 @dataclass
@@ -75,7 +71,8 @@ class SweepConfig:
 
     samples: samples per (task, length); tasks that take a depth place sample i at
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
-    sample per cell, compressed at `grid_ratios`). max_new_tokens None uses MAX_NEW_TOKENS.
+    sample per cell, compressed at `grid_ratios`). max_new_tokens None uses each sample's own limit
+    (`Sample.max_new_tokens`); decoding also stops at the sample's stop strings and at EOS.
 
     benchmark + data: samples from a standard benchmark's files (`eval.benchmarks.BENCHMARKS`);
     tasks None takes every task in the data, samples None every row (else the first `samples`
@@ -180,11 +177,6 @@ class SampleSpec:
         """First part of the cell key: "grid" for the needle heat-map, else "task"."""
         return "grid" if self.grid else "task"
 
-    @property
-    def answer_limit(self) -> int:
-        """Answer tokens of the task (MAX_NEW_TOKENS)."""
-        return MAX_NEW_TOKENS[self.task]
-
     def evaluate(self, sample: Sample, prediction: str) -> float:
         """Task score of a prediction for the built sample."""
         return score(sample, prediction)
@@ -262,15 +254,22 @@ def read_results(path: Path) -> list[dict]:
     return _parse_lines(path.read_text())
 
 
-def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int):
+def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids):
+    """The cell's generation; the full cache is answered from the recorded prefill when there is one
+    (every token kept exactly, `prefill_replay.full_as_ratio_zero`), so it costs no second prefill."""
     from ..integration import generate_ids
 
+    if cell.method == FULL and captured is None:
+        return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new, stop_token_ids=stop_ids)
     if cell.method == FULL:
-        return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new)
+        method, ratio = full_as_ratio_zero(None, 0.0)
+        return generate_ids(model, context_ids, question_ids, method=method, compression_ratio=ratio, prefill=captured,
+                            max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": _stream_budget(cell, context_ids.shape[1])}
     return generate_ids(
         model, context_ids, question_ids, method=cell.method, mode=cell.mode, max_new_tokens=max_new,
-        seed=config.seed, chunk_size=config.chunk_size, prefill=captured if cell.mode == "prefill" else None, **size,
+        seed=config.seed, chunk_size=config.chunk_size, prefill=captured if cell.mode == "prefill" else None,
+        stop_token_ids=stop_ids, **size,
     )
 
 
@@ -381,9 +380,10 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
 
     sample = spec.build(config, tokenizer)
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    max_new = config.max_new_tokens or spec.answer_limit
+    max_new = config.max_new_tokens or sample.max_new_tokens
+    stop_ids = stop_token_ids(tokenizer, sample.stop)
     captured, capture_s = None, 0.0
-    if config.reuse_prefill and any(c.mode == "prefill" and c.method != FULL for c in cells):
+    if config.reuse_prefill and any(c.mode == "prefill" or c.method == FULL for c in cells):
         start = time.perf_counter()
         captured = capture_qkv(model, context_ids)
         capture_s = time.perf_counter() - start
@@ -391,7 +391,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         record = _record(cell, sample, context_ids, capture_s)
         start = time.perf_counter()
         try:
-            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new)
+            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids)
         except (ValueError, RuntimeError) as err:
             record["error"] = f"{type(err).__name__}: {err}"
             log(f"[{cell.key}] {record['error']}")
@@ -400,6 +400,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
             record.update(
                 prediction=prediction, score=spec.evaluate(sample, prediction), kv_bytes=res.kv_bytes, kv_bytes_full=res.kv_bytes_full,
                 prefill_s=res.prefill_seconds, compress_s=res.compress_seconds, decode_s=res.decode_seconds,
+                new_tokens=len(res.token_ids),
             )
         record["wall_s"] = time.perf_counter() - start
         yield record
@@ -425,7 +426,7 @@ def _record(cell: Cell, sample: Sample, context_ids, capture_s: float) -> dict:
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
         "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
-        "error": None, "capture_s": capture_s if cell.method != FULL and cell.mode == "prefill" else 0.0,
+        "error": None, "capture_s": capture_s if cell.method == FULL or cell.mode == "prefill" else 0.0,
     }
 
 
@@ -443,15 +444,20 @@ def _mean_sem(values: list[float]) -> tuple[float, float]:
 
 
 def aggregate(records: list[dict], grid: bool = False, by: tuple[str, ...] = ("method", "ratio", "mode", "task", "length")) -> list[dict]:
-    """Mean score (and its standard error) per group of `by`, with the count of errored cells."""
+    """Mean score, its standard error and 95% Wilson interval (ci_low, ci_high) per group of `by`,
+    with the count of errored cells and the mean wall time per answered cell."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in _rows(records, grid):
         groups[tuple(r[k] for k in by)].append(r)
     out = []
     for key, rs in groups.items():
-        scores = [r["score"] for r in rs if r["error"] is None]
+        answered = [r for r in rs if r["error"] is None]
+        scores = [r["score"] for r in answered]
         mean, sem = _mean_sem(scores) if scores else (float("nan"), float("nan"))
-        out.append(dict(zip(by, key)) | {"n": len(scores), "errors": len(rs) - len(scores), "score": mean, "sem": sem})
+        low, high = wilson(sum(scores), len(scores))
+        wall = sum(r["wall_s"] for r in answered) / len(answered) if answered else float("nan")
+        out.append(dict(zip(by, key)) | {"n": len(scores), "errors": len(rs) - len(scores), "score": mean, "sem": sem,
+                                         "ci_low": low, "ci_high": high, "wall_s": wall})
     return sorted(out, key=_order)
 
 
@@ -463,11 +469,12 @@ def _order(row: dict) -> tuple:
 
 
 def _fmt(row: dict | None) -> str:
+    """Score % with its 95% Wilson interval, e.g. `83 (66–93)`."""
     if row is None:
         return ""
     if row["n"] == 0:
         return "n/a"
-    return f"{100 * row['score']:.0f}" + ("*" if row["errors"] else "")
+    return f"{100 * row['score']:.0f} ({100 * row['ci_low']:.0f}–{100 * row['ci_high']:.0f})" + ("*" if row["errors"] else "")
 
 
 def _label(method: str, ratio, mode: str, modes: list[str]) -> str:
@@ -485,8 +492,9 @@ def beyond_model(records: list[dict]) -> list[str]:
 
 
 def markdown_table(records: list[dict]) -> str:
-    """Task-sweep scores (%) per method@ratio: one column per task (mean over lengths) and per length
-    (mean over tasks). Tasks in `beyond_model` are marked † and left out of the per-length and "all" columns."""
+    """Task-sweep scores (%, with 95% Wilson intervals) per method@ratio: one column per task (mean over
+    lengths) and per length (mean over tasks). Tasks in `beyond_model` are marked † and left out of the
+    per-length and "all" columns."""
     rows = [r for r in _rows(records, False)]
     if not rows:
         return ""
@@ -507,6 +515,40 @@ def markdown_table(records: list[dict]) -> str:
     if hard:
         lines += ["", f"† full cache below {FULL_CACHE_BAR:.0%}: the task is beyond this model, so it is not a compression "
                   "result; it is left out of the per-length and \"all\" columns."]
+    return "\n".join(lines)
+
+
+def paired_table(records: list[dict]) -> str:
+    """Each method against the best single method of its (ratio, mode, task) on the same samples (exact sign test)."""
+    singles = sorted({r["method"] for r in records} - {FULL, *COMPOSED})
+    rows = paired_comparisons(records, singles)
+    if not rows:
+        return ""
+    modes = sorted({r["mode"] for r in rows})
+    head = ["method @ ratio", "task", "best single method", "pairs", "method %", "best %", "wins", "losses", "p (sign test)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["ratio"], r["mode"], TASKS.index(r["task"]), r["method"] not in COMPOSED, r["method"])):
+        lines.append("| " + " | ".join([
+            _label(r["method"], r["ratio"], r["mode"], modes), r["task"], r["baseline"], str(r["n_pairs"]),
+            f"{100 * r['method_score']:.0f}", f"{100 * r['baseline_score']:.0f}", str(r["wins"]), str(r["losses"]), f"{r['p']:.3g}",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def wall_table(records: list[dict]) -> str:
+    """Mean wall time, decode time and decoded tokens per answered cell, per task and length (full cache apart)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _rows(records, False):
+        if r["error"] is None:
+            groups[(r["task"], r["length"], r["method"] == FULL)].append(r)
+    if not groups:
+        return ""
+    lines = ["| task | tokens | cells | wall s | decode s | decoded tokens |", "|---|---|---|---|---|---|"]
+    for (task, length, full), rs in sorted(groups.items(), key=lambda kv: (TASKS.index(kv[0][0]), kv[0][1], not kv[0][2])):
+        tokens = [r["new_tokens"] for r in rs if "new_tokens" in r]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        lines.append(f"| {task}{' (full cache)' if full else ''} | {length} | {len(rs)} | {mean([r['wall_s'] for r in rs]):.2f} | "
+                     f"{mean([r['decode_s'] for r in rs]):.2f} | {f'{mean(tokens):.1f}' if tokens else 'not recorded'} |")
     return "\n".join(lines)
 
 
@@ -531,7 +573,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     """`summary.csv` (one row per method, ratio, mode, task, length; and the grid cells) and `summary.md`."""
     out = Path(out_dir)
     csv_path, md_path = out / "summary.csv", out / "summary.md"
-    fields = ["kind", "method", "ratio", "mode", "task", "length", "depth", "n", "errors", "score", "sem"]
+    fields = ["kind", "method", "ratio", "mode", "task", "length", "depth", "n", "errors", "score", "sem", "ci_low", "ci_high", "wall_s"]
     with csv_path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -546,7 +588,16 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
              f"(context captures {sum(captures.values()) / 3600:.2f} h).", ""]
     table = markdown_table(records)
     if table:
-        parts += ["### Task scores (%)", "", table, ""]
+        parts += ["### Task scores (%, 95% Wilson interval)", "", table, ""]
+    paired = paired_table(records)
+    if paired:
+        parts += ["### Paired comparison with the best single method (same samples)", "",
+                  "wins / losses: samples where the method scores above / below the best single method of its "
+                  "ratio and task (the one with the highest mean there); p: exact two-sided sign test "
+                  "(McNemar's exact test for 0/1 scores).", "", paired, ""]
+    walls = wall_table(records)
+    if walls:
+        parts += ["### Wall time per cell (s, mean over answered cells; decoded tokens)", "", walls, ""]
     grid = heatmap_table(records)
     if grid:
         parts += ["### Needle grid (%)", "", grid, ""]

@@ -35,6 +35,9 @@ FILLER = (
 )
 HAYSTACKS = ("filler", "prose")
 NEEDLE_KINDS = ("numbers", "words", "uuids")
+# Decoding room per needle value, in tokens: 7 digits (one token each) + space and period; a word;
+# a 36-character UUID (the tokenizer splits hex runs finely).
+NEEDLE_ANSWER_TOKENS = {"numbers": 10, "words": 6, "uuids": 32}
 TASKS = (
     "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
     "variable_tracking", "common_words", "frequent_words", "line_retrieval",
@@ -61,6 +64,8 @@ class Sample:
     depths: list[float] = field(default_factory=list)
     needles: list[str] = field(default_factory=list)
     answer_prefix: str = ""
+    max_new_tokens: int = 32
+    stop: tuple[str, ...] = ()
 
     @property
     def depth(self) -> float | None:
@@ -176,9 +181,12 @@ def _niah(task, target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, n
     context, measured, n_tokens = _assemble(units, needles, depths, target_tokens, count)
     asked = keys[:n_queries]
     answers = [v for vs in values[:n_queries] for v in vs]
-    what = f"are all the special magic {kind}" if n_values * n_queries > 1 else f"is the special magic {kind[:-1]}"
+    several = n_values * n_queries > 1
+    what = f"are all the special magic {kind}" if several else f"is the special magic {kind[:-1]}"
     question = f"What {what} for {', '.join(asked)} mentioned in the provided text? Answer with the value only."
-    return Sample(task, context, question, answers, target_tokens, n_tokens, measured, needles)
+    prefix = f"The special magic {kind if several else kind[:-1]} for {', '.join(asked)} mentioned in the provided text {'are' if several else 'is'}"
+    limit = len(answers) * NEEDLE_ANSWER_TOKENS[kind] + 4
+    return Sample(task, context, question, answers, target_tokens, n_tokens, measured, needles, prefix, limit, (".", "\n"))
 
 
 def niah_single(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers") -> Sample:
@@ -231,7 +239,8 @@ def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, hay
         f"Find all variables that are assigned the value {values[0]} in the text above, "
         "directly or through other variables. Answer with the variable names only."
     )
-    return Sample("variable_tracking", context, question, names[: n_hops + 1], target_tokens, n_tokens, measured, items)
+    limit = 6 * (n_hops + 1) + 10
+    return Sample("variable_tracking", context, question, names[: n_hops + 1], target_tokens, n_tokens, measured, items, max_new_tokens=limit)
 
 
 def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common_freq=30, rare_freq=3) -> Sample:
@@ -257,7 +266,7 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
     context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
     n_tokens = round(count([context])[0])
     question = f"What are the {n_common} most common words in the numbered list above? Answer with the words only."
-    return Sample("common_words", context, question, common, target_tokens, n_tokens)
+    return Sample("common_words", context, question, common, target_tokens, n_tokens, max_new_tokens=6 * n_common + 4)
 
 
 def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alpha=2.0, vocab_size=500) -> Sample:
@@ -287,7 +296,8 @@ def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alph
     question = (
         f"What are the {n_answers} most frequently appearing words in the text above? Answer with the words only."
     )
-    return Sample("frequent_words", context, question, ranked[:n_answers], target_tokens, round(count([context])[0]))
+    return Sample("frequent_words", context, question, ranked[:n_answers], target_tokens, round(count([context])[0]),
+                  max_new_tokens=8 * n_answers + 8)
 
 
 def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_lines=None, haystack="filler") -> Sample:
@@ -331,7 +341,8 @@ def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_line
     question = f"What is the REGISTER_CONTENT in line {ordered[target]}? I need the number."
     prefix = f"line {ordered[target]}: REGISTER_CONTENT is <"
     return Sample(
-        "line_retrieval", text, question, [str(numbers[target])], target_tokens, n_tokens, [measured], [lines[target]], prefix
+        "line_retrieval", text, question, [str(numbers[target])], target_tokens, n_tokens, [measured], [lines[target]], prefix,
+        8, (">", "\n"),
     )
 
 

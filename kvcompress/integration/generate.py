@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Collection
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -237,15 +238,16 @@ class _Session:
             bar.close()
         return logits, time.perf_counter() - start
 
-    def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool) -> tuple[list[list[int]], float, float]:
-        """Append question_ids (exact) and decode greedily; -> (tokens per row, question seconds, decode seconds)."""
+    def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool, stop_token_ids: Collection[int] = ()) -> tuple[list[list[int]], float, float]:
+        """Append question_ids (exact) and decode greedily, stopping at EOS (if stop_at_eos) or any of
+        stop_token_ids; -> (tokens per row, question seconds, decode seconds)."""
         start = time.perf_counter()
         if question_ids is not None:
             logits = self.forward(question_ids)
         question_seconds = time.perf_counter() - start
         start = time.perf_counter()
         first = logits.argmax(-1, keepdim=True)
-        eos = _eos_ids(self.model) if stop_at_eos else set()
+        eos = (_eos_ids(self.model) if stop_at_eos else set()) | set(stop_token_ids)
         tokens = first
         if max_new_tokens > 1 and not all(int(t) in eos for t in first[:, 0]):
             seen = self.ids.shape[1]
@@ -255,7 +257,7 @@ class _Session:
             with _eos_ignored(self.model, not stop_at_eos):
                 out = self.model.generate(
                     ids, attention_mask=mask, past_key_values=self.cache, max_new_tokens=max_new_tokens - 1,
-                    do_sample=False, pad_token_id=pad,
+                    do_sample=False, pad_token_id=pad, **({"eos_token_id": sorted(eos)} if eos else {}),
                 )
             tokens = out[:, seen:]
         decode_seconds = time.perf_counter() - start
@@ -317,6 +319,7 @@ def generate_ids(
     prefill_approx: str | None = None,
     quality: float | None = None,
     calibration=None,
+    stop_token_ids: Collection[int] = (),
     **method_params,
 ) -> GenerationResult:
     """Greedy generation on token ids [1, n] through a compressed cache; `method=None` is the full cache.
@@ -334,8 +337,9 @@ def generate_ids(
     quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path): context-
     calibrated compression (Compactor seed §3.5) — the ratio is the smallest compression whose
     predicted quality meets `quality`, chosen from this context's NLL; it is reported in
-    `result.extra["calibration"]`. The first answer token is the argmax after the prompt; the
-    rest comes from greedy `model.generate` on the same cache.
+    `result.extra["calibration"]`. stop_token_ids: decoding also stops after any of these tokens.
+    The first answer token is the argmax after the prompt; the rest comes from greedy
+    `model.generate` on the same cache.
     """
     options = {k: v for k, v in locals().items() if k in _SESSION_OPTIONS}
     if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
@@ -352,7 +356,7 @@ def generate_ids(
     with use_compressed_attention(model) if method is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not compress_question else None
-        (tokens,), question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
+        (tokens,), question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos, stop_token_ids)
     return session.result(tokens, approx_seconds + prefill_seconds + question_seconds, decode_seconds, 0, {})
 
 

@@ -29,14 +29,14 @@ class SharedPrefill:
 
     def cache(self, method: str | None, compression_ratio: float = 0.0, sink=None, window=None, seed: int = 0, **params) -> CompressedCache:
         """A prefill-mode cache holding `method`'s compression of the context (None: the exact, full cache)."""
-        method, compression_ratio = _full_as_ratio_zero(method, compression_ratio)
+        method, compression_ratio = full_as_ratio_zero(method, compression_ratio)
         sink, window = default_sink_window(method, sink, window)
         settings = CompressionSettings(build_method(method, **params), "prefill", None, compression_ratio, sink, window, seed)
         return CompressedCache.from_prefill(self.model, settings, self.captured)
 
     def answer_ids(self, question_ids: torch.Tensor, method: str | None, compression_ratio: float = 0.0, max_new_tokens: int = 16, **params) -> list[int]:
         """Greedy answer token ids to the question after `method`'s compression (`generate_ids` on the record)."""
-        method, compression_ratio = _full_as_ratio_zero(method, compression_ratio)
+        method, compression_ratio = full_as_ratio_zero(method, compression_ratio)
         res = generate_ids(
             self.model, self.context_ids, question_ids, method=method, compression_ratio=compression_ratio,
             max_new_tokens=max_new_tokens, prefill=self.captured, **params,
@@ -56,6 +56,6 @@ def continuation_logits(model, cache: CompressedCache, ids: torch.Tensor) -> tor
         return model(ids, past_key_values=cache, use_cache=True).logits
 
 
-def _full_as_ratio_zero(method: str | None, compression_ratio: float) -> tuple[str, float]:
+def full_as_ratio_zero(method: str | None, compression_ratio: float) -> tuple[str, float]:
     """The full cache from a record: any method at ratio 0 keeps every token exactly."""
     return ("streamingllm", 0.0) if method is None else (method, compression_ratio)

@@ -1,0 +1,76 @@
+"""Statistics of a task sweep: Wilson intervals per cell and paired comparisons on the same samples.
+
+- `wilson`: 95% Wilson score interval of a proportion (Wilson 1927). A task score in [0, 1] is
+  treated as successes = sum of scores over n samples (exact for the 0/1 scores of the needle and
+  line tasks; for fractional scores of multi-answer tasks it is the usual approximation).
+- `sign_test`: exact two-sided sign test on paired score differences (for 0/1 scores this is the
+  exact McNemar test: only discordant pairs count), via scipy's binomial test.
+- `paired_comparisons`: every method against the best baseline of its (ratio, mode, task) cell,
+  pairing records of the same sample (task, length, index, depth).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from scipy.stats import binomtest
+
+Z95 = 1.959963984540054
+SAMPLE_KEY = ("task", "length", "index", "depth")
+
+
+def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """(low, high) Wilson score interval of successes / n; (nan, nan) for n = 0."""
+    if n < 0 or not 0 <= successes <= n:
+        raise ValueError(f"wilson needs 0 <= successes <= n, got successes={successes}, n={n}")
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Exact two-sided p-value of `wins` vs `losses` discordant pairs under no difference (1.0 when none)."""
+    if wins + losses == 0:
+        return 1.0
+    return float(binomtest(wins, wins + losses, 0.5).pvalue)
+
+
+def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str, ...] = ("ratio", "mode", "task")) -> list[dict]:
+    """Each method against the best of `baselines` in its group `by`, on the samples both answered.
+
+    The best baseline of a group is the one with the highest mean score there (ties: the one with
+    more answered samples, then the first by name).
+    Returns rows: group fields, method, baseline, n_pairs, method / baseline mean on the pairs,
+    wins (method better), losses, p (exact sign test).
+    """
+    scored = [r for r in records if r.get("error") is None and r.get("score") is not None and not r.get("grid")]
+    groups: dict[tuple, dict[str, dict[tuple, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in scored:
+        groups[tuple(r[k] for k in by)][r["method"]][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]
+    rows = []
+    for group, by_method in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        ranks = {m: (sum(s.values()) / len(s), len(s)) for m, s in by_method.items() if m in baselines}
+        if not ranks:
+            continue
+        best = max(sorted(ranks), key=lambda m: ranks[m])
+        for method in sorted(by_method):
+            if method == best:
+                continue
+            mine, theirs = by_method[method], by_method[best]
+            common = sorted(set(mine) & set(theirs), key=str)
+            if not common:
+                continue
+            diffs = [mine[k] - theirs[k] for k in common]
+            wins, losses = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+            rows.append(dict(zip(by, group)) | {
+                "method": method, "baseline": best, "n_pairs": len(common),
+                "method_score": sum(mine[k] for k in common) / len(common),
+                "baseline_score": sum(theirs[k] for k in common) / len(common),
+                "wins": wins, "losses": losses, "p": sign_test(wins, losses),
+            })
+    return rows

@@ -1,0 +1,101 @@
+"""Hybrid (score top tokens exact + weighted coreset of the rest): budget, exact weights, composition, errors."""
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.attention import exact_attention, weighted_attention
+from kvcompress.methods.hybrid import Hybrid
+
+
+def _kv(n=300, h=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d, generator=g)
+
+
+@pytest.mark.parametrize("coreset", ["balancekv", "express"])
+def test_one_shot_keeps_the_score_methods_top_tokens_exactly_and_weights_cover_every_token(coreset):
+    k, v = _kv()
+    s = kvc.compress("hybrid", k, v, budget=40, sink=4, window=8, coreset=coreset, exact_fraction=0.5)
+    assert s.num_slots <= 4 + 40 + 8
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
+    top = kvc.compress("keydiff", k[:, :, 4:292], v[:, :, 4:292], budget=20, sink=0, window=0, positions=torch.arange(4, 292))
+    for h in range(2):
+        plain = set(s.positions[0, h][s.log_weights[0, h] == 0].tolist())
+        assert set(top.positions[0, h].tolist()) <= plain
+    assert bool((s.positions.diff(dim=-1) > 0).all())
+
+
+@pytest.mark.parametrize("coreset", ["balancekv", "express"])
+def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
+    k, v = _kv(n=500)
+    st = kvc.stream("hybrid", budget=48, sink=4, window=16, coreset=coreset, exact_fraction=0.25)
+    for start in range(0, 500, 37):
+        st.update(k[:, :, start : start + 37], v[:, :, start : start + 37])
+        assert st.state.summary().num_slots <= 48
+    s = st.summary()
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 500.0, dtype=torch.float64))
+    assert (s.log_weights == 0).sum(-1).min() >= 4 + 16 + 12
+
+
+def test_seeded_and_reproducible():
+    k, v = _kv()
+    a = kvc.compress("hybrid", k, v, budget=40, seed=3)
+    b = kvc.compress("hybrid", k, v, budget=40, seed=3)
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.log_weights, b.log_weights)
+
+
+def test_exact_fraction_zero_is_the_coreset_alone():
+    k, v = _kv()
+    hybrid = kvc.compress("hybrid", k, v, budget=40, sink=4, window=8, exact_fraction=0.0, seed=1)
+    coreset = kvc.compress("balancekv", k, v, budget=40, sink=4, window=8, seed=1)
+    assert torch.equal(hybrid.positions, coreset.positions) and torch.equal(hybrid.log_weights, coreset.log_weights)
+
+
+def test_exact_part_adds_no_error_when_the_coreset_covers_nothing_it_drops():
+    """With budget >= the middle, nothing is compressed: attention equals exact attention."""
+    k, v = _kv(n=120)
+    q = torch.randn(1, 2, 5, 16)
+    s = kvc.compress("hybrid", k, v, budget=200)
+    out = weighted_attention(q, s, query_positions=torch.arange(115, 120))
+    ref = exact_attention(q, k, v, causal_offset=115)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_half_precision_does_not_overflow():
+    k, v = _kv()
+    s = kvc.compress("hybrid", (k * 8).half(), v.half(), budget=40)
+    assert s.keys.dtype == torch.float16 and torch.isfinite(s.log_weights).all()
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
+
+
+def test_query_aware_score_method_gets_queries_and_says_when_missing():
+    k, v = _kv()
+    q = torch.randn(1, 4, 8, 16)
+    s = kvc.compress("hybrid", k, v, queries=q, budget=40, score="snapkv")
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="queries"):
+        kvc.compress("hybrid", k, v, budget=40, score="snapkv")
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"exact_fraction": 1.0}, "exact_fraction"),
+        ({"exact_fraction": -0.1}, "exact_fraction"),
+        ({"score": "nope"}, "unknown method"),
+        ({"coreset": "hybrid"}, "coreset"),
+        ({"score_params": {"sink": 3}}, "sink"),
+        ({"coreset_params": {"block_size": 3}}, "block_size"),
+        ({"score_params": [1]}, "score_params"),
+    ],
+)
+def test_bad_parameters_are_named(params, match):
+    with pytest.raises(ValueError, match=match):
+        Hybrid(**params)
+
+
+def test_weighted_score_method_is_refused():
+    k, v = _kv()
+    with pytest.raises(ValueError, match="plain tokens"):
+        kvc.compress("hybrid", k, v, budget=40, score="balancekv", exact_fraction=0.5)

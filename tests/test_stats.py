@@ -1,0 +1,78 @@
+"""Sweep statistics: Wilson intervals, the exact sign test, paired comparisons on the same samples; stop tokens."""
+
+import pytest
+from scipy.stats import binomtest
+
+from kvcompress.eval.stats import paired_comparisons, sign_test, wilson
+from kvcompress.eval.stopping import stop_token_ids
+from kvcompress.eval.tasks import generate_sample
+
+
+@pytest.mark.parametrize("k, n", [(0, 30), (7, 30), (30, 30), (1, 1), (12, 40)])
+def test_wilson_matches_scipy(k, n):
+    ref = binomtest(k, n).proportion_ci(0.95, method="wilson")
+    assert wilson(k, n) == pytest.approx((ref.low, ref.high), abs=1e-9)
+
+
+def test_wilson_rejects_bad_counts_and_is_nan_for_no_samples():
+    with pytest.raises(ValueError, match="successes"):
+        wilson(5, 4)
+    low, high = wilson(0, 0)
+    assert low != low and high != high
+
+
+def test_sign_test_is_mcnemars_exact_test():
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(9, 1) == pytest.approx(binomtest(9, 10, 0.5).pvalue)
+    assert sign_test(0, 6) == pytest.approx(2 * 0.5**6)
+
+
+def _rec(method, index, score, ratio=0.9, task="niah_single"):
+    return {"grid": False, "method": method, "ratio": ratio, "mode": "prefill", "task": task, "length": 2048,
+            "index": index, "depth": 0.5, "error": None, "score": score}
+
+
+def test_paired_comparison_uses_the_best_baseline_and_only_shared_samples():
+    records = [_rec("a", i, float(i < 6)) for i in range(10)] + [_rec("b", i, float(i < 3)) for i in range(10)]
+    records += [_rec("hybrid", i, float(i < 9)) for i in range(9)]  # sample 9 missing: 9 pairs
+    records += [_rec("a", 0, 0.0, ratio=0.5), _rec("b", 0, 1.0, ratio=0.5)]
+    rows = {(r["ratio"], r["method"]): r for r in paired_comparisons(records, ["a", "b"])}
+    h = rows[(0.9, "hybrid")]
+    assert (h["baseline"], h["n_pairs"], h["wins"], h["losses"]) == ("a", 9, 3, 0)
+    assert h["p"] == pytest.approx(0.25)
+    assert (rows[(0.9, "b")]["wins"], rows[(0.9, "b")]["losses"]) == (0, 3)
+    assert rows[(0.5, "a")]["baseline"] == "b" and (0.5, "b") not in rows
+
+
+class _Vocab:
+    pieces = ["12", ".", "a", ">\n", "x>", "\n"]
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def batch_decode(self, ids):
+        return [self.pieces[i[0]] for i in ids]
+
+
+def test_stop_token_ids_are_the_tokens_containing_a_stop_string():
+    tok = _Vocab()
+    assert stop_token_ids(tok, (">", "\n")) == {3, 4, 5}
+    assert stop_token_ids(tok, (".",)) == {1}
+    assert stop_token_ids(tok, ()) == frozenset()
+
+
+def test_tasks_carry_answer_limits_stop_strings_and_a_needle_answer_prefix():
+    needle = generate_sample("niah_single", target_tokens=200, seed=1)
+    assert needle.answer_prefix.startswith("The special magic number for") and needle.answer_prefix.endswith(" is")
+    assert needle.max_new_tokens == 14 and "." in needle.stop
+    values = generate_sample("niah_multivalue", target_tokens=200, seed=1, kind="uuids", n_values=3)
+    assert values.answer_prefix.endswith(" are") and values.max_new_tokens == 3 * 32 + 4
+    line = generate_sample("line_retrieval", target_tokens=200, seed=1, n_lines=1)
+    assert line.max_new_tokens == 8 and ">" in line.stop
+    assert generate_sample("common_words", target_tokens=300, seed=1).stop == ()
+
+
+def test_best_baseline_ties_go_to_the_method_with_more_samples():
+    records = [_rec("a", 0, 1.0)] + [_rec("b", i, 1.0) for i in range(5)] + [_rec("c", i, 0.0) for i in range(5)]
+    rows = paired_comparisons(records, ["a", "b", "c"])
+    assert {r["baseline"] for r in rows} == {"b"}
