@@ -111,7 +111,8 @@ def halve(
     Returns (index, number of FAIL events).
     """
     rows, m, _ = keys.shape
-    keep, fails = halve_mask(keys, values, torch.full((rows,), m, device=keys.device), scale, method, kernel, generator)
+    lengths = torch.full((rows,), m, device=keys.device)
+    keep, fails = halve_mask(keys, values, lengths, scale, method, method.block_size, kernel, generator)
     return first_true(keep, m // 2), fails
 
 
@@ -121,6 +122,7 @@ def halve_mask(
     lengths: torch.Tensor,
     scale: float,
     method: "BalanceKV",
+    block_size: int,
     kernel: str,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, int]:
@@ -130,11 +132,11 @@ def halve_mask(
     Rows and blocks are balanced together as one batched program; the last block of a row is
     zero-padded (seed App. B), and a row shorter than a block is one block of its own length.
     In each block the side kept is +1 or -1 with probability ½, so every token is kept with
-    probability ½. `method` supplies block_size and the walk's gain.
+    probability ½. `method` supplies the walk's gain; block_size is b.
     Returns (keep [R, m] bool, exactly lengths[r] / 2 True per row; number of FAIL events).
     """
     rows, m, d = keys.shape
-    block_size = min(method.block_size, m)
+    block_size = min(block_size, m)
     n_blocks = -(-m // block_size)
     pad = n_blocks * block_size - m
     valid = (torch.arange(n_blocks * block_size, device=keys.device) < lengths[:, None]).reshape(-1, block_size)
@@ -179,7 +181,7 @@ class BalanceKV(Method):
     = 0), so every compression ratio in (0, 1) runs end to end. The single-layer protocol of App. B.1 (first 256 and last
     256 tokens exact, augment 0) is passed explicitly by the approximation benchmarks.
 
-    block_size: b, tokens per SoftmaxBalance block (one-shot blocks, and blocks inside each stream halving);
+    block_size: b, tokens per SoftmaxBalance block of the one-shot rounds;
     even. step: the walk's probability rule p = ½ − yᵀη/(2cR²) with cR² = 1/(2·step) (the form
     and default 4.0 of the authors' implementation); step=None uses the theoretical c = 30·log(b/δ)
     of seed Alg. 2 with delta the failure probability. On real keys exp(s<k̄_i,k̄_j>) is tiny next
@@ -193,8 +195,12 @@ class BalanceKV(Method):
     keys most anti-correlated with the rest (seed Sec. 4.3; one-shot only), 0 turns it off. levels: T of
     MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the seed's
     T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
-    block_size); a batch larger than block_size is balanced as parallel blocks, which cuts the
-    walk's sequential steps per token by batch/block_size.
+    stream_block); a batch larger than stream_block is balanced as parallel blocks (seed App. B's
+    block-parallel form), which cuts the walk's sequential steps per token by batch/stream_block.
+    Default 1024. stream_block: b of the stream's halvings (default 64, a departure from the
+    one-shot b = 256 for speed: the walk takes b sequential steps per halving, and the seed's
+    block-size ablation, App. B.1 Fig. 3, finds b = 64 within 10% of b = 256 in relative error, at
+    1/3 of the time on layer 1).
 
     One-shot: rounds halve the middle until the budget is met. A round halves as many tokens of
     the current (heaviest) level as are needed; when fewer than all, the halved subset is drawn
@@ -217,7 +223,8 @@ class BalanceKV(Method):
     kernel: str = "value"
     augment: float = 0.25
     levels: int | None = 2
-    batch: int | None = None
+    batch: int | None = 1024
+    stream_block: int = 64
 
     def __post_init__(self):
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2 or self.block_size % 2:
@@ -232,14 +239,16 @@ class BalanceKV(Method):
             raise ValueError(f"augment must be in [0, 1), got {self.augment!r}")
         if self.levels is not None and (isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels < 1):
             raise ValueError(f"levels must be None or an integer >= 1, got {self.levels!r}")
+        if isinstance(self.stream_block, bool) or not isinstance(self.stream_block, int) or self.stream_block < 2 or self.stream_block % 2:
+            raise ValueError(f"stream_block must be an even integer >= 2, got {self.stream_block!r}")
         if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 2 or self.batch % 2):
             raise ValueError(f"batch must be None or an even integer >= 2, got {self.batch!r}")
         self.failures = 0
 
     @property
     def stream_batch(self) -> int:
-        """t of MergeAndReduce: tokens per halving call (block_size when `batch` is None)."""
-        return self.block_size if self.batch is None else self.batch
+        """t of MergeAndReduce: tokens per halving call (stream_block when `batch` is None)."""
+        return self.stream_block if self.batch is None else self.batch
 
     def log_gain(self, log_r2: torch.Tensor) -> torch.Tensor:
         """log(1 / (2c)) of the walk in units of R² (see `balancing_walk`), per block from log R² [N].
@@ -419,49 +428,56 @@ class BalanceKVStream(StreamState):
             self._halve_groups(inverse, counts, torch.where(full, batch, 0), scale)
 
     def _enforce_budget(self, scale: float) -> None:
-        """Forced halvings until every head holds at most `budget` slots (one level per head per round)."""
+        """Forced halvings until every head holds at most `budget` slots.
+
+        A head over budget by e slots halves its fullest levels (ties: the lighter level first),
+        as few as together free at least e slots, all heads in one batched round.
+        """
         rows = self.shape[0] * self.shape[1]
         while True:
-            over = torch.bincount(self.pool["row"], minlength=rows) > self.budget
-            if not bool(over.any()):
+            excess = torch.bincount(self.pool["row"], minlength=rows) - self.budget
+            if not bool((excess > 0).any()):
                 return
             groups, inverse, counts = self._groups()
             head = groups // (_INSTANCES * _LEVELS)
-            unique = torch.arange(len(groups), device=groups.device)
-            # fullest first, then the lighter level, then the first group: one group per head
-            rank = (counts * _LEVELS + (_LEVELS - 1 - groups % _LEVELS)) * len(groups) + (len(groups) - 1 - unique)
-            rank = torch.where((counts >= 2) & over[head], rank, -1)
-            best = torch.full((rows,), -1, dtype=rank.dtype, device=rank.device).scatter_reduce(0, head, rank, "amax")
-            chosen = (rank >= 0) & (rank == best[head])
+            freed = torch.where((counts >= 2) & (excess[head] > 0), counts // 2, 0)
+            order = torch.argsort(groups % _LEVELS, stable=True)
+            order = order[torch.argsort(-counts[order], stable=True)]
+            order = order[torch.argsort(head[order], stable=True)]
+            freed_sorted, head_sorted = freed[order], head[order]
+            before = torch.cumsum(freed_sorted, 0) - freed_sorted
+            head_start = torch.zeros(rows, dtype=before.dtype, device=before.device)
+            head_start = head_start.scatter_reduce(0, head_sorted, before, "amin", include_self=False)
+            needed = (freed_sorted > 0) & (before - head_start[head_sorted] < excess[head_sorted])
+            chosen = torch.zeros_like(needed).scatter_(0, order, needed)
             self._halve_groups(inverse, counts, torch.where(chosen, counts // 2 * 2, 0), scale)
             self._cascade(scale)
 
     def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float) -> None:
-        """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, all in one batch per kernel."""
+        """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.
+
+        Numerator groups use the value kernel of seed Alg. 2; the normaliser's keys-only kernel
+        (κ = 1) is the same kernel with every value the unit vector e_0, so both run as one walk.
+        """
         pool = self.pool
         by_age = torch.argsort(pool["order"], stable=True)
         ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
         starts = torch.cumsum(counts, 0) - counts
         chosen = take > 0
-        promoted, dropped = [], []
-        normaliser_group = torch.zeros_like(chosen).scatter_(0, inverse, pool["instance"] == _NORMALISER)
-        for kernel, part in (("value", chosen & ~normaliser_group), ("key", chosen & normaliser_group)):
-            lengths = take[part]
-            if lengths.numel() == 0:
-                continue
-            width = int(lengths.max())
-            offsets = torch.arange(width, device=lengths.device)
-            slot = ordered[(starts[part][:, None] + offsets).clamp_max(len(ordered) - 1)]
-            values = None if kernel == "key" else pool["values"][slot]
-            keep, fails = halve_mask(pool["keys"][slot], values, lengths, scale, self.method, kernel, self.generator)
-            self.method.failures += fails
-            valid = offsets < lengths[:, None]
-            promoted.append(slot[valid & keep])
-            dropped.append(slot[valid & ~keep])
-        promoted = torch.cat(promoted)
+        lengths = take[chosen]
+        width = int(lengths.max())
+        offsets = torch.arange(width, device=lengths.device)
+        slot = ordered[(starts[chosen][:, None] + offsets).clamp_max(len(ordered) - 1)]
+        unit = torch.zeros(pool["values"].shape[-1], dtype=pool["values"].dtype, device=pool["values"].device)
+        unit[0] = 1.0
+        values = torch.where((pool["instance"][slot] == _NORMALISER)[..., None], unit, pool["values"][slot])
+        keep, fails = halve_mask(pool["keys"][slot], values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
+        self.method.failures += fails
+        valid = offsets < lengths[:, None]
+        promoted = slot[valid & keep]
         pool["level"][promoted] += 1
         pool["order"][promoted] = self._stamp(pool["positions"][promoted])
-        alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, torch.cat(dropped), False)
+        alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, slot[valid & ~keep], False)
         self.pool = {name: t[alive] for name, t in pool.items()}
 
     def summary(self) -> KVSummary | None:
