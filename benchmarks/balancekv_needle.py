@@ -16,7 +16,9 @@ Writes benchmarks/results/balancekv_needle_tuning.{csv,md}.
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
+import json
 import math
 import time
 from collections import defaultdict
@@ -53,17 +55,8 @@ def configurations(args) -> list[tuple[str, str | None, dict]]:
     return runs
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=1000, help="first task seed (the reported run uses 0..29)")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--augments", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.25, 0.5])
-    parser.add_argument("--sink-windows", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
-                        default=[(0, 0), (4, 16)], help="sink,window pairs")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+def tune(args) -> list[dict]:
+    """Rows {config, task_seed, depth, ratio, score, prediction, wall_s}, printed as they finish."""
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
     rows = []
@@ -80,25 +73,87 @@ def main():
             rows.append({"config": label, "task_seed": args.seed + i, "depth": sample_depth(i), "ratio": args.ratio,
                          "score": score(sample, prediction), "prediction": prediction, "wall_s": time.perf_counter() - start})
             print(rows[-1], flush=True)
+    return rows
+
+
+def hits_table(groups: dict[str, list[float]]) -> list[str]:
+    """Markdown rows: label | hits/n | 95% Wilson interval."""
+    lines = ["| configuration | hits | 95% Wilson interval |", "|---|---|---|"]
+    for label, scores in groups.items():
+        hits = int(sum(s == 1.0 for s in scores))
+        low, high = wilson_interval(hits, len(scores))
+        lines.append(f"| {label} | {hits}/{len(scores)} | [{low:.2f}, {high:.2f}] |")
+    return lines
+
+
+def write_tuning(rows: list[dict], note: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     write_csv(RESULTS / "balancekv_needle_tuning.csv", rows)
     by = defaultdict(list)
     for r in rows:
         by[r["config"]].append(r["score"])
-    lines = [
-        f"# BalanceKV needle defaults, tuning seeds {args.seed}..{args.seed + args.samples - 1} "
-        f"(niah_single, {args.length} tokens, ratio {args.ratio}, {args.threads} thread(s), "
-        f"{time.strftime('%Y-%m-%d', time.gmtime())})",
-        "",
-        "| configuration | hits | 95% Wilson interval |",
-        "|---|---|---|",
-    ]
-    for label, scores in by.items():
-        hits = int(sum(s == 1.0 for s in scores))
-        low, high = wilson_interval(hits, len(scores))
-        lines.append(f"| {label} | {hits}/{len(scores)} | [{low:.2f}, {high:.2f}] |")
+    seeds = sorted({r["task_seed"] for r in rows})
+    lines = [f"# BalanceKV needle defaults: tuning on task seeds {seeds[0]}..{seeds[-1]} (niah_single, ratio {rows[0]['ratio']})",
+             "", note, "", *hits_table(by)]
     (RESULTS / "balancekv_needle_tuning.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def report(run_dir: Path) -> None:
+    """Needle hits of every (method, ratio) of a `kvcompress eval` run against the full cache on the same samples."""
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    full = {r["index"]: r["score"] for r in records if r["method"] == "full" and r["error"] is None}
+    by = defaultdict(list)
+    for r in records:
+        if r["error"] is None and r["index"] in full:
+            by["full cache" if r["method"] == "full" else f"{r['method']} @ {r['ratio']}"].append(r["score"])
+    full_hits = sum(s == 1.0 for s in full.values())
+    config = json.loads((run_dir / "config.json").read_text())
+    lines = [
+        f"# Augmented BalanceKV on the needle (niah_single, {config['config']['lengths']} tokens, prefill mode, question kept "
+        f"out of compression), {len(full)} samples (task seeds {config['config']['seed']}..{config['config']['seed'] + len(full) - 1})",
+        "",
+        f"Run: `{run_dir}` ({config['threads']} thread(s), started {config['started']}, shared 2-core machine). Table: "
+        "`PYTHONPATH=. python benchmarks/balancekv_needle.py report " + str(run_dir) + "`.",
+        "",
+        *hits_table(by),
+        "",
+        "| method @ ratio | hits / full-cache hits |",
+        "|---|---|",
+    ]
+    for label, scores in by.items():
+        if label != "full cache":
+            lines.append(f"| {label} | {sum(s == 1.0 for s in scores)}/{full_hits} = {sum(s == 1.0 for s in scores) / max(full_hits, 1):.2f} |")
+    (RESULTS / "balancekv_needle.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tune", help="run the tuning grid on tuning seeds")
+    t.add_argument("--samples", type=int, default=10)
+    t.add_argument("--seed", type=int, default=1000, help="first task seed (the reported run uses 0..29)")
+    t.add_argument("--length", type=int, default=2048)
+    t.add_argument("--ratio", type=float, default=0.5)
+    t.add_argument("--augments", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75])
+    t.add_argument("--sink-windows", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
+                   default=[(0, 0), (4, 16)], help="sink,window pairs")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--from-log", type=Path, default=None, help="rebuild the tables from the rows a (stopped) tuning run printed")
+    r = sub.add_parser("report", help="hits with Wilson intervals of a kvcompress eval run directory")
+    r.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    if args.command == "report":
+        report(args.run_dir)
+        return
+    if args.from_log is not None:
+        rows = [ast.literal_eval(line) for line in args.from_log.read_text().splitlines() if line.startswith("{'config'")]
+        note = f"Rows from the log of a run stopped early ({args.from_log}); {args.threads} thread(s)."
+    else:
+        rows = tune(args)
+        note = f"{args.threads} thread(s), {time.strftime('%Y-%m-%d', time.gmtime())}."
+    write_tuning(rows, note)
 
 
 if __name__ == "__main__":
