@@ -363,7 +363,12 @@ class BalanceKVStream(StreamState):
         if budget < 2:
             raise ValueError(f"balancekv streaming needs budget >= 2 (numerator and normaliser slots), got {budget}")
         self.method, self.budget, self.generator = method, budget, generator
+        # slot metadata {positions, row, instance, level, order, token}; `token` indexes the key/value
+        # buffers, shared by a token's numerator and normaliser slots
         self.pool: dict[str, torch.Tensor] | None = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.used = 0
         self.shape: tuple[int, int] | None = None
         self.template: tuple[torch.Tensor, torch.Tensor] | None = None
         self.events = 0
@@ -384,15 +389,14 @@ class BalanceKVStream(StreamState):
         for start in range(0, n, step):
             stop = min(n, start + step)
             count = stop - start
-            part = {
-                "keys": tokens.keys[:, :, start:stop].reshape(-1, d),
-                "values": tokens.values[:, :, start:stop].reshape(-1, tokens.values.shape[-1]),
-                "positions": tokens.positions[:, :, start:stop].reshape(-1),
-                "row": rows.repeat_interleave(count),
-            }
-            numerator = part | {"instance": instance[:, :, start:stop].reshape(-1)}
-            self._add(numerator)
-            self._add(part | {"instance": torch.full_like(part["positions"], _NORMALISER)})
+            token = self._store(tokens.keys[:, :, start:stop].reshape(-1, d), tokens.values[:, :, start:stop].reshape(-1, tokens.values.shape[-1]))
+            numerator = instance[:, :, start:stop].reshape(-1)
+            self._add({
+                "positions": tokens.positions[:, :, start:stop].reshape(-1).repeat(2),
+                "row": rows.repeat_interleave(count).repeat(2),
+                "instance": torch.cat([numerator, torch.full_like(numerator, _NORMALISER)]),
+                "token": token.repeat(2),
+            })
             self._cascade(tokens.scale)
             self._enforce_budget(tokens.scale)
 
@@ -401,8 +405,30 @@ class BalanceKVStream(StreamState):
         self.events += 1
         return (self.events << 32) + positions
 
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Append keys [c, d] / values [c, d_v] to the buffers; returns their buffer rows [c].
+
+        When the buffers are full, the rows no slot refers to any more are dropped (one copy of the
+        live rows into buffers of twice what is needed), so appending costs O(1) amortised.
+        """
+        count = keys.shape[0]
+        if self.keys is None or self.used + count > self.keys.shape[0]:
+            live = torch.unique(self.pool["token"]) if self.pool is not None else keys.new_zeros(0, dtype=torch.long)
+            capacity = 2 * (live.numel() + count)
+            new_keys = keys.new_zeros(capacity, keys.shape[1])
+            new_values = values.new_zeros(capacity, values.shape[1])
+            if live.numel():
+                new_keys[: live.numel()] = self.keys[live]
+                new_values[: live.numel()] = self.values[live]
+                self.pool["token"] = torch.searchsorted(live, self.pool["token"])
+            self.keys, self.values, self.used = new_keys, new_values, live.numel()
+        self.keys[self.used : self.used + count] = keys
+        self.values[self.used : self.used + count] = values
+        self.used += count
+        return torch.arange(self.used - count, self.used, device=keys.device)
+
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
-        """Append new level-0 slots {keys, values, positions, row, instance} to the pool."""
+        """Append new level-0 slots {positions, row, instance, token} to the pool."""
         slots = slots | {"level": torch.zeros_like(slots["row"]), "order": self._stamp(slots["positions"])}
         if self.pool is None:
             self.pool = slots
@@ -468,10 +494,11 @@ class BalanceKVStream(StreamState):
         width = int(lengths.max())
         offsets = torch.arange(width, device=lengths.device)
         slot = ordered[(starts[chosen][:, None] + offsets).clamp_max(len(ordered) - 1)]
-        unit = torch.zeros(pool["values"].shape[-1], dtype=pool["values"].dtype, device=pool["values"].device)
+        token = pool["token"][slot]
+        unit = torch.zeros(self.values.shape[-1], dtype=self.values.dtype, device=self.values.device)
         unit[0] = 1.0
-        values = torch.where((pool["instance"][slot] == _NORMALISER)[..., None], unit, pool["values"][slot])
-        keep, fails = halve_mask(pool["keys"][slot], values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
+        values = torch.where((pool["instance"][slot] == _NORMALISER)[..., None], unit, self.values[token])
+        keep, fails = halve_mask(self.keys[token], values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
         self.method.failures += fails
         valid = offsets < lengths[:, None]
         promoted = slot[valid & keep]
@@ -479,6 +506,12 @@ class BalanceKVStream(StreamState):
         pool["order"][promoted] = self._stamp(pool["positions"][promoted])
         alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, slot[valid & ~keep], False)
         self.pool = {name: t[alive] for name, t in pool.items()}
+
+    def nbytes(self) -> int:
+        """Key/value buffers (up to twice the live tokens, see `_store`) plus the slot metadata."""
+        if self.pool is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, *self.pool.values()))
 
     def summary(self) -> KVSummary | None:
         if self.pool is None:
@@ -505,5 +538,5 @@ class BalanceKVStream(StreamState):
             return out.reshape(b, h, width, *values.shape[1:])
 
         log_weights = pool["level"].float() * LOG2
-        return (scatter(pool["keys"], 0.0).to(key_t.dtype), scatter(pool["values"], 0.0).to(value_t.dtype),
+        return (scatter(self.keys[pool["token"]], 0.0).to(key_t.dtype), scatter(self.values[pool["token"]], 0.0).to(value_t.dtype),
                 scatter(log_weights, float("-inf")), scatter(pool["positions"], -1))
