@@ -6,7 +6,7 @@ protocol: first `--sink` and last `--window` tokens exact, the middle compressed
 
 - ClusterGen one-shot: the seed's global k-center (`block_size=None`) vs block-local k-center (B = 256).
 - BalanceKV stream (blocks of `--block` tokens through `kvc.stream`): walk blocks of 256 with
-  t = 256 (the former defaults) vs the new defaults (stream_block 64, t = 1024).
+  t = 256 (the former defaults) vs walk blocks of 64 with t = 1024 and with t = 256 (the new defaults).
 - BalanceKV one-shot: the plain variant (augment 0) vs the augmented default.
 
 Uniform sampling (`random`, weighted) is the reference. Mean ± std over `--seeds` seeds, one
@@ -34,7 +34,8 @@ CONFIGS = [
     ("clustergen, global k-center (before)", "clustergen", {"block_size": None}, False),
     ("clustergen, block-local B=256 (after)", "clustergen", {}, False),
     ("balancekv stream, b=256 t=256 (before)", "balancekv", {"stream_block": 256, "batch": 256}, True),
-    ("balancekv stream, b=64 t=1024 (after)", "balancekv", {}, True),
+    ("balancekv stream, b=64 t=1024", "balancekv", {"batch": 1024}, True),
+    ("balancekv stream, b=64 t=256 (after: default)", "balancekv", {}, True),
     ("balancekv one-shot, plain", "balancekv", {"augment": 0.0}, False),
     ("balancekv one-shot, augmented (default)", "balancekv", {}, False),
     ("uniform (random, weighted)", "random", {"weighted": True}, False),

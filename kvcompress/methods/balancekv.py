@@ -197,7 +197,8 @@ class BalanceKV(Method):
     T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
     stream_block); a batch larger than stream_block is balanced as parallel blocks (seed App. B's
     block-parallel form), which cuts the walk's sequential steps per token by batch/stream_block.
-    Default 1024. stream_block: b of the stream's halvings (default 64, a departure from the
+    Default 256 (t = 1024 was 1.4x faster at 8k tokens but blew up on one of 4 seeds of a real
+    layer: benchmarks/results/coreset_quality.md). stream_block: b of the stream's halvings (default 64, a departure from the
     one-shot b = 256 for speed: the walk takes b sequential steps per halving, and the seed's
     block-size ablation, App. B.1 Fig. 3, finds b = 64 within 10% of b = 256 in relative error, at
     1/3 of the time on layer 1).
@@ -223,7 +224,7 @@ class BalanceKV(Method):
     kernel: str = "value"
     augment: float = 0.25
     levels: int | None = 2
-    batch: int | None = 1024
+    batch: int | None = 256
     stream_block: int = 64
 
     def __post_init__(self):
