@@ -214,6 +214,7 @@ class BalanceKV(Method):
     """
 
     name = "balancekv"
+    randomized = True
     default_sink = 0
     default_window = 0
 
