@@ -5,8 +5,9 @@ Captures post-RoPE q/k/v of layers 1, 2 and 5 of the default model on real prose
 (the window holds the queries: query j sees window tokens <= j), compresses the middle by 2^-T
 and reports ‖z − Attn‖_F / ‖Attn‖_F over the last `--window` queries, all heads, as in the seed.
 "balancekv" is the plain variant of the seed's single-layer protocol (augment 0); "balancekv
-(augmented)" is the library default (Sec. 4.3's augmented variant). Uniform sampling is the foundation's `random` with weighted=True (each kept slot weighs
-middle/budget: the seed's independent uniform sampling of a 2^-T fraction). Every method runs with
+(augmented)" is the library default (Sec. 4.3's augmented variant). Uniform sampling is the
+foundation's `random` with weighted=True (each kept slot weighs middle/budget: the seed's
+independent uniform sampling of a 2^-T fraction). Every method runs with
 `--seeds` seeds; a seed's error is the mean over the prompts; the table gives mean ± std over seeds.
 
 Writes benchmarks/results/balancekv_attention_error.{csv,md,png}.
