@@ -4,8 +4,10 @@ Captures post-RoPE q/k/v of layers 1, 2 and 5 of the default model on real prose
 (`kvcompress.eval.capture`), keeps the first `--sink` tokens and the last `--window` tokens exact
 (the window holds the queries: query j sees window tokens <= j), compresses the middle by 2^-T
 and reports ‖z − Attn‖_F / ‖Attn‖_F over the last `--window` queries, all heads, as in the seed.
-Uniform sampling is the foundation's `random` with weighted=True (each kept slot weighs
-middle/budget: the seed's independent uniform sampling of a 2^-T fraction). Every method runs with
+"balancekv" is the plain variant of the seed's single-layer protocol (augment 0); "balancekv
+(augmented)" is the library default (Sec. 4.3's augmented variant). Uniform sampling is the
+foundation's `random` with weighted=True (each kept slot weighs middle/budget: the seed's
+independent uniform sampling of a 2^-T fraction). Every method runs with
 `--seeds` seeds; a seed's error is the mean over the prompts; the table gives mean ± std over seeds.
 
 Writes benchmarks/results/balancekv_attention_error.{csv,md,png}.
@@ -25,8 +27,9 @@ from kvcompress.eval.tables import write_csv
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
-    "balancekv": ("balancekv", {}),
-    "balancekv (unweighted)": ("balancekv", {"weighted": False}),
+    "balancekv": ("balancekv", {"augment": 0.0}),
+    "balancekv (augmented)": ("balancekv", {}),
+    "balancekv (unweighted)": ("balancekv", {"weighted": False, "augment": 0.0}),
     "uniform": ("random", {"weighted": True}),
 }
 

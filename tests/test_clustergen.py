@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.clustergen import farthest_point
+from kvcompress.methods.clustergen import block_centres, farthest_point
 
 torch.set_num_threads(1)
 
@@ -35,7 +35,7 @@ def test_greedy_radius_is_within_twice_the_optimum():
 def test_one_centre_per_cluster_plus_exact_window():
     keys, values, labels = blobs(400)
     window = 32
-    summ = kvc.compress("clustergen", keys, values, budget=8, window=window)
+    summ = kvc.compress("clustergen", keys, values, budget=8, window=window, block_size=None)
     assert summ.num_slots == 8 + window
     centres = summ.positions[..., :8]
     for h in range(2):
@@ -43,6 +43,21 @@ def test_one_centre_per_cluster_plus_exact_window():
     assert torch.equal(summ.positions[..., 8:], torch.arange(400 - window, 400).expand(1, 2, window))
     assert torch.equal(summ.log_weights, torch.zeros(1, 2, 8 + window))
     assert torch.equal(summ.keys[..., :8, :], keys[0, torch.arange(2)[:, None], centres[0]][None])
+
+
+def test_block_local_centres_are_each_blocks_own_greedy_k_center():
+    keys, _, _ = blobs(1000, clusters=12, d=8, heads=2, seed=4)
+    points = keys[0]
+    index = block_centres(points, 250, 256)
+    assert index.shape == (2, 250)
+    blocks = index // 256
+    # quota of block j: floor(250 * C_j / 1000) - floor(250 * C_{j-1} / 1000), C_j = min(256 (j+1), 1000)
+    assert (torch.bincount(blocks[0], minlength=4) == torch.tensor([64, 64, 64, 58])).all()
+    for j, quota in enumerate([64, 64, 64, 58]):
+        block = points[:, 256 * j : 256 * (j + 1)]
+        own, _ = farthest_point(block, quota)
+        assert torch.equal(index[blocks == j].reshape(2, quota), own + 256 * j)
+    assert len(index[0].unique()) == 250
 
 
 def test_defaults_follow_the_seed_no_sinks():
@@ -54,7 +69,7 @@ def test_defaults_follow_the_seed_no_sinks():
 
 def test_weighted_centres_stand_for_their_nearest_keys():
     keys, values, labels = blobs(300)
-    summ = kvc.compress("clustergen", keys, values, budget=8, window=0, weighted=True)
+    summ = kvc.compress("clustergen", keys, values, budget=8, window=0, weighted=True, block_size=None)
     assert torch.allclose(summ.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
     for h in range(2):
         sizes = torch.bincount(labels[h], minlength=8).double()
@@ -87,6 +102,8 @@ def test_half_precision_and_bad_parameter():
     assert summ.keys.dtype == torch.float16
     with pytest.raises(ValueError, match="no parameter"):
         kvc.compress("clustergen", keys, values, budget=8, k=3)
+    with pytest.raises(ValueError, match="block_size"):
+        kvc.compress("clustergen", keys, values, budget=8, block_size=0)
 
 
 @pytest.mark.e2e

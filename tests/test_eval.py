@@ -117,14 +117,14 @@ def test_prefill_reuse_matches_reprefilling(tiny, tmp_path):
 def test_streaming_modes_and_unfit_cells_are_recorded(tiny, tmp_path):
     model, tokenizer = tiny
     config = small_config(methods=["streamingllm", "balancekv"], modes=["prefill", "chunked"], tasks=["niah_single"],
-                          lengths=[600], grid_lengths=[], grid_depths=[], samples=1, include_full=False)
+                          ratios=[0.9], lengths=[600], grid_lengths=[], grid_depths=[], samples=1, include_full=False)
     records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
     by = {(r["method"], r["mode"]): r for r in records}
-    assert by[("streamingllm", "chunked")]["error"] is None
-    # BalanceKV's seed keeps 256 sink + 256 window tokens exactly: no room at 600 tokens and ratio 0.5
-    assert "sink" in by[("balancekv", "prefill")]["error"] and by[("balancekv", "prefill")]["score"] is None
+    assert by[("balancekv", "chunked")]["error"] is None
+    # StreamingLLM keeps 4 sink + 64 window tokens exactly: no room at 600 tokens and ratio 0.9 (60 kept)
+    assert "sink" in by[("streamingllm", "prefill")]["error"] and by[("streamingllm", "prefill")]["score"] is None
     md = write_summary(records, tmp_path)[1].read_text()
-    assert "| balancekv @ 0.5 (prefill) | n/a |" in md
+    assert "| streamingllm @ 0.9 (prefill) | n/a |" in md
 
 
 def test_tasks_beyond_the_model_are_flagged_and_left_out_of_the_averages():
