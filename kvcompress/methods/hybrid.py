@@ -73,6 +73,7 @@ class Hybrid(Method):
     """
 
     name = "hybrid"
+    randomized = True  # through its coreset (BalanceKV and Express draw random signs)
     score: str = "keydiff"
     coreset: str = "balancekv"
     exact_fraction: float = 0.75
