@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .methods.base import Method, Stream, Tokens, compress_tokens, make_generator, query_positions_for, resolve_budget
-from .summary import KVSummary, concat
+from .summary import KVSummary, SlotBuffer, concat
 
 MODES = ("prefill", "chunked", "decode")
 
@@ -65,7 +65,7 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, cache: "CompressedCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.front: KVSummary | Stream | None = None
+        self.front: SlotBuffer | Stream | None = None
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.seen = 0
@@ -77,7 +77,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def stored(self) -> KVSummary | None:
         """The layer's stored state as one summary (front then tail), without the pending block."""
-        front = self.front.summary() if isinstance(self.front, Stream) else self.front
+        front = self.front.summary() if self.front is not None else None
         parts = [p for p in (front, self.tail) if p is not None]
         return concat(parts) if parts else None
 
@@ -94,9 +94,12 @@ class CompressedLayer(CacheLayerMixin):
         self.pending = (key_states, value_states, positions)
         self.seen += n
         new = KVSummary.exact(key_states, value_states, positions)
-        stored = self.stored()
-        view = concat([stored, new]) if stored is not None else new
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes() + new.nbytes())
+        if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
+            view = self.front.append(new)
+        else:
+            stored = self.stored()
+            view = concat([stored, new]) if stored is not None else new
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
@@ -117,13 +120,15 @@ class CompressedLayer(CacheLayerMixin):
                 keys, values, queries, self.cache.pre_rope_keys(keys, positions), positions,
                 self.layer_idx, self.cache.num_layers,
             )
+        elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
+            return
         else:
             block = KVSummary.exact(keys, values, positions)
             self.tail = block if self.tail is None else concat([self.tail, block])
             return
         self.stats.compress_seconds += time.perf_counter() - start
 
-    def _compress_once(self, keys, values, positions, queries, scale) -> KVSummary:
+    def _compress_once(self, keys, values, positions, queries, scale) -> SlotBuffer:
         settings = self.cache.settings
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
@@ -132,7 +137,8 @@ class CompressedLayer(CacheLayerMixin):
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
             self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos),
         )
-        return compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
+        summary = compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
+        return SlotBuffer(summary.to(self.dtype).checked_eviction())  # model's dtype; eviction_only read once
 
     def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> None:
         """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d]."""

@@ -13,6 +13,7 @@ from ..api import default_sink_window
 from ..cache import MODES, CompressedCache, CompressionSettings, check_supported
 from ..methods.base import build_method, check_sink_window, resolve_budget
 from .attention import ATTENTION_NAME
+from .model import check_context_length
 
 # Prompts longer than this show a progress bar while they are processed.
 PROGRESS_MIN_TOKENS = 1024
@@ -146,6 +147,7 @@ def generate_ids(
     question_ids = question_ids.to(device) if question_ids is not None and question_ids.shape[1] > 0 else None
     n_context = context_ids.shape[1]
     n_prompt = n_context + (question_ids.shape[1] if question_ids is not None else 0)
+    check_context_length(model, n_prompt)
     chosen = None
     if quality is not None or calibration is not None:
         from ..calibration import calibrated_ratio
