@@ -103,14 +103,15 @@ def default_model_rows(args, log) -> list[dict]:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     device = next(model.parameters()).device
     rows = []
-    for n in args.contexts:
+    for i, n in enumerate(args.contexts):
+        prefill_repeats = args.prefill_repeats[min(i, len(args.prefill_repeats) - 1)]
         if n > model.config.max_position_embeddings:
             model.config.max_position_embeddings = n  # speed-only rows: see the module docstring
         ids = context_ids(tokenizer, n).to(device)
         plain_prefill(model, ids[:, :256])  # warm-up: first calls pay allocation and dispatch setup
         ratio0_prefill(model, ids[:, :256], args.method)
         plain_s, ours_s = [], []
-        for r in range(args.prefill_repeats):  # alternate which goes first
+        for r in range(prefill_repeats):  # alternate which goes first
             for kind in ("plain", "ours") if r % 2 == 0 else ("ours", "plain"):
                 if kind == "plain":
                     plain, plain_logits, s = plain_prefill(model, ids)
@@ -131,7 +132,7 @@ def default_model_rows(args, log) -> list[dict]:
         best = {k: min(v) for k, v in steps.items()}
         rows.append({
             "context_tokens": n, "dtype": str(args.dtype).removeprefix("torch."), "device": str(device),
-            "method_kept": args.method, "kept": args.kept, "prefill_repeats": args.prefill_repeats,
+            "method_kept": args.method, "kept": args.kept, "prefill_repeats": prefill_repeats,
             "decode_repeats": args.repeats, "new_tokens": args.new_tokens,
             "plain_prefill_s": min(plain_s), "kvcompress_prefill_s": min(ours_s),
             "prefill_ratio": min(ours_s) / min(plain_s),
@@ -183,7 +184,7 @@ def main(argv=None) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 4096 16384; 32768 with --llama8b)")
     p.add_argument("--new-tokens", type=int, default=8, help="decode steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (min is reported)")
-    p.add_argument("--prefill-repeats", type=int, default=2, help="prefill repeats per context (min is reported)")
+    p.add_argument("--prefill-repeats", type=int, nargs="+", default=[3, 1], help="prefill repeats for each context (the last value for the rest; min is reported)")
     p.add_argument("--kept", type=float, default=0.1, help="fraction of the context kept for kept_speedup")
     p.add_argument("--kept-fractions", type=float, nargs="+", default=[0.25, 0.1], help="--llama8b: fractions kept besides the full cache")
     p.add_argument("--method", default="keydiff", help="query-free method that compresses the ratio-0 cache")

@@ -63,8 +63,9 @@ class KVSummary:
     def exact(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "KVSummary":
         """Every token kept once: log-weights 0, eviction_only. positions [B, H_kv, n] or [n].
 
-        The log-weights are a broadcast view of one zero, so writing into them in place raises
-        instead of silently contradicting eviction_only: build a new summary to reweight.
+        The log-weights are a broadcast view of one zero, so indexed or arithmetic writes into them
+        raise instead of silently contradicting eviction_only (fill_ does not: never use it on
+        these); build a new summary to reweight.
         """
         b, h, n, _ = keys.shape
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
