@@ -246,7 +246,7 @@ def offline_samples(tokenizer, task_names, per_task: int, tokens: int, first_see
 
 def add_cli(subparsers) -> None:
     """`kvcompress calibrate`: measure triples for a method on a model, fit the curve, save the JSON file."""
-    from .cli import add_model_arg
+    from .cli import add_device_args, add_model_arg
 
     p = subparsers.add_parser(
         "calibrate", help="fit the context-calibration curve of a method (Compactor seed Sec. 3.5)",
@@ -263,6 +263,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
     p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
     add_model_arg(p)
+    add_device_args(p)
     p.set_defaults(func=_run_cli)
 
 
@@ -274,7 +275,7 @@ def _run_cli(args) -> int:
         raise ValueError(f"--retentions must lie in (0, 1], got {args.retentions}")
     if args.samples < 1 or args.tokens < 16:
         raise ValueError("--samples must be >= 1 and --tokens >= 16")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     samples = offline_samples(tokenizer, args.tasks.split(","), args.samples, args.tokens, args.seed)
     triples = make_triples(
         model, tokenizer, samples, args.method, retentions, seed=args.seed,

