@@ -112,12 +112,14 @@ class KVSummary:
         plain = self.normalizer is None and bool((self.log_weights == 0).all())
         return replace(self, eviction_only=plain)
 
-    def to(self, dtype: torch.dtype) -> "KVSummary":
-        """Keys/values (and normalizer keys) cast to dtype; weights and positions unchanged."""
+    def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> "KVSummary":
+        """Keys/values (and normalizer keys) cast to dtype, every tensor moved to device (if given);
+        weights stay float32, positions int64."""
         norm = self.normalizer
         if norm is not None:
-            norm = replace(norm, keys=norm.keys.to(dtype))
-        return replace(self, keys=self.keys.to(dtype), values=self.values.to(dtype), normalizer=norm)
+            norm = Normalizer(norm.keys.to(device, dtype), norm.log_weights.to(device), norm.positions.to(device))
+        return replace(self, keys=self.keys.to(device, dtype), values=self.values.to(device, dtype),
+                       log_weights=self.log_weights.to(device), positions=self.positions.to(device), normalizer=norm)
 
 
 def concat(parts: list[KVSummary]) -> KVSummary:
