@@ -25,6 +25,7 @@ memory for the full cache and for each `--kept-fractions`. It is meant for a GPU
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -179,6 +180,48 @@ def llama8b_rows(args, log) -> list[dict]:
     return rows
 
 
+def weighted_path_rows(args, log) -> list[dict]:
+    """One decode step's attention (default model's shape, 9 query / 3 KV heads x 64) over n slots of which a
+    quarter are weighted: `weighted_attention` (additive log-weight bias, one SDPA call) against the
+    split alternative (SDPA over the exact slots and over the weighted slots with their bias, merged by
+    log-sum-exp via torch's CPU flash kernel, which returns the LSE) and against plain SDPA with no mask."""
+    from kvcompress.attention import weighted_attention
+    from kvcompress.summary import KVSummary
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows = []
+    for n in args.contexts:
+        g = torch.Generator().manual_seed(n)
+        q = torch.randn(1, 9, 1, 64, generator=g).to(args.device, args.dtype)
+        k, v = (torch.randn(1, 3, n, 64, generator=g).to(args.device, args.dtype) for _ in range(2))
+        log_weights = torch.zeros(1, 3, n, device=args.device)
+        log_weights[:, :, : n // 4] = math.log(4.0)
+        summary = KVSummary(k, v, log_weights, torch.arange(n, device=args.device).expand(1, 3, n))
+        plain = KVSummary.exact(k, v, torch.arange(n, device=args.device))
+        folded = q.reshape(1, 3, 3, 64)
+        w = n // 4
+
+        def split():
+            bias = log_weights[:, :, None, :w].to(args.dtype)
+            out_w, lse_w = flash(folded, k[:, :, :w], v[:, :, :w], attn_mask=bias)
+            out_e, lse_e = flash(folded, k[:, :, w:], v[:, :, w:])
+            top = torch.maximum(lse_w, lse_e)
+            a, b = (lse_w - top).exp(), (lse_e - top).exp()
+            return (out_w * a[..., None] + out_e * b[..., None]) / (a + b)[..., None]
+
+        paths = {"bias": lambda: weighted_attention(q, summary), "split_lse": split,
+                 "plain_no_mask": lambda: weighted_attention(q, plain)}
+        best = {}
+        for name, fn in paths.items():
+            fn()
+            best[name] = min(timed(lambda: [fn() for _ in range(20)], q.device)[1] / 20 for _ in range(args.repeats))
+        rows.append({"slots": n, "weighted_fraction": 0.25, "dtype": str(args.dtype).removeprefix("torch."),
+                     **{f"{k}_us": v * 1e6 for k, v in best.items()}, "bias_over_split": best["bias"] / best["split_lse"],
+                     "bias_over_plain": best["bias"] / best["plain_no_mask"]})
+        log(f"weighted paths n={n}: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in best.items()))
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 4096 16384; 32768 with --llama8b)")
@@ -193,6 +236,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--model", default=None, help="local checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--llama8b", action="store_true", help="decode a random Llama-3-8B-shaped model instead (GPU)")
+    p.add_argument("--weighted-paths", action="store_true", help="time one attention step: log-weight bias vs split + LSE merge (CPU)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/native"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -200,11 +244,12 @@ def main(argv=None) -> None:
     args.dtype = parse_dtype(args.dtype, args.device)
     args.contexts = args.contexts or ([32768] if args.llama8b else [4096, 16384])
     machine = machine_description(args.threads)
-    name = "llama8b" if args.llama8b else "native_speed"
+    name = "llama8b" if args.llama8b else "weighted_paths" if args.weighted_paths else "native_speed"
+    run = {"llama8b": llama8b_rows, "weighted_paths": weighted_path_rows, "native_speed": default_model_rows}[name]
     log = print
     log(machine)
     with torch.inference_mode():
-        rows = llama8b_rows(args, log) if args.llama8b else default_model_rows(args, log)
+        rows = run(args, log)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / f"{name}.csv")
     (args.out / f"{name}.md").write_text(
