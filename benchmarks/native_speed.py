@@ -15,7 +15,7 @@ quality (RoPE beyond the trained length).
 
 `--llama8b` instead decodes a randomly initialised Llama-3-8B-shaped model (32 layers, 32 query
 heads, 8 KV heads, head dim 128) at `--contexts` (default 32768): tokens/s and peak device
-memory for the full cache and for each `--kept-fractions`. It is meant for a GPU
+memory while decoding for the full cache and for each `--kept-fractions`. It is meant for a GPU
 (`--device cuda --dtype bfloat16`).
 
     PYTHONPATH=. nice -n 10 python benchmarks/native_speed.py --threads 1
@@ -146,6 +146,47 @@ def default_model_rows(args, log) -> list[dict]:
     return rows
 
 
+def synthetic_decode_rows(args, log) -> list[dict]:
+    """Decode speed only: every layer's cache holds `n` random keys/values of the model's shape and dtype
+    (decode cost does not depend on their values), so no n-token prefill is needed. Same three caches as
+    `default_model_rows`: plain DynamicCache + SDPA, kvcompress at ratio 0, kvcompress keeping `--kept`."""
+    model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
+    device = next(model.parameters()).device
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rows = []
+    for n in args.contexts:
+        model.config.max_position_embeddings = max(n + 64, cfg.max_position_embeddings)  # speed-only rows
+        g = torch.Generator().manual_seed(n)
+        captured = {}
+        plain = DynamicCache(config=cfg)
+        for layer in range(cfg.num_hidden_layers):
+            k, v = (torch.randn(1, cfg.num_key_value_heads, n, head_dim, generator=g).to(device, args.dtype) for _ in range(2))
+            plain.update(k, v, layer)
+            captured[layer] = (None, k, v)
+        settings = CompressionSettings(build_method(args.method), "prefill", resolve_budget(n, None, 0.0, SINK, WINDOW), None, SINK, WINDOW, 0)
+        ours = CompressedCache.from_prefill(model, settings, captured)
+        kept = compressed_copy(model, ours, args.method, args.kept)
+        del captured
+        token = torch.tensor([[42]], device=device)
+        steps = {"plain": [], "full": [], "kept": []}
+        for _ in range(args.repeats):
+            steps["plain"].append(decode_seconds(model, plain, token, args.new_tokens, False))
+            steps["full"].append(decode_seconds(model, ours, token, args.new_tokens, True))
+            steps["kept"].append(decode_seconds(model, kept, token, args.new_tokens, True))
+            log(f"n={n} synthetic decode s/token " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in steps.items()))
+        best = {k: min(v) for k, v in steps.items()}
+        rows.append({
+            "context_tokens": n, "cache": "synthetic", "dtype": str(args.dtype).removeprefix("torch."), "device": str(device),
+            "method_kept": args.method, "kept": args.kept, "decode_repeats": args.repeats, "new_tokens": args.new_tokens,
+            "plain_decode_tok_s": 1 / best["plain"], "kvcompress_full_decode_tok_s": 1 / best["full"],
+            "full_decode_ratio": best["plain"] / best["full"],
+            "kept_decode_tok_s": 1 / best["kept"], "kept_speedup": best["plain"] / best["kept"],
+        })
+        del plain, ours, kept
+    return rows
+
+
 def llama8b_rows(args, log) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -162,13 +203,13 @@ def llama8b_rows(args, log) -> list[dict]:
     for n in args.contexts:
         ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
         for kept in (1.0, *args.kept_fractions):
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
             with torch.inference_mode():
                 cache, logits, prefill_s = ratio0_prefill(model, ids, args.method)
                 if kept < 1.0:
                     cache = compressed_copy(model, cache, args.method, kept)
+                if device.type == "cuda":  # peak over decoding: weights + this cache + activations
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 token = logits.argmax(-1, keepdim=True)
                 per_token = min(decode_seconds(model, cache, token, args.new_tokens, True) for _ in range(args.repeats))
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
@@ -236,6 +277,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--model", default=None, help="local checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--llama8b", action="store_true", help="decode a random Llama-3-8B-shaped model instead (GPU)")
+    p.add_argument("--synthetic-cache", action="store_true", help="decode only, over caches of random keys/values (no prefill)")
     p.add_argument("--weighted-paths", action="store_true", help="time one attention step: log-weight bias vs split + LSE merge (CPU)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/native"))
     args = p.parse_args(argv)
@@ -244,8 +286,12 @@ def main(argv=None) -> None:
     args.dtype = parse_dtype(args.dtype, args.device)
     args.contexts = args.contexts or ([32768] if args.llama8b else [4096, 16384])
     machine = machine_description(args.threads)
-    name = "llama8b" if args.llama8b else "weighted_paths" if args.weighted_paths else "native_speed"
-    run = {"llama8b": llama8b_rows, "weighted_paths": weighted_path_rows, "native_speed": default_model_rows}[name]
+    chosen = [(flag, name, rows) for flag, name, rows in (
+        (args.llama8b, "llama8b", llama8b_rows), (args.weighted_paths, "weighted_paths", weighted_path_rows),
+        (args.synthetic_cache, "synthetic_decode", synthetic_decode_rows)) if flag]
+    if len(chosen) > 1:
+        raise ValueError("pass at most one of --llama8b, --weighted-paths, --synthetic-cache")
+    _, name, run = chosen[0] if chosen else (True, "native_speed", default_model_rows)
     log = print
     log(machine)
     with torch.inference_mode():
