@@ -57,7 +57,7 @@ def _slot_mask(log_weights, hidden, dtype):
 
 
 def _with_normalizer(summary: KVSummary):
-    """(keys, values, log_weights, positions) of the numerator slots followed by the normalizer's.
+    """(keys, values, log_weights, positions, (n, m)): the n numerator slots followed by the m normalizer slots.
 
     Values get one extra column: 0 on numerator slots, 1 on normalizer slots (whose values are 0),
     so one softmax over the union gives N/Z and Z_den/Z in its last column, and their ratio is
