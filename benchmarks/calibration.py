@@ -1,7 +1,7 @@
 """Context-calibrated compression on the default model: fit on offline tasks, check r* on held-out contexts.
 
 Fit: (retention, NLL(c), NLL ratio of the known answer) triples from training samples of the
-offline tasks (`kvcompress.calibration.make_triples`, query-agnostic prefill compression), fitted
+offline tasks (`kvcompress.integration.calibrate.make_triples`, query-agnostic prefill compression), fitted
 with the asymmetric loss. Held-out: samples with other seeds; for each, NLL(c) gives r* for the
 quality budget gamma, the context is compressed at r*, and the measured NLL ratio is compared
 with gamma.
@@ -23,6 +23,8 @@ import torch
 
 import kvcompress as kvc
 from kvcompress import calibration as cal
+from kvcompress.eval.calibration_samples import offline_samples
+from kvcompress.integration.calibrate import encode_sample, make_triples
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -52,18 +54,18 @@ def main(argv=None):
     if args.triples_from is not None:
         triples = read_triples(args.triples_from)
     else:
-        train = cal.offline_samples(tok, task_names, args.train, args.tokens, first_seed=0)
-        triples = cal.make_triples(model, tok, train, args.method, retentions, progress=log)
+        train = offline_samples(tok, task_names, args.train, args.tokens, first_seed=0)
+        triples = make_triples(model, tok, train, args.method, retentions, progress=log)
     calibration = cal.fit(triples, args.method, args.asymmetry, model="SmolLM2-135M-Instruct")
     calibration.save(stem.with_suffix(".json"))
     print(f"fit: alpha={calibration.alpha:.4f} beta={calibration.beta:.4f} loss={calibration.loss:.4g}", flush=True)
 
-    heldout = cal.offline_samples(tok, task_names, args.heldout, args.tokens, first_seed=1000)
+    heldout = offline_samples(tok, task_names, args.heldout, args.tokens, first_seed=1000)
     rows = []
     for i, sample in enumerate(heldout):
-        context_ids, _, _ = cal.encode_sample(tok, sample["context"], sample["question"], sample["answer"])
+        context_ids, _, _ = encode_sample(tok, sample["context"], sample["question"], sample["answer"])
         r_star = calibration.retention(cal.context_nll(model, context_ids), args.quality)
-        measured = cal.make_triples(model, tok, [sample], args.method, [r_star])[0]
+        measured = make_triples(model, tok, [sample], args.method, [r_star])[0]
         rows.append({**measured, "sample": i, "task": sample["task"], "r_star": r_star, "meets": measured["nll_ratio"] >= args.quality})
         print(f"held-out {sample['task']} #{i}: r*={r_star:.3f} measured ratio={measured['nll_ratio']:.3f}", flush=True)
 

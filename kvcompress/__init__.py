@@ -7,6 +7,7 @@ from .summary import KVSummary, Normalizer
 __all__ = [
     "KVSummary",
     "Normalizer",
+    "calibrate",
     "compress",
     "exact_attention",
     "generate",
@@ -20,7 +21,7 @@ __all__ = [
 
 def __getattr__(name):
     # The model integration imports transformers; load it only when asked for.
-    if name in ("generate", "load_model"):
+    if name in ("calibrate", "generate", "load_model"):
         from . import integration
 
         return getattr(integration, name)

@@ -12,6 +12,8 @@ from .methods.base import (
     Tokens,
     build_method,
     check_kv,
+    check_positions,
+    check_scale,
     check_sink_window,
     query_positions_for,
     compress_tokens,
@@ -54,24 +56,26 @@ def compress(
     """One-shot compression of one layer's keys/values [B, H_kv, n, d] into a KVSummary.
 
     Exactly one of `budget` (middle slots kept per head; sink and window are extra and exact) or
-    `compression_ratio` (fraction of the n tokens removed). sink/window default to the method's
-    seed. queries [B, H_q, n_q, d] post-RoPE for query-aware methods; pre_rope_keys [B, H_kv, n, d]
-    for Compactor. positions [n] or [B, H_kv, n] default to 0..n-1.
+    `compression_ratio` (fraction of the n tokens removed; an error when it would remove tokens
+    but sink + window leave no room). sink/window default to the method's seed. queries
+    [B, H_q, n_q, d] post-RoPE for query-aware methods; pre_rope_keys [B, H_kv, n, d] for
+    Compactor. positions [n] or [B, H_kv, n] default to 0..n-1. seed: an int (reproducible), a
+    torch.Generator, or None for fresh randomness (a different draw each call).
     """
     m = build_method(method, **method_params)
-    sink, window = default_sink_window(method, sink, window)
-    check_sink_window(sink, window)
-    check_kv(keys, values, queries)
+    sink, window = check_sink_window(*default_sink_window(method, sink, window))
+    check_kv(keys, values, queries, pre_rope_keys)
     b, h, n, d = keys.shape
-    if pre_rope_keys is not None and pre_rope_keys.shape != keys.shape:
-        raise ValueError(f"pre_rope_keys must have the keys' shape {tuple(keys.shape)}, got {tuple(pre_rope_keys.shape)}")
     middle_budget = resolve_budget(n, budget, compression_ratio, sink, window)
     if positions is None:
         positions = torch.arange(n, device=keys.device)
+    check_positions(positions, keys)
     positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
+    scale = check_scale(scale)
     s = 1.0 / math.sqrt(d) if scale is None else scale
+    generator = make_generator(seed, keys.device)
     tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions))
-    return compress_tokens(m, tokens, middle_budget, sink, window, make_generator(seed, keys.device))
+    return compress_tokens(m, tokens, middle_budget, sink, window, generator)
 
 
 def stream(
@@ -86,7 +90,8 @@ def stream(
     """A streaming compressor: `.update(keys, values, queries=None)` any number of times, `.summary()`.
 
     Between updates the method stores at most `budget` slots per head besides the exact sink and
-    window (block-wise methods also hold the block in progress during an update).
+    window (block-wise methods also hold the block in progress during an update). seed as in
+    `compress` (None: fresh randomness).
     """
     m = build_method(method, **method_params)
     sink, window = default_sink_window(method, sink, window)

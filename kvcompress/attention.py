@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .checks import check_queries
 from .summary import KVSummary
 
 # Largest number of mask entries materialised at once (per call); queries are processed in
@@ -111,10 +112,9 @@ def weighted_attention(
     A normalizer is folded into the same call (see `_with_normalizer`); only the per-query
     ratio is formed in float32.
     """
+    check_queries(queries, summary.keys, "the summary's keys")
     b, hq, nq, d = queries.shape
     hkv = summary.keys.shape[1]
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if query_positions is not None and causal_tail:
         raise ValueError("pass query_positions or causal_tail=True, not both")
     if causal_tail and summary.num_slots < nq:

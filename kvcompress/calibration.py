@@ -13,16 +13,16 @@ r* = ln(1 + gamma(e^k - 1)) / k, written as 1 + ln(gamma + (1 - gamma)e^{-k}) / 
 it never overflows; k -> 0 gives r* -> gamma. Compression ratios follow the kvpress convention of
 the rest of the library: compression_ratio = 1 - r (fraction removed).
 
-`make_triples` measures the triples on a model through the compressed cache (context compressed
-in prefill mode, question and answer appended exactly: the query-agnostic setting), and
-`calibrated_ratio` is the run-time step: one plain prefill for NLL(c), then r*.
+`calibrated_ratio` is the run-time step: one plain prefill for NLL(c), then r*. Measuring the
+triples on a model through the compressed cache, and `kvc.calibrate` (measure + fit), live one
+layer up in `integration.calibrate`; this module needs nothing from the model integration.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -91,9 +91,12 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a calibration file (a JSON object with method, alpha, beta)")
         missing = {"method", "alpha", "beta"} - set(data)
-        if missing:
-            raise ValueError(f"{path}: not a calibration file (missing {sorted(missing)})")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if missing or unknown:
+            raise ValueError(f"{path}: not a calibration file (missing {sorted(missing)}, unknown {sorted(unknown)})")
         return cls(**data)
 
 
@@ -164,61 +167,10 @@ def mean_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(-logp.gather(-1, targets[..., None]).mean())
 
 
-def answer_nll(model, cache, continuation_ids: torch.Tensor, answer_len: int) -> float:
-    """NLL(t; q, c~): continuation_ids [1, m] = question then answer (its last `answer_len` tokens), after the cache's context."""
-    from .eval.prefill_replay import continuation_logits
-
-    m = continuation_ids.shape[1]
-    logits = continuation_logits(model, cache, continuation_ids)
-    return mean_nll(logits[:, m - answer_len - 1 : m - 1], continuation_ids[:, m - answer_len :])
-
-
 @torch.inference_mode()
 def context_nll(model, context_ids: torch.Tensor) -> float:
     """NLL(c): the model's token-averaged NLL of the context itself (one plain forward)."""
     return mean_nll(model(context_ids).logits[:, :-1], context_ids[:, 1:])
-
-
-def encode_sample(tokenizer, context: str, question: str, answer: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(context_ids [1,n], question+answer ids [1,m], answer length) with the chat prompt of `build_prompt`."""
-    from .integration.model import build_prompt
-
-    context_ids, question_ids = build_prompt(tokenizer, context, question)
-    answer_ids = torch.tensor([tokenizer.encode(answer, add_special_tokens=False)], dtype=torch.long)
-    if answer_ids.shape[1] == 0:
-        raise ValueError("the known continuation (answer) is empty")
-    return context_ids, torch.cat([question_ids, answer_ids], 1), answer_ids.shape[1]
-
-
-def make_triples(model, tokenizer, samples, method: str, retentions, seed: int = 0, progress=None, **method_params) -> list[dict]:
-    """(retention, NLL(c), NLL ratio) for every sample x retention.
-
-    samples: (context, question, answer) tuples or dicts with those keys (plus an optional "task").
-    Per sample: one forward for NLL(c), one shared prefill (`eval.prefill_replay`), then per
-    retention the context compressed in prefill mode and question + answer appended exactly.
-    """
-    from .eval.prefill_replay import SharedPrefill
-
-    triples = []
-    for i, sample in enumerate(samples):
-        if isinstance(sample, dict):
-            context, question, answer, task = sample["context"], sample["question"], sample["answer"], sample.get("task")
-        else:
-            (context, question, answer), task = sample, None
-        context_ids, continuation_ids, answer_len = encode_sample(tokenizer, context, question, answer)
-        nll_context = context_nll(model, context_ids)
-        shared = SharedPrefill(model, context_ids)
-        nll_full = answer_nll(model, shared.cache(None), continuation_ids, answer_len)
-        for r in retentions:
-            cache = shared.cache(method, 1.0 - r, seed=seed, **method_params)
-            nll_r = answer_nll(model, cache, continuation_ids, answer_len)
-            triples.append({
-                "sample": i, "task": task, "retention": float(r), "nll_context": nll_context,
-                "nll_full": nll_full, "nll_compressed": nll_r, "nll_ratio": nll_full / nll_r,
-            })
-            if progress is not None:
-                progress(triples[-1])
-    return triples
 
 
 @torch.inference_mode()
@@ -230,60 +182,3 @@ def calibrated_ratio(model, context_ids: torch.Tensor, calibration: Calibration 
     nll = context_nll(model, context_ids)
     ratio = choose_ratio(calibration, nll, quality)
     return {"nll_context": nll, "retention": 1.0 - ratio, "compression_ratio": ratio}
-
-
-def offline_samples(tokenizer, task_names, per_task: int, tokens: int, first_seed: int = 0) -> list[dict]:
-    """Calibration samples from the offline task set: {"task", "context", "question", "answer"} (answers joined by ", ")."""
-    from .eval.tasks import generate_sample
-
-    out = []
-    for task in task_names:
-        for seed in range(first_seed, first_seed + per_task):
-            s = generate_sample(task, target_tokens=tokens, seed=seed, tokenizer=tokenizer)
-            out.append({"task": task, "seed": seed, "context": s.context, "question": s.question, "answer": ", ".join(s.answers)})
-    return out
-
-
-def add_cli(subparsers) -> None:
-    """`kvcompress calibrate`: measure triples for a method on a model, fit the curve, save the JSON file."""
-    from .cli import add_device_args, add_model_arg
-
-    p = subparsers.add_parser(
-        "calibrate", help="fit the context-calibration curve of a method (Compactor seed Sec. 3.5)",
-        description="Measure (retention, NLL(context), NLL ratio of the known answer) triples on offline tasks, "
-        "fit k = alpha*NLL(c) + beta of f(r) = (e^{kr}-1)/(e^k-1) with an asymmetric loss, and save the fit as JSON.",
-    )
-    p.add_argument("--method", default="compactor", help="registered method name (default compactor)")
-    p.add_argument("--tasks", default="niah_single,niah_multikey,variable_tracking,common_words", help="comma-separated offline task names")
-    p.add_argument("--samples", type=int, default=2, help="samples per task (default 2)")
-    p.add_argument("--tokens", type=int, default=512, help="context length target in tokens (default 512)")
-    p.add_argument("--retentions", default="0.1,0.25,0.5,0.75,0.9", help="fractions of the context kept (default 0.1,...,0.9)")
-    p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="first task seed and the method's seed")
-    p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
-    p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
-    add_model_arg(p)
-    add_device_args(p)
-    p.set_defaults(func=_run_cli)
-
-
-def _run_cli(args) -> int:
-    from .integration import load_model
-
-    retentions = [float(x) for x in args.retentions.split(",")]
-    if any(not 0 < r <= 1 for r in retentions):
-        raise ValueError(f"--retentions must lie in (0, 1], got {args.retentions}")
-    if args.samples < 1 or args.tokens < 16:
-        raise ValueError("--samples must be >= 1 and --tokens >= 16")
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    samples = offline_samples(tokenizer, args.tasks.split(","), args.samples, args.tokens, args.seed)
-    triples = make_triples(
-        model, tokenizer, samples, args.method, retentions, seed=args.seed,
-        progress=lambda t: print(f"sample {t['sample']} r={t['retention']:.2f}: NLL(c)={t['nll_context']:.3f} ratio={t['nll_ratio']:.3f}", flush=True),
-    )
-    if args.triples is not None:
-        args.triples.write_text(json.dumps(triples, indent=1) + "\n")
-    calibration = fit(triples, args.method, args.asymmetry, model=args.model or "SmolLM2-135M-Instruct")
-    calibration.save(args.out)
-    print(f"alpha={calibration.alpha:.4f} beta={calibration.beta:.4f} (loss {calibration.loss:.4g}, {calibration.n_triples} triples) -> {args.out}")
-    return 0

@@ -1,4 +1,9 @@
-"""Command line: `kvcompress generate | demo | eval | bench | calibrate` (also `python -m kvcompress`)."""
+"""Command line: `kvcompress generate | demo | eval | bench | calibrate` (also `python -m kvcompress`).
+
+The top layer (docs/layout.md): this module holds `generate`, the argument helpers every
+subcommand shares, and `main`; the other subcommands live in `kvcompress.commands` (and
+`kvcompress.demo`). No library module imports from here.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,49 @@ import importlib
 import sys
 from pathlib import Path
 
-# Subcommands defined next to the code they run: each module has add_cli(subparsers).
-_SUBCOMMAND_MODULES = ("kvcompress.demo", "kvcompress.calibration", "kvcompress.eval.bench_cli", "kvcompress.eval.cli")
+# Subcommands defined in their own modules: each has add_cli(subparsers).
+_SUBCOMMAND_MODULES = ("kvcompress.demo", "kvcompress.commands.calibrate", "kvcompress.commands.bench", "kvcompress.commands.eval")
+
+DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _add_size_args(p: argparse.ArgumentParser) -> None:
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context's tokens removed, in [0, 1)")
-    size.add_argument("--budget", type=int, default=None, help="tokens kept per KV head besides the exact sink and window (>= 1)")
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`kvcompress <command>: error: ...`) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _split(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _numbers(text: str, kind: type, what: str) -> list:
+    try:
+        values = [kind(v) for v in _split(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: "1,2,3" -> [1, 2, 3]."""
+    return _numbers(text, int, "integers")
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: "0.5,0.75" -> [0.5, 0.75]."""
+    return _numbers(text, float, "numbers")
+
+
+def name_list(text: str) -> list[str]:
+    """argparse type: "a,b" -> ["a", "b"] (at least one name)."""
+    names = _split(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -22,9 +62,46 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="the model's and the cache's dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="tensor dtype (default: bfloat16 on CUDA, float32 on CPU)")
+
+
+def resolve_device(device: str | None, dtype: str | None):
+    """(torch.device, torch.dtype) from --device/--dtype, with an error naming the flag when the device cannot be used."""
+    import torch
+
+    try:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a torch device ({err})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} needs CUDA, which this machine does not have; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+    name = dtype if dtype is not None else ("bfloat16" if dev.type == "cuda" else "float32")
+    return dev, getattr(torch, name)
+
+
+def check_positive(flag: str, value, minimum=1) -> None:
+    """Raise ValueError naming `flag` when value < minimum."""
+    if value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+
+
+def check_method(flag: str, name: str) -> None:
+    """Raise ValueError naming `flag` when `name` is not a registered method."""
+    from .methods.base import get_method_class
+
+    try:
+        get_method_class(name)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from None
+
+
+def _add_size_args(p: argparse.ArgumentParser) -> None:
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context's tokens removed, in [0, 1)")
+    size.add_argument("--budget", type=int, default=None, help="tokens kept per KV head besides the exact sink and window (>= 1)")
 
 
 def _generate_cli(subparsers) -> None:
@@ -47,20 +124,33 @@ def _generate_cli(subparsers) -> None:
 
 
 def _run_generate(args) -> int:
+    from .api import default_sink_window
     from .integration import generate, load_model
+    from .methods.base import build_method, check_sink_window, resolve_budget
 
     if not args.context_file.is_file():
         raise ValueError(f"--context-file {str(args.context_file)!r} does not exist")
-    context = args.context_file.read_text()
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     full = args.method == "full"
-    if not full and args.budget is None and args.compression_ratio is None:
-        raise ValueError("pass --compression-ratio or --budget (or --method full)")
+    if not full:
+        check_method("--method", args.method)
+        if args.budget is None and args.compression_ratio is None:
+            raise ValueError("pass --compression-ratio or --budget (or --method full)")
+    elif args.budget is not None or args.compression_ratio is not None or args.param:
+        raise ValueError("--method full keeps every token: it takes no --budget, --compression-ratio or --param")
+    check_positive("--max-new-tokens", args.max_new_tokens)
+    check_positive("--chunk-size", args.chunk_size)
+    params = parse_params(args.param)
+    if not full:
+        build_method(args.method, **params)
+        check_sink_window(*default_sink_window(args.method, args.sink, args.window))
+        resolve_budget(10**9, args.budget, args.compression_ratio, 0, 0)
+    context = args.context_file.read_text()
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window}
     res = generate(
         model, tokenizer, context, args.question, method=None if full else args.method, mode=args.mode,
         max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, compress_question=args.compress_question,
-        **size, **parse_params(args.param),
+        **size, **params,
     )
     print(res.text)
     print()
@@ -91,7 +181,7 @@ def parse_params(items: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
+    parser = ArgumentParser(prog="kvcompress", description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_cli(subparsers)
     for name in _SUBCOMMAND_MODULES:
@@ -100,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; a bad input (ValueError, or a file that cannot be read/written) exits 2 with one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:
-        print(f"kvcompress: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:
+        print(f"kvcompress {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,12 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=3000, depth
     unknown = [m for m in methods if m not in kvc.methods()]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known methods: {', '.join(kvc.methods())}")
+    if not 0.0 <= compression_ratio < 1.0:
+        raise ValueError(f"--compression-ratio (fraction of the context removed) must be in [0, 1), got {compression_ratio}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"--depth (needle depth) must be in [0, 1], got {depth}")
+    if tokens < 64 or max_new_tokens < 1:
+        raise ValueError(f"--tokens must be >= 64 and max_new_tokens >= 1, got {tokens} and {max_new_tokens}")
     model, tokenizer = load_model(model_path)
     sample = niah_single(target_tokens=tokens, depth=depth, seed=seed, tokenizer=tokenizer)
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question)

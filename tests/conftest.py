@@ -13,3 +13,23 @@ def default_model():
     import kvcompress as kvc
 
     return kvc.load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random Llama (2 layers) with a byte-level tokenizer, saved as a local checkpoint directory
+    (what `load_model(path)`, shard processes and Ray workers load)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(alphabet), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    path = tmp_path_factory.mktemp("tiny_checkpoint")
+    LlamaForCausalLM(config).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(path)
+    return path

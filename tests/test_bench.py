@@ -164,3 +164,21 @@ def test_decode_rows_on_the_default_model(default_model):
     assert rows[0]["speedup"] == pytest.approx(1.0)
     assert all(r["new_tokens"] == 3 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[1]["kv_bytes"] < rows[1]["kv_bytes_full"]
+
+
+def test_synthetic_tensors_follow_the_requested_device_and_dtype():
+    layer = bench.synthetic_layer(TINY, 16, torch.Generator().manual_seed(0), torch.bfloat16, "cpu")
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in layer.values())
+    ref = bench.synthetic_layer(TINY, 16, torch.Generator().manual_seed(0))
+    assert torch.equal(layer["keys"], ref["keys"].bfloat16())  # the same draws in every dtype
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_cli_bench_runs_on_the_requested_device_and_dtype(tmp_path, device):
+    out = tmp_path / device
+    argv = ["bench", "--sections", "overhead,attention", "--methods", "knorm,subgen", "--shapes", "smollm2", "--sizes", "32", "--repeats", "1",
+            "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "1", "--out", str(out), "--device", device, "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    machine = (out / "machine.txt").read_text()
+    assert f"device {device}" in machine and "bfloat16" in machine
+    assert {r["method"] for r in bench.read_csv(out / "overhead.csv")} == {"exact", "knorm", "subgen"}

@@ -160,7 +160,7 @@ def test_task_params_reach_the_generator_and_the_cell_key(tiny, tmp_path):
         with pytest.raises(ValueError, match=name):
             SweepConfig(task_params=bad)
     args = build_parser().parse_args(["eval", "--task-param", "niah_multikey.n_keys=4", "--task-param", "line_retrieval.n_lines=1"])
-    from kvcompress.eval.cli import _sweep_config
+    from kvcompress.commands.eval import _sweep_config
 
     assert _sweep_config(args).task_params == {"niah_multikey": {"n_keys": 4}, "line_retrieval": {"n_lines": 1}}
 

@@ -1,4 +1,4 @@
-"""SubGen (seed 001, Alg. 1): Lemma 1 and 2 invariants, memory bound, estimator accuracy, API."""
+"""SubGen (seed 001, Alg. 1): Lemma 1 and 2 invariants, post-stratified weights, bounded output, memory bound, API."""
 
 import math
 
@@ -46,40 +46,37 @@ def block_sizes(n, seed=1):
     return sizes
 
 
-def test_lemma2_counts_centres_and_samples_match_true_clusters():
+def test_clusters_count_exactly_and_samples_carry_their_cluster():
+    """Well-separated blobs and δ between the spread and the separation: one cluster per blob, exact counts,
+    centres and samples from their own blob (seed Lemma 2, with samples shared across clusters)."""
     keys, values, labels = blobs(300)
-    state = run_stream(keys, values, block_sizes(300), budget=200, s=8, t=6, delta=1.0, max_clusters=32)
-    heads = keys.shape[1]
-    for h in range(heads):
+    state = run_stream(keys, values, block_sizes(300), budget=200, s=8, delta=1.0, max_clusters=32)
+    for h in range(keys.shape[1]):
         m = int(state.num_clusters[0, h])
         assert m == len(labels[h].unique())
+        centre_labels = labels[h, state.centre_pos[h, :m]]
+        assert len(centre_labels.unique()) == m, "one centre per blob"
         for c in range(m):
-            centre_pos = int(torch.nonzero((state.centres[h, c] == keys[0, h]).all(-1))[0])
-            label = labels[h, centre_pos]
-            members = (labels[h] == label).nonzero().squeeze(-1)
-            assert centre_pos == int(members[0]), "a cluster's centre is its first key"
-            assert int(state.counts[h, c]) == len(members), "n_i equals the cluster's size"
-            assert torch.isin(state.sample_pos[h, c], members).all(), "samples come from the cluster"
-            assert torch.equal(state.sample_keys[h, c], keys[0, h, state.sample_pos[h, c]])
+            assert int(state.counts[h, c]) == int((labels[h] == centre_labels[c]).sum()), "n_i equals the blob's size"
+            assert torch.equal(state.centres[h, c], keys[0, h, state.centre_pos[h, c]])
+        filled = state.sample_pos[h] >= 0
+        assert torch.equal(labels[h, state.sample_pos[h, filled]], centre_labels[state.sample_cluster[h, filled]])
         assert int(state.counts[h].sum()) == 300
 
 
-def test_cap_merges_keep_counts_exact_and_samples_inside_merged_clusters():
-    keys, values, labels = blobs(400, clusters=12)
+def test_cap_merges_keep_counts_exact_and_members_near_their_centre():
+    """Doubling step: at most `cap` clusters, counts still add up, and every sampled member lies within 2δ of
+    its (merged) cluster's centre (the streaming k-center radius bound)."""
+    keys, values, _ = blobs(400, clusters=12)
     cap = 5
-    state = run_stream(keys, values, block_sizes(400, seed=3), budget=8 + 128 * cap, s=8, t=128, max_clusters=cap)
+    state = run_stream(keys, values, block_sizes(400, seed=3), budget=8 + cap + 200, s=8, max_clusters=cap)
     for h in range(keys.shape[1]):
         m = int(state.num_clusters[0, h])
-        assert 1 <= m <= cap
-        assert int(state.counts[h].sum()) == 400
-        covered = []
-        for c in range(m):
-            sample_labels = labels[h, state.sample_pos[h, c]].unique()
-            sizes = sum(int((labels[h] == lab).sum()) for lab in sample_labels)
-            assert sizes == int(state.counts[h, c]), "a merged cluster counts exactly the true clusters it absorbed"
-            covered += sample_labels.tolist()
-        assert sorted(covered) == sorted(labels[h].unique().tolist()), "each true cluster lies in one merged cluster"
-        assert float(state.delta[h]) > 0
+        assert 1 <= m <= cap and float(state.delta[h]) > 0
+        assert int(state.counts[h].sum()) == 400 and int(state.counts[h, m:].sum()) == 0
+        filled = state.sample_pos[h] >= 0
+        gap = (state.sample_keys[h, filled] - state.centres[h, state.sample_cluster[h, filled]]).norm(dim=-1)
+        assert float(gap.max()) <= 2 * float(state.delta[h]) + 1e-4
 
 
 def test_lemma1_value_norm_reservoir_distribution():
@@ -90,7 +87,7 @@ def test_lemma1_value_norm_reservoir_distribution():
     keys = torch.randn(1, 1, n, 4, generator=g)
     sq = values.pow(2).sum(-1).flatten().double()
     for blocks in ([1] * n, [3, 1, 6, 2], [n]):
-        state = run_stream(keys, values, blocks, budget=s + 4, s=s, t=4)
+        state = run_stream(keys, values, blocks, budget=s + 2, s=s, max_clusters=1)
         assert torch.allclose(state.mu, sq.sum()[None])
         observed = torch.bincount(state.num_pos.flatten(), minlength=n).double()
         expected = sq / sq.sum() * s
@@ -98,95 +95,67 @@ def test_lemma1_value_norm_reservoir_distribution():
         assert (observed / s - sq / sq.sum()).abs().max() < 0.015
 
 
-def test_lemma2_cluster_reservoir_is_uniform_over_members():
-    """One cluster (δ large): each of t = 20000 slots is uniform over the n members: chi-square, p > 1e-3."""
+def test_normalizer_reservoir_is_uniform_over_the_stream():
+    """Each of r = 20000 slots is uniform over the n tokens seen, whatever the blocks: chi-square, p > 1e-3."""
     g = torch.Generator().manual_seed(6)
-    n, t = 10, 20000
-    keys = 0.1 * torch.randn(1, 1, n, 4, generator=g)
+    n, r = 10, 20000
+    keys = torch.randn(1, 1, n, 4, generator=g)
     values = torch.randn(1, 1, n, 4, generator=g)
     for blocks in ([1] * n, [1, 2, 3, 4], [n]):
-        state = run_stream(keys, values, blocks, budget=t + 1, s=1, t=t, delta=10.0, max_clusters=1)
-        assert int(state.counts[0, 0]) == n
-        observed = torch.bincount(state.sample_pos[0, 0], minlength=n).double()
+        state = run_stream(keys, values, blocks, budget=r + 2, s=1, max_clusters=1)
+        observed = torch.bincount(state.sample_pos[0], minlength=n).double()
         assert stats.chisquare(observed.numpy()).pvalue > 1e-3
-        assert (observed / t - 1 / n).abs().max() < 0.015
+        assert (observed / r - 1 / n).abs().max() < 0.015
 
 
-def test_merge_keeps_samples_uniform_over_the_union():
-    """Clusters of 3 and 7 keys merged by the cap: the merged slots pick each of the 10 keys with probability 1/10."""
-    n, t = 10, 20000
-    keys = torch.zeros(1, 1, n + 2, 2)
-    keys[0, 0, 3:n, 0] = 1.0
-    keys[0, 0, :n, 1] = torch.arange(n) * 1e-3
-    keys[0, 0, n:, 0] = torch.tensor([50.0, 51.0])
-    values = torch.ones(1, 1, n + 2, 2)
-    state = run_stream(keys, values, [1] * (n + 2), budget=1 + 3 * t, s=1, t=t, delta=0.5, max_clusters=3)
-    assert state.counts[0].tolist() == [n, 2, 0]
-    assert set(state.sample_pos[0, 1].tolist()) == {n, n + 1}
-    observed = torch.bincount(state.sample_pos[0, 0], minlength=n).double()
-    assert stats.chisquare(observed.numpy()).pvalue > 1e-3
+def test_post_stratified_weights_add_up_to_the_stream():
+    """The cluster part of the summary stands for exactly cluster_weight · n tokens (each cluster for its count),
+    the ‖v‖² part for (1 - cluster_weight) · n in expectation."""
+    keys, values, _ = blobs(600, clusters=6, spread=0.5)
+    summaries = [run_stream(keys, values, [50] * 12, budget=100, seed=seed, s=20, max_clusters=8).summary() for seed in range(20)]
+    for summ in summaries:
+        cluster_part = summ.log_weights[..., 20:].double().exp().sum(-1)
+        assert torch.allclose(cluster_part, torch.full((1, 2), 0.95 * 600, dtype=torch.float64))
+        assert summ.num_slots == 100 and summ.normalizer is None
+    value_part = torch.stack([s.log_weights[..., :20].double().exp().sum(-1) for s in summaries]).mean(0)
+    assert torch.allclose(value_part, torch.full((1, 2), 0.05 * 600, dtype=torch.float64), rtol=0.15)
 
 
-def test_memory_is_bounded_by_clusters_not_stream_length():
-    """O(d (m t + s)): on a clusterable stream m stays at the 8 true clusters while n grows 8x, and so do the bytes."""
-    s, t, d = 32, 8, 16
+def test_memory_is_bounded_by_the_budget_not_the_stream_length():
     sizes = {}
     for n in (256, 2048):
-        keys, values, _ = blobs(n, d=d)
-        state = run_stream(keys, values, [64] * (n // 64), budget=s + t * 64, s=s, t=t, delta=1.0, max_clusters=64)
-        m = int(state.num_clusters.max())
-        assert m == 8
+        keys, values, _ = blobs(n)
+        state = run_stream(keys, values, [64] * (n // 64), budget=96)
         sizes[n] = state.nbytes()
-        assert sizes[n] <= 3 * keys.element_size() * keys.shape[1] * d * (m * t + s)
+        assert state.summary().num_slots == 96
     assert sizes[256] == sizes[2048]
 
 
-def test_default_delta_comes_from_the_data_and_respects_the_cap():
-    keys, values, labels = blobs(600, clusters=6)
-    budget = 64 + 4 * 16
-    state = run_stream(keys, values, [50] * 12, budget=budget)
-    assert (state.num_clusters <= 16).all() and (state.num_clusters >= 6).all()
-    assert (state.delta > 0).all()
-    summary = state.summary()
-    occupied = torch.isfinite(summary.log_weights).sum(-1) + torch.isfinite(summary.normalizer.log_weights).sum(-1)
-    assert (occupied <= budget).all()
-    assert torch.allclose(summary.normalizer.log_weights.exp().sum(-1), torch.full((1, 2), 600.0))
+def test_output_is_a_convex_combination_of_values_for_any_key_scale():
+    """Numerator and denominator share their slots: finite, and no larger than the largest value, with keys ×300 in float16."""
+    keys, values, _ = blobs(512, spread=0.5, sep=1.0)
+    q = torch.randn(1, 4, 32, 16, generator=torch.Generator().manual_seed(8))
+    for scale in (1.0, 10.0, 300.0):
+        summ = kvc.compress("subgen", (keys * scale).half(), values.half(), budget=64, sink=4, window=16)
+        out = kvc.weighted_attention(q.half(), summ)
+        assert torch.isfinite(out).all()
+        assert float(out.float().norm(dim=-1).max()) <= float(values.norm(dim=-1).max()) * 1.01
 
 
-def test_small_stream_is_exact_in_the_denominator():
-    """Fewer distinct keys than the cap and t = 1: every key is its own cluster, so the normalizer is the exact key set."""
-    g = torch.Generator().manual_seed(2)
-    keys = torch.randn(1, 2, 20, 8, generator=g)
-    values = torch.randn(1, 2, 20, 8, generator=g)
-    summary = run_stream(keys, values, [7, 13], budget=64, s=32, t=1, max_clusters=32).summary()
-    norm = summary.normalizer
-    assert torch.equal(norm.log_weights[..., :20], torch.zeros(1, 2, 20))
-    assert torch.equal(norm.keys[..., :20, :], keys)
-
-
-def test_estimate_improves_with_s_and_t():
+def test_estimate_improves_with_budget():
     keys, values, _ = blobs(1024, d=16, spread=0.4, sep=1.0)
     q = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(9))
     exact = kvc.exact_attention(q, keys, values)
-    scale = 1 / math.sqrt(16)
 
-    def errors(s, t):
-        num, den = [], []
-        for seed in range(4):
-            summ = kvc.compress("subgen", keys, values, budget=s + t * 16, sink=0, window=0, seed=seed, s=s, t=t, delta=2.0, max_clusters=16)
-            num.append(kvc.relative_error(kvc.weighted_attention(q, summ), exact))
-            norm = summ.normalizer
-            logits = torch.einsum("bhqd,bhnd->bhqn", q.reshape(1, 2, 32, 16), norm.keys) * scale + norm.log_weights[:, :, None]
-            exact_den = torch.einsum("bhqd,bhnd->bhqn", q.reshape(1, 2, 32, 16), keys) * scale
-            den.append(float((logits.logsumexp(-1) - exact_den.logsumexp(-1)).abs().mean()))
-        return sum(num) / 4, sum(den) / 4
+    def error(budget):
+        runs = [kvc.relative_error(kvc.weighted_attention(q, kvc.compress("subgen", keys, values, budget=budget, sink=0, window=0, seed=seed)), exact)
+                for seed in range(4)]
+        return sum(runs) / 4
 
-    small, large = errors(8, 1), errors(256, 16)
-    assert large[0] < 0.5 * small[0]
-    assert large[1] < 0.5 * small[1]
+    assert error(512) < 0.5 * error(32)
 
 
-def test_stream_api_window_enters_the_normalizer_exactly_and_is_reproducible():
+def test_stream_api_window_is_exact_and_is_reproducible():
     keys, values, _ = blobs(300)
     outs = []
     for _ in range(2):
@@ -195,11 +164,9 @@ def test_stream_api_window_enters_the_normalizer_exactly_and_is_reproducible():
             st.update(keys[:, :, start : start + 37], values[:, :, start : start + 37])
         outs.append(st.summary())
     a, b = outs
-    assert torch.equal(a.keys, b.keys) and torch.equal(a.normalizer.keys, b.normalizer.keys)
-    window = a.normalizer.positions[..., -64:]
-    assert torch.equal(window, torch.arange(236, 300).expand(1, 2, 64))
-    assert torch.equal(a.normalizer.log_weights[..., -64:], torch.zeros(1, 2, 64))
-    assert math.isclose(float(a.normalizer.log_weights.exp().sum(-1)[0, 0]), 300.0, rel_tol=1e-5)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.log_weights, b.log_weights)
+    assert torch.equal(a.positions[..., -64:], torch.arange(236, 300).expand(1, 2, 64))
+    assert torch.equal(a.log_weights[..., -64:], torch.zeros(1, 2, 64))
     assert kvc.methods().count("subgen") == 1
 
 
@@ -216,13 +183,13 @@ def test_half_precision_does_not_overflow():
 @pytest.mark.parametrize(
     "params, budget, match",
     [
-        ({"t": 0}, 64, "t must be an integer >= 1"),
+        ({"cluster_weight": 1.0}, 64, "cluster_weight must be a number in \\(0, 1\\)"),
         ({"s": -1}, 64, "s must be an integer >= 1"),
         ({"delta": -0.5}, 64, "delta must be a finite number >= 0"),
         ({"delta": float("nan")}, 64, "delta must be a finite number >= 0"),
         ({"max_clusters": 0}, 64, "max_clusters must be an integer >= 1"),
-        ({"s": 60, "t": 8}, 64, "s \\+ t \\* max_clusters <= budget"),
-        ({"max_clusters": 100}, 64, "s \\+ t \\* max_clusters <= budget"),
+        ({"s": 60, "max_clusters": 4}, 64, "s \\+ max_clusters < budget"),
+        ({}, 2, "s \\+ max_clusters < budget"),
     ],
 )
 def test_bad_parameters_raise(params, budget, match):
@@ -234,8 +201,7 @@ def test_bad_parameters_raise(params, budget, match):
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_generate_on_the_default_model(default_model, mode):
-    """SubGen through kvc.generate: the cache stores s numerator slots + the window, the normalizer
-    its cluster samples, all within the budget, and fewer bytes than the full cache."""
+    """SubGen through kvc.generate: the cache stores the sink, the budget's slots and the window, fewer bytes than the full cache."""
     from kvcompress.eval.tasks import line_retrieval
 
     model, tok = default_model
@@ -245,13 +211,12 @@ def test_generate_on_the_default_model(default_model, mode):
                        max_new_tokens=4, progress=False)
     assert len(res.token_ids) >= 1 and res.budget == budget
     assert res.kv_bytes < res.kv_bytes_full
-    s = budget // 2
     exact_after = res.prompt_tokens - res.context_tokens + len(res.token_ids) - 1
-    assert max(res.slots_per_layer) <= s + 64 + (exact_after if mode == "prefill" else 0)
+    assert max(res.slots_per_layer) <= 4 + budget + 64 + (exact_after if mode == "prefill" else 0)
 
 
-def test_chunked_queries_over_a_normalizer_match_one_chunk(monkeypatch):
-    """weighted_attention splits long query blocks into chunks (non-contiguous slices): same result with a normalizer."""
+def test_chunked_queries_match_one_chunk(monkeypatch):
+    """weighted_attention splits long query blocks into chunks (non-contiguous slices): same result over a SubGen summary."""
     import kvcompress.attention as attention
 
     keys, values, _ = blobs(300)
@@ -261,3 +226,41 @@ def test_chunked_queries_over_a_normalizer_match_one_chunk(monkeypatch):
     whole = attention.weighted_attention(q, summ, query_positions=qpos)
     monkeypatch.setattr(attention, "_MAX_LOGITS", 2000)
     assert torch.allclose(attention.weighted_attention(q, summ, query_positions=qpos), whole, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def real_layers(default_model):
+    """q/k/v of layers 2 and 5 of the default model on 2048 tokens of real prose (the approximation bench's input)."""
+    from kvcompress.cache import attention_scales
+    from kvcompress.eval.capture import capture_qkv, prose_text
+
+    model, tok = default_model
+    captured = capture_qkv(model, tok, prose_text(n_chars=8 * 2048, seed=0), layers=[2, 5], max_tokens=2048)
+    scales = attention_scales(model)
+    return [(q, k, v, scales[layer]) for layer, (q, k, v) in captured.items()]
+
+
+def real_error(layers, method, key_scale=1.0, seeds=5, **params):
+    """Mean relative attention error of the last 256 queries, sink 256 + window 256 exact, 1/8 of the middle kept."""
+    from kvcompress.eval.approx import per_query_error
+
+    errors = []
+    for q, k, v, scale in layers:
+        k = k * key_scale
+        n = k.shape[2]
+        targets, qpos = q[:, :, n - 256 :], torch.arange(n - 256, n)
+        exact = kvc.exact_attention(targets, k, v, scale=scale, causal_offset=n - 256)
+        for seed in range(seeds):
+            summ = kvc.compress(method, k, v, budget=(n - 512) // 8, sink=256, window=256, seed=seed, scale=scale, **params)
+            errors.append(per_query_error(kvc.weighted_attention(targets, summ, scale=scale, query_positions=qpos), exact))
+    return sum(errors) / len(errors)
+
+
+@pytest.mark.e2e
+def test_real_layers_error_no_worse_than_uniform_sampling_and_bounded_under_key_scaling(real_layers):
+    torch.set_num_threads(1)
+    base = real_error(real_layers, "subgen")
+    assert base <= real_error(real_layers, "random")
+    for key_scale in (10.0, 300.0):
+        scaled = real_error(real_layers, "subgen", key_scale)
+        assert math.isfinite(scaled) and scaled <= 2 * base

@@ -1,9 +1,4 @@
-"""Real attention inputs: post-RoPE q/k/v of chosen layers on real text, and a real-prose source.
-
-`capture_qkv` runs one full-attention forward pass (no cache) with a temporary attention function
-registered through transformers' `AttentionInterface`: it records what each chosen layer's
-attention receives (queries [1, H_q, n, d] and keys/values [1, H_kv, n, d], after RoPE, before
-grouped-query repetition) and then computes the attention with the SDPA implementation.
+"""A real-prose source, and (re-exported from `integration.capture`) real q/k/v capture.
 
 `prose_paragraphs` / `prose_text` give natural-language text that ships with every CPython: the
 prose paragraphs of the Python language reference topics in `pydoc_data.topics` (the text behind
@@ -14,66 +9,10 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable
 
-import torch
+from ..integration.capture import capture_qkv
 
-_CAPTURE_IMPL = "kvcompress_capture"
-
-
-def capture_qkv(
-    model,
-    tokenizer_or_ids,
-    text: str | None = None,
-    layers: Iterable[int] | None = None,
-    max_tokens: int | None = None,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """{layer: (queries [1,H_q,n,d], keys [1,H_kv,n,d], values [1,H_kv,n,d])} as attention sees them.
-
-    tokenizer_or_ids: a tokenizer (then `text` is tokenised, no special tokens added) or input ids
-    [n] / [1, n] (then `text` must be None). layers: layer indices, default all. max_tokens keeps
-    the first tokens only. Tensors are detached CPU copies in the model's dtype. The model's own
-    attention implementation is restored afterwards.
-    """
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if isinstance(tokenizer_or_ids, torch.Tensor):
-        if text is not None:
-            raise ValueError("text must be None when input ids are given")
-        ids = tokenizer_or_ids.reshape(1, -1)
-    else:
-        if text is None:
-            raise ValueError("text is required when a tokenizer is given")
-        ids = tokenizer_or_ids(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = ids[:, :max_tokens]
-    if ids.shape[1] == 0:
-        raise ValueError("nothing to capture: the input has no tokens")
-    num_layers = model.config.num_hidden_layers
-    wanted = set(range(num_layers)) if layers is None else set(layers)
-    bad = [i for i in wanted if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"layers must lie in [0, {num_layers - 1}], got {sorted(bad)}")
-
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def recording_attention(module, query, key, value, attention_mask, **kwargs):
-        if module.layer_idx in wanted:
-            captured[module.layer_idx] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(_CAPTURE_IMPL, recording_attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_CAPTURE_IMPL)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(model.device), use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
-    return dict(sorted(captured.items()))
+__all__ = ["capture_qkv", "prose_paragraphs", "prose_text"]
 
 
 def _is_prose(paragraph: str) -> bool:

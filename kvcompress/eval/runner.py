@@ -12,6 +12,13 @@ they are produced; a rerun with the same directory skips every cell already reco
 interrupted sweep continues where it stopped. `summarize` turns the records into
 `summary.csv` / `summary.md`, and `eval.plots` into PNGs.
 
+The unit of work is one sample with all its cells (`pending_samples`, `run_sample`): its context
+is prefilled once and every method answers from that prefill. `run_sweep(shard=(i, n))` runs the
+i-th of n disjoint slices of the samples (n plain processes can share one output directory);
+`eval.ray_sweep` runs the samples as Ray tasks. Records are appended under an exclusive file lock
+and a cell already in the file is never written again. With `benchmark`/`data` the samples come
+from a standard benchmark's files (`eval.benchmarks`) instead of the generated tasks.
+
 A cell whose method cannot run at that size (e.g. its seed's sink + window exceed the tokens a
 ratio keeps) is recorded with its error message and no score, and shown as such in the summary.
 """
@@ -19,6 +26,7 @@ ratio keeps) is recorded with its error message and no score, and shown as such 
 from __future__ import annotations
 
 import csv
+import fcntl
 import inspect
 import json
 import math
@@ -35,6 +43,7 @@ from tqdm.auto import tqdm
 
 from ..cache import MODES
 from ..methods.base import method_names
+from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
 from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
 
@@ -67,14 +76,19 @@ class SweepConfig:
     samples: samples per (task, length); tasks that take a depth place sample i at
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
     sample per cell, compressed at `grid_ratios`). max_new_tokens None uses MAX_NEW_TOKENS.
+
+    benchmark + data: samples from a standard benchmark's files (`eval.benchmarks.BENCHMARKS`);
+    tasks None takes every task in the data, samples None every row (else the first `samples`
+    per task); each task's answer length is the benchmark's. lengths, haystack, kind,
+    task_params and the needle grid belong to the generated tasks and must stay unset.
     """
 
     methods: list[str] | None = None
     ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))
     modes: list[str] = field(default_factory=lambda: ["prefill"])
-    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    tasks: list[str] | None = None
     lengths: list[int] = field(default_factory=lambda: list(DEFAULT_LENGTHS))
-    samples: int = 4
+    samples: int | None = 4
     seed: int = 0
     haystack: str = "filler"
     kind: str = "numbers"
@@ -87,15 +101,21 @@ class SweepConfig:
     max_new_tokens: int | None = None
     chunk_size: int = 128
     task_params: dict[str, dict] = field(default_factory=dict)
+    benchmark: str | None = None
+    data: str | None = None
 
     def __post_init__(self):
         if self.methods is None:
             self.methods = method_names()
+        if self.benchmark is not None:
+            self._check_benchmark()
+        elif self.tasks is None:
+            self.tasks = list(DEFAULT_TASKS)
         known = set(method_names())
         for name, values, allowed in (
             ("methods", self.methods, known),
             ("modes", self.modes, set(MODES)),
-            ("tasks", self.tasks, set(TASKS)),
+            ("tasks", [] if self.benchmark else self.tasks, set(TASKS)),
         ):
             bad = [v for v in values if v not in allowed]
             if bad:
@@ -113,8 +133,8 @@ class SweepConfig:
                 raise ValueError(f"grid depths must lie in [0, 1], got {d}")
         if bool(self.grid_lengths) != bool(self.grid_depths):
             raise ValueError("grid_lengths and grid_depths go together: pass both or neither")
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if (self.samples is None and self.benchmark is None) or (self.samples is not None and self.samples < 1):
+            raise ValueError(f"samples must be >= 1 (None only with a benchmark), got {self.samples}")
         if self.haystack not in HAYSTACKS:
             raise ValueError(f"haystack must be one of {HAYSTACKS}, got {self.haystack!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -126,6 +146,18 @@ class SweepConfig:
             bad = sorted(set(params) - allowed)
             if bad:
                 raise ValueError(f"task_params[{task!r}]: parameters must be among {sorted(allowed)}, got {bad}")
+
+    def _check_benchmark(self):
+        if self.benchmark not in BENCHMARKS:
+            raise ValueError(f"benchmark must be one of {BENCHMARKS}, got {self.benchmark!r}")
+        if not self.data:
+            raise ValueError(f"benchmark {self.benchmark!r} needs data: the path of its files, got {self.data!r}")
+        changed = [name for name, value, default in (
+            ("lengths", self.lengths, list(DEFAULT_LENGTHS)), ("haystack", self.haystack, "filler"), ("kind", self.kind, "numbers"),
+            ("task_params", self.task_params, {}), ("grid_lengths", self.grid_lengths, []), ("grid_depths", self.grid_depths, []),
+        ) if value != default]
+        if changed:
+            raise ValueError(f"{changed} belong to the generated tasks; leave them unset with benchmark {self.benchmark!r}")
 
     def params_of(self, task: str) -> tuple:
         """The task's `task_params` as sorted (name, value) pairs (hashable, part of the cell key)."""
@@ -142,6 +174,24 @@ class SampleSpec:
     depth: float | None
     grid: bool = False
     params: tuple = ()
+
+    @property
+    def kind(self) -> str:
+        """First part of the cell key: "grid" for the needle heat-map, else "task"."""
+        return "grid" if self.grid else "task"
+
+    @property
+    def answer_limit(self) -> int:
+        """Answer tokens of the task (MAX_NEW_TOKENS)."""
+        return MAX_NEW_TOKENS[self.task]
+
+    def evaluate(self, sample: Sample, prediction: str) -> float:
+        """Task score of a prediction for the built sample."""
+        return score(sample, prediction)
+
+    def record_fields(self) -> dict:
+        """Fields a record of this sample has besides the common ones (none for generated tasks)."""
+        return {}
 
     def build(self, config: SweepConfig, tokenizer) -> Sample:
         params = inspect.signature(GENERATORS[self.task]).parameters
@@ -168,7 +218,7 @@ class Cell:
     def key(self) -> str:
         s = self.sample
         task = s.task + "".join(f";{k}={v}" for k, v in s.params)
-        return f"{'grid' if s.grid else 'task'}|{task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
+        return f"{s.kind}|{task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
 
 
 def sample_depth(index: int) -> float:
@@ -177,8 +227,13 @@ def sample_depth(index: int) -> float:
     return round((0.5 + index * 0.6180339887498949) % 1.0, 3)
 
 
-def sample_specs(config: SweepConfig) -> list[SampleSpec]:
-    """Every sample of the sweep, sample-major (a partial run covers every task and length), then the needle grid."""
+def sample_specs(config: SweepConfig) -> list[SampleSpec] | list[BenchmarkItem]:
+    """Every sample of the sweep, sample-major (a partial run covers every task and length), then the needle grid.
+
+    With a benchmark: its items, in file order.
+    """
+    if config.benchmark is not None:
+        return load_benchmark(config.benchmark, config.data, config.tasks, config.samples)
     specs = []
     for i in range(config.samples):
         for length in config.lengths:
@@ -204,13 +259,7 @@ def read_results(path: Path) -> list[dict]:
     """Records of a results JSONL file; a line cut short by an interruption is ignored."""
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return _parse_lines(path.read_text())
 
 
 def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int):
@@ -234,63 +283,145 @@ def _stream_budget(cell: Cell, n_context: int) -> int:
     return resolve_budget(n_context, None, cell.ratio, sink, window)
 
 
-def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progress: bool = True, model_name: str = "") -> list[dict]:
-    """Run every cell not yet in `out_dir/results.jsonl`, appending one record per cell; return all records.
+class ResultsFile:
+    """The sweep's results JSONL, appended one whole line at a time under an exclusive lock.
 
-    Writes `out_dir/config.json` (the config, model name, host, start time) on every run.
+    Several writers (shards, the Ray driver) may share it. Under the lock each writer first reads
+    what the others appended since its last write, so `write` skips a cell whose key is already in
+    the file and no cell is ever recorded twice. A line torn by an interrupted writer is closed
+    with a newline before the next record.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.path.touch()
+        self._done: set[str] = set()
+        self._offset = 0
+
+    def _catch_up(self, f) -> bool:
+        """Read the records appended since the last call; return whether the file ends inside a line."""
+        f.seek(self._offset)
+        tail = f.read()
+        self._done.update(r["key"] for r in _parse_lines(tail))
+        self._offset += len(tail)
+        if self._offset == 0:
+            return False
+        f.seek(self._offset - 1)
+        return f.read(1) != b"\n"
+
+    def keys(self) -> set[str]:
+        """Keys of every record now in the file."""
+        with self.path.open("rb") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            try:
+                self._catch_up(f)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return set(self._done)
+
+    def write(self, records: list[dict]) -> int:
+        """Append the records whose keys are not yet in the file; return how many were written."""
+        with self.path.open("r+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                torn = self._catch_up(f)
+                fresh = [r for r in records if r["key"] not in self._done]
+                data = ("\n" if torn else "") + "".join(json.dumps(r) + "\n" for r in fresh)
+                f.write(data.encode())
+                f.flush()
+                self._offset = f.tell()
+                self._done.update(r["key"] for r in fresh)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return len(fresh)
+
+
+def _parse_lines(text: str | bytes) -> list[dict]:
+    """JSON records of the complete lines of a JSONL text; broken lines are skipped."""
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, int] | None = None,
+                    model_name: str = "") -> tuple[ResultsFile, list[tuple]]:
+    """The results file of `out_dir` and every (sample, cells not yet recorded) of the sweep (or of its shard).
+
+    shard (i, n): only the samples at positions p with p % n == i, so n processes split the
+    samples (with all their cells) without overlap. Writes `out_dir/config.json` (the config,
+    model name, host, shard, start time).
+    """
+    if shard is not None and not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
+        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = ResultsFile(out / RESULTS_FILE)
+    done = results.keys()
+    meta = {"config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
+            "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    (out / "config.json").write_text(json.dumps(meta, indent=1))
+    specs = sample_specs(config)
+    if shard is not None:
+        specs = specs[shard[0]::shard[1]]
+    todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
+    return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], log=print) -> Iterator[dict]:
+    """Answer every cell of one sample, yielding one record per cell as it is produced.
+
+    The context is prefilled once (prefill mode) and every method compresses a copy of that
+    prefill. A cell whose method cannot run at this size is recorded with its error (and `log`ged).
     """
     from ..integration import build_prompt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / RESULTS_FILE
-    done = {r["key"] for r in read_results(path)}
-    meta = {"config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (out / "config.json").write_text(json.dumps(meta, indent=1))
-    specs = sample_specs(config)
-    todo = {spec: [c for c in cells_for(spec, config) if c.key not in done] for spec in specs}
-    bar = tqdm(total=sum(map(len, todo.values())), desc="eval", unit="cell", disable=not progress)
-    torn = path.is_file() and not path.read_bytes().endswith(b"\n") and path.stat().st_size > 0
-    with path.open("a") as f:
-        if torn:
-            f.write("\n")
-        for spec, cells in todo.items():
-            if not cells:
-                continue
-            sample = spec.build(config, tokenizer)
-            context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-            max_new = config.max_new_tokens or MAX_NEW_TOKENS[spec.task]
-            captured, capture_s = None, 0.0
-            if config.reuse_prefill and any(c.mode == "prefill" and c.method != FULL for c in cells):
-                start = time.perf_counter()
-                captured = capture_qkv(model, context_ids)
-                capture_s = time.perf_counter() - start
-            for cell in cells:
-                record = _record(cell, sample, context_ids, capture_s)
-                start = time.perf_counter()
-                try:
-                    res = _answer(model, cell, context_ids, question_ids, captured, config, max_new)
-                except (ValueError, RuntimeError) as err:
-                    record["error"] = f"{type(err).__name__}: {err}"
-                    bar.write(f"[{cell.key}] {record['error']}")
-                else:
-                    prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
-                    record.update(
-                        prediction=prediction, score=score(sample, prediction), kv_bytes=res.kv_bytes, kv_bytes_full=res.kv_bytes_full,
-                        prefill_s=res.prefill_seconds, compress_s=res.compress_seconds, decode_s=res.decode_seconds,
-                    )
-                record["wall_s"] = time.perf_counter() - start
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                bar.update(1)
+    sample = spec.build(config, tokenizer)
+    context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    max_new = config.max_new_tokens or spec.answer_limit
+    captured, capture_s = None, 0.0
+    if config.reuse_prefill and any(c.mode == "prefill" and c.method != FULL for c in cells):
+        start = time.perf_counter()
+        captured = capture_qkv(model, context_ids)
+        capture_s = time.perf_counter() - start
+    for cell in cells:
+        record = _record(cell, sample, context_ids, capture_s)
+        start = time.perf_counter()
+        try:
+            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new)
+        except (ValueError, RuntimeError) as err:
+            record["error"] = f"{type(err).__name__}: {err}"
+            log(f"[{cell.key}] {record['error']}")
+        else:
+            prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
+            record.update(
+                prediction=prediction, score=spec.evaluate(sample, prediction), kv_bytes=res.kv_bytes, kv_bytes_full=res.kv_bytes_full,
+                prefill_s=res.prefill_seconds, compress_s=res.compress_seconds, decode_s=res.decode_seconds,
+            )
+        record["wall_s"] = time.perf_counter() - start
+        yield record
+
+
+def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progress: bool = True, model_name: str = "",
+              shard: tuple[int, int] | None = None) -> list[dict]:
+    """Run every cell not yet in `out_dir/results.jsonl` (of shard (i, n) only, if given), appending
+    one record per cell as it finishes; return all records of the file."""
+    results, todo = pending_samples(config, out_dir, shard, model_name)
+    bar = tqdm(total=sum(len(cells) for _, cells in todo), desc="eval", unit="cell", disable=not progress)
+    for spec, cells in todo:
+        for record in run_sample(model, tokenizer, config, spec, cells, log=bar.write):
+            results.write([record])
+            bar.update(1)
     bar.close()
-    return read_results(path)
+    return read_results(results.path)
 
 
 def _record(cell: Cell, sample: Sample, context_ids, capture_s: float) -> dict:
     s = cell.sample
-    return {
+    return s.record_fields() | {
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
         "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from ..api import default_sink_window
 from ..cache import MODES, CompressedCache, CompressionSettings, check_supported
+from ..checks import as_count, describe
 from ..methods.base import build_method, check_sink_window, resolve_budget
 from .attention import ATTENTION_NAME
 from .model import check_context_length
@@ -38,6 +39,7 @@ class GenerationResult:
     compress_seconds: float
     decode_seconds: float
     extra: dict = field(default_factory=dict)
+    realised_compression_ratio: float = 0.0  # fraction of the tokens seen that the cache does not hold (mean over layers)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -52,7 +54,7 @@ class GenerationResult:
             [
                 f"method            {self.method} (mode={self.mode}, middle budget={self.budget})",
                 f"prompt tokens     {self.prompt_tokens} (context {self.context_tokens})",
-                f"tokens kept/layer {kept} per KV head",
+                f"tokens kept/layer {kept} per KV head (realised compression ratio {self.realised_compression_ratio:.3f} of all tokens seen)",
                 f"KV bytes          full {_mib(self.kv_bytes_full)} -> stored {_mib(self.kv_bytes)} "
                 f"({saved:.0%} saved; peak {_mib(self.peak_kv_bytes)})",
                 f"time              prefill {self.prefill_seconds:.2f}s (compression {self.compress_seconds:.2f}s), "
@@ -135,15 +137,18 @@ def generate_ids(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if context_ids.ndim != 2 or context_ids.shape[1] == 0:
-        raise ValueError("empty context: context_ids must be [1, n] with n >= 1")
+    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
+        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [1, n] with n >= 1, got {describe(context_ids)}")
     if context_ids.shape[0] != 1:
         raise ValueError(f"generate takes one sequence (batch size 1), got batch size {context_ids.shape[0]}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    seed = as_count("seed", seed, 0)
     check_supported(model)
     device = next(model.parameters()).device
     context_ids = context_ids.to(device)
+    if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
+        raise ValueError(f"question_ids must be an integer tensor [1, m] or None, got {describe(question_ids)}")
     question_ids = question_ids.to(device) if question_ids is not None and question_ids.shape[1] > 0 else None
     n_context = context_ids.shape[1]
     n_prompt = n_context + (question_ids.shape[1] if question_ids is not None else 0)
@@ -163,7 +168,7 @@ def generate_ids(
         sink, window = default_sink_window(method, sink, window)
         check_sink_window(sink, window)
         compressed_length = n_prompt if (compress_question or mode == "decode") else n_context
-        middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window)
+        middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window, m, streaming=mode != "prefill")
         settings = CompressionSettings(m, mode, middle_budget, None, sink, window, seed)
         if prefill is not None:
             if mode != "prefill" or compress_question:
@@ -247,6 +252,7 @@ def generate_ids(
         compress_seconds=compress_seconds,
         decode_seconds=decode_seconds,
         extra={"calibration": chosen} if chosen is not None else {},
+        realised_compression_ratio=1.0 - sum(slots) / len(slots) / total,
     )
 
 
@@ -277,7 +283,9 @@ def generate(
     """
     from .model import build_prompt
 
-    if not isinstance(context, str) or not context.strip():
+    if not isinstance(context, str):
+        raise ValueError(f"context must be a str, got {type(context).__name__} (decode bytes first, e.g. context.decode('utf-8'))")
+    if not context.strip():
         raise ValueError("empty context: pass a non-empty context string")
     context_ids, question_ids = build_prompt(tokenizer, context, question)
     result = generate_ids(

@@ -174,6 +174,7 @@ class BalanceKV(Method):
     """
 
     name = "balancekv"
+    randomized = True
     default_sink = 256
     default_window = 256
 

@@ -14,13 +14,15 @@ and must honour `budget`: at most `budget` slots per head in what it returns.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..attention import visible_slots
+from ..checks import as_count, as_fraction, check_queries, check_same_device, check_tensor, describe
 from ..summary import KVSummary, concat, gather_slots
 
 _REGISTRY: dict[str, type["Method"]] = {}
@@ -34,7 +36,9 @@ class Tokens:
     queries [B,H_q,n_q,d] or None (the most recent queries seen with these tokens, post-RoPE),
     pre_rope_keys [B,H_kv,n,d] or None, scale (attention scale s), layer_idx / num_layers when
     called from a model (PyramidKV uses them), query_positions [n_q] (original positions of the
-    queries, for causal scoring; None means the queries follow every token).
+    queries, for causal scoring; None means the queries follow every token), exact_keys
+    [B,H_kv,m,d] / exact_positions [B,H_kv,m]: the tokens kept exactly beside these (sink and
+    window), which share the queries' softmax with them (None: no such tokens).
     """
 
     keys: torch.Tensor
@@ -46,6 +50,8 @@ class Tokens:
     layer_idx: int | None = None
     num_layers: int | None = None
     query_positions: torch.Tensor | None = None
+    exact_keys: torch.Tensor | None = None
+    exact_positions: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -105,6 +111,7 @@ class Method:
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
     needs_pre_rope_keys: ClassVar[bool] = False
+    randomized: ClassVar[bool] = False  # draws from the generator: the seed changes the summary
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
 
@@ -191,12 +198,23 @@ def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -
     return positions[0, 0, positions.shape[2] - queries.shape[2] :]
 
 
-def attention_mass(tokens: Tokens, last: int | None = None, chunk: int = 256) -> torch.Tensor:
-    """[B, H_kv, n]: softmax attention of the (last `last`) queries on the tokens, summed over queries, averaged over each GQA group.
+AVERAGES = ("group", "layer")
 
-    Softmax runs over the given tokens only; queries see only tokens at or before their own
-    position when `query_positions` is known. Processed in query chunks (no n_q x n tensor beyond one chunk).
+
+def attention_mass(tokens: Tokens, last: int | None = None, average: str = "group", max_logits: int = 1 << 20) -> torch.Tensor:
+    """[B, H_kv, n]: softmax attention of the (last `last`) queries on the tokens, summed over queries.
+
+    The softmax runs over every key the queries see: the tokens and `tokens.exact_keys` (the sink
+    and window kept exactly), as attention itself does; queries see only keys at or before their
+    own position when `query_positions` is known. average: "group" means over the query heads of
+    each KV head (GQA group); "layer" means over every query head of the layer, the same score for
+    each KV head. Queries go in chunks of at most `max_logits` scores (4 MiB of float32 by default:
+    chunks that stay in cache ran 2x faster than 64 MiB ones on CPU) at the model's scale
+    `tokens.scale` (one exponential per score, no softmax tensor beyond one chunk; the max shift
+    is skipped when every logit is bounded well inside float32's exponent range).
     """
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
     queries, qpos = tokens.queries, tokens.query_positions
     if last is not None:
         queries = queries[:, :, -last:]
@@ -204,20 +222,53 @@ def attention_mass(tokens: Tokens, last: int | None = None, chunk: int = 256) ->
     b, hq, nq, d = queries.shape
     hkv = tokens.keys.shape[1]
     group = hq // hkv
-    q = queries.float().reshape(b, hkv, group, nq, d) * tokens.scale
     keys = tokens.keys.float()
+    exact_keys = tokens.exact_keys.float() if tokens.exact_keys is not None else keys.new_zeros(b, hkv, 0, d)
+    exact_pos = tokens.exact_positions if tokens.exact_keys is not None else tokens.positions[:, :, :0]
+    q = (queries.float() * tokens.scale).reshape(b, hkv, group, nq, d).transpose(2, 3)  # [B, H_kv, n_q, group, d]
     mass = torch.zeros(b, hkv, tokens.length, device=keys.device)
+    # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80 every exp stays finite and non-zero in float32,
+    # so the per-query max shift can be skipped.
+    key_norm = torch.cat([keys, exact_keys], 2).norm(dim=-1).amax() if keys.shape[2] + exact_keys.shape[2] else keys.new_zeros(())
+    bounded = float(q.norm(dim=-1).amax() * key_norm) < 80.0
+    chunk = max(1, max_logits // max(1, b * hq * (tokens.length + exact_keys.shape[2])))
     for start in range(0, nq, chunk):
-        qc = q[:, :, :, start : start + chunk]
-        c = qc.shape[3]
+        qc = q[:, :, start : start + chunk]
+        c = qc.shape[2]
         qp = qpos[start : start + chunk].to(keys.device) if qpos is not None else None
         n = visible_slots(tokens.positions, qp)
-        logits = torch.matmul(qc.reshape(b, hkv, group * c, d), keys[:, :, :n].transpose(-1, -2)).view(b, hkv, group, c, n)
-        if qp is not None:
-            logits.masked_fill_(tokens.positions[:, :, None, None, :n] > qp[None, None, None, :, None], float("-inf"))
-        probs = logits.softmax(dim=-1).nan_to_num_(0.0)
-        mass[:, :, :n] += probs.sum(dim=3).mean(dim=2)
+        rows = qc.reshape(b, hkv, c * group, d)
+        logits = _masked_logits(rows, keys[:, :, :n], tokens.positions[:, :, :n], qp, group)
+        exact_logits = _masked_logits(rows, exact_keys, exact_pos, qp, group)
+        if not bounded:
+            top = torch.maximum(_row_max(logits), _row_max(exact_logits)).clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)
+            logits.sub_(top)
+            exact_logits.sub_(top)
+        total = logits.exp_().sum(-1) + exact_logits.exp_().sum(-1)
+        inverse = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
+        mass[:, :, :n] += torch.matmul(inverse.unsqueeze(-2), logits).squeeze(-2)
+    mass /= group
+    if average == "layer":
+        mass = mass.mean(dim=1, keepdim=True).expand(b, hkv, tokens.length)
     return mass
+
+
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    """Max over the last axis, -inf for an empty one."""
+    return x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:-1], float("-inf"))
+
+
+def _masked_logits(rows: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, query_positions, group: int) -> torch.Tensor:
+    """rows [B,H_kv,c*group,d] (query-major) x keys [B,H_kv,n,d] -> [B,H_kv,c*group,n], -inf where a key lies after its query.
+
+    Positions ascend along the slot axis, so only the slots after the first query's position are masked.
+    """
+    logits = torch.matmul(rows, keys.transpose(-1, -2))
+    if query_positions is not None and keys.shape[2]:
+        start = int((positions <= query_positions.min()).sum(-1).min())
+        hidden = positions[:, :, None, start:] > query_positions.repeat_interleave(group)[None, None, :, None]
+        logits[..., start:].masked_fill_(hidden, float("-inf"))
+    return logits
 
 
 def _positions_index(all_positions: torch.Tensor, kept_positions: torch.Tensor) -> torch.Tensor:
@@ -256,59 +307,125 @@ def build_method(name: str, **params) -> Method:
 
 
 def make_generator(seed: int | torch.Generator | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator from `seed`: an int seeds it (reproducible), None draws a fresh random seed (a different result each call), a Generator is used as is."""
     if isinstance(seed, torch.Generator):
         return seed
     gen = torch.Generator(device=device)
-    gen.manual_seed(0 if seed is None else int(seed))
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(as_count("seed", seed, 0))
     return gen
 
 
-def resolve_budget(n: int, budget: int | None, compression_ratio: float | None, sink: int, window: int) -> int:
+def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
+    """Smallest n with ceil((1 - ratio)·n) >= kept_needed."""
+    n = max(1, math.ceil(kept_needed / (1.0 - compression_ratio)) - 1)
+    while math.ceil((1.0 - compression_ratio) * n - 1e-9) < kept_needed:
+        n += 1
+    return n
+
+
+def smallest_stream_budget(method: "Method") -> int:
+    """The smallest budget the method's streaming state accepts (1 for most; BalanceKV and Express need more)."""
+    for budget in range(1, 65):
+        try:
+            method.new_stream(budget, torch.Generator())
+        except ValueError:
+            continue
+        return budget
+    raise ValueError(f"method {method.name!r} accepts no streaming budget up to 64")
+
+
+def resolve_budget(
+    n: int,
+    budget: int | None,
+    compression_ratio: float | None,
+    sink: int,
+    window: int,
+    method: "Method | None" = None,
+    streaming: bool = False,
+) -> int:
     """Middle budget (slots per head, sink and window not counted) from exactly one of budget / ratio.
 
     compression_ratio is the fraction of all n tokens removed (kvpress convention): the layer keeps
     ceil((1 - ratio) * n) tokens, of which sink + window are exact, the rest is the middle budget.
+    A ratio that would remove tokens but leaves no room beyond sink + window is an error naming
+    the largest ratio and the smallest context that work (never a silent "keep everything").
+    With `method` and streaming=True (chunked/decode generation), a middle budget below what the
+    method's stream accepts is an error that says where the budget came from.
     """
     if (budget is None) == (compression_ratio is None):
-        raise ValueError("pass exactly one of budget (tokens kept per head) or compression_ratio (fraction removed)")
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-        return budget
-    if not isinstance(compression_ratio, (int, float)) or not (0.0 <= compression_ratio < 1.0) or math.isnan(compression_ratio):
-        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
-    kept = math.ceil((1.0 - compression_ratio) * n - 1e-9)
-    middle = kept - sink - window
-    if middle < 1 and n > sink + window:
         raise ValueError(
-            f"compression_ratio={compression_ratio} keeps {kept} of {n} tokens, which does not leave room beyond "
-            f"sink={sink} + window={window}; lower the ratio or the sink/window"
+            f"pass exactly one of budget (tokens kept per head) or compression_ratio (fraction removed); got budget={budget!r}, compression_ratio={compression_ratio!r}"
         )
-    return max(middle, 1)
+    if budget is not None:
+        middle = as_count("budget", budget, 1)
+        origin = f"budget={middle}"
+    else:
+        ratio = as_fraction("compression_ratio", compression_ratio, "the fraction of tokens removed")
+        kept = math.ceil((1.0 - ratio) * n - 1e-9)
+        middle = kept - sink - window
+        origin = f"compression_ratio={ratio} of n={n} tokens (keeps {kept}: sink={sink} + window={window} exact, a middle budget of {middle})"
+        if middle < 1 and kept < n:
+            needed = sink + window + 1
+            fixes = [f"a context of at least {_smallest_context(needed, ratio)} tokens", "a smaller sink/window"]
+            if n >= needed:
+                fixes.insert(0, f"compression_ratio <= {math.floor((1 - needed / n) * 1e4) / 1e4}")
+            raise ValueError(
+                f"compression_ratio={ratio} keeps {kept} of n={n} tokens, which does not leave room beyond sink={sink} + window={window} "
+                f"(always kept exactly), so the ratio cannot be honoured; use " + ", or ".join(fixes)
+            )
+        middle = max(middle, 1)
+    if streaming and method is not None:
+        smallest = smallest_stream_budget(method)
+        if middle < smallest:
+            raise ValueError(f"{origin}: streaming {method.name} (chunked/decode mode) needs a middle budget >= {smallest} per KV head")
+    return middle
 
 
-def check_kv(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None) -> None:
-    """Shape and finiteness checks with errors that name the argument."""
-    if keys.ndim != 4 or values.ndim != 4:
-        raise ValueError(f"keys and values must be [B, H_kv, n, d]; got {tuple(keys.shape)} and {tuple(values.shape)}")
+def check_kv(keys, values, queries=None, pre_rope_keys=None) -> None:
+    """Shape, dtype, device and finiteness checks of one layer's inputs, with errors that name the argument."""
+    check_tensor("keys", keys, "[B, H_kv, n, d]", 4)
+    check_tensor("values", values, "[B, H_kv, n, d_v]", 4)
     if keys.shape[:3] != values.shape[:3]:
-        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on [B, H_kv, n]")
+        raise ValueError(f"keys and values must agree on [B, H_kv, n]; got keys {describe(keys)} and values {describe(values)}")
+    check_same_device("values", values, "keys", keys)
     if keys.shape[2] == 0:
-        raise ValueError("empty context: keys have no tokens (n = 0)")
-    for name, t in (("keys", keys), ("values", values), ("queries", queries)):
+        raise ValueError(f"empty context: keys have no tokens (n = 0), got {describe(keys)}")
+    if queries is not None:
+        check_queries(queries, keys)
+    if pre_rope_keys is not None:
+        check_tensor("pre_rope_keys", pre_rope_keys, "[B, H_kv, n, d]", 4)
+        if pre_rope_keys.shape != keys.shape:
+            raise ValueError(f"pre_rope_keys must have the keys' shape {list(keys.shape)}, got {describe(pre_rope_keys)}")
+        check_same_device("pre_rope_keys", pre_rope_keys, "keys", keys)
+    for name, t in (("keys", keys), ("values", values), ("queries", queries), ("pre_rope_keys", pre_rope_keys)):
         if t is not None and not torch.isfinite(t).all():
             raise ValueError(f"{name} contain NaN or infinite entries")
-    if queries is not None:
-        if queries.ndim != 4 or queries.shape[0] != keys.shape[0] or queries.shape[-1] != keys.shape[-1]:
-            raise ValueError(f"queries must be [B, H_q, n_q, d] matching keys {tuple(keys.shape)}; got {tuple(queries.shape)}")
-        if queries.shape[1] % keys.shape[1] != 0:
-            raise ValueError(f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({keys.shape[1]})")
 
 
-def check_sink_window(sink: int, window: int) -> None:
-    for name, v in (("sink", sink), ("window", window)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+def check_positions(positions, keys: torch.Tensor, ordered: bool = True) -> None:
+    """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]; `ordered`: also strictly increasing along the tokens (a device sync)."""
+    b, h, n, _ = keys.shape
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or tuple(positions.shape) not in ((n,), (b, h, n)):
+        raise ValueError(f"positions must be an integer tensor [n] = [{n}] or [B, H_kv, n] = [{b}, {h}, {n}], got {describe(positions)}")
+    if ordered and n > 1 and not bool((positions.diff(dim=-1) > 0).all()):
+        raise ValueError("positions must be strictly increasing along the tokens (the original index of each token, in order)")
+
+
+def check_scale(scale) -> float | None:
+    """The attention scale: None (1/sqrt(d)) or a finite number > 0, as a Python float."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale (the attention scale s) must be a finite number > 0 or None for 1/sqrt(d), got {scale!r}")
+    return float(scale)
+
+
+def check_sink_window(sink, window) -> tuple[int, int]:
+    """(sink, window) as Python ints >= 0."""
+    return as_count("sink", sink, 0), as_count("window", window, 0)
 
 
 def split_exact(tokens: Tokens, sink: int, window: int) -> tuple[Tokens, Tokens, Tokens]:
@@ -324,6 +441,11 @@ def compress_tokens(method: Method, tokens: Tokens, budget: int, sink: int, wind
     head, middle, tail = split_exact(tokens, sink, window)
     parts = [head.exact()]
     if middle.length > budget:
+        middle = replace(
+            middle,
+            exact_keys=torch.cat([head.keys, tail.keys], 2),
+            exact_positions=torch.cat([head.positions, tail.positions], 2),
+        )
         method.check_inputs(middle)
         parts.append(method.compress(middle, budget, generator))
     elif middle.length > 0:
@@ -341,22 +463,35 @@ class Stream:
     """
 
     def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None):
-        check_sink_window(sink, window)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        sink, window = check_sink_window(sink, window)
+        budget = as_count("budget", budget, 1)
         self.method, self.budget, self.sink, self.window = method, budget, sink, window
-        self.generator, self.scale = generator, scale
+        self.generator, self.scale = generator, check_scale(scale)
         self.state = method.new_stream(budget, generator)
         self.head: Tokens | None = None
         self.recent: Tokens | None = None
         self.seen = 0
+        self.layout: tuple | None = None  # (B, H_kv, d, d_v, dtype, device) of the first update
 
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
-        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count)."""
-        check_kv(keys, values, queries)
+        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count).
+
+        Every update must have the first one's batch, KV heads, head dims, dtype and device.
+        """
+        check_kv(keys, values, queries, pre_rope_keys)
         b, h, n, d = keys.shape
+        layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            fb, fh, fd, fdv, fdtype, fdevice = self.layout
+            raise ValueError(
+                f"stream.update: keys {describe(keys)} / values {describe(values)} do not match the earlier updates: every update must have "
+                f"batch {fb}, {fh} KV heads, key dim {fd}, value dim {fdv}, dtype {str(fdtype).removeprefix('torch.')}, device {fdevice}"
+            )
         if positions is None:
             positions = torch.arange(self.seen, self.seen + n, device=keys.device)
+        check_positions(positions, keys, ordered=False)  # shape only: no sync per streamed block
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)
@@ -373,10 +508,15 @@ class Stream:
         self.recent = block if self.recent is None else cat_tokens([self.recent, block])
         overflow = self.recent.length - self.window
         if overflow > 0:
-            leaving = replace(self.recent.slice(0, overflow), queries=queries, query_positions=qpos)
+            staying = self.recent.slice(overflow, self.recent.length)
+            exact = [p for p in (self.head, staying) if p is not None]
+            leaving = replace(
+                self.recent.slice(0, overflow), queries=queries, query_positions=qpos,
+                exact_keys=torch.cat([p.keys for p in exact], 2), exact_positions=torch.cat([p.positions for p in exact], 2),
+            )
             self.method.check_inputs(leaving)
             self.state.absorb(leaving)
-            self.recent = self.recent.slice(overflow, self.recent.length)
+            self.recent = staying
 
     def summary(self) -> KVSummary:
         parts = [p.exact() for p in (self.head,) if p is not None]

@@ -139,6 +139,7 @@ class Compactor(Method):
     """
 
     name = "compactor"
+    randomized = True  # the Gaussian/SRHT sketch (exact leverage, seed-independent, when head_dim <= sketch size)
     needs_queries = True
     needs_pre_rope_keys = True
     default_sink = 0

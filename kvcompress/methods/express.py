@@ -400,6 +400,7 @@ class Express(Method):
     """
 
     name = "express"
+    randomized = True
     default_sink = 32
     default_window = 32
     g: int = 0

@@ -14,8 +14,11 @@ from .base import ScoreMethod, Tokens, attention_mass, register
 @dataclass
 class H2O(ScoreMethod):
     """Score = attention received, summed over every query given (causally when query positions are
-    known), averaged over the query heads of each KV group. In a stream the sum restarts with
-    each block: the state keeps tokens, not running scores."""
+    known), softmax over every key each query sees (sink and window included), averaged over the
+    query heads of each KV head. The mass is accumulated in query chunks at the model's scale
+    (`attention_mass`): cost is that of the QK product of the queries given, O(n_q · n · d), with
+    at most one chunk of scores in memory. In a stream the sum restarts with each block: the state
+    keeps tokens, not running scores."""
 
     name = "h2o"
     needs_queries = True

@@ -12,21 +12,31 @@ from .base import ScoreMethod, Tokens, register
 from .snapkv import pooled_observation_scores
 
 
-def layer_budget(budget: int, layer_idx: int, num_layers: int, beta: float) -> int:
-    """Budget of one layer: linear from 2*budget - budget/beta (layer 0) down to budget/beta (last layer), mean `budget`."""
-    low = max(1, round(budget / beta))
-    high = 2 * budget - low
+def layer_budget(budget: int, layer_idx: int, num_layers: int, beta: float, available: int | None = None) -> int:
+    """Budget of one layer: linear in depth from `high` (layer 0) down to `low` (last layer), mean `budget`.
+
+    Unclamped, low = budget / beta and high = 2 * budget - low. When high exceeds the tokens
+    `available` to a layer, high is clamped to it and the excess goes to the deeper layers:
+    low = 2 * budget - high, so the mean stays `budget` (the paper's code does the same).
+    """
     if num_layers <= 1:
         return budget
+    low = max(1, round(budget / beta))
+    high = 2 * budget - low
+    if available is not None and high > available >= budget:
+        high = available
+        low = 2 * budget - high
     return max(1, round(high - (high - low) * layer_idx / (num_layers - 1)))
 
 
 @register
 @dataclass
 class PyramidKV(ScoreMethod):
-    """`budget` is the mean over layers; layer l keeps `layer_budget(budget, l, L, beta)` (beta = 20 as
-    in the paper's code). Without layer information (a lone layer) it keeps `budget`, like SnapKV.
-    Lower layers may therefore hold more than `budget` slots; the total over layers is L * budget."""
+    """`budget` is the mean over layers; layer l keeps `layer_budget(budget, l, L, beta, n)` of its n
+    compressible tokens (beta = 20 as in the paper's code): budgets fall linearly with depth and
+    are clamped to n, the excess redistributed to deeper layers. Without layer information (a
+    lone layer) it keeps `budget`, like SnapKV. Lower layers may therefore hold more than `budget`
+    slots; the total over layers is L * budget (up to rounding)."""
 
     name = "pyramidkv"
     needs_queries = True
@@ -43,5 +53,5 @@ class PyramidKV(ScoreMethod):
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.layer_idx is not None and tokens.num_layers is not None:
-            budget = layer_budget(budget, tokens.layer_idx, tokens.num_layers, self.beta)
+            budget = layer_budget(budget, tokens.layer_idx, tokens.num_layers, self.beta, tokens.length)
         return super().compress(tokens, budget, generator)

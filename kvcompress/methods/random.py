@@ -18,6 +18,7 @@ class Random(ScoreMethod):
     """
 
     name = "random"
+    randomized = True
     weighted: bool = False
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:

@@ -25,8 +25,9 @@ class SnapKV(ScoreMethod):
     """Score each token by the attention it receives from the last `observation_window` (32) queries,
     averaged over the query heads of its KV group, smoothed by 1-D average pooling (`kernel_size` 7).
 
-    The softmax runs over the compressible tokens; the observation queries are the most recent
-    queries given (in a model: those of the context's last tokens, i.e. the exact window).
+    The softmax runs over every key the observation queries see, sink and window included (the
+    paper's definition); the observation queries are the most recent queries given (in a model:
+    those of the context's last tokens, i.e. the exact window).
     """
 
     name = "snapkv"

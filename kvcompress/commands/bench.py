@@ -1,30 +1,11 @@
-"""`kvcompress bench`: compression overhead, decode speed and peak memory against the uncompressed baseline."""
+"""`kvcompress bench`: compression overhead, decode speed and peak memory against the uncompressed baseline (`kvcompress.eval.bench`)."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from ..cli import add_model_arg
-from . import bench
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
-
-
-def _words(text: str) -> list[str]:
-    return [v for v in text.split(",") if v]
+from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, resolve_device
+from ..eval import bench
 
 
 def add_cli(subparsers) -> None:
@@ -33,17 +14,17 @@ def add_cli(subparsers) -> None:
         help="cost benchmarks: compression overhead, decode speed, peak memory (ratios to the uncompressed baseline)",
         description=__doc__ + " Writes <section>.csv, bench.md and PNG plots into --out.",
     )
-    p.add_argument("--sections", type=_words, default=list(bench.SECTIONS),
+    p.add_argument("--sections", type=name_list, default=list(bench.SECTIONS),
                    help=f"comma-separated sections to run, among {','.join(bench.SECTIONS)} (default: all)")
-    p.add_argument("--methods", type=_words, default=None, help="comma-separated methods (default: every registered method)")
+    p.add_argument("--methods", type=name_list, default=None, help="comma-separated methods (default: every registered method)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="output directory (default benchmarks/results/bench)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite bench.md and the plots from the CSVs already in --out")
     g = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")
-    g.add_argument("--shapes", type=_words, default=["smollm2", "llama8b"],
+    g.add_argument("--shapes", type=name_list, default=["smollm2", "llama8b"],
                    help=f"layer shapes, among {','.join(bench.SHAPES)} (default smollm2,llama8b)")
-    g.add_argument("--sizes", type=_ints, default=list(bench.DEFAULT_SIZES), help="comma-separated token counts n (default 1024,...,32768)")
+    g.add_argument("--sizes", type=int_list, default=list(bench.DEFAULT_SIZES), help="comma-separated token counts n (default 1024,...,32768)")
     g.add_argument("--compression-ratio", type=float, default=0.5, help="fraction of the n tokens removed, in [0, 1) (default 0.5)")
     g.add_argument("--repeats", type=int, default=3, help="timed calls per measurement; min and median are reported (default 3)")
     g.add_argument("--block", type=int, default=128, help="tokens per stream update (default 128)")
@@ -53,31 +34,36 @@ def add_cli(subparsers) -> None:
                    help="time stream updates of natively streaming methods, of all methods (block-wise replay), or none (default native)")
     g = p.add_argument_group("decode: greedy tokens/s on the model, and the attention-only decode step")
     g.add_argument("--decode-context", type=int, default=8192, help="context tokens of the decode run (default 8192)")
-    g.add_argument("--kept", type=_floats, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
+    g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
     g.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per run (default 32)")
     g.add_argument("--step-shape", default="llama8b", help=f"shape of the attention-only step, among {','.join(bench.SHAPES)} (default llama8b)")
-    g.add_argument("--step-contexts", type=_ints, default=[8192, 32768], help="context lengths of the attention-only step (default 8192,32768)")
+    g.add_argument("--step-contexts", type=int_list, default=[8192, 32768], help="context lengths of the attention-only step (default 8192,32768)")
     g.add_argument("--step-repeats", type=int, default=50, help="timed steps per case (default 50)")
     g = p.add_argument_group("memory: peak KV bytes and peak process memory, prefill vs chunked mode")
     g.add_argument("--memory-method", default="keydiff", help="method of the memory runs (default keydiff)")
-    g.add_argument("--memory-sizes", type=_ints, default=[2048, 4096, 8192, 16384], help="prompt lengths (default 2048,4096,8192,16384)")
+    g.add_argument("--memory-sizes", type=int_list, default=[2048, 4096, 8192, 16384], help="prompt lengths (default 2048,4096,8192,16384)")
     g.add_argument("--memory-budget", type=int, default=1024, help="middle budget (slots per KV head) of the memory runs (default 1024)")
-    g.add_argument("--memory-modes", type=_words, default=["chunked", "prefill"], help="generation modes compared (default chunked,prefill)")
+    g.add_argument("--memory-modes", type=name_list, default=["chunked", "prefill"], help="generation modes compared (default chunked,prefill)")
     g.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked mode (default 128)")
     add_model_arg(p)
-    p.set_defaults(func=_run)
+    add_device_args(p)
+    p.set_defaults(func=_run, measurement_defaults={a.dest: a.default for a in p._actions if a.dest not in ("help", "out", "report_only")})
 
 
 def _run(args) -> int:
     if args.report_only:
+        given = sorted(name for name, default in args.measurement_defaults.items() if getattr(args, name) != default)
+        if given:
+            raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {['--' + g.replace('_', '-') for g in given]}")
         bench.report(args.out)
         return 0
+    device, dtype = resolve_device(args.device, args.dtype)
     bench.run(
         args.out, sections=args.sections, methods=args.methods, shapes=args.shapes, sizes=args.sizes,
         compression_ratio=args.compression_ratio, repeats=args.repeats, block=args.block, max_seconds=args.max_seconds,
         stream=args.stream, decode_context=args.decode_context, decode_kept=args.kept, decode_tokens=args.decode_tokens,
         step_shape=args.step_shape, step_contexts=args.step_contexts, step_repeats=args.step_repeats,
         memory_method=args.memory_method, memory_sizes=args.memory_sizes, memory_budget=args.memory_budget, memory_modes=args.memory_modes,
-        chunk_size=args.chunk_size, threads=args.threads, model_path=args.model, seed=args.seed,
+        chunk_size=args.chunk_size, threads=args.threads, model_path=args.model, seed=args.seed, device=device, dtype=dtype,
     )
     return 0

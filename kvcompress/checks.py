@@ -1,0 +1,66 @@
+"""Input checks shared by the public entry points: errors name the parameter, what was received and what is accepted.
+
+Shape, dtype and device checks only (no data-dependent checks, so no device synchronisation):
+cheap enough for the decode hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+def describe(t) -> str:
+    """'tensor [1, 2, 40, 8] float32 on cpu', or the type of a non-tensor."""
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}"
+
+
+def check_tensor(name: str, t, layout: str, ndim: int, floating: bool = True) -> None:
+    """t must be a torch.Tensor with `ndim` dimensions (described by `layout`, e.g. "[B, H_kv, n, d]"), floating if asked."""
+    if not isinstance(t, torch.Tensor) or t.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got {describe(t)}")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (float32, float16, bfloat16, ...), got {describe(t)}")
+
+
+def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {describe(t)}")
+
+
+def check_queries(queries, keys: torch.Tensor, keys_name: str = "keys") -> None:
+    """queries [B, H_q, n_q, d] against keys [B, H_kv, n, d]: same batch (no broadcasting), same head dim, H_q a multiple of H_kv, same device."""
+    check_tensor("queries", queries, "[B, H_q, n_q, d]", 4)
+    b, hkv, _, d = keys.shape
+    if queries.shape[0] != b:
+        raise ValueError(f"queries must have the batch size of {keys_name} ({b}); got batch {queries.shape[0]} ({describe(queries)}); no broadcasting")
+    if queries.shape[-1] != d:
+        raise ValueError(f"queries must have the head dim of {keys_name} (d = {d}), got d = {queries.shape[-1]} ({describe(queries)})")
+    if queries.shape[1] % hkv != 0:
+        raise ValueError(f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({hkv}) of {keys_name}")
+    check_same_device("queries", queries, keys_name, keys)
+
+
+def as_count(name: str, value, minimum: int) -> int:
+    """An integer >= minimum (Python or NumPy integers, 0-d integer tensors) as a Python int; bool and floats are rejected."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.Tensor)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.is_floating_point() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        value = value.item()
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def as_fraction(name: str, value, what: str) -> float:
+    """A real number in [0, 1) (Python or NumPy) as a Python float; `what` says what it means."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) ({what}), got {value!r}")
+    return float(value)

@@ -1,0 +1,222 @@
+"""`kvcompress eval [tasks|approx]`: the task sweep (default) or the attention-approximation bench."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from ..cache import MODES
+from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, parse_params, resolve_device
+from ..eval.approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
+from ..eval.benchmarks import BENCHMARKS
+from ..eval.runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
+from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS
+
+DESCRIPTION = """\
+Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PATH).
+
+  kvcompress eval [tasks]  the task sweep: every method x ratio x mode x task x length x sample,
+                           answered greedily and scored; prefill mode prefills each context once and
+                           compresses a copy of it per method and ratio. Results are appended to
+                           OUT/results.jsonl; rerunning with the same --out resumes an interrupted
+                           sweep (recorded cells are skipped). Writes OUT/summary.csv, OUT/summary.md
+                           and PNG plots (accuracy vs ratio per task, needle heat-maps).
+  kvcompress eval --benchmark ruler|longbench|longbench-e|infinitebench|kvpress --data PATH
+                           the same sweep on a standard benchmark's local files, scored by its own
+                           metric; writes OUT/leaderboard_<benchmark>.md/.html/.png (method x ratio,
+                           average and per task, with 95% intervals).
+  --shard I/N              run the I-th of N disjoint slices of the samples (0 <= I < N); N processes
+                           share one --out.
+  --ray [ADDRESS]          run each sample (its prefill and all its methods) as a Ray task, on the
+                           cluster at ADDRESS or a local one; crashed workers' samples are retried
+                           and the driver alone writes OUT/results.jsonl (pip install kvcompress[ray]).
+  kvcompress eval approx   relative error of attention over each method's summary of real q/k/v
+                           (seed 000 App. B.1): sinks and the last --queries tokens exact, the middle
+                           compressed; writes OUT/approx.csv, OUT/approx.md and OUT/approx.png.
+"""
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, slash, count = text.partition("/")
+    try:
+        shard = (int(index), int(count))
+    except ValueError:
+        shard = None
+    if not slash or shard is None or not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {text!r}")
+    return shard
+
+
+def add_cli(subparsers) -> None:
+    """Add the `eval` subcommand to the kvcompress command line."""
+    p = subparsers.add_parser("eval", help="offline task sweep or attention-approximation bench on a real model",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench", nargs="?", default="tasks", choices=["tasks", "approx"], help="which evaluation (default: tasks)")
+    add_model_arg(p)
+    add_device_args(p)
+    p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
+    p.add_argument("--methods", type=name_list, default=None, help="comma-separated method names (default: every registered method)")
+    p.add_argument("--ratios", type=float_list, default=None,
+                   help=f"comma-separated compression ratios, fraction removed, in [0, 1) (default tasks: {','.join(map(str, DEFAULT_RATIOS))}; "
+                        f"approx: {','.join(map(str, DEFAULT_APPROX_RATIOS))}, the middle's rate)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    t = p.add_argument_group("tasks (kvcompress eval [tasks])")
+    t.add_argument("--tasks", type=name_list, default=None,
+                   help=f"comma-separated tasks (default: {','.join(DEFAULT_TASKS)}; with --benchmark: every task in --data)")
+    t.add_argument("--lengths", type=int_list, default=None, help="comma-separated context lengths in tokens (default: 2048,4096; not with --benchmark)")
+    t.add_argument("--samples", type=int, default=None, help="samples per task and length (default 4); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
+                   "With --benchmark: the first N samples of each task (default: all)")
+    t.add_argument("--modes", type=name_list, default=["prefill"], help=f"comma-separated modes among {','.join(MODES)} (default: prefill); "
+                   "chunked/decode get the middle budget the ratio gives in prefill mode")
+    t.add_argument("--seed", type=int, default=0, help="base seed of the task generators and of randomised methods (default 0)")
+    t.add_argument("--haystack", default=None, choices=HAYSTACKS, help="needle haystack: repeated filler or real prose (default filler)")
+    t.add_argument("--kind", default=None, choices=NEEDLE_KINDS, help="needle values (default numbers)")
+    t.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",
+                   help="a task generator argument, e.g. --task-param niah_multikey.n_keys=4 or "
+                        "--task-param line_retrieval.n_lines=1 (repeatable; see kvcompress.eval.tasks)")
+    t.add_argument("--grid-lengths", type=int_list, default=[], help="needle heat-map context lengths (comma-separated; default: no heat-map)")
+    t.add_argument("--grid-depths", type=float_list, default=[], help="needle heat-map depths in [0, 1] (comma-separated)")
+    t.add_argument("--grid-ratios", type=float_list, default=[0.75], help="compression ratios of the heat-map (default 0.75)")
+    t.add_argument("--grid-task", default="niah_single", help="needle task of the heat-map (default niah_single)")
+    t.add_argument("--no-full", action="store_true", help="skip the full-cache reference cells")
+    t.add_argument("--no-reuse-prefill", action="store_true", help="re-prefill the context for every method (to measure what prefill reuse saves)")
+    t.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: per task, enough for its answers)")
+    t.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode modes (default 128)")
+    b = p.add_argument_group("standard benchmarks and scale-out (kvcompress eval [tasks])")
+    b.add_argument("--benchmark", default=None, choices=BENCHMARKS, help="evaluate on a standard benchmark's local files instead of the generated tasks")
+    b.add_argument("--data", type=Path, default=None, help="the benchmark's data: a .jsonl/.parquet file, a directory of them, or a datasets save_to_disk directory")
+    b.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="run only the I-th of N disjoint slices of the samples (0 <= I < N)")
+    b.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run samples as Ray tasks on the cluster at ADDRESS (e.g. auto) or, without ADDRESS, on a local one")
+    b.add_argument("--ray-cpus", type=int, default=1, help="CPUs (and torch threads) per Ray task when the cluster has no GPU (default 1); with GPUs a task holds 1 GPU")
+    b.add_argument("--ray-retries", type=int, default=3, help="retries of a Ray task whose worker crashed or was pre-empted (default 3)")
+    a = p.add_argument_group("approx (kvcompress eval approx)")
+    a.add_argument("--layers", type=int_list, default=list(DEFAULT_APPROX_LAYERS), help="comma-separated layers (default 1,2,5,15)")
+    a.add_argument("--tokens", type=int, default=2048, help="tokens of real prose captured (default 2048)")
+    a.add_argument("--queries", type=int, default=256, help="last queries whose attention is approximated; they are the exact window (default 256)")
+    a.add_argument("--sink", type=int, default=256, help="first tokens kept exactly (default 256, the seed's)")
+    a.add_argument("--seeds", type=int, default=10, help="seeds per method, ratio and layer for the error bars (default 10)")
+    a.add_argument("--text-seed", type=int, default=0, help="shuffle of the prose paragraphs (default 0)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.ray is None and (args.ray_cpus != 1 or args.ray_retries != 3):
+        raise ValueError("--ray-cpus and --ray-retries go with --ray")
+    if args.bench == "approx":
+        if args.benchmark or args.shard or args.ray is not None:
+            raise ValueError("--benchmark, --shard and --ray apply to the task sweep, not to `eval approx`")
+        return _run_approx(args)
+    return _run_sweep(args)
+
+
+def _run_approx(args) -> int:
+    from ..integration import load_model
+    from ..eval.approx import run_approx, write_approx
+    from ..eval.plots import plot_approx
+
+    config = _approx_config(args)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    start = time.perf_counter()
+    rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
+    outputs = [*write_approx(rows, args.out), plot_approx(rows, args.out / "approx.png")]
+    _done(start, outputs)
+    return 0
+
+
+def _done(start: float, outputs) -> None:
+    print(f"done in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(str(o) for o in outputs if o is not None))
+
+
+def _run_sweep(args) -> int:
+    """The task sweep or a benchmark sweep (locally, as one shard, or on Ray), then its report."""
+    import functools
+
+    from ..integration import load_model
+    from ..integration.model import DEFAULT_NAME
+    from ..eval.runner import run_sweep, sample_specs
+
+    config = _sweep_config(args)
+    model_name = args.model or DEFAULT_NAME
+    if args.benchmark:
+        sample_specs(config)  # a missing or malformed data file fails here, before the model loads
+    start = time.perf_counter()
+    failures: list[str] = []
+    if args.ray is not None:
+        if args.shard is not None:
+            raise ValueError("--shard and --ray exclude each other: Ray distributes the samples itself")
+        from ..eval.ray_sweep import run_sweep_ray
+
+        records, failures = run_sweep_ray(functools.partial(load_model, args.model, *resolve_device(args.device, args.dtype)), config, args.out, address=args.ray or None,
+                                          cpus_per_task=args.ray_cpus, max_retries=args.ray_retries,
+                                          progress=not args.no_progress, model_name=model_name)
+    else:
+        model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+        records = run_sweep(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=model_name, shard=args.shard)
+    if args.benchmark:
+        from ..eval.leaderboard import write_leaderboard
+
+        outputs = write_leaderboard(records, args.out)
+        print(outputs[0].read_text())
+    else:
+        from ..eval.plots import plot_sweep
+        from ..eval.runner import write_summary
+
+        outputs = [*write_summary(records, args.out), *plot_sweep(records, args.out)]
+        print((args.out / "summary.md").read_text())
+    _done(start, outputs)
+    if failures:
+        print(f"{len(failures)} samples failed after their retries; rerun the same command to do their cells:\n" + "\n".join(failures))
+        return 1
+    return 0
+
+
+def _sweep_config(args):
+    from ..eval.runner import SweepConfig
+
+    if args.benchmark:
+        given = [f for f, v in (("--lengths", args.lengths), ("--haystack", args.haystack), ("--kind", args.kind),
+                                ("--task-param", args.task_param), ("--grid-lengths", args.grid_lengths), ("--grid-depths", args.grid_depths)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} belong to the generated tasks and do not apply with --benchmark {args.benchmark}")
+        if args.data is None:
+            raise ValueError(f"--benchmark {args.benchmark} needs --data PATH (the benchmark's local files)")
+    elif args.data is not None:
+        raise ValueError("--data goes with --benchmark")
+    return SweepConfig(
+        methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), modes=args.modes, tasks=args.tasks,
+        lengths=args.lengths or list(DEFAULT_LENGTHS), samples=args.samples or (None if args.benchmark else 4), seed=args.seed,
+        haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
+        data=None if args.data is None else str(args.data),
+        grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,
+        include_full=not args.no_full, reuse_prefill=not args.no_reuse_prefill, max_new_tokens=args.max_new_tokens,
+        chunk_size=args.chunk_size, task_params=_task_params(args.task_param),
+    )
+
+
+def _task_params(items: list[str]) -> dict[str, dict]:
+    """["task.name=value", ...] -> {task: {name: value}} (values converted as `--param` does)."""
+    out: dict[str, dict] = {}
+    for item in items:
+        task, dot, rest = item.partition(".")
+        if not dot or not task:
+            raise ValueError(f"--task-param takes TASK.NAME=VALUE, got {item!r}")
+        out.setdefault(task, {}).update(parse_params([rest]))
+    return out
+
+
+def _approx_config(args):
+    from ..eval.approx import ApproxConfig
+
+    return ApproxConfig(
+        methods=args.methods, ratios=args.ratios or list(DEFAULT_APPROX_RATIOS), layers=args.layers, tokens=args.tokens,
+        n_queries=args.queries, sink=args.sink, seeds=args.seeds, text_seed=args.text_seed,
+    )

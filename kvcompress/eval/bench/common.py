@@ -1,0 +1,182 @@
+"""What every cost benchmark shares: layer shapes, synthetic tensors, timing, the power-law fit, tables and figures."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One layer's attention shape: KV heads, query heads (grouped-query), head dimension."""
+
+    name: str
+    kv_heads: int
+    query_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "smollm2": Shape("smollm2", 3, 9, 64),  # the default model, SmolLM2-135M-Instruct
+    "llama8b": Shape("llama8b", 8, 32, 128),  # Llama-3-8B-like: 8 KV heads x 128, 32 query heads
+}
+DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def check_positive(name: str, value, minimum=1) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def time_calls(fn: Callable[[], object], repeats: int, max_seconds: float = math.inf, device: torch.device | str = "cpu") -> list[float]:
+    """Wall-clock seconds of up to `repeats` calls of fn; stops early once their sum passes max_seconds (at least one call).
+
+    On a CUDA `device` each interval ends with a synchronise, so it covers the queued kernels.
+    """
+    check_positive("repeats", repeats)
+    cuda = torch.device(device).type == "cuda"
+    times: list[float] = []
+    while len(times) < repeats and sum(times) <= max_seconds:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def fit_exponent(sizes: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
+    """(a, c) of values ≈ c·sizes^a by least squares on log values vs log sizes (needs >= 2 distinct sizes)."""
+    sizes, values = np.asarray(sizes, dtype=float), np.asarray(values, dtype=float)
+    if len(sizes) != len(values) or len(np.unique(sizes)) < 2:
+        raise ValueError(f"fit_exponent needs >= 2 distinct sizes with one value each, got {len(sizes)} sizes and {len(values)} values")
+    if not (np.isfinite(values).all() and (values > 0).all() and (sizes > 0).all()):
+        raise ValueError("fit_exponent needs positive, finite sizes and values")
+    x, y = np.log(sizes), np.log(values)
+    a, log_c = np.polyfit(x, y, 1)
+    return float(a), float(math.exp(log_c))
+
+
+def synthetic_layer(shape: Shape, n: int, generator: torch.Generator, dtype=torch.float32, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Random post-RoPE keys/values/queries [1, H, n, d] and pre-RoPE keys for one layer of `shape`, on `device` in `dtype`.
+
+    Drawn on the CPU from `generator` (the same numbers on every device), then moved.
+
+    Keys carry a few large channels and a per-head offset, as real keys do (some methods' cost
+    depends on the data: SubGen's cluster count, Express's thinning); only the shapes matter
+    for the exact pass.
+    """
+    h, hq, d = shape.kv_heads, shape.query_heads, shape.head_dim
+    channel_scale = torch.ones(d)
+    channel_scale[: max(1, d // 16)] = 4.0
+
+    def draw(heads: int) -> torch.Tensor:
+        offset = torch.randn(1, heads, 1, d, generator=generator)
+        return (torch.randn(1, heads, n, d, generator=generator) * channel_scale + offset).to(device, dtype)
+
+    return {
+        "keys": draw(h),
+        "values": torch.randn(1, h, n, shape.head_dim, generator=generator).to(device, dtype),
+        "queries": draw(hq),
+        "pre_rope_keys": draw(h),
+    }
+
+
+def context_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """[1, n_tokens] ids of real prose (the Python reference's paragraphs, cycled)."""
+    from ..capture import prose_text
+
+    check_positive("n_tokens", n_tokens)
+    ids = tokenizer(prose_text(n_chars=6 * n_tokens), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return ids[:, :n_tokens]
+
+
+def add_row(rows: list[dict], on_row, row: dict) -> None:
+    """Append a row and hand the rows so far to on_row (so a long run's results are saved as they come)."""
+    rows.append(row)
+    if on_row is not None:
+        on_row(rows)
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> None:
+    """Rows as CSV; columns in first-seen order over all rows."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows written by write_csv, numbers parsed back (int, float or bool), empty cells dropped."""
+
+    def parse(v: str):
+        if v in ("True", "False"):
+            return v == "True"
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    with open(path, newline="") as f:
+        return [{k: parse(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    columns = list(columns or dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine_description(threads: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """One line: CPU model, cores, torch threads, device and dtype, load, date, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    device = torch.device(device)
+    where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{cpu}, {os.cpu_count()} cores, torch threads {threads}, device {where}, {str(dtype).removeprefix('torch.')}, "
+            f"load average {load:.1f} at start, {datetime.date.today().isoformat()}, torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def subplots(ncols: int, size: tuple[float, float]):
+    """(figure, axes [1, ncols]) on matplotlib's Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=size, squeeze=False)
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""Decode speed: greedy tokens/s on a real model over one long context (full cache vs each method), and the attention-only decode step on synthetic tensors."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .common import Shape, add_row, check_positive, context_ids, save_figure, subplots, synthetic_layer, time_calls
+
+
+def decode_rows(
+    model,
+    tokenizer,
+    methods: Sequence[str],
+    context_tokens: int = 8192,
+    kept: Sequence[float] = (0.25, 0.5),
+    new_tokens: int = 32,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Rows {method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full}.
+
+    The context (real prose, `context_tokens` tokens plus the chat template) is prefilled once and
+    every method compresses its own copy (prefill mode, question appended exactly); then
+    `new_tokens` greedy tokens are decoded without stopping at EOS. speedup is tokens/s over the
+    full cache's tokens/s (full cache: transformers' DynamicCache and SDPA).
+    """
+    from ...integration import build_prompt, generate_ids
+    from ..capture import capture_qkv
+
+    check_positive("new_tokens", new_tokens, 2)
+    for k in kept:
+        if not 0.0 < k <= 1.0:
+            raise ValueError(f"kept fractions must be in (0, 1], got {k!r}")
+    text = tokenizer.decode(context_ids(tokenizer, context_tokens)[0])
+    ctx, question = build_prompt(tokenizer, text, "Summarise the text above in one sentence.")
+    log(f"decode: context {ctx.shape[1]} tokens, question {question.shape[1]} tokens, {new_tokens} new tokens")
+    prefill = capture_qkv(model, ctx)
+    common = {"max_new_tokens": new_tokens, "stop_at_eos": False, "seed": seed}
+    full = generate_ids(model, ctx, question, method=None, **common)
+    rows: list[dict] = []
+    add_row(rows, on_row, _decode_row(full, 1.0, full))
+    log(f"decode full: {full.decode_tokens_per_second:.2f} tokens/s")
+    for method in methods:
+        for k in kept:
+            res = generate_ids(model, ctx, question, method=method, compression_ratio=1.0 - k, prefill=prefill, **common)
+            add_row(rows, on_row, _decode_row(res, k, full))
+            log(f"decode {method} kept={k}: {res.decode_tokens_per_second:.2f} tokens/s = {rows[-1]['speedup']:.2f}x full")
+    return rows
+
+
+def _decode_row(res, kept: float, full) -> dict:
+    return {"method": res.method, "kept": kept, "context_tokens": res.context_tokens, "new_tokens": len(res.token_ids),
+            "decode_s": res.decode_seconds, "tokens_per_s": res.decode_tokens_per_second,
+            "speedup": res.decode_tokens_per_second / full.decode_tokens_per_second,
+            "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full}
+
+
+def attention_step_rows(
+    shape: Shape,
+    contexts: Sequence[int] = (8192, 32768),
+    kept: Sequence[float] = (0.25, 0.5),
+    repeats: int = 50,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
+    """Rows {shape, context, path, kept, slots, min_s, median_s, speedup} for one decode step's attention (tensors on `device` in `dtype`).
+
+    path "sdpa": one query over the full n keys with SDPA (the full cache's step);
+    "weighted": `weighted_attention` over the full n (same code path as compressed, kept=1) and
+    over kept·n slots (the compressed cache's step). speedup is the full SDPA time over the row's
+    time (minimum over repeats).
+    """
+    from ...attention import weighted_attention
+    from ...summary import KVSummary
+
+    rows = []
+    for n in contexts:
+        layer = synthetic_layer(shape, n, torch.Generator().manual_seed(seed + n), dtype, device)
+        q = layer["queries"][:, :, -1:]
+        full = time_calls(lambda: F.scaled_dot_product_attention(q, layer["keys"], layer["values"], enable_gqa=True), repeats, device=device)
+        cases = [("sdpa", 1.0, full)]
+        for k in (1.0, *kept):
+            m = max(1, round(k * n))
+            summary = KVSummary.exact(layer["keys"][:, :, :m], layer["values"][:, :, :m], torch.arange(m, device=device))
+            cases.append(("weighted", k, time_calls(lambda: weighted_attention(q, summary), repeats, device=device)))
+        for path, k, times in cases:
+            rows.append({"shape": shape.name, "context": n, "path": path, "kept": k, "slots": max(1, round(k * n)),
+                         "min_s": min(times), "median_s": statistics.median(times), "speedup": min(full) / min(times)})
+            log(f"attention step {shape.name} n={n} {path} kept={k}: {min(times) * 1e3:.3f} ms = {rows[-1]['speedup']:.2f}x faster than full")
+    return rows
+
+
+def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> None:
+    """A panel of decode tokens/s over the full cache's per method and kept fraction, and one of attention-step speed-ups (those with rows)."""
+    panels = [(kind, rows) for kind, rows in (("decode", decode), ("step", step)) if rows]
+    fig, axes = subplots(len(panels), (7 * len(panels), 5))
+    for ax, (kind, rows) in zip(axes[0], panels):
+        if kind == "decode":
+            methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "full"))
+            kept = sorted({r["kept"] for r in rows if r["method"] != "full"})
+            width = 0.8 / max(1, len(kept))
+            for i, k in enumerate(kept):
+                vals = {r["method"]: r["speedup"] for r in rows if r["kept"] == k and r["method"] != "full"}
+                ax.bar(np.arange(len(methods)) + i * width, [vals.get(m, np.nan) for m in methods], width, label=f"{k:.0%} kept")
+            ax.set_xticks(np.arange(len(methods)) + width * (len(kept) - 1) / 2, methods, rotation=45, ha="right")
+            ax.set_ylabel("decode tokens/s / full cache")
+            ax.set_title(f"greedy decoding, default model, {rows[0]['context_tokens']}-token context")
+            ax.legend()
+        else:
+            labels = [f"{r['context'] // 1024}k {r['path']} {r['kept']:.0%}" for r in rows]
+            ax.bar(np.arange(len(rows)), [r["speedup"] for r in rows])
+            ax.set_xticks(np.arange(len(rows)), labels, rotation=45, ha="right")
+            ax.set_ylabel("full-cache SDPA step time / step time")
+            ax.set_title(f"attention-only decode step, {rows[0]['shape']} shape")
+        ax.axhline(1.0, color="black", linewidth=1)
+    save_figure(fig, path)

@@ -1,0 +1,199 @@
+"""Compression overhead: each method's one-shot `compress` (and natively streaming methods' updates) timed against one exact causal attention pass over the same n tokens; growth exponents."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .common import Shape, add_row, check_positive, fit_exponent, save_figure, subplots, synthetic_layer, time_calls
+
+
+def exact_attention_pass(layer: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One exact causal attention pass of every query over the layer's n tokens (SDPA, grouped-query)."""
+    return F.scaled_dot_product_attention(layer["queries"], layer["keys"], layer["values"], is_causal=True, enable_gqa=True)
+
+
+def natively_streaming(method: str) -> bool:
+    """True when the method has its own streaming state (not the block-wise replay of its one-shot form)."""
+    from ...methods.base import Method, get_method_class
+
+    return get_method_class(method).new_stream is not Method.new_stream
+
+
+def method_inputs(method: str, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The optional inputs the method needs: queries and/or pre-RoPE keys."""
+    from ...methods.base import get_method_class
+
+    cls = get_method_class(method)
+    out = {}
+    if cls.needs_queries:
+        out["queries"] = layer["queries"]
+    if cls.needs_pre_rope_keys:
+        out["pre_rope_keys"] = layer["pre_rope_keys"]
+    return out
+
+
+def kept_budget(n: int, compression_ratio: float) -> int:
+    """Slots kept per head when `compression_ratio` of n tokens is removed (at least 1)."""
+    return max(1, math.ceil((1.0 - compression_ratio) * n - 1e-9))
+
+
+def one_shot(method: str, layer: dict[str, torch.Tensor], compression_ratio: float, seed: int) -> Callable[[], object]:
+    """A call compressing the whole layer once with `kvc.compress` (sink = window = 0: every token goes through the method)."""
+    from ...api import compress
+
+    budget = kept_budget(layer["keys"].shape[2], compression_ratio)
+    extra = method_inputs(method, layer)
+    return lambda: compress(method, layer["keys"], layer["values"], budget=budget, sink=0, window=0, seed=seed, **extra)
+
+
+def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: float, block: int, seed: int) -> Callable[[], object]:
+    """A call feeding the layer to a fresh `kvc.stream` (sink = window = 0) in blocks of `block` tokens, each with its own queries, then reading the summary."""
+    from ...api import stream
+
+    n = layer["keys"].shape[2]
+    budget = kept_budget(n, compression_ratio)
+    extra = method_inputs(method, layer)
+
+    def run():
+        st = stream(method, budget=budget, sink=0, window=0, seed=seed)
+        for start in range(0, n, block):
+            part = {k: v[:, :, start : start + block] for k, v in extra.items()}
+            st.update(layer["keys"][:, :, start : start + block], layer["values"][:, :, start : start + block], **part)
+        return st.summary()
+
+    return run
+
+
+def _timing_row(shape: Shape, n: int, method: str, kind: str, times: list[float], exact: list[float] | None) -> dict:
+    row = {"shape": shape.name, "n": n, "method": method, "kind": kind, "repeats": len(times),
+           "min_s": min(times), "median_s": statistics.median(times)}
+    if exact is not None:
+        row["ratio_min"] = row["min_s"] / min(exact)
+        row["ratio_median"] = row["median_s"] / statistics.median(exact)
+    return row
+
+
+def overhead_rows(
+    methods: Sequence[str],
+    shapes: Sequence[Shape],
+    sizes: Sequence[int],
+    compression_ratio: float = 0.5,
+    repeats: int = 3,
+    block: int = 128,
+    max_seconds: float = 30.0,
+    stream: str = "native",
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict]], None] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
+    """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median}.
+
+    Every method gets the same job: keep ceil((1 - compression_ratio)·n) of the n tokens per
+    head, with no exact sink or window (so the time is the method's own work on all n tokens).
+    stream: "native" times the updates of natively streaming methods, "all" of every method
+    (block-wise replay included), "none" skips streaming. Repeats of one measurement stop once
+    they have taken max_seconds; a measurement whose single call took longer than max_seconds
+    is not run at larger n (a row with skipped=True and no times records it), and neither is
+    anything of a shape whose exact pass did. The synthetic tensors are created on `device` in `dtype`.
+    """
+    if stream not in ("native", "all", "none"):
+        raise ValueError(f"stream must be 'native', 'all' or 'none', got {stream!r}")
+    if not 0.0 <= compression_ratio < 1.0:
+        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
+    check_positive("block", block)
+    check_positive("max_seconds", max_seconds, 0)
+    for n in sizes:
+        check_positive("sizes", n, 2)
+    jobs = []
+    for method in methods:
+        jobs.append((method, "compress"))
+        if stream == "all" or (stream == "native" and natively_streaming(method)):
+            jobs.append((method, "stream"))
+    rows: list[dict] = []
+    for shape in shapes:
+        too_slow: set[tuple[str, str]] = set()
+        for n in sorted(sizes):
+            if ("exact", "exact") in too_slow:
+                too_slow.update(jobs)
+                rows += [{"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True} for m, k in (("exact", "exact"), *jobs)]
+                continue
+            layer = synthetic_layer(shape, n, torch.Generator().manual_seed(seed + n), dtype, device)
+            exact = time_calls(lambda: exact_attention_pass(layer), repeats, max_seconds, device)
+            add_row(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
+            log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
+            for method, kind in jobs:
+                if (method, kind) in too_slow:
+                    add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
+                    continue
+                fn = one_shot(method, layer, compression_ratio, seed) if kind == "compress" else streamed(method, layer, compression_ratio, block, seed)
+                times = time_calls(fn, repeats, max_seconds, device)
+                add_row(rows, on_row, _timing_row(shape, n, method, kind, times, exact))
+                log(f"{shape.name} n={n}: {method} {kind} {min(times):.3f}s = {rows[-1]['ratio_min']:.3f}x exact")
+                if min(times) > max_seconds:
+                    too_slow.add((method, kind))
+            if min(exact) > max_seconds:
+                too_slow.add(("exact", "exact"))
+    return rows
+
+
+def exponent_rows(rows: Sequence[dict]) -> list[dict]:
+    """Per (shape, method, kind): growth exponents of time and of the ratio to exact attention, over the sizes measured."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if not r.get("skipped"):
+            groups.setdefault((r["shape"], r["method"], r["kind"]), []).append(r)
+    out = []
+    for (shape, method, kind), rs in groups.items():
+        if len({r["n"] for r in rs}) < 2:
+            continue
+        ns = [r["n"] for r in rs]
+        row = {"shape": shape, "method": method, "kind": kind, "n_min": min(ns), "n_max": max(ns),
+               "time_exponent": fit_exponent(ns, [r["min_s"] for r in rs])[0]}
+        if "ratio_min" in rs[0]:
+            row["ratio_exponent"] = fit_exponent(ns, [r["ratio_min"] for r in rs])[0]
+        out.append(row)
+    return out
+
+
+def overhead_pivot(rows: Sequence[dict], shape: str, kind: str) -> list[dict]:
+    """{method, ratio at each n} for one shape and kind (compress/stream): min-of-repeats ratios to exact attention."""
+    table: dict[str, dict] = {}
+    for r in rows:
+        if r["shape"] == shape and r["kind"] == kind:
+            cell = "skipped" if r.get("skipped") else f"{r['ratio_min']:.3g}"
+            table.setdefault(r["method"], {"method": r["method"]})[f"n={r['n']}"] = cell
+    return list(table.values())
+
+
+def plot_overhead(rows: Sequence[dict], path: Path) -> None:
+    """Ratio to exact attention vs n (log-log), one panel per shape; solid compress, dashed stream."""
+    import matplotlib
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = subplots(len(shapes), (7 * len(shapes), 5))
+    for ax, shape in zip(axes[0], shapes):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["shape"] == shape and "ratio_min" in r and not r.get("skipped"):
+                series.setdefault((r["method"], r["kind"]), []).append((r["n"], r["ratio_min"]))
+        methods = sorted({m for m, _ in series})
+        colors = matplotlib.colormaps["tab20"].resampled(max(1, len(methods)))
+        for (method, kind), pts in sorted(series.items()):
+            ns, ratios = zip(*pts)
+            style = "-o" if kind == "compress" else "--x"
+            ax.plot(ns, ratios, style, color=colors(methods.index(method)), label=f"{method} ({kind})", markersize=3)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens n")
+        ax.set_ylabel("time / one exact causal attention pass")
+        ax.set_title(f"compression overhead, {shape} shape")
+        ax.legend(fontsize=6, ncol=2)
+    save_figure(fig, path)

@@ -1,0 +1,147 @@
+"""The bench run and its report: `run` measures the chosen sections into CSVs, `report` rewrites bench.md and the PNGs from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .common import DEFAULT_SIZES, SHAPES, check_positive, machine_description, markdown_table, read_csv, write_csv
+from .decode import attention_step_rows, decode_rows, plot_decode
+from .memory import memory_rows, plot_memory
+from .overhead import exponent_rows, overhead_pivot, overhead_rows, plot_overhead
+
+
+SECTIONS = ("overhead", "decode", "attention", "memory")
+
+
+def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=()) -> None:
+    """One Markdown page with every section that was run."""
+    out = ["# kvcompress bench", "", f"Machine: {machine}.", ""]
+    if overhead:
+        out += ["## Compression overhead", "",
+                "Time of each method over one exact causal attention pass (SDPA) over the same n tokens "
+                "(min of repeats, synthetic tensors of the shape, 50% removed unless stated). "
+                "`skipped`: a smaller n already took longer than the per-call limit.", ""]
+        for shape in dict.fromkeys(r["shape"] for r in overhead):
+            exact = [r for r in overhead if r["shape"] == shape and r["method"] == "exact"]
+            out += [f"### {shape}: exact attention seconds", "",
+                    markdown_table([{"n": r["n"], "min_s": r.get("min_s", "skipped"), "repeats": r.get("repeats")} for r in exact]), ""]
+            for kind in ("compress", "stream"):
+                table = overhead_pivot(overhead, shape, kind)
+                if table:
+                    out += [f"### {shape}: {kind} time / exact attention", "", markdown_table(table), ""]
+    if exponents:
+        out += ["### Growth exponents (time ≈ c·n^a; ratio ≈ c·n^b)", "",
+                markdown_table(exponents, ["shape", "method", "kind", "n_min", "n_max", "time_exponent", "ratio_exponent"]), ""]
+    if decode:
+        out += ["## Decode speed", "", markdown_table(decode, ["method", "kept", "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
+    if step:
+        out += ["## Attention-only decode step", "", markdown_table(step), ""]
+    if memory:
+        out += ["## Memory: prefill vs chunked", "",
+                markdown_table(memory, ["mode", "method", "n", "budget", "peak_kv_bytes", "kv_bytes_full", "peak_rss_growth_bytes", "prompt_s"]), ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out))
+
+
+def report(out_dir: Path) -> dict[str, list[dict]]:
+    """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt) a run left there."""
+    out_dir = Path(out_dir)
+    results = {name: read_csv(out_dir / f"{name}.csv") for name in SECTIONS if (out_dir / f"{name}.csv").is_file()}
+    if not results:
+        raise ValueError(f"out_dir {str(out_dir)!r} holds no bench CSV ({', '.join(SECTIONS)})")
+    if "overhead" in results:
+        results["exponents"] = exponent_rows(results["overhead"])
+        plot_overhead(results["overhead"], out_dir / "overhead.png")
+        write_csv(results["exponents"], out_dir / "exponents.csv")
+    if "decode" in results or "attention" in results:
+        plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
+    if "memory" in results:
+        plot_memory(results["memory"], out_dir / "memory.png")
+    machine = (out_dir / "machine.txt").read_text().strip() if (out_dir / "machine.txt").is_file() else "not recorded"
+    write_markdown(out_dir / "bench.md", machine, results.get("overhead", ()), results.get("exponents", ()),
+                   results.get("decode", ()), results.get("attention", ()), results.get("memory", ()))
+    return results
+
+
+def run(
+    out_dir: Path,
+    sections: Sequence[str] = SECTIONS,
+    methods: Sequence[str] | None = None,
+    shapes: Sequence[str] = ("smollm2", "llama8b"),
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    compression_ratio: float = 0.5,
+    repeats: int = 3,
+    block: int = 128,
+    max_seconds: float = 30.0,
+    stream: str = "native",
+    decode_context: int = 8192,
+    decode_kept: Sequence[float] = (0.25, 0.5),
+    decode_tokens: int = 32,
+    step_shape: str = "llama8b",
+    step_contexts: Sequence[int] = (8192, 32768),
+    step_repeats: int = 50,
+    memory_method: str = "keydiff",
+    memory_sizes: Sequence[int] = (2048, 4096, 8192, 16384),
+    memory_budget: int = 1024,
+    memory_modes: Sequence[str] = ("chunked", "prefill"),
+    chunk_size: int = 128,
+    threads: int | None = None,
+    model_path: str | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, list[dict]]:
+    """Run the chosen sections, writing <section>.csv, machine.txt, bench.md and PNGs into out_dir; returns the rows of every CSV there.
+
+    Synthetic tensors are created on `device` in `dtype`, and the model of the decode/memory
+    sections is loaded in `dtype` and moved to `device`. Sections already in out_dir from an
+    earlier run stay in the report (rerun a section to replace it).
+    """
+    from ...api import methods as all_methods
+
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"sections must be among {SECTIONS}, got {unknown}")
+    bad_shapes = [s for s in (*shapes, step_shape) if s not in SHAPES]
+    if bad_shapes:
+        raise ValueError(f"shapes must be among {sorted(SHAPES)}, got {bad_shapes}")
+    methods = list(all_methods() if methods is None else methods)
+    missing = [m for m in (*methods, memory_method) if m not in all_methods()]
+    if missing:
+        raise ValueError(f"unknown method(s) {missing}; known methods: {', '.join(all_methods())}")
+    if threads is not None:
+        check_positive("threads", threads)
+        torch.set_num_threads(threads)
+    device = torch.device(device)
+    machine = machine_description(torch.get_num_threads(), device, dtype)
+    log(machine)
+    out_dir = Path(out_dir)
+    results: dict[str, list[dict]] = {}
+
+    def saver(name: str) -> Callable[[list[dict]], None]:
+        return lambda rows: write_csv(rows, out_dir / f"{name}.csv")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "machine.txt").write_text(machine + "\n")
+    if "overhead" in sections:
+        rows = overhead_rows(methods, [SHAPES[s] for s in shapes], sizes, compression_ratio, repeats, block, max_seconds, stream, seed, log,
+                             saver("overhead"), device, dtype)
+        results["overhead"] = rows
+    if "attention" in sections:
+        results["attention"] = attention_step_rows(SHAPES[step_shape], step_contexts, decode_kept, step_repeats, seed, log, device, dtype)
+        write_csv(results["attention"], out_dir / "attention.csv")
+    model = tokenizer = None
+    if "decode" in sections or "memory" in sections:
+        from ...integration import load_model
+
+        model, tokenizer = load_model(model_path, dtype=dtype)
+        model.to(device)
+    if "decode" in sections:
+        results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log, saver("decode"))
+    if "memory" in sections:
+        results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, memory_modes, log, saver("memory"))
+    return report(out_dir)

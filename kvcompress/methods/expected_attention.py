@@ -1,0 +1,69 @@
+"""ExpectedAttention: keep the tokens that future queries are expected to attend to.
+
+Devoto et al., "Expected Attention: KV Cache Compression by Estimating Attention from Future
+Queries Distribution" (arXiv:2510.00636), as implemented by kvpress's ExpectedAttentionPress
+(NVIDIA/kvpress, kvpress/presses/expected_attention_press.py). Future queries are modelled as
+Gaussian, q ~ N(μ, Σ) per query head; then E[exp(s<q, k>)] = exp(s<μ, k> + s² kᵀΣk / 2), and a
+token's score is this expected attention, normalised by softmax over the keys, averaged over the
+query heads of its KV head, times ‖v‖ (`use_vnorm`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import ScoreMethod, Tokens, register
+
+
+@register
+@dataclass
+class ExpectedAttention(ScoreMethod):
+    """Score_i = mean over the GQA group of softmax_j(s<μ, k_j> + s² k_jᵀΣk_j / 2)_i, times (· + epsilon)·‖v_i‖.
+
+    μ [B,H_q,d] and Σ [B,H_q,d,d] are the mean and covariance of the last `n_future_positions`
+    queries given (Σ dropped with use_covariance=False); the softmax runs over every key, sink and
+    window included. Departure from kvpress, which needs the model: kvpress takes pre-RoPE query
+    statistics from the layer's hidden states and rotates them by the mean RoPE rotation of the
+    next `n_future_positions` positions. Methods here see post-RoPE queries only, so the
+    statistics come from the last `n_future_positions` post-RoPE queries, whose rotations average
+    over a window of the same length just before the future one. kvpress's sink (4 tokens kept)
+    is the framework's `sink` (default 4).
+    """
+
+    name = "expected_attention"
+    needs_queries = True
+    n_future_positions: int = 512
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.n_future_positions, bool) or not isinstance(self.n_future_positions, int) or self.n_future_positions < 1:
+            raise ValueError(f"n_future_positions must be an integer >= 1, got {self.n_future_positions!r}")
+        for field in ("use_covariance", "use_vnorm"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
+            raise ValueError(f"epsilon must be a number >= 0, got {self.epsilon!r}")
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        queries = tokens.queries[:, :, -self.n_future_positions :].float()
+        b, hq, _, d = queries.shape
+        hkv = tokens.keys.shape[1]
+        group = hq // hkv
+        s = tokens.scale
+        mean = queries.mean(dim=2)  # [B, H_q, d]
+        keys = tokens.keys.float()
+        if tokens.exact_keys is not None:
+            keys = torch.cat([keys, tokens.exact_keys.float()], 2)
+        keys = keys.repeat_interleave(group, dim=1)  # [B, H_q, n + m, d]
+        logits = s * torch.matmul(keys, mean.unsqueeze(-1)).squeeze(-1)
+        if self.use_covariance:
+            centred = queries - mean.unsqueeze(2)
+            cov = torch.matmul(centred.transpose(-1, -2), centred) / queries.shape[2]
+            logits += 0.5 * s * s * (torch.matmul(keys, cov) * keys).sum(-1)
+        probs = logits.softmax(dim=-1)[..., : tokens.length]
+        scores = probs.reshape(b, hkv, group, tokens.length).mean(dim=2)
+        if self.use_vnorm:
+            scores = (scores + self.epsilon) * tokens.values.float().norm(dim=-1)
+        return scores

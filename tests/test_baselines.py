@@ -1,0 +1,151 @@
+"""Baselines as their papers define them: attention-mass scorers (SnapKV, PyramidKV, H2O, TOVA),
+PyramidKV's clamped budgets and ExpectedAttention's Gaussian expectation."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.base import Tokens, attention_mass, get_method_class
+from kvcompress.methods.pyramidkv import layer_budget
+
+torch.set_num_threads(1)
+
+
+def layer(n=120, hkv=3, group=3, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, hkv, n, d, generator=g)
+    v = torch.randn(1, hkv, n, d, generator=g)
+    q = 2.0 * torch.randn(1, hkv * group, n, d, generator=g)
+    return k, v, q
+
+
+def reference_mass(q, k, scale, query_positions, average="group"):
+    """[1, H_kv, n]: column sums of the causal softmax over all n keys, averaged over a GQA group or the layer."""
+    hkv, n = k.shape[1], k.shape[2]
+    logits = torch.einsum("bhqd,bhnd->bhqn", q.double(), k.repeat_interleave(q.shape[1] // hkv, 1).double()) * scale
+    hidden = torch.arange(n)[None, :] > query_positions[:, None]
+    mass = logits.masked_fill(hidden, float("-inf")).softmax(-1).sum(2)
+    mass = mass.reshape(1, hkv, -1, n).mean(2)
+    return mass.mean(1, keepdim=True).expand_as(mass) if average == "layer" else mass
+
+
+@pytest.mark.parametrize("average, key_scale", [("group", 1.0), ("layer", 1.0), ("group", 50.0)])
+def test_attention_mass_softmax_runs_over_every_key_sink_and_window_included(average, key_scale):
+    """The middle's scores are its columns of the full causal softmax, sink and window keys in the denominator
+    (keys x50: logits far beyond float32's exp range take the max-shifted path)."""
+    k, v, q = layer()
+    k = k * key_scale
+    n, sink, window, scale = k.shape[2], 8, 20, 0.3
+    pos = torch.arange(n).expand(1, 3, n)
+    whole = Tokens(k, v, pos, q, scale=scale, query_positions=torch.arange(n))
+    middle = whole.slice(sink, n - window)
+    exact = torch.cat([torch.arange(sink), torch.arange(n - window, n)])
+    middle.exact_keys, middle.exact_positions = k[:, :, exact], exact.expand(1, 3, -1)
+    expected = reference_mass(q, k, scale, torch.arange(n), average)[..., sink : n - window]
+    got = attention_mass(middle, average=average, max_logits=5000)  # several query chunks
+    assert torch.allclose(got.double(), expected, atol=1e-5)
+    without = attention_mass(whole.slice(sink, n - window), average=average)
+    assert not torch.allclose(without.double(), expected, atol=1e-3), "the sink and window must change the scores"
+
+
+@pytest.mark.parametrize("method, last", [("h2o", None), ("snapkv", 32), ("tova", 1)])
+def test_scorers_keep_the_top_of_the_full_softmax(method, last):
+    k, v, q = layer(n=160, seed=1)
+    n, sink, window, budget = 160, 4, 16, 30
+    qpos = torch.arange(n)[-last:] if last else torch.arange(n)
+    average = "layer" if method == "tova" else "group"
+    mass = reference_mass(q[:, :, qpos], k, 0.25, qpos, average)[..., sink : n - window]
+    params = {"kernel_size": 1} if method == "snapkv" else {}
+    s = kvc.compress(method, k, v, queries=q, budget=budget, sink=sink, window=window, scale=0.25, **params)
+    kept = s.positions[..., sink : sink + budget].sort(-1).values
+    assert torch.equal(kept, (mass.topk(budget, -1).indices + sink).sort(-1).values)
+
+
+def test_tova_averages_over_all_heads_of_the_layer_and_per_group_on_request():
+    k, v, q = layer(n=100, seed=2)
+    layer_wide = kvc.compress("tova", k, v, queries=q, budget=10, sink=0, window=0)
+    assert all(torch.equal(layer_wide.positions[0, 0], layer_wide.positions[0, h]) for h in range(3))
+    mass = reference_mass(q[:, :, -1:], k, 0.25, torch.tensor([99]), "group")
+    per_group = kvc.compress("tova", k, v, queries=q, budget=10, sink=0, window=0, average="group")
+    assert torch.equal(per_group.positions, mass.topk(10, -1).indices.sort(-1).values)
+    assert not torch.equal(per_group.positions, layer_wide.positions)
+    with pytest.raises(ValueError, match="average must be one of"):
+        kvc.compress("tova", k, v, queries=q, budget=10, average="head")
+
+
+def test_stream_scores_see_the_sink_and_the_window():
+    """In a stream, tokens leaving the window are scored with the sink and the tokens still in the window."""
+    k, v, q = layer(n=96, seed=3)
+    seen = []
+    cls = get_method_class("h2o")
+    original = cls.score
+
+    def spy(self, tokens, generator):
+        seen.append((tokens.positions[0, 0].clone(), tokens.exact_positions[0, 0].clone()))
+        return original(self, tokens, generator)
+
+    cls.score = spy
+    try:
+        st = kvc.stream("h2o", budget=8, sink=4, window=16)
+        for start in range(0, 96, 32):
+            st.update(k[:, :, start : start + 32], v[:, :, start : start + 32], q[:, :, start : start + 32])
+    finally:
+        cls.score = original
+    _, exact = seen[-1]
+    assert torch.equal(exact, torch.cat([torch.arange(4), torch.arange(80, 96)]))
+
+
+def test_pyramidkv_clamps_budgets_and_redistributes_the_excess():
+    layers, budget = 30, 100
+    free = [layer_budget(budget, i, layers, 20.0) for i in range(layers)]
+    assert max(free) > 150
+    clamped = [layer_budget(budget, i, layers, 20.0, available=150) for i in range(layers)]
+    assert max(clamped) == 150 and clamped == sorted(clamped, reverse=True)
+    assert abs(sum(clamped) / layers - budget) < 1.0, "the excess goes to the deeper layers"
+    assert [layer_budget(budget, i, layers, 20.0, available=1000) for i in range(layers)] == free
+    k, v, q = layer(n=190, seed=4)
+    kept = [kvc.compress("pyramidkv", k, v, queries=q, budget=budget, sink=4, window=36, layer_idx=i, num_layers=layers).num_slots - 40
+            for i in (0, 29)]
+    assert kept == [clamped[0], clamped[29]]
+
+
+def test_expected_attention_is_the_gaussian_expectation_of_exp_scores():
+    """Queries drawn from N(μ, Σ): scores match the Monte-Carlo mean of exp(s<q,k>) normalised over the keys."""
+    g = torch.Generator().manual_seed(5)
+    d, n, samples = 8, 40, 200_000
+    k = torch.randn(1, 1, n, d, generator=g)
+    v = torch.randn(1, 1, n, d, generator=g)
+    mix = 0.4 * torch.randn(d, d, generator=g)
+    mu = torch.randn(d, generator=g)
+    q = (mu + torch.randn(samples, d, generator=g) @ mix.T)[None, None]
+    s = 1 / math.sqrt(d)
+    monte_carlo = (torch.einsum("qd,nd->qn", q[0, 0].double(), k[0, 0].double()) * s).exp().mean(0)
+    monte_carlo = monte_carlo / monte_carlo.sum()
+    method = get_method_class("expected_attention")(n_future_positions=samples, use_vnorm=False)
+    tokens = Tokens(k, v, torch.arange(n).expand(1, 1, n), q, scale=s)
+    score = method.score(tokens, torch.Generator())
+    assert torch.allclose(score[0, 0].double(), monte_carlo, rtol=0.03)
+    with_norm = get_method_class("expected_attention")(n_future_positions=samples).score(tokens, torch.Generator())
+    assert torch.allclose(with_norm, score * v.norm(dim=-1))
+    mean_only = get_method_class("expected_attention")(n_future_positions=samples, use_covariance=False, use_vnorm=False)
+    assert torch.allclose(mean_only.score(tokens, torch.Generator())[0, 0], (k[0, 0] @ q[0, 0].mean(0) * s).softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"n_future_positions": 0}, "n_future_positions must be an integer >= 1"),
+    ({"use_covariance": 1}, "use_covariance must be True or False"),
+    ({"epsilon": -1.0}, "epsilon must be a number >= 0"),
+])
+def test_expected_attention_rejects_bad_parameters(params, match):
+    k, v, q = layer(n=50)
+    with pytest.raises(ValueError, match=match):
+        kvc.compress("expected_attention", k, v, queries=q, budget=10, **params)
+
+
+def test_expected_attention_through_the_api_keeps_budget_and_sink():
+    k, v, q = layer(n=200, seed=6)
+    s = kvc.compress("expected_attention", k, v, queries=q, budget=50, sink=4, window=8)
+    assert s.num_slots == 62 and s.positions[0, 0, :4].tolist() == [0, 1, 2, 3]
+    assert "expected_attention" in kvc.methods()

@@ -1,0 +1,247 @@
+"""Standard benchmark loaders on fixture files in the published schemas, their metrics on hand-worked
+cases, the leaderboard, and `kvcompress eval --benchmark` on a tiny random model."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcompress.cli import main
+from kvcompress.eval import metrics
+from kvcompress.eval.benchmarks import load_benchmark, longbench_e_bucket
+from kvcompress.eval.leaderboard import leaderboard, markdown_leaderboard, wilson_interval
+from kvcompress.eval.runner import FULL, read_results
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def by_task(items):
+    out = {}
+    for item in items:
+        out.setdefault(item.task, []).append(item)
+    return out
+
+
+def test_ruler_loader_splits_the_question_off_and_keeps_the_answer_prefix():
+    items = by_task(load_benchmark("ruler", FIXTURES / "ruler"))
+    assert sorted(items) == ["niah_single_1", "qa_1"]
+    first, second = items["niah_single_1"]
+    row = json.loads((FIXTURES / "ruler/4096/data/niah_single_1/validation.jsonl").read_text().splitlines()[0])
+    assert first.context + "\n" + first.question == row["input"]
+    assert first.question == "What is the special magic number for fancy-tree mentioned in the provided text?"
+    assert first.answer_prefix == " The special magic number for fancy-tree mentioned in the provided text is"
+    assert (first.answers, first.length, first.index, second.index) == (("1234567",), 96, 0, 1)
+    assert (first.metric, first.max_new_tokens) == ("string_match_all", 128)
+    qa = items["qa_1"][0]
+    assert qa.question == "Question: What is the capital of France?"
+    assert (qa.metric, qa.max_new_tokens, qa.answers) == ("string_match_part", 32, ("Paris", "City of Paris"))
+    # string-match-all: one of two values found; string-match-part: any answer, case-insensitive
+    assert second.score(" 7654321 and 1111111.") == 0.5
+    assert second.score("5555555, 7654321") == 1.0
+    assert qa.score("paris.") == 1.0 and qa.score("London") == 0.0
+
+
+def test_longbench_loader_fields_metrics_and_answer_lengths():
+    items = by_task(load_benchmark("longbench", FIXTURES / "longbench"))
+    assert sorted(items) == ["hotpotqa", "multifieldqa_zh", "passage_retrieval_en", "trec"]  # hotpotqa_e.jsonl is LongBench-E's
+    hotpot = items["hotpotqa"][1]
+    assert hotpot.context.startswith("Passage 1:\nThe Eiffel Tower") and "Who built the Eiffel Tower?" in hotpot.question
+    assert (hotpot.metric, hotpot.max_new_tokens, hotpot.length, hotpot.bucket) == ("qa_f1", 32, 21, None)
+    # best over the answers: "eiffels company built it" vs "eiffels company" -> P 2/4, R 1 -> F1 2/3;
+    # vs "company of gustave eiffel" only "company" is shared -> 1/4
+    assert hotpot.score("Eiffel's company built it") == pytest.approx(2 / 3)
+    trec = items["trec"][0]
+    assert (trec.metric, trec.max_new_tokens, trec.first_line_only) == ("classification", 64, True)
+    assert dict(trec.extra)["all_classes"] == ("Individual", "City", "Other location", "Country")
+    assert trec.score("Other location\nQuestion: Who is there ?\nType: Individual") == 1.0  # first line only
+    assert trec.score("City or Other location") == 0.5
+    assert items["passage_retrieval_en"][0].score("Paragraph 2, not Paragraph 1") == 0.5
+    zh = items["multifieldqa_zh"][0]
+    assert (zh.metric, zh.max_new_tokens) == ("qa_f1_zh", 64) and zh.question.startswith("请根据上文回答问题")
+
+
+def test_longbench_e_buckets():
+    items = load_benchmark("longbench-e", FIXTURES / "longbench")
+    assert [(i.task, i.length, i.bucket) for i in items] == [
+        ("hotpotqa", 3500, "0-4k"), ("hotpotqa", 6000, "4-8k"), ("hotpotqa", 9500, "8k+"), ("hotpotqa", 120, "0-4k")]
+    assert [longbench_e_bucket(n) for n in (0, 3999, 4000, 7999, 8000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+"]
+
+
+def test_infinitebench_loader_and_metrics():
+    items = by_task(load_benchmark("infinitebench", FIXTURES / "infinitebench"))
+    passkey, kv, choice = items["passkey"][0], items["kv_retrieval"][0], items["longbook_choice_eng"][0]
+    assert (passkey.metric, passkey.max_new_tokens, passkey.answers) == ("first_integer_match", 6, ("71432",))
+    assert passkey.question == "What is the pass key?\n\nThe pass key is"
+    assert passkey.score(" 71432.") == 1.0 and passkey.score("7143 2") == 0.0
+    assert (kv.max_new_tokens, kv.score('"0c3d-value".'), kv.score("0c3d-value-x")) == (50, 1.0, 0.0)
+    assert "\nA. To the city\nB. To the island\nC. Home\nD. Nowhere\n" in choice.question
+    assert [choice.score(p) for p in ("B", "The answer is B. To the island", "A", "To the island", "Home")] == [1, 1, 0, 1, 0]
+
+
+def test_kvpress_parquet_loader_picks_each_tasks_metric():
+    items = load_benchmark("kvpress", FIXTURES / "kvpress/test.parquet")
+    assert [(i.task, i.metric, i.max_new_tokens) for i in items] == [
+        ("niah_single_2", "string_match_all", 128), ("hotpotqa", "qa_f1", 32), ("passage_count", "count", 32)]
+    assert items[0].answer_prefix == " The special magic number for old-bridge is"
+    assert items[1].question == "Answer briefly. In which year was the tower finished?"
+    assert items[2].score("There are 2 paragraphs, not 3") == 0.5
+
+
+def test_tasks_and_limit_select_items():
+    items = load_benchmark("ruler", FIXTURES / "ruler", tasks=["niah_single_1"], limit=1)
+    assert [(i.task, i.index) for i in items] == [("niah_single_1", 0)]
+    with pytest.raises(ValueError, match=r"tasks \['nope'\] have no samples"):
+        load_benchmark("ruler", FIXTURES / "ruler", tasks=["nope"])
+
+
+def test_longbench_qa_f1_on_punctuation_and_articles():
+    f1 = metrics.METRICS["qa_f1"]
+    # "the eiffel tower, in paris!" -> [eiffel, tower, in, paris] vs [eiffel, tower]: P 1/2, R 1
+    assert f1("The Eiffel Tower, in Paris!", ["Eiffel tower"]) == pytest.approx(2 / 3)
+    assert f1("an apple", ["the apple"]) == 1.0
+    assert f1("Anthem", ["anthem"]) == 1.0  # "an" is removed only as a whole word
+    assert f1("U.S.A.", ["USA"]) == 1.0
+    assert f1("the", ["a"]) == 0.0  # both normalise to nothing
+    assert metrics.normalize_answer("  The  cat's   hat.  ") == "cats hat"
+
+
+def test_longbench_chinese_metrics():
+    # jieba: 长江/流经/武汉/，/然后/到/南京/。 -> 6 words after dropping punctuation; truth 武汉/和/南京
+    assert metrics.METRICS["qa_f1_zh"]("长江流经武汉，然后到南京。", ["武汉和南京"]) == pytest.approx(2 * (2 / 6) * (2 / 3) / (2 / 6 + 2 / 3))
+    assert metrics.normalize_zh_answer("武汉， 南京！ OK.") == "武汉南京ok"
+    # ROUGE-L on jieba words: 武汉/和/南京 vs 南京/和/武汉, longest common subsequence 1 of 3
+    assert metrics.METRICS["rouge_l_zh"]("武汉和南京", ["南京和武汉"]) == pytest.approx(1 / 3)
+    assert metrics.METRICS["retrieval_zh"]("答案是段落2", ["段落2"]) == 1.0
+    # InfiniteBench's Chinese F1 counts characters: 武汉 vs 武汉和南京 -> P 1, R 2/5
+    assert metrics.METRICS["qa_f1_zh_chars"]("武汉", ["武汉和南京"]) == pytest.approx(4 / 7)
+
+
+def test_longbench_other_metrics():
+    # ROUGE-L: the/cat/sat/on/the/mat vs the/cat/is/on/the/mat, LCS 5 of 6 each way; punctuation dropped
+    assert metrics.METRICS["rouge_l"]("The cat, sat on the mat.", ["the cat is on the mat"]) == pytest.approx(5 / 6)
+    classes = {"all_classes": ("location", "Other location", "City")}
+    assert metrics.classification("Other location", "Other location", **classes) == 1.0  # 'location' inside the truth is no second guess
+    assert metrics.classification("location", "Other location", **classes) == 0.0
+    assert metrics.classification("City, Other location", "Other location", **classes) == 0.5
+    with pytest.raises(ValueError, match="all_classes"):
+        metrics.classification("City", "City")
+    assert metrics.METRICS["count"]("There are 3 unique paragraphs out of 5", ["3"]) == 0.5
+    assert metrics.METRICS["retrieval"]("none", ["Paragraph 4"]) == 0.0
+    code = metrics.METRICS["code_similarity"]
+    assert code("```python\n# the next line\nreturn x + 1\n```", ["return x + 1"]) == 1.0
+    assert code("return x+1", ["return x + 1"]) == pytest.approx(20 / 22)  # Indel: 2 * 10 shared / (10 + 12)
+
+
+def test_infinitebench_number_metrics():
+    assert metrics.number_prefix("3, 5, 8, 9", ["3", "5", "9"]) == pytest.approx(2 / 3)
+    assert metrics.last_word_integer("The return value is: 42", ["42"]) == 1.0
+    assert metrics.last_word_integer("42 is not it", ["42"]) == 0.0
+    assert metrics.first_number_match("It is 3.5 or 4", ["3.5"]) == 1.0
+    assert metrics.contains_upper("it was ana", ["ANA"]) == 1.0
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_malformed_files_name_file_row_and_field(tmp_path):
+    good = {"input": "context\nquestion?", "outputs": ["1"], "length": 5}
+    bad_json = tmp_path / "niah_a.jsonl"
+    bad_json.write_text(json.dumps(good) + "\n{\"input\": \"x\n")
+    with pytest.raises(ValueError, match=r"niah_a.jsonl: row 1: not valid JSON"):
+        load_benchmark("ruler", bad_json)
+    missing = write_rows(tmp_path / "niah_b.jsonl", [good, {"input": "c\nq", "length": 3, "outputs": None}])
+    with pytest.raises(ValueError, match=r"niah_b.jsonl: row 1: field 'outputs' is missing"):
+        load_benchmark("ruler", missing)
+    no_question = write_rows(tmp_path / "niah_c.jsonl", [good | {"input": "no line break"}])
+    with pytest.raises(ValueError, match=r"niah_c.jsonl: row 0: field 'input' must end with the question"):
+        load_benchmark("ruler", no_question)
+    trec = write_rows(tmp_path / "trec.jsonl", [{"context": "c", "input": "q", "answers": ["A"], "length": 2, "dataset": "trec", "all_classes": None}])
+    with pytest.raises(ValueError, match=r"trec.jsonl: row 0: field 'all_classes'"):
+        load_benchmark("longbench", trec)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_benchmark("longbench", tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="benchmark must be one of"):
+        load_benchmark("mmlu", tmp_path)
+
+
+def test_cli_reports_a_bad_data_file_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "niah_x.jsonl"
+    bad.write_text('{"input": "c\\nq", "outputs": ["1"], "length": 3}\nnot json\n')
+    assert main(["eval", "--benchmark", "ruler", "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "niah_x.jsonl: row 1: not valid JSON" in err
+    assert main(["eval", "--benchmark", "ruler", "--data", str(bad), "--lengths", "100"]) == 2
+    assert "--lengths" in capsys.readouterr().err
+
+
+def test_leaderboard_values_and_intervals():
+    assert wilson_interval(3, 4) == pytest.approx((0.3006, 0.9544), abs=1e-4)
+
+    def rec(method, ratio, task, index, score):
+        return {"benchmark": "ruler", "method": method, "ratio": ratio, "mode": "-" if method == FULL else "prefill",
+                "task": task, "index": index, "bucket": None, "error": None, "score": score}
+
+    records = [rec(FULL, None, "a", i, s) for i, s in enumerate([1, 1, 0, 1])] + [rec(FULL, None, "b", 0, 0.5), rec(FULL, None, "b", 1, 0.7)]
+    records += [rec("knorm", 0.5, "a", i, 0) for i in range(4)] + [rec("knorm", 0.5, "b", 0, 0.2)]
+    records.append(rec("knorm", 0.5, "b", 1, None) | {"error": "ValueError: too small"})
+    columns, entries, cells = leaderboard(records)
+    assert columns == ["average", "a", "b"] and entries == [(FULL, None, "-"), ("knorm", 0.5, "prefill")]
+    full = (FULL, None, "-")
+    assert cells[(full, "a")]["mean"] == 0.75 and cells[(full, "b")]["mean"] == pytest.approx(0.6)
+    # b: mean 0.6, s = 0.1414, se = 0.1, interval 0.6 -/+ 1.96 * 0.1
+    assert (cells[(full, "b")]["low"], cells[(full, "b")]["high"]) == pytest.approx((0.6 - 0.196, 0.6 + 0.196), abs=1e-3)
+    assert cells[(full, "average")]["mean"] == pytest.approx(0.675)
+    lines = markdown_leaderboard("ruler", records).splitlines()
+    assert lines[2] == "| method @ ratio | average | a | b |"
+    assert lines[4].startswith("| full cache | 67.5 [") and "| 75.0 [30.1, 95.4] |" in lines[4]
+    # knorm: task b has one non-binary score left (the other errored): no interval, flagged, and so is the average
+    assert lines[5] == "| knorm @ 0.5 | 10.0* (n=5, no interval) | 0.0 [0.0, 49.0] | 20.0* (n=1, no interval) |"
+
+
+def test_cli_benchmark_sweep_scores_with_the_benchmark_metric(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["eval", "--benchmark", "longbench", "--data", str(FIXTURES / "longbench"), "--tasks", "hotpotqa,trec",
+            "--model", str(tiny_checkpoint), "--methods", "knorm", "--ratios", "0.2", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    records = read_results(out / "results.jsonl")
+    items = {(i.task, i.index): i for i in load_benchmark("longbench", FIXTURES / "longbench", tasks=["hotpotqa", "trec"])}
+    assert len(records) == len(items) * 2 and {r["method"] for r in records} == {FULL, "knorm"}
+    for r in records:
+        assert r["error"] is None and r["benchmark"] == "longbench" and r["key"].startswith("longbench|")
+        assert r["score"] == items[(r["task"], r["index"])].score(r["prediction"])
+    md = (out / "leaderboard_longbench.md").read_text()
+    assert "| method @ ratio | average | hotpotqa | trec |" in md and "| knorm @ 0.2 |" in md
+    assert "<table>" in (out / "leaderboard_longbench.html").read_text()
+    assert (out / "leaderboard_longbench.png").stat().st_size > 1000
+    assert "### longbench" in capsys.readouterr().out
+    assert main(args) == 0  # resumed: nothing left to do, nothing recorded twice
+    assert len(read_results(out / "results.jsonl")) == len(records)
+
+
+def test_sweep_config_with_a_benchmark_rejects_generated_task_settings():
+    from kvcompress.eval.runner import SweepConfig
+
+    config = SweepConfig(benchmark="ruler", data=str(FIXTURES / "ruler"), samples=None, methods=["knorm"])
+    assert config.tasks is None and config.samples is None
+    for kw, name in [({"benchmark": "mmlu", "data": "x"}, "benchmark"), ({"benchmark": "ruler"}, "data"),
+                     ({"benchmark": "ruler", "data": "x", "lengths": [512]}, "lengths"),
+                     ({"benchmark": "ruler", "data": "x", "haystack": "prose"}, "haystack"),
+                     ({"samples": None}, "samples")]:
+        with pytest.raises(ValueError, match=name):
+            SweepConfig(**kw)
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_default_model_answers_the_ruler_fixture(default_model, tmp_path):
+    """The question split off RULER's input and the answer prefix reach the real model: it finds the needle."""
+    from kvcompress.eval.runner import SweepConfig, run_sweep
+
+    model, tokenizer = default_model
+    config = SweepConfig(benchmark="ruler", data=str(FIXTURES / "ruler"), tasks=["niah_single_1"], samples=1,
+                         methods=["streamingllm"], ratios=[0.2], max_new_tokens=12)
+    records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    assert [(r["method"], r["score"]) for r in records] == [(FULL, 1.0), ("streamingllm", 1.0)]
+    assert all(r["prediction"].startswith("1234567") for r in records)

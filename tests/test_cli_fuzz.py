@@ -1,0 +1,103 @@
+"""Every subcommand, fed missing files, bad numbers, unknown names and conflicting flags: exit status 2 and one clear line on stderr, never a traceback.
+
+All cases fail before a model is loaded, so the test needs no model and runs in seconds.
+"""
+
+import pytest
+
+from kvcompress.cli import main
+
+
+@pytest.fixture
+def context_file(tmp_path):
+    path = tmp_path / "context.txt"
+    path.write_text("The magic number is 42. " * 20)
+    return path
+
+
+GEN = ["generate", "--context-file", "{ctx}"]
+BENCH = ["bench", "--out", "{tmp}/bench", "--sections", "overhead", "--repeats", "1"]
+CAL = ["calibrate", "--out", "{tmp}/cal.json"]
+
+# name: (argv with {tmp} = a fresh directory and {ctx} = a readable context file, text the error line must contain)
+CASES = {
+    # generate
+    "generate missing context file": (["generate", "--context-file", "{tmp}/none.txt", "--budget", "8"], "--context-file"),
+    "generate missing model directory": ([*GEN, "--budget", "8", "--model", "{tmp}/no-model"], "checkpoint"),
+    "generate no context file flag": (["generate", "--budget", "8"], "--context-file"),
+    "generate budget not a number": ([*GEN, "--budget", "many"], "--budget"),
+    "generate budget zero": ([*GEN, "--budget", "0"], "budget"),
+    "generate ratio one": ([*GEN, "--compression-ratio", "1.0"], "compression_ratio"),
+    "generate ratio nan": ([*GEN, "--compression-ratio", "nan"], "compression_ratio"),
+    "generate negative sink": ([*GEN, "--budget", "8", "--sink", "-1"], "sink"),
+    "generate zero new tokens": ([*GEN, "--budget", "8", "--max-new-tokens", "0"], "--max-new-tokens"),
+    "generate zero chunk size": ([*GEN, "--budget", "8", "--chunk-size", "0"], "--chunk-size"),
+    "generate unknown method": ([*GEN, "--method", "zip", "--budget", "8"], "unknown method"),
+    "generate unknown mode": ([*GEN, "--budget", "8", "--mode", "fast"], "--mode"),
+    "generate unknown method parameter": ([*GEN, "--method", "keydiff", "--budget", "8", "--param", "bogus=1"], "bogus"),
+    "generate malformed parameter": ([*GEN, "--budget", "8", "--param", "anchor"], "--param"),
+    "generate budget and ratio": ([*GEN, "--budget", "8", "--compression-ratio", "0.5"], "not allowed with"),
+    "generate neither budget nor ratio": (GEN, "--compression-ratio or --budget"),
+    "generate full with a budget": ([*GEN, "--method", "full", "--budget", "8"], "--method full"),
+    # demo
+    "demo unknown method": (["demo", "--methods", "zip"], "unknown method"),
+    "demo ratio not a number": (["demo", "--compression-ratio", "half"], "--compression-ratio"),
+    "demo ratio one": (["demo", "--compression-ratio", "1"], "compression-ratio"),
+    "demo depth above one": (["demo", "--depth", "1.5"], "depth"),
+    "demo missing model directory": (["demo", "--model", "{tmp}/no-model", "--tokens", "64"], "checkpoint"),
+    # eval
+    "eval unknown method": (["eval", "--methods", "zip", "--out", "{tmp}/e"], "zip"),
+    "eval unknown task": (["eval", "--tasks", "haystack", "--out", "{tmp}/e"], "haystack"),
+    "eval unknown bench": (["eval", "speed"], "speed"),
+    "eval ratio out of range": (["eval", "--ratios", "0.5,1.5", "--out", "{tmp}/e"], "1.5"),
+    "eval ratios not numbers": (["eval", "--ratios", "half"], "--ratios"),
+    "eval zero samples": (["eval", "--samples", "0", "--out", "{tmp}/e"], "samples"),
+    "eval zero threads": (["eval", "--threads", "0"], "--threads"),
+    "eval grid lengths without depths": (["eval", "--grid-lengths", "1024", "--out", "{tmp}/e"], "grid_depths"),
+    "eval malformed task parameter": (["eval", "--task-param", "n_keys=4", "--out", "{tmp}/e"], "--task-param"),
+    "eval approx sink beyond tokens": (["eval", "approx", "--tokens", "100", "--sink", "256"], "tokens"),
+    "eval missing model directory": (["eval", "--model", "{tmp}/no-model", "--out", "{tmp}/e"], "checkpoint"),
+    # bench
+    "bench unknown section": (["bench", "--sections", "speed", "--out", "{tmp}/b"], "sections"),
+    "bench unknown method": ([*BENCH, "--methods", "zip"], "unknown method"),
+    "bench unknown shape": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--shapes", "gpt"], "shapes"),
+    "bench sizes not numbers": ([*BENCH, "--sizes", "1k"], "--sizes"),
+    "bench size too small": ([*BENCH, "--sizes", "1"], "sizes"),
+    "bench zero threads": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--threads", "0"], "threads"),
+    "bench ratio one": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--compression-ratio", "1"], "compression_ratio"),
+    "bench unknown dtype": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--dtype", "float8"], "--dtype"),
+    "bench unknown device": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--device", "tpu"], "--device"),
+    "bench report without csvs": (["bench", "--report-only", "--out", "{tmp}/empty"], "no bench CSV"),
+    "bench report-only with measurement flags": (["bench", "--report-only", "--out", "{tmp}/b", "--sizes", "64"], "--report-only"),
+    # calibrate
+    "calibrate missing out flag": (["calibrate"], "--out"),
+    "calibrate out directory missing": (["calibrate", "--out", "{tmp}/no/cal.json"], "--out"),
+    "calibrate unknown method": ([*CAL, "--method", "zip"], "unknown method"),
+    "calibrate unknown task": ([*CAL, "--tasks", "haystack"], "haystack"),
+    "calibrate retention above one": ([*CAL, "--retentions", "0.5,2"], "--retentions"),
+    "calibrate retentions not numbers": ([*CAL, "--retentions", "most"], "--retentions"),
+    "calibrate zero samples": ([*CAL, "--samples", "0"], "--samples"),
+    "calibrate asymmetry below one": ([*CAL, "--asymmetry", "0.5"], "--asymmetry"),
+    "calibrate triples and out the same file": ([*CAL, "--triples", "{tmp}/cal.json"], "--triples"),
+    "calibrate missing model directory": ([*CAL, "--model", "{tmp}/no-model"], "checkpoint"),
+    # the command itself
+    "unknown subcommand": (["compress"], "compress"),
+    "unknown flag": ([*GEN, "--budget", "8", "--temperature", "0.5"], "--temperature"),
+    "no subcommand": ([], "command"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_command_lines_exit_2_with_one_line(name, tmp_path, context_file, capsys):
+    template, expected = CASES[name]
+    argv = [arg.format(tmp=tmp_path, ctx=context_file) for arg in template]
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert status == 2, captured.err
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err and expected in lines[0]
+    assert lines[0].startswith("kvcompress")

@@ -1,0 +1,107 @@
+"""Import direction (docs/layout.md): a module may import its own layer and the layers below it, never one above."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
+
+# Lowest first; a module's layer is the longest matching prefix of its dotted name (without "kvcompress.").
+LAYERS = [
+    ("core", ("summary", "attention", "checks")),
+    ("methods", ("methods",)),
+    ("api", ("api",)),
+    ("cache", ("cache", "calibration")),
+    ("integration", ("integration",)),
+    ("eval", ("eval",)),
+    ("cli", ("cli", "commands", "demo", "__main__")),
+]
+PACKAGE_ROOT = "__init__"  # kvcompress/__init__.py re-exports the public API (lazily for the integration)
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), i
+    if rank is None:
+        raise AssertionError(f"kvcompress.{module} belongs to no layer: add it to LAYERS and docs/layout.md")
+    return rank
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, kvcompress-relative module) for every kvcompress import in a module's source, lazy ones included."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ".".join([*base, node.module] if node.module else base)
+                names = [target] if node.module else [f"{target}.{a.name}".strip(".") for a in node.names]
+            elif node.module and node.module.startswith("kvcompress"):
+                names = [node.module.removeprefix("kvcompress").lstrip(".")]
+            else:
+                continue
+            out += [(node.lineno, n) for n in names if n]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.removeprefix("kvcompress").lstrip(".")) for a in node.names if a.name.startswith("kvcompress.")]
+    return out
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    return imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")
+
+
+def all_modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_has_a_layer():
+    for path in all_modules():
+        module = module_name(path)
+        if module != PACKAGE_ROOT:
+            layer_of(module)
+
+
+@pytest.mark.parametrize("path", all_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_higher_layer(path):
+    module = module_name(path)
+    if module == PACKAGE_ROOT:
+        return
+    own = layer_of(module)
+    upward = []
+    for line, target in imports_of(path):
+        if target and target != PACKAGE_ROOT and layer_of(target) > own:
+            upward.append(f"line {line}: {target} ({LAYERS[layer_of(target)][0]})")
+    assert not upward, f"kvcompress.{module} ({LAYERS[own][0]}) imports a higher layer: {upward}"
+
+
+def test_library_modules_do_not_import_the_command_line():
+    for path in all_modules():
+        module = module_name(path)
+        if module == PACKAGE_ROOT or LAYERS[layer_of(module)][0] == "cli":
+            continue
+        targets = [t for _, t in imports_of(path)]
+        assert not any(t == "cli" or t.startswith(("cli.", "commands")) for t in targets), module
+
+
+def upward_imports(source: str, module: str) -> list[str]:
+    own = layer_of(module)
+    return [t for _, t in imported_modules(source, module) if t != PACKAGE_ROOT and layer_of(t) > own]
+
+
+def test_the_checker_sees_lazy_relative_and_absolute_upward_imports():
+    source = "import torch\nfrom ..summary import KVSummary\n\ndef f():\n    from ..integration import generate\n    from kvcompress.cli import main\n    from . import base\n"
+    assert upward_imports(source, "methods.probe") == ["integration", "cli"]
+    assert upward_imports("from .. import cli\n", "eval.probe") == ["cli"]
+    assert upward_imports("from ...api import compress\n", "eval.bench.probe") == []

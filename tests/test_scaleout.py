@@ -1,0 +1,143 @@
+"""The same sweep run locally, as 2 shards and on a 2-CPU local Ray cluster gives the same
+records (timings aside); a Ray worker killed mid-sweep is retried, and a resumed sweep records
+every cell exactly once."""
+
+import functools
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcompress.cli import build_parser
+from kvcompress.eval import runner
+from kvcompress.eval.runner import SweepConfig, run_sweep
+from kvcompress.integration import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+TIMINGS = {"wall_s", "capture_s", "prefill_s", "compress_s", "decode_s"}
+CONFIG = dict(methods=["knorm", "random"], ratios=[0.5], tasks=["niah_single"], lengths=[200], samples=2, max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local 2-CPU Ray cluster for the module; workers import this checkout's kvcompress."""
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_records(tiny_checkpoint, tmp_path_factory):
+    model, tokenizer = load_model(tiny_checkpoint)
+    return run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path_factory.mktemp("local"), progress=False)
+
+
+def comparable(records):
+    return sorted(({k: v for k, v in r.items() if k not in TIMINGS} for r in records), key=lambda r: r["key"])
+
+
+def recorded_keys(out_dir):
+    lines = (Path(out_dir) / runner.RESULTS_FILE).read_text().splitlines()
+    return [json.loads(line)["key"] for line in lines if line.strip()]
+
+
+def test_two_shards_match_the_local_run(tiny_checkpoint, local_records, tmp_path):
+    assert len(local_records) == 2 * 3 and all(r["error"] is None for r in local_records)
+    model, tokenizer = load_model(tiny_checkpoint)
+    first = run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(0, 2))
+    assert {r["index"] for r in first} == {0}  # shard 0 of 2: the first sample with all its cells
+    records = run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(1, 2))
+    assert comparable(records) == comparable(local_records)
+    assert sorted(recorded_keys(tmp_path)) == sorted(r["key"] for r in local_records)
+    with pytest.raises(ValueError, match="shard"):
+        run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(2, 2))
+    args = build_parser().parse_args(["eval", "--shard", "1/4"])
+    assert args.shard == (1, 4)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "--shard", "4/4"])
+
+
+def test_ray_run_matches_the_local_run(ray_cluster, tiny_checkpoint, local_records, tmp_path):
+    from kvcompress.eval.ray_sweep import run_sweep_ray
+
+    records, failures = run_sweep_ray(functools.partial(load_model, str(tiny_checkpoint)), SweepConfig(**CONFIG), tmp_path, progress=False)
+    assert failures == []
+    assert comparable(records) == comparable(local_records)
+    assert sorted(recorded_keys(tmp_path)) == sorted(r["key"] for r in local_records)
+
+
+class KillOnce:
+    """A model loader for Ray workers that kills one worker mid-sample (picklable, unlike a closure)."""
+
+    def __init__(self, path, marker):
+        self.path, self.marker = str(path), str(marker)
+
+    def __call__(self):
+        """The model, with a hook that kills this worker process (SIGKILL) in its first forward pass
+        unless `marker` exists, creating it first (so exactly one worker dies)."""
+        model, tokenizer = load_model(self.path)
+
+        def kill(module, args):
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                return
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        model.register_forward_pre_hook(kill)
+        return model, tokenizer
+
+
+def test_killed_worker_is_retried_and_a_resumed_sweep_records_every_cell_once(ray_cluster, tiny_checkpoint, local_records, tmp_path):
+    from kvcompress.eval.ray_sweep import run_sweep_ray
+
+    config = SweepConfig(**CONFIG)
+    # retried: the killed worker's sample runs again on a fresh worker
+    records, failures = run_sweep_ray(KillOnce(tiny_checkpoint, tmp_path / "killed-a"), config, tmp_path / "a", max_retries=1, progress=False)
+    assert (tmp_path / "killed-a").exists() and failures == []
+    assert comparable(records) == comparable(local_records)
+    assert sorted(recorded_keys(tmp_path / "a")) == sorted(r["key"] for r in local_records)
+    # no retries: the killed worker's sample stays to do; the resumed sweep does exactly those cells
+    records, failures = run_sweep_ray(KillOnce(tiny_checkpoint, tmp_path / "killed-b"), config, tmp_path / "b", max_retries=0, progress=False)
+    assert len(failures) == 1 and "WorkerCrashedError" in failures[0]
+    assert len(records) == 3 and len(set(recorded_keys(tmp_path / "b"))) == 3
+    records, failures = run_sweep_ray(KillOnce(tiny_checkpoint, tmp_path / "killed-b"), config, tmp_path / "b", max_retries=0, progress=False)
+    assert failures == []
+    keys = recorded_keys(tmp_path / "b")
+    assert sorted(keys) == sorted(r["key"] for r in local_records)  # every cell, exactly once
+    assert comparable(records) == comparable(local_records)
+
+
+def test_results_file_never_records_a_cell_twice(tmp_path):
+    path = tmp_path / runner.RESULTS_FILE
+    first, second = runner.ResultsFile(path), runner.ResultsFile(path)
+    assert first.write([{"key": "a"}, {"key": "b"}]) == 2
+    assert second.write([{"key": "b"}, {"key": "c"}]) == 1  # sees what the other writer appended
+    with path.open("a") as f:
+        f.write('{"key": "torn')
+    assert first.write([{"key": "a"}, {"key": "d"}]) == 1
+    assert [r["key"] for r in runner.read_results(path)] == ["a", "b", "c", "d"]
+
+
+def test_cli_runs_a_benchmark_on_ray(ray_cluster, tiny_checkpoint, tmp_path, capsys):
+    from kvcompress.cli import main
+
+    fixtures = REPO / "tests" / "fixtures" / "ruler"
+    args = ["eval", "--benchmark", "ruler", "--data", str(fixtures), "--model", str(tiny_checkpoint), "--methods", "knorm",
+            "--ratios", "0.2", "--max-new-tokens", "2", "--ray", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    records = runner.read_results(tmp_path / runner.RESULTS_FILE)
+    assert len(records) == 3 * 2 and all(r["error"] is None and r["benchmark"] == "ruler" for r in records)
+    assert "| method @ ratio | average | niah_single_1 | qa_1 |" in capsys.readouterr().out
+    assert (tmp_path / "leaderboard_ruler.html").is_file()
+    assert main(args + ["--shard", "0/2"]) == 2  # Ray distributes the samples itself
+    assert "--shard and --ray" in capsys.readouterr().err
