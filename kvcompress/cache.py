@@ -44,7 +44,7 @@ from .methods.base import (
     query_positions_for,
     resolve_budget,
 )
-from .summary import KVSummary, Normalizer, concat
+from .summary import KVSummary, Normalizer, SlotBuffer, concat
 
 MODES = ("prefill", "chunked", "decode")
 ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache needs (kvcompress.integration.attention)
@@ -86,7 +86,7 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, cache: "CompressedCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.front: KVSummary | Stream | None = None
+        self.front: SlotBuffer | KVSummary | Stream | None = None  # KVSummary: a padded batch's stacked rows
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
@@ -99,7 +99,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def stored(self) -> KVSummary | None:
         """The layer's stored state as one summary (front then tail), without the pending block."""
-        front = self.front.summary() if isinstance(self.front, Stream) else self.front
+        front = self.front.summary() if isinstance(self.front, (SlotBuffer, Stream)) else self.front
         parts = [p for p in (front, self.tail) if p is not None]
         return concat(parts) if parts else None
 
@@ -117,9 +117,12 @@ class CompressedLayer(CacheLayerMixin):
         self.pending_real = None
         self.seen += n
         new = KVSummary.exact(key_states, value_states, positions)
-        stored = self.stored()
-        view = concat([stored, new]) if stored is not None else new
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes() + new.nbytes())
+        if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
+            view = self.front.append(new)
+        else:
+            stored = self.stored()
+            view = concat([stored, new]) if stored is not None else new
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
@@ -157,8 +160,8 @@ class CompressedLayer(CacheLayerMixin):
         settings = self.cache.settings
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
-            if not has_padding(real):
-                self.front = self._compress_once(keys, values, positions, queries, scale)
+            if not has_padding(real):  # decode then appends in place, no copy of the state per step
+                self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale))
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
@@ -170,6 +173,8 @@ class CompressedLayer(CacheLayerMixin):
                 keys, values, queries, self.cache.pre_rope_keys(keys, positions), positions,
                 self.layer_idx, self.cache.num_layers,
             )
+        elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
+            return
         else:
             block = KVSummary.exact(keys, values, positions)
             if real is not None:
@@ -198,7 +203,8 @@ class CompressedLayer(CacheLayerMixin):
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
             self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos),
         )
-        return compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
+        summary = compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
+        return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
     def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> None:
         """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d]."""
@@ -207,7 +213,7 @@ class CompressedLayer(CacheLayerMixin):
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
-        self.front = self._compress_once(keys, values, positions, queries, scale)
+        self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale))
         self.stats.compress_seconds += time.perf_counter() - start
         self.seen = keys.shape[2]
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())

@@ -119,6 +119,7 @@ def _generate_cli(subparsers) -> None:
     p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     add_model_arg(p)
+    add_device_args(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -144,7 +145,7 @@ def _run_generate(args) -> int:
         check_sink_window(*default_sink_window(args.method, args.sink, args.window))
         resolve_budget(10**9, args.budget, args.compression_ratio, 0, 0)
     context = args.context_file.read_text()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window}
     res = generate(
         model, tokenizer, context, args.question, method=None if full else args.method, mode=args.mode,

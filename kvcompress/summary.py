@@ -32,6 +32,12 @@ class KVSummary:
     (log of how many original tokens a slot stands for; 0 for a kept token, -inf for an empty
     slot), positions [B, H_kv, n] (original token index, int64; -1 for empty slots),
     normalizer: optional separate denominator set.
+
+    eviction_only: the producer guarantees every log-weight is 0 (no -inf padding) and there is no
+    normalizer, so attention needs no bias and can take the fastest kernel. It is known from how
+    the summary was made, never read from the values on the hot path: `exact` and `empty_like`
+    set it, `concat` keeps it when every part has it, `checked_eviction` reads it from the values
+    once. The default False is always correct (the weights are then applied as a bias).
     """
 
     keys: torch.Tensor
@@ -39,8 +45,11 @@ class KVSummary:
     log_weights: torch.Tensor
     positions: torch.Tensor
     normalizer: Normalizer | None = None
+    eviction_only: bool = False
 
     def __post_init__(self):
+        if self.eviction_only and self.normalizer is not None:
+            raise ValueError("eviction_only=True needs normalizer=None: a normalizer reweights the denominator")
         b, h, n, _ = self.keys.shape
         if self.values.shape[:3] != (b, h, n):
             raise ValueError(f"values shape {tuple(self.values.shape)} does not match keys {tuple(self.keys.shape)}")
@@ -52,11 +61,16 @@ class KVSummary:
 
     @classmethod
     def exact(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "KVSummary":
-        """Every token kept once: log-weights 0. positions [B, H_kv, n] or [n]."""
+        """Every token kept once: log-weights 0, eviction_only. positions [B, H_kv, n] or [n].
+
+        The log-weights are a broadcast view of one zero, so indexed or arithmetic writes into them
+        raise instead of silently contradicting eviction_only (fill_ does not: never use it on
+        these); build a new summary to reweight.
+        """
         b, h, n, _ = keys.shape
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
-        log_weights = torch.zeros(b, h, n, dtype=torch.float32, device=keys.device)
-        return cls(keys, values, log_weights, positions)
+        log_weights = torch.zeros(1, dtype=torch.float32, device=keys.device).expand(b, h, n)
+        return cls(keys, values, log_weights, positions, eviction_only=True)
 
     @classmethod
     def empty_like(cls, keys: torch.Tensor, values: torch.Tensor) -> "KVSummary":
@@ -67,6 +81,7 @@ class KVSummary:
             values.new_zeros(b, h, 0, values.shape[-1]),
             torch.zeros(b, h, 0, dtype=torch.float32, device=keys.device),
             torch.zeros(b, h, 0, dtype=torch.long, device=keys.device),
+            eviction_only=True,
         )
 
     @property
@@ -91,12 +106,20 @@ class KVSummary:
         """The set the softmax denominator runs over."""
         return self.normalizer if self.normalizer is not None else self.as_normalizer()
 
-    def to(self, dtype: torch.dtype) -> "KVSummary":
-        """Keys/values (and normalizer keys) cast to dtype; weights and positions unchanged."""
+    def checked_eviction(self) -> "KVSummary":
+        """This summary with eviction_only read from its values (one host sync: call once per
+        compression, never per decode step)."""
+        plain = self.normalizer is None and bool((self.log_weights == 0).all())
+        return replace(self, eviction_only=plain)
+
+    def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> "KVSummary":
+        """Keys/values (and normalizer keys) cast to dtype, every tensor moved to device (if given);
+        weights stay float32, positions int64."""
         norm = self.normalizer
         if norm is not None:
-            norm = replace(norm, keys=norm.keys.to(dtype))
-        return replace(self, keys=self.keys.to(dtype), values=self.values.to(dtype), normalizer=norm)
+            norm = Normalizer(norm.keys.to(device, dtype), norm.log_weights.to(device), norm.positions.to(device))
+        return replace(self, keys=self.keys.to(device, dtype), values=self.values.to(device, dtype),
+                       log_weights=self.log_weights.to(device), positions=self.positions.to(device), normalizer=norm)
 
 
 def concat(parts: list[KVSummary]) -> KVSummary:
@@ -115,6 +138,7 @@ def concat(parts: list[KVSummary]) -> KVSummary:
         torch.cat([p.values for p in parts], 2),
         torch.cat([p.log_weights for p in parts], 2),
         torch.cat([p.positions for p in parts], 2),
+        eviction_only=all(p.eviction_only for p in parts),
     )
     if any(p.normalizer is not None for p in parts):
         dens = [p.denominator() for p in parts]
@@ -136,3 +160,71 @@ def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
     v = values.gather(2, idx.expand(*index.shape, values.shape[-1]))
     p = positions.gather(2, index)
     return k, v, p
+
+
+class _GrowingSlots:
+    """Tensors [B, H, capacity, ...] filled along the slot axis; `append` writes in place and
+    reallocates (one copy) only when full, with room for max(64, n/16) more slots."""
+
+    def __init__(self):
+        self.tensors: tuple[torch.Tensor, ...] = ()
+        self.length = 0
+
+    def append(self, parts: tuple[torch.Tensor, ...]) -> None:
+        need = self.length + parts[0].shape[2]
+        if not self.tensors or need > self.tensors[0].shape[2]:
+            capacity = need + max(64, need // 16)
+            grown = tuple(p.new_empty(*p.shape[:2], capacity, *p.shape[3:]) for p in parts)
+            for new, old in zip(grown, self.tensors):
+                new[:, :, : self.length] = old[:, :, : self.length]
+            self.tensors = grown
+        for buffer, part in zip(self.tensors, parts):
+            buffer[:, :, self.length : need] = part
+        self.length = need
+
+    def view(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t[:, :, : self.length] for t in self.tensors)
+
+
+class SlotBuffer:
+    """A summary that grows by appending exact blocks in place: a cache layer's state once its
+    context is compressed, so a decode step writes one token instead of copying the whole state.
+
+    `summary()` is a view of the filled slots (no copy). Storage keeps headroom of at most
+    max(64, n/16) slots; `nbytes` counts the filled slots, `reserved_bytes` the allocation.
+    Appending follows `concat`: once a part has a normalizer, the denominator set is kept too
+    (slots of parts without one enter it with their own weights).
+    """
+
+    def __init__(self, first: KVSummary):
+        self.slots = _GrowingSlots()
+        self.denominator: _GrowingSlots | None = None
+        self.eviction_only = True
+        self.append(first)
+
+    def append(self, part: KVSummary) -> KVSummary:
+        """Write part's slots after the stored ones; returns the whole summary (a view)."""
+        if part.normalizer is not None and self.denominator is None and self.slots.length:
+            self.denominator = _GrowingSlots()
+            keys, _, log_weights, positions = self.slots.view()
+            self.denominator.append((keys, log_weights, positions))
+        self.slots.append((part.keys, part.values, part.log_weights, part.positions))
+        if part.normalizer is not None and self.denominator is None:
+            self.denominator = _GrowingSlots()
+        if self.denominator is not None:
+            den = part.denominator()
+            self.denominator.append((den.keys, den.log_weights, den.positions))
+        self.eviction_only = self.eviction_only and part.eviction_only
+        return self.summary()
+
+    def summary(self) -> KVSummary:
+        keys, values, log_weights, positions = self.slots.view()
+        normalizer = Normalizer(*self.denominator.view()) if self.denominator is not None else None
+        return KVSummary(keys, values, log_weights, positions, normalizer, self.eviction_only and normalizer is None)
+
+    def nbytes(self) -> int:
+        return self.summary().nbytes()
+
+    def reserved_bytes(self) -> int:
+        tensors = self.slots.tensors + (self.denominator.tensors if self.denominator is not None else ())
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,6 +1,7 @@
 """weighted_attention against SDPA and the defining properties of log-weights and normalizers."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,8 +44,9 @@ def test_causal_block_after_prefix_and_custom_scale():
 
 def test_log_weight_log2_equals_duplicate_token():
     q, k, v = _qkv(b=1, n=5)
-    weighted = KVSummary.exact(k, v, torch.arange(5))
-    weighted.log_weights[..., 2] = math.log(2.0)
+    log_weights = torch.zeros(1, 3, 5)
+    log_weights[..., 2] = math.log(2.0)
+    weighted = KVSummary(k, v, log_weights, torch.arange(5).expand(1, 3, 5))
     dup = KVSummary.exact(torch.cat([k, k[:, :, 2:3]], 2), torch.cat([v, v[:, :, 2:3]], 2), torch.tensor([0, 1, 2, 3, 4, 2]))
     torch.testing.assert_close(kvc.weighted_attention(q, weighted), kvc.weighted_attention(q, dup), atol=1e-5, rtol=1e-5)
 
@@ -52,14 +54,13 @@ def test_log_weight_log2_equals_duplicate_token():
 def test_minus_inf_slots_change_nothing():
     q, k, v = _qkv(b=1, n=5)
     base = KVSummary.exact(k, v, torch.arange(5))
-    junk = KVSummary.exact(torch.randn(1, 3, 3, 8) * 100, torch.randn(1, 3, 3, 8) * 100, torch.tensor([0, 1, 2]))
-    junk.log_weights.fill_(float("-inf"))
+    junk = KVSummary(torch.randn(1, 3, 3, 8) * 100, torch.randn(1, 3, 3, 8) * 100, torch.full((1, 3, 3), float("-inf")), torch.tensor([0, 1, 2]).expand(1, 3, 3))
     torch.testing.assert_close(kvc.weighted_attention(q, concat([base, junk])), kvc.weighted_attention(q, base))
 
 
 def test_normalizer_used_for_denominator_only():
     q, k, v = _qkv(b=1, nq=3, n=5)
-    num = KVSummary.exact(k[:, :, :2], v[:, :, :2], torch.arange(2))
+    num = replace(KVSummary.exact(k[:, :, :2], v[:, :, :2], torch.arange(2)), eviction_only=False)
     num.normalizer = Normalizer(k, torch.zeros(1, 3, 5), torch.arange(5).expand(1, 3, 5))
     out = kvc.weighted_attention(q, num)
     kq = q.reshape(1, 3, 2, 3, 8)
@@ -68,7 +69,7 @@ def test_normalizer_used_for_denominator_only():
     torch.testing.assert_close(out, expected.reshape(1, 6, 3, 8), atol=1e-5, rtol=1e-5)
     # The same slots with their own normalizer give the ordinary softmax.
     same = KVSummary.exact(k, v, torch.arange(5))
-    same.normalizer = same.as_normalizer()
+    same = replace(same, normalizer=same.as_normalizer(), eviction_only=False)
     torch.testing.assert_close(kvc.weighted_attention(q, same), kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(5))))
 
 
@@ -79,7 +80,7 @@ def test_half_precision_large_logits_are_finite(dtype):
     s = KVSummary.exact(k, v, torch.arange(11))
     out = kvc.weighted_attention(q, s)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    s.normalizer = s.as_normalizer()
+    s = replace(s, normalizer=s.as_normalizer(), eviction_only=False)
     assert torch.isfinite(kvc.weighted_attention(q, s)).all()
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

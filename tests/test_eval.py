@@ -23,7 +23,7 @@ def tiny():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(alphabet), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
     return LlamaForCausalLM(config).eval(), tokenizer
 
 

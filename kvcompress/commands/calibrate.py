@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cli import add_model_arg, check_method, check_positive, float_list, name_list
+from ..cli import add_device_args, add_model_arg, check_method, check_positive, resolve_device, float_list, name_list
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
 
@@ -29,6 +29,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
     p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
     add_model_arg(p)
+    add_device_args(p)
     p.set_defaults(func=_run)
 
 
@@ -53,7 +54,7 @@ def _run(args) -> int:
     for flag, path in (("--out", args.out), ("--triples", args.triples)):
         if path is not None and not path.parent.is_dir():
             raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     samples = offline_samples(tokenizer, args.tasks, args.samples, args.tokens, args.seed)
     triples: list[dict] = []
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..cache import MODES
-from ..cli import add_model_arg, float_list, int_list, name_list, parse_params
+from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, parse_params, resolve_device
 from ..eval.approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
@@ -54,6 +54,7 @@ def add_cli(subparsers) -> None:
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", nargs="?", default="tasks", choices=["tasks", "approx"], help="which evaluation (default: tasks)")
     add_model_arg(p)
+    add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
     p.add_argument("--methods", type=name_list, default=None, help="comma-separated method names (default: every registered method)")
     p.add_argument("--ratios", type=float_list, default=None,
@@ -123,7 +124,7 @@ def _run_approx(args) -> int:
     from ..eval.plots import plot_approx
 
     config = _approx_config(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     start = time.perf_counter()
     rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
     outputs = [*write_approx(rows, args.out), plot_approx(rows, args.out / "approx.png")]
@@ -154,11 +155,11 @@ def _run_sweep(args) -> int:
             raise ValueError("--shard and --ray exclude each other: Ray distributes the samples itself")
         from ..eval.ray_sweep import run_sweep_ray
 
-        records, failures = run_sweep_ray(functools.partial(load_model, args.model), config, args.out, address=args.ray or None,
+        records, failures = run_sweep_ray(functools.partial(load_model, args.model, *resolve_device(args.device, args.dtype)), config, args.out, address=args.ray or None,
                                           cpus_per_task=args.ray_cpus, max_retries=args.ray_retries,
                                           progress=not args.no_progress, model_name=model_name)
     else:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
         records = run_sweep(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=model_name, shard=args.shard)
     if args.benchmark:
         from ..eval.leaderboard import write_leaderboard

@@ -17,7 +17,9 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     Over a CompressedCache layer: weighted attention over its view (log-weights as a bias, causal
     by original positions, padding slots ignored), then the layer absorbs the new block with these
     queries. Without one (a sliding-window layer, no cache, a plain forward) the keys are exact and
-    the model's mask applies (`exact_attention_with_mask`).
+    the model's mask applies (`exact_attention_with_mask`). In the model's dtype; without soft-capping,
+    causality comes from the view's layout (`causal_tail`: the block is its last slots), so a decode
+    step reads no tensor value on the host.
     """
     layer = getattr(key, "kvcompress_layer", None)
     softcap = kwargs.pop("softcap", None)
@@ -25,12 +27,11 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     layer.mask_padding(attention_mask)
     view = layer.view
-    n_new = query.shape[2]
-    query_positions = torch.arange(layer.seen - n_new, layer.seen, device=query.device)
     progress = layer.cache.progress
     if softcap is None:
-        out = weighted_attention(query, view, scaling, query_positions)
+        out = weighted_attention(query, view, scaling, causal_tail=True)
     else:
+        query_positions = torch.arange(layer.seen - query.shape[2], layer.seen, device=query.device)
         out = softcapped_weighted_attention(query, view, scaling, softcap, query_positions)
     layer.commit(query, scaling)
     if progress is not None:

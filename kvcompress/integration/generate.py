@@ -25,6 +25,7 @@ from ..checks import as_count, describe
 from ..methods.base import build_method, check_sink_window, resolve_budget
 from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
+from .model import check_context_length
 
 # Prompts longer than this show a progress bar while they are processed.
 PROGRESS_MIN_TOKENS = 1024
@@ -153,6 +154,7 @@ class _Session:
         self.question_ids = question_ids.to(self.device) if question_ids is not None and question_ids.shape[1] > 0 else None
         n_context = context_ids.shape[1]
         n_prompt = n_context + (self.question_ids.shape[1] if self.question_ids is not None else 0)
+        check_context_length(model, n_prompt)
         self.n_context, self.n_prompt, self.method_name = n_context, n_prompt, method
         self.compress_question = compress_question
         self.chosen = None

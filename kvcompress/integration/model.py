@@ -90,14 +90,46 @@ def _build_cache(target: Path) -> None:
             shutil.rmtree(tmp)
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) in eval mode, loaded offline.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """A torch.device from a name ('cpu', 'cuda', 'cuda:1'); None picks CUDA when available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device name such as 'cpu', 'cuda' or 'cuda:0', got {device!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} was asked for but CUDA is not available here; use device='cpu'")
+    return device
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """A floating torch dtype from a name ('float32', 'bfloat16', 'float16') or a torch.dtype;
+    None picks bfloat16 on CUDA and float32 elsewhere."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or the torch dtype), got {dtype!r}")
+    return dtype
+
+
+def load_model(path: str | os.PathLike | None = None, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+    """(model, tokenizer) in eval mode, loaded offline, on `device` in `dtype`.
 
     path: a local Hugging Face checkpoint directory; None loads the default SmolLM2-135M-Instruct
-    (building its local cache on first use, see the module docstring). dtype: the weights' dtype.
+    (building its local cache on first use, see the module docstring). device/dtype: see
+    `parse_device` / `parse_dtype` (default CUDA + bfloat16 when CUDA exists, else CPU + float32).
+    The cache and attention then run on that device in that dtype.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = parse_device(device)
+    dtype = parse_dtype(dtype, device)
     if path is None:
         ckpt = cache_dir()
         if not _is_checkpoint(ckpt):
@@ -106,10 +138,20 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         ckpt = Path(path)
         if not ckpt.is_dir():
             raise ValueError(f"path must be a local checkpoint directory, got {str(path)!r}")
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, local_files_only=True).to(device)
     tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     model.eval()
     return model, tokenizer
+
+
+def check_context_length(model, n_tokens: int) -> None:
+    """Raise before any work when a prompt of n_tokens exceeds the model's `max_position_embeddings`."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and n_tokens > limit:
+        raise ValueError(
+            f"the prompt has {n_tokens} tokens but the model takes at most max_position_embeddings={limit}; "
+            f"shorten the context to {limit} tokens or fewer"
+        )
 
 
 _QUESTION_MARK = "\x00KVC_QUESTION\x00"

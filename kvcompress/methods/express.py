@@ -77,7 +77,7 @@ All slots keep chronological order, so positions are ascending within each head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -317,8 +317,7 @@ class ExpressState(StreamState):
             c, mask = self.candidate, new.unsqueeze(-1)
             token = KVSummary(torch.where(mask, token.keys, c.keys), torch.where(mask, token.values, c.values),
                               c.log_weights, torch.where(new, token.positions, c.positions))
-        token.log_weights.fill_(math.log(self.count))
-        self.candidate = token
+        self.candidate = replace(token, log_weights=torch.full_like(token.log_weights, math.log(self.count)), eviction_only=False)
 
     def _compress2(self, leaves: KVSummary) -> None:
         """Push complete leaves into Compress2: every four outputs of a level are halved, all groups of a level at once."""
