@@ -250,7 +250,8 @@ class CompressedLayer(CacheLayerMixin):
         """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
         if isinstance(self.front, Stream):
             raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.settings.mode!r}")
-        self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (self.front, self.tail))
+        front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
+        self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (front, self.tail))
 
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live stream) copied."""
