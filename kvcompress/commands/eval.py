@@ -193,7 +193,7 @@ def _sweep_config(args):
         raise ValueError("--data goes with --benchmark")
     return SweepConfig(
         methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), modes=args.modes, tasks=args.tasks,
-        lengths=args.lengths or list(DEFAULT_LENGTHS), samples=args.samples or (None if args.benchmark else 4), seed=args.seed,
+        lengths=args.lengths or list(DEFAULT_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else 4), seed=args.seed,
         haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
         data=None if args.data is None else str(args.data),
         grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,
