@@ -58,7 +58,7 @@ def test_a_ratio_that_removes_nothing_after_rounding_keeps_every_token():
 def test_generate_refuses_a_ratio_it_cannot_honour_instead_of_storing_more_than_the_full_cache():
     model = _tiny_model()
     with pytest.raises(ValueError, match="compression_ratio=0.5 keeps 30 of n=60 tokens"):
-        generate_ids(model, _ids(60), _ids(4, 2), method="balancekv", compression_ratio=0.5, max_new_tokens=2)
+        generate_ids(model, _ids(60), _ids(4, 2), method="balancekv", compression_ratio=0.5, sink=256, window=256, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
