@@ -19,7 +19,6 @@ import argparse
 import ast
 import itertools
 import json
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,24 +27,14 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.capture import capture_qkv
-from kvcompress.eval.runner import MAX_NEW_TOKENS, sample_depth
+from kvcompress.eval.runner import sample_depth
+from kvcompress.eval.stats import wilson
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import niah_single, score
 from kvcompress.integration.generate import generate_ids
 from kvcompress.integration.model import build_prompt
 
 RESULTS = Path(__file__).parent / "results"
-Z95 = 1.959963984540054
-
-
-def wilson_interval(hits: int, n: int) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion hits / n."""
-    p = hits / n
-    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
-    return centre - half, centre + half
-
-
 def configurations(args) -> list[tuple[str, str | None, dict]]:
     """(label, method, parameters) of every run per sample."""
     runs = [("full", None, {}), ("random (weighted)", "random", {"weighted": True, "sink": 0, "window": 0})]
@@ -67,7 +56,7 @@ def tune(args) -> list[dict]:
         for label, method, params in configurations(args):
             start = time.perf_counter()
             size = {} if method is None else {"compression_ratio": args.ratio}
-            res = generate_ids(model, context_ids, question_ids, method=method, max_new_tokens=MAX_NEW_TOKENS["niah_single"],
+            res = generate_ids(model, context_ids, question_ids, method=method, max_new_tokens=sample.max_new_tokens,
                                seed=args.seed + i, prefill=None if method is None else captured, **size, **params)
             prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
             rows.append({"config": label, "task_seed": args.seed + i, "depth": sample_depth(i), "ratio": args.ratio,
@@ -81,7 +70,7 @@ def hits_table(groups: dict[str, list[float]]) -> list[str]:
     lines = ["| configuration | hits | 95% Wilson interval |", "|---|---|---|"]
     for label, scores in groups.items():
         hits = int(sum(s == 1.0 for s in scores))
-        low, high = wilson_interval(hits, len(scores))
+        low, high = wilson(hits, len(scores))
         lines.append(f"| {label} | {hits}/{len(scores)} | [{low:.2f}, {high:.2f}] |")
     return lines
 

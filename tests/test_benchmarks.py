@@ -9,7 +9,8 @@ import pytest
 from kvcompress.cli import main
 from kvcompress.eval import metrics
 from kvcompress.eval.benchmarks import load_benchmark, longbench_e_bucket
-from kvcompress.eval.leaderboard import leaderboard, markdown_leaderboard, wilson_interval
+from kvcompress.eval.leaderboard import leaderboard, markdown_leaderboard
+from kvcompress.eval.stats import wilson
 from kvcompress.eval.runner import FULL, read_results
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -177,7 +178,7 @@ def test_cli_reports_a_bad_data_file_in_one_line(tmp_path, capsys):
 
 
 def test_leaderboard_values_and_intervals():
-    assert wilson_interval(3, 4) == pytest.approx((0.3006, 0.9544), abs=1e-4)
+    assert wilson(3, 4) == pytest.approx((0.3006, 0.9544), abs=1e-4)
 
     def rec(method, ratio, task, index, score):
         return {"benchmark": "ruler", "method": method, "ratio": ratio, "mode": "-" if method == FULL else "prefill",

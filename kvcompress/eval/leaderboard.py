@@ -27,17 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from .benchmarks import LONGBENCH_E_BUCKETS  # noqa: E402
 from .runner import FULL  # noqa: E402
-
-Z95 = 1.959963984540054
-
-
-def wilson_interval(successes: float, n: int) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion successes / n (n >= 1)."""
-    p = successes / n
-    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
-    return centre - half, centre + half
-
+from .stats import Z95, wilson  # noqa: E402
 
 def score_stats(scores: list[float]) -> dict:
     """Mean, standard error and 95% interval (fractions in [0, 1]) of per-sample scores."""
@@ -46,7 +36,7 @@ def score_stats(scores: list[float]) -> dict:
     var = sum((s - mean) ** 2 for s in scores) / (n - 1) if n > 1 else 0.0
     se = math.sqrt(var / n) if n > 1 else float("nan")
     if all(s in (0.0, 1.0) for s in scores):
-        low, high = wilson_interval(sum(scores), n)
+        low, high = wilson(sum(scores), n)
         se = (high - low) / (2 * Z95)  # the Wilson half-width as a standard error, for means over tasks
     else:
         low, high = _clipped(mean, se)
