@@ -67,19 +67,15 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_device(device: str | None, dtype: str | None):
-    """(torch.device, torch.dtype) from --device/--dtype, with an error naming the flag when the device cannot be used."""
-    import torch
+    """(torch.device, torch.dtype) from --device/--dtype (`integration.model.parse_device` / `parse_dtype`),
+    with an error naming the flag when the device cannot be used."""
+    from .integration.model import parse_device, parse_dtype
 
     try:
-        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as err:
-        raise ValueError(f"--device {device!r} is not a torch device ({err})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r} needs CUDA, which this machine does not have; use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
-    name = dtype if dtype is not None else ("bfloat16" if dev.type == "cuda" else "float32")
-    return dev, getattr(torch, name)
+        dev = parse_device(device)
+    except ValueError as err:
+        raise ValueError(f"--device: {err}") from None
+    return dev, parse_dtype(dtype, dev)
 
 
 def check_positive(flag: str, value, minimum=1) -> None:
