@@ -121,6 +121,12 @@ def _eos_ignored(model, ignore: bool):
         model.generation_config.eos_token_id = eos
 
 
+def check_context_ids(context_ids) -> None:
+    """Refuse anything but an integer token id tensor [B, n] with n >= 1, naming what was received."""
+    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
+        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [B, n] with n >= 1, got {describe(context_ids)}")
+
+
 @dataclass
 class _Prompt:
     """A tokenised prompt batch: context ids [B, n] (left-padded, mask [B, n] or None) and question ids [B or 1, m] or None."""
@@ -138,8 +144,7 @@ class _Session:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         context_ids = prompt.context_ids
-        if context_ids.ndim != 2 or context_ids.shape[1] == 0:
-            raise ValueError("empty context: context_ids must be [B, n] with n >= 1")
+        check_context_ids(context_ids)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
         seed = as_count("seed", seed, 0)
@@ -344,8 +349,7 @@ def generate_ids(
     `model.generate` on the same cache.
     """
     options = {k: v for k, v in locals().items() if k in _SESSION_OPTIONS}
-    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
-        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [1, n] with n >= 1, got {describe(context_ids)}")
+    check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
     if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
