@@ -315,7 +315,9 @@ def test_different_seeds_give_different_summaries(method):
 
 @pytest.mark.parametrize("method", [m for m in METHODS if get_method_class(m).randomized])
 def test_seed_none_draws_fresh_randomness(method):
-    assert not _same(_seed_case(method, None), _seed_case(method, None))
+    """Express on this case spreads over only ~15 outcomes, so one pair can coincide; five draws cannot all."""
+    first = _seed_case(method, None)
+    assert not all(_same(first, _seed_case(method, None)) for _ in range(4))
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if not get_method_class(m).randomized])
