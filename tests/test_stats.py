@@ -76,3 +76,12 @@ def test_best_baseline_ties_go_to_the_method_with_more_samples():
     records = [_rec("a", 0, 1.0)] + [_rec("b", i, 1.0) for i in range(5)] + [_rec("c", i, 0.0) for i in range(5)]
     rows = paired_comparisons(records, ["a", "b", "c"])
     assert {r["baseline"] for r in rows} == {"b"}
+
+
+@pytest.mark.parametrize("n", range(1, 60))
+def test_wilson_interval_contains_the_proportion_at_zero_and_full_score(n):
+    """All-correct cells (e.g. n = 3, 20) once gave a high end of 1 - 1e-16 < the mean, and a negative plot error bar."""
+    low, high = wilson(n, n)
+    assert low <= 1.0 == high
+    low, high = wilson(0, n)
+    assert low == 0.0 <= high

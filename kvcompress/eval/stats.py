@@ -30,7 +30,8 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval contains p mathematically; clamping keeps it so after rounding (p = 0 or 1 exactly).
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def sign_test(wins: int, losses: int) -> float:
