@@ -341,6 +341,8 @@ _BUCKET_OFFSET = 160
 _NORMALISER = 319
 _INSTANCES = 320
 _LEVELS = 64
+# Level of the slots made by `_merge_singletons` (weights not a power of two): never halved again.
+_MERGED = _LEVELS - 1
 
 
 class BalanceKVStream(StreamState):
@@ -357,16 +359,20 @@ class BalanceKVStream(StreamState):
     head together never exceed `budget`; when they would, the fullest level of that head (ties:
     the lighter one) has its oldest even number of slots halved ahead of time (a forced extra
     halving), so memory stays bounded for any stream length while every level still holds slots
-    of one weight and weights keep summing to the tokens seen. The seed's erasure of negligible
-    buckets (Alg. 1 line 8) is not applied: every token stays represented.
+    of one weight and weights keep summing to the tokens seen. When every level of an
+    over-budget head holds a single slot (budgets below the number of distinct weights, about
+    log2(tokens) per bucket), its two lightest numerator or normaliser slots are merged as the
+    one-shot form does: one kept with probability proportional to its weight, at their summed
+    weight (unbiased, the sum stays exact); such a slot is never halved again. The seed's erasure
+    of negligible buckets (Alg. 1 line 8) is not applied: every token stays represented.
     """
 
     def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator):
         if budget < 2:
             raise ValueError(f"balancekv streaming needs budget >= 2 (numerator and normaliser slots), got {budget}")
         self.method, self.budget, self.generator = method, budget, generator
-        # slot metadata {positions, row, instance, level, order, token}; `token` indexes the key/value
-        # buffers, shared by a token's numerator and normaliser slots
+        # slot metadata {positions, row, instance, level, log_weight, order, token}; `token` indexes the
+        # key/value buffers, shared by a token's numerator and normaliser slots
         self.pool: dict[str, torch.Tensor] | None = None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
@@ -431,7 +437,8 @@ class BalanceKVStream(StreamState):
 
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
         """Append new level-0 slots {positions, row, instance, token} to the pool."""
-        slots = slots | {"level": torch.zeros_like(slots["row"]), "order": self._stamp(slots["positions"])}
+        level = torch.zeros_like(slots["row"])
+        slots = slots | {"level": level, "log_weight": level.float(), "order": self._stamp(slots["positions"])}
         if self.pool is None:
             self.pool = slots
         else:
@@ -448,9 +455,7 @@ class BalanceKVStream(StreamState):
         batch, top = self.method.stream_batch, self.method.levels
         while True:
             groups, inverse, counts = self._groups()
-            full = counts >= batch
-            if top is not None:
-                full &= groups % _LEVELS < top
+            full = (counts >= batch) & (groups % _LEVELS < (_MERGED if top is None else top))
             if not bool(full.any()):
                 return
             self._halve_groups(inverse, counts, torch.where(full, batch, 0), scale)
@@ -459,7 +464,8 @@ class BalanceKVStream(StreamState):
         """Forced halvings until every head holds at most `budget` slots.
 
         A head over budget by e slots halves its fullest levels (ties: the lighter level first),
-        as few as together free at least e slots, all heads in one batched round.
+        as few as together free at least e slots, all heads in one batched round. A head over
+        budget with no level of two or more slots merges its two lightest slots instead.
         """
         rows = self.shape[0] * self.shape[1]
         while True:
@@ -468,7 +474,12 @@ class BalanceKVStream(StreamState):
                 return
             groups, inverse, counts = self._groups()
             head = groups // (_INSTANCES * _LEVELS)
-            freed = torch.where((counts >= 2) & (excess[head] > 0), counts // 2, 0)
+            halvable = (counts >= 2) & (groups % _LEVELS != _MERGED)
+            stuck = (excess > 0) & (torch.bincount(head[halvable], minlength=rows) == 0)
+            if bool(stuck.any()):
+                self._merge_singletons(stuck)
+                continue
+            freed = torch.where(halvable & (excess[head] > 0), counts // 2, 0)
             order = torch.argsort(groups % _LEVELS, stable=True)
             order = order[torch.argsort(-counts[order], stable=True)]
             order = order[torch.argsort(head[order], stable=True)]
@@ -505,8 +516,39 @@ class BalanceKVStream(StreamState):
         valid = offsets < lengths[:, None]
         promoted = slot[valid & keep]
         pool["level"][promoted] += 1
+        pool["log_weight"][promoted] += LOG2
         pool["order"][promoted] = self._stamp(pool["positions"][promoted])
         alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, slot[valid & ~keep], False)
+        self.pool = {name: t[alive] for name, t in pool.items()}
+
+    def _merge_singletons(self, heads: torch.Tensor) -> None:
+        """One slot fewer in every head where heads [B·H] is True: its two lightest slots of one kind become one.
+
+        Per head, the lighter of the two candidate pairs (two lightest numerator slots, two lightest
+        normaliser slots; a kind with one slot has none) is merged: slot i (weight w_i) is kept with
+        probability w_i / (w_1 + w_2) at weight w_1 + w_2, in log space, at level _MERGED.
+        """
+        pool = self.pool
+        rows = heads.shape[0]
+        kind = (pool["instance"] == _NORMALISER).long()
+        segment = pool["row"] * 2 + kind
+        by_weight = torch.argsort(pool["log_weight"], stable=True)
+        ordered = by_weight[torch.argsort(segment[by_weight], stable=True)]
+        counts = torch.bincount(segment, minlength=2 * rows)
+        starts = torch.cumsum(counts, 0) - counts
+        first = ordered[starts.clamp_max(len(ordered) - 1)]
+        second = ordered[(starts + 1).clamp_max(len(ordered) - 1)]
+        pair_weight = torch.logaddexp(pool["log_weight"][first], pool["log_weight"][second])
+        pair_weight = torch.where(counts >= 2, pair_weight, math.inf).reshape(rows, 2)
+        choice = torch.arange(rows, device=heads.device) * 2 + pair_weight.argmin(-1)
+        first, second, merged_weight = first[choice][heads], second[choice][heads], pair_weight.amin(-1)[heads]
+        draw = torch.rand(first.shape, generator=self.generator, device=self.generator.device).to(first.device)
+        keep_first = draw < torch.exp(pool["log_weight"][first] - merged_weight)
+        kept, dropped = torch.where(keep_first, first, second), torch.where(keep_first, second, first)
+        pool["log_weight"][kept] = merged_weight
+        pool["level"][kept] = _MERGED
+        pool["order"][kept] = self._stamp(pool["positions"][kept])
+        alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, dropped, False)
         self.pool = {name: t[alive] for name, t in pool.items()}
 
     def nbytes(self) -> int:
@@ -539,6 +581,6 @@ class BalanceKVStream(StreamState):
             out[pool["row"], rank] = values
             return out.reshape(b, h, width, *values.shape[1:])
 
-        log_weights = pool["level"].float() * LOG2
+        log_weights = pool["log_weight"]
         return (scatter(self.keys[pool["token"]], 0.0).to(key_t.dtype), scatter(self.values[pool["token"]], 0.0).to(value_t.dtype),
                 scatter(log_weights, float("-inf")), scatter(pool["positions"], -1))
