@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcompress as kvc
 from kvcompress.calibration import Calibration
 from kvcompress.integration import generate, generate_ids
-from kvcompress.methods.base import build_method, resolve_budget
+from kvcompress.methods.base import build_method, check_kv, resolve_budget
 
 
 def _kv(b=1, h=2, n=40, d=8, seed=0):
@@ -291,3 +291,24 @@ def test_balancekv_stream_merges_are_seeded():
     a, b = run(4), run(4)
     assert torch.equal(a.positions, b.positions) and torch.equal(a.log_weights, b.log_weights)
     assert any(not torch.equal(a.positions, run(seed).positions) for seed in range(5, 10))
+
+
+def test_stream_update_names_nan_keys_on_the_cpu():
+    keys, values = _kv()
+    keys[0, 1, 3, 2] = float("nan")
+    st = kvc.stream("knorm", budget=8, sink=0, window=0)
+    with pytest.raises(ValueError, match="keys contain NaN"):
+        st.update(keys, values)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stream_update_checks_finiteness_without_a_host_sync_on_cuda():
+    keys, values = (t.cuda() for t in _kv())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check_kv(keys, values, sync=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="keys contain NaN"):
+        check_kv(keys.clone().fill_(float("nan")), values)
