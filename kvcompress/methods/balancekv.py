@@ -61,7 +61,7 @@ def balance_kernel(
     return out * (mask * mask.transpose(1, 2)), log_r2
 
 
-def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Signs of the self-balancing walk (seed Alg. 2) on each block, exactly half of each block per side.
 
     kernel [N, b, b] normalised (R² = 1), valid [N, b] with an even number of valid tokens per block
@@ -71,30 +71,43 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     seed FAILs when |yᵀη| > cR², i.e. p_j outside [0, 1]; here p_j is clipped (the walk then takes
     the sign that reduces the imbalance) and the event is counted. Balancing rule: once one side
     holds half of the block's valid tokens, the remaining valid tokens join the other side.
-    Returns (signs [N, b] in {-1, 0, +1}, 0 for padding; number of FAIL events).
+
+    The sequential loop runs the walk without the balancing rule (three tensor ops per step); the
+    rule is applied afterwards, which gives the same signs: up to the step where a side fills, the
+    walk's choices are the same, and after it every sign is forced.
+    Returns (signs [N, b] in {-1, 0, +1}, 0 for padding; number of FAIL events, a 0-d tensor).
     """
     n_blocks, b, _ = kernel.shape
     device = kernel.device
-    half = valid.sum(-1) // 2
+    half = valid.sum(-1, keepdim=True) // 2
     gain = torch.exp(log_gain.clamp_max(_MAX_LOG_GAIN)).to(device)
     uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device).to(device)
     scaled = kernel * gain[:, None, None]  # the walk's drift in units of the push x_j·gain
     limit = 0.5 - uniform  # +1 ⇔ push < ½ − u
-    minus_full = torch.arange(b, device=device) - half[:, None]  # plus <= j − half: the −1 side is full
-    drift = torch.zeros(n_blocks, b, device=device)
-    plus = torch.zeros(n_blocks, dtype=torch.long, device=device)
-    signs = torch.zeros(n_blocks, b, device=device)
-    pushes = torch.zeros(n_blocks, b, device=device)
-    for j in range(b):
-        push = drift[:, j]
-        pushes[:, j] = push
-        up = ((push < limit[:, j]) & (plus < half)) | (plus <= minus_full[:, j])
-        plus += up
-        eta = torch.where(up, 1.0, -1.0)
-        signs[:, j] = eta
-        drift.addcmul_(eta[:, None], scaled[:, j])
+    drift = torch.zeros(n_blocks, b, 1, device=device)  # drift[:, j] = x_j·gain once steps 0..j-1 are taken
+    minus = torch.empty(n_blocks, b, 1, device=device)  # +1 where the walk says −1 (ties go to −1, as push < limit fails)
+    one = torch.ones((), device=device)
+    all_drift = drift.squeeze(-1)
+    # one view per step made up front (unbind): the loop itself is three in-place tensor ops
+    for push, bound, step_minus, row in zip(drift.unbind(1), limit.unsqueeze(-1).unbind(1), minus.unbind(1), scaled.unbind(1)):
+        torch.sub(push, bound, out=step_minus)
+        torch.copysign(one, step_minus, out=step_minus)
+        all_drift.addcmul_(step_minus, row, value=-1.0)
+    free = -minus.squeeze(-1) * valid
+    plus_full = _first_reaching(torch.cumsum(free > 0, -1), half)
+    minus_full = _first_reaching(torch.cumsum(free < 0, -1), half)
+    step = torch.arange(b, device=device)
+    signs = torch.where(step > plus_full, -1.0, torch.where(step > minus_full, 1.0, free))
+    signs = signs * valid
+    pushes = torch.bmm(signs.unsqueeze(1), scaled.triu(1)).squeeze(1)  # x_j·gain with the final signs
     fails = ((pushes.abs() > 0.5) & valid).sum()
-    return signs * valid, int(fails)
+    return signs, fails
+
+
+def _first_reaching(counts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[N, 1] first index where counts [N, b] (non-decreasing) reaches target [N, 1]; b when it never does."""
+    reached = counts >= target
+    return torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True), counts.shape[-1])
 
 
 def halve(
@@ -108,7 +121,7 @@ def halve(
     """SoftmaxBalance on consecutive blocks of every row: index [R, m/2] of the kept tokens (ascending).
 
     keys [R, m, d], values [R, m, d_v] or None, m even; see `halve_mask`.
-    Returns (index, number of FAIL events).
+    Returns (index, number of FAIL events as a 0-d tensor).
     """
     rows, m, _ = keys.shape
     lengths = torch.full((rows,), m, device=keys.device)
@@ -133,7 +146,7 @@ def halve_mask(
     zero-padded (seed App. B), and a row shorter than a block is one block of its own length.
     In each block the side kept is +1 or -1 with probability ½, so every token is kept with
     probability ½. `method` supplies the walk's gain; block_size is b.
-    Returns (keep [R, m] bool, exactly lengths[r] / 2 True per row; number of FAIL events).
+    Returns (keep [R, m] bool, exactly lengths[r] / 2 True per row; number of FAIL events as a 0-d tensor).
     """
     rows, m, d = keys.shape
     block_size = min(block_size, m)
@@ -210,7 +223,7 @@ class BalanceKV(Method):
     every level holds a single slot and the budget is still exceeded (budgets below about
     log2(n / budget) slots), the two lightest slots are merged by weighted sampling (one kept with
     probability proportional to its weight, at their summed weight), so every budget >= 1 is reached.
-    `failures` holds the FAIL count of the last call (see `balancing_walk`).
+    `failures` is the FAIL count of the last one-shot call, or of the stream so far (see `balancing_walk`).
     """
 
     name = "balancekv"
@@ -245,7 +258,12 @@ class BalanceKV(Method):
             raise ValueError(f"stream_block must be an even integer >= 2, got {self.stream_block!r}")
         if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 2 or self.batch % 2):
             raise ValueError(f"batch must be None or an even integer >= 2, got {self.batch!r}")
-        self.failures = 0
+        self.fail_events = 0  # a 0-d tensor once counted: read through `failures` (no host sync per halving)
+
+    @property
+    def failures(self) -> int:
+        """FAIL events (see `balancing_walk`) of the last one-shot call, or of the stream so far."""
+        return int(self.fail_events)
 
     @property
     def stream_batch(self) -> int:
@@ -273,7 +291,7 @@ class BalanceKV(Method):
             outlier = first_true(_outlier_mask(keys, exact_count), n)
             outliers = _gather(outlier[..., :exact_count], keys, values, positions, log_weights)
             keys, values, positions, log_weights = _gather(outlier[..., exact_count:], keys, values, positions, log_weights)
-        self.failures = 0
+        self.fail_events = 0
         keys, values, positions, log_weights = self._rounds(keys, values, positions, log_weights, budget - exact_count, tokens.scale, generator)
         if exact_count:
             keys, values, positions, log_weights = (torch.cat(p, 2) for p in zip(outliers, (keys, values, positions, log_weights)))
@@ -300,7 +318,7 @@ class BalanceKV(Method):
             sel_k, sel_v, sel_p, sel_w = _gather(chosen, keys, values, positions, log_weights)
             kernel_values = None if self.kernel == "key" else sel_v.reshape(b * h, 2 * pairs, -1)
             kept, fails = halve(sel_k.reshape(b * h, 2 * pairs, d), kernel_values, scale, self, self.kernel, generator)
-            self.failures += fails
+            self.fail_events += fails
             kept_parts = _gather(kept.reshape(b, h, pairs), sel_k, sel_v, sel_p, sel_w + LOG2)
             rest_parts = _gather(rest, keys, values, positions, log_weights)
             keys, values, positions, log_weights = (torch.cat(p, 2) for p in zip(rest_parts, kept_parts))
@@ -499,27 +517,32 @@ class BalanceKVStream(StreamState):
         (κ = 1) is the same kernel with every value the unit vector e_0, so both run as one walk.
         """
         pool = self.pool
-        by_age = torch.argsort(pool["order"], stable=True)
-        ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
-        starts = torch.cumsum(counts, 0) - counts
         chosen = take > 0
+        members = chosen[inverse].nonzero().squeeze(1)  # slots of the chosen groups, sorted by (group, age) below
+        by_age = members[torch.argsort(pool["order"][members], stable=True)]
+        ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
+        sizes = counts[chosen]
         lengths = take[chosen]
         width = int(lengths.max())
         offsets = torch.arange(width, device=lengths.device)
-        slot = ordered[(starts[chosen][:, None] + offsets).clamp_max(len(ordered) - 1)]
+        slot = ordered[((torch.cumsum(sizes, 0) - sizes)[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
         unit = torch.zeros(self.values.shape[-1], dtype=self.values.dtype, device=self.values.device)
         unit[0] = 1.0
         values = torch.where((pool["instance"][slot] == _NORMALISER)[..., None], unit, self.values[token])
         keep, fails = halve_mask(self.keys[token], values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
-        self.method.failures += fails
+        self.method.fail_events += fails
         valid = offsets < lengths[:, None]
         promoted = slot[valid & keep]
         pool["level"][promoted] += 1
         pool["log_weight"][promoted] += LOG2
         pool["order"][promoted] = self._stamp(pool["positions"][promoted])
-        alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, slot[valid & ~keep], False)
-        self.pool = {name: t[alive] for name, t in pool.items()}
+        self._remove(slot[valid & ~keep])
+
+    def _remove(self, slots: torch.Tensor) -> None:
+        """Drop the pool slots at indices `slots`."""
+        alive = torch.ones_like(self.pool["row"], dtype=torch.bool).index_fill_(0, slots, False).nonzero().squeeze(1)
+        self.pool = {name: t.index_select(0, alive) for name, t in self.pool.items()}
 
     def _merge_singletons(self, heads: torch.Tensor) -> None:
         """One slot fewer in every head where heads [B·H] is True: its two lightest slots of one kind become one.
@@ -548,8 +571,7 @@ class BalanceKVStream(StreamState):
         pool["log_weight"][kept] = merged_weight
         pool["level"][kept] = _MERGED
         pool["order"][kept] = self._stamp(pool["positions"][kept])
-        alive = torch.ones_like(pool["row"], dtype=torch.bool).index_fill_(0, dropped, False)
-        self.pool = {name: t[alive] for name, t in pool.items()}
+        self._remove(dropped)
 
     def nbytes(self) -> int:
         """Key/value buffers (up to twice the live tokens, see `_store`) plus the slot metadata."""
