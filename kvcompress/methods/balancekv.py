@@ -47,18 +47,18 @@ def balance_kernel(
     keys = keys.float() * mask
     mean = keys.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1.0)
     centred = (keys - mean) * mask
-    gram = torch.bmm(centred, centred.transpose(1, 2)) * scale
-    r_key = gram.diagonal(dim1=1, dim2=2).amax(-1)
-    out = torch.exp(gram - r_key[:, None, None])
+    out = torch.bmm(centred, centred.transpose(1, 2)).mul_(scale)
+    r_key = out.diagonal(dim1=1, dim2=2).amax(-1)
+    out.sub_(r_key[:, None, None]).exp_()
     log_r2 = r_key
     if kernel != "key":
         v = values.float() * mask
         vgram = torch.bmm(v, v.transpose(1, 2))
         r_value = vgram.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
-        vgram = vgram / r_value[:, None, None]
-        out = out * (vgram if kernel == "value" else (vgram + 1.0) / 2.0)
+        vgram.div_(r_value[:, None, None])
+        out.mul_(vgram if kernel == "value" else vgram.add_(1.0).div_(2.0))
         log_r2 = log_r2 + r_value.log()
-    return out * (mask * mask.transpose(1, 2)), log_r2
+    return out.mul_(mask * mask.transpose(1, 2)), log_r2
 
 
 def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +72,7 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     the sign that reduces the imbalance) and the event is counted. Balancing rule: once one side
     holds half of the block's valid tokens, the remaining valid tokens join the other side.
 
-    The sequential loop runs the walk without the balancing rule (three tensor ops per step); the
+    The sequential loop runs the walk without the balancing rule (two tensor ops per step); the
     rule is applied afterwards, which gives the same signs: up to the step where a side fills, the
     walk's choices are the same, and after it every sign is forced.
     Returns (signs [N, b] in {-1, 0, +1}, 0 for padding; number of FAIL events, a 0-d tensor).
@@ -83,16 +83,15 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     gain = torch.exp(log_gain.clamp_max(_MAX_LOG_GAIN)).to(device)
     uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device).to(device)
     scaled = kernel * gain[:, None, None]  # the walk's drift in units of the push x_j·gain
-    limit = 0.5 - uniform  # +1 ⇔ push < ½ − u
-    drift = torch.zeros(n_blocks, b, 1, device=device)  # drift[:, j] = x_j·gain once steps 0..j-1 are taken
-    minus = torch.empty(n_blocks, b, 1, device=device)  # +1 where the walk says −1 (ties go to −1, as push < limit fails)
+    # +1 ⇔ push < ½ − u: gap = push − (½ − u) starts at u − ½ and takes the walk's steps
+    gap = (uniform - 0.5).unsqueeze(-1)
+    minus = torch.empty(n_blocks, b, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
     one = torch.ones((), device=device)
-    all_drift = drift.squeeze(-1)
-    # one view per step made up front (unbind): the loop itself is three in-place tensor ops
-    for push, bound, step_minus, row in zip(drift.unbind(1), limit.unsqueeze(-1).unbind(1), minus.unbind(1), scaled.unbind(1)):
-        torch.sub(push, bound, out=step_minus)
-        torch.copysign(one, step_minus, out=step_minus)
-        all_drift.addcmul_(step_minus, row, value=-1.0)
+    all_gaps = gap.squeeze(-1)
+    # one view per step made up front (unbind): the loop itself is two in-place tensor ops
+    for step_gap, step_minus, row in zip(gap.unbind(1), minus.unbind(1), scaled.unbind(1)):
+        torch.copysign(one, step_gap, out=step_minus)
+        all_gaps.addcmul_(step_minus, row, value=-1.0)
     free = -minus.squeeze(-1) * valid
     plus_full = _first_reaching(torch.cumsum(free > 0, -1), half)
     minus_full = _first_reaching(torch.cumsum(free < 0, -1), half)
