@@ -216,8 +216,9 @@ class BalanceKV(Method):
     1/3 of the time on layer 1). cascade_rounds: halving rounds of MergeAndReduce's cascade after
     each batch (stream only); None halves until no level holds t slots, as seed Alg. 4 does; the
     default 1 halves every level full at that moment once, and a level that round fills waits for
-    the next batch (at most one halving call per batch: 1.3x faster at 8k tokens, the same error
-    on real layers: benchmarks/results/balancekv_cascade_rounds.md).
+    the next batch (at most one halving call per batch: 1.3x faster over 8k tokens in blocks of 128;
+    on real layers its error minus the drained one's is -0.007 ± 0.053, 95% CI over 64 paired
+    runs: benchmarks/results/balancekv_cascade_rounds.md).
 
     One-shot: rounds halve the middle until the budget is met. A round halves as many tokens of
     the current (heaviest) level as are needed; when fewer than all, the halved subset is drawn
