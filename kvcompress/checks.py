@@ -1,7 +1,7 @@
 """Input checks shared by the public entry points: errors name the parameter, what was received and what is accepted.
 
-Shape, dtype and device checks only (no data-dependent checks, so no device synchronisation):
-cheap enough for the decode hot path.
+Shape, dtype and device checks read metadata only. The one data-dependent check, `check_finite`,
+can run without a host synchronisation on an accelerator (sync=False), for the decode hot path.
 """
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ def check_tensor(name: str, t, layout: str, ndim: int, floating: bool = True) ->
         raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got {describe(t)}")
     if floating and not t.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor (float32, float16, bfloat16, ...), got {describe(t)}")
+
+
+def check_finite(name: str, t: torch.Tensor, sync: bool = True) -> None:
+    """NaN or infinite entries in t are an error naming `name`.
+
+    On the CPU (or with sync=True) a ValueError at once. With sync=False on another device, an
+    assertion queued on that device instead (no host synchronisation): a failure surfaces at a
+    later synchronisation and ends the CUDA context, as a device-side assert does.
+    """
+    finite = torch.isfinite(t).all()
+    message = f"{name} contain NaN or infinite entries"
+    if sync or t.device.type == "cpu":
+        if not finite:
+            raise ValueError(message)
+    else:
+        torch._assert_async(finite, message)
 
 
 def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

@@ -194,6 +194,7 @@ def test_failures_are_counted_not_raised():
         ({"augment": 1.0}, "augment"),
         ({"levels": 0}, "levels"),
         ({"batch": 3}, "batch"),
+        ({"cascade_rounds": 0}, "cascade_rounds"),
     ],
 )
 def test_bad_parameters(params, match):
@@ -276,3 +277,21 @@ def test_needle_at_4x_compression_at_least_as_good_as_uniform(default_model):
             ids = prefill.answer_ids(question_ids, method, 0.75, max_new_tokens=16, **exact, **params)
             hits[label] += tasks.score(sample, tok.decode(ids, skip_special_tokens=True))
     assert hits["balancekv"] >= hits["uniform"], hits
+
+
+@pytest.mark.parametrize("rounds", [1, None])
+def test_stream_cascade_rounds_defer_or_drain_full_levels(rounds):
+    """cascade_rounds=None leaves no level below the top holding t slots (seed Alg. 4); 1 halves once per batch, one level behind at most."""
+    keys, values = _kv(b=1, h=1, n=1024, d=8, seed=5)
+    st = kvc.stream("balancekv", budget=4096, sink=0, window=0, seed=0, batch=8, stream_block=4, levels=None, cascade_rounds=rounds)
+    deferred = 0
+    for start in range(0, 1024, 8):
+        st.update(keys[:, :, start : start + 8], values[:, :, start : start + 8])
+        pool = st.state.pool
+        group = pool["instance"] * 64 + pool["level"]
+        most = int(torch.unique(group, return_counts=True)[1].max())
+        assert most < (8 if rounds is None else 12)
+        deferred += most >= 8
+    total = st.summary().normalizer.log_weights.exp().sum()
+    assert math.isclose(float(total), 1024, rel_tol=1e-5)
+    assert (deferred > 0) == (rounds == 1)

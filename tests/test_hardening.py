@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcompress as kvc
 from kvcompress.calibration import Calibration
 from kvcompress.integration import generate, generate_ids
-from kvcompress.methods.base import build_method, resolve_budget
+from kvcompress.methods.base import build_method, check_kv, resolve_budget
 
 
 def _kv(b=1, h=2, n=40, d=8, seed=0):
@@ -257,3 +257,58 @@ def test_kvc_calibrate_measures_and_fits_on_the_default_model(default_model, tmp
         kvc.calibrate(model, tokenizer, samples, "knorm", retentions=(0.0,))
     with pytest.raises(ValueError, match="unknown method"):
         kvc.calibrate(model, tokenizer, samples, "zip")
+
+
+@pytest.mark.parametrize("budget", [2, 3, 5])
+def test_balancekv_stream_merges_singleton_levels_on_tiny_budgets_keeping_the_weight_sum_exact(budget):
+    """Value norms two octaves apart put every token in its own bucket, so each head's levels soon hold one
+    slot each: the stream used to fail with nothing to halve; it now merges two slots by weight."""
+    g = torch.Generator().manual_seed(0)
+    n = 48
+    keys = torch.randn(2, 2, n, 8, generator=g)
+    values = torch.randn(2, 2, n, 8, generator=g) * 4.0 ** torch.arange(-12, 12).repeat(2)[:n, None]
+    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=0, batch=4, stream_block=2)
+    for start in range(n):
+        st.update(keys[:, :, start : start + 1], values[:, :, start : start + 1])
+        assert torch.bincount(st.state.pool["row"], minlength=4).max() <= budget
+        s = st.summary()
+        for part in (s, s.normalizer):
+            total = part.log_weights.double().exp().sum(-1)
+            assert torch.allclose(total, torch.full_like(total, start + 1.0), rtol=1e-5)
+    assert torch.isfinite(kvc.weighted_attention(torch.randn(2, 2, 3, 8, generator=g), s)).all()
+
+
+def test_balancekv_stream_merges_are_seeded():
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 1, 40, 8, generator=g), torch.randn(1, 1, 40, 8, generator=g) * 4.0 ** torch.arange(-10, 10).repeat(2)[:, None]
+
+    def run(seed):
+        st = kvc.stream("balancekv", budget=3, sink=0, window=0, seed=seed)
+        for start in range(0, 40, 5):
+            st.update(keys[:, :, start : start + 5], values[:, :, start : start + 5])
+        return st.summary()
+
+    a, b = run(4), run(4)
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.log_weights, b.log_weights)
+    assert any(not torch.equal(a.positions, run(seed).positions) for seed in range(5, 10))
+
+
+def test_stream_update_names_nan_keys_on_the_cpu():
+    keys, values = _kv()
+    keys[0, 1, 3, 2] = float("nan")
+    st = kvc.stream("knorm", budget=8, sink=0, window=0)
+    with pytest.raises(ValueError, match="keys contain NaN"):
+        st.update(keys, values)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stream_update_checks_finiteness_without_a_host_sync_on_cuda():
+    keys, values = (t.cuda() for t in _kv())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check_kv(keys, values, sync=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="keys contain NaN"):
+        check_kv(keys.clone().fill_(float("nan")), values)

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import visible_slots
-from ..checks import as_count, as_fraction, check_queries, check_same_device, check_tensor, describe
+from ..checks import as_count, as_fraction, check_finite, check_queries, check_same_device, check_tensor, describe
 from ..summary import KVSummary, concat, gather_slots
 
 _REGISTRY: dict[str, type["Method"]] = {}
@@ -384,8 +384,11 @@ def resolve_budget(
     return middle
 
 
-def check_kv(keys, values, queries=None, pre_rope_keys=None) -> None:
-    """Shape, dtype, device and finiteness checks of one layer's inputs, with errors that name the argument."""
+def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True) -> None:
+    """Shape, dtype, device and finiteness checks of one layer's inputs, with errors that name the argument.
+
+    sync=False: the finiteness check forces no host synchronisation off the CPU (see `check_finite`).
+    """
     check_tensor("keys", keys, "[B, H_kv, n, d]", 4)
     check_tensor("values", values, "[B, H_kv, n, d_v]", 4)
     if keys.shape[:3] != values.shape[:3]:
@@ -401,8 +404,8 @@ def check_kv(keys, values, queries=None, pre_rope_keys=None) -> None:
             raise ValueError(f"pre_rope_keys must have the keys' shape {list(keys.shape)}, got {describe(pre_rope_keys)}")
         check_same_device("pre_rope_keys", pre_rope_keys, "keys", keys)
     for name, t in (("keys", keys), ("values", values), ("queries", queries), ("pre_rope_keys", pre_rope_keys)):
-        if t is not None and not torch.isfinite(t).all():
-            raise ValueError(f"{name} contain NaN or infinite entries")
+        if t is not None:
+            check_finite(name, t, sync)
 
 
 def check_positions(positions, keys: torch.Tensor, ordered: bool = True) -> None:
@@ -476,9 +479,10 @@ class Stream:
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
         """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count).
 
-        Every update must have the first one's batch, KV heads, head dims, dtype and device.
+        Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
+        inf is a ValueError on the CPU and a device-side assertion elsewhere (no host sync per block).
         """
-        check_kv(keys, values, queries, pre_rope_keys)
+        check_kv(keys, values, queries, pre_rope_keys, sync=False)
         b, h, n, d = keys.shape
         layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
         if self.layout is None:
