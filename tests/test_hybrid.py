@@ -150,3 +150,22 @@ def test_default_composition_keeps_heavy_hitters_then_leverage_outliers_exactly(
         plain = set(s.positions[0, h][s.log_weights[0, h] == 0].tolist())
         assert set(heavy.positions[0, h].tolist()) <= plain
         assert len(plain) >= 4 + 12
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_default_hybrid_generates_through_a_model_in_every_mode(mode):
+    """The default composition gets its queries (TOVA) and pre-RoPE keys (leverage) from the integration, one-shot and streamed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompress.integration import generate_ids
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    ctx, question = torch.randint(0, 96, (1, 120), generator=g), torch.randint(0, 96, (1, 6), generator=g)
+    res = generate_ids(model, ctx, question, method="hybrid", budget=40, mode=mode, chunk_size=32, max_new_tokens=4, stop_at_eos=False)
+    assert len(res.token_ids) == 4
+    # at the end: the summary + (prefill) the question and the answer tokens appended exactly, or (streamed) a block in progress
+    assert max(res.slots_per_layer) <= (40 + 6 + 4 if mode == "prefill" else 40 + 32 + 6 + 4)
