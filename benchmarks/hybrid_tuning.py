@@ -15,6 +15,11 @@ training text, the highest mean task score over both tasks and ratios; ties go t
 Writes benchmarks/results/hybrid_tuning.{csv,md}.
 
     PYTHONPATH=. python benchmarks/hybrid_tuning.py [--samples 8] [--candidates NAME ...] [--threads 1]
+
+Rows are appended to the CSV as they are produced and a rerun skips those already there, so a run
+can be stopped and resumed (or extended with more samples or candidates). CANDIDATES also holds the
+variants of the exploration that led to the default (docs/results.md, hybrid section), so each can
+be re-measured here.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ CANDIDATES = {
                                                     "coreset": "express"}, (0, 0)),
     "tova .1 + keydiff .3, express": ("hybrid", {"score": ["tova", "keydiff"], "exact_fraction": [0.1, 0.3],
                                                   "coreset": "express"}, (0, 0)),
+    "tova .1 + compactor .25, express": ("hybrid", {"score": ["tova", "compactor"], "exact_fraction": [0.1, 0.25],
+                                                     "coreset": "express"}, None),
+    "tova .25, express": ("hybrid", {"score": "tova", "score_params": None, "exact_fraction": 0.25, "coreset": "express"}, (0, 0)),
+    "compactor .25, balancekv": ("hybrid", {"score": "compactor", "score_params": None, "exact_fraction": 0.25,
+                                            "coreset": "balancekv"}, None),
+    "keydiff .75, balancekv (last round)": ("hybrid", {"score": "keydiff", "score_params": None, "exact_fraction": 0.75,
+                                                       "coreset": "balancekv"}, (4, 64)),
 }
 
 
@@ -148,9 +160,13 @@ def summarise(rows: list[dict], entries: list[str], candidates: list[str]) -> tu
     reference_error = error.get("balancekv", float("nan"))
     lines = ["| entry | task score % (95% Wilson) | n | mean attention error | error <= BalanceKV's |", "|---|---|---|---|---|"]
     for e in entries:
-        low, high = wilson(sum(task[e]), len(task[e])) if task[e] else (float("nan"), float("nan"))
         eligible = "yes" if error[e] <= reference_error else "no"
-        lines.append(f"| {e} | {100 * _mean(task[e]):.0f} ({100 * low:.0f}–{100 * high:.0f}) | {len(task[e])} | {error[e]:.4f} | {eligible} |")
+        if task[e]:
+            low, high = wilson(sum(task[e]), len(task[e]))
+            score_cell = f"{100 * _mean(task[e]):.0f} ({100 * low:.0f}–{100 * high:.0f})"
+        else:
+            score_cell = "not run"
+        lines.append(f"| {e} | {score_cell} | {len(task[e])} | {error[e]:.4f} | {eligible} |")
     ranked = [(-_mean(task[c]), error[c], c) for c in candidates if error[c] <= reference_error and task[c]]
     return (min(ranked)[2] if ranked else None), lines
 
