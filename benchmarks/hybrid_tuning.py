@@ -1,18 +1,25 @@
-"""Choose the hybrid's `exact_fraction` on training cases, never on the reported ones.
+"""Choose the hybrid's defaults (score, coreset, exact_fraction, sink/window) on training cases only.
 
-Training cases: needle (niah_single, filler) and line retrieval (one line in prose) samples at
-2048 tokens generated with seeds TRAIN_SEED + i (the reported sweep uses seeds 0, 1, ...), and
-the attention-approximation error on real prose with text_seed 1 (the reported approximation
-bench uses text_seed 0). For every exact_fraction in the grid the hybrid (score=keydiff,
-coreset=balancekv, its default sink 4 + window 64) answers each sample at ratios 0.75 and 0.9
-from one recorded prefill per sample; the approximation part compresses layers at
-the bench's protocol (sink 256, window = the last 256 queries; layers 2 and 15, one seed, to fit
-the shared machine). The rule: the highest mean task
-score over both tasks and ratios; ties go to the lower mean attention error.
+Training cases, disjoint from the reported ones:
+- tasks: needle (niah_single, filler) and line retrieval (one line in prose) at 2048 tokens,
+  samples built with seeds TRAIN_SEED + i (the reported sweep uses seeds 0, 1, ...), answered at
+  ratios 0.75 and 0.9 from one recorded prefill per sample, by every candidate hybrid and by the
+  reference single methods on the same samples;
+- attention error: the approximation bench's protocol (`eval.approx.layer_errors`: sink 256,
+  window = the last 256 queries, the middle compressed) on prose with text_seed 1 (the reported
+  bench uses text_seed 0), layers 1, 2, 5, 15, every candidate and BalanceKV at equal memory.
+
+The rule: among the candidates whose mean attention error is no higher than BalanceKV's on the
+training text, the highest mean task score over both tasks and ratios; ties go to the lower error.
 
 Writes benchmarks/results/hybrid_tuning.{csv,md}.
 
-    PYTHONPATH=. python benchmarks/hybrid_tuning.py [--samples 6] [--fractions 0.25 0.5 0.75] [--threads 1]
+    PYTHONPATH=. python benchmarks/hybrid_tuning.py [--samples 8] [--candidates NAME ...] [--threads 1]
+
+Rows are appended to the CSV as they are produced and a rerun skips those already there, so a run
+can be stopped and resumed (or extended with more samples or candidates). CANDIDATES also holds the
+variants of the exploration that led to the default (docs/results.md, hybrid section), so each can
+be re-measured here.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
-from kvcompress.cache import attention_scales
+from kvcompress.cache import CompressedCache, CompressionSettings, attention_scales
 from kvcompress.eval.approx import ApproxConfig, layer_errors
 from kvcompress.eval.capture import capture_qkv, prose_text
 from kvcompress.eval.runner import sample_depth
@@ -35,98 +42,187 @@ from kvcompress.eval.stopping import stop_token_ids
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.generate import generate_ids
 from kvcompress.integration.model import build_prompt
+from kvcompress.methods.base import build_method
 
 RESULTS = Path(__file__).parent / "results"
 TRAIN_SEED = 1000
+TRAIN_TEXT_SEED = 1
 TASKS = {"niah_single": {}, "line_retrieval": {"n_lines": 1, "haystack": "prose"}}
 RATIOS = (0.75, 0.9)
-APPROX_RATIOS = (0.75, 0.9375)
-APPROX_LAYERS = (2, 15)
+APPROX_RATIOS = (0.75, 0.875, 0.9375)
+APPROX_LAYERS = (1, 2, 5, 15)
+APPROX_SEEDS = 2
+# name: (method, parameters, sink/window of the task runs; None = the method's default). The
+# approximation part always uses the bench's sink 256 + window 256.
+REFERENCES = {"compactor": ("compactor", {}, None), "balancekv": ("balancekv", {}, None)}
+LEVERAGE = {"attention": False}  # Compactor's leverage score alone (seed 002's "no a" ablation)
+CANDIDATES = {
+    "tova .1 + leverage .3, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
+                                                   "exact_fraction": [0.1, 0.3], "coreset": "express"}, (0, 0)),
+    "tova .1 + compactor .3, express": ("hybrid", {"score": ["tova", "compactor"], "exact_fraction": [0.1, 0.3],
+                                                    "coreset": "express"}, (0, 0)),
+    "tova .1 + keydiff .3, express": ("hybrid", {"score": ["tova", "keydiff"], "exact_fraction": [0.1, 0.3],
+                                                  "coreset": "express"}, (0, 0)),
+    "tova .1 + compactor .25, express": ("hybrid", {"score": ["tova", "compactor"], "exact_fraction": [0.1, 0.25],
+                                                     "coreset": "express"}, None),
+    "tova .25, express": ("hybrid", {"score": "tova", "score_params": None, "exact_fraction": 0.25, "coreset": "express"}, (0, 0)),
+    "compactor .25, balancekv": ("hybrid", {"score": "compactor", "score_params": None, "exact_fraction": 0.25,
+                                            "coreset": "balancekv"}, None),
+    "keydiff .75, balancekv (last round)": ("hybrid", {"score": "keydiff", "score_params": None, "exact_fraction": 0.75,
+                                                       "coreset": "balancekv"}, (4, 64)),
+}
 
 
-def task_rows(model, tokenizer, fractions, samples: int) -> list[dict]:
-    rows = []
+class RowLog:
+    """The tuning CSV, appended one row at a time, so an interrupted run resumes where it stopped."""
+
+    FIELDS = ["part", "entry", "case", "sample", "ratio", "score", "error"]
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows = []
+        if path.is_file():
+            with path.open(newline="") as f:
+                for row in csv.DictReader(f):
+                    row["ratio"] = float(row["ratio"])
+                    row["sample"] = int(row["sample"]) if row["sample"] else ""
+                    row["score"] = float(row["score"]) if row["score"] else ""
+                    row["error"] = float(row["error"]) if row["error"] else ""
+                    self.rows.append(row)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.FIELDS).writeheader()
+        self.done = {(r["part"], r["entry"], r["case"], r["sample"], r["ratio"]) for r in self.rows}
+
+    def has(self, part: str, entry: str, case: str, sample, ratio: float) -> bool:
+        return (part, entry, case, sample, ratio) in self.done
+
+    def add(self, row: dict) -> None:
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.FIELDS).writerow(row)
+        self.rows.append(row)
+        self.done.add((row["part"], row["entry"], row["case"], row["sample"], row["ratio"]))
+
+
+def run_tasks(model, tokenizer, entries: dict[str, tuple], samples: int, log: RowLog) -> None:
+    """Log one row per (entry, task, sample, ratio) not yet logged: the entry's task score on a training sample."""
     for i in range(samples):
         for task, params in TASKS.items():
+            todo = [(ratio, name) for ratio in RATIOS for name in entries if not log.has("task", name, task, i, ratio)]
+            if not todo:
+                continue
             sample = generate_sample(task, target_tokens=2048, depth=sample_depth(i), seed=TRAIN_SEED + i, tokenizer=tokenizer, **params)
             context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             captured = capture_qkv(model, context_ids)
             stops = stop_token_ids(tokenizer, sample.stop)
-            for ratio in RATIOS:
-                for fraction in fractions:
-                    res = generate_ids(model, context_ids, question_ids, method="hybrid", compression_ratio=ratio, prefill=captured,
-                                       max_new_tokens=sample.max_new_tokens, stop_token_ids=stops, exact_fraction=fraction)
-                    prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True)
-                    rows.append({"part": "task", "task": task, "sample": i, "ratio": ratio, "exact_fraction": fraction,
-                                 "score": score(sample, prediction), "error": ""})
-            print(f"sample {i} {task} done", flush=True)
-    return rows
+            for ratio, name in todo:
+                method, method_params, sink_window = entries[name]
+                sink, window = sink_window or (None, None)
+                res = generate_ids(model, context_ids, question_ids, method=method, compression_ratio=ratio, prefill=captured,
+                                   max_new_tokens=sample.max_new_tokens, stop_token_ids=stops, sink=sink, window=window, **method_params)
+                prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+                log.add({"part": "task", "entry": name, "case": task, "sample": i, "ratio": ratio,
+                         "score": score(sample, prediction), "error": ""})
+                print(f"{task} sample {i} ratio {ratio} {name}: {log.rows[-1]['score']:g} ({prediction.strip()!r})", flush=True)
 
 
-def approx_rows(model, tokenizer, fractions) -> list[dict]:
-    config = ApproxConfig(methods=["hybrid"], ratios=list(APPROX_RATIOS), layers=list(APPROX_LAYERS), seeds=1, text_seed=1)
+def run_approx(model, tokenizer, entries: dict[str, tuple], log: RowLog) -> None:
+    """Log one row per (entry, layer, ratio) not yet logged: mean attention error over APPROX_SEEDS seeds on the training text."""
+    todo = {n: e for n, e in entries.items() if not log.has("approx", n, f"layer {APPROX_LAYERS[-1]}", "", APPROX_RATIOS[-1])}
+    if not todo:
+        return
+    config = ApproxConfig(methods=sorted({m for m, _, _ in todo.values()}), ratios=list(APPROX_RATIOS), layers=list(APPROX_LAYERS),
+                          seeds=APPROX_SEEDS, text_seed=TRAIN_TEXT_SEED)
     captured = capture_qkv(model, tokenizer, prose_text(n_chars=8 * config.tokens, seed=config.text_seed),
                            layers=config.layers, max_tokens=config.tokens)
     scales = attention_scales(model)
-    rows = []
-    for fraction in fractions:
+    for name, (method, params, _) in todo.items():
+        unrotate = CompressedCache(model, CompressionSettings(build_method(method, **params), "prefill", budget=1))
         for layer, (q, k, v) in captured.items():
-            errors = layer_errors("hybrid", q, k, v, scales[layer], config, exact_fraction=fraction)
+            pre = unrotate.pre_rope_keys(k, torch.arange(k.shape[2]))
+            errors = layer_errors(method, q, k, v, scales[layer], config, pre_rope_keys=pre, layer_idx=layer,
+                                  num_layers=model.config.num_hidden_layers, **params)
             for ratio, errs in errors.items():
-                rows.append({"part": "approx", "task": f"layer {layer}", "sample": "", "ratio": ratio, "exact_fraction": fraction,
-                             "score": "", "error": sum(errs) / len(errs)})
-    return rows
+                log.add({"part": "approx", "entry": name, "case": f"layer {layer}", "sample": "", "ratio": ratio,
+                         "score": "", "error": sum(errs) / len(errs)})
+                print(f"layer {layer} ratio {ratio} {name}: {log.rows[-1]['error']:.4f}", flush=True)
 
 
-def choose(rows: list[dict], fractions) -> tuple[float, list[str]]:
-    lines = ["| exact_fraction | task score % (95% Wilson) | n | mean attention error |", "|---|---|---|---|"]
-    ranked = []
-    for f in fractions:
-        scores = [r["score"] for r in rows if r["part"] == "task" and r["exact_fraction"] == f]
-        errors = [r["error"] for r in rows if r["part"] == "approx" and r["exact_fraction"] == f]
-        mean_score = sum(scores) / len(scores)
-        mean_error = sum(errors) / len(errors)
-        low, high = wilson(sum(scores), len(scores))
-        lines.append(f"| {f:g} | {100 * mean_score:.0f} ({100 * low:.0f}–{100 * high:.0f}) | {len(scores)} | {mean_error:.4f} |")
-        ranked.append((-mean_score, mean_error, f))
-    return min(ranked)[2], lines
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarise(rows: list[dict], entries: list[str], candidates: list[str]) -> tuple[str | None, list[str]]:
+    """(chosen candidate or None, Markdown lines): per entry the task score with its Wilson interval and the mean error."""
+    task = {e: [r["score"] for r in rows if r["part"] == "task" and r["entry"] == e] for e in entries}
+    error = {e: _mean([r["error"] for r in rows if r["part"] == "approx" and r["entry"] == e]) for e in entries}
+    reference_error = error.get("balancekv", float("nan"))
+    lines = ["| entry | task score % (95% Wilson) | n | mean attention error | error <= BalanceKV's |", "|---|---|---|---|---|"]
+    for e in entries:
+        eligible = "yes" if error[e] <= reference_error else "no"
+        if task[e]:
+            low, high = wilson(sum(task[e]), len(task[e]))
+            score_cell = f"{100 * _mean(task[e]):.0f} ({100 * low:.0f}–{100 * high:.0f})"
+        else:
+            score_cell = "not run"
+        lines.append(f"| {e} | {score_cell} | {len(task[e])} | {error[e]:.4f} | {eligible} |")
+    ranked = [(-_mean(task[c]), error[c], c) for c in candidates if error[c] <= reference_error and task[c]]
+    return (min(ranked)[2] if ranked else None), lines
+
+
+def cell_table(rows: list[dict], entries: list[str]) -> list[str]:
+    """Markdown: per entry, the task score per (task, ratio) and the error per (layer, ratio)."""
+    task_cols = [(t, r) for t in TASKS for r in RATIOS]
+    layer_cols = [(f"layer {layer}", r) for r in APPROX_RATIOS for layer in APPROX_LAYERS]
+    head = [f"{t} {r:g}" for t, r in task_cols] + [f"L{c.split()[1]} {r:g}" for c, r in layer_cols]
+    lines = ["| entry | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for e in entries:
+        cells = []
+        for t, r in task_cols:
+            s = [row["score"] for row in rows if (row["part"], row["entry"], row["case"], row["ratio"]) == ("task", e, t, r)]
+            cells.append(f"{100 * _mean(s):.0f} ({len(s)})" if s else "")
+        for c, r in layer_cols:
+            s = [row["error"] for row in rows if (row["part"], row["entry"], row["case"], row["ratio"]) == ("approx", e, c, r)]
+            cells.append(f"{_mean(s):.3f}" if s else "")
+        lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=6)
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--csv", type=Path, default=RESULTS / "hybrid_tuning.csv", help="rows so far (the run resumes from them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
+    entries = REFERENCES | {name: CANDIDATES[name] for name in args.candidates}
     start = time.perf_counter()
-    rows = approx_rows(model, tokenizer, args.fractions) + task_rows(model, tokenizer, args.fractions, args.samples)
-    RESULTS.mkdir(exist_ok=True)
-    with (RESULTS / "hybrid_tuning.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    chosen, table = choose(rows, args.fractions)
-    per_cell = ["", "| exact_fraction | task | ratio | score % | n |", "|---|---|---|---|---|"]
-    for f in args.fractions:
-        for task in TASKS:
-            for ratio in RATIOS:
-                s = [r["score"] for r in rows if r["part"] == "task" and (r["exact_fraction"], r["task"], r["ratio"]) == (f, task, ratio)]
-                per_cell.append(f"| {f:g} | {task} | {ratio:g} | {100 * sum(s) / len(s):.0f} | {len(s)} |")
+    log = RowLog(args.csv)
+    run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n != "balancekv"}, args.samples, log)
+    run_approx(model, tokenizer, entries, log)
+    rows = [r for r in log.rows if r["entry"] in entries and (r["part"] == "approx" or r["sample"] < args.samples)]
+    chosen, table = summarise(rows, list(entries), args.candidates)
+    verdict = f"**Chosen: {chosen}** ({CANDIDATES[chosen][1]}, sink/window {CANDIDATES[chosen][2] or 'default'})" if chosen else "**No candidate has a mean error no higher than BalanceKV's.**"
     header = [
-        "# Hybrid exact_fraction, chosen on training cases",
+        "# Hybrid defaults, chosen on training cases",
         "",
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {args.threads} thread(s), shared 2-core CPU (other jobs running), "
-        f"{time.perf_counter() - start:.0f} s. Training samples: seeds {TRAIN_SEED}..{TRAIN_SEED + args.samples - 1} of "
-        f"{', '.join(TASKS)} at 2048 tokens, ratios {', '.join(map(str, RATIOS))}; attention error: text_seed 1, layers "
-        f"{', '.join(map(str, APPROX_LAYERS))}, middle ratios {', '.join(map(str, APPROX_RATIOS))}, 1 seed.",
+        f"{time.perf_counter() - start:.0f} s in the last (resumed) run. Tasks: seeds {TRAIN_SEED}..{TRAIN_SEED + args.samples - 1} of "
+        f"{', '.join(TASKS)} at 2048 tokens, ratios {', '.join(map(str, RATIOS))}, every entry on the same samples. Attention "
+        f"error: text_seed {TRAIN_TEXT_SEED}, layers {', '.join(map(str, APPROX_LAYERS))}, middle ratios "
+        f"{', '.join(map(str, APPROX_RATIOS))}, {APPROX_SEEDS} seeds, mean over layers, ratios and seeds.",
         "",
-        f"**Chosen: exact_fraction = {chosen:g}** (highest mean task score; ties to the lower attention error).",
+        "Rule: among the hybrids whose mean attention error is no higher than BalanceKV's, the highest task score; ties to the lower error.",
+        "",
+        verdict,
         "",
     ]
-    (RESULTS / "hybrid_tuning.md").write_text("\n".join(header + table + per_cell) + "\n")
-    print("\n".join(header + table + per_cell))
+    text = header + table + ["", "Per cell (task score % (n); attention error):", ""] + cell_table(rows, list(entries))
+    (RESULTS / "hybrid_tuning.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ def _kv(n=300, h=2, d=16, seed=0):
 @pytest.mark.parametrize("coreset", ["balancekv", "express"])
 def test_one_shot_keeps_the_score_methods_top_tokens_exactly_and_weights_cover_every_token(coreset):
     k, v = _kv()
-    s = kvc.compress("hybrid", k, v, budget=40, sink=4, window=8, coreset=coreset, exact_fraction=0.5)
+    s = kvc.compress("hybrid", k, v, budget=40, sink=4, window=8, score="keydiff", score_params=None, coreset=coreset, exact_fraction=0.5)
     assert s.num_slots <= 4 + 40 + 8
     assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
     top = kvc.compress("keydiff", k[:, :, 4:292], v[:, :, 4:292], budget=20, sink=0, window=0, positions=torch.arange(4, 292))
@@ -29,7 +29,7 @@ def test_one_shot_keeps_the_score_methods_top_tokens_exactly_and_weights_cover_e
 @pytest.mark.parametrize("coreset", ["balancekv", "express"])
 def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
     k, v = _kv(n=500)
-    st = kvc.stream("hybrid", budget=48, sink=4, window=16, coreset=coreset, exact_fraction=0.25)
+    st = kvc.stream("hybrid", budget=48, sink=4, window=16, score="keydiff", score_params=None, coreset=coreset, exact_fraction=0.25)
     for start in range(0, 500, 37):
         st.update(k[:, :, start : start + 37], v[:, :, start : start + 37])
         assert st.state.summary().num_slots <= 48
@@ -40,14 +40,16 @@ def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
 
 def test_seeded_and_reproducible():
     k, v = _kv()
-    a = kvc.compress("hybrid", k, v, budget=40, seed=3)
-    b = kvc.compress("hybrid", k, v, budget=40, seed=3)
+    q = torch.randn(1, 4, 8, 16)
+    a = kvc.compress("hybrid", k, v, queries=q, pre_rope_keys=k, budget=40, seed=3)
+    b = kvc.compress("hybrid", k, v, queries=q, pre_rope_keys=k, budget=40, seed=3)
     assert torch.equal(a.positions, b.positions) and torch.equal(a.log_weights, b.log_weights)
 
 
 def test_exact_fraction_zero_is_the_coreset_alone():
     k, v = _kv()
-    hybrid = kvc.compress("hybrid", k, v, budget=40, sink=4, window=8, exact_fraction=0.0, seed=1)
+    hybrid = kvc.compress("hybrid", k, v, budget=40, sink=4, window=8, score="keydiff", score_params=None,
+                          exact_fraction=0.0, coreset="balancekv", seed=1)
     coreset = kvc.compress("balancekv", k, v, budget=40, sink=4, window=8, seed=1)
     assert torch.equal(hybrid.positions, coreset.positions) and torch.equal(hybrid.log_weights, coreset.log_weights)
 
@@ -56,7 +58,7 @@ def test_exact_part_adds_no_error_when_the_coreset_covers_nothing_it_drops():
     """With budget >= the middle, nothing is compressed: attention equals exact attention."""
     k, v = _kv(n=120)
     q = torch.randn(1, 2, 5, 16)
-    s = kvc.compress("hybrid", k, v, budget=200)
+    s = kvc.compress("hybrid", k, v, queries=q, pre_rope_keys=k, budget=200)
     out = weighted_attention(q, s, query_positions=torch.arange(115, 120))
     ref = exact_attention(q, k, v, causal_offset=115)
     assert torch.allclose(out, ref, atol=1e-5)
@@ -64,7 +66,8 @@ def test_exact_part_adds_no_error_when_the_coreset_covers_nothing_it_drops():
 
 def test_half_precision_does_not_overflow():
     k, v = _kv()
-    s = kvc.compress("hybrid", (k * 8).half(), v.half(), budget=40)
+    q = torch.randn(1, 4, 300, 16)
+    s = kvc.compress("hybrid", (k * 8).half(), v.half(), queries=(q * 8).half(), pre_rope_keys=(k * 8).half(), budget=40)
     assert s.keys.dtype == torch.float16 and torch.isfinite(s.log_weights).all()
     assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
 
@@ -72,10 +75,37 @@ def test_half_precision_does_not_overflow():
 def test_query_aware_score_method_gets_queries_and_says_when_missing():
     k, v = _kv()
     q = torch.randn(1, 4, 8, 16)
-    s = kvc.compress("hybrid", k, v, queries=q, budget=40, score="snapkv")
+    s = kvc.compress("hybrid", k, v, queries=q, budget=40, score="snapkv", score_params=None, exact_fraction=0.5)
     assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
     with pytest.raises(ValueError, match="queries"):
-        kvc.compress("hybrid", k, v, budget=40, score="snapkv")
+        kvc.compress("hybrid", k, v, budget=40, score="snapkv", score_params=None, exact_fraction=0.5)
+
+
+def test_mixed_score_takes_each_share_among_the_tokens_the_earlier_methods_left():
+    k, v = _kv()
+    q = torch.randn(1, 4, 8, 16)
+    s = kvc.compress("hybrid", k, v, queries=q, budget=40, sink=0, window=0, score=["tova", "keydiff"], score_params=None,
+                     exact_fraction=[0.25, 0.25], coreset="express")
+    assert s.num_slots <= 40
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
+    heavy = kvc.compress("tova", k, v, queries=q, budget=10, sink=0, window=0)
+    for h in range(2):
+        plain = set(s.positions[0, h][s.log_weights[0, h] == 0].tolist())
+        first = set(heavy.positions[0, h].tolist())
+        rest = torch.tensor(sorted(set(range(300)) - first))
+        second = kvc.compress("keydiff", k[:, h : h + 1, rest], v[:, h : h + 1, rest], budget=10, sink=0, window=0, positions=rest)
+        assert first | set(second.positions[0, 0].tolist()) <= plain
+        assert not first & set(second.positions[0, 0].tolist())
+
+
+def test_mixed_score_streams_within_its_budget():
+    k, v = _kv(n=400)
+    st = kvc.stream("hybrid", budget=48, sink=4, window=16, score=["knorm", "keydiff"], score_params=None,
+                    exact_fraction=[0.25, 0.25], coreset="express")
+    for start in range(0, 400, 37):
+        st.update(k[:, :, start : start + 37], v[:, :, start : start + 37])
+        assert st.state.summary().num_slots <= 48
+    assert torch.allclose(st.summary().total_weight(), torch.full((1, 2), 400.0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(
@@ -83,11 +113,16 @@ def test_query_aware_score_method_gets_queries_and_says_when_missing():
     [
         ({"exact_fraction": 1.0}, "exact_fraction"),
         ({"exact_fraction": -0.1}, "exact_fraction"),
-        ({"score": "nope"}, "unknown method"),
+        ({"score": "nope", "score_params": None, "exact_fraction": 0.5}, "unknown method"),
         ({"coreset": "hybrid"}, "coreset"),
         ({"score_params": {"sink": 3}}, "sink"),
         ({"coreset_params": {"block_size": 3}}, "block_size"),
         ({"score_params": [1]}, "score_params"),
+        ({"score": ["keydiff", "knorm"], "exact_fraction": 0.5}, "one fraction per score method"),
+        ({"score": ["keydiff", "knorm"], "exact_fraction": [0.5, 0.6]}, "add up to less than 1"),
+        ({"score": "keydiff", "exact_fraction": 0.5}, "score_params=None keeps every method's defaults"),
+        ({"score": ["keydiff", "knorm"], "exact_fraction": [0.2, 0.2], "score_params": {}}, "one dict \\(or None\\) per score method"),
+        ({"score": [], "exact_fraction": []}, "at least one method"),
     ],
 )
 def test_bad_parameters_are_named(params, match):
@@ -98,4 +133,39 @@ def test_bad_parameters_are_named(params, match):
 def test_weighted_score_method_is_refused():
     k, v = _kv()
     with pytest.raises(ValueError, match="plain tokens"):
-        kvc.compress("hybrid", k, v, budget=40, score="balancekv", exact_fraction=0.5)
+        kvc.compress("hybrid", k, v, budget=40, score="balancekv", score_params=None, exact_fraction=0.5)
+    with pytest.raises(ValueError, match="'balancekv' must keep exactly"):
+        kvc.compress("hybrid", k, v, budget=40, score=["keydiff", "balancekv"], score_params=None, exact_fraction=[0.25, 0.25])
+
+
+def test_default_composition_keeps_heavy_hitters_then_leverage_outliers_exactly():
+    """Default: TOVA's top 0.1 of the budget, then Compactor's leverage top 0.3 of the rest, Express for the remaining 0.6."""
+    k, v = _kv()
+    q = torch.randn(1, 4, 300, 16)
+    s = kvc.compress("hybrid", k, v, queries=q, pre_rope_keys=k, budget=40)
+    assert s.num_slots <= 40  # no exact sink or window by default
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))
+    heavy = kvc.compress("tova", k, v, queries=q, budget=4, sink=0, window=0)
+    for h in range(2):
+        plain = set(s.positions[0, h][s.log_weights[0, h] == 0].tolist())
+        assert set(heavy.positions[0, h].tolist()) <= plain
+        assert len(plain) >= 4 + 12
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_default_hybrid_generates_through_a_model_in_every_mode(mode):
+    """The default composition gets its queries (TOVA) and pre-RoPE keys (leverage) from the integration, one-shot and streamed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompress.integration import generate_ids
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    ctx, question = torch.randint(0, 96, (1, 120), generator=g), torch.randint(0, 96, (1, 6), generator=g)
+    res = generate_ids(model, ctx, question, method="hybrid", budget=40, mode=mode, chunk_size=32, max_new_tokens=4, stop_at_eos=False)
+    assert len(res.token_ids) == 4
+    # at the end: the summary + (prefill) the question and the answer tokens appended exactly, or (streamed) a block in progress
+    assert max(res.slots_per_layer) <= (40 + 6 + 4 if mode == "prefill" else 40 + 32 + 6 + 4)

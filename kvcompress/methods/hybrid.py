@@ -1,22 +1,26 @@
-"""Hybrid: a score method's top tokens kept exactly, the rest summarised by a weighted coreset, in one budget.
+"""Hybrid: score methods' top tokens kept exactly, the rest summarised by a weighted coreset, in one budget.
 
-A composition of two registered methods (DESIGN.md §7, "Composition"), through their public
-`Method` interfaces only:
+A composition of registered methods (DESIGN.md §7, "Composition"), through their public `Method`
+interfaces only:
 
-- the score method (e.g. KeyDiff, seed 004; Compactor, seed 002) picks `n_exact =
-  round(exact_fraction · budget)` tokens per head, kept with log-weight 0;
-- the coreset (BalanceKV, seed 000; Thinformer Express, seed 003) summarises every other token in
-  the remaining `budget − n_exact` slots, with weights that add up to the tokens it covers.
+- one or more score methods (e.g. TOVA's heavy hitters; Compactor, seed 002; KeyDiff, seed 004)
+  pick `n_i = round(exact_fraction_i · budget)` tokens per head, each among the tokens the
+  earlier ones left, kept with log-weight 0;
+- the coreset (Thinformer Express, seed 003; BalanceKV, seed 000) summarises every other token in
+  the remaining `budget − Σ n_i` slots, with weights that add up to the tokens it covers.
 
-So the weights of the whole summary add up to the tokens seen, eviction keeps the rare tokens that
-retrieval needs (a needle), and the attention error on the part the coreset covers is the
-coreset's own (its bound applies to that part: the exact part adds no error).
+So the weights of the whole summary add up to the tokens seen, and the attention error is the
+coreset's error on the residual it covers (the exact part adds none). The two kinds of exact token
+serve the two claims: heavy hitters (the keys the queries attend to most) take the largest terms
+out of the attention sums, so the coreset's bound applies to a residual with a smaller total;
+outlier keys (Compactor's leverage blend) are the rare tokens retrieval needs (a needle), which a
+coreset of the bulk drops.
 
-One-shot: the score method selects over all tokens, the coreset compresses the rest once.
+One-shot: the score methods select over all tokens, the coreset compresses the rest once.
 Streamed: the exact set is re-selected block by block over (exact set + new block), as block
 prompt processing does (seed 004 Eq. 6); the tokens it lets go are absorbed by the coreset's own
 stream (`coreset` method's `new_stream`), so nothing leaves the summary unweighted. Stored slots
-stay within n_exact + the coreset stream's budget between updates (plus the block in progress).
+stay within Σ n_i + the coreset stream's budget between updates (plus the block in progress).
 """
 
 from __future__ import annotations
@@ -54,76 +58,112 @@ def _by_position(summary: KVSummary) -> KVSummary:
                    log_weights=summary.log_weights.gather(2, order), positions=summary.positions.gather(2, order))
 
 
+def _as_list(value) -> list:
+    """A single value or a list/tuple of values, as a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 @register
 @dataclass
 class Hybrid(Method):
     """Top tokens of `score` exact (weight 1) + a `coreset` summary of the rest, in one budget per head.
 
-    score: any registered method that keeps plain tokens (log-weight 0, no normalizer), e.g.
-    "keydiff", "compactor", "knorm", "snapkv"; coreset: any registered method whose weights add up
-    to the tokens it covers, e.g. "balancekv", "express". exact_fraction in [0, 1): share of the
-    budget kept exactly (n_exact = round(exact_fraction · budget); the coreset gets at least one
-    slot, so the weights always cover every token). score_params / coreset_params: parameters of
-    the two methods (dicts, checked by their own constructors). The default exact_fraction = 0.75
-    was chosen among 0.25 / 0.5 / 0.75 on training samples disjoint from the reported ones
-    (benchmarks/hybrid_tuning.py: needle and line at 2k, ratios 0.75 and 0.9, seeds 1000-1002).
+    score: a registered method that keeps plain tokens (log-weight 0, no normalizer), e.g.
+    "tova", "compactor", "keydiff", "knorm", "snapkv"; or a list of them, each choosing its share
+    among the tokens the earlier ones left. exact_fraction: share of the budget kept exactly, one
+    number in [0, 1) per score method (n_i = round(f_i · budget)); their sum stays below 1 and the
+    coreset gets at least one slot, so the weights always cover every token. coreset: any
+    registered method whose weights add up to the tokens it covers, e.g. "express", "balancekv".
+    score_params (one dict, or None, per score method; None overall: every method's defaults) /
+    coreset_params: parameters of the composed methods, checked by their own constructors.
 
-    Sink and window are those of the composed call (the default: 4 sink + 64 window, the library
-    default); the two parts see only the middle.
+    Defaults (chosen on training cases only: benchmarks/hybrid_tuning.py,
+    benchmarks/results/hybrid_tuning.md): TOVA's heavy hitters for 0.1 of the budget, then
+    Compactor's leverage score alone (`attention=False`, seed 002's "no a" score: the keys least
+    representable by the others, which a coreset of the bulk drops) for 0.3, and a Thinformer
+    Express coreset of the rest in the remaining 0.6; no exact sink or window (sink = window = 0,
+    as Compactor, KeyDiff and BalanceKV: the heavy hitters take the sinks), so every slot is chosen.
     """
 
     name = "hybrid"
-    randomized = True  # through its coreset (BalanceKV and Express draw random signs)
-    score: str = "keydiff"
-    coreset: str = "balancekv"
-    exact_fraction: float = 0.75
-    score_params: dict | None = None
+    randomized = True  # through its coreset (Express and BalanceKV draw random signs)
+    needs_queries = True  # the default composition's (TOVA); an instance sets its own in __post_init__
+    needs_pre_rope_keys = True  # the default composition's (Compactor's leverage)
+    default_sink = 0
+    default_window = 0
+    score: str | tuple[str, ...] = ("tova", "compactor")
+    coreset: str = "express"
+    exact_fraction: float | tuple[float, ...] = (0.1, 0.3)
+    score_params: dict | tuple[dict | None, ...] | None = (None, {"attention": False})
     coreset_params: dict | None = None
 
     def __post_init__(self):
-        if isinstance(self.exact_fraction, bool) or not isinstance(self.exact_fraction, (int, float)) or not 0.0 <= self.exact_fraction < 1.0:
-            raise ValueError(f"exact_fraction must be a number in [0, 1), got {self.exact_fraction!r}")
-        for role, value in (("score", self.score), ("coreset", self.coreset)):
+        scores, fractions = _as_list(self.score), _as_list(self.exact_fraction)
+        if not scores:
+            raise ValueError(f"score must name at least one method, got {self.score!r}")
+        if len(fractions) != len(scores):
+            raise ValueError(f"exact_fraction must give one fraction per score method ({len(scores)}), got {self.exact_fraction!r}")
+        for f in fractions:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+                raise ValueError(f"exact_fraction must be numbers in [0, 1), got {self.exact_fraction!r}")
+        if sum(fractions) >= 1.0:
+            raise ValueError(f"exact_fraction must add up to less than 1 (the coreset needs a slot), got {self.exact_fraction!r}")
+        for role, value in [("score", s) for s in scores] + [("coreset", self.coreset)]:
             if not isinstance(value, str) or value == self.name:
                 raise ValueError(f"{role} must be the name of another registered method, got {value!r}")
-        for role, params in (("score_params", self.score_params), ("coreset_params", self.coreset_params)):
+        score_params = [None] * len(scores) if self.score_params is None else _as_list(self.score_params)
+        if len(score_params) != len(scores):
+            raise ValueError(f"score_params must give one dict (or None) per score method ({len(scores)}), got {self.score_params!r}; "
+                             "score_params=None keeps every method's defaults")
+        for role, params in [("score_params", p) for p in score_params] + [("coreset_params", self.coreset_params)]:
             if params is not None and not isinstance(params, dict):
                 raise ValueError(f"{role} must be a dict of method parameters or None, got {params!r}")
             bad = sorted(set(params or {}) & set(_COMPOSED_PARAMS))
             if bad:
                 raise ValueError(f"{role} cannot set {bad}: sink and window belong to the hybrid call")
-        self.score_method = build_method(self.score, **(self.score_params or {}))
+        self.fractions = [float(f) for f in fractions]
+        self.score_methods = [build_method(s, **(p or {})) for s, p in zip(scores, score_params)]
         self.coreset_method = build_method(self.coreset, **(self.coreset_params or {}))
-        self.needs_queries = self.score_method.needs_queries or self.coreset_method.needs_queries
-        self.needs_pre_rope_keys = self.score_method.needs_pre_rope_keys or self.coreset_method.needs_pre_rope_keys
+        parts = [*self.score_methods, self.coreset_method]
+        self.needs_queries = any(m.needs_queries for m in parts)
+        self.needs_pre_rope_keys = any(m.needs_pre_rope_keys for m in parts)
 
-    def split_budget(self, budget: int) -> tuple[int, int]:
-        """(exact slots, coreset slots) per head; the coreset always gets at least one."""
-        n_exact = min(round(self.exact_fraction * budget), budget - 1)
-        return n_exact, budget - n_exact
+    def split_budget(self, budget: int) -> tuple[list[int], int]:
+        """(exact slots per score method, coreset slots) per head; the coreset always gets at least one."""
+        counts, left = [], budget - 1
+        for f in self.fractions:
+            counts.append(min(round(f * budget), left))
+            left -= counts[-1]
+        return counts, budget - sum(counts)
 
     def check_inputs(self, tokens: Tokens) -> None:
-        self.score_method.check_inputs(tokens)
-        self.coreset_method.check_inputs(tokens)
+        for method in [*self.score_methods, self.coreset_method]:
+            method.check_inputs(tokens)
 
-    def top(self, tokens: Tokens, n_exact: int, generator: torch.Generator) -> tuple[Tokens, Tokens]:
-        """(the score method's `n_exact` kept tokens per head, every other token), both in original order."""
-        if n_exact == 0:
-            return tokens.slice(0, 0), tokens
-        kept = self.score_method.compress(tokens, n_exact, generator)
-        if kept.normalizer is not None or not bool((kept.log_weights == 0).all()) or kept.num_slots != n_exact:
-            raise ValueError(
-                f"score={self.score!r} must keep exactly {n_exact} plain tokens per head (log-weight 0, no normalizer); "
-                "use an eviction method such as 'keydiff', 'compactor' or 'knorm'"
-            )
-        mask = _positions_mask(tokens, kept)
-        return _select(tokens, mask, n_exact), _select(tokens, ~mask, tokens.length - n_exact)
+    def top(self, tokens: Tokens, counts: list[int], generator: torch.Generator) -> tuple[Tokens, Tokens]:
+        """(the tokens the score methods keep, `counts[i]` per head by method i among those the
+        earlier ones left; every other token), both in original order."""
+        kept_mask = torch.zeros_like(tokens.positions, dtype=torch.bool)
+        rest, n_kept = tokens, 0
+        for method, count in zip(self.score_methods, counts):
+            if count == 0:
+                continue
+            kept = method.compress(rest, count, generator)
+            if kept.normalizer is not None or not bool((kept.log_weights == 0).all()) or kept.num_slots != count:
+                raise ValueError(
+                    f"score={method.name!r} must keep exactly {count} plain tokens per head (log-weight 0, no normalizer); "
+                    "use an eviction method such as 'compactor', 'keydiff', 'knorm' or 'tova'"
+                )
+            kept_mask |= _positions_mask(tokens, kept)
+            n_kept += count
+            rest = _select(tokens, ~kept_mask, tokens.length - n_kept)
+        return _select(tokens, kept_mask, n_kept), rest
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:
             return tokens.exact()
-        n_exact, n_coreset = self.split_budget(budget)
-        exact, rest = self.top(tokens, n_exact, generator)
+        counts, n_coreset = self.split_budget(budget)
+        exact, rest = self.top(tokens, counts, generator)
         coreset = self.coreset_method.compress(rest, n_coreset, generator)
         return _by_position(concat([exact.exact(), coreset]))
 
@@ -136,7 +176,8 @@ class HybridState(StreamState):
 
     def __init__(self, method: Hybrid, budget: int, generator: torch.Generator):
         self.method, self.generator = method, generator
-        self.n_exact, n_coreset = method.split_budget(budget)
+        self.counts, n_coreset = method.split_budget(budget)
+        self.n_exact = sum(self.counts)
         self.coreset = method.coreset_method.new_stream(n_coreset, generator)
         self.exact: Tokens | None = None
 
@@ -145,7 +186,7 @@ class HybridState(StreamState):
         if buffer.length <= self.n_exact:
             self.exact = buffer
             return
-        self.exact, evicted = self.method.top(buffer, self.n_exact, self.generator)
+        self.exact, evicted = self.method.top(buffer, self.counts, self.generator)
         self.coreset.absorb(evicted)
 
     def summary(self) -> KVSummary | None:
