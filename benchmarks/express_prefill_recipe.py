@@ -22,7 +22,7 @@ this shared machine wall time is several times larger and erratic), per sample, 
 - prefill_s: the whole prefill forward (every module, not only attention).
 Accuracy carries a 95% Wilson interval over the samples.
 
-    python benchmarks/express_prefill_recipe.py [--tokens 2048] [--samples 4] [--ratio 0.5] [--from-csv CSV]
+    python benchmarks/express_prefill_recipe.py [--tokens 2048] [--samples 30] [--ratio 0.5] [--from-csv CSV]
 Samples alternate between the tasks (depth i of every task, then depth i + 1), so an interrupted
 run still covers both; --from-csv summarises the rows written so far.
 Writes benchmarks/results/express_prefill_recipe.{csv,md}.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ from transformers.integrations import sdpa_attention
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.eval.capture import capture_qkv
+from kvcompress.eval.stats import sign_test, wilson
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.attention import ATTENTION_NAME, kvcompress_attention
@@ -74,14 +74,6 @@ class CpuTimer:
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
-
-
-def wilson(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def run_sample(model, tokenizer, timers, task, sample, ratio, max_new_tokens) -> list[dict]:
@@ -125,23 +117,33 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
+    """One row per (task, method, prefill): accuracy with its Wilson interval, median times; on the express rows
+    the paired comparison with exact prefill on the same samples (samples only exact / only express answered,
+    exact sign-test p) and the median over samples of the express / exact total attention time."""
     out = []
     for task in TASKS:
         for method in METHODS:
-            for prefill in ("exact", "express"):
-                cell = [r for r in rows if r["task"] == task and r["method"] == method and r["prefill"] == prefill]
+            cells = {prefill: {r["sample"]: r for r in rows if r["task"] == task and r["method"] == method and r["prefill"] == prefill}
+                     for prefill in ("exact", "express")}
+            for prefill, cell in cells.items():
                 if not cell:
                     continue
-                hits = sum(r["score"] for r in cell)
+                hits = sum(r["score"] for r in cell.values())
                 low, high = wilson(hits, len(cell))
+                paired = [(cells["exact"][d], r) for d, r in cell.items() if prefill == "express" and d in cells["exact"]]
+                only_exact = sum(e["score"] > x["score"] for e, x in paired)
+                only_express = sum(x["score"] > e["score"] for e, x in paired)
                 out.append({
                     "task": task, "method": method, "prefill": prefill, "samples": len(cell), "accuracy": hits / len(cell),
                     "wilson95": f"[{low:.2f}, {high:.2f}]",
-                    "prefill_attention_s": statistics.median(r["prefill_attention_s"] for r in cell),
-                    "compress_s": statistics.median(r["compress_s"] for r in cell),
-                    "decode_attention_s": statistics.median(r["decode_attention_s"] for r in cell),
-                    "total_attention_s": statistics.median(r["total_attention_s"] for r in cell),
-                    "prefill_s": statistics.median(r["prefill_s"] for r in cell),
+                    "only_exact/only_express": f"{only_exact}/{only_express}" if paired else "",
+                    "sign_p": sign_test(only_express, only_exact) if paired else "",
+                    "prefill_attention_s": statistics.median(r["prefill_attention_s"] for r in cell.values()),
+                    "compress_s": statistics.median(r["compress_s"] for r in cell.values()),
+                    "decode_attention_s": statistics.median(r["decode_attention_s"] for r in cell.values()),
+                    "total_attention_s": statistics.median(r["total_attention_s"] for r in cell.values()),
+                    "total_attention_vs_exact": statistics.median(x["total_attention_s"] / e["total_attention_s"] for e, x in paired) if paired else "",
+                    "prefill_s": statistics.median(r["prefill_s"] for r in cell.values()),
                 })
     return out
 
@@ -149,7 +151,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048, help="context length of each sample (default 2048)")
-    p.add_argument("--samples", type=int, default=4, help="samples per task, depths spread over [0.05, 0.95] (default 4)")
+    p.add_argument("--samples", type=int, default=30, help="samples per task, depths spread over [0.05, 0.95] (default 30)")
     p.add_argument("--ratio", type=float, default=0.5, help="compression ratio of the methods (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the eval runner's per-task limit")
     p.add_argument("--seed", type=int, default=1000, help="first sample seed (default 1000)")
@@ -170,7 +172,7 @@ def main() -> None:
         for task, (generator, extra) in TASKS.items():
             sample = generate_sample(generator, target_tokens=args.tokens, depth=depth, seed=args.seed + i, tokenizer=tokenizer, **extra)
             max_new = args.max_new_tokens or sample.max_new_tokens
-            rows += run_sample(model, tokenizer, (exact_timer, timer, compress_timer), task, sample, args.ratio, max_new)
+            rows += [{"sample": i, **r} for r in run_sample(model, tokenizer, (exact_timer, timer, compress_timer), task, sample, args.ratio, max_new)]
             print(task, i, [(r["method"], r["prefill"], r["score"]) for r in rows[-2 * len(METHODS):]], flush=True)
             write_csv(args.out.with_suffix(".csv"), rows)
     table = summarise(rows)
