@@ -95,7 +95,8 @@ def main() -> None:
     lines = [
         f"# TOVA on the filler needle task: 2048 tokens, {len(DEPTHS)} depths, compression ratio {RATIO}",
         "",
-        f"Machine: {machine}; default model, greedy ({MAX_NEW_TOKENS} new tokens), one sample per depth. 95% Wilson intervals. "
+        ("Summary of the CSV's rows (--summary-only), written on: " if args.summary_only else "Machine: ")
+        + f"{machine}; default model, greedy ({MAX_NEW_TOKENS} new tokens), one sample per depth. 95% Wilson intervals. "
         "Command: `PYTHONPATH=. python benchmarks/tova_needles.py`.",
         "",
         "| question | cell | hits | rate | 95% interval | depths missed |",
