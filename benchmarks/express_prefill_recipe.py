@@ -24,7 +24,7 @@ Accuracy carries a 95% Wilson interval over the samples.
 
     python benchmarks/express_prefill_recipe.py [--tokens 2048] [--samples 30] [--ratio 0.5] [--resume] [--from-csv CSV]
 Sample i (seed first + i) has its needle / line at depth 0.05 + 0.9·i/(samples − 1). Samples run in
-van der Corput order of depth (0.05, 0.95, 0.5, 0.275, 0.725, ...), each for every task, so an
+van der Corput order of depth (0.05, 0.95, about 0.5, 0.27, 0.73, ...), each for every task, so an
 interrupted run still covers both tasks and the whole depth range; --resume continues a run from
 its CSV (skipping the samples it holds), --from-csv summarises the rows written so far.
 Writes benchmarks/results/express_prefill_recipe.{csv,md}.
@@ -147,7 +147,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                     continue
                 hits = sum(r["score"] for r in cell.values())
                 low, high = wilson(hits, len(cell))
-                paired = [(cells["exact"][d], r) for d, r in cell.items() if prefill == "express" and d in cells["exact"]]
+                paired = [(cells["exact"][i], r) for i, r in cell.items() if prefill == "express" and i in cells["exact"]]
                 only_exact = sum(e["score"] > x["score"] for e, x in paired)
                 only_express = sum(x["score"] > e["score"] for e, x in paired)
                 out.append({
@@ -186,7 +186,7 @@ def main() -> None:
     CompressedCache.from_prefill = compress_timer  # what generate_ids(prefill=...) calls to compress a record
     csv_path = args.out.with_suffix(".csv")
     rows = read_rows(args.from_csv) if args.from_csv is not None else read_rows(csv_path) if args.resume else []
-    done = {(r["task"], int(r["sample"])) for r in rows}
+    done = {(r["task"], r["sample"]) for r in rows}
     for i in spread_order(args.samples) if args.from_csv is None else []:
         depth = 0.05 + 0.9 * i / max(1, args.samples - 1)
         for task, (generator, extra) in TASKS.items():
