@@ -22,9 +22,11 @@ this shared machine wall time is several times larger and erratic), per sample, 
 - prefill_s: the whole prefill forward (every module, not only attention).
 Accuracy carries a 95% Wilson interval over the samples.
 
-    python benchmarks/express_prefill_recipe.py [--tokens 2048] [--samples 4] [--ratio 0.5] [--from-csv CSV]
-Samples alternate between the tasks (depth i of every task, then depth i + 1), so an interrupted
-run still covers both; --from-csv summarises the rows written so far.
+    python benchmarks/express_prefill_recipe.py [--tokens 2048] [--samples 30] [--ratio 0.5] [--resume] [--from-csv CSV]
+Sample i (seed first + i) has its needle / line at depth 0.05 + 0.9·i/(samples − 1). Samples run in
+van der Corput order of depth (0.05, 0.95, about 0.5, 0.27, 0.73, ...), each for every task, so an
+interrupted run still covers both tasks and the whole depth range; --resume continues a run from
+its CSV (skipping the samples it holds), --from-csv summarises the rows written so far.
 Writes benchmarks/results/express_prefill_recipe.{csv,md}.
 """
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -47,6 +48,7 @@ from transformers.integrations import sdpa_attention
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.eval.capture import capture_qkv
+from kvcompress.eval.stats import sign_test, wilson
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.attention import ATTENTION_NAME, kvcompress_attention
@@ -74,14 +76,6 @@ class CpuTimer:
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
-
-
-def wilson(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def run_sample(model, tokenizer, timers, task, sample, ratio, max_new_tokens) -> list[dict]:
@@ -114,6 +108,20 @@ def run_sample(model, tokenizer, timers, task, sample, ratio, max_new_tokens) ->
     return rows
 
 
+def spread_order(n: int) -> list[int]:
+    """0..n-1 ordered so that every prefix spreads over the range (van der Corput sequence in base 2, ends first)."""
+    order, k = ([0, n - 1] if n > 1 else [0]), 1
+    while len(order) < n:
+        fraction, bit, j = 0.0, 0.5, k
+        while j:
+            fraction, bit, j = fraction + bit * (j & 1), bit / 2, j >> 1
+        index = round(fraction * (n - 1))
+        if index not in order:
+            order.append(index)
+        k += 1
+    return order
+
+
 def read_rows(path: Path) -> list[dict]:
     """Rows of an earlier run's CSV, numbers parsed."""
     with open(path, newline="") as f:
@@ -121,27 +129,38 @@ def read_rows(path: Path) -> list[dict]:
     for row in rows:
         for key in ("score", "prefill_attention_s", "compress_s", "decode_attention_s", "total_attention_s", "prefill_s"):
             row[key] = float(row[key])
+        row["sample"] = int(row["sample"])
     return rows
 
 
 def summarise(rows: list[dict]) -> list[dict]:
+    """One row per (task, method, prefill): accuracy with its Wilson interval, median times; on the express rows
+    the paired comparison with exact prefill on the same samples (samples only exact / only express answered,
+    exact sign-test p) and the median over samples of the express / exact total attention time."""
     out = []
     for task in TASKS:
         for method in METHODS:
-            for prefill in ("exact", "express"):
-                cell = [r for r in rows if r["task"] == task and r["method"] == method and r["prefill"] == prefill]
+            cells = {prefill: {r["sample"]: r for r in rows if r["task"] == task and r["method"] == method and r["prefill"] == prefill}
+                     for prefill in ("exact", "express")}
+            for prefill, cell in cells.items():
                 if not cell:
                     continue
-                hits = sum(r["score"] for r in cell)
+                hits = sum(r["score"] for r in cell.values())
                 low, high = wilson(hits, len(cell))
+                paired = [(cells["exact"][i], r) for i, r in cell.items() if prefill == "express" and i in cells["exact"]]
+                only_exact = sum(e["score"] > x["score"] for e, x in paired)
+                only_express = sum(x["score"] > e["score"] for e, x in paired)
                 out.append({
                     "task": task, "method": method, "prefill": prefill, "samples": len(cell), "accuracy": hits / len(cell),
                     "wilson95": f"[{low:.2f}, {high:.2f}]",
-                    "prefill_attention_s": statistics.median(r["prefill_attention_s"] for r in cell),
-                    "compress_s": statistics.median(r["compress_s"] for r in cell),
-                    "decode_attention_s": statistics.median(r["decode_attention_s"] for r in cell),
-                    "total_attention_s": statistics.median(r["total_attention_s"] for r in cell),
-                    "prefill_s": statistics.median(r["prefill_s"] for r in cell),
+                    "only_exact/only_express": f"{only_exact}/{only_express}" if paired else "",
+                    "sign_p": sign_test(only_express, only_exact) if paired else "",
+                    "prefill_attention_s": statistics.median(r["prefill_attention_s"] for r in cell.values()),
+                    "compress_s": statistics.median(r["compress_s"] for r in cell.values()),
+                    "decode_attention_s": statistics.median(r["decode_attention_s"] for r in cell.values()),
+                    "total_attention_s": statistics.median(r["total_attention_s"] for r in cell.values()),
+                    "total_attention_vs_exact": statistics.median(x["total_attention_s"] / e["total_attention_s"] for e, x in paired) if paired else "",
+                    "prefill_s": statistics.median(r["prefill_s"] for r in cell.values()),
                 })
     return out
 
@@ -149,11 +168,12 @@ def summarise(rows: list[dict]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048, help="context length of each sample (default 2048)")
-    p.add_argument("--samples", type=int, default=4, help="samples per task, depths spread over [0.05, 0.95] (default 4)")
+    p.add_argument("--samples", type=int, default=30, help="samples per task, depths spread over [0.05, 0.95] (default 30)")
     p.add_argument("--ratio", type=float, default=0.5, help="compression ratio of the methods (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the eval runner's per-task limit")
     p.add_argument("--seed", type=int, default=1000, help="first sample seed (default 1000)")
     p.add_argument("--out", type=Path, default=RESULTS / "express_prefill_recipe")
+    p.add_argument("--resume", action="store_true", help="continue the run whose CSV is at --out: skip the samples it holds")
     p.add_argument("--from-csv", type=Path, default=None, help="only summarise the rows of an earlier (possibly interrupted) run")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("KVCOMPRESS_THREADS", "1")))
@@ -164,15 +184,19 @@ def main() -> None:
     sdpa_attention.sdpa_attention_forward = exact_timer  # what capture_qkv's exact forward calls
     compress_timer = CpuTimer(CompressedCache.from_prefill)
     CompressedCache.from_prefill = compress_timer  # what generate_ids(prefill=...) calls to compress a record
-    rows = [] if args.from_csv is None else read_rows(args.from_csv)
-    for i in range(args.samples if args.from_csv is None else 0):
+    csv_path = args.out.with_suffix(".csv")
+    rows = read_rows(args.from_csv) if args.from_csv is not None else read_rows(csv_path) if args.resume else []
+    done = {(r["task"], r["sample"]) for r in rows}
+    for i in spread_order(args.samples) if args.from_csv is None else []:
         depth = 0.05 + 0.9 * i / max(1, args.samples - 1)
         for task, (generator, extra) in TASKS.items():
+            if (task, i) in done:
+                continue
             sample = generate_sample(generator, target_tokens=args.tokens, depth=depth, seed=args.seed + i, tokenizer=tokenizer, **extra)
             max_new = args.max_new_tokens or sample.max_new_tokens
-            rows += run_sample(model, tokenizer, (exact_timer, timer, compress_timer), task, sample, args.ratio, max_new)
+            rows += [{"sample": i, **r} for r in run_sample(model, tokenizer, (exact_timer, timer, compress_timer), task, sample, args.ratio, max_new)]
             print(task, i, [(r["method"], r["prefill"], r["score"]) for r in rows[-2 * len(METHODS):]], flush=True)
-            write_csv(args.out.with_suffix(".csv"), rows)
+            write_csv(csv_path, rows)
     table = summarise(rows)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs (noisy), "
                f"torch threads {torch.get_num_threads()}, {datetime.date.today()}, torch {torch.__version__}")

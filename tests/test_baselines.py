@@ -75,6 +75,20 @@ def test_tova_averages_over_all_heads_of_the_layer_and_per_group_on_request():
         kvc.compress("tova", k, v, queries=q, budget=10, average="head")
 
 
+def test_tova_defaults_rank_every_token_by_the_last_query_of_the_layer():
+    """TOVA as its paper defines it: no protected sink or window, so at a compression ratio every token, the
+    scoring query's own included, competes; the kept ones are the ceil((1 - r)·n) with the highest attention of
+    the last query (softmax over every key), averaged over all heads of the layer."""
+    k, v, q = layer(n=101, seed=4)
+    n, ratio = k.shape[2], 0.75
+    s = kvc.compress("tova", k, v, queries=q, compression_ratio=ratio, scale=0.25)
+    kept = math.ceil((1 - ratio) * n)
+    mass = reference_mass(q[:, :, -1:], k, 0.25, torch.tensor([n - 1]), "layer")
+    expected = mass.topk(kept, -1).indices.sort(-1).values
+    assert torch.equal(s.positions, expected)
+    assert not {0, n - 1} <= set(expected[0, 0].tolist()), "this case shows that neither end of the context is protected"
+
+
 def test_stream_scores_see_the_sink_and_the_window():
     """In a stream, tokens leaving the window are scored with the sink and the tokens still in the window."""
     k, v, q = layer(n=96, seed=3)
