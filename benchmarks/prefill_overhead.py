@@ -39,6 +39,24 @@ def prefill_seconds(model, ids: torch.Tensor, method: str | None, ratio: float) 
     return res.prefill_seconds, res.compress_seconds
 
 
+def overhead_rows(times: dict[str, list[float]], compress: dict[str, list[float]], tokens: int, ratio: float) -> list[dict]:
+    """One row per method measured so far (and the plain prefill): min/median seconds and their ratios to the plain prefill's."""
+    plain_min, plain_median = min(times["plain"]), statistics.median(times["plain"])
+    return [{"method": m, "tokens": tokens, "ratio_removed": ratio if m != "plain" else 0.0, "runs": len(t),
+             "min_s": min(t), "median_s": statistics.median(t), "overhead_min": min(t) / plain_min,
+             "overhead_median": statistics.median(t) / plain_median,
+             "compress_min_s": min(compress[m]) if compress[m] else 0.0,
+             "compress_over_plain": min(compress[m]) / plain_min if compress[m] else 0.0} for m, t in times.items() if t]
+
+
+def write_markdown(rows: list[dict], path: Path, machine: str, ratio: float, plain_runs: int) -> None:
+    table = markdown_table(sorted(rows, key=lambda row: row["overhead_min"]),
+                           ["method", "runs", "min_s", "median_s", "overhead_min", "overhead_median", "compress_min_s", "compress_over_plain"])
+    path.write_text(f"# `generate` prefill with compression ÷ plain transformers prefill\n\nMachine: {machine}.\n\n"
+                    f"{rows[0]['tokens']} tokens of real prose, {ratio:.0%} of the context removed, default model, prefill mode; "
+                    f"min and median over repeats, each over the min (median) of the {plain_runs} plain prefills of the same run.\n\n{table}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -68,19 +86,10 @@ def main() -> None:
             times[method].append(seconds)
             compress[method].append(compressing)
             print(f"repeat {r} {method} {seconds:.2f}s (compression {compressing:.2f}s)", flush=True)
-        plain_min, plain_median = min(times["plain"]), statistics.median(times["plain"])
-        rows = [{"method": m, "tokens": ids.shape[1], "ratio_removed": args.ratio if m != "plain" else 0.0, "runs": len(t),
-                 "min_s": min(t), "median_s": statistics.median(t), "overhead_min": min(t) / plain_min,
-                 "overhead_median": statistics.median(t) / plain_median,
-                 "compress_min_s": min(compress[m]) if compress[m] else 0.0,
-                 "compress_over_plain": min(compress[m]) / plain_min if compress[m] else 0.0} for m, t in times.items() if t]
-        write_csv(rows, args.out / "prefill_overhead.csv")
-    table = markdown_table(sorted(rows, key=lambda row: row["overhead_min"]), ["method", "runs", "min_s", "median_s", "overhead_min", "overhead_median", "compress_min_s", "compress_over_plain"])
-    text = (f"# `generate` prefill with compression ÷ plain transformers prefill\n\nMachine: {machine}.\n\n"
-            f"{ids.shape[1]} tokens of real prose, {args.ratio:.0%} of the context removed, default model, prefill mode; "
-            f"min and median over repeats, each over the min (median) of the {len(times['plain'])} plain prefills of the same run.\n\n{table}\n")
-    (args.out / "prefill_overhead.md").write_text(text)
-    print(text)
+            rows = overhead_rows(times, compress, ids.shape[1], args.ratio)
+            write_csv(rows, args.out / "prefill_overhead.csv")  # saved as it goes: a long run under load keeps what it measured
+            write_markdown(rows, args.out / "prefill_overhead.md", machine, args.ratio, len(times["plain"]))
+    print((args.out / "prefill_overhead.md").read_text())
 
 
 if __name__ == "__main__":
