@@ -191,7 +191,10 @@ class ClusterGenState(StreamState):
         parts = [r.slice(0, min(r.length, q)) for r, q in zip(self.runs, quotas)]
         if self.pending is not None:
             parts.append(_traversal(self.pending, min(self.pending.length, quotas[-1])))
-        kept = cat_tokens([p for p in parts if p.length])
+        parts = [p for p in parts if p.length]
+        if not parts:  # every run with a quota lost its slot to an earlier trim (the rounding case above)
+            return None
+        kept = cat_tokens(parts)
         order = kept.positions.argsort(dim=-1)
         keys, values, positions = gather_slots(kept.keys, kept.values, kept.positions, order)
         return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
