@@ -86,7 +86,7 @@ def test_repeated_keys_are_never_chosen_twice():
 
 def test_blockwise_stream_keeps_every_cluster_within_budget():
     keys, values, labels = blobs(600)
-    st = kvc.stream("clustergen", budget=8, window=16, seed=0)
+    st = kvc.stream("clustergen", budget=8, window=16, seed=0, block_size=None)
     for start in range(0, 600, 50):
         st.update(keys[:, :, start : start + 50], values[:, :, start : start + 50])
         assert st.state.kept.length <= 8
@@ -94,6 +94,46 @@ def test_blockwise_stream_keeps_every_cluster_within_budget():
     assert summ.num_slots == 8 + 16
     for h in range(2):
         assert len(labels[h, summ.positions[0, h, :8]].unique()) == 8
+
+
+def _farthest_point_per_step(points, k):
+    """The previous farthest_point (distances from the Gram matrix at each step), the reference the table form must reproduce."""
+    x = points.float()
+    g, n, _ = x.shape
+    rows = torch.arange(g)
+    index = torch.zeros(g, k, dtype=torch.long)
+    sq_norms = x.square().sum(-1)
+    gram = torch.bmm(x, x.transpose(1, 2))
+    dist = lambda c: (sq_norms - 2.0 * gram[rows, c] + sq_norms[rows, c][:, None]).clamp_min(0.0)  # noqa: E731
+    nearest = dist(index[:, 0])
+    nearest[:, 0] = float("-inf")
+    for j in range(1, k):
+        nxt = nearest.argmax(dim=-1)
+        index[:, j] = nxt
+        nearest = torch.minimum(nearest, dist(nxt))
+        nearest[rows, nxt] = float("-inf")
+    return index
+
+
+def test_distance_table_reproduces_the_per_step_traversal():
+    points = torch.randn(6, 300, 64, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.5, 4, 64)
+    assert torch.equal(farthest_point(points, 150)[0], _farthest_point_per_step(points, 150))
+
+
+@pytest.mark.parametrize("n,budget,block", [(1000, 250, 128), (777, 500, 50), (600, 8, 50), (3000, 1500, 128), (300, 400, 64)])
+def test_stream_equals_one_shot_on_the_tokens_seen(n, budget, block):
+    """Native stream (block_size 256): after any number of updates the summary is the one-shot block-local k-center."""
+    g = torch.Generator().manual_seed(n)
+    keys, values = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+    st = kvc.stream("clustergen", budget=budget, sink=0, window=0)
+    for start in range(0, n, block):
+        st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
+        stored = sum(r.length for r in st.state.runs)
+        assert stored <= budget and (st.state.pending is None or st.state.pending.length < 256)
+    one = kvc.compress("clustergen", keys, values, budget=budget, sink=0, window=0)
+    got = st.summary()
+    for a, b in ((got.positions, one.positions), (got.keys, one.keys), (got.values, one.values), (got.log_weights, one.log_weights)):
+        assert torch.equal(a, b)
 
 
 def test_half_precision_and_bad_parameter():

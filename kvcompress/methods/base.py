@@ -23,7 +23,7 @@ import torch
 
 from ..attention import visible_slots
 from ..checks import as_count, as_fraction, check_finite, check_queries, check_same_device, check_tensor, describe
-from ..summary import KVSummary, concat, gather_slots
+from ..summary import KVSummary, concat, gather_slots, take_slots
 
 _REGISTRY: dict[str, type["Method"]] = {}
 
@@ -177,7 +177,7 @@ class BlockwiseState(StreamState):
             pre = None
             if buffer.pre_rope_keys is not None:
                 index = _positions_index(buffer.positions, summary.positions)
-                pre = buffer.pre_rope_keys.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.keys.shape[-1]))
+                pre = take_slots(buffer.pre_rope_keys, index)
             buffer = replace(buffer, keys=summary.keys, values=summary.values, positions=summary.positions, pre_rope_keys=pre)
         self.kept = buffer
 

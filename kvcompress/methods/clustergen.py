@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, gather_slots
-from .base import Method, Tokens, register
+from .base import Method, StreamState, Tokens, cat_tokens, register
 
 
 # Pairwise inner products materialised at once (float32) by farthest_point; above this it takes one
@@ -29,19 +29,24 @@ def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = No
     Returns (index [G, k] in selection order, distance of every point to its nearest centre [G, n],
     -inf for the centres themselves and for invalid points, so a centre is never chosen twice); the
     covering radius is the max of the latter. k must be at most the number of valid points.
-    Squared distances ‖x‖² − 2<x, c> + ‖c‖² are updated per step from the Gram matrix when
-    G·n² <= _MAX_GRAM (one batched matmul up front), else from one matrix-vector product per step.
+    Squared distances ‖x‖² − 2<x, c> + ‖c‖² come from a table of all pairs when G·n² <= _MAX_GRAM
+    (one batched matmul up front, one gather per step), else from one matrix-vector product per step.
     """
     x = points.float()
     g, n, _ = x.shape
     rows = torch.arange(g, device=x.device)
     index = torch.zeros(g, k, dtype=torch.long, device=x.device)
     sq_norms = x.square().sum(-1)
-    gram = torch.bmm(x, x.transpose(1, 2)) if g * n * n <= _MAX_GRAM else None
+    if g * n * n <= _MAX_GRAM:  # every squared distance at once: row c holds ‖x‖² − 2<x, x_c> + ‖x_c‖², one gather per step
+        table = (sq_norms[:, None, :] - 2.0 * torch.bmm(x, x.transpose(1, 2)) + sq_norms[:, :, None]).clamp_min_(0.0)
 
-    def sq_distance_to(centre: torch.Tensor) -> torch.Tensor:
-        dot = gram[rows, centre] if gram is not None else torch.bmm(x, x[rows, centre].unsqueeze(-1)).squeeze(-1)
-        return (sq_norms - 2.0 * dot + sq_norms[rows, centre][:, None]).clamp_min(0.0)
+        def sq_distance_to(centre: torch.Tensor) -> torch.Tensor:
+            return table[rows, centre]
+    else:
+
+        def sq_distance_to(centre: torch.Tensor) -> torch.Tensor:
+            dot = torch.bmm(x, x[rows, centre].unsqueeze(-1)).squeeze(-1)
+            return (sq_norms - 2.0 * dot + sq_norms[rows, centre][:, None]).clamp_min(0.0)
 
     nearest = sq_distance_to(index[:, 0])
     if valid is not None:
@@ -86,8 +91,14 @@ class ClusterGen(Method):
     framework's `window` (default 64) and `default_sink = 0`. The centres are plain kept tokens
     (log-weight 0) as in the seed; `weighted=True` instead gives each centre the log of the number
     of keys nearest to it (a cluster-size-weighted coreset, an option the seed does not use).
-    Streams block-wise: after every block the kept centres plus the block are re-clustered down to
-    `budget` (k-center over centres and new tokens), so storage is budget + block slots.
+    Streaming with an integer block_size (`ClusterGenState`) gives, after any number of tokens,
+    the one-shot summary of every token seen: each run's farthest-first traversal is computed
+    once, when the run completes, and the run keeps the first quota(n) points of it (quotas only
+    shrink as n grows, a traversal's prefix is the traversal of the smaller quota), so an update
+    costs O(B²·d) per completed run plus one copy of the kept slots: linear in n per
+    run of B tokens. block_size=None or weighted=True stream block-wise (the state of
+    `methods.base`): after every update the kept centres plus the new tokens are re-clustered
+    down to `budget`, O(budget·(budget + update)) per update, storage budget + update slots.
 
     block_size: None runs the seed's k-center over all n keys of a head: `budget` sequential
     farthest-point steps of O(n·d) each, O(budget·n·d) per head, quadratic when the budget is a
@@ -123,3 +134,86 @@ class ClusterGen(Method):
             sizes = torch.zeros(b, h, budget, device=keys.device).scatter_add_(2, owner, torch.ones_like(owner, dtype=torch.float32))
             log_weights = sizes.log()
         return KVSummary(keys, values, log_weights, positions)
+
+    def new_stream(self, budget: int, generator: torch.Generator) -> StreamState:
+        if self.block_size is None or self.weighted:
+            return super().new_stream(budget, generator)
+        return ClusterGenState(budget, self.block_size)
+
+
+def run_quotas(ends: list[int], budget: int, n: int) -> list[int]:
+    """Centres of each run when n tokens are seen: ⌊budget·C_j/n⌋ − ⌊budget·C_{j−1}/n⌋, C_j the tokens up to run j's end (`block_centres`' rule)."""
+    cumulative = [budget * end // n for end in ends]
+    return [c - p for c, p in zip(cumulative, [0, *cumulative[:-1]])]
+
+
+class ClusterGenState(StreamState):
+    """Block-local k-center as a stream: every completed run of `block_size` tokens holds the head of
+    its farthest-first traversal (batched over batch and heads), trimmed to its quota as n grows.
+
+    summary() after n tokens equals `ClusterGen.compress` of those n tokens (block_size runs counted
+    from the first absorbed token), except when floor rounding gives a run one centre more than it
+    had at an earlier trim: that slot is gone and the summary holds one slot fewer (never more than
+    `budget`). Storage between updates: at most `budget` slots of completed runs plus the < block_size
+    tokens of the run in progress.
+    """
+
+    def __init__(self, budget: int, block_size: int):
+        self.budget, self.block_size = budget, block_size
+        self.runs: list[Tokens] = []  # per completed run: its traversal head, in selection order
+        self.ends: list[int] = []  # tokens seen up to the end of each completed run
+        self.pending: Tokens | None = None
+        self.seen = 0
+
+    def absorb(self, tokens: Tokens) -> None:
+        start = 0
+        while start < tokens.length:
+            have = self.pending.length if self.pending is not None else 0
+            stop = min(tokens.length, start + self.block_size - have)
+            part = tokens.slice(start, stop)
+            self.pending = part if self.pending is None else cat_tokens([self.pending, part])
+            self.seen += part.length
+            start = stop
+            if self.pending.length == self.block_size:
+                self.ends.append(self.seen)
+                quota = min(self.block_size, run_quotas(self.ends, self.budget, self.seen)[-1])
+                self.runs.append(_traversal(self.pending, quota))
+                self.pending = None
+        if sum(r.length for r in self.runs) > self.budget:
+            quotas = run_quotas(self.ends, self.budget, self.seen)
+            self.runs = [r if r.length <= q else _head(r, q) for r, q in zip(self.runs, quotas)]
+
+    def summary(self) -> KVSummary | None:
+        if self.seen == 0:
+            return None
+        ends = self.ends + ([self.seen] if self.pending is not None else [])
+        quotas = run_quotas(ends, self.budget, self.seen)
+        parts = [r.slice(0, min(r.length, q)) for r, q in zip(self.runs, quotas)]
+        if self.pending is not None:
+            parts.append(_traversal(self.pending, min(self.pending.length, quotas[-1])))
+        parts = [p for p in parts if p.length]
+        if not parts:  # every run with a quota lost its slot to an earlier trim (the rounding case above)
+            return None
+        kept = cat_tokens(parts)
+        order = kept.positions.argsort(dim=-1)
+        keys, values, positions = gather_slots(kept.keys, kept.values, kept.positions, order)
+        return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
+
+    def nbytes(self) -> int:
+        parts = [*self.runs, *([self.pending] if self.pending is not None else [])]
+        return sum(t.numel() * t.element_size() for p in parts for t in (p.keys, p.values, p.positions))
+
+
+def _head(run: Tokens, count: int) -> Tokens:
+    """The first `count` slots of a run as their own tensors (the trimmed tail's memory is freed)."""
+    return Tokens(run.keys[:, :, :count].clone(), run.values[:, :, :count].clone(), run.positions[:, :, :count].clone(), scale=run.scale)
+
+
+def _traversal(run: Tokens, steps: int) -> Tokens:
+    """The first `steps` points of each head's farthest-first traversal of the run, in selection order."""
+    b, h, n, d = run.keys.shape
+    if steps == 0:
+        return run.slice(0, 0)
+    index = farthest_point(run.keys.reshape(b * h, n, d), steps)[0].reshape(b, h, steps)
+    keys, values, positions = gather_slots(run.keys, run.values, run.positions, index)
+    return Tokens(keys, values, positions, scale=run.scale)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, StreamState, Tokens, cat_tokens, register
-from ..summary import KVSummary, gather_slots
+from ..summary import KVSummary, gather_slots, take_slots
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
 SKETCHES = ("gaussian", "srht")
@@ -22,8 +22,9 @@ SKETCHES = ("gaussian", "srht")
 # taken relative to the largest so it means the same for any key scale.
 _SIGMA2_FLOOR = 1e-6
 # Queries scored per step of the chunked attention: the step's logits are at most
-# H_q x _ROWS_PER_STEP x chunk_size floats, whatever the context length.
-_ROWS_PER_STEP = 4096
+# H_q x _ROWS_PER_STEP x chunk_size floats, whatever the context length (1024: 9 MiB for 9 heads
+# and C = 256, 2x faster on CPU at 8k tokens than 4096, whose 37 MiB steps pay fresh page faults).
+_ROWS_PER_STEP = 1024
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:
@@ -92,19 +93,24 @@ def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale
     """
     b, hq, n, d = queries.shape
     hkv = keys.shape[1]
+    group = hq // hkv
+    chunk_size = min(chunk_size, n)  # fewer tokens than a chunk: one chunk of n, no padding
     pad = (-n) % chunk_size
     chunks = (n + pad) // chunk_size
-    q = F.pad(queries.float(), (0, 0, 0, pad)).reshape(b, hkv, hq // hkv, chunks, chunk_size, d)
+    q = F.pad(queries.float() * scale, (0, 0, 0, pad)).reshape(b, hkv, group, chunks, chunk_size, d)
     k = F.pad(keys.float(), (0, 0, 0, pad)).reshape(b, hkv, chunks, chunk_size, d)
-    valid = (torch.arange(n + pad, device=keys.device) < n).reshape(chunks, chunk_size)
     out = torch.empty(b, hkv, chunks, chunk_size, device=keys.device)
     step = max(1, _ROWS_PER_STEP // chunk_size)
     for c0 in range(0, chunks, step):
         c1 = min(chunks, c0 + step)
-        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q[:, :, :, c0:c1], k[:, :, c0:c1]) * scale
-        logits = logits.masked_fill(~valid[c0:c1, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1) * valid[c0:c1, :, None]
-        out[:, :, c0:c1] = probs.sum(dim=4).mean(dim=2)
+        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q[:, :, :, c0:c1], k[:, :, c0:c1])
+        if pad and c1 == chunks:  # the padded tail of the last chunk: no key there, no query counted
+            logits[..., -1, :, chunk_size - pad :] = float("-inf")
+        probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        probs.div_(probs.sum(-1, keepdim=True))
+        if pad and c1 == chunks:
+            probs[..., -1, chunk_size - pad :, :] = 0.0
+        out[:, :, c0:c1] = probs.sum(dim=(2, 4)).div_(group)
     return out.reshape(b, hkv, -1)[..., :n]
 
 
@@ -225,9 +231,8 @@ class CompactorState(StreamState):
             scores = self.method.blend(attn, buffer.pre_rope_keys, self.generator)
             index = scores.topk(self.budget, dim=-1).indices.sort(dim=-1).values
             keys, values, positions = gather_slots(buffer.keys, buffer.values, buffer.positions, index)
-            pre = buffer.pre_rope_keys.gather(2, index.unsqueeze(-1).expand(*index.shape, keys.shape[-1]))
-            buffer = Tokens(keys, values, positions, None, pre, buffer.scale, buffer.layer_idx, buffer.num_layers)
-            attn = attn.gather(2, index) if attn is not None else None
+            buffer = Tokens(keys, values, positions, None, take_slots(buffer.pre_rope_keys, index), buffer.scale, buffer.layer_idx, buffer.num_layers)
+            attn = take_slots(attn, index) if attn is not None else None
         self.kept, self.attn = buffer, attn
 
     def summary(self) -> KVSummary | None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..summary import KVSummary, concat
+from ..summary import KVSummary, concat, take_slots
 from .base import Method, StreamState, Tokens, build_method, cat_tokens, register
 
 _COMPOSED_PARAMS = ("sink", "window")
@@ -45,17 +45,15 @@ def _positions_mask(tokens: Tokens, kept: KVSummary) -> torch.Tensor:
 def _select(tokens: Tokens, mask: torch.Tensor, count: int) -> Tokens:
     """The `count` tokens per head where mask is True, in their original order (every head has `count`)."""
     index = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :count]
-    gather = lambda t: t.gather(2, index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))  # noqa: E731
-    pre = gather(tokens.pre_rope_keys) if tokens.pre_rope_keys is not None else None
-    return replace(tokens, keys=gather(tokens.keys), values=gather(tokens.values), positions=tokens.positions.gather(2, index), pre_rope_keys=pre)
+    pre = take_slots(tokens.pre_rope_keys, index) if tokens.pre_rope_keys is not None else None
+    return replace(tokens, keys=take_slots(tokens.keys, index), values=take_slots(tokens.values, index), positions=take_slots(tokens.positions, index), pre_rope_keys=pre)
 
 
 def _by_position(summary: KVSummary) -> KVSummary:
     """The numerator slots reordered by original position (the normalizer, if any, is left as it is)."""
     order = summary.positions.argsort(dim=-1)
-    gather = lambda t: t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))  # noqa: E731
-    return replace(summary, keys=gather(summary.keys), values=gather(summary.values),
-                   log_weights=summary.log_weights.gather(2, order), positions=summary.positions.gather(2, order))
+    return replace(summary, keys=take_slots(summary.keys, order), values=take_slots(summary.values, order),
+                   log_weights=take_slots(summary.log_weights, order), positions=take_slots(summary.positions, order))
 
 
 def _as_list(value) -> list:
