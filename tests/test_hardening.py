@@ -302,7 +302,6 @@ def test_stream_update_names_nan_keys_on_the_cpu():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_stream_update_checks_finiteness_without_a_host_sync_on_cuda():
     keys, values = (t.cuda() for t in _kv())
     torch.cuda.set_sync_debug_mode("error")

@@ -17,7 +17,6 @@ from kvcompress.methods.base import build_method
 from kvcompress.summary import KVSummary, Normalizer, SlotBuffer, concat
 
 cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
@@ -238,7 +237,6 @@ def test_device_and_dtype_parsing():
 
 
 @cuda
-@needs_cuda
 @pytest.mark.parametrize("kind", ["plain", "weighted", "normalizer"])
 @pytest.mark.parametrize("nq", [1, 9])
 def test_cuda_attention_matches_cpu_in_bfloat16(kind, nq):
@@ -252,7 +250,6 @@ def test_cuda_attention_matches_cpu_in_bfloat16(kind, nq):
 
 
 @cuda
-@needs_cuda
 @pytest.mark.parametrize("method", kvc.methods())
 def test_cuda_methods_keep_tensors_on_device_and_match_float32(method):
     g = torch.Generator().manual_seed(7)
@@ -267,7 +264,6 @@ def test_cuda_methods_keep_tensors_on_device_and_match_float32(method):
 
 
 @cuda
-@needs_cuda
 def test_cuda_load_model_defaults_to_bfloat16_on_gpu():
     model, _ = kvc.load_model()
     p = next(model.parameters())
