@@ -54,11 +54,19 @@ APPROX_LAYERS = (1, 2, 5, 15)
 APPROX_SEEDS = 2
 # name: (method, parameters, sink/window of the task runs; None = the method's default). The
 # approximation part always uses the bench's sink 256 + window 256.
-REFERENCES = {"compactor": ("compactor", {}, None), "balancekv": ("balancekv", {}, None)}
+REFERENCES = {"compactor": ("compactor", {}, None), "streamingllm": ("streamingllm", {}, None), "balancekv": ("balancekv", {}, None)}
 LEVERAGE = {"attention": False}  # Compactor's leverage score alone (seed 002's "no a" ablation)
 CANDIDATES = {
     "tova .1 + leverage .3, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
                                                    "exact_fraction": [0.1, 0.3], "coreset": "express"}, (0, 0)),
+    "tova .1 + leverage .3 + recent .2, express": ("hybrid", {"score": ["tova", "compactor", "streamingllm"],
+                                                               "score_params": [{}, LEVERAGE, {}],
+                                                               "exact_fraction": [0.1, 0.3, 0.2], "coreset": "express"}, (0, 0)),
+    "tova .1 + leverage .3 + recent .4, express": ("hybrid", {"score": ["tova", "compactor", "streamingllm"],
+                                                               "score_params": [{}, LEVERAGE, {}],
+                                                               "exact_fraction": [0.1, 0.3, 0.4], "coreset": "express"}, (0, 0)),
+    "tova .1 + leverage .5, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
+                                                   "exact_fraction": [0.1, 0.5], "coreset": "express"}, (0, 0)),
     "tova .1 + compactor .3, express": ("hybrid", {"score": ["tova", "compactor"], "exact_fraction": [0.1, 0.3],
                                                     "coreset": "express"}, (0, 0)),
     "tova .1 + keydiff .3, express": ("hybrid", {"score": ["tova", "keydiff"], "exact_fraction": [0.1, 0.3],
