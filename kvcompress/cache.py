@@ -401,15 +401,18 @@ class CompressedCache(Cache):
         """A prefill-mode cache built from one recorded full prefill of the context.
 
         captured: {layer: (queries, keys, values)} for every layer, post-RoPE (as
-        `kvcompress.eval.capture.capture_qkv` returns them). One prefill then serves any number
-        of methods and ratios: each gets its own compressed copy.
+        `kvcompress.eval.capture.capture_qkv` returns them), optionally with a fourth tensor, the
+        attention mass [B,H_kv,n] the capture's prefill computed, handed to a method that scores
+        with it (`needs_attention_mass`). One prefill then serves any number of methods and
+        ratios: each gets its own compressed copy.
         """
         cache = cls(model, settings)
         if sorted(captured) != list(range(cache.num_layers)):
             raise ValueError(f"captured must hold every layer 0..{cache.num_layers - 1}")
         scales = attention_scales(model)
-        for layer, (queries, keys, values) in captured.items():
-            cache.layers[layer].load_prefill(queries, keys, values, scales[layer])
+        for layer, (queries, keys, values, *mass) in captured.items():
+            mass = mass[0] if mass and settings.method.needs_attention_mass else None
+            cache.layers[layer].load_prefill(queries, keys, values, scales[layer], mass)
         return cache
 
     def snapshot(self) -> list:

@@ -1,6 +1,8 @@
 """H2O's attention mass taken from the model's own prefill attention (issue 17): the fused kernel
 `integration.attention.causal_attention_with_mass` and its use through `generate`."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,3 +132,31 @@ def test_padded_batches_and_streams_compute_the_mass_themselves(fused_calls):
         model(torch.cat([ctx, ctx]), attention_mask=mask, past_key_values=cache, use_cache=True)
     assert fused_calls == []
     assert cache.layers[0].slots(0) == 100 and cache.layers[0].slots(1) == 95
+
+
+def test_recorded_prefill_carries_the_mass_to_h2o_only(monkeypatch):
+    """capture_qkv(attention_mass=True) records each layer's mass from its own (fused) attention; a replay
+    of that record keeps H2O's tokens and answer of a fresh prefill, with no second mass computation."""
+    from kvcompress.eval.capture import capture_qkv
+
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(4)
+    ctx, question = torch.randint(0, 96, (1, 240), generator=g), torch.randint(0, 96, (1, 6), generator=g)
+    plain = capture_qkv(model, ctx)
+    captured = capture_qkv(model, ctx, attention_mass=True)
+    scale = model.model.layers[0].self_attn.scaling
+    for layer, (q, k, v, mass) in captured.items():
+        assert torch.allclose(q, plain[layer][0], atol=1e-5) and len(plain[layer]) == 3
+        expected = attention_mass(Tokens(k, v, torch.arange(240).expand(1, 2, 240), q, scale=scale, query_positions=torch.arange(240)))
+        assert torch.allclose(mass, expected, atol=1e-5)
+    fresh = generate_ids(model, ctx, question, method="h2o", compression_ratio=0.6, max_new_tokens=6, stop_at_eos=False)
+
+    def no_recomputation(tokens, *args, **kwargs):
+        raise AssertionError("H2O recomputed the mass the record holds")
+
+    monkeypatch.setattr(sys.modules[H2O.__module__], "attention_mass", no_recomputation)
+    replayed = generate_ids(model, ctx, question, method="h2o", compression_ratio=0.6, max_new_tokens=6, stop_at_eos=False, prefill=captured)
+    assert replayed.token_ids == fresh.token_ids and replayed.slots_per_layer == fresh.slots_per_layer
+    knorm = generate_ids(model, ctx, question, method="knorm", compression_ratio=0.6, max_new_tokens=6, stop_at_eos=False, prefill=captured)
+    assert knorm.token_ids == generate_ids(model, ctx, question, method="knorm", compression_ratio=0.6, max_new_tokens=6,
+                                           stop_at_eos=False, prefill=plain).token_ids

@@ -55,11 +55,11 @@ def _compresses_with_attention_mass(layer) -> bool:
     )
 
 
-def causal_attention_with_mass(query, key, value, scale: float, max_logits: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_attention_with_mass(query, key, value, scale: float | None, max_logits: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention and, as a by-product, the attention mass every key receives.
 
     query [B,H_q,q,d], key/value [B,H_kv,n,d] / [B,H_kv,n,d_v] with n >= q: query i sees keys
-    0 .. n - q + i (the queries are the last q tokens). Returns (out [B,H_q,q,d_v] in the query's
+    0 .. n - q + i (the queries are the last q tokens); scale None is 1/sqrt(d). Returns (out [B,H_q,q,d_v] in the query's
     dtype, mass [B,H_kv,n] float32): mass[j] = Σ_i softmax_i(s<q_i,k>)[j] summed over the queries
     and averaged over each GQA group, exactly what `methods.base.attention_mass` returns for these
     queries on these keys. An explicit softmax in float32 (any input dtype), queries in chunks of
@@ -70,6 +70,7 @@ def causal_attention_with_mass(query, key, value, scale: float, max_logits: int 
     b, hq, nq, d = query.shape
     hkv, n, dv = key.shape[1], key.shape[2], value.shape[-1]
     group, offset = hq // hkv, n - nq
+    scale = d**-0.5 if scale is None else scale
     work = torch.promote_types(query.dtype, torch.float32)
     q = (query.to(work) * scale).unflatten(1, (hkv, group))  # [B, H_kv, group, q, d]
     k, v = key.to(work), value.to(work)
