@@ -50,6 +50,15 @@ def test_fused_kernel_accumulates_in_float32_for_half_inputs(dtype):
     assert torch.allclose(out.float(), out32, atol=2e-2) and torch.allclose(mass, mass32, atol=1e-4)
 
 
+@pytest.mark.cuda
+def test_fused_kernel_on_cuda_in_bfloat16_matches_the_cpu():
+    q, k, v = qkv(300, 300, key_scale=4.0, dtype=torch.bfloat16)
+    out, mass = causal_attention_with_mass(q.cuda(), k.cuda(), v.cuda(), 0.25)
+    out_cpu, mass_cpu = causal_attention_with_mass(q, k, v, 0.25)
+    assert out.device.type == "cuda" and out.dtype == torch.bfloat16 and mass.device.type == "cuda"
+    assert torch.allclose(out.float().cpu(), out_cpu.float(), atol=2e-2) and torch.allclose(mass.cpu(), mass_cpu, atol=1e-3)
+
+
 def test_h2o_uses_a_given_mass_and_computes_it_without_one():
     q, k, v = qkv(50, 50)
     positions = torch.arange(50).expand(2, 2, 50)
