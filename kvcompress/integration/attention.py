@@ -48,7 +48,7 @@ def _compresses_with_attention_mass(layer) -> bool:
     (`needs_attention_mass`): the attention then goes through `causal_attention_with_mass`."""
     settings = layer.cache.settings
     return (
-        getattr(settings.method, "needs_attention_mass", False)
+        settings.method.needs_attention_mass
         and settings.mode == "prefill"
         and layer.front is None
         and not has_padding(layer.pending_real)
