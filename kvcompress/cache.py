@@ -152,8 +152,9 @@ class CompressedLayer(CacheLayerMixin):
         log_weights = torch.cat([view.log_weights[..., :stored], view.log_weights[..., stored:].masked_fill(hidden, float("-inf"))], -1)
         self.view = KVSummary(view.keys, view.values, log_weights, view.positions, view.normalizer)  # a new summary: its weights are not all 0
 
-    def commit(self, queries: torch.Tensor, scale: float) -> None:
-        """Absorb the pending block, now that its queries [B, H_q, n, d] are known."""
+    def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None) -> None:
+        """Absorb the pending block, now that its queries [B, H_q, n, d] are known (and, from the
+        attention that computed it, the mass [B, H_kv, n] each token received: `Tokens.attention_mass`)."""
         keys, values, positions = self.pending
         real = self.pending_real
         self.pending, self.pending_real, self.view = None, None, None
@@ -161,7 +162,7 @@ class CompressedLayer(CacheLayerMixin):
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale))
+                self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass))
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
@@ -194,26 +195,27 @@ class CompressedLayer(CacheLayerMixin):
             ))
         return stack_rows(rows)
 
-    def _compress_once(self, keys, values, positions, queries, scale) -> KVSummary:
+    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None) -> KVSummary:
         settings = self.cache.settings
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
         budget = resolve_budget(n, settings.budget, settings.compression_ratio, settings.sink, settings.window)
         tokens = Tokens(
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
-            self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos),
+            self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass,
         )
         summary = compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
-    def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> None:
-        """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d]."""
+    def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None) -> None:
+        """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d],
+        attention_mass [B,H_kv,n] or None (`Tokens.attention_mass`)."""
         if self.cache.settings.mode != "prefill" or self.front is not None or self.seen:
             raise ValueError("load_prefill needs a fresh layer of a prefill-mode cache")
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
-        self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale))
+        self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass))
         self.stats.compress_seconds += time.perf_counter() - start
         self.seen = keys.shape[2]
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
@@ -399,15 +401,18 @@ class CompressedCache(Cache):
         """A prefill-mode cache built from one recorded full prefill of the context.
 
         captured: {layer: (queries, keys, values)} for every layer, post-RoPE (as
-        `kvcompress.eval.capture.capture_qkv` returns them). One prefill then serves any number
-        of methods and ratios: each gets its own compressed copy.
+        `kvcompress.eval.capture.capture_qkv` returns them), optionally with a fourth tensor, the
+        attention mass [B,H_kv,n] the capture's prefill computed, handed to a method that scores
+        with it (`needs_attention_mass`). One prefill then serves any number of methods and
+        ratios: each gets its own compressed copy.
         """
         cache = cls(model, settings)
         if sorted(captured) != list(range(cache.num_layers)):
             raise ValueError(f"captured must hold every layer 0..{cache.num_layers - 1}")
         scales = attention_scales(model)
-        for layer, (queries, keys, values) in captured.items():
-            cache.layers[layer].load_prefill(queries, keys, values, scales[layer])
+        for layer, (queries, keys, values, *mass) in captured.items():
+            mass = mass[0] if mass and settings.method.needs_attention_mass else None
+            cache.layers[layer].load_prefill(queries, keys, values, scales[layer], mass)
         return cache
 
     def snapshot(self) -> list:

@@ -44,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import MODES
-from ..methods.base import method_names
+from ..methods.base import get_method_class, method_names
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
@@ -385,7 +385,8 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     captured, capture_s = None, 0.0
     if config.reuse_prefill and any(c.mode == "prefill" or c.method == FULL for c in cells):
         start = time.perf_counter()
-        captured = capture_qkv(model, context_ids)
+        scored_by_mass = any(c.mode == "prefill" and c.method != FULL and get_method_class(c.method).needs_attention_mass for c in cells)
+        captured = capture_qkv(model, context_ids, attention_mass=scored_by_mass)  # H2O's mass from the capture's own attention
         capture_s = time.perf_counter() - start
     for cell in cells:
         record = _record(cell, sample, context_ids, capture_s)

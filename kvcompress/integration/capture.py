@@ -3,7 +3,9 @@
 `capture_qkv` runs one full-attention forward pass (no cache) with a temporary attention function
 registered through transformers' `AttentionInterface`: it records what each chosen layer's
 attention receives (queries [1, H_q, n, d] and keys/values [1, H_kv, n, d], after RoPE, before
-grouped-query repetition) and then computes the attention with the SDPA implementation.
+grouped-query repetition) and then computes the attention with the SDPA implementation, or, with
+`attention_mass=True`, with `integration.attention.causal_attention_with_mass`, recording each key's
+received attention mass as a by-product (what H2O scores with; `Tokens.attention_mass`).
 """
 
 from __future__ import annotations
@@ -21,16 +23,21 @@ def capture_qkv(
     text: str | None = None,
     layers: Iterable[int] | None = None,
     max_tokens: int | None = None,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    attention_mass: bool = False,
+) -> dict[int, tuple[torch.Tensor, ...]]:
     """{layer: (queries [1,H_q,n,d], keys [1,H_kv,n,d], values [1,H_kv,n,d])} as attention sees them.
 
     tokenizer_or_ids: a tokenizer (then `text` is tokenised, no special tokens added) or input ids
     [n] / [1, n] (then `text` must be None). layers: layer indices, default all. max_tokens keeps
     the first tokens only. Tensors are detached CPU copies in the model's dtype. The model's own
-    attention implementation is restored afterwards.
+    attention implementation is restored afterwards. attention_mass=True appends a fourth tensor,
+    mass [1,H_kv,n] float32, to each full-causal layer's tuple (not to sliding-window or
+    soft-capped layers, whose attention is not one causal pass: they stay SDPA's, as without it).
     """
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from .attention import causal_attention_with_mass
 
     if isinstance(tokenizer_or_ids, torch.Tensor):
         if text is not None:
@@ -55,9 +62,18 @@ def capture_qkv(
     captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def recording_attention(module, query, key, value, attention_mask, **kwargs):
-        if module.layer_idx in wanted:
-            captured[module.layer_idx] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if module.layer_idx not in wanted:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        recorded = [query, key, value]
+        fused = attention_mass and kwargs.get("softcap") is None and getattr(module, "sliding_window", None) is None
+        if fused:  # one unpadded sequence: the model's mask is the causal one the kernel applies
+            out, mass = causal_attention_with_mass(query, key, value, kwargs.get("scaling"))
+            recorded.append(mass)
+            result = out.transpose(1, 2).contiguous(), None
+        else:
+            result = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        captured[module.layer_idx] = tuple(t.detach().to("cpu", copy=True) for t in recorded)
+        return result
 
     AttentionInterface.register(_CAPTURE_IMPL, recording_attention)
     previous = model.config._attn_implementation

@@ -36,10 +36,10 @@ class _RecordingLayer(CompressedLayer):
         super().__init__(cache, layer_idx)
         self.blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def commit(self, queries: torch.Tensor, scale: float) -> None:
+    def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None) -> None:
         keys, values, _ = self.pending
         self.blocks.append((queries, keys, values))
-        super().commit(queries, scale)
+        super().commit(queries, scale, attention_mass)
 
 
 def check_prefill_approx(prefill_approx: str, method: str | None, mode: str, compress_question: bool, prefill, question_ids) -> None:

@@ -39,6 +39,10 @@ class Tokens:
     queries, for causal scoring; None means the queries follow every token), exact_keys
     [B,H_kv,m,d] / exact_positions [B,H_kv,m]: the tokens kept exactly beside these (sink and
     window), which share the queries' softmax with them (None: no such tokens).
+    attention_mass [B,H_kv,n] float32 or None: the mass each token received from the queries, as
+    `attention_mass(tokens)` would compute it, when the model's own attention computed it as a
+    by-product (`integration.attention.causal_attention_with_mass`); `slice` and `cat_tokens`
+    carry it along, anything that selects tokens otherwise must drop or select it too.
     """
 
     keys: torch.Tensor
@@ -52,6 +56,7 @@ class Tokens:
     query_positions: torch.Tensor | None = None
     exact_keys: torch.Tensor | None = None
     exact_positions: torch.Tensor | None = None
+    attention_mass: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -60,12 +65,14 @@ class Tokens:
     def slice(self, start: int, stop: int) -> "Tokens":
         """Tokens start:stop along the token axis (queries kept as they are)."""
         pre = self.pre_rope_keys[:, :, start:stop] if self.pre_rope_keys is not None else None
+        mass = self.attention_mass[:, :, start:stop] if self.attention_mass is not None else None
         return replace(
             self,
             keys=self.keys[:, :, start:stop],
             values=self.values[:, :, start:stop],
             positions=self.positions[:, :, start:stop],
             pre_rope_keys=pre,
+            attention_mass=mass,
         )
 
     def exact(self) -> KVSummary:
@@ -73,17 +80,21 @@ class Tokens:
 
 
 def cat_tokens(parts: list[Tokens]) -> Tokens:
-    """Concatenate token bundles along the token axis; queries and pre-RoPE keys from the parts that have them."""
+    """Concatenate token bundles along the token axis; queries from the last part; pre-RoPE keys and
+    attention mass when every part has them (else None)."""
     last = parts[-1]
-    pre = None
+    pre = mass = None
     if all(p.pre_rope_keys is not None for p in parts):
         pre = torch.cat([p.pre_rope_keys for p in parts], 2)
+    if all(p.attention_mass is not None for p in parts):
+        mass = torch.cat([p.attention_mass for p in parts], 2)
     return replace(
         last,
         keys=torch.cat([p.keys for p in parts], 2),
         values=torch.cat([p.values for p in parts], 2),
         positions=torch.cat([p.positions for p in parts], 2),
         pre_rope_keys=pre,
+        attention_mass=mass,
     )
 
 
@@ -111,6 +122,7 @@ class Method:
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
     needs_pre_rope_keys: ClassVar[bool] = False
+    needs_attention_mass: ClassVar[bool] = False  # scores with attention_mass(tokens) of every query: a prefill computes it fused
     randomized: ClassVar[bool] = False  # draws from the generator: the seed changes the summary
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64

@@ -15,13 +15,20 @@ from .base import ScoreMethod, Tokens, attention_mass, register
 class H2O(ScoreMethod):
     """Score = attention received, summed over every query given (causally when query positions are
     known), softmax over every key each query sees (sink and window included), averaged over the
-    query heads of each KV head. The mass is accumulated in query chunks at the model's scale
-    (`attention_mass`): cost is that of the QK product of the queries given, O(n_q · n · d), with
-    at most one chunk of scores in memory. In a stream the sum restarts with each block: the state
-    keeps tokens, not running scores."""
+    query heads of each KV head.
+
+    Where the mass comes from (`needs_attention_mass`): a model's prefill in prefill mode computes
+    it as a by-product of its own attention (`integration.attention.causal_attention_with_mass`)
+    and hands it over as `tokens.attention_mass`, so compression adds only the top-k. Called
+    without it (the pure-tensor API `kvc.compress`, a stream, a padded batch) H2O computes it
+    itself with `attention_mass`: in query chunks at the model's scale, at most one chunk of
+    scores in memory, at the cost of the QK product and exponentials of one more attention pass,
+    O(n_q · n · d). In a stream the sum restarts with each block: the state keeps tokens, not
+    running scores."""
 
     name = "h2o"
     needs_queries = True
+    needs_attention_mass = True
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
-        return attention_mass(tokens)
+        return tokens.attention_mass if tokens.attention_mass is not None else attention_mass(tokens)
