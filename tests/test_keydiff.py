@@ -169,6 +169,8 @@ def test_pairwise_refuses_large_inputs(monkeypatch):
     st = kvc.stream("keydiff", budget=32, anchor="pairwise")
     for i in range(0, 100, 16):
         st.update(keys[:, :, i : i + 16], keys[:, :, i : i + 16])
+    assert st.summary().num_slots <= 32 + 8  # budget + ceil(0.25 * budget) between re-compressions
+    st.compact()
     assert st.summary().num_slots == 32
 
 
