@@ -114,7 +114,8 @@ def test_decode_mode_stays_bounded_while_generating():
     model = tiny()
     ctx, question = _prompt(n=100)
     res = generate_ids(model, ctx, question, method="knorm", budget=20, sink=2, window=8, mode="decode", max_new_tokens=60, stop_at_eos=False)
-    assert res.slots_per_layer == [30, 30]
+    # sink + budget + window, plus at most ceil(0.25 * budget) = 5 slots of re-compression slack
+    assert all(2 + 20 + 8 <= slots <= 2 + 20 + 5 + 8 for slots in res.slots_per_layer)
 
 
 def test_rope_positions_keep_counting_original_tokens():

@@ -276,8 +276,8 @@ def test_streams_stay_bounded(method, layer, budget, blocks):
         stream.update(keys[:, :, start:stop], values[:, :, start:stop], **extra)
         seen, start = stop, stop
         middle = stream.state.summary()
-        if middle is not None:
-            assert most_stored_slots(middle) <= budget
+        if middle is not None:  # block-wise states hold up to ceil(0.25 * budget) slots of re-compression slack
+            assert most_stored_slots(middle) <= budget + (math.ceil(0.25 * budget) if stream.state.recompresses else 0)
         s = stream.summary()
         if is_weighted(s):
             assert_weights_sum_to(method, s, seen)

@@ -140,9 +140,10 @@ class Method:
     default_window: ClassVar[int] = 64
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
-        """One-shot: summarise `tokens` in at most `budget` slots per head."""
+        """One-shot: summarise `tokens` in at most `budget` slots per head (this default runs the method's stream once over them)."""
         state = self.new_stream(budget, generator)
         state.absorb(tokens)
+        state.compact()
         return state.summary()
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
