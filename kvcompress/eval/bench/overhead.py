@@ -55,8 +55,8 @@ def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: flo
              slack: float | None = None) -> Callable[[], object]:
     """A call feeding the layer to a fresh `kvc.stream` (sink = window = 0, re-compression `slack`:
     None is the default) in blocks of `block` tokens, each with its own queries, then compacting it
-    to its budget (so it ends with the same number of slots as one-shot compression) and reading
-    the summary."""
+    to its budget (so it ends with the same number of slots as one-shot compression); the call
+    returns the stream."""
     from ...api import stream
 
     n = layer["keys"].shape[2]
@@ -69,7 +69,7 @@ def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: flo
             part = {k: v[:, :, start : start + block] for k, v in extra.items()}
             st.update(layer["keys"][:, :, start : start + block], layer["values"][:, :, start : start + block], **part)
         st.compact()
-        return st.summary()
+        return st
 
     return run
 
