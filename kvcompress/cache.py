@@ -57,7 +57,7 @@ class CompressionSettings:
     """What every layer of a CompressedCache does. Exactly one of budget / compression_ratio
     (a ratio is allowed only in prefill mode, where the prompt length is known when compressing).
     slack: re-compression slack of block-wise streams in chunked/decode mode (`Stream`; None is
-    the default 0.25); an error in prefill mode and for natively streaming methods."""
+    the default 0.5); an error in prefill mode and for natively streaming methods."""
 
     method: Method
     mode: str = "prefill"

@@ -34,7 +34,7 @@ _REGISTRY: dict[str, type["Method"]] = {}
 # Default re-compression slack of block-wise streams (fraction of the budget held beyond it before
 # re-compressing): benchmarks/results/bench/streams3 (docs/bench.md, "Streams") measures time and
 # peak memory against it.
-DEFAULT_SLACK = 0.25
+DEFAULT_SLACK = 0.5
 
 
 def check_slack(slack) -> float:
