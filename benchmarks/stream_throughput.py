@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.eval.bench import SHAPES, kept_budget, machine_description, markdown_table, natively_streaming, streamed, synthetic_layer, time_calls, write_csv
+from kvcompress.eval.bench import SHAPES, kept_budget, machine_description, natively_streaming, streamed, synthetic_layer, time_calls, write_table
 from kvcompress.methods.base import method_names
 
 RESULTS = Path(__file__).parent / "results" / "bench"
@@ -52,15 +52,11 @@ def main() -> None:
     rows = [{"method": m, "stream": "native" if natively_streaming(m) else "block-wise", "tokens": args.tokens, "budget": kept_budget(args.tokens, 0.5), "block": args.block, "runs": len(t),
              "min_s": min(t), "median_s": statistics.median(t), "tokens_per_s": args.tokens / min(t),
              "over_keydiff": args.tokens / min(t) / reference} for m, t in times.items()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "stream_throughput.csv")
     shape = SHAPES[args.shape]
-    text = (f"# Streaming throughput vs KeyDiff\n\nMachine: {machine}.\n\n{shape.name} shape (H_kv = {shape.kv_heads}, "
-            f"H_q = {shape.query_heads}, d = {shape.head_dim}), {args.tokens} tokens in blocks of {args.block}, half kept, "
-            f"no sink or window; tokens/s from the min of {args.repeats} runs.\n\n"
-            f"{markdown_table(rows, ['method', 'stream', 'runs', 'min_s', 'median_s', 'tokens_per_s', 'over_keydiff'])}\n")
-    (args.out / "stream_throughput.md").write_text(text)
-    print(text)
+    heading = (f"# Streaming throughput vs KeyDiff\n\nMachine: {machine}.\n\n{shape.name} shape (H_kv = {shape.kv_heads}, "
+               f"H_q = {shape.query_heads}, d = {shape.head_dim}), {args.tokens} tokens in blocks of {args.block}, half kept, "
+               f"no sink or window; tokens/s from the min of {args.repeats} runs.")
+    print(write_table(rows, args.out, "stream_throughput", heading, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff"]))
 
 
 if __name__ == "__main__":
