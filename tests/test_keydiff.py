@@ -104,6 +104,7 @@ def test_one_shot_block_size_equals_the_stream():
     st = kvc.stream("keydiff", budget=100)
     for i in range(0, 700, 128):
         st.update(keys[:, :, i : i + 128], values[:, :, i : i + 128])
+    st.compact()
     s = kvc.compress("keydiff", keys, values, budget=100, block_size=128)
     assert torch.equal(s.positions, st.summary().positions)
     assert torch.equal(s.values, st.summary().values)
