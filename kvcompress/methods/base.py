@@ -247,11 +247,13 @@ class BlockwiseState(StreamState):
         return self.held().exact() if self.last is not None else None
 
     def nbytes(self) -> int:
-        """Bytes of the buffer as allocated (its room for the next blocks included)."""
+        """Bytes of the buffer as allocated (its room for the next blocks included), plus the float32
+        log-weights of the slots held, as a summary of them has."""
         if self.last is None:
             return 0
         reserved = sum(t.numel() * t.element_size() for t in self.slots.tensors)
-        return reserved + self.summary().log_weights.numel() * 4
+        b, h = self.slots.tensors[0].shape[:2]
+        return reserved + 4 * b * h * self.slots.length
 
 
 def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
