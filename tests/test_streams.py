@@ -47,6 +47,9 @@ def test_peak_slots_are_budget_plus_slack_plus_block(method, slack):
     assert st.state.peak_slots == budget + extra + block
     st.compact()
     assert st.summary().num_slots == budget
+    # per slot and head: keys, values and pre-RoPE keys (float32), position (int64), log-weight (+ Compactor's attention score)
+    per_slot = 2 * (3 * 16 * 4 + 8 + 4 + (4 if method == "compactor" else 0))
+    assert st.nbytes() <= (budget + 64) * per_slot  # the room reserved for more blocks is given back
 
 
 def test_reserved_bytes_cover_the_peak_and_the_previous_per_block_peak_is_smaller():

@@ -221,7 +221,7 @@ class BlockwiseState(StreamState):
         self.last = tokens
         self.peak_slots = max(self.peak_slots, self.slots.length)
         if self.slots.length > self.limit + self.slack_slots:
-            self.compact()
+            self.recompress(room=self.slack_slots + tokens.length)
 
     def held(self) -> Tokens:
         """Every token held, with the latest block's queries and exact neighbours."""
@@ -235,13 +235,24 @@ class BlockwiseState(StreamState):
         index = _positions_index(held.positions, summary.positions) if extra else None
         return (summary.keys, summary.values, summary.positions, *(take_slots(t, index) for t in extra))
 
-    def compact(self) -> None:
+    def recompress(self, room: int) -> None:
+        """Compress what is held back to the budget (when above it), into a buffer with `room` more slots reserved."""
         if self.slots.length <= self.budget:
             return
         kept = self.keep(self.held())
         self.limit = max(self.budget, kept[0].shape[2])
         self.slots = _GrowingSlots()
-        self.slots.append(kept, reserve=self.limit + self.slack_slots + self.last.length)
+        self.slots.append(kept, reserve=self.limit + room)
+
+    def compact(self) -> None:
+        """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:
+        the room reserved for further blocks is given back)."""
+        if self.slots.length > self.budget:
+            self.recompress(room=0)
+        elif self.slots.tensors:
+            held = self.slots.view()
+            self.slots = _GrowingSlots()
+            self.slots.append(held)
 
     def summary(self) -> KVSummary | None:
         return self.held().exact() if self.last is not None else None
