@@ -85,14 +85,19 @@ def stream(
     window: int | None = None,
     seed: int | torch.Generator | None = 0,
     scale: float | None = None,
+    slack: float | None = None,
     **method_params,
 ) -> Stream:
     """A streaming compressor: `.update(keys, values, queries=None)` any number of times, `.summary()`.
 
-    Between updates the method stores at most `budget` slots per head besides the exact sink and
-    window (block-wise methods also hold the block in progress during an update). seed as in
+    Besides the exact sink and window, a natively streaming method (Express, SubGen, BalanceKV)
+    stores at most `budget` slots per head; a block-wise one (score methods, Compactor, the hybrid)
+    at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
+    re-compressing back to `budget` each time it passes that, so its cost is linear in the stream
+    length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (seed 004's
+    block prompt processing); `.compact()` brings the state down to `budget` now. seed as in
     `compress` (None: fresh randomness).
     """
     m = build_method(method, **method_params)
     sink, window = default_sink_window(method, sink, window)
-    return Stream(m, budget, sink, window, make_generator(seed), scale)
+    return Stream(m, budget, sink, window, make_generator(seed), scale, slack)

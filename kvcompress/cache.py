@@ -11,7 +11,9 @@ block's own queries still see the block exactly.
 Modes:
 - "prefill": the first forward (the context) is compressed once, at its end; later tokens stay exact.
 - "chunked": while `absorbing` is True every block goes through the method's stream (the caller
-  feeds the prompt in blocks of B tokens: stored KV stays at budget + B); afterwards exact.
+  feeds the prompt in blocks of B tokens: stored KV stays within budget + ceil(slack·budget) + B
+  for block-wise methods, budget + B for native streams); setting `absorbing` False compacts each
+  stream to its budget once, and later tokens stay exact.
 - "decode": every token, prompt and generated, goes through the stream.
 
 Padded batches (left padding, prefill mode): the model's boolean mask tells each layer which
@@ -53,7 +55,9 @@ ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache 
 @dataclass
 class CompressionSettings:
     """What every layer of a CompressedCache does. Exactly one of budget / compression_ratio
-    (a ratio is allowed only in prefill mode, where the prompt length is known when compressing)."""
+    (a ratio is allowed only in prefill mode, where the prompt length is known when compressing).
+    slack: re-compression slack of block-wise streams in chunked/decode mode (`Stream`; None is
+    the default 0.5); an error in prefill mode and for natively streaming methods."""
 
     method: Method
     mode: str = "prefill"
@@ -62,6 +66,7 @@ class CompressionSettings:
     sink: int = 4
     window: int = 64
     seed: int = 0
+    slack: float | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -69,6 +74,10 @@ class CompressionSettings:
         if self.mode != "prefill" and self.budget is None:
             raise ValueError(f"mode={self.mode!r} streams through a bounded cache: pass budget (compression_ratio needs the prompt length; kvc.generate converts it)")
         resolve_budget(10**9, self.budget, self.compression_ratio, 0, 0)
+        if self.slack is not None:
+            if self.mode == "prefill":
+                raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
+            Stream(self.method, self.budget, self.sink, self.window, torch.Generator(), slack=self.slack)  # validates slack for this method
 
 
 @dataclass
@@ -169,7 +178,7 @@ class CompressedLayer(CacheLayerMixin):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={settings.mode!r}")
             if self.front is None:
-                self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale)
+                self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale, settings.slack)
             self.front.update(
                 keys, values, queries, self.cache.pre_rope_keys(keys, positions), positions,
                 self.layer_idx, self.cache.num_layers,
@@ -184,6 +193,13 @@ class CompressedLayer(CacheLayerMixin):
             self.tail = block if self.tail is None else concat([self.tail, block])
             return
         self.stats.compress_seconds += time.perf_counter() - start
+
+    def compact(self) -> None:
+        """Compress a live stream down to its budget now (timed as compression)."""
+        if isinstance(self.front, Stream):
+            start = time.perf_counter()
+            self.front.compact()
+            self.stats.compress_seconds += time.perf_counter() - start
 
     def _compress_rows(self, keys, values, positions, queries, scale, real) -> KVSummary:
         """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf padding slots."""
@@ -349,7 +365,8 @@ class CompressedCache(Cache):
     method: a registered method name (its parameters go in **method_params), or a ready
     `CompressionSettings` (then no other option). Exactly one of budget / compression_ratio;
     sink/window default to the method's paper; mode "prefill" (the first forward, i.e. the prompt,
-    is compressed once), or "chunked"/"decode" with a budget (see the module docstring).
+    is compressed once), or "chunked"/"decode" with a budget and an optional re-compression
+    `slack` (see the module docstring and `CompressionSettings`).
     Sliding-window layers (Gemma 2/3, Phi-3 with a window) keep their window exact.
 
     Built from a method name, the cache switches the model to the 'kvcompress' attention
@@ -370,22 +387,23 @@ class CompressedCache(Cache):
         sink: int | None = None,
         window: int | None = None,
         seed: int = 0,
+        slack: float | None = None,
         **method_params,
     ):
         layer_types = check_supported(model)
         if isinstance(method, CompressionSettings):
-            if budget is not None or compression_ratio is not None or sink is not None or window is not None or method_params:
+            if budget is not None or compression_ratio is not None or sink is not None or window is not None or slack is not None or method_params:
                 raise ValueError("CompressedCache takes either a CompressionSettings or a method name with its options, not both")
             settings = method
         elif isinstance(method, str):
             sink, window = default_sink_window(method, sink, window)
             check_sink_window(sink, window)
-            settings = CompressionSettings(build_method(method, **method_params), mode, budget, compression_ratio, sink, window, seed)
+            settings = CompressionSettings(build_method(method, **method_params), mode, budget, compression_ratio, sink, window, seed, slack)
         else:
             raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionSettings, got {method!r}")
         self.settings = settings
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        self.absorbing = True
+        self._absorbing = True
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
         self._rotary = find_rotary_embedding(model) if settings.method.needs_pre_rope_keys else None
         layers = [
@@ -395,6 +413,20 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         if isinstance(method, str):
             select_compressed_attention(model)
+
+    @property
+    def absorbing(self) -> bool:
+        """Chunked mode: True while blocks go through each layer's stream (the prompt)."""
+        return self._absorbing
+
+    @absorbing.setter
+    def absorbing(self, value: bool) -> None:
+        """Setting it False ends the prompt: every stream is compacted to its budget once (its slack compressed away)."""
+        if self._absorbing and not value:
+            for layer in self.layers:
+                if isinstance(layer, CompressedLayer):
+                    layer.compact()
+        self._absorbing = value
 
     @classmethod
     def from_prefill(cls, model, settings: CompressionSettings, captured: dict) -> "CompressedCache":

@@ -168,16 +168,17 @@ def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
 
 class _GrowingSlots:
     """Tensors [B, H, capacity, ...] filled along the slot axis; `append` writes in place and
-    reallocates (one copy) only when full, with room for max(64, n/16) more slots."""
+    reallocates (one copy) only when full, with room for max(64, n/16) more slots (or up to
+    `reserve` slots in all, when larger)."""
 
     def __init__(self):
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.length = 0
 
-    def append(self, parts: tuple[torch.Tensor, ...]) -> None:
+    def append(self, parts: tuple[torch.Tensor, ...], reserve: int = 0) -> None:
         need = self.length + parts[0].shape[2]
         if not self.tensors or need > self.tensors[0].shape[2]:
-            capacity = need + max(64, need // 16)
+            capacity = max(need + max(64, need // 16), reserve)
             grown = tuple(p.new_empty(*p.shape[:2], capacity, *p.shape[3:]) for p in parts)
             for new, old in zip(grown, self.tensors):
                 new[:, :, : self.length] = old[:, :, : self.length]

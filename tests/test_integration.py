@@ -1,5 +1,7 @@
 """The transformers integration on tiny randomly initialised models (Llama, Qwen2, Qwen3, Mistral)."""
 
+import math
+
 import pytest
 import torch
 from transformers import (
@@ -18,7 +20,7 @@ from transformers import (
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache, CompressionSettings
 from kvcompress.integration import generate_ids, use_compressed_attention
-from kvcompress.methods.base import build_method
+from kvcompress.methods.base import DEFAULT_SLACK, build_method
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 ARCHS = {
@@ -114,7 +116,8 @@ def test_decode_mode_stays_bounded_while_generating():
     model = tiny()
     ctx, question = _prompt(n=100)
     res = generate_ids(model, ctx, question, method="knorm", budget=20, sink=2, window=8, mode="decode", max_new_tokens=60, stop_at_eos=False)
-    assert res.slots_per_layer == [30, 30]
+    # sink + budget + window, plus at most ceil(DEFAULT_SLACK * budget) slots of re-compression slack
+    assert all(2 + 20 + 8 <= slots <= 2 + 20 + math.ceil(DEFAULT_SLACK * 20) + 8 for slots in res.slots_per_layer)
 
 
 def test_rope_positions_keep_counting_original_tokens():

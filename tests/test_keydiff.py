@@ -1,11 +1,14 @@
 """KeyDiff (seed 004): anchor score, ablations, block prompt processing bound, end-to-end needle test."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kvcompress as kvc
 from kvcompress.methods import keydiff as kd
+from kvcompress.methods.base import DEFAULT_SLACK
 
 
 def _keys(b=1, h=2, n=300, d=16, seed=0, unit=False, spread=1.0):
@@ -78,7 +81,7 @@ def test_no_n_by_n_matrix_for_anchor_score():
 def test_stream_16k_tokens_stays_within_sink_budget_block_window(sink, window):
     budget, block = 256, 128
     g = torch.Generator().manual_seed(0)
-    st = kvc.stream("keydiff", budget=budget, sink=sink, window=window)
+    st = kvc.stream("keydiff", budget=budget, sink=sink, window=window, slack=0)  # slack 0: evict after every block (seed Eq. 6)
     bound_after = sink + budget + window
     for i in range(16_384 // block):
         keys = torch.randn(1, 2, block, 16, generator=g)
@@ -101,6 +104,7 @@ def test_one_shot_block_size_equals_the_stream():
     st = kvc.stream("keydiff", budget=100)
     for i in range(0, 700, 128):
         st.update(keys[:, :, i : i + 128], values[:, :, i : i + 128])
+    st.compact()
     s = kvc.compress("keydiff", keys, values, budget=100, block_size=128)
     assert torch.equal(s.positions, st.summary().positions)
     assert torch.equal(s.values, st.summary().values)
@@ -169,6 +173,8 @@ def test_pairwise_refuses_large_inputs(monkeypatch):
     st = kvc.stream("keydiff", budget=32, anchor="pairwise")
     for i in range(0, 100, 16):
         st.update(keys[:, :, i : i + 16], keys[:, :, i : i + 16])
+    assert st.summary().num_slots <= 32 + math.ceil(DEFAULT_SLACK * 32)  # budget + slack between re-compressions
+    st.compact()
     assert st.summary().num_slots == 32
 
 

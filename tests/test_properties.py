@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import kvcompress as kvc
-from kvcompress.methods.base import Tokens, get_method_class, split_exact
+from kvcompress.methods.base import DEFAULT_SLACK, Tokens, get_method_class, split_exact
 
 METHODS = kvc.methods()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -276,8 +276,8 @@ def test_streams_stay_bounded(method, layer, budget, blocks):
         stream.update(keys[:, :, start:stop], values[:, :, start:stop], **extra)
         seen, start = stop, stop
         middle = stream.state.summary()
-        if middle is not None:
-            assert most_stored_slots(middle) <= budget
+        if middle is not None:  # block-wise states hold up to ceil(DEFAULT_SLACK * budget) slots of re-compression slack
+            assert most_stored_slots(middle) <= budget + (math.ceil(DEFAULT_SLACK * budget) if stream.state.recompresses else 0)
         s = stream.summary()
         if is_weighted(s):
             assert_weights_sum_to(method, s, seen)

@@ -331,7 +331,8 @@ class BalanceKV(Method):
             keys, values, positions, log_weights = (torch.cat(p, 2) for p in zip(rest_parts, kept_parts))
         return keys, values, positions, log_weights
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> "BalanceKVStream":
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = 0.0) -> "BalanceKVStream":
+        """Native stream (at most `budget` slots, never re-compressed): slack does not apply."""
         return BalanceKVStream(self, budget, generator)
 
 

@@ -5,10 +5,14 @@ a layer (sink and window are handled here, the same way for every method) as a `
 and must honour `budget`: at most `budget` slots per head in what it returns.
 
 - One-shot: `Method.compress(tokens, budget, generator) -> KVSummary`.
-- Streaming: `Method.new_stream(budget, generator) -> StreamState` with `absorb(tokens)` and
-  `summary()`. A method that is natively one-shot streams block-wise (`BlockwiseState`): tokens
-  are buffered and evicted back to `budget` after every block, so at most budget + block slots
-  are stored. A natively streaming method's one-shot `compress` runs its stream over the tokens.
+- Streaming: `Method.new_stream(budget, generator, slack) -> StreamState` with `absorb(tokens)`,
+  `summary()` and `compact()`. A method that is natively one-shot streams block-wise
+  (`BlockwiseState`): tokens are buffered and compressed back to `budget` once the buffer passes
+  budget + ceil(slack·budget) slots, so at most budget + ceil(slack·budget) + block slots are
+  stored and the total work stays linear in the stream length. A natively streaming method
+  (Express, SubGen, BalanceKV) holds at most `budget` by construction and never re-compresses
+  (`recompresses` False: slack does not apply to it). Its one-shot `compress` runs its stream over
+  the tokens.
 """
 
 from __future__ import annotations
@@ -23,9 +27,24 @@ import torch
 
 from ..attention import visible_slots
 from ..checks import as_count, as_fraction, check_finite, check_queries, check_same_device, check_tensor, describe
-from ..summary import KVSummary, concat, gather_slots, take_slots
+from ..summary import KVSummary, _GrowingSlots, concat, gather_slots, take_slots
 
 _REGISTRY: dict[str, type["Method"]] = {}
+
+# Default re-compression slack of block-wise streams (fraction of the budget held beyond it before
+# re-compressing): benchmarks/results/bench/streams3 (docs/bench.md, "Streams") measures time and
+# peak memory against it.
+DEFAULT_SLACK = 0.5
+
+
+def check_slack(slack) -> float:
+    """The re-compression slack of a block-wise stream: a finite number >= 0, as a Python float."""
+    if isinstance(slack, bool) or not isinstance(slack, numbers.Real) or not math.isfinite(slack) or slack < 0:
+        raise ValueError(
+            f"slack must be a finite number >= 0 (extra slots a block-wise stream holds before re-compressing, "
+            f"as a fraction of budget; 0 re-compresses after every block), got {slack!r}"
+        )
+    return float(slack)
 
 
 @dataclass
@@ -101,6 +120,8 @@ def cat_tokens(parts: list[Tokens]) -> Tokens:
 class StreamState(ABC):
     """Per-layer streaming state of one method over the compressible middle."""
 
+    recompresses: ClassVar[bool] = False  # True: buffers tokens past the budget by a slack, then re-compresses
+
     @abstractmethod
     def absorb(self, tokens: Tokens) -> None:
         """Take the next tokens leaving the exact window."""
@@ -108,6 +129,9 @@ class StreamState(ABC):
     @abstractmethod
     def summary(self) -> KVSummary | None:
         """The current summary (None before any token)."""
+
+    def compact(self) -> None:
+        """Bring what is held down to the budget now (a state that never holds more does nothing)."""
 
     def nbytes(self) -> int:
         """Bytes of every tensor the state stores (including any workspace kept between updates)."""
@@ -128,14 +152,17 @@ class Method:
     default_window: ClassVar[int] = 64
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
-        """One-shot: summarise `tokens` in at most `budget` slots per head."""
+        """One-shot: summarise `tokens` in at most `budget` slots per head (this default runs the method's stream once over them)."""
         state = self.new_stream(budget, generator)
         state.absorb(tokens)
+        state.compact()
         return state.summary()
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> StreamState:
-        """Streaming: a fresh state holding at most `budget` slots per head between updates."""
-        return BlockwiseState(self, budget, generator)
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
+        """Streaming: a fresh state holding at most budget + ceil(slack·budget) slots per head between updates
+        (`BlockwiseState`; a natively streaming method holds at most `budget` and ignores slack: its
+        state's `recompresses` is False)."""
+        return BlockwiseState(self, budget, generator, slack)
 
     def check_inputs(self, tokens: Tokens) -> None:
         """Raise a clear error when the method's required inputs are missing."""
@@ -169,38 +196,87 @@ def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
 
 
 class BlockwiseState(StreamState):
-    """Block-wise streaming of a one-shot method: buffer, then evict back to `budget` after each block.
+    """Block-wise streaming of a one-shot method with amortised re-compression.
 
-    The buffer holds the previous summary's slots plus the new block, so peak storage is
-    budget + block slots per head (KeyDiff's block prompt processing, seed 004 Eq. 6). The
-    re-compression sees only plain kept tokens; weighted slots are not re-weighted here.
+    Blocks are appended in place to a buffer (no copy of what is held); once it holds more than
+    limit + ceil(slack·budget) slots (limit = budget, or what the method kept last time when it
+    keeps more, as PyramidKV's lower layers do), the method compresses everything held back to
+    `budget`. So between updates the state holds at most budget + ceil(slack·budget) slots per
+    head, `peak_slots` (the buffer a re-compression scores) is at most
+    budget + ceil(slack·budget) + block, and each token takes part in about 1 + 1/slack
+    re-compressions: total work is linear in the stream length even when budget grows with it.
+    slack=0 re-compresses after every block (KeyDiff's block prompt processing, seed 004 Eq. 6:
+    peak budget + block). `compact()` re-compresses now, so the state holds `budget`.
+    The re-compression sees only plain kept tokens; weighted slots are not re-weighted here.
     """
 
-    def __init__(self, method: Method, budget: int, generator: torch.Generator):
+    recompresses = True
+
+    def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK):
         self.method, self.budget, self.generator = method, budget, generator
-        self.kept: Tokens | None = None
+        self.slack_slots = math.ceil(check_slack(slack) * budget)
+        self.limit = budget
+        self.slots = _GrowingSlots()
+        self.last: Tokens | None = None
         self.peak_slots = 0
 
+    def columns(self, tokens: Tokens) -> tuple[torch.Tensor, ...]:
+        """The per-token tensors [B,H,n,...] stored: keys, values, positions, and pre-RoPE keys when given."""
+        base = (tokens.keys, tokens.values, tokens.positions)
+        return base if tokens.pre_rope_keys is None else (*base, tokens.pre_rope_keys)
+
     def absorb(self, tokens: Tokens) -> None:
-        buffer = tokens if self.kept is None else cat_tokens([self.kept, tokens])
-        self.peak_slots = max(self.peak_slots, buffer.length)
-        if buffer.length > self.budget:
-            summary = self.method.compress(buffer, self.budget, self.generator)
-            pre = None
-            if buffer.pre_rope_keys is not None:
-                index = _positions_index(buffer.positions, summary.positions)
-                pre = take_slots(buffer.pre_rope_keys, index)
-            buffer = replace(buffer, keys=summary.keys, values=summary.values, positions=summary.positions, pre_rope_keys=pre)
-        self.kept = buffer
+        columns = self.columns(tokens)
+        if self.slots.tensors and len(columns) != len(self.slots.tensors):
+            raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
+        self.slots.append(columns, reserve=self.limit + self.slack_slots + tokens.length)
+        self.last = tokens
+        self.peak_slots = max(self.peak_slots, self.slots.length)
+        if self.slots.length > self.limit + self.slack_slots:
+            self.recompress(room=self.slack_slots + tokens.length)
+
+    def held(self) -> Tokens:
+        """Every token held, with the latest block's queries and exact neighbours."""
+        keys, values, positions, *pre = self.slots.view()[:4]
+        return replace(self.last, keys=keys, values=values, positions=positions, pre_rope_keys=pre[0] if pre else None)
+
+    def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
+        """The stored columns of the tokens the method keeps from `held` (more than budget)."""
+        summary = self.method.compress(held, self.budget, self.generator)
+        extra = self.slots.view()[3:]
+        index = _positions_index(held.positions, summary.positions) if extra else None
+        return (summary.keys, summary.values, summary.positions, *(take_slots(t, index) for t in extra))
+
+    def recompress(self, room: int) -> None:
+        """Compress what is held back to the budget (when above it), into a buffer with `room` more slots reserved."""
+        if self.slots.length <= self.budget:
+            return
+        kept = self.keep(self.held())
+        self.limit = max(self.budget, kept[0].shape[2])
+        self.slots = _GrowingSlots()
+        self.slots.append(kept, reserve=self.limit + room)
+
+    def compact(self) -> None:
+        """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:
+        the room reserved for further blocks is given back)."""
+        if self.slots.length > self.budget:
+            self.recompress(room=0)
+        elif self.slots.tensors:
+            held = self.slots.view()
+            self.slots = _GrowingSlots()
+            self.slots.append(held)
 
     def summary(self) -> KVSummary | None:
-        return self.kept.exact() if self.kept is not None else None
+        return self.held().exact() if self.last is not None else None
 
     def nbytes(self) -> int:
-        if self.kept is None:
+        """Bytes of the buffer as allocated (its room for the next blocks included), plus the float32
+        log-weights of the slots held, as a summary of them has."""
+        if self.last is None:
             return 0
-        extra = self.kept.pre_rope_keys
-        return self.summary().nbytes() + (extra.numel() * extra.element_size() if extra is not None else 0)
+        reserved = sum(t.numel() * t.element_size() for t in self.slots.tensors)
+        b, h = self.slots.tensors[0].shape[:2]
+        return reserved + 4 * b * h * self.slots.length
 
 
 def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
@@ -473,16 +549,28 @@ class Stream:
     """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
 
     update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
-    the method's state, which stores at most `budget` slots per head between updates (plus the
-    block in progress for block-wise methods). summary() is sink + method summary + window.
+    the method's state. A natively streaming method (Express, SubGen, BalanceKV) stores at most
+    `budget` slots per head. A block-wise one (every score method, Compactor, the hybrid's exact
+    set) lets its buffer grow to budget + ceil(slack·budget) slots before compressing it back to
+    `budget`, so its cost stays linear in the stream length: between updates it stores at most
+    budget + ceil(slack·budget) slots, during one at most that plus the block. slack=None is
+    DEFAULT_SLACK; slack=0 re-compresses after every block; an explicit slack for a method that
+    never re-compresses is an error. compact() brings the state down to `budget` now (e.g. at the
+    end of a prompt). summary() is sink + method summary + window.
     """
 
-    def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None):
+    def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None,
+                 slack: float | None = None):
         sink, window = check_sink_window(sink, window)
         budget = as_count("budget", budget, 1)
         self.method, self.budget, self.sink, self.window = method, budget, sink, window
         self.generator, self.scale = generator, check_scale(scale)
-        self.state = method.new_stream(budget, generator)
+        self.state = method.new_stream(budget, generator, DEFAULT_SLACK if slack is None else check_slack(slack))
+        if slack is not None and not self.state.recompresses:
+            raise ValueError(
+                f"slack={slack!r}: method {method.name!r} streams natively (at most budget slots, never re-compressed), "
+                "so slack does not apply to it; leave slack unset"
+            )
         self.head: Tokens | None = None
         self.recent: Tokens | None = None
         self.seen = 0
@@ -544,6 +632,10 @@ class Stream:
         if not parts:
             raise ValueError("the stream has seen no tokens yet")
         return concat(parts)
+
+    def compact(self) -> None:
+        """Compress the method's state down to `budget` slots per head now (a no-op for native streams)."""
+        self.state.compact()
 
     def nbytes(self) -> int:
         exact = sum(p.exact().nbytes() for p in (self.head, self.recent) if p is not None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, gather_slots
-from .base import Method, StreamState, Tokens, cat_tokens, register
+from .base import DEFAULT_SLACK, Method, StreamState, Tokens, cat_tokens, register
 
 
 # Pairwise inner products materialised at once (float32) by farthest_point; above this it takes one
@@ -135,9 +135,10 @@ class ClusterGen(Method):
             log_weights = sizes.log()
         return KVSummary(keys, values, log_weights, positions)
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> StreamState:
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
+        """Native (`ClusterGenState`, slack unused) with block_size and unweighted; otherwise block-wise with `slack`."""
         if self.block_size is None or self.weighted:
-            return super().new_stream(budget, generator)
+            return super().new_stream(budget, generator, slack)
         return ClusterGenState(budget, self.block_size)
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Method, StreamState, Tokens, cat_tokens, register
-from ..summary import KVSummary, gather_slots, take_slots
+from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, register
+from ..summary import KVSummary, take_slots
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
 SKETCHES = ("gaussian", "srht")
@@ -138,9 +138,10 @@ class Compactor(Method):
     model the prefill supplies them; the question is never seen (query-agnostic).
 
     Streaming: each block is attention-scored when it arrives (the score of a token depends only
-    on its chunk, chunks restart at each block), the raw a of every kept token is stored beside
-    it, and at each eviction leverage is recomputed over kept + new pre-RoPE keys and both scores
-    are re-standardised. With blocks that are multiples of `chunk_size`, the one-block case is the
+    on its chunk, chunks restart at each block), the raw a of every held token is stored beside
+    it, and at each re-compression (once the buffer passes budget + ceil(slack·budget) slots,
+    `BlockwiseState`) leverage is recomputed over the held pre-RoPE keys and both scores are
+    re-standardised. With blocks that are multiples of `chunk_size`, the one-block case is the
     one-shot algorithm.
     """
 
@@ -193,8 +194,8 @@ class Compactor(Method):
             return outlier
         return standardise(attention) + self.leverage_weight * outlier
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> StreamState:
-        return CompactorState(self, budget, generator)
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
+        return CompactorState(self, budget, generator, slack)
 
 
 def own_queries(tokens: Tokens) -> torch.Tensor:
@@ -213,33 +214,19 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
     )
 
 
-class CompactorState(StreamState):
-    """Kept tokens (with their pre-RoPE keys and raw attention scores), evicted back to `budget` per block."""
+class CompactorState(BlockwiseState):
+    """Kept tokens with their pre-RoPE keys and raw attention scores, re-compressed to `budget` with
+    amortised slack (`BlockwiseState`): leverage and both standardisations are recomputed only at a
+    re-compression, over everything held."""
 
-    def __init__(self, method: Compactor, budget: int, generator: torch.Generator):
-        self.method, self.budget, self.generator = method, budget, generator
-        self.kept: Tokens | None = None
-        self.attn: torch.Tensor | None = None
-
-    def absorb(self, tokens: Tokens) -> None:
+    def columns(self, tokens: Tokens) -> tuple[torch.Tensor, ...]:
+        """keys, values, positions, pre-RoPE keys, and the raw attention score a of each token (scored on arrival)."""
         self.method.check_inputs(tokens)
-        attn = self.method.attention_scores(tokens) if self.method.attention else None
-        buffer = tokens if self.kept is None else cat_tokens([self.kept, tokens])
-        if attn is not None and self.attn is not None:
-            attn = torch.cat([self.attn, attn], dim=2)
-        if buffer.length > self.budget:
-            scores = self.method.blend(attn, buffer.pre_rope_keys, self.generator)
-            index = scores.topk(self.budget, dim=-1).indices.sort(dim=-1).values
-            keys, values, positions = gather_slots(buffer.keys, buffer.values, buffer.positions, index)
-            buffer = Tokens(keys, values, positions, None, take_slots(buffer.pre_rope_keys, index), buffer.scale, buffer.layer_idx, buffer.num_layers)
-            attn = take_slots(attn, index) if attn is not None else None
-        self.kept, self.attn = buffer, attn
+        base = (tokens.keys, tokens.values, tokens.positions, tokens.pre_rope_keys)
+        return (*base, self.method.attention_scores(tokens)) if self.method.attention else base
 
-    def summary(self) -> KVSummary | None:
-        return self.kept.exact() if self.kept is not None else None
-
-    def nbytes(self) -> int:
-        if self.kept is None:
-            return 0
-        extra = [t for t in (self.kept.pre_rope_keys, self.attn) if t is not None]
-        return self.summary().nbytes() + sum(t.numel() * t.element_size() for t in extra)
+    def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
+        columns = self.slots.view()
+        scores = self.method.blend(columns[4] if self.method.attention else None, held.pre_rope_keys, self.generator)
+        index = scores.topk(self.budget, dim=-1).indices.sort(dim=-1).values
+        return tuple(take_slots(t, index) for t in columns)

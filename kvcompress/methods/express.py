@@ -485,7 +485,8 @@ class Express(Method):
     def _delta(self) -> float | None:
         return None if self.halving == "greedy" else float(self.delta)
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> ExpressState:
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = 0.0) -> ExpressState:
+        """Native stream (at most `budget` slots, never re-compressed): slack does not apply."""
         if budget < stream_bound(1, 0):
             raise ValueError(
                 f"streaming express needs budget >= 4 (its smallest cache, m = 1, holds C plus up to three "

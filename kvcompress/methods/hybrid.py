@@ -17,20 +17,23 @@ outlier keys (Compactor's leverage blend) are the rare tokens retrieval needs (a
 coreset of the bulk drops.
 
 One-shot: the score methods select over all tokens, the coreset compresses the rest once.
-Streamed: the exact set is re-selected block by block over (exact set + new block), as block
-prompt processing does (seed 004 Eq. 6); the tokens it lets go are absorbed by the coreset's own
-stream (`coreset` method's `new_stream`), so nothing leaves the summary unweighted. Stored slots
-stay within Σ n_i + the coreset stream's budget between updates (plus the block in progress).
+Streamed: new blocks join the held exact set until it passes Σ n_i + ceil(slack·budget) slots;
+then the exact set is re-selected over everything held, as block prompt processing does (seed 004
+Eq. 6, with amortised slack: linear total work); the tokens it lets go are absorbed by the
+coreset's own stream (`coreset` method's `new_stream`), so nothing leaves the summary unweighted.
+Stored slots stay within Σ n_i + ceil(slack·budget) + the coreset stream's budget between updates
+(plus the block in progress); `compact()` re-selects now, leaving Σ n_i exact slots.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..summary import KVSummary, concat, take_slots
-from .base import Method, StreamState, Tokens, build_method, cat_tokens, register
+from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, register
 
 _COMPOSED_PARAMS = ("sink", "window")
 
@@ -165,32 +168,38 @@ class Hybrid(Method):
         coreset = self.coreset_method.compress(rest, n_coreset, generator)
         return _by_position(concat([exact.exact(), coreset]))
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> "HybridState":
-        return HybridState(self, budget, generator)
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> "HybridState":
+        return HybridState(self, budget, generator, slack)
 
 
-class HybridState(StreamState):
-    """Streamed hybrid: an exact set re-selected after each block, its evictions absorbed by the coreset's stream."""
+class HybridState(BlockwiseState):
+    """Streamed hybrid: the exact set buffered with amortised slack (`BlockwiseState`) and re-selected
+    only at a re-compression, which hands every token it lets go to the coreset's stream.
 
-    def __init__(self, method: Hybrid, budget: int, generator: torch.Generator):
-        self.method, self.generator = method, generator
+    Between updates it holds at most Σ n_i + ceil(slack·budget) exact slots (the slack counted on
+    the hybrid's whole budget) plus what the coreset's stream holds; every token seen is either held
+    exactly (weight 1) or covered by the coreset, so the weights add up to the tokens seen.
+    """
+
+    def __init__(self, method: Hybrid, budget: int, generator: torch.Generator, slack: float):
         self.counts, n_coreset = method.split_budget(budget)
-        self.n_exact = sum(self.counts)
-        self.coreset = method.coreset_method.new_stream(n_coreset, generator)
-        self.exact: Tokens | None = None
+        super().__init__(method, sum(self.counts), generator, slack)
+        self.slack_slots = math.ceil(slack * budget)
+        self.coreset = method.coreset_method.new_stream(n_coreset, generator, slack)
 
-    def absorb(self, tokens: Tokens) -> None:
-        buffer = tokens if self.exact is None else cat_tokens([self.exact, tokens])
-        if buffer.length <= self.n_exact:
-            self.exact = buffer
-            return
-        self.exact, evicted = self.method.top(buffer, self.counts, self.generator)
+    def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
+        exact, evicted = self.method.top(held, self.counts, self.generator)
         self.coreset.absorb(evicted)
+        return self.columns(exact)
+
+    def compact(self) -> None:
+        super().compact()
+        self.coreset.compact()
 
     def summary(self) -> KVSummary | None:
-        parts = [p for p in (self.exact.exact() if self.exact is not None and self.exact.length else None, self.coreset.summary()) if p is not None]
+        exact = super().summary()
+        parts = [p for p in (exact if exact is not None and exact.num_slots else None, self.coreset.summary()) if p is not None]
         return _by_position(concat(parts)) if parts else None
 
     def nbytes(self) -> int:
-        exact = self.exact.exact().nbytes() if self.exact is not None else 0
-        return exact + self.coreset.nbytes()
+        return super().nbytes() + self.coreset.nbytes()

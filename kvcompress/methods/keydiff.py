@@ -8,9 +8,11 @@ anchor; the `budget` highest-scoring (least typical) tokens per KV head are kept
 score are O(n·d) time and memory: no n×n matrix and no attention weights.
 
 Block prompt processing (seed Eq. 6): as a stream (`kvc.stream("keydiff", budget=N)`, or
-`generate(..., mode="chunked")`), each block of B new tokens is appended to the N kept ones and
-the policy evicts back to N over the N + B, so stored KV peaks at sink + N + B (+ window) tokens per
-head whatever the prompt length (the block-wise state of `methods.base`). One-shot `compress`
+`generate(..., mode="chunked")`), blocks of B new tokens are appended to the N kept ones and the
+policy evicts back to N over everything held; with slack=0 after every block (stored KV peaks at
+sink + N + B (+ window) per head, the seed's protocol), by default once the buffer passes
+N + ceil(slack·N) (peak sink + N + ceil(slack·N) + B (+ window), linear total work; the
+block-wise state of `methods.base`). Either way the peak does not depend on the prompt length. One-shot `compress`
 scores all tokens at once (the seed's B = T case) unless `block_size` asks for the same block
 recursion offline.
 
@@ -97,7 +99,8 @@ class KeyDiff(ScoreMethod):
     PAIRWISE_MAX_TOKENS tokens per call); metric: "cosine" | "dot" | "euclidean";
     normalize_anchor: build the anchor from unit keys (μ(K̂), default) or raw keys (μ(K));
     block_size: None scores all tokens of a one-shot call at once, an int runs the block
-    recursion of Eq. 6 over them (what chunked prefill does); streams always evict per update.
+    recursion of Eq. 6 over them as chunked prefill does (the block-wise stream with its default
+    re-compression slack, compacted to `budget` at the end).
     """
 
     name = "keydiff"
@@ -131,4 +134,5 @@ class KeyDiff(ScoreMethod):
         state = BlockwiseState(replace(self, block_size=None), budget, generator)
         for start in range(0, tokens.length, self.block_size):
             state.absorb(tokens.slice(start, start + self.block_size))
+        state.compact()
         return state.summary()

@@ -295,6 +295,7 @@ class SubGen(Method):
             )
         return s, r, cap
 
-    def new_stream(self, budget: int, generator: torch.Generator) -> SubGenState:
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = 0.0) -> SubGenState:
+        """Native stream (at most `budget` slots, never re-compressed): slack does not apply."""
         s, r, cap = self.sizes(budget)
         return SubGenState(s, r, cap, float(self.delta), float(self.cluster_weight), generator)

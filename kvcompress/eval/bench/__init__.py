@@ -31,6 +31,7 @@ from .common import (
     synthetic_layer,
     time_calls,
     write_csv,
+    write_table,
 )
 from .decode import attention_step_rows, decode_rows, plot_decode
 from .memory import memory_rows, peak_process_memory, plot_memory
@@ -52,5 +53,5 @@ __all__ = [
     "DEFAULT_SIZES", "SECTIONS", "SHAPES", "Shape", "attention_step_rows", "context_ids", "decode_rows", "exact_attention_pass",
     "exponent_rows", "fit_exponent", "kept_budget", "machine_description", "markdown_table", "memory_rows", "method_inputs",
     "natively_streaming", "one_shot", "overhead_pivot", "overhead_rows", "peak_process_memory", "plot_decode", "plot_memory",
-    "plot_overhead", "read_csv", "report", "run", "streamed", "synthetic_layer", "time_calls", "write_csv", "write_markdown",
+    "plot_overhead", "read_csv", "report", "run", "streamed", "synthetic_layer", "time_calls", "write_csv", "write_markdown", "write_table",
 ]

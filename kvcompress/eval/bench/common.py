@@ -135,6 +135,15 @@ def read_csv(path: Path) -> list[dict]:
         return [{k: parse(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
 
 
+def write_table(rows: Sequence[dict], out: Path, stem: str, heading: str, columns: Sequence[str]) -> str:
+    """Rows as out/stem.csv and out/stem.md (the heading paragraphs, then a table of `columns`); returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / f"{stem}.csv")
+    text = f"{heading}\n\n{markdown_table(rows, columns)}\n"
+    (out / f"{stem}.md").write_text(text)
+    return text
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"

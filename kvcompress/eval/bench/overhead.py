@@ -51,8 +51,12 @@ def one_shot(method: str, layer: dict[str, torch.Tensor], compression_ratio: flo
     return lambda: compress(method, layer["keys"], layer["values"], budget=budget, sink=0, window=0, seed=seed, **extra)
 
 
-def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: float, block: int, seed: int) -> Callable[[], object]:
-    """A call feeding the layer to a fresh `kvc.stream` (sink = window = 0) in blocks of `block` tokens, each with its own queries, then reading the summary."""
+def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: float, block: int, seed: int,
+             slack: float | None = None) -> Callable[[], object]:
+    """A call feeding the layer to a fresh `kvc.stream` (sink = window = 0, re-compression `slack`:
+    None is the default) in blocks of `block` tokens, each with its own queries, then compacting it
+    to its budget (so it ends with the same number of slots as one-shot compression); the call
+    returns the stream."""
     from ...api import stream
 
     n = layer["keys"].shape[2]
@@ -60,11 +64,12 @@ def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: flo
     extra = method_inputs(method, layer)
 
     def run():
-        st = stream(method, budget=budget, sink=0, window=0, seed=seed)
+        st = stream(method, budget=budget, sink=0, window=0, seed=seed, slack=slack)
         for start in range(0, n, block):
             part = {k: v[:, :, start : start + block] for k, v in extra.items()}
             st.update(layer["keys"][:, :, start : start + block], layer["values"][:, :, start : start + block], **part)
-        return st.summary()
+        st.compact()
+        return st
 
     return run
 
