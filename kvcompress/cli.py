@@ -112,6 +112,8 @@ def _generate_cli(subparsers) -> None:
     p.add_argument("--sink", type=int, default=None, help="first tokens kept exactly (default: the method's seed default)")
     p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's seed default)")
     p.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode mode")
+    p.add_argument("--slack", type=float, default=None,
+                   help="chunked/decode mode: a block-wise stream re-compresses to its budget once it holds budget + slack·budget slots (default 0.5; 0: after every block)")
     p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     add_model_arg(p)
@@ -121,6 +123,7 @@ def _generate_cli(subparsers) -> None:
 
 def _run_generate(args) -> int:
     from .api import default_sink_window
+    from .cache import CompressionSettings
     from .integration import generate, load_model
     from .methods.base import build_method, check_sink_window, resolve_budget
 
@@ -131,18 +134,21 @@ def _run_generate(args) -> int:
         check_method("--method", args.method)
         if args.budget is None and args.compression_ratio is None:
             raise ValueError("pass --compression-ratio or --budget (or --method full)")
-    elif args.budget is not None or args.compression_ratio is not None or args.param:
-        raise ValueError("--method full keeps every token: it takes no --budget, --compression-ratio or --param")
+    elif args.budget is not None or args.compression_ratio is not None or args.slack is not None or args.param:
+        raise ValueError("--method full keeps every token: it takes no --budget, --compression-ratio, --slack or --param")
     check_positive("--max-new-tokens", args.max_new_tokens)
     check_positive("--chunk-size", args.chunk_size)
     params = parse_params(args.param)
     if not full:
-        build_method(args.method, **params)
+        method = build_method(args.method, **params)
+        if args.slack is not None:  # checked before the model loads: slack against this method and mode
+            CompressionSettings(method, args.mode, budget=1, slack=args.slack)
         check_sink_window(*default_sink_window(args.method, args.sink, args.window))
         resolve_budget(10**9, args.budget, args.compression_ratio, 0, 0)
     context = args.context_file.read_text()
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
-    size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window}
+    size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window,
+                            "slack": args.slack}
     res = generate(
         model, tokenizer, context, args.question, method=None if full else args.method, mode=args.mode,
         max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, compress_question=args.compress_question,

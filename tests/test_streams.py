@@ -211,3 +211,19 @@ def test_chunked_cache_holds_the_slack_while_absorbing_and_compacts_at_the_end()
         cache.absorbing = False
         assert [layer.slots() for layer in cache.layers] == [sink + budget + window] * 2
         assert cache.peak_bytes() >= cache.nbytes()
+
+
+def test_generate_passes_slack_to_the_cache():
+    from kvcompress.integration.generate import generate_ids
+
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    common = dict(method="knorm", budget=40, sink=2, window=8, mode="chunked", chunk_size=16, max_new_tokens=2)
+    tight = generate_ids(model, ctx, question, slack=0.0, **common)
+    loose = generate_ids(model, ctx, question, slack=1.0, **common)
+    assert loose.peak_kv_bytes > tight.peak_kv_bytes  # the slack is held between re-compressions
+    assert loose.kv_bytes == tight.kv_bytes  # both compacted to the budget when the prompt ends
+    with pytest.raises(ValueError, match="slack=0.5 sets how streams re-compress.*not 'prefill'"):
+        generate_ids(model, ctx, question, **{**common, "mode": "prefill"}, slack=0.5)
+    with pytest.raises(ValueError, match="full cache: it takes no budget, compression_ratio, slack"):
+        generate_ids(model, ctx, question, method=None, slack=0.5)

@@ -139,7 +139,7 @@ class _Prompt:
 class _Session:
     """One compressed context on the model: builds the cache, prefills, then answers (greedy) through model.generate."""
 
-    def __init__(self, model, prompt: _Prompt, method, budget, compression_ratio, mode, sink, window, seed, chunk_size,
+    def __init__(self, model, prompt: _Prompt, method, budget, compression_ratio, mode, sink, window, seed, chunk_size, slack,
                  compress_question, prefill, quality, calibration, method_params):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -182,9 +182,9 @@ class _Session:
             self.middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window, m, streaming=mode != "prefill")
             # In prefill mode a ratio is resolved by each layer against what it compresses (a padded row: its own length).
             per_row = mode == "prefill" and compression_ratio is not None
-            self.settings = CompressionSettings(m, mode, None if per_row else self.middle_budget, compression_ratio if per_row else None, sink, window, seed)
-        elif budget is not None or compression_ratio is not None or method_params or prefill is not None:
-            raise ValueError("method=None is the full cache: it takes no budget, compression_ratio, method parameters or recorded prefill")
+            self.settings = CompressionSettings(m, mode, None if per_row else self.middle_budget, compression_ratio if per_row else None, sink, window, seed, slack)
+        elif budget is not None or compression_ratio is not None or slack is not None or method_params or prefill is not None:
+            raise ValueError("method=None is the full cache: it takes no budget, compression_ratio, slack, method parameters or recorded prefill")
         if prefill is not None and (mode != "prefill" or compress_question):
             raise ValueError("a recorded prefill serves mode='prefill' with the question kept out of compression")
 
@@ -294,7 +294,7 @@ class _Session:
         )
 
 
-_SESSION_OPTIONS = ("method", "budget", "compression_ratio", "mode", "sink", "window", "seed", "chunk_size", "compress_question", "prefill", "quality", "calibration")
+_SESSION_OPTIONS = ("method", "budget", "compression_ratio", "mode", "sink", "window", "seed", "chunk_size", "slack", "compress_question", "prefill", "quality", "calibration")
 
 
 def _session(model, prompt: _Prompt, options: dict) -> _Session:
@@ -319,6 +319,7 @@ def generate_ids(
     window: int | None = None,
     seed: int = 0,
     chunk_size: int = 128,
+    slack: float | None = None,
     compress_question: bool = False,
     progress: bool = False,
     stop_at_eos: bool = True,
@@ -333,8 +334,10 @@ def generate_ids(
 
     prefill: the context (and the question too if compress_question) is prefilled in one forward
     and compressed once; chunked: the context is fed in blocks of `chunk_size` through the
-    method's stream (stored KV <= sink + budget + window + chunk_size per head); decode: as
-    chunked, and every later token (question, answer) keeps going through the stream. A
+    method's stream (stored KV <= sink + budget + ceil(slack·budget) + window + chunk_size per head
+    for block-wise streams; slack: see `CompressionSettings`, None is 0.5, 0 re-compresses after
+    every block); decode: as chunked, and every later token (question, answer) keeps going through
+    the stream. A
     compression_ratio is resolved against the context length (the prompt length in prefill
     mode with compress_question). prefill: a recorded full prefill of the context
     ({layer: (queries, keys, values)}, see `kvcompress.eval.capture.capture_qkv`) to compress
