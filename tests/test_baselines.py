@@ -1,6 +1,7 @@
 """Baselines as their papers define them: attention-mass scorers (SnapKV, PyramidKV, H2O, TOVA),
 PyramidKV's clamped budgets and ExpectedAttention's Gaussian expectation."""
 
+import itertools
 import math
 
 import pytest
@@ -145,6 +146,30 @@ def test_expected_attention_is_the_gaussian_expectation_of_exp_scores():
     assert torch.allclose(with_norm, score * v.norm(dim=-1))
     mean_only = get_method_class("expected_attention")(n_future_positions=samples, use_covariance=False, use_vnorm=False)
     assert torch.allclose(mean_only.score(tokens, torch.Generator())[0, 0], (k[0, 0] @ q[0, 0].mean(0) * s).softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("use_covariance", [True, False])
+def test_expected_attention_per_query_head_with_gqa_and_exact_keys(use_covariance):
+    """Each query head's own Gaussian expectation, softmax over the tokens and the exact keys, mean over the GQA group."""
+    g = torch.Generator().manual_seed(6)
+    b, hkv, group, n, m, d, future = 2, 3, 4, 30, 5, 8, 12
+    k, v = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    q = torch.randn(b, hkv * group, 20, d, generator=g)
+    exact = torch.randn(b, hkv, m, d, generator=g)
+    s = 0.3
+    tokens = Tokens(k, v, torch.arange(n).expand(b, hkv, n), q, scale=s, exact_keys=exact,
+                    exact_positions=torch.arange(n, n + m).expand(b, hkv, m))
+    got = get_method_class("expected_attention")(n_future_positions=future, use_covariance=use_covariance).score(tokens, torch.Generator())
+    want = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for i, h in itertools.product(range(b), range(hkv * group)):
+        recent = q[i, h, -future:].double()
+        mu, centred = recent.mean(0), recent - recent.mean(0)
+        keys = torch.cat([k[i, h // group], exact[i, h // group]]).double()
+        logits = s * keys @ mu
+        if use_covariance:
+            logits += 0.5 * s * s * ((keys @ (centred.T @ centred / future)) * keys).sum(-1)
+        want[i, h // group] += logits.softmax(0)[:n] / group
+    assert torch.allclose(got.double(), want * v.double().norm(dim=-1), rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("params, match", [

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcompress as kvc
 from kvcompress.calibration import Calibration
+from kvcompress.checks import check_finite
 from kvcompress.integration import generate, generate_ids
 from kvcompress.methods.base import build_method, check_kv, resolve_budget
 
@@ -299,6 +300,26 @@ def test_stream_update_names_nan_keys_on_the_cpu():
     st = kvc.stream("knorm", budget=8, sink=0, window=0)
     with pytest.raises(ValueError, match="keys contain NaN"):
         st.update(keys, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), "inf and -inf"])
+def test_check_finite_catches_every_non_finite_entry(dtype, bad):
+    t = torch.randn(2, 3, 40, 8).to(dtype)
+    if bad == "inf and -inf":
+        t[0, 0, 0, 0], t[1, 2, 39, 7] = float("inf"), float("-inf")
+    else:
+        t[1, 1, 17, 3] = bad
+    with pytest.raises(ValueError, match="values contain NaN or infinite entries"):
+        check_finite("values", t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_check_finite_accepts_finite_entries_whose_sum_overflows(dtype):
+    t = torch.full((1, 2, 64, 4), torch.finfo(dtype).max, dtype=dtype)
+    assert not torch.isfinite(t.sum())
+    check_finite("values", t)
+    check_finite("values", t[:, :, :0])
 
 
 @pytest.mark.cuda

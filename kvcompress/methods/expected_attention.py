@@ -48,22 +48,26 @@ class ExpectedAttention(ScoreMethod):
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         queries = tokens.queries[:, :, -self.n_future_positions :].float()
-        b, hq, _, d = queries.shape
+        b, hq, m, d = queries.shape
         hkv = tokens.keys.shape[1]
         group = hq // hkv
         s = tokens.scale
-        mean = queries.mean(dim=2)  # [B, H_q, d]
         keys = tokens.keys.float()
         if tokens.exact_keys is not None:
             keys = torch.cat([keys, tokens.exact_keys.float()], 2)
-        keys = keys.repeat_interleave(group, dim=1)  # [B, H_q, n + m, d]
-        logits = s * torch.matmul(keys, mean.unsqueeze(-1)).squeeze(-1)
+        n = keys.shape[2]
+        grouped = queries.reshape(b, hkv, group, m, d)
+        mean = grouped.mean(dim=3)  # [B, H_kv, group, d]
         if self.use_covariance:
-            centred = queries - mean.unsqueeze(2)
-            cov = torch.matmul(centred.transpose(-1, -2), centred) / queries.shape[2]
-            logits += 0.5 * s * s * (torch.matmul(keys, cov) * keys).sum(-1)
-        probs = logits.softmax(dim=-1)[..., : tokens.length]
-        scores = probs.reshape(b, hkv, group, tokens.length).mean(dim=2)
+            # s<μ, k> + s²/2 kᵀΣk = <k, sμ + s²/2 Σk>: Σk for the whole group in one GEMM per KV head.
+            centred = grouped - mean.unsqueeze(3)
+            cov = torch.matmul(centred.transpose(-1, -2), centred) / m  # [B, H_kv, group, d, d]
+            stacked = (0.5 * s * s) * cov.permute(0, 1, 3, 2, 4).reshape(b, hkv, d, group * d)
+            shifted = torch.matmul(keys, stacked).view(b, hkv, n, group, d).add_(s * mean.unsqueeze(2))
+            logits = torch.einsum("bhngd,bhnd->bhng", shifted, keys)
+        else:
+            logits = s * torch.matmul(keys, mean.transpose(-1, -2))  # [B, H_kv, n, group]
+        scores = logits.softmax(dim=2)[:, :, : tokens.length].mean(dim=-1)
         if self.use_vnorm:
             scores = (scores + self.epsilon) * tokens.values.float().norm(dim=-1)
         return scores
