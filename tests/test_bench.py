@@ -182,3 +182,57 @@ def test_cli_bench_runs_on_the_requested_device_and_dtype(tmp_path, device):
     machine = (out / "machine.txt").read_text()
     assert f"device {device}" in machine and "bfloat16" in machine
     assert {r["method"] for r in bench.read_csv(out / "overhead.csv")} == {"exact", "knorm", "subgen"}
+
+
+def test_throughput_rows_put_keydiff_first_as_the_reference():
+    rows = bench.throughput_rows(["knorm", "subgen"], TINY, tokens=96, block=16, repeats=2, log=lambda s: None)
+    assert [(r["method"], r["stream"]) for r in rows] == [("keydiff", "block-wise"), ("knorm", "block-wise"), ("subgen", "native")]
+    assert rows[0]["over_keydiff"] == 1.0 and all(r["runs"] == 2 and r["budget"] == 48 for r in rows)
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(96 / r["min_s"])
+        assert r["over_keydiff"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+
+
+def test_cli_runs_every_thread_count_into_its_own_directory(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--sections", "overhead,throughput", "--methods", "knorm", "--shapes", "smollm2", "--sizes", "32,64", "--repeats", "1",
+            "--throughput-shape", "smollm2", "--throughput-tokens", "64", "--throughput-repeats", "1", "--block", "16", "--threads", "1,2",
+            "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    for count in (1, 2):
+        assert f"torch threads {count}," in (out / f"threads-{count}" / "machine.txt").read_text()
+        assert [r["method"] for r in bench.read_csv(out / f"threads-{count}" / "throughput.csv")] == ["keydiff", "knorm"]
+        assert {r["method"] for r in bench.read_csv(out / f"threads-{count}" / "overhead.csv")} == {"exact", "knorm"}
+    page = (out / "bench.md").read_text()
+    assert "## 1 thread\n" in page and "## 2 threads\n" in page and page.count("### Streaming throughput vs KeyDiff") == 2
+
+
+@pytest.mark.parametrize("counts, match", [([], "at least one"), ([1, 1], "must not repeat"), ([0], "threads")])
+def test_run_thread_counts_rejects_bad_counts(tmp_path, counts, match):
+    with pytest.raises(ValueError, match=match):
+        bench.run_thread_counts(tmp_path, counts)
+
+
+@pytest.mark.smoke
+def test_prefill_rows_on_the_default_model(default_model):
+    model, tokenizer = default_model
+    rows = bench.prefill_rows(model, tokenizer, ["knorm", "h2o"], tokens=160, ratio=0.5, repeats=1, plain_every=1, kernel_repeats=1,
+                              log=lambda s: None)
+    by_method = {r["method"]: r for r in rows}
+    assert list(by_method) == ["plain", "knorm", "h2o"] and by_method["plain"]["runs"] == 2
+    assert by_method["plain"]["compress_min_s"] == 0.0 and by_method["plain"]["implied_overhead"] == 1.0
+    assert by_method["knorm"]["compress_min_s"] > 0 and by_method["knorm"]["fused_extra_s"] == 0.0
+    assert by_method["h2o"]["fused_extra_s"] != 0.0  # the fused mass kernel's extra time is counted for H2O only
+    for r in rows:
+        assert r["overhead_min"] == pytest.approx(r["min_s"] / by_method["plain"]["min_s"])
+        assert r["implied_overhead"] == pytest.approx(1 / (1 - r["compress_share"]))
+
+
+@pytest.mark.parametrize("kwargs, match", [({"ratio": 1.0}, "ratio"), ({"plain_every": 0}, "plain_every"), ({"tokens": 1}, "tokens")])
+def test_prefill_rows_reject_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench.prefill_rows(None, None, ["knorm"], log=lambda s: None, **kwargs)

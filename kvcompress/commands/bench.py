@@ -1,4 +1,4 @@
-"""`kvcompress bench`: compression overhead, decode speed and peak memory against the uncompressed baseline (`kvcompress.eval.bench`)."""
+"""`kvcompress bench`: compression overhead, end-to-end prefill cost, streaming throughput, decode speed and peak memory against the uncompressed baseline (`kvcompress.eval.bench`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ from ..eval import bench
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="cost benchmarks: compression overhead, decode speed, peak memory (ratios to the uncompressed baseline)",
+        help="cost benchmarks: compression overhead, prefill cost, streaming throughput, decode speed, peak memory (ratios to the uncompressed baseline)",
         description=__doc__ + " Writes <section>.csv, bench.md and PNG plots into --out.",
     )
     p.add_argument("--sections", type=name_list, default=list(bench.SECTIONS),
                    help=f"comma-separated sections to run, among {','.join(bench.SECTIONS)} (default: all)")
     p.add_argument("--methods", type=name_list, default=None, help="comma-separated methods (default: every registered method)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="output directory (default benchmarks/results/bench)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    p.add_argument("--threads", type=int_list, default=None,
+                   help="torch CPU threads, or a comma-separated list to run everything once per count, into --out/threads-<count>/ "
+                        "with one combined bench.md (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite bench.md and the plots from the CSVs already in --out")
     g = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")
@@ -32,6 +34,17 @@ def add_cli(subparsers) -> None:
                    help="per measurement: repeats stop after this many seconds, and a call slower than this is not run at larger n (default 30)")
     g.add_argument("--stream", choices=["native", "all", "none"], default="native",
                    help="time stream updates of natively streaming methods, of all methods (block-wise replay), or none (default native)")
+    g = p.add_argument_group("prefill: `generate` prefill with compression over a plain transformers prefill, on the model")
+    g.add_argument("--prefill-tokens", type=int, default=4096, help="context tokens of real prose (default 4096)")
+    g.add_argument("--prefill-ratio", type=float, default=0.75, help="fraction of the context removed, in [0, 1) (default 0.75)")
+    g.add_argument("--prefill-repeats", type=int, default=2, help="prefills per method (default 2)")
+    g.add_argument("--plain-every", type=int, default=4, help="a plain prefill before every this many methods (default 4)")
+    g.add_argument("--kernel-repeats", type=int, default=3,
+                   help="interleaved SDPA / fused attention-mass kernel calls per layer, for methods that need the mass (default 3)")
+    g = p.add_argument_group("throughput: tokens/s a stream absorbs, every method against KeyDiff (--block tokens per update)")
+    g.add_argument("--throughput-shape", default="llama8b", help=f"layer shape, among {','.join(bench.SHAPES)} (default llama8b)")
+    g.add_argument("--throughput-tokens", type=int, default=8192, help="tokens streamed, half of them kept (default 8192)")
+    g.add_argument("--throughput-repeats", type=int, default=3, help="runs per method, min reported (default 3)")
     g = p.add_argument_group("decode: greedy tokens/s on the model, and the attention-only decode step")
     g.add_argument("--decode-context", type=int, default=8192, help="context tokens of the decode run (default 8192)")
     g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
@@ -58,12 +71,19 @@ def _run(args) -> int:
         bench.report(args.out)
         return 0
     device, dtype = resolve_device(args.device, args.dtype)
-    bench.run(
-        args.out, sections=args.sections, methods=args.methods, shapes=args.shapes, sizes=args.sizes,
+    options = dict(
+        sections=args.sections, methods=args.methods, shapes=args.shapes, sizes=args.sizes,
         compression_ratio=args.compression_ratio, repeats=args.repeats, block=args.block, max_seconds=args.max_seconds,
         stream=args.stream, decode_context=args.decode_context, decode_kept=args.kept, decode_tokens=args.decode_tokens,
         step_shape=args.step_shape, step_contexts=args.step_contexts, step_repeats=args.step_repeats,
         memory_method=args.memory_method, memory_sizes=args.memory_sizes, memory_budget=args.memory_budget, memory_modes=args.memory_modes,
-        chunk_size=args.chunk_size, threads=args.threads, model_path=args.model, seed=args.seed, device=device, dtype=dtype,
+        chunk_size=args.chunk_size, prefill_tokens=args.prefill_tokens, prefill_ratio=args.prefill_ratio,
+        prefill_repeats=args.prefill_repeats, plain_every=args.plain_every, kernel_repeats=args.kernel_repeats,
+        throughput_shape=args.throughput_shape, throughput_tokens=args.throughput_tokens, throughput_repeats=args.throughput_repeats,
+        model_path=args.model, seed=args.seed, device=device, dtype=dtype,
     )
+    if args.threads is not None and len(args.threads) > 1:
+        bench.run_thread_counts(args.out, args.threads, **options)
+    else:
+        bench.run(args.out, threads=args.threads[0] if args.threads else None, **options)
     return 0

@@ -13,10 +13,15 @@ One module per benchmark, everything re-exported here:
   against every method at the given kept fractions (one recorded prefill reused by each method);
   and the attention-only decode step (one query) over a full cache (SDPA) against a compressed
   one (`weighted_attention` over kept·n slots).
+- `prefill`: end to end, the `generate` prefill with compression over a plain transformers prefill
+  of the same real-prose context on the model, with each method's compression share of its own
+  prefill.
+- `throughput`: tokens per second a fresh stream absorbs, every method against KeyDiff's.
 - `memory`: peak KV bytes the cache stores and peak process memory (resident set, Linux `VmHWM`
   reset per point) during the prompt, `prefill` vs `chunked` mode.
 - `common`: shapes, synthetic tensors, timing, CSV/Markdown tables; `report`: `run` does it all,
-  `report` rewrites bench.md and the PNGs from the CSVs.
+  `report` rewrites bench.md and the PNGs from the CSVs; `run_thread_counts` runs it at several
+  torch thread counts.
 """
 
 from .common import (
@@ -47,11 +52,14 @@ from .overhead import (
     plot_overhead,
     streamed,
 )
-from .report import SECTIONS, report, run, write_markdown
+from .prefill import fused_attention_cost, prefill_rows, prefill_seconds
+from .report import SECTIONS, report, run, run_thread_counts, write_markdown
+from .throughput import throughput_rows
 
 __all__ = [
     "DEFAULT_SIZES", "SECTIONS", "SHAPES", "Shape", "attention_step_rows", "context_ids", "decode_rows", "exact_attention_pass",
     "exponent_rows", "fit_exponent", "kept_budget", "machine_description", "markdown_table", "memory_rows", "method_inputs",
     "natively_streaming", "one_shot", "overhead_pivot", "overhead_rows", "peak_process_memory", "plot_decode", "plot_memory",
-    "plot_overhead", "read_csv", "report", "run", "streamed", "synthetic_layer", "time_calls", "write_csv", "write_markdown", "write_table",
+    "plot_overhead", "prefill_rows", "prefill_seconds", "fused_attention_cost", "read_csv", "report", "run", "run_thread_counts", "streamed",
+    "synthetic_layer", "throughput_rows", "time_calls", "write_csv", "write_markdown", "write_table",
 ]

@@ -11,12 +11,14 @@ from .common import DEFAULT_SIZES, SHAPES, check_positive, machine_description, 
 from .decode import attention_step_rows, decode_rows, plot_decode
 from .memory import memory_rows, plot_memory
 from .overhead import exponent_rows, overhead_pivot, overhead_rows, plot_overhead
+from .prefill import prefill_rows
+from .throughput import throughput_rows
 
 
-SECTIONS = ("overhead", "decode", "attention", "memory")
+SECTIONS = ("overhead", "prefill", "throughput", "decode", "attention", "memory")
 
 
-def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=()) -> None:
+def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(), throughput=()) -> None:
     """One Markdown page with every section that was run."""
     out = ["# kvcompress bench", "", f"Machine: {machine}.", ""]
     if overhead:
@@ -35,6 +37,19 @@ def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(
     if exponents:
         out += ["### Growth exponents (time ≈ c·n^a; ratio ≈ c·n^b)", "",
                 markdown_table(exponents, ["shape", "method", "kind", "n_min", "n_max", "time_exponent", "ratio_exponent"]), ""]
+    if prefill:
+        out += ["## End to end: `generate` prefill with compression ÷ plain transformers prefill", "",
+                f"{prefill[0]['tokens']} tokens of real prose, {prefill[-1]['ratio_removed']:.0%} of the context removed, prefill mode, "
+                "the model's own attention. overhead_min: min over repeats ÷ min of the run's plain prefills; implied_overhead: "
+                "1 / (1 − compress_share), the compression share of each method's own prefill (load-robust).", "",
+                markdown_table(sorted(prefill, key=lambda r: r["implied_overhead"]),
+                               ["method", "runs", "min_s", "median_s", "overhead_min", "overhead_median", "compress_min_s", "fused_extra_s",
+                                "compress_share", "implied_overhead"]), ""]
+    if throughput:
+        out += ["## Streaming throughput vs KeyDiff", "",
+                f"{throughput[0]['tokens']} tokens in blocks of {throughput[0]['block']}, half kept, no sink or window; "
+                "tokens/s from the min of the runs.", "",
+                markdown_table(throughput, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff"]), ""]
     if decode:
         out += ["## Decode speed", "", markdown_table(decode, ["method", "kept", "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
     if step:
@@ -62,7 +77,8 @@ def report(out_dir: Path) -> dict[str, list[dict]]:
         plot_memory(results["memory"], out_dir / "memory.png")
     machine = (out_dir / "machine.txt").read_text().strip() if (out_dir / "machine.txt").is_file() else "not recorded"
     write_markdown(out_dir / "bench.md", machine, results.get("overhead", ()), results.get("exponents", ()),
-                   results.get("decode", ()), results.get("attention", ()), results.get("memory", ()))
+                   results.get("decode", ()), results.get("attention", ()), results.get("memory", ()),
+                   results.get("prefill", ()), results.get("throughput", ()))
     return results
 
 
@@ -88,6 +104,14 @@ def run(
     memory_budget: int = 1024,
     memory_modes: Sequence[str] = ("chunked", "prefill"),
     chunk_size: int = 128,
+    prefill_tokens: int = 4096,
+    prefill_ratio: float = 0.75,
+    prefill_repeats: int = 2,
+    plain_every: int = 4,
+    kernel_repeats: int = 3,
+    throughput_shape: str = "llama8b",
+    throughput_tokens: int = 8192,
+    throughput_repeats: int = 3,
     threads: int | None = None,
     model_path: str | None = None,
     seed: int = 0,
@@ -97,7 +121,7 @@ def run(
 ) -> dict[str, list[dict]]:
     """Run the chosen sections, writing <section>.csv, machine.txt, bench.md and PNGs into out_dir; returns the rows of every CSV there.
 
-    Synthetic tensors are created on `device` in `dtype`, and the model of the decode/memory
+    Synthetic tensors are created on `device` in `dtype`, and the model of the prefill/decode/memory
     sections is loaded in `dtype` and moved to `device`. Sections already in out_dir from an
     earlier run stay in the report (rerun a section to replace it).
     """
@@ -106,7 +130,7 @@ def run(
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         raise ValueError(f"sections must be among {SECTIONS}, got {unknown}")
-    bad_shapes = [s for s in (*shapes, step_shape) if s not in SHAPES]
+    bad_shapes = [s for s in (*shapes, step_shape, throughput_shape) if s not in SHAPES]
     if bad_shapes:
         raise ValueError(f"shapes must be among {sorted(SHAPES)}, got {bad_shapes}")
     methods = list(all_methods() if methods is None else methods)
@@ -131,17 +155,44 @@ def run(
         rows = overhead_rows(methods, [SHAPES[s] for s in shapes], sizes, compression_ratio, repeats, block, max_seconds, stream, seed, log,
                              saver("overhead"), device, dtype)
         results["overhead"] = rows
+    if "throughput" in sections:
+        results["throughput"] = throughput_rows(methods, SHAPES[throughput_shape], throughput_tokens, block, throughput_repeats, seed, log, device, dtype)
+        write_csv(results["throughput"], out_dir / "throughput.csv")
     if "attention" in sections:
         results["attention"] = attention_step_rows(SHAPES[step_shape], step_contexts, decode_kept, step_repeats, seed, log, device, dtype)
         write_csv(results["attention"], out_dir / "attention.csv")
     model = tokenizer = None
-    if "decode" in sections or "memory" in sections:
+    if {"decode", "memory", "prefill"} & set(sections):
         from ...integration import load_model
 
         model, tokenizer = load_model(model_path, dtype=dtype)
         model.to(device)
+    if "prefill" in sections:
+        results["prefill"] = prefill_rows(model, tokenizer, methods, prefill_tokens, prefill_ratio, prefill_repeats, plain_every, kernel_repeats,
+                                          log, saver("prefill"))
     if "decode" in sections:
         results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log, saver("decode"))
     if "memory" in sections:
         results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, memory_modes, log, saver("memory"))
     return report(out_dir)
+
+
+def run_thread_counts(out_dir: Path, thread_counts: Sequence[int], **options) -> dict[int, dict[str, list[dict]]]:
+    """`run` once per torch thread count, each into out_dir/threads-<count>/ (its own CSVs, plots and bench.md), then
+    out_dir/bench.md with every count's page in turn; returns {count: that run's rows}. options: those of `run`."""
+    if not thread_counts:
+        raise ValueError("thread_counts must name at least one thread count, got none")
+    for count in thread_counts:
+        check_positive("threads", count)
+    if len(set(thread_counts)) != len(thread_counts):
+        raise ValueError(f"thread_counts must not repeat a count, got {list(thread_counts)}")
+    out_dir = Path(out_dir)
+    results = {count: run(out_dir / f"threads-{count}", threads=count, **options) for count in thread_counts}
+    page = [f"# kvcompress bench at {', '.join(map(str, thread_counts))} torch threads", "",
+            "One run per thread count, in turn, in one process; each count's CSVs and plots are in threads-<count>/.", ""]
+    for count in thread_counts:
+        text = (out_dir / f"threads-{count}" / "bench.md").read_text().splitlines()
+        page += [f"## {count} thread{'s' if count > 1 else ''}", ""]
+        page += ["#" + line if line.startswith("#") else line for line in text[1:]]
+    (out_dir / "bench.md").write_text("\n".join(page) + "\n")
+    return results
