@@ -38,7 +38,7 @@ def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = No
     index = torch.zeros(g, k, dtype=torch.long, device=x.device)
     sq_norms = x.square().sum(-1)
     if g * n * n <= _MAX_GRAM:  # every squared distance at once: row c holds ‖x‖² − 2<x, x_c> + ‖x_c‖², one gather per step
-        table = (sq_norms[:, None, :] - 2.0 * torch.bmm(x, x.transpose(1, 2)) + sq_norms[:, :, None]).clamp_min_(0.0)
+        table = torch.bmm(x, x.transpose(1, 2)).mul_(-2.0).add_(sq_norms[:, None, :]).add_(sq_norms[:, :, None]).clamp_min_(0.0)
 
         def sq_distance_to(centre: torch.Tensor) -> torch.Tensor:
             return table[rows, centre]
