@@ -115,7 +115,7 @@ class SubGenState(StreamState):
 
         weights [G, n] (None: uniform over the n block tokens), total [G] the earlier weight. Each of
         the `slots` slots of a row is replaced with probability W / (total + W), W the block's weight,
-        by a token drawn ∝ weights; only the K replaced slots are drawn (O(K log n) per block).
+        by a token drawn ∝ weights, one binary search per slot (O(slots·log n) per block).
         """
         g = total.shape[0]
         device = total.device
@@ -128,7 +128,9 @@ class SubGenState(StreamState):
             return rows, which, (u * n).long().clamp_max(n - 1)
         cdf = weights.double().cumsum(-1)
         cdf = torch.where(block[:, None] > 0, cdf / block.clamp_min(1e-300)[:, None], torch.arange(1, weights.shape[1] + 1, device=device) / weights.shape[1])
-        pick = torch.searchsorted(cdf[rows], u[:, None], right=True).squeeze(-1)
+        draws = torch.zeros(g, slots, dtype=cdf.dtype, device=device)
+        draws[rows, which] = u.to(cdf.dtype)  # each row's draws searched in its own cdf: no [K, n] copy of cdf rows
+        pick = torch.searchsorted(cdf, draws, right=True)[rows, which]
         return rows, which, pick.clamp_max(weights.shape[1] - 1)
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
