@@ -47,7 +47,7 @@ def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(
                                 "compress_share", "implied_overhead"]), ""]
     if throughput:
         out += ["## Streaming throughput vs KeyDiff", "",
-                f"{throughput[0]['tokens']} tokens in blocks of {throughput[0]['block']}, half kept, no sink or window; "
+                f"{throughput[0]['shape']} shape, {throughput[0]['tokens']} tokens in blocks of {throughput[0]['block']}, half kept, no sink or window; "
                 "tokens/s from the min of the runs.", "",
                 markdown_table(throughput, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff"]), ""]
     if decode:

@@ -24,7 +24,7 @@ def throughput_rows(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> list[dict]:
-    """Rows {method, stream (native|block-wise), tokens, budget, block, runs, min_s, median_s, tokens_per_s, over_keydiff}, KeyDiff first.
+    """Rows {shape, method, stream (native|block-wise), tokens, budget, block, runs, min_s, median_s, tokens_per_s, over_keydiff}, KeyDiff first.
 
     Synthetic tensors of `shape`: `tokens` tokens fed in blocks of `block` (each block with its own
     queries and pre-RoPE keys), half of them kept (no sink or window), then compacted to the budget
@@ -42,6 +42,6 @@ def throughput_rows(
             times[method] += time_calls(streamed(method, layer, 0.5, block, seed), 1, device=device)
             log(f"throughput {shape.name}: {method} {tokens / times[method][-1]:.0f} tokens/s")
     reference = tokens / min(times[REFERENCE])
-    return [{"method": m, "stream": "native" if natively_streaming(m) else "block-wise", "tokens": tokens,
+    return [{"shape": shape.name, "method": m, "stream": "native" if natively_streaming(m) else "block-wise", "tokens": tokens,
              "budget": kept_budget(tokens, 0.5), "block": block, "runs": len(t), "min_s": min(t), "median_s": statistics.median(t),
              "tokens_per_s": tokens / min(t), "over_keydiff": tokens / min(t) / reference} for m, t in times.items()]
