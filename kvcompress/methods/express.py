@@ -81,7 +81,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..summary import KVSummary, concat, gather_slots
+from ..summary import KVSummary, concat, gather_slots, take_slots
 from .base import Method, StreamState, Tokens, register
 
 _LOG2 = math.log(2.0)
@@ -106,7 +106,7 @@ def kernel_halving(
     logits = (k @ k.transpose(-1, -2)) * scale
     shift = logits.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True).unsqueeze(-1)
     b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
-    kernel = torch.exp((logits - shift).double()) * (v @ v.transpose(-1, -2) + b2).double()
+    kernel = (logits - shift).double().exp_().mul_((v @ v.transpose(-1, -2)).add_(b2).double())
     pair_columns = kernel[..., ::2] - kernel[..., 1::2]
     kdiff = pair_columns[..., ::2, :] - pair_columns[..., 1::2, :]
     pairs = size // 2
@@ -134,16 +134,13 @@ def halve_groups(slots: KVSummary, group: int, scale: float, generator: torch.Ge
     Slots of one group must carry equal weight; the kept half gets log-weight + log 2.
     """
     b, h, n, d = slots.keys.shape
-    shape = (b, h, n // group, group)
-    keys = slots.keys.reshape(*shape, d)
-    values = slots.values.reshape(*shape, slots.values.shape[-1])
-    index = kernel_halving(keys, values, scale, generator, delta)
-    idx = index.unsqueeze(-1)
-    kept_k = keys.gather(3, idx.expand(*index.shape, d)).reshape(b, h, n // 2, d)
-    kept_v = values.gather(3, idx.expand(*index.shape, values.shape[-1])).reshape(b, h, n // 2, -1)
-    kept_w = slots.log_weights.reshape(shape).gather(3, index).reshape(b, h, n // 2) + _LOG2
-    kept_p = slots.positions.reshape(shape).gather(3, index).reshape(b, h, n // 2)
-    return KVSummary(kept_k, kept_v, kept_w, kept_p)
+    groups = n // group
+    keys = slots.keys.unflatten(2, (groups, group))
+    values = slots.values.unflatten(2, (groups, group))
+    within = kernel_halving(keys, values, scale, generator, delta)
+    index = (within + group * torch.arange(groups, device=within.device).unsqueeze(-1)).flatten(2)
+    kept_k, kept_v, kept_p = gather_slots(slots.keys, slots.values, slots.positions, index)
+    return KVSummary(kept_k, kept_v, take_slots(slots.log_weights, index) + _LOG2, kept_p)
 
 
 def halve(slots: KVSummary, group: int, scale: float, generator: torch.Generator, delta: float | None, max_group: int) -> KVSummary:
