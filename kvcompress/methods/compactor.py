@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, register
+from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, keep_top, register
 from ..summary import KVSummary, take_slots
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
@@ -197,6 +197,14 @@ class Compactor(Method):
         if attention is None:
             return outlier
         return standardise(attention) + self.leverage_weight * outlier
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        """One-shot: the top `budget` tokens per head by the blended score (the one-block stream, without its buffer)."""
+        self.check_inputs(tokens)
+        if tokens.length <= budget:
+            return tokens.exact()
+        attention = self.attention_scores(tokens) if self.attention else None
+        return keep_top(tokens, self.blend(attention, tokens.pre_rope_keys, generator), budget)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
         return CompactorState(self, budget, generator, slack)
