@@ -103,29 +103,44 @@ def kernel_halving(
         raise ValueError(f"kernel halving needs an even number of points per group, got {size}")
     k = keys.float()
     v = values.float()
-    logits = (k @ k.transpose(-1, -2)) * scale
-    shift = logits.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True).unsqueeze(-1)
-    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
-    kernel = (logits - shift).double().exp_().mul_((v @ v.transpose(-1, -2)).add_(b2).double())
-    pair_columns = kernel[..., ::2] - kernel[..., 1::2]
-    kdiff = pair_columns[..., ::2, :] - pair_columns[..., 1::2, :]
     pairs = size // 2
+    # The walk reads Kdiff_ji only for j < i: the rows of the first half of the pairs against every
+    # pair, and the second half's rows against the second half only (3/4 of the kernel is formed).
+    first = (pairs + 1) // 2
+    split = 2 * first
+    parts = ((k[..., :split, :], k, v[..., :split, :], v), (k[..., split:, :], k[..., split:, :], v[..., split:, :], v[..., split:, :]))
+    logits = [(rows @ cols.transpose(-1, -2)) * scale for rows, cols, _, _ in parts]
+    value_products = [rows @ cols.transpose(-1, -2) for _, _, rows, cols in parts]
+    self_logits = torch.cat([logits[0][..., :split].diagonal(dim1=-2, dim2=-1), logits[1].diagonal(dim1=-2, dim2=-1)], -1)
+    shift = self_logits.amax(-1, keepdim=True).unsqueeze(-1)
+    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
+    head, tail = (_pair_differences((lg - shift).double().exp_().mul_(vp.add_(b2).double())) for lg, vp in zip(logits, value_products))
     if delta is None:
-        thresholds = torch.zeros(kdiff.shape[:-1], dtype=torch.float64, device=k.device)
+        thresholds = torch.zeros((*head.shape[:-2], pairs), dtype=torch.float64, device=k.device)
     else:
-        root = kdiff.diagonal(dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
+        diagonal = torch.cat([head[..., :first].diagonal(dim1=-2, dim2=-1), tail.diagonal(dim1=-2, dim2=-1)], -1)
+        root = diagonal.clamp_min(0.0).sqrt()
         multiplier = 0.5 + math.log(2.0 * size / delta)
-        uniforms = torch.rand(kdiff.shape[:-1], generator=generator, device=generator.device, dtype=torch.float64)
+        uniforms = torch.rand(diagonal.shape, generator=generator, device=generator.device, dtype=torch.float64)
         thresholds = (2.0 * uniforms.to(k.device) - 1.0) * multiplier * root * root.cummax(dim=-1).values
-    signed = kdiff[..., 0, :].clone()
-    rows, columns, limits = kdiff.unbind(-2), signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
+    signed = head[..., 0, :].clone()
+    later = signed[..., first:]
+    rows = [(signed, row) for row in head.unbind(-2)] + [(later, row) for row in tail.unbind(-2)]
+    columns, limits = signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
     signs = [torch.ones_like(limits[0])]
     for i in range(1, pairs):
         signs.append(torch.where(columns[i] > limits[i], -1.0, 1.0))
-        signed.addcmul_(signs[i], rows[i])
-    complement = torch.rand(kdiff.shape[:-2], generator=generator, device=generator.device) < 0.5
+        target, row = rows[i]
+        target.addcmul_(signs[i], row)
+    complement = torch.rand(head.shape[:-2], generator=generator, device=generator.device) < 0.5
     swap = (torch.cat(signs, -1) < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
+
+
+def _pair_differences(kernel: torch.Tensor) -> torch.Tensor:
+    """[..., R/2, C/2]: k(x_2j, x_2i) − k(x_2j, x_2i+1) − k(x_2j+1, x_2i) + k(x_2j+1, x_2i+1) of a kernel block [..., R, C]."""
+    pair_columns = kernel[..., ::2] - kernel[..., 1::2]
+    return pair_columns[..., ::2, :] - pair_columns[..., 1::2, :]
 
 
 def halve_groups(slots: KVSummary, group: int, scale: float, generator: torch.Generator, delta: float | None) -> KVSummary:
