@@ -85,6 +85,8 @@ from ..summary import KVSummary, concat, gather_slots, take_slots
 from .base import Method, StreamState, Tokens, register
 
 _LOG2 = math.log(2.0)
+# Row bands of the halving kernel: each is formed against itself and the later bands only.
+_BANDS = 4
 
 
 def kernel_halving(
@@ -104,35 +106,33 @@ def kernel_halving(
     k = keys.float()
     v = values.float()
     pairs = size // 2
-    # The walk reads Kdiff_ji only for j < i: the rows of the first half of the pairs against every
-    # pair, and the second half's rows against the second half only (3/4 of the kernel is formed).
-    first = (pairs + 1) // 2
-    split = 2 * first
-    parts = ((k[..., :split, :], k, v[..., :split, :], v), (k[..., split:, :], k[..., split:, :], v[..., split:, :], v[..., split:, :]))
-    logits = [(rows @ cols.transpose(-1, -2)) * scale for rows, cols, _, _ in parts]
-    value_products = [rows @ cols.transpose(-1, -2) for _, _, rows, cols in parts]
-    self_logits = torch.cat([logits[0][..., :split].diagonal(dim1=-2, dim2=-1), logits[1].diagonal(dim1=-2, dim2=-1)], -1)
+    # The walk reads Kdiff_ji only for j < i: each band of pairs is formed against itself and the
+    # later bands only, (1 + 1/bands)/2 of the kernel.
+    edges = sorted({pairs * j // _BANDS for j in range(_BANDS + 1)})
+    bands = list(zip(edges[:-1], edges[1:]))
+    logits = [(k[..., 2 * lo : 2 * hi, :] @ k[..., 2 * lo :, :].transpose(-1, -2)) * scale for lo, hi in bands]
+    value_products = [v[..., 2 * lo : 2 * hi, :] @ v[..., 2 * lo :, :].transpose(-1, -2) for lo, hi in bands]
+    self_logits = torch.cat([lg[..., : lg.shape[-2]].diagonal(dim1=-2, dim2=-1) for lg in logits], -1)
     shift = self_logits.amax(-1, keepdim=True).unsqueeze(-1)
     b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
-    head, tail = (_pair_differences((lg - shift).double().exp_().mul_(vp.add_(b2).double())) for lg, vp in zip(logits, value_products))
+    kdiffs = [_pair_differences((lg - shift).double().exp_().mul_(vp.add_(b2).double())) for lg, vp in zip(logits, value_products)]
     if delta is None:
-        thresholds = torch.zeros((*head.shape[:-2], pairs), dtype=torch.float64, device=k.device)
+        thresholds = torch.zeros((*kdiffs[0].shape[:-2], pairs), dtype=torch.float64, device=k.device)
     else:
-        diagonal = torch.cat([head[..., :first].diagonal(dim1=-2, dim2=-1), tail.diagonal(dim1=-2, dim2=-1)], -1)
+        diagonal = torch.cat([kd[..., : kd.shape[-2]].diagonal(dim1=-2, dim2=-1) for kd in kdiffs], -1)
         root = diagonal.clamp_min(0.0).sqrt()
         multiplier = 0.5 + math.log(2.0 * size / delta)
         uniforms = torch.rand(diagonal.shape, generator=generator, device=generator.device, dtype=torch.float64)
         thresholds = (2.0 * uniforms.to(k.device) - 1.0) * multiplier * root * root.cummax(dim=-1).values
-    signed = head[..., 0, :].clone()
-    later = signed[..., first:]
-    rows = [(signed, row) for row in head.unbind(-2)] + [(later, row) for row in tail.unbind(-2)]
+    signed = kdiffs[0][..., 0, :].clone()
+    rows = [(signed[..., lo:], row) for (lo, _), kd in zip(bands, kdiffs) for row in kd.unbind(-2)]
     columns, limits = signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
     signs = [torch.ones_like(limits[0])]
     for i in range(1, pairs):
         signs.append(torch.where(columns[i] > limits[i], -1.0, 1.0))
         target, row = rows[i]
         target.addcmul_(signs[i], row)
-    complement = torch.rand(head.shape[:-2], generator=generator, device=generator.device) < 0.5
+    complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device) < 0.5
     swap = (torch.cat(signs, -1) < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
 
