@@ -164,6 +164,8 @@ def _slot_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     [B,H,n,...] is the first n slots of a contiguous [B,H,span,...] buffer (a stream's held slots:
     reshaping them would copy the whole buffer), else x.reshape (span = n)."""
     b, h, n = x.shape[:3]
+    if x.is_contiguous():
+        return x.view(b * h * n, *x.shape[3:]), n
     tail = x[0, 0, 0].numel() if x.numel() else 0
     span = x.stride(1) // tail if tail and x.stride(1) % tail == 0 else 0
     inner_contiguous = x.stride(2) == tail and x[0, 0].is_contiguous()

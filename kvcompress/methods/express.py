@@ -86,9 +86,11 @@ from .base import Method, StreamState, Tokens, register
 
 _LOG2 = math.log(2.0)
 # Row bands of the halving kernel, each formed against itself and the later bands only: up to 4,
-# of at least 16 pairs (smaller bands cost more in calls than they save: measured on CPU, 1 thread).
+# of at least 16 pairs, once a call's kernels hold 2^16 entries in all (smaller calls pay more in
+# extra tensor ops than the bands save: measured on CPU, 1 thread).
 _BANDS = 4
 _BAND_PAIRS = 16
+_BANDED_ENTRIES = 1 << 16
 
 
 def kernel_halving(
@@ -110,7 +112,8 @@ def kernel_halving(
     pairs = size // 2
     # The walk reads Kdiff_ji only for j < i: each band of pairs is formed against itself and the
     # later bands only, (1 + 1/bands)/2 of the kernel.
-    bands = max(1, min(_BANDS, pairs // _BAND_PAIRS))
+    batch = keys[..., 0, 0].numel()
+    bands = max(1, min(_BANDS, pairs // _BAND_PAIRS)) if batch * size * size >= _BANDED_ENTRIES else 1
     edges = sorted({pairs * j // bands for j in range(bands + 1)})
     spans = list(zip(edges[:-1], edges[1:]))
     logits = [(k[..., 2 * lo : 2 * hi, :] @ k[..., 2 * lo :, :].transpose(-1, -2)) * scale for lo, hi in spans]
