@@ -154,8 +154,25 @@ def take_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B,H,n,...], index [B,H,k] -> [B,H,k,...]: per-head gather along the token axis, as one
     index_select over the flattened heads (about 8x faster than `gather` with an expanded index on CPU)."""
     b, h, n = x.shape[:3]
-    flat = (index + n * torch.arange(b * h, device=index.device).view(b, h, 1)).flatten()
-    return x.reshape(b * h * n, *x.shape[3:]).index_select(0, flat).view(*index.shape, *x.shape[3:])
+    rows, span = _slot_rows(x)
+    flat = (index + span * torch.arange(b * h, device=index.device).view(b, h, 1)).flatten()
+    return rows.index_select(0, flat).view(*index.shape, *x.shape[3:])
+
+
+def _slot_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rows [B*H*span, ...], span): head j's slots start at row j·span. A view of the storage when x
+    [B,H,n,...] is the first n slots of a contiguous [B,H,span,...] buffer (a stream's held slots:
+    reshaping them would copy the whole buffer), else x.reshape (span = n)."""
+    b, h, n = x.shape[:3]
+    if x.is_contiguous():
+        return x.view(b * h * n, *x.shape[3:]), n
+    tail = x[0, 0, 0].numel() if x.numel() else 0
+    span = x.stride(1) // tail if tail and x.stride(1) % tail == 0 else 0
+    inner_contiguous = x.stride(2) == tail and x[0, 0].is_contiguous()
+    fits = x.storage_offset() + b * h * span * tail <= x.untyped_storage().nbytes() // x.element_size()
+    if span > n and x.stride(0) == h * x.stride(1) and inner_contiguous and fits:
+        return x.as_strided((b * h * span, *x.shape[3:]), (tail, *x.stride()[3:])), span
+    return x.reshape(b * h * n, *x.shape[3:]), n
 
 
 def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, index: torch.Tensor) -> tuple:

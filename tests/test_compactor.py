@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvcompress as kvc
 from kvcompress.methods import compactor as cm
 from kvcompress.methods.base import Tokens, make_generator
+from kvcompress.summary import _slot_rows, take_slots
 
 
 def _low_rank_keys(b=1, h=2, n=400, d=64, rank=24, seed=0):
@@ -186,12 +187,30 @@ def test_sink_and_window_are_exact_and_queries_are_matched_by_position():
     assert torch.equal(s.positions[:, :, 4:54], ref)
 
 
-def test_stream_matches_one_shot_when_one_block_and_stays_bounded():
-    keys, values, queries, pre = _layer(n=512)
-    one = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=128)
-    st = kvc.stream("compactor", budget=128)
+@pytest.mark.parametrize("attention", [True, False])
+@pytest.mark.parametrize("n", [512, 300])
+def test_one_shot_equals_the_one_block_stream(n, attention):
+    keys, values, queries, pre = _layer(n=n)
+    one = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=128, attention=attention, seed=2)
+    st = kvc.stream("compactor", budget=128, attention=attention, seed=2)
     st.update(keys, values, queries, pre_rope_keys=pre)
-    assert torch.equal(st.summary().positions, one.positions)
+    st.compact()
+    streamed = st.summary()
+    for a, b in ((one.positions, streamed.positions), (one.keys, streamed.keys), (one.values, streamed.values), (one.log_weights, streamed.log_weights)):
+        assert torch.equal(a, b)
+
+
+def test_held_slots_are_gathered_from_the_stream_buffer_without_copying_it():
+    buffer = torch.randn(2, 3, 50, 4)
+    index = torch.randint(0, 30, (2, 3, 7))
+    for held in (buffer[:, :, :30], buffer[:, :, 5:35], buffer.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :30]):
+        assert torch.equal(take_slots(held, index), take_slots(held.contiguous(), index))
+    rows, span = _slot_rows(buffer[:, :, :30])
+    assert span == 50 and rows.data_ptr() == buffer.data_ptr()  # a view of the buffer, not a copy
+
+
+def test_stream_stays_bounded_and_stores_scores_and_pre_rope_keys():
+    keys, values, queries, pre = _layer(n=512)
     st = kvc.stream("compactor", budget=128)
     for start in range(0, 512, 256):
         sl = slice(start, start + 256)

@@ -46,6 +46,39 @@ def test_kernel_halving_keeps_one_of_each_pair_reproducibly():
     assert not torch.equal(a, kernel_halving(keys, values, 8**-0.5, make_generator(6)))
 
 
+def _walk_on_the_full_kernel(keys, values, scale, generator, delta):
+    """Reference kernel halving: the whole kernel matrix formed, Kdiff read pair by pair (slow, the definition)."""
+    k, v = keys.float(), values.float()
+    logits = (k @ k.transpose(-1, -2)) * scale
+    shift = logits.diagonal(dim1=-2, dim2=-1).amax(-1)[..., None, None]
+    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
+    kernel = torch.exp((logits - shift).double()) * (v @ v.transpose(-1, -2) + b2).double()
+    kdiff = (kernel[..., 0::2, 0::2] - kernel[..., 0::2, 1::2]) - (kernel[..., 1::2, 0::2] - kernel[..., 1::2, 1::2])
+    pairs = kdiff.shape[-1]
+    thresholds = torch.zeros(kdiff.shape[:-1], dtype=torch.float64)
+    if delta is not None:
+        root = kdiff.diagonal(dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
+        uniforms = torch.rand(kdiff.shape[:-1], generator=generator, dtype=torch.float64)
+        thresholds = (2.0 * uniforms - 1.0) * (0.5 + math.log(2.0 * 2 * pairs / delta)) * root * root.cummax(dim=-1).values
+    signs = torch.ones(kdiff.shape[:-1], dtype=torch.float64)
+    for i in range(1, pairs):
+        alpha = kdiff[..., 0, i].clone()
+        for j in range(1, i):
+            alpha += signs[..., j] * kdiff[..., j, i]
+        signs[..., i] = torch.where(alpha > thresholds[..., i], -1.0, 1.0)
+    complement = torch.rand(kdiff.shape[:-2], generator=generator) < 0.5
+    return 2 * torch.arange(pairs) + ((signs < 0) ^ complement.unsqueeze(-1)).long()
+
+
+@pytest.mark.parametrize("delta", [None, 0.5])
+@pytest.mark.parametrize("size", [2, 30, 100, 136])  # 1, 1, 3 and 4 row bands
+def test_kernel_halving_equals_the_walk_on_the_full_kernel(size, delta):
+    keys, values, _ = _clustered(4 * size, heads=2, seed=size)
+    keys, values = keys.reshape(1, 2, 4, size, 8) * 1.5, values.reshape(1, 2, 4, size, 8)
+    fast = kernel_halving(keys, values, 8**-0.5, make_generator(3), delta)
+    assert torch.equal(fast, _walk_on_the_full_kernel(keys, values, 8**-0.5, make_generator(3), delta))
+
+
 def test_kernel_halving_rejects_odd_groups():
     keys, values, _ = _clustered(7, heads=1)
     with pytest.raises(ValueError, match="even"):

@@ -7,8 +7,9 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.attention import exact_attention, weighted_attention
-from kvcompress.methods.base import DEFAULT_SLACK
+from kvcompress.methods.base import DEFAULT_SLACK, Tokens, make_generator
 from kvcompress.methods.hybrid import Hybrid
+from kvcompress.summary import take_slots
 
 
 def _kv(n=300, h=2, d=16, seed=0):
@@ -39,6 +40,26 @@ def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
     s = st.summary()
     assert torch.allclose(s.total_weight(), torch.full((1, 2), 500.0, dtype=torch.float64))
     assert (s.log_weights == 0).sum(-1).min() >= 4 + 16 + 12
+
+
+def test_top_splits_every_token_into_kept_and_others_in_order():
+    k, v = _kv(n=200, h=3)
+    q = torch.randn(1, 6, 8, 16)
+    hybrid = Hybrid()
+    positions = torch.arange(200).expand(1, 3, 200)
+    tokens = Tokens(k, v, positions, queries=q, pre_rope_keys=k * 2, scale=0.25, query_positions=torch.arange(192, 200))
+    counts, _ = hybrid.split_budget(60)
+    kept, others = hybrid.top(tokens, counts, make_generator(0))
+    assert kept.length == sum(counts) and others.length == 200 - sum(counts)
+    both = torch.cat([kept.positions, others.positions], -1).sort(-1).values
+    assert torch.equal(both, positions)
+    for part in (kept, others):
+        assert bool((part.positions.diff(dim=-1) > 0).all())
+        assert torch.equal(part.keys, take_slots(k, part.positions)) and torch.equal(part.values, take_slots(v, part.positions))
+    assert torch.equal(kept.pre_rope_keys, take_slots(k * 2, kept.positions))
+    assert others.pre_rope_keys is None  # the Express coreset does not read them
+    heavy = kvc.compress("tova", k, v, queries=q, budget=counts[0], sink=0, window=0)  # the same queries: the last 8 tokens
+    assert torch.equal(heavy.positions.unsqueeze(-1).eq(kept.positions.unsqueeze(-2)).any(-1), torch.ones_like(heavy.positions, dtype=torch.bool))
 
 
 def test_seeded_and_reproducible():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, register
+from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, keep_top, register
 from ..summary import KVSummary, take_slots
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
@@ -97,8 +97,12 @@ def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale
     chunk_size = min(chunk_size, n)  # fewer tokens than a chunk: one chunk of n, no padding
     pad = (-n) % chunk_size
     chunks = (n + pad) // chunk_size
-    q = F.pad(queries.float() * scale, (0, 0, 0, pad)).reshape(b, hkv, group, chunks, chunk_size, d)
-    k = F.pad(keys.float(), (0, 0, 0, pad)).reshape(b, hkv, chunks, chunk_size, d)
+    q = queries.float() * scale
+    k = keys.float()
+    if pad:  # no copy when the chunks tile the tokens
+        q, k = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad))
+    q = q.reshape(b, hkv, group, chunks, chunk_size, d)
+    k = k.reshape(b, hkv, chunks, chunk_size, d)
     out = torch.empty(b, hkv, chunks, chunk_size, device=keys.device)
     step = max(1, _ROWS_PER_STEP // chunk_size)
     for c0 in range(0, chunks, step):
@@ -194,6 +198,14 @@ class Compactor(Method):
             return outlier
         return standardise(attention) + self.leverage_weight * outlier
 
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        """One-shot: the top `budget` tokens per head by the blended score (the one-block stream, without its buffer)."""
+        self.check_inputs(tokens)
+        if tokens.length <= budget:
+            return tokens.exact()
+        attention = self.attention_scores(tokens) if self.attention else None
+        return keep_top(tokens, self.blend(attention, tokens.pre_rope_keys, generator), budget)
+
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
         return CompactorState(self, budget, generator, slack)
 
@@ -202,6 +214,8 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
     """[B,H_q,n,d]: the query of each token, matched by position; a clear error if any is missing."""
     pos = tokens.positions[0, 0]
     qpos = tokens.query_positions
+    if qpos is not None and qpos.numel() == pos.numel() and torch.equal(qpos.to(pos.device), pos):
+        return tokens.queries  # the queries of exactly these tokens (a stream's block): no copy
     if qpos is not None:
         qpos = qpos.to(pos.device)
         index = torch.searchsorted(qpos, pos).clamp_max(qpos.numel() - 1)

@@ -81,10 +81,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..summary import KVSummary, concat, gather_slots
+from ..summary import KVSummary, concat, gather_slots, take_slots
 from .base import Method, StreamState, Tokens, register
 
 _LOG2 = math.log(2.0)
+# Row bands of the halving kernel, each formed against itself and the later bands only: up to 4,
+# of at least 16 pairs, once a call's kernels hold 2^16 entries in all (smaller calls pay more in
+# extra tensor ops than the bands save: measured on CPU, 1 thread).
+_BANDS = 4
+_BAND_PAIRS = 16
+_BANDED_ENTRIES = 1 << 16
 
 
 def kernel_halving(
@@ -103,29 +109,44 @@ def kernel_halving(
         raise ValueError(f"kernel halving needs an even number of points per group, got {size}")
     k = keys.float()
     v = values.float()
-    logits = (k @ k.transpose(-1, -2)) * scale
-    shift = logits.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True).unsqueeze(-1)
-    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
-    kernel = torch.exp((logits - shift).double()) * (v @ v.transpose(-1, -2) + b2).double()
-    pair_columns = kernel[..., ::2] - kernel[..., 1::2]
-    kdiff = pair_columns[..., ::2, :] - pair_columns[..., 1::2, :]
     pairs = size // 2
+    # The walk reads Kdiff_ji only for j < i: each band of pairs is formed against itself and the
+    # later bands only, (1 + 1/bands)/2 of the kernel.
+    batch = keys[..., 0, 0].numel()
+    bands = max(1, min(_BANDS, pairs // _BAND_PAIRS)) if batch * size * size >= _BANDED_ENTRIES else 1
+    edges = sorted({pairs * j // bands for j in range(bands + 1)})
+    spans = list(zip(edges[:-1], edges[1:]))
+    logits = [(k[..., 2 * lo : 2 * hi, :] @ k[..., 2 * lo :, :].transpose(-1, -2)) * scale for lo, hi in spans]
+    value_products = [v[..., 2 * lo : 2 * hi, :] @ v[..., 2 * lo :, :].transpose(-1, -2) for lo, hi in spans]
+    self_logits = torch.cat([lg[..., : lg.shape[-2]].diagonal(dim1=-2, dim2=-1) for lg in logits], -1)
+    shift = self_logits.amax(-1, keepdim=True).unsqueeze(-1)
+    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
+    kdiffs = [_pair_differences((lg - shift).double().exp_().mul_(vp.add_(b2).double())) for lg, vp in zip(logits, value_products)]
     if delta is None:
-        thresholds = torch.zeros(kdiff.shape[:-1], dtype=torch.float64, device=k.device)
+        thresholds = torch.zeros((*kdiffs[0].shape[:-2], pairs), dtype=torch.float64, device=k.device)
     else:
-        root = kdiff.diagonal(dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
+        diagonal = torch.cat([kd[..., : kd.shape[-2]].diagonal(dim1=-2, dim2=-1) for kd in kdiffs], -1)
+        root = diagonal.clamp_min(0.0).sqrt()
         multiplier = 0.5 + math.log(2.0 * size / delta)
-        uniforms = torch.rand(kdiff.shape[:-1], generator=generator, device=generator.device, dtype=torch.float64)
+        uniforms = torch.rand(diagonal.shape, generator=generator, device=generator.device, dtype=torch.float64)
         thresholds = (2.0 * uniforms.to(k.device) - 1.0) * multiplier * root * root.cummax(dim=-1).values
-    signed = kdiff[..., 0, :].clone()
-    rows, columns, limits = kdiff.unbind(-2), signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
+    signed = kdiffs[0][..., 0, :].clone()
+    rows = [(signed[..., lo:], row) for (lo, _), kd in zip(spans, kdiffs) for row in kd.unbind(-2)]
+    columns, limits = signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
     signs = [torch.ones_like(limits[0])]
     for i in range(1, pairs):
         signs.append(torch.where(columns[i] > limits[i], -1.0, 1.0))
-        signed.addcmul_(signs[i], rows[i])
-    complement = torch.rand(kdiff.shape[:-2], generator=generator, device=generator.device) < 0.5
+        target, row = rows[i]
+        target.addcmul_(signs[i], row)
+    complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device) < 0.5
     swap = (torch.cat(signs, -1) < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
+
+
+def _pair_differences(kernel: torch.Tensor) -> torch.Tensor:
+    """[..., R/2, C/2]: k(x_2j, x_2i) − k(x_2j, x_2i+1) − k(x_2j+1, x_2i) + k(x_2j+1, x_2i+1) of a kernel block [..., R, C]."""
+    pair_columns = kernel[..., ::2] - kernel[..., 1::2]
+    return pair_columns[..., ::2, :] - pair_columns[..., 1::2, :]
 
 
 def halve_groups(slots: KVSummary, group: int, scale: float, generator: torch.Generator, delta: float | None) -> KVSummary:
@@ -134,16 +155,13 @@ def halve_groups(slots: KVSummary, group: int, scale: float, generator: torch.Ge
     Slots of one group must carry equal weight; the kept half gets log-weight + log 2.
     """
     b, h, n, d = slots.keys.shape
-    shape = (b, h, n // group, group)
-    keys = slots.keys.reshape(*shape, d)
-    values = slots.values.reshape(*shape, slots.values.shape[-1])
-    index = kernel_halving(keys, values, scale, generator, delta)
-    idx = index.unsqueeze(-1)
-    kept_k = keys.gather(3, idx.expand(*index.shape, d)).reshape(b, h, n // 2, d)
-    kept_v = values.gather(3, idx.expand(*index.shape, values.shape[-1])).reshape(b, h, n // 2, -1)
-    kept_w = slots.log_weights.reshape(shape).gather(3, index).reshape(b, h, n // 2) + _LOG2
-    kept_p = slots.positions.reshape(shape).gather(3, index).reshape(b, h, n // 2)
-    return KVSummary(kept_k, kept_v, kept_w, kept_p)
+    groups = n // group
+    keys = slots.keys.unflatten(2, (groups, group))
+    values = slots.values.unflatten(2, (groups, group))
+    within = kernel_halving(keys, values, scale, generator, delta)
+    index = (within + group * torch.arange(groups, device=within.device).unsqueeze(-1)).flatten(2)
+    kept_k, kept_v, kept_p = gather_slots(slots.keys, slots.values, slots.positions, index)
+    return KVSummary(kept_k, kept_v, take_slots(slots.log_weights, index) + _LOG2, kept_p)
 
 
 def halve(slots: KVSummary, group: int, scale: float, generator: torch.Generator, delta: float | None, max_group: int) -> KVSummary:

@@ -47,7 +47,11 @@ def _positions_mask(tokens: Tokens, kept: KVSummary) -> torch.Tensor:
 
 def _select(tokens: Tokens, mask: torch.Tensor, count: int) -> Tokens:
     """The `count` tokens per head where mask is True, in their original order (every head has `count`)."""
-    index = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :count]
+    return _select_index(tokens, (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :count])
+
+
+def _select_index(tokens: Tokens, index: torch.Tensor) -> Tokens:
+    """The tokens at `index` [B,H,k] of each head."""
     pre = take_slots(tokens.pre_rope_keys, index) if tokens.pre_rope_keys is not None else None
     return replace(tokens, keys=take_slots(tokens.keys, index), values=take_slots(tokens.values, index), positions=take_slots(tokens.positions, index), pre_rope_keys=pre)
 
@@ -143,12 +147,12 @@ class Hybrid(Method):
 
     def top(self, tokens: Tokens, counts: list[int], generator: torch.Generator) -> tuple[Tokens, Tokens]:
         """(the tokens the score methods keep, `counts[i]` per head by method i among those the
-        earlier ones left; every other token), both in original order."""
+        earlier ones left; every other token), both in original order. The others carry pre-RoPE
+        keys only when the coreset reads them."""
         kept_mask = torch.zeros_like(tokens.positions, dtype=torch.bool)
+        chosen = [(method, count) for method, count in zip(self.score_methods, counts) if count]
         rest, n_kept = tokens, 0
-        for method, count in zip(self.score_methods, counts):
-            if count == 0:
-                continue
+        for i, (method, count) in enumerate(chosen):
             kept = method.compress(rest, count, generator)
             if kept.normalizer is not None or not bool((kept.log_weights == 0).all()) or kept.num_slots != count:
                 raise ValueError(
@@ -157,8 +161,13 @@ class Hybrid(Method):
                 )
             kept_mask |= _positions_mask(tokens, kept)
             n_kept += count
-            rest = _select(tokens, ~kept_mask, tokens.length - n_kept)
-        return _select(tokens, kept_mask, n_kept), rest
+            if i + 1 < len(chosen):
+                rest = _select(tokens, ~kept_mask, tokens.length - n_kept)
+        # one stable sort puts the others first and the kept last, each in original order
+        order = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)
+        n_rest = tokens.length - n_kept
+        others = tokens if self.coreset_method.needs_pre_rope_keys else replace(tokens, pre_rope_keys=None)
+        return _select_index(tokens, order[..., n_rest:]), _select_index(others, order[..., :n_rest])
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:

@@ -1,0 +1,110 @@
+"""Before/after streaming throughput in one process: two kvcompress trees, interleaved (issue 17).
+
+Loads the package twice (`--before`: a plain export of the baseline commit, e.g.
+`git archive 5ba79db | tar -x -C /tmp/base`; `--after`: this tree), each through its own
+`kvcompress.api`, and times the same calls alternately, so load changes of a shared machine hit
+both alike. Each call feeds the `stream_throughput.py` workload (synthetic layer of `--shape`,
+`--tokens` tokens in blocks of `--block`, half kept, no sink or window, then `compact()`) or, with
+`--kinds compress`, one-shot compression of the same tokens. Checks first that both trees give
+identical summaries (positions, log-weights, keys), then reports the min of `--rounds` per
+variant, the after/before ratio and tokens/s over KeyDiff's within each variant.
+
+    PYTHONPATH=. python benchmarks/stream_throughput_ab.py --before /tmp/base --out benchmarks/results/bench/tput-hyb
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("before", "after")
+
+
+def load(path: Path) -> dict:
+    """The api and bench modules of the kvcompress package under `path` (evicting any loaded one first)."""
+    for name in [k for k in sys.modules if k == "kvcompress" or k.startswith("kvcompress.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(path))
+    try:
+        return {name: importlib.import_module("kvcompress." + name) for name in ("api", "eval.bench", "eval.bench.overhead")}
+    finally:
+        sys.path.remove(str(path))
+
+
+def workload(modules: dict, method: str, kind: str, layer: dict, block: int):
+    """A call running `method` on the layer with this tree's api: streamed block by block, or one-shot."""
+    api, overhead = modules["api"], modules["eval.bench.overhead"]
+    n = layer["keys"].shape[2]
+    budget = overhead.kept_budget(n, 0.5)
+    extra = overhead.method_inputs(method, layer)
+    if kind == "compress":
+        return lambda: api.compress(method, layer["keys"], layer["values"], budget=budget, sink=0, window=0, seed=0, **extra)
+
+    def run():
+        st = api.stream(method, budget=budget, sink=0, window=0, seed=0)
+        for start in range(0, n, block):
+            part = {k: v[:, :, start : start + block] for k, v in extra.items()}
+            st.update(layer["keys"][:, :, start : start + block], layer["values"][:, :, start : start + block], **part)
+        st.compact()
+        return st.summary()
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, required=True, help="root of the baseline tree (holds kvcompress/)")
+    parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--shape", default="llama8b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--methods", default="keydiff,compactor,hybrid")
+    parser.add_argument("--kinds", default="stream", help="comma-separated: stream, compress")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="folder for stream_throughput_ab.md (printed only when absent)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    methods, kinds = args.methods.split(","), args.kinds.split(",")
+    trees = {"before": load(args.before), "after": load(args.after)}
+    bench = trees["after"]["eval.bench"]
+    layer = bench.synthetic_layer(bench.SHAPES[args.shape], args.tokens, torch.Generator().manual_seed(0))
+    calls = {(m, k, v): workload(trees[v], m, k, layer, args.block) for m in methods for k in kinds for v in VARIANTS}
+    same = {}
+    for m in methods:
+        for k in kinds:
+            a, b = calls[(m, k, "before")](), calls[(m, k, "after")]()
+            same[(m, k)] = all(torch.equal(x, y) for x, y in ((a.positions, b.positions), (a.log_weights, b.log_weights), (a.keys, b.keys)))
+    times: dict = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - start)
+    best = {key: min(t) for key, t in times.items()}
+    lines = [
+        f"# Before/after streaming throughput, one process\n\nMachine: {bench.machine_description(args.threads)}.\n",
+        f"{args.shape} shape, {args.tokens} tokens, blocks of {args.block}, half kept, no sink or window; min of {args.rounds} "
+        f"interleaved rounds; before = `{args.before}`, after = `{args.after}`.\n",
+        "| method | kind | identical output | before s | after s | after / before | before tokens/s over KeyDiff | after tokens/s over KeyDiff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in methods:
+        for k in kinds:
+            b, a = best[(m, k, "before")], best[(m, k, "after")]
+            over = [f"{best[('keydiff', k, v)] / best[(m, k, v)]:.3f}" if ("keydiff", k, v) in best else "" for v in VARIANTS]
+            lines.append(f"| {m} | {k} | {'yes' if same[(m, k)] else 'NO'} | {b:.4f} | {a:.4f} | {a / b:.3f} | {over[0]} | {over[1]} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "stream_throughput_ab.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
