@@ -3,7 +3,7 @@
 Loads the package twice (`--before`: a plain export of the baseline commit, e.g.
 `git archive 5ba79db | tar -x -C /tmp/base`; `--after`: this tree), each through its own
 `kvcompress.api`, and times the same calls alternately, so load changes of a shared machine hit
-both alike. Each call feeds the `stream_throughput.py` workload (synthetic layer of `--shape`,
+both alike. Each call feeds the workload of `kvcompress bench`'s throughput section (synthetic layer of `--shape`,
 `--tokens` tokens in blocks of `--block`, half kept, no sink or window, then `compact()`) or, with
 `--kinds compress`, one-shot compression of the same tokens. Checks first that both trees give
 identical summaries (positions, log-weights, keys), then reports the min of `--rounds` per
