@@ -31,11 +31,18 @@ _MAX_KERNEL = 1 << 24
 
 
 def balance_kernel(
-    keys: torch.Tensor, values: torch.Tensor | None, valid: torch.Tensor, scale: float, kernel: str
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    scale: float,
+    kernel: str,
+    value_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SoftmaxBalance kernel of each block, divided by the seed's R² so every entry lies in [-1, 1].
 
-    keys [N, b, d], values [N, b, d_v] (ignored for kernel="key"), valid [N, b] bool (False = padding).
+    keys [N, b, d], values [N, b, d_v] (ignored for kernel="key"), valid [N, b] bool (False = padding;
+    None: no padding). value_blocks [N_v] (ascending) restricts the value factor to those blocks:
+    values is then [N_v, b, d_v] and every other block takes κ = 1 (the "key" kernel).
     Keys are centred by the mean of the block's valid keys (attention is invariant to that shift;
     seed App. B.5). K_ij = exp(s<k̄_i,k̄_j>)·κ(v_i,v_j) with κ = <v_i,v_j> ("value", seed Alg. 2),
     κ = 1 ("key": v ≡ 1, the normaliser's walk) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
@@ -43,22 +50,35 @@ def balance_kernel(
     block's largest centred key norm and value norm (seed Alg. 2 line 2), applied in log space.
     Returns (K / R² [N, b, b] float32 with zero rows and columns for padding, log R² [N]).
     """
-    mask = valid.unsqueeze(-1).float()
-    keys = keys.float() * mask
-    mean = keys.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1.0)
-    centred = (keys - mean) * mask
+    keys = keys.float()
+    if valid is None:
+        centred = keys - keys.sum(1, keepdim=True) / float(keys.shape[1])
+    else:
+        mask = valid.unsqueeze(-1).float()
+        keys = keys * mask
+        mean = keys.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1.0)
+        centred = (keys - mean) * mask
     out = torch.bmm(centred, centred.transpose(1, 2)).mul_(scale)
     r_key = out.diagonal(dim1=1, dim2=2).amax(-1)
     out.sub_(r_key[:, None, None]).exp_()
     log_r2 = r_key
     if kernel != "key":
-        v = values.float() * mask
+        v = values.float()
+        if valid is not None:
+            v = v * (mask if value_blocks is None else mask[value_blocks])
         vgram = torch.bmm(v, v.transpose(1, 2))
         r_value = vgram.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
         vgram.div_(r_value[:, None, None])
-        out.mul_(vgram if kernel == "value" else vgram.add_(1.0).div_(2.0))
-        log_r2 = log_r2 + r_value.log()
-    return out.mul_(mask * mask.transpose(1, 2)), log_r2
+        factor = vgram if kernel == "value" else vgram.add_(1.0).div_(2.0)
+        if value_blocks is None:
+            out.mul_(factor)
+            log_r2 = log_r2 + r_value.log()
+        else:
+            out.index_copy_(0, value_blocks, out.index_select(0, value_blocks).mul_(factor))
+            log_r2 = log_r2.index_add(0, value_blocks, r_value.log())
+    if valid is not None:
+        out.mul_(mask * mask.transpose(1, 2))
+    return out, log_r2
 
 
 def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +118,7 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     step = torch.arange(b, device=device)
     signs = torch.where(step > plus_full, -1.0, torch.where(step > minus_full, 1.0, free))
     signs = signs * valid
-    pushes = torch.bmm(signs.unsqueeze(1), scaled.triu(1)).squeeze(1)  # x_j·gain with the final signs
+    pushes = torch.bmm(signs.unsqueeze(1), scaled.triu_(1)).squeeze(1)  # x_j·gain with the final signs
     fails = ((pushes.abs() > 0.5) & valid).sum()
     return signs, fails
 
@@ -122,25 +142,27 @@ def halve(
     keys [R, m, d], values [R, m, d_v] or None, m even; see `halve_mask`.
     Returns (index, number of FAIL events as a 0-d tensor).
     """
-    rows, m, _ = keys.shape
-    lengths = torch.full((rows,), m, device=keys.device)
-    keep, fails = halve_mask(keys, values, lengths, scale, method, method.block_size, kernel, generator)
+    m = keys.shape[1]
+    keep, fails = halve_mask(keys, values, None, scale, method, method.block_size, kernel, generator)
     return first_true(keep, m // 2), fails
 
 
 def halve_mask(
     keys: torch.Tensor,
     values: torch.Tensor | None,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | None,
     scale: float,
     method: "BalanceKV",
     block_size: int,
     kernel: str,
     generator: torch.Generator,
+    value_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """SoftmaxBalance on consecutive blocks of the first lengths[r] (even) tokens of every row r.
 
-    keys [R, m, d], values [R, m, d_v] or None, lengths [R] even, <= m (tokens beyond are padding).
+    keys [R, m, d], values [R, m, d_v] or None, lengths [R] even, <= m (tokens beyond are padding;
+    None: every row holds m tokens). value_rows [R_v] (ascending): only these rows take the value
+    kernel, values is then [R_v, m, d_v] and the other rows are balanced on keys only (κ = 1).
     Rows and blocks are balanced together as one batched program; the last block of a row is
     zero-padded (seed App. B), and a row shorter than a block is one block of its own length.
     In each block the side kept is +1 or -1 with probability ½, so every token is kept with
@@ -151,15 +173,26 @@ def halve_mask(
     block_size = min(block_size, m)
     n_blocks = -(-m // block_size)
     pad = n_blocks * block_size - m
-    valid = (torch.arange(n_blocks * block_size, device=keys.device) < lengths[:, None]).reshape(-1, block_size)
-    k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(-1, block_size, d)
-    v = None if values is None else torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(-1, block_size, values.shape[-1])
+    padded = pad > 0 or lengths is not None
+    token_valid = torch.arange(n_blocks * block_size, device=keys.device) < (m if lengths is None else lengths[:, None])
+    valid = token_valid.expand(rows, -1).reshape(-1, block_size)
+    if pad:
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+        values = None if values is None else torch.nn.functional.pad(values, (0, 0, 0, pad))
+    k = keys.reshape(-1, block_size, d)
+    v = None if values is None else values.reshape(-1, block_size, values.shape[-1])
+    value_blocks = None if value_rows is None else (value_rows[:, None] * n_blocks + torch.arange(n_blocks, device=keys.device)).reshape(-1)
     chunk = max(1, _MAX_KERNEL // (block_size * block_size))
     keep, fails = [], 0
     for start in range(0, k.shape[0], chunk):
         stop = start + chunk
         blocks_valid = valid[start:stop]
-        kern, log_r2 = balance_kernel(k[start:stop], None if v is None else v[start:stop], blocks_valid, scale, kernel)
+        if value_blocks is None:
+            chunk_values, chunk_value_blocks = None if v is None else v[start:stop], None
+        else:
+            inside = ((value_blocks >= start) & (value_blocks < stop)).nonzero().squeeze(1)
+            chunk_values, chunk_value_blocks = v[inside], value_blocks[inside] - start
+        kern, log_r2 = balance_kernel(k[start:stop], chunk_values, blocks_valid if padded else None, scale, kernel, chunk_value_blocks)
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(log_r2), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
@@ -444,19 +477,23 @@ class BalanceKVStream(StreamState):
         """Append keys [c, d] / values [c, d_v] to the buffers; returns their buffer rows [c].
 
         When the buffers are full, the rows no slot refers to any more are dropped (one copy of the
-        live rows into buffers of twice what is needed), so appending costs O(1) amortised.
+        live rows, in order, into buffers of twice what is needed), so appending costs O(1) amortised.
         """
         count = keys.shape[0]
         if self.keys is None or self.used + count > self.keys.shape[0]:
-            live = torch.unique(self.pool["token"]) if self.pool is not None else keys.new_zeros(0, dtype=torch.long)
-            capacity = 2 * (live.numel() + count)
-            new_keys = keys.new_zeros(capacity, keys.shape[1])
-            new_values = values.new_zeros(capacity, values.shape[1])
-            if live.numel():
-                new_keys[: live.numel()] = self.keys[live]
-                new_values[: live.numel()] = self.values[live]
-                self.pool["token"] = torch.searchsorted(live, self.pool["token"])
-            self.keys, self.values, self.used = new_keys, new_values, live.numel()
+            live_count, kept = 0, None
+            if self.pool is not None:
+                live = torch.zeros(self.used, dtype=torch.bool, device=keys.device).index_fill_(0, self.pool["token"], True)
+                kept = live.nonzero().squeeze(1)
+                live_count = kept.numel()
+                self.pool["token"] = (torch.cumsum(live, 0) - 1)[self.pool["token"]]
+            capacity = 2 * (live_count + count)
+            new_keys = keys.new_empty(capacity, keys.shape[1])
+            new_values = values.new_empty(capacity, values.shape[1])
+            if live_count:
+                torch.index_select(self.keys, 0, kept, out=new_keys[:live_count])
+                torch.index_select(self.values, 0, kept, out=new_values[:live_count])
+            self.keys, self.values, self.used = new_keys, new_values, live_count
         self.keys[self.used : self.used + count] = keys
         self.values[self.used : self.used + count] = values
         self.used += count
@@ -490,7 +527,7 @@ class BalanceKVStream(StreamState):
             full = (counts >= batch) & (groups % _LEVELS < (_MERGED if top is None else top))
             if not bool(full.any()):
                 return
-            self._halve_groups(inverse, counts, torch.where(full, batch, 0), scale)
+            self._halve_groups(inverse, counts, torch.where(full, batch, 0), scale, batch)
             done += 1
 
     def _enforce_budget(self, scale: float) -> None:
@@ -525,11 +562,12 @@ class BalanceKVStream(StreamState):
             self._halve_groups(inverse, counts, torch.where(chosen, counts // 2 * 2, 0), scale)
             self._cascade(scale)
 
-    def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float) -> None:
+    def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float, same_take: int | None = None) -> None:
         """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.
 
-        Numerator groups use the value kernel of seed Alg. 2; the normaliser's keys-only kernel
-        (κ = 1) is the same kernel with every value the unit vector e_0, so both run as one walk.
+        same_take: the number every chosen group halves when the caller knows it (the cascade's t),
+        so no halving block holds padding. Numerator groups use the value kernel of seed Alg. 2, the
+        normaliser's groups the keys-only kernel (κ = 1); both run as one walk.
         """
         pool = self.pool
         chosen = take > 0
@@ -537,22 +575,23 @@ class BalanceKVStream(StreamState):
         by_age = members[torch.argsort(pool["order"][members], stable=True)]
         ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
         sizes = counts[chosen]
-        lengths = take[chosen]
-        width = int(lengths.max())
-        offsets = torch.arange(width, device=lengths.device)
+        lengths = take[chosen] if same_take is None else None
+        width = int(lengths.max()) if same_take is None else same_take
+        offsets = torch.arange(width, device=sizes.device)
         slot = ordered[((torch.cumsum(sizes, 0) - sizes)[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
-        unit = torch.zeros(self.values.shape[-1], dtype=self.values.dtype, device=self.values.device)
-        unit[0] = 1.0
-        values = torch.where((pool["instance"][slot] == _NORMALISER)[..., None], unit, self.values[token])
-        keep, fails = halve_mask(self.keys[token], values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
+        value_rows = (pool["instance"][slot[:, 0]] != _NORMALISER).nonzero().squeeze(1)
+        keep, fails = halve_mask(self.keys[token], self.values[token[value_rows]], lengths, scale, self.method, self.method.stream_block,
+                                 "value", self.generator, value_rows)
         self.method.fail_events += fails
-        valid = offsets < lengths[:, None]
-        promoted = slot[valid & keep]
+        if lengths is not None:
+            valid = offsets < lengths[:, None]
+            keep, slot = keep[valid], slot[valid]
+        promoted = slot[keep]
         pool["level"][promoted] += 1
         pool["log_weight"][promoted] += LOG2
         pool["order"][promoted] = self._stamp(pool["positions"][promoted])
-        self._remove(slot[valid & ~keep])
+        self._remove(slot[~keep])
 
     def _remove(self, slots: torch.Tensor) -> None:
         """Drop the pool slots at indices `slots`."""
