@@ -190,8 +190,8 @@ def halve_mask(
         if value_blocks is None:
             chunk_values, chunk_value_blocks = None if v is None else v[start:stop], None
         else:
-            inside = ((value_blocks >= start) & (value_blocks < stop)).nonzero().squeeze(1)
-            chunk_values, chunk_value_blocks = v[inside], value_blocks[inside] - start
+            first, last = torch.searchsorted(value_blocks, torch.tensor([start, stop], device=value_blocks.device)).tolist()
+            chunk_values, chunk_value_blocks = v[first:last], value_blocks[first:last] - start
         kern, log_r2 = balance_kernel(k[start:stop], chunk_values, blocks_valid if padded else None, scale, kernel, chunk_value_blocks)
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(log_r2), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
@@ -436,7 +436,6 @@ class BalanceKVStream(StreamState):
         self.pool: dict[str, torch.Tensor] | None = None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.used = 0
         self.shape: tuple[int, int] | None = None
         self.template: tuple[torch.Tensor, torch.Tensor] | None = None
         self.events = 0
@@ -474,30 +473,27 @@ class BalanceKVStream(StreamState):
         return (self.events << 32) + positions
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Append keys [c, d] / values [c, d_v] to the buffers; returns their buffer rows [c].
+        """Write keys [c, d] / values [c, d_v] into buffer rows no slot refers to; returns those rows [c].
 
-        When the buffers are full, the rows no slot refers to any more are dropped (one copy of the
-        live rows, in order, into buffers of twice what is needed), so appending costs O(1) amortised.
+        Free rows are reused, so the buffers stop growing once the pool stops growing; when fewer
+        than c rows are free, the buffers are copied into ones twice the live rows plus c.
         """
         count = keys.shape[0]
-        if self.keys is None or self.used + count > self.keys.shape[0]:
-            live_count, kept = 0, None
-            if self.pool is not None:
-                live = torch.zeros(self.used, dtype=torch.bool, device=keys.device).index_fill_(0, self.pool["token"], True)
-                kept = live.nonzero().squeeze(1)
-                live_count = kept.numel()
-                self.pool["token"] = (torch.cumsum(live, 0) - 1)[self.pool["token"]]
-            capacity = 2 * (live_count + count)
-            new_keys = keys.new_empty(capacity, keys.shape[1])
-            new_values = values.new_empty(capacity, values.shape[1])
-            if live_count:
-                torch.index_select(self.keys, 0, kept, out=new_keys[:live_count])
-                torch.index_select(self.values, 0, kept, out=new_values[:live_count])
-            self.keys, self.values, self.used = new_keys, new_values, live_count
-        self.keys[self.used : self.used + count] = keys
-        self.values[self.used : self.used + count] = values
-        self.used += count
-        return torch.arange(self.used - count, self.used, device=keys.device)
+        capacity = 0 if self.keys is None else self.keys.shape[0]
+        free = torch.arange(capacity, device=keys.device)
+        if self.pool is not None:
+            free = free[torch.ones(capacity, dtype=torch.bool, device=keys.device).index_fill_(0, self.pool["token"], False)]
+        if free.numel() < count:
+            grown = 2 * (capacity - free.numel() + count)
+            new_keys, new_values = keys.new_empty(grown, keys.shape[1]), values.new_empty(grown, values.shape[1])
+            if capacity:
+                new_keys[:capacity], new_values[:capacity] = self.keys, self.values
+            self.keys, self.values = new_keys, new_values
+            free = torch.cat([free, torch.arange(capacity, grown, device=keys.device)])
+        rows = free[:count]
+        self.keys.index_copy_(0, rows, keys)
+        self.values.index_copy_(0, rows, values)
+        return rows
 
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
         """Append new level-0 slots {positions, row, instance, token} to the pool."""
@@ -581,8 +577,9 @@ class BalanceKVStream(StreamState):
         slot = ordered[((torch.cumsum(sizes, 0) - sizes)[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
         value_rows = (pool["instance"][slot[:, 0]] != _NORMALISER).nonzero().squeeze(1)
-        keep, fails = halve_mask(self.keys[token], self.values[token[value_rows]], lengths, scale, self.method, self.method.stream_block,
-                                 "value", self.generator, value_rows)
+        keys = self.keys.index_select(0, token.reshape(-1)).view(*token.shape, self.keys.shape[-1])
+        values = self.values.index_select(0, token[value_rows].reshape(-1)).view(len(value_rows), width, self.values.shape[-1])
+        keep, fails = halve_mask(keys, values, lengths, scale, self.method, self.method.stream_block, "value", self.generator, value_rows)
         self.method.fail_events += fails
         if lengths is not None:
             valid = offsets < lengths[:, None]
