@@ -436,6 +436,9 @@ class BalanceKVStream(StreamState):
         self.pool: dict[str, torch.Tensor] | None = None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        # slots referring to each buffer row [capacity], and the rows no slot refers to (reused by `_store`)
+        self.references: torch.Tensor | None = None
+        self.free: torch.Tensor | None = None
         self.shape: tuple[int, int] | None = None
         self.template: tuple[torch.Tensor, torch.Tensor] | None = None
         self.events = 0
@@ -449,6 +452,8 @@ class BalanceKVStream(StreamState):
         if self.shape is None:
             self.shape = (b, h)
             self.template = (tokens.keys[:1, :1, :0], tokens.values[:1, :1, :0])
+            self.references = torch.zeros(0, dtype=torch.int32, device=tokens.keys.device)
+            self.free = torch.zeros(0, dtype=torch.long, device=tokens.keys.device)
         norms = tokens.values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
         instance = torch.floor(torch.log2(norms)).long() + _BUCKET_OFFSET
         rows = torch.arange(b * h, device=tokens.keys.device)
@@ -473,30 +478,29 @@ class BalanceKVStream(StreamState):
         return (self.events << 32) + positions
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Write keys [c, d] / values [c, d_v] into buffer rows no slot refers to; returns those rows [c].
+        """Write keys [c, d] / values [c, d_v] into free buffer rows; returns those rows [c].
 
-        Free rows are reused, so the buffers stop growing once the pool stops growing; when fewer
-        than c rows are free, the buffers are copied into ones twice the live rows plus c.
+        Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the pool stops growing;
+        when fewer than c rows are free, the buffers are copied into ones twice the live rows plus c.
         """
         count = keys.shape[0]
-        capacity = 0 if self.keys is None else self.keys.shape[0]
-        free = torch.arange(capacity, device=keys.device)
-        if self.pool is not None:
-            free = free[torch.ones(capacity, dtype=torch.bool, device=keys.device).index_fill_(0, self.pool["token"], False)]
-        if free.numel() < count:
-            grown = 2 * (capacity - free.numel() + count)
+        if self.free.numel() < count:
+            capacity = 0 if self.keys is None else self.keys.shape[0]
+            grown = min(2 * (capacity - self.free.numel() + count), self.shape[0] * self.shape[1] * (self.budget + self.method.stream_batch))
             new_keys, new_values = keys.new_empty(grown, keys.shape[1]), values.new_empty(grown, values.shape[1])
             if capacity:
                 new_keys[:capacity], new_values[:capacity] = self.keys, self.values
             self.keys, self.values = new_keys, new_values
-            free = torch.cat([free, torch.arange(capacity, grown, device=keys.device)])
-        rows = free[:count]
+            self.references = torch.cat([self.references, self.references.new_zeros(grown - capacity)])
+            self.free = torch.cat([self.free, torch.arange(capacity, grown, device=keys.device)])
+        rows, self.free = self.free[:count], self.free[count:]
         self.keys.index_copy_(0, rows, keys)
         self.values.index_copy_(0, rows, values)
         return rows
 
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
         """Append new level-0 slots {positions, row, instance, token} to the pool."""
+        self.references.index_add_(0, slots["token"], torch.ones_like(slots["token"], dtype=self.references.dtype))
         level = torch.zeros_like(slots["row"])
         slots = slots | {"level": level, "log_weight": level.float(), "order": self._stamp(slots["positions"])}
         if self.pool is None:
@@ -504,26 +508,33 @@ class BalanceKVStream(StreamState):
         else:
             self.pool = {name: torch.cat([self.pool[name], slots[name]]) for name in self.pool}
 
+    def _group_ids(self) -> torch.Tensor:
+        """Group id (row · _INSTANCES + instance) · _LEVELS + level of every slot [S]."""
+        pool = self.pool
+        return (pool["row"] * _INSTANCES + pool["instance"]) * _LEVELS + pool["level"]
+
     def _groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(group id of each (row, instance, level) present [U], index of each slot's group [S], slots per group [U])."""
-        pool = self.pool
-        group = (pool["row"] * _INSTANCES + pool["instance"]) * _LEVELS + pool["level"]
-        return torch.unique(group, return_inverse=True, return_counts=True)
+        return torch.unique(self._group_ids(), return_inverse=True, return_counts=True)
 
     def _cascade(self, scale: float) -> None:
         """Seed Alg. 4 lines 11-17: rounds halving the oldest t slots of every full level of every head and instance.
 
         Up to `cascade_rounds` rounds (None: until no level is full); a level left full is halved
-        after the next batch, together with that batch's other halvings.
+        after the next batch, together with that batch's other halvings. Slots are counted over
+        every possible group id (a bincount, no sort).
         """
         batch, top, rounds = self.method.stream_batch, self.method.levels, self.method.cascade_rounds
+        groups = self.shape[0] * self.shape[1] * _INSTANCES * _LEVELS
         done = 0
         while rounds is None or done < rounds:
-            groups, inverse, counts = self._groups()
-            full = (counts >= batch) & (groups % _LEVELS < (_MERGED if top is None else top))
+            group = self._group_ids()
+            counts = torch.bincount(group, minlength=groups)
+            full = counts.view(-1, _LEVELS) >= batch
+            full[:, _MERGED if top is None else top :] = False
             if not bool(full.any()):
                 return
-            self._halve_groups(inverse, counts, torch.where(full, batch, 0), scale, batch)
+            self._halve_groups(group, counts, torch.where(full.view(-1), batch, 0), scale, batch)
             done += 1
 
     def _enforce_budget(self, scale: float) -> None:
@@ -591,7 +602,10 @@ class BalanceKVStream(StreamState):
         self._remove(slot[~keep])
 
     def _remove(self, slots: torch.Tensor) -> None:
-        """Drop the pool slots at indices `slots`."""
+        """Drop the pool slots at indices `slots`; buffer rows no slot refers to any more become free."""
+        token = self.pool["token"][slots]
+        self.references.index_add_(0, token, torch.full_like(token, -1, dtype=self.references.dtype))
+        self.free = torch.cat([torch.unique(token[self.references[token] == 0]), self.free])
         alive = torch.ones_like(self.pool["row"], dtype=torch.bool).index_fill_(0, slots, False).nonzero().squeeze(1)
         self.pool = {name: t.index_select(0, alive) for name, t in self.pool.items()}
 
@@ -625,10 +639,10 @@ class BalanceKVStream(StreamState):
         self._remove(dropped)
 
     def nbytes(self) -> int:
-        """Key/value buffers (up to twice the live tokens, see `_store`) plus the slot metadata."""
+        """Key/value buffers (up to twice the most live tokens so far plus one batch, see `_store`) plus the slot metadata."""
         if self.pool is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, *self.pool.values()))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.references, self.free, *self.pool.values()))
 
     def summary(self) -> KVSummary | None:
         if self.pool is None:
