@@ -94,7 +94,9 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
 
     The sequential loop runs the walk without the balancing rule (two tensor ops per step); the
     rule is applied afterwards, which gives the same signs: up to the step where a side fills, the
-    walk's choices are the same, and after it every sign is forced.
+    walk's choices are the same, and after it every sign is forced. Step i moves only the gaps of
+    the later tokens j > i (the upper triangle of the kernel), so each gap ends the loop at its
+    value when its token was decided and all signs are read off at once.
     Returns (signs [N, b] in {-1, 0, +1}, 0 for padding; number of FAIL events, a 0-d tensor).
     """
     n_blocks, b, _ = kernel.shape
@@ -102,31 +104,22 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     half = valid.sum(-1, keepdim=True) // 2
     gain = torch.exp(log_gain.clamp_max(_MAX_LOG_GAIN)).to(device)
     uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device).to(device)
-    scaled = kernel * gain[:, None, None]  # the walk's drift in units of the push x_j·gain
+    scaled = (kernel * gain[:, None, None]).triu_(1)  # the walk's drift in units of the push x_j·gain, on later tokens
     # +1 ⇔ push < ½ − u: gap = push − (½ − u) starts at u − ½ and takes the walk's steps
-    gap = (uniform - 0.5).unsqueeze(-1)
-    minus = torch.empty(n_blocks, b, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
+    gap = uniform - 0.5
+    step_minus = torch.empty(n_blocks, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
     one = torch.ones((), device=device)
-    all_gaps = gap.squeeze(-1)
-    # one view per step made up front (unbind): the loop itself is two in-place tensor ops
-    for step_gap, step_minus, row in zip(gap.unbind(1), minus.unbind(1), scaled.unbind(1)):
-        torch.copysign(one, step_gap, out=step_minus)
-        all_gaps.addcmul_(step_minus, row, value=-1.0)
-    free = -minus.squeeze(-1) * valid
-    plus_full = _first_reaching(torch.cumsum(free > 0, -1), half)
-    minus_full = _first_reaching(torch.cumsum(free < 0, -1), half)
-    step = torch.arange(b, device=device)
-    signs = torch.where(step > plus_full, -1.0, torch.where(step > minus_full, 1.0, free))
+    for step, row in enumerate(scaled.unbind(1)):
+        torch.copysign(one, gap[:, step : step + 1], out=step_minus)
+        gap.addcmul_(step_minus, row, value=-1.0)
+    free = -torch.copysign(one, gap) * valid
+    # a side is full from the step after the one where its count reaches half
+    plus, minus = (free > 0).long(), (free < 0).long()
+    signs = torch.where(torch.cumsum(plus, -1) - plus >= half, -1.0, torch.where(torch.cumsum(minus, -1) - minus >= half, 1.0, free))
     signs = signs * valid
-    pushes = torch.bmm(signs.unsqueeze(1), scaled.triu_(1)).squeeze(1)  # x_j·gain with the final signs
+    pushes = torch.bmm(signs.unsqueeze(1), scaled).squeeze(1)  # x_j·gain with the final signs
     fails = ((pushes.abs() > 0.5) & valid).sum()
     return signs, fails
-
-
-def _first_reaching(counts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[N, 1] first index where counts [N, b] (non-decreasing) reaches target [N, 1]; b when it never does."""
-    reached = counts >= target
-    return torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True), counts.shape[-1])
 
 
 def halve(
@@ -572,8 +565,8 @@ class BalanceKVStream(StreamState):
     def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float, same_take: int | None = None) -> None:
         """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.
 
-        same_take: the number every chosen group halves when the caller knows it (the cascade's t),
-        so no halving block holds padding. Numerator groups use the value kernel of seed Alg. 2, the
+        same_take: the number every chosen group halves when the caller knows it (the cascade's t;
+        None: read from take). When every group halves the same number, no halving block holds padding. Numerator groups use the value kernel of seed Alg. 2, the
         normaliser's groups the keys-only kernel (κ = 1); both run as one walk.
         """
         pool = self.pool
@@ -582,8 +575,12 @@ class BalanceKVStream(StreamState):
         by_age = members[torch.argsort(pool["order"][members], stable=True)]
         ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
         sizes = counts[chosen]
-        lengths = take[chosen] if same_take is None else None
-        width = int(lengths.max()) if same_take is None else same_take
+        lengths, width = None, same_take
+        if same_take is None:
+            lengths = take[chosen]
+            shortest, width = torch.stack(torch.aminmax(lengths)).tolist()
+            if shortest == width:  # every group halves the same number: no padding
+                lengths = None
         offsets = torch.arange(width, device=sizes.device)
         slot = ordered[((torch.cumsum(sizes, 0) - sizes)[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
