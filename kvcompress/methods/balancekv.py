@@ -473,8 +473,10 @@ class BalanceKVStream(StreamState):
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Write keys [c, d] / values [c, d_v] into free buffer rows; returns those rows [c].
 
-        Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the pool stops growing;
-        when fewer than c rows are free, the buffers are copied into ones twice the live rows plus c.
+        Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the
+        pool stops growing; when fewer than c rows are free, the buffers are copied into ones twice
+        the live rows plus c, capped at the most rows ever live at once, B·H·(budget + t) (a head
+        holds at most `budget` slots between batches, and a batch adds at most t tokens per head).
         """
         count = keys.shape[0]
         if self.free.numel() < count:
