@@ -568,8 +568,9 @@ class BalanceKVStream(StreamState):
         """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.
 
         same_take: the number every chosen group halves when the caller knows it (the cascade's t;
-        None: read from take). When every group halves the same number, no halving block holds padding. Numerator groups use the value kernel of seed Alg. 2, the
-        normaliser's groups the keys-only kernel (κ = 1); both run as one walk.
+        None: read from take). When every group halves the same number, no halving block holds
+        padding. Numerator groups use the value kernel of seed Alg. 2, the normaliser's groups the
+        keys-only kernel (κ = 1); both run as one walk.
         """
         pool = self.pool
         chosen = take > 0
