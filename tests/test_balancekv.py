@@ -1,5 +1,6 @@
 """BalanceKV (seed 000): the walk, the block-parallel one-shot form, the MergeAndReduce stream."""
 
+import hashlib
 import math
 
 import pytest
@@ -295,3 +296,60 @@ def test_stream_cascade_rounds_defer_or_drain_full_levels(rounds):
     total = st.summary().normalizer.log_weights.exp().sum()
     assert math.isclose(float(total), 1024, rel_tol=1e-5)
     assert (deferred > 0) == (rounds == 1)
+
+
+def _digest(summary) -> str:
+    """sha256 prefix of a summary's positions and weights (in units of log 2, to 1e-4), normaliser included."""
+    parts = [summary.positions, summary.log_weights]
+    if summary.normalizer is not None:
+        parts += [summary.normalizer.positions, summary.normalizer.log_weights]
+    digest = hashlib.sha256()
+    for i, part in enumerate(parts):
+        as_int = part.long() if i % 2 == 0 else torch.round(part.double() / math.log(2) * 1e4).long()
+        digest.update(as_int.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _spread_kv(b, h, n, d, seed, spread, dtype):
+    """Keys and values whose norms spread over several value-norm buckets (log-normal scale `spread`)."""
+    g = _gen(seed)
+    keys = torch.randn(b, h, n, d, generator=g)
+    values = torch.randn(b, h, n, d, generator=g) * torch.exp(spread * torch.randn(b, h, n, 1, generator=g))
+    return keys.to(dtype), values.to(dtype)
+
+
+# Outputs of the implementation before the stream's speed-up (commit 5ba79db), on this project's CI
+# machine (x86-64 CPU, float32 kernels): the same kept slots and weights for the same seed.
+# (b, h, n, d, update block, budget, parameters, value-norm spread, dtype, seed, digest, FAIL events)
+PINNED_STREAMS = [
+    (1, 2, 600, 16, 40, 128, {}, 0.0, torch.float32, 0, "f801d9f531e978b3", 4041),
+    (2, 2, 700, 8, 64, 96, {"batch": 32, "stream_block": 12}, 1.0, torch.float32, 1, "870358d50dde5ddf", 7985),
+    (1, 3, 900, 16, 50, 24, {"batch": 16, "stream_block": 6, "levels": None, "cascade_rounds": None}, 1.5, torch.float32, 0, "4f68178e766b8676", 4313),
+    (1, 2, 800, 16, 100, 200, {"batch": 64, "stream_block": 16, "levels": 3}, 0.5, torch.bfloat16, 1, "63a8f28773a14348", 5006),
+    (1, 1, 300, 8, 7, 9, {"batch": 8, "stream_block": 4}, 2.0, torch.float32, 0, "425cbc6fb3b0f1bb", 254),
+]
+# (b, h, n, d, budget, parameters, data seed, digest)
+PINNED_ONE_SHOT = [
+    (1, 2, 300, 16, 100, {}, 10, "71c6b8fa8d059463"),
+    (1, 2, 513, 8, 40, {"block_size": 32, "kernel": "joint"}, 11, "17017b989a2d3f02"),
+    (2, 1, 200, 8, 5, {"block_size": 16, "kernel": "key", "augment": 0.0}, 12, "1c5071e635396cb8"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(PINNED_STREAMS)))
+def test_stream_output_matches_the_implementation_before_the_speed_up(index):
+    """Several buckets, padded halving blocks (t not a multiple of b), forced halvings, merged singletons, bfloat16."""
+    b, h, n, d, block, budget, params, spread, dtype, seed, expected, fails = PINNED_STREAMS[index]
+    keys, values = _spread_kv(b, h, n, d, index, spread, dtype)
+    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=seed, **params)
+    for start in range(0, n, block):
+        st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
+    assert (_digest(st.summary()), st.state.failures) == (expected, fails)
+
+
+@pytest.mark.parametrize("index", range(len(PINNED_ONE_SHOT)))
+def test_one_shot_output_matches_the_implementation_before_the_speed_up(index):
+    b, h, n, d, budget, params, data_seed, expected = PINNED_ONE_SHOT[index]
+    keys, values = _spread_kv(b, h, n, d, data_seed, 0.5, torch.float32)
+    summary = kvc.compress("balancekv", keys, values, budget=budget, sink=0, window=0, seed=index, **params)
+    assert _digest(summary) == expected

@@ -31,11 +31,18 @@ _MAX_KERNEL = 1 << 24
 
 
 def balance_kernel(
-    keys: torch.Tensor, values: torch.Tensor | None, valid: torch.Tensor, scale: float, kernel: str
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    scale: float,
+    kernel: str,
+    value_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SoftmaxBalance kernel of each block, divided by the seed's R² so every entry lies in [-1, 1].
 
-    keys [N, b, d], values [N, b, d_v] (ignored for kernel="key"), valid [N, b] bool (False = padding).
+    keys [N, b, d], values [N, b, d_v] (ignored for kernel="key"), valid [N, b] bool (False = padding;
+    None: no padding). value_blocks [N_v] (ascending) restricts the value factor to those blocks:
+    values is then [N_v, b, d_v] and every other block takes κ = 1 (the "key" kernel).
     Keys are centred by the mean of the block's valid keys (attention is invariant to that shift;
     seed App. B.5). K_ij = exp(s<k̄_i,k̄_j>)·κ(v_i,v_j) with κ = <v_i,v_j> ("value", seed Alg. 2),
     κ = 1 ("key": v ≡ 1, the normaliser's walk) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
@@ -43,22 +50,35 @@ def balance_kernel(
     block's largest centred key norm and value norm (seed Alg. 2 line 2), applied in log space.
     Returns (K / R² [N, b, b] float32 with zero rows and columns for padding, log R² [N]).
     """
-    mask = valid.unsqueeze(-1).float()
-    keys = keys.float() * mask
-    mean = keys.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1.0)
-    centred = (keys - mean) * mask
+    keys = keys.float()
+    if valid is None:
+        centred = keys - keys.sum(1, keepdim=True) / float(keys.shape[1])
+    else:
+        mask = valid.unsqueeze(-1).float()
+        keys = keys * mask
+        mean = keys.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1.0)
+        centred = (keys - mean) * mask
     out = torch.bmm(centred, centred.transpose(1, 2)).mul_(scale)
     r_key = out.diagonal(dim1=1, dim2=2).amax(-1)
     out.sub_(r_key[:, None, None]).exp_()
     log_r2 = r_key
     if kernel != "key":
-        v = values.float() * mask
+        v = values.float()
+        if valid is not None:
+            v = v * (mask if value_blocks is None else mask[value_blocks])
         vgram = torch.bmm(v, v.transpose(1, 2))
         r_value = vgram.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
         vgram.div_(r_value[:, None, None])
-        out.mul_(vgram if kernel == "value" else vgram.add_(1.0).div_(2.0))
-        log_r2 = log_r2 + r_value.log()
-    return out.mul_(mask * mask.transpose(1, 2)), log_r2
+        factor = vgram if kernel == "value" else vgram.add_(1.0).div_(2.0)
+        if value_blocks is None:
+            out.mul_(factor)
+            log_r2 = log_r2 + r_value.log()
+        else:
+            out.index_copy_(0, value_blocks, out.index_select(0, value_blocks).mul_(factor))
+            log_r2 = log_r2.index_add(0, value_blocks, r_value.log())
+    if valid is not None:
+        out.mul_(mask * mask.transpose(1, 2))
+    return out, log_r2
 
 
 def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +94,9 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
 
     The sequential loop runs the walk without the balancing rule (two tensor ops per step); the
     rule is applied afterwards, which gives the same signs: up to the step where a side fills, the
-    walk's choices are the same, and after it every sign is forced.
+    walk's choices are the same, and after it every sign is forced. Step i moves only the gaps of
+    the later tokens j > i (the upper triangle of the kernel), so each gap ends the loop at its
+    value when its token was decided and all signs are read off at once.
     Returns (signs [N, b] in {-1, 0, +1}, 0 for padding; number of FAIL events, a 0-d tensor).
     """
     n_blocks, b, _ = kernel.shape
@@ -82,31 +104,22 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     half = valid.sum(-1, keepdim=True) // 2
     gain = torch.exp(log_gain.clamp_max(_MAX_LOG_GAIN)).to(device)
     uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device).to(device)
-    scaled = kernel * gain[:, None, None]  # the walk's drift in units of the push x_j·gain
+    scaled = (kernel * gain[:, None, None]).triu_(1)  # the walk's drift in units of the push x_j·gain, on later tokens
     # +1 ⇔ push < ½ − u: gap = push − (½ − u) starts at u − ½ and takes the walk's steps
-    gap = (uniform - 0.5).unsqueeze(-1)
-    minus = torch.empty(n_blocks, b, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
+    gap = uniform - 0.5
+    step_minus = torch.empty(n_blocks, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
     one = torch.ones((), device=device)
-    all_gaps = gap.squeeze(-1)
-    # one view per step made up front (unbind): the loop itself is two in-place tensor ops
-    for step_gap, step_minus, row in zip(gap.unbind(1), minus.unbind(1), scaled.unbind(1)):
-        torch.copysign(one, step_gap, out=step_minus)
-        all_gaps.addcmul_(step_minus, row, value=-1.0)
-    free = -minus.squeeze(-1) * valid
-    plus_full = _first_reaching(torch.cumsum(free > 0, -1), half)
-    minus_full = _first_reaching(torch.cumsum(free < 0, -1), half)
-    step = torch.arange(b, device=device)
-    signs = torch.where(step > plus_full, -1.0, torch.where(step > minus_full, 1.0, free))
+    for step, row in enumerate(scaled.unbind(1)):
+        torch.copysign(one, gap[:, step : step + 1], out=step_minus)
+        gap.addcmul_(step_minus, row, value=-1.0)
+    free = -torch.copysign(one, gap) * valid
+    # a side is full from the step after the one where its count reaches half
+    plus, minus = (free > 0).long(), (free < 0).long()
+    signs = torch.where(torch.cumsum(plus, -1) - plus >= half, -1.0, torch.where(torch.cumsum(minus, -1) - minus >= half, 1.0, free))
     signs = signs * valid
-    pushes = torch.bmm(signs.unsqueeze(1), scaled.triu(1)).squeeze(1)  # x_j·gain with the final signs
+    pushes = torch.bmm(signs.unsqueeze(1), scaled).squeeze(1)  # x_j·gain with the final signs
     fails = ((pushes.abs() > 0.5) & valid).sum()
     return signs, fails
-
-
-def _first_reaching(counts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[N, 1] first index where counts [N, b] (non-decreasing) reaches target [N, 1]; b when it never does."""
-    reached = counts >= target
-    return torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True), counts.shape[-1])
 
 
 def halve(
@@ -122,25 +135,27 @@ def halve(
     keys [R, m, d], values [R, m, d_v] or None, m even; see `halve_mask`.
     Returns (index, number of FAIL events as a 0-d tensor).
     """
-    rows, m, _ = keys.shape
-    lengths = torch.full((rows,), m, device=keys.device)
-    keep, fails = halve_mask(keys, values, lengths, scale, method, method.block_size, kernel, generator)
+    m = keys.shape[1]
+    keep, fails = halve_mask(keys, values, None, scale, method, method.block_size, kernel, generator)
     return first_true(keep, m // 2), fails
 
 
 def halve_mask(
     keys: torch.Tensor,
     values: torch.Tensor | None,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | None,
     scale: float,
     method: "BalanceKV",
     block_size: int,
     kernel: str,
     generator: torch.Generator,
+    value_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """SoftmaxBalance on consecutive blocks of the first lengths[r] (even) tokens of every row r.
 
-    keys [R, m, d], values [R, m, d_v] or None, lengths [R] even, <= m (tokens beyond are padding).
+    keys [R, m, d], values [R, m, d_v] or None, lengths [R] even, <= m (tokens beyond are padding;
+    None: every row holds m tokens). value_rows [R_v] (ascending): only these rows take the value
+    kernel, values is then [R_v, m, d_v] and the other rows are balanced on keys only (κ = 1).
     Rows and blocks are balanced together as one batched program; the last block of a row is
     zero-padded (seed App. B), and a row shorter than a block is one block of its own length.
     In each block the side kept is +1 or -1 with probability ½, so every token is kept with
@@ -151,15 +166,26 @@ def halve_mask(
     block_size = min(block_size, m)
     n_blocks = -(-m // block_size)
     pad = n_blocks * block_size - m
-    valid = (torch.arange(n_blocks * block_size, device=keys.device) < lengths[:, None]).reshape(-1, block_size)
-    k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(-1, block_size, d)
-    v = None if values is None else torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(-1, block_size, values.shape[-1])
+    padded = pad > 0 or lengths is not None
+    token_valid = torch.arange(n_blocks * block_size, device=keys.device) < (m if lengths is None else lengths[:, None])
+    valid = token_valid.expand(rows, -1).reshape(-1, block_size)
+    if pad:
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+        values = None if values is None else torch.nn.functional.pad(values, (0, 0, 0, pad))
+    k = keys.reshape(-1, block_size, d)
+    v = None if values is None else values.reshape(-1, block_size, values.shape[-1])
+    value_blocks = None if value_rows is None else (value_rows[:, None] * n_blocks + torch.arange(n_blocks, device=keys.device)).reshape(-1)
     chunk = max(1, _MAX_KERNEL // (block_size * block_size))
     keep, fails = [], 0
     for start in range(0, k.shape[0], chunk):
         stop = start + chunk
         blocks_valid = valid[start:stop]
-        kern, log_r2 = balance_kernel(k[start:stop], None if v is None else v[start:stop], blocks_valid, scale, kernel)
+        if value_blocks is None:
+            chunk_values, chunk_value_blocks = None if v is None else v[start:stop], None
+        else:
+            first, last = torch.searchsorted(value_blocks, torch.tensor([start, stop], device=value_blocks.device)).tolist()
+            chunk_values, chunk_value_blocks = v[first:last], value_blocks[first:last] - start
+        kern, log_r2 = balance_kernel(k[start:stop], chunk_values, blocks_valid if padded else None, scale, kernel, chunk_value_blocks)
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(log_r2), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
@@ -403,7 +429,9 @@ class BalanceKVStream(StreamState):
         self.pool: dict[str, torch.Tensor] | None = None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.used = 0
+        # slots referring to each buffer row [capacity], and the rows no slot refers to (reused by `_store`)
+        self.references: torch.Tensor | None = None
+        self.free: torch.Tensor | None = None
         self.shape: tuple[int, int] | None = None
         self.template: tuple[torch.Tensor, torch.Tensor] | None = None
         self.events = 0
@@ -417,6 +445,8 @@ class BalanceKVStream(StreamState):
         if self.shape is None:
             self.shape = (b, h)
             self.template = (tokens.keys[:1, :1, :0], tokens.values[:1, :1, :0])
+            self.references = torch.zeros(0, dtype=torch.int32, device=tokens.keys.device)
+            self.free = torch.zeros(0, dtype=torch.long, device=tokens.keys.device)
         norms = tokens.values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
         instance = torch.floor(torch.log2(norms)).long() + _BUCKET_OFFSET
         rows = torch.arange(b * h, device=tokens.keys.device)
@@ -441,29 +471,31 @@ class BalanceKVStream(StreamState):
         return (self.events << 32) + positions
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Append keys [c, d] / values [c, d_v] to the buffers; returns their buffer rows [c].
+        """Write keys [c, d] / values [c, d_v] into free buffer rows; returns those rows [c].
 
-        When the buffers are full, the rows no slot refers to any more are dropped (one copy of the
-        live rows into buffers of twice what is needed), so appending costs O(1) amortised.
+        Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the
+        pool stops growing; when fewer than c rows are free, the buffers are copied into ones twice
+        the live rows plus c, capped at the most rows ever live at once, B·H·(budget + t) (a head
+        holds at most `budget` slots between batches, and a batch adds at most t tokens per head).
         """
         count = keys.shape[0]
-        if self.keys is None or self.used + count > self.keys.shape[0]:
-            live = torch.unique(self.pool["token"]) if self.pool is not None else keys.new_zeros(0, dtype=torch.long)
-            capacity = 2 * (live.numel() + count)
-            new_keys = keys.new_zeros(capacity, keys.shape[1])
-            new_values = values.new_zeros(capacity, values.shape[1])
-            if live.numel():
-                new_keys[: live.numel()] = self.keys[live]
-                new_values[: live.numel()] = self.values[live]
-                self.pool["token"] = torch.searchsorted(live, self.pool["token"])
-            self.keys, self.values, self.used = new_keys, new_values, live.numel()
-        self.keys[self.used : self.used + count] = keys
-        self.values[self.used : self.used + count] = values
-        self.used += count
-        return torch.arange(self.used - count, self.used, device=keys.device)
+        if self.free.numel() < count:
+            capacity = 0 if self.keys is None else self.keys.shape[0]
+            grown = min(2 * (capacity - self.free.numel() + count), self.shape[0] * self.shape[1] * (self.budget + self.method.stream_batch))
+            new_keys, new_values = keys.new_empty(grown, keys.shape[1]), values.new_empty(grown, values.shape[1])
+            if capacity:
+                new_keys[:capacity], new_values[:capacity] = self.keys, self.values
+            self.keys, self.values = new_keys, new_values
+            self.references = torch.cat([self.references, self.references.new_zeros(grown - capacity)])
+            self.free = torch.cat([self.free, torch.arange(capacity, grown, device=keys.device)])
+        rows, self.free = self.free[:count], self.free[count:]
+        self.keys.index_copy_(0, rows, keys)
+        self.values.index_copy_(0, rows, values)
+        return rows
 
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
         """Append new level-0 slots {positions, row, instance, token} to the pool."""
+        self.references.index_add_(0, slots["token"], torch.ones_like(slots["token"], dtype=self.references.dtype))
         level = torch.zeros_like(slots["row"])
         slots = slots | {"level": level, "log_weight": level.float(), "order": self._stamp(slots["positions"])}
         if self.pool is None:
@@ -471,26 +503,33 @@ class BalanceKVStream(StreamState):
         else:
             self.pool = {name: torch.cat([self.pool[name], slots[name]]) for name in self.pool}
 
+    def _group_ids(self) -> torch.Tensor:
+        """Group id (row · _INSTANCES + instance) · _LEVELS + level of every slot [S]."""
+        pool = self.pool
+        return (pool["row"] * _INSTANCES + pool["instance"]) * _LEVELS + pool["level"]
+
     def _groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(group id of each (row, instance, level) present [U], index of each slot's group [S], slots per group [U])."""
-        pool = self.pool
-        group = (pool["row"] * _INSTANCES + pool["instance"]) * _LEVELS + pool["level"]
-        return torch.unique(group, return_inverse=True, return_counts=True)
+        return torch.unique(self._group_ids(), return_inverse=True, return_counts=True)
 
     def _cascade(self, scale: float) -> None:
         """Seed Alg. 4 lines 11-17: rounds halving the oldest t slots of every full level of every head and instance.
 
         Up to `cascade_rounds` rounds (None: until no level is full); a level left full is halved
-        after the next batch, together with that batch's other halvings.
+        after the next batch, together with that batch's other halvings. Slots are counted over
+        every possible group id (a bincount, no sort).
         """
         batch, top, rounds = self.method.stream_batch, self.method.levels, self.method.cascade_rounds
+        groups = self.shape[0] * self.shape[1] * _INSTANCES * _LEVELS
         done = 0
         while rounds is None or done < rounds:
-            groups, inverse, counts = self._groups()
-            full = (counts >= batch) & (groups % _LEVELS < (_MERGED if top is None else top))
+            group = self._group_ids()
+            counts = torch.bincount(group, minlength=groups)
+            full = counts.view(-1, _LEVELS) >= batch
+            full[:, _MERGED if top is None else top :] = False
             if not bool(full.any()):
                 return
-            self._halve_groups(inverse, counts, torch.where(full, batch, 0), scale)
+            self._halve_groups(group, counts, torch.where(full.view(-1), batch, 0), scale, batch)
             done += 1
 
     def _enforce_budget(self, scale: float) -> None:
@@ -525,11 +564,13 @@ class BalanceKVStream(StreamState):
             self._halve_groups(inverse, counts, torch.where(chosen, counts // 2 * 2, 0), scale)
             self._cascade(scale)
 
-    def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float) -> None:
+    def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float, same_take: int | None = None) -> None:
         """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.
 
-        Numerator groups use the value kernel of seed Alg. 2; the normaliser's keys-only kernel
-        (κ = 1) is the same kernel with every value the unit vector e_0, so both run as one walk.
+        same_take: the number every chosen group halves when the caller knows it (the cascade's t;
+        None: read from take). When every group halves the same number, no halving block holds
+        padding. Numerator groups use the value kernel of seed Alg. 2, the normaliser's groups the
+        keys-only kernel (κ = 1); both run as one walk.
         """
         pool = self.pool
         chosen = take > 0
@@ -537,25 +578,34 @@ class BalanceKVStream(StreamState):
         by_age = members[torch.argsort(pool["order"][members], stable=True)]
         ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
         sizes = counts[chosen]
-        lengths = take[chosen]
-        width = int(lengths.max())
-        offsets = torch.arange(width, device=lengths.device)
+        lengths, width = None, same_take
+        if same_take is None:
+            lengths = take[chosen]
+            shortest, width = torch.stack(torch.aminmax(lengths)).tolist()
+            if shortest == width:  # every group halves the same number: no padding
+                lengths = None
+        offsets = torch.arange(width, device=sizes.device)
         slot = ordered[((torch.cumsum(sizes, 0) - sizes)[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
-        unit = torch.zeros(self.values.shape[-1], dtype=self.values.dtype, device=self.values.device)
-        unit[0] = 1.0
-        values = torch.where((pool["instance"][slot] == _NORMALISER)[..., None], unit, self.values[token])
-        keep, fails = halve_mask(self.keys[token], values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
+        value_rows = (pool["instance"][slot[:, 0]] != _NORMALISER).nonzero().squeeze(1)
+        keys = self.keys.index_select(0, token.reshape(-1)).view(*token.shape, self.keys.shape[-1])
+        values = self.values.index_select(0, token[value_rows].reshape(-1)).view(len(value_rows), width, self.values.shape[-1])
+        keep, fails = halve_mask(keys, values, lengths, scale, self.method, self.method.stream_block, "value", self.generator, value_rows)
         self.method.fail_events += fails
-        valid = offsets < lengths[:, None]
-        promoted = slot[valid & keep]
+        if lengths is not None:
+            valid = offsets < lengths[:, None]
+            keep, slot = keep[valid], slot[valid]
+        promoted = slot[keep]
         pool["level"][promoted] += 1
         pool["log_weight"][promoted] += LOG2
         pool["order"][promoted] = self._stamp(pool["positions"][promoted])
-        self._remove(slot[valid & ~keep])
+        self._remove(slot[~keep])
 
     def _remove(self, slots: torch.Tensor) -> None:
-        """Drop the pool slots at indices `slots`."""
+        """Drop the pool slots at indices `slots`; buffer rows no slot refers to any more become free."""
+        token = self.pool["token"][slots]
+        self.references.index_add_(0, token, torch.full_like(token, -1, dtype=self.references.dtype))
+        self.free = torch.cat([torch.unique(token[self.references[token] == 0]), self.free])
         alive = torch.ones_like(self.pool["row"], dtype=torch.bool).index_fill_(0, slots, False).nonzero().squeeze(1)
         self.pool = {name: t.index_select(0, alive) for name, t in self.pool.items()}
 
@@ -589,10 +639,10 @@ class BalanceKVStream(StreamState):
         self._remove(dropped)
 
     def nbytes(self) -> int:
-        """Key/value buffers (up to twice the live tokens, see `_store`) plus the slot metadata."""
+        """Key/value buffers (up to twice the most live tokens so far plus one batch, see `_store`) plus the slot metadata."""
         if self.pool is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, *self.pool.values()))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.references, self.free, *self.pool.values()))
 
     def summary(self) -> KVSummary | None:
         if self.pool is None:
