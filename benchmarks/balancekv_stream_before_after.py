@@ -2,7 +2,7 @@
 
 The implementation of `kvcompress/methods/balancekv.py` at git revision `--before` is loaded
 from git history as a second registered method ("balancekv_before"). On the synthetic layer of
-`benchmarks/stream_throughput.py` (Llama-8B-like shape: H_kv = 8, H_q = 32, d = 128;
+`kvcompress bench`'s throughput section (Llama-8B-like shape: H_kv = 8, H_q = 32, d = 128;
 `--tokens` tokens in blocks of `--block`, half kept, no sink or window) KeyDiff, the old and the
 current BalanceKV stream take turns within each of `--repeats` rounds (so load changes of the shared
 machine hit all three); each row gives the min and median wall time of a stream, tokens/s from the
