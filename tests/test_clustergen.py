@@ -162,3 +162,24 @@ def test_generate_on_the_default_model(default_model):
     exact_after = res.prompt_tokens - res.context_tokens + len(res.token_ids) - 1
     assert res.slots_per_layer == [kept + exact_after] * len(res.slots_per_layer)
     assert res.kv_bytes < 0.6 * res.kv_bytes_full
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.5, 2.0])
+def test_stream_waiting_runs_change_no_kept_slot(slack):
+    """Completed runs wait (exact) up to ceil(slack·budget) tokens before one batched traversal: same summary as slack 0 and as one-shot."""
+    g = torch.Generator().manual_seed(11)
+    n, budget = 3000, 700
+    keys, values = torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g)
+    st = kvc.stream("clustergen", budget=budget, sink=0, window=0, slack=slack)
+    reference = kvc.stream("clustergen", budget=budget, sink=0, window=0, slack=0.0)
+    for start in range(0, n, 100):
+        for s in (st, reference):
+            s.update(keys[:, :, start : start + 100], values[:, :, start : start + 100])
+        assert sum(r.length for r in st.state.waiting) <= math.ceil(slack * budget)
+        assert sum(r.length for r in st.state.runs) <= budget
+        assert torch.equal(st.summary().positions, reference.summary().positions)
+    st.compact()
+    assert st.state.waiting == [] and sum(r.length for r in st.state.runs) <= budget
+    one = kvc.compress("clustergen", keys, values, budget=budget, sink=0, window=0)
+    for a, b in ((st.summary().positions, one.positions), (st.summary().keys, one.keys)):
+        assert torch.equal(a, b)

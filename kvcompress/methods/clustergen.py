@@ -7,12 +7,13 @@ Zarandi, Han, Mirrokni, Karbasi, Zandieh, "SubGen: Token Generation in Sublinear
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..summary import KVSummary, gather_slots
-from .base import DEFAULT_SLACK, Method, StreamState, Tokens, cat_tokens, register
+from .base import DEFAULT_SLACK, Method, StreamState, Tokens, cat_tokens, check_slack, register
 
 
 # Pairwise inner products materialised at once (float32) by farthest_point; above this it takes one
@@ -136,10 +137,11 @@ class ClusterGen(Method):
         return KVSummary(keys, values, log_weights, positions)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
-        """Native (`ClusterGenState`, slack unused) with block_size and unweighted; otherwise block-wise with `slack`."""
+        """Native (`ClusterGenState`: completed runs wait up to ceil(slack·budget) tokens before their batched
+        traversal) with block_size and unweighted; otherwise block-wise with `slack`."""
         if self.block_size is None or self.weighted:
             return super().new_stream(budget, generator, slack)
-        return ClusterGenState(budget, self.block_size)
+        return ClusterGenState(budget, self.block_size, slack)
 
 
 def run_quotas(ends: list[int], budget: int, n: int) -> list[int]:
@@ -152,16 +154,27 @@ class ClusterGenState(StreamState):
     """Block-local k-center as a stream: every completed run of `block_size` tokens holds the head of
     its farthest-first traversal (batched over batch and heads), trimmed to its quota as n grows.
 
+    Completed runs wait, exact, until they hold more than ceil(slack·budget) tokens (or until
+    `compact()`); then all waiting runs are traversed in one batched call and every run is trimmed to
+    its current quota. Quotas only shrink as n grows and a traversal's prefix is the traversal of a
+    smaller quota, so waiting changes no kept slot; it batches the traversal's sequential steps and
+    trims each run once per wait instead of once per run. slack=0 traverses and trims at every
+    completed run.
+
     summary() after n tokens equals `ClusterGen.compress` of those n tokens (block_size runs counted
     from the first absorbed token), except when floor rounding gives a run one centre more than it
     had at an earlier trim: that slot is gone and the summary holds one slot fewer (never more than
-    `budget`). Storage between updates: at most `budget` slots of completed runs plus the < block_size
-    tokens of the run in progress.
+    `budget`). Storage between updates: at most `budget` slots of traversed runs, ceil(slack·budget)
+    tokens of waiting runs and the < block_size tokens of the run in progress.
     """
 
-    def __init__(self, budget: int, block_size: int):
+    recompresses = True
+
+    def __init__(self, budget: int, block_size: int, slack: float = DEFAULT_SLACK):
         self.budget, self.block_size = budget, block_size
-        self.runs: list[Tokens] = []  # per completed run: its traversal head, in selection order
+        self.slack_slots = math.ceil(check_slack(slack) * budget)
+        self.runs: list[Tokens] = []  # per traversed run: its traversal head, in selection order
+        self.waiting: list[Tokens] = []  # completed runs not traversed yet, exact
         self.ends: list[int] = []  # tokens seen up to the end of each completed run
         self.pending: Tokens | None = None
         self.seen = 0
@@ -177,11 +190,18 @@ class ClusterGenState(StreamState):
             start = stop
             if self.pending.length == self.block_size:
                 self.ends.append(self.seen)
-                quota = min(self.block_size, run_quotas(self.ends, self.budget, self.seen)[-1])
-                self.runs.append(_traversal(self.pending, quota))
+                self.waiting.append(self.pending)
                 self.pending = None
+        if sum(r.length for r in self.waiting) > self.slack_slots:
+            self.compact()
+
+    def compact(self) -> None:
+        """Traverse the waiting runs and trim every run to its quota (at most `budget` slots then)."""
+        quotas = run_quotas(self.ends, self.budget, self.seen)
+        if self.waiting:
+            self.runs += _traversals(self.waiting, [min(self.block_size, q) for q in quotas[len(self.runs) :]])
+            self.waiting = []
         if sum(r.length for r in self.runs) > self.budget:
-            quotas = run_quotas(self.ends, self.budget, self.seen)
             self.runs = [r if r.length <= q else _head(r, q) for r, q in zip(self.runs, quotas)]
 
     def summary(self) -> KVSummary | None:
@@ -190,8 +210,9 @@ class ClusterGenState(StreamState):
         ends = self.ends + ([self.seen] if self.pending is not None else [])
         quotas = run_quotas(ends, self.budget, self.seen)
         parts = [r.slice(0, min(r.length, q)) for r, q in zip(self.runs, quotas)]
-        if self.pending is not None:
-            parts.append(_traversal(self.pending, min(self.pending.length, quotas[-1])))
+        unfinished = self.waiting + ([self.pending] if self.pending is not None else [])
+        if unfinished:
+            parts += _traversals(unfinished, [min(r.length, q) for r, q in zip(unfinished, quotas[len(self.runs) :])])
         parts = [p for p in parts if p.length]
         if not parts:  # every run with a quota lost its slot to an earlier trim (the rounding case above)
             return None
@@ -201,7 +222,7 @@ class ClusterGenState(StreamState):
         return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
 
     def nbytes(self) -> int:
-        parts = [*self.runs, *([self.pending] if self.pending is not None else [])]
+        parts = [*self.runs, *self.waiting, *([self.pending] if self.pending is not None else [])]
         return sum(t.numel() * t.element_size() for p in parts for t in (p.keys, p.values, p.positions))
 
 
@@ -210,11 +231,26 @@ def _head(run: Tokens, count: int) -> Tokens:
     return Tokens(run.keys[:, :, :count].clone(), run.values[:, :, :count].clone(), run.positions[:, :, :count].clone(), scale=run.scale)
 
 
-def _traversal(run: Tokens, steps: int) -> Tokens:
-    """The first `steps` points of each head's farthest-first traversal of the run, in selection order."""
-    b, h, n, d = run.keys.shape
-    if steps == 0:
-        return run.slice(0, 0)
-    index = farthest_point(run.keys.reshape(b * h, n, d), steps)[0].reshape(b, h, steps)
-    keys, values, positions = gather_slots(run.keys, run.values, run.positions, index)
-    return Tokens(keys, values, positions, scale=run.scale)
+def _traversals(runs: list[Tokens], steps: list[int]) -> list[Tokens]:
+    """The first `steps[i]` points of each head's farthest-first traversal of run i, in selection order,
+    every run of the same length traversed in one batched call (runs [B,H,c,d], steps[i] <= c)."""
+    out: list[Tokens | None] = [None] * len(runs)
+    by_length: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        by_length.setdefault(run.length, []).append(i)
+    for members in by_length.values():
+        b, h, n, d = runs[members[0]].keys.shape
+        most = max(steps[i] for i in members)
+        if most == 0:
+            index = None
+        else:
+            keys = torch.cat([runs[i].keys for i in members]).reshape(len(members) * b * h, n, d)
+            index = farthest_point(keys, most)[0].reshape(len(members), b, h, most)
+        for j, i in enumerate(members):
+            run = runs[i]
+            if steps[i] == 0:
+                out[i] = run.slice(0, 0)
+                continue
+            kept = gather_slots(run.keys, run.values, run.positions, index[j, :, :, : steps[i]])
+            out[i] = Tokens(*kept, scale=run.scale)
+    return out
