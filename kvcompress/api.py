@@ -92,7 +92,7 @@ def stream(
 
     Besides the exact sink and window, a natively streaming method (Express, SubGen, BalanceKV)
     stores at most `budget` slots per head; a block-wise one (score methods, Compactor, the hybrid)
-    at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
+    and ClusterGen's run-wise stream at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
     re-compressing back to `budget` each time it passes that, so its cost is linear in the stream
     length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (seed 004's
     block prompt processing); `.compact()` brings the state down to `budget` now. seed as in

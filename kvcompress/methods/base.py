@@ -11,8 +11,9 @@ and must honour `budget`: at most `budget` slots per head in what it returns.
   budget + ceil(slack·budget) slots, so at most budget + ceil(slack·budget) + block slots are
   stored and the total work stays linear in the stream length. A natively streaming method
   (Express, SubGen, BalanceKV) holds at most `budget` by construction and never re-compresses
-  (`recompresses` False: slack does not apply to it). Its one-shot `compress` runs its stream over
-  the tokens.
+  (`recompresses` False: slack does not apply to it); ClusterGen's native stream lets completed
+  runs wait up to ceil(slack·budget) tokens before traversing them (`recompresses` True). A
+  natively streaming method's one-shot `compress` runs its stream over the tokens.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ class Method:
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
         """Streaming: a fresh state holding at most budget + ceil(slack·budget) slots per head between updates
-        (`BlockwiseState`; a natively streaming method holds at most `budget` and ignores slack: its
-        state's `recompresses` is False)."""
+        (`BlockwiseState`; a native state that never holds more than `budget` ignores slack: its
+        `recompresses` is False)."""
         return BlockwiseState(self, budget, generator, slack)
 
     def check_inputs(self, tokens: Tokens) -> None:
@@ -185,12 +186,17 @@ class ScoreMethod(Method, ABC):
         return keep_top(tokens, self.score(tokens, generator), budget)
 
 
+def top_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[B,H,budget]: the indices of the `budget` highest scores [B,H,n] per head, in ascending (original) order."""
+    return scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
 def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
     """Keep the `budget` highest-scoring tokens per head, in their original order, with log-weight 0.
 
     scores [B,H,n] may contain -inf for tokens that must go.
     """
-    index = scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values
+    index = top_index(scores, budget)
     keys, values, positions = gather_slots(tokens.keys, tokens.values, tokens.positions, index)
     return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
 

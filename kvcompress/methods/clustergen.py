@@ -241,16 +241,11 @@ def _traversals(runs: list[Tokens], steps: list[int]) -> list[Tokens]:
     for members in by_length.values():
         b, h, n, d = runs[members[0]].keys.shape
         most = max(steps[i] for i in members)
-        if most == 0:
-            index = None
-        else:
+        if most:
             keys = torch.cat([runs[i].keys for i in members]).reshape(len(members) * b * h, n, d)
             index = farthest_point(keys, most)[0].reshape(len(members), b, h, most)
         for j, i in enumerate(members):
             run = runs[i]
-            if steps[i] == 0:
-                out[i] = run.slice(0, 0)
-                continue
-            kept = gather_slots(run.keys, run.values, run.positions, index[j, :, :, : steps[i]])
-            out[i] = Tokens(*kept, scale=run.scale)
+            kept = gather_slots(run.keys, run.values, run.positions, index[j, :, :, : steps[i]]) if steps[i] else None
+            out[i] = Tokens(*kept, scale=run.scale) if kept else run.slice(0, 0)
     return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, keep_top, register
+from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, keep_top, register, top_index
 from ..summary import KVSummary, take_slots
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
@@ -214,13 +214,15 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
     """[B,H_q,n,d]: the query of each token, matched by position; a clear error if any is missing."""
     pos = tokens.positions[0, 0]
     qpos = tokens.query_positions
-    if qpos is not None and qpos.numel() == pos.numel() and torch.equal(qpos.to(pos.device), pos):
-        return tokens.queries  # the queries of exactly these tokens (a stream's block): no copy
     if qpos is not None:
         qpos = qpos.to(pos.device)
-        index = torch.searchsorted(qpos, pos).clamp_max(qpos.numel() - 1)
-        if torch.equal(qpos[index], pos):
-            return tokens.queries[:, :, index]
+        if qpos.numel() == pos.numel():  # both ascending: every token has its query only if they are equal
+            if torch.equal(qpos, pos):
+                return tokens.queries  # the queries of exactly these tokens (a stream's block): no copy
+        else:
+            index = torch.searchsorted(qpos, pos).clamp_max(qpos.numel() - 1)
+            if torch.equal(qpos[index], pos):
+                return tokens.queries[:, :, index]
     raise ValueError(
         "compactor's attention term needs the query of every token it compresses (queries aligned with the "
         f"keys' positions {pos[0].item()}..{pos[-1].item()}); pass queries for all of them, or use attention=False. "
@@ -242,5 +244,5 @@ class CompactorState(BlockwiseState):
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         columns = self.slots.view()
         scores = self.method.blend(columns[4] if self.method.attention else None, held.pre_rope_keys, self.generator)
-        index = scores.topk(self.budget, dim=-1).indices.sort(dim=-1).values
+        index = top_index(scores, self.budget)
         return tuple(take_slots(t, index) for t in columns)
