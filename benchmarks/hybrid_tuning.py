@@ -42,7 +42,7 @@ from kvcompress.eval.stopping import stop_token_ids
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.generate import generate_ids
 from kvcompress.integration.model import build_prompt
-from kvcompress.methods.base import build_method
+from kvcompress.methods.base import Tokens, build_method, compress_tokens, make_generator, query_positions_for, resolve_budget
 
 RESULTS = Path(__file__).parent / "results"
 TRAIN_SEED = 1000
@@ -59,6 +59,10 @@ LEVERAGE = {"attention": False}  # Compactor's leverage score alone (seed 002's 
 CANDIDATES = {
     "tova .1 + leverage .3, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
                                                    "exact_fraction": [0.1, 0.3], "coreset": "express"}, (0, 0)),
+    "tova .1 + leverage .3 in spans of 7, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
+                                                                "exact_fraction": [0.1, 0.3], "span": [1, 7], "coreset": "express"}, (0, 0)),
+    "tova .1 + leverage .3 in spans of 15, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
+                                                                 "exact_fraction": [0.1, 0.3], "span": [1, 15], "coreset": "express"}, (0, 0)),
     "tova .1 + leverage .3 + recent .2, express": ("hybrid", {"score": ["tova", "compactor", "streamingllm"],
                                                                "score_params": [{}, LEVERAGE, {}],
                                                                "exact_fraction": [0.1, 0.3, 0.2], "coreset": "express"}, (0, 0)),
@@ -157,6 +161,87 @@ def run_approx(model, tokenizer, entries: dict[str, tuple], log: RowLog) -> None
                 print(f"layer {layer} ratio {ratio} {name}: {log.rows[-1]['error']:.4f}", flush=True)
 
 
+def line_token_spans(tokenizer, context_ids: torch.Tensor, line: str) -> dict[str, list[int]]:
+    """Token positions of the line in context_ids [1, n], by part: "name" ("line adj-noun:"),
+    "register" (" REGISTER_CONTENT is <"), "number" (its digits), "close" (">.")."""
+    pieces = [tokenizer.decode([t]) for t in context_ids[0].tolist()]
+    ends = torch.tensor([len(p) for p in pieces]).cumsum(0).tolist()
+    text = "".join(pieces)
+    start = text.index(line)
+    parts = {"name": line.index(":") + 1, "register": line.index("<") + 1, "number": line.index(">"), "close": len(line) + 1}
+    spans, lo = {}, start
+    for part, stop in parts.items():
+        hi = start + stop
+        spans[part] = [i for i, end in enumerate(ends) if end > lo and end - len(pieces[i]) < hi]
+        lo = hi
+    return spans
+
+
+def kept_positions(model, captured: dict, entry: tuple, ratio: float) -> dict[str, torch.Tensor]:
+    """{role: bool [layers, H_kv, n]}: the context tokens each layer/head holds, by role. A hybrid with
+    sink = window = 0 (entry as in CANDIDATES): "first score" (its first score method's exact picks),
+    "later scores" (the other exact picks), "coreset" (a weighted coreset slot stands at the token).
+    A single method: "exact" (every slot it keeps, its default sink and window included)."""
+    method_name, params, sink_window = entry
+    method = build_method(method_name, **params)
+    if method_name == "hybrid" and sink_window != (0, 0):
+        raise ValueError(f"the diagnosis reads hybrids with sink = window = 0, got sink/window {sink_window}")
+    sink, window = sink_window or (method.default_sink, method.default_window)
+    unrotate = CompressedCache(model, CompressionSettings(method, "prefill", budget=1))
+    scales = attention_scales(model)
+    roles: dict[str, list[torch.Tensor]] = {}
+    for layer, (q, k, v, *_) in sorted(captured.items()):
+        n = k.shape[2]
+        pos = torch.arange(n).expand(*k.shape[:2], n)
+        tokens = Tokens(k, v, pos, q, unrotate.pre_rope_keys(k, pos[0, 0]), scales[layer], layer, len(captured),
+                        query_positions_for(q, pos))
+        budget = resolve_budget(n, None, ratio, sink, window)
+        if method_name == "hybrid":
+            counts, n_coreset = method.split_budget(budget)
+            generator = make_generator(layer)
+            exact, rest = method.top(tokens, counts, generator)
+            first = method.score_methods[0].compress(tokens, counts[0], make_generator(layer)).positions
+            held = {"first score": first, "exact": exact.positions,
+                    "coreset": method.coreset_method.compress(rest, n_coreset, generator).positions}
+        else:
+            held = {"exact": compress_tokens(method, tokens, budget, sink, window, make_generator(layer)).positions}
+        for role, where in held.items():
+            roles.setdefault(role, []).append(torch.zeros(n, dtype=torch.bool).expand(k.shape[1], n).clone().scatter_(1, where[0], True))
+    out = {role: torch.stack(masks) for role, masks in roles.items()}
+    if "first score" in out:
+        out["later scores"] = out["exact"] & ~out["first score"]
+    return out
+
+
+DIAGNOSED = (("tova .1 + leverage .3, express", 0.75), ("compactor", 0.75), ("compactor", 0.5))
+
+
+def diagnose_lines(model, tokenizer, samples: int, log: RowLog) -> list[str]:
+    """Markdown: on the first `samples` training line samples, the share of (layer, KV head) pairs
+    that hold each part of the asked line, by role, for each (entry, ratio) of DIAGNOSED."""
+    entries = REFERENCES | CANDIDATES
+    lines = ["| sample (depth) | entry @ ratio | answered | part (tokens) | " + " | ".join(
+        ["first score", "later scores", "coreset", "exact"]) + " | held exactly, any token / all tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for i in range(samples):
+        sample = generate_sample("line_retrieval", target_tokens=2048, depth=sample_depth(i), seed=TRAIN_SEED + i, tokenizer=tokenizer,
+                                 **TASKS["line_retrieval"])
+        context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+        spans = line_token_spans(tokenizer, context_ids, sample.needles[0])
+        captured = capture_qkv(model, context_ids)
+        for name, ratio in DIAGNOSED:
+            held = kept_positions(model, captured, entries[name], ratio)
+            exact = held["exact"]
+            answered = [r["score"] for r in log.rows if (r["part"], r["entry"], r["case"], r["sample"], r["ratio"]) == ("task", name, "line_retrieval", i, ratio)]
+            for part, index in spans.items():
+                cells = [f"{100 * held[role][..., index].float().mean():.0f}" if role in held else "" for role in
+                         ("first score", "later scores", "coreset", "exact")]
+                whole = exact[..., index]
+                lines.append(f"| {i} ({sample.depths[0]:.2f}) | {name} @ {ratio:g} | {'yes' if answered == [1.0] else 'no' if answered else '?'} | "
+                             f"{part} ({len(index)}) | " + " | ".join(cells) + f" | {100 * whole.any(-1).float().mean():.0f} / {100 * whole.all(-1).float().mean():.0f} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -202,6 +287,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--diagnose-lines", type=int, default=0, metavar="N",
+                        help="only the line diagnosis on the first N training line samples (hybrid_tuning_lines.md)")
     parser.add_argument("--csv", type=Path, default=RESULTS / "hybrid_tuning.csv", help="rows so far (the run resumes from them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -209,6 +296,10 @@ def main() -> None:
     entries = REFERENCES | {name: CANDIDATES[name] for name in args.candidates}
     start = time.perf_counter()
     log = RowLog(args.csv)
+    if args.diagnose_lines:
+        table = diagnose_lines(model, tokenizer, args.diagnose_lines, log)
+        (RESULTS / "hybrid_tuning_lines.md").write_text("\n".join(table) + "\n")
+        return
     run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n != "balancekv"}, args.samples, log)
     run_approx(model, tokenizer, entries, log)
     rows = [r for r in log.rows if r["entry"] in entries and (r["part"] == "approx" or r["sample"] < args.samples)]

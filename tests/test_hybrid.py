@@ -7,7 +7,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.attention import exact_attention, weighted_attention
-from kvcompress.methods.base import DEFAULT_SLACK, Tokens, make_generator
+from kvcompress.methods.base import DEFAULT_SLACK, Tokens, build_method, make_generator
 from kvcompress.methods.hybrid import Hybrid
 from kvcompress.summary import take_slots
 
@@ -147,6 +147,10 @@ def test_mixed_score_streams_within_its_budget():
         ({"score": "keydiff", "exact_fraction": 0.5}, "score_params=None keeps every method's defaults"),
         ({"score": ["keydiff", "knorm"], "exact_fraction": [0.2, 0.2], "score_params": {}}, "one dict \\(or None\\) per score method"),
         ({"score": [], "exact_fraction": []}, "at least one method"),
+        ({"span": 4}, "span must be an odd integer"),
+        ({"span": [1, 3, 5]}, "span must be an odd integer >= 1, or one per score method \\(2\\)"),
+        ({"span": True}, "span"),
+        ({"score": ["keydiff", "balancekv"], "exact_fraction": [0.2, 0.2], "score_params": None, "span": 3}, "'balancekv' exposes none"),
     ],
 )
 def test_bad_parameters_are_named(params, match):
@@ -174,6 +178,30 @@ def test_default_composition_keeps_heavy_hitters_then_leverage_outliers_exactly(
         plain = set(s.positions[0, h][s.log_weights[0, h] == 0].tolist())
         assert set(heavy.positions[0, h].tolist()) <= plain
         assert len(plain) >= 4 + 12
+
+
+def test_span_keeps_the_top_of_the_max_pooled_score_as_contiguous_runs():
+    """span=[1, 7]: TOVA's picks as before, then the leverage picks are the top of its score max-pooled over 7 neighbours."""
+    k, v = _kv()
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300), queries=torch.randn(1, 4, 8, 16), pre_rope_keys=k,
+                    query_positions=torch.arange(292, 300))
+    plain, pooled = Hybrid(), Hybrid(span=[1, 7])
+    assert Hybrid(span=1).spans == [1, 1] and torch.equal(Hybrid(span=1).top(tokens, [4, 12], make_generator(0))[0].positions,
+                                                          plain.top(tokens, [4, 12], make_generator(0))[0].positions)
+    heavy = plain.top(tokens, [4, 0], make_generator(0))[0].positions
+    picks = {name: hybrid.top(tokens, [4, 12], make_generator(0))[0].positions for name, hybrid in (("plain", plain), ("pooled", pooled))}
+    for h in range(2):
+        first = set(heavy[0, h].tolist())
+        rest = torch.tensor(sorted(set(range(300)) - first))
+        others = Tokens(k[:, h : h + 1, rest], v[:, h : h + 1, rest], rest.expand(1, 1, -1), pre_rope_keys=k[:, h : h + 1, rest])
+        score = build_method("compactor", attention=False).score(others, make_generator(0))[0, 0]
+        pooled_score = torch.stack([score[max(0, i - 3) : i + 4].max() for i in range(len(rest))])
+        second = {name: set(p[0, h].tolist()) - first for name, p in picks.items()}
+        index = [i for i, p in enumerate(rest.tolist()) if p in second["pooled"]]
+        assert len(index) == 12 and pooled_score[index].min() >= pooled_score.topk(12).values.min()
+        assert second["plain"] == set(rest[score.topk(12).indices].tolist())
+        adjacent = {name: sum(1 for p in s if p + 1 in s) for name, s in second.items()}
+        assert adjacent["pooled"] > adjacent["plain"]
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])

@@ -203,8 +203,11 @@ class Compactor(Method):
         self.check_inputs(tokens)
         if tokens.length <= budget:
             return tokens.exact()
-        attention = self.attention_scores(tokens) if self.attention else None
-        return keep_top(tokens, self.blend(attention, tokens.pre_rope_keys, generator), budget)
+        return keep_top(tokens, self.score(tokens, generator), budget)
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        """[B,H_kv,n]: the blended score of every token (higher is kept)."""
+        return self.blend(self.attention_scores(tokens) if self.attention else None, tokens.pre_rope_keys, generator)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
         return CompactorState(self, budget, generator, slack)

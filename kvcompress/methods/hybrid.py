@@ -31,9 +31,10 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from ..summary import KVSummary, concat, take_slots
-from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, register
+from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, keep_top, register
 
 _COMPOSED_PARAMS = ("sink", "window")
 
@@ -63,6 +64,18 @@ def _by_position(summary: KVSummary) -> KVSummary:
                    log_weights=take_slots(summary.log_weights, order), positions=take_slots(summary.positions, order))
 
 
+def _pick(method: Method, span: int, tokens: Tokens, count: int, generator: torch.Generator) -> KVSummary:
+    """`method`'s `count` plain tokens per head; span > 1: the top `count` of its score max-pooled over
+    `span` neighbouring tokens, so each high score takes its neighbours along (contiguous picks)."""
+    if span == 1 or tokens.length <= count:
+        return method.compress(tokens, count, generator)
+    method.check_inputs(tokens)
+    scores = method.score(tokens, generator).float()
+    b, h, n = scores.shape
+    pooled = F.max_pool1d(scores.reshape(b * h, 1, n), span, stride=1, padding=span // 2).reshape(b, h, n)
+    return keep_top(tokens, pooled, count)
+
+
 def _as_list(value) -> list:
     """A single value or a list/tuple of values, as a list."""
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -81,6 +94,10 @@ class Hybrid(Method):
     registered method whose weights add up to the tokens it covers, e.g. "express", "balancekv".
     score_params (one dict, or None, per score method; None overall: every method's defaults) /
     coreset_params: parameters of the composed methods, checked by their own constructors.
+    span: odd number of neighbouring tokens each score method's score is max-pooled over before its
+    top-k (SnapKV pools its scores, ChunkKV keeps chunks), so its exact picks come as contiguous
+    runs around the high scores; one number, or one per score method; 1 (default) picks single
+    tokens; above 1 the method must expose `score` (every score-then-top-k method, Compactor).
 
     Defaults (chosen on training cases only: benchmarks/hybrid_tuning.py,
     benchmarks/results/hybrid_tuning.md): TOVA's heavy hitters for 0.1 of the budget, then
@@ -101,6 +118,7 @@ class Hybrid(Method):
     exact_fraction: float | tuple[float, ...] = (0.1, 0.3)
     score_params: dict | tuple[dict | None, ...] | None = (None, {"attention": False})
     coreset_params: dict | None = None
+    span: int | tuple[int, ...] = 1
 
     def __post_init__(self):
         scores, fractions = _as_list(self.score), _as_list(self.exact_fraction)
@@ -126,8 +144,15 @@ class Hybrid(Method):
             bad = sorted(set(params or {}) & set(_COMPOSED_PARAMS))
             if bad:
                 raise ValueError(f"{role} cannot set {bad}: sink and window belong to the hybrid call")
+        spans = list(self.span) if isinstance(self.span, (list, tuple)) else [self.span] * len(scores)
+        if len(spans) != len(scores) or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 or w % 2 == 0 for w in spans):
+            raise ValueError(f"span must be an odd integer >= 1, or one per score method ({len(scores)}), got {self.span!r}")
+        self.spans = spans
         self.fractions = [float(f) for f in fractions]
         self.score_methods = [build_method(s, **(p or {})) for s, p in zip(scores, score_params)]
+        for method, span in zip(self.score_methods, spans):
+            if span > 1 and not callable(getattr(method, "score", None)):
+                raise ValueError(f"span={span} pools a score, but score method {method.name!r} exposes none; use span=1 for it")
         self.coreset_method = build_method(self.coreset, **(self.coreset_params or {}))
         parts = [*self.score_methods, self.coreset_method]
         self.needs_queries = any(m.needs_queries for m in parts)
@@ -150,10 +175,10 @@ class Hybrid(Method):
         earlier ones left; every other token), both in original order. The others carry pre-RoPE
         keys only when the coreset reads them."""
         kept_mask = torch.zeros_like(tokens.positions, dtype=torch.bool)
-        chosen = [(method, count) for method, count in zip(self.score_methods, counts) if count]
+        chosen = [(method, span, count) for method, span, count in zip(self.score_methods, self.spans, counts) if count]
         rest, n_kept = tokens, 0
-        for i, (method, count) in enumerate(chosen):
-            kept = method.compress(rest, count, generator)
+        for i, (method, span, count) in enumerate(chosen):
+            kept = _pick(method, span, rest, count, generator)
             if kept.normalizer is not None or not bool((kept.log_weights == 0).all()) or kept.num_slots != count:
                 raise ValueError(
                     f"score={method.name!r} must keep exactly {count} plain tokens per head (log-weight 0, no normalizer); "
