@@ -117,10 +117,11 @@ class RowLog:
         self.done.add((row["part"], row["entry"], row["case"], row["sample"], row["ratio"]))
 
 
-def run_tasks(model, tokenizer, entries: dict[str, tuple], samples: int, log: RowLog) -> None:
+def run_tasks(model, tokenizer, entries: dict[str, tuple], samples: int, log: RowLog, tasks: list[str]) -> None:
     """Log one row per (entry, task, sample, ratio) not yet logged: the entry's task score on a training sample."""
     for i in range(samples):
-        for task, params in TASKS.items():
+        for task in tasks:
+            params = TASKS[task]
             todo = [(ratio, name) for ratio in RATIOS for name in entries if not log.has("task", name, task, i, ratio)]
             if not todo:
                 continue
@@ -213,33 +214,42 @@ def kept_positions(model, captured: dict, entry: tuple, ratio: float) -> dict[st
     return out
 
 
-DIAGNOSED = (("tova .1 + leverage .3, express", 0.75), ("compactor", 0.75), ("compactor", 0.5))
+DIAGNOSED = (("tova .1 + leverage .3, express", 0.75), ("tova .1 + leverage .3 in spans of 7, express", 0.75), ("compactor", 0.75),
+             ("compactor", 0.5))
 
 
 def diagnose_lines(model, tokenizer, samples: int, log: RowLog) -> list[str]:
-    """Markdown: on the first `samples` training line samples, the share of (layer, KV head) pairs
-    that hold each part of the asked line, by role, for each (entry, ratio) of DIAGNOSED."""
+    """Markdown: on the first `samples` training line samples, for each (entry, ratio) of DIAGNOSED,
+    the share of (layer, KV head) pairs that hold each part of the asked line, by role, over all
+    samples; then per sample its depth and whether each entry answered (from the logged task rows)."""
     entries = REFERENCES | CANDIDATES
-    lines = ["| sample (depth) | entry @ ratio | answered | part (tokens) | " + " | ".join(
-        ["first score", "later scores", "coreset", "exact"]) + " | held exactly, any token / all tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    roles = ("first score", "later scores", "coreset", "exact")
+    shares: dict[tuple, list[list[float]]] = {}
+    answered = []
     for i in range(samples):
         sample = generate_sample("line_retrieval", target_tokens=2048, depth=sample_depth(i), seed=TRAIN_SEED + i, tokenizer=tokenizer,
                                  **TASKS["line_retrieval"])
         context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
         spans = line_token_spans(tokenizer, context_ids, sample.needles[0])
         captured = capture_qkv(model, context_ids)
+        cells = []
         for name, ratio in DIAGNOSED:
             held = kept_positions(model, captured, entries[name], ratio)
-            exact = held["exact"]
-            answered = [r["score"] for r in log.rows if (r["part"], r["entry"], r["case"], r["sample"], r["ratio"]) == ("task", name, "line_retrieval", i, ratio)]
             for part, index in spans.items():
-                cells = [f"{100 * held[role][..., index].float().mean():.0f}" if role in held else "" for role in
-                         ("first score", "later scores", "coreset", "exact")]
-                whole = exact[..., index]
-                lines.append(f"| {i} ({sample.depths[0]:.2f}) | {name} @ {ratio:g} | {'yes' if answered == [1.0] else 'no' if answered else '?'} | "
-                             f"{part} ({len(index)}) | " + " | ".join(cells) + f" | {100 * whole.any(-1).float().mean():.0f} / {100 * whole.all(-1).float().mean():.0f} |")
-            print(lines[-1], flush=True)
-    return lines
+                whole = held["exact"][..., index]
+                shares.setdefault((name, ratio, part), []).append(
+                    [held[r][..., index].float().mean().item() if r in held else float("nan") for r in roles]
+                    + [whole.all(-1).float().mean().item()])
+            rows = [r["score"] for r in log.rows if (r["part"], r["entry"], r["case"], r["sample"], r["ratio"]) == ("task", name, "line_retrieval", i, ratio)]
+            cells.append("yes" if rows == [1.0] else "no" if rows else "not run")
+        answered.append(f"| {i} | {sample.depths[0]:.2f} | " + " | ".join(cells) + " |")
+        print(answered[-1], flush=True)
+    lines = ["| entry @ ratio | line part | " + " | ".join(roles) + " | whole part exact |", "|---|---|" + "---|" * (len(roles) + 1)]
+    for (name, ratio, part), values in shares.items():
+        means = [sum(col) / len(col) for col in zip(*values)]
+        lines.append(f"| {name} @ {ratio:g} | {part} | " + " | ".join("" if m != m else f"{100 * m:.0f}" for m in means) + " |")
+    head = ["| sample | depth | " + " | ".join(f"{name} @ {ratio:g}" for name, ratio in DIAGNOSED) + " |", "|---|---|" + "---|" * len(DIAGNOSED)]
+    return lines + ["", "Answered (from the logged task rows):", ""] + head + answered
 
 
 def _mean(values: list[float]) -> float:
@@ -287,6 +297,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="task cases to run (the table reads every row)")
     parser.add_argument("--diagnose-lines", type=int, default=0, metavar="N",
                         help="only the line diagnosis on the first N training line samples (hybrid_tuning_lines.md)")
     parser.add_argument("--csv", type=Path, default=RESULTS / "hybrid_tuning.csv", help="rows so far (the run resumes from them)")
@@ -300,11 +311,11 @@ def main() -> None:
         table = diagnose_lines(model, tokenizer, args.diagnose_lines, log)
         (RESULTS / "hybrid_tuning_lines.md").write_text("\n".join(table) + "\n")
         return
-    run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n != "balancekv"}, args.samples, log)
+    run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n != "balancekv"}, args.samples, log, args.tasks)
     run_approx(model, tokenizer, entries, log)
     rows = [r for r in log.rows if r["entry"] in entries and (r["part"] == "approx" or r["sample"] < args.samples)]
     chosen, table = summarise(rows, list(entries), args.candidates)
-    verdict = f"**Chosen: {chosen}** ({CANDIDATES[chosen][1]}, sink/window {CANDIDATES[chosen][2] or 'default'})" if chosen else "**No candidate has a mean error no higher than BalanceKV's.**"
+    verdict = f"**Best by the rule: {chosen}** ({CANDIDATES[chosen][1]}, sink/window {CANDIDATES[chosen][2] or 'default'})" if chosen else "**No candidate has a mean error no higher than BalanceKV's.**"
     header = [
         "# Hybrid defaults, chosen on training cases",
         "",
