@@ -37,7 +37,7 @@ from kvcompress.cache import CompressedCache, CompressionSettings, attention_sca
 from kvcompress.eval.approx import ApproxConfig, layer_errors
 from kvcompress.eval.capture import capture_qkv, prose_text
 from kvcompress.eval.runner import sample_depth
-from kvcompress.eval.stats import wilson
+from kvcompress.eval.stats import sign_test, wilson
 from kvcompress.eval.stopping import stop_token_ids
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.generate import generate_ids
@@ -214,7 +214,8 @@ def kept_positions(model, captured: dict, entry: tuple, ratio: float) -> dict[st
     return out
 
 
-DIAGNOSED = (("tova .1 + leverage .3, express", 0.75), ("tova .1 + leverage .3 in spans of 7, express", 0.75), ("compactor", 0.75),
+DEFAULT = "tova .1 + leverage .3, express"  # Hybrid()'s composition
+DIAGNOSED = ((DEFAULT, 0.75), ("tova .1 + leverage .3 in spans of 7, express", 0.75), ("compactor", 0.75),
              ("compactor", 0.5))
 
 
@@ -284,11 +285,27 @@ def cell_table(rows: list[dict], entries: list[str]) -> list[str]:
         cells = []
         for t, r in task_cols:
             s = [row["score"] for row in rows if (row["part"], row["entry"], row["case"], row["ratio"]) == ("task", e, t, r)]
-            cells.append(f"{100 * _mean(s):.0f} ({len(s)})" if s else "")
+            cells.append(f"{100 * _mean(s):.0f} ({'–'.join(f'{100 * x:.0f}' for x in wilson(sum(s), len(s)))}), {len(s)}" if s else "")
         for c, r in layer_cols:
             s = [row["error"] for row in rows if (row["part"], row["entry"], row["case"], row["ratio"]) == ("approx", e, c, r)]
             cells.append(f"{_mean(s):.3f}" if s else "")
         lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def paired_table(rows: list[dict], entries: list[str], base: str) -> list[str]:
+    """Markdown: per (task, ratio), each entry against `base` on the samples both ran: wins / losses, sign-test p."""
+    lines = ["| task @ ratio | entry | vs " + base + ": wins / losses (pairs) | sign test p |", "|---|---|---|---|"]
+    for task in TASKS:
+        for ratio in RATIOS:
+            scores = {e: {r["sample"]: r["score"] for r in rows if (r["part"], r["entry"], r["case"], r["ratio"]) == ("task", e, task, ratio)}
+                      for e in entries}
+            for e in entries:
+                common = sorted(set(scores[e]) & set(scores[base])) if e != base else []
+                if common:
+                    wins = sum(scores[e][i] > scores[base][i] for i in common)
+                    losses = sum(scores[e][i] < scores[base][i] for i in common)
+                    lines.append(f"| {task} @ {ratio:g} | {e} | {wins} / {losses} ({len(common)}) | {sign_test(wins, losses):.3g} |")
     return lines
 
 
@@ -330,7 +347,9 @@ def main() -> None:
         verdict,
         "",
     ]
-    text = header + table + ["", "Per cell (task score % (n); attention error):", ""] + cell_table(rows, list(entries))
+    text = header + table + ["", "Per cell (task score % (95% Wilson), n; attention error):", ""] + cell_table(rows, list(entries))
+    if DEFAULT in entries:
+        text += ["", "Paired with the current default on the same samples:", ""] + paired_table(rows, list(entries), DEFAULT)
     (RESULTS / "hybrid_tuning.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
 
