@@ -185,7 +185,7 @@ def test_span_keeps_the_top_of_the_max_pooled_score_as_contiguous_runs():
     k, v = _kv()
     tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300), queries=torch.randn(1, 4, 8, 16), pre_rope_keys=k,
                     query_positions=torch.arange(292, 300))
-    plain, pooled = Hybrid(), Hybrid(span=[1, 7])
+    plain, pooled = Hybrid(span=1), Hybrid()
     assert Hybrid(span=1).spans == [1, 1] and torch.equal(Hybrid(span=1).top(tokens, [4, 12], make_generator(0))[0].positions,
                                                           plain.top(tokens, [4, 12], make_generator(0))[0].positions)
     heavy = plain.top(tokens, [4, 0], make_generator(0))[0].positions
@@ -221,3 +221,11 @@ def test_default_hybrid_generates_through_a_model_in_every_mode(mode):
     assert len(res.token_ids) == 4
     # at the end: the summary + (prefill) the question and the answer tokens appended exactly, or (streamed) a block in progress
     assert max(res.slots_per_layer) <= (40 + 6 + 4 if mode == "prefill" else 40 + 32 + 6 + 4)
+
+
+def test_span_default_belongs_to_the_default_composition():
+    """span=None: (1, 7) with the default score methods, 1 for each method of any other composition."""
+    assert Hybrid().spans == [1, 7]
+    assert Hybrid(score="keydiff", score_params=None, exact_fraction=0.5).spans == [1]
+    assert Hybrid(score=["knorm", "keydiff"], score_params=None, exact_fraction=[0.2, 0.2]).spans == [1, 1]
+    assert Hybrid(score=["knorm", "compactor"], score_params=None, exact_fraction=[0.2, 0.2], span=[1, 5]).spans == [1, 5]

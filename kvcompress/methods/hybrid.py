@@ -37,6 +37,8 @@ from ..summary import KVSummary, concat, take_slots
 from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, keep_top, register
 
 _COMPOSED_PARAMS = ("sink", "window")
+_DEFAULT_SCORE = ("tova", "compactor")
+_DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tuning.md)
 
 
 def _positions_mask(tokens: Tokens, kept: KVSummary) -> torch.Tensor:
@@ -96,13 +98,16 @@ class Hybrid(Method):
     coreset_params: parameters of the composed methods, checked by their own constructors.
     span: odd number of neighbouring tokens each score method's score is max-pooled over before its
     top-k (SnapKV pools its scores, ChunkKV keeps chunks), so its exact picks come as contiguous
-    runs around the high scores; one number, or one per score method; 1 (default) picks single
-    tokens; above 1 the method must expose `score` (every score-then-top-k method, Compactor).
+    runs around the high scores; one number, or one per score method; 1 picks single tokens;
+    above 1 the method must expose `score` (Compactor does). None (default): the default
+    composition's (1, 7) when `score` is left at its default, else 1 for every score method.
 
     Defaults (chosen on training cases only: benchmarks/hybrid_tuning.py,
     benchmarks/results/hybrid_tuning.md): TOVA's heavy hitters for 0.1 of the budget, then
     Compactor's leverage score alone (`attention=False`, seed 002's "no a" score: the keys least
-    representable by the others, which a coreset of the bulk drops) for 0.3, and a Thinformer
+    representable by the others, which a coreset of the bulk drops) for 0.3, picked in runs of 7
+    (its score max-pooled over 7 neighbours, so a rare token keeps the words around it: a line's
+    name and number), and a Thinformer
     Express coreset of the rest in the remaining 0.6; no exact sink or window (sink = window = 0,
     as Compactor, KeyDiff and BalanceKV: the heavy hitters take the sinks), so every slot is chosen.
     """
@@ -113,12 +118,12 @@ class Hybrid(Method):
     needs_pre_rope_keys = True  # the default composition's (Compactor's leverage)
     default_sink = 0
     default_window = 0
-    score: str | tuple[str, ...] = ("tova", "compactor")
+    score: str | tuple[str, ...] = _DEFAULT_SCORE
     coreset: str = "express"
     exact_fraction: float | tuple[float, ...] = (0.1, 0.3)
     score_params: dict | tuple[dict | None, ...] | None = (None, {"attention": False})
     coreset_params: dict | None = None
-    span: int | tuple[int, ...] = 1
+    span: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
         scores, fractions = _as_list(self.score), _as_list(self.exact_fraction)
@@ -144,7 +149,8 @@ class Hybrid(Method):
             bad = sorted(set(params or {}) & set(_COMPOSED_PARAMS))
             if bad:
                 raise ValueError(f"{role} cannot set {bad}: sink and window belong to the hybrid call")
-        spans = list(self.span) if isinstance(self.span, (list, tuple)) else [self.span] * len(scores)
+        span = (_DEFAULT_SPAN if list(scores) == list(_DEFAULT_SCORE) else 1) if self.span is None else self.span
+        spans = list(span) if isinstance(span, (list, tuple)) else [span] * len(scores)
         if len(spans) != len(scores) or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 or w % 2 == 0 for w in spans):
             raise ValueError(f"span must be an odd integer >= 1, or one per score method ({len(scores)}), got {self.span!r}")
         self.spans = spans
