@@ -183,7 +183,10 @@ def test_approx_bench_rows_error_bars_and_exactness(tiny, tmp_path):
         assert cell[("random", 0.75, layer)]["error_std"] > 0.0  # seeds differ
     csv_path, md_path = write_approx(rows, tmp_path)
     assert len(list(csv.DictReader(csv_path.open()))) == len(rows)
-    assert md_path.read_text().splitlines()[0] == "| method | ratio | layer 0 | layer 1 |"
+    table = md_path.read_text().splitlines()
+    assert table[0] == "| method | ratio | layer 0 | layer 1 | mean over layers |"
+    knorm = [cell[("knorm", 0.75, layer)]["error_mean"] for layer in (0, 1)]
+    assert table[-1].endswith(f"| {(knorm[0] + knorm[1]) / 2:.3f} |")
     assert plot_approx(rows, tmp_path / "approx.png").stat().st_size > 1000
 
 

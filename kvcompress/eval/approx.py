@@ -128,7 +128,8 @@ APPROX_FIELDS = ["method", "ratio", "layer", "tokens", "seeds", "error_mean", "e
 
 
 def write_approx(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
-    """`approx.csv` (every row) and `approx.md` (mean ± std per method × ratio, one column per layer)."""
+    """`approx.csv` (every row) and `approx.md` (mean ± std per method × ratio, one column per layer, and
+    with several layers a last column: the mean over the layers, each method's error at that memory)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out / "approx.csv", out / "approx.md"
@@ -138,10 +139,12 @@ def write_approx(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
         w.writerows(rows)
     layers = sorted({r["layer"] for r in rows})
     cells = {(r["method"], r["ratio"], r["layer"]): r for r in rows}
-    head = ["method", "ratio"] + [f"layer {layer}" for layer in layers]
+    with_mean = len(layers) > 1
+    head = ["method", "ratio"] + [f"layer {layer}" for layer in layers] + (["mean over layers"] if with_mean else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, ratio in dict.fromkeys((r["method"], r["ratio"]) for r in rows):
         vals = [cells.get((method, ratio, layer)) for layer in layers]
-        lines.append("| " + " | ".join([method, f"{ratio:g}"] + [f"{c['error_mean']:.3f} ± {c['error_std']:.3f}" if c else "" for c in vals]) + " |")
+        mean = [f"{sum(c['error_mean'] for c in vals) / len(vals):.3f}" if all(vals) else ""] if with_mean else []
+        lines.append("| " + " | ".join([method, f"{ratio:g}"] + [f"{c['error_mean']:.3f} ± {c['error_std']:.3f}" if c else "" for c in vals] + mean) + " |")
     md_path.write_text("\n".join(lines) + "\n")
     return csv_path, md_path
