@@ -19,7 +19,10 @@ Writes benchmarks/results/hybrid_tuning.{csv,md}.
 Rows are appended to the CSV as they are produced and a rerun skips those already there, so a run
 can be stopped and resumed (or extended with more samples or candidates). CANDIDATES also holds the
 variants of the exploration that led to the default (docs/results.md, hybrid section), so each can
-be re-measured here.
+be re-measured here; APPROX_CANDIDATES holds the variants measured on the attention error only:
+
+    PYTHONPATH=. python benchmarks/hybrid_tuning.py --approx-only --approx-seeds 10 --candidates NAME ... \
+        --csv benchmarks/results/hybrid_tuning_approx.csv
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ APPROX_LAYERS = (1, 2, 5, 15)
 APPROX_SEEDS = 2
 # name: (method, parameters, sink/window of the task runs; None = the method's default). The
 # approximation part always uses the bench's sink 256 + window 256.
-REFERENCES = {"compactor": ("compactor", {}, None), "streamingllm": ("streamingllm", {}, None), "balancekv": ("balancekv", {}, None)}
+REFERENCES = {"compactor": ("compactor", {}, None), "streamingllm": ("streamingllm", {}, None), "balancekv": ("balancekv", {}, None),
+              "express": ("express", {}, None)}
+APPROX_REFERENCES = ("balancekv", "express")  # references of the attention error only
 LEVERAGE = {"attention": False}  # Compactor's leverage score alone (seed 002's "no a" ablation)
 CANDIDATES = {
     "tova .1 + leverage .3, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
@@ -83,6 +88,20 @@ CANDIDATES = {
     "keydiff .75, balancekv (last round)": ("hybrid", {"score": "keydiff", "score_params": None, "exact_fraction": 0.75,
                                                        "coreset": "balancekv"}, (4, 64)),
 }
+
+
+def _spans_candidate(first: str, fractions: tuple[float, float], span: int = 7, coreset: str = "express") -> tuple[str, tuple]:
+    """(name, entry) of a hybrid: `first`'s top tokens, then the leverage score in spans, then a coreset."""
+    name = f"{first} {fractions[0]:g} + leverage {fractions[1]:g} in spans of {span}, {coreset}".replace("0.", ".")
+    return name, ("hybrid", {"score": [first, "compactor"], "score_params": [{}, LEVERAGE], "exact_fraction": list(fractions),
+                             "span": [1, span], "coreset": coreset}, (0, 0))
+
+
+# Variants of the default explored on the attention error alone (--approx-only; docs/results.md, hybrid section);
+# named with --candidates, never run by default
+APPROX_CANDIDATES = dict(_spans_candidate(*args) for args in [
+    ("tova", (0.1, 0.3), 7, "balancekv"), ("tova", (0.1, 0.3), 3), ("tova", (0.1, 0.2)), ("tova", (0.05, 0.3)),
+    ("tova", (0.15, 0.25)), ("tova", (0.2, 0.2)), ("tova", (0.2, 0.3)), ("snapkv", (0.1, 0.3)), ("h2o", (0.1, 0.3))])
 
 
 class RowLog:
@@ -140,13 +159,13 @@ def run_tasks(model, tokenizer, entries: dict[str, tuple], samples: int, log: Ro
                 print(f"{task} sample {i} ratio {ratio} {name}: {log.rows[-1]['score']:g} ({prediction.strip()!r})", flush=True)
 
 
-def run_approx(model, tokenizer, entries: dict[str, tuple], log: RowLog) -> None:
-    """Log one row per (entry, layer, ratio) not yet logged: mean attention error over APPROX_SEEDS seeds on the training text."""
+def run_approx(model, tokenizer, entries: dict[str, tuple], log: RowLog, seeds: int = APPROX_SEEDS) -> None:
+    """Log one row per (entry, layer, ratio) not yet logged: mean attention error over `seeds` seeds on the training text."""
     todo = {n: e for n, e in entries.items() if not log.has("approx", n, f"layer {APPROX_LAYERS[-1]}", "", APPROX_RATIOS[-1])}
     if not todo:
         return
     config = ApproxConfig(methods=sorted({m for m, _, _ in todo.values()}), ratios=list(APPROX_RATIOS), layers=list(APPROX_LAYERS),
-                          seeds=APPROX_SEEDS, text_seed=TRAIN_TEXT_SEED)
+                          seeds=seeds, text_seed=TRAIN_TEXT_SEED)
     captured = capture_qkv(model, tokenizer, prose_text(n_chars=8 * config.tokens, seed=config.text_seed),
                            layers=config.layers, max_tokens=config.tokens)
     scales = attention_scales(model)
@@ -309,26 +328,49 @@ def paired_table(rows: list[dict], entries: list[str], base: str) -> list[str]:
     return lines
 
 
+def approx_table(rows: list[dict], entries: list[str], seeds: int) -> list[str]:
+    """Markdown: each entry's training-text attention error per (layer, ratio) cell and its mean over the cells."""
+    errors = {(r["entry"], r["case"], r["ratio"]): r["error"] for r in rows if r["part"] == "approx"}
+    cells = [(f"layer {layer}", ratio) for layer in APPROX_LAYERS for ratio in APPROX_RATIOS]
+    lines = [f"# Hybrid variants: attention error on the training text (text_seed {TRAIN_TEXT_SEED}, {seeds} seeds)", "",
+             "| entry | mean | " + " | ".join(f"L{case.split()[1]} @ {ratio:g}" for case, ratio in cells) + " |",
+             "|---|---|" + "---|" * len(cells)]
+    for e in entries:
+        values = [errors.get((e, case, ratio)) for case, ratio in cells]
+        if all(v is not None for v in values):
+            lines.append(f"| {e} | {sum(values) / len(values):.4f} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES | APPROX_CANDIDATES))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="task cases to run (the table reads every row)")
     parser.add_argument("--diagnose-lines", type=int, default=0, metavar="N",
                         help="only the line diagnosis on the first N training line samples (hybrid_tuning_lines.md)")
+    parser.add_argument("--approx-only", action="store_true",
+                        help="only the attention error, with --approx-seeds seeds, per cell into hybrid_tuning_approx.md (use its own --csv)")
+    parser.add_argument("--approx-seeds", type=int, default=APPROX_SEEDS)
     parser.add_argument("--csv", type=Path, default=RESULTS / "hybrid_tuning.csv", help="rows so far (the run resumes from them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
-    entries = REFERENCES | {name: CANDIDATES[name] for name in args.candidates}
+    entries = REFERENCES | {name: (CANDIDATES | APPROX_CANDIDATES)[name] for name in args.candidates}
     start = time.perf_counter()
     log = RowLog(args.csv)
     if args.diagnose_lines:
         table = diagnose_lines(model, tokenizer, args.diagnose_lines, log)
         (RESULTS / "hybrid_tuning_lines.md").write_text("\n".join(table) + "\n")
         return
-    run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n != "balancekv"}, args.samples, log, args.tasks)
+    if args.approx_only:
+        run_approx(model, tokenizer, entries, log, args.approx_seeds)
+        table = approx_table(log.rows, list(entries), args.approx_seeds)
+        (RESULTS / "hybrid_tuning_approx.md").write_text("\n".join(table) + "\n")
+        print("\n".join(table))
+        return
+    run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n not in APPROX_REFERENCES}, args.samples, log, args.tasks)
     run_approx(model, tokenizer, entries, log)
     rows = [r for r in log.rows if r["entry"] in entries and (r["part"] == "approx" or r["sample"] < args.samples)]
     chosen, table = summarise(rows, list(entries), args.candidates)
