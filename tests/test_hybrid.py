@@ -277,3 +277,23 @@ def test_output_matches_the_implementation_before_the_speed_up(index):
     one_shot = kvc.compress("hybrid", keys, values, queries=queries[:, :, -8:], pre_rope_keys=pre, budget=budget, sink=sink, window=window,
                             seed=seed, **params)
     assert (_digest(st.summary()), _digest(one_shot)) == (stream_digest, one_shot_digest)
+
+
+@pytest.mark.parametrize(("name", "params"), [("tova", {}), ("knorm", {}), ("keydiff", {"block_size": 64}), ("pyramidkv", {}), ("compactor", {"attention": False})])
+def test_keep_index_is_the_plain_tokens_compress_keeps(name, params):
+    """Score methods return their top-k without gathering; methods whose compress differs (KeyDiff's blocks) go through it."""
+    k, v = _kv(n=300)
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300) * 2, queries=torch.randn(1, 4, 8, 16), pre_rope_keys=k, scale=0.25,
+                    query_positions=torch.arange(292, 300) * 2, layer_idx=3, num_layers=8)
+    method = build_method(name, **params)
+    for budget in (40, 300):
+        index = method.keep_index(tokens, budget, make_generator(0))
+        kept = method.compress(tokens, budget, make_generator(0))
+        assert torch.equal(take_slots(tokens.positions, index), kept.positions)
+
+
+def test_keep_index_is_none_for_weighted_slots():
+    k, v = _kv(n=300)
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300))
+    assert build_method("express").keep_index(tokens, 40, make_generator(0)) is None
+    assert build_method("random", weighted=True).keep_index(tokens, 40, make_generator(0)) is None
