@@ -134,13 +134,14 @@ def kernel_halving(
     signed = kdiffs[0][..., 0, :].clone()
     rows = [(signed[..., lo:], row) for (lo, _), kd in zip(spans, kdiffs) for row in kd.unbind(-2)]
     columns, limits = signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
-    signs = [torch.ones_like(limits[0])]
+    signs = torch.ones_like(thresholds)  # written in place, one pair per step
+    sign_columns, minus, plus = signs.unsqueeze(-1).unbind(-2), signs.new_tensor(-1.0), signs.new_tensor(1.0)
     for i in range(1, pairs):
-        signs.append(torch.where(columns[i] > limits[i], -1.0, 1.0))
+        torch.where(columns[i] > limits[i], minus, plus, out=sign_columns[i])
         target, row = rows[i]
-        target.addcmul_(signs[i], row)
+        target.addcmul_(sign_columns[i], row)
     complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device) < 0.5
-    swap = (torch.cat(signs, -1) < 0) ^ complement.to(k.device).unsqueeze(-1)
+    swap = (signs < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
 
 
