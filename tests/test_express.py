@@ -1,5 +1,6 @@
 """Thinformer Express (seed 003): kernel halving, Subsample, the Express cache and Offline-Express."""
 
+import hashlib
 import math
 
 import pytest
@@ -351,3 +352,35 @@ def test_kernel_halving_beats_uniform_half_on_real_layers():
                 summary = kvc.summary.concat([edges[0], s, edges[1]])
                 out.append(kvc.relative_error(kvc.weighted_attention(q[:, :, stop:], summary, query_positions=positions[stop:]), exact))
     assert sum(kh) / len(kh) < 0.9 * sum(uni) / len(uni)
+
+
+def _digest(summary) -> str:
+    """sha256 prefix of a summary's positions, log-weights (in units of log 2, to 1e-4) and exact key bytes."""
+    digest = hashlib.sha256()
+    digest.update(summary.positions.long().contiguous().numpy().tobytes())
+    digest.update(torch.round(summary.log_weights.double() / math.log(2) * 1e4).long().contiguous().numpy().tobytes())
+    digest.update(summary.keys.float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# Outputs before the halving kernel was formed in place (commit ec268af), on this project's CI machine
+# (x86-64 CPU, float32 kernels): the same slots, weights and keys for the same seed.
+# (b, h, n, d, update block, budget, parameters, dtype, seed, stream digest, one-shot digest)
+PINNED = [
+    (1, 2, 1500, 16, 100, 96, {}, torch.float32, 0, "84aa30a878170b33", "3a1e1fcba3aff168"),
+    (2, 2, 1200, 32, 64, 200, {"halving": "self-balancing", "max_group": 64}, torch.float32, 1, "15236fe89dc69179", "ee13312659baf340"),
+    (1, 3, 1000, 16, 37, 60, {"g": 1}, torch.bfloat16, 2, "f660b6f6b14a5fd9", "e21624b747119dba"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(PINNED)))
+def test_output_matches_the_implementation_before_the_in_place_kernel(index):
+    b, h, n, d, block, budget, params, dtype, seed, stream_digest, one_shot_digest = PINNED[index]
+    g = torch.Generator().manual_seed(index)
+    keys = (torch.randn(b, h, n, d, generator=g) * 2 + torch.randn(b, h, 1, d, generator=g)).to(dtype)
+    values = torch.randn(b, h, n, d, generator=g).to(dtype)
+    st = kvc.stream("express", budget=budget, sink=0, window=0, seed=seed, **params)
+    for start in range(0, n, block):
+        st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
+    one_shot = kvc.compress("express", keys, values, budget=budget, sink=0, window=0, seed=seed, **params)
+    assert (_digest(st.summary()), _digest(one_shot)) == (stream_digest, one_shot_digest)

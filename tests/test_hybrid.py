@@ -1,5 +1,6 @@
 """Hybrid (score top tokens exact + weighted coreset of the rest): budget, exact weights, composition, errors."""
 
+import hashlib
 import math
 
 import pytest
@@ -229,3 +230,70 @@ def test_span_default_belongs_to_the_default_composition():
     assert Hybrid(score="keydiff", score_params=None, exact_fraction=0.5).spans == [1]
     assert Hybrid(score=["knorm", "keydiff"], score_params=None, exact_fraction=[0.2, 0.2]).spans == [1, 1]
     assert Hybrid(score=["knorm", "compactor"], score_params=None, exact_fraction=[0.2, 0.2], span=[1, 5]).spans == [1, 5]
+
+
+def _digest(summary) -> str:
+    """sha256 prefix of a summary's positions, log-weights (in units of log 2, to 1e-4) and exact key/value bytes."""
+    digest = hashlib.sha256()
+    digest.update(summary.positions.long().contiguous().numpy().tobytes())
+    digest.update(torch.round(summary.log_weights.double() / math.log(2) * 1e4).long().contiguous().numpy().tobytes())
+    for part in (summary.keys, summary.values):
+        digest.update(part.float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _layer(b, h, group, n, d, seed, dtype):
+    """Keys (a few large channels), values, GQA queries and pre-RoPE keys of one synthetic layer."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.ones(d)
+    scale[:2] = 4.0
+    keys = torch.randn(b, h, n, d, generator=g) * scale + torch.randn(b, h, 1, d, generator=g)
+    values, queries = torch.randn(b, h, n, d, generator=g), torch.randn(b, h * group, n, d, generator=g) * scale
+    return [t.to(dtype) for t in (keys, values, queries, torch.randn(b, h, n, d, generator=g))]
+
+
+# Outputs of the hybrid before its stream's speed-up (commit ec268af), on this project's CI machine
+# (x86-64 CPU, float32 kernels): the same slots, weights, keys and values for the same seed.
+# (b, h, query group, n, d, update block, budget, sink, window, parameters, dtype, seed, stream digest, one-shot digest)
+PINNED = [
+    (1, 2, 2, 700, 16, 64, 160, 0, 0, {}, torch.float32, 0, "355f148045152853", "7730954ae30505e6"),
+    (2, 2, 3, 600, 16, 50, 120, 4, 16, {}, torch.float32, 1, "373840a573b35f7f", "525c086873116998"),
+    (1, 3, 1, 500, 8, 40, 90, 0, 0, {"score": ["tova", "keydiff"], "score_params": None, "exact_fraction": [0.2, 0.2]}, torch.float32, 2, "50a3b93587543452", "a6e7ba62c6717cac"),
+    (1, 2, 2, 640, 16, 64, 128, 0, 0, {"coreset": "balancekv"}, torch.float32, 3, "ecd4d1840f239b1e", "0c3b31cb9dc77b70"),
+    (1, 2, 2, 512, 16, 32, 96, 0, 0, {}, torch.bfloat16, 4, "819f1bdc050273e9", "5f27f9c5689d4cbb"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(PINNED)))
+def test_output_matches_the_implementation_before_the_speed_up(index):
+    """Default composition (span-pooled Compactor, TOVA), sink and window, a mixed score list, another coreset, bfloat16."""
+    b, h, group, n, d, block, budget, sink, window, params, dtype, seed, stream_digest, one_shot_digest = PINNED[index]
+    keys, values, queries, pre = _layer(b, h, group, n, d, index, dtype)
+    st = kvc.stream("hybrid", budget=budget, sink=sink, window=window, seed=seed, **params)
+    for start in range(0, n, block):
+        stop = start + block
+        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries=queries[:, :, start:stop], pre_rope_keys=pre[:, :, start:stop])
+    st.compact()
+    one_shot = kvc.compress("hybrid", keys, values, queries=queries[:, :, -8:], pre_rope_keys=pre, budget=budget, sink=sink, window=window,
+                            seed=seed, **params)
+    assert (_digest(st.summary()), _digest(one_shot)) == (stream_digest, one_shot_digest)
+
+
+@pytest.mark.parametrize(("name", "params"), [("tova", {}), ("knorm", {}), ("keydiff", {"block_size": 64}), ("pyramidkv", {}), ("compactor", {"attention": False})])
+def test_keep_index_is_the_plain_tokens_compress_keeps(name, params):
+    """Score methods return their top-k without gathering; methods whose compress differs (KeyDiff's blocks) go through it."""
+    k, v = _kv(n=300)
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300) * 2, queries=torch.randn(1, 4, 8, 16), pre_rope_keys=k, scale=0.25,
+                    query_positions=torch.arange(292, 300) * 2, layer_idx=3, num_layers=8)
+    method = build_method(name, **params)
+    for budget in (40, 300):
+        index = method.keep_index(tokens, budget, make_generator(0))
+        kept = method.compress(tokens, budget, make_generator(0))
+        assert torch.equal(take_slots(tokens.positions, index), kept.positions)
+
+
+def test_keep_index_is_none_for_weighted_slots():
+    k, v = _kv(n=300)
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300))
+    assert build_method("express").keep_index(tokens, 40, make_generator(0)) is None
+    assert build_method("random", weighted=True).keep_index(tokens, 40, make_generator(0)) is None

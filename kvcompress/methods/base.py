@@ -165,6 +165,16 @@ class Method:
         `recompresses` is False)."""
         return BlockwiseState(self, budget, generator, slack)
 
+    def keep_index(self, tokens: Tokens, budget: int, generator: torch.Generator) -> torch.Tensor | None:
+        """[B,H,k]: ascending indices into `tokens` of the plain tokens `compress` keeps (k <= budget per head),
+        for a caller that selects the tokens itself (the hybrid); None when `compress` keeps weighted slots
+        (log-weights or a normalizer). This default compresses and finds the kept positions; a score
+        method returns its top-k without gathering the tokens."""
+        summary = self.compress(tokens, budget, generator)
+        if summary.normalizer is not None or not bool((summary.log_weights == 0).all()):
+            return None
+        return _positions_index(tokens.positions, summary.positions)
+
     def check_inputs(self, tokens: Tokens) -> None:
         """Raise a clear error when the method's required inputs are missing."""
         if self.needs_queries and tokens.queries is None:
@@ -184,6 +194,13 @@ class ScoreMethod(Method, ABC):
         if tokens.length <= budget:
             return tokens.exact()
         return keep_top(tokens, self.score(tokens, generator), budget)
+
+    def keep_index(self, tokens: Tokens, budget: int, generator: torch.Generator) -> torch.Tensor | None:
+        if type(self).compress is not ScoreMethod.compress:  # a subclass that keeps otherwise (e.g. KeyDiff's blocks)
+            return super().keep_index(tokens, budget, generator)
+        if tokens.length <= budget:
+            return torch.arange(tokens.length, device=tokens.positions.device).expand(tokens.positions.shape)
+        return top_index(self.score(tokens, generator), budget)
 
 
 def top_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -325,7 +342,8 @@ def attention_mass(tokens: Tokens, last: int | None = None, average: str = "grou
     mass = torch.zeros(b, hkv, tokens.length, device=keys.device)
     # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80 every exp stays finite and non-zero in float32,
     # so the per-query max shift can be skipped.
-    key_norm = torch.cat([keys, exact_keys], 2).norm(dim=-1).amax() if keys.shape[2] + exact_keys.shape[2] else keys.new_zeros(())
+    norms = [k.norm(dim=-1).amax() for k in (keys, exact_keys) if k.shape[2]]  # no copy of the keys
+    key_norm = torch.stack(norms).amax() if norms else keys.new_zeros(())
     bounded = float(q.norm(dim=-1).amax() * key_norm) < 80.0
     chunk = max(1, max_logits // max(1, b * hq * (tokens.length + exact_keys.shape[2])))
     for start in range(0, nq, chunk):
@@ -617,7 +635,7 @@ class Stream:
             block = block.slice(take, n)
         if block.length == 0:
             return
-        self.recent = block if self.recent is None else cat_tokens([self.recent, block])
+        self.recent = block if self.recent is None or self.recent.length == 0 else cat_tokens([self.recent, block])
         overflow = self.recent.length - self.window
         if overflow > 0:
             staying = self.recent.slice(overflow, self.recent.length)

@@ -81,7 +81,7 @@ def leverage_scores(keys: torch.Tensor, route: str, sketch: str, sketch_dim: int
         basis, sigma2, _ = torch.linalg.svd(gram)
     sigma2 = torch.maximum(sigma2, _SIGMA2_FLOOR * sigma2.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
     u = k_hat @ (basis * sigma2.rsqrt()[..., None, :])
-    return u.pow(2).sum(-1)
+    return u.square_().sum(-1)
 
 
 def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float, chunk_size: int) -> torch.Tensor:

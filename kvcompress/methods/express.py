@@ -116,12 +116,13 @@ def kernel_halving(
     bands = max(1, min(_BANDS, pairs // _BAND_PAIRS)) if batch * size * size >= _BANDED_ENTRIES else 1
     edges = sorted({pairs * j // bands for j in range(bands + 1)})
     spans = list(zip(edges[:-1], edges[1:]))
-    logits = [(k[..., 2 * lo : 2 * hi, :] @ k[..., 2 * lo :, :].transpose(-1, -2)) * scale for lo, hi in spans]
+    logits = [(k[..., 2 * lo : 2 * hi, :] @ k[..., 2 * lo :, :].transpose(-1, -2)).mul_(scale) for lo, hi in spans]
     value_products = [v[..., 2 * lo : 2 * hi, :] @ v[..., 2 * lo :, :].transpose(-1, -2) for lo, hi in spans]
     self_logits = torch.cat([lg[..., : lg.shape[-2]].diagonal(dim1=-2, dim2=-1) for lg in logits], -1)
     shift = self_logits.amax(-1, keepdim=True).unsqueeze(-1)
-    b2 = v.abs().amax(dim=(-2, -1), keepdim=True).square()
-    kdiffs = [_pair_differences((lg - shift).double().exp_().mul_(vp.add_(b2).double())) for lg, vp in zip(logits, value_products)]
+    b2 = torch.maximum(v.amax(dim=(-2, -1), keepdim=True), v.amin(dim=(-2, -1), keepdim=True).neg_()).square_()  # max|v_ij|², no |v| copy
+    # formed in place: float32 logits shifted, then exp and the product with the value term in float64
+    kdiffs = [_pair_differences(lg.sub_(shift).double().exp_().mul_(vp.add_(b2))) for lg, vp in zip(logits, value_products)]
     if delta is None:
         thresholds = torch.zeros((*kdiffs[0].shape[:-2], pairs), dtype=torch.float64, device=k.device)
     else:
@@ -133,13 +134,14 @@ def kernel_halving(
     signed = kdiffs[0][..., 0, :].clone()
     rows = [(signed[..., lo:], row) for (lo, _), kd in zip(spans, kdiffs) for row in kd.unbind(-2)]
     columns, limits = signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
-    signs = [torch.ones_like(limits[0])]
+    signs = torch.ones_like(thresholds)  # written in place, one pair per step
+    sign_columns, minus, plus = signs.unsqueeze(-1).unbind(-2), signs.new_tensor(-1.0), signs.new_tensor(1.0)
     for i in range(1, pairs):
-        signs.append(torch.where(columns[i] > limits[i], -1.0, 1.0))
+        torch.where(columns[i] > limits[i], minus, plus, out=sign_columns[i])
         target, row = rows[i]
-        target.addcmul_(signs[i], row)
+        target.addcmul_(sign_columns[i], row)
     complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device) < 0.5
-    swap = (torch.cat(signs, -1) < 0) ^ complement.to(k.device).unsqueeze(-1)
+    swap = (signs < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
 
 

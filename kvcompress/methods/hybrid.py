@@ -34,23 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from ..summary import KVSummary, concat, take_slots
-from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, keep_top, register
+from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, register, top_index
 
 _COMPOSED_PARAMS = ("sink", "window")
 _DEFAULT_SCORE = ("tova", "compactor")
 _DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tuning.md)
-
-
-def _positions_mask(tokens: Tokens, kept: KVSummary) -> torch.Tensor:
-    """[B,H,n] bool: True for the tokens whose positions a plain-kept summary holds (both ascending per head)."""
-    index = torch.searchsorted(tokens.positions.contiguous(), kept.positions.contiguous()).clamp_max(tokens.length - 1)
-    found = tokens.positions.gather(2, index) == kept.positions
-    return torch.zeros_like(tokens.positions, dtype=torch.bool).scatter(2, index, found)
-
-
-def _select(tokens: Tokens, mask: torch.Tensor, count: int) -> Tokens:
-    """The `count` tokens per head where mask is True, in their original order (every head has `count`)."""
-    return _select_index(tokens, (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :count])
 
 
 def _select_index(tokens: Tokens, index: torch.Tensor) -> Tokens:
@@ -66,16 +54,17 @@ def _by_position(summary: KVSummary) -> KVSummary:
                    log_weights=take_slots(summary.log_weights, order), positions=take_slots(summary.positions, order))
 
 
-def _pick(method: Method, span: int, tokens: Tokens, count: int, generator: torch.Generator) -> KVSummary:
-    """`method`'s `count` plain tokens per head; span > 1: the top `count` of its score max-pooled over
-    `span` neighbouring tokens, so each high score takes its neighbours along (contiguous picks)."""
+def _pick(method: Method, span: int, tokens: Tokens, count: int, generator: torch.Generator) -> torch.Tensor | None:
+    """[B,H,count]: ascending indices into `tokens` of `method`'s `count` plain tokens per head (None when it
+    keeps weighted slots); span > 1: the top `count` of its score max-pooled over `span` neighbouring
+    tokens, so each high score takes its neighbours along (contiguous picks)."""
     if span == 1 or tokens.length <= count:
-        return method.compress(tokens, count, generator)
+        return method.keep_index(tokens, count, generator)
     method.check_inputs(tokens)
     scores = method.score(tokens, generator).float()
     b, h, n = scores.shape
     pooled = F.max_pool1d(scores.reshape(b * h, 1, n), span, stride=1, padding=span // 2).reshape(b, h, n)
-    return keep_top(tokens, pooled, count)
+    return top_index(pooled, count)
 
 
 def _as_list(value) -> list:
@@ -182,18 +171,19 @@ class Hybrid(Method):
         keys only when the coreset reads them."""
         kept_mask = torch.zeros_like(tokens.positions, dtype=torch.bool)
         chosen = [(method, span, count) for method, span, count in zip(self.score_methods, self.spans, counts) if count]
-        rest, n_kept = tokens, 0
+        rest, rest_index, n_kept = tokens, None, 0
         for i, (method, span, count) in enumerate(chosen):
             kept = _pick(method, span, rest, count, generator)
-            if kept.normalizer is not None or not bool((kept.log_weights == 0).all()) or kept.num_slots != count:
+            if kept is None or kept.shape[2] != count:
                 raise ValueError(
                     f"score={method.name!r} must keep exactly {count} plain tokens per head (log-weight 0, no normalizer); "
                     "use an eviction method such as 'compactor', 'keydiff', 'knorm' or 'tova'"
                 )
-            kept_mask |= _positions_mask(tokens, kept)
+            kept_mask.scatter_(2, kept if rest_index is None else rest_index.gather(2, kept), True)
             n_kept += count
-            if i + 1 < len(chosen):
-                rest = _select(tokens, ~kept_mask, tokens.length - n_kept)
+            if i + 1 < len(chosen):  # the tokens left, in their original order
+                rest_index = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)[..., : tokens.length - n_kept]
+                rest = _select_index(tokens, rest_index)
         # one stable sort puts the others first and the kept last, each in original order
         order = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)
         n_rest = tokens.length - n_kept
