@@ -28,6 +28,9 @@ KERNELS = ("value", "key", "joint")
 _MAX_LOG_GAIN = 80.0
 # Kernel entries materialised at once (float32): blocks are balanced in chunks below this.
 _MAX_KERNEL = 1 << 24
+# Key entries (float32) whose kernel is computed at once: a chunk's kernel is built in pieces below this,
+# so the temporaries stay small and their memory is reused (the walk still runs once per chunk).
+_KERNEL_PIECE = 1 << 20
 
 
 def balance_kernel(
@@ -176,16 +179,21 @@ def halve_mask(
     v = None if values is None else values.reshape(-1, block_size, values.shape[-1])
     value_blocks = None if value_rows is None else (value_rows[:, None] * n_blocks + torch.arange(n_blocks, device=keys.device)).reshape(-1)
     chunk = max(1, _MAX_KERNEL // (block_size * block_size))
+    piece = max(1, _KERNEL_PIECE // (block_size * d))
     keep, fails = [], 0
     for start in range(0, k.shape[0], chunk):
-        stop = start + chunk
+        stop = min(start + chunk, k.shape[0])
         blocks_valid = valid[start:stop]
-        if value_blocks is None:
-            chunk_values, chunk_value_blocks = None if v is None else v[start:stop], None
-        else:
-            first, last = torch.searchsorted(value_blocks, torch.tensor([start, stop], device=value_blocks.device)).tolist()
-            chunk_values, chunk_value_blocks = v[first:last], value_blocks[first:last] - start
-        kern, log_r2 = balance_kernel(k[start:stop], chunk_values, blocks_valid if padded else None, scale, kernel, chunk_value_blocks)
+        parts = []
+        for low in range(start, stop, piece):
+            high = min(low + piece, stop)
+            if value_blocks is None:
+                part_values, part_value_blocks = None if v is None else v[low:high], None
+            else:
+                first, last = torch.searchsorted(value_blocks, torch.tensor([low, high], device=value_blocks.device)).tolist()
+                part_values, part_value_blocks = v[first:last], value_blocks[first:last] - low
+            parts.append(balance_kernel(k[low:high], part_values, valid[low:high] if padded else None, scale, kernel, part_value_blocks))
+        kern, log_r2 = (torch.cat(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(log_r2), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
@@ -423,13 +431,14 @@ class BalanceKVStream(StreamState):
     slack: with slack=0 the cascade round and the forced halvings run after every batch, so a head
     never holds more than `budget` slots. With slack > 0 new slots wait, exact, at level 0 until a
     head may hold more than budget + ceil(slack·budget) slots (a host-side bound: every token adds
-    two slots per head, no sync per batch); then every pending halving runs in one batched walk
-    (`_reduce`): each level below the top halves its oldest whole multiples of t (the batches that
-    waited, block-parallel), and heads that would still exceed `budget` halve their fullest levels
-    whole, as the forced halvings choose. So between updates a head holds at most
-    budget + ceil(slack·budget) slots; `compact()` brings it to `budget`. The kept slots differ from
-    slack=0's (fewer, larger walks; tokens stay exact longer); one-shot `BalanceKV.compress` is the
-    separate round-based form and ignores slack.
+    two slots per head, no check or sync per batch); then `_reduce` runs the pending halvings: one
+    cascade round in which every level below the top halves all its whole multiples of t at once
+    (the batches that waited, as rows of t of one batched walk), then, only for heads still above
+    `budget`, the forced halvings (a second walk, and the cascade round after it). So a walk call
+    serves many batches, and between updates a head holds at most budget + ceil(slack·budget)
+    slots; `compact()` brings it to `budget`. The kept slots differ from slack=0's (tokens stay exact
+    longer, halvings are grouped differently); one-shot `BalanceKV.compress` is the separate
+    round-based form and has no slack.
     """
 
     recompresses = True
@@ -554,7 +563,7 @@ class BalanceKVStream(StreamState):
             take = self._cascade_take(counts)
             if not bool(take.any()):
                 return
-            self._halve_groups(group, counts, take, scale, None if self.slack_slots else self.method.stream_batch)
+            self._halve_groups(group, counts, take, scale, self.method.stream_batch)
             done += 1
 
     def _cascade_take(self, counts: torch.Tensor) -> torch.Tensor:
@@ -607,7 +616,7 @@ class BalanceKVStream(StreamState):
         return torch.where(chosen, counts // 2 * 2, take)
 
     def _reduce(self, scale: float, limit: int) -> None:
-        """The pending halvings: a cascade round over every level (all waiting batches at once), then forced halvings to `limit`."""
+        """The pending halvings (slack > 0): cascade rounds over every level (all waiting batches at once), then forced halvings to `limit`."""
         self._cascade(scale, self.method.cascade_rounds)
         self._enforce_budget(scale, limit)
 
