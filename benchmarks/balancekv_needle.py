@@ -10,7 +10,13 @@ sampling (`random`, weighted) for reference.
 
 Writes benchmarks/results/balancekv_needle_tuning.{csv,md}.
 
-    PYTHONPATH=. python benchmarks/balancekv_needle_tuning.py --samples 10
+    PYTHONPATH=. python benchmarks/balancekv_needle.py tune --samples 10
+
+`stream` runs BalanceKV in chunked mode (the context fed through its stream in blocks of 128, with
+`--sink-window` tokens exact) with each `--slacks` value at each `--ratios` ratio, paired on task seeds `--seed`..,
+against the full cache; writes benchmarks/results/balancekv_needle_slack.{csv,md}.
+
+    PYTHONPATH=. python benchmarks/balancekv_needle.py stream --samples 12 --seed 0
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import ast
 import itertools
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -37,29 +44,41 @@ from kvcompress.integration.model import build_prompt
 RESULTS = Path(__file__).parent / "results"
 def configurations(args) -> list[tuple[str, str | None, dict]]:
     """(label, method, parameters) of every run per sample."""
-    runs = [("full", None, {}), ("random (weighted)", "random", {"weighted": True, "sink": 0, "window": 0})]
+    runs = [("full", None, {}), ("random (weighted)", "random", {"weighted": True, "sink": 0, "window": 0, "compression_ratio": args.ratio})]
     for augment, (sink, window) in itertools.product(args.augments, args.sink_windows):
         runs.append((f"balancekv augment={augment} sink={sink} window={window}", "balancekv",
-                     {"augment": augment, "sink": sink, "window": window}))
+                     {"augment": augment, "sink": sink, "window": window, "compression_ratio": args.ratio}))
     return runs
 
 
-def tune(args) -> list[dict]:
-    """Rows {config, task_seed, depth, ratio, score, prediction, wall_s}, printed as they finish."""
+def stream_configurations(args) -> list[tuple[str, str | None, dict]]:
+    """(label, method, parameters) of the `stream` runs per sample: full cache, then BalanceKV chunked per ratio and slack."""
+    sink, window = args.sink_window
+    return [("full", None, {})] + [(f"balancekv chunked ratio={ratio} slack={slack}", "balancekv",
+                                    {"mode": "chunked", "compression_ratio": ratio, "slack": slack, "sink": sink, "window": window})
+                                   for ratio, slack in itertools.product(args.ratios, args.slacks)]
+
+
+def tune(args, runs: list[tuple[str, str | None, dict]]) -> list[dict]:
+    """Rows {config, task_seed, depth, ratio, score, prediction, wall_s} of every run on every sample, printed as they finish.
+
+    A run's parameters hold its compression_ratio (none for the full cache) and may set mode (default
+    prefill: the context's recorded prefill is compressed)."""
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
     rows = []
     for i in range(args.samples):
         sample = niah_single(target_tokens=args.length, depth=sample_depth(i), seed=args.seed + i, tokenizer=tokenizer)
         context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-        captured = capture_qkv(model, context_ids)
-        for label, method, params in configurations(args):
+        prefilled = any(method is not None and params.get("mode", "prefill") == "prefill" for _, method, params in runs)
+        captured = capture_qkv(model, context_ids) if prefilled else None
+        for label, method, params in runs:
             start = time.perf_counter()
-            size = {} if method is None else {"compression_ratio": args.ratio}
+            recorded = captured if method is not None and params.get("mode", "prefill") == "prefill" else None
             res = generate_ids(model, context_ids, question_ids, method=method, max_new_tokens=sample.max_new_tokens,
-                               seed=args.seed + i, prefill=None if method is None else captured, **size, **params)
+                               seed=args.seed + i, prefill=recorded, **params)
             prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
-            rows.append({"config": label, "task_seed": args.seed + i, "depth": sample_depth(i), "ratio": args.ratio,
+            rows.append({"config": label, "task_seed": args.seed + i, "depth": sample_depth(i), "ratio": params.get("compression_ratio"),
                          "score": score(sample, prediction), "prediction": prediction, "wall_s": time.perf_counter() - start})
             print(rows[-1], flush=True)
     return rows
@@ -75,16 +94,17 @@ def hits_table(groups: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-def write_tuning(rows: list[dict], note: str) -> None:
+def write_tuning(rows: list[dict], note: str, name: str = "balancekv_needle_tuning", title: str | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
-    write_csv(RESULTS / "balancekv_needle_tuning.csv", rows)
+    write_csv(RESULTS / f"{name}.csv", rows)
     by = defaultdict(list)
     for r in rows:
         by[r["config"]].append(r["score"])
     seeds = sorted({r["task_seed"] for r in rows})
-    lines = [f"# BalanceKV needle defaults: tuning on task seeds {seeds[0]}..{seeds[-1]} (niah_single, ratio {rows[0]['ratio']})",
-             "", note, "", *hits_table(by)]
-    (RESULTS / "balancekv_needle_tuning.md").write_text("\n".join(lines) + "\n")
+    if title is None:
+        title = f"BalanceKV needle defaults: tuning on task seeds {seeds[0]}..{seeds[-1]} (niah_single, ratio {rows[-1]['ratio']})"
+    lines = [f"# {title}", "", note, "", *hits_table(by)]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -130,17 +150,34 @@ def main():
                    default=[(0, 0), (4, 16)], help="sink,window pairs")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--from-log", type=Path, default=None, help="rebuild the tables from the rows a (stopped) tuning run printed")
+    st = sub.add_parser("stream", help="the default BalanceKV in chunked mode, slack values paired on the same samples")
+    st.add_argument("--samples", type=int, default=12)
+    st.add_argument("--seed", type=int, default=0, help="first task seed")
+    st.add_argument("--length", type=int, default=2048)
+    st.add_argument("--ratios", type=float, nargs="+", default=[0.75, 0.9])
+    st.add_argument("--slacks", type=float, nargs="+", default=[0.0, 0.5])
+    st.add_argument("--sink-window", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 64),
+                    help="sink,window kept exact (default 4,64: BalanceKV's own 0,0 loses the attention sink in chunked mode)")
+    st.add_argument("--threads", type=int, default=1)
     r = sub.add_parser("report", help="hits with Wilson intervals of a kvcompress eval run directory")
     r.add_argument("run_dir", type=Path)
     args = parser.parse_args()
     if args.command == "report":
         report(args.run_dir)
         return
+    if args.command == "stream":
+        rows = tune(args, stream_configurations(args))
+        seeds = sorted({r["task_seed"] for r in rows})
+        write_tuning(rows, f"{args.threads} thread(s), {time.strftime('%Y-%m-%d', time.gmtime())}, shared 2-core machine. Command: "
+                     f"`PYTHONPATH=. python benchmarks/balancekv_needle.py stream {' '.join(sys.argv[2:])}`.", "balancekv_needle_slack",
+                     f"BalanceKV stream (chunked mode, blocks of 128) on the needle, slack {args.slacks} at ratios {args.ratios}: "
+                     f"niah_single at {args.length} tokens, task seeds {seeds[0]}..{seeds[-1]}")
+        return
     if args.from_log is not None:
         rows = [ast.literal_eval(line) for line in args.from_log.read_text().splitlines() if line.startswith("{'config'")]
         note = f"Rows from the log of a run stopped early ({args.from_log}); {args.threads} thread(s)."
     else:
-        rows = tune(args)
+        rows = tune(args, configurations(args))
         note = f"{args.threads} thread(s), {time.strftime('%Y-%m-%d', time.gmtime())}."
     write_tuning(rows, note)
 

@@ -90,9 +90,9 @@ def stream(
 ) -> Stream:
     """A streaming compressor: `.update(keys, values, queries=None)` any number of times, `.summary()`.
 
-    Besides the exact sink and window, a natively streaming method (Express, SubGen, BalanceKV)
-    stores at most `budget` slots per head; a block-wise one (score methods, Compactor, the hybrid)
-    and ClusterGen's run-wise stream at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
+    Besides the exact sink and window, Express and SubGen store at most `budget` slots per head; a
+    block-wise method (score methods, Compactor, the hybrid), ClusterGen's run-wise stream and
+    BalanceKV's (halvings wait by the slack) at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
     re-compressing back to `budget` each time it passes that, so its cost is linear in the stream
     length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (seed 004's
     block prompt processing); `.compact()` brings the state down to `budget` now. seed as in

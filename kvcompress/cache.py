@@ -12,7 +12,7 @@ Modes:
 - "prefill": the first forward (the context) is compressed once, at its end; later tokens stay exact.
 - "chunked": while `absorbing` is True every block goes through the method's stream (the caller
   feeds the prompt in blocks of B tokens: stored KV stays within budget + ceil(slack·budget) + B
-  for block-wise methods and ClusterGen, budget + B for Express, SubGen and BalanceKV); setting `absorbing` False compacts each
+  for block-wise methods, ClusterGen and BalanceKV, budget + B for Express and SubGen); setting `absorbing` False compacts each
   stream to its budget once, and later tokens stay exact.
 - "decode": every token, prompt and generated, goes through the stream.
 
@@ -56,9 +56,9 @@ ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache 
 class CompressionSettings:
     """What every layer of a CompressedCache does. Exactly one of budget / compression_ratio
     (a ratio is allowed only in prefill mode, where the prompt length is known when compressing).
-    slack: re-compression slack of block-wise streams (and ClusterGen's) in chunked/decode mode
-    (`Stream`; None is the default 0.5); an error in prefill mode and for streams that never hold
-    more than budget (Express, SubGen, BalanceKV)."""
+    slack: re-compression slack of block-wise streams (and of ClusterGen's and BalanceKV's native
+    ones) in chunked/decode mode (`Stream`; None is the default 0.5); an error in prefill mode and
+    for streams that never hold more than budget (Express, SubGen)."""
 
     method: Method
     mode: str = "prefill"

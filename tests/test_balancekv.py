@@ -222,9 +222,10 @@ def test_beats_uniform_sampling_on_clustered_keys():
     assert err["balancekv"] < err["random"]
 
 
-def test_stream_weights_sum_and_size_bounded_over_32k_tokens():
+@pytest.mark.parametrize("slack", [0.0, 0.5])
+def test_stream_weights_sum_and_size_bounded_over_32k_tokens(slack):
     g = _gen(11)
-    st = kvc.stream("balancekv", budget=1024, sink=4, window=32, seed=0, block_size=128, batch=1024)
+    st = kvc.stream("balancekv", budget=1024, sink=4, window=32, seed=0, block_size=128, batch=1024, slack=slack)
     seen, peak = 0, 0
     for _ in range(32):
         keys = torch.randn(1, 1, 1024, 8, generator=g)
@@ -237,7 +238,7 @@ def test_stream_weights_sum_and_size_bounded_over_32k_tokens():
         absorbed = seen - 4 - 32
         assert math.isclose(middle.total_weight().item(), absorbed, rel_tol=1e-6)
         assert math.isclose(middle.normalizer.log_weights.double().exp().sum().item(), absorbed, rel_tol=1e-6)
-    assert peak <= 1024
+    assert peak <= 1024 + math.ceil(slack * 1024)
     full = st.summary()
     queries = torch.randn(1, 2, 3, 8, generator=g)
     assert torch.isfinite(kvc.weighted_attention(queries, full)).all()
@@ -280,11 +281,62 @@ def test_needle_at_4x_compression_at_least_as_good_as_uniform(default_model):
     assert hits["balancekv"] >= hits["uniform"], hits
 
 
+@pytest.mark.parametrize("params", [{}, {"batch": 16, "stream_block": 6}, {"batch": 8, "stream_block": 4, "levels": None, "cascade_rounds": None},
+                                    {"batch": 32, "stream_block": 8, "cascade_rounds": 2}])
+@pytest.mark.parametrize("slack", [0.25, 0.5, 2.0])
+def test_stream_slack_bounds_every_head_between_updates_and_compact_brings_it_to_the_budget(slack, params):
+    """Value norms over several buckets, forced halvings, padded rows: weights stay exact, the bound holds after every update."""
+    b, h, n, budget = 2, 2, 900, 60
+    keys, values = _spread_kv(b, h, n, 8, 3, 1.0, torch.float32)
+    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=1, slack=slack, **params)
+    bound, most = budget + math.ceil(slack * budget), 0
+    for start in range(0, n, 5):
+        st.update(keys[:, :, start : start + 5], values[:, :, start : start + 5])
+        held = int(torch.bincount(st.state.pool["row"], minlength=b * h).max())
+        assert held <= bound
+        most = max(most, held)
+        for part in (st.summary(), st.summary().normalizer):
+            assert torch.allclose(part.log_weights.double().exp().sum(-1), torch.full((b, h), start + 5.0, dtype=torch.float64))
+    assert most > budget  # the slack was used
+    st.compact()
+    assert int(torch.bincount(st.state.pool["row"], minlength=b * h).max()) <= budget
+    s = st.summary()
+    assert torch.allclose(s.normalizer.log_weights.double().exp().sum(-1), torch.full((b, h), float(n), dtype=torch.float64))
+
+
+def test_stream_slack_batches_the_halvings_into_fewer_walks(monkeypatch):
+    """The point of the slack: waiting batches are halved together, in fewer (larger) walk calls than slack 0's one or more per batch."""
+    from kvcompress.methods import balancekv as module
+
+    calls = []
+    walk = module.balancing_walk
+    monkeypatch.setattr(module, "balancing_walk", lambda kernel, *rest: calls.append(kernel.shape[0]) or walk(kernel, *rest))
+    keys, values = _kv(b=1, h=3, n=2048, d=16, seed=6)
+    blocks = {}
+    for slack in (0.0, 0.5):
+        calls.clear()
+        st = kvc.stream("balancekv", budget=1024, sink=0, window=0, seed=0, slack=slack)
+        for start in range(0, 2048, 64):
+            st.update(keys[:, :, start : start + 64], values[:, :, start : start + 64])
+        st.compact()
+        blocks[slack] = list(calls)
+    assert len(blocks[0.5]) * 2 <= len(blocks[0.0])
+    assert max(blocks[0.5]) > max(blocks[0.0])
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "0.5", True])
+def test_stream_rejects_a_bad_slack_by_name(bad):
+    with pytest.raises(ValueError, match=r"slack must be a finite number >= 0.*got"):
+        BalanceKV().new_stream(64, _gen(), slack=bad)
+    with pytest.raises(ValueError, match=r"slack must be a finite number >= 0.*got"):
+        kvc.stream("balancekv", budget=64, slack=bad)
+
+
 @pytest.mark.parametrize("rounds", [1, None])
 def test_stream_cascade_rounds_defer_or_drain_full_levels(rounds):
     """cascade_rounds=None leaves no level below the top holding t slots (seed Alg. 4); 1 halves once per batch, one level behind at most."""
     keys, values = _kv(b=1, h=1, n=1024, d=8, seed=5)
-    st = kvc.stream("balancekv", budget=4096, sink=0, window=0, seed=0, batch=8, stream_block=4, levels=None, cascade_rounds=rounds)
+    st = kvc.stream("balancekv", budget=4096, sink=0, window=0, seed=0, slack=0, batch=8, stream_block=4, levels=None, cascade_rounds=rounds)
     deferred = 0
     for start in range(0, 1024, 8):
         st.update(keys[:, :, start : start + 8], values[:, :, start : start + 8])
@@ -341,7 +393,7 @@ def test_stream_output_matches_the_implementation_before_the_speed_up(index):
     """Several buckets, padded halving blocks (t not a multiple of b), forced halvings, merged singletons, bfloat16."""
     b, h, n, d, block, budget, params, spread, dtype, seed, expected, fails = PINNED_STREAMS[index]
     keys, values = _spread_kv(b, h, n, d, index, spread, dtype)
-    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=seed, **params)
+    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=seed, slack=0, **params)
     for start in range(0, n, block):
         st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
     assert (_digest(st.summary()), st.state.failures) == (expected, fails)

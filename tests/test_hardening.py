@@ -260,18 +260,19 @@ def test_kvc_calibrate_measures_and_fits_on_the_default_model(default_model, tmp
         kvc.calibrate(model, tokenizer, samples, "zip")
 
 
+@pytest.mark.parametrize("slack", [0.0, 0.5])
 @pytest.mark.parametrize("budget", [2, 3, 5])
-def test_balancekv_stream_merges_singleton_levels_on_tiny_budgets_keeping_the_weight_sum_exact(budget):
+def test_balancekv_stream_merges_singleton_levels_on_tiny_budgets_keeping_the_weight_sum_exact(budget, slack):
     """Value norms two octaves apart put every token in its own bucket, so each head's levels soon hold one
     slot each: the stream used to fail with nothing to halve; it now merges two slots by weight."""
     g = torch.Generator().manual_seed(0)
     n = 48
     keys = torch.randn(2, 2, n, 8, generator=g)
     values = torch.randn(2, 2, n, 8, generator=g) * 4.0 ** torch.arange(-12, 12).repeat(2)[:n, None]
-    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=0, batch=4, stream_block=2)
+    st = kvc.stream("balancekv", budget=budget, sink=0, window=0, seed=0, slack=slack, batch=4, stream_block=2)
     for start in range(n):
         st.update(keys[:, :, start : start + 1], values[:, :, start : start + 1])
-        assert torch.bincount(st.state.pool["row"], minlength=4).max() <= budget
+        assert torch.bincount(st.state.pool["row"], minlength=4).max() <= budget + math.ceil(slack * budget)
         s = st.summary()
         for part in (s, s.normalizer):
             total = part.log_weights.double().exp().sum(-1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, Normalizer
-from .base import Method, StreamState, Tokens, register
+from .base import DEFAULT_SLACK, Method, StreamState, Tokens, check_slack, register
 
 LOG2 = math.log(2.0)
 KERNELS = ("value", "key", "joint")
@@ -28,6 +28,9 @@ KERNELS = ("value", "key", "joint")
 _MAX_LOG_GAIN = 80.0
 # Kernel entries materialised at once (float32): blocks are balanced in chunks below this.
 _MAX_KERNEL = 1 << 24
+# Key entries (float32) whose kernel is computed at once: a chunk's kernel is built in pieces below this,
+# so the temporaries stay small and their memory is reused (the walk still runs once per chunk).
+_KERNEL_PIECE = 1 << 20
 
 
 def balance_kernel(
@@ -176,16 +179,21 @@ def halve_mask(
     v = None if values is None else values.reshape(-1, block_size, values.shape[-1])
     value_blocks = None if value_rows is None else (value_rows[:, None] * n_blocks + torch.arange(n_blocks, device=keys.device)).reshape(-1)
     chunk = max(1, _MAX_KERNEL // (block_size * block_size))
+    piece = max(1, _KERNEL_PIECE // (block_size * d))
     keep, fails = [], 0
     for start in range(0, k.shape[0], chunk):
-        stop = start + chunk
+        stop = min(start + chunk, k.shape[0])
         blocks_valid = valid[start:stop]
-        if value_blocks is None:
-            chunk_values, chunk_value_blocks = None if v is None else v[start:stop], None
-        else:
-            first, last = torch.searchsorted(value_blocks, torch.tensor([start, stop], device=value_blocks.device)).tolist()
-            chunk_values, chunk_value_blocks = v[first:last], value_blocks[first:last] - start
-        kern, log_r2 = balance_kernel(k[start:stop], chunk_values, blocks_valid if padded else None, scale, kernel, chunk_value_blocks)
+        parts = []
+        for low in range(start, stop, piece):
+            high = min(low + piece, stop)
+            if value_blocks is None:
+                part_values, part_value_blocks = None if v is None else v[low:high], None
+            else:
+                first, last = torch.searchsorted(value_blocks, torch.tensor([low, high], device=value_blocks.device)).tolist()
+                part_values, part_value_blocks = v[first:last], value_blocks[first:last] - low
+            parts.append(balance_kernel(k[low:high], part_values, valid[low:high] if padded else None, scale, kernel, part_value_blocks))
+        kern, log_r2 = (torch.cat(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(log_r2), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
@@ -357,9 +365,10 @@ class BalanceKV(Method):
             keys, values, positions, log_weights = (torch.cat(p, 2) for p in zip(rest_parts, kept_parts))
         return keys, values, positions, log_weights
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = 0.0) -> "BalanceKVStream":
-        """Native stream (at most `budget` slots, never re-compressed): slack does not apply."""
-        return BalanceKVStream(self, budget, generator)
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> "BalanceKVStream":
+        """Native stream (`BalanceKVStream`): pending halvings wait until a head holds more than
+        budget + ceil(slack·budget) slots; slack=0 halves after every batch."""
+        return BalanceKVStream(self, budget, generator, slack)
 
 
 def _merge_lightest(keys, values, positions, log_weights, generator: torch.Generator):
@@ -418,12 +427,29 @@ class BalanceKVStream(StreamState):
     one-shot form does: one kept with probability proportional to its weight, at their summed
     weight (unbiased, the sum stays exact); such a slot is never halved again. The seed's erasure
     of negligible buckets (Alg. 1 line 8) is not applied: every token stays represented.
+
+    slack: with slack=0 the cascade round and the forced halvings run after every batch, so a head
+    never holds more than `budget` slots. With slack > 0 new slots wait, exact, at level 0 until a
+    head may hold more than budget + ceil(slack·budget) slots (a host-side bound: every token adds
+    two slots per head, no check or sync per batch); then `_reduce` runs the pending halvings: one
+    cascade round in which every level below the top halves all its whole multiples of t at once
+    (the batches that waited, as rows of t of one batched walk), then, only for heads still above
+    `budget`, the forced halvings (a second walk, and the cascade round after it). So a walk call
+    serves many batches, and between updates a head holds at most budget + ceil(slack·budget)
+    slots; `compact()` brings it to `budget`. The kept slots differ from slack=0's (tokens stay exact
+    longer, halvings are grouped differently); one-shot `BalanceKV.compress` is the separate
+    round-based form and has no slack.
     """
 
-    def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator):
+    recompresses = True
+
+    def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK):
         if budget < 2:
             raise ValueError(f"balancekv streaming needs budget >= 2 (numerator and normaliser slots), got {budget}")
         self.method, self.budget, self.generator = method, budget, generator
+        self.slack_slots = math.ceil(check_slack(slack) * budget)
+        self.held = 0  # host-side upper bound on the slots any head holds
+        self.scale: float | None = None
         # slot metadata {positions, row, instance, level, log_weight, order, token}; `token` indexes the
         # key/value buffers, shared by a token's numerator and normaliser slots
         self.pool: dict[str, torch.Tensor] | None = None
@@ -451,6 +477,7 @@ class BalanceKVStream(StreamState):
         instance = torch.floor(torch.log2(norms)).long() + _BUCKET_OFFSET
         rows = torch.arange(b * h, device=tokens.keys.device)
         step = self.method.stream_batch
+        self.scale = tokens.scale
         for start in range(0, n, step):
             stop = min(n, start + step)
             count = stop - start
@@ -462,8 +489,18 @@ class BalanceKVStream(StreamState):
                 "instance": torch.cat([numerator, torch.full_like(numerator, _NORMALISER)]),
                 "token": token.repeat(2),
             })
-            self._cascade(tokens.scale)
-            self._enforce_budget(tokens.scale)
+            self.held += 2 * count
+            if not self.slack_slots:
+                self._cascade(tokens.scale, self.method.cascade_rounds)
+                if self.held > self.budget:
+                    self._enforce_budget(tokens.scale, self.budget)
+            elif self.held > self.budget + self.slack_slots:
+                self._reduce(tokens.scale, self.budget)
+
+    def compact(self) -> None:
+        """Run the pending halvings now when a head may hold more than `budget` slots (at most `budget` then)."""
+        if self.held > self.budget:
+            self._reduce(self.scale, self.budget)
 
     def _stamp(self, positions: torch.Tensor) -> torch.Tensor:
         """Age key of slots entering a level now: older entries first, then by position."""
@@ -475,13 +512,14 @@ class BalanceKVStream(StreamState):
 
         Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the
         pool stops growing; when fewer than c rows are free, the buffers are copied into ones twice
-        the live rows plus c, capped at the most rows ever live at once, B·H·(budget + t) (a head
-        holds at most `budget` slots between batches, and a batch adds at most t tokens per head).
+        the live rows plus c, capped at the most rows ever live at once, B·H·(budget + ceil(slack·budget) + t)
+        (a head holds at most that bound's first two terms between batches, and a batch adds at most t tokens per head).
         """
         count = keys.shape[0]
         if self.free.numel() < count:
             capacity = 0 if self.keys is None else self.keys.shape[0]
-            grown = min(2 * (capacity - self.free.numel() + count), self.shape[0] * self.shape[1] * (self.budget + self.method.stream_batch))
+            most_live = self.shape[0] * self.shape[1] * (self.budget + self.slack_slots + self.method.stream_batch)
+            grown = min(2 * (capacity - self.free.numel() + count), most_live)
             new_keys, new_values = keys.new_empty(grown, keys.shape[1]), values.new_empty(grown, values.shape[1])
             if capacity:
                 new_keys[:capacity], new_values[:capacity] = self.keys, self.values
@@ -512,37 +550,39 @@ class BalanceKVStream(StreamState):
         """(group id of each (row, instance, level) present [U], index of each slot's group [S], slots per group [U])."""
         return torch.unique(self._group_ids(), return_inverse=True, return_counts=True)
 
-    def _cascade(self, scale: float) -> None:
-        """Seed Alg. 4 lines 11-17: rounds halving the oldest t slots of every full level of every head and instance.
+    def _cascade(self, scale: float, rounds: int | None) -> None:
+        """Seed Alg. 4 lines 11-17: up to `rounds` rounds (None: until no level is full) halving every full level.
 
-        Up to `cascade_rounds` rounds (None: until no level is full); a level left full is halved
-        after the next batch, together with that batch's other halvings. Slots are counted over
-        every possible group id (a bincount, no sort).
+        A level left full is halved after the next batch (slack > 0: at the next `_reduce`), together
+        with the other halvings then. Slots are counted over every possible group id (a bincount, no sort).
         """
-        batch, top, rounds = self.method.stream_batch, self.method.levels, self.method.cascade_rounds
-        groups = self.shape[0] * self.shape[1] * _INSTANCES * _LEVELS
         done = 0
         while rounds is None or done < rounds:
             group = self._group_ids()
-            counts = torch.bincount(group, minlength=groups)
-            full = counts.view(-1, _LEVELS) >= batch
-            full[:, _MERGED if top is None else top :] = False
-            if not bool(full.any()):
+            counts = torch.bincount(group, minlength=self.shape[0] * self.shape[1] * _INSTANCES * _LEVELS)
+            take = self._cascade_take(counts)
+            if not bool(take.any()):
                 return
-            self._halve_groups(group, counts, torch.where(full.view(-1), batch, 0), scale, batch)
+            self._halve_groups(group, counts, take, scale, self.method.stream_batch)
             done += 1
 
-    def _enforce_budget(self, scale: float) -> None:
-        """Forced halvings until every head holds at most `budget` slots.
+    def _cascade_take(self, counts: torch.Tensor) -> torch.Tensor:
+        """Slots [G] a cascade round halves in each group id (counts [G] over every id): the oldest t of a
+        level below the top holding t or more; with slack > 0 every whole multiple of t it holds (the batches that waited)."""
+        batch, top = self.method.stream_batch, self.method.levels
+        full = counts.view(-1, _LEVELS) >= batch
+        full[:, _MERGED if top is None else top :] = False
+        return torch.where(full.view(-1), counts // batch * batch if self.slack_slots else batch, 0)
 
-        A head over budget by e slots halves its fullest levels (ties: the lighter level first),
-        as few as together free at least e slots, all heads in one batched round. A head over
-        budget with no level of two or more slots merges its two lightest slots instead.
-        """
+    def _enforce_budget(self, scale: float, limit: int) -> None:
+        """Forced halvings until every head holds at most `limit` slots (`_forced_take`; a head over it with no
+        level of two or more slots merges its two lightest slots instead); `held` is then the fullest head's slots."""
         rows = self.shape[0] * self.shape[1]
         while True:
-            excess = torch.bincount(self.pool["row"], minlength=rows) - self.budget
-            if not bool((excess > 0).any()):
+            excess = torch.bincount(self.pool["row"], minlength=rows) - limit
+            most = int(excess.max())
+            if most <= 0:
+                self.held = limit + most
                 return
             groups, inverse, counts = self._groups()
             head = groups // (_INSTANCES * _LEVELS)
@@ -551,41 +591,67 @@ class BalanceKVStream(StreamState):
             if bool(stuck.any()):
                 self._merge_singletons(stuck)
                 continue
-            freed = torch.where(halvable & (excess[head] > 0), counts // 2, 0)
-            order = torch.argsort(groups % _LEVELS, stable=True)
-            order = order[torch.argsort(-counts[order], stable=True)]
-            order = order[torch.argsort(head[order], stable=True)]
-            freed_sorted, head_sorted = freed[order], head[order]
-            before = torch.cumsum(freed_sorted, 0) - freed_sorted
-            head_start = torch.zeros(rows, dtype=before.dtype, device=before.device)
-            head_start = head_start.scatter_reduce(0, head_sorted, before, "amin", include_self=False)
-            needed = (freed_sorted > 0) & (before - head_start[head_sorted] < excess[head_sorted])
-            chosen = torch.zeros_like(needed).scatter_(0, order, needed)
-            self._halve_groups(inverse, counts, torch.where(chosen, counts // 2 * 2, 0), scale)
-            self._cascade(scale)
+            self._halve_groups(inverse, counts, self._forced_take(groups, counts, excess, torch.zeros_like(counts)), scale)
+            self._cascade(scale, self.method.cascade_rounds)
+
+    def _forced_take(self, groups: torch.Tensor, counts: torch.Tensor, excess: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+        """take [U] with forced halvings added: a head over by excess[head] > 0 slots (excess [B·H], counted after
+        take's halvings) halves its fullest levels whole (ties: the lighter level first), as few as free that many more.
+
+        groups [U] group ids, counts [U] their slots, take [U] the even slots each group already halves.
+        """
+        rows = excess.shape[0]
+        head = groups // (_INSTANCES * _LEVELS)
+        halvable = (counts >= 2) & (groups % _LEVELS != _MERGED)
+        freed = torch.where(halvable & (excess[head] > 0), counts // 2 - take // 2, 0)
+        order = torch.argsort(groups % _LEVELS, stable=True)
+        order = order[torch.argsort(-counts[order], stable=True)]
+        order = order[torch.argsort(head[order], stable=True)]
+        freed_sorted, head_sorted = freed[order], head[order]
+        before = torch.cumsum(freed_sorted, 0) - freed_sorted
+        head_start = torch.zeros(rows, dtype=before.dtype, device=before.device)
+        head_start = head_start.scatter_reduce(0, head_sorted, before, "amin", include_self=False)
+        needed = (freed_sorted > 0) & (before - head_start[head_sorted] < excess[head_sorted])
+        chosen = torch.zeros_like(needed).scatter_(0, order, needed)
+        return torch.where(chosen, counts // 2 * 2, take)
+
+    def _reduce(self, scale: float, limit: int) -> None:
+        """The pending halvings (slack > 0): cascade rounds over every level (all waiting batches at once), then forced halvings to `limit`."""
+        self._cascade(scale, self.method.cascade_rounds)
+        self._enforce_budget(scale, limit)
 
     def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float, same_take: int | None = None) -> None:
         """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.
 
         same_take: the number every chosen group halves when the caller knows it (the cascade's t;
-        None: read from take). When every group halves the same number, no halving block holds
-        padding. Numerator groups use the value kernel of seed Alg. 2, the normaliser's groups the
-        keys-only kernel (κ = 1); both run as one walk.
+        None: read from take). With slack = 0 each group is one row of the walk, padded to the
+        largest take; with slack > 0 each group's take is split into rows of t slots (the last one
+        shorter), so the many batches a group may halve at once are not padded to one width. When
+        every row holds the same number, no halving block holds padding. Numerator groups use the
+        value kernel of seed Alg. 2, the normaliser's groups the keys-only kernel (κ = 1); both run as one walk.
         """
         pool = self.pool
         chosen = take > 0
         members = chosen[inverse].nonzero().squeeze(1)  # slots of the chosen groups, sorted by (group, age) below
         by_age = members[torch.argsort(pool["order"][members], stable=True)]
         ordered = by_age[torch.argsort(inverse[by_age], stable=True)]
-        sizes = counts[chosen]
+        sizes, takes = counts[chosen], take[chosen]
+        starts = torch.cumsum(sizes, 0) - sizes
+        if self.slack_slots:
+            row = self.method.stream_batch
+            pieces = -(-takes // row)
+            group = torch.repeat_interleave(pieces)
+            piece = torch.arange(len(group), device=group.device) - (torch.cumsum(pieces, 0) - pieces)[group]
+            starts = starts[group] + piece * row
+            takes = (takes[group] - piece * row).clamp_max(row)
         lengths, width = None, same_take
         if same_take is None:
-            lengths = take[chosen]
+            lengths = takes
             shortest, width = torch.stack(torch.aminmax(lengths)).tolist()
-            if shortest == width:  # every group halves the same number: no padding
+            if shortest == width:  # every row halves the same number: no padding
                 lengths = None
         offsets = torch.arange(width, device=sizes.device)
-        slot = ordered[((torch.cumsum(sizes, 0) - sizes)[:, None] + offsets).clamp_max(len(ordered) - 1)]
+        slot = ordered[(starts[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
         value_rows = (pool["instance"][slot[:, 0]] != _NORMALISER).nonzero().squeeze(1)
         keys = self.keys.index_select(0, token.reshape(-1)).view(*token.shape, self.keys.shape[-1])

@@ -10,9 +10,11 @@ and must honour `budget`: at most `budget` slots per head in what it returns.
   (`BlockwiseState`): tokens are buffered and compressed back to `budget` once the buffer passes
   budget + ceil(slack·budget) slots, so at most budget + ceil(slack·budget) + block slots are
   stored and the total work stays linear in the stream length. A natively streaming method
-  (Express, SubGen, BalanceKV) holds at most `budget` by construction and never re-compresses
+  (Express, SubGen) holds at most `budget` by construction and never re-compresses
   (`recompresses` False: slack does not apply to it); ClusterGen's native stream lets completed
-  runs wait up to ceil(slack·budget) tokens before traversing them (`recompresses` True). A
+  runs wait up to ceil(slack·budget) tokens before traversing them, BalanceKV's lets new slots wait
+  until a head may pass budget + ceil(slack·budget) before halving them all at once (both
+  `recompresses` True). A
   natively streaming method's one-shot `compress` runs its stream over the tokens.
 """
 
@@ -575,8 +577,9 @@ class Stream:
     """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
 
     update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
-    the method's state. A natively streaming method (Express, SubGen, BalanceKV) stores at most
-    `budget` slots per head. A block-wise one (every score method, Compactor, the hybrid's exact
+    the method's state. A natively streaming method (Express, SubGen) stores at most `budget`
+    slots per head; ClusterGen's and BalanceKV's native streams hold at most budget +
+    ceil(slack·budget) between updates. A block-wise one (every score method, Compactor, the hybrid's exact
     set) lets its buffer grow to budget + ceil(slack·budget) slots before compressing it back to
     `budget`, so its cost stays linear in the stream length: between updates it stores at most
     budget + ceil(slack·budget) slots, during one at most that plus the block. slack=None is

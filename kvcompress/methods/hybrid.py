@@ -21,8 +21,9 @@ Streamed: new blocks join the held exact set until it passes Σ n_i + ceil(slack
 then the exact set is re-selected over everything held, as block prompt processing does (seed 004
 Eq. 6, with amortised slack: linear total work); the tokens it lets go are absorbed by the
 coreset's own stream (`coreset` method's `new_stream`), so nothing leaves the summary unweighted.
-Stored slots stay within Σ n_i + ceil(slack·budget) + the coreset stream's budget between updates
-(plus the block in progress); `compact()` re-selects now, leaving Σ n_i exact slots.
+Stored slots stay within Σ n_i + ceil(slack·budget) + what the coreset stream holds between updates
+(its budget; plus its own slack for BalanceKV) and the block in progress; `compact()` re-selects
+now, leaving Σ n_i exact slots, and compacts the coreset stream to its budget.
 """
 
 from __future__ import annotations
