@@ -2,13 +2,14 @@
 
 import hashlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 import kvcompress as kvc
 from kvcompress.attention import exact_attention, weighted_attention
-from kvcompress.methods.base import DEFAULT_SLACK, Tokens, build_method, make_generator
+from kvcompress.methods.base import DEFAULT_SLACK, Tokens, attention_mass, build_method, make_generator
 from kvcompress.methods.hybrid import Hybrid
 from kvcompress.summary import take_slots
 
@@ -122,6 +123,17 @@ def test_mixed_score_takes_each_share_among_the_tokens_the_earlier_methods_left(
         second = kvc.compress("keydiff", k[:, h : h + 1, rest], v[:, h : h + 1, rest], budget=10, sink=0, window=0, positions=rest)
         assert first | set(second.positions[0, 0].tolist()) <= plain
         assert not first & set(second.positions[0, 0].tolist())
+
+
+def test_a_given_attention_mass_is_not_carried_to_the_tokens_a_first_score_left():
+    k, v = _kv()
+    q = torch.randn(1, 4, 8, 16)
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300), queries=q, scale=0.25)
+    with_mass = replace(tokens, attention_mass=attention_mass(tokens))
+    hybrid = Hybrid(score=["keydiff", "h2o"], score_params=None, exact_fraction=[0.2, 0.2], coreset="express")
+    plain = hybrid.compress(tokens, 40, make_generator(0))
+    given = hybrid.compress(with_mass, 40, make_generator(0))
+    assert torch.equal(given.positions, plain.positions) and torch.equal(given.log_weights, plain.log_weights)
 
 
 def test_mixed_score_streams_within_its_budget():

@@ -43,9 +43,11 @@ _DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tu
 
 
 def _select_index(tokens: Tokens, index: torch.Tensor) -> Tokens:
-    """The tokens at `index` [B,H,k] of each head."""
+    """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
+    over all the tokens, so a later score method computes the subset's own."""
     pre = take_slots(tokens.pre_rope_keys, index) if tokens.pre_rope_keys is not None else None
-    return replace(tokens, keys=take_slots(tokens.keys, index), values=take_slots(tokens.values, index), positions=take_slots(tokens.positions, index), pre_rope_keys=pre)
+    return replace(tokens, keys=take_slots(tokens.keys, index), values=take_slots(tokens.values, index),
+                   positions=take_slots(tokens.positions, index), pre_rope_keys=pre, attention_mass=None)
 
 
 def _by_position(summary: KVSummary) -> KVSummary:
