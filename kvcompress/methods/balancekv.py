@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..summary import KVSummary, Normalizer
+from ..summary import KVSummary, Normalizer, take_slots
 from .base import DEFAULT_SLACK, Method, StreamState, Tokens, check_slack, register
 
 LOG2 = math.log(2.0)
@@ -208,11 +208,7 @@ def first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Gather [B,H,n] or [B,H,n,d] tensors along the token axis with index [B,H,k]."""
-    out = []
-    for t in tensors:
-        idx = index if t.ndim == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1])
-        out.append(t.gather(2, idx))
-    return out
+    return [take_slots(t, index) for t in tensors]
 
 
 @register
