@@ -73,8 +73,8 @@ def main() -> None:
     same = same_summary(runs[before]().summary(), runs["balancekv"]().summary())  # also the warm-up
     runs["keydiff"]()
     times: dict[str, list[float]] = {m: [] for m in runs}
-    for _ in range(args.repeats):
-        for method, run in runs.items():
+    for i in range(args.repeats):
+        for method, run in runs.items() if i % 2 == 0 else reversed(runs.items()):  # every other round reversed
             times[method] += time_calls(run, 1)
             print(f"{method} {args.tokens / times[method][-1]:.0f} tokens/s", flush=True)
     reference = args.tokens / min(times["keydiff"])

@@ -29,7 +29,7 @@ def throughput_rows(
     Synthetic tensors of `shape`: `tokens` tokens fed in blocks of `block` (each block with its own
     queries and pre-RoPE keys), half of them kept (no sink or window), then compacted to the budget
     (`streamed`). tokens_per_s is tokens over the min of `repeats` runs; methods take turns within
-    each repeat, so load changes of a shared machine hit all of them. KeyDiff is always measured.
+    each repeat (in reverse every other repeat), so load changes of a shared machine hit all of them. KeyDiff is always measured.
     """
     check_positive("tokens", tokens, 2)
     check_positive("block", block)
@@ -37,8 +37,8 @@ def throughput_rows(
     order = [REFERENCE, *[m for m in methods if m != REFERENCE]]
     layer = synthetic_layer(shape, tokens, torch.Generator().manual_seed(seed), dtype, device)
     times: dict[str, list[float]] = {m: [] for m in order}
-    for _ in range(repeats):
-        for method in order:
+    for i in range(repeats):
+        for method in order if i % 2 == 0 else order[::-1]:  # every other repeat reversed: no method always runs warm
             times[method] += time_calls(streamed(method, layer, 0.5, block, seed), 1, device=device)
             log(f"throughput {shape.name}: {method} {tokens / times[method][-1]:.0f} tokens/s")
     reference = tokens / min(times[REFERENCE])
