@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, Normalizer, take_slots
-from .base import DEFAULT_SLACK, Method, StreamState, Tokens, check_slack, register
+from .base import DEFAULT_SLACK, Method, StreamState, Tokens, check_slack, first_true, register
 
 LOG2 = math.log(2.0)
 KERNELS = ("value", "key", "joint")
@@ -199,11 +199,6 @@ def halve_mask(
         keep.append(signs == side.to(signs.device)[:, None])
         fails += failed
     return torch.cat(keep).reshape(rows, -1)[:, :m], fails
-
-
-def first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices [..., count] of the first `count` True entries of mask [..., n] (ascending)."""
-    return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :count]
 
 
 def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -486,17 +481,13 @@ class BalanceKVStream(StreamState):
                 "token": token.repeat(2),
             })
             self.held += 2 * count
-            if not self.slack_slots:
-                self._cascade(tokens.scale, self.method.cascade_rounds)
-                if self.held > self.budget:
-                    self._enforce_budget(tokens.scale, self.budget)
-            elif self.held > self.budget + self.slack_slots:
-                self._reduce(tokens.scale, self.budget)
+            if self.held > self.budget + self.slack_slots or not self.slack_slots:
+                self._reduce(tokens.scale)
 
     def compact(self) -> None:
         """Run the pending halvings now when a head may hold more than `budget` slots (at most `budget` then)."""
         if self.held > self.budget:
-            self._reduce(self.scale, self.budget)
+            self._reduce(self.scale)
 
     def _stamp(self, positions: torch.Tensor) -> torch.Tensor:
         """Age key of slots entering a level now: older entries first, then by position."""
@@ -546,13 +537,13 @@ class BalanceKVStream(StreamState):
         """(group id of each (row, instance, level) present [U], index of each slot's group [S], slots per group [U])."""
         return torch.unique(self._group_ids(), return_inverse=True, return_counts=True)
 
-    def _cascade(self, scale: float, rounds: int | None) -> None:
-        """Seed Alg. 4 lines 11-17: up to `rounds` rounds (None: until no level is full) halving every full level.
+    def _cascade(self, scale: float) -> None:
+        """Seed Alg. 4 lines 11-17: up to `cascade_rounds` rounds (None: until no level is full) halving every full level.
 
         A level left full is halved after the next batch (slack > 0: at the next `_reduce`), together
         with the other halvings then. Slots are counted over every possible group id (a bincount, no sort).
         """
-        done = 0
+        rounds, done = self.method.cascade_rounds, 0
         while rounds is None or done < rounds:
             group = self._group_ids()
             counts = torch.bincount(group, minlength=self.shape[0] * self.shape[1] * _INSTANCES * _LEVELS)
@@ -570,15 +561,15 @@ class BalanceKVStream(StreamState):
         full[:, _MERGED if top is None else top :] = False
         return torch.where(full.view(-1), counts // batch * batch if self.slack_slots else batch, 0)
 
-    def _enforce_budget(self, scale: float, limit: int) -> None:
-        """Forced halvings until every head holds at most `limit` slots (`_forced_take`; a head over it with no
+    def _enforce_budget(self, scale: float) -> None:
+        """Forced halvings until every head holds at most `budget` slots (`_forced_take`; a head over it with no
         level of two or more slots merges its two lightest slots instead); `held` is then the fullest head's slots."""
         rows = self.shape[0] * self.shape[1]
         while True:
-            excess = torch.bincount(self.pool["row"], minlength=rows) - limit
+            excess = torch.bincount(self.pool["row"], minlength=rows) - self.budget
             most = int(excess.max())
             if most <= 0:
-                self.held = limit + most
+                self.held = self.budget + most
                 return
             groups, inverse, counts = self._groups()
             head = groups // (_INSTANCES * _LEVELS)
@@ -587,19 +578,18 @@ class BalanceKVStream(StreamState):
             if bool(stuck.any()):
                 self._merge_singletons(stuck)
                 continue
-            self._halve_groups(inverse, counts, self._forced_take(groups, counts, excess, torch.zeros_like(counts)), scale)
-            self._cascade(scale, self.method.cascade_rounds)
+            self._halve_groups(inverse, counts, self._forced_take(groups, counts, excess), scale)
+            self._cascade(scale)
 
-    def _forced_take(self, groups: torch.Tensor, counts: torch.Tensor, excess: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
-        """take [U] with forced halvings added: a head over by excess[head] > 0 slots (excess [B·H], counted after
-        take's halvings) halves its fullest levels whole (ties: the lighter level first), as few as free that many more.
-
-        groups [U] group ids, counts [U] their slots, take [U] the even slots each group already halves.
+    def _forced_take(self, groups: torch.Tensor, counts: torch.Tensor, excess: torch.Tensor) -> torch.Tensor:
+        """Slots [U] each group halves: a head over budget by excess[head] > 0 slots (excess [B·H]) halves its
+        fullest levels whole (ties: the lighter level first), as few as free that many; groups [U] group ids,
+        counts [U] their slots.
         """
         rows = excess.shape[0]
         head = groups // (_INSTANCES * _LEVELS)
         halvable = (counts >= 2) & (groups % _LEVELS != _MERGED)
-        freed = torch.where(halvable & (excess[head] > 0), counts // 2 - take // 2, 0)
+        freed = torch.where(halvable & (excess[head] > 0), counts // 2, 0)
         order = torch.argsort(groups % _LEVELS, stable=True)
         order = order[torch.argsort(-counts[order], stable=True)]
         order = order[torch.argsort(head[order], stable=True)]
@@ -609,12 +599,14 @@ class BalanceKVStream(StreamState):
         head_start = head_start.scatter_reduce(0, head_sorted, before, "amin", include_self=False)
         needed = (freed_sorted > 0) & (before - head_start[head_sorted] < excess[head_sorted])
         chosen = torch.zeros_like(needed).scatter_(0, order, needed)
-        return torch.where(chosen, counts // 2 * 2, take)
+        return torch.where(chosen, counts // 2 * 2, 0)
 
-    def _reduce(self, scale: float, limit: int) -> None:
-        """The pending halvings (slack > 0): cascade rounds over every level (all waiting batches at once), then forced halvings to `limit`."""
-        self._cascade(scale, self.method.cascade_rounds)
-        self._enforce_budget(scale, limit)
+    def _reduce(self, scale: float) -> None:
+        """The pending halvings: cascade rounds over every level (with slack > 0, all waiting batches at once),
+        then, when a head may hold more than `budget`, forced halvings down to it."""
+        self._cascade(scale)
+        if self.held > self.budget:
+            self._enforce_budget(scale)
 
     def _halve_groups(self, inverse: torch.Tensor, counts: torch.Tensor, take: torch.Tensor, scale: float, same_take: int | None = None) -> None:
         """Halve the oldest take[u] (even) slots of every group u with take > 0 into the next level, in one batch.

@@ -205,6 +205,11 @@ class ScoreMethod(Method, ABC):
         return top_index(self.score(tokens, generator), budget)
 
 
+def first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices [..., count] of the first `count` True entries of mask [..., n] (ascending)."""
+    return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :count]
+
+
 def top_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """[B,H,budget]: the indices of the `budget` highest scores [B,H,n] per head, in ascending (original) order."""
     return scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values

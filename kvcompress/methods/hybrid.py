@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..summary import KVSummary, concat, take_slots
-from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, register, top_index
+from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, first_true, register, top_index
 
 _COMPOSED_PARAMS = ("sink", "window")
 _DEFAULT_SCORE = ("tova", "compactor")
@@ -185,7 +185,7 @@ class Hybrid(Method):
             kept_mask.scatter_(2, kept if rest_index is None else rest_index.gather(2, kept), True)
             n_kept += count
             if i + 1 < len(chosen):  # the tokens left, in their original order
-                rest_index = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)[..., : tokens.length - n_kept]
+                rest_index = first_true(~kept_mask, tokens.length - n_kept)
                 rest = _select_index(tokens, rest_index)
         # one stable sort puts the others first and the kept last, each in original order
         order = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)
