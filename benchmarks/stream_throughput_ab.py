@@ -4,7 +4,7 @@ Loads the package twice (`--before`: a plain export of the baseline commit, e.g.
 `git archive 5ba79db | tar -x -C /tmp/base`; `--after`: this tree), each through its own
 `kvcompress.api`, and times the same calls alternately, so load changes of a shared machine hit
 both alike. Each call feeds the workload of `kvcompress bench`'s throughput section (synthetic layer of `--shape`,
-`--tokens` tokens in blocks of `--block`, half kept, no sink or window, then `compact()`) or, with
+`--tokens` tokens in blocks of `--block`, `--compression-ratio` removed (default half), no sink or window, then `compact()`) or, with
 `--kinds compress`, one-shot compression of the same tokens. Checks first that both trees give
 identical summaries (positions, log-weights, keys), then reports the min of `--rounds` per
 variant, the after/before ratio and tokens/s over KeyDiff's within each variant.
@@ -36,11 +36,11 @@ def load(path: Path) -> dict:
         sys.path.remove(str(path))
 
 
-def workload(modules: dict, method: str, kind: str, layer: dict, block: int):
+def workload(modules: dict, method: str, kind: str, layer: dict, block: int, compression_ratio: float):
     """A call running `method` on the layer with this tree's api: streamed block by block, or one-shot."""
     api, overhead = modules["api"], modules["eval.bench.overhead"]
     n = layer["keys"].shape[2]
-    budget = overhead.kept_budget(n, 0.5)
+    budget = overhead.kept_budget(n, compression_ratio)
     extra = overhead.method_inputs(method, layer)
     if kind == "compress":
         return lambda: api.compress(method, layer["keys"], layer["values"], budget=budget, sink=0, window=0, seed=0, **extra)
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--methods", default="keydiff,compactor,hybrid")
     parser.add_argument("--kinds", default="stream", help="comma-separated: stream, compress")
+    parser.add_argument("--compression-ratio", type=float, default=0.5, help="share of the tokens removed (0.75: `generate`'s prefill setting)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="folder for stream_throughput_ab.md (printed only when absent)")
@@ -74,7 +75,7 @@ def main() -> None:
     trees = {"before": load(args.before), "after": load(args.after)}
     bench = trees["after"]["eval.bench"]
     layer = bench.synthetic_layer(bench.SHAPES[args.shape], args.tokens, torch.Generator().manual_seed(0))
-    calls = {(m, k, v): workload(trees[v], m, k, layer, args.block) for m in methods for k in kinds for v in VARIANTS}
+    calls = {(m, k, v): workload(trees[v], m, k, layer, args.block, args.compression_ratio) for m in methods for k in kinds for v in VARIANTS}
     same = {}
     for m in methods:
         for k in kinds:
@@ -90,7 +91,7 @@ def main() -> None:
     best = {key: min(t) for key, t in times.items()}
     lines = [
         f"# Before/after streaming throughput, one process\n\nMachine: {bench.machine_description(args.threads)}.\n",
-        f"{args.shape} shape, {args.tokens} tokens, blocks of {args.block}, half kept, no sink or window; min of {args.rounds} "
+        f"{args.shape} shape, {args.tokens} tokens, blocks of {args.block}, {args.compression_ratio:g} of the tokens removed, no sink or window; min of {args.rounds} "
         f"interleaved rounds (the order reversed every other round); before = `{args.before}`, after = `{args.after}`.\n",
         "| method | kind | identical output | before s | after s | after / before | before tokens/s over KeyDiff | after tokens/s over KeyDiff |",
         "|---|---|---|---|---|---|---|---|",

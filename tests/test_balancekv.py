@@ -30,12 +30,12 @@ def test_walk_splits_every_block_exactly_in_half_and_ignores_padding():
     kernel, log_r2 = balance_kernel(keys, values, valid, 1 / math.sqrt(8), "value")
     assert kernel.abs().max() <= 1.0 + 1e-6
     assert (kernel[3, 20:] == 0).all() and (kernel[3, :, 20:] == 0).all()
-    signs, fails = balancing_walk(kernel, valid, log_r2 + math.log(4.0), _gen(1))
+    signs, fails = balancing_walk(kernel.clone(), valid, log_r2 + math.log(4.0), _gen(1))
     assert ((signs == 1).sum(-1) == valid.sum(-1) // 2).all()
     assert ((signs == -1).sum(-1) == valid.sum(-1) // 2).all()
     assert (signs[3, 20:] == 0).all()
     assert fails >= 0
-    again, _ = balancing_walk(kernel, valid, log_r2 + math.log(4.0), _gen(1))
+    again, _ = balancing_walk(kernel.clone(), valid, log_r2 + math.log(4.0), _gen(1))
     assert torch.equal(signs, again)
 
 
@@ -46,8 +46,8 @@ def test_walk_balances_better_than_random_signs():
     keys = torch.cat([base, base + 0.01 * torch.randn(base.shape, generator=g)], 1)
     valid = torch.ones(64, 32, dtype=torch.bool)
     kernel, log_r2 = balance_kernel(keys, None, valid, 0.25, "key")
-    walk, fails = balancing_walk(kernel, valid, log_r2 + math.log(4.0), _gen(3))
-    theory, theory_fails = balancing_walk(kernel, valid, torch.full_like(log_r2, -math.log(60 * math.log(3200))), _gen(3))
+    walk, fails = balancing_walk(kernel.clone(), valid, log_r2 + math.log(4.0), _gen(3))
+    theory, theory_fails = balancing_walk(kernel.clone(), valid, torch.full_like(log_r2, -math.log(60 * math.log(3200))), _gen(3))
     quad = lambda s: torch.einsum("ni,nij,nj->n", s, kernel, s).mean()  # ‖Σ η_i φ(k_i)‖² / R²
     assert quad(walk) < 0.5 * quad(theory)
     assert fails > 0 and theory_fails == 0

@@ -28,9 +28,10 @@ KERNELS = ("value", "key", "joint")
 _MAX_LOG_GAIN = 80.0
 # Kernel entries materialised at once (float32): blocks are balanced in chunks below this.
 _MAX_KERNEL = 1 << 24
-# Key entries (float32) whose kernel is computed at once: a chunk's kernel is built in pieces below this,
-# so the temporaries stay small and their memory is reused (the walk still runs once per chunk).
-_KERNEL_PIECE = 1 << 20
+# Kernel entries (float32) computed at once: a chunk's kernel is written in place piece by piece, so
+# the temporaries (value Gram matrices) stay small enough for the allocator to reuse their memory
+# instead of mapping fresh pages (first-touch page faults cost more than the products on CPU).
+_KERNEL_PIECE = 1 << 19
 
 
 def balance_kernel(
@@ -40,6 +41,7 @@ def balance_kernel(
     scale: float,
     kernel: str,
     value_blocks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SoftmaxBalance kernel of each block, divided by the seed's R² so every entry lies in [-1, 1].
 
@@ -51,6 +53,7 @@ def balance_kernel(
     κ = 1 ("key": v ≡ 1, the normaliser's walk) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
     [v/r_v, 1], balancing numerator and denominator together). R² = exp(s·r_key²)·r_value² with the
     block's largest centred key norm and value norm (seed Alg. 2 line 2), applied in log space.
+    out: a contiguous float32 [N, b, b] to write K / R² into (None: a new tensor).
     Returns (K / R² [N, b, b] float32 with zero rows and columns for padding, log R² [N]).
     """
     keys = keys.float()
@@ -61,7 +64,7 @@ def balance_kernel(
         keys = keys * mask
         mean = keys.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1.0)
         centred = (keys - mean) * mask
-    out = torch.bmm(centred, centred.transpose(1, 2)).mul_(scale)
+    out = torch.bmm(centred, centred.transpose(1, 2), out=out).mul_(scale)
     r_key = out.diagonal(dim1=1, dim2=2).amax(-1)
     out.sub_(r_key[:, None, None]).exp_()
     log_r2 = r_key
@@ -80,14 +83,14 @@ def balance_kernel(
             out.index_copy_(0, value_blocks, out.index_select(0, value_blocks).mul_(factor))
             log_r2 = log_r2.index_add(0, value_blocks, r_value.log())
     if valid is not None:
-        out.mul_(mask * mask.transpose(1, 2))
+        out.masked_fill_(~valid[:, :, None], 0.0).masked_fill_(~valid[:, None, :], 0.0)
     return out, log_r2
 
 
 def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Signs of the self-balancing walk (seed Alg. 2) on each block, exactly half of each block per side.
 
-    kernel [N, b, b] normalised (R² = 1), valid [N, b] with an even number of valid tokens per block
+    kernel [N, b, b] normalised (R² = 1), overwritten with the walk's drift (no copy of it), valid [N, b] with an even number of valid tokens per block
     and padding only after them (padding never affects a valid token), log_gain [N] = log(1 / (2c))
     in these units. Token j goes to +1
     with probability p_j = ½ − x_j·gain, x_j = Σ_{i<j} η_i K_ij: the seed's ½ − yᵀη/(2cR²). The
@@ -107,7 +110,7 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     half = valid.sum(-1, keepdim=True) // 2
     gain = torch.exp(log_gain.clamp_max(_MAX_LOG_GAIN)).to(device)
     uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device).to(device)
-    scaled = (kernel * gain[:, None, None]).triu_(1)  # the walk's drift in units of the push x_j·gain, on later tokens
+    scaled = kernel.mul_(gain[:, None, None]).triu_(1)  # the walk's drift in units of the push x_j·gain, on later tokens
     # +1 ⇔ push < ½ − u: gap = push − (½ − u) starts at u − ½ and takes the walk's steps
     gap = uniform - 0.5
     step_minus = torch.empty(n_blocks, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
@@ -179,12 +182,13 @@ def halve_mask(
     v = None if values is None else values.reshape(-1, block_size, values.shape[-1])
     value_blocks = None if value_rows is None else (value_rows[:, None] * n_blocks + torch.arange(n_blocks, device=keys.device)).reshape(-1)
     chunk = max(1, _MAX_KERNEL // (block_size * block_size))
-    piece = max(1, _KERNEL_PIECE // (block_size * d))
+    piece = max(1, _KERNEL_PIECE // (block_size * block_size))
     keep, fails = [], 0
     for start in range(0, k.shape[0], chunk):
         stop = min(start + chunk, k.shape[0])
         blocks_valid = valid[start:stop]
-        parts = []
+        kern = torch.empty(stop - start, block_size, block_size, device=keys.device)
+        log_r2 = []
         for low in range(start, stop, piece):
             high = min(low + piece, stop)
             if value_blocks is None:
@@ -192,9 +196,9 @@ def halve_mask(
             else:
                 first, last = torch.searchsorted(value_blocks, torch.tensor([low, high], device=value_blocks.device)).tolist()
                 part_values, part_value_blocks = v[first:last], value_blocks[first:last] - low
-            parts.append(balance_kernel(k[low:high], part_values, valid[low:high] if padded else None, scale, kernel, part_value_blocks))
-        kern, log_r2 = (torch.cat(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
-        signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(log_r2), generator)
+            part_valid = valid[low:high] if padded else None
+            log_r2.append(balance_kernel(k[low:high], part_values, part_valid, scale, kernel, part_value_blocks, kern[low - start : high - start])[1])
+        signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(torch.cat(log_r2)), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
         fails += failed
