@@ -76,6 +76,7 @@ All slots keep chronological order, so positions are ascending within each head.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -224,6 +225,7 @@ def _sizes_desc(limit: int):
     return sorted(sizes, reverse=True)
 
 
+@functools.lru_cache(maxsize=256)
 def offline_plan(n: int, budget: int, g: int) -> tuple[int, int] | None:
     """(m, held) for one-shot Express on n tokens: a cache of size m absorbs the first n − held, the last `held` stay exact.
 
@@ -231,7 +233,8 @@ def offline_plan(n: int, budget: int, g: int) -> tuple[int, int] | None:
     smallest count with cache_slots(n − held, m) + held >= budget; that sum never decreases as
     held grows (absorbing a token adds at most one slot), so a binary search finds it. The plan
     with the fewest slots over `budget` wins (ties: the larger m). None when no size reaches a
-    Halve phase with `budget` slots (budget > n − 3).
+    Halve phase with `budget` slots (budget > n − 3). Cached: every layer of a prefill asks for the
+    same plan, and the search is about 0.2 ms of Python.
     """
     best = None
     for m in _sizes_desc(n // 4):
