@@ -310,3 +310,25 @@ def test_keep_index_is_none_for_weighted_slots():
     tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300))
     assert build_method("express").keep_index(tokens, 40, make_generator(0)) is None
     assert build_method("random", weighted=True).keep_index(tokens, 40, make_generator(0)) is None
+
+
+@pytest.mark.parametrize(("name", "params", "reads"), [("compactor", {"attention": False}, False), ("compactor", {}, True), ("tova", {}, True)])
+def test_reads_keys_values_is_honest(name, params, reads, monkeypatch):
+    """A method declaring it reads no keys or values picks the same tokens when they are NaN; the hybrid hands
+    it empty placeholders for them (and gathers them for any other method)."""
+    k, v = _kv(n=300)
+    pre = torch.randn(k.shape, generator=torch.Generator().manual_seed(5))
+    tokens = Tokens(k, v, torch.arange(300).expand(1, 2, 300), queries=torch.randn(1, 4, 300, 16), pre_rope_keys=pre, scale=0.25,
+                    query_positions=torch.arange(300))
+    method = build_method(name, **params)
+    assert method.reads_keys_values is reads
+    if not reads:
+        blind = replace(tokens, keys=torch.full_like(k, math.nan), values=torch.full_like(v, math.nan))
+        assert torch.equal(method.keep_index(blind, 40, make_generator(0)), method.keep_index(tokens, 40, make_generator(0)))
+    hybrid = Hybrid(score=["tova", name], score_params=[None, params], exact_fraction=[0.1, 0.3], coreset="express", span=1)
+    second, seen = hybrid.score_methods[1], []
+    pick = second.keep_index
+    monkeypatch.setattr(second, "keep_index", lambda given, budget, generator: seen.append(given.keys.shape[-1]) or pick(given, budget, generator))
+    summary = hybrid.compress(tokens, 80, make_generator(0))
+    assert seen == [0 if not reads else 16]
+    assert summary.num_slots <= 80 and torch.allclose(summary.total_weight(), torch.full((1, 2), 300.0, dtype=torch.float64))

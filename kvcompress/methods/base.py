@@ -150,6 +150,9 @@ class Method:
     needs_queries: ClassVar[bool] = False
     needs_pre_rope_keys: ClassVar[bool] = False
     needs_attention_mass: ClassVar[bool] = False  # scores with attention_mass(tokens) of every query: a prefill computes it fused
+    # False when keep_index (and score) read neither tokens.keys nor tokens.values: a composition
+    # (the hybrid) then hands it placeholders instead of gathering them
+    reads_keys_values: ClassVar[bool] = True
     randomized: ClassVar[bool] = False  # draws from the generator: the seed changes the summary
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64

@@ -177,6 +177,7 @@ class Compactor(Method):
             raise ValueError(f"leverage_weight must be a finite number >= 0, got {self.leverage_weight!r}")
         if not isinstance(self.attention, bool):
             raise ValueError(f"attention must be True or False, got {self.attention!r}")
+        self.reads_keys_values = self.attention  # without the attention term the score reads pre-RoPE keys only
 
     def check_inputs(self, tokens: Tokens) -> None:
         if self.attention and tokens.queries is None:

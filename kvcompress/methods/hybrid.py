@@ -42,12 +42,17 @@ _DEFAULT_SCORE = ("tova", "compactor")
 _DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tuning.md)
 
 
-def _select_index(tokens: Tokens, index: torch.Tensor) -> Tokens:
+def _select_index(tokens: Tokens, index: torch.Tensor, keys_values: bool = True) -> Tokens:
     """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
-    over all the tokens, so a later score method computes the subset's own."""
+    over all the tokens, so a later score method computes the subset's own. keys_values=False (for a
+    method whose `reads_keys_values` is False): keys and values are empty [B,H,k,0] placeholders."""
     pre = take_slots(tokens.pre_rope_keys, index) if tokens.pre_rope_keys is not None else None
-    return replace(tokens, keys=take_slots(tokens.keys, index), values=take_slots(tokens.values, index),
-                   positions=take_slots(tokens.positions, index), pre_rope_keys=pre, attention_mass=None)
+    if keys_values:
+        keys, values = take_slots(tokens.keys, index), take_slots(tokens.values, index)
+    else:
+        keys, values = tokens.keys.new_empty((*index.shape, 0)), tokens.values.new_empty((*index.shape, 0))
+    return replace(tokens, keys=keys, values=values, positions=take_slots(tokens.positions, index),
+                   pre_rope_keys=pre, attention_mass=None)
 
 
 def _by_position(summary: KVSummary) -> KVSummary:
@@ -184,9 +189,9 @@ class Hybrid(Method):
                 )
             kept_mask.scatter_(2, kept if rest_index is None else rest_index.gather(2, kept), True)
             n_kept += count
-            if i + 1 < len(chosen):  # the tokens left, in their original order
+            if i + 1 < len(chosen):  # the tokens left, in their original order, with what the next method reads
                 rest_index = first_true(~kept_mask, tokens.length - n_kept)
-                rest = _select_index(tokens, rest_index)
+                rest = _select_index(tokens, rest_index, chosen[i + 1][0].reads_keys_values)
         # one stable sort puts the others first and the kept last, each in original order
         order = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)
         n_rest = tokens.length - n_kept
