@@ -80,6 +80,17 @@ def test_kernel_halving_equals_the_walk_on_the_full_kernel(size, delta):
     assert torch.equal(fast, _walk_on_the_full_kernel(keys, values, 8**-0.5, make_generator(3), delta))
 
 
+@pytest.mark.parametrize("delta", [None, 0.5])
+def test_kernel_halving_breaks_ties_as_the_walk_on_the_full_kernel(delta):
+    """Pairs of identical tokens make kernel differences and signed sums exactly zero (ties give +1)."""
+    keys, values, _ = _clustered(4 * 40, heads=2, seed=7)
+    keys, values = keys.reshape(1, 2, 4, 40, 8), values.reshape(1, 2, 4, 40, 8)
+    keys[..., 1::2, :], values[..., 1::2, :] = keys[..., 0::2, :], values[..., 0::2, :]
+    keys[:, :, 1] = 0.0
+    fast = kernel_halving(keys, values, 8**-0.5, make_generator(4), delta)
+    assert torch.equal(fast, _walk_on_the_full_kernel(keys, values, 8**-0.5, make_generator(4), delta))
+
+
 def test_kernel_halving_rejects_odd_groups():
     keys, values, _ = _clustered(7, heads=1)
     with pytest.raises(ValueError, match="even"):

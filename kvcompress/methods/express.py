@@ -124,23 +124,31 @@ def kernel_halving(
     b2 = torch.maximum(v.amax(dim=(-2, -1), keepdim=True), v.amin(dim=(-2, -1), keepdim=True).neg_()).square_()  # max|v_ij|², no |v| copy
     # formed in place: float32 logits shifted, then exp and the product with the value term in float64
     kdiffs = [_pair_differences(lg.sub_(shift).double().exp_().mul_(vp.add_(b2))) for lg, vp in zip(logits, value_products)]
-    if delta is None:
-        thresholds = torch.zeros((*kdiffs[0].shape[:-2], pairs), dtype=torch.float64, device=k.device)
+    signs = torch.ones((*kdiffs[0].shape[:-2], pairs), dtype=torch.float64, device=k.device)  # written in place, one pair per step
+    sign_columns = signs.unsqueeze(-1).unbind(-2)
+    # greedy (delta None, every threshold 0): the walk tracks minus the signed sum (0 − x turns a zero
+    # of either sign into +0), so a step's sign is one copysign: −1 exactly where the sum is positive
+    greedy = delta is None
+    walked = 0.0 - kdiffs[0][..., 0, :] if greedy else kdiffs[0][..., 0, :].clone()
+    rows = [(walked[..., lo:], row) for (lo, _), kd in zip(spans, kdiffs) for row in kd.unbind(-2)]
+    columns = walked.unsqueeze(-1).unbind(-2)
+    if greedy:
+        one = signs.new_tensor(1.0)
+        for i in range(1, pairs):
+            torch.copysign(one, columns[i], out=sign_columns[i])
+            target, row = rows[i]
+            target.addcmul_(sign_columns[i], row, value=-1.0)
     else:
         diagonal = torch.cat([kd[..., : kd.shape[-2]].diagonal(dim1=-2, dim2=-1) for kd in kdiffs], -1)
         root = diagonal.clamp_min(0.0).sqrt()
         multiplier = 0.5 + math.log(2.0 * size / delta)
         uniforms = torch.rand(diagonal.shape, generator=generator, device=generator.device, dtype=torch.float64)
         thresholds = (2.0 * uniforms.to(k.device) - 1.0) * multiplier * root * root.cummax(dim=-1).values
-    signed = kdiffs[0][..., 0, :].clone()
-    rows = [(signed[..., lo:], row) for (lo, _), kd in zip(spans, kdiffs) for row in kd.unbind(-2)]
-    columns, limits = signed.unsqueeze(-1).unbind(-2), thresholds.unsqueeze(-1).unbind(-2)
-    signs = torch.ones_like(thresholds)  # written in place, one pair per step
-    sign_columns, minus, plus = signs.unsqueeze(-1).unbind(-2), signs.new_tensor(-1.0), signs.new_tensor(1.0)
-    for i in range(1, pairs):
-        torch.where(columns[i] > limits[i], minus, plus, out=sign_columns[i])
-        target, row = rows[i]
-        target.addcmul_(sign_columns[i], row)
+        limits, minus, plus = thresholds.unsqueeze(-1).unbind(-2), signs.new_tensor(-1.0), signs.new_tensor(1.0)
+        for i in range(1, pairs):
+            torch.where(columns[i] > limits[i], minus, plus, out=sign_columns[i])
+            target, row = rows[i]
+            target.addcmul_(sign_columns[i], row)
     complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device) < 0.5
     swap = (signs < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
