@@ -115,8 +115,8 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     gap = uniform - 0.5
     step_minus = torch.empty(n_blocks, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
     one = torch.ones((), device=device)
-    for step, row in enumerate(scaled.unbind(1)):
-        torch.copysign(one, gap[:, step : step + 1], out=step_minus)
+    for column, row in zip(gap.unsqueeze(-1).unbind(1), scaled.unbind(1)):
+        torch.copysign(one, column, out=step_minus)
         gap.addcmul_(step_minus, row, value=-1.0)
     free = -torch.copysign(one, gap) * valid
     # a side is full from the step after the one where its count reaches half
@@ -351,13 +351,14 @@ class BalanceKV(Method):
             chosen = priority.topk(2 * pairs, dim=-1).indices.sort(-1).values
             rest_mask = torch.ones_like(level).scatter(-1, chosen, False)
             rest = first_true(rest_mask, current - 2 * pairs)
-            sel_k, sel_v, sel_p, sel_w = _gather(chosen, keys, values, positions, log_weights)
+            sel_k, sel_v = _gather(chosen, keys, values)
             kernel_values = None if self.kernel == "key" else sel_v.reshape(b * h, 2 * pairs, -1)
             kept, fails = halve(sel_k.reshape(b * h, 2 * pairs, d), kernel_values, scale, self, self.kernel, generator)
             self.fail_events += fails
-            kept_parts = _gather(kept.reshape(b, h, pairs), sel_k, sel_v, sel_p, sel_w + LOG2)
-            rest_parts = _gather(rest, keys, values, positions, log_weights)
-            keys, values, positions, log_weights = (torch.cat(p, 2) for p in zip(rest_parts, kept_parts))
+            # the rest, then the kept half of the chosen (weight doubled): one gather per tensor
+            index = torch.cat([rest, chosen.gather(-1, kept.reshape(b, h, pairs))], -1)
+            keys, values, positions, log_weights = _gather(index, keys, values, positions, log_weights)
+            log_weights[..., current - 2 * pairs :] += LOG2
         return keys, values, positions, log_weights
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> "BalanceKVStream":
