@@ -348,15 +348,18 @@ class BalanceKV(Method):
                 keys, values, positions, log_weights = _merge_lightest(keys, values, positions, log_weights, generator)
                 continue
             priority = torch.rand(level.shape, generator=generator, device=generator.device).to(keys.device) + level
-            chosen = priority.topk(2 * pairs, dim=-1).indices.sort(-1).values
-            rest_mask = torch.ones_like(level).scatter(-1, chosen, False)
-            rest = first_true(rest_mask, current - 2 * pairs)
-            sel_k, sel_v = _gather(chosen, keys, values)
+            if 2 * pairs == current:  # every slot is halved (the first rounds): no selection, the draw above kept for the generator's stream
+                chosen, sel_k, sel_v = None, keys, values
+            else:
+                chosen = priority.topk(2 * pairs, dim=-1).indices.sort(-1).values
+                rest = first_true(torch.ones_like(level).scatter(-1, chosen, False), current - 2 * pairs)
+                sel_k, sel_v = _gather(chosen, keys, values)
             kernel_values = None if self.kernel == "key" else sel_v.reshape(b * h, 2 * pairs, -1)
             kept, fails = halve(sel_k.reshape(b * h, 2 * pairs, d), kernel_values, scale, self, self.kernel, generator)
             self.fail_events += fails
             # the rest, then the kept half of the chosen (weight doubled): one gather per tensor
-            index = torch.cat([rest, chosen.gather(-1, kept.reshape(b, h, pairs))], -1)
+            kept = kept.reshape(b, h, pairs)
+            index = kept if chosen is None else torch.cat([rest, chosen.gather(-1, kept)], -1)
             keys, values, positions, log_weights = _gather(index, keys, values, positions, log_weights)
             log_weights[..., current - 2 * pairs :] += LOG2
         return keys, values, positions, log_weights
