@@ -15,25 +15,18 @@ there at call time) and its attention function into transformers' registry.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from pathlib import Path
 
 import torch
-
-VARIANTS = ("before", "after")
-
-
-def _evict() -> None:
-    for name in [k for k in sys.modules if k == "kvcompress" or k.startswith("kvcompress.")]:
-        del sys.modules[name]
+from stream_throughput_ab import VARIANTS, ab_parser, evict, report
 
 
 def load(path: Path) -> tuple[dict, dict]:
     """(the model loader, bench helpers and prefill timer of the kvcompress package under `path`, every
     kvcompress module it loaded by name), evicting any loaded one first."""
-    _evict()
+    evict()
     sys.path.insert(0, str(path))
     try:
         modules = {name: importlib.import_module("kvcompress." + name) for name in ("integration.model", "eval.bench", "eval.bench.prefill")}
@@ -47,22 +40,17 @@ def activate(loaded: dict) -> None:
     attention function the one transformers' registry holds."""
     from transformers import AttentionInterface
 
-    _evict()
+    evict()
     sys.modules.update(loaded)
     attention = loaded["kvcompress.integration.attention"]
     AttentionInterface.register(attention.ATTENTION_NAME, attention.kvcompress_attention)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, required=True, help="root of the baseline tree (holds kvcompress/)")
-    parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser = ab_parser(__doc__.splitlines()[0], "prefill_compress_ab.md", rounds=4)
     parser.add_argument("--methods", default="balancekv,hybrid")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--ratio", type=float, default=0.75, help="share of the context removed")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=None, help="folder for prefill_compress_ab.md (printed only when absent)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
@@ -90,11 +78,7 @@ def main() -> None:
         before, after = (seconds[(method, v)] for v in VARIANTS)
         b, a = min(c for _, c in before), min(c for _, c in after)
         lines.append(f"| {method} | {b:.3f} | {a:.3f} | {a / b:.3f} | {min(t for t, _ in before):.2f} | {min(t for t, _ in after):.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefill_compress_ab.md").write_text(text)
+    report("\n".join(lines) + "\n", args.out, "prefill_compress_ab.md")
 
 
 if __name__ == "__main__":

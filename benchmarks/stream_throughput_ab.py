@@ -25,10 +25,34 @@ import torch
 VARIANTS = ("before", "after")
 
 
-def load(path: Path) -> dict:
-    """The api and bench modules of the kvcompress package under `path` (evicting any loaded one first)."""
+def evict() -> None:
+    """Forget every loaded kvcompress module, so that the next import reads another tree."""
     for name in [k for k in sys.modules if k == "kvcompress" or k.startswith("kvcompress.")]:
         del sys.modules[name]
+
+
+def report(text: str, out: Path | None, name: str) -> None:
+    """Print a report, and write it as out/name when a folder is given."""
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+
+
+def ab_parser(description: str, report_name: str, rounds: int) -> argparse.ArgumentParser:
+    """A parser with the options of every before/after script: --before, --after, --rounds, --threads, --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--before", type=Path, required=True, help="root of the baseline tree (holds kvcompress/)")
+    parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help=f"folder for {report_name} (printed only when absent)")
+    return parser
+
+
+def load(path: Path) -> dict:
+    """The api and bench modules of the kvcompress package under `path` (evicting any loaded one first)."""
+    evict()
     sys.path.insert(0, str(path))
     try:
         return {name: importlib.import_module("kvcompress." + name) for name in ("api", "eval.bench", "eval.bench.overhead")}
@@ -57,18 +81,13 @@ def workload(modules: dict, method: str, kind: str, layer: dict, block: int, com
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, required=True, help="root of the baseline tree (holds kvcompress/)")
-    parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser = ab_parser(__doc__.splitlines()[0], "stream_throughput_ab.md", rounds=5)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--methods", default="keydiff,compactor,hybrid")
     parser.add_argument("--kinds", default="stream", help="comma-separated: stream, compress")
     parser.add_argument("--compression-ratio", type=float, default=0.5, help="share of the tokens removed (0.75: `generate`'s prefill setting)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=None, help="folder for stream_throughput_ab.md (printed only when absent)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     methods, kinds = args.methods.split(","), args.kinds.split(",")
@@ -101,11 +120,7 @@ def main() -> None:
             b, a = best[(m, k, "before")], best[(m, k, "after")]
             over = [f"{best[('keydiff', k, v)] / best[(m, k, v)]:.3f}" if ("keydiff", k, v) in best else "" for v in VARIANTS]
             lines.append(f"| {m} | {k} | {'yes' if same[(m, k)] else 'NO'} | {b:.4f} | {a:.4f} | {a / b:.3f} | {over[0]} | {over[1]} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "stream_throughput_ab.md").write_text(text)
+    report("\n".join(lines) + "\n", args.out, "stream_throughput_ab.md")
 
 
 if __name__ == "__main__":
