@@ -407,7 +407,6 @@ class CompressedCache(Cache):
         self._absorbing = True
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
         self._rotary = find_rotary_embedding(model) if settings.method.needs_pre_rope_keys else None
-        self._rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin) last computed
         layers = [
             CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)
             for i, (kind, window) in enumerate(layer_types)
@@ -465,24 +464,13 @@ class CompressedCache(Cache):
         """Un-rotate post-RoPE keys [B,H,n,d] at positions [n] with the model's rotary embedding (None if not needed)."""
         if self._rotary is None:
             return None
-        cos, sin = self._cos_sin(keys, positions)
+        rotary, extra = self._rotary
+        cos, sin = rotary(keys, positions[None].expand(keys.shape[0], -1), **extra)
+        cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
         rotated, kept = keys[..., : cos.shape[-1]], keys[..., cos.shape[-1] :]  # partial rotary (Phi-3) rotates a prefix
         half = rotated.shape[-1] // 2
         rotated_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
         return torch.cat([rotated * cos - rotated_half * sin, kept], dim=-1)
-
-    def _cos_sin(self, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's (cos, sin) [B,1,n,d_rot] at positions [n] in the keys' dtype. The last ones are
-        kept: every layer of a forward asks for the same positions (the model itself rotates them all alike)."""
-        last = self._rotation
-        if (last is not None and last[0].shape == positions.shape and last[0].device == positions.device
-                and last[1].shape[0] == keys.shape[0] and last[1].dtype == keys.dtype and torch.equal(last[0], positions)):
-            return last[1], last[2]
-        rotary, extra = self._rotary
-        cos, sin = rotary(keys, positions[None].expand(keys.shape[0], -1), **extra)
-        cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-        self._rotation = (positions.clone(), cos, sin)
-        return cos, sin
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
