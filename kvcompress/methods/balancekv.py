@@ -30,9 +30,9 @@ _MAX_LOG_GAIN = 80.0
 _MAX_KERNEL = 1 << 24
 # Kernel entries (float32) computed at once: a chunk's kernel is written in place piece by piece, so
 # the temporaries (value Gram matrices) stay small enough for the allocator to reuse their memory.
-# In a fresh process that spares first-touch page faults (with the in-place walk, one-shot at 4k tokens
-# took 0.71x the time on a 2-core CPU); inside
-# a model's prefill, where the allocator is warm, the piece size made no measurable difference.
+# In a fresh process that spares first-touch page faults (with the in-place walk, one-shot at 4k
+# tokens took 0.71x the time on a 2-core CPU); inside a model's prefill, where the allocator is
+# warm, the piece size made no measurable difference.
 _KERNEL_PIECE = 1 << 19
 
 
