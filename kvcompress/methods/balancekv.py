@@ -349,11 +349,12 @@ class BalanceKV(Method):
             if pairs == 0:
                 keys, values, positions, log_weights = _merge_lightest(keys, values, positions, log_weights, generator)
                 continue
-            priority = torch.rand(level.shape, generator=generator, device=generator.device).to(keys.device) + level
-            if 2 * pairs == current:  # every slot is halved (the first rounds): no selection, the draw above kept for the generator's stream
+            # drawn in every round, so the generator's stream does not depend on which rounds select
+            draw = torch.rand(level.shape, generator=generator, device=generator.device)
+            if 2 * pairs == current:  # every slot is halved (the first rounds): nothing to select
                 chosen, sel_k, sel_v = None, keys, values
             else:
-                chosen = priority.topk(2 * pairs, dim=-1).indices.sort(-1).values
+                chosen = (draw.to(keys.device) + level).topk(2 * pairs, dim=-1).indices.sort(-1).values
                 rest = first_true(torch.ones_like(level).scatter(-1, chosen, False), current - 2 * pairs)
                 sel_k, sel_v = _gather(chosen, keys, values)
             kernel_values = None if self.kernel == "key" else sel_v.reshape(b * h, 2 * pairs, -1)

@@ -192,8 +192,8 @@ class Hybrid(Method):
             if i + 1 < len(chosen):  # the tokens left, in their original order, with what the next method reads
                 rest_index = first_true(~kept_mask, tokens.length - n_kept)
                 rest = _select_index(tokens, rest_index, chosen[i + 1][0].reads_keys_values)
-        # one stable sort puts the others first and the kept last, each in original order
-        order = kept_mask.to(torch.int8).argsort(dim=-1, stable=True)
+        # the others first and the kept last, each in original order
+        order = first_true(~kept_mask, tokens.length)
         n_rest = tokens.length - n_kept
         others = tokens if self.coreset_method.needs_pre_rope_keys else replace(tokens, pre_rope_keys=None)
         return _select_index(tokens, order[..., n_rest:]), _select_index(others, order[..., :n_rest])
