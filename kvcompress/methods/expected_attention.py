@@ -53,20 +53,18 @@ class ExpectedAttention(ScoreMethod):
         group = hq // hkv
         s = tokens.scale
         keys = tokens.keys.float()
-        if tokens.exact_keys is not None:
+        if tokens.exact_keys is not None and tokens.exact_keys.shape[2]:  # no copy of every key for an empty exact set
             keys = torch.cat([keys, tokens.exact_keys.float()], 2)
         n = keys.shape[2]
         grouped = queries.reshape(b, hkv, group, m, d)
         mean = grouped.mean(dim=3)  # [B, H_kv, group, d]
+        logits = torch.matmul(keys, s * mean.transpose(-1, -2))  # s<μ, k>: [B, H_kv, n, group]
         if self.use_covariance:
-            # s<μ, k> + s²/2 kᵀΣk = <k, sμ + s²/2 Σk>: Σk for the whole group in one GEMM per KV head.
+            # + s²/2 kᵀΣk = <k, s²/2 Σk>: Σk for the whole group in one GEMM per KV head.
             centred = grouped - mean.unsqueeze(3)
             cov = torch.matmul(centred.transpose(-1, -2), centred) / m  # [B, H_kv, group, d, d]
             stacked = (0.5 * s * s) * cov.permute(0, 1, 3, 2, 4).reshape(b, hkv, d, group * d)
-            shifted = torch.matmul(keys, stacked).view(b, hkv, n, group, d).add_(s * mean.unsqueeze(2))
-            logits = torch.einsum("bhngd,bhnd->bhng", shifted, keys)
-        else:
-            logits = s * torch.matmul(keys, mean.transpose(-1, -2))  # [B, H_kv, n, group]
+            logits += torch.einsum("bhngd,bhnd->bhng", torch.matmul(keys, stacked).view(b, hkv, n, group, d), keys)
         scores = logits.softmax(dim=2)[:, :, : tokens.length].mean(dim=-1)
         if self.use_vnorm:
             scores = (scores + self.epsilon) * tokens.values.float().norm(dim=-1)
