@@ -266,14 +266,16 @@ def _layer(b, h, group, n, d, seed, dtype):
 
 
 # Outputs of the hybrid before its stream's speed-up (commit ec268af), on this project's CI machine
-# (x86-64 CPU, float32 kernels): the same slots, weights, keys and values for the same seed.
+# (x86-64 CPU, float32 kernels): the same slots, weights, keys and values for the same seed. Express
+# coreset cases re-pinned when its whole blocks began to share Halve calls (random swaps drawn in
+# another order; benchmarks/results/express_blocks has the quality before and after).
 # (b, h, query group, n, d, update block, budget, sink, window, parameters, dtype, seed, stream digest, one-shot digest)
 PINNED = [
-    (1, 2, 2, 700, 16, 64, 160, 0, 0, {}, torch.float32, 0, "355f148045152853", "7730954ae30505e6"),
-    (2, 2, 3, 600, 16, 50, 120, 4, 16, {}, torch.float32, 1, "373840a573b35f7f", "525c086873116998"),
-    (1, 3, 1, 500, 8, 40, 90, 0, 0, {"score": ["tova", "keydiff"], "score_params": None, "exact_fraction": [0.2, 0.2]}, torch.float32, 2, "50a3b93587543452", "a6e7ba62c6717cac"),
+    (1, 2, 2, 700, 16, 64, 160, 0, 0, {}, torch.float32, 0, "7a3dfdd6f74fad53", "e25453321b173dc2"),
+    (2, 2, 3, 600, 16, 50, 120, 4, 16, {}, torch.float32, 1, "373840a573b35f7f", "083df85cfb9dcd7d"),
+    (1, 3, 1, 500, 8, 40, 90, 0, 0, {"score": ["tova", "keydiff"], "score_params": None, "exact_fraction": [0.2, 0.2]}, torch.float32, 2, "50a3b93587543452", "ecc6d85568e16fe3"),
     (1, 2, 2, 640, 16, 64, 128, 0, 0, {"coreset": "balancekv"}, torch.float32, 3, "ecd4d1840f239b1e", "0c3b31cb9dc77b70"),
-    (1, 2, 2, 512, 16, 32, 96, 0, 0, {}, torch.bfloat16, 4, "819f1bdc050273e9", "5f27f9c5689d4cbb"),
+    (1, 2, 2, 512, 16, 32, 96, 0, 0, {}, torch.bfloat16, 4, "819f1bdc050273e9", "ea29583927971738"),
 ]
 
 

@@ -294,17 +294,22 @@ class ExpressState(StreamState):
                 stop = min(n, start + self.m - have)
                 self.cache = _join(self.cache, tokens.slice(start, stop).exact())
             else:
-                stop = min(n, start + self.ell * self.m - self.block_seen)
-                self._thin(tokens.slice(start, stop))
+                size = self.ell * self.m
+                # whole blocks of this phase (at most the three before a Halve phase) go through Compress2 together
+                blocks = 1 if self.block_seen else max(1, min((n - start) // size, 3 - len(self.siblings)))
+                stop = min(n, start + blocks * size - self.block_seen)
+                self._thin(tokens.slice(start, stop), blocks)
             start = stop
 
-    def _thin(self, part: Tokens) -> None:
-        """Subsample then Compress2 tokens of the block in progress; finish the block when it is full."""
+    def _thin(self, part: Tokens, blocks: int = 1) -> None:
+        """Subsample then Compress2 tokens of the block in progress, or of `blocks` > 1 whole blocks at
+        once (each level's Halve calls batched across them); finish the block when it is full."""
         self.block_seen += part.length
         leaves = self.open_leaf.push(self._subsample(part), self.leaf)
         if leaves is not None:
-            self._compress2(leaves)
-        if self.block_seen == self.ell * self.m:
+            self._compress2(leaves, blocks)
+        if self.block_seen == blocks * self.ell * self.m:
+            self.block_seen = self.ell * self.m
             self._finish_block()
 
     def _subsample(self, part: Tokens) -> KVSummary | None:
@@ -350,16 +355,20 @@ class ExpressState(StreamState):
                               c.log_weights, torch.where(new, token.positions, c.positions))
         self.candidate = replace(token, log_weights=torch.full_like(token.log_weights, math.log(self.count)), eviction_only=False)
 
-    def _compress2(self, leaves: KVSummary) -> None:
-        """Push complete leaves into Compress2: every four outputs of a level are halved, all groups of a level at once."""
-        carry = leaves
+    def _compress2(self, leaves: KVSummary, blocks: int = 1) -> None:
+        """Push complete leaves into Compress2: every four outputs of a level are halved, all groups of a level at once.
+
+        blocks > 1: the leaves of that many whole blocks, each block halved on its own as if it were a
+        head of its own (so no Halve chunk spans two blocks), giving one sibling per block."""
+        carry = _fold_blocks(leaves, blocks)
         for j in range(self.depth):
             group = 4 * (self.leaf << j)
             full = self.levels[j].push(carry, group)
             if full is None:
                 return
             carry = halve(full, group, self.scale, self.generator, self.delta, self.max_group)
-        self.siblings.append(carry)
+        carry = _unfold_blocks(carry, blocks)
+        self.siblings += [_take(carry, i * self.m, (i + 1) * self.m) for i in range(blocks)]
 
     def _finish_block(self) -> None:
         """A block is m slots of weight ℓ; after three of them, two Halves bring C + siblings from 4m to m (ℓ ← 4ℓ)."""
@@ -456,6 +465,22 @@ def _join(a: KVSummary | None, b: KVSummary | None) -> KVSummary | None:
     if b is None or b.num_slots == 0:
         return a
     return concat([a, b])
+
+
+def _fold_blocks(s: KVSummary, blocks: int) -> KVSummary:
+    """[B,H,blocks·S,...] -> [B,H·blocks,S,...]: each block of slots as a head of its own."""
+    if blocks == 1:
+        return s
+    b, h, n = s.positions.shape
+    return KVSummary(*(t.reshape(b, h * blocks, n // blocks, *t.shape[3:]) for t in (s.keys, s.values, s.log_weights, s.positions)))
+
+
+def _unfold_blocks(s: KVSummary, blocks: int) -> KVSummary:
+    """The inverse of `_fold_blocks`: [B,H·blocks,S,...] -> [B,H,blocks·S,...]."""
+    if blocks == 1:
+        return s
+    b, hb, n = s.positions.shape
+    return KVSummary(*(t.reshape(b, hb // blocks, blocks * n, *t.shape[3:]) for t in (s.keys, s.values, s.log_weights, s.positions)))
 
 
 def _take(s: KVSummary, start: int, stop: int) -> KVSummary:
