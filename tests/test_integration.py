@@ -59,6 +59,28 @@ def test_no_compression_reproduces_plain_generate(arch, mode):
         assert res.token_ids == ref, (arch, mode, method)
 
 
+@pytest.mark.parametrize("method", [None, "knorm"])
+def test_prefill_computes_the_last_positions_logits_only(method, monkeypatch):
+    """As model.generate does (logits_to_keep=1): a 150-token context's forward gives [B, 1, V] logits, not
+    [B, 150, V], and the answer is plain generate's."""
+    model = tiny()
+    ctx, question = _prompt()
+    ref = _reference(model, ctx, question)
+    shapes = []
+    forward = model.forward
+
+    def recording(*args, logits_to_keep=0, **kwargs):
+        out = forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+        shapes.append(tuple(out.logits.shape))
+        return out
+
+    monkeypatch.setattr(model, "forward", recording)
+    options = {"compression_ratio": 0.0} if method else {}
+    res = generate_ids(model, ctx, question, method=method, max_new_tokens=12, stop_at_eos=False, **options)
+    assert res.token_ids == ref
+    assert shapes and all(shape[1] == 1 for shape in shapes), shapes
+
+
 def test_budget_at_least_context_reproduces_in_prefill():
     model = tiny()
     ctx, question = _prompt()

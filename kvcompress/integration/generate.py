@@ -150,6 +150,8 @@ class _Session:
         seed = as_count("seed", seed, 0)
         check_supported(model)
         self.model, self.mode, self.chunk_size = model, mode, chunk_size
+        # as model.generate does: only the last position's logits, not the full vocabulary at every position
+        self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
         self.context_ids = context_ids.to(self.device)
         self.context_mask = prompt.mask.to(self.device) if prompt.mask is not None else None
@@ -202,10 +204,12 @@ class _Session:
         ids = ids.expand(self.ids.shape[0], -1)
         mask = torch.ones_like(ids) if mask is None else mask
         self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, mask], 1)
-        padding = {}
+        extra = {}
         if self.context_mask is not None:  # a padded batch: the mask and the rows' own positions
-            padding = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
-        return self.model(ids, past_key_values=self.cache, use_cache=True, **padding).logits[:, -1]
+            extra = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
+        if self.last_logits_only:
+            extra["logits_to_keep"] = 1
+        return self.model(ids, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1]
 
     def run_context(self, progress: bool):
         """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds)."""
