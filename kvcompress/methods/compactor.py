@@ -97,24 +97,25 @@ def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale
     chunk_size = min(chunk_size, n)  # fewer tokens than a chunk: one chunk of n, no padding
     pad = (-n) % chunk_size
     chunks = (n + pad) // chunk_size
-    q = queries.float() * scale
-    k = keys.float()
+    q, k = queries.float(), keys.float()
     if pad:  # no copy when the chunks tile the tokens
         q, k = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad))
-    q = q.reshape(b, hkv, group, chunks, chunk_size, d)
-    k = k.reshape(b, hkv, chunks, chunk_size, d)
+    # one chunk's queries of a whole GQA group as the rows of one matrix, scaled on the way: [B, H_kv, chunks, group·C, d]
+    rows = torch.empty(b, hkv, chunks, group, chunk_size, d, device=keys.device)
+    torch.mul(q.view(b, hkv, group, chunks, chunk_size, d).transpose(2, 3), scale, out=rows)
+    rows = rows.view(b, hkv, chunks, group * chunk_size, d)
+    k = k.view(b, hkv, chunks, chunk_size, d)
     out = torch.empty(b, hkv, chunks, chunk_size, device=keys.device)
     step = max(1, _ROWS_PER_STEP // chunk_size)
     for c0 in range(0, chunks, step):
         c1 = min(chunks, c0 + step)
-        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q[:, :, :, c0:c1], k[:, :, c0:c1])
+        logits = torch.matmul(rows[:, :, c0:c1], k[:, :, c0:c1].transpose(-1, -2))  # [B, H_kv, c1 - c0, group·C, C]
         if pad and c1 == chunks:  # the padded tail of the last chunk: no key there, no query counted
-            logits[..., -1, :, chunk_size - pad :] = float("-inf")
-        probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-        probs.div_(probs.sum(-1, keepdim=True))
+            logits[:, :, -1, :, chunk_size - pad :] = float("-inf")
+        probs = torch.softmax(logits, -1, out=logits)
         if pad and c1 == chunks:
-            probs[..., -1, chunk_size - pad :, :] = 0.0
-        out[:, :, c0:c1] = probs.sum(dim=(2, 4)).div_(group)
+            probs[:, :, -1].unflatten(-2, (group, chunk_size))[..., chunk_size - pad :, :] = 0.0
+        torch.sum(probs, -2, out=out[:, :, c0:c1]).div_(group)
     return out.reshape(b, hkv, -1)[..., :n]
 
 
