@@ -309,7 +309,6 @@ class ExpressState(StreamState):
         if leaves is not None:
             self._compress2(leaves, blocks)
         if self.block_seen == blocks * self.ell * self.m:
-            self.block_seen = self.ell * self.m
             self._finish_block()
 
     def _subsample(self, part: Tokens) -> KVSummary | None:
