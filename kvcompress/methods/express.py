@@ -359,14 +359,15 @@ class ExpressState(StreamState):
 
         blocks > 1: the leaves of that many whole blocks, each block halved on its own as if it were a
         head of its own (so no Halve chunk spans two blocks), giving one sibling per block."""
-        carry = _fold_blocks(leaves, blocks)
+        heads = leaves.positions.shape[1]
+        carry = _regroup(leaves, heads * blocks)
         for j in range(self.depth):
             group = 4 * (self.leaf << j)
             full = self.levels[j].push(carry, group)
             if full is None:
                 return
             carry = halve(full, group, self.scale, self.generator, self.delta, self.max_group)
-        carry = _unfold_blocks(carry, blocks)
+        carry = _regroup(carry, heads)
         self.siblings += [_take(carry, i * self.m, (i + 1) * self.m) for i in range(blocks)]
 
     def _finish_block(self) -> None:
@@ -466,20 +467,11 @@ def _join(a: KVSummary | None, b: KVSummary | None) -> KVSummary | None:
     return concat([a, b])
 
 
-def _fold_blocks(s: KVSummary, blocks: int) -> KVSummary:
-    """[B,H,blocks·S,...] -> [B,H·blocks,S,...]: each block of slots as a head of its own."""
-    if blocks == 1:
-        return s
+def _regroup(s: KVSummary, heads: int) -> KVSummary:
+    """[B,H,n,...] -> [B,heads,H·n/heads,...] with the slots in the same order: heads = H·k lays each run of
+    n/k slots out as a head of its own, and heads = H undoes it."""
     b, h, n = s.positions.shape
-    return KVSummary(*(t.reshape(b, h * blocks, n // blocks, *t.shape[3:]) for t in (s.keys, s.values, s.log_weights, s.positions)))
-
-
-def _unfold_blocks(s: KVSummary, blocks: int) -> KVSummary:
-    """The inverse of `_fold_blocks`: [B,H·blocks,S,...] -> [B,H,blocks·S,...]."""
-    if blocks == 1:
-        return s
-    b, hb, n = s.positions.shape
-    return KVSummary(*(t.reshape(b, hb // blocks, blocks * n, *t.shape[3:]) for t in (s.keys, s.values, s.log_weights, s.positions)))
+    return KVSummary(*(t.reshape(b, heads, h * n // heads, *t.shape[3:]) for t in (s.keys, s.values, s.log_weights, s.positions)))
 
 
 def _take(s: KVSummary, start: int, stop: int) -> KVSummary:
