@@ -105,7 +105,7 @@ def test_sink_and_window_exact_and_seeded():
 
 def test_defaults_are_the_augmented_variant_without_exact_sink_or_window():
     m = BalanceKV()
-    assert (m.default_sink, m.default_window, m.block_size, m.levels, m.augment) == (0, 0, 256, 2, 0.25)
+    assert (m.default_sink, m.default_window, m.block_size, m.levels, m.augment) == (0, 0, 128, 2, 0.25)
     keys, values = _kv(h=3, n=2048, d=64)
     s = kvc.compress("balancekv", keys, values, compression_ratio=0.5)
     assert s.num_slots == 1024
@@ -382,7 +382,7 @@ PINNED_STREAMS = [
 ]
 # (b, h, n, d, budget, parameters, data seed, digest)
 PINNED_ONE_SHOT = [
-    (1, 2, 300, 16, 100, {}, 10, "71c6b8fa8d059463"),
+    (1, 2, 300, 16, 100, {"block_size": 256}, 10, "71c6b8fa8d059463"),  # the default b until it became 128
     (1, 2, 513, 8, 40, {"block_size": 32, "kernel": "joint"}, 11, "17017b989a2d3f02"),
     (2, 1, 200, 8, 5, {"block_size": 16, "kernel": "key", "augment": 0.0}, 12, "1c5071e635396cb8"),
 ]

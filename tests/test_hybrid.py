@@ -245,6 +245,13 @@ def test_span_default_belongs_to_the_default_composition():
     assert Hybrid(score=["knorm", "compactor"], score_params=None, exact_fraction=[0.2, 0.2], span=[1, 5]).spans == [1, 5]
 
 
+def test_an_express_coreset_halves_in_groups_of_64_unless_coreset_params_sets_it():
+    assert Hybrid().coreset_method.max_group == 64
+    assert Hybrid(coreset_params={"delta": 0.5}).coreset_method.max_group == 64
+    assert Hybrid(coreset_params={"max_group": 256}).coreset_method.max_group == 256
+    assert Hybrid(coreset="balancekv").coreset_method.block_size == 128
+
+
 def _digest(summary) -> str:
     """sha256 prefix of a summary's positions, log-weights (in units of log 2, to 1e-4) and exact key/value bytes."""
     digest = hashlib.sha256()
@@ -269,13 +276,17 @@ def _layer(b, h, group, n, d, seed, dtype):
 # (x86-64 CPU, float32 kernels): the same slots, weights, keys and values for the same seed. Express
 # coreset cases re-pinned when its whole blocks began to share Halve calls (random swaps drawn in
 # another order; benchmarks/results/express_blocks has the quality before and after).
+# Express coresets keep the Halve groups of 128 they were pinned with (the default became 64), and the
+# BalanceKV coreset its blocks of 256 (the default became 128).
 # (b, h, query group, n, d, update block, budget, sink, window, parameters, dtype, seed, stream digest, one-shot digest)
+_GROUPS_128 = {"coreset_params": {"max_group": 128}}
 PINNED = [
-    (1, 2, 2, 700, 16, 64, 160, 0, 0, {}, torch.float32, 0, "7a3dfdd6f74fad53", "e25453321b173dc2"),
-    (2, 2, 3, 600, 16, 50, 120, 4, 16, {}, torch.float32, 1, "373840a573b35f7f", "083df85cfb9dcd7d"),
-    (1, 3, 1, 500, 8, 40, 90, 0, 0, {"score": ["tova", "keydiff"], "score_params": None, "exact_fraction": [0.2, 0.2]}, torch.float32, 2, "50a3b93587543452", "ecc6d85568e16fe3"),
-    (1, 2, 2, 640, 16, 64, 128, 0, 0, {"coreset": "balancekv"}, torch.float32, 3, "ecd4d1840f239b1e", "0c3b31cb9dc77b70"),
-    (1, 2, 2, 512, 16, 32, 96, 0, 0, {}, torch.bfloat16, 4, "819f1bdc050273e9", "ea29583927971738"),
+    (1, 2, 2, 700, 16, 64, 160, 0, 0, _GROUPS_128, torch.float32, 0, "7a3dfdd6f74fad53", "e25453321b173dc2"),
+    (2, 2, 3, 600, 16, 50, 120, 4, 16, _GROUPS_128, torch.float32, 1, "373840a573b35f7f", "083df85cfb9dcd7d"),
+    (1, 3, 1, 500, 8, 40, 90, 0, 0, {"score": ["tova", "keydiff"], "score_params": None, "exact_fraction": [0.2, 0.2], **_GROUPS_128}, torch.float32, 2,
+     "50a3b93587543452", "ecc6d85568e16fe3"),
+    (1, 2, 2, 640, 16, 64, 128, 0, 0, {"coreset": "balancekv", "coreset_params": {"block_size": 256}}, torch.float32, 3, "ecd4d1840f239b1e", "0c3b31cb9dc77b70"),
+    (1, 2, 2, 512, 16, 32, 96, 0, 0, _GROUPS_128, torch.bfloat16, 4, "819f1bdc050273e9", "ea29583927971738"),
 ]
 
 

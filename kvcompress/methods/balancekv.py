@@ -217,7 +217,11 @@ def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
 class BalanceKV(Method):
     """BalanceKV (seed 000), by default the augmented variant of the seed's needle experiment (Sec. 4.3).
 
-    Defaults: b = 256 and T-fold halving as in App. B.2; `augment` = 0.25 of the budget kept
+    Defaults: b = 128 (a departure from App. B.2's 256, for speed: the kernels cost O(n·b) and
+    the walk takes b sequential steps per round, so a 4k-token `generate` prefill spends 0.64x the
+    time compressing; the seed's Fig. 3 finds b = 128 within 4% of b = 256 in relative error, and
+    on tuning cases here the two were within noise: benchmarks/results/cost_defaults/summary.md)
+    and T-fold halving as in App. B.2; `augment` = 0.25 of the budget kept
     exactly for the keys most anti-correlated with the rest (Sec. 4.3 keeps "a small set" without
     a number; 0.25 was chosen on needle samples of task seeds 1000-1003, disjoint from the reported
     ones: benchmarks/balancekv_needle.py); no exact sink or window (default_sink = default_window
@@ -241,10 +245,9 @@ class BalanceKV(Method):
     stream_block); a batch larger than stream_block is balanced as parallel blocks (seed App. B's
     block-parallel form), which cuts the walk's sequential steps per token by batch/stream_block.
     Default 256 (t = 1024 was 1.4x faster at 8k tokens but blew up on one of 4 seeds of a real
-    layer: benchmarks/results/coreset_quality.md). stream_block: b of the stream's halvings (default 64, a departure from the
-    one-shot b = 256 for speed: the walk takes b sequential steps per halving, and the seed's
-    block-size ablation, App. B.1 Fig. 3, finds b = 64 within 10% of b = 256 in relative error, at
-    1/3 of the time on layer 1). cascade_rounds: halving rounds of MergeAndReduce's cascade after
+    layer: benchmarks/results/coreset_quality.md). stream_block: b of the stream's halvings (default 64, for speed: the walk takes
+    b sequential steps per halving, and the seed's block-size ablation, App. B.1 Fig. 3, finds
+    b = 64 within 10% of b = 256 in relative error, at 1/3 of the time on layer 1). cascade_rounds: halving rounds of MergeAndReduce's cascade after
     each batch (stream only); None halves until no level holds t slots, as seed Alg. 4 does; the
     default 1 halves every level full at that moment once, and a level that round fills waits for
     the next batch (at most one halving call per batch: 1.3x faster over 8k tokens in blocks of 128;
@@ -266,7 +269,7 @@ class BalanceKV(Method):
     default_sink = 0
     default_window = 0
 
-    block_size: int = 256
+    block_size: int = 128
     delta: float = 0.01
     step: float | None = 4.0
     weighted: bool = True
