@@ -218,7 +218,7 @@ class BalanceKV(Method):
     """BalanceKV (seed 000), by default the augmented variant of the seed's needle experiment (Sec. 4.3).
 
     Defaults: b = 128 (a departure from App. B.2's 256, for speed: the kernels cost O(n·b) and
-    the walk takes b sequential steps per round, so a 4k-token `generate` prefill spends 0.64x the
+    the walk takes b sequential steps per round, so a 4k-token `generate` prefill spends 0.63x the
     time compressing; the seed's Fig. 3 finds b = 128 within 4% of b = 256 in relative error, and
     on tuning cases here the two were within noise: benchmarks/results/cost_defaults/summary.md)
     and T-fold halving as in App. B.2; `augment` = 0.25 of the budget kept

@@ -40,7 +40,7 @@ from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, f
 _COMPOSED_PARAMS = ("sink", "window")
 _DEFAULT_SCORE = ("tova", "compactor")
 _DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tuning.md)
-# Express as the coreset halves in groups of 64 (its own default is 128): 0.83x the compression time of
+# Express as the coreset halves in groups of 64 (its own default is 128): 0.85x the compression time of
 # a 4k-token prefill, quality within noise on tuning cases (benchmarks/results/cost_defaults/summary.md)
 _EXPRESS_CORESET_PARAMS = {"max_group": 64}
 
