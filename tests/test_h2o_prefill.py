@@ -2,6 +2,7 @@
 `integration.attention.causal_attention_with_mass` and its use through `generate`."""
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -57,6 +58,64 @@ def test_fused_kernel_on_cuda_in_bfloat16_matches_the_cpu():
     out_cpu, mass_cpu = causal_attention_with_mass(q, k, v, 0.25)
     assert out.device.type == "cuda" and out.dtype == torch.bfloat16 and mass.device.type == "cuda"
     assert torch.allclose(out.float().cpu(), out_cpu.float(), atol=2e-2) and torch.allclose(mass.cpu(), mass_cpu, atol=1e-3)
+
+
+@pytest.fixture
+def shifted_passes(monkeypatch):
+    """Records the `shifted` flag of every chunk run of the fused kernel."""
+    flags = []
+    attend = kv_attention._attend_chunks
+
+    def recording(*args):
+        flags.append(args[-1])
+        return attend(*args)
+
+    monkeypatch.setattr(kv_attention, "_attend_chunks", recording)
+    return flags
+
+
+@pytest.mark.parametrize("key_scale, redone", [(1.0, False), (40.0, True)])
+def test_the_unshifted_pass_stands_unless_an_exponential_overflows(shifted_passes, key_scale, redone):
+    q, k, v = qkv(30, 30, key_scale=key_scale)
+    causal_attention_with_mass(q, k, v, 0.25, workers=1)
+    assert shifted_passes == [False, True] if redone else shifted_passes == [False]
+
+
+def test_rows_whose_every_exponential_underflows_are_redone_shifted(shifted_passes):
+    """Every logit near -300: unshifted, each row's total is 0; the shifted redo gives the exact softmax."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.rand(1, 2, 20, 16, generator=g) + 1.0
+    k = -(torch.rand(1, 1, 20, 16, generator=g) + 4.0)
+    v = torch.randn(1, 1, 20, 8, generator=g)
+    out, mass = causal_attention_with_mass(q, k, v, 2.0, workers=1)
+    assert shifted_passes == [False, True]
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=2.0, enable_gqa=True)
+    expected = attention_mass(Tokens(k, v, torch.arange(20).expand(1, 1, 20), q, scale=2.0, query_positions=torch.arange(20)))
+    assert torch.allclose(out, reference, atol=1e-5) and torch.allclose(mass, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("key_scale", [1.0, 40.0])
+def test_worker_threads_give_the_one_thread_result_and_leave_the_thread_count_alone(key_scale):
+    """Chunks dealt to 3 worker threads, inside inference mode (per thread, so the workers must take it
+    on to write the caller's inference tensors): the same output and mass as one thread, and torch's
+    thread count, in this thread and for new ones, is what it was."""
+    q, k, v = qkv(70, 90, key_scale=key_scale)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        out, mass = causal_attention_with_mass(q, k, v, 0.25, max_logits=1500, workers=1)
+        out3, mass3 = causal_attention_with_mass(q, k, v, 0.25, max_logits=1500, workers=3)
+    assert torch.allclose(out3, out, atol=1e-6) and torch.allclose(mass3, mass, atol=1e-5)
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(torch.get_num_threads).result() == threads
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("workers", [0, -2, 1.5, True])
+def test_workers_must_be_a_positive_integer(workers):
+    q, k, v = qkv(8, 8)
+    with pytest.raises(ValueError, match=r"workers must be a positive number of threads, got"):
+        causal_attention_with_mass(q, k, v, 0.25, workers=workers)
 
 
 def test_h2o_uses_a_given_mass_and_computes_it_without_one():
