@@ -3,6 +3,7 @@
 import csv
 import math
 import mmap
+import statistics
 
 import pytest
 import torch
@@ -235,6 +236,23 @@ def test_prefill_rows_on_the_default_model(default_model):
     for r in rows:
         assert r["overhead_min"] == pytest.approx(r["min_s"] / by_method["plain"]["min_s"])
         assert r["implied_overhead"] == pytest.approx(1 / (1 - r["compress_share"]))
+
+
+def test_prefill_rows_pair_each_run_with_the_plain_prefill_just_before_it(monkeypatch):
+    """Scripted prefill times: overhead_paired is the median of each run ÷ the plain run before it, while
+    overhead_min divides a method's fastest run by the fastest plain run of all."""
+    warm_up = [9.9]
+    rounds = [[1.0, 1.2, 1.3, 2.0, 2.2], [1.5, 2.1, 1.5, 2.5, 3.0]]  # plain, knorm, snapkv, plain, tova
+    script = iter(warm_up + rounds[0] + rounds[1])
+    monkeypatch.setattr(bench.prefill, "prefill_seconds", lambda model, ids, method, ratio: (next(script), 0.0 if method is None else 0.01))
+    monkeypatch.setattr(bench.prefill, "context_ids", lambda tokenizer, tokens: torch.zeros(1, tokens, dtype=torch.long))
+    rows = bench.prefill_rows(None, None, ["knorm", "snapkv", "tova"], tokens=16, repeats=2, plain_every=2, log=lambda s: None)
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["plain"]["runs"] == 4 and by_method["plain"]["overhead_paired"] == 1.0
+    assert by_method["knorm"]["overhead_paired"] == pytest.approx(statistics.median([1.2 / 1.0, 2.1 / 1.5]))
+    assert by_method["snapkv"]["overhead_paired"] == pytest.approx(statistics.median([1.3 / 1.0, 1.5 / 1.5]))
+    assert by_method["tova"]["overhead_paired"] == pytest.approx(statistics.median([2.2 / 2.0, 3.0 / 2.5]))
+    assert by_method["snapkv"]["overhead_min"] == pytest.approx(1.3 / 1.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [({"ratio": 1.0}, "ratio"), ({"plain_every": 0}, "plain_every"), ({"tokens": 1}, "tokens")])

@@ -48,10 +48,11 @@ def fused_attention_cost(model, ids: torch.Tensor, repeats: int) -> dict[str, fl
     return {"sdpa_s": sdpa, "fused_s": fused, "fused_extra_s": fused - sdpa}
 
 
-def _rows(times: dict[str, list[float]], compress: dict[str, list[float]], tokens: int, ratio: float, kernel: dict[str, float],
-          mass_methods: set[str]) -> list[dict]:
+def _rows(times: dict[str, list[float]], compress: dict[str, list[float]], paired: dict[str, list[float]], tokens: int, ratio: float,
+          kernel: dict[str, float], mass_methods: set[str]) -> list[dict]:
     """One row per method measured so far (and the plain prefill): min/median seconds, their ratios to the plain
-    prefill's, the compression share of the method's own prefill and the overhead it implies."""
+    prefill's, the median ratio to the plain prefill run just before (`paired`), the compression share of the
+    method's own prefill and the overhead it implies."""
     plain_min, plain_median = min(times["plain"]), statistics.median(times["plain"])
     rows = []
     for method, t in times.items():
@@ -62,7 +63,8 @@ def _rows(times: dict[str, list[float]], compress: dict[str, list[float]], token
         rows.append({
             "method": method, "tokens": tokens, "ratio_removed": ratio if method != "plain" else 0.0, "runs": len(t),
             "min_s": min(t), "median_s": statistics.median(t), "overhead_min": min(t) / plain_min,
-            "overhead_median": statistics.median(t) / plain_median, "compress_min_s": compress_min, "fused_extra_s": extra,
+            "overhead_median": statistics.median(t) / plain_median,
+            "overhead_paired": statistics.median(paired[method]) if method != "plain" else 1.0, "compress_min_s": compress_min, "fused_extra_s": extra,
             "compress_share": (compress_min + extra) / min(t), "implied_overhead": min(t) / (min(t) - compress_min - extra),
         })
     return rows
@@ -80,13 +82,16 @@ def prefill_rows(
     log: Callable[[str], None] = print,
     on_rows: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
-    """Rows {method, tokens, ratio_removed, runs, min_s, median_s, overhead_min, overhead_median, compress_min_s,
-    fused_extra_s, compress_share, implied_overhead}, the plain prefill first.
+    """Rows {method, tokens, ratio_removed, runs, min_s, median_s, overhead_min, overhead_median, overhead_paired,
+    compress_min_s, fused_extra_s, compress_share, implied_overhead}, the plain prefill first.
 
     One context of real prose of `tokens` tokens, `ratio` of it removed. Repeats go round all
     methods in turn, with a plain prefill before every `plain_every` methods, so slow phases of a
     shared machine hit both; a method's ratios are to the min (median) of every plain prefill of
-    the run. on_rows gets the rows so far after each prefill.
+    the run, and (overhead_paired) the median over its runs of each run ÷ the plain prefill run just
+    before it: a min over the many plain runs sits lower than a min over a method's few, which
+    `overhead_min` charges to the method, and paired runs share the machine's load. on_rows gets the
+    rows so far after each prefill.
     """
     from ...methods.base import get_method_class
 
@@ -105,6 +110,7 @@ def prefill_rows(
         log(f"attention over the layers: SDPA {kernel['sdpa_s']:.2f}s, fused with mass {kernel['fused_s']:.2f}s")
     times: dict[str, list[float]] = {"plain": [], **{m: [] for m in methods}}
     compress: dict[str, list[float]] = {"plain": [], **{m: [] for m in methods}}
+    paired: dict[str, list[float]] = {m: [] for m in methods}
     rows: list[dict] = []
     for r in range(repeats):
         for i, method in enumerate(methods):
@@ -115,8 +121,9 @@ def prefill_rows(
             seconds, compressing = prefill_seconds(model, ids, method, ratio)
             times[method].append(seconds)
             compress[method].append(compressing)
+            paired[method].append(seconds / times["plain"][-1])
             log(f"prefill repeat {r}: {method} {seconds:.2f}s (compression {compressing:.2f}s)")
-            rows = _rows(times, compress, ids.shape[1], ratio, kernel, mass_methods)
+            rows = _rows(times, compress, paired, ids.shape[1], ratio, kernel, mass_methods)
             if on_rows is not None:
                 on_rows(rows)
     return rows
