@@ -455,9 +455,10 @@ class BalanceKVStream(StreamState):
         self.slack_slots = math.ceil(check_slack(slack) * budget)
         self.held = 0  # host-side upper bound on the slots any head holds
         self.scale: float | None = None
-        # slot metadata {positions, row, instance, level, log_weight, order, token}; `token` indexes the
-        # key/value buffers, shared by a token's numerator and normaliser slots
-        self.pool: dict[str, torch.Tensor] | None = None
+        # slot metadata {positions, row, instance, level, log_weight, order, token} (`pool`); `token` indexes
+        # the key/value buffers, shared by a token's numerator and normaliser slots; `added`: batches not yet in it
+        self._pool: dict[str, torch.Tensor] | None = None
+        self.added: list[dict[str, torch.Tensor]] = []
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         # slots referring to each buffer row [capacity], and the rows no slot refers to (reused by `_store`)
@@ -479,21 +480,18 @@ class BalanceKVStream(StreamState):
             self.references = torch.zeros(0, dtype=torch.int32, device=tokens.keys.device)
             self.free = torch.zeros(0, dtype=torch.long, device=tokens.keys.device)
         norms = tokens.values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
-        instance = torch.floor(torch.log2(norms)).long() + _BUCKET_OFFSET
-        rows = torch.arange(b * h, device=tokens.keys.device)
+        instance = (torch.floor(torch.log2(norms)).long() + _BUCKET_OFFSET).reshape(b * h, n)
+        rows = torch.arange(b * h, device=tokens.keys.device)[:, None].expand(b * h, n)
+        numerator = torch.stack([tokens.positions.reshape(b * h, n), rows, instance], -1)
+        slots = torch.stack([numerator, numerator.index_fill(-1, numerator.new_tensor([2]), _NORMALISER)])  # [2, B·H, n, 3]
         step = self.method.stream_batch
         self.scale = tokens.scale
         for start in range(0, n, step):
             stop = min(n, start + step)
             count = stop - start
             token = self._store(tokens.keys[:, :, start:stop].reshape(-1, d), tokens.values[:, :, start:stop].reshape(-1, tokens.values.shape[-1]))
-            numerator = instance[:, :, start:stop].reshape(-1)
-            self._add({
-                "positions": tokens.positions[:, :, start:stop].reshape(-1).repeat(2),
-                "row": rows.repeat_interleave(count).repeat(2),
-                "instance": torch.cat([numerator, torch.full_like(numerator, _NORMALISER)]),
-                "token": token.repeat(2),
-            })
+            added = slots[:, :, start:stop].reshape(-1, 3)  # numerator slots (head-major), then the normaliser's
+            self._add({"positions": added[:, 0], "row": added[:, 1], "instance": added[:, 2], "token": token.repeat(2)})
             self.held += 2 * count
             if self.held > self.budget + self.slack_slots or not self.slack_slots:
                 self._reduce(tokens.scale)
@@ -532,15 +530,25 @@ class BalanceKVStream(StreamState):
         self.values.index_copy_(0, rows, values)
         return rows
 
+    @property
+    def pool(self) -> dict[str, torch.Tensor] | None:
+        """Slot metadata {positions, row, instance, level, log_weight, order, token} [S] each (None before any
+        token): the slots added since the last read are appended now, all batches in one concatenation."""
+        if self.added:
+            parts = self.added if self._pool is None else [self._pool, *self.added]
+            self._pool = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+            self.added = []
+        return self._pool
+
+    @pool.setter
+    def pool(self, slots: dict[str, torch.Tensor]) -> None:
+        self._pool, self.added = slots, []
+
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
-        """Append new level-0 slots {positions, row, instance, token} to the pool."""
+        """Add new level-0 slots {positions, row, instance, token} (to the pool at its next read)."""
         self.references.index_add_(0, slots["token"], torch.ones_like(slots["token"], dtype=self.references.dtype))
         level = torch.zeros_like(slots["row"])
-        slots = slots | {"level": level, "log_weight": level.float(), "order": self._stamp(slots["positions"])}
-        if self.pool is None:
-            self.pool = slots
-        else:
-            self.pool = {name: torch.cat([self.pool[name], slots[name]]) for name in self.pool}
+        self.added.append(slots | {"level": level, "log_weight": level.float(), "order": self._stamp(slots["positions"])})
 
     def _group_ids(self) -> torch.Tensor:
         """Group id (row · _INSTANCES + instance) · _LEVELS + level of every slot [S]."""
