@@ -111,6 +111,19 @@ def test_worker_threads_give_the_one_thread_result_and_leave_the_thread_count_al
     assert torch.get_num_threads() == threads
 
 
+def test_a_row_total_beyond_float32_is_caught_by_both_mass_kernels():
+    """12000 keys each at logit 79.5: every exponential is finite (e^79.5 = 3.3e34), their sum (4e38) is
+    not, so both kernels must max-shift. The query's mass is then 1/12000 on every key."""
+    n, logit = 12000, 79.5
+    keys = torch.full((1, 1, n, 1), logit**0.5)
+    query = torch.full((1, 1, 1, 1), logit**0.5)
+    values = torch.ones(1, 1, n, 1)
+    _, fused = causal_attention_with_mass(query, keys, values, 1.0)
+    pure = attention_mass(Tokens(keys, values, torch.arange(n).expand(1, 1, n), query, scale=1.0, query_positions=torch.tensor([n - 1])))
+    for mass in (fused, pure):
+        assert torch.allclose(mass, torch.full((1, 1, n), 1.0 / n), rtol=1e-4)
+
+
 @pytest.mark.parametrize("workers", [0, -2, 1.5, True])
 def test_workers_must_be_a_positive_integer(workers):
     q, k, v = qkv(8, 8)

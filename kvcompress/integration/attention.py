@@ -73,17 +73,18 @@ def causal_attention_with_mass(
     fixed 8 MiB of scores, 14 queries at 16k, ran 2.2x SDPA there) and a reused workspace ~7 % faster
     than fresh buffers. Every query sees at least its own key, so no row is empty. The logits are
     exponentiated without a max shift first (a model's logits lie far inside float32's range: within
-    ±40 on the default model at 4k tokens); if an exponential or a row's total overflowed, or a row's
-    total fell below 2^-100, the whole call is redone with every row max-shifted (one host read per
-    call, at the end).
+    ±40 on the default model at 4k tokens); if a row's total fell outside [2^-100, 2^100] (an
+    exponential or the total overflowed, or the total underflowed), the whole call is redone with
+    every row max-shifted (one host read per call, at the end).
 
     workers: on the CPU, the chunks are dealt round-robin to this many threads (default: torch's
     intra-op thread count), each running its chunks on one intra-op thread (`_on_one_thread`), their
     masses summed in worker order; on other devices (default 1) the chunks run in order on the
     calling thread. These skinny GEMMs (inner dimension d) gain about 1.55x from a second intra-op
-    thread, independent chunks about 1.9x. On 2 cores, the default model's 30 layers at 4k tokens:
-    this kernel took 1.04 s more than SDPA with one worker and rows shifted when Cauchy-Schwarz could
-    not bound them (the earlier kernel), 0.35 s more with 2 workers and the unshifted first pass.
+    thread, independent chunks about 1.9x. On 2 cores, the default model's 30 layers at 4k tokens
+    (`benchmarks/h2o_kernel_ab.py`): this kernel took 0.33 s more than SDPA, the earlier one (one
+    thread of chunks, rows shifted wherever Cauchy-Schwarz could not bound every logit below 80)
+    0.99 s more.
     """
     b, hq, nq, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
@@ -101,15 +102,15 @@ def causal_attention_with_mass(
     workers = min(workers, len(starts))
     out = torch.empty(b, hkv, group, nq, value.shape[-1], dtype=work, device=query.device)
     parts = [starts[i::workers] for i in range(workers)]
-    mass, largest_inverse = _attend_in_parts(q, k, v, out, parts, chunk, shifted=False)
-    if not bool(torch.isfinite(mass).all() & (largest_inverse < 2.0**100)):
+    mass, total_range = _attend_in_parts(q, k, v, out, parts, chunk, shifted=False)
+    if not bool(total_range < 100.0):  # NaN (from NaN inputs) is redone too
         mass, _ = _attend_in_parts(q, k, v, out, parts, chunk, shifted=True)
     return out.reshape(b, hq, nq, -1).to(query.dtype), (mass / group).float()
 
 
 def _attend_in_parts(q, k, v, out, parts: list[range], chunk: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attend_chunks` of each part of the chunk starts, in this thread for one part, else one worker
-    thread each (`_on_one_thread`). Returns (the mass summed over the parts in order, the largest inverse row total)."""
+    thread each (`_on_one_thread`). Returns (the mass summed over the parts in order, the largest |log2| of a row's total)."""
     if len(parts) == 1:
         results = [_attend_chunks(q, k, v, out, parts[0], chunk, shifted)]
     else:
@@ -117,25 +118,25 @@ def _attend_in_parts(q, k, v, out, parts: list[range], chunk: int, shifted: bool
         with ThreadPoolExecutor(len(parts)) as pool:
             calls = [pool.submit(_on_one_thread, threads, grad, inference, _attend_chunks, q, k, v, out, part, chunk, shifted) for part in parts]
             results = [call.result() for call in calls]
-    mass, largest_inverse = results[0]
-    for part_mass, part_largest in results[1:]:
+    mass, total_range = results[0]
+    for part_mass, part_range in results[1:]:
         mass += part_mass
-        largest_inverse = torch.maximum(largest_inverse, part_largest)
-    return mass, largest_inverse
+        total_range = torch.maximum(total_range, part_range)
+    return mass, total_range
 
 
 def _attend_chunks(q, k, v, out, starts, chunk: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks of `causal_attention_with_mass` beginning at `starts`: q [B,H_kv,group,q,d] (scaled),
     k/v [B,H_kv,n,d|d_v], out [B,H_kv,group,q,d_v] written in place for these queries; rows max-shifted
     if `shifted`. Returns (the mass [B,H_kv,n] these queries hand out, summed over the group; the largest
-    inverse of a row's total, a 0-d tensor: inf or huge when a row underflowed)."""
+    |log2| of a row's total, a 0-d tensor: inf when a total overflowed or underflowed)."""
     b, hkv, group, nq, d = q.shape
     n = k.shape[2]
     offset = n - nq
     hidden = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # key after its query, within a chunk
     workspace = torch.empty(b * hkv * group * min(chunk, nq) * n, dtype=q.dtype, device=q.device)
     mass = torch.zeros(b, hkv, n, dtype=q.dtype, device=q.device)
-    largest_inverse = torch.zeros((), dtype=q.dtype, device=q.device)
+    total_range = torch.zeros((), dtype=q.dtype, device=q.device)
     for start in starts:
         stop = min(nq, start + chunk)
         c, seen = stop - start, offset + stop
@@ -146,10 +147,10 @@ def _attend_chunks(q, k, v, out, starts, chunk: int, shifted: bool) -> tuple[tor
             logits.sub_(logits.amax(-1, keepdim=True))
         probs = logits.exp_()  # unnormalised; each row's total is >= 1 if shifted
         inverse = probs.sum(-1, keepdim=True).reciprocal_()
-        largest_inverse = torch.maximum(largest_inverse, inverse.amax())
+        total_range = torch.maximum(total_range, inverse.log2().abs_().amax())
         mass[:, :, :seen] += torch.matmul(inverse.transpose(-1, -2), probs).squeeze(-2)
         out[:, :, :, start:stop] = (torch.matmul(probs, v[:, :, :seen]) * inverse).unflatten(2, (group, c))
-    return mass, largest_inverse
+    return mass, total_range
 
 
 def _on_one_thread(threads: int, grad: bool, inference: bool, function, *args):

@@ -350,11 +350,12 @@ def attention_mass(tokens: Tokens, last: int | None = None, average: str = "grou
     exact_pos = tokens.exact_positions if tokens.exact_keys is not None else tokens.positions[:, :, :0]
     q = (queries.float() * tokens.scale).reshape(b, hkv, group, nq, d).transpose(2, 3)  # [B, H_kv, n_q, group, d]
     mass = torch.zeros(b, hkv, tokens.length, device=keys.device)
-    # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80 every exp stays finite and non-zero in float32,
-    # so the per-query max shift can be skipped.
+    # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80, and below 88 - ln(keys) so that a row's total of
+    # n exponentials cannot overflow either, every exp stays finite and non-zero in float32 and the
+    # per-query max shift can be skipped.
     norms = [k.norm(dim=-1).amax() for k in (keys, exact_keys) if k.shape[2]]  # no copy of the keys
     key_norm = torch.stack(norms).amax() if norms else keys.new_zeros(())
-    bounded = float(q.norm(dim=-1).amax() * key_norm) < 80.0
+    bounded = float(q.norm(dim=-1).amax() * key_norm) < min(80.0, 88.0 - math.log(max(1, tokens.length + exact_keys.shape[2])))
     chunk = max(1, max_logits // max(1, b * hq * (tokens.length + exact_keys.shape[2])))
     for start in range(0, nq, chunk):
         qc = q[:, :, start : start + chunk]
