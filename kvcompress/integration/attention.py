@@ -57,6 +57,9 @@ def _compresses_with_attention_mass(layer) -> bool:
     )
 
 
+_MAX_WORKERS = 4
+
+
 def causal_attention_with_mass(
     query, key, value, scale: float | None, query_chunk: int = 64, max_logits: int = 1 << 24, workers: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +81,11 @@ def causal_attention_with_mass(
     every row max-shifted (one host read per call, at the end).
 
     workers: on the CPU, the chunks are dealt round-robin to this many threads (default: torch's
-    intra-op thread count), each running its chunks on one intra-op thread (`_on_one_thread`), their
-    masses summed in worker order; on other devices (default 1) the chunks run in order on the
-    calling thread. These skinny GEMMs (inner dimension d) gain about 1.55x from a second intra-op
+    intra-op thread count, at most 4), which share torch's threads evenly as their intra-op threads
+    (at least one each; `_in_worker`), their masses summed in worker order; on other devices
+    (default 1) the chunks run in order on the calling thread. The cap keeps each worker's chunks
+    large where many cores would otherwise split them into a few queries each; it is a guess, as
+    only 2 cores were measured. These skinny GEMMs (inner dimension d) gain about 1.55x from a second intra-op
     thread, independent chunks about 1.9x. On 2 cores, the default model's 30 layers at 4k tokens
     (`benchmarks/h2o_kernel_ab.py`): this kernel took 0.33 s more than SDPA, the earlier one (one
     thread of chunks, rows shifted wherever Cauchy-Schwarz could not bound every logit below 80)
@@ -94,7 +99,7 @@ def causal_attention_with_mass(
     q = (query.to(work) * scale).unflatten(1, (hkv, group))  # [B, H_kv, group, q, d]
     k, v = key.to(work), value.to(work)
     if workers is None:
-        workers = torch.get_num_threads() if query.device.type == "cpu" else 1
+        workers = min(torch.get_num_threads(), _MAX_WORKERS) if query.device.type == "cpu" else 1
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
     chunk = max(1, min(query_chunk, max_logits // max(1, workers * b * hq * n)))
@@ -110,13 +115,14 @@ def causal_attention_with_mass(
 
 def _attend_in_parts(q, k, v, out, parts: list[range], chunk: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attend_chunks` of each part of the chunk starts, in this thread for one part, else one worker
-    thread each (`_on_one_thread`). Returns (the mass summed over the parts in order, the largest |log2| of a row's total)."""
+    thread each (`_in_worker`). Returns (the mass summed over the parts in order, the largest |log2| of a row's total)."""
     if len(parts) == 1:
         results = [_attend_chunks(q, k, v, out, parts[0], chunk, shifted)]
     else:
         threads, grad, inference = torch.get_num_threads(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        each = max(1, threads // len(parts))
         with ThreadPoolExecutor(len(parts)) as pool:
-            calls = [pool.submit(_on_one_thread, threads, grad, inference, _attend_chunks, q, k, v, out, part, chunk, shifted) for part in parts]
+            calls = [pool.submit(_in_worker, each, threads, grad, inference, _attend_chunks, q, k, v, out, part, chunk, shifted) for part in parts]
             results = [call.result() for call in calls]
     mass, total_range = results[0]
     for part_mass, part_range in results[1:]:
@@ -153,11 +159,11 @@ def _attend_chunks(q, k, v, out, starts, chunk: int, shifted: bool) -> tuple[tor
     return mass, total_range
 
 
-def _on_one_thread(threads: int, grad: bool, inference: bool, function, *args):
-    """`function(*args)` in a worker thread with one intra-op thread and the caller's grad and
+def _in_worker(intra_op: int, threads: int, grad: bool, inference: bool, function, *args):
+    """`function(*args)` in a worker thread with `intra_op` intra-op threads and the caller's grad and
     inference modes (both are per thread). torch.set_num_threads also sets the count that new
     threads start with, so `threads` (the caller's) is put back afterwards."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(intra_op)
     try:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return function(*args)
