@@ -542,7 +542,7 @@ class BalanceKVStream(StreamState):
 
     @pool.setter
     def pool(self, slots: dict[str, torch.Tensor]) -> None:
-        self._pool, self.added = slots, []
+        self._pool = slots
 
     def _add(self, slots: dict[str, torch.Tensor]) -> None:
         """Add new level-0 slots {positions, row, instance, token} (to the pool at its next read)."""
