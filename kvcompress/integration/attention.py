@@ -11,6 +11,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import weighted_attention
 from ..cache import ATTENTION_NAME, has_padding
+from ..methods.base import exp_rows_, totals_in_range
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -108,7 +109,7 @@ def causal_attention_with_mass(
     out = torch.empty(b, hkv, group, nq, value.shape[-1], dtype=work, device=query.device)
     parts = [starts[i::workers] for i in range(workers)]
     mass, total_range = _attend_in_parts(q, k, v, out, parts, chunk, shifted=False)
-    if not bool(total_range < 100.0):  # NaN (from NaN inputs) is redone too
+    if not totals_in_range(total_range):
         mass, _ = _attend_in_parts(q, k, v, out, parts, chunk, shifted=True)
     return out.reshape(b, hq, nq, -1).to(query.dtype), (mass / group).float()
 
@@ -149,11 +150,8 @@ def _attend_chunks(q, k, v, out, starts, chunk: int, shifted: bool) -> tuple[tor
         logits = workspace[: b * hkv * group * c * seen].view(b, hkv, group * c, seen)
         torch.matmul(q[:, :, :, start:stop].reshape(b, hkv, group * c, d), k[:, :, :seen].transpose(-1, -2), out=logits)
         logits[..., offset + start :].unflatten(2, (group, c)).masked_fill_(hidden[:c, :c], float("-inf"))
-        if shifted:
-            logits.sub_(logits.amax(-1, keepdim=True))
-        probs = logits.exp_()  # unnormalised; each row's total is >= 1 if shifted
-        inverse = probs.sum(-1, keepdim=True).reciprocal_()
-        total_range = torch.maximum(total_range, inverse.log2().abs_().amax())
+        probs, inverse, chunk_range = exp_rows_(logits, shifted)
+        total_range = torch.maximum(total_range, chunk_range)
         mass[:, :, :seen] += torch.matmul(inverse.transpose(-1, -2), probs).squeeze(-2)
         out[:, :, :, start:stop] = (torch.matmul(probs, v[:, :, :seen]) * inverse).unflatten(2, (group, c))
     return mass, total_range

@@ -378,6 +378,31 @@ def attention_mass(tokens: Tokens, last: int | None = None, average: str = "grou
     return mass
 
 
+# Unshifted exponentials are trusted while every row's total lies within [2^-limit, 2^limit]; a
+# model's logits lie far inside float32's range (within ±40 on the default model at 4k tokens).
+TOTAL_LOG2_LIMIT = 100.0
+
+
+def exp_rows_(logits: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax rows of logits [..., r, n], unnormalised and in place: (exp(logits − shift), the
+    reciprocal of each row's total [..., r, 1], the largest |log2| of a total as a 0-d tensor).
+
+    shift is each row's max if `shifted` (every total then lies in [1, n]), else 0: one pass fewer,
+    exact while the totals stay within 2^±TOTAL_LOG2_LIMIT; `totals_in_range` tells the caller to
+    redo the rows shifted otherwise (an overflow gives inf, NaN inputs NaN: both out of range).
+    """
+    if shifted:
+        logits.sub_(logits.amax(-1, keepdim=True))
+    probs = logits.exp_()
+    inverse = probs.sum(-1, keepdim=True).reciprocal_()
+    return probs, inverse, inverse.log2().abs_().amax()
+
+
+def totals_in_range(total_range: torch.Tensor) -> bool:
+    """Whether the largest |log2| of a row total from `exp_rows_` (NaN included) allows the unshifted rows (one host read)."""
+    return bool(total_range < TOTAL_LOG2_LIMIT)
+
+
 def _row_max(x: torch.Tensor) -> torch.Tensor:
     """Max over the last axis, -inf for an empty one."""
     return x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:-1], float("-inf"))
