@@ -470,7 +470,8 @@ class CompressedCache(Cache):
         rotated, kept = keys[..., : cos.shape[-1]], keys[..., cos.shape[-1] :]  # partial rotary (Phi-3) rotates a prefix
         half = rotated.shape[-1] // 2
         rotated_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
-        return torch.cat([rotated * cos - rotated_half * sin, kept], dim=-1)
+        unrotated = rotated * cos - rotated_half * sin
+        return torch.cat([unrotated, kept], dim=-1) if kept.shape[-1] else unrotated  # no copy when every channel rotates
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
