@@ -407,7 +407,6 @@ class CompressedCache(Cache):
         self._absorbing = True
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
         self._rotary = find_rotary_embedding(model) if settings.method.needs_pre_rope_keys else None
-        self._angles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin) last used
         layers = [
             CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)
             for i, (kind, window) in enumerate(layer_types)
@@ -470,7 +469,9 @@ class CompressedCache(Cache):
         """
         if self._rotary is None:
             return None
-        cos, sin = self._rotation(keys, positions)
+        rotary, extra = self._rotary
+        cos, sin = rotary(keys, positions[None].expand(keys.shape[0], -1), **extra)
+        cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
         width = cos.shape[-1]  # partial rotary (Phi-3) rotates a prefix of the channels
         half = width // 2
         first, second = keys[..., :half], keys[..., half:width]
@@ -479,19 +480,6 @@ class CompressedCache(Cache):
         torch.mul(second, cos[..., half:], out=out[..., half:width]).sub_(first * sin[..., half:])
         out[..., width:] = keys[..., width:]
         return out
-
-    def _rotation(self, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [1,1,n,rotated] of the model's rotary embedding at positions [n], in the keys' dtype.
-        Every layer of a prefill un-rotates the same positions: the last angles are reused when the
-        positions, dtype and device match (one comparison instead of the rotary call, 30 per prefill)."""
-        last = self._angles
-        if last is not None and last[1].dtype == keys.dtype and last[0].device == positions.device and last[0].shape == positions.shape \
-                and torch.equal(last[0], positions):
-            return last[1], last[2]
-        rotary, extra = self._rotary
-        cos, sin = rotary(keys, positions[None], **extra)
-        self._angles = (positions.clone(), cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype))
-        return self._angles[1], self._angles[2]
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
