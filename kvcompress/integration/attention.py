@@ -77,9 +77,9 @@ def causal_attention_with_mass(
     fixed 8 MiB of scores, 14 queries at 16k, ran 2.2x SDPA there) and a reused workspace ~7 % faster
     than fresh buffers. Every query sees at least its own key, so no row is empty. The logits are
     exponentiated without a max shift first (a model's logits lie far inside float32's range: within
-    ±40 on the default model at 4k tokens); if a row's total fell outside [2^-100, 2^100] (an
-    exponential or the total overflowed, or the total underflowed), the whole call is redone with
-    every row max-shifted (one host read per call, at the end).
+    ±40 on the default model at 4k tokens); if a row's total left the range `methods.base.exp_rows_`
+    trusts (an exponential or the total overflowed, or the total underflowed), the whole call is
+    redone with every row max-shifted (`totals_in_range`, one host read per call, at the end).
 
     workers: on the CPU, the chunks are dealt round-robin to this many threads (default: torch's
     intra-op thread count, at most 4), which share torch's threads evenly as their intra-op threads
