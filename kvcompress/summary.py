@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -152,27 +153,34 @@ def concat(parts: list[KVSummary]) -> KVSummary:
 
 def take_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B,H,n,...], index [B,H,k] -> [B,H,k,...]: per-head gather along the token axis, as one
-    index_select over the flattened heads (about 8x faster than `gather` with an expanded index on CPU)."""
-    b, h, n = x.shape[:3]
-    rows, span = _slot_rows(x)
-    flat = (index + span * torch.arange(b * h, device=index.device).view(b, h, 1)).flatten()
-    return rows.index_select(0, flat).view(*index.shape, *x.shape[3:])
+    index_select over rows of the storage (about 8x faster than `gather` with an expanded index on CPU)."""
+    rows, head_rows, slot_rows = _slot_rows(x)
+    flat = (index if slot_rows == 1 else index * slot_rows) + head_rows
+    return rows.index_select(0, flat.flatten()).view(*index.shape, *x.shape[3:])
 
 
-def _slot_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(rows [B*H*span, ...], span): head j's slots start at row j·span. A view of the storage when x
-    [B,H,n,...] is the first n slots of a contiguous [B,H,span,...] buffer (a stream's held slots:
-    reshaping them would copy the whole buffer), else x.reshape (span = n)."""
+def _slot_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rows [R, ...], head_rows [B,H,1], slot_rows): slot i of head (b, h) is row head_rows[b, h] + i·slot_rows.
+
+    A view of the storage, no copy, whenever each slot's trailing block is contiguous and the batch,
+    head and slot strides are whole slots: a contiguous tensor, the first n slots of a stream's
+    [B,H,capacity,...] buffer, and the model's keys and values, which are [B,n,H,d] in memory (a
+    transposed projection) or expanded over heads. Anything else is copied once by reshape."""
     b, h, n = x.shape[:3]
-    if x.is_contiguous():
-        return x.view(b * h * n, *x.shape[3:]), n
-    tail = x[0, 0, 0].numel() if x.numel() else 0
-    span = x.stride(1) // tail if tail and x.stride(1) % tail == 0 else 0
-    inner_contiguous = x.stride(2) == tail and x[0, 0].is_contiguous()
-    fits = x.storage_offset() + b * h * span * tail <= x.untyped_storage().nbytes() // x.element_size()
-    if span > n and x.stride(0) == h * x.stride(1) and inner_contiguous and fits:
-        return x.as_strided((b * h * span, *x.shape[3:]), (tail, *x.stride()[3:])), span
-    return x.reshape(b * h * n, *x.shape[3:]), n
+    tail = math.prod(x.shape[3:])
+    strides = [stride if size > 1 else 0 for size, stride in zip(x.shape[:3], x.stride()[:3])]
+    if x.is_contiguous() or not x.numel() or not x[0, 0, 0].is_contiguous() or any(s % tail for s in strides):
+        sb, sh, sn = h * n, n, 1
+        rows = x.reshape(b * h * n, *x.shape[3:])
+    else:
+        sb, sh, sn = (s // tail for s in strides)
+        count = (b - 1) * sb + (h - 1) * sh + (n - 1) * sn + 1
+        rows = x.as_strided((count, *x.shape[3:]), (tail, *x.stride()[3:]))
+    if sb == h * sh or b == 1:  # heads evenly spaced through the batch: one arange
+        head_rows = (torch.arange(b * h, device=x.device) * sh).view(b, h, 1)
+    else:
+        head_rows = (torch.arange(b, device=x.device) * sb).view(b, 1, 1) + (torch.arange(h, device=x.device) * sh).view(1, h, 1)
+    return rows, head_rows, sn
 
 
 def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, index: torch.Tensor) -> tuple:
