@@ -60,23 +60,26 @@ def leverage_scores(keys: torch.Tensor, route: str, sketch: str, sketch_dim: int
     """[B,H,n] (approximate) leverage scores of keys [B,H,n,d], computed in float32.
 
     route "sketch" (seed Alg. 1): K^ = K·Phi, G = K^T K^ (p x p), SVD(G) = V S^2 V^T,
-    U~ = K^ V S^-1, o_i = ||U~_i||^2 with S^2 floored at 1e-6 of its largest entry. "qr": o_i =
+    U~ = K^ V S^-1, o_i = ||U~_i||^2 with S^2 floored at 1e-6 of its largest entry. K^ is never
+    formed: G = Phi^T (K^T K) Phi and U~ = K (Phi V S^-1), two n-row products instead of three
+    (the same scores up to float32 rounding). "qr": o_i =
     ||Q_i||^2 of the reduced QR of K^ (not rank-revealing: with sketch_dim above the keys' rank it
     also counts the spurious directions). "eig": eigh of G instead of its SVD (the least stable route,
     seed App. C). "exact": leverage of K itself (no sketch).
     """
     if route == "exact":
         return exact_leverage(keys)
-    k_hat = keys.float() @ sketch_matrix(keys.shape[-1], sketch_dim, sketch, generator).to(keys.device)
+    k = keys.float()
+    phi = sketch_matrix(keys.shape[-1], sketch_dim, sketch, generator).to(keys.device)
     if route == "qr":
-        return torch.linalg.qr(k_hat).Q.pow(2).sum(-1)
-    gram = k_hat.transpose(-1, -2) @ k_hat
+        return torch.linalg.qr(k @ phi).Q.pow(2).sum(-1)
+    gram = phi.T @ (k.transpose(-1, -2) @ k) @ phi
     if route == "eig":
         sigma2, basis = torch.linalg.eigh(gram)
     else:
         basis, sigma2, _ = torch.linalg.svd(gram)
     sigma2 = torch.maximum(sigma2, _SIGMA2_FLOOR * sigma2.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
-    u = k_hat @ (basis * sigma2.rsqrt()[..., None, :])
+    u = k @ (phi @ (basis * sigma2.rsqrt()[..., None, :]))
     return u.square_().sum(-1)
 
 
