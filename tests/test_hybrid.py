@@ -245,9 +245,9 @@ def test_span_default_belongs_to_the_default_composition():
     assert Hybrid(score=["knorm", "compactor"], score_params=None, exact_fraction=[0.2, 0.2], span=[1, 5]).spans == [1, 5]
 
 
-def test_an_express_coreset_halves_in_groups_of_64_unless_coreset_params_sets_it():
-    assert Hybrid().coreset_method.max_group == 64
-    assert Hybrid(coreset_params={"delta": 0.5}).coreset_method.max_group == 64
+def test_an_express_coreset_halves_in_groups_of_32_unless_coreset_params_sets_it():
+    assert Hybrid().coreset_method.max_group == 32
+    assert Hybrid(coreset_params={"delta": 0.5}).coreset_method.max_group == 32
     assert Hybrid(coreset_params={"max_group": 256}).coreset_method.max_group == 256
     assert Hybrid(coreset="balancekv").coreset_method.block_size == 128
 

@@ -40,9 +40,10 @@ from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, f
 _COMPOSED_PARAMS = ("sink", "window")
 _DEFAULT_SCORE = ("tova", "compactor")
 _DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tuning.md)
-# Express as the coreset halves in groups of 64 (its own default is 128): 0.85x the compression time of
-# a 4k-token prefill, quality within noise on tuning cases (benchmarks/results/cost_defaults/summary.md)
-_EXPRESS_CORESET_PARAMS = {"max_group": 64}
+# Express as the coreset halves in groups of 32 (its own default is 128; 64 in sessions 12-14): the kernels
+# cost O(n·max_group), and the hybrid's compression is op-bound at 2 threads; quality within noise of 64
+# and 128 on tuning cases (benchmarks/results/cost_defaults/summary.md, benchmarks/results/hybrid_groups32/)
+_EXPRESS_CORESET_PARAMS = {"max_group": 32}
 
 
 def _select_index(tokens: Tokens, index: torch.Tensor, keys_values: bool = True) -> Tokens:
@@ -96,7 +97,7 @@ class Hybrid(Method):
     registered method whose weights add up to the tokens it covers, e.g. "express", "balancekv".
     score_params (one dict, or None, per score method; None overall: every method's defaults) /
     coreset_params: parameters of the composed methods, checked by their own constructors; an
-    Express coreset halves in groups of `max_group` = 64 unless coreset_params sets it.
+    Express coreset halves in groups of `max_group` = 32 unless coreset_params sets it.
     span: odd number of neighbouring tokens each score method's score is max-pooled over before its
     top-k (SnapKV pools its scores, ChunkKV keeps chunks), so its exact picks come as contiguous
     runs around the high scores; one number, or one per score method; 1 picks single tokens;
@@ -108,7 +109,7 @@ class Hybrid(Method):
     Compactor's leverage score alone (`attention=False`, seed 002's "no a" score: the keys least
     representable by the others, which a coreset of the bulk drops) for 0.3, picked in runs of 7
     (its score max-pooled over 7 neighbours, so a rare token keeps the words around it: a line's
-    name and number), and a Thinformer Express coreset (Halve groups of 64, for speed) of the
+    name and number), and a Thinformer Express coreset (Halve groups of 32, for speed) of the
     rest in the remaining 0.6; no exact sink or window (sink = window = 0,
     as Compactor, KeyDiff and BalanceKV: the heavy hitters take the sinks), so every slot is chosen.
     """
