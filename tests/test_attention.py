@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcompress as kvc
-from kvcompress.summary import KVSummary, Normalizer, concat
+from kvcompress.summary import KVSummary, Normalizer, _slot_rows, concat, take_slots
 
 
 def _qkv(b=2, hq=6, hkv=3, nq=7, n=11, d=8, seed=0, dtype=torch.float32):
@@ -100,3 +100,22 @@ def test_head_mismatch_is_an_error():
     q, k, v = _qkv(hq=4, hkv=3)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(11)))
+
+
+def test_slots_are_gathered_from_the_storage_without_copying_it():
+    buffer = torch.randn(2, 3, 50, 4)
+    model_layout = torch.randn(2, 50, 3, 4).transpose(1, 2)  # a transposed projection: [B,n,H,d] in memory
+    positions = torch.arange(50).expand(2, 3, 50)
+    index = torch.randint(0, 30, (2, 3, 7))
+    views = (buffer[:, :, :30], buffer[:, :, 5:35], model_layout[:, :, :30], model_layout[:, 1:, 3:33], positions[:, :, :30], buffer[:1, 2:])
+    for held in views:
+        rows, _, _ = _slot_rows(held)
+        assert rows.data_ptr() == held.data_ptr()  # a view of the storage, not a copy
+        sub = index[: held.shape[0], : held.shape[1]]
+        assert torch.equal(take_slots(held, sub), take_slots(held.contiguous(), sub))
+    rows, head_rows, slot_rows = _slot_rows(buffer[:, :, :30])
+    assert slot_rows == 1 and head_rows.flatten().tolist() == [0, 50, 100, 150, 200, 250]
+    rows, head_rows, slot_rows = _slot_rows(model_layout)
+    assert slot_rows == 3 and head_rows.flatten().tolist() == [0, 1, 2, 150, 151, 152]
+    odd = torch.randn(2, 3, 50, 8)[..., ::2]  # each slot's channels are strided: copied once
+    assert torch.equal(take_slots(odd, index), take_slots(odd.contiguous(), index))

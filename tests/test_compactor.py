@@ -10,7 +10,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvcompress as kvc
 from kvcompress.methods import compactor as cm
 from kvcompress.methods.base import Tokens, make_generator
-from kvcompress.summary import _slot_rows, take_slots
 
 
 def _low_rank_keys(b=1, h=2, n=400, d=64, rank=24, seed=0):
@@ -213,25 +212,6 @@ def test_one_shot_equals_the_one_block_stream(n, attention):
     streamed = st.summary()
     for a, b in ((one.positions, streamed.positions), (one.keys, streamed.keys), (one.values, streamed.values), (one.log_weights, streamed.log_weights)):
         assert torch.equal(a, b)
-
-
-def test_slots_are_gathered_from_the_storage_without_copying_it():
-    buffer = torch.randn(2, 3, 50, 4)
-    model_layout = torch.randn(2, 50, 3, 4).transpose(1, 2)  # a transposed projection: [B,n,H,d] in memory
-    positions = torch.arange(50).expand(2, 3, 50)
-    index = torch.randint(0, 30, (2, 3, 7))
-    views = (buffer[:, :, :30], buffer[:, :, 5:35], model_layout[:, :, :30], model_layout[:, 1:, 3:33], positions[:, :, :30], buffer[:1, 2:])
-    for held in views:
-        rows, _, _ = _slot_rows(held)
-        assert rows.data_ptr() == held.data_ptr()  # a view of the storage, not a copy
-        sub = index[: held.shape[0], : held.shape[1]]
-        assert torch.equal(take_slots(held, sub), take_slots(held.contiguous(), sub))
-    rows, head_rows, slot_rows = _slot_rows(buffer[:, :, :30])
-    assert slot_rows == 1 and head_rows.flatten().tolist() == [0, 50, 100, 150, 200, 250]
-    rows, head_rows, slot_rows = _slot_rows(model_layout)
-    assert slot_rows == 3 and head_rows.flatten().tolist() == [0, 1, 2, 150, 151, 152]
-    odd = torch.randn(2, 3, 50, 8)[..., ::2]  # each slot's channels are strided: copied once
-    assert torch.equal(take_slots(odd, index), take_slots(odd.contiguous(), index))
 
 
 def test_stream_stays_bounded_and_stores_scores_and_pre_rope_keys():
