@@ -129,7 +129,7 @@ class CompressedLayer(CacheLayerMixin):
         new = KVSummary.exact(key_states, value_states, positions)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes() + new.nbytes())
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
-            view = self.front.append(new)
+            view = self.front.append(new, most=self.seen)
         else:
             stored = self.stored()
             view = concat([stored, new]) if stored is not None else new
@@ -172,18 +172,17 @@ class CompressedLayer(CacheLayerMixin):
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass))
+                self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass), most=self.seen)
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={settings.mode!r}")
             if self.front is None:
-                self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale, settings.slack)
-            self.front.update(
-                keys, values, queries, self.cache.pre_rope_keys(keys, positions), positions,
-                self.layer_idx, self.cache.num_layers,
-            )
+                unrotate = self.cache.pre_rope_keys if self.cache.unrotates else None
+                self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale,
+                                    settings.slack, unrotate)
+            self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return
         else:
@@ -232,9 +231,9 @@ class CompressedLayer(CacheLayerMixin):
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
-        self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass))
-        self.stats.compress_seconds += time.perf_counter() - start
         self.seen = keys.shape[2]
+        self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass), most=self.seen)
+        self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 
     def nbytes(self) -> int:
@@ -460,8 +459,13 @@ class CompressedCache(Cache):
     def generator(self, layer_idx: int) -> torch.Generator:
         return make_generator(self.settings.seed * 100003 + layer_idx)
 
+    @property
+    def unrotates(self) -> bool:
+        """Whether the method needs pre-RoPE keys, which `pre_rope_keys` then recovers."""
+        return self._rotary is not None
+
     def pre_rope_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Un-rotate post-RoPE keys [B,H,n,d] at positions [n] with the model's rotary embedding (None if not needed).
+        """Un-rotate post-RoPE keys [B,H,n,d] at positions [n] or [B,H,n] with the model's rotary embedding (None if not needed).
 
         RoPE maps halves (x1, x2) to (x1·cos − x2·sin, x2·cos + x1·sin); the inverse is written half by
         half into one output, the same products and sums as the forward formula with −sin, with two
@@ -470,8 +474,13 @@ class CompressedCache(Cache):
         if self._rotary is None:
             return None
         rotary, extra = self._rotary
-        cos, sin = rotary(keys, positions[None].expand(keys.shape[0], -1), **extra)
-        cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+        b, h, n, _ = keys.shape
+        if positions.ndim == 1:
+            cos, sin = rotary(keys, positions[None].expand(b, -1), **extra)
+            cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+        else:
+            cos, sin = rotary(keys, positions.reshape(b * h, n), **extra)
+            cos, sin = cos.view(b, h, n, -1).to(keys.dtype), sin.view(b, h, n, -1).to(keys.dtype)
         width = cos.shape[-1]  # partial rotary (Phi-3) rotates a prefix of the channels
         half = width // 2
         first, second = keys[..., :half], keys[..., half:width]

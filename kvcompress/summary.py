@@ -22,7 +22,8 @@ class Normalizer:
     positions: torch.Tensor
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.log_weights, self.positions))
+        """Bytes of its keys (the KV data; see `KVSummary.nbytes`)."""
+        return self.keys.numel() * self.keys.element_size()
 
 
 @dataclass
@@ -91,9 +92,19 @@ class KVSummary:
         return self.keys.shape[2]
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the summary stores."""
-        own = sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.log_weights, self.positions))
+        """KV bytes: its keys and values (and normalizer keys), the quantity a full cache's bytes count.
+
+        Log-weights and positions (12 bytes per slot and head) are bookkeeping, counted apart by
+        `index_nbytes`; docs/design.md ("Memory") explains the split."""
+        own = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
         return own + (self.normalizer.nbytes() if self.normalizer is not None else 0)
+
+    def index_nbytes(self) -> int:
+        """Bytes of its log-weights and positions (and the normalizer's)."""
+        parts = [self.log_weights, self.positions]
+        if self.normalizer is not None:
+            parts += [self.normalizer.log_weights, self.normalizer.positions]
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def total_weight(self) -> torch.Tensor:
         """[B, H_kv]: the number of original tokens the numerator slots stand for."""
@@ -194,16 +205,19 @@ def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
 class _GrowingSlots:
     """Tensors [B, H, capacity, ...] filled along the slot axis; `append` writes in place and
     reallocates (one copy) only when full, with room for max(64, n/16) more slots (or up to
-    `reserve` slots in all, when larger)."""
+    `reserve` slots in all, when larger), never beyond `most` slots (when given) unless the slots
+    themselves need more."""
 
     def __init__(self):
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.length = 0
 
-    def append(self, parts: tuple[torch.Tensor, ...], reserve: int = 0) -> None:
+    def append(self, parts: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None) -> None:
         need = self.length + parts[0].shape[2]
         if not self.tensors or need > self.tensors[0].shape[2]:
             capacity = max(need + max(64, need // 16), reserve)
+            if most is not None:
+                capacity = max(need, min(capacity, most))
             grown = tuple(p.new_empty(*p.shape[:2], capacity, *p.shape[3:]) for p in parts)
             for new, old in zip(grown, self.tensors):
                 new[:, :, : self.length] = old[:, :, : self.length]
@@ -215,35 +229,41 @@ class _GrowingSlots:
     def view(self) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, : self.length] for t in self.tensors)
 
+    def capacity_bytes(self, columns: int) -> int:
+        """Bytes allocated for the first `columns` tensors (their room included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors[:columns])
+
 
 class SlotBuffer:
     """A summary that grows by appending exact blocks in place: a cache layer's state once its
     context is compressed, so a decode step writes one token instead of copying the whole state.
 
     `summary()` is a view of the filled slots (no copy). Storage keeps headroom of at most
-    max(64, n/16) slots; `nbytes` counts the filled slots, `reserved_bytes` the allocation.
+    max(64, n/16) slots, and never beyond `most` slots in all (a cache passes the tokens it has
+    seen, so the allocation never exceeds a full cache's); `nbytes` counts the allocated keys and
+    values (and normalizer keys), `index_nbytes` the log-weights and positions held.
     Appending follows `concat`: once a part has a normalizer, the denominator set is kept too
     (slots of parts without one enter it with their own weights).
     """
 
-    def __init__(self, first: KVSummary):
+    def __init__(self, first: KVSummary, most: int | None = None):
         self.slots = _GrowingSlots()
         self.denominator: _GrowingSlots | None = None
         self.eviction_only = True
-        self.append(first)
+        self.append(first, most)
 
-    def append(self, part: KVSummary) -> KVSummary:
-        """Write part's slots after the stored ones; returns the whole summary (a view)."""
+    def append(self, part: KVSummary, most: int | None = None) -> KVSummary:
+        """Write part's slots after the stored ones (allocating at most `most` slots, see above); returns the whole summary (a view)."""
         if part.normalizer is not None and self.denominator is None and self.slots.length:
             self.denominator = _GrowingSlots()
             keys, _, log_weights, positions = self.slots.view()
             self.denominator.append((keys, log_weights, positions))
-        self.slots.append((part.keys, part.values, part.log_weights, part.positions))
+        self.slots.append((part.keys, part.values, part.log_weights, part.positions), most=most)
         if part.normalizer is not None and self.denominator is None:
             self.denominator = _GrowingSlots()
         if self.denominator is not None:
             den = part.denominator()
-            self.denominator.append((den.keys, den.log_weights, den.positions))
+            self.denominator.append((den.keys, den.log_weights, den.positions), most=most)
         self.eviction_only = self.eviction_only and part.eviction_only
         return self.summary()
 
@@ -253,8 +273,8 @@ class SlotBuffer:
         return KVSummary(keys, values, log_weights, positions, normalizer, self.eviction_only and normalizer is None)
 
     def nbytes(self) -> int:
-        return self.summary().nbytes()
+        denominator = self.denominator.capacity_bytes(1) if self.denominator is not None else 0
+        return self.slots.capacity_bytes(2) + denominator
 
-    def reserved_bytes(self) -> int:
-        tensors = self.slots.tensors + (self.denominator.tensors if self.denominator is not None else ())
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def index_nbytes(self) -> int:
+        return self.summary().index_nbytes()

@@ -140,7 +140,7 @@ class _Session:
     """One compressed context on the model: builds the cache, prefills, then answers (greedy) through model.generate."""
 
     def __init__(self, model, prompt: _Prompt, method, budget, compression_ratio, mode, sink, window, seed, chunk_size, slack,
-                 compress_question, prefill, quality, calibration, method_params):
+                 compress_question, prefill, quality, calibration, max_new_tokens, method_params):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         context_ids = prompt.context_ids
@@ -180,7 +180,8 @@ class _Session:
             m = build_method(method, **method_params)
             sink, window = default_sink_window(method, sink, window)
             check_sink_window(sink, window)
-            compressed_length = n_prompt if (compress_question or mode == "decode") else n_context
+            # decode mode streams every token, the answer's included: a ratio is the fraction removed of all of them
+            compressed_length = n_prompt + max_new_tokens if mode == "decode" else n_prompt if compress_question else n_context
             self.middle_budget = resolve_budget(compressed_length, budget, compression_ratio, sink, window, m, streaming=mode != "prefill")
             # In prefill mode a ratio is resolved by each layer against what it compresses (a padded row: its own length).
             per_row = mode == "prefill" and compression_ratio is not None
@@ -298,7 +299,7 @@ class _Session:
         )
 
 
-_SESSION_OPTIONS = ("method", "budget", "compression_ratio", "mode", "sink", "window", "seed", "chunk_size", "slack", "compress_question", "prefill", "quality", "calibration")
+_SESSION_OPTIONS = ("method", "budget", "compression_ratio", "mode", "sink", "window", "seed", "chunk_size", "slack", "compress_question", "prefill", "quality", "calibration", "max_new_tokens")
 
 
 def _session(model, prompt: _Prompt, options: dict) -> _Session:
@@ -342,8 +343,8 @@ def generate_ids(
     for block-wise streams; slack: see `CompressionSettings`, None is 0.5, 0 re-compresses after
     every block); decode: as chunked, and every later token (question, answer) keeps going through
     the stream. A
-    compression_ratio is resolved against the context length (the prompt length in prefill
-    mode with compress_question). prefill: a recorded full prefill of the context
+    compression_ratio is resolved against the context length (the prompt length with
+    compress_question; in decode mode, the prompt plus max_new_tokens, every token the stream takes). prefill: a recorded full prefill of the context
     ({layer: (queries, keys, values)}, see `kvcompress.eval.capture.capture_qkv`) to compress
     instead of running the context again (prefill mode, question kept out of compression).
     prefill_approx="express": seed 003's recipe (`integration.prefill_approx`) — the context's
@@ -390,7 +391,7 @@ def answer_questions_ids(
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
     if options.get("compress_question"):
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
-    session = _session(model, _Prompt(context_ids, None), options)
+    session = _session(model, _Prompt(context_ids, None), {**options, "max_new_tokens": max_new_tokens})
     results = []
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         _, prefill_seconds = session.run_context(progress)
@@ -426,7 +427,7 @@ def generate_batch_ids(
     pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
     mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
-    session = _session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None), options)
+    session = _session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None), {**options, "max_new_tokens": max_new_tokens})
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not session.compress_question else None

@@ -8,18 +8,18 @@ Theory" (seed 000; DESIGN.md §4).
 - One-shot (prefill, seed App. B): every block of `block_size` tokens of every head is balanced
   at once as one batched tensor program, rounds repeat until the budget is met.
 - Streaming (decoding, seed Alg. 1 + Alg. 4): MergeAndReduce binary counters, one per value-norm
-  bucket for the numerator and one on keys only for the normaliser.
+  bucket; the kept slots serve numerator and denominator alike (see `BalanceKVStream`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..summary import KVSummary, Normalizer, take_slots
-from .base import DEFAULT_SLACK, Method, StreamState, Tokens, check_slack, first_true, register
+from ..summary import KVSummary, concat, take_slots
+from .base import DEFAULT_SLACK, Method, StreamState, Tokens, cat_tokens, check_slack, first_true, register
 
 LOG2 = math.log(2.0)
 KERNELS = ("value", "key", "joint")
@@ -42,17 +42,15 @@ def balance_kernel(
     valid: torch.Tensor | None,
     scale: float,
     kernel: str,
-    value_blocks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SoftmaxBalance kernel of each block, divided by the seed's R² so every entry lies in [-1, 1].
 
     keys [N, b, d], values [N, b, d_v] (ignored for kernel="key"), valid [N, b] bool (False = padding;
-    None: no padding). value_blocks [N_v] (ascending) restricts the value factor to those blocks:
-    values is then [N_v, b, d_v] and every other block takes κ = 1 (the "key" kernel).
+    None: no padding).
     Keys are centred by the mean of the block's valid keys (attention is invariant to that shift;
     seed App. B.5). K_ij = exp(s<k̄_i,k̄_j>)·κ(v_i,v_j) with κ = <v_i,v_j> ("value", seed Alg. 2),
-    κ = 1 ("key": v ≡ 1, the normaliser's walk) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
+    κ = 1 ("key": v ≡ 1) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
     [v/r_v, 1], balancing numerator and denominator together). R² = exp(s·r_key²)·r_value² with the
     block's largest centred key norm and value norm (seed Alg. 2 line 2), applied in log space.
     out: a contiguous float32 [N, b, b] to write K / R² into (None: a new tensor).
@@ -73,17 +71,13 @@ def balance_kernel(
     if kernel != "key":
         v = values.float()
         if valid is not None:
-            v = v * (mask if value_blocks is None else mask[value_blocks])
+            v = v * mask
         vgram = torch.bmm(v, v.transpose(1, 2))
         r_value = vgram.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
         vgram.div_(r_value[:, None, None])
         factor = vgram if kernel == "value" else vgram.add_(1.0).div_(2.0)
-        if value_blocks is None:
-            out.mul_(factor)
-            log_r2 = log_r2 + r_value.log()
-        else:
-            out.index_copy_(0, value_blocks, out.index_select(0, value_blocks).mul_(factor))
-            log_r2 = log_r2.index_add(0, value_blocks, r_value.log())
+        out.mul_(factor)
+        log_r2 = log_r2 + r_value.log()
     if valid is not None:
         out.masked_fill_(~valid[:, :, None], 0.0).masked_fill_(~valid[:, None, :], 0.0)
     return out, log_r2
@@ -157,13 +151,11 @@ def halve_mask(
     block_size: int,
     kernel: str,
     generator: torch.Generator,
-    value_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """SoftmaxBalance on consecutive blocks of the first lengths[r] (even) tokens of every row r.
 
     keys [R, m, d], values [R, m, d_v] or None, lengths [R] even, <= m (tokens beyond are padding;
-    None: every row holds m tokens). value_rows [R_v] (ascending): only these rows take the value
-    kernel, values is then [R_v, m, d_v] and the other rows are balanced on keys only (κ = 1).
+    None: every row holds m tokens).
     Rows and blocks are balanced together as one batched program; the last block of a row is
     zero-padded (seed App. B), and a row shorter than a block is one block of its own length.
     In each block the side kept is +1 or -1 with probability ½, so every token is kept with
@@ -182,7 +174,6 @@ def halve_mask(
         values = None if values is None else torch.nn.functional.pad(values, (0, 0, 0, pad))
     k = keys.reshape(-1, block_size, d)
     v = None if values is None else values.reshape(-1, block_size, values.shape[-1])
-    value_blocks = None if value_rows is None else (value_rows[:, None] * n_blocks + torch.arange(n_blocks, device=keys.device)).reshape(-1)
     chunk = max(1, _MAX_KERNEL // (block_size * block_size))
     piece = max(1, _KERNEL_PIECE // (block_size * block_size))
     keep, fails = [], 0
@@ -193,18 +184,20 @@ def halve_mask(
         log_r2 = []
         for low in range(start, stop, piece):
             high = min(low + piece, stop)
-            if value_blocks is None:
-                part_values, part_value_blocks = None if v is None else v[low:high], None
-            else:
-                first, last = torch.searchsorted(value_blocks, torch.tensor([low, high], device=value_blocks.device)).tolist()
-                part_values, part_value_blocks = v[first:last], value_blocks[first:last] - low
+            part_values = None if v is None else v[low:high]
             part_valid = valid[low:high] if padded else None
-            log_r2.append(balance_kernel(k[low:high], part_values, part_valid, scale, kernel, part_value_blocks, kern[low - start : high - start])[1])
+            log_r2.append(balance_kernel(k[low:high], part_values, part_valid, scale, kernel, kern[low - start : high - start])[1])
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(torch.cat(log_r2)), generator)
         side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
         fails += failed
     return torch.cat(keep).reshape(rows, -1)[:, :m], fails
+
+
+def _select(tokens: Tokens, index: torch.Tensor) -> Tokens:
+    """The tokens at index [B,H,k] of each head (keys, values, positions; no pre-RoPE keys or attention mass)."""
+    keys, values, positions = _gather(index, tokens.keys, tokens.values, tokens.positions)
+    return replace(tokens, keys=keys, values=values, positions=positions, pre_rope_keys=None, attention_mass=None)
 
 
 def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -237,8 +230,8 @@ class BalanceKV(Method):
     the sign that reduces the imbalance.
     weighted: kept slots carry log-weight (number of halvings)·log 2 (True), or plain eviction
     (False; the seed's App. B does not say which). kernel: "value" (seed Alg. 2 kernel), "key"
-    (v ≡ 1) or "joint" (see `balance_kernel`); one-shot only, the stream uses "value" per bucket and
-    "key" for its normaliser as in seed Alg. 1. augment: fraction of the budget kept exactly for the
+    (v ≡ 1) or "joint" (see `balance_kernel`); one-shot only, the stream uses "value" per bucket as in
+    seed Alg. 1. augment: fraction of the budget kept exactly for the
     keys most anti-correlated with the rest (seed Sec. 4.3; one-shot only), 0 turns it off. levels: T of
     MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the seed's
     T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
@@ -402,9 +395,8 @@ def _outlier_mask(keys: torch.Tensor, count: int) -> torch.Tensor:
 
 
 # Instance ids of a head's MergeAndReduce instances: value-norm bucket i is i + _BUCKET_OFFSET
-# (floor(log2 ‖v‖) of a float32 lies in [-149, 128]); the keys-only normaliser is _NORMALISER.
+# (floor(log2 ‖v‖) of a float32 lies in [-149, 128]).
 _BUCKET_OFFSET = 160
-_NORMALISER = 319
 _INSTANCES = 320
 _LEVELS = 64
 # Level of the slots made by `_merge_singletons` (weights not a power of two): never halved again.
@@ -415,48 +407,55 @@ class BalanceKVStream(StreamState):
     """Streaming BalanceKV (seed Alg. 1 + Alg. 4): every head and bucket in one pool of slots.
 
     Each head runs one MergeAndReduce instance (a binary counter: level l holds slots of weight
-    2^l) per value-norm bucket (2^i <= ‖v‖ < 2^(i+1)) for the numerator, and one on keys only
-    (v ≡ 1) for the normaliser. Tokens enter level 0 `batch` (t) at a time; a level holding t slots
-    (l < `levels`, or any l when levels is None) has its oldest t slots halved by SoftmaxBalance
-    into level l + 1 (`cascade_rounds` rounds per batch). The slots of all heads, instances and
-    levels live in one flat pool, and a cascade round halves every full level of every head and
-    bucket with one batched `halve_mask` call: the Python loop runs over batches of t tokens and
-    cascade rounds.
-    Departure from the seed forced by the hard budget: the numerator and normaliser slots of a
-    head together never exceed `budget`; when they would, the fullest level of that head (ties:
-    the lighter one) has its oldest even number of slots halved ahead of time (a forced extra
-    halving), so memory stays bounded for any stream length while every level still holds slots
-    of one weight and weights keep summing to the tokens seen. When every level of an
-    over-budget head holds a single slot (budgets below the number of distinct weights, about
-    log2(tokens) per bucket), its two lightest numerator or normaliser slots are merged as the
-    one-shot form does: one kept with probability proportional to its weight, at their summed
-    weight (unbiased, the sum stays exact); such a slot is never halved again. The seed's erasure
-    of negligible buckets (Alg. 1 line 8) is not applied: every token stays represented.
+    2^l) per value-norm bucket (2^i <= ‖v‖ < 2^(i+1)). Tokens enter level 0 `batch` (t) at a time;
+    once compression is needed, a level holding t slots (l < `levels`, or any l when levels is
+    None) has its oldest t slots halved by SoftmaxBalance into level l + 1 (`cascade_rounds`
+    rounds per reduction). The slots of all heads, buckets and levels live in one flat pool, and a
+    cascade round halves every full level of every head and bucket with one batched `halve_mask`
+    call: the Python loop runs over batches of t tokens and cascade rounds.
 
-    slack: with slack=0 the cascade round and the forced halvings run after every batch, so a head
-    never holds more than `budget` slots. With slack > 0 new slots wait, exact, at level 0 until a
-    head may hold more than budget + ceil(slack·budget) slots (a host-side bound: every token adds
-    two slots per head, no check or sync per batch); then `_reduce` runs the pending halvings: one
-    cascade round in which every level below the top halves all its whole multiples of t at once
-    (the batches that waited, as rows of t of one batched walk), then, only for heads still above
-    `budget`, the forced halvings (a second walk, and the cascade round after it). So a walk call
-    serves many batches, and between updates a head holds at most budget + ceil(slack·budget)
-    slots; `compact()` brings it to `budget`. The kept slots differ from slack=0's (tokens stay exact
-    longer, halvings are grouped differently); one-shot `BalanceKV.compress` is the separate
-    round-based form and has no slack.
+    Departures from the seed (docs/design.md, "BalanceKV's stream"):
+    - One slot set for numerator and denominator. Seed Alg. 1 sketches the denominator with a
+      separate keys-only instance, so attention is the ratio of two independently halved
+      estimates. On real layers a few tokens dominate exp(s<q,k>); when one of them is kept (at
+      doubled weight) by one sketch and dropped by the other, that ratio is unbounded and the
+      model emits gibberish. Self-normalised over the kept slots (as the one-shot form is), the
+      output stays a convex combination of kept values, and every token takes one slot.
+    - Exact until compression is needed: no halving runs while every head holds at most
+      budget + ceil(slack·budget) slots, so a budget at least the tokens seen keeps them all
+      exactly (log-weight 0).
+    - A hard budget: a head over `budget` after the cascade has the fullest level (ties: the
+      lighter one) halve its oldest even number of slots ahead of time (a forced halving), so
+      memory stays bounded for any stream length while every level still holds slots of one
+      weight and weights keep summing to the tokens seen. When every level of an over-budget head
+      holds a single slot, its two lightest slots are merged as the one-shot form does: one kept
+      with probability proportional to its weight, at their summed weight (unbiased); such a slot
+      is never halved again.
+    - The erasure of negligible buckets (Alg. 1 line 8) is not applied: every token stays represented.
+
+    slack: pending halvings wait, exact at level 0, until a head may hold more than
+    budget + ceil(slack·budget) slots (a host-side bound: every token adds one slot per head, no
+    check or sync per batch); then `_reduce` runs them: one cascade round in which every level
+    below the top halves all its whole multiples of t at once (as rows of t of one batched walk),
+    then, only for heads still above `budget`, the forced halvings. slack=0 reduces as soon as a
+    head passes `budget`. `compact()` brings every head to `budget`. One-shot `BalanceKV.compress`
+    is the separate round-based form and has no slack.
     """
 
     recompresses = True
+    exact_within_budget = True  # no halving runs while a head holds at most budget + ceil(slack·budget) slots
 
     def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK):
-        if budget < 2:
-            raise ValueError(f"balancekv streaming needs budget >= 2 (numerator and normaliser slots), got {budget}")
-        self.method, self.budget, self.generator = method, budget, generator
+        self.exact_count = min(int(method.augment * budget), budget - 1)
+        self.method, self.budget, self.generator = method, budget - self.exact_count, generator
         self.slack_slots = math.ceil(check_slack(slack) * budget)
+        self.outliers: Tokens | None = None  # the `exact_count` keys most anti-correlated with the mean key so far, kept exactly
+        self.key_sum: torch.Tensor | None = None
+        self.key_count = 0
         self.held = 0  # host-side upper bound on the slots any head holds
         self.scale: float | None = None
         # slot metadata {positions, row, instance, level, log_weight, order, token} (`pool`); `token` indexes
-        # the key/value buffers, shared by a token's numerator and normaliser slots; `added`: batches not yet in it
+        # the key/value buffers; `added`: batches not yet in it
         self._pool: dict[str, torch.Tensor] | None = None
         self.added: list[dict[str, torch.Tensor]] = []
         self.keys: torch.Tensor | None = None
@@ -467,12 +466,17 @@ class BalanceKVStream(StreamState):
         self.shape: tuple[int, int] | None = None
         self.template: tuple[torch.Tensor, torch.Tensor] | None = None
         self.events = 0
+        self.stored_rows = 0  # rows ever written: the buffers never grow past them (a full cache's size)
 
     @property
     def failures(self) -> int:
         return self.method.failures
 
     def absorb(self, tokens: Tokens) -> None:
+        if self.exact_count:
+            tokens = self._keep_outliers(tokens)
+            if tokens.length == 0:
+                return
         b, h, n, d = tokens.keys.shape
         if self.shape is None:
             self.shape = (b, h)
@@ -482,24 +486,45 @@ class BalanceKVStream(StreamState):
         norms = tokens.values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
         instance = (torch.floor(torch.log2(norms)).long() + _BUCKET_OFFSET).reshape(b * h, n)
         rows = torch.arange(b * h, device=tokens.keys.device)[:, None].expand(b * h, n)
-        numerator = torch.stack([tokens.positions.reshape(b * h, n), rows, instance], -1)
-        slots = torch.stack([numerator, numerator.index_fill(-1, numerator.new_tensor([2]), _NORMALISER)])  # [2, B·H, n, 3]
+        slots = torch.stack([tokens.positions.reshape(b * h, n), rows, instance], -1)  # [B·H, n, 3]
         step = self.method.stream_batch
         self.scale = tokens.scale
         for start in range(0, n, step):
             stop = min(n, start + step)
             count = stop - start
             token = self._store(tokens.keys[:, :, start:stop].reshape(-1, d), tokens.values[:, :, start:stop].reshape(-1, tokens.values.shape[-1]))
-            added = slots[:, :, start:stop].reshape(-1, 3)  # numerator slots (head-major), then the normaliser's
-            self._add({"positions": added[:, 0], "row": added[:, 1], "instance": added[:, 2], "token": token.repeat(2)})
-            self.held += 2 * count
-            if self.held > self.budget + self.slack_slots or not self.slack_slots:
+            added = slots[:, start:stop].reshape(-1, 3)  # head-major, as the buffer rows
+            self._add({"positions": added[:, 0], "row": added[:, 1], "instance": added[:, 2], "token": token})
+            self.held += count
+            if self.held > self.budget + self.slack_slots:
                 self._reduce(tokens.scale)
 
+    def _keep_outliers(self, tokens: Tokens) -> Tokens:
+        """Seed Sec. 4.3's augmentation, streamed: the held outliers and the new tokens compete for the
+        `exact_count` exact places by their inner product with the mean key seen so far (lowest kept);
+        returns the tokens that lose, one count for every head, for the MergeAndReduce pool."""
+        keys = tokens.keys.float()
+        self.key_sum = keys.sum(2) if self.key_sum is None else self.key_sum + keys.sum(2)
+        self.key_count += tokens.length
+        candidates = tokens if self.outliers is None else cat_tokens([self.outliers, replace(tokens, queries=None)])
+        score = (candidates.keys.float() * (self.key_sum / self.key_count)[:, :, None]).sum(-1)
+        order = score.argsort(dim=-1, stable=True)
+        kept, leaving = order[..., : self.exact_count].sort(-1).values, order[..., self.exact_count :].sort(-1).values
+        self.outliers = _select(candidates, kept)
+        return _select(candidates, leaving)
+
     def compact(self) -> None:
-        """Run the pending halvings now when a head may hold more than `budget` slots (at most `budget` then)."""
+        """Run the pending halvings now when a head may hold more than `budget` slots (at most `budget` then),
+        and give back the buffer rows no slot refers to."""
         if self.held > self.budget:
             self._reduce(self.scale)
+        if self.keys is not None:
+            live = (self.references > 0).nonzero().squeeze(1)
+            new_row = torch.full_like(self.references, -1, dtype=torch.long).index_copy_(0, live, torch.arange(len(live), device=live.device))
+            self.pool["token"] = new_row[self.pool["token"]]
+            self.keys, self.values = self.keys.index_select(0, live), self.values.index_select(0, live)
+            self.references = self.references.index_select(0, live)
+            self.free = self.free[:0]
 
     def _stamp(self, positions: torch.Tensor) -> torch.Tensor:
         """Age key of slots entering a level now: older entries first, then by position."""
@@ -512,19 +537,21 @@ class BalanceKVStream(StreamState):
         Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the
         pool stops growing; when fewer than c rows are free, the buffers are copied into ones twice
         the live rows plus c, capped at the most rows ever live at once, B·H·(budget + ceil(slack·budget) + t)
-        (a head holds at most that bound's first two terms between batches, and a batch adds at most t tokens per head).
+        (a head holds at most that bound's first two terms between batches, and a batch adds at most t tokens per head),
+        and at the rows written so far plus c (so never more than a full cache of the tokens seen).
         """
         count = keys.shape[0]
         if self.free.numel() < count:
             capacity = 0 if self.keys is None else self.keys.shape[0]
             most_live = self.shape[0] * self.shape[1] * (self.budget + self.slack_slots + self.method.stream_batch)
-            grown = min(2 * (capacity - self.free.numel() + count), most_live)
+            grown = max(capacity - self.free.numel() + count, min(2 * (capacity - self.free.numel() + count), most_live, self.stored_rows + count))
             new_keys, new_values = keys.new_empty(grown, keys.shape[1]), values.new_empty(grown, values.shape[1])
             if capacity:
                 new_keys[:capacity], new_values[:capacity] = self.keys, self.values
             self.keys, self.values = new_keys, new_values
             self.references = torch.cat([self.references, self.references.new_zeros(grown - capacity)])
             self.free = torch.cat([self.free, torch.arange(capacity, grown, device=keys.device)])
+        self.stored_rows += count
         rows, self.free = self.free[:count], self.free[count:]
         self.keys.index_copy_(0, rows, keys)
         self.values.index_copy_(0, rows, values)
@@ -604,9 +631,9 @@ class BalanceKVStream(StreamState):
             self._cascade(scale)
 
     def _forced_take(self, groups: torch.Tensor, counts: torch.Tensor, excess: torch.Tensor) -> torch.Tensor:
-        """Slots [U] each group halves: a head over budget by excess[head] > 0 slots (excess [B·H]) halves its
-        fullest levels whole (ties: the lighter level first), as few as free that many; groups [U] group ids,
-        counts [U] their slots.
+        """Slots [U] each group halves: a head over budget by excess[head] > 0 slots (excess [B·H]) halves the
+        oldest slots of its fullest levels (ties: the lighter level first), just enough to free that many
+        (the last level chosen halves only part of its slots); groups [U] group ids, counts [U] their slots.
         """
         rows = excess.shape[0]
         head = groups // (_INSTANCES * _LEVELS)
@@ -619,9 +646,9 @@ class BalanceKVStream(StreamState):
         before = torch.cumsum(freed_sorted, 0) - freed_sorted
         head_start = torch.zeros(rows, dtype=before.dtype, device=before.device)
         head_start = head_start.scatter_reduce(0, head_sorted, before, "amin", include_self=False)
-        needed = (freed_sorted > 0) & (before - head_start[head_sorted] < excess[head_sorted])
-        chosen = torch.zeros_like(needed).scatter_(0, order, needed)
-        return torch.where(chosen, counts // 2 * 2, 0)
+        remaining = (excess[head_sorted] - (before - head_start[head_sorted])).clamp_min(0)
+        take_sorted = 2 * torch.minimum(freed_sorted, remaining)
+        return torch.zeros_like(take_sorted).scatter_(0, order, take_sorted)
 
     def _reduce(self, scale: float) -> None:
         """The pending halvings: cascade rounds over every level (with slack > 0, all waiting batches at once),
@@ -637,8 +664,8 @@ class BalanceKVStream(StreamState):
         None: read from take). With slack = 0 each group is one row of the walk, padded to the
         largest take; with slack > 0 each group's take is split into rows of t slots (the last one
         shorter), so the many batches a group may halve at once are not padded to one width. When
-        every row holds the same number, no halving block holds padding. Numerator groups use the
-        value kernel of seed Alg. 2, the normaliser's groups the keys-only kernel (κ = 1); both run as one walk.
+        every row holds the same number, no halving block holds padding. The walk uses the value
+        kernel of seed Alg. 2.
         """
         pool = self.pool
         chosen = take > 0
@@ -663,10 +690,9 @@ class BalanceKVStream(StreamState):
         offsets = torch.arange(width, device=sizes.device)
         slot = ordered[(starts[:, None] + offsets).clamp_max(len(ordered) - 1)]
         token = pool["token"][slot]
-        value_rows = (pool["instance"][slot[:, 0]] != _NORMALISER).nonzero().squeeze(1)
         keys = self.keys.index_select(0, token.reshape(-1)).view(*token.shape, self.keys.shape[-1])
-        values = self.values.index_select(0, token[value_rows].reshape(-1)).view(len(value_rows), width, self.values.shape[-1])
-        keep, fails = halve_mask(keys, values, lengths, scale, self.method, self.method.stream_block, "value", self.generator, value_rows)
+        values = self.values.index_select(0, token.reshape(-1)).view(*token.shape, self.values.shape[-1])
+        keep, fails = halve_mask(keys, values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
         self.method.fail_events += fails
         if lengths is not None:
             valid = offsets < lengths[:, None]
@@ -686,26 +712,17 @@ class BalanceKVStream(StreamState):
         self.pool = {name: t.index_select(0, alive) for name, t in self.pool.items()}
 
     def _merge_singletons(self, heads: torch.Tensor) -> None:
-        """One slot fewer in every head where heads [B·H] is True: its two lightest slots of one kind become one.
-
-        Per head, the lighter of the two candidate pairs (two lightest numerator slots, two lightest
-        normaliser slots; a kind with one slot has none) is merged: slot i (weight w_i) is kept with
-        probability w_i / (w_1 + w_2) at weight w_1 + w_2, in log space, at level _MERGED.
-        """
+        """One slot fewer in every head where heads [B·H] is True: its two lightest slots become one,
+        slot i (weight w_i) kept with probability w_i / (w_1 + w_2) at weight w_1 + w_2, in log space, at level _MERGED."""
         pool = self.pool
         rows = heads.shape[0]
-        kind = (pool["instance"] == _NORMALISER).long()
-        segment = pool["row"] * 2 + kind
         by_weight = torch.argsort(pool["log_weight"], stable=True)
-        ordered = by_weight[torch.argsort(segment[by_weight], stable=True)]
-        counts = torch.bincount(segment, minlength=2 * rows)
+        ordered = by_weight[torch.argsort(pool["row"][by_weight], stable=True)]
+        counts = torch.bincount(pool["row"], minlength=rows)
         starts = torch.cumsum(counts, 0) - counts
-        first = ordered[starts.clamp_max(len(ordered) - 1)]
-        second = ordered[(starts + 1).clamp_max(len(ordered) - 1)]
-        pair_weight = torch.logaddexp(pool["log_weight"][first], pool["log_weight"][second])
-        pair_weight = torch.where(counts >= 2, pair_weight, math.inf).reshape(rows, 2)
-        choice = torch.arange(rows, device=heads.device) * 2 + pair_weight.argmin(-1)
-        first, second, merged_weight = first[choice][heads], second[choice][heads], pair_weight.amin(-1)[heads]
+        first = ordered[starts.clamp_max(len(ordered) - 1)][heads]
+        second = ordered[(starts + 1).clamp_max(len(ordered) - 1)][heads]
+        merged_weight = torch.logaddexp(pool["log_weight"][first], pool["log_weight"][second])
         draw = torch.rand(first.shape, generator=self.generator, device=self.generator.device).to(first.device)
         keep_first = draw < torch.exp(pool["log_weight"][first] - merged_weight)
         kept, dropped = torch.where(keep_first, first, second), torch.where(keep_first, second, first)
@@ -715,23 +732,22 @@ class BalanceKVStream(StreamState):
         self._remove(dropped)
 
     def nbytes(self) -> int:
-        """Key/value buffers (up to twice the most live tokens so far plus one batch, see `_store`) plus the slot metadata."""
+        """KV bytes: the key/value buffers as allocated (see `_store`); the slot metadata is bookkeeping."""
+        outliers = self.outliers.exact().nbytes() if self.outliers is not None else 0
         if self.pool is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.references, self.free, *self.pool.values()))
+            return outliers
+        return outliers + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
     def summary(self) -> KVSummary | None:
+        outliers = self.outliers.exact() if self.outliers is not None else None
         if self.pool is None:
-            return None
-        normaliser = self.pool["instance"] == _NORMALISER
-        keys, values, log_weights, positions = self._stack(~normaliser)
-        norm_keys, _, norm_weights, norm_positions = self._stack(normaliser)
-        return KVSummary(keys, values, log_weights, positions, Normalizer(norm_keys, norm_weights, norm_positions))
+            return outliers
+        return concat([outliers, KVSummary(*self._stack())])
 
-    def _stack(self, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The selected slots as [B, H, m, ·] tensors in position order; padding has log-weight -inf and position -1."""
+    def _stack(self) -> tuple[torch.Tensor, ...]:
+        """The slots as [B, H, m, ·] tensors in position order; padding has log-weight -inf and position -1."""
         b, h = self.shape
-        pool = {name: t[mask] for name, t in self.pool.items()}
+        pool = self.pool
         order = torch.argsort(pool["row"] * (1 << 40) + pool["positions"])
         pool = {name: t[order] for name, t in pool.items()}
         counts = torch.bincount(pool["row"], minlength=b * h)

@@ -24,7 +24,7 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -65,6 +65,9 @@ class Tokens:
     `attention_mass(tokens)` would compute it, when the model's own attention computed it as a
     by-product (`integration.attention.causal_attention_with_mass`); `slice` and `cat_tokens`
     carry it along, anything that selects tokens otherwise must drop or select it too.
+    unrotate: a function (keys [B,H_kv,m,d], positions [B,H_kv,m]) -> pre-RoPE keys, given by a cache
+    that can invert its model's rotation; a stream then stores no pre-RoPE keys and `pre_rope()`
+    computes them when a method needs them.
     """
 
     keys: torch.Tensor
@@ -79,6 +82,7 @@ class Tokens:
     exact_keys: torch.Tensor | None = None
     exact_positions: torch.Tensor | None = None
     attention_mass: torch.Tensor | None = None
+    unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def length(self) -> int:
@@ -99,6 +103,12 @@ class Tokens:
 
     def exact(self) -> KVSummary:
         return KVSummary.exact(self.keys, self.values, self.positions)
+
+    def pre_rope(self) -> torch.Tensor | None:
+        """Pre-RoPE keys [B,H_kv,n,d]: the given ones, else computed by `unrotate` (None without either)."""
+        if self.pre_rope_keys is not None or self.unrotate is None:
+            return self.pre_rope_keys
+        return self.unrotate(self.keys, self.positions)
 
 
 def cat_tokens(parts: list[Tokens]) -> Tokens:
@@ -124,6 +134,8 @@ class StreamState(ABC):
     """Per-layer streaming state of one method over the compressible middle."""
 
     recompresses: ClassVar[bool] = False  # True: buffers tokens past the budget by a slack, then re-compresses
+    # True: holds every token exactly while at most `budget` were absorbed (else `Stream` holds them until then)
+    exact_within_budget: ClassVar[bool] = False
 
     @abstractmethod
     def absorb(self, tokens: Tokens) -> None:
@@ -184,7 +196,7 @@ class Method:
         """Raise a clear error when the method's required inputs are missing."""
         if self.needs_queries and tokens.queries is None:
             raise ValueError(f"method {self.name!r} scores tokens with queries: pass queries=[B, H_q, n_q, d]")
-        if self.needs_pre_rope_keys and tokens.pre_rope_keys is None:
+        if self.needs_pre_rope_keys and tokens.pre_rope_keys is None and tokens.unrotate is None:
             raise ValueError(f"method {self.name!r} scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
 
 
@@ -240,10 +252,13 @@ class BlockwiseState(StreamState):
     re-compressions: total work is linear in the stream length even when budget grows with it.
     slack=0 re-compresses after every block (KeyDiff's block prompt processing, seed 004 Eq. 6:
     peak budget + block). `compact()` re-compresses now, so the state holds `budget`.
+    The buffer never allocates more slots than the tokens it has absorbed, so it never holds more
+    than a full cache of the same tokens would.
     The re-compression sees only plain kept tokens; weighted slots are not re-weighted here.
     """
 
     recompresses = True
+    exact_within_budget = True
 
     def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK):
         self.method, self.budget, self.generator = method, budget, generator
@@ -252,17 +267,24 @@ class BlockwiseState(StreamState):
         self.slots = _GrowingSlots()
         self.last: Tokens | None = None
         self.peak_slots = 0
+        self.seen = 0
+
+    def most_slots(self) -> int:
+        """The most slots the buffer may allocate: the tokens absorbed so far (what a full cache would hold)."""
+        return self.seen
 
     def columns(self, tokens: Tokens) -> tuple[torch.Tensor, ...]:
-        """The per-token tensors [B,H,n,...] stored: keys, values, positions, and pre-RoPE keys when given."""
+        """The per-token tensors [B,H,n,...] stored: keys, values, positions, and pre-RoPE keys when given
+        (not when `tokens.unrotate` can recompute them)."""
         base = (tokens.keys, tokens.values, tokens.positions)
-        return base if tokens.pre_rope_keys is None else (*base, tokens.pre_rope_keys)
+        return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
 
     def absorb(self, tokens: Tokens) -> None:
         columns = self.columns(tokens)
         if self.slots.tensors and len(columns) != len(self.slots.tensors):
             raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
-        self.slots.append(columns, reserve=self.limit + self.slack_slots + tokens.length)
+        self.seen += tokens.length
+        self.slots.append(columns, reserve=self.limit + self.slack_slots + tokens.length, most=self.most_slots())
         self.last = tokens
         self.peak_slots = max(self.peak_slots, self.slots.length)
         if self.slots.length > self.limit + self.slack_slots:
@@ -270,8 +292,10 @@ class BlockwiseState(StreamState):
 
     def held(self) -> Tokens:
         """Every token held, with the latest block's queries and exact neighbours."""
-        keys, values, positions, *pre = self.slots.view()[:4]
-        return replace(self.last, keys=keys, values=values, positions=positions, pre_rope_keys=pre[0] if pre else None)
+        keys, values, positions, *extra = self.slots.view()
+        pre = extra[0] if self.last.pre_rope_keys is not None and self.last.unrotate is None else None
+        held = replace(self.last, keys=keys, values=values, positions=positions, pre_rope_keys=pre)
+        return replace(held, pre_rope_keys=held.pre_rope()) if self.method.needs_pre_rope_keys else held
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         """The stored columns of the tokens the method keeps from `held` (more than budget)."""
@@ -287,7 +311,7 @@ class BlockwiseState(StreamState):
         kept = self.keep(self.held())
         self.limit = max(self.budget, kept[0].shape[2])
         self.slots = _GrowingSlots()
-        self.slots.append(kept, reserve=self.limit + room)
+        self.slots.append(kept, reserve=self.limit + room, most=self.most_slots() if room else kept[0].shape[2])
 
     def compact(self) -> None:
         """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:
@@ -297,19 +321,18 @@ class BlockwiseState(StreamState):
         elif self.slots.tensors:
             held = self.slots.view()
             self.slots = _GrowingSlots()
-            self.slots.append(held)
+            self.slots.append(held, most=self.slots.length + held[0].shape[2])
 
     def summary(self) -> KVSummary | None:
         return self.held().exact() if self.last is not None else None
 
     def nbytes(self) -> int:
-        """Bytes of the buffer as allocated (its room for the next blocks included), plus the float32
-        log-weights of the slots held, as a summary of them has."""
+        """KV bytes of the buffer as allocated (its room for the next blocks included): keys, values and any
+        stored pre-RoPE keys, never more than the tokens absorbed so far would take."""
         if self.last is None:
             return 0
-        reserved = sum(t.numel() * t.element_size() for t in self.slots.tensors)
-        b, h = self.slots.tensors[0].shape[:2]
-        return reserved + 4 * b * h * self.slots.length
+        columns = self.slots.tensors
+        return self.slots.capacity_bytes(2) + sum(t.numel() * t.element_size() for t in columns[3:] if t.ndim == 4)
 
 
 def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
@@ -620,10 +643,18 @@ class Stream:
     DEFAULT_SLACK; slack=0 re-compresses after every block; an explicit slack for a method that
     never re-compresses is an error. compact() brings the state down to `budget` now (e.g. at the
     end of a prompt). summary() is sink + method summary + window.
+
+    Every method streams exactly while it can: a state that is not exact by itself while it holds
+    at most `budget` tokens (`StreamState.exact_within_budget`) gets the tokens leaving the window
+    only once more than `budget` of them have left it (all at once), and they are held as they are
+    until then. So at a budget of at least the tokens seen the summary is the exact input, for
+    every method, and the buffer never allocates more slots than tokens have left the window.
+    unrotate (from a cache that can invert its model's rotation, see `Tokens.unrotate`): pre-RoPE
+    keys are computed from the keys when a method needs them, instead of passed and stored.
     """
 
     def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None,
-                 slack: float | None = None):
+                 slack: float | None = None, unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         sink, window = check_sink_window(sink, window)
         budget = as_count("budget", budget, 1)
         self.method, self.budget, self.sink, self.window = method, budget, sink, window
@@ -634,8 +665,12 @@ class Stream:
                 f"slack={slack!r}: method {method.name!r} streams natively (at most budget slots, never re-compressed), "
                 "so slack does not apply to it; leave slack unset"
             )
+        self.unrotate = unrotate
         self.head: Tokens | None = None
         self.recent: Tokens | None = None
+        # tokens that left the window, until more than budget did (then None); None from the start for a state exact by itself
+        self.exact: _GrowingSlots | None = None if self.state.exact_within_budget else _GrowingSlots()
+        self.exact_last: Tokens | None = None
         self.seen = 0
         self.layout: tuple | None = None  # (B, H_kv, d, d_v, dtype, device) of the first update
 
@@ -662,7 +697,7 @@ class Stream:
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)
-        block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos)
+        block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos, unrotate=self.unrotate)
         self.seen += n
         have = self.head.length if self.head is not None else 0
         take = min(self.sink - have, n)
@@ -682,12 +717,37 @@ class Stream:
                 exact_keys=torch.cat([p.keys for p in exact], 2), exact_positions=torch.cat([p.positions for p in exact], 2),
             )
             self.method.check_inputs(leaving)
-            self.state.absorb(leaving)
+            self._absorb(leaving)
             self.recent = staying
+
+    def _absorb(self, leaving: Tokens) -> None:
+        """Hold `leaving` exactly while at most `budget` tokens have left the window; past that, hand
+        everything held, then each later block, to the method's state."""
+        if self.exact is None:
+            self.state.absorb(leaving)
+            return
+        stored = self.exact_columns(leaving)
+        if self.exact.tensors and len(stored) != len(self.exact.tensors):
+            raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
+        self.exact.append(stored, most=min(self.budget, self.exact.length + leaving.length))
+        self.exact_last = leaving
+        if self.exact.length > self.budget:
+            held, self.exact = self.exact_tokens(), None
+            self.state.absorb(held)
+
+    @staticmethod
+    def exact_columns(tokens: Tokens) -> tuple[torch.Tensor, ...]:
+        base = (tokens.keys, tokens.values, tokens.positions)
+        return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
+
+    def exact_tokens(self) -> Tokens:
+        """The tokens held exactly, with the latest block's queries and exact neighbours."""
+        keys, values, positions, *pre = self.exact.view()
+        return replace(self.exact_last, keys=keys, values=values, positions=positions, pre_rope_keys=pre[0] if pre else None)
 
     def summary(self) -> KVSummary:
         parts = [p.exact() for p in (self.head,) if p is not None]
-        middle = self.state.summary()
+        middle = self.state.summary() if self.exact is None else (self.exact_tokens().exact() if self.exact.length else None)
         if middle is not None:
             parts.append(middle)
         if self.recent is not None and self.recent.length > 0:
@@ -697,9 +757,15 @@ class Stream:
         return concat(parts)
 
     def compact(self) -> None:
-        """Compress the method's state down to `budget` slots per head now (a no-op for native streams)."""
-        self.state.compact()
+        """Compress the method's state down to `budget` slots per head now (a no-op for native streams
+        and while the tokens are held exactly)."""
+        if self.exact is None:
+            self.state.compact()
 
     def nbytes(self) -> int:
+        """KV bytes of the sink, the window and the middle (exact, or the method's state)."""
         exact = sum(p.exact().nbytes() for p in (self.head, self.recent) if p is not None)
-        return exact + self.state.nbytes()
+        if self.exact is None:
+            return exact + self.state.nbytes()
+        held = self.exact.tensors
+        return exact + self.exact.capacity_bytes(2) + sum(t.numel() * t.element_size() for t in held[3:])

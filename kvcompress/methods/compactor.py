@@ -189,7 +189,7 @@ class Compactor(Method):
     def check_inputs(self, tokens: Tokens) -> None:
         if self.attention and tokens.queries is None:
             raise ValueError("method 'compactor' scores tokens with their own queries: pass queries=[B, H_q, n, d] (or attention=False)")
-        if tokens.pre_rope_keys is None:
+        if tokens.pre_rope_keys is None and tokens.unrotate is None:
             raise ValueError("method 'compactor' scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
 
     def attention_scores(self, tokens: Tokens) -> torch.Tensor:
@@ -215,7 +215,7 @@ class Compactor(Method):
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         """[B,H_kv,n]: the blended score of every token (higher is kept)."""
-        return self.blend(self.attention_scores(tokens) if self.attention else None, tokens.pre_rope_keys, generator)
+        return self.blend(self.attention_scores(tokens) if self.attention else None, tokens.pre_rope(), generator)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
         return CompactorState(self, budget, generator, slack)
@@ -242,18 +242,19 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
 
 
 class CompactorState(BlockwiseState):
-    """Kept tokens with their pre-RoPE keys and raw attention scores, re-compressed to `budget` with
-    amortised slack (`BlockwiseState`): leverage and both standardisations are recomputed only at a
-    re-compression, over everything held."""
+    """Kept tokens with their pre-RoPE keys (unless `Tokens.unrotate` recomputes them) and raw attention
+    scores, re-compressed to `budget` with amortised slack (`BlockwiseState`): leverage and both
+    standardisations are recomputed only at a re-compression, over everything held."""
 
     def columns(self, tokens: Tokens) -> tuple[torch.Tensor, ...]:
-        """keys, values, positions, pre-RoPE keys, and the raw attention score a of each token (scored on arrival)."""
+        """keys, values, positions, pre-RoPE keys (see `BlockwiseState.columns`), and the raw attention score a
+        of each token (scored on arrival)."""
         self.method.check_inputs(tokens)
-        base = (tokens.keys, tokens.values, tokens.positions, tokens.pre_rope_keys)
+        base = super().columns(tokens)
         return (*base, self.method.attention_scores(tokens)) if self.method.attention else base
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         columns = self.slots.view()
-        scores = self.method.blend(columns[4] if self.method.attention else None, held.pre_rope_keys, self.generator)
+        scores = self.method.blend(columns[-1] if self.method.attention else None, held.pre_rope_keys, self.generator)
         index = top_index(scores, self.budget)
         return tuple(take_slots(t, index) for t in columns)

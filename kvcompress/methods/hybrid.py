@@ -225,11 +225,17 @@ class HybridState(BlockwiseState):
     exactly (weight 1) or covered by the coreset, so the weights add up to the tokens seen.
     """
 
+    exact_within_budget = False  # the exact set re-compresses past its own share of the budget
+
     def __init__(self, method: Hybrid, budget: int, generator: torch.Generator, slack: float):
-        self.counts, n_coreset = method.split_budget(budget)
+        self.counts, self.coreset_slots = method.split_budget(budget)
         super().__init__(method, sum(self.counts), generator, slack)
         self.slack_slots = math.ceil(slack * budget)
-        self.coreset = method.coreset_method.new_stream(n_coreset, generator, slack)
+        self.coreset = method.coreset_method.new_stream(self.coreset_slots, generator, slack)
+
+    def most_slots(self) -> int:
+        """The tokens absorbed so far less the coreset's budget: the two together never allocate more than a full cache."""
+        return max(1, self.seen - self.coreset_slots)
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         exact, evicted = self.method.top(held, self.counts, self.generator)
