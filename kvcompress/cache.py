@@ -172,7 +172,8 @@ class CompressedLayer(CacheLayerMixin):
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass), most=self.seen)
+                summary = self._compress_once(keys, values, positions, queries, scale, attention_mass)
+                self.front = SlotBuffer(summary, most=summary.num_slots)  # room for later tokens comes with the first of them
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
@@ -232,7 +233,8 @@ class CompressedLayer(CacheLayerMixin):
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
         self.seen = keys.shape[2]
-        self.front = SlotBuffer(self._compress_once(keys, values, positions, queries, scale, attention_mass), most=self.seen)
+        summary = self._compress_once(keys, values, positions, queries, scale, attention_mass)
+        self.front = SlotBuffer(summary, most=summary.num_slots)
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 

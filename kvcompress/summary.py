@@ -204,7 +204,7 @@ def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
 
 class _GrowingSlots:
     """Tensors [B, H, capacity, ...] filled along the slot axis; `append` writes in place and
-    reallocates (one copy) only when full, with room for max(64, n/16) more slots (or up to
+    reallocates (one copy) only when full, with room for max(16, n/16) more slots (or up to
     `reserve` slots in all, when larger), never beyond `most` slots (when given) unless the slots
     themselves need more."""
 
@@ -215,7 +215,7 @@ class _GrowingSlots:
     def append(self, parts: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None) -> None:
         need = self.length + parts[0].shape[2]
         if not self.tensors or need > self.tensors[0].shape[2]:
-            capacity = max(need + max(64, need // 16), reserve)
+            capacity = max(need + max(16, need // 16), reserve)
             if most is not None:
                 capacity = max(need, min(capacity, most))
             grown = tuple(p.new_empty(*p.shape[:2], capacity, *p.shape[3:]) for p in parts)
@@ -239,7 +239,7 @@ class SlotBuffer:
     context is compressed, so a decode step writes one token instead of copying the whole state.
 
     `summary()` is a view of the filled slots (no copy). Storage keeps headroom of at most
-    max(64, n/16) slots, and never beyond `most` slots in all (a cache passes the tokens it has
+    max(16, n/16) slots, and never beyond `most` slots in all (a cache passes the tokens it has
     seen, so the allocation never exceeds a full cache's); `nbytes` counts the allocated keys and
     values (and normalizer keys), `index_nbytes` the log-weights and positions held.
     Appending follows `concat`: once a part has a normalizer, the denominator set is kept too

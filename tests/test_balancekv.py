@@ -233,11 +233,9 @@ def test_stream_weights_sum_and_size_bounded_over_32k_tokens(slack):
         st.update(keys, values)
         seen += 1024
         middle = st.state.summary()
-        slots = (middle.log_weights > -math.inf).sum() + (middle.normalizer.log_weights > -math.inf).sum()
-        peak = max(peak, int(slots))
+        peak = max(peak, int((middle.log_weights > -math.inf).sum()))
         absorbed = seen - 4 - 32
         assert math.isclose(middle.total_weight().item(), absorbed, rel_tol=1e-6)
-        assert math.isclose(middle.normalizer.log_weights.double().exp().sum().item(), absorbed, rel_tol=1e-6)
     assert peak <= 1024 + math.ceil(slack * 1024)
     full = st.summary()
     queries = torch.randn(1, 2, 3, 8, generator=g)
@@ -255,7 +253,7 @@ def test_stream_estimates_attention():
         for start in range(0, 2048, 256):
             st.update(keys[:, :, start : start + 256], values[:, :, start : start + 256])
         summary = st.summary()
-        assert summary.normalizer is not None
+        assert summary.normalizer is None  # self-normalised: one slot set for numerator and denominator
         errors.append(kvc.relative_error(kvc.weighted_attention(queries, summary), exact))
     assert sum(errors) / len(errors) < 0.15
 
@@ -292,16 +290,16 @@ def test_stream_slack_bounds_every_head_between_updates_and_compact_brings_it_to
     bound, most = budget + math.ceil(slack * budget), 0
     for start in range(0, n, 5):
         st.update(keys[:, :, start : start + 5], values[:, :, start : start + 5])
-        held = int(torch.bincount(st.state.pool["row"], minlength=b * h).max())
+        held = int(torch.isfinite(st.summary().log_weights).sum(-1).max())
         assert held <= bound
         most = max(most, held)
-        for part in (st.summary(), st.summary().normalizer):
-            assert torch.allclose(part.log_weights.double().exp().sum(-1), torch.full((b, h), start + 5.0, dtype=torch.float64))
+        assert st.summary().normalizer is None  # one slot set for numerator and denominator
+        assert torch.allclose(st.summary().log_weights.double().exp().sum(-1), torch.full((b, h), start + 5.0, dtype=torch.float64))
     assert most > budget  # the slack was used
     st.compact()
-    assert int(torch.bincount(st.state.pool["row"], minlength=b * h).max()) <= budget
     s = st.summary()
-    assert torch.allclose(s.normalizer.log_weights.double().exp().sum(-1), torch.full((b, h), float(n), dtype=torch.float64))
+    assert int(torch.isfinite(s.log_weights).sum(-1).max()) <= budget
+    assert torch.allclose(s.log_weights.double().exp().sum(-1), torch.full((b, h), float(n), dtype=torch.float64))
 
 
 def test_stream_slack_batches_the_halvings_into_fewer_walks(monkeypatch):
@@ -315,12 +313,12 @@ def test_stream_slack_batches_the_halvings_into_fewer_walks(monkeypatch):
     blocks = {}
     for slack in (0.0, 0.5):
         calls.clear()
-        st = kvc.stream("balancekv", budget=1024, sink=0, window=0, seed=0, slack=slack)
+        st = kvc.stream("balancekv", budget=256, sink=0, window=0, seed=0, slack=slack)
         for start in range(0, 2048, 64):
             st.update(keys[:, :, start : start + 64], values[:, :, start : start + 64])
         st.compact()
         blocks[slack] = list(calls)
-    assert len(blocks[0.5]) * 2 <= len(blocks[0.0])
+    assert len(blocks[0.5]) < len(blocks[0.0])
     assert max(blocks[0.5]) > max(blocks[0.0])
 
 
@@ -332,26 +330,25 @@ def test_stream_rejects_a_bad_slack_by_name(bad):
         kvc.stream("balancekv", budget=64, slack=bad)
 
 
-@pytest.mark.parametrize("rounds", [1, None])
-def test_stream_cascade_rounds_defer_or_drain_full_levels(rounds):
-    """cascade_rounds=None leaves no level below the top holding t slots (seed Alg. 4); 1 halves once per batch, one level behind at most."""
+def test_stream_cascade_rounds_change_the_halvings_not_the_bounds():
+    """cascade_rounds=None drains every full level at each reduction (seed Alg. 4), 1 halves each once: past the
+    budget both keep every head within it and the weights summing to the tokens seen, with different slots."""
     keys, values = _kv(b=1, h=1, n=1024, d=8, seed=5)
-    st = kvc.stream("balancekv", budget=4096, sink=0, window=0, seed=0, slack=0, batch=8, stream_block=4, levels=None, cascade_rounds=rounds)
-    deferred = 0
-    for start in range(0, 1024, 8):
-        st.update(keys[:, :, start : start + 8], values[:, :, start : start + 8])
-        pool = st.state.pool
-        group = pool["instance"] * 64 + pool["level"]
-        most = int(torch.unique(group, return_counts=True)[1].max())
-        assert most < (8 if rounds is None else 12)
-        deferred += most >= 8
-    total = st.summary().normalizer.log_weights.exp().sum()
-    assert math.isclose(float(total), 1024, rel_tol=1e-5)
-    assert (deferred > 0) == (rounds == 1)
+    digests = set()
+    for rounds in (1, None):
+        st = kvc.stream("balancekv", budget=128, sink=0, window=0, seed=0, slack=0, batch=8, stream_block=4, levels=None,
+                        cascade_rounds=rounds, augment=0.0)
+        for start in range(0, 1024, 8):
+            st.update(keys[:, :, start : start + 8], values[:, :, start : start + 8])
+            s = st.summary()
+            assert int(torch.isfinite(s.log_weights).sum()) <= 128
+            assert math.isclose(float(s.log_weights.double().exp().sum()), start + 8, rel_tol=1e-6)
+        digests.add(_digest(st.summary()))
+    assert len(digests) == 2
 
 
 def _digest(summary) -> str:
-    """sha256 prefix of a summary's positions and weights (in units of log 2, to 1e-4), normaliser included."""
+    """sha256 prefix of a summary's positions and weights (in units of log 2, to 1e-4), a normalizer's included."""
     parts = [summary.positions, summary.log_weights]
     if summary.normalizer is not None:
         parts += [summary.normalizer.positions, summary.normalizer.log_weights]
@@ -370,15 +367,16 @@ def _spread_kv(b, h, n, d, seed, spread, dtype):
     return keys.to(dtype), values.to(dtype)
 
 
-# Outputs of the implementation before the stream's speed-up (commit 5ba79db), on this project's CI
-# machine (x86-64 CPU, float32 kernels): the same kept slots and weights for the same seed.
+# Outputs of the stream with one slot set for numerator and denominator, halvings only past the budget
+# and streamed augmentation, on this project's CI machine (x86-64 CPU, float32 kernels): the same kept
+# slots and weights for the same seed.
 # (b, h, n, d, update block, budget, parameters, value-norm spread, dtype, seed, digest, FAIL events)
 PINNED_STREAMS = [
-    (1, 2, 600, 16, 40, 128, {}, 0.0, torch.float32, 0, "f801d9f531e978b3", 4041),
-    (2, 2, 700, 8, 64, 96, {"batch": 32, "stream_block": 12}, 1.0, torch.float32, 1, "870358d50dde5ddf", 7985),
-    (1, 3, 900, 16, 50, 24, {"batch": 16, "stream_block": 6, "levels": None, "cascade_rounds": None}, 1.5, torch.float32, 0, "4f68178e766b8676", 4313),
-    (1, 2, 800, 16, 100, 200, {"batch": 64, "stream_block": 16, "levels": 3}, 0.5, torch.bfloat16, 1, "63a8f28773a14348", 5006),
-    (1, 1, 300, 8, 7, 9, {"batch": 8, "stream_block": 4}, 2.0, torch.float32, 0, "425cbc6fb3b0f1bb", 254),
+    (1, 2, 600, 16, 40, 128, {}, 0.0, torch.float32, 0, "f5fcf22ed6a9ce63", 1800),
+    (2, 2, 700, 8, 64, 96, {"batch": 32, "stream_block": 12}, 1.0, torch.float32, 1, "6e635bdf7789acb5", 3333),
+    (1, 3, 900, 16, 50, 24, {"batch": 16, "stream_block": 6, "levels": None, "cascade_rounds": None}, 1.5, torch.float32, 0, "fa7beac9eb89a4eb", 1004),
+    (1, 2, 800, 16, 100, 200, {"batch": 64, "stream_block": 16, "levels": 3}, 0.5, torch.bfloat16, 1, "c1c26b41600a70f5", 2160),
+    (1, 1, 300, 8, 7, 9, {"batch": 8, "stream_block": 4}, 2.0, torch.float32, 0, "fb734e82ce8c1fce", 47),
 ]
 # (b, h, n, d, budget, parameters, data seed, digest)
 PINNED_ONE_SHOT = [

@@ -154,7 +154,8 @@ def test_plan_and_bounds():
 
 @pytest.mark.parametrize("g", [0, 1])
 def test_stream_invariants_over_64k_tokens(g):
-    """After every update: slots <= the documented bound (== the closed form), weights sum to the tokens seen."""
+    """After every update: exact while the tokens fit the budget, then slots <= the documented bound (== the
+    closed form), weights sum to the tokens seen."""
     n, budget = 65536, 96
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(1, 1, n, 4, generator=gen)
@@ -169,7 +170,7 @@ def test_stream_invariants_over_64k_tokens(g):
         stop = min(n, start + size)
         st.update(keys[:, :, start:stop], values[:, :, start:stop])
         s = st.summary()
-        assert s.num_slots == cache_slots(stop, m, g) <= stream_bound(m, g)
+        assert s.num_slots == (stop if stop <= budget else cache_slots(stop, m, g)) <= budget
         assert abs(float(s.total_weight()) - stop) < 1e-3 * stop
         most = max(most, s.num_slots)
         start = stop
@@ -406,11 +407,12 @@ def _digest(summary) -> str:
 # Outputs before the halving kernel was formed in place (commit ec268af), on this project's CI machine
 # (x86-64 CPU, float32 kernels): the same slots, weights and keys for the same seed. One-shot digests
 # re-pinned when whole blocks began to share Halve calls (their random swaps are drawn in another
-# order; benchmarks/results/express_blocks has the quality before and after).
+# order; benchmarks/results/express_blocks has the quality before and after); the second stream when
+# streams began holding tokens exactly until they pass the budget (its first blocks now arrive as one).
 # (b, h, n, d, update block, budget, parameters, dtype, seed, stream digest, one-shot digest)
 PINNED = [
     (1, 2, 1500, 16, 100, 96, {}, torch.float32, 0, "84aa30a878170b33", "722be0cc5a108595"),
-    (2, 2, 1200, 32, 64, 200, {"halving": "self-balancing", "max_group": 64}, torch.float32, 1, "15236fe89dc69179", "9fa0f98887b3ee3e"),
+    (2, 2, 1200, 32, 64, 200, {"halving": "self-balancing", "max_group": 64}, torch.float32, 1, "be6565afa4d67622", "9fa0f98887b3ee3e"),
     (1, 3, 1000, 16, 37, 60, {"g": 1}, torch.bfloat16, 2, "f660b6f6b14a5fd9", "df4bb297751699f2"),
 ]
 

@@ -32,6 +32,11 @@ def test_one_shot_keeps_the_score_methods_top_tokens_exactly_and_weights_cover_e
     assert bool((s.positions.diff(dim=-1) > 0).all())
 
 
+def _middle_slots(st) -> int:
+    """Slots of a stream's middle: the tokens it still holds exactly, or its state's summary once handed over."""
+    return st.exact.length if st.exact is not None else st.state.summary().num_slots
+
+
 @pytest.mark.parametrize("coreset", ["balancekv", "express"])
 def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
     k, v = _kv(n=500)
@@ -39,7 +44,7 @@ def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
     for start in range(0, 500, 37):
         st.update(k[:, :, start : start + 37], v[:, :, start : start + 37])
         coreset_slack = st.state.coreset.slack_slots if coreset == "balancekv" else 0  # BalanceKV's stream waits by its own slack
-        assert st.state.summary().num_slots <= 48 + math.ceil(DEFAULT_SLACK * 48) + coreset_slack  # budget + slack of the exact set
+        assert _middle_slots(st) <= 48 + math.ceil(DEFAULT_SLACK * 48) + coreset_slack  # budget + slack of the exact set
     s = st.summary()
     assert torch.allclose(s.total_weight(), torch.full((1, 2), 500.0, dtype=torch.float64))
     assert (s.log_weights == 0).sum(-1).min() >= 4 + 16 + 12
@@ -142,7 +147,7 @@ def test_mixed_score_streams_within_its_budget():
                     exact_fraction=[0.25, 0.25], coreset="express")
     for start in range(0, 400, 37):
         st.update(k[:, :, start : start + 37], v[:, :, start : start + 37])
-        assert st.state.summary().num_slots <= 48
+        assert _middle_slots(st) <= 48
     assert torch.allclose(st.summary().total_weight(), torch.full((1, 2), 400.0, dtype=torch.float64))
 
 
@@ -272,8 +277,9 @@ def _layer(b, h, group, n, d, seed, dtype):
     return [t.to(dtype) for t in (keys, values, queries, torch.randn(b, h, n, d, generator=g))]
 
 
-# Outputs of the hybrid before its stream's speed-up (commit ec268af), on this project's CI machine
-# (x86-64 CPU, float32 kernels): the same slots, weights, keys and values for the same seed. Express
+# Outputs of the hybrid on this project's CI machine (x86-64 CPU, float32 kernels): the same slots,
+# weights, keys and values for the same seed. The streams of the last two cases were re-pinned when
+# the stream began holding tokens exactly until they pass the budget, and BalanceKV's stream changed. Express
 # coreset cases re-pinned when its whole blocks began to share Halve calls (random swaps drawn in
 # another order; benchmarks/results/express_blocks has the quality before and after).
 # Express coresets keep the Halve groups of 128 they were pinned with (the default became 64), and the
@@ -285,8 +291,8 @@ PINNED = [
     (2, 2, 3, 600, 16, 50, 120, 4, 16, _GROUPS_128, torch.float32, 1, "373840a573b35f7f", "083df85cfb9dcd7d"),
     (1, 3, 1, 500, 8, 40, 90, 0, 0, {"score": ["tova", "keydiff"], "score_params": None, "exact_fraction": [0.2, 0.2], **_GROUPS_128}, torch.float32, 2,
      "50a3b93587543452", "ecc6d85568e16fe3"),
-    (1, 2, 2, 640, 16, 64, 128, 0, 0, {"coreset": "balancekv", "coreset_params": {"block_size": 256}}, torch.float32, 3, "ecd4d1840f239b1e", "0c3b31cb9dc77b70"),
-    (1, 2, 2, 512, 16, 32, 96, 0, 0, _GROUPS_128, torch.bfloat16, 4, "819f1bdc050273e9", "ea29583927971738"),
+    (1, 2, 2, 640, 16, 64, 128, 0, 0, {"coreset": "balancekv", "coreset_params": {"block_size": 256}}, torch.float32, 3, "43938fdfdc93c5ef", "0c3b31cb9dc77b70"),
+    (1, 2, 2, 512, 16, 32, 96, 0, 0, _GROUPS_128, torch.bfloat16, 4, "1c8cb41c38288c3c", "ea29583927971738"),
 ]
 
 

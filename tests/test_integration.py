@@ -108,9 +108,10 @@ def test_compressed_layers_really_shrink():
     assert half.kv_bytes < 0.6 * full.kv_bytes
     # 200 context tokens kept + 8 question + 3 decoded, per layer
     assert half.slots_per_layer == [200 + 8 + 3] * 2
-    # the stored bytes are what the tensors hold: keys+values (fp32) + log-weights (fp32) + positions (int64)
-    per_slot = 2 * 2 * 16 * 4 + 2 * (4 + 8)
-    assert half.kv_bytes == sum(half.slots_per_layer) * per_slot
+    # KV bytes are the keys and values (fp32, 2 heads) allocated: the slots held plus the room the
+    # first decoded token reserved for the next ones, max(16, n/16) slots
+    per_slot = 2 * 2 * 16 * 4
+    assert sum(half.slots_per_layer) * per_slot <= half.kv_bytes <= sum(s + 16 for s in half.slots_per_layer) * per_slot
 
 
 def test_chunked_peak_memory_is_budget_plus_block():

@@ -115,7 +115,7 @@ def test_slot_buffer_appends_like_concat(with_normalizer):
         if with_normalizer:
             torch.testing.assert_close(got.normalizer.keys, expected.normalizer.keys)
             torch.testing.assert_close(got.normalizer.log_weights, expected.normalizer.log_weights)
-    assert buffer.nbytes() == expected.nbytes() <= buffer.reserved_bytes()
+    assert expected.nbytes() <= buffer.nbytes()  # the allocation, its room for later slots included
     assert SlotBuffer(blocks[0]).append(blocks[2]).eviction_only
 
 

@@ -742,7 +742,11 @@ class BalanceKVStream(StreamState):
         outliers = self.outliers.exact() if self.outliers is not None else None
         if self.pool is None:
             return outliers
-        return concat([outliers, KVSummary(*self._stack())])
+        if outliers is None:
+            return KVSummary(*self._stack())
+        both = concat([outliers, KVSummary(*self._stack())])
+        order = both.positions.argsort(dim=-1)  # padding (position -1) first, then position order
+        return KVSummary(*_gather(order, both.keys, both.values, both.log_weights, both.positions))
 
     def _stack(self) -> tuple[torch.Tensor, ...]:
         """The slots as [B, H, m, ·] tensors in position order; padding has log-weight -inf and position -1."""

@@ -284,7 +284,8 @@ class BlockwiseState(StreamState):
         if self.slots.tensors and len(columns) != len(self.slots.tensors):
             raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
         self.seen += tokens.length
-        self.slots.append(columns, reserve=self.limit + self.slack_slots + tokens.length, most=self.most_slots())
+        room = self.limit + self.slack_slots + tokens.length  # what the buffer can hold before a re-compression
+        self.slots.append(columns, reserve=room, most=min(room, self.most_slots()))
         self.last = tokens
         self.peak_slots = max(self.peak_slots, self.slots.length)
         if self.slots.length > self.limit + self.slack_slots:
@@ -311,7 +312,7 @@ class BlockwiseState(StreamState):
         kept = self.keep(self.held())
         self.limit = max(self.budget, kept[0].shape[2])
         self.slots = _GrowingSlots()
-        self.slots.append(kept, reserve=self.limit + room, most=self.most_slots() if room else kept[0].shape[2])
+        self.slots.append(kept, reserve=self.limit + room, most=min(self.limit + room, self.most_slots()) if room else kept[0].shape[2])
 
     def compact(self) -> None:
         """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:

@@ -1,0 +1,136 @@
+"""Every registered method in every mode: the full cache at ratio 0, never more KV bytes than the full cache,
+and text the full model finds plausible under compression (docs/design.md, "Conformance")."""
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.integration import generate_ids
+
+from test_integration import ARCHS, _prompt, _reference, tiny
+
+METHODS = kvc.methods()
+MODES = ["prefill", "chunked", "decode"]
+NEW = 8
+
+
+def _within_full(res) -> None:
+    assert res.kv_bytes <= res.kv_bytes_full, (res.method, res.mode, res.kv_bytes, res.kv_bytes_full)
+    assert res.peak_kv_bytes <= res.kv_bytes_full, (res.method, res.mode, res.peak_kv_bytes, res.kv_bytes_full)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+def test_ratio_zero_is_the_full_cache_and_never_stores_more(method, mode):
+    """compression_ratio=0: every token held exactly, the greedy answer of plain generate, KV bytes <= the full cache's."""
+    model = tiny("llama")
+    ctx, question = _prompt()
+    ref = _reference(model, ctx, question, NEW)
+    res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
+    assert res.token_ids == ref
+    assert res.slots_per_layer == [ctx.shape[1] + question.shape[1] + NEW - 1] * 2
+    _within_full(res)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+def test_a_budget_above_the_prompt_is_the_full_cache(method, mode):
+    model = tiny("llama")
+    ctx, question = _prompt()
+    res = generate_ids(model, ctx, question, method=method, mode=mode, budget=1000, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
+    assert res.token_ids == _reference(model, ctx, question, NEW)
+    _within_full(res)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_family_holds_the_full_cache_at_ratio_zero(arch, mode):
+    model = tiny(arch)
+    ctx, question = _prompt()
+    ref = _reference(model, ctx, question, NEW)
+    for method in ("balancekv", "express", "subgen", "hybrid", "compactor"):
+        res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
+        assert res.token_ids == ref, (arch, mode, method)
+        _within_full(res)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("budget", [48, 12])
+def test_compressed_caches_never_store_more_than_the_full_cache(method, mode, budget):
+    model = tiny("llama")
+    ctx, question = _prompt(n=300)
+    window = 0 if method == "compactor" else 8  # Compactor's attention term streams with no window (its queries come per block)
+    res = generate_ids(model, ctx, question, method=method, mode=mode, budget=budget, sink=2, window=window, max_new_tokens=NEW,
+                       stop_at_eos=False, chunk_size=32)
+    _within_full(res)
+    assert max(res.slots_per_layer) < ctx.shape[1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_streams_at_a_budget_above_the_tokens_seen_are_the_exact_input(method):
+    """kvc.stream: while the tokens fit the budget, the summary is the input itself, weights 0, every position once."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
+    queries = torch.randn(1, 4, 300, 16, generator=g)
+    st = kvc.stream(method, budget=300, sink=2, window=0 if method == "compactor" else 4)
+    for start in range(0, 300, 37):
+        stop = min(300, start + 37)
+        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries[:, :, start:stop], pre_rope_keys=keys[:, :, start:stop])
+        s = st.summary()
+        assert s.normalizer is None and bool((s.log_weights == 0).all())
+        assert torch.equal(s.positions, torch.arange(stop).expand(1, 2, stop))
+        assert torch.equal(s.keys, keys[:, :, :stop]) and torch.equal(s.values, values[:, :, :stop])
+
+
+# The real default model: a needle in plain sentences (the example the modes were first found wrong on).
+_SENTENCES = ["The river runs past the old mill.", "Children play in the park after school.", "The baker opens his shop at dawn.",
+              "Clouds gather over the distant hills.", "A cat sleeps on the warm windowsill."]
+_CONTEXT = "The magic number is 7341. " + " ".join(_SENTENCES[i % 5] for i in range(45))
+_QUESTION = "What is the magic number?"
+# Largest mean negative log-likelihood (nats per token), under the full cache, of an answer given under
+# compression: the full cache's own answer scores about 0.3, plain sentences 1-3; gibberish scores 6 or more.
+NLL_MARGIN = 4.0
+
+
+def _answer_nll(model, tokenizer, answer_ids: list[int]) -> float:
+    """Mean NLL of answer_ids after the prompt, under the full model (no compression)."""
+    from kvcompress.integration.model import build_prompt
+
+    context_ids, question_ids = build_prompt(tokenizer, _CONTEXT, _QUESTION)
+    prompt = torch.cat([context_ids, question_ids], 1)
+    ids = torch.cat([prompt, torch.tensor([answer_ids])], 1)
+    with torch.inference_mode():
+        logits = model(ids).logits[0, prompt.shape[1] - 1 : -1].float()
+    return float(torch.nn.functional.cross_entropy(logits, ids[0, prompt.shape[1] :]))
+
+
+@pytest.fixture(scope="module")
+def full_answer(default_model):
+    model, tokenizer = default_model
+    return kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method=None, max_new_tokens=12, progress=False)
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+@pytest.mark.parametrize("mode", MODES)
+def test_default_model_every_method_answers_as_the_full_cache_at_ratio_zero(default_model, full_answer, mode):
+    model, tokenizer = default_model
+    for method in METHODS:
+        res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method=method, compression_ratio=0.0, mode=mode, max_new_tokens=12, progress=False)
+        assert res.token_ids == full_answer.token_ids, (method, mode, res.text)
+        _within_full(res)
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+@pytest.mark.parametrize("mode", MODES)
+def test_default_model_answers_stay_plausible_at_half_compression(default_model, full_answer, mode):
+    """At ratio 0.5 each method's answer is text the full model finds likely (no gibberish), and fits the full cache."""
+    model, tokenizer = default_model
+    assert _answer_nll(model, tokenizer, full_answer.token_ids) < 1.0
+    for method in METHODS:
+        res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method=method, compression_ratio=0.5, mode=mode, max_new_tokens=12, progress=False)
+        nll = _answer_nll(model, tokenizer, res.token_ids)
+        assert nll < NLL_MARGIN, (method, mode, res.text, nll)
+        _within_full(res)
