@@ -372,11 +372,11 @@ def _spread_kv(b, h, n, d, seed, spread, dtype):
 # slots and weights for the same seed.
 # (b, h, n, d, update block, budget, parameters, value-norm spread, dtype, seed, digest, FAIL events)
 PINNED_STREAMS = [
-    (1, 2, 600, 16, 40, 128, {}, 0.0, torch.float32, 0, "f5fcf22ed6a9ce63", 1800),
-    (2, 2, 700, 8, 64, 96, {"batch": 32, "stream_block": 12}, 1.0, torch.float32, 1, "6e635bdf7789acb5", 3333),
-    (1, 3, 900, 16, 50, 24, {"batch": 16, "stream_block": 6, "levels": None, "cascade_rounds": None}, 1.5, torch.float32, 0, "fa7beac9eb89a4eb", 1004),
-    (1, 2, 800, 16, 100, 200, {"batch": 64, "stream_block": 16, "levels": 3}, 0.5, torch.bfloat16, 1, "c1c26b41600a70f5", 2160),
-    (1, 1, 300, 8, 7, 9, {"batch": 8, "stream_block": 4}, 2.0, torch.float32, 0, "fb734e82ce8c1fce", 47),
+    (1, 2, 600, 16, 40, 128, {}, 0.0, torch.float32, 0, "9c412ff7d7880785", 1800),
+    (2, 2, 700, 8, 64, 96, {"batch": 32, "stream_block": 12}, 1.0, torch.float32, 1, "3fb9e12639d1fadd", 3333),
+    (1, 3, 900, 16, 50, 24, {"batch": 16, "stream_block": 6, "levels": None, "cascade_rounds": None}, 1.5, torch.float32, 0, "f734c054599555d2", 1004),
+    (1, 2, 800, 16, 100, 200, {"batch": 64, "stream_block": 16, "levels": 3}, 0.5, torch.bfloat16, 1, "5a8c9df3ac0110d2", 2160),
+    (1, 1, 300, 8, 7, 9, {"batch": 8, "stream_block": 4}, 2.0, torch.float32, 0, "f9fa9a19ab47a284", 47),
 ]
 # (b, h, n, d, budget, parameters, data seed, digest)
 PINNED_ONE_SHOT = [
