@@ -134,3 +134,13 @@ def test_default_model_answers_stay_plausible_at_half_compression(default_model,
         nll = _answer_nll(model, tokenizer, res.token_ids)
         assert nll < NLL_MARGIN, (method, mode, res.text, nll)
         _within_full(res)
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_default_model_balancekv_streams_find_the_needle_at_half_compression(default_model):
+    """BalanceKV in chunked and decode modes once answered gibberish here, even at ratio 0 (docs/design.md, "BalanceKV's stream")."""
+    model, tokenizer = default_model
+    for mode in ("chunked", "decode"):
+        res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method="balancekv", compression_ratio=0.5, mode=mode, max_new_tokens=12, progress=False)
+        assert "7341" in res.text, (mode, res.text)
