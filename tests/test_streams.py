@@ -220,3 +220,20 @@ def test_generate_passes_slack_to_the_cache():
         generate_ids(model, ctx, question, **{**common, "mode": "prefill"}, slack=0.5)
     with pytest.raises(ValueError, match="full cache: it takes no budget, compression_ratio, slack"):
         generate_ids(model, ctx, question, method=None, slack=0.5)
+
+
+@pytest.mark.parametrize("method", ["random", "clustergen"])
+def test_weighted_blockwise_streams_keep_their_weights(method):
+    """weighted=True through a block-wise stream: the kept slots carry weights summing to the tokens seen, as one-shot's do
+    (they once came back as plain slots, every log-weight 0, total = budget)."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 400, 8, generator=g), torch.randn(1, 2, 400, 8, generator=g)
+    st = kvc.stream(method, budget=40, sink=0, window=0, weighted=True)
+    for start in range(0, 400, 25):
+        st.update(keys[:, :, start : start + 25], values[:, :, start : start + 25])
+        total = st.summary().total_weight()
+        assert torch.allclose(total, torch.full_like(total, start + 25.0), rtol=1e-5)
+    st.compact()
+    s = st.summary()
+    assert s.num_slots == 40 and bool((s.log_weights > 0).any())
+    assert torch.allclose(s.total_weight(), torch.full((1, 2), 400.0, dtype=torch.float64), rtol=1e-5)

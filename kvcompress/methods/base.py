@@ -254,7 +254,9 @@ class BlockwiseState(StreamState):
     peak budget + block). `compact()` re-compresses now, so the state holds `budget`.
     The buffer never allocates more slots than the tokens it has absorbed, so it never holds more
     than a full cache of the same tokens would.
-    The re-compression sees only plain kept tokens; weighted slots are not re-weighted here.
+    A method that keeps weighted slots (Random and ClusterGen with weighted=True) compresses the
+    held tokens as if each stood for one token; a kept slot's weight is then its held weight times
+    the method's, scaled so the weights still sum to the tokens absorbed (as one-shot's do).
     """
 
     recompresses = True
@@ -268,6 +270,7 @@ class BlockwiseState(StreamState):
         self.last: Tokens | None = None
         self.peak_slots = 0
         self.seen = 0
+        self.log_weights: torch.Tensor | None = None  # [B,H,held] once a re-compression kept weighted slots
 
     def most_slots(self) -> int:
         """The most slots the buffer may allocate: the tokens absorbed so far (what a full cache would hold)."""
@@ -286,6 +289,8 @@ class BlockwiseState(StreamState):
         self.seen += tokens.length
         room = self.limit + self.slack_slots + tokens.length  # what the buffer can hold before a re-compression
         self.slots.append(columns, reserve=room, most=min(room, self.most_slots()))
+        if self.log_weights is not None:
+            self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(tokens.positions.shape)], -1)
         self.last = tokens
         self.peak_slots = max(self.peak_slots, self.slots.length)
         if self.slots.length > self.limit + self.slack_slots:
@@ -302,7 +307,12 @@ class BlockwiseState(StreamState):
         """The stored columns of the tokens the method keeps from `held` (more than budget)."""
         summary = self.method.compress(held, self.budget, self.generator)
         extra = self.slots.view()[3:]
-        index = _positions_index(held.positions, summary.positions) if extra else None
+        weighted = self.log_weights is not None or not bool((summary.log_weights == 0).all())
+        index = _positions_index(held.positions, summary.positions) if extra or weighted else None
+        if weighted:
+            before = self.log_weights if self.log_weights is not None else torch.zeros(held.positions.shape, device=held.keys.device)
+            kept = take_slots(before, index) + summary.log_weights
+            self.log_weights = kept + (before.logsumexp(-1) - kept.logsumexp(-1)).unsqueeze(-1)
         return (summary.keys, summary.values, summary.positions, *(take_slots(t, index) for t in extra))
 
     def recompress(self, room: int) -> None:
@@ -325,7 +335,10 @@ class BlockwiseState(StreamState):
             self.slots.append(held, most=self.slots.length + held[0].shape[2])
 
     def summary(self) -> KVSummary | None:
-        return self.held().exact() if self.last is not None else None
+        if self.last is None:
+            return None
+        held = self.held()
+        return held.exact() if self.log_weights is None else KVSummary(held.keys, held.values, self.log_weights, held.positions)
 
     def nbytes(self) -> int:
         """KV bytes of the buffer as allocated (its room for the next blocks included): keys, values and any
