@@ -333,3 +333,19 @@ def test_stream_update_checks_finiteness_without_a_host_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(ValueError, match="keys contain NaN"):
         check_kv(keys.clone().fill_(float("nan")), values)
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 1, 0, None])
+def test_boolean_method_parameters_accept_only_booleans(value):
+    """`--param weighted=no` once reached the method as the truthy string "no" and turned weighting on."""
+    with pytest.raises(ValueError, match=r"parameter weighted must be True or False \(on the command line: true or false\), got"):
+        build_method("random", weighted=value)
+
+
+def test_boolean_method_parameters_from_the_command_line():
+    from kvcompress.cli import parse_params
+
+    assert build_method("random", **parse_params(["weighted=false"])).weighted is False
+    assert build_method("clustergen", **parse_params(["weighted=TRUE"])).weighted is True
+    with pytest.raises(ValueError, match="parameter weighted must be True or False"):
+        build_method("random", **parse_params(["weighted=no"]))

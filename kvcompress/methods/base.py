@@ -490,6 +490,11 @@ def build_method(name: str, **params) -> Method:
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"method {name!r} has no parameter(s) {unknown}; its parameters are {sorted(known)}")
+    for f in fields(cls):
+        if f.type in ("bool", bool) and f.name in params and not isinstance(params[f.name], bool):
+            raise ValueError(
+                f"method {name!r} parameter {f.name} must be True or False (on the command line: true or false), got {params[f.name]!r}"
+            )
     return cls(**params)
 
 
