@@ -403,3 +403,17 @@ def test_one_shot_output_matches_the_implementation_before_the_speed_up(index):
     keys, values = _spread_kv(b, h, n, d, data_seed, 0.5, torch.float32)
     summary = kvc.compress("balancekv", keys, values, budget=budget, sink=0, window=0, seed=index, **params)
     assert _digest(summary) == expected
+
+
+def test_each_stream_counts_its_own_failures():
+    """Every layer's stream shares one BalanceKV instance: its FAIL events once landed on that instance, so a
+    cache reported only the last layer's; each stream now counts its own."""
+    keys, values = _kv(b=1, h=2, n=600, d=16, seed=3)
+    method = BalanceKV()
+    first, second = method.new_stream(64, _gen(0)), method.new_stream(64, _gen(1))
+    positions = torch.arange(600).expand(1, 2, 600)
+    first.absorb(Tokens(keys, values, positions, scale=0.25))
+    count = first.failures
+    assert count > 0 and second.failures == 0
+    second.absorb(Tokens(keys[:, :, :300], values[:, :, :300], positions[:, :, :300], scale=0.25))
+    assert first.failures == count and second.failures > 0

@@ -296,7 +296,7 @@ class BalanceKV(Method):
 
     @property
     def failures(self) -> int:
-        """FAIL events (see `balancing_walk`) of the last one-shot call, or of the stream so far."""
+        """FAIL events (see `balancing_walk`) of the last one-shot call (a stream counts its own: `BalanceKVStream.failures`)."""
         return int(self.fail_events)
 
     @property
@@ -466,11 +466,13 @@ class BalanceKVStream(StreamState):
         self.shape: tuple[int, int] | None = None
         self.template: tuple[torch.Tensor, torch.Tensor] | None = None
         self.events = 0
+        self.fail_events = 0  # a 0-d tensor once counted (no host sync per halving)
         self.stored_rows = 0  # rows ever written: the buffers never grow past them (a full cache's size)
 
     @property
     def failures(self) -> int:
-        return self.method.failures
+        """FAIL events of this stream's halvings so far (each layer's stream counts its own)."""
+        return int(self.fail_events)
 
     def absorb(self, tokens: Tokens) -> None:
         if self.exact_count:
@@ -693,7 +695,7 @@ class BalanceKVStream(StreamState):
         keys = self.keys.index_select(0, token.reshape(-1)).view(*token.shape, self.keys.shape[-1])
         values = self.values.index_select(0, token.reshape(-1)).view(*token.shape, self.values.shape[-1])
         keep, fails = halve_mask(keys, values, lengths, scale, self.method, self.method.stream_block, "value", self.generator)
-        self.method.fail_events += fails
+        self.fail_events += fails
         if lengths is not None:
             valid = offsets < lengths[:, None]
             keep, slot = keep[valid], slot[valid]
