@@ -284,6 +284,30 @@ def test_streams_stay_bounded(method, layer, budget, blocks):
     assert stream.seen == n
 
 
+@pytest.mark.parametrize("method", METHODS)
+@FEW
+@given(layer=layers(min_n=24, max_n=96, dtypes=DTYPES), extra=st.integers(0, 5), blocks=st.lists(st.integers(1, 40), min_size=1, max_size=6))
+def test_streams_are_exact_when_the_budget_covers_every_token(method, layer, extra, blocks):
+    """At a budget of at least the tokens seen, after every update a stream's summary is its input: every token once,
+    in order, log-weight 0 (so the weights sum to the tokens seen), no normalizer."""
+    keys, values, queries = layer["keys"], layer["values"], layer["queries"]
+    n, cls = keys.shape[2], get_method_class(method)
+    window = 0 if method == "compactor" else layer["window"]
+    stream = kvc.stream(method, budget=n + extra, sink=layer["sink"], window=window, seed=layer["seed"])
+    start = 0
+    for size in blocks * (n // sum(blocks) + 1):
+        if start >= n:
+            break
+        stop = min(n, start + size)
+        extra_inputs = {"pre_rope_keys": keys[:, :, start:stop]} if cls.needs_pre_rope_keys else {}
+        stream.update(keys[:, :, start:stop], values[:, :, start:stop], queries=queries[:, :, start:stop], **extra_inputs)
+        s = stream.summary()
+        assert s.normalizer is None and bool((s.log_weights == 0).all())
+        assert torch.equal(s.positions, torch.arange(stop).expand_as(s.positions))
+        assert torch.equal(s.keys, keys[:, :, :stop]) and torch.equal(s.values, values[:, :, :stop])
+        start = stop
+
+
 def _summary_tensors(s) -> list[torch.Tensor]:
     parts = [s.keys, s.values, s.log_weights, s.positions]
     if s.normalizer is not None:
