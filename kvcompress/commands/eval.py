@@ -10,6 +10,7 @@ from ..cache import MODES
 from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, parse_params, resolve_device
 from ..eval.approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
 from ..eval.benchmarks import BENCHMARKS
+from ..eval.perplexity import DEFAULT_BLOCK, DEFAULT_CONTEXT_FRACTION, PERPLEXITY
 from ..eval.runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS
 
@@ -31,6 +32,16 @@ Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PA
   --ray [ADDRESS]          run each sample (its prefill and all its methods) as a Ray task, on the
                            cluster at ADDRESS or a local one; crashed workers' samples are retried
                            and the driver alone writes OUT/results.jsonl (pip install kvcompress[ray]).
+  kvcompress eval --tasks perplexity
+                           language modelling under compression (the StreamingLLM / H2O protocol):
+                           documents of real prose (--lengths tokens, default 2048; --samples per
+                           length), the first --context-fraction (3/4) as context, the rest scored
+                           teacher-forced in blocks of --block; prefill mode compresses the context
+                           once, decode mode streams every token in blocks of --chunk-size (default
+                           modes: prefill,decode). Perplexity and its ratio to the full cache, with
+                           95% t-intervals over documents; LOWER IS BETTER. Writes OUT/results.jsonl
+                           (resumable), OUT/summary.csv, OUT/summary.md and
+                           OUT/leaderboard_perplexity.md/.html/.png. It runs alone (not with other tasks).
   kvcompress eval approx   relative error of attention over each method's summary of real q/k/v
                            (seed 000 App. B.1): sinks and the last --queries tokens exact, the middle
                            compressed; writes OUT/approx.csv, OUT/approx.md and OUT/approx.png.
@@ -64,12 +75,16 @@ def add_cli(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t = p.add_argument_group("tasks (kvcompress eval [tasks])")
     t.add_argument("--tasks", type=name_list, default=None,
-                   help=f"comma-separated tasks (default: {','.join(DEFAULT_TASKS)}; with --benchmark: every task in --data)")
-    t.add_argument("--lengths", type=int_list, default=None, help="comma-separated context lengths in tokens (default: 2048,4096; not with --benchmark)")
+                   help=f"comma-separated tasks (default: {','.join(DEFAULT_TASKS)}; with --benchmark: every task in --data); "
+                        f"or {PERPLEXITY} alone: language modelling under compression (see above)")
+    t.add_argument("--lengths", type=int_list, default=None, help="comma-separated context lengths in tokens (default: 2048,4096; not with --benchmark); "
+                   f"with --tasks {PERPLEXITY}: document lengths (default 2048)")
     t.add_argument("--samples", type=int, default=None, help="samples per task and length (default 4); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
-                   "With --benchmark: the first N samples of each task (default: all)")
-    t.add_argument("--modes", type=name_list, default=["prefill"], help=f"comma-separated modes among {','.join(MODES)} (default: prefill); "
-                   "chunked/decode get the middle budget the ratio gives in prefill mode")
+                   "With --benchmark: the first N samples of each task (default: all). "
+                   f"With --tasks {PERPLEXITY}: documents per length (default 4); document i is the same in every run of a --seed")
+    t.add_argument("--modes", type=name_list, default=None, help=f"comma-separated modes among {','.join(MODES)} (default: prefill; "
+                   f"with --tasks {PERPLEXITY}: prefill,decode); chunked/decode get the middle budget the ratio gives in prefill mode "
+                   f"({PERPLEXITY}, decode mode: the ratio of the whole document)")
     t.add_argument("--seed", type=int, default=0, help="base seed of the task generators and of randomised methods (default 0)")
     t.add_argument("--haystack", default=None, choices=HAYSTACKS, help="needle haystack: repeated filler or real prose (default filler)")
     t.add_argument("--kind", default=None, choices=NEEDLE_KINDS, help="needle values (default numbers)")
@@ -84,6 +99,11 @@ def add_cli(subparsers) -> None:
     t.add_argument("--no-reuse-prefill", action="store_true", help="re-prefill the context for every method (to measure what prefill reuse saves)")
     t.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: per task, enough for its answers)")
     t.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode modes (default 128)")
+    lm = p.add_argument_group(f"language modelling under compression (kvcompress eval --tasks {PERPLEXITY})")
+    lm.add_argument("--context-fraction", type=float, default=None,
+                    help=f"share of each document given as context; the rest is scored (default {DEFAULT_CONTEXT_FRACTION})")
+    lm.add_argument("--block", type=int, default=None,
+                    help=f"continuation tokens fed (teacher-forced) per forward in prefill/chunked modes and for the full cache (default {DEFAULT_BLOCK})")
     b = p.add_argument_group("standard benchmarks and scale-out (kvcompress eval [tasks])")
     b.add_argument("--benchmark", default=None, choices=BENCHMARKS, help="evaluate on a standard benchmark's local files instead of the generated tasks")
     b.add_argument("--data", type=Path, default=None, help="the benchmark's data: a .jsonl/.parquet file, a directory of them, or a datasets save_to_disk directory")
@@ -115,7 +135,51 @@ def run_cli(args) -> int:
         if args.benchmark or args.shard or args.ray is not None:
             raise ValueError("--benchmark, --shard and --ray apply to the task sweep, not to `eval approx`")
         return _run_approx(args)
+    if args.tasks and PERPLEXITY in args.tasks:
+        return _run_perplexity(args)
+    if args.context_fraction is not None or args.block is not None:
+        raise ValueError(f"--context-fraction and --block apply to --tasks {PERPLEXITY}")
     return _run_sweep(args)
+
+
+def _run_perplexity(args) -> int:
+    """Language modelling under compression (`eval.perplexity`), then its summary and leaderboard."""
+    from ..integration import load_model
+    from ..integration.model import DEFAULT_NAME
+    from ..eval.perplexity import run_perplexity, write_report
+
+    config = _perplexity_config(args)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    start = time.perf_counter()
+    records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
+                             shard=args.shard)
+    outputs = write_report(records, args.out)
+    print(outputs[0].read_text())
+    _done(start, outputs)
+    return 0
+
+
+def _perplexity_config(args):
+    """The perplexity run's config from the eval flags; flags of the question-answering sweep are refused."""
+    from ..eval.perplexity import PerplexityConfig
+
+    others = [t for t in args.tasks if t != PERPLEXITY]
+    if others:
+        raise ValueError(f"--tasks {PERPLEXITY} runs alone (its records and summary differ from the question-answering tasks'), "
+                         f"got it with {others}; run those with another --out")
+    given = [f for f, v in (("--benchmark", args.benchmark), ("--data", args.data), ("--haystack", args.haystack), ("--kind", args.kind),
+                            ("--task-param", args.task_param), ("--grid-lengths", args.grid_lengths), ("--grid-depths", args.grid_depths),
+                            ("--grid-ratios", args.grid_ratios != [0.75]), ("--grid-task", args.grid_task != "niah_single"),
+                            ("--max-new-tokens", args.max_new_tokens), ("--no-reuse-prefill", args.no_reuse_prefill),
+                            ("--ray", args.ray is not None)) if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} do not apply to --tasks {PERPLEXITY} (it scores a document's own continuation, no questions)")
+    if args.samples is not None and args.samples < 1:
+        raise ValueError(f"--samples (documents per length with --tasks {PERPLEXITY}) must be >= 1, got {args.samples}")
+    options = {k: v for k, v in (("modes", args.modes), ("lengths", args.lengths), ("documents", args.samples),
+                                 ("context_fraction", args.context_fraction), ("block", args.block)) if v is not None}
+    return PerplexityConfig(methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), seed=args.seed, chunk_size=args.chunk_size,
+                            include_full=not args.no_full, **options)
 
 
 def _run_approx(args) -> int:
@@ -192,7 +256,7 @@ def _sweep_config(args):
     elif args.data is not None:
         raise ValueError("--data goes with --benchmark")
     return SweepConfig(
-        methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), modes=args.modes, tasks=args.tasks,
+        methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
         lengths=args.lengths or list(DEFAULT_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else 4), seed=args.seed,
         haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
         data=None if args.data is None else str(args.data),

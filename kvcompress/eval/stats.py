@@ -7,6 +7,8 @@
   exact McNemar test: only discordant pairs count), via scipy's binomial test.
 - `paired_comparisons`: every method against the best baseline of its (ratio, mode, task) cell,
   pairing records of the same sample (task, length, index, depth).
+- `t_interval`: Student-t interval of a mean over independent units (e.g. per-document
+  log-perplexities, or their paired differences against the full cache), via scipy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 from collections import defaultdict
 
 from scipy.stats import binomtest
+from scipy.stats import t as student_t
 
 Z95 = 1.959963984540054
 SAMPLE_KEY = ("task", "length", "index", "depth")
@@ -32,6 +35,25 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     # The interval contains p mathematically; clamping keeps it so after rounding (p = 0 or 1 exactly).
     return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
+
+
+def t_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the Student-t interval of the mean of independent values (n - 1 degrees of freedom).
+
+    One value: (value, nan, nan), no interval; none: (nan, nan, nan).
+    """
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be a number in (0, 1), e.g. 0.95, got {confidence!r}")
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, float("nan"), float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def sign_test(wins: int, losses: int) -> float:
