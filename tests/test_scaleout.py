@@ -124,8 +124,20 @@ def test_results_file_never_records_a_cell_twice(tmp_path):
     assert second.write([{"key": "b"}, {"key": "c"}]) == 1  # sees what the other writer appended
     with path.open("a") as f:
         f.write('{"key": "torn')
+    assert [r["key"] for r in runner.read_results(path)] == ["a", "b", "c"]  # a torn last line: resumable
     assert first.write([{"key": "a"}, {"key": "d"}]) == 1
     assert [r["key"] for r in runner.read_results(path)] == ["a", "b", "c", "d"]
+    assert b"torn" not in path.read_bytes()  # cut off before the next record
+
+
+def test_results_file_refuses_a_corrupt_line_before_the_last_naming_it(tmp_path):
+    path = tmp_path / runner.RESULTS_FILE
+    path.write_text('{"key": "a"}\n{"key": oops}\n{"key": "c"}\n')
+    with pytest.raises(ValueError, match=r"line 2 is not a JSON record"):
+        runner.read_results(path)
+    with pytest.raises(ValueError, match=r"line 2 is not a JSON record"):
+        runner.ResultsFile(path).write([{"key": "d"}])
+    assert path.read_text().count("\n") == 3  # nothing written
 
 
 def test_cli_runs_a_benchmark_on_ray(ray_cluster, tiny_checkpoint, tmp_path, capsys):

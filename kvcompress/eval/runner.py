@@ -248,10 +248,11 @@ def cells_for(spec: SampleSpec, config: SweepConfig) -> list[Cell]:
 
 
 def read_results(path: Path) -> list[dict]:
-    """Records of a results JSONL file; a line cut short by an interruption is ignored."""
+    """Records of a results JSONL file. A last line cut short by an interruption (no newline after it) is
+    ignored, so the run resumes; an undecodable line anywhere else is a ValueError naming it."""
     if not path.is_file():
         return []
-    return _parse_lines(path.read_text())
+    return _parse_lines(path.read_bytes(), path)
 
 
 def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids):
@@ -287,8 +288,9 @@ class ResultsFile:
 
     Several writers (shards, the Ray driver) may share it. Under the lock each writer first reads
     what the others appended since its last write, so `write` skips a cell whose key is already in
-    the file and no cell is ever recorded twice. A line torn by an interrupted writer is closed
-    with a newline before the next record.
+    the file and no cell is ever recorded twice. A last line torn by an interrupted writer (no
+    newline after it) is cut off before the next record is appended, so every line before the last
+    is a whole record, and an undecodable one is corruption (`_parse_lines`).
     """
 
     def __init__(self, path: Path):
@@ -296,17 +298,17 @@ class ResultsFile:
         self.path.touch()
         self._done: set[str] = set()
         self._offset = 0
+        self._lines = 0  # whole lines read so far
 
-    def _catch_up(self, f) -> bool:
-        """Read the records appended since the last call; return whether the file ends inside a line."""
+    def _catch_up(self, f) -> int:
+        """Read the whole records appended since the last call; return the length of a torn last line (0: none)."""
         f.seek(self._offset)
         tail = f.read()
-        self._done.update(r["key"] for r in _parse_lines(tail))
-        self._offset += len(tail)
-        if self._offset == 0:
-            return False
-        f.seek(self._offset - 1)
-        return f.read(1) != b"\n"
+        whole = tail.rfind(b"\n") + 1
+        self._done.update(r["key"] for r in _parse_lines(tail[:whole], self.path, self._lines + 1))
+        self._offset += whole
+        self._lines += tail.count(b"\n")
+        return len(tail) - whole
 
     def keys(self) -> set[str]:
         """Keys of every record now in the file."""
@@ -323,10 +325,11 @@ class ResultsFile:
         with self.path.open("r+b") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                torn = self._catch_up(f)
+                if self._catch_up(f):
+                    f.truncate(self._offset)
                 fresh = [r for r in records if r["key"] not in self._done]
-                data = ("\n" if torn else "") + "".join(json.dumps(r) + "\n" for r in fresh)
-                f.write(data.encode())
+                f.seek(self._offset)
+                f.write("".join(json.dumps(r) + "\n" for r in fresh).encode())
                 f.flush()
                 self._offset = f.tell()
                 self._done.update(r["key"] for r in fresh)
@@ -335,14 +338,21 @@ class ResultsFile:
         return len(fresh)
 
 
-def _parse_lines(text: str | bytes) -> list[dict]:
-    """JSON records of the complete lines of a JSONL text; broken lines are skipped."""
+def _parse_lines(text: bytes, path: Path, first_line: int = 1) -> list[dict]:
+    """JSON records of the whole lines of a JSONL text from `path`, its first line numbered `first_line` (a
+    last line with no newline after it is torn: skipped); an undecodable whole line is a ValueError naming it."""
+    lines = text.split(b"\n")
     records = []
-    for line in text.splitlines():
+    for number, line in enumerate(lines[:-1], first_line):
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(
+                f"{path}: line {number} is not a JSON record ({err}); only a torn last line is "
+                "expected after an interruption: repair or remove that line, or start a new --out folder"
+            ) from None
     return records
 
 
