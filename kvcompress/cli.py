@@ -127,6 +127,8 @@ def _run_generate(args) -> int:
     from .integration import generate, load_model
     from .methods.base import build_method, check_sink_window, resolve_budget
 
+    if args.context_file.is_dir():
+        raise ValueError(f"--context-file {str(args.context_file)!r} is a directory: pass a text file")
     if not args.context_file.is_file():
         raise ValueError(f"--context-file {str(args.context_file)!r} does not exist")
     full = args.method == "full"
@@ -145,7 +147,13 @@ def _run_generate(args) -> int:
             CompressionSettings(method, args.mode, budget=1, slack=args.slack)
         check_sink_window(*default_sink_window(args.method, args.sink, args.window))
         resolve_budget(10**9, args.budget, args.compression_ratio, 0, 0)
-    context = args.context_file.read_text()
+    try:
+        context = args.context_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--context-file {str(args.context_file)!r} is not UTF-8 text (byte {err.start}: {err.reason}); "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window,
                             "slack": args.slack}

@@ -23,6 +23,9 @@ CAL = ["calibrate", "--out", "{tmp}/cal.json"]
 CASES = {
     # generate
     "generate missing context file": (["generate", "--context-file", "{tmp}/none.txt", "--budget", "8"], "--context-file"),
+    "generate context file is a directory": (["generate", "--context-file", "{tmp}", "--budget", "8"], "is a directory: pass a text file"),
+    "generate boolean parameter not a boolean": ([*GEN, "--method", "random", "--budget", "8", "--param", "weighted=no"],
+                                                 "weighted must be True or False (on the command line: true or false)"),
     "generate missing model directory": ([*GEN, "--budget", "8", "--model", "{tmp}/no-model"], "checkpoint"),
     "generate no context file flag": (["generate", "--budget", "8"], "--context-file"),
     "generate budget not a number": ([*GEN, "--budget", "many"], "--budget"),
@@ -44,6 +47,7 @@ CASES = {
     "generate full with a budget": ([*GEN, "--method", "full", "--budget", "8"], "--method full"),
     # demo
     "demo unknown method": (["demo", "--methods", "zip"], "unknown method"),
+    "demo comma-separated methods, one unknown": (["demo", "--methods", "keydiff,zip"], "unknown method(s) ['zip']"),
     "demo ratio not a number": (["demo", "--compression-ratio", "half"], "--compression-ratio"),
     "demo ratio one": (["demo", "--compression-ratio", "1"], "compression-ratio"),
     "demo depth above one": (["demo", "--depth", "1.5"], "depth"),
@@ -112,3 +116,11 @@ def test_bad_command_lines_exit_2_with_one_line(name, tmp_path, context_file, ca
     assert len(lines) == 1, captured.err
     assert "Traceback" not in captured.err and expected in lines[0]
     assert lines[0].startswith("kvcompress")
+
+
+def test_a_context_file_that_is_not_utf8_names_the_flag_the_file_and_a_fix(tmp_path, capsys):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("Caf\xe9 au lait. ".encode("latin-1") * 10)
+    assert main(["generate", "--context-file", str(path), "--budget", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--context-file" in err[0] and "latin1.txt" in err[0] and "not UTF-8" in err[0] and "iconv" in err[0]

@@ -349,3 +349,33 @@ def test_boolean_method_parameters_from_the_command_line():
     assert build_method("clustergen", **parse_params(["weighted=TRUE"])).weighted is True
     with pytest.raises(ValueError, match="parameter weighted must be True or False"):
         build_method("random", **parse_params(["weighted=no"]))
+
+
+@pytest.fixture(scope="module")
+def tiny_generate(tiny_checkpoint):
+    """(model, tokenizer) of the tiny checkpoint, for kvc.generate's argument checks."""
+    return kvc.load_model(str(tiny_checkpoint))
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "4"])
+def test_generate_refuses_a_max_new_tokens_that_is_not_a_positive_integer(tiny_generate, value):
+    """max_new_tokens 0 or -1 once returned one token, and 2.5 three."""
+    model, tokenizer = tiny_generate
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got"):
+        kvc.generate(model, tokenizer, "some context " * 8, "a question?", method="knorm", budget=8, max_new_tokens=value, progress=False)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got"):
+        generate_ids(model, torch.ones(1, 20, dtype=torch.long), None, method="knorm", budget=8, max_new_tokens=value)
+
+
+@pytest.mark.parametrize(("context", "question", "match"), [
+    (None, "q?", r"context must be a str, got NoneType"),
+    ([None], "q?", r"context must be a str, got NoneType"),
+    ("some context", 123, r"question must be a non-empty str, or None for no question, got 123"),
+    ("some context", "", r"question must be a non-empty str, or None for no question, got ''"),
+    ("some context", "   ", r"question must be a non-empty str"),
+])
+def test_generate_refuses_a_context_or_question_that_is_not_text(tiny_generate, context, question, match):
+    """context=None once failed with an AttributeError deep inside, question=123 with a TypeError, and "" meant no question."""
+    model, tokenizer = tiny_generate
+    with pytest.raises(ValueError, match=match):
+        kvc.generate(model, tokenizer, context, question, method="knorm", budget=8, max_new_tokens=2, progress=False)

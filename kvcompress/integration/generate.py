@@ -357,6 +357,7 @@ def generate_ids(
     `model.generate` on the same cache.
     """
     options = {k: v for k, v in locals().items() if k in _SESSION_OPTIONS}
+    as_count("max_new_tokens", max_new_tokens, 1)
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
@@ -389,6 +390,7 @@ def answer_questions_ids(
     """
     if not questions_ids:
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
+    as_count("max_new_tokens", max_new_tokens, 1)
     if options.get("compress_question"):
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
     session = _session(model, _Prompt(context_ids, None), {**options, "max_new_tokens": max_new_tokens})
@@ -423,6 +425,7 @@ def generate_batch_ids(
     """
     if not contexts_ids:
         raise ValueError("contexts_ids must be a non-empty list of [1, n] token id tensors")
+    as_count("max_new_tokens", max_new_tokens, 1)
     width = max(c.shape[1] for c in contexts_ids)
     pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
@@ -471,9 +474,12 @@ def generate(
     from .model import build_prompt
 
     contexts = context if isinstance(context, list) else [context]
-    bad = next((c for c in contexts if not isinstance(c, str)), None)
-    if bad is not None:
-        raise ValueError(f"context must be a str, got {type(bad).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad, bytes) else "") + "; a batch is a list of str")
+    bad = [c for c in contexts if not isinstance(c, str)]
+    if bad:
+        raise ValueError(f"context must be a str, got {type(bad[0]).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad[0], bytes) else "") + "; a batch is a list of str")
+    if question is not None and (not isinstance(question, str) or not question.strip()):
+        raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
+    as_count("max_new_tokens", max_new_tokens, 1)
     if not contexts or any(not c.strip() for c in contexts):
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
     if questions is not None and (question is not None or isinstance(context, list)):
