@@ -144,3 +144,31 @@ def test_default_model_balancekv_streams_find_the_needle_at_half_compression(def
     for mode in ("chunked", "decode"):
         res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method="balancekv", compression_ratio=0.5, mode=mode, max_new_tokens=12, progress=False)
         assert "7341" in res.text, (mode, res.text)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+def test_ratio_zero_logits_equal_the_full_cache_fed_the_same_blocks(method, mode):
+    """Prompt blocks then single tokens through a CompressedCache at a budget covering them all, and through a
+    DynamicCache: the logits at every step agree within float32 rounding."""
+    from transformers import DynamicCache
+
+    from kvcompress.integration import use_compressed_attention
+
+    model = tiny("llama")
+    ctx, _ = _prompt(n=120)
+    blocks = [ctx] if mode == "prefill" else list(ctx.split(32, dim=1))
+    steps = blocks + [torch.tensor([[t]]) for t in (5, 17, 42, 7)]
+    size = {"compression_ratio": 0.0} if mode == "prefill" else {"budget": 200}
+    cache = kvc.CompressedCache(model, method, mode=mode, **size)
+    if mode == "chunked":
+        cache.absorbing = True
+    full = DynamicCache(config=model.config)
+    with torch.inference_mode(), use_compressed_attention(model):
+        for i, ids in enumerate(steps):
+            if mode == "chunked" and i == len(blocks):
+                cache.absorbing = False
+            compressed = model(ids, past_key_values=cache, use_cache=True).logits
+            reference = model(ids, past_key_values=full, use_cache=True).logits
+            torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
+    assert cache.slots_per_layer() == [ctx.shape[1] + 4] * 2
