@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcompress as kvc
 from kvcompress.methods import compactor as cm
-from kvcompress.methods.base import Tokens, make_generator
+from kvcompress.methods.base import Tokens, build_method, make_generator
 
 
 def _low_rank_keys(b=1, h=2, n=400, d=64, rank=24, seed=0):
@@ -301,3 +301,14 @@ def test_generate_with_compactor_matches_the_shared_prefill_replay(real_layers):
     assert res.slots_per_layer == [_math.ceil(0.5 * n) + question_ids.shape[1] + len(res.token_ids) - 1] * 30
     replay = SharedPrefill(model, context_ids).answer_ids(question_ids, "compactor", 0.5, max_new_tokens=12)
     assert replay == res.token_ids
+
+
+def test_leverage_weight_without_the_attention_term_is_refused_not_ignored():
+    """attention=False scores by z(o) alone: a leverage_weight was accepted and silently did nothing."""
+    with pytest.raises(ValueError, match=r"leverage_weight=0.5 weighs leverage against the attention term, which attention=False leaves out"):
+        build_method("compactor", attention=False, leverage_weight=0.5)
+    assert build_method("compactor", attention=False).leverage_weight == 0.3
+    assert build_method("compactor").leverage_weight == 0.3
+    assert build_method("compactor", leverage_weight=0.5).leverage_weight == 0.5
+    with pytest.raises(ValueError, match="leverage_weight must be a finite number >= 0"):
+        build_method("compactor", leverage_weight=-1.0)

@@ -132,6 +132,9 @@ def standardise(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean(dim=-1, keepdim=True)) / std.clamp_min(1e-12)
 
 
+DEFAULT_LEVERAGE_WEIGHT = 0.3  # the seed's lambda
+
+
 @register
 @dataclass
 class Compactor(Method):
@@ -141,8 +144,10 @@ class Compactor(Method):
     `sketch` "gaussian" | "srht", `sketch_dim` k = 64). a: non-causal attention of each token's own
     chunk of `chunk_size` = 256 tokens (column sums, GQA-averaged), mean-pooled over
     `kernel_size` = 7 tokens as SnapKV does, times ||v|| (seed Sec. 3.3). `attention=False` is the
-    seed's "no a" ablation (s = z(o), no queries needed). Defaults follow the seed: lambda 0.3,
-    k 64, C 256, and every token is scored (sink = window = 0).
+    seed's "no a" ablation (s = z(o), no queries needed); it takes no `leverage_weight`, which
+    would only rescale z(o) and so change nothing (an error rather than a silently ignored value).
+    Defaults follow the seed: lambda 0.3 (None means that, with the attention term), k 64, C 256,
+    and every token is scored (sink = window = 0).
 
     Queries: a token's attention score uses the queries of its own chunk, so the queries of the
     tokens being compressed must be given (`query_positions` must cover their positions). In a
@@ -162,7 +167,7 @@ class Compactor(Method):
     needs_pre_rope_keys = True
     default_sink = 0
     default_window = 0
-    leverage_weight: float = 0.3
+    leverage_weight: float | None = None
     leverage: str = "sketch"
     sketch: str = "gaussian"
     sketch_dim: int = 64
@@ -180,10 +185,17 @@ class Compactor(Method):
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
         if self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (centred pooling), got {self.kernel_size}")
-        if not isinstance(self.leverage_weight, (int, float)) or not math.isfinite(self.leverage_weight) or self.leverage_weight < 0:
-            raise ValueError(f"leverage_weight must be a finite number >= 0, got {self.leverage_weight!r}")
         if not isinstance(self.attention, bool):
             raise ValueError(f"attention must be True or False, got {self.attention!r}")
+        if self.leverage_weight is not None and not self.attention:
+            raise ValueError(
+                f"leverage_weight={self.leverage_weight!r} weighs leverage against the attention term, which attention=False "
+                "leaves out (the score is then z(o) alone): drop leverage_weight, or use attention=True"
+            )
+        if self.leverage_weight is None:
+            self.leverage_weight = DEFAULT_LEVERAGE_WEIGHT
+        if isinstance(self.leverage_weight, bool) or not isinstance(self.leverage_weight, (int, float)) or not math.isfinite(self.leverage_weight) or self.leverage_weight < 0:
+            raise ValueError(f"leverage_weight must be a finite number >= 0, got {self.leverage_weight!r}")
         self.reads_keys_values = self.attention  # without the attention term the score reads pre-RoPE keys only
 
     def check_inputs(self, tokens: Tokens) -> None:
