@@ -172,15 +172,14 @@ class CompressedLayer(CacheLayerMixin):
         start = time.perf_counter()
         if settings.mode == "prefill" and self.front is None:
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                summary = self._compress_once(keys, values, positions, queries, scale, attention_mass)
-                self.front = SlotBuffer(summary, most=summary.num_slots)  # room for later tokens comes with the first of them
+                self.front = self._compressed_buffer(keys, values, positions, queries, scale, attention_mass)
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
         elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={settings.mode!r}")
             if self.front is None:
-                unrotate = self.cache.pre_rope_keys if self.cache.unrotates else None
+                unrotate = self.cache.pre_rope_keys if settings.method.needs_pre_rope_keys else None
                 self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale,
                                     settings.slack, unrotate)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers)
@@ -212,6 +211,11 @@ class CompressedLayer(CacheLayerMixin):
             ))
         return stack_rows(rows)
 
+    def _compressed_buffer(self, keys, values, positions, queries, scale, attention_mass) -> SlotBuffer:
+        """`_compress_once` into a buffer allocated at the compressed size (room for later tokens comes with the first of them)."""
+        summary = self._compress_once(keys, values, positions, queries, scale, attention_mass)
+        return SlotBuffer(summary, most=summary.num_slots)
+
     def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None) -> KVSummary:
         settings = self.cache.settings
         b, h, n, _ = keys.shape
@@ -233,8 +237,7 @@ class CompressedLayer(CacheLayerMixin):
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
         self.seen = keys.shape[2]
-        summary = self._compress_once(keys, values, positions, queries, scale, attention_mass)
-        self.front = SlotBuffer(summary, most=summary.num_slots)
+        self.front = self._compressed_buffer(keys, values, positions, queries, scale, attention_mass)
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 
@@ -460,11 +463,6 @@ class CompressedCache(Cache):
 
     def generator(self, layer_idx: int) -> torch.Generator:
         return make_generator(self.settings.seed * 100003 + layer_idx)
-
-    @property
-    def unrotates(self) -> bool:
-        """Whether the method needs pre-RoPE keys, which `pre_rope_keys` then recovers."""
-        return self._rotary is not None
 
     def pre_rope_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Un-rotate post-RoPE keys [B,H,n,d] at positions [n] or [B,H,n] with the model's rotary embedding (None if not needed).

@@ -229,9 +229,10 @@ class _GrowingSlots:
     def view(self) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, : self.length] for t in self.tensors)
 
-    def capacity_bytes(self, columns: int) -> int:
-        """Bytes allocated for the first `columns` tensors (their room included)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors[:columns])
+    def kv_bytes(self) -> int:
+        """Bytes allocated (room included) for the per-slot vectors [B,H,capacity,d]: keys, values, and any
+        other key copies; per-slot scalars [B,H,capacity] (log-weights, positions, scores) are bookkeeping."""
+        return sum(t.numel() * t.element_size() for t in self.tensors if t.ndim == 4)
 
 
 class SlotBuffer:
@@ -273,8 +274,7 @@ class SlotBuffer:
         return KVSummary(keys, values, log_weights, positions, normalizer, self.eviction_only and normalizer is None)
 
     def nbytes(self) -> int:
-        denominator = self.denominator.capacity_bytes(1) if self.denominator is not None else 0
-        return self.slots.capacity_bytes(2) + denominator
+        return self.slots.kv_bytes() + (self.denominator.kv_bytes() if self.denominator is not None else 0)
 
     def index_nbytes(self) -> int:
         return self.summary().index_nbytes()

@@ -331,7 +331,7 @@ def test_stream_rejects_a_bad_slack_by_name(bad):
 
 
 def test_stream_cascade_rounds_change_the_halvings_not_the_bounds():
-    """cascade_rounds=None drains every full level at each reduction (seed Alg. 4), 1 halves each once: past the
+    """cascade_rounds=None drains every full level at each reduction (the paper's Alg. 4), 1 halves each once: past the
     budget both keep every head within it and the weights summing to the tokens seen, with different slots."""
     keys, values = _kv(b=1, h=1, n=1024, d=8, seed=5)
     digests = set()

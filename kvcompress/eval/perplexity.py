@@ -72,15 +72,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..api import default_sink_window
 from ..cache import MODES, CompressedCache
 from ..checks import as_count, describe
 from ..integration import use_compressed_attention
 from ..integration.generate import full_kv_bytes
 from ..integration.model import check_context_length
-from ..methods.base import build_method, method_names, resolve_budget
+from ..methods.base import method_names
 from .capture import prose_paragraphs
-from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results
+from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results, stream_budget
 from .stats import t_interval
 from .tables import write_csv
 
@@ -190,12 +189,6 @@ def _paragraphs() -> tuple[str, ...]:
 def context_length(n_tokens: int, context_fraction: float) -> int:
     """Context tokens of an n-token document: round(fraction·n), leaving at least one token on each side."""
     return min(n_tokens - 1, max(1, round(context_fraction * n_tokens)))
-
-
-def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
-    """Middle budget a streamed cache gets: what `ratio` keeps of n_tokens, less the method's sink and window."""
-    sink, window = default_sink_window(method, None, None)
-    return resolve_budget(n_tokens, None, ratio, sink, window, build_method(method), streaming=True)
 
 
 @torch.inference_mode()

@@ -266,7 +266,7 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
         method, ratio = full_as_ratio_zero(None, 0.0)
         return generate_ids(model, context_ids, question_ids, method=method, compression_ratio=ratio, prefill=captured,
                             max_new_tokens=max_new, stop_token_ids=stop_ids)
-    size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": _stream_budget(cell, context_ids.shape[1])}
+    size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": stream_budget(cell.method, cell.ratio, context_ids.shape[1])}
     return generate_ids(
         model, context_ids, question_ids, method=cell.method, mode=cell.mode, max_new_tokens=max_new,
         seed=config.seed, chunk_size=config.chunk_size, prefill=captured if cell.mode == "prefill" else None,
@@ -274,13 +274,14 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
     )
 
 
-def _stream_budget(cell: Cell, n_context: int) -> int:
-    """Chunked/decode modes take a budget: the middle budget the ratio gives in prefill mode."""
+def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
+    """Middle budget a streamed (chunked/decode) cache gets: what `ratio` keeps of n_tokens, less the method's
+    sink and window (the prefill-mode budget), refused when below what the method's stream accepts."""
     from ..api import default_sink_window
-    from ..methods.base import resolve_budget
+    from ..methods.base import build_method, resolve_budget
 
-    sink, window = default_sink_window(cell.method, None, None)
-    return resolve_budget(n_context, None, cell.ratio, sink, window)
+    sink, window = default_sink_window(method, None, None)
+    return resolve_budget(n_tokens, None, ratio, sink, window, build_method(method), streaming=True)
 
 
 class ResultsFile:

@@ -479,7 +479,6 @@ def generate(
         raise ValueError(f"context must be a str, got {type(bad[0]).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad[0], bytes) else "") + "; a batch is a list of str")
     if question is not None and (not isinstance(question, str) or not question.strip()):
         raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
-    as_count("max_new_tokens", max_new_tokens, 1)
     if not contexts or any(not c.strip() for c in contexts):
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
     if questions is not None and (question is not None or isinstance(context, list)):

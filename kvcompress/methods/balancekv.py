@@ -194,12 +194,6 @@ def halve_mask(
     return torch.cat(keep).reshape(rows, -1)[:, :m], fails
 
 
-def _select(tokens: Tokens, index: torch.Tensor) -> Tokens:
-    """The tokens at index [B,H,k] of each head (keys, values, positions; no pre-RoPE keys or attention mass)."""
-    keys, values, positions = _gather(index, tokens.keys, tokens.values, tokens.positions)
-    return replace(tokens, keys=keys, values=values, positions=positions, pre_rope_keys=None, attention_mass=None)
-
-
 def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Gather [B,H,n] or [B,H,n,d] tensors along the token axis with index [B,H,k]."""
     return [take_slots(t, index) for t in tensors]
@@ -231,7 +225,7 @@ class BalanceKV(Method):
     weighted: kept slots carry log-weight (number of halvings)·log 2 (True), or plain eviction
     (False; the seed's App. B does not say which). kernel: "value" (seed Alg. 2 kernel), "key"
     (v ≡ 1) or "joint" (see `balance_kernel`); one-shot only, the stream uses "value" per bucket as in
-    seed Alg. 1. augment: fraction of the budget kept exactly for the
+    the paper's Alg. 1. augment: fraction of the budget kept exactly for the
     keys most anti-correlated with the rest (seed Sec. 4.3; one-shot only), 0 turns it off. levels: T of
     MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the seed's
     T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
@@ -414,8 +408,8 @@ class BalanceKVStream(StreamState):
     cascade round halves every full level of every head and bucket with one batched `halve_mask`
     call: the Python loop runs over batches of t tokens and cascade rounds.
 
-    Departures from the seed (docs/design.md, "BalanceKV's stream"):
-    - One slot set for numerator and denominator. Seed Alg. 1 sketches the denominator with a
+    Departures from the paper (docs/design.md, "BalanceKV's stream"):
+    - One slot set for numerator and denominator. The paper's Alg. 1 sketches the denominator with a
       separate keys-only instance, so attention is the ratio of two independently halved
       estimates. On real layers a few tokens dominate exp(s<q,k>); when one of them is kept (at
       doubled weight) by one sketch and dropped by the other, that ratio is unbounded and the
@@ -502,7 +496,7 @@ class BalanceKVStream(StreamState):
                 self._reduce(tokens.scale)
 
     def _keep_outliers(self, tokens: Tokens) -> Tokens:
-        """Seed Sec. 4.3's augmentation, streamed: the held outliers and the new tokens compete for the
+        """The paper's augmentation (Sec. 4.3), streamed: the held outliers and the new tokens compete for the
         `exact_count` exact places by their inner product with the mean key seen so far (lowest kept);
         returns the tokens that lose, one count for every head, for the MergeAndReduce pool."""
         keys = tokens.keys.float()
@@ -512,8 +506,8 @@ class BalanceKVStream(StreamState):
         score = (candidates.keys.float() * (self.key_sum / self.key_count)[:, :, None]).sum(-1)
         order = score.argsort(dim=-1, stable=True)
         kept, leaving = order[..., : self.exact_count].sort(-1).values, order[..., self.exact_count :].sort(-1).values
-        self.outliers = _select(candidates, kept)
-        return _select(candidates, leaving)
+        self.outliers = candidates.select(kept)
+        return candidates.select(leaving)
 
     def compact(self) -> None:
         """Run the pending halvings now when a head may hold more than `budget` slots (at most `budget` then),
@@ -667,7 +661,7 @@ class BalanceKVStream(StreamState):
         largest take; with slack > 0 each group's take is split into rows of t slots (the last one
         shorter), so the many batches a group may halve at once are not padded to one width. When
         every row holds the same number, no halving block holds padding. The walk uses the value
-        kernel of seed Alg. 2.
+        kernel of the paper's Alg. 2.
         """
         pool = self.pool
         chosen = take > 0

@@ -104,6 +104,17 @@ class Tokens:
     def exact(self) -> KVSummary:
         return KVSummary.exact(self.keys, self.values, self.positions)
 
+    def select(self, index: torch.Tensor, keys_values: bool = True) -> "Tokens":
+        """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
+        over all the tokens, so a later score method computes the subset's own. keys_values=False (for a
+        method whose `reads_keys_values` is False): keys and values are empty [B,H,k,0] placeholders."""
+        pre = take_slots(self.pre_rope_keys, index) if self.pre_rope_keys is not None else None
+        if keys_values:
+            keys, values = take_slots(self.keys, index), take_slots(self.values, index)
+        else:
+            keys, values = self.keys.new_empty((*index.shape, 0)), self.values.new_empty((*index.shape, 0))
+        return replace(self, keys=keys, values=values, positions=take_slots(self.positions, index), pre_rope_keys=pre, attention_mass=None)
+
     def pre_rope(self) -> torch.Tensor | None:
         """Pre-RoPE keys [B,H_kv,n,d]: the given ones, else computed by `unrotate` (None without either)."""
         if self.pre_rope_keys is not None or self.unrotate is None:
@@ -149,7 +160,7 @@ class StreamState(ABC):
         """Bring what is held down to the budget now (a state that never holds more does nothing)."""
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the state stores (including any workspace kept between updates)."""
+        """KV bytes the state stores (keys, values and other key copies, including any workspace kept between updates)."""
         s = self.summary()
         return s.nbytes() if s is not None else 0
 
@@ -277,18 +288,13 @@ class BlockwiseState(StreamState):
         return self.seen
 
     def columns(self, tokens: Tokens) -> tuple[torch.Tensor, ...]:
-        """The per-token tensors [B,H,n,...] stored: keys, values, positions, and pre-RoPE keys when given
-        (not when `tokens.unrotate` can recompute them)."""
-        base = (tokens.keys, tokens.values, tokens.positions)
-        return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
+        """The per-token tensors [B,H,n,...] stored (`token_columns`)."""
+        return token_columns(tokens)
 
     def absorb(self, tokens: Tokens) -> None:
-        columns = self.columns(tokens)
-        if self.slots.tensors and len(columns) != len(self.slots.tensors):
-            raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
         self.seen += tokens.length
         room = self.limit + self.slack_slots + tokens.length  # what the buffer can hold before a re-compression
-        self.slots.append(columns, reserve=room, most=min(room, self.most_slots()))
+        append_columns(self.slots, self.columns(tokens), reserve=room, most=min(room, self.most_slots()))
         if self.log_weights is not None:
             self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(tokens.positions.shape)], -1)
         self.last = tokens
@@ -298,9 +304,7 @@ class BlockwiseState(StreamState):
 
     def held(self) -> Tokens:
         """Every token held, with the latest block's queries and exact neighbours."""
-        keys, values, positions, *extra = self.slots.view()
-        pre = extra[0] if self.last.pre_rope_keys is not None and self.last.unrotate is None else None
-        held = replace(self.last, keys=keys, values=values, positions=positions, pre_rope_keys=pre)
+        held = tokens_from_columns(self.last, self.slots.view())
         return replace(held, pre_rope_keys=held.pre_rope()) if self.method.needs_pre_rope_keys else held
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
@@ -322,7 +326,8 @@ class BlockwiseState(StreamState):
         kept = self.keep(self.held())
         self.limit = max(self.budget, kept[0].shape[2])
         self.slots = _GrowingSlots()
-        self.slots.append(kept, reserve=self.limit + room, most=min(self.limit + room, self.most_slots()) if room else kept[0].shape[2])
+        slots = min(self.limit + room, self.most_slots()) if room else kept[0].shape[2]  # compact(): exactly what is kept
+        self.slots.append(kept, reserve=slots, most=slots)
 
     def compact(self) -> None:
         """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:
@@ -332,7 +337,7 @@ class BlockwiseState(StreamState):
         elif self.slots.tensors:
             held = self.slots.view()
             self.slots = _GrowingSlots()
-            self.slots.append(held, most=self.slots.length + held[0].shape[2])
+            self.slots.append(held, most=held[0].shape[2])
 
     def summary(self) -> KVSummary | None:
         if self.last is None:
@@ -343,10 +348,29 @@ class BlockwiseState(StreamState):
     def nbytes(self) -> int:
         """KV bytes of the buffer as allocated (its room for the next blocks included): keys, values and any
         stored pre-RoPE keys, never more than the tokens absorbed so far would take."""
-        if self.last is None:
-            return 0
-        columns = self.slots.tensors
-        return self.slots.capacity_bytes(2) + sum(t.numel() * t.element_size() for t in columns[3:] if t.ndim == 4)
+        return self.slots.kv_bytes()
+
+
+def token_columns(tokens: Tokens) -> tuple[torch.Tensor, ...]:
+    """The per-token tensors [B,H,n,...] a stream stores: keys, values, positions, and pre-RoPE keys when given
+    (not when `tokens.unrotate` can recompute them)."""
+    base = (tokens.keys, tokens.values, tokens.positions)
+    return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
+
+
+def append_columns(slots: _GrowingSlots, columns: tuple[torch.Tensor, ...], **allocation) -> None:
+    """Append a block's `token_columns` (plus any extra ones) to a buffer (`_GrowingSlots.append` options)."""
+    if slots.tensors and len(columns) != len(slots.tensors):
+        raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
+    slots.append(columns, **allocation)
+
+
+def tokens_from_columns(last: Tokens, columns: tuple[torch.Tensor, ...]) -> Tokens:
+    """The tokens whose `token_columns` (and extra columns after them) are `columns`, with the latest
+    block's queries and exact neighbours (`last`)."""
+    keys, values, positions, *extra = columns
+    pre = extra[0] if last.pre_rope_keys is not None and last.unrotate is None else None
+    return replace(last, keys=keys, values=values, positions=positions, pre_rope_keys=pre)
 
 
 def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
@@ -745,24 +769,15 @@ class Stream:
         if self.exact is None:
             self.state.absorb(leaving)
             return
-        stored = self.exact_columns(leaving)
-        if self.exact.tensors and len(stored) != len(self.exact.tensors):
-            raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
-        self.exact.append(stored, most=min(self.budget, self.exact.length + leaving.length))
+        append_columns(self.exact, token_columns(leaving), most=min(self.budget, self.exact.length + leaving.length))
         self.exact_last = leaving
         if self.exact.length > self.budget:
             held, self.exact = self.exact_tokens(), None
             self.state.absorb(held)
 
-    @staticmethod
-    def exact_columns(tokens: Tokens) -> tuple[torch.Tensor, ...]:
-        base = (tokens.keys, tokens.values, tokens.positions)
-        return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
-
     def exact_tokens(self) -> Tokens:
         """The tokens held exactly, with the latest block's queries and exact neighbours."""
-        keys, values, positions, *pre = self.exact.view()
-        return replace(self.exact_last, keys=keys, values=values, positions=positions, pre_rope_keys=pre[0] if pre else None)
+        return tokens_from_columns(self.exact_last, self.exact.view())
 
     def summary(self) -> KVSummary:
         parts = [p.exact() for p in (self.head,) if p is not None]
@@ -784,7 +799,4 @@ class Stream:
     def nbytes(self) -> int:
         """KV bytes of the sink, the window and the middle (exact, or the method's state)."""
         exact = sum(p.exact().nbytes() for p in (self.head, self.recent) if p is not None)
-        if self.exact is None:
-            return exact + self.state.nbytes()
-        held = self.exact.tensors
-        return exact + self.exact.capacity_bytes(2) + sum(t.numel() * t.element_size() for t in held[3:])
+        return exact + (self.state.nbytes() if self.exact is None else self.exact.kv_bytes())

@@ -132,7 +132,7 @@ def standardise(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean(dim=-1, keepdim=True)) / std.clamp_min(1e-12)
 
 
-DEFAULT_LEVERAGE_WEIGHT = 0.3  # the seed's lambda
+DEFAULT_LEVERAGE_WEIGHT = 0.3  # the paper's lambda
 
 
 @register
@@ -144,9 +144,9 @@ class Compactor(Method):
     `sketch` "gaussian" | "srht", `sketch_dim` k = 64). a: non-causal attention of each token's own
     chunk of `chunk_size` = 256 tokens (column sums, GQA-averaged), mean-pooled over
     `kernel_size` = 7 tokens as SnapKV does, times ||v|| (seed Sec. 3.3). `attention=False` is the
-    seed's "no a" ablation (s = z(o), no queries needed); it takes no `leverage_weight`, which
+    paper's "no a" ablation (s = z(o), no queries needed); it takes no `leverage_weight`, which
     would only rescale z(o) and so change nothing (an error rather than a silently ignored value).
-    Defaults follow the seed: lambda 0.3 (None means that, with the attention term), k 64, C 256,
+    Defaults follow the paper: lambda 0.3 (None means that, with the attention term), k 64, C 256,
     and every token is scored (sink = window = 0).
 
     Queries: a token's attention score uses the queries of its own chunk, so the queries of the

@@ -46,19 +46,6 @@ _DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tu
 _EXPRESS_CORESET_PARAMS = {"max_group": 32}
 
 
-def _select_index(tokens: Tokens, index: torch.Tensor, keys_values: bool = True) -> Tokens:
-    """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
-    over all the tokens, so a later score method computes the subset's own. keys_values=False (for a
-    method whose `reads_keys_values` is False): keys and values are empty [B,H,k,0] placeholders."""
-    pre = take_slots(tokens.pre_rope_keys, index) if tokens.pre_rope_keys is not None else None
-    if keys_values:
-        keys, values = take_slots(tokens.keys, index), take_slots(tokens.values, index)
-    else:
-        keys, values = tokens.keys.new_empty((*index.shape, 0)), tokens.values.new_empty((*index.shape, 0))
-    return replace(tokens, keys=keys, values=values, positions=take_slots(tokens.positions, index),
-                   pre_rope_keys=pre, attention_mass=None)
-
-
 def _by_position(summary: KVSummary) -> KVSummary:
     """The numerator slots reordered by original position (the normalizer, if any, is left as it is)."""
     order = summary.positions.argsort(dim=-1)
@@ -197,12 +184,12 @@ class Hybrid(Method):
             n_kept += count
             if i + 1 < len(chosen):  # the tokens left, in their original order, with what the next method reads
                 rest_index = first_true(~kept_mask, tokens.length - n_kept)
-                rest = _select_index(tokens, rest_index, chosen[i + 1][0].reads_keys_values)
+                rest = tokens.select(rest_index, chosen[i + 1][0].reads_keys_values)
         # the others first and the kept last, each in original order
         order = first_true(~kept_mask, tokens.length)
         n_rest = tokens.length - n_kept
         others = tokens if self.coreset_method.needs_pre_rope_keys else replace(tokens, pre_rope_keys=None)
-        return _select_index(tokens, order[..., n_rest:]), _select_index(others, order[..., :n_rest])
+        return tokens.select(order[..., n_rest:]), others.select(order[..., :n_rest])
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:
