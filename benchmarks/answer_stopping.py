@@ -27,7 +27,7 @@ from kvcompress.eval.capture import capture_qkv
 from kvcompress.eval.runner import sample_depth
 from kvcompress.eval.stopping import stop_token_ids
 from kvcompress.eval.tasks import generate_sample, score
-from kvcompress.integration.generate import generate_ids
+from kvcompress.integration.generation import generate_ids
 from kvcompress.integration.model import build_prompt
 
 RESULTS = Path(__file__).parent / "results"

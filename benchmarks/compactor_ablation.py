@@ -28,7 +28,7 @@ import torch
 from scipy.stats import spearmanr
 
 import kvcompress as kvc
-from kvcompress.integration.calibrate import answer_nll, encode_sample
+from kvcompress.integration.calibrate_model import answer_nll, encode_sample
 from kvcompress.eval import tasks
 from kvcompress.eval.prefill_replay import SharedPrefill
 from kvcompress.methods.base import make_generator

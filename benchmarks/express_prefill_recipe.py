@@ -52,7 +52,7 @@ from kvcompress.eval.stats import sign_test, wilson
 from kvcompress.eval.tables import write_csv
 from kvcompress.eval.tasks import generate_sample, score
 from kvcompress.integration.attention import ATTENTION_NAME, kvcompress_attention
-from kvcompress.integration.generate import generate_ids
+from kvcompress.integration.generation import generate_ids
 from kvcompress.integration.model import build_prompt
 from kvcompress.integration.prefill_approx import approximate_prefill
 

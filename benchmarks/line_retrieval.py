@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import kvcompress as kvc  # noqa: E402
 from kvcompress.eval.capture import capture_qkv  # noqa: E402
 from kvcompress.eval.tasks import line_retrieval, score  # noqa: E402
-from kvcompress.integration.generate import generate_ids  # noqa: E402
+from kvcompress.integration.generation import generate_ids  # noqa: E402
 from kvcompress.integration.model import build_prompt  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

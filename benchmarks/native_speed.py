@@ -32,11 +32,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvcompress.cache import CompressedCache, CompressionSettings
+from kvcompress.cache import CompressedCache
+from kvcompress.options import CompressionOptions
 from kvcompress.eval.bench import context_ids, machine_description, markdown_table, write_csv
 from kvcompress.integration import load_model, use_compressed_attention
 from kvcompress.integration.model import parse_device, parse_dtype
-from kvcompress.methods.base import build_method, resolve_budget
+from kvcompress.methods.budget import resolve_budget
+from kvcompress.methods.registry import build_method
 
 SINK, WINDOW = 4, 64
 
@@ -64,7 +66,7 @@ def plain_prefill(model, ids):
 
 
 def kvcompress_cache(model, method: str, budget: int) -> CompressedCache:
-    return CompressedCache(model, CompressionSettings(build_method(method), "prefill", budget, None, SINK, WINDOW, 0))
+    return CompressedCache(model, CompressionOptions(method=method, mode="prefill", budget=budget, sink=SINK, window=WINDOW))
 
 
 def ratio0_prefill(model, ids, method: str):
@@ -82,7 +84,7 @@ def compressed_copy(model, full: CompressedCache, method: str, kept: float) -> C
     n = fronts[0].num_slots
     budget = resolve_budget(n, None, 1.0 - kept, SINK, WINDOW)
     captured = {i: (None, f.keys, f.values) for i, f in enumerate(fronts)}
-    settings = CompressionSettings(build_method(method), "prefill", budget, None, SINK, WINDOW, 0)
+    settings = CompressionOptions(method=method, mode="prefill", budget=budget, sink=SINK, window=WINDOW)
     return CompressedCache.from_prefill(model, settings, captured)
 
 
@@ -169,7 +171,7 @@ def synthetic_decode_rows(args, log) -> list[dict]:
             k, v = (torch.randn(1, cfg.num_key_value_heads, n, head_dim, generator=g).to(device, args.dtype) for _ in range(2))
             plain.update(k, v, layer)
             captured[layer] = (None, k, v)
-        settings = CompressionSettings(build_method(args.method), "prefill", resolve_budget(n, None, 0.0, SINK, WINDOW), None, SINK, WINDOW, 0)
+        settings = CompressionOptions(method=args.method, mode="prefill", budget=resolve_budget(n, None, 0.0, SINK, WINDOW), sink=SINK, window=WINDOW)
         ours = CompressedCache.from_prefill(model, settings, captured)
         kept = compressed_copy(model, ours, args.method, args.kept)
         del captured

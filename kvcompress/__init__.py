@@ -2,10 +2,12 @@
 
 from .api import compress, methods, stream
 from .attention import exact_attention, relative_error, weighted_attention
+from .options import CompressionOptions
 from .summary import KVSummary, Normalizer
 
 __all__ = [
     "CompressedCache",
+    "CompressionOptions",
     "KVSummary",
     "Normalizer",
     "calibrate",

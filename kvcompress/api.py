@@ -1,4 +1,4 @@
-"""The public functions of DESIGN.md §6: methods(), compress(), stream()."""
+"""The public tensor-level functions: methods(), compress(), stream() (docs/design.md, "Public API")."""
 
 from __future__ import annotations
 
@@ -7,33 +7,18 @@ import math
 import torch
 
 from . import methods as _methods  # noqa: F401  (registers every method)
-from .methods.base import (
-    Stream,
-    Tokens,
-    build_method,
-    check_kv,
-    check_positions,
-    check_scale,
-    check_sink_window,
-    query_positions_for,
-    compress_tokens,
-    get_method_class,
-    make_generator,
-    method_names,
-    resolve_budget,
-)
+from .checks import check_kv, check_positions, check_scale
+from .methods.base import compress_tokens, make_generator
+from .methods.budget import check_sink_window, resolve_budget
+from .methods.registry import build_method, default_sink_window, method_names
+from .methods.stream import Stream
+from .methods.tokens import query_positions_for, Tokens
 from .summary import KVSummary
 
 
 def methods() -> list[str]:
     """Names of all registered methods."""
     return method_names()
-
-
-def default_sink_window(method: str, sink: int | None, window: int | None) -> tuple[int, int]:
-    """The method's own seed defaults where sink/window are None."""
-    cls = get_method_class(method)
-    return (cls.default_sink if sink is None else sink, cls.default_window if window is None else window)
 
 
 def compress(
@@ -57,7 +42,7 @@ def compress(
 
     Exactly one of `budget` (middle slots kept per head; sink and window are extra and exact) or
     `compression_ratio` (fraction of the n tokens removed; an error when it would remove tokens
-    but sink + window leave no room). sink/window default to the method's seed. queries
+    but sink + window leave no room). sink/window default to the method's paper defaults. queries
     [B, H_q, n_q, d] post-RoPE for query-aware methods; pre_rope_keys [B, H_kv, n, d] for
     Compactor. positions [n] or [B, H_kv, n] default to 0..n-1. seed: an int (reproducible), a
     torch.Generator, or None for fresh randomness (a different draw each call).
@@ -94,7 +79,7 @@ def stream(
     block-wise method (score methods, Compactor, the hybrid), ClusterGen's run-wise stream and
     BalanceKV's (halvings wait by the slack) at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
     re-compressing back to `budget` each time it passes that, so its cost is linear in the stream
-    length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (seed 004's
+    length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (KeyDiff's
     block prompt processing); `.compact()` brings the state down to `budget` now. seed as in
     `compress` (None: fresh randomness).
     """

@@ -1,4 +1,4 @@
-"""Weighted attention over a KVSummary (DESIGN.md §1, §7).
+"""Weighted attention over a KVSummary (docs/design.md, "One summary for every method").
 
 out(q) = Σ_i w_i exp(s<q,k_i>) v_i / Σ_j w'_j exp(s<q,k'_j>), with (k', w') the normalizer when
 present, else the same slots. Everything runs in the inputs' own dtype through
@@ -185,3 +185,111 @@ def exact_attention(
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     """‖approx − exact‖_F / ‖exact‖_F, in float64."""
     return float((approx.double() - exact.double()).norm() / exact.double().norm())
+
+
+AVERAGES = ("group", "layer")
+
+
+def received_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    query_positions: torch.Tensor | None = None,
+    exact_keys: torch.Tensor | None = None,
+    exact_positions: torch.Tensor | None = None,
+    average: str = "group",
+    max_logits: int = 1 << 22,
+) -> torch.Tensor:
+    """[B, H_kv, n]: softmax attention of queries [B,H_q,n_q,d] on keys [B,H_kv,n,d], summed over queries.
+
+    The softmax runs over every key the queries see: `keys` and `exact_keys` [B,H_kv,m,d] (the
+    sink and window kept exactly beside them, at `exact_positions` [B,H_kv,m]), as attention itself
+    does; a query sees only keys at or before its own position when `query_positions` [n_q] is
+    given (keys at `positions` [B,H_kv,n], ascending). average: "group" means over the query heads
+    of each KV head (GQA group); "layer" means over every query head of the layer, the same score
+    for each KV head. Queries go in chunks of at most `max_logits` scores at the scale `scale` (one
+    exponential per score, no softmax tensor beyond one chunk; the max shift is skipped when every
+    logit is bounded well inside float32's exponent range).
+    """
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
+    qpos = query_positions
+    b, hq, nq, d = queries.shape
+    n_keys = keys.shape[2]
+    hkv = keys.shape[1]
+    group = hq // hkv
+    keys = keys.float()
+    exact_pos = exact_positions if exact_keys is not None else positions[:, :, :0]
+    exact_keys = exact_keys.float() if exact_keys is not None else keys.new_zeros(b, hkv, 0, d)
+    q = (queries.float() * scale).reshape(b, hkv, group, nq, d).transpose(2, 3)  # [B, H_kv, n_q, group, d]
+    mass = torch.zeros(b, hkv, n_keys, device=keys.device)
+    # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80, and below 88 - ln(keys) so that a row's total of
+    # n exponentials cannot overflow either, every exp stays finite and non-zero in float32 and the
+    # per-query max shift can be skipped.
+    norms = [k.norm(dim=-1).amax() for k in (keys, exact_keys) if k.shape[2]]  # no copy of the keys
+    key_norm = torch.stack(norms).amax() if norms else keys.new_zeros(())
+    bounded = float(q.norm(dim=-1).amax() * key_norm) < min(80.0, 88.0 - math.log(max(1, n_keys + exact_keys.shape[2])))
+    chunk = max(1, max_logits // max(1, b * hq * (n_keys + exact_keys.shape[2])))
+    for start in range(0, nq, chunk):
+        qc = q[:, :, start : start + chunk]
+        c = qc.shape[2]
+        qp = qpos[start : start + chunk].to(keys.device) if qpos is not None else None
+        n = visible_slots(positions, qp)
+        rows = qc.reshape(b, hkv, c * group, d)
+        logits = _masked_logits(rows, keys[:, :, :n], positions[:, :, :n], qp, group)
+        exact_logits = _masked_logits(rows, exact_keys, exact_pos, qp, group)
+        if not bounded:
+            top = torch.maximum(_row_max(logits), _row_max(exact_logits)).clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)
+            logits.sub_(top)
+            exact_logits.sub_(top)
+        total = logits.exp_().sum(-1) + exact_logits.exp_().sum(-1)
+        inverse = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
+        mass[:, :, :n] += torch.matmul(inverse.unsqueeze(-2), logits).squeeze(-2)
+    mass /= group
+    if average == "layer":
+        mass = mass.mean(dim=1, keepdim=True).expand(b, hkv, n_keys)
+    return mass
+
+
+# Unshifted exponentials are trusted while every row's total lies within [2^-limit, 2^limit]; a
+# model's logits lie far inside float32's range (within ±40 on the default model at 4k tokens).
+TOTAL_LOG2_LIMIT = 100.0
+
+
+def exp_rows_(logits: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax rows of logits [..., r, n], unnormalised and in place: (exp(logits − shift), the
+    reciprocal of each row's total [..., r, 1], the largest |log2| of a total as a 0-d tensor).
+
+    shift is each row's max if `shifted` (every total then lies in [1, n]), else 0: one pass fewer,
+    exact while the totals stay within 2^±TOTAL_LOG2_LIMIT; `totals_in_range` tells the caller to
+    redo the rows shifted otherwise (an overflow gives inf, NaN inputs NaN: both out of range).
+    """
+    if shifted:
+        logits.sub_(logits.amax(-1, keepdim=True))
+    probs = logits.exp_()
+    inverse = probs.sum(-1, keepdim=True).reciprocal_()
+    return probs, inverse, inverse.log2().abs_().amax()
+
+
+def totals_in_range(total_range: torch.Tensor) -> bool:
+    """Whether the largest |log2| of a row total from `exp_rows_` (NaN included) allows the unshifted rows (one host read)."""
+    return bool(total_range < TOTAL_LOG2_LIMIT)
+
+
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    """Max over the last axis, -inf for an empty one."""
+    return x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:-1], float("-inf"))
+
+
+def _masked_logits(rows: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, query_positions, group: int) -> torch.Tensor:
+    """rows [B,H_kv,c*group,d] (query-major) x keys [B,H_kv,n,d] -> [B,H_kv,c*group,n], -inf where a key lies after its query.
+
+    Positions ascend along the slot axis, so only the slots after the first query's position are masked.
+    """
+    logits = torch.matmul(rows, keys.transpose(-1, -2))
+    if query_positions is not None and keys.shape[2]:
+        start = int((positions <= query_positions.min()).sum(-1).min())
+        hidden = positions[:, :, None, start:] > query_positions.repeat_interleave(group)[None, None, :, None]
+        logits[..., start:].masked_fill_(hidden, float("-inf"))
+    return logits

@@ -1,4 +1,6 @@
-"""A transformers `Cache` that physically stores a compressed KV state per layer (DESIGN.md §3).
+"""A transformers `Cache` that physically stores a compressed KV state per layer.
+
+docs/design.md, "Model integration: three modes"; the byte accounting: docs/design.md, "Memory".
 
 Each layer holds a *front* (what compression produced: sink + method summary + window, as a
 one-shot `KVSummary` or a live `Stream`) and an exact *tail* (tokens appended after compression,
@@ -27,59 +29,19 @@ compression); `reorder_cache` serves beam search.
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .api import default_sink_window
-from .methods.base import (
-    Method,
-    Stream,
-    Tokens,
-    build_method,
-    check_sink_window,
-    compress_tokens,
-    make_generator,
-    query_positions_for,
-    resolve_budget,
-)
+from .checks import as_count
+from .integration.support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
+from .methods.base import compress_tokens, make_generator
+from .methods.stream import Stream
+from .methods.tokens import Tokens, query_positions_for
+from .options import CompressionOptions
 from .summary import KVSummary, Normalizer, SlotBuffer, concat
-
-MODES = ("prefill", "chunked", "decode")
-ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache needs (kvcompress.integration.attention)
-
-
-@dataclass
-class CompressionSettings:
-    """What every layer of a CompressedCache does. Exactly one of budget / compression_ratio
-    (a ratio is allowed only in prefill mode, where the prompt length is known when compressing).
-    slack: re-compression slack of block-wise streams (and of ClusterGen's and BalanceKV's native
-    ones) in chunked/decode mode (`Stream`; None is the default 0.5); an error in prefill mode and
-    for streams that never hold more than budget (Express, SubGen)."""
-
-    method: Method
-    mode: str = "prefill"
-    budget: int | None = None
-    compression_ratio: float | None = None
-    sink: int = 4
-    window: int = 64
-    seed: int = 0
-    slack: float | None = None
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode != "prefill" and self.budget is None:
-            raise ValueError(f"mode={self.mode!r} streams through a bounded cache: pass budget (compression_ratio needs the prompt length; kvc.generate converts it)")
-        resolve_budget(10**9, self.budget, self.compression_ratio, 0, 0)
-        if self.slack is not None:
-            if self.mode == "prefill":
-                raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
-            Stream(self.method, self.budget, self.sink, self.window, torch.Generator(), slack=self.slack)  # validates slack for this method
-
 
 @dataclass
 class LayerStats:
@@ -101,6 +63,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
         self.seen = 0
+        self.budgets: list[int] = []  # the middle budget each batch row was compressed to
         self.stats = LayerStats()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -168,20 +131,20 @@ class CompressedLayer(CacheLayerMixin):
         keys, values, positions = self.pending
         real = self.pending_real
         self.pending, self.pending_real, self.view = None, None, None
-        settings = self.cache.settings
+        options = self.cache.options
         start = time.perf_counter()
-        if settings.mode == "prefill" and self.front is None:
+        if options.mode == "prefill" and self.front is None:
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
                 self.front = self._compressed_buffer(keys, values, positions, queries, scale, attention_mass)
             else:
                 self.front = self._compress_rows(keys, values, positions, queries, scale, real)
-        elif settings.mode == "decode" or (settings.mode == "chunked" and self.cache.absorbing):
+        elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
-                raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={settings.mode!r}")
+                raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
             if self.front is None:
-                unrotate = self.cache.pre_rope_keys if settings.method.needs_pre_rope_keys else None
-                self.front = Stream(settings.method, settings.budget, settings.sink, settings.window, self.cache.generator(self.layer_idx), scale,
-                                    settings.slack, unrotate)
+                self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
+                self.front = Stream(options.compressor, self.budgets[0], options.sink, options.window, self.cache.generator(self.layer_idx), scale,
+                                    options.slack, self.cache._unrotate)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return
@@ -217,21 +180,22 @@ class CompressedLayer(CacheLayerMixin):
         return SlotBuffer(summary, most=summary.num_slots)
 
     def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None) -> KVSummary:
-        settings = self.cache.settings
+        options = self.cache.options
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
-        budget = resolve_budget(n, settings.budget, settings.compression_ratio, settings.sink, settings.window)
+        budget = options.budget_for(n)
+        self.budgets += [budget] * b
         tokens = Tokens(
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
             self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass,
         )
-        summary = compress_tokens(settings.method, tokens, budget, settings.sink, settings.window, self.cache.generator(self.layer_idx))
+        summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
     def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None) -> None:
         """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d],
         attention_mass [B,H_kv,n] or None (`Tokens.attention_mass`)."""
-        if self.cache.settings.mode != "prefill" or self.front is not None or self.seen:
+        if self.cache.options.mode != "prefill" or self.front is not None or self.seen:
             raise ValueError("load_prefill needs a fresh layer of a prefill-mode cache")
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
@@ -267,12 +231,13 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.front = self.tail = self.pending = self.pending_real = None
         self.seen = 0
+        self.budgets = []
         self.stats = LayerStats()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
         if isinstance(self.front, Stream):
-            raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.settings.mode!r}")
+            raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
         front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
         self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (front, self.tail))
 
@@ -332,11 +297,6 @@ def select_rows(summary: KVSummary, index: torch.Tensor) -> KVSummary:
     return KVSummary(*rows, normalizer=norm)
 
 
-def has_padding(real: torch.Tensor | None) -> bool:
-    """Whether a block's real-token flags [B, n] (None: no mask) mark any padding (one device sync)."""
-    return real is not None and not bool(real.all())
-
-
 def stack_rows(rows: list[KVSummary]) -> KVSummary:
     """Stack one-row summaries [1, H, n_b] into [B, H, max n_b], filling short rows with empty slots (log-weight -inf, position -1)."""
     width = max(r.num_slots for r in rows)
@@ -367,50 +327,45 @@ class CompressedCache(Cache):
         cache = CompressedCache(model, "snapkv", compression_ratio=0.5)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 
-    method: a registered method name (its parameters go in **method_params), or a ready
-    `CompressionSettings` (then no other option). Exactly one of budget / compression_ratio;
-    sink/window default to the method's paper; mode "prefill" (the first forward, i.e. the prompt,
-    is compressed once), or "chunked"/"decode" with a budget and an optional re-compression
-    `slack` (see the module docstring and `CompressionSettings`).
-    Sliding-window layers (Gemma 2/3, Phi-3 with a window) keep their window exact.
+    method: a registered method name, with the rest of `CompressionOptions` as keyword settings
+    (budget or compression_ratio, mode, sink, window, seed, slack, and the method's own
+    parameters), or a ready `CompressionOptions` (then no settings). Sliding-window layers (Gemma
+    2/3, Phi-3 with a window) keep their window exact.
+
+    stream_length: in chunked and decode modes with a compression_ratio, the number of tokens the
+    streams will take (prompt, and in decode mode the answer too): the ratio is resolved against
+    it. A prefill-mode layer resolves the ratio against the tokens of the forward it compresses.
 
     Built from a method name, the cache switches the model to the 'kvcompress' attention
     implementation (`model.set_attn_implementation("kvcompress")`), which attends over compressed
     layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
-    without the cache. Built from a CompressionSettings (library use) it leaves the model as is:
+    without the cache. Built from a CompressionOptions (library use) it leaves the model as is:
     run it under `use_compressed_attention(model)`, which also restores the previous one on exit.
     """
 
-    def __init__(
-        self,
-        model,
-        method: "str | CompressionSettings",
-        *,
-        budget: int | None = None,
-        compression_ratio: float | None = None,
-        mode: str = "prefill",
-        sink: int | None = None,
-        window: int | None = None,
-        seed: int = 0,
-        slack: float | None = None,
-        **method_params,
-    ):
+    def __init__(self, model, method: "str | CompressionOptions", *, stream_length: int | None = None, **settings):
         layer_types = check_supported(model)
-        if isinstance(method, CompressionSettings):
-            if budget is not None or compression_ratio is not None or sink is not None or window is not None or slack is not None or method_params:
-                raise ValueError("CompressedCache takes either a CompressionSettings or a method name with its options, not both")
-            settings = method
+        if isinstance(method, CompressionOptions):
+            options = CompressionOptions.build(method, **settings)
         elif isinstance(method, str):
-            sink, window = default_sink_window(method, sink, window)
-            check_sink_window(sink, window)
-            settings = CompressionSettings(build_method(method, **method_params), mode, budget, compression_ratio, sink, window, seed, slack)
+            options = CompressionOptions.build(method=method, **settings)
         else:
-            raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionSettings, got {method!r}")
-        self.settings = settings
+            raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionOptions, got {method!r}")
+        if options.streams and options.compression_ratio is not None:
+            if stream_length is None:
+                raise ValueError(
+                    f"mode={options.mode!r} with compression_ratio={options.compression_ratio}: pass stream_length (the tokens the "
+                    "streams will take) to resolve the ratio against, or a budget"
+                )
+            options.budget_for(as_count("stream_length", stream_length, 1))
+        elif stream_length is not None:
+            raise ValueError(f"stream_length={stream_length!r} resolves a streaming mode's compression_ratio; mode={options.mode!r} "
+                             f"with budget={options.budget!r} takes none")
+        self.options, self.stream_length = options, stream_length
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._absorbing = True
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
-        self._rotary = find_rotary_embedding(model) if settings.method.needs_pre_rope_keys else None
+        self._unrotate = RotaryInverse(model) if options.compressor.needs_pre_rope_keys else None
         layers = [
             CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)
             for i, (kind, window) in enumerate(layer_types)
@@ -434,7 +389,7 @@ class CompressedCache(Cache):
         self._absorbing = value
 
     @classmethod
-    def from_prefill(cls, model, settings: CompressionSettings, captured: dict) -> "CompressedCache":
+    def from_prefill(cls, model, options: CompressionOptions, captured: dict) -> "CompressedCache":
         """A prefill-mode cache built from one recorded full prefill of the context.
 
         captured: {layer: (queries, keys, values)} for every layer, post-RoPE (as
@@ -443,12 +398,12 @@ class CompressedCache(Cache):
         with it (`needs_attention_mass`). One prefill then serves any number of methods and
         ratios: each gets its own compressed copy.
         """
-        cache = cls(model, settings)
+        cache = cls(model, options)
         if sorted(captured) != list(range(cache.num_layers)):
             raise ValueError(f"captured must hold every layer 0..{cache.num_layers - 1}")
         scales = attention_scales(model)
         for layer, (queries, keys, values, *mass) in captured.items():
-            mass = mass[0] if mass and settings.method.needs_attention_mass else None
+            mass = mass[0] if mass and options.compressor.needs_attention_mass else None
             cache.layers[layer].load_prefill(queries, keys, values, scales[layer], mass)
         return cache
 
@@ -462,33 +417,16 @@ class CompressedCache(Cache):
             layer.restore(state)
 
     def generator(self, layer_idx: int) -> torch.Generator:
-        return make_generator(self.settings.seed * 100003 + layer_idx)
+        return make_generator(self.options.seed * 100003 + layer_idx)
 
     def pre_rope_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Un-rotate post-RoPE keys [B,H,n,d] at positions [n] or [B,H,n] with the model's rotary embedding (None if not needed).
+        """Pre-RoPE keys of post-RoPE keys [B,H,n,d] at positions [n] or [B,H,n] (`RotaryInverse`); None when the method needs none."""
+        return self._unrotate(keys, positions) if self._unrotate is not None else None
 
-        RoPE maps halves (x1, x2) to (x1·cos − x2·sin, x2·cos + x1·sin); the inverse is written half by
-        half into one output, the same products and sums as the forward formula with −sin, with two
-        half-size temporaries instead of five full-size ones (fewer fresh pages inside a prefill).
-        """
-        if self._rotary is None:
-            return None
-        rotary, extra = self._rotary
-        b, h, n, _ = keys.shape
-        if positions.ndim == 1:
-            cos, sin = rotary(keys, positions[None].expand(b, -1), **extra)
-            cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-        else:
-            cos, sin = rotary(keys, positions.reshape(b * h, n), **extra)
-            cos, sin = cos.view(b, h, n, -1).to(keys.dtype), sin.view(b, h, n, -1).to(keys.dtype)
-        width = cos.shape[-1]  # partial rotary (Phi-3) rotates a prefix of the channels
-        half = width // 2
-        first, second = keys[..., :half], keys[..., half:width]
-        out = torch.empty_like(keys)
-        torch.mul(first, cos[..., :half], out=out[..., :half]).add_(second * sin[..., :half])
-        torch.mul(second, cos[..., half:], out=out[..., half:width]).sub_(first * sin[..., half:])
-        out[..., width:] = keys[..., width:]
-        return out
+    def middle_budget(self, row: int = 0) -> int | None:
+        """The middle budget batch row `row` was compressed to (the first compressed layer's; None before compression)."""
+        budgets = next((layer.budgets for layer in self.layers if isinstance(layer, CompressedLayer) and layer.budgets), None)
+        return budgets[row] if budgets is not None else None
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
@@ -502,57 +440,3 @@ class CompressedCache(Cache):
 
     def compress_seconds(self) -> float:
         return sum(layer.stats.compress_seconds for layer in self.layers)
-
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-
-
-def check_supported(model) -> list[tuple[str, int | None]]:
-    """[(layer type, sliding window)] per layer: "full_attention" (compressed) or "sliding_attention" (window kept exact).
-
-    Raises a clear error for a model kvcompress does not support. A sliding window at least as long
-    as the model's positions never slides, so such a layer counts as full attention.
-    """
-    config = model.config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", False):
-        raise ValueError(
-            f"unsupported model type {model_type!r}: kvcompress supports decoder-only models using transformers' "
-            f"AttentionInterface: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(f"unsupported model: layer types {unknown}; kvcompress handles full_attention and sliding_attention layers")
-    longest = getattr(config, "max_position_embeddings", None)
-    layers = []
-    for kind, kw in zip(types, kwargs):
-        window = kw.get("sliding_window")
-        if kind == "sliding_attention" and longest is not None and window >= longest:
-            kind, window = "full_attention", None
-        layers.append((kind, window))
-    return layers
-
-
-def attention_scales(model) -> dict[int, float]:
-    """{layer_idx: attention scale} of the model's attention modules."""
-    return {m.layer_idx: m.scaling for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
-
-
-def find_rotary_embedding(model):
-    """(rotary embedding module, extra forward kwargs for the full-attention layers' rotation)."""
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            takes_type = "layer_type" in inspect.signature(module.forward).parameters  # Gemma 3: local and global RoPE
-            return module, ({"layer_type": "full_attention"} if takes_type else {})
-    raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
-
-
-def select_compressed_attention(model) -> None:
-    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration`)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
-        raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)

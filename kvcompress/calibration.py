@@ -1,4 +1,7 @@
-"""Context-calibrated compression (Compactor seed 002, Sec. 3.5; DESIGN.md §4), for any method.
+"""Context-calibrated compression, for any method.
+
+Chari & Van Durme, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
+Leverage Scores", arXiv:2507.08143, Sec. 3.5; docs/design.md, "Context-calibrated compression".
 
 For a method and a model, the NLL ratio y = NLL(t; q, c) / NLL(t; q, c~_r) of a known answer t
 after keeping a fraction r of the context c is modelled as
@@ -15,7 +18,7 @@ the rest of the library: compression_ratio = 1 - r (fraction removed).
 
 `calibrated_ratio` is the run-time step: one plain prefill for NLL(c), then r*. Measuring the
 triples on a model through the compressed cache, and `kvc.calibrate` (measure + fit), live one
-layer up in `integration.calibrate`; this module needs nothing from the model integration.
+layer up in `integration.calibrate_model`; this module needs nothing from the model integration.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def check_positive(flag: str, value, minimum=1) -> None:
 
 def check_method(flag: str, name: str) -> None:
     """Raise ValueError naming `flag` when `name` is not a registered method."""
-    from .methods.base import get_method_class
+    from .methods.registry import get_method_class
 
     try:
         get_method_class(name)
@@ -122,10 +122,8 @@ def _generate_cli(subparsers) -> None:
 
 
 def _run_generate(args) -> int:
-    from .api import default_sink_window
-    from .cache import CompressionSettings
     from .integration import generate, load_model
-    from .methods.base import build_method, check_sink_window, resolve_budget
+    from .options import CompressionOptions
 
     if args.context_file.is_dir():
         raise ValueError(f"--context-file {str(args.context_file)!r} is a directory: pass a text file")
@@ -139,14 +137,11 @@ def _run_generate(args) -> int:
     elif args.budget is not None or args.compression_ratio is not None or args.slack is not None or args.param:
         raise ValueError("--method full keeps every token: it takes no --budget, --compression-ratio, --slack or --param")
     check_positive("--max-new-tokens", args.max_new_tokens)
-    check_positive("--chunk-size", args.chunk_size)
-    params = parse_params(args.param)
-    if not full:
-        method = build_method(args.method, **params)
-        if args.slack is not None:  # checked before the model loads: slack against this method and mode
-            CompressionSettings(method, args.mode, budget=1, slack=args.slack)
-        check_sink_window(*default_sink_window(args.method, args.sink, args.window))
-        resolve_budget(10**9, args.budget, args.compression_ratio, 0, 0)
+    size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "sink": args.sink, "window": args.window,
+                            "slack": args.slack, "method_params": parse_params(args.param)}
+    # checked before the model loads
+    options = CompressionOptions(method=None if full else args.method, mode=args.mode, seed=args.seed, chunk_size=args.chunk_size,
+                                 compress_question=args.compress_question, **size)
     try:
         context = args.context_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -155,13 +150,7 @@ def _run_generate(args) -> int:
             "convert it first, e.g. iconv -f latin1 -t utf-8"
         ) from None
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
-    size = {} if full else {"compression_ratio": args.compression_ratio, "budget": args.budget, "seed": args.seed, "sink": args.sink, "window": args.window,
-                            "slack": args.slack}
-    res = generate(
-        model, tokenizer, context, args.question, method=None if full else args.method, mode=args.mode,
-        max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, compress_question=args.compress_question,
-        **size, **params,
-    )
+    res = generate(model, tokenizer, context, args.question, options, max_new_tokens=args.max_new_tokens)
     print(res.text)
     print()
     print(res.report())

@@ -1,4 +1,4 @@
-"""The one data model every method hands to attention (DESIGN.md §1)."""
+"""The one data model every method hands to attention (docs/design.md, "One summary for every method")."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def concat(parts: list[KVSummary]) -> KVSummary:
 
 def take_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B,H,n,...], index [B,H,k] -> [B,H,k,...]: per-head gather along the token axis, as one
-    index_select over rows of the storage (about 8x faster than `gather` with an expanded index on CPU)."""
+    index_select over rows of the storage (cheaper on the CPU than `gather` with an expanded index)."""
     rows, head_rows, slot_rows = _slot_rows(x)
     flat = (index if slot_rows == 1 else index * slot_rows) + head_rows
     return rows.index_select(0, flat.flatten()).view(*index.shape, *x.shape[3:])

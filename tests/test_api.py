@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.base import DEFAULT_SLACK, get_method_class
+from kvcompress.methods.budget import DEFAULT_SLACK
+from kvcompress.methods.registry import get_method_class
 from kvcompress.methods.pyramidkv import layer_budget
 
 BASELINES = ["streamingllm", "random", "knorm", "snapkv", "tova", "h2o", "pyramidkv"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.base import Tokens
+from kvcompress.methods.tokens import Tokens
 from kvcompress.methods.balancekv import BalanceKV, balance_kernel, balancing_walk, halve
 
 

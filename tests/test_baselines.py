@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.base import Tokens, attention_mass, get_method_class
+from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.pyramidkv import layer_budget
 
 torch.set_num_threads(1)

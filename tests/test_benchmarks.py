@@ -1,7 +1,10 @@
 """Standard benchmark loaders on fixture files in the published schemas, their metrics on hand-worked
-cases, the leaderboard, and `kvcompress eval --benchmark` on a tiny random model."""
+cases, the leaderboard, and `kvcompress eval --benchmark` on a tiny random model. Also the repository's
+own benchmarks/: every benchmarks/ or results/ path the README and docs/ cite exists, and docs/bench.md
+describes every script."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -246,3 +249,50 @@ def test_default_model_answers_the_ruler_fixture(default_model, tmp_path):
     records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
     assert [(r["method"], r["score"]) for r in records] == [(FULL, 1.0), ("streamingllm", 1.0)]
     assert all(r["prediction"].startswith("1234567") for r in records)
+
+
+# --- the repository's own benchmarks/ folder: what the docs cite exists, and every script is documented ---
+
+REPO = Path(__file__).resolve().parent.parent
+CITED_PATH = re.compile(r"(?:(?<=\.\./)|(?<![\w/.-]))((?:benchmarks|results)/[\w.{},*/-]*)")
+
+
+def _expand_braces(path: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", path)
+    if not match:
+        return [path]
+    return [p for option in match.group(1).split(",") for p in _expand_braces(path[: match.start()] + option + path[match.end():])]
+
+
+def cited_paths(text: str) -> list[str]:
+    """benchmarks/... and results/... paths a document cites, braces expanded; output folders of commands (--out, --csv) left out."""
+    out = []
+    for match in CITED_PATH.finditer(text):
+        if re.search(r"--(out|csv)[ =]$", text[max(0, match.start() - 6): match.start()]):
+            continue
+        path = match.group(1).rstrip(".,:;")
+        out += _expand_braces(path)
+    return out
+
+
+def test_cited_paths_are_found_in_text():
+    text = ("see `benchmarks/results/many_questions.md`, ![x](../results/sweep_4k/a.png) and "
+            "results/eval_hybrid/approx_span_text{0,2}/; kvcompress eval --out results/lb; docs/results.md; "
+            "kvcompress/eval/benchmarks.py; benchmarks/tuning/*.py.")
+    assert cited_paths(text) == ["benchmarks/results/many_questions.md", "results/sweep_4k/a.png", "results/eval_hybrid/approx_span_text0/",
+                                 "results/eval_hybrid/approx_span_text2/", "benchmarks/tuning/*.py"]
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))])
+def test_every_benchmark_script_and_result_a_document_cites_exists(doc):
+    missing = [p for p in cited_paths((REPO / doc).read_text(encoding="utf-8")) if not any(REPO.glob(p.rstrip("/")))]
+    assert not missing, f"{doc} cites paths that do not exist: {sorted(set(missing))}"
+
+
+def test_every_benchmark_script_is_documented_in_bench_md_and_compiles():
+    bench_md = (REPO / "docs" / "bench.md").read_text(encoding="utf-8")
+    scripts = sorted((REPO / "benchmarks").rglob("*.py"))
+    assert scripts
+    for script in scripts:
+        assert f"`{script.name}`" in bench_md, f"docs/bench.md does not describe benchmarks/{script.relative_to(REPO / 'benchmarks')}"
+        compile(script.read_text(encoding="utf-8"), str(script), "exec")

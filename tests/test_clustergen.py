@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.base import DEFAULT_SLACK
+from kvcompress.methods.budget import DEFAULT_SLACK
 from kvcompress.methods.clustergen import block_centres, farthest_point
 
 torch.set_num_threads(1)

@@ -9,7 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcompress as kvc
 from kvcompress.methods import compactor as cm
-from kvcompress.methods.base import Tokens, build_method, make_generator
+from kvcompress.methods.base import make_generator
+from kvcompress.methods.registry import build_method
+from kvcompress.methods.tokens import Tokens
 
 
 def _low_rank_keys(b=1, h=2, n=400, d=64, rank=24, seed=0):

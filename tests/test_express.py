@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.base import Tokens, make_generator
+from kvcompress.methods.base import make_generator
+from kvcompress.methods.tokens import Tokens
 from kvcompress.methods.express import (
     ExpressState,
     block_plan,

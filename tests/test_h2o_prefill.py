@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcompress.integration.attention as kv_attention
-from kvcompress.cache import CompressedCache, CompressionSettings
+from kvcompress.cache import CompressedCache
+from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.integration.attention import causal_attention_with_mass
-from kvcompress.methods.base import Tokens, attention_mass, build_method, compress_tokens
+from kvcompress.methods.base import compress_tokens
+from kvcompress.methods.registry import build_method
+from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.h2o import H2O
 
 
@@ -168,7 +171,7 @@ def fused_calls(monkeypatch):
 
 
 def kept_positions(model, ctx, method):
-    cache = CompressedCache(model, CompressionSettings(method, "prefill", compression_ratio=0.6))
+    cache = CompressedCache(model, CompressionOptions(method=method, mode="prefill", compression_ratio=0.6))
     with use_compressed_attention(model), torch.no_grad():
         model(ctx, past_key_values=cache, use_cache=True)
     return [layer.front.summary().positions for layer in cache.layers]
@@ -178,12 +181,12 @@ def test_h2o_keeps_the_same_tokens_with_the_prefill_mass_as_with_its_own(fused_c
     model = tiny_llama()
     g = torch.Generator().manual_seed(1)
     ctx, question = torch.randint(0, 96, (1, 300), generator=g), torch.randint(0, 96, (1, 6), generator=g)
-    fused = kept_positions(model, ctx, H2O())
+    fused = kept_positions(model, ctx, "h2o")
     assert len(fused_calls) == 2  # one fused prefill attention per layer, then nothing else
     res_fused = generate_ids(model, ctx, question, method="h2o", compression_ratio=0.6, max_new_tokens=8, stop_at_eos=False)
     assert len(fused_calls) == 4  # the question and the answer tokens attend through the ordinary path
     monkeypatch.setattr(H2O, "needs_attention_mass", False)  # H2O then computes the mass itself from the queries
-    own = kept_positions(model, ctx, H2O())
+    own = kept_positions(model, ctx, "h2o")
     res_own = generate_ids(model, ctx, question, method="h2o", compression_ratio=0.6, max_new_tokens=8, stop_at_eos=False)
     assert len(fused_calls) == 4
     for a, b in zip(fused, own):
@@ -195,7 +198,7 @@ def test_h2o_keeps_the_same_tokens_with_the_prefill_mass_as_with_its_own(fused_c
 def test_other_methods_take_the_sdpa_path(method, fused_calls):
     model = tiny_llama()
     ctx = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(2))
-    kept_positions(model, ctx, build_method(method))
+    kept_positions(model, ctx, method)
     assert fused_calls == []
 
 
@@ -206,7 +209,7 @@ def test_padded_batches_and_streams_compute_the_mass_themselves(fused_calls):
     ctx = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(3))
     res = generate_ids(model, ctx, None, method="h2o", budget=40, mode="chunked", chunk_size=64, max_new_tokens=2, stop_at_eos=False)
     assert max(res.slots_per_layer) <= 4 + 40 + 64 + 64 + 2
-    cache = CompressedCache(model, CompressionSettings(H2O(), "prefill", compression_ratio=0.5))
+    cache = CompressedCache(model, CompressionOptions(method="h2o", mode="prefill", compression_ratio=0.5))
     mask = torch.ones(2, 200, dtype=torch.long)
     mask[1, :10] = 0
     with use_compressed_attention(model), torch.no_grad():

@@ -15,7 +15,9 @@ import kvcompress as kvc
 from kvcompress.calibration import Calibration
 from kvcompress.checks import check_finite
 from kvcompress.integration import generate, generate_ids
-from kvcompress.methods.base import build_method, check_kv, resolve_budget
+from kvcompress.checks import check_kv
+from kvcompress.methods.budget import resolve_budget
+from kvcompress.methods.registry import build_method
 
 
 def _kv(b=1, h=2, n=40, d=8, seed=0):

@@ -21,8 +21,10 @@ from transformers import (
 )
 
 import kvcompress as kvc
-from kvcompress.cache import SUPPORTED_MODEL_TYPES, CompressedCache, CompressionSettings, SlidingWindowLayer, check_supported
-from kvcompress.methods.base import build_method
+from kvcompress.cache import CompressedCache, SlidingWindowLayer
+from kvcompress.integration.support import SUPPORTED_MODEL_TYPES, check_supported
+from kvcompress.options import CompressionOptions
+from kvcompress.methods.registry import build_method
 from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0)
@@ -184,10 +186,10 @@ def test_unsupported_architecture_names_the_supported_ones():
         CompressedCache(gpt2, "knorm", budget=4)
     assert all(name in str(err.value) for name in SUPPORTED_MODEL_TYPES)
     model = tiny()
-    CompressedCache(model, CompressionSettings(build_method("knorm"), budget=4))
+    CompressedCache(model, CompressionOptions(method="knorm", budget=4))
     assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
     with pytest.raises(ValueError, match="not both"):
-        CompressedCache(tiny(), CompressionSettings(build_method("knorm"), budget=4), budget=3)
+        CompressedCache(tiny(), CompressionOptions(method="knorm", budget=4), budget=3)
     with pytest.raises(ValueError, match="method must be a method name"):
         CompressedCache(tiny(), 3)
 
@@ -286,7 +288,7 @@ def test_pipeline_answers_like_kvc_generate():
     one = pipe(context, question=questions[1], **options)
     assert one["answer"] == direct[1].text and one["result"].slots_per_layer == direct[1].slots_per_layer
     model = tiny()
-    CompressedCache(model, CompressionSettings(build_method("knorm"), budget=4))
+    CompressedCache(model, CompressionOptions(method="knorm", budget=4))
     assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
     with pytest.raises(ValueError, match="not both"):
         pipe(context, question="w1", questions=["w2"], **options)

@@ -9,7 +9,10 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.attention import exact_attention, weighted_attention
-from kvcompress.methods.base import DEFAULT_SLACK, Tokens, attention_mass, build_method, make_generator
+from kvcompress.methods.base import make_generator
+from kvcompress.methods.budget import DEFAULT_SLACK
+from kvcompress.methods.registry import build_method
+from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.hybrid import Hybrid
 from kvcompress.summary import take_slots
 

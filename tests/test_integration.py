@@ -18,9 +18,12 @@ from transformers import (
 )
 
 import kvcompress as kvc
-from kvcompress.cache import CompressedCache, CompressionSettings
+from kvcompress.cache import CompressedCache
+from kvcompress.integration.support import RotaryInverse
+from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
-from kvcompress.methods.base import DEFAULT_SLACK, build_method
+from kvcompress.methods.budget import DEFAULT_SLACK
+from kvcompress.methods.registry import build_method
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 ARCHS = {
@@ -93,7 +96,7 @@ def test_model_generate_with_compressed_cache():
     ctx, question = _prompt()
     ids = torch.cat([ctx, question], 1)
     ref = _reference(model, ctx, question)
-    cache = CompressedCache(model, CompressionSettings(build_method("tova"), "prefill", compression_ratio=0.0))
+    cache = CompressedCache(model, CompressionOptions(method="tova", mode="prefill", compression_ratio=0.0))
     with use_compressed_attention(model):
         out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert out[0, ids.shape[1] :].tolist() == ref
@@ -146,7 +149,7 @@ def test_decode_mode_stays_bounded_while_generating():
 def test_rope_positions_keep_counting_original_tokens():
     model = tiny()
     ctx, question = _prompt(n=300)
-    cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=20, sink=2, window=4))
+    cache = CompressedCache(model, CompressionOptions(method="knorm", mode="prefill", budget=20, sink=2, window=4))
     with use_compressed_attention(model), torch.no_grad():
         model(ctx, past_key_values=cache)
         assert cache.layers[0].slots() == 26 and cache.get_seq_length() == 300
@@ -158,27 +161,25 @@ def test_pre_rope_keys_are_recovered():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = tiny()
-    cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=3))
-    cache._rotary = (model.model.rotary_emb, {})
+    unrotate = RotaryInverse(model)
     k = torch.randn(1, 2, 10, 16)
     pos = torch.arange(5, 15)
     cos, sin = model.model.rotary_emb(k, pos[None])
     _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
-    torch.testing.assert_close(cache.pre_rope_keys(rotated, pos), k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unrotate(rotated, pos), k, atol=1e-5, rtol=1e-5)
 
 
 def test_pre_rope_keys_for_a_batch_several_positions_and_bfloat16():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = tiny()
-    cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "prefill", budget=3))
-    cache._rotary = (model.model.rotary_emb, {})
+    unrotate = RotaryInverse(model)
     k = torch.randn(2, 2, 10, 16)
     for start, dtype in [(5, torch.float32), (7, torch.float32), (5, torch.bfloat16)]:
         pos = torch.arange(start, start + 10)
         cos, sin = model.model.rotary_emb(k, pos[None].expand(2, -1))
         _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
-        got = cache.pre_rope_keys(rotated.to(dtype), pos)
+        got = unrotate(rotated.to(dtype), pos)
         assert got.dtype == dtype and got.shape == k.shape
         torch.testing.assert_close(got.float(), k, atol=0.1 if dtype == torch.bfloat16 else 1e-5, rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
 
@@ -199,7 +200,7 @@ def test_errors():
         generate_ids(gpt2, ctx % 50, None, method="knorm", budget=4)
     with pytest.raises(ValueError, match="mode='prefill' only"):
         with use_compressed_attention(model), torch.no_grad():
-            cache = CompressedCache(model, CompressionSettings(build_method("knorm"), "chunked", budget=4))
+            cache = CompressedCache(model, CompressionOptions(method="knorm", mode="chunked", budget=4))
             padded = torch.cat([torch.zeros_like(ctx[:, :5]), torch.ones_like(ctx[:, 5:])], 1)
             model(torch.cat([ctx, ctx]), attention_mask=torch.cat([padded, torch.ones_like(ctx)]), past_key_values=cache)
 

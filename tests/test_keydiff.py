@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import kvcompress as kvc
 from kvcompress.methods import keydiff as kd
-from kvcompress.methods.base import DEFAULT_SLACK
+from kvcompress.methods.budget import DEFAULT_SLACK
 
 
 def _keys(b=1, h=2, n=300, d=16, seed=0, unit=False, spread=1.0):
@@ -53,7 +53,7 @@ def test_score_matches_the_formula():
 
 
 def _tokens(keys):
-    from kvcompress.methods.base import Tokens
+    from kvcompress.methods.tokens import Tokens
 
     b, h, n, _ = keys.shape
     return Tokens(keys, torch.zeros_like(keys), torch.arange(n).expand(b, h, n))
@@ -193,7 +193,7 @@ E2E_TOTAL = 512
 
 def needle_accuracy(model, tokenizer, method, total=E2E_TOTAL, target_tokens=4000, depths=NEEDLE_DEPTHS, seed=0):
     """(needles answered, answers) of `method` in chunked mode with `total` stored middle+sink+window tokens per head."""
-    from kvcompress.api import default_sink_window
+    from kvcompress.methods.registry import default_sink_window
     from kvcompress.eval import tasks
 
     sink, window = default_sink_window(method, None, None)

@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 LAYERS = [
     ("core", ("summary", "attention", "checks")),
     ("methods", ("methods",)),
-    ("api", ("api",)),
+    ("api", ("api", "options")),
+    ("model support", ("integration.support",)),
     ("cache", ("cache", "calibration")),
     ("integration", ("integration",)),
     ("eval", ("eval",)),

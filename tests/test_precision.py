@@ -10,10 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcompress as kvc
-from kvcompress.cache import CompressedCache, CompressionSettings
+from kvcompress.cache import CompressedCache
+from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.integration.model import check_context_length, parse_device, parse_dtype
-from kvcompress.methods.base import build_method
+from kvcompress.methods.registry import build_method
 from kvcompress.summary import KVSummary, Normalizer, SlotBuffer, concat
 
 cuda = pytest.mark.cuda
@@ -121,7 +122,7 @@ def test_slot_buffer_appends_like_concat(with_normalizer):
 
 def _compressed(model, method, ctx, ratio=0.75, sink=4, window=16):
     """(logits after the context [vocab], prefill-mode CompressedCache) for `ctx` compressed by `method`."""
-    settings = CompressionSettings(build_method(method), "prefill", None, ratio, sink, window, 0)
+    settings = CompressionOptions(method=method, mode="prefill", compression_ratio=ratio, sink=sink, window=window)
     cache = CompressedCache(model, settings)
     with torch.inference_mode(), use_compressed_attention(model):
         logits = model(ctx.to(next(model.parameters()).device), past_key_values=cache).logits[0, -1]

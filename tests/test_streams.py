@@ -8,9 +8,13 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.cache import CompressedCache, CompressionSettings
+from kvcompress.cache import CompressedCache
+from kvcompress.options import CompressionOptions
 from kvcompress.integration import use_compressed_attention
-from kvcompress.methods.base import DEFAULT_SLACK, Tokens, build_method, cat_tokens, make_generator
+from kvcompress.methods.base import make_generator
+from kvcompress.methods.budget import DEFAULT_SLACK
+from kvcompress.methods.registry import build_method
+from kvcompress.methods.tokens import cat_tokens, Tokens
 from kvcompress.methods.compactor import Compactor
 from test_integration import _prompt, tiny
 
@@ -182,11 +186,11 @@ def test_slack_for_a_native_stream_or_prefill_is_an_error():
         kvc.stream("express", budget=64, slack=0.5)
     kvc.stream("express", budget=64)  # the default is fine
     with pytest.raises(ValueError, match="slack=0.5 sets how streams re-compress.*not 'prefill'"):
-        CompressionSettings(build_method("knorm"), "prefill", budget=8, slack=0.5)
+        CompressionOptions(method="knorm", mode="prefill", budget=8, slack=0.5)
     with pytest.raises(ValueError, match="streams natively"):
-        CompressionSettings(build_method("subgen"), "chunked", budget=64, slack=0.5)
+        CompressionOptions(method="subgen", mode="chunked", budget=64, slack=0.5)
     with pytest.raises(ValueError, match="slack must be"):
-        CompressionSettings(build_method("knorm"), "decode", budget=8, slack=-1)
+        CompressionOptions(method="knorm", mode="decode", budget=8, slack=-1)
 
 
 def test_chunked_cache_holds_the_slack_while_absorbing_and_compacts_at_the_end():
@@ -207,7 +211,7 @@ def test_chunked_cache_holds_the_slack_while_absorbing_and_compacts_at_the_end()
 
 
 def test_generate_passes_slack_to_the_cache():
-    from kvcompress.integration.generate import generate_ids
+    from kvcompress.integration.generation import generate_ids
 
     model = tiny()
     ctx, question = _prompt(n=300)
@@ -218,7 +222,7 @@ def test_generate_passes_slack_to_the_cache():
     assert loose.kv_bytes == tight.kv_bytes  # both compacted to the budget when the prompt ends
     with pytest.raises(ValueError, match="slack=0.5 sets how streams re-compress.*not 'prefill'"):
         generate_ids(model, ctx, question, **{**common, "mode": "prefill"}, slack=0.5)
-    with pytest.raises(ValueError, match="full cache: it takes no budget, compression_ratio, slack"):
+    with pytest.raises(ValueError, match="method=None is the full cache: it takes no slack"):
         generate_ids(model, ctx, question, method=None, slack=0.5)
 
 

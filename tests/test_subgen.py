@@ -7,7 +7,8 @@ import torch
 from scipy import stats
 
 import kvcompress as kvc
-from kvcompress.methods.base import Tokens, make_generator
+from kvcompress.methods.base import make_generator
+from kvcompress.methods.tokens import Tokens
 from kvcompress.methods.subgen import SubGen
 
 torch.set_num_threads(1)
@@ -231,7 +232,7 @@ def test_chunked_queries_match_one_chunk(monkeypatch):
 @pytest.fixture(scope="module")
 def real_layers(default_model):
     """q/k/v of layers 2 and 5 of the default model on 2048 tokens of real prose (the approximation bench's input)."""
-    from kvcompress.cache import attention_scales
+    from kvcompress.integration.support import attention_scales
     from kvcompress.eval.capture import capture_qkv, prose_text
 
     model, tok = default_model

@@ -11,7 +11,7 @@ DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_wo
 
 
 def add_cli(subparsers) -> None:
-    from ..integration.calibrate import DEFAULT_RETENTIONS
+    from ..integration.calibrate_model import DEFAULT_RETENTIONS
 
     p = subparsers.add_parser(
         "calibrate", help="fit the context-calibration curve of a method (Compactor seed Sec. 3.5)",

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ..cache import MODES
+from ..options import MODES
 from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, parse_params, resolve_device
 from ..eval.approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
 from ..eval.benchmarks import BENCHMARKS

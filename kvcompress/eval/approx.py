@@ -1,18 +1,21 @@
-"""Attention-approximation bench (seed 000 App. B.1 protocol) on real q/k/v of a real model.
+"""Attention-approximation bench on real q/k/v of a real model.
+
+The protocol of App. B.1 of "BalanceKV: KV Cache Compression through Discrepancy Theory",
+arXiv:2502.07861 (sinks and the last queries exact, the middle compressed).
 
 For each chosen layer: capture post-RoPE (q, k, v) of n tokens of real prose
 (`eval.capture.capture_qkv`, `eval.capture.prose_text`). The targets are the last `n_queries`
 queries j ∈ [n − n_queries, n). Each method keeps the first `sink` tokens and the last
 `n_queries` tokens exactly (the window; query j sees only window tokens ≤ j) and compresses the
 middle [sink, n − n_queries) to a fraction (1 − ratio) of its length, so `ratio` is the rate at
-which the middle is compressed (the seed's 2^−T ∈ {1/2, 1/4, 1/8, 1/16} is ratio 0.5 … 0.9375).
+which the middle is compressed (the paper's 2^−T ∈ {1/2, 1/4, 1/8, 1/16} is ratio 0.5 … 0.9375).
 Query-aware methods see every query of the prefix, as in prefill compression; Compactor gets the
 pre-RoPE keys the integration would give it.
 
 Error of query j in query head h: ‖z_j − Attn_j‖ / ‖Attn_j‖ (z from `weighted_attention` over
 the summary, Attn from `exact_attention` over all keys, causal); a run's error is the mean over
-queries and heads; each (method, ratio, layer) repeats over `seeds` seeds and reports the mean
-and standard deviation over seeds (zero for deterministic methods).
+queries and heads; each (method, ratio, layer) repeats over `seeds` random seeds and reports the
+mean and standard deviation over them (zero for deterministic methods).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from tqdm.auto import tqdm
 
 from ..api import compress
 from ..attention import exact_attention, weighted_attention
-from ..cache import CompressedCache, CompressionSettings, attention_scales
-from ..methods.base import build_method, method_names
+from ..integration.support import RotaryInverse, attention_scales
+from ..methods.registry import get_method_class, method_names
 from .capture import capture_qkv, prose_text
 
 DEFAULT_APPROX_RATIOS = (0.5, 0.75, 0.875, 0.9375)
@@ -107,10 +110,10 @@ def run_approx(model, tokenizer, config: ApproxConfig, progress: bool = True) ->
     rows = []
     bar = tqdm(total=len(config.methods) * len(captured), desc="approx", unit="method-layer", disable=not progress)
     for method in config.methods:
-        unrotate = CompressedCache(model, CompressionSettings(build_method(method), "prefill", budget=1))
+        unrotate = RotaryInverse(model) if get_method_class(method).needs_pre_rope_keys else None
         for layer, (q, k, v) in captured.items():
             start = time.perf_counter()
-            pre = unrotate.pre_rope_keys(k, torch.arange(n))
+            pre = unrotate(k, torch.arange(n)) if unrotate is not None else None
             errors = layer_errors(method, q, k, v, scales[layer], config, pre_rope_keys=pre, layer_idx=layer,
                                   num_layers=model.config.num_hidden_layers)
             seconds = (time.perf_counter() - start) / (len(config.ratios) * config.seeds)

@@ -72,12 +72,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import MODES, CompressedCache
+from ..cache import CompressedCache
+from ..options import MODES
 from ..checks import as_count, describe
 from ..integration import use_compressed_attention
-from ..integration.generate import full_kv_bytes
+from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length
-from ..methods.base import method_names
+from ..methods.registry import method_names
 from .capture import prose_paragraphs
 from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results, stream_budget
 from .stats import t_interval

@@ -21,8 +21,8 @@ i-th of n disjoint slices of the samples (n plain processes can share one output
 and a cell already in the file is never written again. With `benchmark`/`data` the samples come
 from a standard benchmark's files (`eval.benchmarks`) instead of the generated tasks.
 
-A cell whose method cannot run at that size (e.g. its seed's sink + window exceed the tokens a
-ratio keeps) is recorded with its error message and no score, and shown as such in the summary.
+A cell whose method cannot run at that size (e.g. its paper's default sink + window exceed the
+tokens a ratio keeps) is recorded with its error message and no score, and shown as such in the summary.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import MODES
-from ..methods.base import get_method_class, method_names
+from ..options import MODES
+from ..methods.registry import get_method_class, method_names
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
@@ -277,8 +277,9 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
 def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
     """Middle budget a streamed (chunked/decode) cache gets: what `ratio` keeps of n_tokens, less the method's
     sink and window (the prefill-mode budget), refused when below what the method's stream accepts."""
-    from ..api import default_sink_window
-    from ..methods.base import build_method, resolve_budget
+    from ..methods.registry import default_sink_window
+    from ..methods.budget import resolve_budget
+    from ..methods.registry import build_method
 
     sink, window = default_sink_window(method, None, None)
     return resolve_budget(n_tokens, None, ratio, sink, window, build_method(method), streaming=True)

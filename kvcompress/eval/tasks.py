@@ -7,7 +7,8 @@ context's tokens that precede it). Lengths are counted with the tokenizer when o
 estimated as one token per 4 characters. Each task has a scorer `score(sample, prediction) ->
 float in [0, 1]`.
 
-Tasks (RULER, Hsieh et al. 2024; LongEval, Li et al. 2023 as used by seed 001 Sec. 3.2):
+Tasks (RULER, Hsieh et al. 2024; LongEval, Li et al. 2023 as used in Sec. 3.2 of "SubGen: Token
+Generation in Sublinear Time and Memory", arXiv:2402.06082):
 - `niah_single`: one needle "One of the special magic {kind} for {key} is: {value}." with kind
   numbers (7 digits), words or UUIDs, in a haystack of filler sentences or real prose.
 - `niah_multikey`: the asked needle among distractor needles with other keys.

@@ -1,12 +1,31 @@
-"""transformers integration: the compressed cache's attention function, the default model, generate(), the pipeline."""
+"""transformers integration: the compressed cache's attention function, the default model, generate(), the pipeline.
 
-from ..cache import CompressedCache
-from .attention import ATTENTION_NAME, kvcompress_attention
-from .calibrate import calibrate
-from .generate import GenerationResult, answer_questions_ids, generate, generate_batch_ids, generate_ids, use_compressed_attention
-from .model import build_prompt, load_model
+Importing the package registers the "kvcompress" attention and the "kvcompress-text-generation"
+pipeline; everything else loads
+when first used, so the model inspection (`support`) that `kvcompress.cache` relies on imports
+without the generation path above it.
+"""
+
+from importlib import import_module
+
+from . import attention  # noqa: F401  (registers the "kvcompress" attention implementation)
 from .pipeline import TASK as PIPELINE_TASK  # registers the "kvcompress-text-generation" pipeline
 from .pipeline import CompressedTextGenerationPipeline
+
+_EXPORTS = {
+    "ATTENTION_NAME": "kvcompress.integration.support",
+    "CompressedCache": "kvcompress.cache",
+    "GenerationResult": "kvcompress.integration.generation",
+    "answer_questions_ids": "kvcompress.integration.generation",
+    "build_prompt": "kvcompress.integration.model",
+    "calibrate": "kvcompress.integration.calibrate_model",
+    "generate": "kvcompress.integration.generation",
+    "generate_batch_ids": "kvcompress.integration.generation",
+    "generate_ids": "kvcompress.integration.generation",
+    "kvcompress_attention": "kvcompress.integration.attention",
+    "load_model": "kvcompress.integration.model",
+    "use_compressed_attention": "kvcompress.integration.support",
+}
 
 __all__ = [
     "ATTENTION_NAME",
@@ -24,3 +43,9 @@ __all__ = [
     "load_model",
     "use_compressed_attention",
 ]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvcompress.integration' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

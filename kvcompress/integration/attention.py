@@ -1,4 +1,7 @@
-"""The 'kvcompress' attention function, registered with transformers' AttentionInterface (DESIGN.md §3)."""
+"""The 'kvcompress' attention function, registered with transformers' AttentionInterface.
+
+docs/design.md, "Model integration: three modes".
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ..attention import weighted_attention
-from ..cache import ATTENTION_NAME, has_padding
-from ..methods.base import exp_rows_, totals_in_range
+from ..attention import exp_rows_, totals_in_range, weighted_attention
+from .support import ATTENTION_NAME, has_padding
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -49,10 +51,10 @@ def _compresses_with_attention_mass(layer) -> bool:
     """True when this forward is the layer's one-shot prefill compression (prefill mode, nothing
     stored yet, no padding) and its method scores with the full attention mass
     (`needs_attention_mass`): the attention then goes through `causal_attention_with_mass`."""
-    settings = layer.cache.settings
+    options = layer.cache.options
     return (
-        settings.method.needs_attention_mass
-        and settings.mode == "prefill"
+        options.compressor.needs_attention_mass
+        and options.mode == "prefill"
         and layer.front is None
         and not has_padding(layer.pending_real)
     )
@@ -70,27 +72,21 @@ def causal_attention_with_mass(
     0 .. n - q + i (the queries are the last q tokens); scale None is 1/sqrt(d). Returns
     (out [B,H_q,q,d_v] in the query's dtype, mass [B,H_kv,n] float32): mass[j] = Σ_i
     softmax_i(s<q_i,k>)[j] summed over the queries and averaged over each GQA group, exactly what
-    `methods.base.attention_mass` returns for these queries on these keys. An explicit softmax in
+    `methods.tokens.attention_mass` returns for these queries on these keys. An explicit softmax in
     float32 (any input dtype), `query_chunk` queries at a time (fewer if the workers' scores would
     exceed `max_logits`, 64 MiB), their scores written into one reused workspace per worker, future
-    keys never multiplied. On one CPU thread 48-96 queries per chunk ran fastest at 4k-8k tokens (a
-    fixed 8 MiB of scores, 14 queries at 16k, ran 2.2x SDPA there) and a reused workspace ~7 % faster
-    than fresh buffers. Every query sees at least its own key, so no row is empty. The logits are
-    exponentiated without a max shift first (a model's logits lie far inside float32's range: within
-    ±40 on the default model at 4k tokens); if a row's total left the range `methods.base.exp_rows_`
-    trusts (an exponential or the total overflowed, or the total underflowed), the whole call is
-    redone with every row max-shifted (`totals_in_range`, one host read per call, at the end).
+    keys never multiplied. Every query sees at least its own key, so no row is empty. The logits are
+    exponentiated without a max shift first (a model's logits lie far inside float32's range); if a
+    row's total left the range `attention.exp_rows_` trusts (an exponential or the total overflowed,
+    or the total underflowed), the whole call is redone with every row max-shifted (`totals_in_range`, one host read per call, at the end).
 
     workers: on the CPU, the chunks are dealt round-robin to this many threads (default: torch's
     intra-op thread count, at most 4), which share torch's threads evenly as their intra-op threads
     (at least one each; `_in_worker`), their masses summed in worker order; on other devices
     (default 1) the chunks run in order on the calling thread. The cap keeps each worker's chunks
-    large where many cores would otherwise split them into a few queries each; it is a guess, as
-    only 2 cores were measured. These skinny GEMMs (inner dimension d) gain about 1.55x from a second intra-op
-    thread, independent chunks about 1.9x. On 2 cores, the default model's 30 layers at 4k tokens
-    (`benchmarks/h2o_kernel_ab.py`): this kernel took 0.33 s more than SDPA, the earlier one (one
-    thread of chunks, rows shifted wherever Cauchy-Schwarz could not bound every logit below 80)
-    0.99 s more.
+    large where many cores would otherwise split them into a few queries each (its value is not
+    tuned beyond 2 cores). These skinny GEMMs (inner dimension d) gain more from independent chunks
+    on separate threads than from a second intra-op thread on one chunk.
     """
     b, hq, nq, d = query.shape
     hkv, n = key.shape[1], key.shape[2]

@@ -15,7 +15,6 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from .generate import answer_questions_ids
 from .model import build_prompt
 
 TASK = "kvcompress-text-generation"
@@ -47,9 +46,10 @@ class CompressedTextGenerationPipeline(Pipeline):
         context_ids, _ = build_prompt(self.tokenizer, context, asked[0], answer_prefix)
         return {"context_ids": context_ids, "questions_ids": [build_prompt(self.tokenizer, context, q, answer_prefix)[1] for q in asked]}
 
-    def _forward(self, inputs, **options):
-        options.setdefault("method", "snapkv")
-        return {"results": answer_questions_ids(self.model, inputs["context_ids"], inputs["questions_ids"], **options)}
+    def _forward(self, inputs, **settings):
+        from .generation import answer_questions_ids  # the generation path loads on first use, not at registration
+
+        return {"results": answer_questions_ids(self.model, inputs["context_ids"], inputs["questions_ids"], **settings)}
 
     def postprocess(self, outputs, single=True):
         results = outputs["results"]

@@ -1,7 +1,7 @@
 """One full prefill, many compressions: evaluate several methods/ratios on the same context cheaply.
 
-In prefill mode (DESIGN.md §3) a layer is compressed only after its own attention over the whole
-block, so the context's hidden states, and every layer's q/k/v, do not depend on the method. A
+In prefill mode (docs/design.md, "Model integration: three modes") a layer is compressed only
+after its own attention over the whole block, so the context's hidden states, and every layer's q/k/v, do not depend on the method. A
 `SharedPrefill` captures them once (`eval.capture.capture_qkv`), then `cache(method, ...)`
 builds a prefill-mode `CompressedCache` from that record (`CompressedCache.from_prefill`), ready
 for the question and the answer. The result equals `kvc.generate(..., mode="prefill")` up to float rounding (SDPA vs weighted attention
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..api import default_sink_window
-from ..cache import CompressedCache, CompressionSettings
-from ..methods.base import build_method
+from ..cache import CompressedCache
+from ..options import CompressionOptions
 from .capture import capture_qkv
-from .generate import generate_ids, use_compressed_attention
+from .generation import generate_ids
+from .support import RotaryInverse, use_compressed_attention
 
 
 class SharedPrefill:
@@ -30,9 +30,8 @@ class SharedPrefill:
     def cache(self, method: str | None, compression_ratio: float = 0.0, sink=None, window=None, seed: int = 0, **params) -> CompressedCache:
         """A prefill-mode cache holding `method`'s compression of the context (None: the exact, full cache)."""
         method, compression_ratio = full_as_ratio_zero(method, compression_ratio)
-        sink, window = default_sink_window(method, sink, window)
-        settings = CompressionSettings(build_method(method, **params), "prefill", None, compression_ratio, sink, window, seed)
-        return CompressedCache.from_prefill(self.model, settings, self.captured)
+        options = CompressionOptions(method=method, method_params=params, compression_ratio=compression_ratio, sink=sink, window=window, seed=seed)
+        return CompressedCache.from_prefill(self.model, options, self.captured)
 
     def answer_ids(self, question_ids: torch.Tensor, method: str | None, compression_ratio: float = 0.0, max_new_tokens: int = 16, **params) -> list[int]:
         """Greedy answer token ids to the question after `method`'s compression (`generate_ids` on the record)."""
@@ -45,8 +44,7 @@ class SharedPrefill:
 
     def pre_rope_keys(self, layer: int) -> torch.Tensor:
         """[1, H_kv, n, d] pre-RoPE keys of a layer (un-rotated as the integration does)."""
-        unrotate = CompressedCache(self.model, CompressionSettings(build_method("compactor"), budget=1))
-        return unrotate.pre_rope_keys(self.captured[layer][1], torch.arange(self.n))
+        return RotaryInverse(self.model)(self.captured[layer][1], torch.arange(self.n))
 
 
 @torch.inference_mode()

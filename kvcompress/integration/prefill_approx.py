@@ -1,12 +1,13 @@
-"""Seed 003's prefill recipe: Express approximates the prefill attention, then any method compresses the cache.
+"""The Express paper's prefill recipe: Express approximates the prefill attention, then any method compresses the cache.
 
-Gong, Schröder, Carrell, Mackey et al., "Express Language Modeling" (seed 003, Sec. 4 "Accelerating
-KV cache compression", Fig. 2, App. I.2): the context is fed through the model in chunks; each
-chunk's queries attend to a Thinformer Express cache of everything before the chunk (32 sink and
-32 window tokens exact, the middle thinned by the Express stream) plus the chunk itself exactly,
-so no layer ever attends over the whole context. The keys and values this approximate forward
-produces, for every context token, then form the cache that the eviction method (SnapKV,
-PyramidKV, StreamingLLM, ... any registered method) compresses as after an exact prefill.
+Gong et al., "Express Language Modeling", arXiv:2606.10944 (Sec. 4 "Accelerating KV cache
+compression", Fig. 2, App. I.2; docs/design.md, "Composition"): the context is fed through the
+model in chunks; each chunk's queries attend to a Thinformer Express cache of everything before
+the chunk (32 sink and 32 window tokens exact, the middle thinned by the Express stream) plus the
+chunk itself exactly, so no layer ever attends over the whole context. The keys and values this
+approximate forward produces, for every context token, then form the cache that the eviction
+method (SnapKV, PyramidKV, StreamingLLM, ... any registered method) compresses as after an exact
+prefill.
 
 `approximate_prefill` returns the same record as an exact prefill capture ({layer: (queries,
 keys, values)}), so `CompressedCache.from_prefill` compresses it unchanged;
@@ -19,13 +20,15 @@ import time
 
 import torch
 
-from ..cache import CompressedCache, CompressedLayer, CompressionSettings
-from ..methods.base import build_method
+from ..cache import CompressedCache, CompressedLayer
+from ..checks import as_count
+from ..options import CompressionOptions
+from .support import use_compressed_attention
 
 PREFILL_APPROXIMATIONS = ("express",)
-# The seed's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.
+# The paper's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.
 EXPRESS_SINK, EXPRESS_WINDOW = 32, 32
-# Middle slots per head of the Express stream during the prefill (the seed's m is not in the surviving text).
+# Middle slots per head of the Express stream during the prefill (the paper's m is not in its extracted text).
 DEFAULT_EXPRESS_BUDGET = 512
 
 
@@ -42,10 +45,11 @@ class _RecordingLayer(CompressedLayer):
         super().commit(queries, scale, attention_mass)
 
 
-def check_prefill_approx(prefill_approx: str, method: str | None, mode: str, compress_question: bool, prefill, question_ids) -> None:
+def check_prefill_approx(prefill_approx: str, options: CompressionOptions, prefill, question_ids) -> None:
     """ValueError unless the recipe applies: a known approximation, a method, prefill mode, a question kept exact, no recorded prefill."""
     if prefill_approx not in PREFILL_APPROXIMATIONS:
         raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS} or None, got {prefill_approx!r}")
+    method, mode, compress_question = options.method, options.mode, options.compress_question
     if method is None or mode != "prefill" or compress_question or prefill is not None or question_ids is None:
         raise ValueError(
             "prefill_approx computes the context's cache approximately, compresses it with `method`, then reads the "
@@ -70,18 +74,14 @@ def approximate_prefill(
     Express cache (sink 32, window 32, `budget` middle slots per head); every chunk's post-RoPE
     queries, keys and values are kept, on the model's device, in its dtype.
     """
-    from .generate import use_compressed_attention
-
     if prefill_approx not in PREFILL_APPROXIMATIONS:
         raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS}, got {prefill_approx!r}")
-    for name, value in (("budget", budget), ("chunk_size", chunk_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    settings = CompressionSettings(build_method("express"), "chunked", budget, None, EXPRESS_SINK, EXPRESS_WINDOW, seed)
-    cache = CompressedCache(model, settings)
+    options = CompressionOptions(method="express", mode="chunked", budget=as_count("budget", budget, 1), sink=EXPRESS_SINK,
+                                 window=EXPRESS_WINDOW, seed=seed, chunk_size=chunk_size)
+    cache = CompressedCache(model, options)
     cache.layers = [_RecordingLayer(cache, i) for i in range(cache.num_layers)]
     with use_compressed_attention(model):
-        for block in context_ids.split(chunk_size, dim=1):
+        for block in context_ids.split(options.chunk_size, dim=1):
             model(block, past_key_values=cache, use_cache=True)
     return {
         i: tuple(torch.cat([blk[j] for blk in layer.blocks], dim=2) for j in range(3))

@@ -3,7 +3,11 @@
 import importlib
 import pkgutil
 
-from .base import Method, attention_mass, ScoreMethod, StreamState, Tokens, get_method_class, keep_top, method_names, register
+from .base import keep_top, Method, ScoreMethod, StreamState
+
+from .registry import get_method_class, method_names, register
+
+from .tokens import attention_mass, Tokens
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_") and _module.name != "base":

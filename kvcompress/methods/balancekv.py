@@ -1,13 +1,13 @@
 """BalanceKV: discrepancy-based selection of key-value pairs, with weighted attention.
 
 Han, Kapralov, Kochetkova, Sheth, Zandieh, "BalanceKV: KV Cache Compression through Discrepancy
-Theory" (seed 000; DESIGN.md §4).
+Theory", arXiv:2502.07861. The stream's departures from it: docs/design.md, "BalanceKV's stream".
 
-- SoftmaxBalance (seed Alg. 2): a self-balancing walk signs the tokens of a block so that the
+- SoftmaxBalance (Alg. 2): a self-balancing walk signs the tokens of a block so that the
   signed sum of exp(s<k,·>)·v is small in every direction; one side is kept with doubled weight.
-- One-shot (prefill, seed App. B): every block of `block_size` tokens of every head is balanced
+- One-shot (prefill, App. B): every block of `block_size` tokens of every head is balanced
   at once as one batched tensor program, rounds repeat until the budget is met.
-- Streaming (decoding, seed Alg. 1 + Alg. 4): MergeAndReduce binary counters, one per value-norm
+- Streaming (decoding, Alg. 1 + Alg. 4): MergeAndReduce binary counters, one per value-norm
   bucket; the kept slots serve numerator and denominator alike (see `BalanceKVStream`).
 """
 
@@ -19,7 +19,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..summary import KVSummary, concat, take_slots
-from .base import DEFAULT_SLACK, Method, StreamState, Tokens, cat_tokens, check_slack, first_true, register
+from .base import first_true, Method, StreamState
+from .budget import check_slack
+from .registry import register
+from .tokens import cat_tokens, Tokens
 
 LOG2 = math.log(2.0)
 KERNELS = ("value", "key", "joint")
@@ -30,9 +33,8 @@ _MAX_LOG_GAIN = 80.0
 _MAX_KERNEL = 1 << 24
 # Kernel entries (float32) computed at once: a chunk's kernel is written in place piece by piece, so
 # the temporaries (value Gram matrices) stay small enough for the allocator to reuse their memory.
-# In a fresh process that spares first-touch page faults (with the in-place walk, one-shot at 4k
-# tokens took 0.71x the time on a 2-core CPU); inside a model's prefill, where the allocator is
-# warm, the piece size made no measurable difference.
+# In a fresh process that spares first-touch page faults; inside a model's prefill, where the
+# allocator is warm, the piece size matters little.
 _KERNEL_PIECE = 1 << 19
 
 
@@ -44,15 +46,15 @@ def balance_kernel(
     kernel: str,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SoftmaxBalance kernel of each block, divided by the seed's R² so every entry lies in [-1, 1].
+    """SoftmaxBalance kernel of each block, divided by the paper's R² so every entry lies in [-1, 1].
 
     keys [N, b, d], values [N, b, d_v] (ignored for kernel="key"), valid [N, b] bool (False = padding;
     None: no padding).
     Keys are centred by the mean of the block's valid keys (attention is invariant to that shift;
-    seed App. B.5). K_ij = exp(s<k̄_i,k̄_j>)·κ(v_i,v_j) with κ = <v_i,v_j> ("value", seed Alg. 2),
+    the paper's App. B.5). K_ij = exp(s<k̄_i,k̄_j>)·κ(v_i,v_j) with κ = <v_i,v_j> ("value", Alg. 2),
     κ = 1 ("key": v ≡ 1) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
     [v/r_v, 1], balancing numerator and denominator together). R² = exp(s·r_key²)·r_value² with the
-    block's largest centred key norm and value norm (seed Alg. 2 line 2), applied in log space.
+    block's largest centred key norm and value norm (Alg. 2 line 2), applied in log space.
     out: a contiguous float32 [N, b, b] to write K / R² into (None: a new tensor).
     Returns (K / R² [N, b, b] float32 with zero rows and columns for padding, log R² [N]).
     """
@@ -84,13 +86,13 @@ def balance_kernel(
 
 
 def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signs of the self-balancing walk (seed Alg. 2) on each block, exactly half of each block per side.
+    """Signs of the self-balancing walk (the paper's Alg. 2) on each block, exactly half of each block per side.
 
     kernel [N, b, b] normalised (R² = 1), overwritten with the walk's drift (no copy of it), valid
     [N, b] with an even number of valid tokens per block and padding only after them (padding never
     affects a valid token), log_gain [N] = log(1 / (2c)) in these units. Token j goes to +1
-    with probability p_j = ½ − x_j·gain, x_j = Σ_{i<j} η_i K_ij: the seed's ½ − yᵀη/(2cR²). The
-    seed FAILs when |yᵀη| > cR², i.e. p_j outside [0, 1]; here p_j is clipped (the walk then takes
+    with probability p_j = ½ − x_j·gain, x_j = Σ_{i<j} η_i K_ij: the paper's ½ − yᵀη/(2cR²). The
+    paper FAILs when |yᵀη| > cR², i.e. p_j outside [0, 1]; here p_j is clipped (the walk then takes
     the sign that reduces the imbalance) and the event is counted. Balancing rule: once one side
     holds half of the block's valid tokens, the remaining valid tokens join the other side.
 
@@ -157,7 +159,7 @@ def halve_mask(
     keys [R, m, d], values [R, m, d_v] or None, lengths [R] even, <= m (tokens beyond are padding;
     None: every row holds m tokens).
     Rows and blocks are balanced together as one batched program; the last block of a row is
-    zero-padded (seed App. B), and a row shorter than a block is one block of its own length.
+    zero-padded (the paper's App. B), and a row shorter than a block is one block of its own length.
     In each block the side kept is +1 or -1 with probability ½, so every token is kept with
     probability ½. `method` supplies the walk's gain; block_size is b.
     Returns (keep [R, m] bool, exactly lengths[r] / 2 True per row; number of FAIL events as a 0-d tensor).
@@ -202,48 +204,47 @@ def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
 @register
 @dataclass
 class BalanceKV(Method):
-    """BalanceKV (seed 000), by default the augmented variant of the seed's needle experiment (Sec. 4.3).
+    """BalanceKV ("BalanceKV: KV Cache Compression through Discrepancy Theory", arXiv:2502.07861).
 
+    By default the augmented variant of the paper's needle experiment (Sec. 4.3).
     Defaults: b = 128 (a departure from App. B.2's 256, for speed: the kernels cost O(n·b) and
-    the walk takes b sequential steps per round, so a 4k-token `generate` prefill spends 0.63x the
-    time compressing; the seed's Fig. 3 finds b = 128 within 4% of b = 256 in relative error, and
-    on tuning cases here the two were within noise: benchmarks/results/cost_defaults/summary.md)
-    and T-fold halving as in App. B.2; `augment` = 0.25 of the budget kept
-    exactly for the keys most anti-correlated with the rest (Sec. 4.3 keeps "a small set" without
-    a number; 0.25 was chosen on needle samples of task seeds 1000-1003, disjoint from the reported
-    ones: benchmarks/balancekv_needle.py); no exact sink or window (default_sink = default_window
+    the walk takes b sequential steps per round; the paper's Fig. 3 finds b = 128 within 4% of
+    b = 256 in relative error) and T-fold halving as in App. B.2; `augment` = 0.25 of the budget
+    kept exactly for the keys most anti-correlated with the rest (Sec. 4.3 keeps "a small set"
+    without a number; 0.25 is tuned on needle samples disjoint from the reported ones by
+    benchmarks/tuning/balancekv_needle.py); no exact sink or window (default_sink = default_window
     = 0), so every compression ratio in (0, 1) runs end to end. The single-layer protocol of App. B.1 (first 256 and last
     256 tokens exact, augment 0) is passed explicitly by the approximation benchmarks.
 
     block_size: b, tokens per SoftmaxBalance block of the one-shot rounds;
     even. step: the walk's probability rule p = ½ − yᵀη/(2cR²) with cR² = 1/(2·step) (the form
     and default 4.0 of the authors' implementation); step=None uses the theoretical c = 30·log(b/δ)
-    of seed Alg. 2 with delta the failure probability. On real keys exp(s<k̄_i,k̄_j>) is tiny next
+    of the paper's Alg. 2 with delta the failure probability. On real keys exp(s<k̄_i,k̄_j>) is tiny next
     to R² = exp(s·r²), so the theoretical c leaves p ≈ ½ (the walk is then uniform sampling, one
     half per block); with step = 4 the walk mostly clips p (counted as FAIL events), i.e. it takes
     the sign that reduces the imbalance.
     weighted: kept slots carry log-weight (number of halvings)·log 2 (True), or plain eviction
-    (False; the seed's App. B does not say which). kernel: "value" (seed Alg. 2 kernel), "key"
+    (False; the paper's App. B does not say which). kernel: "value" (the Alg. 2 kernel), "key"
     (v ≡ 1) or "joint" (see `balance_kernel`); one-shot only, the stream uses "value" per bucket as in
     the paper's Alg. 1. augment: fraction of the budget kept exactly for the
-    keys most anti-correlated with the rest (seed Sec. 4.3; one-shot only), 0 turns it off. levels: T of
-    MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the seed's
+    keys most anti-correlated with the rest (the paper's Sec. 4.3; one-shot only), 0 turns it off. levels: T of
+    MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the paper's
     T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
-    stream_block); a batch larger than stream_block is balanced as parallel blocks (seed App. B's
+    stream_block); a batch larger than stream_block is balanced as parallel blocks (the paper's App. B
     block-parallel form), which cuts the walk's sequential steps per token by batch/stream_block.
-    Default 256 (t = 1024 was 1.4x faster at 8k tokens but blew up on one of 4 seeds of a real
-    layer: benchmarks/results/coreset_quality.md). stream_block: b of the stream's halvings (default 64, for speed: the walk takes
-    b sequential steps per halving, and the seed's block-size ablation, App. B.1 Fig. 3, finds
-    b = 64 within 10% of b = 256 in relative error, at 1/3 of the time on layer 1). cascade_rounds: halving rounds of MergeAndReduce's cascade after
-    each batch (stream only); None halves until no level holds t slots, as seed Alg. 4 does; the
-    default 1 halves every level full at that moment once, and a level that round fills waits for
-    the next batch (at most one halving call per batch: 1.3x faster over 8k tokens in blocks of 128;
-    on real layers its error minus the drained one's is -0.007 ± 0.053, 95% CI over 64 paired
-    runs: benchmarks/results/balancekv_cascade_rounds.md).
+    Default 256 (a larger t is faster but its attention error on real layers is less stable).
+    stream_block: b of the stream's halvings (default 64, for speed: the walk takes
+    b sequential steps per halving, and the paper's block-size ablation, App. B.1 Fig. 3, finds
+    b = 64 within 10% of b = 256 in relative error, at 1/3 of the time on its layer 1).
+    cascade_rounds: halving rounds of MergeAndReduce's cascade after
+    each batch (stream only); None halves until no level holds t slots, as the paper's Alg. 4 does;
+    the default 1 halves every level full at that moment once, and a level that round fills waits
+    for the next batch (at most one halving call per batch, for speed; the attention error is the
+    same as the drained cascade's within noise).
 
     One-shot: rounds halve the middle until the budget is met. A round halves as many tokens of
     the current (heaviest) level as are needed; when fewer than all, the halved subset is drawn
-    uniformly and the rest is kept exactly (seed App. B.5); an odd token out stays at its weight.
+    uniformly and the rest is kept exactly (the paper's App. B.5); an odd token out stays at its weight.
     Every halving keeps exactly half of a block with doubled weight, so weights sum to n. When
     every level holds a single slot and the budget is still exceeded (budgets below about
     log2(n / budget) slots), the two lightest slots are merged by weighted sampling (one kept with
@@ -301,7 +302,7 @@ class BalanceKV(Method):
     def log_gain(self, log_r2: torch.Tensor) -> torch.Tensor:
         """log(1 / (2c)) of the walk in units of R² (see `balancing_walk`), per block from log R² [N].
 
-        step None: c = 30·log(b/δ), the constant of seed Alg. 2. step γ: cR² = 1/(2γ) in the
+        step None: c = 30·log(b/δ), the constant of the paper's Alg. 2. step γ: cR² = 1/(2γ) in the
         kernel's own units, the form p = ½ − γ·yᵀη of the authors' implementation.
         """
         if self.step is None:
@@ -357,10 +358,10 @@ class BalanceKV(Method):
             log_weights[..., current - 2 * pairs :] += LOG2
         return keys, values, positions, log_weights
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> "BalanceKVStream":
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "BalanceKVStream":
         """Native stream (`BalanceKVStream`): pending halvings wait until a head holds more than
         budget + ceil(slack·budget) slots; slack=0 halves after every batch."""
-        return BalanceKVStream(self, budget, generator, slack)
+        return BalanceKVStream(self, budget, generator, self.stream_slack(slack))
 
 
 def _merge_lightest(keys, values, positions, log_weights, generator: torch.Generator):
@@ -379,7 +380,7 @@ def _merge_lightest(keys, values, positions, log_weights, generator: torch.Gener
 
 
 def _outlier_mask(keys: torch.Tensor, count: int) -> torch.Tensor:
-    """[B,H,n] True for the `count` keys with the lowest mean inner product with the other keys (seed Sec. 4.3)."""
+    """[B,H,n] True for the `count` keys with the lowest mean inner product with the other keys (the paper's Sec. 4.3)."""
     keys = keys.float()
     n = keys.shape[2]
     others = (keys.sum(2, keepdim=True) - keys) / max(n - 1, 1)
@@ -398,7 +399,7 @@ _MERGED = _LEVELS - 1
 
 
 class BalanceKVStream(StreamState):
-    """Streaming BalanceKV (seed Alg. 1 + Alg. 4): every head and bucket in one pool of slots.
+    """Streaming BalanceKV (the paper's Alg. 1 + Alg. 4): every head and bucket in one pool of slots.
 
     Each head runs one MergeAndReduce instance (a binary counter: level l holds slots of weight
     2^l) per value-norm bucket (2^i <= ‖v‖ < 2^(i+1)). Tokens enter level 0 `batch` (t) at a time;
@@ -436,10 +437,9 @@ class BalanceKVStream(StreamState):
     is the separate round-based form and has no slack.
     """
 
-    recompresses = True
     exact_within_budget = True  # no halving runs while a head holds at most budget + ceil(slack·budget) slots
 
-    def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK):
+    def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator, slack: float):
         self.exact_count = min(int(method.augment * budget), budget - 1)
         self.method, self.budget, self.generator = method, budget - self.exact_count, generator
         self.slack_slots = math.ceil(check_slack(slack) * budget)
@@ -583,7 +583,7 @@ class BalanceKVStream(StreamState):
         return torch.unique(self._group_ids(), return_inverse=True, return_counts=True)
 
     def _cascade(self, scale: float) -> None:
-        """Seed Alg. 4 lines 11-17: up to `cascade_rounds` rounds (None: until no level is full) halving every full level.
+        """The paper's Alg. 4 lines 11-17: up to `cascade_rounds` rounds (None: until no level is full) halving every full level.
 
         A level left full is halved after the next batch (slack > 0: at the next `_reduce`), together
         with the other halvings then. Slots are counted over every possible group id (a bincount, no sort).

@@ -1,7 +1,7 @@
 """ClusterGen: the practical variant of SubGen's experiments, recent window + greedy k-center centres.
 
-Zarandi, Han, Mirrokni, Karbasi, Zandieh, "SubGen: Token Generation in Sublinear Time and Memory", 2024
-(seed 001, Sec. 3.2): keep the r most recent tokens plus k centres chosen by the greedy k-center
+Zandieh, Han, Mirrokni, Karbasi, "SubGen: Token Generation in Sublinear Time and Memory", 2024,
+arXiv:2402.06082 (Sec. 3.2): keep the r most recent tokens plus k centres chosen by the greedy k-center
 (farthest-point) algorithm of Gonzalez (1985) over the remaining keys, applied once.
 """
 
@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, gather_slots
-from .base import DEFAULT_SLACK, Method, StreamState, Tokens, cat_tokens, check_slack, register
+from .base import Method, StreamState
+from .budget import check_slack
+from .registry import register
+from .tokens import cat_tokens, Tokens
 
 
 # Pairwise inner products materialised at once (float32) by farthest_point; above this it takes one
@@ -88,10 +91,10 @@ def block_centres(points: torch.Tensor, k: int, block_size: int) -> torch.Tensor
 class ClusterGen(Method):
     """Keep `budget` greedy k-center centres of the compressible keys (raw post-RoPE key space).
 
-    The seed keeps only a recent window besides the centres (no sinks): here the window is the
+    The paper keeps only a recent window besides the centres (no sinks): here the window is the
     framework's `window` (default 64) and `default_sink = 0`. The centres are plain kept tokens
-    (log-weight 0) as in the seed; `weighted=True` instead gives each centre the log of the number
-    of keys nearest to it (a cluster-size-weighted coreset, an option the seed does not use).
+    (log-weight 0) as in the paper; `weighted=True` instead gives each centre the log of the number
+    of keys nearest to it (a cluster-size-weighted coreset, an option the paper does not use).
     Streaming with an integer block_size (`ClusterGenState`) gives, after any number of tokens,
     the one-shot summary of every token seen: each run's farthest-first traversal is computed
     once, when the run completes, and the run keeps the first quota(n) points of it (quotas only
@@ -101,9 +104,9 @@ class ClusterGen(Method):
     `methods.base`): after every update the kept centres plus the new tokens are re-clustered
     down to `budget`, O(budget·(budget + update)) per update, storage budget + update slots.
 
-    block_size: None runs the seed's k-center over all n keys of a head: `budget` sequential
+    block_size: None runs the paper's k-center over all n keys of a head: `budget` sequential
     farthest-point steps of O(n·d) each, O(budget·n·d) per head, quadratic when the budget is a
-    fixed share of n. An integer B (departure from the seed, default 512) runs k-center inside each
+    fixed share of n. An integer B (departure from the paper, default 256) runs k-center inside each
     run of B consecutive keys, all blocks and heads as one batch: block j of c_j keys gets
     ⌊budget·C_j/n⌋ − ⌊budget·C_{j−1}/n⌋ centres (C_j = keys up to block j, so the quotas sum to
     `budget` and follow the share kept), the traversal takes max-quota ≈ B·budget/n sequential
@@ -136,12 +139,12 @@ class ClusterGen(Method):
             log_weights = sizes.log()
         return KVSummary(keys, values, log_weights, positions)
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> StreamState:
         """Native (`ClusterGenState`: completed runs wait up to ceil(slack·budget) tokens before their batched
         traversal) with block_size and unweighted; otherwise block-wise with `slack`."""
         if self.block_size is None or self.weighted:
             return super().new_stream(budget, generator, slack)
-        return ClusterGenState(budget, self.block_size, slack)
+        return ClusterGenState(budget, self.block_size, self.stream_slack(slack))
 
 
 def run_quotas(ends: list[int], budget: int, n: int) -> list[int]:
@@ -168,9 +171,8 @@ class ClusterGenState(StreamState):
     tokens of waiting runs and the < block_size tokens of the run in progress.
     """
 
-    recompresses = True
 
-    def __init__(self, budget: int, block_size: int, slack: float = DEFAULT_SLACK):
+    def __init__(self, budget: int, block_size: int, slack: float):
         self.budget, self.block_size = budget, block_size
         self.slack_slots = math.ceil(check_slack(slack) * budget)
         self.runs: list[Tokens] = []  # per traversed run: its traversal head, in selection order

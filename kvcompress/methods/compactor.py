@@ -1,8 +1,9 @@
 """Compactor: approximate leverage scores of pre-RoPE keys blended with chunked non-causal attention.
 
 Chari & Van Durme, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
-Leverage Scores", 2025 (seeds/002, Alg. 1, Sec. 3.1-3.4, App. C/D; DESIGN.md §4). The
-context-calibrated choice of the ratio (seed Sec. 3.5) is `kvcompress.calibration`.
+Leverage Scores", arXiv:2507.08143 (Alg. 1, Sec. 3.1-3.4, App. C/D). The context-calibrated
+choice of the ratio (Sec. 3.5; docs/design.md, "Context-calibrated compression") is
+`kvcompress.calibration`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import DEFAULT_SLACK, BlockwiseState, Method, StreamState, Tokens, exp_rows_, keep_top, register, top_index, totals_in_range
+from ..attention import exp_rows_, totals_in_range
+
+from .base import BlockwiseState, keep_top, Method, StreamState, top_index
+
+
+from .registry import register
+
+from .tokens import Tokens
 from ..summary import KVSummary, take_slots
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
 SKETCHES = ("gaussian", "srht")
-# Relative floor on the squared singular values of the sketched keys (seed App. C: eps ~ 1e-6),
+# Relative floor on the squared singular values of the sketched keys (the paper's App. C: eps ~ 1e-6),
 # taken relative to the largest so it means the same for any key scale.
 _SIGMA2_FLOOR = 1e-6
 
@@ -34,7 +42,7 @@ def hadamard(n: int, device=None) -> torch.Tensor:
 def sketch_matrix(d: int, p: int, kind: str, generator: torch.Generator) -> torch.Tensor:
     """[d, p'] right sketch Phi (float32).
 
-    gaussian: entries N(0, 1/p), p' = p (seed Alg. 1). srht: sqrt(1/p)·D·H·R (seed App. D) with D
+    gaussian: entries N(0, 1/p), p' = p (the paper's Alg. 1). srht: sqrt(1/p)·D·H·R (its App. D) with D
     random signs, H the Walsh-Hadamard matrix of the next power of two d' >= d (equivalent to
     zero-padding the keys to d' columns, which leaves leverage unchanged) and R p' = min(p, d')
     columns drawn without replacement. Applied as one GEMM: for head dims <= 256 a dense d x p
@@ -59,13 +67,13 @@ def exact_leverage(keys: torch.Tensor) -> torch.Tensor:
 def leverage_scores(keys: torch.Tensor, route: str, sketch: str, sketch_dim: int, generator: torch.Generator) -> torch.Tensor:
     """[B,H,n] (approximate) leverage scores of keys [B,H,n,d], computed in float32.
 
-    route "sketch" (seed Alg. 1): K^ = K·Phi, G = K^T K^ (p x p), SVD(G) = V S^2 V^T,
+    route "sketch" (the paper's Alg. 1): K^ = K·Phi, G = K^T K^ (p x p), SVD(G) = V S^2 V^T,
     U~ = K^ V S^-1, o_i = ||U~_i||^2 with S^2 floored at 1e-6 of its largest entry. K^ is never
     formed: G = Phi^T (K^T K) Phi and U~ = K (Phi V S^-1), two n-row products instead of three
     (the same scores up to float32 rounding). "qr": o_i =
     ||Q_i||^2 of the reduced QR of K^ (not rank-revealing: with sketch_dim above the keys' rank it
     also counts the spurious directions). "eig": eigh of G instead of its SVD (the least stable route,
-    seed App. C). "exact": leverage of K itself (no sketch).
+    the paper's App. C). "exact": leverage of K itself (no sketch).
     """
     if route == "exact":
         return exact_leverage(keys)
@@ -84,17 +92,14 @@ def leverage_scores(keys: torch.Tensor, route: str, sketch: str, sketch_dim: int
 
 
 def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float, chunk_size: int) -> torch.Tensor:
-    """[B,H_kv,n]: column sums of non-causal softmax(s·Q[c] K[c]^T) within chunks of `chunk_size` tokens (seed Eq. 5).
+    """[B,H_kv,n]: column sums of non-causal softmax(s·Q[c] K[c]^T) within chunks of `chunk_size` tokens (the paper's Eq. 5).
 
     queries [B,H_q,n,d] are the queries of the same n tokens as keys [B,H_kv,n,d]; scores are
     averaged over the query heads of each KV group. One chunk at a time, its H_q x C x C logits in
     one reused workspace (2.4 MiB for 9 heads and C = 256): memory never grows like n^2, and no
     copy of the queries is made (float32 queries are read in place). The rows are exponentiated
     unshifted and the call redone shifted if a row's total leaves float32's safe range
-    (`exp_rows_`, one host read per call). Against the earlier form (softmax over steps of 1024 rows
-    of a scaled copy of the queries), Compactor's compression inside a 4k-token `generate` prefill on
-    2 threads took 0.874x the time, with the same kept tokens on every head of the default model's 30
-    layers (benchmarks/results/bench/compactor_chunks_ab/).
+    (`exp_rows_`, one host read per call).
     """
     b, hq, n, d = queries.shape
     hkv = keys.shape[1]
@@ -138,12 +143,12 @@ DEFAULT_LEVERAGE_WEIGHT = 0.3  # the paper's lambda
 @register
 @dataclass
 class Compactor(Method):
-    """Keep the top-`budget` tokens per head by s = z(a) + leverage_weight·z(o) (seed Eq. 6).
+    """Keep the top-`budget` tokens per head by s = z(a) + leverage_weight·z(o) (the paper's Eq. 6).
 
     o: leverage scores of the pre-RoPE keys (`leverage` route "sketch" | "exact" | "qr" | "eig",
     `sketch` "gaussian" | "srht", `sketch_dim` k = 64). a: non-causal attention of each token's own
     chunk of `chunk_size` = 256 tokens (column sums, GQA-averaged), mean-pooled over
-    `kernel_size` = 7 tokens as SnapKV does, times ||v|| (seed Sec. 3.3). `attention=False` is the
+    `kernel_size` = 7 tokens as SnapKV does, times ||v|| (the paper's Sec. 3.3). `attention=False` is the
     paper's "no a" ablation (s = z(o), no queries needed); it takes no `leverage_weight`, which
     would only rescale z(o) and so change nothing (an error rather than a silently ignored value).
     Defaults follow the paper: lambda 0.3 (None means that, with the attention term), k 64, C 256,
@@ -229,8 +234,8 @@ class Compactor(Method):
         """[B,H_kv,n]: the blended score of every token (higher is kept)."""
         return self.blend(self.attention_scores(tokens) if self.attention else None, tokens.pre_rope(), generator)
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> StreamState:
-        return CompactorState(self, budget, generator, slack)
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> StreamState:
+        return CompactorState(self, budget, generator, self.stream_slack(slack))
 
 
 def own_queries(tokens: Tokens) -> torch.Tensor:

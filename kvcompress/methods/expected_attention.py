@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ScoreMethod, Tokens, register
+from .base import ScoreMethod
+
+from .registry import register
+
+from .tokens import Tokens
 
 
 @register

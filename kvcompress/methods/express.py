@@ -1,25 +1,25 @@
 """Thinformer Express: kernel halving, Compress2 and the Express weighted cache.
 
-Gong, Schröder, Carrell, Mackey et al., "Express Language Modeling" (seed 003: Express, Alg. 1;
-Compress2, Alg. 2; Subsample, Alg. 3; Thinformer Express, Alg. 4; Offline-Express, App. H), with
-kernel halving from Carrell et al., "Low-Rank Thinning", ICML 2025 (Alg. B.1). The seed text lost
-its formulas; DESIGN.md §4 restates the structure. Constants the surviving text does not fix are
-chosen here, each with its reason:
+Gong et al., "Express Language Modeling", arXiv:2606.10944 (Express, Alg. 1; Compress2, Alg. 2;
+Subsample, Alg. 3; Thinformer Express, Alg. 4; Offline-Express, App. H), with kernel halving from
+Carrell et al., "Low-Rank Thinning", ICML 2025 (Alg. B.1). The extracted text of the Express
+paper lost its formulas; docs/design.md, "Express, restated" restates the structure. Constants
+the surviving text does not fix are chosen here, each with its reason:
 
 - Bounded Halve calls (`max_group`, default 128): a Halve input larger than max_group slots (the
   Halve phase's 4m and 2m, Compress2's top levels, the top-up) is halved as consecutive chunks of
-  max_group slots. Departure from the seed, whose two warm-start Halves act on all of 4m: kernel
+  max_group slots. Departure from the paper, whose two warm-start Halves act on all of 4m: kernel
   halving costs O(S²) for S points and its walk is sequential, so one Halve of 4m = O(budget)
-  points made compression cost O(n²) (9.8x an exact attention pass at 8k tokens). Chunked, every
-  token costs O(max_group) per level and the walk is a loop of at most max_group / 2 steps,
-  vectorised over all chunks, heads and batch. On real layers (eval/approx.py, 2,048 tokens,
-  layers 1, 2, 5, 15, 5 seeds) 128 and 256 differ within the seeds' spread (mean error at 1/8
-  kept 0.144 vs 0.150), and 128 is about 3x faster.
-- Kernel (DESIGN §4): k((k,v),(k',v')) = exp(s<k,k'> − shift)·(<v,v'> + b²). shift and b are
-  computed **per Halve call** (per batch, head and group, over that call's input). Kernel halving
-  is invariant to scaling the kernel, so shift only prevents overflow (shift = max s‖k‖² bounds
-  every entry by 1); b = max|v_ij| of the call's input, the tightest value bound available to a
-  stream without looking back at evicted tokens. Inner products are float32 matmuls; the kernel
+  points would make compression cost O(n²) in the stream length. Chunked, every token costs
+  O(max_group) per level and the walk is a loop of at most max_group / 2 steps, vectorised over
+  all chunks, heads and batch. The default is the smaller of the group sizes whose attention
+  error on real layers was the same within the spread over random seeds.
+- Kernel (docs/design.md, "Express, restated"):
+  k((k,v),(k',v')) = exp(s<k,k'> − shift)·(<v,v'> + b²). shift and b are computed **per Halve
+  call** (per batch, head and group, over that call's input). Kernel halving is invariant to
+  scaling the kernel, so shift only prevents overflow (shift = max s‖k‖² bounds every entry by
+  1); b = max|v_ij| of the call's input, the tightest value bound available to a stream without
+  looking back at evicted tokens. Inner products are float32 matmuls; the kernel
   matrix is formed from them in float64 so the small entries of low-norm keys do not underflow.
 - Halve's walk (`halving`): the signed sum ψ = Σ_{j<i} ε_j f_j of pair differences
   f_j = k(x_{2j},·) − k(x_{2j+1},·) is checked through α_i = <ψ, f_i> = Σ_j ε_j Kdiff_ji, and
@@ -27,18 +27,12 @@ chosen here, each with its reason:
   Mackey's self-balancing walk); the first pair is fixed (member 1 kept) and the whole result is
   swapped for its complement with probability ½, independently per (batch, head, group).
   Default "greedy": a_i → 0, i.e. ε_i = −sign(α_i) (ties keep member 1), the symmetrised greedy
-  walk. Reason, measured on real SmolLM2 layers (2, 10, 18, 26; 1,024 prose tokens, sink 32 and
-  the last 256 queries exact, 8 seeds): with the randomised threshold
-  a_i = (½ + log(2S/δ))·√Kdiff_ii·max_{j≤i}√Kdiff_jj of DESIGN §4 the relative error after one
-  Halve was 0.1447 vs 0.1475 for a uniform half, because the exp kernel's dynamic range on real
-  keys makes max_j √Kdiff_jj (set by a few large-norm keys) dwarf every α_i, so every later
-  pair is a fair coin flip (dividing a_i by its multiplier, ≈ 8.5 here, changed no decision);
-  the greedy walk gave 0.1194. With 2,048 tokens (one Halve of 1,760 tokens, 10 seeds) the gain
-  shrinks: greedy 0.1200, randomised 0.1227, uniform 0.1242; inside the Express cache (Halves of
-  small Compress2 groups and of 4m) the one-shot cache beats uniform sampling and BalanceKV at
-  equal memory for budgets 256 and 512 (benchmarks/express_attention_error.py). "self-balancing" keeps the randomised walk, multiplier ½ + log(2S/δ) with
-  S the call's input size and δ = `delta` (default 0.5, the failure probability Carrell et
-  al.'s code uses).
+  walk. Reason: with the randomised threshold a_i = (½ + log(2S/δ))·√Kdiff_ii·max_{j≤i}√Kdiff_jj
+  (docs/design.md, "Express, restated"), the exp kernel's dynamic range on real keys makes
+  max_j √Kdiff_jj (set by a few large-norm keys) dwarf every α_i, so every later pair is a fair
+  coin flip and the walk is hardly better than a uniform half; the greedy walk does act on α_i.
+  "self-balancing" keeps the randomised walk, multiplier ½ + log(2S/δ) with S the call's input
+  size and δ = `delta` (default 0.5, the failure probability Carrell et al.'s code uses).
 - Exact phase: the first m tokens fill the cache C exactly; the three following thin phases run
   with thinning factor ℓ = 1 (blocks of m tokens kept as they are), so the first 4m tokens are
   held exactly, then the first Halve phase brings them to m slots of weight 4 and ℓ = 4.
@@ -64,10 +58,10 @@ chosen here, each with its reason:
   reach a Halve phase (4m <= n − held) qualify, so every ratio gives a thinned, multi-level
   cache: a state alone holds at most about 3n/8 slots, and below that ratio `held` fills the
   rest. Among the sizes, held is the smallest count reaching `budget`, and the plan with the
-  fewest slots over budget wins (ties: the larger m; preferring the fewest held tokens instead
-  gave the same error on held-out layers 3 and 10 of other prose); the excess is removed by
+  fewest slots over budget wins (ties: the larger m); the excess is removed by
   halving a subset of the state (`fill_budget`, the "halve a chosen subset, keep the rest"
-  top-up of seed 000 App. B.5): one-shot Express returns exactly min(budget, n) slots per head
+  top-up of App. B.5 of "BalanceKV: KV Cache Compression through Discrepancy Theory",
+  arXiv:2502.07861): one-shot Express returns exactly min(budget, n) slots per head
   for any budget >= 1, never a silently smaller cache. m is restricted to numbers with at most
   three significant bits (c·2^k, c ≤ 7), so Compress2 keeps several halving levels.
 
@@ -83,12 +77,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..summary import KVSummary, concat, gather_slots, take_slots
-from .base import Method, StreamState, Tokens, register
+from .base import Method, StreamState
+from .registry import register
+from .tokens import Tokens
 
 _LOG2 = math.log(2.0)
 # Row bands of the halving kernel, each formed against itself and the later bands only: up to 4,
-# of at least 16 pairs, once a call's kernels hold 2^16 entries in all (smaller calls pay more in
-# extra tensor ops than the bands save: measured on CPU, 1 thread).
+# of at least 16 pairs, once a call's kernels hold 2^16 entries in all (below that, the extra
+# tensor ops of banding cost more than the kernel entries it skips).
 _BANDS = 4
 _BAND_PAIRS = 16
 _BANDED_ENTRIES = 1 << 16
@@ -242,7 +238,7 @@ def offline_plan(n: int, budget: int, g: int) -> tuple[int, int] | None:
     held grows (absorbing a token adds at most one slot), so a binary search finds it. The plan
     with the fewest slots over `budget` wins (ties: the larger m). None when no size reaches a
     Halve phase with `budget` slots (budget > n − 3). Cached: every layer of a prefill asks for the
-    same plan, and the search is about 0.2 ms of Python.
+    same plan, so the search runs once per (n, budget, g).
     """
     best = None
     for m in _sizes_desc(n // 4):
@@ -262,7 +258,7 @@ def offline_plan(n: int, budget: int, g: int) -> tuple[int, int] | None:
 
 
 class ExpressState(StreamState):
-    """The Express weighted cache of target size m (seed 003 Alg. 1) over the compressible middle.
+    """The Express weighted cache of target size m ("Express Language Modeling", Alg. 1) over the compressible middle.
 
     Holds C (m slots of weight ℓ, or the exact phase), the finished sibling blocks, and the block
     in progress as Compress2 levels, an open leaf and a Subsample candidate. `summary()` is all of
@@ -392,7 +388,7 @@ class ExpressState(StreamState):
 def fill_budget(
     summary: KVSummary, budget: int, scale: float, generator: torch.Generator, delta: float | None, max_group: int
 ) -> KVSummary:
-    """Reduce an Express state to exactly `budget` slots per head by halving a subset (seed 000 App. B.5 trick).
+    """Reduce an Express state to exactly `budget` slots per head by halving a subset (BalanceKV paper's App. B.5 trick).
 
     Slot weights are token counts and their layout is the same in every head. While there are
     more slots than `budget`: the weight class with the most slots (ties: the lighter) gives its
@@ -490,18 +486,18 @@ def _replace_first(picked: KVSummary, old: KVSummary, keep_old: torch.Tensor) ->
 @register
 @dataclass
 class Express(Method):
-    """Thinformer Express (seed 003): a kernel-halving weighted cache of size O(m) for any stream length.
+    """Thinformer Express ("Express Language Modeling", arXiv:2606.10944): a kernel-halving weighted cache of size O(m) for any stream length.
 
     Streaming is native (`new_stream`): m is the largest size whose worst-case state,
     6m − 2·L_min slots, fits `budget`, so a stream needs budget >= 4 (m = 1 holds C and up to
     three finished blocks); its state size then moves between m and the bound with the stream
     length (base-4 counting), and filling the rest would mean halving a different subset after
-    every token. One-shot `compress` is Offline-Express (seed App. H): the first n − held tokens
+    every token. One-shot `compress` is Offline-Express (the paper's App. H): the first n − held tokens
     are absorbed in one call, so each block's Compress2 runs level by level with all Halve calls
     of a level batched, and the last `held` tokens stay exact as the stream's not-yet-absorbed
     input (`offline_plan` picks m and held; every ratio gives a cache that went through a Halve
     phase); `fill_budget` halves a subset down to exactly min(budget, n) slots (any budget >= 1).
-    Seed defaults: 32 sink + 32 window tokens exact.
+    The paper's defaults: 32 sink + 32 window tokens exact.
 
     g: Compress2 oversampling (leaves of at least 4^g samples). halving: "greedy" (default, the
     greedy self-balancing walk) or "self-balancing" (the randomised walk of Dwivedi & Mackey with
@@ -511,6 +507,7 @@ class Express(Method):
 
     name = "express"
     randomized = True
+    stream_recompresses = False
     default_sink = 32
     default_window = 32
     g: int = 0
@@ -532,8 +529,9 @@ class Express(Method):
     def _delta(self) -> float | None:
         return None if self.halving == "greedy" else float(self.delta)
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = 0.0) -> ExpressState:
-        """Native stream (at most `budget` slots, never re-compressed): slack does not apply."""
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> ExpressState:
+        """Native stream (at most `budget` slots, never re-compressed): a slack is refused (`stream_slack`)."""
+        self.stream_slack(slack)
         if budget < stream_bound(1, 0):
             raise ValueError(
                 f"streaming express needs budget >= 4 (its smallest cache, m = 1, holds C plus up to three "

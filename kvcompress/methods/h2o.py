@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ScoreMethod, Tokens, attention_mass, register
+from .base import ScoreMethod
+
+from .registry import register
+
+from .tokens import attention_mass, Tokens
 
 
 @register

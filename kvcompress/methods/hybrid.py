@@ -1,12 +1,12 @@
 """Hybrid: score methods' top tokens kept exactly, the rest summarised by a weighted coreset, in one budget.
 
-A composition of registered methods (DESIGN.md §7, "Composition"), through their public `Method`
+A composition of registered methods (docs/design.md, "Composition"), through their public `Method`
 interfaces only:
 
-- one or more score methods (e.g. TOVA's heavy hitters; Compactor, seed 002; KeyDiff, seed 004)
+- one or more score methods (e.g. TOVA's heavy hitters; Compactor; KeyDiff)
   pick `n_i = round(exact_fraction_i · budget)` tokens per head, each among the tokens the
   earlier ones left, kept with log-weight 0;
-- the coreset (Thinformer Express, seed 003; BalanceKV, seed 000) summarises every other token in
+- the coreset (Thinformer Express; BalanceKV) summarises every other token in
   the remaining `budget − Σ n_i` slots, with weights that add up to the tokens it covers.
 
 So the weights of the whole summary add up to the tokens seen, and the attention error is the
@@ -18,12 +18,18 @@ coreset of the bulk drops.
 
 One-shot: the score methods select over all tokens, the coreset compresses the rest once.
 Streamed: new blocks join the held exact set until it passes Σ n_i + ceil(slack·budget) slots;
-then the exact set is re-selected over everything held, as block prompt processing does (seed 004
+then the exact set is re-selected over everything held, as KeyDiff's block prompt processing does (its
 Eq. 6, with amortised slack: linear total work); the tokens it lets go are absorbed by the
 coreset's own stream (`coreset` method's `new_stream`), so nothing leaves the summary unweighted.
 Stored slots stay within Σ n_i + ceil(slack·budget) + what the coreset stream holds between updates
 (its budget; plus its own slack for BalanceKV) and the block in progress; `compact()` re-selects
 now, leaving Σ n_i exact slots, and compacts the coreset stream to its budget.
+
+Papers: Compactor, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
+Leverage Scores", arXiv:2507.08143; KeyDiff, "KeyDiff: Key Similarity-Based KV Cache Eviction for
+Long-Context LLM Inference in Resource-Constrained Environments", arXiv:2504.15364; Thinformer
+Express, "Express Language Modeling", arXiv:2606.10944; BalanceKV, "BalanceKV: KV Cache
+Compression through Discrepancy Theory", arXiv:2502.07861.
 """
 
 from __future__ import annotations
@@ -35,14 +41,16 @@ import torch
 import torch.nn.functional as F
 
 from ..summary import KVSummary, concat, take_slots
-from .base import DEFAULT_SLACK, BlockwiseState, Method, Tokens, build_method, first_true, register, top_index
+from .base import BlockwiseState, first_true, Method, top_index
+from .registry import build_method, register
+from .tokens import Tokens
 
 _COMPOSED_PARAMS = ("sink", "window")
 _DEFAULT_SCORE = ("tova", "compactor")
-_DEFAULT_SPAN = (1, 7)  # chosen on training cases (benchmarks/results/hybrid_tuning.md)
-# Express as the coreset halves in groups of 32 (its own default is 128; 64 in sessions 12-14): the kernels
-# cost O(n·max_group), and the hybrid's compression is op-bound at 2 threads; quality within noise of 64
-# and 128 on tuning cases (benchmarks/results/cost_defaults/summary.md, benchmarks/results/hybrid_groups32/)
+_DEFAULT_SPAN = (1, 7)  # tuned on training cases by benchmarks/tuning/hybrid_tuning.py
+# Express as the coreset halves in groups of 32 (smaller than Express's own default of 128): the kernels
+# cost O(n·max_group) and the hybrid's compression is bound by the number of tensor ops, while the
+# attention error stays within noise of larger groups.
 _EXPRESS_CORESET_PARAMS = {"max_group": 32}
 
 
@@ -91,9 +99,9 @@ class Hybrid(Method):
     above 1 the method must expose `score` (Compactor does). None (default): the default
     composition's (1, 7) when `score` is left at its default, else 1 for every score method.
 
-    Defaults (chosen on training cases only: benchmarks/hybrid_tuning.py,
-    benchmarks/results/hybrid_tuning.md): TOVA's heavy hitters for 0.1 of the budget, then
-    Compactor's leverage score alone (`attention=False`, seed 002's "no a" score: the keys least
+    Defaults (tuned on training cases only, by benchmarks/tuning/hybrid_tuning.py): TOVA's heavy
+    hitters for 0.1 of the budget, then Compactor's leverage score alone (`attention=False`, the
+    Compactor paper's "no a" score: the keys least
     representable by the others, which a coreset of the bulk drops) for 0.3, picked in runs of 7
     (its score max-pooled over 7 neighbours, so a rare token keeps the words around it: a line's
     name and number), and a Thinformer Express coreset (Halve groups of 32, for speed) of the
@@ -199,8 +207,8 @@ class Hybrid(Method):
         coreset = self.coreset_method.compress(rest, n_coreset, generator)
         return _by_position(concat([exact.exact(), coreset]))
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = DEFAULT_SLACK) -> "HybridState":
-        return HybridState(self, budget, generator, slack)
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "HybridState":
+        return HybridState(self, budget, generator, self.stream_slack(slack))
 
 
 class HybridState(BlockwiseState):
@@ -218,7 +226,8 @@ class HybridState(BlockwiseState):
         self.counts, self.coreset_slots = method.split_budget(budget)
         super().__init__(method, sum(self.counts), generator, slack)
         self.slack_slots = math.ceil(slack * budget)
-        self.coreset = method.coreset_method.new_stream(self.coreset_slots, generator, slack)
+        coreset = method.coreset_method
+        self.coreset = coreset.new_stream(self.coreset_slots, generator, slack if coreset.stream_recompresses else None)
 
     def most_slots(self) -> int:
         """The tokens absorbed so far less the coreset's budget: the two together never allocate more than a full cache."""

@@ -1,34 +1,34 @@
 """KeyDiff: evict the keys most similar to the others, with bounded-memory block prompt processing.
 
 Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
-Resource-Constrained Environments" (seed 004).
+Resource-Constrained Environments", arXiv:2504.15364.
 
-Score (seed Eq. 8): s_i = −cos(k_i, μ(K̂)) with μ(K̂) the mean of the normalised keys held, the
+Score (Eq. 8): s_i = −cos(k_i, μ(K̂)) with μ(K̂) the mean of the normalised keys held, the
 anchor; the `budget` highest-scoring (least typical) tokens per KV head are kept. Anchor and
 score are O(n·d) time and memory: no n×n matrix and no attention weights.
 
-Block prompt processing (seed Eq. 6): as a stream (`kvc.stream("keydiff", budget=N)`, or
+Block prompt processing (Eq. 6): as a stream (`kvc.stream("keydiff", budget=N)`, or
 `generate(..., mode="chunked")`), blocks of B new tokens are appended to the N kept ones and the
 policy evicts back to N over everything held; with slack=0 after every block (stored KV peaks at
-sink + N + B (+ window) per head, the seed's protocol), by default once the buffer passes
+sink + N + B (+ window) per head, the paper's protocol), by default once the buffer passes
 N + ceil(slack·N) (peak sink + N + ceil(slack·N) + B (+ window), linear total work; the
 block-wise state of `methods.base`). Either way the peak does not depend on the prompt length. One-shot `compress`
-scores all tokens at once (the seed's B = T case) unless `block_size` asks for the same block
+scores all tokens at once (the paper's B = T case) unless `block_size` asks for the same block
 recursion offline.
 
-Ablations of the seed (Sec. 4.3, Tables 2–3):
+Ablations of the paper (Sec. 4.3, Tables 2–3):
 - anchor="median": coordinate-wise median of the normalised keys instead of their mean.
-- anchor="pairwise": the exact objective −CosSim(K)·1 of seed Eq. 7 (each token's summed
+- anchor="pairwise": the exact objective −CosSim(K)·1 of Eq. 7 (each token's summed
   similarity to every held token), O(n²) time, computed in row chunks; refused above
   PAIRWISE_MAX_TOKENS tokens per call. With metric="cosine" it ranks tokens exactly as the
   normalised-mean anchor does (Σ_j cos(k_i, k_j) = n·‖μ(K̂)‖·cos(k_i, μ(K̂))), so it serves as the
   reference that the O(n·d) score reproduces.
 - metric="dot": s_i = −<k_i, anchor> (magnitude counts); metric="euclidean": s_i = ‖k_i − anchor‖.
   For pairwise, the same metric between every pair of raw keys.
-- normalize_anchor=False: the anchor is the mean (or median) of the raw keys, μ(K), which the seed
+- normalize_anchor=False: the anchor is the mean (or median) of the raw keys, μ(K), which the paper
   reports as an equally accurate replacement for μ(K̂); it equals μ(K̂) for unit-norm keys.
 
-Defaults follow the seed: every token is scored (sink 0, window 0: KeyDiff argues that key
+Defaults follow the paper: every token is scored (sink 0, window 0: KeyDiff argues that key
 diversity recovers the attention sinks itself).
 """
 
@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from ..summary import KVSummary
-from .base import BlockwiseState, ScoreMethod, Tokens, register
+from .base import BlockwiseState, ScoreMethod
+from .registry import register
+from .tokens import Tokens
 
 ANCHORS = ("mean", "median", "pairwise")
 METRICS = ("cosine", "dot", "euclidean")
@@ -74,7 +76,7 @@ def anchor_scores(keys: torch.Tensor, anchor: torch.Tensor, metric: str = "cosin
 
 
 def pairwise_scores(keys: torch.Tensor, metric: str = "cosine") -> torch.Tensor:
-    """[B,H,n] exact pairwise objective of seed Eq. 7: Σ_j diversity(k_i, k_j) over every held token.
+    """[B,H,n] exact pairwise objective of the paper's Eq. 7: Σ_j diversity(k_i, k_j) over every held token.
 
     O(n²) time; rows are processed in chunks so memory stays at one chunk × n. Refuses
     n > PAIRWISE_MAX_TOKENS.
@@ -95,7 +97,7 @@ def pairwise_scores(keys: torch.Tensor, metric: str = "cosine") -> torch.Tensor:
 class KeyDiff(ScoreMethod):
     """Keep the `budget` keys least similar to the anchor of the held keys, per KV head.
 
-    anchor: "mean" (seed Eq. 8) | "median" | "pairwise" (exact O(n²) Eq. 7, at most
+    anchor: "mean" (the paper's Eq. 8) | "median" | "pairwise" (exact O(n²) Eq. 7, at most
     PAIRWISE_MAX_TOKENS tokens per call); metric: "cosine" | "dot" | "euclidean";
     normalize_anchor: build the anchor from unit keys (μ(K̂), default) or raw keys (μ(K));
     block_size: None scores all tokens of a one-shot call at once, an int runs the block

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary
-from .base import ScoreMethod, Tokens, register
+from .base import ScoreMethod
+from .registry import register
+from .tokens import Tokens
 from .snapkv import pooled_observation_scores
 
 

@@ -1,11 +1,14 @@
-"""Uniform random eviction: the sampling baseline of BalanceKV (seed 000) and kvpress's RandomPress."""
+"""Uniform random eviction: the sampling baseline of BalanceKV ("BalanceKV: KV Cache Compression through
+Discrepancy Theory", arXiv:2502.07861) and kvpress's RandomPress."""
 
 from dataclasses import dataclass
 
 import torch
 
 from ..summary import KVSummary
-from .base import ScoreMethod, Tokens, register
+from .base import ScoreMethod
+from .registry import register
+from .tokens import Tokens
 
 
 @register

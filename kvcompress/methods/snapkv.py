@@ -8,7 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import ScoreMethod, Tokens, attention_mass, register
+from .base import ScoreMethod
+
+from .registry import register
+
+from .tokens import attention_mass, Tokens
 
 
 def pooled_observation_scores(tokens: Tokens, observation_window: int, kernel_size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """SubGen: sublinear streaming attention by online key clustering and value-norm sampling.
 
-Zarandi, Han, Mirrokni, Karbasi, Zandieh, "SubGen: Token Generation in Sublinear Time and Memory", 2024
-(seed 001, Alg. 1). The keys are clustered online by greedy δ-clustering (UpdateSoftmaxNormalizer);
+Zandieh, Han, Mirrokni, Karbasi, "SubGen: Token Generation in Sublinear Time and Memory", 2024,
+arXiv:2402.06082 (Alg. 1). The keys are clustered online by greedy δ-clustering (UpdateSoftmaxNormalizer);
 the partition function is estimated from uniform samples stratified by those clusters; the
 attention numerator from s samples drawn with probability ∝ ‖v‖² (UpdateMatrixProduct).
 QueryStreamAttn is `weighted_attention` over the resulting `KVSummary`.
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary
-from .base import Method, StreamState, Tokens, register
+from .base import Method, StreamState
+from .registry import register
+from .tokens import Tokens
 from .clustergen import farthest_point
 
 
@@ -40,22 +42,22 @@ def _distances(points: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
 class SubGenState(StreamState):
     """SubGen's data structures for every (batch, head), stored flat over G = B * H_kv rows.
 
-    - Numerator M (seed, Lemma 1): s keys/values/positions i.i.d. ∝ ‖v‖², their ‖v‖², μ = Σ‖v‖².
-    - Clusters (seed, Lemma 2): centres [G, cap, d] (the key that opened each cluster, with its
+    - Numerator M (the paper's Lemma 1): s keys/values/positions i.i.d. ∝ ‖v‖², their ‖v‖², μ = Σ‖v‖².
+    - Clusters (the paper's Lemma 2): centres [G, cap, d] (the key that opened each cluster, with its
       value and position), exact counts n_i [G, cap], radius δ [G]; live clusters are the first
       `live` columns.
     - Normalizer samples R: r keys/values/positions i.i.d. uniform over every token seen, each
       with the cluster it joined.
 
-    Block rules (the law of the seed's per-token rules, applied to a whole block at once):
+    Block rules (the law of the paper's per-token rules, applied to a whole block at once):
     - Reservoirs: after a block of total weight W (‖v‖² for M, 1 per token for R), each slot
       independently holds a block token drawn ∝ its weight with probability W / (seen + W).
     - Clustering: every key within δ of a centre joins its nearest centre. Keys farther than δ
       open clusters in farthest-first order (the farthest uncovered key of each row opens the
       next one; at most `cap` masked steps per block, vectorised over tokens and rows, no Python loop
-      over tokens), until every key lies within δ of a centre. Departure: the seed opens them in
+      over tokens), until every key lies within δ of a centre. Departure: the paper opens them in
       arrival order; both leave centres more than δ apart and every key within δ of its centre.
-    - Cluster cap (departure: the seed lets m grow with the data): when keys remain uncovered
+    - Cluster cap (departure: the paper lets m grow with the data): when keys remain uncovered
       with `cap` clusters live, the doubling step of streaming k-center (Charikar et al. 1997)
       runs: greedy k-center picks cap // 2 centres among the live centres and the uncovered keys,
       δ ← max(2δ, its covering radius), and every cluster merges into its nearest kept centre
@@ -235,40 +237,41 @@ class SubGenState(StreamState):
 @register
 @dataclass
 class SubGen(Method):
-    """SubGen's streaming estimator (seed 001, Alg. 1) with a hard slot budget.
+    """SubGen's streaming estimator (the paper's Alg. 1) with a hard slot budget.
 
     The summary is one weighted slot set used for numerator and denominator alike: the ‖v‖²
-    samples M with weight (1 − cluster_weight)·μ / (s‖v‖²) (the seed's numerator estimator), and
+    samples M with weight (1 − cluster_weight)·μ / (s‖v‖²) (the paper's numerator estimator), and
     the uniform samples R post-stratified by cluster, weight cluster_weight·n_i / c_i (c_i: samples
     that fell in cluster i; a cluster with none is represented by its centre, weight
     cluster_weight·n_i). Each part alone is an unbiased estimate of the middle's numerator and
     partition function; their mixture is too.
 
-    Departures from the seed, and why: the seed estimates the denominator from t samples per
-    cluster (weight n_i / t) and the numerator from M alone. On real layers its error at 1/8 kept
-    was 3x that of uniform sampling: a fixed t per cluster puts a few high-weight samples in big
-    clusters, and with the two estimates from different samples the ratio is unbounded (with
-    keys scaled ×3 the error reached 784). Here the denominator's samples are allocated to
+    Departures from the paper, and why: the paper estimates the denominator from t samples per
+    cluster (weight n_i / t) and the numerator from M alone. A fixed t per cluster puts a few
+    high-weight samples in big clusters, and with the two estimates from different samples the
+    ratio is unbounded, so on real layers that estimator's attention error exceeds uniform
+    sampling's and grows with the key scale. Here the denominator's samples are allocated to
     clusters in proportion to their size (post-stratification of one uniform reservoir, never
     worse than uniform sampling in expectation), and numerator and denominator share their
     slots, so the output is a convex combination of values: finite for any key scale.
 
-    Parameters (defaults chosen on layers 3, 8, 12, 20 of the default model on other text than the
-    reported bench; the ‖v‖² part helped least there): `s` ‖v‖² samples (default budget // 24),
+    Parameters (defaults tuned on real layers of the default model, on other text than the
+    reported bench's; the ‖v‖² part gets the smallest share because it helped least): `s` ‖v‖² samples (default budget // 24),
     `max_clusters` cap on clusters (default min(16, budget // 8)), `delta` initial radius in raw
     key space (default 0.0: every distinct key opens a cluster until the cap, the cap rule then
     sets δ from the data and doubles it at later cap hits), `cluster_weight` in (0, 1) (default
     0.95); the uniform reservoir takes
     the rest: r = budget − s − max_clusters. Slots per head = s + r + max_clusters = budget.
     Memory O(d·budget) whatever the stream length. Cost per block of b tokens O(b·cap·d) plus
-    `cap` vectorised steps. Window: the seed's recent window (64). Sink: 4 tokens kept exactly
-    (`default_sink = 4`; departure: the seed keeps none, but then the first token's large
+    `cap` vectorised steps. Window: the paper's recent window (64). Sink: 4 tokens kept exactly
+    (`default_sink = 4`; departure: the paper keeps none, but then the first token's large
     attention mass enters only through whichever samples happen to hold it, and the model's
-    output degenerated end to end).
+    output degenerates end to end).
     """
 
     name = "subgen"
     randomized = True
+    stream_recompresses = False
     default_sink = 4
     default_window = 64
     s: int | None = None
@@ -297,7 +300,8 @@ class SubGen(Method):
             )
         return s, r, cap
 
-    def new_stream(self, budget: int, generator: torch.Generator, slack: float = 0.0) -> SubGenState:
-        """Native stream (at most `budget` slots, never re-compressed): slack does not apply."""
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> SubGenState:
+        """Native stream (at most `budget` slots, never re-compressed): a slack is refused (`stream_slack`)."""
+        self.stream_slack(slack)
         s, r, cap = self.sizes(budget)
         return SubGenState(s, r, cap, float(self.delta), float(self.cluster_weight), generator)

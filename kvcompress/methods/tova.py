@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AVERAGES, ScoreMethod, Tokens, attention_mass, register
+from ..attention import AVERAGES
+
+from .base import ScoreMethod
+
+from .registry import register
+
+from .tokens import attention_mass, Tokens
 
 
 @register

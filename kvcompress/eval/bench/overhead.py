@@ -19,14 +19,15 @@ def exact_attention_pass(layer: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def natively_streaming(method: str) -> bool:
     """True when the method has its own streaming state (not the block-wise replay of its one-shot form)."""
-    from ...methods.base import Method, get_method_class
+    from ...methods.base import Method
+    from ...methods.registry import get_method_class
 
     return get_method_class(method).new_stream is not Method.new_stream
 
 
 def method_inputs(method: str, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The optional inputs the method needs: queries and/or pre-RoPE keys."""
-    from ...methods.base import get_method_class
+    from ...methods.registry import get_method_class
 
     cls = get_method_class(method)
     out = {}

@@ -34,7 +34,7 @@ def prefill_seconds(model, ids: torch.Tensor, method: str | None, ratio: float) 
 def fused_attention_cost(model, ids: torch.Tensor, repeats: int) -> dict[str, float]:
     """Seconds of SDPA's causal pass and of `causal_attention_with_mass` on the context's q/k/v, each summed over
     the layers of per-layer minima over `repeats` interleaved calls, and their difference (`fused_extra_s`)."""
-    from ...cache import attention_scales
+    from ...integration.support import attention_scales
     from ...integration.attention import causal_attention_with_mass
     from ..capture import capture_qkv
 
@@ -93,7 +93,7 @@ def prefill_rows(
     `overhead_min` charges to the method, and paired runs share the machine's load. on_rows gets the
     rows so far after each prefill.
     """
-    from ...methods.base import get_method_class
+    from ...methods.registry import get_method_class
 
     check_positive("tokens", tokens, 2)
     check_positive("repeats", repeats)

@@ -1,0 +1,448 @@
+"""`kvc.generate`: greedy generation through a compressed cache in one of three modes.
+
+The modes: docs/design.md, "Model integration: three modes".
+
+The prompt is run here (context in one forward or in blocks, then the question), the first answer
+token is the argmax of its last logits, and the rest of the answer comes from an ordinary greedy
+`model.generate(past_key_values=cache)`; what this adds is the statistics. Many questions about one
+context (`answer_questions_ids`) compress the context once and answer each question from a
+snapshot of the compressed cache; a batch of contexts (`generate_batch_ids`) is left-padded, and
+padding is never kept or attended.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Collection
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import CompressedCache, CompressedLayer
+from ..checks import as_count, describe
+from ..options import CompressionOptions
+from . import attention  # noqa: F401  (registers the kvcompress attention)
+from .prefill_approx import check_prefill_approx, timed_approximate_prefill
+from .support import check_supported, use_compressed_attention
+from .model import check_context_length
+
+# Prompts longer than this show a progress bar while they are processed.
+PROGRESS_MIN_TOKENS = 1024
+
+
+@dataclass
+class GenerationResult:
+    """What `generate` returns: the answer and the costs users compare methods by."""
+
+    text: str
+    token_ids: list[int]
+    method: str
+    mode: str
+    context_tokens: int
+    prompt_tokens: int
+    budget: int | None
+    slots_per_layer: list[int]
+    kv_bytes_full: int
+    kv_bytes: int
+    peak_kv_bytes: int
+    prefill_seconds: float
+    compress_seconds: float
+    decode_seconds: float
+    extra: dict = field(default_factory=dict)
+    realised_compression_ratio: float = 0.0  # fraction of the tokens seen that the cache does not hold (mean over layers)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def report(self) -> str:
+        """Human-readable stats block."""
+        saved = 1.0 - self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else 0.0
+        slots = self.slots_per_layer
+        kept = f"{min(slots)}..{max(slots)} (mean {sum(slots) / len(slots):.0f})" if slots else "-"
+        return "\n".join(
+            [
+                f"method            {self.method} (mode={self.mode}, middle budget={self.budget})",
+                f"prompt tokens     {self.prompt_tokens} (context {self.context_tokens})",
+                f"tokens kept/layer {kept} per KV head (realised compression ratio {self.realised_compression_ratio:.3f} of all tokens seen)",
+                f"KV bytes          full {_mib(self.kv_bytes_full)} -> stored {_mib(self.kv_bytes)} "
+                f"({saved:.0%} saved; peak {_mib(self.peak_kv_bytes)})",
+                f"time              prefill {self.prefill_seconds:.2f}s (compression {self.compress_seconds:.2f}s), "
+                f"decode {self.decode_seconds:.2f}s for {len(self.token_ids)} tokens",
+            ]
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def full_kv_bytes(model, n_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes a full (uncompressed) cache stores for n_tokens: keys + values of every layer."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * n_kv * head_dim * n_tokens * torch.empty(0, dtype=dtype).element_size()
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+@contextmanager
+def _eos_ignored(model, ignore: bool):
+    """While active, model.generate does not stop at the end-of-sequence token (when `ignore`)."""
+    eos = model.generation_config.eos_token_id
+    if ignore:
+        model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = eos
+
+
+def check_context_ids(context_ids) -> None:
+    """Refuse anything but an integer token id tensor [B, n] with n >= 1, naming what was received."""
+    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
+        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [B, n] with n >= 1, got {describe(context_ids)}")
+
+
+@dataclass
+class _Prompt:
+    """A tokenised prompt batch: context ids [B, n] (left-padded, mask [B, n] or None) and question ids [B or 1, m] or None."""
+
+    context_ids: torch.Tensor
+    question_ids: torch.Tensor | None
+    mask: torch.Tensor | None = None
+
+
+class _Session:
+    """One compressed context on the model: builds the cache, prefills, then answers (greedy) through model.generate."""
+
+    def __init__(self, model, prompt: _Prompt, options: CompressionOptions, max_new_tokens: int, prefill: dict | None = None):
+        context_ids = prompt.context_ids
+        check_context_ids(context_ids)
+        check_supported(model)
+        self.model, self.options, self.mode = model, options, options.mode
+        # as model.generate does: only the last position's logits, not the full vocabulary at every position
+        self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.device = next(model.parameters()).device
+        self.context_ids = context_ids.to(self.device)
+        self.context_mask = prompt.mask.to(self.device) if prompt.mask is not None else None
+        if self.context_mask is not None and (options.streams or prefill is not None):
+            raise ValueError(f"a padded batch is compressed in mode='prefill' from a fresh prefill, got mode={options.mode!r}")
+        question_ids = prompt.question_ids
+        self.question_ids = question_ids.to(self.device) if question_ids is not None and question_ids.shape[1] > 0 else None
+        n_context = context_ids.shape[1]
+        n_prompt = n_context + (self.question_ids.shape[1] if self.question_ids is not None else 0)
+        check_context_length(model, n_prompt)
+        self.n_context, self.n_prompt, self.method_name = n_context, n_prompt, options.method
+        self.compress_question = options.compress_question
+        self.chosen = None
+        if options.quality is not None:
+            from ..calibration import calibrated_ratio
+
+            if context_ids.shape[0] != 1:
+                raise ValueError(f"context-calibrated compression takes one context, got a batch of {context_ids.shape[0]}")
+            self.chosen = calibrated_ratio(model, self.context_ids, options.calibration, options.quality)
+            self.options = options.calibrated(self.chosen["compression_ratio"])
+        # decode mode streams every token, the answer's included: a ratio is the fraction removed of all of them
+        self.stream_length = n_prompt + max_new_tokens if options.mode == "decode" else n_prompt if options.compress_question else n_context
+        self.cache, self.prefill = None, prefill
+        if prefill is not None and (options.streams or options.compress_question or options.method is None):
+            raise ValueError("a recorded prefill serves a method in mode='prefill' with the question kept out of compression")
+
+    def new_cache(self):
+        if self.method_name is None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.model.config)
+        if self.prefill is not None:
+            return CompressedCache.from_prefill(self.model, self.options, self.prefill)
+        streamed_ratio = self.options.streams and self.options.compression_ratio is not None
+        return CompressedCache(self.model, self.options, stream_length=self.stream_length if streamed_ratio else None)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ids [B or 1, b] (their padding mask [B, b], default none) through the cache; -> last logits [B, V]."""
+        ids = ids.expand(self.ids.shape[0], -1)
+        mask = torch.ones_like(ids) if mask is None else mask
+        self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, mask], 1)
+        extra = {}
+        if self.context_mask is not None:  # a padded batch: the mask and the rows' own positions
+            extra = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
+        if self.last_logits_only:
+            extra["logits_to_keep"] = 1
+        return self.model(ids, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1]
+
+    def run_context(self, progress: bool):
+        """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds)."""
+        self.cache = self.new_cache()
+        rows = self.context_ids.shape[0]
+        self.ids = self.context_ids if self.prefill is not None else self.context_ids[:, :0]  # what the cache holds
+        self.mask = torch.ones_like(self.ids)
+        absorbed = self.question_ids if (self.compress_question and self.question_ids is not None) else None
+        if self.prefill is not None:
+            if self.question_ids is None:
+                raise ValueError("a recorded prefill needs question_ids: the question's forward gives the first answer token")
+            blocks = []
+        elif self.mode == "prefill" or self.method_name is None:
+            blocks = [self.context_ids if absorbed is None else torch.cat([self.context_ids, absorbed.expand(rows, -1)], 1)]
+        else:
+            blocks = list(self.context_ids.split(self.options.chunk_size, dim=1)) + (list(absorbed.split(self.options.chunk_size, dim=1)) if absorbed is not None else [])
+        bar = None
+        if progress and self.n_prompt >= PROGRESS_MIN_TOKENS:
+            per_block = sum(isinstance(layer, CompressedLayer) for layer in self.cache.layers) if self.method_name is not None else 1
+            bar = tqdm(total=len(blocks) * per_block, desc=f"prefill ({self.mode})", unit="layer" if len(blocks) == 1 else "step", leave=False)
+        compressed = self.method_name is not None
+        if compressed:
+            self.cache.progress = bar
+        start = time.perf_counter()
+        logits = None
+        for i, block in enumerate(blocks):
+            mask = None
+            if i == 0 and self.context_mask is not None:
+                mask = torch.cat([self.context_mask, torch.ones_like(block[:, self.context_mask.shape[1] :])], 1)
+            logits = self.forward(block, mask)
+            if bar is not None and not compressed:
+                bar.update(1)
+        if compressed:
+            self.cache.progress = None
+            self.cache.absorbing = self.mode == "decode"
+        if bar is not None:
+            bar.close()
+        return logits, time.perf_counter() - start
+
+    def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool, stop_token_ids: Collection[int] = ()) -> tuple[list[list[int]], float, float]:
+        """Append question_ids (exact) and decode greedily, stopping at EOS (if stop_at_eos) or any of
+        stop_token_ids; -> (tokens per row, question seconds, decode seconds)."""
+        start = time.perf_counter()
+        if question_ids is not None:
+            logits = self.forward(question_ids)
+        question_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        first = logits.argmax(-1, keepdim=True)
+        eos = (_eos_ids(self.model) if stop_at_eos else set()) | set(stop_token_ids)
+        tokens = first
+        if max_new_tokens > 1 and not all(int(t) in eos for t in first[:, 0]):
+            seen = self.ids.shape[1]
+            ids, mask = torch.cat([self.ids, first], 1), torch.cat([self.mask, torch.ones_like(first)], 1)
+            pad = self.model.generation_config.pad_token_id
+            pad = pad if pad is not None else (min(eos) if eos else 0)
+            with _eos_ignored(self.model, not stop_at_eos):
+                out = self.model.generate(
+                    ids, attention_mask=mask, past_key_values=self.cache, max_new_tokens=max_new_tokens - 1,
+                    do_sample=False, pad_token_id=pad, **({"eos_token_id": sorted(eos)} if eos else {}),
+                )
+            tokens = out[:, seen:]
+        decode_seconds = time.perf_counter() - start
+        answers = []
+        for row in tokens.tolist():
+            stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
+            answers.append(row[: stop + 1])
+        return answers, question_seconds, decode_seconds
+
+    def result(self, tokens: list[int], prefill_seconds: float, decode_seconds: float, row: int, extra: dict) -> GenerationResult:
+        dtype = next(self.model.parameters()).dtype
+        total = self.n_prompt + max(len(tokens) - 1, 0)
+        full = full_kv_bytes(self.model, total, dtype)
+        if self.method_name is not None:
+            kv_bytes, peak, compress_seconds = self.cache.nbytes(), self.cache.peak_bytes(), self.cache.compress_seconds()
+            slots, budget = self.cache.slots_per_layer(row), self.cache.middle_budget(row)
+        else:
+            kv_bytes, peak, slots, compress_seconds = full, full, [total] * self.model.config.num_hidden_layers, 0.0
+            budget = None
+        if self.chosen is not None:
+            extra = {**extra, "calibration": self.chosen}
+        return GenerationResult(
+            text="", token_ids=tokens, method=self.method_name or "full", mode=self.mode,
+            context_tokens=self.n_context, prompt_tokens=self.n_prompt, budget=budget,
+            slots_per_layer=slots, kv_bytes_full=full, kv_bytes=kv_bytes, peak_kv_bytes=peak,
+            prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
+            realised_compression_ratio=1.0 - sum(slots) / len(slots) / total,
+        )
+
+
+@torch.inference_mode()
+def generate_ids(
+    model,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor | None = None,
+    options: CompressionOptions | None = None,
+    *,
+    max_new_tokens: int = 64,
+    progress: bool = False,
+    stop_at_eos: bool = True,
+    stop_token_ids: Collection[int] = (),
+    prefill: dict | None = None,
+    prefill_approx: str | None = None,
+    **settings,
+) -> GenerationResult:
+    """Greedy generation on token ids [1, n] through a compressed cache.
+
+    options: a `CompressionOptions`, or its fields as keyword settings (method, budget or
+    compression_ratio, mode, sink, window, seed, slack, chunk_size, compress_question, quality +
+    calibration, and the method's own parameters); `method=None` is the full cache. Modes:
+    prefill: the context (and the question too with compress_question) is prefilled in one
+    forward and compressed once; chunked: the context is fed in blocks of `chunk_size` through the
+    method's stream; decode: as chunked, and every later token (question, answer) keeps going
+    through the stream. A compression_ratio is resolved against the context length (the prompt
+    length with compress_question; in decode mode, the prompt plus max_new_tokens, every token the
+    stream takes). prefill: a recorded full prefill of the context ({layer: (queries, keys,
+    values)}, see `kvcompress.eval.capture.capture_qkv`) to compress instead of running the
+    context again (prefill mode, question kept out of compression). prefill_approx="express":
+    the context's cache comes from a chunked forward with Thinformer Express attention
+    (`integration.prefill_approx`), then the method compresses it. stop_token_ids: decoding also
+    stops after any of these tokens. The first answer token is the argmax after the prompt; the
+    rest comes from greedy `model.generate` on the same cache.
+    """
+    options = CompressionOptions.build(options, **settings)
+    as_count("max_new_tokens", max_new_tokens, 1)
+    check_context_ids(context_ids)
+    if context_ids.shape[0] != 1:
+        raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
+    if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
+        raise ValueError(f"question_ids must be an integer tensor [1, m] or None, got {describe(question_ids)}")
+    approx_seconds = 0.0
+    if prefill_approx is not None:  # Express computes the context's cache, the method compresses it
+        check_prefill_approx(prefill_approx, options, prefill, question_ids)
+        prefill, approx_seconds = timed_approximate_prefill(model, context_ids, prefill_approx, options.chunk_size, options.seed)
+    session = _Session(model, _Prompt(context_ids, question_ids), options, max_new_tokens, prefill)
+    with use_compressed_attention(model) if options.method is not None else nullcontext():
+        logits, prefill_seconds = session.run_context(progress)
+        question = session.question_ids if not options.compress_question else None
+        (tokens,), question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos, stop_token_ids)
+    return session.result(tokens, approx_seconds + prefill_seconds + question_seconds, decode_seconds, 0, {})
+
+
+@torch.inference_mode()
+def answer_questions_ids(
+    model, context_ids: torch.Tensor, questions_ids: list[torch.Tensor], options: CompressionOptions | None = None, *,
+    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, **settings,
+) -> list[GenerationResult]:
+    """One context [1, n], many questions [1, m_i]: the context is prefilled and compressed once.
+
+    Each question then starts from a snapshot of the compressed cache (`CompressedCache.restore`):
+    no re-prefill, no re-compression. Every result carries the shared `prefill_seconds` (context
+    prefill + compression, paid once) and its own `decode_seconds` (question forward + answer;
+    `extra["question_seconds"]` is the question forward). Takes generate_ids' options except
+    compress_question (a compressed question would change the compressed context).
+    """
+    options = CompressionOptions.build(options, **settings)
+    if not questions_ids:
+        raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
+    as_count("max_new_tokens", max_new_tokens, 1)
+    if options.compress_question:
+        raise ValueError("many questions share one compressed context: compress_question=True is not possible")
+    session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
+    results = []
+    with use_compressed_attention(model) if session.method_name is not None else nullcontext():
+        _, prefill_seconds = session.run_context(progress)
+        compressed, seen, ids, mask = session.method_name is not None, session.cache.get_seq_length(), session.ids, session.mask
+        snapshot = session.cache.snapshot() if compressed else None
+        for question_ids in questions_ids:
+            if compressed:
+                session.cache.restore(snapshot)
+            else:
+                session.cache.crop(seen - session.cache.get_seq_length())  # the full cache rolls back by cropping (a negative count)
+            session.ids, session.mask = ids, mask
+            session.question_ids = question_ids.to(session.device)
+            session.n_prompt = session.n_context + question_ids.shape[1]
+            (tokens,), question_seconds, decode_seconds = session.answer(session.question_ids, None, max_new_tokens, stop_at_eos)
+            results.append(session.result(tokens, prefill_seconds, question_seconds + decode_seconds, 0, {"question_seconds": question_seconds}))
+    return results
+
+
+@torch.inference_mode()
+def generate_batch_ids(
+    model, contexts_ids: list[torch.Tensor], question_ids: torch.Tensor | None = None, options: CompressionOptions | None = None, *,
+    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, pad_token_id: int | None = None, **settings,
+) -> list[GenerationResult]:
+    """A batch of contexts [1, n_b] (any lengths) with one question [1, m], left-padded into one forward.
+
+    Padding is never attended, kept or counted: each row is compressed alone (prefill mode) and
+    answers as it would alone. Results share the batch's times and KV bytes (for the whole batch);
+    `slots_per_layer` is the row's own.
+    """
+    options = CompressionOptions.build(options, **settings)
+    if not contexts_ids:
+        raise ValueError("contexts_ids must be a non-empty list of [1, n] token id tensors")
+    as_count("max_new_tokens", max_new_tokens, 1)
+    width = max(c.shape[1] for c in contexts_ids)
+    pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
+    ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
+    mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
+    session = _Session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None), options, max_new_tokens)
+    with use_compressed_attention(model) if session.method_name is not None else nullcontext():
+        logits, prefill_seconds = session.run_context(progress)
+        question = session.question_ids if not session.compress_question else None
+        answers, question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
+    results = []
+    for row, tokens in enumerate(answers):
+        res = session.result(tokens, prefill_seconds + question_seconds, decode_seconds, row, {"batch_size": len(answers)})
+        res.context_tokens = contexts_ids[row].shape[1]
+        res.prompt_tokens = session.n_prompt - width + res.context_tokens
+        results.append(res)
+    return results
+
+
+def generate(
+    model,
+    tokenizer,
+    context: str | list[str],
+    question: str | None = None,
+    options: CompressionOptions | None = None,
+    *,
+    questions: list[str] | None = None,
+    max_new_tokens: int = 64,
+    progress: bool = True,
+    stop_at_eos: bool = True,
+    **settings,
+) -> GenerationResult | list[GenerationResult]:
+    """Answer `question` about `context` with a compressed cache.
+
+    options: a `CompressionOptions`, or its fields as keyword settings, e.g.
+    `method="keydiff", compression_ratio=0.5, mode="chunked"` (see `CompressionOptions` for every
+    one, `generate_ids` for the modes).
+
+    The context is compressed and the question appended exactly afterwards (kvpress's
+    convention; `compress_question=True` opts in). Returns a GenerationResult with the answer
+    text and stats (tokens kept per layer, KV bytes full/stored/peak, prefill, compression and
+    decode time). `questions=[...]` (instead of question): one answer per question, the context
+    compressed once (`answer_questions_ids`). A list of contexts: one left-padded batch, one
+    answer per context (`generate_batch_ids`).
+    """
+    from .model import build_prompt
+
+    contexts = context if isinstance(context, list) else [context]
+    bad = [c for c in contexts if not isinstance(c, str)]
+    if bad:
+        raise ValueError(f"context must be a str, got {type(bad[0]).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad[0], bytes) else "") + "; a batch is a list of str")
+    if question is not None and (not isinstance(question, str) or not question.strip()):
+        raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
+    if not contexts or any(not c.strip() for c in contexts):
+        raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
+    if questions is not None and (question is not None or isinstance(context, list)):
+        raise ValueError("questions=[...] asks many questions about one context: pass one context string and no question")
+    options = CompressionOptions.build(options, **settings)
+    run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
+    if questions is not None:
+        if not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions):
+            raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
+        context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0])
+        questions_ids = [build_prompt(tokenizer, contexts[0], q)[1] for q in questions]
+        results = answer_questions_ids(model, context_ids, questions_ids, options, **run)
+    elif isinstance(context, list):
+        prompts = [build_prompt(tokenizer, c, question) for c in contexts]
+        results = generate_batch_ids(model, [c for c, _ in prompts], prompts[0][1], options, pad_token_id=tokenizer.pad_token_id, **run)
+    else:
+        context_ids, question_ids = build_prompt(tokenizer, context, question)
+        results = [generate_ids(model, context_ids, question_ids, options, **run)]
+    for res in results:
+        res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
+    return results if (questions is not None or isinstance(context, list)) else results[0]

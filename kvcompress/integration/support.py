@@ -1,0 +1,116 @@
+"""Model inspection: which models and layers kvcompress supports, their attention scales and rotary embedding,
+and switching a model to the kvcompress attention implementation."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache needs (kvcompress.integration.attention)
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+
+
+def check_supported(model) -> list[tuple[str, int | None]]:
+    """[(layer type, sliding window)] per layer: "full_attention" (compressed) or "sliding_attention" (window kept exact).
+
+    Raises a clear error for a model kvcompress does not support. A sliding window at least as long
+    as the model's positions never slides, so such a layer counts as full attention.
+    """
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"unsupported model type {model_type!r}: kvcompress supports decoder-only models using transformers' "
+            f"AttentionInterface: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"unsupported model: layer types {unknown}; kvcompress handles full_attention and sliding_attention layers")
+    longest = getattr(config, "max_position_embeddings", None)
+    layers = []
+    for kind, kw in zip(types, kwargs):
+        window = kw.get("sliding_window")
+        if kind == "sliding_attention" and longest is not None and window >= longest:
+            kind, window = "full_attention", None
+        layers.append((kind, window))
+    return layers
+
+
+def attention_scales(model) -> dict[int, float]:
+    """{layer_idx: attention scale} of the model's attention modules."""
+    return {m.layer_idx: m.scaling for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+
+
+def find_rotary_embedding(model):
+    """(rotary embedding module, extra forward kwargs for the full-attention layers' rotation)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            takes_type = "layer_type" in inspect.signature(module.forward).parameters  # Gemma 3: local and global RoPE
+            return module, ({"layer_type": "full_attention"} if takes_type else {})
+    raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
+
+
+def select_compressed_attention(model) -> None:
+    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration`)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def has_padding(real: torch.Tensor | None) -> bool:
+    """Whether a block's real-token flags [B, n] (None: no mask) mark any padding (one device sync)."""
+    return real is not None and not bool(real.all())
+
+
+class RotaryInverse:
+    """Un-rotates a model's post-RoPE keys: (keys [B,H,n,d], positions [n] or [B,H,n]) -> pre-RoPE keys.
+
+    RoPE maps halves (x1, x2) to (x1·cos − x2·sin, x2·cos + x1·sin); the inverse is written half by
+    half into one output, the same products and sums as the forward formula with −sin, with two
+    half-size temporaries instead of five full-size ones. Partial rotary (Phi-3) rotates a prefix
+    of the channels and leaves the rest as they are.
+    """
+
+    def __init__(self, model):
+        self.rotary, self.extra = find_rotary_embedding(model)
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, h, n, _ = keys.shape
+        if positions.ndim == 1:
+            cos, sin = self.rotary(keys, positions[None].expand(b, -1), **self.extra)
+            cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+        else:
+            cos, sin = self.rotary(keys, positions.reshape(b * h, n), **self.extra)
+            cos, sin = cos.view(b, h, n, -1).to(keys.dtype), sin.view(b, h, n, -1).to(keys.dtype)
+        width = cos.shape[-1]
+        half = width // 2
+        first, second = keys[..., :half], keys[..., half:width]
+        out = torch.empty_like(keys)
+        torch.mul(first, cos[..., :half], out=out[..., :half]).add_(second * sin[..., :half])
+        torch.mul(second, cos[..., half:], out=out[..., half:width]).sub_(first * sin[..., half:])
+        out[..., width:] = keys[..., width:]
+        return out
+
+
+class use_compressed_attention:
+    """Context manager: run `model` with the 'kvcompress' attention implementation, restoring the old one after."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        select_compressed_attention(self.model)
+        return self.model
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.previous)
+        return False

@@ -1,0 +1,139 @@
+"""`Stream`: any method run over a token stream, with the first `sink` and last `window` tokens exact."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from ..checks import as_count, check_kv, check_positions, check_scale, describe
+from ..summary import KVSummary, _GrowingSlots, concat
+from .base import Method
+from .budget import check_sink_window
+from .tokens import Tokens, append_columns, cat_tokens, query_positions_for, token_columns, tokens_from_columns
+
+
+class Stream:
+    """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
+
+    update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
+    the method's state. A natively streaming method (Express, SubGen) stores at most `budget`
+    slots per head; ClusterGen's and BalanceKV's native streams hold at most budget +
+    ceil(slack·budget) between updates. A block-wise one (every score method, Compactor, the hybrid's exact
+    set) lets its buffer grow to budget + ceil(slack·budget) slots before compressing it back to
+    `budget`, so its cost stays linear in the stream length: between updates it stores at most
+    budget + ceil(slack·budget) slots, during one at most that plus the block. slack=None is
+    DEFAULT_SLACK; slack=0 re-compresses after every block; an explicit slack for a method that
+    never re-compresses is an error. compact() brings the state down to `budget` now (e.g. at the
+    end of a prompt). summary() is sink + method summary + window.
+
+    Every method streams exactly while it can: a state that is not exact by itself while it holds
+    at most `budget` tokens (`StreamState.exact_within_budget`) gets the tokens leaving the window
+    only once more than `budget` of them have left it (all at once), and they are held as they are
+    until then. So at a budget of at least the tokens seen the summary is the exact input, for
+    every method, and the buffer never allocates more slots than tokens have left the window.
+    unrotate (from a cache that can invert its model's rotation, see `Tokens.unrotate`): pre-RoPE
+    keys are computed from the keys when a method needs them, instead of passed and stored.
+    """
+
+    def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None,
+                 slack: float | None = None, unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        sink, window = check_sink_window(sink, window)
+        budget = as_count("budget", budget, 1)
+        self.method, self.budget, self.sink, self.window = method, budget, sink, window
+        self.generator, self.scale = generator, check_scale(scale)
+        self.state = method.new_stream(budget, generator, slack)
+        self.unrotate = unrotate
+        self.head: Tokens | None = None
+        self.recent: Tokens | None = None
+        # tokens that left the window, until more than budget did (then None); None from the start for a state exact by itself
+        self.exact: _GrowingSlots | None = None if self.state.exact_within_budget else _GrowingSlots()
+        self.exact_last: Tokens | None = None
+        self.seen = 0
+        self.layout: tuple | None = None  # (B, H_kv, d, d_v, dtype, device) of the first update
+
+    def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
+        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count).
+
+        Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
+        inf is a ValueError on the CPU and a device-side assertion elsewhere (no host sync per block).
+        """
+        check_kv(keys, values, queries, pre_rope_keys, sync=False)
+        b, h, n, d = keys.shape
+        layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            fb, fh, fd, fdv, fdtype, fdevice = self.layout
+            raise ValueError(
+                f"stream.update: keys {describe(keys)} / values {describe(values)} do not match the earlier updates: every update must have "
+                f"batch {fb}, {fh} KV heads, key dim {fd}, value dim {fdv}, dtype {str(fdtype).removeprefix('torch.')}, device {fdevice}"
+            )
+        if positions is None:
+            positions = torch.arange(self.seen, self.seen + n, device=keys.device)
+        check_positions(positions, keys, ordered=False)  # shape only: no sync per streamed block
+        positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+        qpos = query_positions_for(queries, positions)
+        block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos, unrotate=self.unrotate)
+        self.seen += n
+        have = self.head.length if self.head is not None else 0
+        take = min(self.sink - have, n)
+        if take > 0:
+            part = block.slice(0, take)
+            self.head = part if self.head is None else cat_tokens([self.head, part])
+            block = block.slice(take, n)
+        if block.length == 0:
+            return
+        self.recent = block if self.recent is None or self.recent.length == 0 else cat_tokens([self.recent, block])
+        overflow = self.recent.length - self.window
+        if overflow > 0:
+            staying = self.recent.slice(overflow, self.recent.length)
+            exact = [p for p in (self.head, staying) if p is not None]
+            leaving = replace(
+                self.recent.slice(0, overflow), queries=queries, query_positions=qpos,
+                exact_keys=torch.cat([p.keys for p in exact], 2), exact_positions=torch.cat([p.positions for p in exact], 2),
+            )
+            self.method.check_inputs(leaving)
+            self._absorb(leaving)
+            self.recent = staying
+
+    def _absorb(self, leaving: Tokens) -> None:
+        """Hold `leaving` exactly while at most `budget` tokens have left the window; past that, hand
+        everything held, then each later block, to the method's state."""
+        if self.exact is None:
+            self.state.absorb(leaving)
+            return
+        append_columns(self.exact, token_columns(leaving), most=min(self.budget, self.exact.length + leaving.length))
+        self.exact_last = leaving
+        if self.exact.length > self.budget:
+            held, self.exact = self.exact_tokens(), None
+            self.state.absorb(held)
+
+    def exact_tokens(self) -> Tokens:
+        """The tokens held exactly, with the latest block's queries and exact neighbours."""
+        return tokens_from_columns(self.exact_last, self.exact.view())
+
+    def summary(self) -> KVSummary:
+        parts = [p.exact() for p in (self.head,) if p is not None]
+        middle = self.state.summary() if self.exact is None else (self.exact_tokens().exact() if self.exact.length else None)
+        if middle is not None:
+            parts.append(middle)
+        if self.recent is not None and self.recent.length > 0:
+            parts.append(self.recent.exact())
+        if not parts:
+            raise ValueError("the stream has seen no tokens yet")
+        return concat(parts)
+
+    def compact(self) -> None:
+        """Compress the method's state down to `budget` slots per head now (a no-op for native streams
+        and while the tokens are held exactly)."""
+        if self.exact is None:
+            self.state.compact()
+
+    def nbytes(self) -> int:
+        """KV bytes of the sink, the window and the middle (exact, or the method's state)."""
+        exact = sum(p.exact().nbytes() for p in (self.head, self.recent) if p is not None)
+        return exact + (self.state.nbytes() if self.exact is None else self.exact.kv_bytes())

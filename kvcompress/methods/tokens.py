@@ -1,0 +1,161 @@
+"""The token bundle every method reads (`Tokens`) and the helpers that cut, join and store it.
+
+A method sees only a layer's compressible middle (sink and window are handled for it) as a
+`Tokens`: keys, values, positions, and the queries, pre-RoPE keys, scale and exact neighbours
+it may need. Streams store a bundle's per-token tensors as columns (`token_columns`) and rebuild
+it from them (`tokens_from_columns`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from ..attention import received_attention
+from ..summary import KVSummary, _GrowingSlots, take_slots
+
+
+@dataclass
+class Tokens:
+    """Exact tokens handed to a method.
+
+    keys [B,H_kv,n,d] (post-RoPE), values [B,H_kv,n,d_v], positions [B,H_kv,n] (int64),
+    queries [B,H_q,n_q,d] or None (the most recent queries seen with these tokens, post-RoPE),
+    pre_rope_keys [B,H_kv,n,d] or None, scale (attention scale s), layer_idx / num_layers when
+    called from a model (PyramidKV uses them), query_positions [n_q] (original positions of the
+    queries, for causal scoring; None means the queries follow every token), exact_keys
+    [B,H_kv,m,d] / exact_positions [B,H_kv,m]: the tokens kept exactly beside these (sink and
+    window), which share the queries' softmax with them (None: no such tokens).
+    attention_mass [B,H_kv,n] float32 or None: the mass each token received from the queries, as
+    `attention_mass(tokens)` would compute it, when the model's own attention computed it as a
+    by-product (`integration.attention.causal_attention_with_mass`); `slice` and `cat_tokens`
+    carry it along, anything that selects tokens otherwise must drop or select it too.
+    unrotate: a function (keys [B,H_kv,m,d], positions [B,H_kv,m]) -> pre-RoPE keys, given by a cache
+    that can invert its model's rotation; a stream then stores no pre-RoPE keys and `pre_rope()`
+    computes them when a method needs them.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor | None = None
+    pre_rope_keys: torch.Tensor | None = None
+    scale: float = 1.0
+    layer_idx: int | None = None
+    num_layers: int | None = None
+    query_positions: torch.Tensor | None = None
+    exact_keys: torch.Tensor | None = None
+    exact_positions: torch.Tensor | None = None
+    attention_mass: torch.Tensor | None = None
+    unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def slice(self, start: int, stop: int) -> "Tokens":
+        """Tokens start:stop along the token axis (queries kept as they are)."""
+        pre = self.pre_rope_keys[:, :, start:stop] if self.pre_rope_keys is not None else None
+        mass = self.attention_mass[:, :, start:stop] if self.attention_mass is not None else None
+        return replace(
+            self,
+            keys=self.keys[:, :, start:stop],
+            values=self.values[:, :, start:stop],
+            positions=self.positions[:, :, start:stop],
+            pre_rope_keys=pre,
+            attention_mass=mass,
+        )
+
+    def exact(self) -> KVSummary:
+        return KVSummary.exact(self.keys, self.values, self.positions)
+
+    def select(self, index: torch.Tensor, keys_values: bool = True) -> "Tokens":
+        """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
+        over all the tokens, so a later score method computes the subset's own. keys_values=False (for a
+        method whose `reads_keys_values` is False): keys and values are empty [B,H,k,0] placeholders."""
+        pre = take_slots(self.pre_rope_keys, index) if self.pre_rope_keys is not None else None
+        if keys_values:
+            keys, values = take_slots(self.keys, index), take_slots(self.values, index)
+        else:
+            keys, values = self.keys.new_empty((*index.shape, 0)), self.values.new_empty((*index.shape, 0))
+        return replace(self, keys=keys, values=values, positions=take_slots(self.positions, index), pre_rope_keys=pre, attention_mass=None)
+
+    def pre_rope(self) -> torch.Tensor | None:
+        """Pre-RoPE keys [B,H_kv,n,d]: the given ones, else computed by `unrotate` (None without either)."""
+        if self.pre_rope_keys is not None or self.unrotate is None:
+            return self.pre_rope_keys
+        return self.unrotate(self.keys, self.positions)
+
+
+def cat_tokens(parts: list[Tokens]) -> Tokens:
+    """Concatenate token bundles along the token axis; queries from the last part; pre-RoPE keys and
+    attention mass when every part has them (else None)."""
+    last = parts[-1]
+    pre = mass = None
+    if all(p.pre_rope_keys is not None for p in parts):
+        pre = torch.cat([p.pre_rope_keys for p in parts], 2)
+    if all(p.attention_mass is not None for p in parts):
+        mass = torch.cat([p.attention_mass for p in parts], 2)
+    return replace(
+        last,
+        keys=torch.cat([p.keys for p in parts], 2),
+        values=torch.cat([p.values for p in parts], 2),
+        positions=torch.cat([p.positions for p in parts], 2),
+        pre_rope_keys=pre,
+        attention_mass=mass,
+    )
+
+
+def token_columns(tokens: Tokens) -> tuple[torch.Tensor, ...]:
+    """The per-token tensors [B,H,n,...] a stream stores: keys, values, positions, and pre-RoPE keys when given
+    (not when `tokens.unrotate` can recompute them)."""
+    base = (tokens.keys, tokens.values, tokens.positions)
+    return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
+
+
+def append_columns(slots: _GrowingSlots, columns: tuple[torch.Tensor, ...], **allocation) -> None:
+    """Append a block's `token_columns` (plus any extra ones) to a buffer (`_GrowingSlots.append` options)."""
+    if slots.tensors and len(columns) != len(slots.tensors):
+        raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
+    slots.append(columns, **allocation)
+
+
+def tokens_from_columns(last: Tokens, columns: tuple[torch.Tensor, ...]) -> Tokens:
+    """The tokens whose `token_columns` (and extra columns after them) are `columns`, with the latest
+    block's queries and exact neighbours (`last`)."""
+    keys, values, positions, *extra = columns
+    pre = extra[0] if last.pre_rope_keys is not None and last.unrotate is None else None
+    return replace(last, keys=keys, values=values, positions=positions, pre_rope_keys=pre)
+
+
+def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+    """Positions of queries that came with tokens at `positions` [B,H,n]: the last n_q of them (None if n_q > n)."""
+    if queries is None or queries.shape[2] > positions.shape[2]:
+        return None
+    return positions[0, 0, positions.shape[2] - queries.shape[2] :]
+
+
+def split_exact(tokens: Tokens, sink: int, window: int) -> tuple[Tokens, Tokens, Tokens]:
+    """(sink tokens, middle, window tokens) of a token bundle."""
+    n = tokens.length
+    head = min(sink, n)
+    tail_start = max(head, n - window)
+    return tokens.slice(0, head), tokens.slice(head, tail_start), tokens.slice(tail_start, n)
+
+
+def positions_index(all_positions: torch.Tensor, kept_positions: torch.Tensor) -> torch.Tensor:
+    """Index into the token axis of `all_positions` [B,H,n] of each kept position [B,H,k] (both ascending)."""
+    return torch.searchsorted(all_positions.contiguous(), kept_positions.contiguous())
+
+
+def attention_mass(tokens: Tokens, last: int | None = None, average: str = "group", max_logits: int = 1 << 22) -> torch.Tensor:
+    """[B, H_kv, n]: the attention the (last `last`) queries of `tokens` give each token, with the sink and window
+    (`tokens.exact_keys`) in the softmax and causal masking by `query_positions` (`attention.received_attention`)."""
+    queries, qpos = tokens.queries, tokens.query_positions
+    if last is not None:
+        queries = queries[:, :, -last:]
+        qpos = qpos[-last:] if qpos is not None else None
+    return received_attention(queries, tokens.keys, tokens.positions, tokens.scale, qpos, tokens.exact_keys, tokens.exact_positions,
+                              average, max_logits)

@@ -1,0 +1,130 @@
+"""`CompressionOptions`: what a user asks of a compressed cache, validated once (docs/design.md, "Options").
+
+Every public entry point that compresses (`kvc.generate`, `generate_ids`, the pipeline,
+`CompressedCache`, the evaluation runner) builds one `CompressionOptions` from its keyword
+arguments (`CompressionOptions.build`) or takes a ready one, and hands it down by name. A layer
+resolves its middle budget from it once, where the number of tokens it compresses is known
+(`budget_for`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .checks import as_count
+from .methods.base import Method
+from .methods.budget import check_sink_window, resolve_budget
+from .methods.registry import build_method, default_sink_window, method_names
+
+MODES = ("prefill", "chunked", "decode")
+DEFAULT_METHOD = "snapkv"
+DEFAULT_CHUNK_SIZE = 128
+
+
+@dataclass(frozen=True)
+class CompressionOptions:
+    """One compressed generation's settings; invalid values are refused when it is built.
+
+    method: a registered method name (`kvc.methods()`), or None for the full, uncompressed cache
+    (which then takes no budget, ratio, slack or method parameters). method_params: the method's
+    own parameters (its dataclass fields), checked by building it (`compressor`).
+    budget / compression_ratio: exactly one for a method. budget is the middle budget per KV head
+    (sink and window come on top); compression_ratio is the fraction of the tokens removed,
+    resolved by each layer against the tokens it compresses (`budget_for`).
+    mode: "prefill" (compress the first forward once), "chunked" (stream the prompt in blocks of
+    `chunk_size`), "decode" (stream every token, the answer's included).
+    sink / window: exact tokens at the start and end; None is the method's paper default.
+    seed: the seed of randomised methods (each layer draws from its own generator).
+    slack: how far a re-compressing stream may exceed its budget before it compresses again, as a
+    fraction of the budget (None: the method's default); chunked and decode modes only, and an
+    error for a method whose stream never holds more than its budget (Express, SubGen).
+    chunk_size: block size of the chunked and decode modes' prompt (and of an approximate prefill).
+    compress_question: the question goes through compression with the context (default: it is
+    appended exactly afterwards, as kvpress does).
+    quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path), in place of
+    budget and compression_ratio: context-calibrated compression, the smallest compression whose
+    predicted quality meets `quality`, chosen from the context's own NLL when it is known
+    (`calibrated`).
+    """
+
+    method: str | None = DEFAULT_METHOD
+    method_params: dict[str, Any] = field(default_factory=dict)
+    budget: int | None = None
+    compression_ratio: float | None = None
+    mode: str = "prefill"
+    sink: int | None = None
+    window: int | None = None
+    seed: int = 0
+    slack: float | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    compress_question: bool = False
+    quality: float | None = None
+    calibration: Any = None
+    compressor: Method | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.compress_question, bool):
+            raise ValueError(f"compress_question must be True or False, got {self.compress_question!r}")
+        if not isinstance(self.method_params, dict):
+            raise ValueError(f"method_params must be a dict of the method's parameters, got {self.method_params!r}")
+        object.__setattr__(self, "method_params", dict(self.method_params))
+        object.__setattr__(self, "seed", as_count("seed", self.seed, 0))
+        object.__setattr__(self, "chunk_size", as_count("chunk_size", self.chunk_size, 1))
+        if self.method is None:
+            given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
+                                       ("sink", self.sink), ("window", self.window)) if v is not None}
+            given.update({k: v for k, v in (("quality", self.quality), ("calibration", self.calibration)) if v is not None})
+            if given or self.method_params:
+                raise ValueError(f"method=None is the full cache: it takes no {', '.join([*given, *self.method_params])}")
+            return
+        if not isinstance(self.method, str) or self.method not in method_names():
+            raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
+        object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
+        sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))
+        object.__setattr__(self, "sink", sink)
+        object.__setattr__(self, "window", window)
+        if self.quality is not None or self.calibration is not None:
+            if self.quality is None or self.calibration is None or self.budget is not None or self.compression_ratio is not None:
+                raise ValueError(
+                    "context-calibrated compression takes quality and calibration together, and no budget or compression_ratio; "
+                    f"got quality={self.quality!r}, calibration={self.calibration!r}, budget={self.budget!r}, "
+                    f"compression_ratio={self.compression_ratio!r}"
+                )
+        else:
+            resolve_budget(10**9, self.budget, self.compression_ratio, 0, 0)  # exactly one, each in range
+        if self.slack is not None:
+            if self.mode == "prefill":
+                raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
+            self.compressor.stream_slack(self.slack)
+
+    @classmethod
+    def build(cls, options: "CompressionOptions | None" = None, **settings) -> "CompressionOptions":
+        """`options` as given, or options from keyword settings: this class's fields by name, any other name a method parameter."""
+        if options is not None:
+            if not isinstance(options, CompressionOptions):
+                raise ValueError(f"options must be a CompressionOptions, got {options!r}")
+            if settings:
+                raise ValueError(f"pass either options=CompressionOptions(...) or keyword settings, not both (got {sorted(settings)})")
+            return options
+        names = {f.name for f in fields(cls) if f.init}
+        params = {k: v for k, v in settings.items() if k not in names}
+        known = {k: v for k, v in settings.items() if k in names}
+        if params and known.get("method_params"):
+            raise ValueError(f"pass method parameters either in method_params or as keywords, not both (got {sorted(params)})")
+        return cls(**known, **({"method_params": params} if params else {}))
+
+    @property
+    def streams(self) -> bool:
+        """Whether the cache streams tokens through the method (chunked and decode modes)."""
+        return self.mode != "prefill"
+
+    def calibrated(self, compression_ratio: float) -> "CompressionOptions":
+        """These options with the ratio a calibration chose in place of quality and calibration."""
+        return replace(self, quality=None, calibration=None, compression_ratio=compression_ratio)
+
+    def budget_for(self, length: int) -> int:
+        """The middle budget per KV head for a layer that compresses `length` tokens (a stream: all the tokens it will take)."""
+        return resolve_budget(length, self.budget, self.compression_ratio, self.sink, self.window, self.compressor, streaming=self.streams)
