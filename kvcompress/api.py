@@ -21,46 +21,58 @@ def methods() -> list[str]:
     return method_names()
 
 
+SIZE_SETTINGS = ("budget", "compression_ratio", "sink", "window")
+
+
 def compress(
     method: str,
     keys: torch.Tensor,
     values: torch.Tensor,
     queries: torch.Tensor | None = None,
+    *,
     pre_rope_keys: torch.Tensor | None = None,
-    budget: int | None = None,
-    compression_ratio: float | None = None,
-    sink: int | None = None,
-    window: int | None = None,
-    seed: int | torch.Generator | None = 0,
-    scale: float | None = None,
     positions: torch.Tensor | None = None,
-    layer_idx: int | None = None,
-    num_layers: int | None = None,
-    **method_params,
+    scale: float | None = None,
+    layer: tuple[int, int] | None = None,
+    seed: int | torch.Generator | None = 0,
+    **settings,
 ) -> KVSummary:
     """One-shot compression of one layer's keys/values [B, H_kv, n, d] into a KVSummary.
 
-    Exactly one of `budget` (middle slots kept per head; sink and window are extra and exact) or
-    `compression_ratio` (fraction of the n tokens removed; an error when it would remove tokens
-    but sink + window leave no room). sink/window default to the method's paper defaults. queries
-    [B, H_q, n_q, d] post-RoPE for query-aware methods; pre_rope_keys [B, H_kv, n, d] for
-    Compactor. positions [n] or [B, H_kv, n] default to 0..n-1. seed: an int (reproducible), a
+    settings: exactly one of `budget` (middle slots kept per head; sink and window are extra and
+    exact) or `compression_ratio` (fraction of the n tokens removed; an error when it would remove
+    tokens but sink + window leave no room); `sink` / `window` (default: the method's paper
+    defaults); any other name is a parameter of the method. queries [B, H_q, n_q, d] post-RoPE
+    for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid.
+    positions [n] or [B, H_kv, n] default to 0..n-1. layer: (layer_idx, num_layers), for a
+    method that depends on the layer (PyramidKV). seed: an int (reproducible), a
     torch.Generator, or None for fresh randomness (a different draw each call).
     """
-    m = build_method(method, **method_params)
-    sink, window = check_sink_window(*default_sink_window(method, sink, window))
+    size = {name: settings.pop(name, None) for name in SIZE_SETTINGS}
+    m = build_method(method, **settings)
+    sink, window = check_sink_window(*default_sink_window(method, size["sink"], size["window"]))
     check_kv(keys, values, queries, pre_rope_keys)
     b, h, n, d = keys.shape
-    middle_budget = resolve_budget(n, budget, compression_ratio, sink, window)
+    middle_budget = resolve_budget(n, size["budget"], size["compression_ratio"], sink, window)
     if positions is None:
         positions = torch.arange(n, device=keys.device)
     check_positions(positions, keys)
     positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
     scale = check_scale(scale)
     s = 1.0 / math.sqrt(d) if scale is None else scale
+    layer_idx, num_layers = check_layer(layer)
     generator = make_generator(seed, keys.device)
     tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions))
     return compress_tokens(m, tokens, middle_budget, sink, window, generator)
+
+
+def check_layer(layer) -> tuple[int | None, int | None]:
+    """(layer_idx, num_layers) from `layer`: None, or a pair with 0 <= layer_idx < num_layers."""
+    if layer is None:
+        return None, None
+    if not isinstance(layer, tuple) or len(layer) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in layer) or not 0 <= layer[0] < layer[1]:
+        raise ValueError(f"layer must be (layer_idx, num_layers) with 0 <= layer_idx < num_layers, or None, got {layer!r}")
+    return layer
 
 
 def stream(

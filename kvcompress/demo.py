@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from .cli import name_list
+from .commands.common import method_list
 
 DEFAULT_METHODS = ("streamingllm", "snapkv", "knorm", "keydiff", "compactor", "balancekv", "express", "clustergen")
 
@@ -55,7 +55,7 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=3000, depth
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("demo", help="needle-in-a-haystack demo: full cache vs several methods at the same compression")
-    p.add_argument("--methods", type=name_list, default=list(DEFAULT_METHODS),
+    p.add_argument("--methods", type=method_list, default=list(DEFAULT_METHODS),
                    help=f"comma-separated methods to compare with the full cache (default: {','.join(DEFAULT_METHODS)})")
     p.add_argument("--compression-ratio", type=float, default=0.75, help="fraction of the context removed (default 0.75 = 4x)")
     p.add_argument("--tokens", type=int, default=3000, help="context length in tokens (default 3000)")

@@ -20,7 +20,7 @@ def _kv(n=300, b=1, hkv=3, hq=9, d=16, seed=0):
 
 def _inputs(name, k, q):
     cls = get_method_class(name)
-    return {"queries": q, "pre_rope_keys": k if cls.needs_pre_rope_keys else None}
+    return {"queries": q, "pre_rope_keys": k if cls.needs_pre_rope_keys else None, "layer": (0, 1)}  # a lone layer: PyramidKV keeps `budget`
 
 
 def test_registry_lists_the_baselines():
@@ -47,7 +47,7 @@ def test_stream_is_bounded_and_keeps_sink_window(name):
     k, v, q = _kv(n=1000)
     st = kvc.stream(name, budget=40, sink=4, window=16)
     for i in range(0, 1000, 64):
-        st.update(k[:, :, i : i + 64], v[:, :, i : i + 64], queries=q[:, :, i : i + 64])
+        st.update(k[:, :, i : i + 64], v[:, :, i : i + 64], queries=q[:, :, i : i + 64], layer_idx=0, num_layers=1)
         s = st.summary()
         assert s.num_slots <= 4 + 40 + math.ceil(DEFAULT_SLACK * 40) + 16  # sink + budget + slack + window
     pos = set(s.positions[0, 0].tolist())
@@ -98,8 +98,8 @@ def test_pyramidkv_layer_budgets_average_to_budget():
     budgets = [layer_budget(100, layer, 30, 20.0) for layer in range(30)]
     assert budgets[0] > budgets[-1] and abs(sum(budgets) / 30 - 100) < 1.0
     k, v, q = _kv(n=400)
-    low = kvc.compress("pyramidkv", k, v, queries=q, budget=100, sink=0, window=0, layer_idx=0, num_layers=30)
-    high = kvc.compress("pyramidkv", k, v, queries=q, budget=100, sink=0, window=0, layer_idx=29, num_layers=30)
+    low = kvc.compress("pyramidkv", k, v, queries=q, budget=100, sink=0, window=0, layer=(0, 30))
+    high = kvc.compress("pyramidkv", k, v, queries=q, budget=100, sink=0, window=0, layer=(29, 30))
     assert low.num_slots == budgets[0] and high.num_slots == budgets[-1]
 
 

@@ -8,7 +8,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.methods.tokens import Tokens
-from kvcompress.methods.balancekv import BalanceKV, balance_kernel, balancing_walk, halve
+from kvcompress.methods.balancekv import _MAX_LOG_GAIN, BalanceKV, balance_kernel, balancing_walk, halve
 
 
 def _gen(seed=0):
@@ -34,7 +34,14 @@ def test_walk_splits_every_block_exactly_in_half_and_ignores_padding():
     assert ((signs == 1).sum(-1) == valid.sum(-1) // 2).all()
     assert ((signs == -1).sum(-1) == valid.sum(-1) // 2).all()
     assert (signs[3, 20:] == 0).all()
-    assert fails >= 0
+    # FAIL events: valid tokens whose push |x_j|·gain, with the final signs, leaves p_j = ½ − x_j·gain outside [0, 1];
+    # counted here token by token on the unmodified kernel, padding skipped.
+    gain = torch.exp((log_r2 + math.log(4.0)).clamp_max(_MAX_LOG_GAIN))
+    pushes = [(blk, j, sum(float(signs[blk, i] * kernel[blk, i, j]) for i in range(j)) * float(gain[blk]))
+              for blk in range(5) for j in range(32) if valid[blk, j]]
+    expected = sum(abs(push) > 0.5 for _, _, push in pushes)
+    assert 0 < expected < len(pushes) == 4 * 32 + 20  # this practical step fails on most tokens, not all: the count is informative
+    assert int(fails) == expected
     again, _ = balancing_walk(kernel.clone(), valid, log_r2 + math.log(4.0), _gen(1))
     assert torch.equal(signs, again)
 
@@ -258,9 +265,21 @@ def test_stream_estimates_attention():
     assert sum(errors) / len(errors) < 0.15
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """One-sided sign test over paired samples (ties dropped): P(X >= wins), X ~ Binomial(wins + losses, 1/2); 1 with no pairs."""
+    n = wins + losses
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+
+
+# BalanceKV's needle test: 10 depths, measured 2026-11-25 on the current defaults (see its docstring).
+NEEDLE_MIN_BALANCEKV = 8
+
+
 @pytest.mark.e2e
-def test_needle_at_4x_compression_at_least_as_good_as_uniform(default_model):
-    """Prefill mode, 4x compression, a ~2k-token haystack, 10 needle depths: BalanceKV >= uniform sampling."""
+def test_needle_at_4x_compression_beats_uniform_sampling(default_model):
+    """Prefill mode, 4x compression, a ~2k-token filler haystack, 10 needle depths (one sample each), the same
+    prefill for both: BalanceKV keeps at least NEEDLE_MIN_BALANCEKV of the 10 needles, more than weighted uniform
+    sampling at the same memory, and wins enough of the 10 pairs for a one-sided sign test at p < 0.05."""
     from kvcompress.eval import tasks
     from kvcompress.eval.prefill_replay import SharedPrefill
     from kvcompress.integration.model import build_prompt
@@ -268,15 +287,20 @@ def test_needle_at_4x_compression_at_least_as_good_as_uniform(default_model):
     model, tok = default_model
     # The seed's 256 + 256 exact tokens would fill the whole 4x budget of a 2k context: scaled to 64 + 64.
     exact = {"sink": 64, "window": 64}
-    hits = {"balancekv": 0, "uniform": 0}
+    hits = {"balancekv": [], "uniform": []}
     for i, depth in enumerate(torch.linspace(0.05, 0.95, 10).tolist()):
         sample = tasks.niah_single(target_tokens=2048, depth=depth, seed=i, tokenizer=tok)
         context_ids, question_ids = build_prompt(tok, sample.context, sample.question)
         prefill = SharedPrefill(model, context_ids)
         for label, method, params in (("balancekv", "balancekv", {}), ("uniform", "random", {"weighted": True})):
             ids = prefill.answer_ids(question_ids, method, 0.75, max_new_tokens=16, **exact, **params)
-            hits[label] += tasks.score(sample, tok.decode(ids, skip_special_tokens=True))
-    assert hits["balancekv"] >= hits["uniform"], hits
+            hits[label].append(tasks.score(sample, tok.decode(ids, skip_special_tokens=True)))
+    print({label: f"{sum(h):.0f}/10 {h}" for label, h in hits.items()})
+    wins = sum(b > u for b, u in zip(hits["balancekv"], hits["uniform"]))
+    losses = sum(b < u for b, u in zip(hits["balancekv"], hits["uniform"]))
+    assert sum(hits["balancekv"]) >= NEEDLE_MIN_BALANCEKV, hits
+    assert sum(hits["balancekv"]) > sum(hits["uniform"]), hits
+    assert sign_test_p(wins, losses) < 0.05, (wins, losses, hits)
 
 
 @pytest.mark.parametrize("params", [{}, {"batch": 16, "stream_block": 6}, {"batch": 8, "stream_block": 4, "levels": None, "cascade_rounds": None},

@@ -122,7 +122,7 @@ def test_pyramidkv_clamps_budgets_and_redistributes_the_excess():
     assert abs(sum(clamped) / layers - budget) < 1.0, "the excess goes to the deeper layers"
     assert [layer_budget(budget, i, layers, 20.0, available=1000) for i in range(layers)] == free
     k, v, q = layer(n=190, seed=4)
-    kept = [kvc.compress("pyramidkv", k, v, queries=q, budget=budget, sink=4, window=36, layer_idx=i, num_layers=layers).num_slots - 40
+    kept = [kvc.compress("pyramidkv", k, v, queries=q, budget=budget, sink=4, window=36, layer=(i, layers)).num_slots - 40
             for i in (0, 29)]
     assert kept == [clamped[0], clamped[29]]
 
@@ -189,3 +189,15 @@ def test_expected_attention_through_the_api_keeps_budget_and_sink():
     s = kvc.compress("expected_attention", k, v, queries=q, budget=50, sink=4, window=8)
     assert s.num_slots == 62 and s.positions[0, 0, :4].tolist() == [0, 1, 2, 3]
     assert "expected_attention" in kvc.methods()
+
+
+def test_pyramidkv_without_its_layer_is_an_error_not_snapkv():
+    k, v, q = (torch.randn(1, 2, 200, 16) for _ in range(3))
+    with pytest.raises(ValueError, match=r"pyramidkv.*layer=\(layer_idx, num_layers\)"):
+        kvc.compress("pyramidkv", k, v, queries=q, budget=50)
+    with pytest.raises(ValueError, match=r"layer must be \(layer_idx, num_layers\)"):
+        kvc.compress("pyramidkv", k, v, queries=q, budget=50, layer=(3, 2))
+    lone = kvc.compress("pyramidkv", k, v, queries=q, budget=50, layer=(0, 1))
+    assert torch.equal(lone.positions, kvc.compress("snapkv", k, v, queries=q, budget=50).positions)  # one layer: nothing to redistribute
+    deep = kvc.compress("pyramidkv", k, v, queries=q, budget=50, layer=(5, 6))
+    assert deep.num_slots < lone.num_slots

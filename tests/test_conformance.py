@@ -76,7 +76,8 @@ def test_streams_at_a_budget_above_the_tokens_seen_are_the_exact_input(method):
     st = kvc.stream(method, budget=300, sink=2, window=0 if method == "compactor" else 4)
     for start in range(0, 300, 37):
         stop = min(300, start + 37)
-        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries[:, :, start:stop], pre_rope_keys=keys[:, :, start:stop])
+        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries[:, :, start:stop], pre_rope_keys=keys[:, :, start:stop], layer_idx=0,
+                  num_layers=1)
         s = st.summary()
         assert s.normalizer is None and bool((s.log_weights == 0).all())
         assert torch.equal(s.positions, torch.arange(stop).expand(1, 2, stop))

@@ -87,15 +87,29 @@ def test_a_ratio_too_small_for_a_streaming_method_names_the_ratio_not_a_missing_
 
 
 @pytest.mark.parametrize("key_scale", [1.0, 10.0, 300.0])
-def test_subgen_attention_stays_finite_bounded_and_near_uniform_sampling(key_scale):
-    """SubGen once returned outputs far larger than any value (relative error ~1e10 at keys x10)."""
+def test_subgen_attention_stays_finite_bounded_and_within_1_5x_of_uniform_sampling_error(key_scale):
+    """SubGen once returned outputs far larger than any value (relative error ~1e10 at keys x10).
+
+    On unclusterable Gaussian keys SubGen's clusters buy nothing: its estimate is uniform samples for the
+    softmax normaliser (107 of the 128 slots here) and a few ‖v‖²-sampled slots for the numerator, so its
+    error should be uniform sampling's at the same memory up to a small constant. Asserted: at most 1.5x
+    uniform sampling's mean relative error over 4 seeds (measured 1.30x, 1.03x, 1.00x at keys x1, x10, x300).
+    Values sit around 1 so that the relative error means something (predicting zeros scores 1.0; uniform
+    sampling scores 0.04-0.37 here).
+    """
     g = torch.Generator().manual_seed(0)
     keys, values, queries = torch.randn(1, 2, 512, 16, generator=g) * key_scale, torch.randn(1, 2, 512, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    values = 1.0 + 0.3 * values
     exact = kvc.exact_attention(queries, keys, values)
-    outs = {m: kvc.weighted_attention(queries, kvc.compress(m, keys, values, budget=128, sink=0, window=0, seed=0)) for m in ("subgen", "random")}
-    errors = {m: kvc.relative_error(out, exact) for m, out in outs.items()}
-    assert torch.isfinite(outs["subgen"]).all() and outs["subgen"].abs().max() <= values.abs().max()
-    assert errors["subgen"] <= 2 * errors["random"], errors
+    errors = {"subgen": [], "random": []}
+    for seed in range(4):
+        for m in errors:
+            out = kvc.weighted_attention(queries, kvc.compress(m, keys, values, budget=128, sink=0, window=0, seed=seed))
+            assert torch.isfinite(out).all() and out.abs().max() <= values.abs().max(), m
+            errors[m].append(float(kvc.relative_error(out, exact)))
+    mean = {m: sum(e) / len(e) for m, e in errors.items()}
+    assert mean["random"] < 0.5, mean  # the reference itself is informative (zeros would score 1.0)
+    assert mean["subgen"] <= 1.5 * mean["random"], errors
 
 
 def test_weighted_attention_refuses_a_query_batch_that_differs_from_the_summary():

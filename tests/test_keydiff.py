@@ -208,12 +208,30 @@ def needle_accuracy(model, tokenizer, method, total=E2E_TOTAL, target_tokens=400
     return sum(a[1] for a in answers), answers
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """One-sided sign test over paired samples (ties dropped): P(X >= wins), X ~ Binomial(wins + losses, 1/2); 1 with no pairs."""
+    n = wins + losses
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+
+
+# The README's figure (KeyDiff 9/10, StreamingLLM 2/10, SnapKV 1/10, measured 2026-11-25): KeyDiff must keep at least 8.
+NEEDLE_MIN_KEYDIFF = 8
+
+
 @pytest.mark.e2e
-def test_keydiff_needles_at_least_streamingllm_and_snapkv(default_model):
+def test_keydiff_needles_beat_streamingllm_and_snapkv(default_model):
+    """Chunked mode, 512 stored tokens per head, ~4k-token filler haystack, 10 depths (one sample each), the same
+    samples for every method: KeyDiff keeps at least NEEDLE_MIN_KEYDIFF of the 10 needles, more than StreamingLLM
+    and more than SnapKV, winning enough of the 10 pairs against each for a one-sided sign test at p < 0.05."""
     model, tokenizer = default_model
     hits = {}
     for method in ["keydiff", "streamingllm", "snapkv"]:
-        hits[method], answers = needle_accuracy(model, tokenizer, method)
-        print(method, hits[method], [(round(d, 2), s) for d, s, _ in answers])
-    assert hits["keydiff"] >= hits["streamingllm"]
-    assert hits["keydiff"] >= hits["snapkv"]
+        _, answers = needle_accuracy(model, tokenizer, method)
+        hits[method] = [score for _, score, _ in answers]
+        print(method, f"{sum(hits[method]):.0f}/10", [(round(d, 2), s) for d, s, _ in answers])
+    assert sum(hits["keydiff"]) >= NEEDLE_MIN_KEYDIFF, hits
+    for other in ("streamingllm", "snapkv"):
+        wins = sum(k > o for k, o in zip(hits["keydiff"], hits[other]))
+        losses = sum(k < o for k, o in zip(hits["keydiff"], hits[other]))
+        assert sum(hits["keydiff"]) > sum(hits[other]), (other, hits)
+        assert sign_test_p(wins, losses) < 0.05, (other, wins, losses, hits)

@@ -106,3 +106,61 @@ def test_the_checker_sees_lazy_relative_and_absolute_upward_imports():
     assert upward_imports(source, "methods.probe") == ["integration", "cli"]
     assert upward_imports("from .. import cli\n", "eval.probe") == ["cli"]
     assert upward_imports("from ...api import compress\n", "eval.bench.probe") == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the kvcompress modules it imports (lazy imports included)}, the package root left out."""
+    graph = {}
+    for path in all_modules():
+        module = module_name(path)
+        if module != PACKAGE_ROOT:
+            graph[module] = {t for _, t in imports_of(path) if t and t != PACKAGE_ROOT and t != module}
+    return graph
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle [a, b, ..., a] of the graph, or None (depth-first search, iterative)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        path, stack = [root], [iter(sorted(graph.get(root, ())))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_no_import_circle():
+    assert find_circle(import_graph()) is None, f"import circle: {' -> '.join(find_circle(import_graph()))}"
+
+
+def test_the_circle_finder_finds_circles_and_only_circles():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+MAX_PARAMETERS = 12
+
+
+def test_no_function_takes_more_than_twelve_parameters():
+    """Every parameter counts (keyword-only, *args and **kwargs included), self and cls aside."""
+    crowded = []
+    for path in all_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [p.arg for p in (a.vararg, a.kwarg) if p]
+                count = len([n for n in names if n not in ("self", "cls")])
+                if count > MAX_PARAMETERS:
+                    crowded.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({count})")
+    assert not crowded, crowded

@@ -40,11 +40,11 @@ def _tensors(method: str) -> dict:
     keys, values = torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g)
     queries = torch.randn(1, 4, 200, 16, generator=g)
     window = 0 if method == "compactor" else 4
-    one_shot = kvc.compress(method, keys, values, queries, budget=20, sink=2, window=window, pre_rope_keys=keys)
+    one_shot = kvc.compress(method, keys, values, queries, budget=20, sink=2, window=window, pre_rope_keys=keys, layer=(0, 1))
     st = kvc.stream(method, budget=20, sink=2, window=window)
     for start in range(0, 200, 37):
         stop = min(200, start + 37)
-        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries[:, :, start:stop], pre_rope_keys=keys[:, :, start:stop])
+        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries[:, :, start:stop], pre_rope_keys=keys[:, :, start:stop], layer_idx=0, num_layers=1)
     return {"compress": _summary_digest(one_shot), "stream": _summary_digest(st.summary())}
 
 

@@ -57,7 +57,7 @@ def layers(draw, min_n=1, max_n=72, dtypes=(torch.float32,)):
 
 def inputs(method: str, layer: dict) -> dict:
     """compress() arguments: queries for every method (query-agnostic ones ignore them), pre-RoPE keys for those that need them."""
-    args = {"queries": layer["queries"], "sink": layer["sink"], "window": layer["window"], "seed": layer["seed"]}
+    args = {"queries": layer["queries"], "sink": layer["sink"], "window": layer["window"], "seed": layer["seed"], "layer": (0, 1)}
     if get_method_class(method).needs_pre_rope_keys:
         args["pre_rope_keys"] = layer["keys"]
     return args
@@ -275,7 +275,7 @@ def test_streams_stay_bounded(method, layer, budget, blocks):
         extra = {"pre_rope_keys": keys[:, :, start:stop]} if cls.needs_pre_rope_keys else {}
         if cls.needs_queries:
             extra["queries"] = queries[:, :, start:stop]
-        stream.update(keys[:, :, start:stop], values[:, :, start:stop], **extra)
+        stream.update(keys[:, :, start:stop], values[:, :, start:stop], layer_idx=0, num_layers=1, **extra)
         seen, start = stop, stop
         middle = stream.state.summary()
         if middle is not None:  # block-wise states hold up to ceil(DEFAULT_SLACK * budget) slots of re-compression slack
@@ -302,7 +302,7 @@ def test_streams_are_exact_when_the_budget_covers_every_token(method, layer, ext
             break
         stop = min(n, start + size)
         extra_inputs = {"pre_rope_keys": keys[:, :, start:stop]} if cls.needs_pre_rope_keys else {}
-        stream.update(keys[:, :, start:stop], values[:, :, start:stop], queries=queries[:, :, start:stop], **extra_inputs)
+        stream.update(keys[:, :, start:stop], values[:, :, start:stop], queries=queries[:, :, start:stop], layer_idx=0, num_layers=1, **extra_inputs)
         s = stream.summary()
         assert s.normalizer is None and bool((s.log_weights == 0).all())
         assert torch.equal(s.positions, torch.arange(stop).expand_as(s.positions))
@@ -327,7 +327,7 @@ def _seed_case(method: str, seed):
     g = torch.Generator().manual_seed(3)
     keys, values, queries = (torch.randn(1, 2, 96, 128, generator=g) for _ in range(3))
     extra = {"pre_rope_keys": keys} if get_method_class(method).needs_pre_rope_keys else {}
-    return kvc.compress(method, keys, values, queries=queries, budget=24, sink=0, window=0, seed=seed, **extra)
+    return kvc.compress(method, keys, values, queries=queries, budget=24, sink=0, window=0, seed=seed, layer=(0, 1), **extra)
 
 
 @pytest.mark.parametrize("method", METHODS)

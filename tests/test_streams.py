@@ -31,7 +31,7 @@ def _feed(st, layer, sizes):
     start, i = 0, 0
     while start < keys.shape[2]:
         sl = slice(start, start + sizes[i % len(sizes)])
-        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl])
+        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl], layer_idx=0, num_layers=1)
         start, i = min(sl.stop, keys.shape[2]), i + 1
         yield start
 
@@ -125,7 +125,7 @@ def test_compactor_slack_zero_is_per_block_eviction():
     held_pos = held_pre = attn = None
     for start in range(0, 384, block):
         sl = slice(start, start + block)
-        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl])
+        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl], layer_idx=0, num_layers=1)
         pos = torch.arange(start, start + block).expand(1, 2, -1)
         tokens = Tokens(keys[:, :, sl], values[:, :, sl], pos, queries[:, :, sl], pre[:, :, sl], 0.25, query_positions=pos[0, 0])
         a = method.attention_scores(tokens)
@@ -164,7 +164,7 @@ def test_hybrid_slack_zero_reselects_after_every_block():
     counts, _ = build_method("hybrid").split_budget(budget)
     for start in range(0, 320, block):
         sl = slice(start, start + block)
-        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl])
+        st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl], layer_idx=0, num_layers=1)
         s = st.summary()
         assert torch.allclose(s.total_weight(), torch.full(s.total_weight().shape, start + block, dtype=torch.float64))
         if start + block > budget:

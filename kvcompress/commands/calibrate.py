@@ -5,25 +5,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cli import add_device_args, add_model_arg, check_method, check_positive, resolve_device, float_list, name_list
+from ..eval.tasks import TASKS
+from .common import add_device_args, add_model_arg, count, float_list, list_of, method_name, resolve_device
+from .names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
 
 
 def add_cli(subparsers) -> None:
-    from ..integration.calibrate_model import DEFAULT_RETENTIONS
-
     p = subparsers.add_parser(
         "calibrate", help="fit the context-calibration curve of a method (Compactor seed Sec. 3.5)",
         description="Measure (retention, NLL(context), NLL ratio of the known answer) triples on offline tasks, "
         "fit k = alpha*NLL(c) + beta of f(r) = (e^{kr}-1)/(e^k-1) with an asymmetric loss, and save the fit as JSON.",
     )
-    p.add_argument("--method", default="compactor", help="registered method name (default compactor)")
-    p.add_argument("--tasks", type=name_list, default=list(DEFAULT_TASKS), help=f"comma-separated offline task names (default {','.join(DEFAULT_TASKS)})")
-    p.add_argument("--samples", type=int, default=2, help="samples per task (default 2)")
-    p.add_argument("--tokens", type=int, default=512, help="context length target in tokens (default 512)")
-    p.add_argument("--retentions", type=float_list, default=list(DEFAULT_RETENTIONS),
-                   help=f"fractions of the context kept, in (0, 1] (default {','.join(map(str, DEFAULT_RETENTIONS))})")
+    p.add_argument("--method", type=method_name, default="compactor", help="registered method name (default compactor)")
+    p.add_argument("--tasks", type=list_of(TASKS, "task"), default=list(DEFAULT_TASKS),
+                   help=f"comma-separated offline task names, among {','.join(TASKS)} (default {','.join(DEFAULT_TASKS)})")
+    p.add_argument("--samples", type=count(1), default=2, help="samples per task (default 2)")
+    p.add_argument("--tokens", type=count(16), default=512, help="context length target in tokens, >= 16 (default 512)")
+    p.add_argument("--retentions", type=float_list, default=list(CALIBRATION_RETENTIONS),
+                   help=f"fractions of the context kept, in (0, 1] (default {','.join(map(str, CALIBRATION_RETENTIONS))})")
     p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises, >= 1 (default 4)")
     p.add_argument("--seed", type=int, default=0, help="first task seed and the method's seed")
     p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
@@ -35,18 +36,11 @@ def add_cli(subparsers) -> None:
 
 def _run(args) -> int:
     from ..eval.calibration_samples import offline_samples
-    from ..eval.tasks import TASKS
     from ..integration import calibrate, load_model
 
-    check_method("--method", args.method)
-    unknown = [t for t in args.tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"--tasks: unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
     bad = [r for r in args.retentions if not 0 < r <= 1]
     if bad:
         raise ValueError(f"--retentions takes fractions kept in (0, 1], got {bad}")
-    check_positive("--samples", args.samples)
-    check_positive("--tokens", args.tokens, 16)
     if not args.asymmetry >= 1:
         raise ValueError(f"--asymmetry must be >= 1, got {args.asymmetry}")
     if args.triples is not None and args.triples.resolve() == args.out.resolve():

@@ -6,13 +6,14 @@ import argparse
 import time
 from pathlib import Path
 
-from ..options import MODES
-from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, parse_params, resolve_device
-from ..eval.approx import DEFAULT_APPROX_LAYERS, DEFAULT_APPROX_RATIOS
 from ..eval.benchmarks import BENCHMARKS
-from ..eval.perplexity import DEFAULT_BLOCK, DEFAULT_CONTEXT_FRACTION, PERPLEXITY
-from ..eval.runner import DEFAULT_LENGTHS, DEFAULT_RATIOS, DEFAULT_TASKS
-from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS
+from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
+from .common import (
+    add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, method_list, name_list, parse_params, resolve_device, set_threads,
+)
+from .names import (
+    APPROX_LAYERS, APPROX_RATIOS, MODES, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, SWEEP_LENGTHS, SWEEP_RATIOS,
+)
 
 DESCRIPTION = """\
 Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PATH).
@@ -67,22 +68,22 @@ def add_cli(subparsers) -> None:
     add_model_arg(p)
     add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
-    p.add_argument("--methods", type=name_list, default=None, help="comma-separated method names (default: every registered method)")
+    p.add_argument("--methods", type=method_list, default=None, help="comma-separated method names (default: every registered method)")
     p.add_argument("--ratios", type=float_list, default=None,
-                   help=f"comma-separated compression ratios, fraction removed, in [0, 1) (default tasks: {','.join(map(str, DEFAULT_RATIOS))}; "
-                        f"approx: {','.join(map(str, DEFAULT_APPROX_RATIOS))}, the middle's rate)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+                   help=f"comma-separated compression ratios, fraction removed, in [0, 1) (default tasks: {','.join(map(str, SWEEP_RATIOS))}; "
+                        f"approx: {','.join(map(str, APPROX_RATIOS))}, the middle's rate)")
+    add_threads_arg(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t = p.add_argument_group("tasks (kvcompress eval [tasks])")
     t.add_argument("--tasks", type=name_list, default=None,
-                   help=f"comma-separated tasks (default: {','.join(DEFAULT_TASKS)}; with --benchmark: every task in --data); "
+                   help=f"comma-separated tasks (default: {','.join(TASKS)}; with --benchmark: every task in --data); "
                         f"or {PERPLEXITY} alone: language modelling under compression (see above)")
-    t.add_argument("--lengths", type=int_list, default=None, help="comma-separated context lengths in tokens (default: 2048,4096; not with --benchmark); "
+    t.add_argument("--lengths", type=int_list, default=None, help=f"comma-separated context lengths in tokens (default: {','.join(map(str, SWEEP_LENGTHS))}; not with --benchmark); "
                    f"with --tasks {PERPLEXITY}: document lengths (default 2048)")
     t.add_argument("--samples", type=int, default=None, help="samples per task and length (default 4); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
                    "With --benchmark: the first N samples of each task (default: all). "
                    f"With --tasks {PERPLEXITY}: documents per length (default 4); document i is the same in every run of a --seed")
-    t.add_argument("--modes", type=name_list, default=None, help=f"comma-separated modes among {','.join(MODES)} (default: prefill; "
+    t.add_argument("--modes", type=list_of(MODES, "mode"), default=None, help=f"comma-separated modes among {','.join(MODES)} (default: prefill; "
                    f"with --tasks {PERPLEXITY}: prefill,decode); chunked/decode get the middle budget the ratio gives in prefill mode "
                    f"({PERPLEXITY}, decode mode: the ratio of the whole document)")
     t.add_argument("--seed", type=int, default=0, help="base seed of the task generators and of randomised methods (default 0)")
@@ -101,9 +102,9 @@ def add_cli(subparsers) -> None:
     t.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode modes (default 128)")
     lm = p.add_argument_group(f"language modelling under compression (kvcompress eval --tasks {PERPLEXITY})")
     lm.add_argument("--context-fraction", type=float, default=None,
-                    help=f"share of each document given as context; the rest is scored (default {DEFAULT_CONTEXT_FRACTION})")
+                    help=f"share of each document given as context; the rest is scored (default {PERPLEXITY_CONTEXT_FRACTION})")
     lm.add_argument("--block", type=int, default=None,
-                    help=f"continuation tokens fed (teacher-forced) per forward in prefill/chunked modes and for the full cache (default {DEFAULT_BLOCK})")
+                    help=f"continuation tokens fed (teacher-forced) per forward in prefill/chunked modes and for the full cache (default {PERPLEXITY_BLOCK})")
     b = p.add_argument_group("standard benchmarks and scale-out (kvcompress eval [tasks])")
     b.add_argument("--benchmark", default=None, choices=BENCHMARKS, help="evaluate on a standard benchmark's local files instead of the generated tasks")
     b.add_argument("--data", type=Path, default=None, help="the benchmark's data: a .jsonl/.parquet file, a directory of them, or a datasets save_to_disk directory")
@@ -113,7 +114,7 @@ def add_cli(subparsers) -> None:
     b.add_argument("--ray-cpus", type=int, default=1, help="CPUs (and torch threads) per Ray task when the cluster has no GPU (default 1); with GPUs a task holds 1 GPU")
     b.add_argument("--ray-retries", type=int, default=3, help="retries of a Ray task whose worker crashed or was pre-empted (default 3)")
     a = p.add_argument_group("approx (kvcompress eval approx)")
-    a.add_argument("--layers", type=int_list, default=list(DEFAULT_APPROX_LAYERS), help="comma-separated layers (default 1,2,5,15)")
+    a.add_argument("--layers", type=int_list, default=list(APPROX_LAYERS), help=f"comma-separated layers (default {','.join(map(str, APPROX_LAYERS))})")
     a.add_argument("--tokens", type=int, default=2048, help="tokens of real prose captured (default 2048)")
     a.add_argument("--queries", type=int, default=256, help="last queries whose attention is approximated; they are the exact window (default 256)")
     a.add_argument("--sink", type=int, default=256, help="first tokens kept exactly (default 256, the seed's)")
@@ -123,12 +124,7 @@ def add_cli(subparsers) -> None:
 
 
 def run_cli(args) -> int:
-    import torch
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.ray is None and (args.ray_cpus != 1 or args.ray_retries != 3):
         raise ValueError("--ray-cpus and --ray-retries go with --ray")
     if args.bench == "approx":
@@ -178,7 +174,7 @@ def _perplexity_config(args):
         raise ValueError(f"--samples (documents per length with --tasks {PERPLEXITY}) must be >= 1, got {args.samples}")
     options = {k: v for k, v in (("modes", args.modes), ("lengths", args.lengths), ("documents", args.samples),
                                  ("context_fraction", args.context_fraction), ("block", args.block)) if v is not None}
-    return PerplexityConfig(methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), seed=args.seed, chunk_size=args.chunk_size,
+    return PerplexityConfig(methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), seed=args.seed, chunk_size=args.chunk_size,
                             include_full=not args.no_full, **options)
 
 
@@ -256,8 +252,8 @@ def _sweep_config(args):
     elif args.data is not None:
         raise ValueError("--data goes with --benchmark")
     return SweepConfig(
-        methods=args.methods, ratios=args.ratios or list(DEFAULT_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
-        lengths=args.lengths or list(DEFAULT_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else 4), seed=args.seed,
+        methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
+        lengths=args.lengths or list(SWEEP_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else 4), seed=args.seed,
         haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
         data=None if args.data is None else str(args.data),
         grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,
@@ -281,6 +277,6 @@ def _approx_config(args):
     from ..eval.approx import ApproxConfig
 
     return ApproxConfig(
-        methods=args.methods, ratios=args.ratios or list(DEFAULT_APPROX_RATIOS), layers=args.layers, tokens=args.tokens,
+        methods=args.methods, ratios=args.ratios or list(APPROX_RATIOS), layers=args.layers, tokens=args.tokens,
         n_queries=args.queries, sink=args.sink, seeds=args.seeds, text_seed=args.text_seed,
     )

@@ -91,7 +91,7 @@ def layer_errors(method: str, queries, keys, values, scale: float, config: Appro
         for seed in range(config.seeds):
             summary = compress(
                 method, keys, values, queries=queries, pre_rope_keys=pre_rope_keys, budget=budget,
-                sink=config.sink, window=config.n_queries, seed=seed, scale=scale, layer_idx=layer_idx, num_layers=num_layers,
+                sink=config.sink, window=config.n_queries, seed=seed, scale=scale, layer=(layer_idx, num_layers) if layer_idx is not None else None,
                 **method_params,
             )
             errs.append(per_query_error(weighted_attention(targets, summary, scale=scale, query_positions=qpos), exact))

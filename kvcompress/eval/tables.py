@@ -1,14 +1,52 @@
-"""Small writers shared by the benchmark scripts and the eval runner."""
+"""Rows of dicts as CSV and Markdown tables: the one writer, reader and table of the evaluation and benchmark code."""
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def write_csv(path: str | Path, rows: list[dict]) -> None:
-    """Write dict rows to a CSV file, columns in the first row's key order."""
+def _columns(rows: Sequence[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def write_csv(path: str | Path, rows: Sequence[dict]) -> None:
+    """Rows as a CSV file (its directory created), columns in first-seen order over all rows."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=_columns(rows))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """Rows written by write_csv, numbers parsed back (int, float or bool), empty cells dropped."""
+
+    def parse(v: str):
+        if v in ("True", "False"):
+            return v == "True"
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    with open(path, newline="") as f:
+        return [{k: parse(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    """Rows as a Markdown table of `columns` (default: every key, in first-seen order); floats to 4 significant digits, None empty."""
+    columns = list(columns or _columns(rows))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

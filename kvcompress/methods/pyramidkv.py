@@ -36,9 +36,11 @@ def layer_budget(budget: int, layer_idx: int, num_layers: int, beta: float, avai
 class PyramidKV(ScoreMethod):
     """`budget` is the mean over layers; layer l keeps `layer_budget(budget, l, L, beta, n)` of its n
     compressible tokens (beta = 20 as in the paper's code): budgets fall linearly with depth and
-    are clamped to n, the excess redistributed to deeper layers. Without layer information (a
-    lone layer) it keeps `budget`, like SnapKV. Lower layers may therefore hold more than `budget`
-    slots; the total over layers is L * budget (up to rounding)."""
+    are clamped to n, the excess redistributed to deeper layers. It needs the layer
+    (`Tokens.layer_idx`, `Tokens.num_layers`): a cache gives it, `kvc.compress` takes it as
+    `layer=(layer_idx, num_layers)`, and without it PyramidKV refuses to run (it would be SnapKV).
+    Lower layers may therefore hold more than `budget` slots; the total over layers is L * budget
+    (up to rounding)."""
 
     name = "pyramidkv"
     needs_queries = True
@@ -53,7 +55,14 @@ class PyramidKV(ScoreMethod):
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)
 
+    def check_inputs(self, tokens: Tokens) -> None:
+        super().check_inputs(tokens)
+        if tokens.layer_idx is None or tokens.num_layers is None:
+            raise ValueError(
+                "method 'pyramidkv' sets each layer's budget by its depth: pass layer=(layer_idx, num_layers) to kvc.compress "
+                "(or layer_idx and num_layers to a stream's update); a cache passes them itself"
+            )
+
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
-        if tokens.layer_idx is not None and tokens.num_layers is not None:
-            budget = layer_budget(budget, tokens.layer_idx, tokens.num_layers, self.beta, tokens.length)
+        budget = layer_budget(budget, tokens.layer_idx, tokens.num_layers, self.beta, tokens.length)
         return super().compress(tokens, budget, generator)

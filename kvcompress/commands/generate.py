@@ -1,0 +1,123 @@
+"""`kvcompress generate`: answer a question about a context file through a compressed KV cache (`kvc.generate`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import add_device_args, add_model_arg, add_threads_arg, count, one_of, parse_params, resolve_device, set_threads
+from .names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, METHODS, MODES
+
+FULL = "full"
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="answer a question about a context through a compressed KV cache")
+    p.add_argument("--method", type=one_of((FULL, *METHODS), "method"), default=None, metavar="NAME",
+                   help=f"registered method name, or '{FULL}' for the uncompressed cache (default {DEFAULT_METHOD}; "
+                        "with --calibration, the method it was fitted for)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context's tokens removed, in [0, 1)")
+    size.add_argument("--budget", type=int, default=None, help="tokens kept per KV head besides the exact sink and window (>= 1)")
+    size.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                      help="a calibration file written by `kvcompress calibrate`: the compression ratio is chosen for this context "
+                           "from the model's NLL of it, the smallest whose predicted quality meets --quality")
+    p.add_argument("--quality", type=float, default=None, metavar="Q",
+                   help="with --calibration: the predicted NLL ratio of the answer to keep (the quality budget gamma), in (0, 1]")
+    p.add_argument("--mode", default="prefill", choices=MODES, help="when compression happens (default prefill)")
+    p.add_argument("--context-file", required=True, type=Path, help="text file holding the context")
+    p.add_argument("--question", default=None, help="question appended after the (compressed) context")
+    p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of randomised methods (default 0)")
+    p.add_argument("--sink", type=int, default=None, help="first tokens kept exactly (default: the method's paper default)")
+    p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's paper default)")
+    p.add_argument("--chunk-size", type=count(1), default=DEFAULT_CHUNK_SIZE,
+                   help=f"prompt block size in chunked/decode mode (default {DEFAULT_CHUNK_SIZE})")
+    p.add_argument("--slack", type=float, default=None,
+                   help="chunked/decode mode: a block-wise stream re-compresses to its budget once it holds budget + slack·budget slots (default 0.5; 0: after every block)")
+    p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
+    add_threads_arg(p)
+    add_model_arg(p)
+    add_device_args(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from ..integration import generate, load_model
+
+    options = _options(args)  # every flag checked before the model loads
+    context = _read_context(args.context_file)
+    set_threads(args.threads)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    res = generate(model, tokenizer, context, args.question, options, max_new_tokens=args.max_new_tokens)
+    print(res.text)
+    print()
+    print(res.report())
+    if "calibration" in res.extra:
+        chosen = res.extra["calibration"]
+        print(f"calibration       NLL(context) {chosen['nll_context']:.3f} -> keep {chosen['retention']:.1%} "
+              f"(compression ratio {chosen['compression_ratio']:.3f}) for quality {args.quality:g}")
+    return 0
+
+
+def _options(args):
+    """The `CompressionOptions` of the flags (which checks them), after the checks that concern the flags themselves."""
+    from ..options import CompressionOptions
+
+    params = parse_params(args.param)
+    if args.method == FULL:
+        given = [flag for flag, value in (("--budget", args.budget), ("--compression-ratio", args.compression_ratio), ("--slack", args.slack),
+                                          ("--sink", args.sink), ("--window", args.window), ("--param", args.param),
+                                          ("--calibration", args.calibration), ("--quality", args.quality)) if value not in (None, [])]
+        if given:
+            raise ValueError(f"--method {FULL} keeps every token: it takes no {', '.join(given)}")
+        return CompressionOptions(method=None, mode=args.mode, seed=args.seed, chunk_size=args.chunk_size, compress_question=args.compress_question)
+    method, calibration = args.method or DEFAULT_METHOD, None
+    if args.calibration is not None:
+        calibration = _calibration(args.calibration, args.quality)
+        if args.method is not None and args.method != calibration.method:
+            raise ValueError(f"--calibration {str(args.calibration)!r} was fitted for method {calibration.method!r}, got --method {args.method}; "
+                             f"fit one for {args.method} with `kvcompress calibrate --method {args.method}`")
+        clash = {k: v for k, v in params.items() if calibration.method_params.get(k, v) != v}
+        if clash:
+            raise ValueError(f"--param {clash} differs from the parameters --calibration was fitted with, {calibration.method_params}")
+        method, params = calibration.method, {**calibration.method_params, **params}
+    elif args.quality is not None:
+        raise ValueError(f"--quality {args.quality:g} goes with --calibration FILE (a file written by `kvcompress calibrate`)")
+    elif args.budget is None and args.compression_ratio is None:
+        raise ValueError(f"pass --compression-ratio, --budget or --calibration with --quality (or --method {FULL})")
+    return CompressionOptions(method=method, method_params=params, budget=args.budget, compression_ratio=args.compression_ratio, mode=args.mode,
+                              sink=args.sink, window=args.window, seed=args.seed, slack=args.slack, chunk_size=args.chunk_size,
+                              compress_question=args.compress_question, quality=args.quality, calibration=calibration)
+
+
+def _calibration(path: Path, quality: float | None):
+    """The `Calibration` in the file of --calibration, with --quality checked against it."""
+    from ..calibration import Calibration, check_quality
+
+    if quality is None:
+        raise ValueError(f"--calibration {str(path)!r} needs --quality Q: the predicted NLL ratio of the answer to keep, in (0, 1]")
+    check_quality(quality)
+    if path.is_dir():
+        raise ValueError(f"--calibration {str(path)!r} is a directory: pass the JSON file `kvcompress calibrate --out` wrote")
+    if not path.is_file():
+        raise ValueError(f"--calibration {str(path)!r} does not exist: write one with `kvcompress calibrate --out FILE`")
+    try:
+        return Calibration.load(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"--calibration {str(path)!r} is not JSON text ({err}): pass the file `kvcompress calibrate --out` wrote") from None
+    except ValueError as err:
+        raise ValueError(f"--calibration {err}") from None
+
+
+def _read_context(path: Path) -> str:
+    if path.is_dir():
+        raise ValueError(f"--context-file {str(path)!r} is a directory: pass a text file")
+    if not path.is_file():
+        raise ValueError(f"--context-file {str(path)!r} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--context-file {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}); "
+                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
