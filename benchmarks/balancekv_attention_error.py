@@ -1,4 +1,4 @@
-"""BalanceKV vs uniform sampling: relative attention error on real layers (seed 000 Fig. 1, App. B.1).
+"""BalanceKV vs uniform sampling: relative attention error on real layers (the BalanceKV paper, Fig. 1, App. B.1).
 
 Captures post-RoPE q/k/v of layers 1, 2 and 5 of the default model on real prose
 (`kvcompress.eval.capture`), keeps the first `--sink` tokens and the last `--window` tokens exact

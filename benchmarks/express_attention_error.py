@@ -1,4 +1,4 @@
-"""Thinformer Express attention error on real layers of the default model (seed 003, DESIGN.md §5).
+"""Thinformer Express attention error on real layers of the default model (the Express paper; docs/design.md, "Express, restated").
 
 Captures post-RoPE q/k/v of a few layers of SmolLM2-135M-Instruct on real prose and reports the
 relative error ‖z − Attn‖/‖Attn‖ of causal attention, averaged over seeds:

@@ -202,7 +202,7 @@ def main() -> None:
                f"torch threads {torch.get_num_threads()}, {datetime.date.today()}, torch {torch.__version__}")
     columns = list(table[0])
     lines = [
-        "# Express prefill recipe (seed 003): quality and attention time against exact prefill", "",
+        "# Express prefill recipe (the Express paper): quality and attention time against exact prefill", "",
         f"Default model, {args.tokens}-token contexts, methods at compression ratio {args.ratio}, greedy, "
         f"new tokens: {args.max_new_tokens or 'the eval runner limit per task'}. Machine: {machine}. Times are medians over samples, seconds per sample "
         "process CPU seconds over all layers (see the script's docstring).", "",

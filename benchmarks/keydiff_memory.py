@@ -3,7 +3,7 @@
 On the default model (SmolLM2-135M-Instruct, float32), for prompts of real prose of growing
 length:
 - keydiff_peak_bytes: the compressed cache's peak of stored bytes over the whole chunked prefill
-  (blocks of B tokens, cache budget N per head, sink 0 / window 0 as in seed 004), as the
+  (blocks of B tokens, cache budget N per head, sink 0 / window 0 as in the KeyDiff paper), as the
   CompressedCache measures it (keys, values, log-weights and positions of every layer);
 - full_bytes: the bytes a plain transformers DynamicCache holds after a full prefill of the same
   prompt (keys and values of every layer), measured on the cache's tensors.

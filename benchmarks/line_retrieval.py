@@ -1,4 +1,4 @@
-"""LongEval-style line retrieval (seed 001, Sec. 3.2, Table 1) on the default model, offline.
+"""LongEval-style line retrieval (the SubGen paper, Sec. 3.2, Table 1) on the default model, offline.
 
 Each sample (`kvcompress.eval.tasks.line_retrieval`) holds lines "line {topic}: REGISTER_CONTENT
 is <n>" and asks for the number of one topic; the answer starts with "line {topic}:

@@ -114,7 +114,6 @@ def weighted_attention(
     """
     check_queries(queries, summary.keys, "the summary's keys")
     b, hq, nq, d = queries.shape
-    hkv = summary.keys.shape[1]
     if query_positions is not None and causal_tail:
         raise ValueError("pass query_positions or causal_tail=True, not both")
     if causal_tail and summary.num_slots < nq:

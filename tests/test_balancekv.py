@@ -1,4 +1,4 @@
-"""BalanceKV (seed 000): the walk, the block-parallel one-shot form, the MergeAndReduce stream."""
+"""BalanceKV (the BalanceKV paper): the walk, the block-parallel one-shot form, the MergeAndReduce stream."""
 
 import hashlib
 import math

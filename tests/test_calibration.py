@@ -1,4 +1,4 @@
-"""Context-calibrated compression (seed 002 Sec. 3.5): the curve, its inverse, the fit, the JSON file."""
+"""Context-calibrated compression (the Compactor paper, Sec. 3.5): the curve, its inverse, the fit, the JSON file."""
 
 import math
 
@@ -38,7 +38,7 @@ def test_optimal_retention_inverts_the_curve(kappa, quality):
 
 def test_optimal_retention_known_values():
     assert math.isclose(cal.optimal_retention(-3.0, 0.95), math.log1p(0.95 * math.expm1(-3.0)) / -3.0)
-    assert 0.77 < cal.optimal_retention(-3.0, 0.95) < 0.78  # DESIGN.md §4 example
+    assert 0.77 < cal.optimal_retention(-3.0, 0.95) < 0.78  # docs/design.md, "Context-calibrated compression"
     assert math.isclose(cal.optimal_retention(1e-9, 0.95), 0.95)
     assert math.isclose(cal.optimal_retention(1e-4, 0.95), 0.95, rel_tol=1e-4)
     assert cal.optimal_retention(1000.0, 0.95) > 0.999  # large positive k: incompressible, no overflow

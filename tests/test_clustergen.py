@@ -1,4 +1,4 @@
-"""ClusterGen (seed 001, Sec. 3.2): greedy k-center centres + recent window, one-shot and block-wise."""
+"""ClusterGen (the SubGen paper, Sec. 3.2): greedy k-center centres + recent window, one-shot and block-wise."""
 
 import itertools
 import math

@@ -1,4 +1,4 @@
-"""Compactor (seed 002): leverage routes, chunked non-causal attention, blend, streaming, errors."""
+"""Compactor (the Compactor paper): leverage routes, chunked non-causal attention, blend, streaming, errors."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Thinformer Express (seed 003): kernel halving, Subsample, the Express cache and Offline-Express."""
+"""Thinformer Express (the Express paper): kernel halving, Subsample, the Express cache and Offline-Express."""
 
 import hashlib
 import math

@@ -15,7 +15,6 @@ from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.integration.attention import causal_attention_with_mass
 from kvcompress.methods.base import compress_tokens
-from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.h2o import H2O
 

@@ -24,7 +24,6 @@ import kvcompress as kvc
 from kvcompress.cache import CompressedCache, SlidingWindowLayer
 from kvcompress.integration.support import SUPPORTED_MODEL_TYPES, check_supported
 from kvcompress.options import CompressionOptions
-from kvcompress.methods.registry import build_method
 from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0)

@@ -17,13 +17,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.integration.support import RotaryInverse
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.methods.budget import DEFAULT_SLACK
-from kvcompress.methods.registry import build_method
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 ARCHS = {

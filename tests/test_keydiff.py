@@ -1,4 +1,4 @@
-"""KeyDiff (seed 004): anchor score, ablations, block prompt processing bound, end-to-end needle test."""
+"""KeyDiff (the KeyDiff paper): anchor score, ablations, block prompt processing bound, end-to-end needle test."""
 
 import math
 

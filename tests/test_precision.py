@@ -14,7 +14,6 @@ from kvcompress.cache import CompressedCache
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.integration.model import check_context_length, parse_device, parse_dtype
-from kvcompress.methods.registry import build_method
 from kvcompress.summary import KVSummary, Normalizer, SlotBuffer, concat
 
 cuda = pytest.mark.cuda
@@ -41,7 +40,7 @@ def _summaries(k, v, n):
 
 
 def _reference(q, s, causal_tail=False):
-    """Float64 dense formula of DESIGN.md §1."""
+    """Float64 dense formula of docs/design.md, "One summary for every method"."""
     hq, hkv = q.shape[1], s.keys.shape[1]
     q64 = q.double().reshape(q.shape[0], hkv, hq // hkv, q.shape[2], q.shape[3])
     scale = 1 / math.sqrt(q.shape[-1])

@@ -21,7 +21,7 @@ METHODS = kvc.methods()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # No shrinking: a failure is reported as drawn (bounded CI time).
 FEW = settings(max_examples=20, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-# SubGen samples with replacement (DESIGN.md §4: duplicates count separately), so its slots may repeat a token.
+# SubGen samples with replacement (the SubGen paper: duplicates count separately), so its slots may repeat a token.
 WITH_REPLACEMENT = {"subgen"}
 
 

@@ -1,4 +1,4 @@
-"""SubGen (seed 001, Alg. 1): Lemma 1 and 2 invariants, post-stratified weights, bounded output, memory bound, API."""
+"""SubGen (the SubGen paper, Alg. 1): Lemma 1 and 2 invariants, post-stratified weights, bounded output, memory bound, API."""
 
 import math
 

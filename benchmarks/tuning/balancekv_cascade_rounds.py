@@ -6,7 +6,7 @@ level that is full at that moment once; a level that round fills waits for the n
 slack 0, the stream of that comparison). `--compare slack`: the default slack 0.5 (new slots wait
 until a head may pass budget + ceil(0.5·budget), then all waiting halvings run together) against
 slack 0 (halvings after every batch). Both variants run on the same real layers of the default
-model (post-RoPE q/k/v captured on prose), with the seed 000 App. B.1 protocol (first `--sink` and
+model (post-RoPE q/k/v captured on prose), with the the BalanceKV paper's App. B.1 protocol (first `--sink` and
 last `--window` tokens exact, the middle streamed in blocks of `--block` tokens, then compacted to
 a share 1 − ratio), over the same seeds.
 

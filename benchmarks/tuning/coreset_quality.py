@@ -1,6 +1,6 @@
 """Quality of the output-changing cost changes of issue 17, on real layers of the default model.
 
-Relative attention error ‖z − Attn‖_F / ‖Attn‖_F of the last `--window` queries (seed 000 App. B.1
+Relative attention error ‖z − Attn‖_F / ‖Attn‖_F of the last `--window` queries (the BalanceKV paper, App. B.1
 protocol: first `--sink` and last `--window` tokens exact, the middle compressed to a share
 1 − ratio) for each pair "before" / "after":
 

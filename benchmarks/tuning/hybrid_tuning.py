@@ -65,7 +65,7 @@ APPROX_SEEDS = 2
 REFERENCES = {"compactor": ("compactor", {}, None), "streamingllm": ("streamingllm", {}, None), "balancekv": ("balancekv", {}, None),
               "express": ("express", {}, None)}
 APPROX_REFERENCES = ("balancekv", "express")  # references of the attention error only
-LEVERAGE = {"attention": False}  # Compactor's leverage score alone (seed 002's "no a" ablation)
+LEVERAGE = {"attention": False}  # Compactor's leverage score alone (the Compactor paper's "no a" ablation)
 CANDIDATES = {
     "tova .1 + leverage .3, express": ("hybrid", {"score": ["tova", "compactor"], "score_params": [{}, LEVERAGE],
                                                    "exact_fraction": [0.1, 0.3], "coreset": "express"}, (0, 0)),

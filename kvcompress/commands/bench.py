@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cli import add_device_args, add_model_arg, float_list, int_list, name_list, resolve_device
-from ..eval import bench
+from .common import add_device_args, add_model_arg, count_list, float_list, int_list, list_of, method_list, method_name, one_of, resolve_device
+from .names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, MODES
 
 
 def add_cli(subparsers) -> None:
@@ -14,19 +14,21 @@ def add_cli(subparsers) -> None:
         help="cost benchmarks: compression overhead, prefill cost, streaming throughput, decode speed, peak memory (ratios to the uncompressed baseline)",
         description=__doc__ + " Writes <section>.csv, bench.md and PNG plots into --out.",
     )
-    p.add_argument("--sections", type=name_list, default=list(bench.SECTIONS),
-                   help=f"comma-separated sections to run, among {','.join(bench.SECTIONS)} (default: all)")
-    p.add_argument("--methods", type=name_list, default=None, help="comma-separated methods (default: every registered method)")
+    shape = one_of(BENCH_SHAPES, "shape")
+    p.add_argument("--sections", type=list_of(BENCH_SECTIONS, "section"), default=list(BENCH_SECTIONS),
+                   help=f"comma-separated sections to run, among {','.join(BENCH_SECTIONS)} (default: all)")
+    p.add_argument("--methods", type=method_list, default=None, help="comma-separated methods (default: every registered method)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="output directory (default benchmarks/results/bench)")
-    p.add_argument("--threads", type=int_list, default=None,
+    p.add_argument("--threads", type=count_list, default=[],
                    help="torch CPU threads, or a comma-separated list to run everything once per count, into --out/threads-<count>/ "
                         "with one combined bench.md (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite bench.md and the plots from the CSVs already in --out")
     g = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")
-    g.add_argument("--shapes", type=name_list, default=["smollm2", "llama8b"],
-                   help=f"layer shapes, among {','.join(bench.SHAPES)} (default smollm2,llama8b)")
-    g.add_argument("--sizes", type=int_list, default=list(bench.DEFAULT_SIZES), help="comma-separated token counts n (default 1024,...,32768)")
+    g.add_argument("--shapes", type=list_of(BENCH_SHAPES, "shape"), default=list(BENCH_SHAPES),
+                   help=f"layer shapes, among {','.join(BENCH_SHAPES)} (default {','.join(BENCH_SHAPES)})")
+    g.add_argument("--sizes", type=int_list, default=list(BENCH_SIZES),
+                   help=f"comma-separated token counts n (default {','.join(map(str, BENCH_SIZES))})")
     g.add_argument("--compression-ratio", type=float, default=0.5, help="fraction of the n tokens removed, in [0, 1) (default 0.5)")
     g.add_argument("--repeats", type=int, default=3, help="timed calls per measurement; min and median are reported (default 3)")
     g.add_argument("--block", type=int, default=128, help="tokens per stream update (default 128)")
@@ -42,21 +44,21 @@ def add_cli(subparsers) -> None:
     g.add_argument("--kernel-repeats", type=int, default=3,
                    help="interleaved SDPA / fused attention-mass kernel calls per layer, for methods that need the mass (default 3)")
     g = p.add_argument_group("throughput: tokens/s a stream absorbs, every method against KeyDiff (--block tokens per update)")
-    g.add_argument("--throughput-shape", default="llama8b", help=f"layer shape, among {','.join(bench.SHAPES)} (default llama8b)")
+    g.add_argument("--throughput-shape", type=shape, default="llama8b", help=f"layer shape, among {','.join(BENCH_SHAPES)} (default llama8b)")
     g.add_argument("--throughput-tokens", type=int, default=8192, help="tokens streamed, half of them kept (default 8192)")
     g.add_argument("--throughput-repeats", type=int, default=3, help="runs per method, min reported (default 3)")
     g = p.add_argument_group("decode: greedy tokens/s on the model, and the attention-only decode step")
     g.add_argument("--decode-context", type=int, default=8192, help="context tokens of the decode run (default 8192)")
     g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
     g.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per run (default 32)")
-    g.add_argument("--step-shape", default="llama8b", help=f"shape of the attention-only step, among {','.join(bench.SHAPES)} (default llama8b)")
+    g.add_argument("--step-shape", type=shape, default="llama8b", help=f"shape of the attention-only step, among {','.join(BENCH_SHAPES)} (default llama8b)")
     g.add_argument("--step-contexts", type=int_list, default=[8192, 32768], help="context lengths of the attention-only step (default 8192,32768)")
     g.add_argument("--step-repeats", type=int, default=50, help="timed steps per case (default 50)")
     g = p.add_argument_group("memory: peak KV bytes and peak process memory, prefill vs chunked mode")
-    g.add_argument("--memory-method", default="keydiff", help="method of the memory runs (default keydiff)")
+    g.add_argument("--memory-method", type=method_name, default="keydiff", help="method of the memory runs (default keydiff)")
     g.add_argument("--memory-sizes", type=int_list, default=[2048, 4096, 8192, 16384], help="prompt lengths (default 2048,4096,8192,16384)")
     g.add_argument("--memory-budget", type=int, default=1024, help="middle budget (slots per KV head) of the memory runs (default 1024)")
-    g.add_argument("--memory-modes", type=name_list, default=["chunked", "prefill"], help="generation modes compared (default chunked,prefill)")
+    g.add_argument("--memory-modes", type=list_of(MODES, "mode"), default=["chunked", "prefill"], help="generation modes compared (default chunked,prefill)")
     g.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked mode (default 128)")
     add_model_arg(p)
     add_device_args(p)
@@ -64,26 +66,18 @@ def add_cli(subparsers) -> None:
 
 
 def _run(args) -> int:
+    from ..eval import bench
+
     if args.report_only:
         given = sorted(name for name, default in args.measurement_defaults.items() if getattr(args, name) != default)
         if given:
             raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {['--' + g.replace('_', '-') for g in given]}")
         bench.report(args.out)
         return 0
+    # every measurement flag is the BenchConfig field of its name; shape names become Shapes, --device/--dtype torch objects
+    options = {name: getattr(args, name) for name in args.measurement_defaults}
     device, dtype = resolve_device(args.device, args.dtype)
-    options = dict(
-        sections=args.sections, methods=args.methods, shapes=args.shapes, sizes=args.sizes,
-        compression_ratio=args.compression_ratio, repeats=args.repeats, block=args.block, max_seconds=args.max_seconds,
-        stream=args.stream, decode_context=args.decode_context, decode_kept=args.kept, decode_tokens=args.decode_tokens,
-        step_shape=args.step_shape, step_contexts=args.step_contexts, step_repeats=args.step_repeats,
-        memory_method=args.memory_method, memory_sizes=args.memory_sizes, memory_budget=args.memory_budget, memory_modes=args.memory_modes,
-        chunk_size=args.chunk_size, prefill_tokens=args.prefill_tokens, prefill_ratio=args.prefill_ratio,
-        prefill_repeats=args.prefill_repeats, plain_every=args.plain_every, kernel_repeats=args.kernel_repeats,
-        throughput_shape=args.throughput_shape, throughput_tokens=args.throughput_tokens, throughput_repeats=args.throughput_repeats,
-        model_path=args.model, seed=args.seed, device=device, dtype=dtype,
-    )
-    if args.threads is not None and len(args.threads) > 1:
-        bench.run_thread_counts(args.out, args.threads, **options)
-    else:
-        bench.run(args.out, threads=args.threads[0] if args.threads else None, **options)
+    options |= {"shapes": [bench.SHAPES[s] for s in args.shapes], "throughput_shape": bench.SHAPES[args.throughput_shape],
+                "step_shape": bench.SHAPES[args.step_shape], "device": device, "dtype": dtype}
+    bench.run(args.out, bench.BenchConfig(**options))
     return 0

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..options import MODES
+from ..options import MODES, CompressionOptions
 from ..methods.registry import get_method_class, method_names
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
@@ -267,22 +267,15 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
         return generate_ids(model, context_ids, question_ids, method=method, compression_ratio=ratio, prefill=captured,
                             max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": stream_budget(cell.method, cell.ratio, context_ids.shape[1])}
-    return generate_ids(
-        model, context_ids, question_ids, method=cell.method, mode=cell.mode, max_new_tokens=max_new,
-        seed=config.seed, chunk_size=config.chunk_size, prefill=captured if cell.mode == "prefill" else None,
-        stop_token_ids=stop_ids, **size,
-    )
+    options = CompressionOptions(method=cell.method, mode=cell.mode, seed=config.seed, chunk_size=config.chunk_size, **size)
+    return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
+                        prefill=captured if cell.mode == "prefill" else None)
 
 
 def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
     """Middle budget a streamed (chunked/decode) cache gets: what `ratio` keeps of n_tokens, less the method's
     sink and window (the prefill-mode budget), refused when below what the method's stream accepts."""
-    from ..methods.registry import default_sink_window
-    from ..methods.budget import resolve_budget
-    from ..methods.registry import build_method
-
-    sink, window = default_sink_window(method, None, None)
-    return resolve_budget(n_tokens, None, ratio, sink, window, build_method(method), streaming=True)
+    return CompressionOptions(method=method, compression_ratio=ratio, mode="chunked").budget_for(n_tokens)
 
 
 class ResultsFile:

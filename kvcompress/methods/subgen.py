@@ -204,7 +204,6 @@ class SubGenState(StreamState):
         if self.shape is None:
             return None
         b, h = self.shape
-        g = b * h
         filled = self.sample_pos >= 0
         per_cluster = torch.zeros_like(self.counts).scatter_add_(1, self.sample_cluster, filled.long())
         log_share = math.log(self.cluster_weight)

@@ -19,25 +19,14 @@ One module per benchmark, everything re-exported here:
 - `throughput`: tokens per second a fresh stream absorbs, every method against KeyDiff's.
 - `memory`: peak KV bytes the cache stores and peak process memory (resident set, Linux `VmHWM`
   reset per point) during the prompt, `prefill` vs `chunked` mode.
-- `common`: shapes, synthetic tensors, timing, CSV/Markdown tables; `report`: `run` does it all,
-  `report` rewrites bench.md and the PNGs from the CSVs; `run_thread_counts` runs it at several
-  torch thread counts.
+- `config`: `BenchConfig`, every option of a run, checked once and handed whole to `run` and to
+  each section; `common`: shapes, synthetic tensors, timing, the machine line; `report`: `run` does
+  it all (once per torch thread count when given several), `report` rewrites bench.md and the
+  PNGs from the CSVs (`kvcompress.eval.tables` writes and reads them).
 """
 
-from .common import (
-    DEFAULT_SIZES,
-    SHAPES,
-    Shape,
-    context_ids,
-    fit_exponent,
-    machine_description,
-    markdown_table,
-    read_csv,
-    synthetic_layer,
-    time_calls,
-    write_csv,
-    write_table,
-)
+from .common import DEFAULT_SIZES, SHAPES, Shape, context_ids, fit_exponent, machine_description, synthetic_layer, time_calls, write_table
+from .config import SECTIONS, BenchConfig
 from .decode import attention_step_rows, decode_rows, plot_decode
 from .memory import memory_rows, peak_process_memory, plot_memory
 from .overhead import (
@@ -53,13 +42,13 @@ from .overhead import (
     streamed,
 )
 from .prefill import fused_attention_cost, prefill_rows, prefill_seconds
-from .report import SECTIONS, report, run, run_thread_counts, write_markdown
+from .report import report, run, write_markdown
 from .throughput import throughput_rows
 
 __all__ = [
-    "DEFAULT_SIZES", "SECTIONS", "SHAPES", "Shape", "attention_step_rows", "context_ids", "decode_rows", "exact_attention_pass",
-    "exponent_rows", "fit_exponent", "kept_budget", "machine_description", "markdown_table", "memory_rows", "method_inputs",
+    "DEFAULT_SIZES", "SECTIONS", "SHAPES", "BenchConfig", "Shape", "attention_step_rows", "context_ids", "decode_rows", "exact_attention_pass",
+    "exponent_rows", "fit_exponent", "kept_budget", "machine_description", "memory_rows", "method_inputs",
     "natively_streaming", "one_shot", "overhead_pivot", "overhead_rows", "peak_process_memory", "plot_decode", "plot_memory",
-    "plot_overhead", "prefill_rows", "prefill_seconds", "fused_attention_cost", "read_csv", "report", "run", "run_thread_counts", "streamed",
-    "synthetic_layer", "throughput_rows", "time_calls", "write_csv", "write_markdown", "write_table",
+    "plot_overhead", "prefill_rows", "prefill_seconds", "fused_attention_cost", "report", "run", "streamed",
+    "synthetic_layer", "throughput_rows", "time_calls", "write_markdown", "write_table",
 ]

@@ -9,45 +9,34 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .common import Shape, add_row, check_positive, context_ids, save_figure, subplots, synthetic_layer, time_calls
+from .common import add_row, context_ids, save_figure, subplots, synthetic_layer, time_calls
+from .config import BenchConfig
 
 
-def decode_rows(
-    model,
-    tokenizer,
-    methods: Sequence[str],
-    context_tokens: int = 8192,
-    kept: Sequence[float] = (0.25, 0.5),
-    new_tokens: int = 32,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-    on_row: Callable[[list[dict]], None] | None = None,
-) -> list[dict]:
-    """Rows {method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full}.
+def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None] = print,
+                on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Rows {method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full} for config's methods at each kept fraction.
 
-    The context (real prose, `context_tokens` tokens plus the chat template) is prefilled once and
-    every method compresses its own copy (prefill mode, question appended exactly); then
-    `new_tokens` greedy tokens are decoded without stopping at EOS. speedup is tokens/s over the
-    full cache's tokens/s (full cache: transformers' DynamicCache and SDPA).
+    The context (real prose, config.decode_context tokens plus the chat template) is prefilled once
+    and every method compresses its own copy (prefill mode, question appended exactly); then
+    config.decode_tokens greedy tokens are decoded without stopping at EOS. speedup is tokens/s over
+    the full cache's tokens/s (full cache: transformers' DynamicCache and SDPA).
     """
     from ...integration import build_prompt, generate_ids
     from ..capture import capture_qkv
 
-    check_positive("new_tokens", new_tokens, 2)
-    for k in kept:
-        if not 0.0 < k <= 1.0:
-            raise ValueError(f"kept fractions must be in (0, 1], got {k!r}")
-    text = tokenizer.decode(context_ids(tokenizer, context_tokens)[0])
+    new_tokens = config.decode_tokens
+    text = tokenizer.decode(context_ids(tokenizer, config.decode_context)[0])
     ctx, question = build_prompt(tokenizer, text, "Summarise the text above in one sentence.")
     log(f"decode: context {ctx.shape[1]} tokens, question {question.shape[1]} tokens, {new_tokens} new tokens")
     prefill = capture_qkv(model, ctx)
-    common = {"max_new_tokens": new_tokens, "stop_at_eos": False, "seed": seed}
+    common = {"max_new_tokens": new_tokens, "stop_at_eos": False, "seed": config.seed}
     full = generate_ids(model, ctx, question, method=None, **common)
     rows: list[dict] = []
     add_row(rows, on_row, _decode_row(full, 1.0, full))
     log(f"decode full: {full.decode_tokens_per_second:.2f} tokens/s")
-    for method in methods:
-        for k in kept:
+    for method in config.methods:
+        for k in config.kept:
             res = generate_ids(model, ctx, question, method=method, compression_ratio=1.0 - k, prefill=prefill, **common)
             add_row(rows, on_row, _decode_row(res, k, full))
             log(f"decode {method} kept={k}: {res.decode_tokens_per_second:.2f} tokens/s = {rows[-1]['speedup']:.2f}x full")
@@ -61,17 +50,9 @@ def _decode_row(res, kept: float, full) -> dict:
             "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full}
 
 
-def attention_step_rows(
-    shape: Shape,
-    contexts: Sequence[int] = (8192, 32768),
-    kept: Sequence[float] = (0.25, 0.5),
-    repeats: int = 50,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> list[dict]:
-    """Rows {shape, context, path, kept, slots, min_s, median_s, speedup} for one decode step's attention (tensors on `device` in `dtype`).
+def attention_step_rows(config: BenchConfig, log: Callable[[str], None] = print) -> list[dict]:
+    """Rows {shape, context, path, kept, slots, min_s, median_s, speedup} for one decode step's attention on
+    config.step_shape at each of step_contexts (tensors on config's device in its dtype, step_repeats calls).
 
     path "sdpa": one query over the full n keys with SDPA (the full cache's step);
     "weighted": `weighted_attention` over the full n (same code path as compressed, kept=1) and
@@ -81,13 +62,14 @@ def attention_step_rows(
     from ...attention import weighted_attention
     from ...summary import KVSummary
 
+    shape, repeats, device = config.step_shape, config.step_repeats, config.device
     rows = []
-    for n in contexts:
-        layer = synthetic_layer(shape, n, torch.Generator().manual_seed(seed + n), dtype, device)
+    for n in config.step_contexts:
+        layer = synthetic_layer(shape, n, torch.Generator().manual_seed(config.seed + n), config.dtype, device)
         q = layer["queries"][:, :, -1:]
         full = time_calls(lambda: F.scaled_dot_product_attention(q, layer["keys"], layer["values"], enable_gqa=True), repeats, device=device)
         cases = [("sdpa", 1.0, full)]
-        for k in (1.0, *kept):
+        for k in (1.0, *config.kept):
             m = max(1, round(k * n))
             summary = KVSummary.exact(layer["keys"][:, :, :m], layer["values"][:, :, :m], torch.arange(m, device=device))
             cases.append(("weighted", k, time_calls(lambda: weighted_attention(q, summary), repeats, device=device)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from .common import add_row, context_ids, save_figure, subplots
+from .config import BenchConfig
 
 
 def _status_kib(field: str) -> int:
@@ -27,21 +28,13 @@ def peak_process_memory(fn: Callable[[], object]) -> tuple[object, int, int]:
     return out, _status_kib("VmHWM") * 1024, before
 
 
-def memory_rows(
-    model,
-    tokenizer,
-    method: str = "keydiff",
-    sizes: Sequence[int] = (2048, 4096, 8192, 16384),
-    budget: int = 1024,
-    chunk_size: int = 128,
-    modes: Sequence[str] = ("chunked", "prefill"),
-    log: Callable[[str], None] = print,
-    on_row: Callable[[list[dict]], None] | None = None,
-) -> list[dict]:
-    """Rows {mode, method, n, budget, peak_kv_bytes, kv_bytes, kv_bytes_full, peak_rss_bytes, rss_before_bytes, peak_rss_growth_bytes, prompt_s}.
+def memory_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None] = print,
+                on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Rows {mode, method, n, budget, peak_kv_bytes, kv_bytes, kv_bytes_full, peak_rss_bytes, rss_before_bytes, peak_rss_growth_bytes, prompt_s}
+    for config.memory_method in each of memory_modes at each of memory_sizes.
 
-    The prompt (n tokens of real prose, no question) goes through `generate_ids` with a fixed
-    middle budget and one new token; peak_kv_bytes is what the cache stored at its largest,
+    The prompt (n tokens of real prose, no question) goes through `generate_ids` with the fixed
+    middle budget memory_budget (chunked mode: blocks of chunk_size) and one new token; peak_kv_bytes is what the cache stored at its largest,
     peak_rss_growth_bytes the process's resident set at its peak minus before the call (after
     one warm-up forward, so paging in the weights does not count).
     """
@@ -49,12 +42,13 @@ def memory_rows(
 
     # Warm-up: the first forward pages in the (memory-mapped) weights, which is not prefill memory.
     generate_ids(model, context_ids(tokenizer, 16), None, method=None, max_new_tokens=1)
+    method, budget = config.memory_method, config.memory_budget
     rows = []
-    for mode in modes:
-        for n in sorted(sizes):
+    for mode in config.memory_modes:
+        for n in sorted(config.memory_sizes):
             ids = context_ids(tokenizer, n)
             res, peak, before = peak_process_memory(
-                lambda: generate_ids(model, ids, None, method=method, budget=budget, mode=mode, max_new_tokens=1, chunk_size=chunk_size)
+                lambda: generate_ids(model, ids, None, method=method, budget=budget, mode=mode, max_new_tokens=1, chunk_size=config.chunk_size)
             )
             add_row(rows, on_row, {"mode": mode, "method": method, "n": ids.shape[1], "budget": budget, "peak_kv_bytes": res.peak_kv_bytes,
                          "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full, "peak_rss_bytes": peak,

@@ -97,22 +97,21 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
     is not run at larger n (a row with skipped=True and no times records it), and neither is
     anything of a shape whose exact pass did. The synthetic tensors are created on config's device in its dtype.
     """
-    c = config
     jobs = []
-    for method in c.methods:
+    for method in config.methods:
         jobs.append((method, "compress"))
-        if c.stream == "all" or (c.stream == "native" and natively_streaming(method)):
+        if config.stream == "all" or (config.stream == "native" and natively_streaming(method)):
             jobs.append((method, "stream"))
     rows: list[dict] = []
-    for shape in c.shapes:
+    for shape in config.shapes:
         too_slow: set[tuple[str, str]] = set()
-        for n in sorted(c.sizes):
+        for n in sorted(config.sizes):
             if ("exact", "exact") in too_slow:
                 too_slow.update(jobs)
                 rows += [{"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True} for m, k in (("exact", "exact"), *jobs)]
                 continue
-            layer = synthetic_layer(shape, n, torch.Generator().manual_seed(c.seed + n), c.dtype, c.device)
-            exact = time_calls(lambda: exact_attention_pass(layer), c.repeats, c.max_seconds, c.device)
+            layer = synthetic_layer(shape, n, torch.Generator().manual_seed(config.seed + n), config.dtype, config.device)
+            exact = time_calls(lambda: exact_attention_pass(layer), config.repeats, config.max_seconds, config.device)
             add_row(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
             for method, kind in jobs:
@@ -120,15 +119,15 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
                     add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
                     continue
                 if kind == "compress":
-                    fn = one_shot(method, layer, c.compression_ratio, c.seed)
+                    fn = one_shot(method, layer, config.compression_ratio, config.seed)
                 else:
-                    fn = streamed(method, layer, c.compression_ratio, c.block, c.seed)
-                times = time_calls(fn, c.repeats, c.max_seconds, c.device)
+                    fn = streamed(method, layer, config.compression_ratio, config.block, config.seed)
+                times = time_calls(fn, config.repeats, config.max_seconds, config.device)
                 add_row(rows, on_row, _timing_row(shape, n, method, kind, times, exact))
                 log(f"{shape.name} n={n}: {method} {kind} {min(times):.3f}s = {rows[-1]['ratio_min']:.3f}x exact")
-                if min(times) > c.max_seconds:
+                if min(times) > config.max_seconds:
                     too_slow.add((method, kind))
-            if min(exact) > c.max_seconds:
+            if min(exact) > config.max_seconds:
                 too_slow.add(("exact", "exact"))
     return rows
 

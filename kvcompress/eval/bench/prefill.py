@@ -14,12 +14,13 @@ apart on the context's real q/k/v and counted as compression too.
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .common import check_positive, context_ids, time_calls
+from .common import context_ids, time_calls
+from .config import BenchConfig
 
 
 def prefill_seconds(model, ids: torch.Tensor, method: str | None, ratio: float) -> tuple[float, float]:
@@ -70,23 +71,14 @@ def _rows(times: dict[str, list[float]], compress: dict[str, list[float]], paire
     return rows
 
 
-def prefill_rows(
-    model,
-    tokenizer,
-    methods: Sequence[str],
-    tokens: int = 4096,
-    ratio: float = 0.75,
-    repeats: int = 2,
-    plain_every: int = 4,
-    kernel_repeats: int = 3,
-    log: Callable[[str], None] = print,
-    on_rows: Callable[[list[dict]], None] | None = None,
-) -> list[dict]:
+def prefill_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None] = print,
+                 on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Rows {method, tokens, ratio_removed, runs, min_s, median_s, overhead_min, overhead_median, overhead_paired,
-    compress_min_s, fused_extra_s, compress_share, implied_overhead}, the plain prefill first.
+    compress_min_s, fused_extra_s, compress_share, implied_overhead}, the plain prefill first, for config's methods.
 
-    One context of real prose of `tokens` tokens, `ratio` of it removed. Repeats go round all
-    methods in turn, with a plain prefill before every `plain_every` methods, so slow phases of a
+    One context of real prose of config.prefill_tokens tokens, prefill_ratio of it removed.
+    prefill_repeats rounds go round all methods in turn, with a plain prefill before every
+    plain_every methods (kernel_repeats calls of the attention-mass kernel), so slow phases of a
     shared machine hit both; a method's ratios are to the min (median) of every plain prefill of
     the run, and (overhead_paired) the median over its runs of each run ÷ the plain prefill run just
     before it: a min over the many plain runs sits lower than a min over a method's few, which
@@ -95,26 +87,21 @@ def prefill_rows(
     """
     from ...methods.registry import get_method_class
 
-    check_positive("tokens", tokens, 2)
-    check_positive("repeats", repeats)
-    check_positive("plain_every", plain_every)
-    check_positive("kernel_repeats", kernel_repeats)
-    if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"ratio (fraction of the context removed) must be in [0, 1), got {ratio!r}")
-    ids = context_ids(tokenizer, tokens)
+    methods, ratio = config.methods, config.prefill_ratio
+    ids = context_ids(tokenizer, config.prefill_tokens)
     prefill_seconds(model, ids[:, :256], None, ratio)  # warm-up: first calls pay allocation and dispatch setup
     mass_methods = {m for m in methods if get_method_class(m).needs_attention_mass}
     kernel = {"sdpa_s": 0.0, "fused_s": 0.0, "fused_extra_s": 0.0}
     if mass_methods:
-        kernel = fused_attention_cost(model, ids, kernel_repeats)
+        kernel = fused_attention_cost(model, ids, config.kernel_repeats)
         log(f"attention over the layers: SDPA {kernel['sdpa_s']:.2f}s, fused with mass {kernel['fused_s']:.2f}s")
     times: dict[str, list[float]] = {"plain": [], **{m: [] for m in methods}}
     compress: dict[str, list[float]] = {"plain": [], **{m: [] for m in methods}}
     paired: dict[str, list[float]] = {m: [] for m in methods}
     rows: list[dict] = []
-    for r in range(repeats):
+    for r in range(config.prefill_repeats):
         for i, method in enumerate(methods):
-            if i % plain_every == 0:
+            if i % config.plain_every == 0:
                 seconds, _ = prefill_seconds(model, ids, None, ratio)
                 times["plain"].append(seconds)
                 log(f"prefill repeat {r}: plain {seconds:.2f}s")

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from .common import DEFAULT_SIZES, SHAPES, check_positive, machine_description, markdown_table, read_csv, write_csv
+from ..tables import markdown_table, read_csv, write_csv
+from .common import machine_description
+from .config import SECTIONS, BenchConfig
 from .decode import attention_step_rows, decode_rows, plot_decode
 from .memory import memory_rows, plot_memory
 from .overhead import exponent_rows, overhead_pivot, overhead_rows, plot_overhead
 from .prefill import prefill_rows
 from .throughput import throughput_rows
-
-
-SECTIONS = ("overhead", "prefill", "throughput", "decode", "attention", "memory")
 
 
 def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(), throughput=()) -> None:
@@ -71,7 +71,7 @@ def report(out_dir: Path) -> dict[str, list[dict]]:
     if "overhead" in results:
         results["exponents"] = exponent_rows(results["overhead"])
         plot_overhead(results["overhead"], out_dir / "overhead.png")
-        write_csv(results["exponents"], out_dir / "exponents.csv")
+        write_csv(out_dir / "exponents.csv", results["exponents"])
     if "decode" in results or "attention" in results:
         plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
     if "memory" in results:
@@ -83,115 +83,60 @@ def report(out_dir: Path) -> dict[str, list[dict]]:
     return results
 
 
-def run(
-    out_dir: Path,
-    sections: Sequence[str] = SECTIONS,
-    methods: Sequence[str] | None = None,
-    shapes: Sequence[str] = ("smollm2", "llama8b"),
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    compression_ratio: float = 0.5,
-    repeats: int = 3,
-    block: int = 128,
-    max_seconds: float = 30.0,
-    stream: str = "native",
-    decode_context: int = 8192,
-    decode_kept: Sequence[float] = (0.25, 0.5),
-    decode_tokens: int = 32,
-    step_shape: str = "llama8b",
-    step_contexts: Sequence[int] = (8192, 32768),
-    step_repeats: int = 50,
-    memory_method: str = "keydiff",
-    memory_sizes: Sequence[int] = (2048, 4096, 8192, 16384),
-    memory_budget: int = 1024,
-    memory_modes: Sequence[str] = ("chunked", "prefill"),
-    chunk_size: int = 128,
-    prefill_tokens: int = 4096,
-    prefill_ratio: float = 0.75,
-    prefill_repeats: int = 2,
-    plain_every: int = 4,
-    kernel_repeats: int = 3,
-    throughput_shape: str = "llama8b",
-    throughput_tokens: int = 8192,
-    throughput_repeats: int = 3,
-    threads: int | None = None,
-    model_path: str | None = None,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict[str, list[dict]]:
-    """Run the chosen sections, writing <section>.csv, machine.txt, bench.md and PNGs into out_dir; returns the rows of every CSV there.
+def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    """Run config's sections, writing <section>.csv, machine.txt, bench.md and PNGs into out_dir; returns the rows of every CSV there.
 
-    Synthetic tensors are created on `device` in `dtype`, and the model of the prefill/decode/memory
-    sections is loaded in `dtype` and moved to `device`. Sections already in out_dir from an
-    earlier run stay in the report (rerun a section to replace it).
+    Synthetic tensors are created on config.device in config.dtype, and the model of the
+    prefill/decode/memory sections is loaded in that dtype and moved to that device. Sections
+    already in out_dir from an earlier run stay in the report (rerun a section to replace it).
+    With several config.threads, everything runs once per torch thread count, each into
+    out_dir/threads-<count>/ (its own CSVs, plots and bench.md), then out_dir/bench.md holds every
+    count's page in turn; the result is then {count: that run's rows}.
     """
-    from ...api import methods as all_methods
-
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"sections must be among {SECTIONS}, got {unknown}")
-    bad_shapes = [s for s in (*shapes, step_shape, throughput_shape) if s not in SHAPES]
-    if bad_shapes:
-        raise ValueError(f"shapes must be among {sorted(SHAPES)}, got {bad_shapes}")
-    methods = list(all_methods() if methods is None else methods)
-    missing = [m for m in (*methods, memory_method) if m not in all_methods()]
-    if missing:
-        raise ValueError(f"unknown method(s) {missing}; known methods: {', '.join(all_methods())}")
-    if threads is not None:
-        check_positive("threads", threads)
-        torch.set_num_threads(threads)
-    device = torch.device(device)
-    machine = machine_description(torch.get_num_threads(), device, dtype)
+    if len(config.threads) > 1:
+        return _run_thread_counts(Path(out_dir), config, log)
+    if config.threads:
+        torch.set_num_threads(config.threads[0])
+    machine = machine_description(torch.get_num_threads(), config.device, config.dtype)
     log(machine)
     out_dir = Path(out_dir)
     results: dict[str, list[dict]] = {}
 
     def saver(name: str) -> Callable[[list[dict]], None]:
-        return lambda rows: write_csv(rows, out_dir / f"{name}.csv")
+        return lambda rows: write_csv(out_dir / f"{name}.csv", rows)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "machine.txt").write_text(machine + "\n")
+    sections = set(config.sections)
     if "overhead" in sections:
-        rows = overhead_rows(methods, [SHAPES[s] for s in shapes], sizes, compression_ratio, repeats, block, max_seconds, stream, seed, log,
-                             saver("overhead"), device, dtype)
-        results["overhead"] = rows
+        results["overhead"] = overhead_rows(config, log, saver("overhead"))
     if "throughput" in sections:
-        results["throughput"] = throughput_rows(methods, SHAPES[throughput_shape], throughput_tokens, block, throughput_repeats, seed, log, device, dtype)
-        write_csv(results["throughput"], out_dir / "throughput.csv")
+        results["throughput"] = throughput_rows(config, log)
+        saver("throughput")(results["throughput"])
     if "attention" in sections:
-        results["attention"] = attention_step_rows(SHAPES[step_shape], step_contexts, decode_kept, step_repeats, seed, log, device, dtype)
-        write_csv(results["attention"], out_dir / "attention.csv")
+        results["attention"] = attention_step_rows(config, log)
+        saver("attention")(results["attention"])
     model = tokenizer = None
-    if {"decode", "memory", "prefill"} & set(sections):
+    if {"decode", "memory", "prefill"} & sections:
         from ...integration import load_model
 
-        model, tokenizer = load_model(model_path, dtype=dtype)
-        model.to(device)
+        model, tokenizer = load_model(config.model, dtype=config.dtype)
+        model.to(config.device)
     if "prefill" in sections:
-        results["prefill"] = prefill_rows(model, tokenizer, methods, prefill_tokens, prefill_ratio, prefill_repeats, plain_every, kernel_repeats,
-                                          log, saver("prefill"))
+        results["prefill"] = prefill_rows(model, tokenizer, config, log, saver("prefill"))
     if "decode" in sections:
-        results["decode"] = decode_rows(model, tokenizer, methods, decode_context, decode_kept, decode_tokens, seed, log, saver("decode"))
+        results["decode"] = decode_rows(model, tokenizer, config, log, saver("decode"))
     if "memory" in sections:
-        results["memory"] = memory_rows(model, tokenizer, memory_method, memory_sizes, memory_budget, chunk_size, memory_modes, log, saver("memory"))
+        results["memory"] = memory_rows(model, tokenizer, config, log, saver("memory"))
     return report(out_dir)
 
 
-def run_thread_counts(out_dir: Path, thread_counts: Sequence[int], **options) -> dict[int, dict[str, list[dict]]]:
-    """`run` once per torch thread count, each into out_dir/threads-<count>/ (its own CSVs, plots and bench.md), then
-    out_dir/bench.md with every count's page in turn; returns {count: that run's rows}. options: those of `run`."""
-    if not thread_counts:
-        raise ValueError("thread_counts must name at least one thread count, got none")
-    for count in thread_counts:
-        check_positive("threads", count)
-    if len(set(thread_counts)) != len(thread_counts):
-        raise ValueError(f"thread_counts must not repeat a count, got {list(thread_counts)}")
-    out_dir = Path(out_dir)
-    results = {count: run(out_dir / f"threads-{count}", threads=count, **options) for count in thread_counts}
-    page = [f"# kvcompress bench at {', '.join(map(str, thread_counts))} torch threads", "",
+def _run_thread_counts(out_dir: Path, config: BenchConfig, log: Callable[[str], None]) -> dict[int, dict[str, list[dict]]]:
+    """`run` once per count of config.threads, each into out_dir/threads-<count>/, then out_dir/bench.md with every count's page."""
+    results = {count: run(out_dir / f"threads-{count}", replace(config, threads=(count,)), log) for count in config.threads}
+    page = [f"# kvcompress bench at {', '.join(map(str, config.threads))} torch threads", "",
             "One run per thread count, in turn, in one process; each count's CSVs and plots are in threads-<count>/.", ""]
-    for count in thread_counts:
+    for count in config.threads:
         text = (out_dir / f"threads-{count}" / "bench.md").read_text().splitlines()
         page += [f"## {count} thread{'s' if count > 1 else ''}", ""]
         page += ["#" + line if line.startswith("#") else line for line in text[1:]]
