@@ -34,7 +34,8 @@ from transformers import DynamicCache
 
 from kvcompress.cache import CompressedCache
 from kvcompress.options import CompressionOptions
-from kvcompress.eval.bench import context_ids, machine_description, markdown_table, write_csv
+from kvcompress.eval.bench import context_ids, machine_description
+from kvcompress.eval.tables import markdown_table, write_csv
 from kvcompress.integration import load_model, use_compressed_attention
 from kvcompress.integration.model import parse_device, parse_dtype
 from kvcompress.methods.budget import resolve_budget
@@ -298,7 +299,7 @@ def main(argv=None) -> None:
     with torch.inference_mode():
         rows = run(args, log)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / f"{name}.csv")
+    write_csv(args.out / f"{name}.csv", rows)
     (args.out / f"{name}.md").write_text(
         f"# {name}\n\nMachine: {machine}, device {args.device}, dtype {str(args.dtype).removeprefix('torch.')}.\n"
         f"Command: `benchmarks/native_speed.py {' '.join(argv) if argv else ''}`\n\n{markdown_table(rows)}\n"

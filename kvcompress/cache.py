@@ -29,19 +29,24 @@ compression); `reorder_cache` serves beam search.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .checks import as_count
+from . import cache_file
+from .checks import as_count, describe
 from .integration.support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
 from .methods.base import compress_tokens, make_generator
 from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
 from .options import CompressionOptions
-from .summary import KVSummary, Normalizer, SlotBuffer, concat
+from .quantization import QuantizedSummary
+from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 
 @dataclass
 class LayerStats:
@@ -58,7 +63,8 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, cache: "CompressedCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.front: SlotBuffer | KVSummary | Stream | None = None  # KVSummary: a padded batch's stacked rows
+        # KVSummary: a padded batch's stacked rows; QuantizedSummary: a compressed context stored with kv_bits
+        self.front: SlotBuffer | KVSummary | QuantizedSummary | Stream | None = None
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
@@ -72,7 +78,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def stored(self) -> KVSummary | None:
         """The layer's stored state as one summary (front then tail), without the pending block."""
-        front = self.front.summary() if isinstance(self.front, (SlotBuffer, Stream)) else self.front
+        front = self.front.summary() if isinstance(self.front, (SlotBuffer, Stream, QuantizedSummary)) else self.front
         parts = [p for p in (front, self.tail) if p is not None]
         return concat(parts) if parts else None
 
@@ -135,9 +141,9 @@ class CompressedLayer(CacheLayerMixin):
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self.front = self._compressed_buffer(keys, values, positions, queries, scale, attention_mass)
+                self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass), self._window_slots(keys.shape[2]))
             else:
-                self.front = self._compress_rows(keys, values, positions, queries, scale, real)
+                self._keep_rows(keys, values, positions, queries, scale, real)
         elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
@@ -158,26 +164,48 @@ class CompressedLayer(CacheLayerMixin):
         self.stats.compress_seconds += time.perf_counter() - start
 
     def compact(self) -> None:
-        """Compress a live stream down to its budget now (timed as compression)."""
+        """Compress a live stream down to its budget now (timed as compression); with kv_bits, store it quantized (`_keep`)."""
         if isinstance(self.front, Stream):
             start = time.perf_counter()
             self.front.compact()
+            if self.cache.options.kv_bits is not None:
+                recent = self.front.recent
+                self._keep(self.front.summary(), recent.length if recent is not None else 0)
             self.stats.compress_seconds += time.perf_counter() - start
 
-    def _compress_rows(self, keys, values, positions, queries, scale, real) -> KVSummary:
-        """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf padding slots."""
-        rows = []
+    def _keep(self, summary: KVSummary, window: int) -> None:
+        """Store the compressed context `summary` (the front), whose last `window` slots are its exact window. At full
+        precision: in a buffer allocated at the compressed size (room for later tokens comes with the first of them). With
+        kv_bits: quantized (`QuantizedSummary`) but for the window, which starts the exact tail."""
+        options = self.cache.options
+        if options.kv_bits is None:
+            self.front = SlotBuffer(summary, most=summary.num_slots)
+            return
+        front, self.tail = split_window(summary, window)
+        self.front = QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
+
+    def _window_slots(self, n: int) -> int:
+        """The slots of the exact window that ends a compressed context of n tokens (`methods.tokens.split_exact`)."""
+        options = self.cache.options
+        return n - max(min(options.sink, n), n - options.window)
+
+    def _keep_rows(self, keys, values, positions, queries, scale, real) -> None:
+        """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf
+        padding slots; with kv_bits the stacked fronts quantized, the stacked windows the exact tail (as `_keep`)."""
+        rows, lengths = [], []
         for b in range(keys.shape[0]):
             index = real[b].nonzero().squeeze(-1)
+            lengths.append(index.numel())
             rows.append(self._compress_once(
                 keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale
             ))
-        return stack_rows(rows)
-
-    def _compressed_buffer(self, keys, values, positions, queries, scale, attention_mass) -> SlotBuffer:
-        """`_compress_once` into a buffer allocated at the compressed size (room for later tokens comes with the first of them)."""
-        summary = self._compress_once(keys, values, positions, queries, scale, attention_mass)
-        return SlotBuffer(summary, most=summary.num_slots)
+        options = self.cache.options
+        if options.kv_bits is None:
+            self.front = stack_rows(rows)
+            return
+        parts = [split_window(row, self._window_slots(n)) for row, n in zip(rows, lengths)]
+        self.front = QuantizedSummary.of(stack_rows([front for front, _ in parts]), options.kv_bits, options.kv_group_size)
+        self.tail = stack_rows([window for _, window in parts])
 
     def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None) -> KVSummary:
         options = self.cache.options
@@ -201,7 +229,7 @@ class CompressedLayer(CacheLayerMixin):
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
         self.seen = keys.shape[2]
-        self.front = self._compressed_buffer(keys, values, positions, queries, scale, attention_mass)
+        self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass), self._window_slots(keys.shape[2]))
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 
@@ -238,8 +266,12 @@ class CompressedLayer(CacheLayerMixin):
         """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
         if isinstance(self.front, Stream):
             raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
-        front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
-        self.front, self.tail = (select_rows(part, beam_idx) if part is not None else None for part in (front, self.tail))
+        if isinstance(self.front, QuantizedSummary):
+            self.front = self.front.select_rows(beam_idx)
+        else:
+            front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
+            self.front = select_rows(front, beam_idx) if front is not None else None
+        self.tail = select_rows(self.tail, beam_idx) if self.tail is not None else None
 
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live stream) copied."""
@@ -249,10 +281,39 @@ class CompressedLayer(CacheLayerMixin):
         front, self.tail, self.seen = state
         self.front = _frozen(front)
 
+    def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
+        a quantized front and its exact tail apart, anything else as the one summary `stored()` reads."""
+        if isinstance(self.front, QuantizedSummary):
+            parts = {"front": self.front, "tail": self.tail}
+        else:
+            parts = {"stored": self.stored()}
+        tensors, described = {}, {}
+        for name, part in parts.items():
+            if part is not None:
+                part_tensors, described[name] = cache_file.summary_tensors(f"{prefix}.{name}", part)
+                tensors.update(part_tensors)
+        return tensors, {"kind": "compressed", "seen": self.seen, "budgets": self.budgets, "parts": described}
+
+    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype) -> None:
+        """Take the state `export_state` described, on `device` in `dtype`: a quantized front and its tail as they were; a
+        full-precision state as the front later tokens follow, as after compression in its mode (prefill: a buffer they
+        are appended to in place; chunked: an exact tail beside it)."""
+        parts = {name: cache_file.summary_from(f"{prefix}.{name}", tensors, part, device, dtype) for name, part in meta["parts"].items()}
+        self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
+        self.seen, self.budgets = meta["seen"], list(meta["budgets"])
+        if "stored" in parts:
+            stored = parts["stored"]
+            self.front = SlotBuffer(stored, most=stored.num_slots) if self.cache.options.mode == "prefill" else stored
+            self.tail = None
+        else:
+            self.front, self.tail = parts["front"], parts.get("tail")
+        self.stats.peak_bytes = self.nbytes()
+
 
 def _frozen(front):
-    """front itself if it is an immutable KVSummary (or None), else a deep copy (a stream or buffer that grows in place)."""
-    return front if front is None or isinstance(front, KVSummary) else copy.deepcopy(front)
+    """front itself if it is an immutable KVSummary or QuantizedSummary (or None), else a deep copy (a stream or buffer that grows in place)."""
+    return front if front is None or isinstance(front, (KVSummary, QuantizedSummary)) else copy.deepcopy(front)
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):
@@ -285,6 +346,20 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
             self.is_initialized, self.keys, self.values, self.cumulative_length = False, None, None, 0
         else:
             self.keys, self.values, self.cumulative_length = state
+
+    def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors named under `prefix`, description) of the window held, for `import_state`."""
+        if not self.is_initialized:
+            return {}, {"kind": "sliding", "seen": 0}
+        return {f"{prefix}.keys": self.keys, f"{prefix}.values": self.values}, {"kind": "sliding", "seen": self.cumulative_length}
+
+    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype) -> None:
+        """Take the window `export_state` described, on `device` in `dtype`."""
+        if meta["seen"]:
+            keys, values = (tensors[f"{prefix}.{name}"].to(device, dtype) for name in ("keys", "values"))
+            self.lazy_initialization(keys, values)
+            self.keys, self.values, self.cumulative_length = keys, values, meta["seen"]
+        self.stats.peak_bytes = self.nbytes()
 
 
 def select_rows(summary: KVSummary, index: torch.Tensor) -> KVSummary:
@@ -341,6 +416,11 @@ class CompressedCache(Cache):
     layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
     without the cache. Built from a CompressionOptions (library use) it leaves the model as is:
     run it under `use_compressed_attention(model)`, which also restores the previous one on exit.
+
+    token_ids [1, n]: the ids of the n tokens the cache holds when known, None otherwise
+    (`kvc.compress_context` and `kvc.generate` set them); `save` stores them with the state, so a
+    loaded cache continues after them. `save(path)` / `CompressedCache.load(path, model)`
+    (`kvc.load_cache`): docs/design.md, "Saved caches".
     """
 
     def __init__(self, model, method: "str | CompressionOptions", *, stream_length: int | None = None, **settings):
@@ -362,6 +442,8 @@ class CompressedCache(Cache):
             raise ValueError(f"stream_length={stream_length!r} resolves a streaming mode's compression_ratio; mode={options.mode!r} "
                              f"with budget={options.budget!r} takes none")
         self.options, self.stream_length = options, stream_length
+        self.token_ids: torch.Tensor | None = None
+        self._model = weakref.ref(model)  # for the fingerprint save() writes; the cache does not keep the model alive
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._absorbing = True
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
@@ -381,7 +463,11 @@ class CompressedCache(Cache):
 
     @absorbing.setter
     def absorbing(self, value: bool) -> None:
-        """Setting it False ends the prompt: every stream is compacted to its budget once (its slack compressed away)."""
+        """Setting it False ends the prompt: every stream is compacted to its budget once (its slack compressed away; with
+        kv_bits, stored quantized). The prompt cannot start again: setting it True afterwards is an error."""
+        if value and not self._absorbing:
+            raise ValueError("the prompt has ended (absorbing was set False): the streams are compacted and later tokens stay exact, "
+                             "so absorbing cannot be set True again; build a new cache for a new prompt")
         if self._absorbing and not value:
             for layer in self.layers:
                 if isinstance(layer, CompressedLayer):
@@ -405,6 +491,75 @@ class CompressedCache(Cache):
         for layer, (queries, keys, values, *mass) in captured.items():
             mass = mass[0] if mass and options.compressor.needs_attention_mass else None
             cache.layers[layer].load_prefill(queries, keys, values, scales[layer], mass)
+        return cache
+
+    def save(self, path: str | os.PathLike, token_ids: torch.Tensor | None = None) -> None:
+        """Write the compressed context to `path`, one safetensors file (docs/design.md, "Saved caches").
+
+        The file holds every layer's state as stored (quantized where kv_bits made it so), the
+        token ids it stands for, the compression settings, and the fingerprint of the model it was
+        made with; `CompressedCache.load(path, model)` (`kvc.load_cache`) reads it back, and it
+        answers as this cache does. token_ids [1, n]: the ids of the n tokens held (default:
+        `self.token_ids`). One context (batch size 1). A live stream is refused, not compacted
+        behind the caller's back: a decode-mode cache keeps compressing every later token, and a
+        chunked-mode cache is saved once its prompt has ended (`absorbing` set False, as
+        `kvc.compress_context` does).
+        """
+        model = self._model()
+        if model is None:
+            raise ValueError("the model this cache was built with no longer exists: save the cache while its model is alive")
+        if self.options.mode == "decode" or (self.options.mode == "chunked" and self.absorbing):
+            raise ValueError(
+                f"this mode={self.options.mode!r} cache holds live streams that keep absorbing tokens: a chunked cache can be saved "
+                "once its prompt has ended (cache.absorbing = False compacts it, as kvc.compress_context does); a decode-mode cache "
+                "compresses every later token too, so it cannot be saved: use mode 'prefill' or 'chunked'"
+            )
+        seen = self.get_seq_length()
+        if seen == 0:
+            raise ValueError("the cache holds no tokens yet: compress a context first (kvc.compress_context)")
+        ids = self.token_ids if token_ids is None else token_ids
+        if ids is None:
+            raise ValueError(f"the cache does not know the ids of the {seen} tokens it holds: pass token_ids=[1, {seen}]")
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or tuple(ids.shape) != (1, seen):
+            raise ValueError(f"token_ids must be an integer tensor [1, {seen}] (one context, the tokens the cache holds), got {describe(ids)}")
+        stored = next((layer.stored() for layer in self.layers if isinstance(layer, CompressedLayer)), None)
+        if stored is not None and stored.keys.shape[0] != 1:
+            raise ValueError(f"a saved cache holds one context (batch size 1), this cache holds a batch of {stored.keys.shape[0]}")
+        options = self.options.to_dict()
+        try:
+            kept = CompressionOptions(**json.loads(json.dumps(options))) == self.options
+        except TypeError:
+            kept = False
+        if not kept:
+            raise ValueError(f"the settings {options} do not survive JSON (e.g. a method parameter that is not a number, string or bool); "
+                             "a cache with them cannot be saved")
+        tensors, layers = {"token_ids": ids.to(torch.int32)}, []
+        for i, layer in enumerate(self.layers):
+            layer_tensors, meta = layer.export_state(f"layers.{i}")
+            tensors.update(layer_tensors)
+            layers.append(meta)
+        document = {"options": options, "stream_length": self.stream_length, "model": cache_file.model_fingerprint(model), "layers": layers}
+        cache_file.write(path, tensors, document)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model) -> "CompressedCache":
+        """The cache `save` wrote to `path`, on `model`'s devices in its dtype, with its token ids (`token_ids`).
+
+        Refuses (`cache_file.CacheFileError`, a ValueError) a file that is truncated, corrupted, not
+        a kvcompress cache or of another format version, and a model other than the one the cache
+        was made with (its class, layer and head shapes, RoPE, and a sample of its weights: the
+        same checkpoint in another dtype is the same model). Switches the model to the 'kvcompress'
+        attention implementation, as a cache built from a method name does.
+        """
+        tensors, document = cache_file.read(path)
+        cache_file.check_model(document["model"], model, path)
+        cache = cls(model, CompressionOptions(**document["options"]), stream_length=document["stream_length"])
+        devices = {m.layer_idx: next(m.parameters()).device for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+        for i, (layer, meta) in enumerate(zip(cache.layers, document["layers"])):
+            layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype)
+        cache.absorbing = False  # the prompt has ended: nothing streams any more, later tokens stay exact
+        cache.token_ids = tensors["token_ids"].long().to(devices[0])
+        select_compressed_attention(model)
         return cache
 
     def snapshot(self) -> list:
@@ -440,3 +595,9 @@ class CompressedCache(Cache):
 
     def compress_seconds(self) -> float:
         return sum(layer.stats.compress_seconds for layer in self.layers)
+
+
+def load_cache(path: str | os.PathLike, model) -> CompressedCache:
+    """The compressed cache saved at `path` (`CompressedCache.save`), for `model`: `CompressedCache.load`."""
+    return CompressedCache.load(path, model)
+

@@ -27,8 +27,12 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; a bad input (ValueError, or a file that cannot be read/written) exits 2 with one line on stderr."""
-    args = build_parser().parse_args(argv)
+    """Run one subcommand and return its exit status; a usage error, or a bad input found when the command runs (ValueError,
+    or a file that cannot be read/written), is 2 with one line on stderr."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
+        return exit_.code
     try:
         return args.func(args)
     except (ValueError, OSError) as err:

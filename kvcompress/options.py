@@ -14,6 +14,7 @@ from typing import Any
 
 from .checks import as_count
 from .methods.base import Method
+from .quantization import DEFAULT_GROUP_SIZE, check_kv_bits
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 
@@ -46,6 +47,12 @@ class CompressionOptions:
     budget and compression_ratio: context-calibrated compression, the smallest compression whose
     predicted quality meets `quality`, chosen from the context's own NLL when it is known
     (`calibrated`).
+    kv_bits: None (full precision) or 8, 4, 2: the compressed context is stored quantized, keys per
+    channel and values per slot in groups of `kv_group_size` (default 32), KIVI's scheme
+    (`kvcompress.quantization`). What is quantized is what compression keeps, once it is done: in
+    prefill mode the compressed first forward, in chunked mode the stream when the prompt ends. Its
+    exact window, and every later token (question, answer), stay at full precision. mode="decode"
+    takes none: its stream keeps re-selecting and merging slots at every token, at full precision.
     """
 
     method: str | None = DEFAULT_METHOD
@@ -61,6 +68,8 @@ class CompressionOptions:
     compress_question: bool = False
     quality: float | None = None
     calibration: Any = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
     compressor: Method | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
@@ -73,9 +82,10 @@ class CompressionOptions:
         object.__setattr__(self, "method_params", dict(self.method_params))
         object.__setattr__(self, "seed", as_count("seed", self.seed, 0))
         object.__setattr__(self, "chunk_size", as_count("chunk_size", self.chunk_size, 1))
+        self._check_storage()
         if self.method is None:
             given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
-                                       ("sink", self.sink), ("window", self.window)) if v is not None}
+                                       ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits)) if v is not None}
             given.update({k: v for k, v in (("quality", self.quality), ("calibration", self.calibration)) if v is not None})
             if given or self.method_params:
                 raise ValueError(f"method=None is the full cache: it takes no {', '.join([*given, *self.method_params])}")
@@ -100,6 +110,21 @@ class CompressionOptions:
                 raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
             self.compressor.stream_slack(self.slack)
 
+    def _check_storage(self) -> None:
+        """kv_bits and kv_group_size checked, kv_group_size resolved (DEFAULT_GROUP_SIZE) when kv_bits is set."""
+        object.__setattr__(self, "kv_bits", check_kv_bits(self.kv_bits))
+        if self.kv_bits is None:
+            if self.kv_group_size is not None:
+                raise ValueError(f"kv_group_size={self.kv_group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
+            return
+        size = DEFAULT_GROUP_SIZE if self.kv_group_size is None else self.kv_group_size
+        object.__setattr__(self, "kv_group_size", as_count("kv_group_size", size, 1))
+        if self.mode == "decode":
+            raise ValueError(
+                f"kv_bits={self.kv_bits} stores what compression keeps once it is done (mode 'prefill' or 'chunked'); mode='decode' "
+                "keeps re-selecting and merging slots at every token, so its stream stays at full precision: leave kv_bits unset"
+            )
+
     @classmethod
     def build(cls, options: "CompressionOptions | None" = None, **settings) -> "CompressionOptions":
         """`options` as given, or options from keyword settings: this class's fields by name, any other name a method parameter."""
@@ -115,6 +140,10 @@ class CompressionOptions:
         if params and known.get("method_params"):
             raise ValueError(f"pass method parameters either in method_params or as keywords, not both (got {sorted(params)})")
         return cls(**known, **({"method_params": params} if params else {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings by field name (what `CompressionOptions(**d)` builds again), e.g. to save with a cache."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @property
     def streams(self) -> bool:

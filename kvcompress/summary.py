@@ -162,6 +162,30 @@ def concat(parts: list[KVSummary]) -> KVSummary:
     return out
 
 
+def split_window(summary: KVSummary, window: int) -> tuple[KVSummary, KVSummary]:
+    """(the slots before the last `window`, the last `window` slots): a compressed summary's exact window split off.
+
+    The window's slots must be exact tokens (log-weight 0) that end the normalizer too, as
+    `concat` leaves a window concatenated last; the window comes back without a normalizer and
+    eviction-only, and `concat([front, window])` is the summary again. Anything else is an error.
+    """
+    at = summary.num_slots - window
+    if not 0 <= at <= summary.num_slots:
+        raise ValueError(f"window must be in [0, {summary.num_slots}] slots, got {window}")
+    front = KVSummary(*(t[:, :, :at] for t in (summary.keys, summary.values, summary.log_weights, summary.positions)),
+                      eviction_only=summary.eviction_only)
+    tail = KVSummary(*(t[:, :, at:] for t in (summary.keys, summary.values, summary.log_weights, summary.positions)))
+    exact = bool((tail.log_weights == 0).all())
+    norm = summary.normalizer
+    if norm is not None:
+        m = norm.keys.shape[2] - window
+        exact = exact and torch.equal(norm.positions[:, :, m:], tail.positions) and bool((norm.log_weights[:, :, m:] == 0).all())
+        front.normalizer = Normalizer(norm.keys[:, :, :m], norm.log_weights[:, :, :m], norm.positions[:, :, :m])
+    if not exact:
+        raise ValueError("the last window slots of this summary are not exact tokens that end its normalizer: no exact window to split off")
+    return front, replace(tail, eviction_only=True)
+
+
 def take_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B,H,n,...], index [B,H,k] -> [B,H,k,...]: per-head gather along the token axis, as one
     index_select over rows of the storage (cheaper on the CPU than `gather` with an expanded index)."""

@@ -151,7 +151,7 @@ def test_bad_tensors_are_named():
 
 
 def test_cli_method_parameters_are_parsed():
-    from kvcompress.cli import parse_params
+    from kvcompress.commands.common import parse_params
 
     assert parse_params(["anchor=median", "block_size=128", "beta=2.5", "weighted=true"]) == {
         "anchor": "median", "block_size": 128, "beta": 2.5, "weighted": True,

@@ -3,7 +3,11 @@
 import csv
 import math
 import mmap
+import os
 import statistics
+import subprocess
+import sys
+from dataclasses import FrozenInstanceError
 
 import pytest
 import torch
@@ -11,8 +15,14 @@ import torch
 import kvcompress as kvc
 from kvcompress.cli import build_parser, main
 from kvcompress.eval import bench
+from kvcompress.eval.tables import read_csv
 
 TINY = bench.Shape("tiny", 1, 2, 8)
+QUIET = {"log": lambda s: None}
+
+
+def config(**options) -> bench.BenchConfig:
+    return bench.BenchConfig(**options)
 
 
 def test_fit_exponent_recovers_power_law():
@@ -46,7 +56,7 @@ def test_synthetic_layer_shapes():
 
 
 def test_overhead_covers_every_method():
-    rows = bench.overhead_rows(kvc.methods(), [TINY], [32, 64], repeats=2, stream="none", log=lambda s: None)
+    rows = bench.overhead_rows(config(shapes=[TINY], sizes=[32, 64], repeats=2, stream="none"), **QUIET)
     for n in (32, 64):
         exact = [r for r in rows if r["n"] == n and r["kind"] == "exact"]
         assert len(exact) == 1
@@ -61,14 +71,14 @@ def test_overhead_covers_every_method():
 
 def test_overhead_streams_natively_streaming_methods():
     assert bench.natively_streaming("subgen") and not bench.natively_streaming("knorm")
-    rows = bench.overhead_rows(["subgen", "knorm"], [TINY], [64], repeats=1, block=16, log=lambda s: None)
+    rows = bench.overhead_rows(config(methods=["subgen", "knorm"], shapes=[TINY], sizes=[64], repeats=1, block=16), **QUIET)
     assert [(r["method"], r["kind"]) for r in rows] == [("exact", "exact"), ("subgen", "compress"), ("subgen", "stream"), ("knorm", "compress")]
-    rows = bench.overhead_rows(["knorm"], [TINY], [64], repeats=1, block=16, stream="all", log=lambda s: None)
+    rows = bench.overhead_rows(config(methods=["knorm"], shapes=[TINY], sizes=[64], repeats=1, block=16, stream="all"), **QUIET)
     assert [(r["method"], r["kind"]) for r in rows] == [("exact", "exact"), ("knorm", "compress"), ("knorm", "stream")]
 
 
 def test_overhead_skips_larger_sizes_after_the_limit():
-    rows = bench.overhead_rows(["knorm"], [TINY], [32, 64], repeats=3, stream="all", max_seconds=0.0, log=lambda s: None)
+    rows = bench.overhead_rows(config(methods=["knorm"], shapes=[TINY], sizes=[32, 64], repeats=3, stream="all", max_seconds=0.0), **QUIET)
     first = [r for r in rows if r["n"] == 32]
     assert all(not r.get("skipped") and r["repeats"] == 1 for r in first)
     later = [r for r in rows if r["n"] == 64]  # the exact pass went over the limit too: the whole size is skipped
@@ -77,16 +87,49 @@ def test_overhead_skips_larger_sizes_after_the_limit():
     assert bench.exponent_rows(rows) == []
 
 
-@pytest.mark.parametrize("kwargs, match", [({"stream": "some"}, "stream"), ({"compression_ratio": 1.0}, "compression_ratio"),
-                                           ({"block": 0}, "block"), ({"sizes": [1]}, "sizes")])
-def test_overhead_rejects_bad_options(kwargs, match):
-    args = {"methods": ["knorm"], "shapes": [TINY], "sizes": [32]} | kwargs
+@pytest.mark.parametrize("kwargs, match", [
+    ({"sections": ["speed"]}, r"sections must name one or more of \['overhead'.*got \['speed'\]"),
+    ({"sections": "overhead"}, "sections must be a list or tuple, got 'overhead'"),
+    ({"sections": []}, "sections must name one or more of .*got none"),
+    ({"methods": ["nope"]}, r"methods must name one or more of .*got \['nope'\]"),
+    ({"memory_method": "nope"}, "memory_method must be one of .*got 'nope'"),
+    ({"memory_modes": ["fast"]}, r"memory_modes must name one or more of \['prefill', 'chunked', 'decode'\], got \['fast'\]"),
+    ({"shapes": ["gpt"]}, r"must be bench Shapes .*got \['gpt'\]"),
+    ({"step_shape": "gpt"}, r"must be bench Shapes .*got \['gpt'\]"),
+    ({"stream": "some"}, "stream must be one of native, all, none, got 'some'"),
+    ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\) \(the fraction of the n tokens removed\), got 1.0"),
+    ({"prefill_ratio": -0.5}, r"prefill_ratio must be in \[0, 1\)"),
+    ({"block": 0}, "block must be an integer >= 1, got 0"),
+    ({"repeats": 2.5}, "repeats must be an integer >= 1, got 2.5"),
+    ({"sizes": [64, 1]}, "sizes must be an integer >= 2, got 1"),
+    ({"sizes": []}, "sizes must hold at least one integer >= 2, got none"),
+    ({"plain_every": 0}, "plain_every must be an integer >= 1, got 0"),
+    ({"prefill_tokens": 1}, "prefill_tokens must be an integer >= 2, got 1"),
+    ({"decode_tokens": 1}, "decode_tokens must be an integer >= 2, got 1"),
+    ({"kept": [0.5, 0.0]}, r"kept must hold fractions of the context kept, in \(0, 1\], got \[0.0\]"),
+    ({"max_seconds": -1}, "max_seconds must be a number of seconds >= 0, got -1"),
+    ({"threads": [0]}, "threads must be an integer >= 1, got 0"),
+    ({"threads": [2, 2]}, r"threads must not repeat a count, got \[2, 2\]"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ({"model": 3}, "model must be a checkpoint directory"),
+    ({"device": "cpu"}, "device must be a torch.device, got 'cpu'"),
+    ({"dtype": torch.int64}, "dtype must be a floating torch dtype, got torch.int64"),
+])
+def test_config_rejects_bad_options_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        bench.overhead_rows(**args)
+        config(**kwargs)
+
+
+def test_config_is_frozen_with_tuples_and_every_method_by_default():
+    c = config(sizes=[32, 64], threads=[1])
+    assert c.sizes == (32, 64) and c.threads == (1,) and c.methods == tuple(kvc.methods())
+    assert c == config(sizes=(32, 64), threads=(1,)) and hash(c) == hash(config(sizes=(32, 64), threads=(1,)))
+    with pytest.raises(FrozenInstanceError):
+        c.repeats = 5
 
 
 def test_attention_step_rows():
-    rows = bench.attention_step_rows(TINY, contexts=(64,), kept=(0.25, 0.5), repeats=2, log=lambda s: None)
+    rows = bench.attention_step_rows(config(step_shape=TINY, step_contexts=[64], kept=[0.25, 0.5], step_repeats=2), **QUIET)
     assert [(r["path"], r["kept"], r["slots"]) for r in rows] == [("sdpa", 1.0, 64), ("weighted", 1.0, 64), ("weighted", 0.25, 16), ("weighted", 0.5, 32)]
     assert rows[0]["speedup"] == pytest.approx(1.0)
 
@@ -120,7 +163,7 @@ def test_cli_runs_and_writes_tables_and_plots(tmp_path):
     (out / "bench.md").unlink()
     assert main(["bench", "--report-only", "--out", str(out)]) == 0
     assert (out / "bench.md").read_text() == md
-    assert bench.read_csv(out / "overhead.csv")[0]["n"] == 32
+    assert read_csv(out / "overhead.csv")[0]["n"] == 32
 
 
 def test_report_needs_csvs(tmp_path):
@@ -142,17 +185,10 @@ def test_cli_help_documents_every_option(capsys):
         assert name in text
 
 
-@pytest.mark.parametrize("kwargs, match", [({"sections": ["speed"]}, "sections"), ({"methods": ["nope"]}, "unknown method"),
-                                           ({"shapes": ["gpt"]}, "shapes"), ({"threads": 0}, "threads")])
-def test_run_rejects_bad_options(tmp_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        bench.run(tmp_path, **kwargs)
-
-
 @pytest.mark.e2e
 def test_memory_chunked_flat_prefill_grows(default_model, tmp_path):
     model, tokenizer = default_model
-    rows = bench.memory_rows(model, tokenizer, "knorm", sizes=(384, 768), budget=64, chunk_size=64, log=lambda s: None)
+    rows = bench.memory_rows(model, tokenizer, config(memory_method="knorm", memory_sizes=[384, 768], memory_budget=64, chunk_size=64), **QUIET)
     chunked = [r for r in rows if r["mode"] == "chunked"]
     prefill = [r for r in rows if r["mode"] == "prefill"]
     assert [r["n"] for r in chunked] == [384, 768]
@@ -165,7 +201,7 @@ def test_memory_chunked_flat_prefill_grows(default_model, tmp_path):
 @pytest.mark.e2e
 def test_decode_rows_on_the_default_model(default_model):
     model, tokenizer = default_model
-    rows = bench.decode_rows(model, tokenizer, ["knorm"], context_tokens=256, kept=(0.5,), new_tokens=3, log=lambda s: None)
+    rows = bench.decode_rows(model, tokenizer, config(methods=["knorm"], decode_context=256, kept=[0.5], decode_tokens=3), **QUIET)
     assert [(r["method"], r["kept"]) for r in rows] == [("full", 1.0), ("knorm", 0.5)]
     assert rows[0]["speedup"] == pytest.approx(1.0)
     assert all(r["new_tokens"] == 3 and r["tokens_per_s"] > 0 for r in rows)
@@ -187,11 +223,12 @@ def test_cli_bench_runs_on_the_requested_device_and_dtype(tmp_path, device):
     assert main(argv) == 0
     machine = (out / "machine.txt").read_text()
     assert f"device {device}" in machine and "bfloat16" in machine
-    assert {r["method"] for r in bench.read_csv(out / "overhead.csv")} == {"exact", "knorm", "subgen"}
+    assert {r["method"] for r in read_csv(out / "overhead.csv")} == {"exact", "knorm", "subgen"}
 
 
 def test_throughput_rows_put_keydiff_first_as_the_reference():
-    rows = bench.throughput_rows(["knorm", "subgen"], TINY, tokens=96, block=16, repeats=2, log=lambda s: None)
+    rows = bench.throughput_rows(config(methods=["knorm", "subgen"], throughput_shape=TINY, throughput_tokens=96, block=16, throughput_repeats=2),
+                                 **QUIET)
     assert [(r["method"], r["stream"]) for r in rows] == [("keydiff", "block-wise"), ("knorm", "block-wise"), ("subgen", "native")]
     assert rows[0]["over_keydiff"] == 1.0 and all(r["runs"] == 2 and r["budget"] == 48 for r in rows)
     for r in rows:
@@ -211,23 +248,17 @@ def test_cli_runs_every_thread_count_into_its_own_directory(tmp_path):
         torch.set_num_threads(threads)
     for count in (1, 2):
         assert f"torch threads {count}," in (out / f"threads-{count}" / "machine.txt").read_text()
-        assert [r["method"] for r in bench.read_csv(out / f"threads-{count}" / "throughput.csv")] == ["keydiff", "knorm"]
-        assert {r["method"] for r in bench.read_csv(out / f"threads-{count}" / "overhead.csv")} == {"exact", "knorm"}
+        assert [r["method"] for r in read_csv(out / f"threads-{count}" / "throughput.csv")] == ["keydiff", "knorm"]
+        assert {r["method"] for r in read_csv(out / f"threads-{count}" / "overhead.csv")} == {"exact", "knorm"}
     page = (out / "bench.md").read_text()
     assert "## 1 thread\n" in page and "## 2 threads\n" in page and page.count("### Streaming throughput vs KeyDiff") == 2
-
-
-@pytest.mark.parametrize("counts, match", [([], "at least one"), ([1, 1], "must not repeat"), ([0], "threads")])
-def test_run_thread_counts_rejects_bad_counts(tmp_path, counts, match):
-    with pytest.raises(ValueError, match=match):
-        bench.run_thread_counts(tmp_path, counts)
 
 
 @pytest.mark.smoke
 def test_prefill_rows_on_the_default_model(default_model):
     model, tokenizer = default_model
-    rows = bench.prefill_rows(model, tokenizer, ["knorm", "h2o"], tokens=160, ratio=0.5, repeats=1, plain_every=1, kernel_repeats=1,
-                              log=lambda s: None)
+    options = config(methods=["knorm", "h2o"], prefill_tokens=160, prefill_ratio=0.5, prefill_repeats=1, plain_every=1, kernel_repeats=1)
+    rows = bench.prefill_rows(model, tokenizer, options, **QUIET)
     by_method = {r["method"]: r for r in rows}
     assert list(by_method) == ["plain", "knorm", "h2o"] and by_method["plain"]["runs"] == 2
     assert by_method["plain"]["compress_min_s"] == 0.0 and by_method["plain"]["implied_overhead"] == 1.0
@@ -246,7 +277,7 @@ def test_prefill_rows_pair_each_run_with_the_plain_prefill_just_before_it(monkey
     script = iter(warm_up + rounds[0] + rounds[1])
     monkeypatch.setattr(bench.prefill, "prefill_seconds", lambda model, ids, method, ratio: (next(script), 0.0 if method is None else 0.01))
     monkeypatch.setattr(bench.prefill, "context_ids", lambda tokenizer, tokens: torch.zeros(1, tokens, dtype=torch.long))
-    rows = bench.prefill_rows(None, None, ["knorm", "snapkv", "tova"], tokens=16, repeats=2, plain_every=2, log=lambda s: None)
+    rows = bench.prefill_rows(None, None, config(methods=["knorm", "snapkv", "tova"], prefill_tokens=16, prefill_repeats=2, plain_every=2), **QUIET)
     by_method = {r["method"]: r for r in rows}
     assert by_method["plain"]["runs"] == 4 and by_method["plain"]["overhead_paired"] == 1.0
     assert by_method["knorm"]["overhead_paired"] == pytest.approx(statistics.median([1.2 / 1.0, 2.1 / 1.5]))
@@ -255,7 +286,28 @@ def test_prefill_rows_pair_each_run_with_the_plain_prefill_just_before_it(monkey
     assert by_method["snapkv"]["overhead_min"] == pytest.approx(1.3 / 1.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [({"ratio": 1.0}, "ratio"), ({"plain_every": 0}, "plain_every"), ({"tokens": 1}, "tokens")])
-def test_prefill_rows_reject_bad_options(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        bench.prefill_rows(None, None, ["knorm"], log=lambda s: None, **kwargs)
+def test_csv_round_trip_keeps_every_column_and_parses_numbers_back(tmp_path):
+    from kvcompress.eval.tables import markdown_table, write_csv
+
+    rows = [{"method": "knorm", "n": 32, "ratio": 0.25}, {"method": "subgen", "n": 64, "skipped": True}]
+    write_csv(tmp_path / "new" / "rows.csv", rows)
+    assert (tmp_path / "new" / "rows.csv").read_text().splitlines()[0] == "method,n,ratio,skipped"
+    assert read_csv(tmp_path / "new" / "rows.csv") == rows
+    assert markdown_table(rows).splitlines() == ["| method | n | ratio | skipped |", "|---|---|---|---|",
+                                                 "| knorm | 32 | 0.25 |  |", "| subgen | 64 |  | True |"]
+    assert markdown_table(rows, ["n", "method"]).splitlines()[2] == "| 32 | knorm |"
+
+
+def test_plots_leave_the_matplotlib_backend_and_pyplot_alone(tmp_path):
+    """Importing the plotting modules and writing a plot keeps the user's backend (once `matplotlib.use("Agg")` ran at import)."""
+    script = f"""
+import sys, matplotlib
+from kvcompress.eval import bench, leaderboard, plots
+rows = [{{"shape": "tiny", "n": n, "method": "knorm", "kind": "compress", "ratio_min": r}} for n, r in ((32, 1.5), (64, 2.0))]
+bench.plot_overhead(rows, __import__("pathlib").Path({str(tmp_path)!r}) / "overhead.png")
+print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "MPLBACKEND": "svg"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["svg", "False"]
+    assert (tmp_path / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

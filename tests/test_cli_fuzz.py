@@ -3,8 +3,11 @@
 All cases fail before a model is loaded, so the test needs no model and runs in seconds.
 """
 
+import json
+
 import pytest
 
+from kvcompress.calibration import Calibration
 from kvcompress.cli import main
 
 
@@ -12,10 +15,14 @@ from kvcompress.cli import main
 def context_file(tmp_path):
     path = tmp_path / "context.txt"
     path.write_text("The magic number is 42. " * 20)
+    path.with_name("not-json.json").write_text("alpha=1\n")
+    path.with_name("not-calibration.json").write_text(json.dumps({"method": "knorm", "alpha": 1.0}))
+    Calibration("knorm", alpha=1.0, beta=-2.0, method_params={"anchor": "mean"}).save(path.with_name("knorm.json"))
     return path
 
 
 GEN = ["generate", "--context-file", "{ctx}"]
+CALIBRATED = [*GEN, "--calibration", "{tmp}/knorm.json", "--quality", "0.9"]
 BENCH = ["bench", "--out", "{tmp}/bench", "--sections", "overhead", "--repeats", "1"]
 CAL = ["calibrate", "--out", "{tmp}/cal.json"]
 
@@ -38,28 +45,46 @@ CASES = {
     "generate full cache with slack": ([*GEN, "--method", "full", "--slack", "0.5"], "--slack"),
     "generate negative slack": ([*GEN, "--budget", "8", "--mode", "chunked", "--slack", "-1"], "slack"),
     "generate slack in prefill mode": ([*GEN, "--budget", "8", "--slack", "0.5"], "slack"),
-    "generate unknown method": ([*GEN, "--method", "zip", "--budget", "8"], "unknown method"),
+    "generate unknown method": ([*GEN, "--method", "zip", "--budget", "8"], "argument --method: unknown method 'zip'; known methods: full, balancekv"),
     "generate unknown mode": ([*GEN, "--budget", "8", "--mode", "fast"], "--mode"),
     "generate unknown method parameter": ([*GEN, "--method", "keydiff", "--budget", "8", "--param", "bogus=1"], "bogus"),
     "generate malformed parameter": ([*GEN, "--budget", "8", "--param", "anchor"], "--param"),
     "generate budget and ratio": ([*GEN, "--budget", "8", "--compression-ratio", "0.5"], "not allowed with"),
-    "generate neither budget nor ratio": (GEN, "--compression-ratio or --budget"),
+    "generate neither budget nor ratio": (GEN, "pass --compression-ratio, --budget or --calibration with --quality"),
     "generate full with a budget": ([*GEN, "--method", "full", "--budget", "8"], "--method full"),
+    "generate full with a sink": ([*GEN, "--method", "full", "--sink", "0"], "it takes no --sink"),
+    "generate zero threads": ([*GEN, "--budget", "8", "--threads", "0"], "argument --threads: expected an integer >= 1, got '0'"),
+    "generate threads not a number": ([*GEN, "--budget", "8", "--threads", "all"], "--threads"),
+    "generate calibration file missing": ([*GEN, "--calibration", "{tmp}/none.json", "--quality", "0.9"], "--calibration"),
+    "generate calibration file is a directory": ([*GEN, "--calibration", "{tmp}", "--quality", "0.9"], "is a directory"),
+    "generate calibration file not JSON": ([*GEN, "--calibration", "{tmp}/not-json.json", "--quality", "0.9"], "is not JSON text"),
+    "generate calibration file without beta": ([*GEN, "--calibration", "{tmp}/not-calibration.json", "--quality", "0.9"],
+                                               "not a calibration file (missing ['beta']"),
+    "generate calibration without quality": ([*GEN, "--calibration", "{tmp}/knorm.json"], "needs --quality"),
+    "generate quality without calibration": ([*GEN, "--quality", "0.9"], "--quality 0.9 goes with --calibration"),
+    "generate quality with a budget": ([*GEN, "--budget", "8", "--quality", "0.9"], "--quality 0.9 goes with --calibration"),
+    "generate quality above one": ([*GEN, "--calibration", "{tmp}/knorm.json", "--quality", "1.5"], "quality (the NLL-ratio budget gamma) must be in (0, 1], got 1.5"),
+    "generate calibration and budget": ([*CALIBRATED, "--budget", "8"], "argument --budget: not allowed with argument --calibration"),
+    "generate calibration and ratio": ([*CALIBRATED, "--compression-ratio", "0.5"], "not allowed with argument --calibration"),
+    "generate calibration of another method": ([*CALIBRATED, "--method", "snapkv"], "was fitted for method 'knorm', got --method snapkv"),
+    "generate calibration and full cache": ([*CALIBRATED, "--method", "full"], "--method full keeps every token: it takes no --calibration, --quality"),
+    "generate parameter unlike the calibration's": ([*CALIBRATED, "--param", "anchor=median"], "--param {'anchor': 'median'} differs"),
     # demo
-    "demo unknown method": (["demo", "--methods", "zip"], "unknown method"),
+    "demo unknown method": (["demo", "--methods", "zip"], "argument --methods: unknown method(s) ['zip']"),
     "demo comma-separated methods, one unknown": (["demo", "--methods", "keydiff,zip"], "unknown method(s) ['zip']"),
     "demo ratio not a number": (["demo", "--compression-ratio", "half"], "--compression-ratio"),
     "demo ratio one": (["demo", "--compression-ratio", "1"], "compression-ratio"),
     "demo depth above one": (["demo", "--depth", "1.5"], "depth"),
     "demo missing model directory": (["demo", "--model", "{tmp}/no-model", "--tokens", "64"], "checkpoint"),
     # eval
-    "eval unknown method": (["eval", "--methods", "zip", "--out", "{tmp}/e"], "zip"),
+    "eval unknown method": (["eval", "--methods", "zip", "--out", "{tmp}/e"], "argument --methods: unknown method(s) ['zip']"),
+    "eval unknown mode": (["eval", "--modes", "fast", "--out", "{tmp}/e"], "argument --modes: unknown mode(s) ['fast']; known modes: prefill"),
     "eval unknown task": (["eval", "--tasks", "haystack", "--out", "{tmp}/e"], "haystack"),
     "eval unknown bench": (["eval", "speed"], "speed"),
     "eval ratio out of range": (["eval", "--ratios", "0.5,1.5", "--out", "{tmp}/e"], "1.5"),
     "eval ratios not numbers": (["eval", "--ratios", "half"], "--ratios"),
     "eval zero samples": (["eval", "--samples", "0", "--out", "{tmp}/e"], "samples"),
-    "eval zero threads": (["eval", "--threads", "0"], "--threads"),
+    "eval zero threads": (["eval", "--threads", "0"], "argument --threads: expected an integer >= 1, got '0'"),
     "eval grid lengths without depths": (["eval", "--grid-lengths", "1024", "--out", "{tmp}/e"], "grid_depths"),
     "eval malformed task parameter": (["eval", "--task-param", "n_keys=4", "--out", "{tmp}/e"], "--task-param"),
     "eval approx sink beyond tokens": (["eval", "approx", "--tokens", "100", "--sink", "256"], "tokens"),
@@ -73,12 +98,17 @@ CASES = {
     "eval perplexity with a haystack": (["eval", "--tasks", "perplexity", "--haystack", "prose", "--out", "{tmp}/e"], "--haystack"),
     "eval context fraction without perplexity": (["eval", "--context-fraction", "0.5", "--out", "{tmp}/e"], "--context-fraction"),
     # bench
-    "bench unknown section": (["bench", "--sections", "speed", "--out", "{tmp}/b"], "sections"),
-    "bench unknown method": ([*BENCH, "--methods", "zip"], "unknown method"),
-    "bench unknown shape": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--shapes", "gpt"], "shapes"),
+    "bench unknown section": (["bench", "--sections", "speed", "--out", "{tmp}/b"], "argument --sections: unknown section(s) ['speed']"),
+    "bench unknown method": ([*BENCH, "--methods", "zip"], "argument --methods: unknown method(s) ['zip']"),
+    "bench unknown memory method": ([*BENCH, "--memory-method", "zip"], "argument --memory-method: unknown method 'zip'"),
+    "bench unknown shape": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--shapes", "gpt"], "argument --shapes: unknown shape(s) ['gpt']"),
+    "bench unknown step shape": ([*BENCH, "--step-shape", "gpt"], "argument --step-shape: unknown shape 'gpt'; known shapes: smollm2, llama8b"),
+    "bench zero repeats": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--repeats", "0"], "repeats must be an integer >= 1, got 0"),
+    "bench kept above one": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--kept", "0.5,2"], "kept must hold fractions of the context kept, in (0, 1], got [2.0]"),
+    "bench repeated thread counts": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--threads", "1,1"], "threads must not repeat a count"),
     "bench sizes not numbers": ([*BENCH, "--sizes", "1k"], "--sizes"),
     "bench size too small": ([*BENCH, "--sizes", "1"], "sizes"),
-    "bench zero threads": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--threads", "0"], "threads"),
+    "bench zero threads": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--threads", "0"], "argument --threads: expected comma-separated integers >= 1"),
     "bench ratio one": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--compression-ratio", "1"], "compression_ratio"),
     "bench unknown dtype": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--dtype", "float8"], "--dtype"),
     "bench unknown device": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--device", "tpu"], "--device"),
@@ -87,11 +117,12 @@ CASES = {
     # calibrate
     "calibrate missing out flag": (["calibrate"], "--out"),
     "calibrate out directory missing": (["calibrate", "--out", "{tmp}/no/cal.json"], "--out"),
-    "calibrate unknown method": ([*CAL, "--method", "zip"], "unknown method"),
-    "calibrate unknown task": ([*CAL, "--tasks", "haystack"], "haystack"),
+    "calibrate unknown method": ([*CAL, "--method", "zip"], "argument --method: unknown method 'zip'"),
+    "calibrate unknown task": ([*CAL, "--tasks", "haystack"], "argument --tasks: unknown task(s) ['haystack']; known tasks: niah_single"),
+    "calibrate too few tokens": ([*CAL, "--tokens", "8"], "argument --tokens: expected an integer >= 16, got '8'"),
     "calibrate retention above one": ([*CAL, "--retentions", "0.5,2"], "--retentions"),
     "calibrate retentions not numbers": ([*CAL, "--retentions", "most"], "--retentions"),
-    "calibrate zero samples": ([*CAL, "--samples", "0"], "--samples"),
+    "calibrate zero samples": ([*CAL, "--samples", "0"], "argument --samples: expected an integer >= 1, got '0'"),
     "calibrate asymmetry below one": ([*CAL, "--asymmetry", "0.5"], "--asymmetry"),
     "calibrate triples and out the same file": ([*CAL, "--triples", "{tmp}/cal.json"], "--triples"),
     "calibrate missing model directory": ([*CAL, "--model", "{tmp}/no-model"], "checkpoint"),

@@ -359,7 +359,7 @@ def test_boolean_method_parameters_accept_only_booleans(value):
 
 
 def test_boolean_method_parameters_from_the_command_line():
-    from kvcompress.cli import parse_params
+    from kvcompress.commands.common import parse_params
 
     assert build_method("random", **parse_params(["weighted=false"])).weighted is False
     assert build_method("clustergen", **parse_params(["weighted=TRUE"])).weighted is True

@@ -9,11 +9,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 
 # Lowest first; a module's layer is the longest matching prefix of its dotted name (without "kvcompress.").
 LAYERS = [
-    ("core", ("summary", "attention", "checks")),
+    ("core", ("summary", "attention", "checks", "quantization")),
     ("methods", ("methods",)),
     ("api", ("api", "options")),
     ("model support", ("integration.support",)),
-    ("cache", ("cache", "calibration")),
+    ("cache", ("cache", "cache_file", "calibration")),
     ("integration", ("integration",)),
     ("eval", ("eval",)),
     ("cli", ("cli", "commands", "demo", "__main__")),
@@ -42,8 +42,12 @@ def module_name(path: Path) -> str:
 def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
     """(line, kvcompress-relative module) for every kvcompress import in a module's source, lazy ones included."""
     package = module.split(".") if is_package else module.split(".")[:-1]
+    tree = ast.parse(source)
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block) for n in ast.walk(block)}
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
@@ -57,6 +61,11 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> list
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name.removeprefix("kvcompress").lstrip(".")) for a in node.names if a.name.startswith("kvcompress.")]
     return out
+
+
+def _is_type_checking_block(node) -> bool:
+    """`if TYPE_CHECKING:`: imports for annotations only, never run (they cannot make a circle)."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -106,6 +115,7 @@ def test_the_checker_sees_lazy_relative_and_absolute_upward_imports():
     assert upward_imports(source, "methods.probe") == ["integration", "cli"]
     assert upward_imports("from .. import cli\n", "eval.probe") == ["cli"]
     assert upward_imports("from ...api import compress\n", "eval.bench.probe") == []
+    assert upward_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cli import main\n", "methods.probe") == []
 
 
 def import_graph() -> dict[str, set[str]]:

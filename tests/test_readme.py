@@ -1,22 +1,357 @@
-"""The README's first example, run as printed on the default model."""
+"""Every example of the README, run as printed and checked against what the README shows it prints.
+
+The snippets are read from README.md itself, so editing an example changes what is run. In a snippet,
+lines starting with `# ` (or a lone `#`) at the start of a line are printed output:
+- Python snippets: the snippet's whole stdout must equal those lines, in order;
+- shell snippets: the lines shown after a command must appear, in order, in what that command prints
+  (shown lines are an excerpt of longer outputs).
+Times (`1.23s`) are masked on both sides. Every fenced snippet is claimed by exactly one test below
+(`test_every_readme_snippet_is_run_by_a_test`); the install-only one is listed in INSTALL_ONLY.
+Model-loading runs are `smoke` (CI) where they are quick, `e2e` otherwise; pure-tensor ones are unit tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-import kvcompress as kvc
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+TEXT = README.read_text(encoding="utf-8")
+TIME = re.compile(r"\b\d+(\.\d+)?s\b")
+
+# Which test runs which fenced snippet: a string found in exactly one snippet.
+PY_FIRST = 'cache = kvc.CompressedCache(model, "keydiff", compression_ratio=0.5)   # also selects'
+PY_PIPELINE = 'pipeline("kvcompress-text-generation"'
+PY_BATCH = 'tokenizer.padding_side = "left"'
+PY_REPORT = "print(res.report())"
+PY_TENSOR = 'kvc.stream("express", budget=512)'
+SH_CLI = "kvcompress generate --method keydiff"
+SH_BENCHMARKS = "kvcompress eval --benchmark longbench"
+SH_PERPLEXITY = "kvcompress eval --tasks perplexity"
+SH_RULER_GPU = "git clone https://github.com/NVIDIA/RULER"
+INSTALL_ONLY = ["make demo", "make test"]  # sets up .venv and runs the tests; `kvcompress demo` is run below (SH_CLI)
+CLAIMED = [PY_FIRST, PY_PIPELINE, PY_BATCH, PY_REPORT, PY_TENSOR, SH_CLI, SH_BENCHMARKS, SH_PERPLEXITY, SH_RULER_GPU]
+
+
+def snippets(lang: str | None = None) -> list[tuple[str, str]]:
+    """(language, text) of every fenced snippet of the README, in order."""
+    found = re.findall(r"^```(\w*)\n(.*?)^```", TEXT, re.S | re.M)
+    return [(lg, body) for lg, body in found if lang is None or lg == lang]
+
+
+def snippet(marker: str) -> str:
+    """The one fenced snippet containing `marker`."""
+    hits = [body for _, body in snippets() if marker in body]
+    assert len(hits) == 1, f"{len(hits)} README snippets contain {marker!r}"
+    return hits[0]
+
+
+def is_output(line: str) -> bool:
+    return line == "#" or line.startswith("# ")
+
+
+def shown(lines: list[str]) -> list[str]:
+    """The printed-output lines among `lines`, without their '# ', times masked."""
+    return [mask(line[2:]) for line in lines if is_output(line)]
+
+
+def mask(line: str) -> str:
+    return TIME.sub("<t>s", line.rstrip())
+
+
+def printed(text: str) -> list[str]:
+    return [mask(line) for line in text.rstrip("\n").split("\n")] if text.strip() else []
+
+
+def test_every_readme_snippet_is_run_by_a_test():
+    all_snippets = snippets()
+    assert {lg for lg, _ in all_snippets} <= {"python", "bash"}
+    for _, body in all_snippets:
+        owners = [m for m in CLAIMED if m in body]
+        install_only = all(m in body for m in INSTALL_ONLY) and all(
+            line.startswith("make ") or line.lstrip().startswith("# ") for line in body.strip().split("\n"))
+        assert owners or install_only, f"no test runs this README snippet:\n{body}"
+    for marker in CLAIMED:
+        snippet(marker)  # each claimed marker names exactly one snippet
+
+
+def test_output_lines_are_parsed_from_the_snippets():
+    body = snippet(PY_FIRST)
+    assert shown(body.split("\n")) == ["The magic number is 4217. This is a classic example of"]
+    assert mask("time prefill 1.21s (compression 0.19s), decode 12s") == "time prefill <t>s (compression <t>s), decode <t>s"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python snippets
+
+
+def run_python(code: str, namespace: dict) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), namespace)
+    return out.getvalue()
+
+
+def test_the_tensor_level_example_prints_what_the_readme_shows():
+    code = snippet(PY_TENSOR)
+    assert "pre_rope_keys=pre_rope_keys" in code  # Compactor and the hybrid need them
+    out = run_python(code, {})
+    assert printed(out) == shown(code.split("\n"))
+
+
+@pytest.fixture(scope="module")
+def readme_session():
+    """The model-loading Python snippets run in README order in one namespace (they build on each other):
+    {marker: (namespace after it, stdout)}; the first one loads the default model as printed."""
+    namespace: dict = {}
+    runs = {}
+    for marker in (PY_FIRST, PY_PIPELINE, PY_BATCH, PY_REPORT):
+        out = run_python(snippet(marker), namespace)
+        runs[marker] = (dict(namespace), out)
+    return runs
 
 
 @pytest.mark.e2e
 @pytest.mark.smoke
-def test_the_first_readme_example_prints_the_needle(default_model):
-    model, tokenizer = default_model
-    context = "The magic number is 4217. " + "Grass is green. " * 30
-    question = "What is the magic number?"
+@pytest.mark.parametrize("marker", [PY_FIRST, PY_PIPELINE, PY_BATCH, PY_REPORT])
+def test_python_example_prints_what_the_readme_shows(readme_session, marker):
+    expected = shown(snippet(marker).split("\n"))
+    assert expected, "the README shows no output for this example"
+    assert printed(readme_session[marker][1]) == expected
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_the_first_example_prose_snapkv_budget_and_the_hybrid(readme_session, monkeypatch):
+    """'On this 168-token prompt, half the cache leaves SnapKV a middle budget of only 16 tokens beside its exact
+    sink (4) and window (64). It answers "...". KeyDiff and the hybrid keep the needle.'"""
+    import kvcompress as kvc
+    from kvcompress.methods.budget import resolve_budget
+
+    claim = re.search(r"On this (\d+)-token prompt, half the cache leaves SnapKV a middle budget of only (\d+) tokens\s+"
+                      r"beside its exact sink \((\d+)\) and window \((\d+)\)\. It answers \"([^\"]+)\"\. KeyDiff and the\s+hybrid keep the needle",
+                      TEXT)
+    assert claim, "the README's sentence about the first example changed: update this test with it"
+    n, budget, sink, window = map(int, claim.groups()[:4])
+    namespace = readme_session[PY_FIRST][0]
+    model, tokenizer = namespace["model"], namespace["tokenizer"]
+    monkeypatch.setattr(kvc, "load_model", lambda *a, **k: (model, tokenizer))  # the model the snippet loaded
+    code = snippet(PY_FIRST)
     answers = {}
-    for method in ("keydiff", "snapkv"):
+    for method in ("snapkv", "hybrid"):
+        ns: dict = {}
+        out = run_python(code.replace('"keydiff"', f'"{method}"'), ns)
+        answers[method] = out.strip()
+        if method == "snapkv":
+            assert ns["inputs"]["input_ids"].shape[1] == n
+            settings = ns["cache"].settings
+            assert (settings.sink, settings.window) == (sink, window)
+            assert resolve_budget(n, None, 0.5, sink, window) == budget
+            generated = ns["out"].shape[1] - n
+            # prefill mode: sink + middle + window of the prompt, then the exact tail of the answer (its last token is never fed)
+            assert set(ns["cache"].slots_per_layer()) == {sink + budget + window + generated - 1}
+    assert answers["snapkv"].startswith(claim.group(5)) and "4217" not in answers["snapkv"], answers
+    assert "4217" in answers["hybrid"], answers
+    assert "4217" in readme_session[PY_FIRST][1]
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_each_batch_row_answers_as_it_does_alone(readme_session):
+    """'each row gets the answer it gets alone': both batch paths of the README, against each row run alone."""
+    import kvcompress as kvc
+
+    ns = readme_session[PY_BATCH][0]
+    model, tokenizer, question = ns["model"], ns["tokenizer"], ns["question"]
+    method = ns["cache"].settings.method.name
+    batch_cache_rows = tokenizer.batch_decode(ns["out"][:, ns["batch"]["input_ids"].shape[1]:], skip_special_tokens=True)
+    for row, prompt in enumerate(ns["prompts"]):
+        one = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
         cache = kvc.CompressedCache(model, method, compression_ratio=0.5)
-        inputs = tokenizer.apply_chat_template([{"role": "user", "content": context + "\n\n" + question}],
-                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=16, do_sample=False)
-        answers[method] = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert answers["keydiff"].startswith("The magic number is 4217. This is a classic example of")
-    assert "4217" not in answers["snapkv"]  # as the README says: its middle budget is 16 tokens here
+        out = model.generate(**one, past_key_values=cache, max_new_tokens=16, do_sample=False)
+        assert tokenizer.decode(out[0, one["input_ids"].shape[1]:], skip_special_tokens=True) == batch_cache_rows[row]
+        alone = kvc.generate(model, tokenizer, ns["contexts"][row], question, method=method, compression_ratio=0.5, max_new_tokens=16)
+        assert alone.text == ns["results"][row].text
+    assert all("4217" in r for r in batch_cache_rows[:1]) and "12" in batch_cache_rows[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shell snippets
+
+
+def commands(body: str) -> list[tuple[str, list[str]]]:
+    """(command, the output lines shown after it) for each command of a shell snippet (continuation lines joined)."""
+    result: list[tuple[str, list[str]]] = []
+    pending = ""
+    for line in body.split("\n"):
+        if is_output(line):
+            assert result, f"output shown before any command: {line!r}"
+            result[-1][1].append(line)
+        elif line.strip():
+            pending += line.rstrip("\\").rstrip() + " " if line.rstrip().endswith("\\") else line
+            if not line.rstrip().endswith("\\"):
+                result.append((pending.strip(), []))
+                pending = ""
+    assert not pending, f"unfinished command: {pending!r}"
+    return result
+
+
+def argv(command: str) -> list[str]:
+    """The kvcompress arguments of a command line (its trailing `# comment` dropped)."""
+    words = shlex.split(command, comments=True)
+    assert words[0] == "kvcompress", command
+    return words[1:]
+
+
+def run_shell(command: str, cwd: Path, timeout: int = 600) -> str:
+    """Run one README command with bash in `cwd`, the venv's python and kvcompress first on PATH; its stdout."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": os.environ.get("KVCOMPRESS_TEST_THREADS", "2")}
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command}\nexit {done.returncode}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def assert_shown_in(shown_lines: list[str], out: str, command: str) -> None:
+    """The README's shown lines appear in `out` in order (after time masking)."""
+    lines = printed(out)
+    at = 0
+    for want in shown_lines:
+        while at < len(lines) and lines[at] != want:
+            at += 1
+        assert at < len(lines), f"{command}\nshows {want!r}, which it does not print (in that order):\n{out}"
+        at += 1
+
+
+def in_repo_copy(tmp_path: Path) -> Path:
+    """A scratch working directory where the README's relative paths (tests/fixtures/...) resolve, outputs stay out of the repo."""
+    (tmp_path / "tests").symlink_to(REPO / "tests")
+    return tmp_path
+
+
+def test_the_cli_help_commands_run():
+    from kvcompress.cli import main
+
+    helps = [c for c, _ in commands(snippet(SH_CLI)) if c.endswith("--help")]
+    assert len(helps) == 3
+    for command in helps:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = main(argv(command))
+        assert status == 0 and out.getvalue().startswith(f"usage: kvcompress {argv(command)[0]}"), command
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_the_cli_generate_example_prints_what_the_readme_shows(tmp_path):
+    steps = commands(snippet(SH_CLI))
+    makes_doc, generate = steps[0], steps[1]
+    assert makes_doc[0].startswith("python -c") and "> doc.txt" in makes_doc[0] and generate[0].startswith("kvcompress generate")
+    run_shell(makes_doc[0], tmp_path)
+    assert generate[1], "the README shows no output for kvcompress generate"
+    assert_shown_in(shown(generate[1]), run_shell(generate[0], tmp_path), generate[0])
+
+
+@pytest.mark.e2e
+def test_the_demo_prints_what_the_readme_shows(tmp_path):
+    """`kvcompress demo` (what `make demo` runs after the set-up): a ~3k-token needle, the full cache and 8 methods."""
+    (command, output), = [(c, o) for c, o in commands(snippet(SH_CLI)) if c.startswith("kvcompress demo")]
+    assert output
+    out = run_shell(command, tmp_path)
+    assert_shown_in(shown(output), out, command)
+    tokens = int(re.search(r"context: (\d+) tokens", out).group(1))
+    assert 2700 <= tokens <= 3300  # the set-up section's "~3k-token" needle
+    assert re.search(r"^full\s+yes\s", out, re.M)  # the full cache answers it
+
+
+def shell_runs(marker: str) -> list[tuple[str, list[str]]]:
+    steps = commands(snippet(marker))
+    assert steps and all(c.startswith("kvcompress ") for c, _ in steps)
+    return steps
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_the_longbench_command_on_the_shipped_samples(tmp_path):
+    cwd = in_repo_copy(tmp_path)
+    (command, output), = [s for s in shell_runs(SH_BENCHMARKS) if "longbench" in s[0]]
+    assert output
+    assert_shown_in(shown(output), run_shell(command, cwd), command)
+    assert (cwd / "results" / "lb" / "leaderboard_longbench.md").is_file()
+
+
+@pytest.mark.e2e
+def test_the_ruler_command_on_the_shipped_samples(tmp_path):
+    cwd = in_repo_copy(tmp_path)
+    (command, output), = [s for s in shell_runs(SH_BENCHMARKS) if "--benchmark ruler" in s[0]]
+    assert output
+    assert_shown_in(shown(output), run_shell(command, cwd), command)
+    assert (cwd / "results" / "ruler" / "leaderboard_ruler.md").is_file()
+
+
+@pytest.mark.e2e
+def test_the_perplexity_command(tmp_path):
+    (command, output), = shell_runs(SH_PERPLEXITY)
+    assert output
+    assert_shown_in(shown(output), run_shell(command, tmp_path), command)
+    assert (tmp_path / "results" / "ppl" / "leaderboard_perplexity.md").is_file()
+
+
+def readme_kvcompress_commands() -> list[str]:
+    """Every `kvcompress ...` command of the README: inline code spans (also across lines), indented blocks, fenced snippets."""
+    inline = [" ".join(span.split()) for span in re.findall(r"`(kvcompress (?:generate|demo|eval|bench|calibrate)\b[^`]*)`", TEXT)]
+    joined = TEXT.replace("\\\n", " ")
+    indented = [" ".join(line.split()) for line in re.findall(r"^    (kvcompress .*)$", joined, re.M)]
+    fenced = [c for lang, body in snippets("bash") for c, _ in commands(body) if c.startswith("kvcompress ")]
+    return inline + indented + fenced
+
+
+def test_every_kvcompress_command_in_the_readme_parses_with_todays_cli():
+    """The commands behind the README's numbers (indented blocks and inline spans) and the GPU recipe's `kvcompress eval`
+    (which needs RULER's generated data and an 8B model, so only its arguments are checked here) still exist: each one
+    parses with today's command line."""
+    from kvcompress.cli import build_parser
+
+    found = readme_kvcompress_commands()
+    gpu = [c for c, _ in commands(snippet(SH_RULER_GPU)) if c.startswith("kvcompress ")]
+    assert len(gpu) == 1 and gpu[0] in found
+    assert sum(c.startswith("kvcompress bench --sections") for c in found) >= 3
+    assert sum(c.startswith("kvcompress eval") and "--out results/" in c for c in found) >= 5
+    parser = build_parser()
+    for command in found:
+        if command.endswith("--help"):
+            continue
+        args = parser.parse_args(argv(command))
+        assert callable(args.func), command
+
+
+def test_every_benchmark_script_the_readme_names_exists_and_takes_its_flags():
+    """`python benchmarks/x.py --flag ...` in the README: the script exists and defines each flag."""
+    runs = re.findall(r"python (benchmarks/[\w/]+\.py)((?:\s+--[\w-]+(?:\s+[^\s`-][^\s`]*)*)*)", TEXT.replace("\n", " "))
+    assert runs
+    for script, flags in runs:
+        source = (REPO / script).read_text()
+        for flag in re.findall(r"--[\w-]+", flags):
+            assert f'"{flag}"' in source, f"{script} has no {flag}"
+
+
+def test_every_results_path_the_readme_cites_exists():
+    paths = set(re.findall(r"(?<![\w/])((?:benchmarks|results|docs|tests)/[\w./{},-]*[\w/}])", TEXT))
+    skip = {"results/lb", "results/ruler", "results/ppl", "results/ruler-8b"}  # written by the README's own commands
+    for path in sorted(paths - skip):
+        if "{" in path:  # results/x_text{0,2}/: each expansion
+            head, alts, tail = re.match(r"(.*)\{([^}]*)\}(.*)", path).groups()
+            expanded = [head + alt + tail for alt in alts.split(",")]
+        else:
+            expanded = [path]
+        for p in expanded:
+            assert (REPO / p).exists(), f"the README cites {p}, which does not exist"

@@ -28,13 +28,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .benchmarks import LONGBENCH_E_BUCKETS  # noqa: E402
-from .runner import FULL  # noqa: E402
-from .stats import Z95, t_interval, wilson  # noqa: E402
+from .benchmarks import LONGBENCH_E_BUCKETS
+from .runner import FULL
+from .stats import Z95, t_interval, wilson
 
 def score_stats(scores: list[float], lower_is_better: bool = False) -> dict:
     """Mean, standard error and 95% interval (fractions in [0, 1]) of per-sample scores; lower_is_better:
@@ -223,10 +221,11 @@ def plot_leaderboard(benchmark: str, records: list[dict], path: str | Path) -> P
     several_modes = len({mode for _, mode in lines}) > 1
     lower = lower_is_better(records)
     scale, what = (1, "score (lower is better)") if all(lower.values()) else (100, "score × 100")
-    colors = plt.colormaps["tab20"].resampled(max(len(lines), 1))
+    colors = matplotlib.colormaps["tab20"].resampled(max(len(lines), 1))
     ncols = min(4, len(panels))
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
+    fig = Figure(figsize=(4 * ncols, 3.2 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     for ax, panel in zip(axes.flat, panels):
         for i, (method, mode) in enumerate(lines):
             pts = sorted(((e[1], cells[(e, panel)]) for e in entries if e[0] == method and e[2] == mode and cells.get((e, panel)) and cells[(e, panel)]["n"]),
@@ -253,7 +252,6 @@ def plot_leaderboard(benchmark: str, records: list[dict], path: str | Path) -> P
     fig.suptitle(f"{benchmark}: {what} vs compression ratio (95% intervals)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
 
 

@@ -82,7 +82,7 @@ from ..methods.registry import method_names
 from .capture import prose_paragraphs
 from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results, stream_budget
 from .stats import t_interval
-from .tables import write_csv
+from . import tables
 
 PERPLEXITY = "perplexity"  # the task's name (and its benchmark's, for the leaderboard)
 DEFAULT_MODES = ("prefill", "decode")
@@ -395,7 +395,7 @@ def markdown_table(records: list[dict]) -> str:
     if not rows:
         return ""
     modes = {r["mode"] for r in rows if r["method"] != FULL}
-    lines = ["| method @ ratio | tokens | documents | perplexity [95% CI] | × full cache [95% CI] | KV kept |", "|---|---|---|---|---|---|"]
+    table = []
     for r in rows:
         if r["method"] == FULL:
             label, vs_full = "full cache", "1"
@@ -404,8 +404,9 @@ def markdown_table(records: list[dict]) -> str:
             vs_full = _interval(r["ratio_to_full"], r["ratio_low"], r["ratio_high"]) if r["pairs"] else "n/a"
         ppl = _interval(r["perplexity"], r["ppl_low"], r["ppl_high"]) if r["n"] else "n/a"
         kept = f"{100 * r['kv_fraction']:.0f}%" if r["n"] else "n/a"
-        lines.append(f"| {label} | {r['length']} | {r['n']}{'*' if r['errors'] else ''} | {ppl} | {vs_full} | {kept} |")
-    return "\n".join(lines)
+        table.append({"method @ ratio": label, "tokens": r["length"], "documents": f"{r['n']}{'*' if r['errors'] else ''}",
+                      "perplexity [95% CI]": ppl, "× full cache [95% CI]": vs_full, "KV kept": kept})
+    return tables.markdown_table(table)
 
 
 def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
@@ -415,7 +416,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     if not rows:
         raise ValueError("records must hold perplexity results (a run of `kvcompress eval --tasks perplexity`), got none")
     csv_path, md_path = out / "summary.csv", out / "summary.md"
-    write_csv(csv_path, rows)
+    tables.write_csv(csv_path, rows)
     ppl = _perplexity_records(records)
     n_docs = len({(r["length"], r["index"]) for r in ppl})
     n_err = sum(r["error"] is not None for r in ppl)

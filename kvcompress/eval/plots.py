@@ -1,16 +1,14 @@
-"""PNG plots of sweep and approximation-bench results (matplotlib, Agg backend)."""
+"""PNG plots of sweep and approximation-bench results (matplotlib Figures outside pyplot: the user's backend is left alone)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .runner import FULL, aggregate, beyond_model  # noqa: E402
-from .tasks import TASKS  # noqa: E402
+from .runner import FULL, aggregate, beyond_model
+from .tasks import TASKS
 
 
 # Horizontal offset between methods' points at one ratio (in ratio units), so error bars do not overlap.
@@ -39,9 +37,10 @@ def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "p
     if len(panels) == 1:
         return None
     methods = sorted({a["method"] for a in by_task} - {FULL})
-    colors = plt.colormaps["tab20"].resampled(max(len(methods), 1))
+    colors = matplotlib.colormaps["tab20"].resampled(max(len(methods), 1))
     nrows, ncols = _grid_of(len(panels))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
+    fig = Figure(figsize=(4 * ncols, 3.2 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     for ax, panel in zip(axes.flat, panels):
         data = [a for a in by_task + overall if a["task"] == panel and a["n"] > 0]
         for i, method in enumerate(methods):
@@ -74,7 +73,6 @@ def _finish_panels(fig, axes, n_panels: int, ylabel: str, title: str, path) -> P
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
 
 
@@ -87,7 +85,8 @@ def plot_needle_heatmaps(records: list[dict], path: str | Path) -> Path | None:
     lengths = sorted({a["length"] for a in agg})
     depths = sorted({a["depth"] for a in agg})
     nrows, ncols = _grid_of(len(panels), cols=5)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(2.8 * ncols, 2.4 * nrows), squeeze=False)
+    fig = Figure(figsize=(2.8 * ncols, 2.4 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
     image = None
     for ax, (method, ratio, mode) in zip(axes.flat, panels):
         grid = [[float("nan")] * len(depths) for _ in lengths]
@@ -106,7 +105,6 @@ def plot_needle_heatmaps(records: list[dict], path: str | Path) -> Path | None:
         ax.set_ylabel("context tokens", fontsize=8)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="score")
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
     return Path(path)
 
 
@@ -116,9 +114,10 @@ def plot_approx(rows: list[dict], path: str | Path) -> Path | None:
         return None
     layers = sorted({r["layer"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    colors = plt.colormaps["tab20"].resampled(max(len(methods), 1))
+    colors = matplotlib.colormaps["tab20"].resampled(max(len(methods), 1))
     nrows, ncols = _grid_of(len(layers))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
+    fig = Figure(figsize=(4 * ncols, 3.2 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     for ax, layer in zip(axes.flat, layers):
         for i, method in enumerate(methods):
             pts = sorted((r["ratio"], r["error_mean"], r["error_std"]) for r in rows if r["layer"] == layer and r["method"] == method)

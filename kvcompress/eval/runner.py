@@ -1,7 +1,8 @@
 """The task sweep: methods × compression ratios × modes × tasks × lengths × samples on one model.
 
 Each sample (task, length, index, depth) is generated offline (`eval.tasks`), chat-formatted
-(`integration.build_prompt`) and answered greedily by `integration.generate_ids` for the full
+(`integration.build_prompt`, in the sweep's prompt layout, recorded in every record and in
+`config.json`) and answered greedily by `integration.generate_ids` for the full
 cache and for every (method, ratio, mode) cell. In prefill mode the context is prefilled once
 (`eval.capture.capture_qkv`) and that recorded prefill is compressed by every method and ratio,
 each on its own copy (`generate_ids(prefill=...)`), so M methods cost one context prefill per
@@ -43,12 +44,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..options import MODES, CompressionOptions
 from ..methods.registry import get_method_class, method_names
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
 from .stats import paired_comparisons, wilson
+from . import tables
 from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
 
@@ -63,6 +66,8 @@ RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
 DEFAULT_RATIOS = (0.5, 0.75, 0.9)
 DEFAULT_LENGTHS = (2048, 4096)
+# The layout of every run made before layouts were recorded: a blank line, and the task's answer prefix.
+UNRECORDED_PROMPT_LAYOUT = "blank_line_primed"
 
 
 @dataclass
@@ -73,6 +78,8 @@ class SweepConfig:
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
     sample per cell, compressed at `grid_ratios`). max_new_tokens None uses each sample's own limit
     (`Sample.max_new_tokens`); decoding also stops at the sample's stop strings and at EOS.
+    prompt_layout: how each prompt joins context and question (`integration.model.PromptLayout`,
+    or its name in `PROMPT_LAYOUTS`); held as a PromptLayout.
 
     benchmark + data: samples from a standard benchmark's files (`eval.benchmarks.BENCHMARKS`);
     tasks None takes every task in the data, samples None every row (else the first `samples`
@@ -100,8 +107,10 @@ class SweepConfig:
     task_params: dict[str, dict] = field(default_factory=dict)
     benchmark: str | None = None
     data: str | None = None
+    prompt_layout: PromptLayout | str = DEFAULT_PROMPT_LAYOUT
 
     def __post_init__(self):
+        self.prompt_layout = prompt_layout(self.prompt_layout, parameter="prompt_layout")
         if self.methods is None:
             self.methods = method_names()
         if self.benchmark is not None:
@@ -365,6 +374,7 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
     out.mkdir(parents=True, exist_ok=True)
     results = ResultsFile(out / RESULTS_FILE)
     done = results.keys()
+    _check_prompt_layout(out / "config.json", config.prompt_layout)
     meta = {"config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
             "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / "config.json").write_text(json.dumps(meta, indent=1))
@@ -373,6 +383,17 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
         specs = specs[shard[0]::shard[1]]
     todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
     return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
+    """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another."""
+    if not path.is_file():
+        return
+    recorded = json.loads(path.read_text())["config"].get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
+    earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
+    if earlier != layout:
+        raise ValueError(f"prompt_layout {layout.name!r} differs from {earlier.name!r}, the layout of the results already in "
+                         f"{path.parent}; pass prompt_layout={earlier.name!r} to continue that run, or write to a new folder")
 
 
 def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], log=print) -> Iterator[dict]:
@@ -384,7 +405,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     from ..integration import build_prompt
 
     sample = spec.build(config, tokenizer)
-    context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
     captured, capture_s = None, 0.0
@@ -394,7 +415,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         captured = capture_qkv(model, context_ids, attention_mass=scored_by_mass)  # H2O's mass from the capture's own attention
         capture_s = time.perf_counter() - start
     for cell in cells:
-        record = _record(cell, sample, context_ids, capture_s)
+        record = _record(cell, sample, context_ids, capture_s, config.prompt_layout)
         start = time.perf_counter()
         try:
             res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids)
@@ -426,13 +447,14 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
     return read_results(results.path)
 
 
-def _record(cell: Cell, sample: Sample, context_ids, capture_s: float) -> dict:
+def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: PromptLayout) -> dict:
     s = cell.sample
     return s.record_fields() | {
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
         "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
         "error": None, "capture_s": capture_s if cell.method == FULL or cell.mode == "prefill" else 0.0,
+        "prompt_layout": layout.name,
     }
 
 
@@ -513,11 +535,12 @@ def markdown_table(records: list[dict]) -> str:
     by_len = {(a["method"], a["ratio"], a["mode"], a["length"]): a for a in aggregate(kept, by=("method", "ratio", "mode", "length"))}
     overall = {(a["method"], a["ratio"], a["mode"]): a for a in aggregate(kept, by=("method", "ratio", "mode"))}
     head = ["method @ ratio"] + [t + ("†" if t in hard else "") for t in tasks] + [f"{n} tok" for n in lengths] + ["all"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for a in aggregate(records, by=("method", "ratio", "mode")):
         k = (a["method"], a["ratio"], a["mode"])
         cells = [_fmt(by_task.get(k + (t,))) for t in tasks] + [_fmt(by_len.get(k + (n,))) for n in lengths] + [_fmt(overall.get(k))]
-        lines.append("| " + " | ".join([_label(*k, modes)] + cells) + " |")
+        table.append(dict(zip(head, [_label(*k, modes)] + cells)))
+    lines = [tables.markdown_table(table, head)]
     if hard:
         lines += ["", f"† full cache below {FULL_CACHE_BAR:.0%}: the task is beyond this model, so it is not a compression "
                   "result; it is left out of the per-length and \"all\" columns."]
@@ -590,8 +613,9 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     captures = {(r["grid"], r["task"], r["length"], r["index"], r["depth"]): r["capture_s"] for r in records}
     wall = sum(r["wall_s"] for r in records) + sum(captures.values())
     n_err = sum(r["error"] is not None for r in records)
+    layouts = sorted({r.get("prompt_layout", f"not recorded ({UNRECORDED_PROMPT_LAYOUT})") for r in records})
     parts = [f"{len(records)} cells ({n_err} could not run), {wall / 3600:.2f} h of recorded wall time "
-             f"(context captures {sum(captures.values()) / 3600:.2f} h).", ""]
+             f"(context captures {sum(captures.values()) / 3600:.2f} h). Prompt layout: {', '.join(layouts)}.", ""]
     table = markdown_table(records)
     if table:
         parts += ["### Task scores (%, 95% Wilson interval)", "", table, ""]

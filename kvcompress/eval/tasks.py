@@ -19,6 +19,13 @@ Generation in Sublinear Time and Memory", arXiv:2402.06082):
 - `common_words`: a numbered word list where a few words are much more frequent; return them.
 - `frequent_words`: words drawn from a Zipf law over made-up words; return the most frequent.
 - `line_retrieval`: LongEval lines "line {topic}: REGISTER_CONTENT is <n>"; return n for a topic.
+- `niah_prose`: one plain-English fact whose answer is a person's name or a town ("The archivist who
+  catalogued the eastern collection was Margaret Okafor."), inserted into real prose and asked
+  as a question ("Who catalogued the eastern collection?"); the answer is words, not digits.
+
+Seeds: a sample's seed fixes it entirely. Seeds from `TUNING_SEEDS` (1000–1999) are kept for
+choosing defaults (`benchmarks/tuning/`); reported runs use seeds below 1000 (the sweep's sample i
+of `SweepConfig(seed=0)` has seed i), so no default is chosen on the samples it is reported on.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ NEEDLE_KINDS = ("numbers", "words", "uuids")
 NEEDLE_ANSWER_TOKENS = {"numbers": 10, "words": 6, "uuids": 32}
 TASKS = (
     "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
-    "variable_tracking", "common_words", "frequent_words", "line_retrieval",
+    "variable_tracking", "common_words", "frequent_words", "line_retrieval", "niah_prose",
 )
+# Seeds for choosing defaults; reported runs use seeds below TUNING_SEEDS.start.
+TUNING_SEEDS = range(1000, 2000)
 
 
 @dataclass
@@ -347,6 +356,78 @@ def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_line
     )
 
 
+FIRST_NAMES = (
+    "Margaret", "Tomasz", "Amara", "Kenji", "Ingrid", "Rafael", "Leila", "Dmitri", "Nkechi", "Elena",
+    "Oskar", "Priya", "Mateo", "Siobhan", "Hamid", "Astrid", "Beatriz", "Emeka", "Freya", "Lorenzo",
+    "Ayesha", "Nils", "Chiara", "Tariq", "Greta", "Kofi", "Yara", "Anselm", "Imogen", "Bartholomew",
+)
+SURNAMES = (
+    "Okafor", "Lindqvist", "Moreau", "Takahashi", "Novak", "Brennan", "Castillo", "Haddad", "Kowalski", "Mensah",
+    "Fischer", "Rahman", "Oyelaran", "Petrov", "Delacroix", "Nakamura", "Gallagher", "Ferreira", "Abernathy", "Szabo",
+    "Valdez", "Eriksen", "Marchetti", "Adeyemi", "Holloway", "Varga", "Ishikawa", "Pemberton", "Sandoval", "Quennell",
+)
+TOWNS = (
+    "Ashbourne", "Carrowmore", "Dunmere", "Elmsworth", "Fenwick", "Glenrothes", "Harrowgate", "Invergarry",
+    "Kettleby", "Lindisfarne", "Marlow", "Northwold", "Okehampton", "Penrith", "Quarrington", "Redruth",
+    "Saltash", "Thornbury", "Ulverston", "Wexcombe", "Yarrowdale", "Zennor", "Aldeburgh", "Brixham",
+    "Cromarty", "Dornoch", "Eyemouth", "Fowey", "Grantown", "Helmsley", "Keswick", "Lechlade",
+    "Nairn", "Portree", "Ruthin", "Tenby", "Wigtown", "Bideford", "Alnwick", "Kirkwall",
+)
+# (fact with a {} for the answer, question, RULER-style answer prefix) per answer kind.
+PROSE_FACTS = {
+    "names": (
+        ("The archivist who catalogued the eastern collection was {}.", "Who catalogued the eastern collection?",
+         "The eastern collection was catalogued by"),
+        ("The engineer who repaired the old harbour crane was {}.", "Who repaired the old harbour crane?",
+         "The old harbour crane was repaired by"),
+        ("The surgeon who founded the river clinic was {}.", "Who founded the river clinic?", "The river clinic was founded by"),
+        ("The composer who wrote the cathedral hymn was {}.", "Who wrote the cathedral hymn?", "The cathedral hymn was written by"),
+        ("The gardener who planted the walled orchard was {}.", "Who planted the walled orchard?", "The walled orchard was planted by"),
+        ("The teacher who opened the village school was {}.", "Who opened the village school?", "The village school was opened by"),
+        ("The cartographer who drew the map of the northern coast was {}.", "Who drew the map of the northern coast?",
+         "The map of the northern coast was drawn by"),
+        ("The captain who sailed the first ferry to the islands was {}.", "Who sailed the first ferry to the islands?",
+         "The first ferry to the islands was sailed by"),
+    ),
+    "places": (
+        ("The annual lantern festival is held in {}.", "Where is the annual lantern festival held?",
+         "The annual lantern festival is held in"),
+        ("The oldest clock tower of the region stands in {}.", "Where does the oldest clock tower of the region stand?",
+         "The oldest clock tower of the region stands in"),
+        ("The guild built its first printing press in {}.", "Where did the guild build its first printing press?",
+         "The guild built its first printing press in"),
+        ("The rare blue orchid was first found near {}.", "Near which town was the rare blue orchid first found?",
+         "The rare blue orchid was first found near"),
+        ("The treaty between the two valleys was signed in {}.", "Where was the treaty between the two valleys signed?",
+         "The treaty between the two valleys was signed in"),
+        ("The famous glassworks of the north is in {}.", "Where is the famous glassworks of the north?",
+         "The famous glassworks of the north is in"),
+    ),
+}
+PROSE_ANSWER_KINDS = ("names", "places", "mixed")
+
+
+def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed") -> Sample:
+    """One fact whose answer is a full name (first name × surname) or a town, at `depth` in real prose.
+
+    answer_kind "names" or "places" fixes the kind; "mixed" draws it per seed (half each on
+    average). The question asks for the fact without repeating it; the sample's answer prefix
+    restates it up to the answer (RULER's convention, written only by a primed prompt layout). The
+    score is whether the whole answer appears in the prediction (case-insensitive, whole words).
+    """
+    _check("target_tokens", target_tokens, 64)
+    _check("depth", depth, 0.0, 1.0)
+    if answer_kind not in PROSE_ANSWER_KINDS:
+        raise ValueError(f"answer_kind must be one of {PROSE_ANSWER_KINDS}, got {answer_kind!r}")
+    rng = random.Random(seed)
+    kind = rng.choice(("names", "places")) if answer_kind == "mixed" else answer_kind
+    fact, question, prefix = rng.choice(PROSE_FACTS[kind])
+    answer = f"{rng.choice(FIRST_NAMES)} {rng.choice(SURNAMES)}" if kind == "names" else rng.choice(TOWNS)
+    needle = fact.format(answer)
+    context, measured, n_tokens = _assemble(_haystack_units("prose", rng), [needle], [depth], target_tokens, token_counter(tokenizer))
+    return Sample("niah_prose", context, question, [answer], target_tokens, n_tokens, measured, [needle], prefix, 24, (".", "\n"))
+
+
 GENERATORS: dict[str, Callable[..., Sample]] = {
     "niah_single": niah_single,
     "niah_multikey": niah_multikey,
@@ -356,6 +437,7 @@ GENERATORS: dict[str, Callable[..., Sample]] = {
     "common_words": common_words,
     "frequent_words": frequent_words,
     "line_retrieval": line_retrieval,
+    "niah_prose": niah_prose,
 }
 
 

@@ -7,12 +7,15 @@ token is the argmax of its last logits, and the rest of the answer comes from an
 `model.generate(past_key_values=cache)`; what this adds is the statistics. Many questions about one
 context (`answer_questions_ids`) compress the context once and answer each question from a
 snapshot of the compressed cache; a batch of contexts (`generate_batch_ids`) is left-padded, and
-padding is never kept or attended.
+padding is never kept or attended. A context can also be compressed alone (`compress_context`),
+saved (`CompressedCache.save`) and answered from later (`generate(cache=...)`,
+`answer_from_cache_ids`): docs/design.md, "Saved caches".
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from collections.abc import Collection
 from contextlib import contextmanager, nullcontext
@@ -21,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import CompressedCache, CompressedLayer
+from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, describe
 from ..options import CompressionOptions
 from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
-from .support import check_supported, use_compressed_attention
+from .support import check_supported, select_compressed_attention, use_compressed_attention
 from .model import check_context_length
 
 # Prompts longer than this show a progress bar while they are processed.
@@ -53,6 +56,7 @@ class GenerationResult:
     decode_seconds: float
     extra: dict = field(default_factory=dict)
     realised_compression_ratio: float = 0.0  # fraction of the tokens seen that the cache does not hold (mean over layers)
+    kv_bits: int | None = None  # bits per element the compressed context is stored in (None: full precision)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -63,9 +67,10 @@ class GenerationResult:
         saved = 1.0 - self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else 0.0
         slots = self.slots_per_layer
         kept = f"{min(slots)}..{max(slots)} (mean {sum(slots) / len(slots):.0f})" if slots else "-"
+        storage = f", {self.kv_bits}-bit storage" if self.kv_bits is not None else ""
         return "\n".join(
             [
-                f"method            {self.method} (mode={self.mode}, middle budget={self.budget})",
+                f"method            {self.method} (mode={self.mode}, middle budget={self.budget}{storage})",
                 f"prompt tokens     {self.prompt_tokens} (context {self.context_tokens})",
                 f"tokens kept/layer {kept} per KV head (realised compression ratio {self.realised_compression_ratio:.3f} of all tokens seen)",
                 f"KV bytes          full {_mib(self.kv_bytes_full)} -> stored {_mib(self.kv_bytes)} "
@@ -214,9 +219,16 @@ class _Session:
         if compressed:
             self.cache.progress = None
             self.cache.absorbing = self.mode == "decode"
+            self.cache.token_ids = self.ids
         if bar is not None:
             bar.close()
         return logits, time.perf_counter() - start
+
+    def adopt(self, cache: CompressedCache) -> None:
+        """Answer from `cache`, a compressed context of this session's context ids (`cache.token_ids`), instead of
+        compressing the context here."""
+        self.cache, self.ids = cache, self.context_ids
+        self.mask = torch.ones_like(self.ids)
 
     def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool, stop_token_ids: Collection[int] = ()) -> tuple[list[list[int]], float, float]:
         """Append question_ids (exact) and decode greedily, stopping at EOS (if stop_at_eos) or any of
@@ -264,7 +276,7 @@ class _Session:
             context_tokens=self.n_context, prompt_tokens=self.n_prompt, budget=budget,
             slots_per_layer=slots, kv_bytes_full=full, kv_bytes=kv_bytes, peak_kv_bytes=peak,
             prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
-            realised_compression_ratio=1.0 - sum(slots) / len(slots) / total,
+            realised_compression_ratio=1.0 - sum(slots) / len(slots) / total, kv_bits=self.options.kv_bits,
         )
 
 
@@ -340,22 +352,85 @@ def answer_questions_ids(
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
-    results = []
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         _, prefill_seconds = session.run_context(progress)
-        compressed, seen, ids, mask = session.method_name is not None, session.cache.get_seq_length(), session.ids, session.mask
-        snapshot = session.cache.snapshot() if compressed else None
-        for question_ids in questions_ids:
-            if compressed:
-                session.cache.restore(snapshot)
-            else:
-                session.cache.crop(seen - session.cache.get_seq_length())  # the full cache rolls back by cropping (a negative count)
-            session.ids, session.mask = ids, mask
-            session.question_ids = question_ids.to(session.device)
-            session.n_prompt = session.n_context + question_ids.shape[1]
-            (tokens,), question_seconds, decode_seconds = session.answer(session.question_ids, None, max_new_tokens, stop_at_eos)
-            results.append(session.result(tokens, prefill_seconds, question_seconds + decode_seconds, 0, {"question_seconds": question_seconds}))
+        return _answer_each(session, questions_ids, prefill_seconds, max_new_tokens, stop_at_eos)
+
+
+def _answer_each(session: _Session, questions_ids: list[torch.Tensor], prefill_seconds: float, max_new_tokens: int,
+                 stop_at_eos: bool) -> list[GenerationResult]:
+    """Each question [1, m] appended to the session's compressed context and answered; the cache is rolled back to
+    that context after each (and after the last)."""
+    results = []
+    compressed, seen, ids, mask = session.method_name is not None, session.cache.get_seq_length(), session.ids, session.mask
+    snapshot = session.cache.snapshot() if compressed else None
+    for question_ids in questions_ids:
+        session.ids, session.mask = ids, mask
+        session.question_ids = question_ids.to(session.device)
+        session.n_prompt = session.n_context + question_ids.shape[1]
+        (tokens,), question_seconds, decode_seconds = session.answer(session.question_ids, None, max_new_tokens, stop_at_eos)
+        results.append(session.result(tokens, prefill_seconds, question_seconds + decode_seconds, 0, {"question_seconds": question_seconds}))
+        if compressed:
+            session.cache.restore(snapshot)
+        else:
+            session.cache.crop(seen - session.cache.get_seq_length())  # the full cache rolls back by cropping (a negative count)
     return results
+
+
+@torch.inference_mode()
+def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionOptions | None = None, *, progress: bool = False,
+                         **settings) -> CompressedCache:
+    """The context [1, n] prefilled and compressed once, as `answer_questions_ids` does before its questions: the cache,
+    its `token_ids` the context's, ready to `save` or to answer from (`answer_from_cache_ids`, `generate(cache=...)`).
+
+    Takes `generate_ids`' options, in mode "prefill" or "chunked" (a chunked cache's prompt is ended:
+    its streams compacted, and with kv_bits quantized); mode "decode" keeps compressing every
+    later token, so it gives no finished context and is refused, as are the full cache
+    (method=None) and compress_question (no question here). Leaves the model on the 'kvcompress'
+    attention implementation, as `CompressedCache(model, method)` does.
+    """
+    options = CompressionOptions.build(options, **settings)
+    if options.method is None or options.mode == "decode" or options.compress_question:
+        raise ValueError(
+            "compress_context compresses a context once for later questions: it takes a method, mode 'prefill' or 'chunked' and "
+            f"the question kept out of compression; got method={options.method!r}, mode={options.mode!r}, "
+            f"compress_question={options.compress_question!r}"
+        )
+    check_context_ids(context_ids)
+    if context_ids.shape[0] != 1:
+        raise ValueError(f"compress_context takes one context (batch size 1), got batch size {context_ids.shape[0]}")
+    session = _Session(model, _Prompt(context_ids, None), options, 1)
+    with use_compressed_attention(model):
+        session.run_context(progress)
+    select_compressed_attention(model)
+    return session.cache
+
+
+@torch.inference_mode()
+def answer_from_cache_ids(
+    model, cache: "CompressedCache | str | os.PathLike", questions_ids: list[torch.Tensor], *, max_new_tokens: int = 64,
+    stop_at_eos: bool = True,
+) -> list[GenerationResult]:
+    """Answer each question [1, m] from a compressed context: a `CompressedCache` with its `token_ids` (from
+    `compress_context_ids`, `load_cache`) or the path of a saved one (loaded with `load_cache`).
+
+    Each question is appended exactly after the context's tokens and decoded greedily, as
+    `answer_questions_ids` does with the same settings (the cache's own `options`); the cache is
+    rolled back to the context after each question, so it can be used again. Results carry
+    prefill_seconds 0 (the context was compressed before).
+    """
+    if isinstance(cache, (str, os.PathLike)):
+        cache = load_cache(cache, model)
+    if not isinstance(cache, CompressedCache) or cache.token_ids is None:
+        raise ValueError(f"cache must be a CompressedCache holding a compressed context with its token_ids (kvc.compress_context, "
+                         f"kvc.load_cache) or the path of a saved one, got {cache!r}")
+    if not questions_ids:
+        raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
+    as_count("max_new_tokens", max_new_tokens, 1)
+    session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
+    session.adopt(cache)
+    with use_compressed_attention(model):
+        return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)
 
 
 @torch.inference_mode()
@@ -391,14 +466,31 @@ def generate_batch_ids(
     return results
 
 
+def compress_context(model, tokenizer, context: str, options: CompressionOptions | None = None, *, progress: bool = True,
+                     **settings) -> CompressedCache:
+    """`context` compressed once, for questions asked later: the cache of `compress_context_ids` on the context's
+    chat-formatted ids (`build_prompt`, the part before the question), ready to `save` or to pass to `generate(cache=...)`.
+
+        cache = kvc.compress_context(model, tokenizer, document, method="keydiff", compression_ratio=0.75, kv_bits=4)
+        cache.save("doc.kvc")
+        kvc.generate(model, tokenizer, cache="doc.kvc", questions=["Who?", "When?"])
+    """
+    from .model import build_prompt
+
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError(f"context must be a non-empty str, got {context!r}")
+    return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress, **settings)
+
+
 def generate(
     model,
     tokenizer,
-    context: str | list[str],
+    context: str | list[str] | None = None,
     question: str | None = None,
     options: CompressionOptions | None = None,
     *,
     questions: list[str] | None = None,
+    cache: "CompressedCache | str | os.PathLike | None" = None,
     max_new_tokens: int = 64,
     progress: bool = True,
     stop_at_eos: bool = True,
@@ -416,15 +508,36 @@ def generate(
     decode time). `questions=[...]` (instead of question): one answer per question, the context
     compressed once (`answer_questions_ids`). A list of contexts: one left-padded batch, one
     answer per context (`generate_batch_ids`).
+
+    cache (instead of context, options and settings): a compressed context made earlier, by
+    `compress_context` or saved and given as its path (`load_cache`): `question` or
+    `questions` are appended exactly after its tokens and answered with its own settings, as they
+    would be after that context compressed here (`answer_from_cache_ids`).
     """
     from .model import build_prompt
 
+    if questions is not None and (not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions)):
+        raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
+    if question is not None and (not isinstance(question, str) or not question.strip()):
+        raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
+    if cache is not None:
+        if context is not None or options is not None or settings or (questions is not None and question is not None):
+            raise ValueError(
+                "cache=... answers from a compressed context with its own settings: pass question or questions, and no context, "
+                f"options or settings (got context={'given' if context is not None else None}, options={options!r}, settings={sorted(settings)})"
+            )
+        asked = questions if questions is not None else [question]
+        questions_ids = [build_prompt(tokenizer, "", q)[1] for q in asked]  # the question's ids do not depend on the context
+        results = answer_from_cache_ids(model, cache, questions_ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
+        for res in results:
+            res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
+        return results if questions is not None else results[0]
+    if context is None:
+        raise ValueError("pass a context (a str, or a list of str for a batch), or cache= (a compressed context: kvc.compress_context, a saved file)")
     contexts = context if isinstance(context, list) else [context]
     bad = [c for c in contexts if not isinstance(c, str)]
     if bad:
         raise ValueError(f"context must be a str, got {type(bad[0]).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad[0], bytes) else "") + "; a batch is a list of str")
-    if question is not None and (not isinstance(question, str) or not question.strip()):
-        raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
     if not contexts or any(not c.strip() for c in contexts):
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
     if questions is not None and (question is not None or isinstance(context, list)):
@@ -432,8 +545,6 @@ def generate(
     options = CompressionOptions.build(options, **settings)
     run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
     if questions is not None:
-        if not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions):
-            raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
         context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0])
         questions_ids = [build_prompt(tokenizer, contexts[0], q)[1] for q in questions]
         results = answer_questions_ids(model, context_ids, questions_ids, options, **run)

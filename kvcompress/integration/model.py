@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -157,22 +158,74 @@ def check_context_length(model, n_tokens: int) -> None:
 _QUESTION_MARK = "\x00KVC_QUESTION\x00"
 
 
+@dataclass(frozen=True)
+class PromptLayout:
+    """How `build_prompt` places a question after its context.
+
+    separator: the text between the context and the question in the user turn (a blank line
+    "\n\n", one newline "\n", ...). primed: whether the answer prefix handed to `build_prompt`
+    (a task's `answer_prefix`, RULER's convention: "The special magic number for X is") is written
+    after the assistant header, so that generation continues it; an unprimed layout leaves it out
+    and the model starts its own answer. `PROMPT_LAYOUTS` names the layouts compared in
+    `docs/prompt_layout.md`; `DEFAULT_PROMPT_LAYOUT` is the one chosen there for the default model.
+    """
+
+    separator: str
+    primed: bool
+
+    def __post_init__(self):
+        if not isinstance(self.separator, str) or not self.separator or _QUESTION_MARK in self.separator:
+            raise ValueError(f"PromptLayout separator must be a non-empty string such as '\\n' or '\\n\\n', got {self.separator!r}")
+        if not isinstance(self.primed, bool):
+            raise ValueError(f"PromptLayout primed must be True or False, got {self.primed!r}")
+
+    @property
+    def name(self) -> str:
+        """The layout's name in `PROMPT_LAYOUTS`, or its fields for a layout built by hand."""
+        named = [name for name, layout in PROMPT_LAYOUTS.items() if layout == self]
+        return named[0] if named else f"separator={self.separator!r},primed={self.primed}"
+
+
+PROMPT_LAYOUTS = {
+    "blank_line": PromptLayout("\n\n", primed=False),
+    "newline": PromptLayout("\n", primed=False),
+    "blank_line_primed": PromptLayout("\n\n", primed=True),
+    "newline_primed": PromptLayout("\n", primed=True),
+}
+# Chosen on tuning seeds of the prose name needle at 2k tokens (docs/prompt_layout.md).
+DEFAULT_PROMPT_LAYOUT = "blank_line_primed"
+
+
+def prompt_layout(layout: str | PromptLayout, parameter: str = "layout") -> PromptLayout:
+    """A `PromptLayout` from itself or from its name in `PROMPT_LAYOUTS`; anything else is a
+    ValueError naming `parameter`."""
+    if isinstance(layout, PromptLayout):
+        return layout
+    if isinstance(layout, str) and layout in PROMPT_LAYOUTS:
+        return PROMPT_LAYOUTS[layout]
+    raise ValueError(f"{parameter} must be one of {', '.join(PROMPT_LAYOUTS)} or a PromptLayout, got {layout!r}")
+
+
 def build_prompt(
-    tokenizer, context: str, question: str | None = None, answer_prefix: str = ""
+    tokenizer, context: str, question: str | None = None, answer_prefix: str = "",
+    layout: str | PromptLayout = DEFAULT_PROMPT_LAYOUT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chat-formatted (context_ids [1, n_c], question_ids [1, n_q]) for an instruct model.
 
-    The user turn is `context + "\\n\\n" + question`, rendered by the tokenizer's chat template
-    (for SmolLM2: a default system turn, then `<|im_start|>user ... <|im_end|>` and the
-    assistant header). It is split where the question starts: context_ids hold the template
-    prefix and the context (the part to compress); question_ids hold "\\n\\n" + question, the end
-    of the user turn and the assistant header (appended exactly after compression). With
-    question None the split falls at the end of the context, and question_ids hold only the
-    template's closing tokens. Without a chat template the plain text is used. `answer_prefix`
-    (RULER's convention) starts the assistant's answer: it is appended after the assistant header,
-    so generation continues it.
+    The user turn is `context + layout.separator + question`, rendered by the tokenizer's chat
+    template (for SmolLM2: a default system turn, then `<|im_start|>user ... <|im_end|>` and the
+    assistant header). It is split where the separator starts: context_ids hold the template
+    prefix and the context (the part to compress); question_ids hold the separator, the question,
+    the end of the user turn, the assistant header and, when `layout.primed`, `answer_prefix`
+    (appended exactly after compression; generation continues the prefix). With question None the
+    split falls at the end of the context, and question_ids hold only the template's closing
+    tokens (and the primed answer prefix). Without a chat template the plain text is used.
+
+    layout: a `PromptLayout` or its name in `PROMPT_LAYOUTS` (default `DEFAULT_PROMPT_LAYOUT`).
+    The context_ids do not depend on the layout, so one compressed context serves every layout.
     """
-    tail = "" if question is None else "\n\n" + question
+    layout = prompt_layout(layout)
+    tail = "" if question is None else layout.separator + question
     user = context + _QUESTION_MARK + tail
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
@@ -180,7 +233,8 @@ def build_prompt(
         )
     else:
         text = user
-    text += answer_prefix
+    if layout.primed:
+        text += answer_prefix
     head, rest = text.split(_QUESTION_MARK)
     ids = [tokenizer(part, add_special_tokens=False, return_tensors="pt")["input_ids"] for part in (head, rest)]
     return ids[0], ids[1]

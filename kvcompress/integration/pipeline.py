@@ -6,7 +6,7 @@
     out["answers"]        # one answer per question ("answer" for question="...")
 
 Registered on import of `kvcompress.integration` (as kvpress registers `kv-press-text-generation`).
-The context goes through the chat template (`build_prompt`), is prefilled and compressed once,
+The context goes through the chat template (`build_prompt`, in `prompt_layout`), is prefilled and compressed once,
 and each question decodes from a snapshot of the compressed cache (`answer_questions_ids`).
 """
 
@@ -15,14 +15,18 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from .model import build_prompt
+from .model import DEFAULT_PROMPT_LAYOUT, build_prompt
+from .model import prompt_layout as _layout
 
 TASK = "kvcompress-text-generation"
 
 
 class CompressedTextGenerationPipeline(Pipeline):
-    """pipe(context, question=None | questions=[...], answer_prefix="", method=..., compression_ratio=... | budget=...,
-    mode="prefill", max_new_tokens=64, **options) -> {"answer", "result"} or {"answers", "results"}.
+    """pipe(context, question=None | questions=[...], answer_prefix="", prompt_layout=DEFAULT_PROMPT_LAYOUT, method=...,
+    compression_ratio=... | budget=..., mode="prefill", max_new_tokens=64, **options) -> {"answer", "result"} or {"answers", "results"}.
+
+    prompt_layout: how each question follows the context (`build_prompt`'s layout: a
+    `PromptLayout` or its name); a primed layout starts every answer with `answer_prefix`.
 
     options are `generate_ids`' (sink, window, seed, chunk_size, method parameters, ...); results
     are the `GenerationResult`s (stats: kept slots, KV bytes, the shared prefill time, each
@@ -32,19 +36,20 @@ class CompressedTextGenerationPipeline(Pipeline):
     _load_tokenizer = True
     _pipeline_calls_generate = True
 
-    def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", **options):
+    def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", prompt_layout=DEFAULT_PROMPT_LAYOUT, **options):
         if question is not None and questions is not None:
             raise ValueError("pass question (one) or questions (a list), not both")
         if questions is not None and (not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions)):
             raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
-        return {"question": question, "questions": questions, "answer_prefix": answer_prefix}, options, {"single": questions is None}
+        layout = _layout(prompt_layout, parameter="prompt_layout")
+        return {"question": question, "questions": questions, "answer_prefix": answer_prefix, "layout": layout}, options, {"single": questions is None}
 
-    def preprocess(self, context, question=None, questions=None, answer_prefix=""):
+    def preprocess(self, context, question=None, questions=None, answer_prefix="", layout=DEFAULT_PROMPT_LAYOUT):
         if not isinstance(context, str) or not context.strip():
             raise ValueError("empty context: pass a non-empty context string")
         asked = questions if questions is not None else [question]
-        context_ids, _ = build_prompt(self.tokenizer, context, asked[0], answer_prefix)
-        return {"context_ids": context_ids, "questions_ids": [build_prompt(self.tokenizer, context, q, answer_prefix)[1] for q in asked]}
+        context_ids, _ = build_prompt(self.tokenizer, context, asked[0], answer_prefix, layout)
+        return {"context_ids": context_ids, "questions_ids": [build_prompt(self.tokenizer, context, q, answer_prefix, layout)[1] for q in asked]}
 
     def _forward(self, inputs, **settings):
         from .generation import answer_questions_ids  # the generation path loads on first use, not at registration

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np

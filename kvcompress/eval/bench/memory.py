@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Sequence
 
 from .common import add_row, context_ids, save_figure, subplots

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -44,13 +45,17 @@ def kept_budget(n: int, compression_ratio: float) -> int:
     return max(1, math.ceil((1.0 - compression_ratio) * n - 1e-9))
 
 
+# The timed layer is the only layer of its model, so a method whose budget depends on the depth (PyramidKV) keeps the same budget as the others.
+ONE_LAYER = (0, 1)
+
+
 def one_shot(method: str, layer: dict[str, torch.Tensor], compression_ratio: float, seed: int) -> Callable[[], object]:
     """A call compressing the whole layer once with `kvc.compress` (sink = window = 0: every token goes through the method)."""
     from ...api import compress
 
     budget = kept_budget(layer["keys"].shape[2], compression_ratio)
     extra = method_inputs(method, layer)
-    return lambda: compress(method, layer["keys"], layer["values"], budget=budget, sink=0, window=0, seed=seed, **extra)
+    return lambda: compress(method, layer["keys"], layer["values"], budget=budget, sink=0, window=0, seed=seed, layer=ONE_LAYER, **extra)
 
 
 def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: float, block: int, seed: int,
@@ -69,7 +74,8 @@ def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: flo
         st = stream(method, budget=budget, sink=0, window=0, seed=seed, slack=slack)
         for start in range(0, n, block):
             part = {k: v[:, :, start : start + block] for k, v in extra.items()}
-            st.update(layer["keys"][:, :, start : start + block], layer["values"][:, :, start : start + block], **part)
+            st.update(layer["keys"][:, :, start : start + block], layer["values"][:, :, start : start + block], **part,
+                      layer_idx=ONE_LAYER[0], num_layers=ONE_LAYER[1])
         st.compact()
         return st
 

@@ -1,0 +1,924 @@
+"""Side by side with kvpress: the same prompt tokens, greedy decoding, stop rules and scorer in both libraries.
+
+kvpress pins transformers < 5.3 and kvcompress >= 5.23, so the two never share a virtual environment.
+The harness is four steps with one file format between them (JSONL under one output folder):
+
+1. `dump` (kvcompress's venv): the samples, built exactly as `kvcompress eval` builds them
+   (`eval.runner.SampleSpec` -> `eval.tasks` generator -> `integration.build_prompt`), written as token
+   ids: context ids (chat-template head + context: what gets compressed) and question ids ("\\n\\n" +
+   question, end of the user turn, assistant header, answer prefix: appended exactly after), the
+   expected answers, the answer limit and the stop token ids. `manifest.json` records the checkpoint
+   (the dequantised default model under ~/.cache/kvcompress) with the SHA-256 of its weights and
+   tokenizer, the end-of-sequence ids and the sample settings.
+2. `kvcompress` (kvcompress's venv): `integration.generate_ids` in prefill mode at each compression
+   ratio, question kept out of compression, greedy, up to the sample's `max_new_tokens`, stopping
+   after EOS or a stop token (the eval's own rules). The full cache is a plain `DynamicCache`
+   (`method=None`); each method compresses one recorded full prefill of the context (`capture_qkv`,
+   as the eval does: the prefill is exact before compression, so this equals a fresh prefill per
+   method).
+3. `kvpress` (kvpress's venv, kvpress 0.5.5 + transformers 5.2): the same checkpoint loaded with
+   transformers, and per press and ratio kvpress's own pipeline protocol (`KVPressTextGenerationPipeline
+   ._forward` / `generate_answer`): a `DynamicCache`, `with press(model): model.model(input_ids=context_ids,
+   past_key_values=cache)`, then the question ids at their original positions, then greedy decoding one
+   token at a time. The only departures: our token ids are fed (nothing is re-tokenised), and decoding
+   also stops after a stop token and checks the first token too (the eval's rules; kvpress's pipeline
+   stops only at EOS and never checks its first token).
+4. `compare` (kvcompress's venv): every prediction re-decoded from its token ids with the checkpoint's
+   tokenizer and re-scored with `kvcompress.eval.tasks.score`; per cell the score with its 95% Wilson
+   interval; paired comparisons on the same samples (kvcompress method vs its kvpress counterpart, and
+   every cell vs its own library's full cache): the difference of the two proportions with Newcombe's
+   95% square-and-add interval for paired data, wins/losses, the exact sign test
+   (`eval.stats.paired_comparisons`), and how many answers are token-for-token identical.
+
+Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output file
+already holds, so an interrupted run continues. `--shard I/N` splits the samples among processes
+(each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
+
+    .venv/bin/python benchmarks/kvpress_side_by_side.py dump --out results/kvpress_side_by_side
+    .venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/kvpress_side_by_side
+    /work/kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py kvpress --out results/kvpress_side_by_side
+    .venv/bin/python benchmarks/kvpress_side_by_side.py compare --out results/kvpress_side_by_side
+
+This file imports nothing of kvcompress at module level and nothing of kvpress anywhere but the
+`kvpress` step, so each half runs in its own venv. The `kvpress` step scores with kvcompress's own
+`eval/tasks.py`, loaded by path (it needs only the standard library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "results" / "kvpress_side_by_side"
+SAMPLES_FILE = "samples.jsonl"
+MANIFEST_FILE = "manifest.json"
+FULL = "full"
+Z95 = 1.959963984540054
+
+# kvcompress cells: label -> (method, method parameters). The defaults are each method's paper
+# defaults as kvcompress ships them; the "[...]" variants set kvpress's parameters where the two
+# libraries implement the same scoring, to tell an implementation difference from a default.
+KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
+    FULL: (None, {}),
+    "keydiff": ("keydiff", {}),
+    "knorm": ("knorm", {}),
+    "knorm[sink=0,window=0]": ("knorm", {"sink": 0, "window": 0}),
+    "snapkv": ("snapkv", {}),
+    "snapkv[window=64,pool=5,sink=0]": ("snapkv", {"sink": 0, "window": 64, "observation_window": 64, "kernel_size": 5}),
+    "expected_attention": ("expected_attention", {}),
+    "compactor": ("compactor", {}),
+}
+DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapkv", "snapkv[window=64,pool=5,sink=0]",
+                      "expected_attention", "compactor"]
+
+# kvpress cells: label -> (press class, its keyword arguments, an inner press for wrappers); all at
+# kvpress 0.5.5's defaults.
+KVPRESS_CELLS: dict[str, tuple[str | None, dict, str | None]] = {
+    FULL: (None, {}, None),
+    "KVzip": ("KVzipPress", {}, None),
+    "AdaKV(ExpectedAttention)": ("AdaKVPress", {}, "ExpectedAttentionPress"),
+    "ExpectedAttention": ("ExpectedAttentionPress", {}, None),
+    "Compactor": ("CompactorPress", {}, None),
+    "KeyDiff": ("KeyDiffPress", {}, None),
+    "Knorm": ("KnormPress", {}, None),
+    "SnapKV": ("SnapKVPress", {}, None),
+}
+DEFAULT_KVPRESS = [FULL, "KeyDiff", "Knorm", "SnapKV", "AdaKV(ExpectedAttention)", "ExpectedAttention", "Compactor", "KVzip"]
+
+# kvcompress cell -> its kvpress counterpart (the same method, or the nearest: kvcompress has no AdaKV).
+COUNTERPARTS: dict[str, str] = {
+    FULL: FULL,
+    "keydiff": "KeyDiff",
+    "knorm": "Knorm",
+    "knorm[sink=0,window=0]": "Knorm",
+    "snapkv": "SnapKV",
+    "snapkv[window=64,pool=5,sink=0]": "SnapKV",
+    "expected_attention": "ExpectedAttention",
+    "compactor": "Compactor",
+}
+# kvcompress cell -> a second kvpress counterpart worth pairing with.
+EXTRA_COUNTERPARTS: dict[str, str] = {"expected_attention": "AdaKV(ExpectedAttention)"}
+
+
+# ---------------------------------------------------------------- file format, shared by both venvs
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file; a last line torn by an interruption (no newline after it) is ignored."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one record as one line, flushed (a torn last line is cut off first)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size:
+            f.seek(max(0, size - 1))
+            if f.read(1) != b"\n":  # a torn line from an interrupted writer: cut it off
+                f.seek(0)
+                whole = f.read().rfind(b"\n") + 1
+                f.truncate(whole)
+        f.write((json.dumps(record) + "\n").encode("utf-8"))
+        f.flush()
+
+
+def prompt_digest(context_ids: list[int], question_ids: list[int]) -> str:
+    """A short hash of the exact prompt tokens (context | question): both halves record the one they fed."""
+    h = hashlib.sha256()
+    h.update(json.dumps([list(map(int, context_ids)), list(map(int, question_ids))]).encode())
+    return h.hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_digest(checkpoint: Path) -> dict[str, str]:
+    """SHA-256 of the checkpoint's weights and tokenizer: both halves must load the same files."""
+    return {name: file_sha256(checkpoint / name) for name in ("model.safetensors", "tokenizer.json")}
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """'I/N' -> (I, N) with 0 <= I < N; None -> None."""
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard must be I/N, e.g. 0/2, got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise SystemExit(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return i, n
+
+
+def parse_list(text: str, known: dict) -> list[str]:
+    """Comma-separated cell labels, each checked against `known` (labels hold commas only inside [...])."""
+    labels, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            labels.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        labels.append(cur.strip())
+    bad = [x for x in labels if x not in known]
+    if bad:
+        raise SystemExit(f"unknown cells {bad}; known: {sorted(known)}")
+    return labels
+
+
+def trim_at_stop(tokens: list[int], stop_ids) -> list[int]:
+    """The answer up to and including its first stop token (the eval's rule: the stop token is kept, then decoded away or scored)."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def load_task_scorer():
+    """kvcompress's `eval/tasks.py`, loaded by path without importing kvcompress (it needs the standard library only)."""
+    path = REPO / "kvcompress" / "eval" / "tasks.py"
+    spec = importlib.util.spec_from_file_location("_kvcompress_tasks_standalone", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def score_prediction(tasks_module, sample: dict, prediction: str) -> float:
+    """The task's own score (`eval.tasks.score`) of a prediction for a dumped sample."""
+    return float(tasks_module.score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction))
+
+
+def select_shard(samples: list[dict], shard: tuple[int, int] | None) -> list[dict]:
+    return samples if shard is None else samples[shard[0]::shard[1]]
+
+
+def cell_key(library: str, label: str, ratio: float | None, sample_id: str) -> str:
+    return f"{library}|{label}|{ratio}|{sample_id}"
+
+
+def results_path(out: Path, library: str, shard: tuple[int, int] | None) -> Path:
+    return out / (f"{library}.jsonl" if shard is None else f"{library}.shard{shard[0]}of{shard[1]}.jsonl")
+
+
+def load_samples(out: Path) -> tuple[dict, list[dict]]:
+    manifest_path, samples_path = out / MANIFEST_FILE, out / SAMPLES_FILE
+    if not manifest_path.is_file() or not samples_path.is_file():
+        raise SystemExit(f"{out} holds no dumped samples: run the `dump` step first (in kvcompress's venv)")
+    return json.loads(manifest_path.read_text()), read_jsonl(samples_path)
+
+
+def environment(threads: int) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "load_average": round(os.getloadavg()[0], 2),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+# ---------------------------------------------------------------- step 1: dump (kvcompress's venv)
+
+
+def dump(args) -> None:
+    import torch  # noqa: F401
+
+    from kvcompress.eval.runner import SampleSpec, SweepConfig, sample_depth
+    from kvcompress.eval.stopping import stop_token_ids
+    from kvcompress.eval.tasks import GENERATORS
+    from kvcompress.integration import build_prompt
+    from kvcompress.integration.model import cache_dir
+    from transformers import AutoTokenizer
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir()
+    if not (checkpoint / "model.safetensors").is_file():
+        import kvcompress as kvc
+
+        kvc.load_model()  # builds the dequantised default checkpoint on first use
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
+                         haystack=args.haystack, kind=args.kind)
+    import inspect
+
+    takes_depth = "depth" in inspect.signature(GENERATORS[args.task]).parameters
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stops: dict[str, list[int]] = {}
+    lines = []
+    for index in range(args.samples):
+        spec = SampleSpec(args.task, args.length, index, sample_depth(index) if takes_depth else None)
+        sample = spec.build(config, tokenizer)
+        context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+        stop_key = json.dumps(list(sample.stop))
+        if stop_key not in stops:
+            stops[stop_key] = sorted(stop_token_ids(tokenizer, sample.stop))
+        ctx, q = context_ids[0].tolist(), question_ids[0].tolist()
+        lines.append({
+            "id": f"{spec.task}|{spec.length}|{spec.index}|{spec.depth}", "task": spec.task, "length": spec.length,
+            "index": spec.index, "seed": args.seed + index, "depth": spec.depth, "measured_depth": sample.depth,
+            "answers": sample.answers, "needles": sample.needles, "question": sample.question,
+            "answer_prefix": sample.answer_prefix, "max_new_tokens": args.max_new_tokens or sample.max_new_tokens,
+            "stop": list(sample.stop), "context_tokens": len(ctx), "question_tokens": len(q),
+            "prompt_digest": prompt_digest(ctx, q), "context_ids": ctx, "question_ids": q,
+        })
+    with (out / SAMPLES_FILE).open("w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines))
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    manifest = {
+        "checkpoint": str(checkpoint), "checkpoint_sha256": checkpoint_digest(checkpoint),
+        "eos_token_ids": [e for e in eos if e is not None], "stop_token_ids": stops,
+        "samples": {"task": args.task, "length": args.length, "count": args.samples, "seed": args.seed,
+                    "seeds": f"{args.seed}..{args.seed + args.samples - 1}", "haystack": args.haystack, "kind": args.kind,
+                    "depths": "eval.runner.sample_depth(index)" if takes_depth else None},
+        "ratios": args.ratios, "dumped": environment(0) | {"threads": None},
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    print(f"wrote {len(lines)} samples to {out / SAMPLES_FILE} "
+          f"(context tokens {min(r['context_tokens'] for r in lines)}..{max(r['context_tokens'] for r in lines)})")
+
+
+def stop_ids_of(manifest: dict, sample: dict) -> set[int]:
+    """EOS plus every token containing one of the sample's stop strings (ids computed once by `dump`)."""
+    return set(manifest["eos_token_ids"]) | set(manifest["stop_token_ids"][json.dumps(sample["stop"])])
+
+
+# ---------------------------------------------------------------- step 2: kvcompress (kvcompress's venv)
+
+
+def run_kvcompress(args) -> None:
+    import torch
+
+    from kvcompress.eval.capture import capture_qkv
+    from kvcompress.eval.tasks import score as task_score
+    from kvcompress.integration import generate_ids
+    from kvcompress.options import CompressionOptions
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    manifest, samples = load_samples(out)
+    checkpoint = Path(manifest["checkpoint"])
+    check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    cells = parse_list(args.cells, KVCOMPRESS_CELLS)
+    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"]
+    shard = parse_shard(args.shard)
+    path = results_path(out, "kvcompress", shard)
+    done = {r["key"] for r in read_jsonl(path)}
+    env = environment(args.threads) | {"kvcompress_version": _kvcompress_version()}
+    for sample in select_shard(samples, shard):
+        todo = [(label, None if KVCOMPRESS_CELLS[label][0] is None else ratio) for label in cells
+                for ratio in (ratios if KVCOMPRESS_CELLS[label][0] is not None else [None])]
+        todo = list(dict.fromkeys(todo))
+        todo = [(label, ratio) for label, ratio in todo if cell_key("kvcompress", label, ratio, sample["id"]) not in done]
+        if not todo:
+            continue
+        context_ids = torch.tensor([sample["context_ids"]])
+        question_ids = torch.tensor([sample["question_ids"]])
+        stop = stop_ids_of(manifest, sample)
+        captured, capture_s = None, 0.0
+        if any(KVCOMPRESS_CELLS[label][0] is not None for label, _ in todo):
+            start = time.perf_counter()
+            captured = capture_qkv(model, context_ids)
+            capture_s = time.perf_counter() - start
+        for label, ratio in todo:
+            method, params = KVCOMPRESS_CELLS[label]
+            record = {"key": cell_key("kvcompress", label, ratio, sample["id"]), "library": "kvcompress", "cell": label,
+                      "ratio": ratio, "sample": sample["id"], "prompt_digest": prompt_digest(sample["context_ids"], sample["question_ids"]),
+                      "error": None}
+            start = time.perf_counter()
+            try:
+                if method is None:
+                    res = generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=sample["max_new_tokens"],
+                                       stop_token_ids=stop)
+                else:
+                    options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
+                    res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
+                                       stop_token_ids=stop, prefill=captured)
+            except (ValueError, RuntimeError) as err:
+                record["error"] = f"{type(err).__name__}: {err}"
+                print(f"[{record['key']}] {record['error']}", flush=True)
+            else:
+                tokens = trim_at_stop(list(res.token_ids), stop)
+                prediction = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                slots = res.slots_per_layer
+                record.update(
+                    token_ids=tokens, prediction=prediction,
+                    score=float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction)),
+                    kept_tokens_mean=None if method is None else sum(slots) / len(slots) - max(len(tokens) - 1, 0) - sample["question_tokens"],
+                    prefill_s=res.prefill_seconds + (capture_s if method is not None else 0.0), decode_s=res.decode_seconds,
+                )
+            record["wall_s"] = time.perf_counter() - start
+            record["env"] = env
+            append_jsonl(path, record)
+            print(f"kvcompress {label:<34} {ratio!s:<5} {sample['id']:<28} score={record.get('score')} "
+                  f"{record.get('prediction')!r} ({record['wall_s']:.1f}s)", flush=True)
+
+
+def _kvcompress_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvcompress")
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def check_checkpoint(manifest: dict, checkpoint: Path, skip: bool) -> None:
+    """Refuse to run on a checkpoint whose files differ from the one the samples were dumped with."""
+    if not (checkpoint / "model.safetensors").is_file():
+        raise SystemExit(f"checkpoint {checkpoint} not found: run the `dump` step (kvcompress's venv builds it) on this machine first")
+    if skip:
+        return
+    found = checkpoint_digest(checkpoint)
+    if found != manifest["checkpoint_sha256"]:
+        raise SystemExit(f"checkpoint {checkpoint} differs from the dumped one: {found} != {manifest['checkpoint_sha256']}")
+
+
+# ---------------------------------------------------------------- step 3: kvpress (kvpress's venv)
+
+
+def build_press(label: str, ratio: float):
+    """The kvpress press of a cell label at `ratio` (None for the full cache)."""
+    import kvpress
+
+    name, kwargs, inner = KVPRESS_CELLS[label]
+    if name is None:
+        return None
+    if inner is not None:
+        return getattr(kvpress, name)(press=getattr(kvpress, inner)(compression_ratio=ratio), **kwargs)
+    return getattr(kvpress, name)(compression_ratio=ratio, **kwargs)
+
+
+def _clear_masks(model) -> None:
+    """A head-wise press (AdaKV, KVzip) leaves its pruned indices on the attention modules: start each answer clean."""
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
+
+
+def _kept_tokens(model, cache) -> tuple[float, float]:
+    """(mean tokens kept per layer and KV head, mean tokens stored per layer): a head-wise press stores every
+    token and masks the pruned ones (`masked_key_indices`)."""
+    stored = [cache.layers[i].keys.shape[-2] for i in range(len(cache.layers))]
+    kv_heads = model.config.num_key_value_heads
+    masked = [0 if getattr(layer.self_attn, "masked_key_indices", None) is None else len(layer.self_attn.masked_key_indices[0])
+              for layer in model.model.layers]
+    kept = [n - m / kv_heads for n, m in zip(stored, masked)]
+    return sum(kept) / len(kept), sum(stored) / len(stored)
+
+
+def greedy_answer(model, cache, n_context: int, question_ids, max_new_tokens: int, stop_ids) -> list[int]:
+    """kvpress's `generate_answer` on a prefilled cache: the question at its original positions
+    (n_context onwards, whatever the cache holds), then one greedy token at a time; stops after a token
+    in stop_ids (the first one included) or at max_new_tokens."""
+    import torch
+
+    position_ids = torch.arange(n_context, n_context + question_ids.shape[1]).unsqueeze(0)
+    out = model(input_ids=question_ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
+    ids = [int(out.logits[0, -1].argmax())]
+    position = n_context + question_ids.shape[1]
+    while len(ids) < max_new_tokens and ids[-1] not in stop_ids:
+        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]]))
+        position += 1
+        ids.append(int(out.logits[0, -1].argmax()))
+    return ids
+
+
+def press_answer(model, press, context_ids, question_ids, max_new_tokens: int, stop_ids, seed: int = 0) -> tuple[list[int], dict]:
+    """kvpress's pipeline protocol on given ids: a DynamicCache, `with press(model): model.model(context)`
+    (None: no press), then `greedy_answer`. -> (answer ids, stats). Randomised presses (Compactor's
+    sketch) draw from torch's global generator, seeded with `seed` before the prefill."""
+    import torch
+    from transformers import DynamicCache
+
+    _clear_masks(model)
+    with torch.inference_mode():
+        torch.manual_seed(seed)
+        cache = DynamicCache()
+        start = time.perf_counter()
+        with press(model) if press is not None else contextlib.nullcontext():
+            model.model(input_ids=context_ids, past_key_values=cache)
+        prefill_s = time.perf_counter() - start
+        kept, stored = _kept_tokens(model, cache)
+        start = time.perf_counter()
+        ids = greedy_answer(model, cache, context_ids.shape[1], question_ids, max_new_tokens, stop_ids)
+        decode_s = time.perf_counter() - start
+    _clear_masks(model)
+    return ids, {"kept_tokens_mean": kept, "stored_tokens_mean": stored, "prefill_s": prefill_s, "decode_s": decode_s,
+                 "protocol": "pipeline"}
+
+
+def shares_prefill(press) -> bool:
+    """Whether a press compresses through BasePress's own hook (so one prefill can serve it beside others):
+    every press here but KVzip, whose context manager re-runs the model to score."""
+    from kvpress.presses.base_press import BasePress
+
+    return press is None or (type(press).__call__ is BasePress.__call__ and type(press).forward_hook is BasePress.forward_hook)
+
+
+def shared_prefill_answers(model, presses: dict, context_ids, question_ids, max_new_tokens: int, stop_ids, seed: int = 0) -> dict:
+    """`press_answer` for many presses (None: no press) with one prefill of the context.
+
+    Exactly what `with press(model)` computes, once per press: BasePress's hook runs after each
+    attention layer's forward, calls `press.compress(module, hidden_states, keys, values, attentions,
+    kwargs)` on that layer's full keys/values and writes the result into the cache. A prefill's
+    activations never depend on that write (every layer attends over its full context before its
+    hook), so one prefill can hand the same inputs to every press's `compress` in turn; each press's
+    cache is then the full cache with its compressed keys/values (and its `masked_key_indices`, for
+    head-wise presses) put in. The presses' `post_init_from_model` and rotary set-up run as in
+    `BasePress.__call__`; torch's generator is seeded with `seed` before the prefill (the only random
+    press, Compactor, then draws the same numbers as under `press_answer`).
+    -> {label: (answer ids, stats)}.
+    """
+    import copy
+
+    import torch
+    from kvpress.utils import extract_keys_and_values
+    from transformers import DynamicCache
+
+    language_model = model.model
+    for press in presses.values():
+        if press is not None:
+            press.post_init_from_model(model)
+    for layer in language_model.layers:
+        layer.self_attn.rotary_emb = language_model.rotary_emb
+    compressed: dict = {label: {} for label, press in presses.items() if press is not None}
+    seconds: dict = defaultdict(float)
+
+    def hook(module, args, kwargs, output):
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        for label, press in presses.items():
+            if press is None:
+                continue
+            start = time.perf_counter()
+            module.masked_key_indices = None
+            k, v = press.compress(module, kwargs["hidden_states"], keys, values, output[1], kwargs)
+            compressed[label][module.layer_idx] = (k, v, getattr(module, "masked_key_indices", None))
+            seconds[label] += time.perf_counter() - start
+        module.masked_key_indices = None
+        return output
+
+    _clear_masks(model)
+    results = {}
+    with torch.inference_mode():
+        torch.manual_seed(seed)
+        cache = DynamicCache()
+        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in language_model.layers]
+        start = time.perf_counter()
+        try:
+            language_model(input_ids=context_ids, past_key_values=cache)
+        finally:
+            for h in hooks:
+                h.remove()
+        prefill_s = time.perf_counter() - start - sum(seconds.values())
+        for label, press in presses.items():
+            own = copy.deepcopy(cache)
+            _clear_masks(model)
+            for layer_idx, (k, v, masked) in compressed.get(label, {}).items():
+                own.layers[layer_idx].keys, own.layers[layer_idx].values = k, v
+                language_model.layers[layer_idx].self_attn.masked_key_indices = masked
+            kept, stored = _kept_tokens(model, own)
+            start = time.perf_counter()
+            ids = greedy_answer(model, own, context_ids.shape[1], question_ids, max_new_tokens, stop_ids)
+            results[label] = (ids, {"kept_tokens_mean": kept, "stored_tokens_mean": stored, "prefill_s": prefill_s + seconds[label],
+                                    "decode_s": time.perf_counter() - start, "protocol": "shared prefill"})
+    _clear_masks(model)
+    return results
+
+
+def run_kvpress(args) -> None:
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import kvpress  # noqa: F401  (patches the attention functions for head-wise presses)
+    from importlib.metadata import version
+
+    logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's "2-3x prefill" warning, once per press built
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    manifest, samples = load_samples(out)
+    checkpoint = Path(manifest["checkpoint"])
+    check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
+    tasks_module = load_task_scorer()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    cells = parse_list(args.cells, KVPRESS_CELLS)
+    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"]
+    shard = parse_shard(args.shard)
+    path = results_path(out, "kvpress", shard)
+    done = {r["key"] for r in read_jsonl(path)}
+    env = environment(args.threads) | {"kvpress_version": version("kvpress"), "attn_implementation": model.config._attn_implementation}
+    for sample in select_shard(samples, shard):
+        context_ids = torch.tensor([sample["context_ids"]])
+        question_ids = torch.tensor([sample["question_ids"]])
+        stop = stop_ids_of(manifest, sample)
+        digest = prompt_digest(context_ids[0].tolist(), question_ids[0].tolist())
+        todo = {}
+        for label in cells:
+            for ratio in ratios if KVPRESS_CELLS[label][0] is not None else [None]:
+                key = cell_key("kvpress", label, ratio, sample["id"])
+                if key not in done:
+                    todo[key] = (label, ratio, build_press(label, ratio) if ratio is not None else None)
+        shared = {key: cell for key, cell in todo.items() if args.protocol == "shared" and shares_prefill(cell[2])}
+        answers: dict = {}
+        errors: dict = {}
+        start = time.perf_counter()
+        if shared:
+            try:
+                for key, value in shared_prefill_answers(model, {k: c[2] for k, c in shared.items()}, context_ids, question_ids,
+                                                         sample["max_new_tokens"], stop, sample["seed"]).items():
+                    answers[key] = value
+            except (ValueError, RuntimeError, AssertionError) as err:
+                errors.update({k: f"{type(err).__name__}: {err}" for k in shared})
+        shared_wall = (time.perf_counter() - start) / max(1, len(shared))
+        for key, (label, ratio, press) in todo.items():
+            record = {"key": key, "library": "kvpress", "cell": label, "ratio": ratio, "sample": sample["id"],
+                      "prompt_digest": digest, "error": None}
+            start = time.perf_counter()
+            if key not in shared:
+                try:
+                    answers[key] = press_answer(model, press, context_ids, question_ids, sample["max_new_tokens"], stop, sample["seed"])
+                except (ValueError, RuntimeError, AssertionError) as err:
+                    errors[key] = f"{type(err).__name__}: {err}"
+            if key in errors:
+                record["error"] = errors[key]
+                print(f"[{key}] {record['error']}", flush=True)
+            else:
+                tokens, stats = answers[key]
+                prediction = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                record.update(token_ids=tokens, prediction=prediction, score=score_prediction(tasks_module, sample, prediction), **stats)
+            record["wall_s"] = shared_wall if key in shared else time.perf_counter() - start
+            record["env"] = env
+            append_jsonl(path, record)
+            done.add(key)
+            print(f"kvpress {label:<26} {ratio!s:<5} {sample['id']:<28} score={record.get('score')} "
+                  f"{record.get('prediction')!r} ({record['wall_s']:.1f}s, {record.get('protocol')})", flush=True)
+
+
+# ---------------------------------------------------------------- step 4: compare (kvcompress's venv)
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """95% Wilson score interval of successes / n (the same formula as `kvcompress.eval.stats.wilson`)."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
+
+
+def paired_difference_interval(first: list[float], second: list[float], z: float = Z95) -> tuple[float, float, float]:
+    """(p1 - p2, low, high): Newcombe's square-and-add 95% interval for the difference of two paired proportions.
+
+    Newcombe, "Improved confidence intervals for the difference between binomial proportions based on
+    paired data", Statistics in Medicine 17 (1998), method 10: the Wilson intervals of both marginal
+    proportions, combined with the continuity-corrected correlation phi of the 2x2 table of pairs.
+    Scores must be 0 or 1 (one outcome per pair).
+    """
+    if len(first) != len(second):
+        raise ValueError(f"paired scores must have one entry per pair, got {len(first)} and {len(second)}")
+    if any(s not in (0, 1, 0.0, 1.0) for s in (*first, *second)):
+        raise ValueError("Newcombe's paired interval needs 0/1 scores")
+    n = len(first)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    a = sum(1 for x, y in zip(first, second) if x and y)
+    b = sum(1 for x, y in zip(first, second) if x and not y)
+    c = sum(1 for x, y in zip(first, second) if not x and y)
+    d = n - a - b - c
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, z)
+    l2, u2 = wilson_interval(a + c, n, z)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = 0.0
+    if margins > 0:
+        cross = a * d - b * c
+        corrected = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
+        phi = corrected / math.sqrt(margins)
+    theta = p1 - p2
+    low = theta - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    high = theta + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    return theta, max(-1.0, low), min(1.0, high)
+
+
+def cell_name(library: str, label: str, ratio) -> str:
+    return f"{library}: {label}" + ("" if ratio is None else f" @ {ratio:g}")
+
+
+def rescore(records: list[dict], samples: dict[str, dict], tokenizer, score_fn) -> list[str]:
+    """Re-decode each record's token ids with `tokenizer` and re-score with `score_fn(sample, text)`;
+    the records take these (so both libraries are scored identically); returns the disagreements found."""
+    problems = []
+    for r in records:
+        if r.get("error") is not None:
+            continue
+        sample = samples[r["sample"]]
+        if r["prompt_digest"] != sample["prompt_digest"]:
+            problems.append(f"{r['key']}: fed prompt {r['prompt_digest']} != dumped {sample['prompt_digest']}")
+        text = tokenizer.decode(r["token_ids"], skip_special_tokens=True).strip() if tokenizer is not None else r["prediction"]
+        if text != r["prediction"]:
+            problems.append(f"{r['key']}: decoded text differs ({r['prediction']!r} recorded, {text!r} here)")
+        s = float(score_fn(sample, text))
+        if s != r["score"]:
+            problems.append(f"{r['key']}: score {r['score']} recorded, {s} here")
+        r["prediction"], r["score"] = text, s
+    return problems
+
+
+def per_cell_rows(records: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["library"], r["cell"], r["ratio"])].append(r)
+    rows = []
+    for (library, label, ratio), rs in groups.items():
+        ok = [r for r in rs if r.get("error") is None]
+        scores = [r["score"] for r in ok]
+        low, high = wilson_interval(sum(scores), len(scores))
+        rows.append({"library": library, "cell": label, "ratio": ratio, "n": len(scores), "errors": len(rs) - len(ok),
+                     "hits": sum(scores), "score": sum(scores) / len(scores) if scores else float("nan"), "ci_low": low, "ci_high": high,
+                     "kept_tokens_mean": _mean([r.get("kept_tokens_mean") for r in ok if r.get("kept_tokens_mean") is not None]),
+                     "prefill_s": _mean([r["prefill_s"] for r in ok]), "decode_s": _mean([r["decode_s"] for r in ok]),
+                     "new_tokens": _mean([len(r["token_ids"]) for r in ok])})
+    order = {name: i for i, name in enumerate(DEFAULT_KVCOMPRESS + DEFAULT_KVPRESS)}
+    return sorted(rows, key=lambda r: (r["library"] != "kvcompress", r["cell"] != FULL, order.get(r["cell"], 99), r["ratio"] or 0))
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def pair_rows(records: list[dict], pairs: list[tuple[tuple, tuple]]) -> list[dict]:
+    """For each ((library, cell, ratio), (library, cell, ratio)) pair: the paired comparison on the samples both answered."""
+    from kvcompress.eval.stats import paired_comparisons
+
+    by_cell: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        if r.get("error") is None:
+            by_cell[(r["library"], r["cell"], r["ratio"])][r["sample"]] = r
+    rows = []
+    for first, second in pairs:
+        mine, theirs = by_cell.get(first, {}), by_cell.get(second, {})
+        common = sorted(set(mine) & set(theirs))
+        if not common:
+            continue
+        x = [mine[s]["score"] for s in common]
+        y = [theirs[s]["score"] for s in common]
+        name_a, name_b = cell_name(*first), cell_name(*second)
+        # eval.stats.paired_comparisons: wins / losses and the exact sign test, the second cell as the baseline
+        recs = [{"pair": 0, "method": name, "score": rec[s]["score"], "task": s, "length": 0, "index": 0, "depth": 0}
+                for name, rec in ((name_a, mine), (name_b, theirs)) for s in common]
+        (sign,) = paired_comparisons(recs, [name_b], by=("pair",))
+        binary = all(v in (0.0, 1.0) for v in (*x, *y))
+        diff, low, high = paired_difference_interval(x, y) if binary else (sum(x) / len(x) - sum(y) / len(y), float("nan"), float("nan"))
+        same = sum(mine[s]["token_ids"] == theirs[s]["token_ids"] for s in common)
+        rows.append({"first": name_a, "second": name_b, "n_pairs": len(common), "first_score": sum(x) / len(x),
+                     "second_score": sum(y) / len(y), "difference": diff, "diff_low": low, "diff_high": high,
+                     "wins": sign["wins"], "losses": sign["losses"], "p_sign": sign["p"], "identical_answers": same})
+    return rows
+
+
+def comparison_pairs(records: list[dict]) -> tuple[list, list]:
+    """(cross-library pairs, within-library pairs vs the full cache) for the cells present."""
+    cells = {(r["library"], r["cell"], r["ratio"]) for r in records}
+    cross, within = [], []
+    for library, label, ratio in sorted(cells, key=str):
+        if library != "kvcompress":
+            continue
+        for other in (COUNTERPARTS.get(label), EXTRA_COUNTERPARTS.get(label)):
+            if other is not None and ("kvpress", other, ratio) in cells:
+                cross.append(((library, label, ratio), ("kvpress", other, ratio)))
+    for library, label, ratio in sorted(cells, key=str):
+        if label != FULL and (library, FULL, None) in cells:
+            within.append(((library, label, ratio), (library, FULL, None)))
+    order = {name: i for i, name in enumerate(DEFAULT_KVCOMPRESS + DEFAULT_KVPRESS)}
+
+    def key(pair):
+        (lib, label, ratio), (_, other, _) = pair
+        return (lib != "kvcompress", label != FULL, ratio or 0, order.get(label, 99), order.get(other, 99))
+
+    return sorted(cross, key=key), sorted(within, key=key)
+
+
+def _pct(x: float) -> str:
+    return "–" if x != x else f"{100 * x:.0f}"
+
+
+def _signed(x: float) -> str:
+    return "–" if x != x else f"{100 * x:+.0f}"
+
+
+def markdown_report(manifest: dict, samples: list[dict], records: list[dict], problems: list[str], answers_shown: int = 6) -> str:
+    cells = per_cell_rows(records)
+    cross, within = comparison_pairs(records)
+    cross_rows, within_rows = pair_rows(records, cross), pair_rows(records, within)
+    envs = {r["library"]: r.get("env", {}) for r in records}
+    s = manifest["samples"]
+    lines = [
+        "# kvcompress and kvpress side by side",
+        "",
+        f"Samples: {len(samples)} × `{s['task']}` (haystack {s['haystack']}, kind {s['kind']}), target {s['length']} tokens "
+        f"(context {min(x['context_tokens'] for x in samples)}–{max(x['context_tokens'] for x in samples)} prompt tokens "
+        f"before the question), seeds {s['seeds']}, depths `{s['depths']}`. Checkpoint `{Path(manifest['checkpoint']).name}` "
+        f"(model.safetensors sha256 {manifest['checkpoint_sha256']['model.safetensors'][:12]}…), float32, CPU.",
+        "",
+    ]
+    for library, env in sorted(envs.items()):
+        extra = f", kvpress {env.get('kvpress_version')}, attention {env.get('attn_implementation')}" if library == "kvpress" else ""
+        lines.append(f"- {library}: {env.get('cpu')}, {env.get('cores')} cores, torch threads {env.get('threads')}, "
+                     f"load average {env.get('load_average')} at start, {env.get('date', '')[:10]}, torch {env.get('torch')}, "
+                     f"transformers {env.get('transformers')}, Python {env.get('python')}{extra}")
+    lines += ["", "## Scores (%, 95% Wilson interval)", "",
+              "| cell | n | hits | score | 95% interval | kept tokens (mean per layer and KV head) | prefill + compression s | decode s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in cells:
+        errors = f" ({r['errors']} errors)" if r["errors"] else ""
+        kept = "all" if r["cell"] == FULL else f"{r['kept_tokens_mean']:.0f}"
+        lines.append(f"| {cell_name(r['library'], r['cell'], r['ratio'])} | {r['n']}{errors} | {r['hits']:g} | {_pct(r['score'])} | "
+                     f"{_pct(r['ci_low'])}–{_pct(r['ci_high'])} | {kept} | {r['prefill_s']:.1f} | {r['decode_s']:.2f} |")
+    header = ("| first | second | pairs | first % | second % | difference (points) | 95% interval | wins | losses | p (sign test) | identical answers |",
+              "|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def table(rows):
+        out = list(header)
+        for r in rows:
+            out.append(f"| {r['first']} | {r['second']} | {r['n_pairs']} | {_pct(r['first_score'])} | {_pct(r['second_score'])} | "
+                       f"{_signed(r['difference'])} | {_signed(r['diff_low'])} to {_signed(r['diff_high'])} | {r['wins']} | {r['losses']} | "
+                       f"{r['p_sign']:.3g} | {r['identical_answers']}/{r['n_pairs']} |")
+        return out
+
+    lines += ["", "## kvcompress against kvpress, paired on the same samples", "",
+              "difference: first minus second, in points; 95% interval: Newcombe's square-and-add interval for paired "
+              "proportions; wins / losses: samples only the first / only the second answers; p: exact two-sided sign test "
+              "(McNemar's exact test); identical answers: the same answer tokens.", ""] + table(cross_rows)
+    lines += ["", "## Each cell against its own library's full cache", ""] + table(within_rows)
+    lines += ["", "## Answers", "", f"The first {answers_shown} samples, every cell (answer text after the answer prefix):", ""]
+    by_sample: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        by_sample[r["sample"]][cell_name(r["library"], r["cell"], r["ratio"])] = r
+    names = [cell_name(r["library"], r["cell"], r["ratio"]) for r in cells]
+    for sample in samples[:answers_shown]:
+        got = by_sample.get(sample["id"], {})
+        lines.append(f"- `{sample['id']}` expects **{', '.join(sample['answers'])}** (prefix: \"{sample['answer_prefix']}\")")
+        for name in names:
+            r = got.get(name)
+            if r is None:
+                continue
+            text = r["error"] if r.get("error") else json.dumps(r["prediction"], ensure_ascii=False)
+            lines.append(f"  - {name}: {text}{'' if r.get('error') else ' ✓' if r['score'] == 1 else ' ✗'}")
+    if problems:
+        lines += ["", "## Consistency problems", ""] + [f"- {p}" for p in problems]
+    else:
+        lines += ["", "Consistency: every record fed the dumped prompt tokens, and re-decoding its answer tokens and "
+                  "re-scoring with `kvcompress.eval.tasks.score` reproduced the recorded text and score."]
+    return "\n".join(lines) + "\n"
+
+
+def compare(args) -> None:
+    from kvcompress.eval.tables import write_csv
+    from kvcompress.eval.tasks import score as task_score
+    from transformers import AutoTokenizer
+
+    out = Path(args.out)
+    manifest, samples = load_samples(out)
+    records = [r for path in sorted(out.glob("kvcompress*.jsonl")) + sorted(out.glob("kvpress*.jsonl")) for r in read_jsonl(path)]
+    if not records:
+        raise SystemExit(f"{out} holds no predictions: run the `kvcompress` and `kvpress` steps first")
+    seen: dict[str, dict] = {}
+    for r in records:
+        seen.setdefault(r["key"], r)  # a cell run twice (two shards over the same samples) counts once
+    records = list(seen.values())
+    by_id = {s["id"]: s for s in samples}
+    tokenizer = AutoTokenizer.from_pretrained(manifest["checkpoint"], local_files_only=True)
+    problems = rescore(records, by_id, tokenizer, lambda sample, text: task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), text))
+    report = markdown_report(manifest, samples, records, problems, args.answers)
+    (out / "summary.md").write_text(report, encoding="utf-8")
+    write_csv(out / "scores.csv", per_cell_rows(records))
+    cross, within = comparison_pairs(records)
+    write_csv(out / "paired.csv", pair_rows(records, cross) + pair_rows(records, within))
+    rows = []
+    for r in sorted(records, key=lambda r: (r["sample"], r["library"], r["cell"], str(r["ratio"]))):
+        rows.append({"sample": r["sample"], "expected": "; ".join(by_id[r["sample"]]["answers"]), "library": r["library"], "cell": r["cell"],
+                     "ratio": r["ratio"], "score": r.get("score"), "prediction": r.get("prediction"), "error": r.get("error")})
+    write_csv(out / "predictions.csv", rows)
+    print(report)
+    if problems:
+        print(f"{len(problems)} consistency problems (listed at the end of {out / 'summary.md'})", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="step", required=True)
+    d = sub.add_parser("dump", help="(kvcompress's venv) write the samples as prompt token ids")
+    d.add_argument("--task", default="niah_single")
+    d.add_argument("--length", type=int, default=2048, help="target context tokens (default 2048)")
+    d.add_argument("--samples", type=int, default=30)
+    d.add_argument("--seed", type=int, default=0, help="sample i uses seed + i (default 0)")
+    d.add_argument("--haystack", default="prose")
+    d.add_argument("--kind", default="numbers")
+    d.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own answer limit")
+    d.add_argument("--ratios", type=lambda t: [float(x) for x in t.split(",")], default=[0.75], help="compression ratios (default 0.75)")
+    d.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the dequantised default model under ~/.cache/kvcompress)")
+    for name, cells, default in (("kvcompress", KVCOMPRESS_CELLS, DEFAULT_KVCOMPRESS), ("kvpress", KVPRESS_CELLS, DEFAULT_KVPRESS)):
+        s = sub.add_parser(name, help=f"({name}'s venv) answer every sample with {name}")
+        s.add_argument("--cells", default=",".join(default), help=f"comma-separated cells among {list(cells)}")
+        s.add_argument("--ratios", default=None, help="comma-separated ratios (default: the manifest's)")
+        s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+        s.add_argument("--shard", default=None, help="I/N: only samples I, I+N, ... (each shard writes its own file)")
+        s.add_argument("--skip-checkpoint-hash", action="store_true", help="do not re-hash the checkpoint against the manifest")
+        if name == "kvpress":
+            s.add_argument("--protocol", choices=("shared", "pipeline"), default="shared",
+                           help="shared (default): one prefill serves the full cache and every press that compresses through "
+                                "BasePress's hook (KVzip keeps its own); pipeline: `with press(model)` and a prefill per press")
+    c = sub.add_parser("compare", help="(kvcompress's venv) re-score both libraries' answers and write the paired tables")
+    c.add_argument("--answers", type=int, default=6, help="samples whose answers the summary quotes (default 6)")
+    for s in sub.choices.values():
+        s.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default results/kvpress_side_by_side)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    {"dump": dump, "kvcompress": run_kvcompress, "kvpress": run_kvpress, "compare": compare}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Quantized storage of kept slots: keys per channel, values per token (docs/design.md, "Quantized storage").
+
+The scheme is KIVI's ("KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv
+2402.02750): asymmetric round-to-nearest with a scale and a zero point (the group's minimum) per
+group; keys are grouped per channel over `group_size` consecutive slots (key outliers sit in a few
+channels), values per slot over `group_size` consecutive channels. Codes of 2 and 4 bits are
+packed four and two to a byte along the channel axis; 8-bit codes take a byte each. Scales and
+zero points are stored in the summary's own dtype and the codes are rounded against the stored
+(rounded) scale and zero point, so dequantization reproduces exactly what quantization aimed at.
+
+Unlike KIVI, which quantizes a full cache, the slots here come from a compressed summary: slots
+with log-weight -inf (empty slots, head-wise budget padding) are left out of the key groups'
+ranges, and log-weights and positions (int32 here, int64 again when dequantized) stay exact.
+Plain torch ops, no kernel: `QuantizedSummary.summary()` dequantizes the whole summary into a
+`KVSummary` each time it is read.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .checks import as_count
+from .summary import KVSummary, Normalizer
+
+KV_BITS = (8, 4, 2)
+DEFAULT_GROUP_SIZE = 32
+_AXES = ("channel", "token")
+
+
+def check_kv_bits(bits) -> int | None:
+    """kv_bits as given when it is None (full precision) or one of KV_BITS, else a ValueError naming what is accepted."""
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in KV_BITS):
+        raise ValueError(f"kv_bits must be None (full precision) or one of {', '.join(map(str, KV_BITS))} (bits per stored key and "
+                         f"value element), got {bits!r}")
+    return None if bits is None else int(bits)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [B, H, n, d] tensor stored in `bits` bits per element.
+
+    packed: uint8 [B, H, n, ceil(d·bits/8)], codes in [0, 2^bits - 1], the lowest bits first.
+    scale / zero: [B, H, ceil(n/G), d] for axis "channel" (a group is G consecutive slots of one
+    channel), [B, H, n, ceil(d/G)] for axis "token" (G consecutive channels of one slot); element
+    x is stored as code q with x ≈ q·scale + zero. dim: d.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    axis: str
+    dim: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (*self.packed.shape[:3], self.dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        """The stored tensor [B, H, n, d] in the scales' dtype (computed in float32, rounded once)."""
+        codes = _unpack(self.packed, self.bits, self.dim).float()
+        n, g = self.packed.shape[2], self.group_size
+        if self.axis == "channel":
+            scale, zero = (t.float().repeat_interleave(g, dim=2)[:, :, :n] for t in (self.scale, self.zero))
+        else:
+            scale, zero = (t.float().repeat_interleave(g, dim=3)[..., : self.dim] for t in (self.scale, self.zero))
+        return torch.addcmul(zero, codes, scale).to(self.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes stored: the packed codes, the scales and the zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+    def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
+        """The batch rows `index` [k]."""
+        return replace(self, **{k: getattr(self, k).index_select(0, index) for k in ("packed", "scale", "zero")})
+
+    def to(self, device, dtype: torch.dtype) -> "QuantizedTensor":
+        """Moved to `device`, scales and zero points cast to `dtype` (the codes are unchanged)."""
+        return replace(self, packed=self.packed.to(device), scale=self.scale.to(device, dtype), zero=self.zero.to(device, dtype))
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, valid: torch.Tensor | None = None) -> QuantizedTensor:
+    """x [B, H, n, d] (floating) in `bits` bits, grouped along `axis` ("channel": keys, "token": values; see
+    `QuantizedTensor`). valid [B, H, n] bool (axis "channel" only): slots whose values set no group's range
+    (a group with no valid slot gets scale 0 and zero point 0). Scales and zero points take x's dtype."""
+    bits = check_kv_bits(bits)
+    if bits is None:
+        raise ValueError("quantize needs bits, one of " + ", ".join(map(str, KV_BITS)))
+    group_size = as_count("group_size", group_size, 1)
+    if axis not in _AXES:
+        raise ValueError(f"axis must be one of {_AXES}, got {axis!r}")
+    if valid is not None and axis != "channel":
+        raise ValueError("valid slots set the ranges of per-channel (key) groups; values are grouped per slot")
+    b, h, n, d = x.shape
+    levels = (1 << bits) - 1
+    work = x.float()
+    low, high = work, work
+    if valid is not None:
+        hidden = ~valid[..., None]
+        low, high = work.masked_fill(hidden, math.inf), work.masked_fill(hidden, -math.inf)
+    if axis == "channel":
+        groups = -(-n // group_size)
+        pad = (0, 0, 0, groups * group_size - n)
+        low = F.pad(low, pad, value=math.inf).view(b, h, groups, group_size, d).amin(3)
+        high = F.pad(high, pad, value=-math.inf).view(b, h, groups, group_size, d).amax(3)
+    else:
+        groups = -(-d // group_size)
+        pad = (0, groups * group_size - d)
+        low = F.pad(low, pad, value=math.inf).view(b, h, n, groups, group_size).amin(4)
+        high = F.pad(high, pad, value=-math.inf).view(b, h, n, groups, group_size).amax(4)
+    empty = torch.isinf(low)
+    low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+    zero, scale = low.to(x.dtype), ((high - low) / levels).to(x.dtype)
+    if axis == "channel":
+        at_zero, at_scale = (t.float().repeat_interleave(group_size, dim=2)[:, :, :n] for t in (zero, scale))
+    else:
+        at_zero, at_scale = (t.float().repeat_interleave(group_size, dim=3)[..., :d] for t in (zero, scale))
+    steps = torch.where(at_scale > 0, at_scale, torch.ones_like(at_scale))
+    codes = ((work - at_zero) / steps).round_().clamp_(0, levels).to(torch.uint8)
+    return QuantizedTensor(_pack(codes, bits), scale, zero, bits, group_size, axis, d)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., d] < 2^bits -> [..., ceil(d·bits/8)], 8/bits codes a byte, the first in the lowest bits."""
+    per = 8 // bits
+    if per == 1:
+        return codes.contiguous()
+    d = codes.shape[-1]
+    codes = F.pad(codes, (0, -(-d // per) * per - d)).unflatten(-1, (-1, per))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """The inverse of `_pack`: uint8 codes [..., d]."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :d]
+
+
+@dataclass(frozen=True)
+class QuantizedSummary:
+    """A `KVSummary` whose keys and values (and normalizer keys) are stored quantized; immutable.
+
+    keys: axis "channel", values: axis "token" (`quantize`). log_weights [B, H, n] float32, None
+    for an eviction-only summary (every weight 0, no normalizer). positions [B, H, n] int32.
+    normalizer: (keys quantized per channel, log_weights, positions int32) or None.
+    `summary()` is the dequantized `KVSummary`, with the original's eviction_only.
+    """
+
+    keys: QuantizedTensor
+    values: QuantizedTensor
+    log_weights: torch.Tensor | None
+    positions: torch.Tensor
+    normalizer: tuple[QuantizedTensor, torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, summary: KVSummary, bits: int, group_size: int) -> "QuantizedSummary":
+        """`summary` quantized: keys per channel over the slots of finite log-weight, values per slot."""
+        keys = quantize(summary.keys, bits, group_size, "channel", torch.isfinite(summary.log_weights))
+        values = quantize(summary.values, bits, group_size, "token")
+        norm = summary.normalizer
+        if norm is not None:
+            norm = (quantize(norm.keys, bits, group_size, "channel", torch.isfinite(norm.log_weights)), norm.log_weights.float(),
+                    _int32(norm.positions))
+        log_weights = None if summary.eviction_only else summary.log_weights.float()
+        return cls(keys, values, log_weights, _int32(summary.positions), norm)
+
+    @property
+    def num_slots(self) -> int:
+        return self.positions.shape[2]
+
+    @property
+    def eviction_only(self) -> bool:
+        return self.log_weights is None
+
+    def summary(self) -> KVSummary:
+        """The dequantized summary (keys and values in the stored scales' dtype, positions int64)."""
+        positions = self.positions.long()
+        if self.log_weights is None:
+            log_weights = torch.zeros(1, dtype=torch.float32, device=positions.device).expand(positions.shape)
+        else:
+            log_weights = self.log_weights
+        norm = None
+        if self.normalizer is not None:
+            keys, norm_weights, norm_positions = self.normalizer
+            norm = Normalizer(keys.dequantize(), norm_weights, norm_positions.long())
+        return KVSummary(self.keys.dequantize(), self.values.dequantize(), log_weights, positions, norm, self.eviction_only)
+
+    def nbytes(self) -> int:
+        """KV bytes stored: packed keys and values (and normalizer keys) with their scales and zero points."""
+        return self.keys.nbytes() + self.values.nbytes() + (self.normalizer[0].nbytes() if self.normalizer is not None else 0)
+
+    def index_nbytes(self) -> int:
+        """Bytes of the log-weights (none when eviction-only) and positions held (and the normalizer's)."""
+        parts = [t for t in (self.log_weights, self.positions) if t is not None]
+        if self.normalizer is not None:
+            parts += list(self.normalizer[1:])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def select_rows(self, index: torch.Tensor) -> "QuantizedSummary":
+        """The batch rows `index` [k] (beam search)."""
+        index = index.to(self.positions.device)
+        norm = self.normalizer
+        if norm is not None:
+            norm = (norm[0].select_rows(index), norm[1].index_select(0, index), norm[2].index_select(0, index))
+        log_weights = self.log_weights.index_select(0, index) if self.log_weights is not None else None
+        return QuantizedSummary(self.keys.select_rows(index), self.values.select_rows(index), log_weights,
+                                self.positions.index_select(0, index), norm)
+
+    def to(self, device, dtype: torch.dtype) -> "QuantizedSummary":
+        """Every tensor moved to `device`, scales and zero points cast to `dtype`."""
+        norm = self.normalizer
+        if norm is not None:
+            norm = (norm[0].to(device, dtype), norm[1].to(device), norm[2].to(device))
+        log_weights = self.log_weights.to(device) if self.log_weights is not None else None
+        return QuantizedSummary(self.keys.to(device, dtype), self.values.to(device, dtype), log_weights, self.positions.to(device), norm)
+
+
+def _int32(positions: torch.Tensor) -> torch.Tensor:
+    """Positions (token indices, -1 for empty slots) as int32; a position past int32's range is an error."""
+    if positions.numel() and int(positions.max()) > torch.iinfo(torch.int32).max:
+        raise ValueError(f"positions up to {int(positions.max())} do not fit the int32 a quantized summary stores them in")
+    return positions.to(torch.int32).contiguous()

@@ -1,0 +1,128 @@
+"""The command line: a parser that imports nothing heavy, its name lists kept equal to the library's, subcommands
+independent of `kvcompress.cli`, and `generate` with --threads and a calibration file.
+
+Start-up time itself is measured by benchmarks/cli_startup.py, not asserted here; these tests check
+what makes it fast (building the parser, --help and argument errors import neither torch nor transformers).
+"""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcompress.calibration import Calibration, optimal_retention
+from kvcompress.cli import main
+from kvcompress.commands import names
+
+HEAVY = ("torch", "transformers", "numpy", "matplotlib", "scipy")
+PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
+
+
+def test_parser_help_and_argument_errors_import_nothing_heavy():
+    argv = [["--help"], *[[command, "--help"] for command in ("generate", "demo", "calibrate", "bench", "eval")],
+            ["generate", "--context-file", "c.txt", "--budget", "many"], ["generate", "--context-file", "c.txt", "--method", "zip"],
+            ["generate", "--context-file", "c.txt", "--threads", "0"], ["bench", "--sections", "speed"], ["bench", "--memory-method", "zip"],
+            ["eval", "--modes", "fast"], ["calibrate", "--out", "c.json", "--tasks", "haystack"], ["demo", "--methods", "zip"]]
+    script = f"""
+import sys
+from kvcompress.cli import build_parser, main
+build_parser()
+statuses = [main(argv) for argv in {argv!r}]
+print(statuses, sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"{[0] * 6 + [2] * 8} []"
+
+
+# Each copy in kvcompress.commands.names, and how to read its owner's value.
+OWNERS = {
+    "METHODS": ("kvcompress.methods.registry", lambda m: tuple(m.method_names())),
+    "DEFAULT_METHOD": ("kvcompress.options", lambda m: m.DEFAULT_METHOD),
+    "MODES": ("kvcompress.options", lambda m: m.MODES),
+    "DEFAULT_CHUNK_SIZE": ("kvcompress.options", lambda m: m.DEFAULT_CHUNK_SIZE),
+    "DTYPES": ("kvcompress.integration.model", lambda m: tuple(m.DTYPES)),
+    "CALIBRATION_RETENTIONS": ("kvcompress.integration.calibrate_model", lambda m: m.DEFAULT_RETENTIONS),
+    "SWEEP_RATIOS": ("kvcompress.eval.runner", lambda m: m.DEFAULT_RATIOS),
+    "SWEEP_LENGTHS": ("kvcompress.eval.runner", lambda m: m.DEFAULT_LENGTHS),
+    "APPROX_RATIOS": ("kvcompress.eval.approx", lambda m: m.DEFAULT_APPROX_RATIOS),
+    "APPROX_LAYERS": ("kvcompress.eval.approx", lambda m: m.DEFAULT_APPROX_LAYERS),
+    "PERPLEXITY": ("kvcompress.eval.perplexity", lambda m: m.PERPLEXITY),
+    "PERPLEXITY_BLOCK": ("kvcompress.eval.perplexity", lambda m: m.DEFAULT_BLOCK),
+    "PERPLEXITY_CONTEXT_FRACTION": ("kvcompress.eval.perplexity", lambda m: m.DEFAULT_CONTEXT_FRACTION),
+    "BENCH_SECTIONS": ("kvcompress.eval.bench", lambda m: m.SECTIONS),
+    "BENCH_SHAPES": ("kvcompress.eval.bench", lambda m: tuple(m.SHAPES)),
+    "BENCH_SIZES": ("kvcompress.eval.bench", lambda m: m.DEFAULT_SIZES),
+}
+
+
+@pytest.mark.parametrize("name", OWNERS)
+def test_each_name_list_equals_its_owner(name):
+    module, read = OWNERS[name]
+    assert getattr(names, name) == read(importlib.import_module(module)), f"update kvcompress/commands/names.py: {name} differs from {module}"
+
+
+def test_every_name_list_has_an_owner_checked_and_the_sweep_default_tasks_are_every_task():
+    assert {n for n in vars(names) if n.isupper()} == set(OWNERS)
+    from kvcompress.eval.runner import DEFAULT_TASKS
+    from kvcompress.eval.tasks import TASKS
+
+    assert DEFAULT_TASKS == TASKS  # `kvcompress eval --help` shows TASKS as the default
+
+
+@pytest.mark.parametrize("path", [*sorted((PACKAGE / "commands").glob("*.py")), PACKAGE / "demo.py"], ids=lambda p: p.name)
+def test_subcommands_do_not_import_the_module_that_loads_them(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.module != "cli" and not (node.module or "").endswith(".cli"), f"{path.name}:{node.lineno} imports kvcompress.cli"
+        elif isinstance(node, ast.Import):
+            assert all(a.name != "kvcompress.cli" for a in node.names), f"{path.name}:{node.lineno} imports kvcompress.cli"
+
+
+@pytest.fixture
+def context_file(tmp_path):
+    path = tmp_path / "context.txt"
+    path.write_text("The magic number is 42. The sky is green today. " * 20)
+    return path
+
+
+def test_generate_sets_the_torch_threads(tiny_checkpoint, context_file, capsys):
+    before = torch.get_num_threads()
+    threads = 2 if before == 1 else 1
+    try:
+        assert main(["generate", "--model", str(tiny_checkpoint), "--method", "full", "--context-file", str(context_file),
+                     "--max-new-tokens", "2", "--threads", str(threads)]) == 0
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert "method            full" in capsys.readouterr().out
+
+
+def test_generate_compresses_at_the_ratio_a_calibration_file_chooses(tiny_checkpoint, context_file, tmp_path, capsys):
+    """alpha = 0: the curve does not depend on the context's NLL, so the ratio is known in closed form (r* at k = beta)."""
+    path = tmp_path / "knorm.json"
+    Calibration("knorm", alpha=0.0, beta=-3.0).save(path)
+    assert main(["generate", "--model", str(tiny_checkpoint), "--calibration", str(path), "--quality", "0.8",
+                 "--context-file", str(context_file), "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    ratio = 1 - optimal_retention(-3.0, 0.8)
+    assert 0.4 < ratio < 0.6
+    assert "method            knorm (mode=prefill" in out  # the calibration's method: no --method given
+    assert f"(compression ratio {ratio:.3f}) for quality 0.8" in out
+
+
+def test_a_file_written_by_kvcompress_calibrate_drives_generate(tiny_checkpoint, context_file, tmp_path, capsys):
+    path = tmp_path / "knorm.json"
+    assert main(["calibrate", "--model", str(tiny_checkpoint), "--method", "knorm", "--tasks", "niah_single", "--samples", "2",
+                 "--tokens", "300", "--retentions", "0.5,1", "--out", str(path)]) == 0
+    calibration = Calibration.load(path)
+    assert calibration.method == "knorm" and calibration.n_triples == 4
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny_checkpoint), "--method", "knorm", "--calibration", str(path), "--quality", "0.9",
+                 "--context-file", str(context_file), "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "method            knorm" in out and "calibration       NLL(context) " in out and "for quality 0.9" in out

@@ -1,0 +1,66 @@
+"""The prose needle (`niah_prose`): a name or a town stated once in real prose, asked for by a question."""
+
+import re
+
+import pytest
+
+from kvcompress.eval import tasks as T
+from kvcompress.eval.runner import SweepConfig, sample_specs
+
+
+@pytest.mark.parametrize("answer_kind", ["names", "places"])
+@pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
+def test_the_fact_sits_once_at_its_depth_in_real_prose(answer_kind, depth):
+    s = T.niah_prose(1200, depth, seed=7, answer_kind=answer_kind)
+    (answer,) = s.answers
+    (needle,) = s.needles
+    facts = {fact.format(answer): (question, prefix) for fact, question, prefix in T.PROSE_FACTS[answer_kind]}
+    assert needle in facts and facts[needle] == (s.question, s.answer_prefix)
+    assert s.context.count(needle) == 1 and s.context.count(answer) == 1
+    assert abs(s.context.index(needle) / len(s.context) - depth) < 0.05 and abs(s.depth - depth) < 0.05
+    assert abs(s.n_tokens - 1200) < 60
+    haystack = s.context.replace(needle, "").strip()
+    assert any(haystack.startswith(sentence) for sentence in T._prose_sentences())  # the rest is the shipped prose
+    if answer_kind == "names":
+        first, last = answer.split(" ")
+        assert first in T.FIRST_NAMES and last in T.SURNAMES and s.question.startswith("Who")
+    else:
+        assert answer in T.TOWNS and answer not in s.question
+    assert answer not in s.question + s.answer_prefix  # the question and the prefix do not give it away
+    assert s.stop == (".", "\n") and s.max_new_tokens == 24
+
+
+def test_scored_on_the_whole_answer_case_and_spacing_aside():
+    s = T.niah_prose(600, 0.5, seed=3, answer_kind="names")
+    first, last = s.answers[0].split(" ")
+    assert T.score(s, f"The eastern collection was catalogued by {first.upper()} {last}.") == 1.0
+    assert T.score(s, f"{first} {last}") == 1.0
+    assert T.score(s, first) == 0.0 and T.score(s, last) == 0.0
+    assert T.score(s, f"{first}{last}") == 0.0
+
+
+def test_same_seed_same_sample_and_mixed_draws_both_kinds():
+    assert T.niah_prose(500, 0.3, seed=11) == T.niah_prose(500, 0.3, seed=11)
+    samples = [T.niah_prose(300, 0.5, seed=seed) for seed in range(40)]
+    assert len({s.answers[0] for s in samples}) > 30
+    kinds = {"names" if re.match(r"Who ", s.question) else "places" for s in samples}
+    assert kinds == {"names", "places"}
+
+
+def test_bad_arguments_name_the_parameter():
+    with pytest.raises(ValueError, match=r"answer_kind must be one of \('names', 'places', 'mixed'\), got 'towns'"):
+        T.niah_prose(500, answer_kind="towns")
+    with pytest.raises(ValueError, match="depth must be in"):
+        T.niah_prose(500, depth=1.5)
+
+
+def test_in_the_default_sweep_beside_the_filler_needle_and_lines():
+    assert {"niah_prose", "niah_single", "line_retrieval"} <= set(SweepConfig().tasks)
+    config = SweepConfig(methods=[], tasks=["niah_prose"], lengths=[300], samples=2, task_params={"niah_prose": {"answer_kind": "places"}})
+    built = [spec.build(config, None) for spec in sample_specs(config)]
+    assert all(s.answers[0] in T.TOWNS for s in built) and built[0].answers != built[1].answers
+
+
+def test_tuning_seeds_lie_above_the_reported_ones():
+    assert T.TUNING_SEEDS.start == 1000 and len(T.TUNING_SEEDS) == 1000
+    assert SweepConfig().seed + SweepConfig().samples <= T.TUNING_SEEDS.start

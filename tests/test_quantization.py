@@ -1,0 +1,256 @@
+"""Quantized storage of kept slots (issue 37): KIVI's per-channel keys and per-token values, packed codes, honest
+byte counts, the options that ask for it, and how a quantized cache composes with the modes, padding and beams."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cache import CompressedCache
+from kvcompress.integration import generate_batch_ids, generate_ids
+from kvcompress.options import CompressionOptions
+from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedSummary, _pack, _unpack, quantize
+from kvcompress.summary import KVSummary, Normalizer
+
+from test_integration import _prompt, tiny
+
+BITS = [8, 4, 2]
+
+
+def _x(shape=(2, 3, 100, 64), seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * torch.linspace(0.1, 4.0, shape[-1])).to(dtype)  # channels of different ranges
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("d", [64, 10, 7])
+def test_codes_pack_into_bytes_and_back(bits, d):
+    codes = torch.randint(0, 1 << bits, (2, 3, 5, d), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = _pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 5, math.ceil(d * bits / 8))
+    assert torch.equal(_unpack(packed, bits, d), codes)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_every_element_is_within_half_a_step_of_its_group(bits, axis):
+    """x ≈ code·scale + zero, each element within half its group's step (float32 rounding aside)."""
+    x = _x()
+    q = quantize(x, bits, 32, axis)
+    n, d = x.shape[2], x.shape[3]
+    if axis == "channel":  # keys: a group is 32 consecutive slots of one channel
+        assert q.scale.shape == (2, 3, math.ceil(n / 32), d)
+        step = q.scale.repeat_interleave(32, dim=2)[:, :, :n]
+        lo = torch.stack([x[:, :, i : i + 32].amin(2) for i in range(0, n, 32)], 2)
+    else:  # values: a group is 32 consecutive channels of one slot
+        assert q.scale.shape == (2, 3, n, math.ceil(d / 32))
+        step = q.scale.repeat_interleave(32, dim=3)[..., :d]
+        lo = torch.stack([x[..., i : i + 32].amin(-1) for i in range(0, d, 32)], -1)
+    assert torch.equal(q.zero, lo)  # the zero point is the group's minimum
+    error = (q.dequantize() - x).abs()
+    assert bool((error <= step / 2 + 1e-5).all()), float((error - step / 2).max())
+    assert q.dequantize().dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_half_precision_stores_scales_in_its_dtype_and_stays_accurate(dtype, bits):
+    """Scales and zero points in the input's dtype, codes rounded against them: the error is the quantization step's
+    plus the dtype's own rounding, never a NaN or an overflow."""
+    x = _x(dtype=dtype)
+    for axis in ("channel", "token"):
+        q = quantize(x, bits, 32, axis)
+        assert q.scale.dtype == dtype and q.zero.dtype == dtype
+        out = q.dequantize()
+        assert out.dtype == dtype and bool(torch.isfinite(out).all())
+        rel = float((out.float() - x.float()).norm() / x.float().norm())
+        assert rel < {8: 0.01, 4: 0.12, 2: 0.6}[bits], (axis, rel)
+
+
+def test_empty_slots_do_not_widen_the_key_ranges():
+    """Slots with log-weight -inf (padding, head-wise budgets) are left out of the per-channel ranges: the real slots
+    quantize as they would alone."""
+    x = _x((1, 2, 40, 16))
+    valid = torch.ones(1, 2, 40, dtype=torch.bool)
+    valid[:, :, 30:] = False
+    padded = x.clone()
+    padded[:, :, 30:] = 1e4
+    q = quantize(padded, 4, 32, "channel", valid).dequantize()[:, :, :30]
+    alone = quantize(x[:, :, :30], 4, 32, "channel").dequantize()
+    assert torch.equal(q, alone)
+
+
+def test_nbytes_counts_the_packed_codes_the_scales_and_the_zero_points():
+    x = _x((1, 2, 100, 64))
+    for bits in BITS:
+        keys, values = quantize(x, bits, 32, "channel"), quantize(x, bits, 32, "token")
+        codes = 1 * 2 * 100 * 64 * bits // 8
+        assert keys.nbytes() == codes + 2 * (1 * 2 * 4 * 64) * 4  # 4 groups of 32 slots per channel, scale + zero in float32
+        assert values.nbytes() == codes + 2 * (1 * 2 * 100 * 2) * 4  # 2 groups of 32 channels per slot
+
+
+def _summary(weighted: bool, normalizer: bool) -> KVSummary:
+    x = _x((1, 2, 50, 16))
+    log_weights = torch.zeros(1, 2, 50)
+    if weighted:
+        log_weights = torch.rand(1, 2, 50, generator=torch.Generator().manual_seed(3)).log1p()
+        log_weights[:, 1, -5:] = -math.inf  # head-wise padding
+    positions = torch.arange(50).expand(1, 2, 50).clone()
+    positions[:, 1, -5:] = -1 if weighted else positions[:, 1, -5:]
+    norm = Normalizer(x[:, :, :30], torch.zeros(1, 2, 30), torch.arange(30).expand(1, 2, 30)) if normalizer else None
+    summary = KVSummary(x, x.flip(-1), log_weights, positions, norm)
+    return summary.checked_eviction()
+
+
+@pytest.mark.parametrize("weighted,normalizer", [(False, False), (True, False), (True, True)])
+def test_a_quantized_summary_keeps_weights_positions_and_normalizer_exactly(weighted, normalizer):
+    s = _summary(weighted, normalizer)
+    q = QuantizedSummary.of(s, 8, 32)
+    back = q.summary()
+    assert back.eviction_only == s.eviction_only == (not weighted)
+    assert torch.equal(back.positions, s.positions) and back.positions.dtype == torch.int64
+    assert torch.equal(back.log_weights, s.log_weights)
+    assert q.positions.dtype == torch.int32
+    assert (q.log_weights is None) == s.eviction_only  # an eviction-only summary stores no log-weights
+    occupied = torch.isfinite(s.log_weights)  # an empty slot's key sets no range and is never attended
+    torch.testing.assert_close(back.keys[occupied], s.keys[occupied], atol=0.05, rtol=0)
+    torch.testing.assert_close(back.values, s.values, atol=0.05, rtol=0)
+    if normalizer:
+        assert torch.equal(back.normalizer.positions, s.normalizer.positions)
+        torch.testing.assert_close(back.normalizer.keys, s.normalizer.keys, atol=0.05, rtol=0)
+    else:
+        assert back.normalizer is None
+    # attention over the dequantized summary stays close to attention over the original
+    queries = _x((1, 4, 6, 16), seed=5)
+    exact = kvc.weighted_attention(queries, s)
+    for bits, bound in ((8, 0.01), (4, 0.15)):
+        assert kvc.relative_error(kvc.weighted_attention(queries, QuantizedSummary.of(s, bits, 32).summary()), exact) < bound
+    index = q.nbytes() + q.index_nbytes()
+    assert q.index_nbytes() == 2 * 50 * 4 + (0 if not weighted else 2 * 50 * 4) + (2 * 30 * 12 if normalizer else 0)
+    assert index < s.nbytes() + s.index_nbytes()
+
+
+def test_rows_of_a_quantized_summary_are_selected_as_stored():
+    s = KVSummary(_x((3, 2, 40, 16)), _x((3, 2, 40, 16), seed=1), torch.zeros(3, 2, 40), torch.arange(40).expand(3, 2, 40))
+    q = QuantizedSummary.of(s.checked_eviction(), 4, 32)
+    picked = q.select_rows(torch.tensor([2, 0]))
+    assert torch.equal(picked.summary().keys, q.summary().keys[[2, 0]])
+    assert torch.equal(picked.summary().values, q.summary().values[[2, 0]])
+
+
+@pytest.mark.parametrize("bad", [3, 16, 1, 0, True, "4", 4.0])
+def test_kv_bits_outside_8_4_2_is_refused(bad):
+    with pytest.raises(ValueError, match=r"kv_bits must be None \(full precision\) or one of 8, 4, 2.*got"):
+        CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=bad)
+
+
+def test_storage_options_are_checked_when_built():
+    assert CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4).kv_group_size == DEFAULT_GROUP_SIZE
+    assert CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=2, kv_group_size=64).kv_group_size == 64
+    with pytest.raises(ValueError, match="kv_group_size=16 groups quantized storage: it takes kv_bits"):
+        CompressionOptions(method="snapkv", compression_ratio=0.5, kv_group_size=16)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="kv_group_size"):
+            CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4, kv_group_size=bad)
+    with pytest.raises(ValueError, match="mode='decode' keeps re-selecting and merging slots"):
+        CompressionOptions(method="snapkv", budget=8, mode="decode", kv_bits=4)
+    with pytest.raises(ValueError, match="method=None is the full cache: it takes no kv_bits"):
+        CompressionOptions(method=None, kv_bits=4)
+
+
+def _reference_budget(model, ctx, question, **kw):
+    return generate_ids(model, ctx, question, max_new_tokens=8, stop_at_eos=False, chunk_size=32, **kw)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact(mode):
+    """What is stored after the context: the compressed front quantized (sink + middle), the window and every later
+    token at full precision; nbytes counts exactly that."""
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    options = CompressionOptions(method="keydiff", budget=40, sink=4, window=16, mode=mode, chunk_size=32, kv_bits=4)
+    cache = CompressedCache(model, options)
+    with torch.inference_mode(), kvc.integration.use_compressed_attention(model):
+        for block in (ctx.split(32, 1) if mode == "chunked" else [ctx]):
+            model(block, past_key_values=cache, use_cache=True)
+        cache.absorbing = False
+        layer = cache.layers[0]
+        assert isinstance(layer.front, QuantizedSummary) and layer.front.num_slots == 4 + 40
+        assert layer.tail.num_slots == 16 and torch.equal(layer.tail.positions[0, 0], torch.arange(284, 300))
+        model(question, past_key_values=cache, use_cache=True)
+    assert layer.tail.num_slots == 16 + question.shape[1] and layer.tail.keys.dtype == torch.float32
+    assert layer.nbytes() == layer.front.nbytes() + layer.tail.nbytes()
+    per_head_codes = 44 * 16 * 4 // 8
+    scales = 2 * (2 * 16) * 4 + 2 * (44 * 1) * 4  # keys: 2 slot groups x 16 channels; values: 1 channel group per slot
+    assert layer.front.nbytes() == 2 * (2 * per_head_codes + scales)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+@pytest.mark.parametrize("method", kvc.methods())
+def test_every_method_composes_with_quantized_storage(method, mode):
+    """At 8 bits every method answers as at full precision on the tiny model, and stores fewer bytes at 8, 4 and 2."""
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    kw = dict(method=method, mode=mode, budget=24, sink=2, window=0 if method == "compactor" else 8)
+    full = _reference_budget(model, ctx, question, **kw)
+    stored = [full.kv_bytes]
+    for bits in BITS:
+        res = _reference_budget(model, ctx, question, kv_bits=bits, **kw)
+        assert res.slots_per_layer == full.slots_per_layer and res.kv_bits == bits
+        if bits == 8:
+            assert res.token_ids[:4] == full.token_ids[:4], (method, mode)
+        stored.append(res.kv_bytes)
+    assert stored == sorted(stored, reverse=True) and stored[-1] < stored[0], stored
+
+
+def test_a_padded_batch_quantized_answers_as_each_row_alone():
+    model = tiny("qwen2")
+    contexts = [_prompt(n=n, seed=s)[0] for n, s in ((180, 1), (120, 2))]
+    _, question = _prompt(n=10)
+    kw = dict(method="snapkv", budget=30, sink=2, window=8, kv_bits=4, max_new_tokens=8, stop_at_eos=False)
+    batch = generate_batch_ids(model, contexts, question, **kw)
+    for ctx, res in zip(contexts, batch):
+        assert res.token_ids == generate_ids(model, ctx, question, **kw).token_ids
+
+
+def test_beam_search_reorders_a_quantized_cache():
+    model = tiny()
+    ctx, _ = _prompt(n=120)
+    cache = CompressedCache(model, "snapkv", budget=30, sink=2, window=8, kv_bits=4)
+    out = model.generate(ctx, past_key_values=cache, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert out.shape == (1, 126) and isinstance(cache.layers[0].front, QuantizedSummary)
+
+
+def test_ten_times_smaller_at_4_bits_and_ratio_075_on_4k_tokens(tmp_path):
+    """The issue's arithmetic on a real cache, head_dim 64, bfloat16: a 4096-token context at compression_ratio=0.75
+    and kv_bits=4 stores at most a tenth of the full cache's bytes, window, scales, zero points, positions and
+    log-weights included, and so does its saved file (header, settings and token ids included). Per KV head and layer
+    everything scales alike, so the ratio is the default model's (30 layers, 3 KV heads, head_dim 64) as well."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 4096), generator=torch.Generator().manual_seed(0))
+    cache = kvc.integration.compress_context_ids(model, ids, method="snapkv", compression_ratio=0.75, kv_bits=4)
+    full = 2 * 4 * 2 * 64 * 4096 * 2  # keys and values, 4 layers, 2 KV heads, bfloat16
+    index = sum(layer.front.index_nbytes() + layer.tail.index_nbytes() for layer in cache.layers)
+    assert cache.nbytes() + index <= full / 10, (cache.nbytes(), index, full)
+    path = tmp_path / "doc.kvc"
+    cache.save(path)
+    assert path.stat().st_size <= full / 10, (path.stat().st_size, full)
+    # the same arithmetic per KV head and layer: the quantized front (sink + middle), the bfloat16 window, the positions
+    # (int32 in the front; int64 and float32 log-weights in the exact tail)
+    layer = cache.layers[0]
+    front, window, d = layer.front.num_slots, layer.tail.num_slots, 64
+    assert front + window == 1024  # ceil(0.25 * 4096) kept
+    codes = front * d * 4 // 8 * 2
+    scales = (math.ceil(front / 32) * d + front * math.ceil(d / 32)) * 2 * 2  # a scale and a zero point, bfloat16
+    exact = window * d * 2 * 2
+    assert layer.nbytes() == 2 * (codes + scales + exact)  # 2 KV heads
+    per_head = codes + scales + exact + front * 4 + window * 12
+    assert layer.front.index_nbytes() + layer.tail.index_nbytes() == 2 * (per_head - codes - scales - exact)
+    smollm2_full, smollm2_stored = 30 * 3 * (4096 * d * 2 * 2), 30 * 3 * per_head
+    assert smollm2_stored / smollm2_full < 0.095, smollm2_stored / smollm2_full
