@@ -12,7 +12,7 @@ from .methods.base import compress_tokens, make_generator
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 from .methods.stream import Stream
-from .methods.tokens import query_positions_for, Tokens
+from .methods.tokens import Tokens, query_positions_for
 from .summary import KVSummary
 
 

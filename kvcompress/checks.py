@@ -62,17 +62,21 @@ def check_queries(queries, keys: torch.Tensor, keys_name: str = "keys") -> None:
     check_same_device("queries", queries, keys_name, keys)
 
 
-def as_count(name: str, value, minimum: int) -> int:
-    """An integer >= minimum (Python or NumPy integers, 0-d integer tensors) as a Python int; bool and floats are rejected."""
+def as_count(name: str, value, minimum: int, optional: bool = False) -> int | None:
+    """An integer >= minimum (Python or NumPy integers, 0-d integer tensors) as a Python int; bool and floats are rejected.
+    optional: None is accepted too (and returned)."""
+    if optional and value is None:
+        return None
+    accepted = f"{'None or ' if optional else ''}an integer >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.Tensor)):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
     if isinstance(value, torch.Tensor):
         if value.ndim != 0 or value.is_floating_point() or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            raise ValueError(f"{name} must be {accepted}, got {value!r}")
         value = value.item()
     value = int(value)
     if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be {accepted}, got {value}")
     return value
 
 

@@ -185,10 +185,10 @@ def test_half_precision_does_not_overflow():
     "params, budget, match",
     [
         ({"cluster_weight": 1.0}, 64, "cluster_weight must be a number in \\(0, 1\\)"),
-        ({"s": -1}, 64, "s must be an integer >= 1"),
+        ({"s": -1}, 64, "s must be None or an integer >= 1"),
         ({"delta": -0.5}, 64, "delta must be a finite number >= 0"),
         ({"delta": float("nan")}, 64, "delta must be a finite number >= 0"),
-        ({"max_clusters": 0}, 64, "max_clusters must be an integer >= 1"),
+        ({"max_clusters": 0}, 64, "max_clusters must be None or an integer >= 1"),
         ({"s": 60, "max_clusters": 4}, 64, "s \\+ max_clusters < budget"),
         ({}, 2, "s \\+ max_clusters < budget"),
     ],

@@ -45,15 +45,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
-from ..options import MODES, CompressionOptions
 from ..methods.registry import get_method_class, method_names
+from ..options import MODES, CompressionOptions
+from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
 from .stats import paired_comparisons, wilson
-from . import tables
 from .stopping import stop_token_ids
-from .tasks import GENERATORS, HAYSTACKS, Sample, TASKS, generate_sample, score
+from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score
 
 FULL = "full"
 # Methods built from other methods: compared with the best single method, never chosen as it.

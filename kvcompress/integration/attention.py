@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import exp_rows_, totals_in_range, weighted_attention
+from ..checks import as_count
 from .support import ATTENTION_NAME, has_padding
 
 
@@ -97,8 +98,7 @@ def causal_attention_with_mass(
     k, v = key.to(work), value.to(work)
     if workers is None:
         workers = min(torch.get_num_threads(), _MAX_WORKERS) if query.device.type == "cpu" else 1
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
+    workers = as_count("workers", workers, 1)
     chunk = max(1, min(query_chunk, max_logits // max(1, workers * b * hq * n)))
     starts = range(0, nq, chunk)
     workers = min(workers, len(starts))

@@ -3,11 +3,9 @@
 import importlib
 import pkgutil
 
-from .base import keep_top, Method, ScoreMethod, StreamState
-
+from .base import Method, ScoreMethod, StreamState, keep_top
 from .registry import get_method_class, method_names, register
-
-from .tokens import attention_mass, Tokens
+from .tokens import Tokens, attention_mass
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_") and _module.name != "base":

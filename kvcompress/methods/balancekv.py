@@ -18,11 +18,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..checks import as_count
 from ..summary import KVSummary, concat, take_slots
-from .base import first_true, Method, StreamState
+from .base import Method, StreamState, first_true
 from .budget import check_slack
 from .registry import register
-from .tokens import cat_tokens, Tokens
+from .tokens import Tokens, cat_tokens
 
 LOG2 = math.log(2.0)
 KERNELS = ("value", "key", "joint")
@@ -279,14 +280,12 @@ class BalanceKV(Method):
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not (0.0 <= self.augment < 1.0):
             raise ValueError(f"augment must be in [0, 1), got {self.augment!r}")
-        if self.levels is not None and (isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels < 1):
-            raise ValueError(f"levels must be None or an integer >= 1, got {self.levels!r}")
+        self.levels = as_count("levels", self.levels, 1, optional=True)
         if isinstance(self.stream_block, bool) or not isinstance(self.stream_block, int) or self.stream_block < 2 or self.stream_block % 2:
             raise ValueError(f"stream_block must be an even integer >= 2, got {self.stream_block!r}")
         if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 2 or self.batch % 2):
             raise ValueError(f"batch must be None or an even integer >= 2, got {self.batch!r}")
-        if self.cascade_rounds is not None and (isinstance(self.cascade_rounds, bool) or not isinstance(self.cascade_rounds, int) or self.cascade_rounds < 1):
-            raise ValueError(f"cascade_rounds must be None or an integer >= 1, got {self.cascade_rounds!r}")
+        self.cascade_rounds = as_count("cascade_rounds", self.cascade_rounds, 1, optional=True)
         self.fail_events = 0  # a 0-d tensor once counted: read through `failures` (no host sync per halving)
 
     @property

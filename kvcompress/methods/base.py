@@ -31,7 +31,14 @@ import torch
 from ..checks import as_count
 from ..summary import KVSummary, _GrowingSlots, concat, gather_slots, take_slots
 from .budget import DEFAULT_SLACK, check_slack
-from .tokens import Tokens, append_columns, positions_index, split_exact, token_columns, tokens_from_columns
+from .tokens import (
+    Tokens,
+    append_columns,
+    positions_index,
+    split_exact,
+    token_columns,
+    tokens_from_columns,
+)
 
 
 class StreamState(ABC):

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import as_count
 from ..summary import KVSummary, gather_slots
 from .base import Method, StreamState
 from .budget import check_slack
 from .registry import register
-from .tokens import cat_tokens, Tokens
-
+from .tokens import Tokens, cat_tokens
 
 # Pairwise inner products materialised at once (float32) by farthest_point; above this it takes one
 # matrix-vector product per step instead.
@@ -121,8 +121,7 @@ class ClusterGen(Method):
     block_size: int | None = 256
 
     def __post_init__(self):
-        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1):
-            raise ValueError(f"block_size must be None or an integer >= 1, got {self.block_size!r}")
+        self.block_size = as_count("block_size", self.block_size, 1, optional=True)
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:

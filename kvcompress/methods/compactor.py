@@ -15,14 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import exp_rows_, totals_in_range
-
-from .base import BlockwiseState, keep_top, Method, StreamState, top_index
-
-
-from .registry import register
-
-from .tokens import Tokens
+from ..checks import as_count
 from ..summary import KVSummary, take_slots
+from .base import BlockwiseState, Method, StreamState, keep_top, top_index
+from .registry import register
+from .tokens import Tokens
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
 SKETCHES = ("gaussian", "srht")
@@ -185,9 +182,9 @@ class Compactor(Method):
             raise ValueError(f"leverage must be one of {LEVERAGE_ROUTES}, got {self.leverage!r}")
         if self.sketch not in SKETCHES:
             raise ValueError(f"sketch must be one of {SKETCHES}, got {self.sketch!r}")
-        for field, value in (("sketch_dim", self.sketch_dim), ("chunk_size", self.chunk_size), ("kernel_size", self.kernel_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        self.sketch_dim = as_count("sketch_dim", self.sketch_dim, 1)
+        self.chunk_size = as_count("chunk_size", self.chunk_size, 1)
+        self.kernel_size = as_count("kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (centred pooling), got {self.kernel_size}")
         if not isinstance(self.attention, bool):

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import as_count
 from .base import ScoreMethod
-
 from .registry import register
-
 from .tokens import Tokens
 
 
@@ -42,8 +41,7 @@ class ExpectedAttention(ScoreMethod):
     epsilon: float = 0.0
 
     def __post_init__(self):
-        if isinstance(self.n_future_positions, bool) or not isinstance(self.n_future_positions, int) or self.n_future_positions < 1:
-            raise ValueError(f"n_future_positions must be an integer >= 1, got {self.n_future_positions!r}")
+        self.n_future_positions = as_count("n_future_positions", self.n_future_positions, 1)
         for field in ("use_covariance", "use_vnorm"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import ScoreMethod
-
 from .registry import register
-
-from .tokens import attention_mass, Tokens
+from .tokens import Tokens, attention_mass
 
 
 @register

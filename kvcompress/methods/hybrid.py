@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..summary import KVSummary, concat, take_slots
-from .base import BlockwiseState, first_true, Method, top_index
+from .base import BlockwiseState, Method, first_true, top_index
 from .registry import build_method, register
 from .tokens import Tokens
 

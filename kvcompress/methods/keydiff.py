@@ -39,8 +39,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..checks import as_count
 from ..summary import KVSummary
-from .base import BlockwiseState, ScoreMethod
+from .base import ScoreMethod
 from .registry import register
 from .tokens import Tokens
 
@@ -120,10 +121,7 @@ class KeyDiff(ScoreMethod):
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
         if not isinstance(self.normalize_anchor, bool):
             raise ValueError(f"normalize_anchor must be True or False, got {self.normalize_anchor!r}")
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
-        ):
-            raise ValueError(f"block_size must be None or an integer >= 1, got {self.block_size!r}")
+        self.block_size = as_count("block_size", self.block_size, 1, optional=True)
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         if self.anchor == "pairwise":
@@ -133,7 +131,7 @@ class KeyDiff(ScoreMethod):
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if self.block_size is None or tokens.length <= budget:
             return super().compress(tokens, budget, generator)
-        state = BlockwiseState(replace(self, block_size=None), budget, generator)
+        state = replace(self, block_size=None).new_stream(budget, generator)
         for start in range(0, tokens.length, self.block_size):
             state.absorb(tokens.slice(start, start + self.block_size))
         state.compact()

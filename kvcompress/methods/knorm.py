@@ -8,9 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import ScoreMethod
-
 from .registry import register
-
 from .tokens import Tokens
 
 

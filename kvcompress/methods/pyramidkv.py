@@ -10,8 +10,8 @@ import torch
 from ..summary import KVSummary
 from .base import ScoreMethod
 from .registry import register
-from .tokens import Tokens
 from .snapkv import pooled_observation_scores
+from .tokens import Tokens
 
 
 def layer_budget(budget: int, layer_idx: int, num_layers: int, beta: float, available: int | None = None) -> int:

@@ -9,10 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import ScoreMethod
-
 from .registry import register
-
-from .tokens import attention_mass, Tokens
+from .tokens import Tokens, attention_mass
 
 
 def pooled_observation_scores(tokens: Tokens, observation_window: int, kernel_size: int) -> torch.Tensor:

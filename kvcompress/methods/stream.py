@@ -12,7 +12,14 @@ from ..checks import as_count, check_kv, check_positions, check_scale, describe
 from ..summary import KVSummary, _GrowingSlots, concat
 from .base import Method
 from .budget import check_sink_window
-from .tokens import Tokens, append_columns, cat_tokens, query_positions_for, token_columns, tokens_from_columns
+from .tokens import (
+    Tokens,
+    append_columns,
+    cat_tokens,
+    query_positions_for,
+    token_columns,
+    tokens_from_columns,
+)
 
 
 class Stream:

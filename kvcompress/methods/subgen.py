@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import as_count
 from ..summary import KVSummary
 from .base import Method, StreamState
+from .clustergen import farthest_point
 from .registry import register
 from .tokens import Tokens
-from .clustergen import farthest_point
 
 
 def _uniform(shape, generator: torch.Generator, device) -> torch.Tensor:
@@ -279,9 +280,8 @@ class SubGen(Method):
     cluster_weight: float = 0.95
 
     def __post_init__(self):
-        for field, value in (("s", self.s), ("max_clusters", self.max_clusters)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        self.s = as_count("s", self.s, 1, optional=True)
+        self.max_clusters = as_count("max_clusters", self.max_clusters, 1, optional=True)
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not (0.0 <= self.delta < math.inf):
             raise ValueError(f"delta must be a finite number >= 0, got {self.delta!r}")
         if isinstance(self.cluster_weight, bool) or not isinstance(self.cluster_weight, (int, float)) or not (0.0 < self.cluster_weight < 1.0):

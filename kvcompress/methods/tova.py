@@ -11,12 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import AVERAGES
-
 from .base import ScoreMethod
-
 from .registry import register
-
-from .tokens import attention_mass, Tokens
+from .tokens import Tokens, attention_mass
 
 
 @register
