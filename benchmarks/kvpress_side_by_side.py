@@ -109,8 +109,9 @@ COUNTERPARTS: dict[str, str] = {
     "expected_attention": "ExpectedAttention",
     "compactor": "Compactor",
 }
-# kvcompress cell -> a second kvpress counterpart worth pairing with.
-EXTRA_COUNTERPARTS: dict[str, str] = {"expected_attention": "AdaKV(ExpectedAttention)"}
+# kvcompress cell -> more kvpress cells worth pairing with: AdaKV's head-wise budget of the same score, and
+# KVzip (no kvcompress counterpart) against kvcompress's best query-agnostic method.
+EXTRA_COUNTERPARTS: dict[str, list[str]] = {"expected_attention": ["AdaKV(ExpectedAttention)"], "compactor": ["KVzip"]}
 
 
 # ---------------------------------------------------------------- file format, shared by both venvs
@@ -227,6 +228,11 @@ def results_path(out: Path, library: str, shard: tuple[int, int] | None) -> Path
     return out / (f"{library}.jsonl" if shard is None else f"{library}.shard{shard[0]}of{shard[1]}.jsonl")
 
 
+def done_keys(out: Path, library: str) -> set[str]:
+    """Cells already recorded in any of the library's files (whatever shards wrote them): a rerun skips them."""
+    return {r["key"] for path in out.glob(f"{library}*.jsonl") for r in read_jsonl(path)}
+
+
 def load_samples(out: Path) -> tuple[dict, list[dict]]:
     manifest_path, samples_path = out / MANIFEST_FILE, out / SAMPLES_FILE
     if not manifest_path.is_file() or not samples_path.is_file():
@@ -292,10 +298,13 @@ def dump(args) -> None:
         })
     with (out / SAMPLES_FILE).open("w", encoding="utf-8") as f:
         f.write("".join(json.dumps(r) + "\n" for r in lines))
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
-    gen = GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
-    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    try:  # what model.generation_config holds once loaded: the generation config, else the model config
+        eos = GenerationConfig.from_pretrained(checkpoint, local_files_only=True).eos_token_id
+    except OSError:
+        eos = AutoConfig.from_pretrained(checkpoint, local_files_only=True).eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
     manifest = {
         "checkpoint": str(checkpoint), "checkpoint_sha256": checkpoint_digest(checkpoint),
         "eos_token_ids": [e for e in eos if e is not None], "stop_token_ids": stops,
@@ -337,7 +346,7 @@ def run_kvcompress(args) -> None:
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"]
     shard = parse_shard(args.shard)
     path = results_path(out, "kvcompress", shard)
-    done = {r["key"] for r in read_jsonl(path)}
+    done = done_keys(out, "kvcompress")
     env = environment(args.threads) | {"kvcompress_version": _kvcompress_version()}
     for sample in select_shard(samples, shard):
         todo = [(label, None if KVCOMPRESS_CELLS[label][0] is None else ratio) for label in cells
@@ -581,7 +590,7 @@ def run_kvpress(args) -> None:
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"]
     shard = parse_shard(args.shard)
     path = results_path(out, "kvpress", shard)
-    done = {r["key"] for r in read_jsonl(path)}
+    done = done_keys(out, "kvpress")
     env = environment(args.threads) | {"kvpress_version": version("kvpress"), "attn_implementation": model.config._attn_implementation}
     for sample in select_shard(samples, shard):
         context_ids = torch.tensor([sample["context_ids"]])
@@ -762,7 +771,7 @@ def comparison_pairs(records: list[dict]) -> tuple[list, list]:
     for library, label, ratio in sorted(cells, key=str):
         if library != "kvcompress":
             continue
-        for other in (COUNTERPARTS.get(label), EXTRA_COUNTERPARTS.get(label)):
+        for other in [COUNTERPARTS.get(label), *EXTRA_COUNTERPARTS.get(label, [])]:
             if other is not None and ("kvpress", other, ratio) in cells:
                 cross.append(((library, label, ratio), ("kvpress", other, ratio)))
     for library, label, ratio in sorted(cells, key=str):
@@ -883,6 +892,26 @@ def compare(args) -> None:
         print(f"{len(problems)} consistency problems (listed at the end of {out / 'summary.md'})", file=sys.stderr)
 
 
+def protocol_check(args) -> None:
+    """Token-for-token agreement of the kvpress records of `--out` (shared prefill) with those of `--pipeline`
+    (the same samples rerun with `--protocol pipeline`); writes `protocol_check.md` into `--pipeline`."""
+    out, other = Path(args.out), Path(args.pipeline)
+    mine = {r["key"]: r for path in sorted(out.glob("kvpress*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
+    theirs = {r["key"]: r for path in sorted(other.glob("kvpress*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
+    common = sorted(set(mine) & set(theirs))
+    rows = defaultdict(lambda: [0, 0])
+    for key in common:
+        label = cell_name("kvpress", theirs[key]["cell"], theirs[key]["ratio"])
+        rows[label][0] += mine[key]["token_ids"] == theirs[key]["token_ids"]
+        rows[label][1] += 1
+    protocols = sorted({f"{r.get('protocol')}" for r in theirs.values()})
+    lines = [f"# kvpress: `{args.out}` against the same cells rerun in `{args.pipeline}` (protocol {', '.join(protocols)})", "",
+             "| cell | identical answer tokens |", "|---|---|"] + [f"| {k} | {v[0]}/{v[1]} |" for k, v in sorted(rows.items())]
+    text = "\n".join(lines) + "\n"
+    (other / "protocol_check.md").write_text(text)
+    print(text)
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -910,6 +939,8 @@ def main(argv=None) -> None:
             s.add_argument("--protocol", choices=("shared", "pipeline"), default="shared",
                            help="shared (default): one prefill serves the full cache and every press that compresses through "
                                 "BasePress's hook (KVzip keeps its own); pipeline: `with press(model)` and a prefill per press")
+    pc = sub.add_parser("protocol-check", help="(either venv) kvpress answers of --out against a --protocol pipeline rerun")
+    pc.add_argument("--pipeline", required=True, help="folder of the rerun (its own manifest.json and samples.jsonl)")
     c = sub.add_parser("compare", help="(kvcompress's venv) re-score both libraries' answers and write the paired tables")
     c.add_argument("--answers", type=int, default=6, help="samples whose answers the summary quotes (default 6)")
     for s in sub.choices.values():
@@ -917,7 +948,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    {"dump": dump, "kvcompress": run_kvcompress, "kvpress": run_kvpress, "compare": compare}[args.step](args)
+    {"dump": dump, "kvcompress": run_kvcompress, "kvpress": run_kvpress, "compare": compare, "protocol-check": protocol_check}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ compressed alone, so no padding is kept and every row equals its solo run. Slidi
 layers (Gemma 2/3, Phi-3/Mistral with a window) are transformers' exact sliding-window layers.
 `snapshot()`/`restore()` roll the cache back to a compressed context (many questions, one
 compression); `reorder_cache` serves beam search.
+
+With `kv_bits` (docs/design.md, "Quantized storage"), a compressed context is stored as a
+`QuantizedSummary` front (sink and summary) with its window as the start of the exact tail: in
+prefill mode once the first forward is compressed, in chunked mode when the prompt ends.
+`save()` / `CompressedCache.load()` write and read a compressed context with its token ids
+(docs/design.md, "Saved caches"; the file: `cache_file`).
 """
 
 from __future__ import annotations

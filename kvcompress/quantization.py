@@ -59,10 +59,6 @@ class QuantizedTensor:
     dim: int
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (*self.packed.shape[:3], self.dim)
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.scale.dtype
 

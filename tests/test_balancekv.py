@@ -271,8 +271,8 @@ def sign_test_p(wins: int, losses: int) -> float:
     return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
 
 
-# BalanceKV's needle test: 10 depths, measured 2026-11-25 on the current defaults (see its docstring).
-NEEDLE_MIN_BALANCEKV = 8
+# Measured 8/10 for BalanceKV and 0/10 for uniform sampling (2026-11-25); one needle of slack below that.
+NEEDLE_MIN_BALANCEKV = 7
 
 
 @pytest.mark.e2e
@@ -290,10 +290,10 @@ def test_needle_at_4x_compression_beats_uniform_sampling(default_model):
     hits = {"balancekv": [], "uniform": []}
     for i, depth in enumerate(torch.linspace(0.05, 0.95, 10).tolist()):
         sample = tasks.niah_single(target_tokens=2048, depth=depth, seed=i, tokenizer=tok)
-        context_ids, question_ids = build_prompt(tok, sample.context, sample.question)
+        # the sweep's prompt (kvc eval): the task's answer prefix primed after the question, its own answer limit
+        context_ids, question_ids = build_prompt(tok, sample.context, sample.question, sample.answer_prefix)
         prefill = SharedPrefill(model, context_ids)
         for label, method, params in (("balancekv", "balancekv", {}), ("uniform", "random", {"weighted": True})):
-            # the task's own answer limit (32): 16 tokens cut the answer off after the repeated question
             ids = prefill.answer_ids(question_ids, method, 0.75, max_new_tokens=sample.max_new_tokens, **exact, **params)
             hits[label].append(tasks.score(sample, tok.decode(ids, skip_special_tokens=True)))
     print({label: f"{sum(h):.0f}/10 {h}" for label, h in hits.items()})

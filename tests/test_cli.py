@@ -44,6 +44,8 @@ OWNERS = {
     "METHODS": ("kvcompress.methods.registry", lambda m: tuple(m.method_names())),
     "DEFAULT_METHOD": ("kvcompress.options", lambda m: m.DEFAULT_METHOD),
     "MODES": ("kvcompress.options", lambda m: m.MODES),
+    "PROMPT_LAYOUTS": ("kvcompress.integration.model", lambda m: tuple(m.PROMPT_LAYOUTS)),
+    "DEFAULT_PROMPT_LAYOUT": ("kvcompress.integration.model", lambda m: m.DEFAULT_PROMPT_LAYOUT),
     "DEFAULT_CHUNK_SIZE": ("kvcompress.options", lambda m: m.DEFAULT_CHUNK_SIZE),
     "DTYPES": ("kvcompress.integration.model", lambda m: tuple(m.DTYPES)),
     "CALIBRATION_RETENTIONS": ("kvcompress.integration.calibrate_model", lambda m: m.DEFAULT_RETENTIONS),

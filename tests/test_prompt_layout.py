@@ -11,7 +11,12 @@ from transformers import AutoTokenizer
 from kvcompress.eval import runner
 from kvcompress.eval.runner import SweepConfig, read_results, run_sweep, write_summary
 from kvcompress.integration.model import (
-    DEFAULT_PROMPT_LAYOUT, PROMPT_LAYOUTS, PromptLayout, build_prompt, load_model, prompt_layout,
+    DEFAULT_PROMPT_LAYOUT,
+    PROMPT_LAYOUTS,
+    PromptLayout,
+    build_prompt,
+    load_model,
+    prompt_layout,
 )
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

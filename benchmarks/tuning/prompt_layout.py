@@ -16,12 +16,13 @@ runner's depth `sample_depth(i)`.
 A run appends one record per (sample, layout) to OUT/<split>_<length>_<answer kind>/records.jsonl
 (a rerun skips the samples already there, so a run can be split into several) and rewrites
 OUT/summary.md from every records file under OUT: accuracy per layout with 95% Wilson intervals,
-each layout against the best one on the same samples (exact sign test), and the machine.
+every pair of layouts on the same samples (exact sign test), and the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -41,7 +42,11 @@ from kvcompress.eval.stopping import stop_token_ids
 from kvcompress.eval.tables import markdown_table
 from kvcompress.eval.tasks import PROSE_ANSWER_KINDS, TUNING_SEEDS, niah_prose, score
 from kvcompress.integration.generation import generate_ids
-from kvcompress.integration.model import DEFAULT_PROMPT_LAYOUT, PROMPT_LAYOUTS, build_prompt
+from kvcompress.integration.model import (
+    DEFAULT_PROMPT_LAYOUT,
+    PROMPT_LAYOUTS,
+    build_prompt,
+)
 
 OUT = Path(__file__).parents[2] / "results" / "prompt_layout"
 RECORDS = "records.jsonl"
@@ -103,7 +108,8 @@ def read_records(path: Path) -> list[dict]:
 
 
 def summary(out: Path) -> str:
-    """Accuracy per layout (%, 95% Wilson interval) for every run under `out`, and each layout against the best."""
+    """For every run under `out`: accuracy per layout (%, 95% Wilson interval), and every pair of layouts on the same
+    samples (exact sign test)."""
     parts = ["# Prompt layout: full-cache accuracy of the default model on the prose needle (`niah_prose`)", "",
              "Written by `benchmarks/tuning/prompt_layout.py`; see docs/prompt_layout.md.", ""]
     for folder in sorted(p.parent for p in out.glob(f"*/{RECORDS}")):
@@ -111,28 +117,28 @@ def summary(out: Path) -> str:
         by_layout: dict[str, dict[int, float]] = defaultdict(dict)
         for r in records:
             by_layout[r["layout"]][r["seed"]] = r["score"]
-        seeds = sorted(set.intersection(*(set(s) for s in by_layout.values())))
-        best = max(by_layout, key=lambda name: sum(by_layout[name][s] for s in seeds))
-        rows = []
-        for name in PROMPT_LAYOUTS:
-            if name not in by_layout:
-                continue
+        names = [name for name in PROMPT_LAYOUTS if name in by_layout]
+        seeds = sorted(set.intersection(*(set(by_layout[name]) for name in names)))
+        rows, pairs = [], []
+        for name in names:
             scores = [by_layout[name][s] for s in seeds]
             low, high = wilson(sum(scores), len(scores))
-            wins = sum(by_layout[name][s] > by_layout[best][s] for s in seeds)
-            losses = sum(by_layout[name][s] < by_layout[best][s] for s in seeds)
             layout = PROMPT_LAYOUTS[name]
             rows.append({"layout": name + (" (default)" if name == DEFAULT_PROMPT_LAYOUT else ""),
                          "separator": repr(layout.separator), "answer prefix": "yes" if layout.primed else "no",
                          "correct": f"{sum(scores):.0f}/{len(scores)}",
-                         "accuracy % (95% CI)": f"{100 * sum(scores) / len(scores):.0f} ({100 * low:.0f}–{100 * high:.0f})",
-                         f"vs {best}: wins/losses, p": "—" if name == best else f"{wins}/{losses}, {sign_test(wins, losses):.3g}"})
+                         "accuracy % (95% CI)": f"{100 * sum(scores) / len(scores):.0f} ({100 * low:.0f}–{100 * high:.0f})"})
+        for a, b in itertools.combinations(names, 2):
+            wins = sum(by_layout[a][s] > by_layout[b][s] for s in seeds)
+            losses = sum(by_layout[a][s] < by_layout[b][s] for s in seeds)
+            pairs.append({"layout A": a, "layout B": b, "A right, B wrong": wins, "B right, A wrong": losses,
+                          "p (sign test)": f"{sign_test(wins, losses):.3g}"})
         machines = read_records(folder / "machine.jsonl")
         first = records[0]
         parts += [f"## {first['split']} seeds {seeds[0]}–{seeds[-1]}, {first['length']} tokens, {first['answer_kind']}", "",
-                  markdown_table(rows), "",
-                  f"Machine: {machines[-1]['host']}, {machines[-1]['threads']} thread(s), torch {machines[-1]['torch']}; "
-                  f"runs {', '.join(m['date'] for m in machines)}; command `{machines[-1]['command']}`.", ""]
+                  markdown_table(rows), "", markdown_table(pairs), "",
+                  (f"Machine: {machines[-1]['host']}, {machines[-1]['threads']} thread(s), torch {machines[-1]['torch']}; "
+                   f"runs {', '.join(m['date'] for m in machines)}; command `{machines[-1]['command']}`."), ""]
     return "\n".join(parts)
 
 

@@ -12,7 +12,7 @@ from .common import (
     add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, method_list, name_list, parse_params, resolve_device, set_threads,
 )
 from .names import (
-    APPROX_LAYERS, APPROX_RATIOS, MODES, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, SWEEP_LENGTHS, SWEEP_RATIOS,
+    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_PROMPT_LAYOUT, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, SWEEP_LENGTHS, SWEEP_RATIOS,
 )
 
 DESCRIPTION = """\
@@ -100,6 +100,10 @@ def add_cli(subparsers) -> None:
     t.add_argument("--no-reuse-prefill", action="store_true", help="re-prefill the context for every method (to measure what prefill reuse saves)")
     t.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: per task, enough for its answers)")
     t.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode modes (default 128)")
+    t.add_argument("--prompt-layout", default=DEFAULT_PROMPT_LAYOUT, choices=PROMPT_LAYOUTS,
+                   help=f"how each prompt joins context and question (docs/prompt_layout.md): blank_line / newline separator, "
+                        f"_primed: the task's answer prefix starts the answer (default {DEFAULT_PROMPT_LAYOUT}); recorded in every "
+                        "record; a results folder keeps one layout")
     lm = p.add_argument_group(f"language modelling under compression (kvcompress eval --tasks {PERPLEXITY})")
     lm.add_argument("--context-fraction", type=float, default=None,
                     help=f"share of each document given as context; the rest is scored (default {PERPLEXITY_CONTEXT_FRACTION})")
@@ -258,7 +262,7 @@ def _sweep_config(args):
         data=None if args.data is None else str(args.data),
         grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,
         include_full=not args.no_full, reuse_prefill=not args.no_reuse_prefill, max_new_tokens=args.max_new_tokens,
-        chunk_size=args.chunk_size, task_params=_task_params(args.task_param),
+        chunk_size=args.chunk_size, task_params=_task_params(args.task_param), prompt_layout=args.prompt_layout,
     )
 
 

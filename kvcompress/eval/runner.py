@@ -389,7 +389,7 @@ def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
     """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another."""
     if not path.is_file():
         return
-    recorded = json.loads(path.read_text())["config"].get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
+    recorded = json.loads(path.read_text()).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
     earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
     if earlier != layout:
         raise ValueError(f"prompt_layout {layout.name!r} differs from {earlier.name!r}, the layout of the results already in "

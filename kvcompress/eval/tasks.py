@@ -61,8 +61,8 @@ class Sample:
     answers: every expected answer string; `depths`: for each inserted item (needle, assignment,
     target line) the fraction of context tokens before it, in insertion order (the asked one first
     where one is asked). n_tokens: the context's measured (or estimated) length. answer_prefix:
-    text that starts the answer (see `integration.model.build_prompt`); the prediction scored is
-    what the model writes after it.
+    text that starts the answer in a primed prompt layout (`integration.model.PromptLayout`); the
+    prediction scored is what the model writes after the prompt.
     """
 
     task: str

@@ -533,7 +533,8 @@ def generate(
             res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
         return results if questions is not None else results[0]
     if context is None:
-        raise ValueError("pass a context (a str, or a list of str for a batch), or cache= (a compressed context: kvc.compress_context, a saved file)")
+        raise ValueError("context must be a str, got NoneType; a batch is a list of str, and cache= answers from a compressed context "
+                         "(kvc.compress_context, a saved file) instead")
     contexts = context if isinstance(context, list) else [context]
     bad = [c for c in contexts if not isinstance(c, str)]
     if bad:

@@ -1,0 +1,248 @@
+"""The kvpress side-by-side harness (benchmarks/kvpress_side_by_side.py), the parts that need no kvpress.
+
+kvpress lives in its own venv (it pins transformers < 5.3), so these tests cover what runs here: the
+file format, the scorer loaded by path, the statistics, the `dump` and `kvcompress` steps and the
+`compare` step on a tiny random model, and the kvpress step's decoding loop without a press (it
+must answer token for token as kvcompress's full cache does: same positions, same stop rules).
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "kvpress_side_by_side.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("kvpress_side_by_side", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+h = _load()
+
+
+def test_the_harness_and_its_scorer_import_neither_kvcompress_nor_kvpress():
+    """The kvpress half runs in a venv without kvcompress: the module and the task scorer it loads by path must not need it."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('h', {str(SCRIPT)!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['h'] = m; spec.loader.exec_module(m)\n"
+        "t = m.load_task_scorer()\n"
+        "assert t.score(type('S', (), {'task': 'niah_single', 'answers': ['1234567']})(), '\"1234567\".') == 1.0\n"
+        "print(sorted(k for k in sys.modules if k.split('.')[0] in ('kvcompress', 'kvpress', 'torch', 'transformers')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("task, answers, prediction", [
+    ("niah_single", ["1234567"], '"1234567".'),
+    ("niah_single", ["1234567"], "12345678."),
+    ("niah_multivalue", ["12", "34"], "12 and 34"),
+    ("niah_multivalue", ["12", "34"], "12 only"),
+    ("line_retrieval", ["42"], "42>"),
+    ("line_retrieval", ["42"], "7, then 42"),
+])
+def test_the_scorer_loaded_by_path_is_kvcompress_own(task, answers, prediction):
+    from types import SimpleNamespace
+
+    from kvcompress.eval.tasks import score
+
+    tasks = h.load_task_scorer()
+    sample = {"task": task, "answers": answers}
+    assert h.score_prediction(tasks, sample, prediction) == score(SimpleNamespace(**sample), prediction)
+
+
+def test_newcombe_paired_interval_matches_the_published_example():
+    """Fagerland, Lydersen & Laake, "Statistical Analysis of Contingency Tables", ch. 8 (Cavo et al. 2012):
+    table [[59, 6], [16, 80]] -> -0.0621 (95% CI -0.1186 to -0.0046), as R's contingencytables prints it."""
+    first = [1] * 59 + [1] * 6 + [0] * 16 + [0] * 80
+    second = [1] * 59 + [0] * 6 + [1] * 16 + [0] * 80
+    diff, low, high = h.paired_difference_interval(first, second)
+    assert (round(diff, 4), round(low, 4), round(high, 4)) == (-0.0621, -0.1186, -0.0046)
+
+
+def test_newcombe_paired_interval_edge_cases():
+    same = [1, 0, 1, 1, 0]
+    diff, low, high = h.paired_difference_interval(same, same)
+    assert diff == 0 and low < 0 < high
+    diff, low, high = h.paired_difference_interval([1] * 30, [0] * 30)
+    assert diff == 1 and 0.8 < low < 1 and high == 1
+    diff, low, high = h.paired_difference_interval([0] * 30, [0] * 30)
+    assert diff == 0 and low < 0 < high < 0.15
+    with pytest.raises(ValueError, match="0/1"):
+        h.paired_difference_interval([0.5], [1])
+    with pytest.raises(ValueError, match="one entry per pair"):
+        h.paired_difference_interval([1, 0], [1])
+
+
+@pytest.mark.parametrize("k, n", [(0, 30), (7, 30), (30, 30), (1, 1)])
+def test_wilson_interval_is_the_eval_one(k, n):
+    from kvcompress.eval.stats import wilson
+
+    assert h.wilson_interval(k, n) == pytest.approx(wilson(k, n), abs=1e-12)
+
+
+def test_jsonl_round_trip_skips_and_repairs_a_torn_last_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    h.append_jsonl(path, {"key": "a"})
+    with path.open("a") as f:
+        f.write('{"key": "b", "tor')  # an interrupted writer
+    assert h.read_jsonl(path) == [{"key": "a"}]
+    h.append_jsonl(path, {"key": "c"})
+    assert h.read_jsonl(path) == [{"key": "a"}, {"key": "c"}]
+
+
+def test_small_parsers():
+    assert h.trim_at_stop([5, 6, 7, 6], {6}) == [5, 6]
+    assert h.trim_at_stop([5, 7], {6}) == [5, 7]
+    assert h.parse_shard(None) is None and h.parse_shard("1/3") == (1, 3)
+    with pytest.raises(SystemExit):
+        h.parse_shard("3/3")
+    assert h.parse_list("full,knorm[sink=0,window=0], keydiff", h.KVCOMPRESS_CELLS) == ["full", "knorm[sink=0,window=0]", "keydiff"]
+    with pytest.raises(SystemExit, match="unknown"):
+        h.parse_list("full,nope", h.KVCOMPRESS_CELLS)
+    assert h.prompt_digest([1, 2], [3]) != h.prompt_digest([1], [2, 3])
+
+
+def test_every_kvcompress_cell_names_a_registered_method_and_a_counterpart():
+    import kvcompress as kvc
+
+    for label, (method, _) in h.KVCOMPRESS_CELLS.items():
+        assert method is None or method in kvc.methods()
+        assert h.COUNTERPARTS[label] in h.KVPRESS_CELLS
+    assert set(h.DEFAULT_KVCOMPRESS) <= set(h.KVCOMPRESS_CELLS) and set(h.DEFAULT_KVPRESS) <= set(h.KVPRESS_CELLS)
+
+
+def _records(library, cell, ratio, scores, tokens=None):
+    return [{"key": h.cell_key(library, cell, ratio, f"s{i}"), "library": library, "cell": cell, "ratio": ratio, "sample": f"s{i}",
+             "score": float(s), "error": None, "token_ids": (tokens or [[i, int(s)]] * len(scores))[i], "prediction": str(s),
+             "prefill_s": 1.0, "decode_s": 0.1, "kept_tokens_mean": None if cell == h.FULL else 10.0}
+            for i, s in enumerate(scores)]
+
+
+def test_pairs_and_tables_on_synthetic_records():
+    full = [1] * 10
+    records = (_records("kvcompress", "full", None, full) + _records("kvpress", "full", None, full)
+               + _records("kvcompress", "knorm", 0.75, [1, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+               + _records("kvpress", "Knorm", 0.75, [1, 1, 0, 0, 0, 0, 0, 0, 0, 1]))
+    cross, within = h.comparison_pairs(records)
+    assert cross == [(("kvcompress", "full", None), ("kvpress", "full", None)),
+                     (("kvcompress", "knorm", 0.75), ("kvpress", "Knorm", 0.75))]
+    assert (("kvpress", "Knorm", 0.75), ("kvpress", "full", None)) in within
+    rows = h.pair_rows(records, cross)
+    assert (rows[0]["n_pairs"], rows[0]["difference"], rows[0]["identical_answers"]) == (10, 0.0, 10)
+    knorm = rows[1]
+    assert (knorm["wins"], knorm["losses"], knorm["first_score"], knorm["second_score"]) == (1, 1, 0.3, 0.3)
+    assert knorm["diff_low"] < 0 < knorm["diff_high"] and knorm["p_sign"] == 1.0
+    cells = {(r["library"], r["cell"]): r for r in h.per_cell_rows(records)}
+    assert cells[("kvcompress", "knorm")]["hits"] == 3 and cells[("kvpress", "full")]["score"] == 1.0
+    samples = [{"id": f"s{i}", "answers": ["1"], "answer_prefix": "", "context_tokens": 100} for i in range(10)]
+    manifest = {"samples": {"task": "niah_single", "haystack": "prose", "kind": "numbers", "length": 2048, "seeds": "0..9",
+                            "depths": "d"}, "checkpoint": "/x/ckpt", "checkpoint_sha256": {"model.safetensors": "ab" * 32}}
+    report = h.markdown_report(manifest, samples, records, [], answers_shown=2)
+    assert "| kvcompress: knorm @ 0.75 | kvpress: Knorm @ 0.75 | 10 | 30 | 30 | +0 |" in report
+    assert "`s0` expects **1**" in report and "Consistency: every record" in report
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_checkpoint, tmp_path_factory):
+    """dump + kvcompress steps on the tiny random model: 2 filler needles of 160 tokens, ratio 0.5."""
+    out = tmp_path_factory.mktemp("side_by_side")
+    h.main(["dump", "--out", str(out), "--checkpoint", str(tiny_checkpoint), "--samples", "2", "--length", "160",
+            "--haystack", "filler", "--ratios", "0.5"])
+    h.main(["kvcompress", "--out", str(out), "--cells", "full,knorm,knorm[sink=0,window=0],keydiff"])
+    return out
+
+
+def test_dump_writes_the_eval_prompt_tokens(tiny_run, tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from kvcompress.eval.runner import SampleSpec, SweepConfig, sample_depth
+    from kvcompress.integration import build_prompt
+
+    manifest, samples = h.load_samples(tiny_run)
+    assert manifest["checkpoint_sha256"] == h.checkpoint_digest(Path(tiny_checkpoint))
+    assert manifest["samples"]["seeds"] == "0..1" and manifest["ratios"] == [0.5]
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    config = SweepConfig(methods=[], tasks=["niah_single"], lengths=[160], samples=2, haystack="filler")
+    for i, s in enumerate(samples):
+        sample = SampleSpec("niah_single", 160, i, sample_depth(i)).build(config, tok)
+        context_ids, question_ids = build_prompt(tok, sample.context, sample.question, sample.answer_prefix)
+        assert s["context_ids"] == context_ids[0].tolist() and s["question_ids"] == question_ids[0].tolist()
+        assert s["answers"] == sample.answers and s["max_new_tokens"] == sample.max_new_tokens
+        assert s["prompt_digest"] == h.prompt_digest(s["context_ids"], s["question_ids"])
+    assert set(manifest["stop_token_ids"]) == {json.dumps([".", "\n"])}
+
+
+def test_kvcompress_step_records_every_cell_and_resumes(tiny_run):
+    records = h.read_jsonl(tiny_run / "kvcompress.jsonl")
+    assert sorted((r["cell"], r["ratio"]) for r in records if r["sample"].endswith("|0|0.5")) == [
+        ("full", None), ("keydiff", 0.5), ("knorm", 0.5), ("knorm[sink=0,window=0]", 0.5)]
+    assert all(r["error"] is None and r["token_ids"] and r["score"] in (0.0, 1.0) for r in records)
+    h.main(["kvcompress", "--out", str(tiny_run), "--cells", "full,knorm"])  # nothing left to do: no new lines
+    assert len(h.read_jsonl(tiny_run / "kvcompress.jsonl")) == len(records)
+
+
+def test_press_free_decoding_answers_as_kvcompress_full_cache(tiny_run, tiny_checkpoint):
+    """The kvpress step's protocol without a press (prefill the context, question at its positions, greedy
+    with the stop rules) gives the kvcompress full cache's tokens, and so does its shared prefill."""
+    from transformers import AutoModelForCausalLM
+
+    manifest, samples = h.load_samples(tiny_run)
+    full = {r["sample"]: r for r in h.read_jsonl(tiny_run / "kvcompress.jsonl") if r["cell"] == "full"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    for s in samples:
+        stop = h.stop_ids_of(manifest, s)
+        ctx, q = torch.tensor([s["context_ids"]]), torch.tensor([s["question_ids"]])
+        ids, stats = h.press_answer(model, None, ctx, q, s["max_new_tokens"], stop)
+        assert ids == full[s["id"]]["token_ids"]
+        assert stats["kept_tokens_mean"] == len(s["context_ids"])
+        assert len(ids) == s["max_new_tokens"] or ids[-1] in stop
+
+
+def test_compare_rescores_and_pairs_the_two_libraries(tiny_run, tiny_checkpoint, tmp_path):
+    """compare on the tiny run with its kvcompress records copied as kvpress ones: every pair identical."""
+    import shutil
+
+    out = tmp_path / "cmp"
+    shutil.copytree(tiny_run, out)
+    renamed = {"full": "full", "knorm": "Knorm", "keydiff": "KeyDiff"}
+    for r in h.read_jsonl(out / "kvcompress.jsonl"):
+        if r["cell"] in renamed:
+            r = r | {"library": "kvpress", "cell": renamed[r["cell"]], "key": h.cell_key("kvpress", renamed[r["cell"]], r["ratio"], r["sample"])}
+            h.append_jsonl(out / "kvpress.jsonl", r)
+    h.main(["compare", "--out", str(out)])
+    report = (out / "summary.md").read_text()
+    assert "Consistency: every record fed the dumped prompt tokens" in report
+    from kvcompress.eval.tables import read_csv
+
+    rows = {(r["first"], r["second"]): r for r in read_csv(out / "paired.csv")}
+    for first, second in [("kvcompress: full", "kvpress: full"), ("kvcompress: knorm @ 0.5", "kvpress: Knorm @ 0.5"),
+                          ("kvcompress: knorm[sink=0,window=0] @ 0.5", "kvpress: Knorm @ 0.5")]:
+        assert (first, second) in rows
+    assert float(rows[("kvcompress: full", "kvpress: full")]["identical_answers"]) == 2
+    assert {r["library"] for r in read_csv(out / "predictions.csv")} == {"kvcompress", "kvpress"}
+
+
+def test_compare_flags_a_record_fed_other_tokens(tiny_run):
+    manifest, samples = h.load_samples(tiny_run)
+    records = [dict(r) for r in h.read_jsonl(tiny_run / "kvcompress.jsonl")]
+    records[0]["prompt_digest"] = "0" * 16
+    records[1]["score"] = 1.0 - records[1]["score"]
+    from types import SimpleNamespace
+
+    from kvcompress.eval.tasks import score
+
+    problems = h.rescore(records, {s["id"]: s for s in samples}, None,
+                         lambda sample, text: score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), text))
+    assert any("fed prompt" in p for p in problems) and any("score" in p and "recorded" in p for p in problems)

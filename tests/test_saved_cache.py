@@ -1,0 +1,242 @@
+"""Saved caches (issue 37): a compressed context written to one file, loaded in a fresh process, answering token for
+token as the cache that was saved, for every method in the modes that finish a context, at full precision and
+quantized, in float32 and bfloat16; and a clear error for every file or model that cannot be used."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcompress as kvc
+from kvcompress import cache_file
+from kvcompress.cache import CompressedCache
+from kvcompress.cache_file import CacheFileError
+from kvcompress.integration import answer_from_cache_ids, compress_context_ids, generate_ids
+from kvcompress.quantization import QuantizedSummary
+
+from test_hf import tiny as tiny_family
+from test_integration import tiny
+
+NEW = 8
+CASES = [(method, mode, bits) for method in kvc.methods() for mode in ("prefill", "chunked") for bits in (None, 4)]
+CASES += [("snapkv", "prefill", 8), ("balancekv", "chunked", 2), ("hybrid", "prefill", 2), ("express", "chunked", 8)]
+
+# Runs in a fresh interpreter: loads the checkpoint and every saved cache, answers each question, prints JSON.
+_FRESH = """
+import json, sys, torch
+torch.set_num_threads(1)
+import kvcompress as kvc
+from kvcompress.integration import answer_from_cache_ids
+checkpoint, dtype, jobs = sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())
+model, _ = kvc.load_model(checkpoint, device="cpu", dtype=dtype)
+out = {}
+for name, job in jobs.items():
+    cache = kvc.load_cache(job["file"], model)
+    (res,) = answer_from_cache_ids(model, cache, [torch.tensor([job["question"]])], max_new_tokens=job["new"], stop_at_eos=False)
+    out[name] = {"tokens": res.token_ids, "kv_bytes": res.kv_bytes, "slots": res.slots_per_layer}
+print(json.dumps(out))
+"""
+
+
+def _options(method: str, mode: str, bits: int | None) -> dict:
+    return dict(method=method, mode=mode, budget=24, sink=2, window=0 if method == "compactor" else 8, chunk_size=32, kv_bits=bits)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_method_round_trips_through_a_fresh_process(tiny_checkpoint, tmp_path, dtype):
+    """compress -> save -> load in another process -> the same answer, token for token, as generating from the context
+    here (and the same slots and stored bytes), for every method in prefill and chunked mode, full precision and
+    quantized."""
+    model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype=dtype)
+    ctx, question = _ids(300, 1), _ids(8, 2)
+    jobs, expected = {}, {}
+    for method, mode, bits in CASES:
+        name = f"{method}-{mode}-{bits}"
+        options = _options(method, mode, bits)
+        reference = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
+        cache = compress_context_ids(model, ctx, **options)
+        path = tmp_path / f"{name}.kvc"
+        cache.save(path)
+        (here,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=NEW, stop_at_eos=False)
+        assert here.token_ids == reference.token_ids, name
+        jobs[name] = {"file": str(path), "question": question[0].tolist(), "new": NEW}
+        expected[name] = {"tokens": reference.token_ids, "kv_bytes": reference.kv_bytes, "slots": reference.slots_per_layer}
+    spec = tmp_path / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, "-c", _FRESH, str(tiny_checkpoint), dtype, str(spec)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, want in expected.items():
+        got = fresh[name]
+        assert (got["tokens"], got["slots"]) == (want["tokens"], want["slots"]), name
+        # the same bytes, or fewer: a chunked stream's workspace (a method's state beyond its summary) is not saved
+        assert got["kv_bytes"] <= want["kv_bytes"] and (got["kv_bytes"] == want["kv_bytes"] or "chunked-None" in name), name
+
+
+def test_text_in_text_out_from_a_saved_document(tiny_checkpoint, tmp_path):
+    """kvc.compress_context + save, then kvc.generate(cache=path, questions=...) answers as kvc.generate on the context."""
+    model, tokenizer = kvc.load_model(tiny_checkpoint, device="cpu")
+    document = "The magic number is 4217. " + "Grass is green and the sky is blue. " * 12
+    questions = ["What is the magic number?", "What colour is grass?"]
+    settings = dict(method="keydiff", compression_ratio=0.5, kv_bits=4)
+    direct = kvc.generate(model, tokenizer, document, questions=questions, max_new_tokens=NEW, stop_at_eos=False, progress=False, **settings)
+    cache = kvc.compress_context(model, tokenizer, document, progress=False, **settings)
+    cache.save(tmp_path / "doc.kvc")
+    loaded = kvc.generate(model, tokenizer, cache=str(tmp_path / "doc.kvc"), questions=questions, max_new_tokens=NEW, stop_at_eos=False)
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in direct]
+    assert [r.text for r in loaded] == [r.text for r in direct]
+    one = kvc.generate(model, tokenizer, cache=cache, question=questions[1], max_new_tokens=NEW, stop_at_eos=False)
+    assert one.token_ids == direct[1].token_ids and one.kv_bits == 4 and "4-bit storage" in one.report()
+    again = kvc.generate(model, tokenizer, cache=cache, question=questions[1], max_new_tokens=NEW, stop_at_eos=False)
+    assert again.token_ids == one.token_ids  # the cache is rolled back to its context after answering
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_sliding_window_layers_are_saved_too(tmp_path, bits):
+    """Gemma 2 alternates sliding-window and compressed layers: both come back, and the answer with them."""
+    model = tiny_family("gemma2")
+    ctx, question = _ids(150, 3) % 96, _ids(6, 4) % 96
+    options = dict(method="snapkv", budget=20, sink=2, window=8, kv_bits=bits)
+    reference = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
+    compress_context_ids(model, ctx, **options).save(tmp_path / "g.kvc")
+    loaded = kvc.load_cache(tmp_path / "g.kvc", model)
+    assert loaded.layers[0].cumulative_length == 150 and loaded.layers[0].keys.shape[2] == 31
+    (res,) = answer_from_cache_ids(model, loaded, [question], max_new_tokens=NEW, stop_at_eos=False)
+    assert res.token_ids == reference.token_ids
+
+
+def test_a_cache_moves_to_the_models_dtype(tiny_checkpoint, tmp_path):
+    """Saved from the float32 model, loaded into the bfloat16 copy of the same checkpoint: state in bfloat16, answering."""
+    model32, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
+    compress_context_ids(model32, _ids(200, 5), method="snapkv", budget=24, kv_bits=4).save(tmp_path / "c.kvc")
+    compress_context_ids(model32, _ids(200, 5), method="balancekv", budget=24).save(tmp_path / "f.kvc")
+    model16, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="bfloat16")
+    quantized, full = kvc.load_cache(tmp_path / "c.kvc", model16), kvc.load_cache(tmp_path / "f.kvc", model16)
+    assert isinstance(quantized.layers[0].front, QuantizedSummary) and quantized.layers[0].front.keys.scale.dtype == torch.bfloat16
+    assert quantized.layers[0].tail.keys.dtype == torch.bfloat16 and full.layers[0].stored().keys.dtype == torch.bfloat16
+    for cache in (quantized, full):
+        (res,) = answer_from_cache_ids(model16, cache, [_ids(5, 6)], max_new_tokens=4, stop_at_eos=False)
+        assert len(res.token_ids) == 4
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """(model, path) of a small saved cache."""
+    model = tiny()
+    path = tmp_path / "doc.kvc"
+    compress_context_ids(model, _ids(120, 7) % 96, method="snapkv", budget=16, sink=2, window=8, kv_bits=4).save(path)
+    return model, path
+
+
+def test_a_truncated_file_is_refused(saved, tmp_path):
+    model, path = saved
+    data = path.read_bytes()
+    for cut, message in ((len(data) - 100, "truncated or corrupted"), (len(data) // 2, "truncated or corrupted"), (100, "truncated"),
+                         (5, "too short")):
+        short = tmp_path / f"cut{cut}.kvc"
+        short.write_bytes(data[:cut])
+        with pytest.raises(CacheFileError, match=message):
+            kvc.load_cache(short, model)
+
+
+def test_a_corrupted_file_is_refused(saved, tmp_path):
+    model, path = saved
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x40  # one bit of one stored value
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="is corrupted: its contents do not match the checksum"):
+        kvc.load_cache(bad, model)
+    # settings edited by hand, checksum left as it was
+    tensors = safetensors.torch.load_file(path)
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    metadata = header["__metadata__"]
+    metadata["kvcompress"] = metadata["kvcompress"].replace('"budget": 16', '"budget": 17')
+    safetensors.torch.save_file(tensors, bad, metadata)
+    with pytest.raises(CacheFileError, match="is corrupted"):
+        kvc.load_cache(bad, model)
+
+
+def test_a_foreign_file_is_refused(saved, tiny_checkpoint, tmp_path):
+    model, _ = saved
+    with pytest.raises(CacheFileError, match="is not a kvcompress cache file .*e.g. model weights"):
+        kvc.load_cache(tiny_checkpoint / "model.safetensors", model)
+    text = tmp_path / "notes.txt"
+    text.write_text("just some text, long enough to have a header length " * 4)
+    with pytest.raises(CacheFileError, match="truncated or not a safetensors file"):
+        kvc.load_cache(text, model)
+
+
+def test_another_format_version_is_refused(tmp_path, monkeypatch):
+    model = tiny()
+    monkeypatch.setattr(cache_file, "VERSION", 2)
+    compress_context_ids(model, _ids(100, 8) % 96, method="knorm", budget=16).save(tmp_path / "v2.kvc")
+    monkeypatch.setattr(cache_file, "VERSION", 1)
+    with pytest.raises(CacheFileError, match="format version '2'; this kvcompress reads version 1"):
+        kvc.load_cache(tmp_path / "v2.kvc", model)
+
+
+def test_another_model_is_refused(saved):
+    _, path = saved
+    with pytest.raises(CacheFileError, match=r"its weights differ from this model's \(model.embed_tokens.weight"):
+        kvc.load_cache(path, tiny(seed=1))  # same architecture and config, other weights
+    from test_integration import SMALL
+
+    torch.manual_seed(0)
+    wider = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_key_value_heads": 4})).eval()
+    with pytest.raises(CacheFileError, match="its num_key_value_heads is 2, this model's is 4"):
+        kvc.load_cache(path, wider)
+    with pytest.raises(CacheFileError, match="its class is 'LlamaForCausalLM', this model's is 'Qwen2ForCausalLM'"):
+        kvc.load_cache(path, tiny("qwen2"))
+
+
+def test_what_cannot_be_saved_is_refused(tmp_path):
+    model = tiny()
+    ctx = _ids(100, 9) % 96
+    with torch.inference_mode(), kvc.integration.use_compressed_attention(model):
+        empty = CompressedCache(model, "snapkv", budget=16)
+        with pytest.raises(ValueError, match="the cache holds no tokens yet"):
+            empty.save(tmp_path / "x.kvc")
+        for mode in ("decode", "chunked"):
+            live = CompressedCache(model, "snapkv", budget=16, mode=mode)
+            model(ctx, past_key_values=live, use_cache=True)
+            with pytest.raises(ValueError, match="holds live streams that keep absorbing tokens"):
+                live.save(tmp_path / "x.kvc", token_ids=ctx)
+        plain = CompressedCache(model, "snapkv", budget=16)
+        model(ctx, past_key_values=plain, use_cache=True)
+        with pytest.raises(ValueError, match="does not know the ids of the 100 tokens it holds: pass token_ids"):
+            plain.save(tmp_path / "x.kvc")
+        with pytest.raises(ValueError, match=r"token_ids must be an integer tensor \[1, 100\]"):
+            plain.save(tmp_path / "x.kvc", token_ids=ctx[:, :50])
+        batch = CompressedCache(model, "snapkv", budget=16)
+        model(ctx.expand(2, -1), past_key_values=batch, use_cache=True)
+        with pytest.raises(ValueError, match="holds one context \\(batch size 1\\), this cache holds a batch of 2"):
+            batch.save(tmp_path / "x.kvc", token_ids=ctx)
+    plain.save(tmp_path / "ok.kvc", token_ids=ctx)  # with its ids, a cache built by hand saves
+    assert not (tmp_path / "x.kvc").exists()
+    with pytest.raises(ValueError, match="the prompt has ended"):
+        compress_context_ids(model, ctx, method="snapkv", budget=16, mode="chunked").absorbing = True
+    with pytest.raises(ValueError, match="compress_context compresses a context once for later questions"):
+        compress_context_ids(model, ctx, method="snapkv", budget=16, mode="decode")
+
+
+def test_generate_from_a_cache_takes_its_settings_and_no_context(saved, tiny_checkpoint):
+    _, path = saved
+    model, tokenizer = kvc.load_model(tiny_checkpoint, device="cpu")
+    with pytest.raises(ValueError, match="cache=... answers from a compressed context with its own settings"):
+        kvc.generate(model, tokenizer, cache=path, question="Why?", method="snapkv")
+    with pytest.raises(ValueError, match="cache=... answers from a compressed context with its own settings"):
+        kvc.generate(model, tokenizer, "some context", "Why?", cache=path)
+    with pytest.raises(ValueError, match="context must be a str, got NoneType; .* cache= answers from a compressed context"):
+        kvc.generate(model, tokenizer, question="Why?")
+    with pytest.raises(ValueError, match="cache must be a CompressedCache"):
+        answer_from_cache_ids(model, 42, [_ids(3, 0)])
