@@ -22,7 +22,10 @@ The harness is four steps with one file format between them (JSONL under one out
    past_key_values=cache)`, then the question ids at their original positions, then greedy decoding one
    token at a time. The only departures: our token ids are fed (nothing is re-tokenised), and decoding
    also stops after a stop token and checks the first token too (the eval's rules; kvpress's pipeline
-   stops only at EOS and never checks its first token).
+   stops only at EOS and never checks its first token). By default (`--protocol shared`) one prefill
+   serves the full cache and every press that compresses through `BasePress.forward_hook`
+   (`shared_prefill_answers`: the same `compress` calls on the same inputs); `--protocol pipeline`
+   prefills once per press, and the `protocol-check` step compares the two runs token for token.
 4. `compare` (kvcompress's venv): every prediction re-decoded from its token ids with the checkpoint's
    tokenizer and re-scored with `kvcompress.eval.tasks.score`; per cell the score with its 95% Wilson
    interval; paired comparisons on the same samples (kvcompress method vs its kvpress counterpart, and
@@ -38,6 +41,8 @@ already holds, so an interrupted run continues. `--shard I/N` splits the samples
     .venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/kvpress_side_by_side
     /work/kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py kvpress --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py compare --out results/kvpress_side_by_side
+    .venv/bin/python benchmarks/kvpress_side_by_side.py protocol-check --out results/kvpress_side_by_side \
+        --pipeline results/kvpress_side_by_side/protocol_check      # after a `kvpress --protocol pipeline` rerun there
 
 This file imports nothing of kvcompress at module level and nothing of kvpress anywhere but the
 `kvpress` step, so each half runs in its own venv. The `kvpress` step scores with kvcompress's own
@@ -256,15 +261,17 @@ def environment(threads: int) -> dict:
 
 
 def dump(args) -> None:
-    import torch  # noqa: F401
+    import inspect
+
+    from transformers import AutoTokenizer
 
     from kvcompress.eval.runner import SampleSpec, SweepConfig, sample_depth
     from kvcompress.eval.stopping import stop_token_ids
     from kvcompress.eval.tasks import GENERATORS
     from kvcompress.integration import build_prompt
-    from kvcompress.integration.model import cache_dir
-    from transformers import AutoTokenizer
+    from kvcompress.integration.model import DEFAULT_PROMPT_LAYOUT, cache_dir
 
+    args.prompt_layout = args.prompt_layout or DEFAULT_PROMPT_LAYOUT
     checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir()
     if not (checkpoint / "model.safetensors").is_file():
         import kvcompress as kvc
@@ -272,9 +279,7 @@ def dump(args) -> None:
         kvc.load_model()  # builds the dequantised default checkpoint on first use
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
-                         haystack=args.haystack, kind=args.kind)
-    import inspect
-
+                         haystack=args.haystack, kind=args.kind, prompt_layout=args.prompt_layout)
     takes_depth = "depth" in inspect.signature(GENERATORS[args.task]).parameters
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +288,7 @@ def dump(args) -> None:
     for index in range(args.samples):
         spec = SampleSpec(args.task, args.length, index, sample_depth(index) if takes_depth else None)
         sample = spec.build(config, tokenizer)
-        context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+        context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
         stop_key = json.dumps(list(sample.stop))
         if stop_key not in stops:
             stops[stop_key] = sorted(stop_token_ids(tokenizer, sample.stop))
@@ -310,6 +315,7 @@ def dump(args) -> None:
         "eos_token_ids": [e for e in eos if e is not None], "stop_token_ids": stops,
         "samples": {"task": args.task, "length": args.length, "count": args.samples, "seed": args.seed,
                     "seeds": f"{args.seed}..{args.seed + args.samples - 1}", "haystack": args.haystack, "kind": args.kind,
+                    "prompt_layout": config.prompt_layout.name,
                     "depths": "eval.runner.sample_depth(index)" if takes_depth else None},
         "ratios": args.ratios, "dumped": environment(0) | {"threads": None},
     }
@@ -328,12 +334,12 @@ def stop_ids_of(manifest: dict, sample: dict) -> set[int]:
 
 def run_kvcompress(args) -> None:
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.eval.tasks import score as task_score
     from kvcompress.integration import generate_ids
     from kvcompress.options import CompressionOptions
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -570,12 +576,11 @@ def shared_prefill_answers(model, presses: dict, context_ids, question_ids, max_
 
 def run_kvpress(args) -> None:
     import logging
+    from importlib.metadata import version
 
+    import kvpress  # noqa: F401  (importing it patches the attention functions for head-wise presses)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import kvpress  # noqa: F401  (patches the attention functions for head-wise presses)
-    from importlib.metadata import version
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's "2-3x prefill" warning, once per press built
     torch.set_num_threads(args.threads)
@@ -787,32 +792,42 @@ def comparison_pairs(records: list[dict]) -> tuple[list, list]:
 
 
 def _pct(x: float) -> str:
-    return "–" if x != x else f"{100 * x:.0f}"
+    return "–" if math.isnan(x) else f"{100 * x:.0f}"
 
 
 def _signed(x: float) -> str:
-    return "–" if x != x else f"{100 * x:+.0f}"
+    return "–" if math.isnan(x) else f"{100 * x:+.0f}"
 
 
 def markdown_report(manifest: dict, samples: list[dict], records: list[dict], problems: list[str], answers_shown: int = 6) -> str:
     cells = per_cell_rows(records)
     cross, within = comparison_pairs(records)
     cross_rows, within_rows = pair_rows(records, cross), pair_rows(records, within)
-    envs = {r["library"]: r.get("env", {}) for r in records}
+    envs: dict[str, dict] = {}
+    for r in records:  # per library: one line of versions, with the spread of threads, load and dates over its runs
+        env = r.get("env", {})
+        seen = envs.setdefault(r["library"], env | {"loads": set(), "dates": set(), "thread_set": set()})
+        seen["loads"].add(env.get("load_average"))
+        seen["dates"].add(str(env.get("date", ""))[:10])
+        seen["thread_set"].add(env.get("threads"))
     s = manifest["samples"]
     lines = [
         "# kvcompress and kvpress side by side",
         "",
-        f"Samples: {len(samples)} × `{s['task']}` (haystack {s['haystack']}, kind {s['kind']}), target {s['length']} tokens "
+        (f"Samples: {len(samples)} × `{s['task']}` (haystack {s['haystack']}, kind {s['kind']}, prompt layout "
+         f"`{s.get('prompt_layout', 'not recorded')}`), target {s['length']} tokens "
         f"(context {min(x['context_tokens'] for x in samples)}–{max(x['context_tokens'] for x in samples)} prompt tokens "
         f"before the question), seeds {s['seeds']}, depths `{s['depths']}`. Checkpoint `{Path(manifest['checkpoint']).name}` "
-        f"(model.safetensors sha256 {manifest['checkpoint_sha256']['model.safetensors'][:12]}…), float32, CPU.",
+        f"(model.safetensors sha256 {manifest['checkpoint_sha256']['model.safetensors'][:12]}…), float32, CPU."),
         "",
     ]
     for library, env in sorted(envs.items()):
         extra = f", kvpress {env.get('kvpress_version')}, attention {env.get('attn_implementation')}" if library == "kvpress" else ""
-        lines.append(f"- {library}: {env.get('cpu')}, {env.get('cores')} cores, torch threads {env.get('threads')}, "
-                     f"load average {env.get('load_average')} at start, {env.get('date', '')[:10]}, torch {env.get('torch')}, "
+        loads = sorted(x for x in env["loads"] if x is not None)
+        load = f"{loads[0]}–{loads[-1]}" if loads and loads[0] != loads[-1] else (f"{loads[0]}" if loads else "?")
+        lines.append(f"- {library}: {env.get('cpu')}, {env.get('cores')} cores, torch threads "
+                     f"{', '.join(str(t) for t in sorted(x for x in env['thread_set'] if x is not None))}, load average {load} "
+                     f"when its processes started, {', '.join(sorted(env['dates']))}, torch {env.get('torch')}, "
                      f"transformers {env.get('transformers')}, Python {env.get('python')}{extra}")
     lines += ["", "## Scores (%, 95% Wilson interval)", "",
               "| cell | n | hits | score | 95% interval | kept tokens (mean per layer and KV head) | prefill + compression s | decode s |",
@@ -822,6 +837,9 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
         kept = "all" if r["cell"] == FULL else f"{r['kept_tokens_mean']:.0f}"
         lines.append(f"| {cell_name(r['library'], r['cell'], r['ratio'])} | {r['n']}{errors} | {r['hits']:g} | {_pct(r['score'])} | "
                      f"{_pct(r['ci_low'])}–{_pct(r['ci_high'])} | {kept} | {r['prefill_s']:.1f} | {r['decode_s']:.2f} |")
+    lines += ["", ("Times are per cell on a shared, loaded machine and are no speed comparison: in each library one prefill "
+              "of a sample serves all its cells but KVzip (kvcompress: `capture_qkv`, plus a plain prefill for the full cache; "
+              "kvpress: `--protocol shared`), and that prefill is counted in every cell that used it.")]
     header = ("| first | second | pairs | first % | second % | difference (points) | 95% interval | wins | losses | p (sign test) | identical answers |",
               "|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -834,9 +852,9 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
         return out
 
     lines += ["", "## kvcompress against kvpress, paired on the same samples", "",
-              "difference: first minus second, in points; 95% interval: Newcombe's square-and-add interval for paired "
+              ("difference: first minus second, in points; 95% interval: Newcombe's square-and-add interval for paired "
               "proportions; wins / losses: samples only the first / only the second answers; p: exact two-sided sign test "
-              "(McNemar's exact test); identical answers: the same answer tokens.", ""] + table(cross_rows)
+              "(McNemar's exact test); identical answers: the same answer tokens."), ""] + table(cross_rows)
     lines += ["", "## Each cell against its own library's full cache", ""] + table(within_rows)
     lines += ["", "## Answers", "", f"The first {answers_shown} samples, every cell (answer text after the answer prefix):", ""]
     by_sample: dict[str, dict[str, dict]] = defaultdict(dict)
@@ -855,15 +873,16 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
     if problems:
         lines += ["", "## Consistency problems", ""] + [f"- {p}" for p in problems]
     else:
-        lines += ["", "Consistency: every record fed the dumped prompt tokens, and re-decoding its answer tokens and "
-                  "re-scoring with `kvcompress.eval.tasks.score` reproduced the recorded text and score."]
+        lines += ["", ("Consistency: every record fed the dumped prompt tokens, and re-decoding its answer tokens and "
+                  "re-scoring with `kvcompress.eval.tasks.score` reproduced the recorded text and score.")]
     return "\n".join(lines) + "\n"
 
 
 def compare(args) -> None:
+    from transformers import AutoTokenizer
+
     from kvcompress.eval.tables import write_csv
     from kvcompress.eval.tasks import score as task_score
-    from transformers import AutoTokenizer
 
     out = Path(args.out)
     manifest, samples = load_samples(out)
@@ -925,6 +944,8 @@ def main(argv=None) -> None:
     d.add_argument("--seed", type=int, default=0, help="sample i uses seed + i (default 0)")
     d.add_argument("--haystack", default="prose")
     d.add_argument("--kind", default="numbers")
+    d.add_argument("--prompt-layout", default=None,
+                   help="how context and question are joined (kvcompress.integration.model.PROMPT_LAYOUTS; default: the eval's default)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own answer limit")
     d.add_argument("--ratios", type=lambda t: [float(x) for x in t.split(",")], default=[0.75], help="compression ratios (default 0.75)")
     d.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the dequantised default model under ~/.cache/kvcompress)")

@@ -235,7 +235,7 @@ def test_compare_rescores_and_pairs_the_two_libraries(tiny_run, tiny_checkpoint,
 
 
 def test_compare_flags_a_record_fed_other_tokens(tiny_run):
-    manifest, samples = h.load_samples(tiny_run)
+    _, samples = h.load_samples(tiny_run)
     records = [dict(r) for r in h.read_jsonl(tiny_run / "kvcompress.jsonl")]
     records[0]["prompt_digest"] = "0" * 16
     records[1]["score"] = 1.0 - records[1]["score"]
