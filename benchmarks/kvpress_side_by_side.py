@@ -71,7 +71,6 @@ DEFAULT_OUT = REPO / "results" / "kvpress_side_by_side"
 SAMPLES_FILE = "samples.jsonl"
 MANIFEST_FILE = "manifest.json"
 FULL = "full"
-Z95 = 1.959963984540054
 
 # kvcompress cells: label -> (method, method parameters). The defaults are each method's paper
 # defaults as kvcompress ships them; the "[...]" variants set kvpress's parameters where the two
@@ -647,51 +646,6 @@ def run_kvpress(args) -> None:
 # ---------------------------------------------------------------- step 4: compare (kvcompress's venv)
 
 
-def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """95% Wilson score interval of successes / n (the same formula as `kvcompress.eval.stats.wilson`)."""
-    if n == 0:
-        return float("nan"), float("nan")
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
-
-
-def paired_difference_interval(first: list[float], second: list[float], z: float = Z95) -> tuple[float, float, float]:
-    """(p1 - p2, low, high): Newcombe's square-and-add 95% interval for the difference of two paired proportions.
-
-    Newcombe, "Improved confidence intervals for the difference between binomial proportions based on
-    paired data", Statistics in Medicine 17 (1998), method 10: the Wilson intervals of both marginal
-    proportions, combined with the continuity-corrected correlation phi of the 2x2 table of pairs.
-    Scores must be 0 or 1 (one outcome per pair).
-    """
-    if len(first) != len(second):
-        raise ValueError(f"paired scores must have one entry per pair, got {len(first)} and {len(second)}")
-    if any(s not in (0, 1, 0.0, 1.0) for s in (*first, *second)):
-        raise ValueError("Newcombe's paired interval needs 0/1 scores")
-    n = len(first)
-    if n == 0:
-        return float("nan"), float("nan"), float("nan")
-    a = sum(1 for x, y in zip(first, second) if x and y)
-    b = sum(1 for x, y in zip(first, second) if x and not y)
-    c = sum(1 for x, y in zip(first, second) if not x and y)
-    d = n - a - b - c
-    p1, p2 = (a + b) / n, (a + c) / n
-    l1, u1 = wilson_interval(a + b, n, z)
-    l2, u2 = wilson_interval(a + c, n, z)
-    margins = (a + b) * (c + d) * (a + c) * (b + d)
-    phi = 0.0
-    if margins > 0:
-        cross = a * d - b * c
-        corrected = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
-        phi = corrected / math.sqrt(margins)
-    theta = p1 - p2
-    low = theta - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
-    high = theta + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
-    return theta, max(-1.0, low), min(1.0, high)
-
-
 def cell_name(library: str, label: str, ratio) -> str:
     return f"{library}: {label}" + ("" if ratio is None else f" @ {ratio:g}")
 
@@ -717,6 +671,8 @@ def rescore(records: list[dict], samples: dict[str, dict], tokenizer, score_fn) 
 
 
 def per_cell_rows(records: list[dict]) -> list[dict]:
+    from kvcompress.eval.stats import wilson
+
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["library"], r["cell"], r["ratio"])].append(r)
@@ -724,7 +680,7 @@ def per_cell_rows(records: list[dict]) -> list[dict]:
     for (library, label, ratio), rs in groups.items():
         ok = [r for r in rs if r.get("error") is None]
         scores = [r["score"] for r in ok]
-        low, high = wilson_interval(sum(scores), len(scores))
+        low, high = wilson(sum(scores), len(scores))
         rows.append({"library": library, "cell": label, "ratio": ratio, "n": len(scores), "errors": len(rs) - len(ok),
                      "hits": sum(scores), "score": sum(scores) / len(scores) if scores else float("nan"), "ci_low": low, "ci_high": high,
                      "kept_tokens_mean": _mean([r.get("kept_tokens_mean") for r in ok if r.get("kept_tokens_mean") is not None]),
@@ -741,7 +697,7 @@ def _mean(xs) -> float:
 
 def pair_rows(records: list[dict], pairs: list[tuple[tuple, tuple]]) -> list[dict]:
     """For each ((library, cell, ratio), (library, cell, ratio)) pair: the paired comparison on the samples both answered."""
-    from kvcompress.eval.stats import paired_comparisons
+    from kvcompress.eval.stats import paired_comparisons, paired_difference_interval
 
     by_cell: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in records:

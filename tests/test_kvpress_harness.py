@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcompress.eval.stats import paired_difference_interval
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "kvpress_side_by_side.py"
 
@@ -67,29 +69,22 @@ def test_newcombe_paired_interval_matches_the_published_example():
     table [[59, 6], [16, 80]] -> -0.0621 (95% CI -0.1186 to -0.0046), as R's contingencytables prints it."""
     first = [1] * 59 + [1] * 6 + [0] * 16 + [0] * 80
     second = [1] * 59 + [0] * 6 + [1] * 16 + [0] * 80
-    diff, low, high = h.paired_difference_interval(first, second)
+    diff, low, high = paired_difference_interval(first, second)
     assert (round(diff, 4), round(low, 4), round(high, 4)) == (-0.0621, -0.1186, -0.0046)
 
 
 def test_newcombe_paired_interval_edge_cases():
     same = [1, 0, 1, 1, 0]
-    diff, low, high = h.paired_difference_interval(same, same)
+    diff, low, high = paired_difference_interval(same, same)
     assert diff == 0 and low < 0 < high
-    diff, low, high = h.paired_difference_interval([1] * 30, [0] * 30)
+    diff, low, high = paired_difference_interval([1] * 30, [0] * 30)
     assert diff == 1 and 0.8 < low < 1 and high == 1
-    diff, low, high = h.paired_difference_interval([0] * 30, [0] * 30)
+    diff, low, high = paired_difference_interval([0] * 30, [0] * 30)
     assert diff == 0 and low < 0 < high < 0.15
     with pytest.raises(ValueError, match="0/1"):
-        h.paired_difference_interval([0.5], [1])
+        paired_difference_interval([0.5], [1])
     with pytest.raises(ValueError, match="one entry per pair"):
-        h.paired_difference_interval([1, 0], [1])
-
-
-@pytest.mark.parametrize("k, n", [(0, 30), (7, 30), (30, 30), (1, 1)])
-def test_wilson_interval_is_the_eval_one(k, n):
-    from kvcompress.eval.stats import wilson
-
-    assert h.wilson_interval(k, n) == pytest.approx(wilson(k, n), abs=1e-12)
+        paired_difference_interval([1, 0], [1])
 
 
 def test_jsonl_round_trip_skips_and_repairs_a_torn_last_line(tmp_path):

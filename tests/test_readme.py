@@ -281,21 +281,13 @@ def shell_runs(marker: str) -> list[tuple[str, list[str]]]:
 
 
 @pytest.mark.e2e
-def test_the_longbench_command_on_the_shipped_samples(tmp_path):
+@pytest.mark.parametrize("flag, leaderboard", [("--benchmark longbench", "lb/leaderboard_longbench.md"), ("--benchmark ruler", "ruler/leaderboard_ruler.md")])
+def test_the_benchmark_commands_on_the_shipped_samples(tmp_path, flag, leaderboard):
     cwd = in_repo_copy(tmp_path)
-    (command, output), = [s for s in shell_runs(SH_BENCHMARKS) if "longbench" in s[0]]
+    (command, output), = [s for s in shell_runs(SH_BENCHMARKS) if flag in s[0]]
     assert output
     assert_shown_in(shown(output), run_shell(command, cwd), command)
-    assert (cwd / "results" / "lb" / "leaderboard_longbench.md").is_file()
-
-
-@pytest.mark.e2e
-def test_the_ruler_command_on_the_shipped_samples(tmp_path):
-    cwd = in_repo_copy(tmp_path)
-    (command, output), = [s for s in shell_runs(SH_BENCHMARKS) if "--benchmark ruler" in s[0]]
-    assert output
-    assert_shown_in(shown(output), run_shell(command, cwd), command)
-    assert (cwd / "results" / "ruler" / "leaderboard_ruler.md").is_file()
+    assert (cwd / "results" / leaderboard).is_file()
 
 
 @pytest.mark.e2e

@@ -97,3 +97,37 @@ def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str,
                 "wins": wins, "losses": losses, "p": sign_test(wins, losses),
             })
     return rows
+
+
+def paired_difference_interval(first: list[float], second: list[float], z: float = Z95) -> tuple[float, float, float]:
+    """(p1 - p2, low, high): Newcombe's square-and-add 95% interval for the difference of two paired proportions.
+
+    Newcombe, "Improved confidence intervals for the difference between binomial proportions based on
+    paired data", Statistics in Medicine 17 (1998), method 10: the Wilson intervals of both marginal
+    proportions, combined with the continuity-corrected correlation phi of the 2x2 table of pairs.
+    Scores must be 0 or 1 (one outcome per pair).
+    """
+    if len(first) != len(second):
+        raise ValueError(f"paired scores must have one entry per pair, got {len(first)} and {len(second)}")
+    if any(s not in (0, 1, 0.0, 1.0) for s in (*first, *second)):
+        raise ValueError("Newcombe's paired interval needs 0/1 scores")
+    n = len(first)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    a = sum(1 for x, y in zip(first, second) if x and y)
+    b = sum(1 for x, y in zip(first, second) if x and not y)
+    c = sum(1 for x, y in zip(first, second) if not x and y)
+    d = n - a - b - c
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson(a + b, n, z)
+    l2, u2 = wilson(a + c, n, z)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = 0.0
+    if margins > 0:
+        cross = a * d - b * c
+        corrected = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
+        phi = corrected / math.sqrt(margins)
+    theta = p1 - p2
+    low = theta - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    high = theta + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    return theta, max(-1.0, low), min(1.0, high)
