@@ -164,3 +164,16 @@ def test_a_results_folder_keeps_one_layout(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="differs from 'blank_line_primed'"):
         run_sweep(model, tokenizer, _config(tasks=["niah_single"], prompt_layout="newline_primed"), tmp_path, progress=False)
     run_sweep(model, tokenizer, _config(tasks=["niah_single"], prompt_layout="blank_line_primed"), tmp_path, progress=False)
+
+
+def test_generate_builds_its_prompt_in_the_given_layout(tiny_model):
+    import kvcompress as kvc
+
+    model, tokenizer = tiny_model
+    settings = dict(method="knorm", compression_ratio=0.5, sink=2, window=4, max_new_tokens=2, stop_at_eos=False, progress=False)
+    blank = kvc.generate(model, tokenizer, CONTEXT, QUESTION, **settings)
+    newline = kvc.generate(model, tokenizer, CONTEXT, QUESTION, prompt_layout="newline", **settings)
+    # the byte-level tokenizer spells the separator one byte a token: the blank line is one token longer
+    assert blank.context_tokens == newline.context_tokens and blank.prompt_tokens == newline.prompt_tokens + 1
+    with pytest.raises(ValueError, match="layout"):
+        kvc.generate(model, tokenizer, CONTEXT, QUESTION, prompt_layout="newlines", **settings)

@@ -30,7 +30,7 @@ from ..options import CompressionOptions
 from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
 from .support import check_supported, select_compressed_attention, use_compressed_attention
-from .model import check_context_length
+from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
 
 # Prompts longer than this show a progress bar while they are processed.
 PROGRESS_MIN_TOKENS = 1024
@@ -475,7 +475,6 @@ def compress_context(model, tokenizer, context: str, options: CompressionOptions
         cache.save("doc.kvc")
         kvc.generate(model, tokenizer, cache="doc.kvc", questions=["Who?", "When?"])
     """
-    from .model import build_prompt
 
     if not isinstance(context, str) or not context.strip():
         raise ValueError(f"context must be a non-empty str, got {context!r}")
@@ -494,6 +493,7 @@ def generate(
     max_new_tokens: int = 64,
     progress: bool = True,
     stop_at_eos: bool = True,
+    prompt_layout: "str | PromptLayout" = DEFAULT_PROMPT_LAYOUT,
     **settings,
 ) -> GenerationResult | list[GenerationResult]:
     """Answer `question` about `context` with a compressed cache.
@@ -513,8 +513,9 @@ def generate(
     `compress_context` or saved and given as its path (`load_cache`): `question` or
     `questions` are appended exactly after its tokens and answered with its own settings, as they
     would be after that context compressed here (`answer_from_cache_ids`).
+
+    prompt_layout: how the question follows the context (`build_prompt`, docs/prompt_layout.md).
     """
-    from .model import build_prompt
 
     if questions is not None and (not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions)):
         raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
@@ -527,7 +528,7 @@ def generate(
                 f"options or settings (got context={'given' if context is not None else None}, options={options!r}, settings={sorted(settings)})"
             )
         asked = questions if questions is not None else [question]
-        questions_ids = [build_prompt(tokenizer, "", q)[1] for q in asked]  # the question's ids do not depend on the context
+        questions_ids = [build_prompt(tokenizer, "", q, layout=prompt_layout)[1] for q in asked]  # the question's ids do not depend on the context
         results = answer_from_cache_ids(model, cache, questions_ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
         for res in results:
             res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
@@ -546,14 +547,14 @@ def generate(
     options = CompressionOptions.build(options, **settings)
     run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
     if questions is not None:
-        context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0])
-        questions_ids = [build_prompt(tokenizer, contexts[0], q)[1] for q in questions]
+        context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0], layout=prompt_layout)
+        questions_ids = [build_prompt(tokenizer, contexts[0], q, layout=prompt_layout)[1] for q in questions]
         results = answer_questions_ids(model, context_ids, questions_ids, options, **run)
     elif isinstance(context, list):
-        prompts = [build_prompt(tokenizer, c, question) for c in contexts]
+        prompts = [build_prompt(tokenizer, c, question, layout=prompt_layout) for c in contexts]
         results = generate_batch_ids(model, [c for c, _ in prompts], prompts[0][1], options, pad_token_id=tokenizer.pad_token_id, **run)
     else:
-        context_ids, question_ids = build_prompt(tokenizer, context, question)
+        context_ids, question_ids = build_prompt(tokenizer, context, question, layout=prompt_layout)
         results = [generate_ids(model, context_ids, question_ids, options, **run)]
     for res in results:
         res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
