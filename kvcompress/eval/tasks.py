@@ -96,6 +96,12 @@ def _check(name: str, value, low, high=None):
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+def _start(target_tokens, seed, tokenizer) -> tuple[random.Random, Callable[[Sequence[str]], list[float]]]:
+    """A generator's first step: target_tokens checked, then (its random stream for `seed`, its token counter)."""
+    _check("target_tokens", target_tokens, 64)
+    return random.Random(seed), token_counter(tokenizer)
+
+
 @functools.lru_cache(maxsize=1)
 def _prose_sentences() -> tuple[str, ...]:
     from .capture import prose_paragraphs
@@ -179,10 +185,8 @@ def _needle(kind: str, key: str, value: str) -> str:
 
 def _niah(task, target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, n_values, n_queries) -> Sample:
     """RULER needle-in-a-haystack: n_keys keys (the first n_queries asked), n_values values each."""
-    _check("target_tokens", target_tokens, 64)
+    rng, count = _start(target_tokens, seed, tokenizer)
     _check("depth", depth, 0.0, 1.0)
-    rng = random.Random(seed)
-    count = token_counter(tokenizer)
     units = _haystack_units(haystack, rng)
     keys = _keys(rng, n_keys)
     values = [[_needle_value(kind, rng) for _ in range(n_values)] for _ in keys]
@@ -227,12 +231,10 @@ def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, hay
 
     The asked chain's first assignment sits at `depth`, its later hops at increasing random depths.
     """
-    _check("target_tokens", target_tokens, 64)
+    rng, count = _start(target_tokens, seed, tokenizer)
     _check("depth", depth, 0.0, 1.0)
     _check("n_hops", n_hops, 1)
     _check("n_chains", n_chains, 1)
-    rng = random.Random(seed)
-    count = token_counter(tokenizer)
     names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in range(n_chains * (n_hops + 1))]
     while len(set(names)) < len(names):
         names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in names]
@@ -258,12 +260,10 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
 
     The rare words fill the rest of the length (estimated per word), shuffled with the common ones.
     """
-    _check("target_tokens", target_tokens, 64)
+    rng, count = _start(target_tokens, seed, tokenizer)
     _check("n_common", n_common, 1)
     _check("rare_freq", rare_freq, 1)
     _check("common_freq", common_freq, rare_freq + 1)
-    rng = random.Random(seed)
-    count = token_counter(tokenizer)
     vocab = list(vocabulary())
     rng.shuffle(vocab)
     common, rare_pool = vocab[:n_common], vocab[n_common:]
@@ -281,12 +281,10 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
 
 def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alpha=2.0, vocab_size=500) -> Sample:
     """RULER FWE: made-up words drawn from a Zipf law (P(rank r) ∝ r^-alpha); return the n_answers most frequent."""
-    _check("target_tokens", target_tokens, 64)
+    rng, count = _start(target_tokens, seed, tokenizer)
     _check("n_answers", n_answers, 1)
     _check("alpha", alpha, 1.0)
     _check("vocab_size", vocab_size, n_answers + 1)
-    rng = random.Random(seed)
-    count = token_counter(tokenizer)
     made_up = set()
     while len(made_up) < vocab_size:
         made_up.add("".join(rng.choices("bcdfghjklmnprstvwz", k=3)) + rng.choice("aeiou") + "".join(rng.choices("bcdfghklmnprst", k=2)))
@@ -317,10 +315,8 @@ def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_line
     spread through a `haystack` (the asked one at `depth`, the others at random depths), for models
     too small to retrieve among hundreds of near-identical lines.
     """
-    _check("target_tokens", target_tokens, 64)
+    rng, count = _start(target_tokens, seed, tokenizer)
     _check("depth", depth, 0.0, 1.0)
-    rng = random.Random(seed)
-    count = token_counter(tokenizer)
     vocab = vocabulary()
     if n_lines is None:
         per_line = count([f"line {vocab[0]}-{vocab[1]}: REGISTER_CONTENT is <12345>"])[0] + 1
