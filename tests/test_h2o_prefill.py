@@ -129,7 +129,7 @@ def test_a_row_total_beyond_float32_is_caught_by_both_mass_kernels():
 @pytest.mark.parametrize("workers", [0, -2, 1.5, True])
 def test_workers_must_be_a_positive_integer(workers):
     q, k, v = qkv(8, 8)
-    with pytest.raises(ValueError, match=r"workers must be a positive number of threads, got"):
+    with pytest.raises(ValueError, match=r"workers must be an integer >= 1, got"):
         causal_attention_with_mass(q, k, v, 0.25, workers=workers)
 
 
