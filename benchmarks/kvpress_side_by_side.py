@@ -228,6 +228,28 @@ def cell_key(library: str, label: str, ratio: float | None, sample_id: str) -> s
     return f"{library}|{label}|{ratio}|{sample_id}"
 
 
+def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
+    """A model step's common start: threads set, the dumped samples, the checked checkpoint's model and tokenizer,
+    the cells and ratios asked for, this shard's results file and the cells already recorded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    manifest, samples = load_samples(out)
+    checkpoint = Path(manifest["checkpoint"])
+    check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
+    shard = parse_shard(args.shard)
+    return SimpleNamespace(
+        manifest=manifest, samples=samples, shard=shard,
+        model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).eval(),
+        tokenizer=AutoTokenizer.from_pretrained(checkpoint, local_files_only=True),
+        cells=parse_list(args.cells, known_cells),
+        ratios=[float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"],
+        path=results_path(out, library, shard), done=done_keys(out, library),
+    )
+
+
 def results_path(out: Path, library: str, shard: tuple[int, int] | None) -> Path:
     return out / (f"{library}.jsonl" if shard is None else f"{library}.shard{shard[0]}of{shard[1]}.jsonl")
 
@@ -333,25 +355,15 @@ def stop_ids_of(manifest: dict, sample: dict) -> set[int]:
 
 def run_kvcompress(args) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.eval.tasks import score as task_score
     from kvcompress.integration import generate_ids
     from kvcompress.options import CompressionOptions
 
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    manifest, samples = load_samples(out)
-    checkpoint = Path(manifest["checkpoint"])
-    check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    cells = parse_list(args.cells, KVCOMPRESS_CELLS)
-    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"]
-    shard = parse_shard(args.shard)
-    path = results_path(out, "kvcompress", shard)
-    done = done_keys(out, "kvcompress")
+    run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
+    manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
+        run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.shard, run.path, run.done)
     env = environment(args.threads) | {"kvcompress_version": _kvcompress_version()}
     for sample in select_shard(samples, shard):
         todo = [(label, None if KVCOMPRESS_CELLS[label][0] is None else ratio) for label in cells
@@ -579,22 +591,12 @@ def run_kvpress(args) -> None:
 
     import kvpress  # noqa: F401  (importing it patches the attention functions for head-wise presses)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's "2-3x prefill" warning, once per press built
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    manifest, samples = load_samples(out)
-    checkpoint = Path(manifest["checkpoint"])
-    check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
+    run = open_run(args, "kvpress", KVPRESS_CELLS)
     tasks_module = load_task_scorer()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    cells = parse_list(args.cells, KVPRESS_CELLS)
-    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"]
-    shard = parse_shard(args.shard)
-    path = results_path(out, "kvpress", shard)
-    done = done_keys(out, "kvpress")
+    manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
+        run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.shard, run.path, run.done)
     env = environment(args.threads) | {"kvpress_version": version("kvpress"), "attn_implementation": model.config._attn_implementation}
     for sample in select_shard(samples, shard):
         context_ids = torch.tensor([sample["context_ids"]])
