@@ -14,7 +14,7 @@ import sys
 
 from .commands.common import ArgumentParser
 
-_SUBCOMMAND_MODULES = ("kvcompress.commands.generate", "kvcompress.demo", "kvcompress.commands.calibrate", "kvcompress.commands.bench",
+_SUBCOMMAND_MODULES = ("kvcompress.commands.generate", "kvcompress.commands.compress", "kvcompress.demo", "kvcompress.commands.calibrate", "kvcompress.commands.bench",
                        "kvcompress.commands.eval")
 
 

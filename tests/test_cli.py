@@ -44,6 +44,7 @@ OWNERS = {
     "METHODS": ("kvcompress.methods.registry", lambda m: tuple(m.method_names())),
     "DEFAULT_METHOD": ("kvcompress.options", lambda m: m.DEFAULT_METHOD),
     "MODES": ("kvcompress.options", lambda m: m.MODES),
+    "KV_BITS": ("kvcompress.quantization", lambda m: m.KV_BITS),
     "PROMPT_LAYOUTS": ("kvcompress.integration.model", lambda m: tuple(m.PROMPT_LAYOUTS)),
     "DEFAULT_PROMPT_LAYOUT": ("kvcompress.integration.model", lambda m: m.DEFAULT_PROMPT_LAYOUT),
     "DEFAULT_CHUNK_SIZE": ("kvcompress.options", lambda m: m.DEFAULT_CHUNK_SIZE),
@@ -128,3 +129,24 @@ def test_a_file_written_by_kvcompress_calibrate_drives_generate(tiny_checkpoint,
                  "--context-file", str(context_file), "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "method            knorm" in out and "calibration       NLL(context) " in out and "for quality 0.9" in out
+
+
+def test_compress_saves_a_cache_that_generate_answers_from(tiny_checkpoint, tmp_path, capsys):
+    """`kvcompress compress --out` then `generate --cache`: the same answer as `generate --context-file` with the same flags."""
+    from kvcompress.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The archivist was Margaret Okafor. " * 20)
+    flags = ["--method", "knorm", "--compression-ratio", "0.5", "--sink", "2", "--window", "4", "--kv-bits", "4", "--model", str(tiny_checkpoint)]
+    assert main(["compress", "--context-file", str(doc), "--out", str(tmp_path / "doc.kvc"), *flags]) == 0
+    assert "4-bit" in capsys.readouterr().out
+    ask = ["--question", "Who was the archivist?", "--max-new-tokens", "4", "--model", str(tiny_checkpoint)]
+    assert main(["generate", "--cache", str(tmp_path / "doc.kvc"), *ask]) == 0
+    from_cache = capsys.readouterr().out.split("\n")[0]
+    assert main(["generate", "--context-file", str(doc), *flags[:-2], *ask]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == from_cache
+    assert main(["generate", "--cache", str(tmp_path / "doc.kvc"), "--method", "snapkv", *ask]) == 2
+    assert "--cache answers with the settings the cache was compressed with: it takes no --method" in capsys.readouterr().err
+    assert main(["generate", "--cache", str(tmp_path / "missing.kvc"), *ask]) == 2
+    assert main(["compress", "--context-file", str(doc), "--out", str(tmp_path), *flags]) == 2
+    assert "is a directory" in capsys.readouterr().err

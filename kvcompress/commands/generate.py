@@ -6,13 +6,28 @@ import json
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, add_threads_arg, count, one_of, parse_params, resolve_device, set_threads
-from .names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, METHODS, MODES
+from .names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, METHODS, MODES
 
 FULL = "full"
 
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer a question about a context through a compressed KV cache")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--context-file", type=Path, help="text file holding the context")
+    source.add_argument("--cache", type=Path, default=None, metavar="FILE",
+                        help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
+    p.add_argument("--question", default=None, help="question appended after the (compressed) context")
+    p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
+    add_compression_args(p)
+    add_threads_arg(p)
+    add_model_arg(p)
+    add_device_args(p)
+    p.set_defaults(func=_run)
+
+
+def add_compression_args(p) -> None:
+    """The flags of a `CompressionOptions` (read back by `options_of`), shared by `generate` and `compress`."""
     p.add_argument("--method", type=one_of((FULL, *METHODS), "method"), default=None, metavar="NAME",
                    help=f"registered method name, or '{FULL}' for the uncompressed cache (default {DEFAULT_METHOD}; "
                         "with --calibration, the method it was fitted for)")
@@ -25,9 +40,6 @@ def add_cli(subparsers) -> None:
     p.add_argument("--quality", type=float, default=None, metavar="Q",
                    help="with --calibration: the predicted NLL ratio of the answer to keep (the quality budget gamma), in (0, 1]")
     p.add_argument("--mode", default="prefill", choices=MODES, help="when compression happens (default prefill)")
-    p.add_argument("--context-file", required=True, type=Path, help="text file holding the context")
-    p.add_argument("--question", default=None, help="question appended after the (compressed) context")
-    p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomised methods (default 0)")
     p.add_argument("--sink", type=int, default=None, help="first tokens kept exactly (default: the method's paper default)")
     p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's paper default)")
@@ -37,17 +49,27 @@ def add_cli(subparsers) -> None:
                    help="chunked/decode mode: a block-wise stream re-compresses to its budget once it holds budget + slack·budget slots (default 0.5; 0: after every block)")
     p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
-    add_threads_arg(p)
-    add_model_arg(p)
-    add_device_args(p)
-    p.set_defaults(func=_run)
+    p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
+                   help="store the compressed context quantized in this many bits (keys per channel, values per token; default: full precision)")
+    p.add_argument("--kv-group-size", type=count(1), default=None, metavar="N", help="with --kv-bits: values per quantization group (default 32)")
 
 
 def _run(args) -> int:
     from ..integration import generate, load_model
 
-    options = _options(args)  # every flag checked before the model loads
-    context = _read_context(args.context_file)
+    if args.cache is not None:
+        _check_no_compression_flags(args)
+        if not args.cache.is_file():
+            raise ValueError(f"--cache {str(args.cache)!r} is not a file: pass one written by `kvcompress compress --out FILE`")
+        set_threads(args.threads)
+        model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+        res = generate(model, tokenizer, question=args.question, cache=args.cache, max_new_tokens=args.max_new_tokens)
+        print(res.text)
+        print()
+        print(res.report())
+        return 0
+    options = options_of(args)  # every flag checked before the model loads
+    context = read_context(args.context_file)
     set_threads(args.threads)
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     res = generate(model, tokenizer, context, args.question, options, max_new_tokens=args.max_new_tokens)
@@ -61,7 +83,17 @@ def _run(args) -> int:
     return 0
 
 
-def _options(args):
+def _check_no_compression_flags(args) -> None:
+    """--cache answers with the saved cache's own settings: any compression flag given is an error naming it."""
+    defaults = {"method": None, "compression_ratio": None, "budget": None, "calibration": None, "quality": None, "mode": "prefill",
+                "seed": 0, "sink": None, "window": None, "chunk_size": DEFAULT_CHUNK_SIZE, "slack": None, "compress_question": False,
+                "param": [], "kv_bits": None, "kv_group_size": None}
+    given = ["--" + name.replace("_", "-") for name, default in defaults.items() if getattr(args, name) != default]
+    if given:
+        raise ValueError(f"--cache answers with the settings the cache was compressed with: it takes no {', '.join(given)}")
+
+
+def options_of(args):
     """The `CompressionOptions` of the flags (which checks them), after the checks that concern the flags themselves."""
     from ..options import CompressionOptions
 
@@ -72,6 +104,8 @@ def _options(args):
                                           ("--calibration", args.calibration), ("--quality", args.quality)) if value not in (None, [])]
         if given:
             raise ValueError(f"--method {FULL} keeps every token: it takes no {', '.join(given)}")
+        if args.kv_bits is not None or args.kv_group_size is not None:
+            raise ValueError(f"--method {FULL} keeps every token at full precision: it takes no --kv-bits or --kv-group-size")
         return CompressionOptions(method=None, mode=args.mode, seed=args.seed, chunk_size=args.chunk_size, compress_question=args.compress_question)
     method, calibration = args.method or DEFAULT_METHOD, None
     if args.calibration is not None:
@@ -89,7 +123,8 @@ def _options(args):
         raise ValueError(f"pass --compression-ratio, --budget or --calibration with --quality (or --method {FULL})")
     return CompressionOptions(method=method, method_params=params, budget=args.budget, compression_ratio=args.compression_ratio, mode=args.mode,
                               sink=args.sink, window=args.window, seed=args.seed, slack=args.slack, chunk_size=args.chunk_size,
-                              compress_question=args.compress_question, quality=args.quality, calibration=calibration)
+                              compress_question=args.compress_question, quality=args.quality, calibration=calibration,
+                              kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
 
 
 def _calibration(path: Path, quality: float | None):
@@ -111,7 +146,7 @@ def _calibration(path: Path, quality: float | None):
         raise ValueError(f"--calibration {err}") from None
 
 
-def _read_context(path: Path) -> str:
+def read_context(path: Path) -> str:
     if path.is_dir():
         raise ValueError(f"--context-file {str(path)!r} is a directory: pass a text file")
     if not path.is_file():

@@ -13,6 +13,7 @@ MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
 DEFAULT_CHUNK_SIZE = 128  # kvcompress.options.DEFAULT_CHUNK_SIZE
 PROMPT_LAYOUTS = ("blank_line", "newline", "blank_line_primed", "newline_primed")  # kvcompress.integration.model.PROMPT_LAYOUTS (its keys)
 DEFAULT_PROMPT_LAYOUT = "blank_line_primed"  # kvcompress.integration.model.DEFAULT_PROMPT_LAYOUT
+KV_BITS = (8, 4, 2)  # kvcompress.quantization.KV_BITS
 DTYPES = ("float32", "bfloat16", "float16")  # kvcompress.integration.model.DTYPES (its keys)
 
 CALIBRATION_RETENTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)  # kvcompress.integration.calibrate_model.DEFAULT_RETENTIONS

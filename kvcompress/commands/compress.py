@@ -1,0 +1,38 @@
+"""`kvcompress compress`: compress a context file once and save the compressed cache (`kvc.compress_context`, `save`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import add_device_args, add_model_arg, add_threads_arg, resolve_device, set_threads
+from .generate import add_compression_args, options_of, read_context
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("compress", help="compress a context file once and save the cache, for `generate --cache`")
+    p.add_argument("--context-file", required=True, type=Path, help="text file holding the context")
+    p.add_argument("--out", required=True, type=Path, metavar="FILE", help="where the compressed cache is written (one safetensors file)")
+    add_compression_args(p)
+    add_threads_arg(p)
+    add_model_arg(p)
+    add_device_args(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from ..integration import compress_context, load_model
+
+    options = options_of(args)  # every flag checked before the model loads
+    if options.method is None:
+        raise ValueError("--method full keeps every token: there is nothing to compress; name a method")
+    if args.out.is_dir():
+        raise ValueError(f"--out {str(args.out)!r} is a directory: pass a file path, e.g. doc.kvc")
+    context = read_context(args.context_file)
+    set_threads(args.threads)
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    cache = compress_context(model, tokenizer, context, options)
+    cache.save(args.out)
+    slots = cache.slots_per_layer()
+    print(f"saved {args.out}: {cache.nbytes() / 2**20:.2f} MiB of KV, {sum(slots) / len(slots):.0f} slots per layer and KV head "
+          f"(method {options.method}{'' if options.kv_bits is None else f', {options.kv_bits}-bit'})")
+    return 0
