@@ -12,7 +12,7 @@ from .common import (
     add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, method_list, name_list, parse_params, resolve_device, set_threads,
 )
 from .names import (
-    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_PROMPT_LAYOUT, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, SWEEP_LENGTHS, SWEEP_RATIOS,
+    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_PROMPT_LAYOUT, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
 )
 
 DESCRIPTION = """\
@@ -80,9 +80,9 @@ def add_cli(subparsers) -> None:
                         f"or {PERPLEXITY} alone: language modelling under compression (see above)")
     t.add_argument("--lengths", type=int_list, default=None, help=f"comma-separated context lengths in tokens (default: {','.join(map(str, SWEEP_LENGTHS))}; not with --benchmark); "
                    f"with --tasks {PERPLEXITY}: document lengths (default 2048)")
-    t.add_argument("--samples", type=int, default=None, help="samples per task and length (default 4); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
+    t.add_argument("--samples", type=int, default=None, help=f"samples per task and length (default {SWEEP_SAMPLES}); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
                    "With --benchmark: the first N samples of each task (default: all). "
-                   f"With --tasks {PERPLEXITY}: documents per length (default 4); document i is the same in every run of a --seed")
+                   f"With --tasks {PERPLEXITY}: documents per length (default {PERPLEXITY_DOCUMENTS}); document i is the same in every run of a --seed")
     t.add_argument("--modes", type=list_of(MODES, "mode"), default=None, help=f"comma-separated modes among {','.join(MODES)} (default: prefill; "
                    f"with --tasks {PERPLEXITY}: prefill,decode); chunked/decode get the middle budget the ratio gives in prefill mode "
                    f"({PERPLEXITY}, decode mode: the ratio of the whole document)")
@@ -257,7 +257,7 @@ def _sweep_config(args):
         raise ValueError("--data goes with --benchmark")
     return SweepConfig(
         methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
-        lengths=args.lengths or list(SWEEP_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else 4), seed=args.seed,
+        lengths=args.lengths or list(SWEEP_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else SWEEP_SAMPLES), seed=args.seed,
         haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
         data=None if args.data is None else str(args.data),
         grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,

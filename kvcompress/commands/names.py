@@ -19,11 +19,13 @@ DTYPES = ("float32", "bfloat16", "float16")  # kvcompress.integration.model.DTYP
 CALIBRATION_RETENTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)  # kvcompress.integration.calibrate_model.DEFAULT_RETENTIONS
 
 SWEEP_RATIOS = (0.5, 0.75, 0.9)  # kvcompress.eval.runner.DEFAULT_RATIOS
-SWEEP_LENGTHS = (2048, 4096)  # kvcompress.eval.runner.DEFAULT_LENGTHS
+SWEEP_LENGTHS = (2048, 4096, 8000)  # kvcompress.eval.runner.DEFAULT_LENGTHS
+SWEEP_SAMPLES = 30  # kvcompress.eval.runner.DEFAULT_SAMPLES
 APPROX_RATIOS = (0.5, 0.75, 0.875, 0.9375)  # kvcompress.eval.approx.DEFAULT_APPROX_RATIOS
 APPROX_LAYERS = (1, 2, 5, 15)  # kvcompress.eval.approx.DEFAULT_APPROX_LAYERS
 PERPLEXITY = "perplexity"  # kvcompress.eval.perplexity.PERPLEXITY
 PERPLEXITY_BLOCK = 64  # kvcompress.eval.perplexity.DEFAULT_BLOCK
+PERPLEXITY_DOCUMENTS = 30  # kvcompress.eval.perplexity.DEFAULT_DOCUMENTS
 PERPLEXITY_CONTEXT_FRACTION = 0.75  # kvcompress.eval.perplexity.DEFAULT_CONTEXT_FRACTION
 
 BENCH_SECTIONS = ("overhead", "prefill", "throughput", "decode", "attention", "memory")  # kvcompress.eval.bench.SECTIONS

@@ -87,7 +87,7 @@ from . import tables
 PERPLEXITY = "perplexity"  # the task's name (and its benchmark's, for the leaderboard)
 DEFAULT_MODES = ("prefill", "decode")
 DEFAULT_LENGTHS = (2048,)
-DEFAULT_DOCUMENTS = 4
+DEFAULT_DOCUMENTS = 30
 DEFAULT_CONTEXT_FRACTION = 0.75
 DEFAULT_BLOCK = 64
 MIN_LENGTH = 64
