@@ -27,7 +27,9 @@ compression); `reorder_cache` serves beam search.
 
 With `kv_bits` (docs/design.md, "Quantized storage"), a compressed context is stored as a
 `QuantizedSummary` front (sink and summary) with its window as the start of the exact tail: in
-prefill mode once the first forward is compressed, in chunked mode when the prompt ends.
+prefill mode once the first forward is compressed, in chunked mode when the prompt ends. A compressed
+context whose heads keep different numbers of slots (AdaKV) is stored the same way at full precision,
+as a `RaggedSummary` front (only the kept slots, packed head after head; docs/design.md, "Memory").
 `save()` / `CompressedCache.load()` write and read a compressed context with its token ids
 (docs/design.md, "Saved caches"; the file: `cache_file`).
 """
@@ -52,6 +54,7 @@ from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
+from .ragged import RaggedSummary, has_empty_slots
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 
 @dataclass
@@ -69,8 +72,9 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, cache: "CompressedCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        # KVSummary: a padded batch's stacked rows; QuantizedSummary: a compressed context stored with kv_bits
-        self.front: SlotBuffer | KVSummary | QuantizedSummary | Stream | None = None
+        # KVSummary: a padded batch's stacked rows; QuantizedSummary: a compressed context stored with kv_bits;
+        # RaggedSummary: a compressed context whose heads keep different numbers of slots (`_keep`)
+        self.front: SlotBuffer | KVSummary | QuantizedSummary | RaggedSummary | Stream | None = None
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
@@ -84,7 +88,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def stored(self) -> KVSummary | None:
         """The layer's stored state as one summary (front then tail), without the pending block."""
-        front = self.front.summary() if isinstance(self.front, (SlotBuffer, Stream, QuantizedSummary)) else self.front
+        front = self.front.summary() if isinstance(self.front, (SlotBuffer, Stream, QuantizedSummary, RaggedSummary)) else self.front
         parts = [p for p in (front, self.tail) if p is not None]
         return concat(parts) if parts else None
 
@@ -146,6 +150,12 @@ class CompressedLayer(CacheLayerMixin):
         options = self.cache.options
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
+            if options.compressor.needs_reconstruction:
+                raise ValueError(
+                    f"method {options.method!r} scores the context with the queries of its reconstruction forward, not with the "
+                    "context's own: compress through kvc.generate / kvc.compress_context, or "
+                    "kvcompress.integration.reconstruction.reconstruct_context(model, cache, context_ids)"
+                )
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
                 self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass), self._window_slots(keys.shape[2]))
             else:
@@ -170,25 +180,30 @@ class CompressedLayer(CacheLayerMixin):
         self.stats.compress_seconds += time.perf_counter() - start
 
     def compact(self) -> None:
-        """Compress a live stream down to its budget now (timed as compression); with kv_bits, store it quantized (`_keep`)."""
+        """Compress a live stream down to its budget now (timed as compression); with kv_bits, or when its heads keep
+        different numbers of slots (empty slots: AdaKV), store what it keeps as `_keep` does."""
         if isinstance(self.front, Stream):
             start = time.perf_counter()
             self.front.compact()
-            if self.cache.options.kv_bits is not None:
-                recent = self.front.recent
-                self._keep(self.front.summary(), recent.length if recent is not None else 0)
+            if self.cache.options.kv_bits is not None or self.cache.options.compressor.adaptive_heads:
+                summary, recent = self.front.summary(), self.front.recent
+                if self.cache.options.kv_bits is not None or has_empty_slots(summary):
+                    self._keep(summary, recent.length if recent is not None else 0)
             self.stats.compress_seconds += time.perf_counter() - start
 
     def _keep(self, summary: KVSummary, window: int) -> None:
         """Store the compressed context `summary` (the front), whose last `window` slots are its exact window. At full
-        precision: in a buffer allocated at the compressed size (room for later tokens comes with the first of them). With
-        kv_bits: quantized (`QuantizedSummary`) but for the window, which starts the exact tail."""
+        precision: in a buffer allocated at the compressed size (room for later tokens comes with the first of them), or,
+        when its heads keep different numbers of slots (a method with `adaptive_heads`, AdaKV: empty slots), packed
+        without its empty slots (`RaggedSummary`) but for the window, which starts the exact tail. With kv_bits: quantized
+        (`QuantizedSummary`, empty slots included: they set no group's range) but for the window, likewise."""
         options = self.cache.options
-        if options.kv_bits is None:
+        ragged = options.kv_bits is None and options.compressor.adaptive_heads and has_empty_slots(summary)
+        if options.kv_bits is None and not ragged:
             self.front = SlotBuffer(summary, most=summary.num_slots)
             return
         front, self.tail = split_window(summary, window)
-        self.front = QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
+        self.front = RaggedSummary.of(front) if ragged else QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
 
     def _window_slots(self, n: int) -> int:
         """The slots of the exact window that ends a compressed context of n tokens (`methods.tokens.split_exact`)."""
@@ -197,7 +212,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def _keep_rows(self, keys, values, positions, queries, scale, real) -> None:
         """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf
-        padding slots; with kv_bits the stacked fronts quantized, the stacked windows the exact tail (as `_keep`)."""
+        padding slots; with kv_bits the stacked fronts quantized, with `adaptive_heads` (AdaKV) at full precision packed
+        (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
         rows, lengths = [], []
         for b in range(keys.shape[0]):
             index = real[b].nonzero().squeeze(-1)
@@ -206,14 +222,15 @@ class CompressedLayer(CacheLayerMixin):
                 keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale
             ))
         options = self.cache.options
-        if options.kv_bits is None:
+        if options.kv_bits is None and not options.compressor.adaptive_heads:
             self.front = stack_rows(rows)
             return
         parts = [split_window(row, self._window_slots(n)) for row, n in zip(rows, lengths)]
-        self.front = QuantizedSummary.of(stack_rows([front for front, _ in parts]), options.kv_bits, options.kv_group_size)
+        front = stack_rows([front for front, _ in parts])
+        self.front = RaggedSummary.of(front) if options.kv_bits is None else QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
         self.tail = stack_rows([window for _, window in parts])
 
-    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None) -> KVSummary:
+    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> KVSummary:
         options = self.cache.options
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
@@ -221,21 +238,28 @@ class CompressedLayer(CacheLayerMixin):
         self.budgets += [budget] * b
         tokens = Tokens(
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
-            self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass,
+            self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass, extra_lse=extra_lse,
         )
         summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
-    def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None) -> None:
+    def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None,
+                     extra_lse=None) -> None:
         """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d],
-        attention_mass [B,H_kv,n] or None (`Tokens.attention_mass`)."""
+        attention_mass [B,H_kv,n] or None (`Tokens.attention_mass`). A method that `needs_reconstruction` (KVzip) takes
+        its reconstruction's queries [B,H_q,q,d] and their own keys' log-sum-exp extra_lse [B,H_q,q] (`Tokens.extra_lse`;
+        `integration.reconstruction`) instead of the context's queries."""
         if self.cache.options.mode != "prefill" or self.front is not None or self.seen:
             raise ValueError("load_prefill needs a fresh layer of a prefill-mode cache")
+        if self.cache.options.compressor.needs_reconstruction and extra_lse is None:
+            raise ValueError(f"method {self.cache.options.method!r} compresses with its reconstruction forward's queries and their "
+                             "own keys (extra_lse), which a recorded context prefill does not hold: use "
+                             "kvcompress.integration.reconstruction.reconstruct_context")
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
         self.seen = keys.shape[2]
-        self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass), self._window_slots(keys.shape[2]))
+        self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass, extra_lse), self._window_slots(keys.shape[2]))
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 
@@ -272,7 +296,7 @@ class CompressedLayer(CacheLayerMixin):
         """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
         if isinstance(self.front, Stream):
             raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
-        if isinstance(self.front, QuantizedSummary):
+        if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
             self.front = self.front.select_rows(beam_idx)
         else:
             front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
@@ -289,8 +313,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
-        a quantized front and its exact tail apart, anything else as the one summary `stored()` reads."""
-        if isinstance(self.front, QuantizedSummary):
+        a quantized or ragged front and its exact tail apart, anything else as the one summary `stored()` reads."""
+        if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
             parts = {"front": self.front, "tail": self.tail}
         else:
             parts = {"stored": self.stored()}
@@ -318,8 +342,9 @@ class CompressedLayer(CacheLayerMixin):
 
 
 def _frozen(front):
-    """front itself if it is an immutable KVSummary or QuantizedSummary (or None), else a deep copy (a stream or buffer that grows in place)."""
-    return front if front is None or isinstance(front, (KVSummary, QuantizedSummary)) else copy.deepcopy(front)
+    """front itself if it is an immutable KVSummary, QuantizedSummary or RaggedSummary (or None), else a deep copy (a stream or
+    buffer that grows in place)."""
+    return front if front is None or isinstance(front, (KVSummary, QuantizedSummary, RaggedSummary)) else copy.deepcopy(front)
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):

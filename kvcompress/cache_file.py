@@ -6,7 +6,8 @@ every tensor (name, dtype, shape and bytes), and a JSON document: the compressio
 layer's description, and the fingerprint of the model the cache was made with (`model_fingerprint`).
 `read` refuses a file that is not complete, not a kvcompress cache, of another format version, or
 whose contents do not match its checksum; `check_model` refuses a model other than the one saved.
-Summaries travel as plain tensors (`summary_tensors` / `summary_from`), positions as int32.
+Summaries travel as plain tensors (`summary_tensors` / `summary_from`), positions as int32; a ragged
+summary (`RaggedSummary`) as its packed tensors and per-head counts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .integration.support import check_supported
 from .quantization import QuantizedSummary, QuantizedTensor
+from .ragged import RaggedSummary
 from .summary import KVSummary, Normalizer
 
 FORMAT = "kvcompress-cache"
@@ -148,8 +150,14 @@ def check_model(saved: dict, model, path) -> None:
                                  f"{mine} here); load it with the checkpoint it was made with")
 
 
-def summary_tensors(prefix: str, summary: KVSummary | QuantizedSummary) -> tuple[dict[str, torch.Tensor], dict]:
+def summary_tensors(prefix: str, summary: KVSummary | QuantizedSummary | RaggedSummary) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors of a summary, named under `prefix`, and its description for `summary_from`."""
+    if isinstance(summary, RaggedSummary):
+        tensors = {f"{prefix}.keys": summary.keys, f"{prefix}.values": summary.values, f"{prefix}.positions": summary.positions,
+                   f"{prefix}.counts": summary.counts}
+        if summary.log_weights is not None:
+            tensors[f"{prefix}.log_weights"] = summary.log_weights
+        return tensors, {"quantized": False, "ragged": True, "eviction_only": summary.log_weights is None, "normalizer": False}
     if isinstance(summary, QuantizedSummary):
         tensors = {**_quantized_tensors(f"{prefix}.keys", summary.keys), **_quantized_tensors(f"{prefix}.values", summary.values),
                    f"{prefix}.positions": summary.positions}
@@ -176,12 +184,16 @@ def _quantized_tensors(prefix: str, q: QuantizedTensor) -> dict[str, torch.Tenso
     return {f"{prefix}.packed": q.packed, f"{prefix}.scale": q.scale, f"{prefix}.zero": q.zero}
 
 
-def summary_from(prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype) -> KVSummary | QuantizedSummary:
+def summary_from(prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device,
+                 dtype: torch.dtype) -> KVSummary | QuantizedSummary | RaggedSummary:
     """The summary `summary_tensors` described, on `device`, its keys and values (or scales) in `dtype`."""
     positions = tensors[f"{prefix}.positions"]
     log_weights = tensors.get(f"{prefix}.log_weights")
     if meta["eviction_only"]:
         log_weights = None
+    if meta.get("ragged"):
+        return RaggedSummary(tensors[f"{prefix}.keys"], tensors[f"{prefix}.values"], log_weights, positions,
+                             tensors[f"{prefix}.counts"]).to(device, dtype)
     if meta["quantized"]:
         def quantized(name: str, axis: str, dim: int) -> QuantizedTensor:
             return QuantizedTensor(tensors[f"{name}.packed"], tensors[f"{name}.scale"], tensors[f"{name}.zero"], meta["bits"],

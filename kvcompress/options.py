@@ -93,6 +93,7 @@ class CompressionOptions:
         if not isinstance(self.method, str) or self.method not in method_names():
             raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
+        self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
         sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))
         object.__setattr__(self, "sink", sink)
         object.__setattr__(self, "window", window)

@@ -6,12 +6,25 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.integration import generate_ids
+from kvcompress.integration.reconstruction import reconstruct_context
+from kvcompress.methods.registry import get_method_class
+from kvcompress.options import CompressionOptions
 
 from test_integration import ARCHS, _prompt, _reference, tiny
 
 METHODS = kvc.methods()
 MODES = ["prefill", "chunked", "decode"]
 NEW = 8
+
+
+def _refused(method: str, mode: str) -> bool:
+    """True when `method` does not run in `mode` (`Method.modes`: KVzip is prefill-only), after checking that it refuses
+    the mode when its options are built, with an error naming the method and the mode."""
+    if mode in get_method_class(method).modes:
+        return False
+    with pytest.raises(ValueError, match=f"method '{method}' runs in mode .* only, got mode='{mode}'"):
+        CompressionOptions(method=method, mode=mode, budget=8)
+    return True
 
 
 def _within_full(res) -> None:
@@ -23,6 +36,8 @@ def _within_full(res) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_ratio_zero_is_the_full_cache_and_never_stores_more(method, mode):
     """compression_ratio=0: every token held exactly, the greedy answer of plain generate, KV bytes <= the full cache's."""
+    if _refused(method, mode):
+        return
     model = tiny("llama")
     ctx, question = _prompt()
     ref = _reference(model, ctx, question, NEW)
@@ -35,6 +50,8 @@ def test_ratio_zero_is_the_full_cache_and_never_stores_more(method, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", METHODS)
 def test_a_budget_above_the_prompt_is_the_full_cache(method, mode):
+    if _refused(method, mode):
+        return
     model = tiny("llama")
     ctx, question = _prompt()
     res = generate_ids(model, ctx, question, method=method, mode=mode, budget=1000, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
@@ -58,6 +75,8 @@ def test_every_family_holds_the_full_cache_at_ratio_zero(arch, mode):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("budget", [48, 12])
 def test_compressed_caches_never_store_more_than_the_full_cache(method, mode, budget):
+    if _refused(method, mode):
+        return
     model = tiny("llama")
     ctx, question = _prompt(n=300)
     window = 0 if method == "compactor" else 8  # Compactor's attention term streams with no window (its queries come per block)
@@ -70,6 +89,10 @@ def test_compressed_caches_never_store_more_than_the_full_cache(method, mode, bu
 @pytest.mark.parametrize("method", METHODS)
 def test_streams_at_a_budget_above_the_tokens_seen_are_the_exact_input(method):
     """kvc.stream: while the tokens fit the budget, the summary is the input itself, weights 0, every position once."""
+    if _refused(method, "chunked"):  # a prefill-only method has no stream
+        with pytest.raises(ValueError, match="no stream"):
+            kvc.stream(method, budget=300)
+        return
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
     queries = torch.randn(1, 4, 300, 16, generator=g)
@@ -117,7 +140,7 @@ def full_answer(default_model):
 @pytest.mark.parametrize("mode", MODES)
 def test_default_model_every_method_answers_as_the_full_cache_at_ratio_zero(default_model, full_answer, mode):
     model, tokenizer = default_model
-    for method in METHODS:
+    for method in [m for m in METHODS if not _refused(m, mode)]:
         res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method=method, compression_ratio=0.0, mode=mode, max_new_tokens=12, progress=False)
         assert res.token_ids == full_answer.token_ids, (method, mode, res.text)
         _within_full(res)
@@ -130,7 +153,7 @@ def test_default_model_answers_stay_plausible_at_half_compression(default_model,
     """At ratio 0.5 each method's answer is text the full model finds likely (no gibberish), and fits the full cache."""
     model, tokenizer = default_model
     assert _answer_nll(model, tokenizer, full_answer.token_ids) < 1.0
-    for method in METHODS:
+    for method in [m for m in METHODS if not _refused(m, mode)]:
         res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method=method, compression_ratio=0.5, mode=mode, max_new_tokens=12, progress=False)
         nll = _answer_nll(model, tokenizer, res.token_ids)
         assert nll < NLL_MARGIN, (method, mode, res.text, nll)
@@ -151,10 +174,15 @@ def test_default_model_balancekv_streams_find_the_needle_at_half_compression(def
 @pytest.mark.parametrize("method", METHODS)
 def test_ratio_zero_logits_equal_the_full_cache_fed_the_same_blocks(method, mode):
     """Prompt blocks then single tokens through a CompressedCache at a budget covering them all, and through a
-    DynamicCache: the logits at every step agree within float32 rounding."""
+    DynamicCache: the logits at every step agree within float32 rounding. (KVzip's prefill runs with its reconstruction,
+    which gives the context's last logits.)"""
     from transformers import DynamicCache
 
     from kvcompress.integration import use_compressed_attention
+
+    if _refused(method, mode):
+        return
+    reconstructs = get_method_class(method).needs_reconstruction
 
     model = tiny("llama")
     ctx, _ = _prompt(n=120)
@@ -169,7 +197,11 @@ def test_ratio_zero_logits_equal_the_full_cache_fed_the_same_blocks(method, mode
         for i, ids in enumerate(steps):
             if mode == "chunked" and i == len(blocks):
                 cache.absorbing = False
-            compressed = model(ids, past_key_values=cache, use_cache=True).logits
-            reference = model(ids, past_key_values=full, use_cache=True).logits
+            if reconstructs and i == 0:
+                compressed = reconstruct_context(model, cache, ids)[0][:, None]
+                reference = model(ids, past_key_values=full, use_cache=True).logits[:, -1:]
+            else:
+                compressed = model(ids, past_key_values=cache, use_cache=True).logits
+                reference = model(ids, past_key_values=full, use_cache=True).logits
             torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
     assert cache.slots_per_layer() == [ctx.shape[1] + 4] * 2

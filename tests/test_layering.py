@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 
 # Lowest first; a module's layer is the longest matching prefix of its dotted name (without "kvcompress.").
 LAYERS = [
-    ("core", ("summary", "attention", "checks", "quantization")),
+    ("core", ("summary", "attention", "checks", "quantization", "ragged")),
     ("methods", ("methods",)),
     ("api", ("api", "options")),
     ("model support", ("integration.support",)),

@@ -14,6 +14,7 @@ from kvcompress.cache import CompressedCache
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.integration.model import check_context_length, parse_device, parse_dtype
+from kvcompress.integration.reconstruction import reconstruct_context
 from kvcompress.summary import KVSummary, Normalizer, SlotBuffer, concat
 
 cuda = pytest.mark.cuda
@@ -123,15 +124,19 @@ def _compressed(model, method, ctx, ratio=0.75, sink=4, window=16):
     """(logits after the context [vocab], prefill-mode CompressedCache) for `ctx` compressed by `method`."""
     settings = CompressionOptions(method=method, mode="prefill", compression_ratio=ratio, sink=sink, window=window)
     cache = CompressedCache(model, settings)
+    ctx = ctx.to(next(model.parameters()).device)
     with torch.inference_mode(), use_compressed_attention(model):
-        logits = model(ctx.to(next(model.parameters()).device), past_key_values=cache).logits[0, -1]
+        if settings.compressor.needs_reconstruction:  # KVzip: the context's prefill with its reconstruction forward
+            return reconstruct_context(model, cache, ctx)[0][0], cache
+        logits = model(ctx, past_key_values=cache).logits[0, -1]
     return logits, cache
 
 
 def _as_dtype(cache, dtype, device="cpu"):
-    """The same compressed state in another dtype and device (so both decode over the same slots)."""
+    """The same compressed state in another dtype and device (so both decode over the same slots): front and tail (a ragged
+    front keeps its window in the tail) as one buffer."""
     for layer in cache.layers:
-        layer.front = SlotBuffer(layer.front.summary().to(dtype, device))
+        layer.front, layer.tail = SlotBuffer(layer.stored().to(dtype, device)), None
         layer.dtype, layer.device = dtype, torch.device(device)
     return cache
 

@@ -6,8 +6,8 @@ owner (named beside it), so a change there fails the tests until it is made here
 """
 
 # kvcompress.methods.registry.method_names(): every registered method
-METHODS = ("balancekv", "clustergen", "compactor", "expected_attention", "express", "h2o", "hybrid", "keydiff", "knorm", "pyramidkv",
-           "random", "snapkv", "streamingllm", "subgen", "tova")
+METHODS = ("adakv", "balancekv", "clustergen", "compactor", "expected_attention", "express", "h2o", "hybrid", "keydiff", "knorm",
+           "kvzip", "pyramidkv", "random", "snapkv", "streamingllm", "subgen", "tova")
 DEFAULT_METHOD = "snapkv"  # kvcompress.options.DEFAULT_METHOD
 MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
 DEFAULT_CHUNK_SIZE = 128  # kvcompress.options.DEFAULT_CHUNK_SIZE

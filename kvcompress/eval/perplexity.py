@@ -78,6 +78,7 @@ from ..checks import as_count, describe
 from ..integration import use_compressed_attention
 from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length
+from ..integration.reconstruction import reconstruct_context
 from ..methods.registry import method_names
 from .capture import prose_paragraphs
 from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results, stream_budget
@@ -240,8 +241,11 @@ def _continuation(model, ids, n_context, method, compression_ratio, budget, mode
         else:
             cache = CompressedCache(model, method, compression_ratio=compression_ratio, budget=budget, mode=mode, seed=seed)
         context = ids[:, :n_context]
-        for part in context.split(chunk_size, 1) if streamed else [context]:
-            logits = _logits(model, part, cache, last_only=True)
+        if method is not None and cache.options.compressor.needs_reconstruction:  # KVzip: prefill, then its reconstruction
+            logits = reconstruct_context(model, cache, context)[0][:, None]
+        else:
+            for part in context.split(chunk_size, 1) if streamed else [context]:
+                logits = _logits(model, part, cache, last_only=True)
         if method is not None and mode == "chunked":
             cache.absorbing = False  # the stream is compacted to its budget; the continuation stays exact
         nll = [_token_nll(logits, ids[:, n_context : n_context + 1])]

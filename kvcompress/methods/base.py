@@ -4,7 +4,8 @@ docs/design.md, "Two shapes of compressor" and "Streams hold tokens exactly unti
 
 A method is a dataclass whose fields are its parameters. It sees only the compressible middle of
 a layer (sink and window are handled here, the same way for every method) as a `Tokens` bundle,
-and must honour `budget`: at most `budget` slots per head in what it returns.
+and must honour `budget`: at most `budget` slots per head in what it returns (a method with
+`adaptive_heads`, AdaKV: H_kv·budget slots per batch row in all, shared out unevenly among the heads).
 
 - One-shot: `Method.compress(tokens, budget, generator) -> KVSummary`.
 - Streaming: `Method.new_stream(budget, generator, slack) -> StreamState` with `absorb(tokens)`,
@@ -79,6 +80,13 @@ class Method:
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
     stream_recompresses: ClassVar[bool] = True  # False: the native stream never holds more than budget (no slack)
+    # True: `budget` is the mean over a layer's KV heads (H_kv·budget slots per batch row, shared out among the heads,
+    # one head keeping up to every token; AdaKV), not a bound on each head
+    adaptive_heads: ClassVar[bool] = False
+    modes: ClassVar[tuple[str, ...]] = ("prefill", "chunked", "decode")  # the cache modes it runs in (`check_mode`)
+    # True: scores with the queries of a forward that reconstructs the context after its prefill (KVzip), which
+    # the model integration runs (`integration.reconstruction`); a plain forward's own queries are refused
+    needs_reconstruction: ClassVar[bool] = False
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         """One-shot: summarise `tokens` in at most `budget` slots per head (this default runs the method's stream once over them)."""
@@ -113,6 +121,11 @@ class Method:
         if summary.normalizer is not None or not bool((summary.log_weights == 0).all()):
             return None
         return positions_index(tokens.positions, summary.positions)
+
+    def check_mode(self, mode: str) -> None:
+        """Raise a clear error when the method cannot run in cache mode `mode` (not among `modes`)."""
+        if mode not in self.modes:
+            raise ValueError(f"method {self.name!r} runs in mode {' or '.join(map(repr, self.modes))} only, got mode={mode!r}")
 
     def check_inputs(self, tokens: Tokens) -> None:
         """Raise a clear error when the method's required inputs are missing."""

@@ -159,6 +159,9 @@ class Hybrid(Method):
         coreset_defaults = _EXPRESS_CORESET_PARAMS if self.coreset == "express" else {}
         self.coreset_method = build_method(self.coreset, **{**coreset_defaults, **(self.coreset_params or {})})
         parts = [*self.score_methods, self.coreset_method]
+        for method in parts:
+            if method.needs_reconstruction:  # its queries come from a forward only the model integration runs for it alone
+                raise ValueError(f"method {method.name!r} scores with its own reconstruction forward: it cannot be a part of the hybrid")
         self.needs_queries = any(m.needs_queries for m in parts)
         self.needs_pre_rope_keys = any(m.needs_pre_rope_keys for m in parts)
 

@@ -35,6 +35,9 @@ class Tokens:
     unrotate: a function (keys [B,H_kv,m,d], positions [B,H_kv,m]) -> pre-RoPE keys, given by a cache
     that can invert its model's rotation; a stream then stores no pre-RoPE keys and `pre_rope()`
     computes them when a method needs them.
+    extra_lse [B,H_q,n_q] float32 or None: per query, the log of Σ exp(s<q,k>) over keys it also
+    attends to that are neither these tokens nor `exact_keys` (KVzip's reconstruction forward: the
+    queries' own causal keys), so a method's softmax normaliser includes them (None: no such keys).
     """
 
     keys: torch.Tensor
@@ -50,6 +53,7 @@ class Tokens:
     exact_positions: torch.Tensor | None = None
     attention_mass: torch.Tensor | None = None
     unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    extra_lse: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

@@ -24,7 +24,8 @@ def natively_streaming(method: str) -> bool:
     from ...methods.base import Method
     from ...methods.registry import get_method_class
 
-    return get_method_class(method).new_stream is not Method.new_stream
+    cls = get_method_class(method)
+    return cls.new_stream is not Method.new_stream and "chunked" in cls.modes  # KVzip's new_stream only refuses
 
 
 def method_inputs(method: str, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -91,6 +92,13 @@ def _timing_row(shape: Shape, n: int, method: str, kind: str, times: list[float]
     return row
 
 
+def _streams(method: str) -> bool:
+    """Whether the method has a stream (a prefill-only method, KVzip, has none)."""
+    from ...methods.registry import get_method_class
+
+    return "chunked" in get_method_class(method).modes
+
+
 def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median}
     for config's methods, shapes and sizes.
@@ -106,7 +114,7 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
     jobs = []
     for method in config.methods:
         jobs.append((method, "compress"))
-        if config.stream == "all" or (config.stream == "native" and natively_streaming(method)):
+        if (config.stream == "all" and _streams(method)) or (config.stream == "native" and natively_streaming(method)):
             jobs.append((method, "stream"))
     rows: list[dict] = []
     for shape in config.shapes:

@@ -1,0 +1,159 @@
+"""KVzip's context reconstruction: the forward that scores a prefilled context (`methods/kvzip.py`).
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv:2505.23416;
+docs/design.md, "KVzip: scoring by reconstruction".
+
+`reconstruct_context(model, cache, context_ids)` fills a fresh prefill-mode `CompressedCache`:
+1. the context is prefilled once into a transient `DynamicCache` (every layer's post-RoPE keys
+   and values, the last position's logits);
+2. the context is fed back in chunks of the method's `reconstruction_chunk_size` tokens, each forward over
+   [repeat instruction + chunk] with the whole context cache in place (positions continue after
+   the context); the cache is cropped back to the context after each chunk, so each chunk's
+   queries see the context and their own forward only. A temporary attention function records,
+   for every compressed layer, the post-RoPE queries of the chunk's tokens and the log-sum-exp of
+   their scores over their own forward's causal keys (`methods.kvzip.own_lse`), and computes the
+   attention exactly as the model's own (SDPA with the model's masks);
+3. each layer is compressed from the context's keys and values with those queries
+   (`CompressedLayer.load_prefill(..., extra_lse=...)`); sliding-window layers keep their window.
+
+The reconstruction forwards' time is compression time: it is added to the compressed layers'
+`LayerStats.compress_seconds` (so `cache.compress_seconds()` and `GenerationResult.compress_seconds`
+count it), besides the layers' own scoring and selection. What it costs is returned as
+`ReconstructionStats`. Soft-capped attention (Gemma 2) is refused: KVzip's scores are plain
+softmax probabilities. One unpadded batch (every row the same length); a padded batch is refused
+by the caller (`kvc.generate`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import CompressedCache, CompressedLayer
+from ..checks import describe
+from ..methods.kvzip import own_lse
+from .attention import exact_attention_with_mask
+from .model import build_prompt
+from .support import attention_scales
+
+REPEAT_INSTRUCTION = "Repeat the previous context exactly."
+_RECONSTRUCT_IMPL = "kvcompress_reconstruct"
+
+
+@dataclass
+class ReconstructionStats:
+    """What one context's reconstruction cost: the chunk forwards run, the tokens they fed (instruction
+    included), their seconds (counted as compression time), and the largest transient KV bytes the
+    reconstruction's DynamicCache held (context + instruction + one chunk, every layer): a working
+    buffer freed once the layers are compressed, not part of the compressed cache's bytes."""
+
+    forwards: int
+    tokens: int
+    seconds: float
+    peak_kv_bytes: int
+
+
+def repeat_prompt_ids(tokenizer, instruction: str = REPEAT_INSTRUCTION) -> torch.Tensor:
+    """[1, m]: the ids that follow a context (`build_prompt`'s context part) to ask for its repetition: the
+    instruction as a question after a blank line, then the end of the user turn and the assistant header
+    through the tokenizer's chat template (the plain text where it has none)."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"instruction must be a non-empty str, got {instruction!r}")
+    return build_prompt(tokenizer, "", instruction, layout="blank_line")[1]
+
+
+class _Recorder:
+    """The attention function of the reconstruction forwards: exact attention, and for each compressed layer of
+    a chunk forward the chunk's queries and their own keys' log-sum-exp."""
+
+    def __init__(self, layers: set[int]):
+        self.layers = layers
+        self.context = 0  # tokens of the context in the cache before the forward
+        self.offset: int | None = None  # instruction tokens before the chunk's tokens; None: the context's own forward
+        self.queries: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+        self.lse: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        softcap = kwargs.pop("softcap", None)
+        if softcap is not None:
+            raise ValueError("method 'kvzip' scores with plain softmax attention; this model soft-caps its attention logits "
+                             "(Gemma 2), which KVzip's scores do not model: use another method")
+        if self.offset is not None and module.layer_idx in self.layers:
+            own = key[:, :, self.context :]
+            chunk_queries = query[:, :, self.offset :]
+            self.queries[module.layer_idx].append(chunk_queries)
+            self.lse[module.layer_idx].append(own_lse(chunk_queries, own, scaling, self.offset))
+        return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+
+
+def _kv_bytes(cache) -> int:
+    return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers if layer.is_initialized)
+
+
+def _check(cache, context_ids, prefix_ids) -> None:
+    if not isinstance(cache, CompressedCache) or cache.options.mode != "prefill" or cache.get_seq_length():
+        raise ValueError(f"reconstruct_context fills a fresh prefill-mode CompressedCache, got {cache!r}")
+    if not cache.options.compressor.needs_reconstruction:
+        raise ValueError(f"method {cache.options.method!r} does not score with a reconstruction forward (only e.g. 'kvzip' does)")
+    for name, ids, least in (("context_ids", context_ids, 1), ("prefix_ids", prefix_ids, 0)):
+        if ids is None and name == "prefix_ids":
+            continue
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] < least or ids.is_floating_point():
+            raise ValueError(f"{name} must be an integer tensor [B, n] with n >= {least}, got {describe(ids)}")
+    if prefix_ids is not None and prefix_ids.shape[0] not in (1, context_ids.shape[0]):
+        raise ValueError(f"prefix_ids must have 1 row or the context's {context_ids.shape[0]}, got {prefix_ids.shape[0]}")
+
+
+@torch.inference_mode()
+def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor,
+                        prefix_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ReconstructionStats]:
+    """Prefill context_ids [B, n] (unpadded) and compress every layer of the fresh prefill-mode `cache` with KVzip's
+    reconstruction (module docstring); -> (the context's last logits [B, V], `ReconstructionStats`).
+
+    prefix_ids [1 or B, m]: the repeat instruction placed before each chunk of the repeated context
+    (`repeat_prompt_ids`); None: the context is repeated with no instruction. The cache's layers end up
+    holding the compressed context at positions 0..n-1, as after any prefill-mode compression.
+    """
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    _check(cache, context_ids, prefix_ids)
+    device = next(model.parameters()).device
+    context_ids = context_ids.to(device)
+    rows, n = context_ids.shape
+    prefix = (prefix_ids if prefix_ids is not None else context_ids[:, :0]).to(device).expand(rows, -1)
+    chunk_size = getattr(cache.options.compressor, "reconstruction_chunk_size", n)
+    recorder = _Recorder({i for i, layer in enumerate(cache.layers) if isinstance(layer, CompressedLayer)})
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    AttentionInterface.register(_RECONSTRUCT_IMPL, recorder)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_RECONSTRUCT_IMPL, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(_RECONSTRUCT_IMPL)
+    try:
+        past = DynamicCache()
+        logits = model(context_ids, past_key_values=past, use_cache=True, **extra).logits[:, -1]
+        context_kv = [(layer.keys, layer.values) for layer in past.layers]
+        recorder.context, recorder.offset = n, prefix.shape[1]
+        start, forwards, peak = time.perf_counter(), 0, _kv_bytes(past)
+        for chunk in context_ids.split(chunk_size, dim=1):
+            model(torch.cat([prefix, chunk], 1), past_key_values=past, use_cache=True, **extra)
+            peak = max(peak, _kv_bytes(past))
+            past.crop(n - past.get_seq_length())  # back to the context (a negative count removes the chunk's tokens)
+            forwards += 1
+        seconds = time.perf_counter() - start
+    finally:
+        model.set_attn_implementation(previous)
+    del past
+    scales = attention_scales(model)
+    for i, layer in enumerate(cache.layers):
+        keys, values = context_kv[i]
+        if i in recorder.layers:
+            queries, lse = torch.cat(recorder.queries.pop(i), 2), torch.cat(recorder.lse.pop(i), 2)
+            layer.load_prefill(queries, keys, values, scales[i], extra_lse=lse)
+            layer.stats.compress_seconds += seconds / len(recorder.layers)  # the reconstruction forwards are compression work
+        else:
+            layer.load_prefill(None, keys, values, scales[i])
+    return logits, ReconstructionStats(forwards, n + forwards * prefix.shape[1], seconds, peak)

@@ -1,0 +1,193 @@
+"""AdaKV: one budget per layer, shared out among its KV heads by their scores.
+
+Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
+Inference", arXiv:2407.11550.
+
+A score method keeps the top `budget` tokens of every KV head. The paper observes that heads differ:
+some put almost all their attention on a few tokens, others spread it. With the same total of
+H_kv·budget slots per layer (per batch row), the attention lost to eviction is smaller when the
+heads that spread their attention keep more and the concentrated ones fewer. AdaKV therefore ranks
+the scores of all the layer's heads together and keeps the H_kv·budget highest (the paper's
+Alg. 1, a top-k over the concatenated, softmax-normalised scores of every head), with the safeguard
+of its Sec. 4.3: each head first keeps its own top floor(alpha_safeguard·budget) tokens, and only the
+rest of the layer's total goes to the highest remaining scores, wherever they are.
+
+Scores must be comparable across heads for the joint top-k to mean anything. SnapKV's (the default
+scorer, the paper's Ada-SnapKV) are attention probabilities: each observation query's softmax over
+every key sums to 1, so a head whose attention sits on the sink or the window has little mass
+left for the middle and is given fewer slots, as in the paper. A scorer on another scale (key norms,
+similarities) can be normalised per head first (`normalize="softmax"`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from ..summary import KVSummary, take_slots
+from .base import BlockwiseState, Method, ScoreMethod, first_true
+from .registry import build_method, get_method_class, method_names, register
+from .tokens import Tokens
+
+NORMALIZATIONS = ("none", "softmax")
+# Method flags an instance takes from its scorer: the inputs it needs, whether it draws random numbers, the modes it runs in
+_FROM_SCORER = ("needs_queries", "needs_pre_rope_keys", "needs_attention_mass", "needs_reconstruction", "randomized", "modes")
+
+
+def score_method_names() -> list[str]:
+    """The registered methods AdaKV can take its scores from: those with a `score` (score-then-top-k methods)."""
+    return [name for name in method_names() if issubclass(get_method_class(name), ScoreMethod)]
+
+
+def head_allocation(scores: torch.Tensor, budget: int, safeguard: int) -> torch.Tensor:
+    """kept [B, H, n] bool: H·budget tokens per batch row (all n when n <= budget), shared out among the heads.
+
+    scores [B, H, n]: comparable across the heads of a row (higher is kept; -inf: keep only if nothing else is
+    left; NaN counts as -inf). Each head keeps its own top min(safeguard, budget) tokens of finite score; the rest of
+    the row's H·budget slots go to the highest remaining scores over every head together (one top-k over the row).
+    So a head keeps between min(safeguard, its finite scores) and n tokens, and each row exactly H·budget.
+    """
+    b, h, n = scores.shape
+    if n <= budget:
+        return torch.ones(b, h, n, dtype=torch.bool, device=scores.device)
+    s = scores.float().nan_to_num(nan=-math.inf, posinf=torch.finfo(torch.float32).max)
+    priority = s.clone()
+    guaranteed = min(safeguard, budget)
+    if guaranteed > 0:
+        top = s.topk(guaranteed, dim=-1)
+        priority.scatter_(-1, top.indices, torch.where(torch.isfinite(top.values), math.inf, top.values))
+    chosen = priority.reshape(b, h * n).topk(h * budget, dim=-1).indices
+    kept = torch.zeros(b, h * n, dtype=torch.bool, device=scores.device)
+    return kept.scatter_(-1, chosen, True).view(b, h, n)
+
+
+def padded_index(kept: torch.Tensor, priority: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [B, H, m], real [B, H, m]) with m the most tokens any head keeps: the kept tokens of each head in
+    ascending order, then (real False) the fill-up to m. priority None: the fill-up is whichever tokens come
+    first; else the rest of the m slots go to the head's highest `priority`, and everything is in ascending order."""
+    counts = kept.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    if priority is None:
+        index = first_true(kept, width)
+        real = torch.arange(width, device=kept.device) < counts.unsqueeze(-1)
+        return index, real
+    ranked = torch.where(kept, math.inf, priority.float().nan_to_num(nan=-math.inf))
+    index = ranked.topk(width, dim=-1).indices.sort(dim=-1).values
+    return index, kept.gather(-1, index)
+
+
+@register
+@dataclass
+class AdaKV(Method):
+    """Head-adaptive budgets: the top H_kv·budget scores of all the layer's KV heads together are kept (per batch row),
+    every head keeping at least its own top floor(alpha_safeguard·budget) (Ada-KV, arXiv:2407.11550; module docstring).
+
+    scorer: the name of a registered score method (`ScoreMethod`: snapkv (default, the paper's Ada-SnapKV),
+    pyramidkv, h2o, tova, expected_attention, knorm, keydiff, random, streamingllm, ...) whose
+    `score(tokens) -> [B, H_kv, n]` ranks the tokens; only its score is used (a parameter that changes how it
+    keeps tokens rather than how it scores them, e.g. KeyDiff's block_size or PyramidKV's layer budgets, has no
+    effect here). scorer_params: its parameters (a dict, None for its defaults), checked by its own constructor.
+    alpha_safeguard in [0, 1]: the share of `budget` every head keeps of its own (the paper's alpha, 0.2); 1 keeps the
+    scorer's own top `budget` per head (the scorer itself), 0 a free top-k over the layer.
+    normalize: how scores are made comparable across heads before the joint top-k: "none" (as given: right for
+    attention probabilities, SnapKV's, H2O's, TOVA's) or "softmax" (each head's scores replaced by their log-softmax
+    over the head's tokens, for scores on another scale, e.g. Knorm's negative key norms).
+
+    Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
+    H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
+    min(floor(alpha_safeguard·budget), n) and n. The summary is [B, H_kv, m, d] with m the most any head keeps,
+    the shorter heads padded at the end with empty slots (log-weight -inf, position -1, zero keys and values: never
+    attended). Sink and window stay exact around it, as for every method. A cache stores such a summary ragged
+    (`kvcompress.ragged.RaggedSummary`: only the kept slots) in prefill mode and once a chunked prompt ends.
+
+    Streams (chunked and decode modes, `kvc.stream`) run block-wise (`BlockwiseState`) over a rectangular buffer:
+    after a re-compression each head holds m slots, its kept tokens plus, for a head that keeps fewer than m, its
+    next-best tokens filling the rest. Those are not attended (log-weight -inf) and stay candidates at the next
+    re-compression. So a live stream stores m slots per head (never more than the tokens it has taken in), not
+    the ragged total; a decode-mode cache holds its stream to the end.
+    """
+
+    name = "adakv"
+    adaptive_heads = True
+    needs_queries = True  # the default scorer's (SnapKV); an instance takes its scorer's in __post_init__
+    scorer: str = "snapkv"
+    scorer_params: dict | None = None
+    alpha_safeguard: float = 0.2
+    normalize: str = "none"
+
+    def __post_init__(self):
+        accepted = score_method_names()
+        if not isinstance(self.scorer, str) or self.scorer not in accepted:
+            raise ValueError(f"scorer must be the name of a registered score method (one with a score to rank tokens by): one of "
+                             f"{', '.join(accepted)}; got {self.scorer!r}")
+        if self.scorer_params is not None and not isinstance(self.scorer_params, dict):
+            raise ValueError(f"scorer_params must be a dict of {self.scorer!r}'s parameters or None (its defaults), got {self.scorer_params!r}")
+        alpha = self.alpha_safeguard
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha_safeguard must be a number in [0, 1] (the share of the budget every head keeps of its own), "
+                             f"got {alpha!r}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}")
+        self.inner = build_method(self.scorer, **(self.scorer_params or {}))
+        for flag in _FROM_SCORER:  # what the scorer needs and is, AdaKV needs and is
+            if hasattr(self.inner, flag):
+                setattr(self, flag, getattr(self.inner, flag))
+
+    def safeguard(self, budget: int) -> int:
+        """Tokens every head keeps of its own at this budget: floor(alpha_safeguard·budget)."""
+        return math.floor(self.alpha_safeguard * budget + 1e-9)
+
+    def check_inputs(self, tokens: Tokens) -> None:
+        super().check_inputs(tokens)
+        self.inner.check_inputs(tokens)
+
+    def head_scores(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        """[B, H_kv, n] float32: the scorer's scores, made comparable across heads (`normalize`)."""
+        scores = self.inner.score(tokens, generator).float()
+        if self.normalize == "softmax":
+            scores = torch.log_softmax(scores, dim=-1).nan_to_num(nan=-math.inf)
+        return scores
+
+    def allocate(self, tokens: Tokens, budget: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept [B, H_kv, n] bool, the scores it was chosen by [B, H_kv, n]): `head_allocation` of the scorer's scores."""
+        scores = self.head_scores(tokens, generator)
+        return head_allocation(scores, budget, self.safeguard(budget)), scores
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        if tokens.length <= budget:
+            return tokens.exact()
+        kept, _ = self.allocate(tokens, budget, generator)
+        index, real = padded_index(kept)
+        empty = ~real
+        keys = take_slots(tokens.keys, index).masked_fill(empty.unsqueeze(-1), 0)
+        values = take_slots(tokens.values, index).masked_fill(empty.unsqueeze(-1), 0)
+        positions = take_slots(tokens.positions, index).masked_fill(empty, -1)
+        log_weights = torch.zeros(real.shape, device=keys.device).masked_fill(empty, float("-inf"))
+        return KVSummary(keys, values, log_weights, positions)
+
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "AdaptiveBlockwiseState":
+        return AdaptiveBlockwiseState(self, budget, generator, self.stream_slack(slack))
+
+
+class AdaptiveBlockwiseState(BlockwiseState):
+    """`BlockwiseState` for head-adaptive budgets: a re-compression keeps H_kv·budget tokens per batch row
+    (`AdaKV.allocate`) in a buffer of m slots per head, m the most any head keeps; a head that keeps fewer fills its
+    m slots with its next-best tokens, held with log-weight -inf (not attended) and candidates again at the next
+    re-compression. The buffer then waits for ceil(slack·budget) new tokens per head beyond m before re-compressing,
+    and never allocates more slots than the tokens absorbed."""
+
+    def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
+        kept, scores = self.method.allocate(held, self.budget, self.generator)
+        index, real = padded_index(kept, scores)
+        self.log_weights = torch.zeros(real.shape, device=held.keys.device).masked_fill(~real, float("-inf"))
+        return tuple(take_slots(column, index) for column in self.slots.view())
+
+    def summary(self) -> KVSummary | None:
+        summary = super().summary()
+        if summary is None or self.log_weights is None:
+            return summary
+        empty = torch.isneginf(summary.log_weights)
+        return KVSummary(summary.keys, summary.values, summary.log_weights, summary.positions.masked_fill(empty, -1))

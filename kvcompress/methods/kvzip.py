@@ -1,0 +1,155 @@
+"""KVzip: keep the context tokens the model needs to reconstruct the context.
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv:2505.23416.
+
+The idea: once a context is prefilled, the model is asked to repeat it. The forward over that
+repetition (a short repeat instruction, then the context's own tokens again, with the whole
+context cache in place) reads the context through attention; a KV pair that no reconstruction
+query looks at is one the model can do without for any later question, so the score is not tied
+to one question (query-agnostic). Each context KV pair gets the largest attention probability it
+receives from any reconstruction query, over the queries and over the query heads of its KV group;
+the top `budget` per head are kept. Long contexts are reconstructed in chunks (`reconstruction_chunk_size`
+tokens of the context per forward, each forward over [instruction + chunk] with the context cache
+in place), which bounds the forward's memory; each chunk's queries see the context and their own
+forward's keys, not the earlier chunks'.
+
+Contract of `score(tokens)`:
+- tokens.queries [B, H_q, q, d], post-RoPE: the reconstruction queries. Every one of them comes
+  after every context token, so `tokens.query_positions` is ignored (nothing in the context is
+  hidden from them).
+- The softmax normaliser of a query runs over everything it attends to: the context keys
+  (tokens.keys [B, H_kv, n, d] and `tokens.exact_keys`, the sink and window kept beside them), and
+  the reconstruction forward's own causal keys, given as their log-sum-exp per query,
+  `tokens.extra_lse` [B, H_q, q] float32 (`own_lse` computes it; None: the context keys only).
+- Returns [B, H_kv, n] float32: the log of the largest probability (log space: the same order as
+  the probability, and no underflow to ties of 0 for keys far below the top ones).
+Logits are formed in float32 (float16/bfloat16 inputs never see exp outside float32) and the
+normaliser is a log-sum-exp (max-shifted); queries go in chunks of at most `reconstruction_chunk_size` and of
+about `max_logits` scores, so memory does not grow with the number of queries.
+
+At the tensor level (`kvc.compress("kvzip", keys, values, queries, ...)`) the caller's queries ARE
+the reconstruction queries: their own keys are unknown there, so each query's normaliser is the
+context keys only. In a model, `kvc.generate` (mode "prefill") runs the reconstruction forward
+itself (`kvcompress.integration.reconstruction`) and counts its time as compression time. The
+method needs the whole context at once: it runs in mode "prefill" only, and has no stream
+(chunked and decode modes, `kvc.stream`, are refused with an error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import as_count
+from .base import ScoreMethod, StreamState
+from .registry import register
+from .tokens import Tokens
+
+# Largest number of float32 scores formed at once (per call) by `own_lse` and `reconstruction_scores`.
+MAX_LOGITS = 1 << 22
+DEFAULT_CHUNK_SIZE = 2048  # the paper's reconstruction chunk (tokens of the context per forward)
+
+
+def own_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float, offset: int = 0, max_logits: int = MAX_LOGITS) -> torch.Tensor:
+    """[B, H_q, q] float32: log Σ_j exp(scale·<q_i, k_j>) over a forward's own keys, causally.
+
+    queries [B, H_q, q, d] (H_q a multiple of H_kv: query head h reads KV head h // (H_q / H_kv)),
+    keys [B, H_kv, offset + q, d]: query i sees keys 0 .. offset + i (the `offset` keys before the
+    first query, e.g. a repeat instruction, and the queries' own tokens up to itself).
+    """
+    b, hq, nq, d = queries.shape
+    hkv, m = keys.shape[1], keys.shape[2]
+    if m != offset + nq:
+        raise ValueError(f"own_lse: {nq} queries after {offset} earlier keys need {offset + nq} keys, got {m}")
+    group = hq // hkv
+    q = (queries.float() * scale).reshape(b, hkv, group, nq, d)
+    k = keys.float().unsqueeze(2)  # [B, H_kv, 1, m, d]
+    chunk = max(1, max_logits // max(1, b * hq * m))
+    out = []
+    for start in range(0, nq, chunk):
+        stop = min(nq, start + chunk)
+        seen = offset + stop
+        logits = torch.matmul(q[:, :, :, start:stop], k[:, :, :, :seen].transpose(-1, -2))  # [B, H_kv, group, c, seen]
+        hidden = torch.arange(seen, device=keys.device)[None, :] > offset + torch.arange(start, stop, device=keys.device)[:, None]
+        out.append(logits.masked_fill_(hidden, float("-inf")).logsumexp(-1))
+    return torch.cat(out, dim=3).reshape(b, hq, nq)
+
+
+def reconstruction_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    exact_keys: torch.Tensor | None = None,
+    extra_lse: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_logits: int = MAX_LOGITS,
+) -> torch.Tensor:
+    """[B, H_kv, n] float32: log max over queries and group heads of softmax(scale·<q, k>) on each key of `keys`.
+
+    queries [B, H_q, q, d] see every key; the normaliser of each query is over keys [B, H_kv, n, d],
+    exact_keys [B, H_kv, m, d] (None: none) and the keys behind extra_lse [B, H_q, q] (their
+    log-sum-exp; None: none). Float32 logits, log-sum-exp normaliser, queries in chunks.
+    """
+    b, hq, nq, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    k = keys.float()
+    ex = exact_keys.float() if exact_keys is not None and exact_keys.shape[2] else None
+    width = n + (ex.shape[2] if ex is not None else 0)
+    q = (queries.float() * scale).reshape(b, hkv, group, nq, d)
+    lse_extra = extra_lse.float().reshape(b, hkv, group, nq) if extra_lse is not None else None
+    chunk = max(1, min(chunk_size, max_logits // max(1, b * hq * width)))
+    best = torch.full((b, hkv, n), float("-inf"), device=keys.device)
+    for start in range(0, nq, chunk):
+        stop = min(nq, start + chunk)
+        rows = q[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
+        logits = torch.matmul(rows, k.transpose(-1, -2))  # [B, H_kv, rows, n]
+        lse = logits.logsumexp(-1)
+        if ex is not None:
+            lse = torch.logaddexp(lse, torch.matmul(rows, ex.transpose(-1, -2)).logsumexp(-1))
+        if lse_extra is not None:
+            lse = torch.logaddexp(lse, lse_extra[:, :, :, start:stop].reshape(b, hkv, -1))
+        best = torch.maximum(best, (logits - lse.unsqueeze(-1)).amax(-2))
+    return best
+
+
+@register
+@dataclass
+class KVzip(ScoreMethod):
+    """Keep the tokens the context's reconstruction attends to most: each token's score is the largest
+    attention probability any reconstruction query gives it (max over queries and the query heads of its
+    KV group), normalised over the context and the reconstruction's own causal keys (module docstring).
+
+    reconstruction_chunk_size: tokens of the context reconstructed per forward in a model (the paper's 2k); the
+    scoring also takes at most this many queries at a time. Runs in mode "prefill" only.
+    """
+
+    name = "kvzip"
+    needs_queries = True
+    needs_reconstruction = True
+    modes = ("prefill",)
+    default_sink = 4
+    default_window = 0  # the reconstruction scores every context token; no exact window is needed
+    reconstruction_chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def __post_init__(self):
+        self.reconstruction_chunk_size = as_count("reconstruction_chunk_size", self.reconstruction_chunk_size, 1)
+
+    def check_mode(self, mode: str) -> None:
+        if mode not in self.modes:
+            raise ValueError(
+                f"method 'kvzip' runs in mode 'prefill' only, got mode={mode!r}: KVzip scores the context by reconstructing it "
+                "whole after its prefill (query-agnostic context reconstruction), which a stream of blocks ('chunked', 'decode') "
+                "never has; use mode='prefill'"
+            )
+
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> StreamState:
+        raise ValueError(
+            "method 'kvzip' has no stream: it scores the whole context with the queries of its reconstruction, run once after "
+            "the context's prefill; use kvc.compress (with the reconstruction queries) or mode='prefill'"
+        )
+
+    def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        return reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys, tokens.extra_lse,
+                                     self.reconstruction_chunk_size)

@@ -1,0 +1,294 @@
+"""AdaKV (arXiv:2407.11550): head-adaptive budgets over an inner score method, and the ragged storage that keeps
+only what each head keeps (docs/design.md, "Memory")."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cache import CompressedCache
+from kvcompress.integration import answer_from_cache_ids, compress_context_ids, generate_ids, use_compressed_attention
+from kvcompress.methods.adakv import AdaKV, head_allocation
+from kvcompress.methods.registry import build_method
+from kvcompress.quantization import QuantizedSummary
+from kvcompress.ragged import RaggedSummary, has_empty_slots
+from kvcompress.summary import KVSummary, Normalizer
+
+from test_integration import _prompt, tiny
+
+NEW = 8
+
+
+def _layer(b=2, h=4, n=120, d=16, seed=0, group=2):
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+    keys[:, 1] *= 4  # one head with sharper attention
+    return keys, values, torch.randn(b, h * group, n, d, generator=g)
+
+
+def _middle_counts(summary, exact):
+    return torch.isfinite(summary.log_weights).sum(-1) - exact
+
+
+@pytest.mark.parametrize("budget", [1, 7, 20, 33])
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+def test_each_row_keeps_exactly_heads_times_budget(budget, alpha):
+    g = torch.Generator().manual_seed(budget)
+    scores = torch.rand(3, 4, 50, generator=g) ** 4
+    kept = head_allocation(scores, budget, math.floor(alpha * budget))
+    assert (kept.sum((-1, -2)) == 4 * budget).all()
+    keys, values, queries = _layer()
+    s = kvc.compress("adakv", keys, values, queries, budget=budget, sink=2, window=4, alpha_safeguard=alpha)
+    assert (_middle_counts(s, 6).sum(-1) == 4 * budget).all()
+    assert s.num_slots == 6 + int(_middle_counts(s, 6).max())
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.6])
+def test_every_head_keeps_its_own_top_share(alpha):
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(2, 3, 80, generator=g)
+    scores[:, 0] *= 100  # head 0 would take everything without the safeguard
+    budget = 20
+    safe = math.floor(alpha * budget)
+    kept = head_allocation(scores, budget, safe)
+    assert (kept.sum(-1) >= safe).all()
+    if safe:
+        own_top = scores.topk(safe, dim=-1).indices
+        assert kept.gather(-1, own_top).all()
+    if alpha == 0.0:
+        assert (kept[:, 1:].sum(-1) == 0).all() and (kept[:, 0].sum(-1) == 3 * budget).all()
+
+
+def test_alpha_one_and_identical_heads_are_the_scorer_itself():
+    """With every head's scores the same (or every head guaranteed its whole budget), AdaKV keeps the scorer's own
+    per-head top budget."""
+    keys, values, queries = _layer(b=1)
+    args = dict(budget=16, sink=2, window=4)
+    snap = kvc.compress("snapkv", keys, values, queries, **args)
+    assert torch.equal(kvc.compress("adakv", keys, values, queries, alpha_safeguard=1.0, **args).positions, snap.positions)
+    same = (keys[:, :1].expand_as(keys).contiguous(), values[:, :1].expand_as(values).contiguous(),
+            queries[:, :2].repeat(1, 4, 1, 1))
+    ada = kvc.compress("adakv", *same, alpha_safeguard=0.0, **args)
+    assert ada.num_slots == snap.num_slots and bool((ada.log_weights == 0).all())
+    assert torch.equal(ada.positions, kvc.compress("snapkv", *same, **args).positions)
+    for scorer in ("knorm", "keydiff"):
+        sk = kvc.compress(scorer, *same, **args)
+        assert torch.equal(kvc.compress("adakv", *same, scorer=scorer, **args).positions, sk.positions)
+
+
+def test_spread_heads_get_more_slots_than_concentrated_ones():
+    """Head 0's observation queries attend to a handful of tokens, head 1's spread evenly: head 1 keeps more."""
+    n, d = 100, 16
+    g = torch.Generator().manual_seed(2)
+    direction = torch.randn(d, generator=g)
+    keys = torch.zeros(1, 2, n, d)
+    keys[0, 0] = 0.1 * torch.randn(n, d, generator=g)
+    keys[0, 0, [10, 40, 70]] = 8 * direction  # three tokens take head 0's attention
+    queries = torch.zeros(1, 2, n, d)
+    queries[0, 0] = direction  # head 1's queries are 0: uniform attention over its keys
+    values = torch.randn(1, 2, n, d, generator=g)
+    # no pooling: SnapKV's pooling spreads each of head 0's three peaks over 7 neighbours
+    s = kvc.compress("adakv", keys, values, queries, budget=20, sink=0, window=0, scorer_params={"kernel_size": 1})
+    counts = _middle_counts(s, 0)[0]
+    assert counts.sum() == 40 and counts[1] > 20 > counts[0] >= math.floor(0.2 * 20)
+    assert {10, 40, 70} <= set(s.positions[0, 0][: int(counts[0])].tolist())
+
+
+def test_the_summary_pads_short_heads_with_empty_slots_at_the_end():
+    keys, values, queries = _layer(b=1, n=90)
+    s = kvc.compress("adakv", keys, values, queries, budget=12, sink=0, window=0)
+    counts = _middle_counts(s, 0)[0]
+    assert len(set(counts.tolist())) > 1
+    for head, c in enumerate(counts.tolist()):
+        assert (s.log_weights[0, head, :c] == 0).all() and torch.isneginf(s.log_weights[0, head, c:]).all()
+        assert (s.positions[0, head, c:] == -1).all() and (s.keys[0, head, c:] == 0).all()
+        assert (s.positions[0, head, :c].diff() > 0).all()
+    out = kvc.weighted_attention(queries[:, :, -4:], s)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_with_large_keys_stays_finite(dtype):
+    keys, values, queries = _layer(b=1)
+    keys, values, queries = (keys * 300).to(dtype), values.to(dtype), queries.to(dtype)
+    for normalize in ("none", "softmax"):
+        s = kvc.compress("adakv", keys, values, queries, budget=10, sink=2, window=4, normalize=normalize)
+        assert (_middle_counts(s, 6).sum(-1) == 40).all() and s.keys.dtype == dtype
+        assert torch.isfinite(kvc.weighted_attention(queries, s)).all()
+
+
+def test_streams_keep_heads_times_budget_and_never_allocate_more_than_they_took_in():
+    keys, values, queries = _layer(b=1, n=200)
+    st = kvc.stream("adakv", budget=16, sink=2, window=4)
+    for start in range(0, 200, 23):
+        stop = min(200, start + 23)
+        st.update(keys[:, :, start:stop], values[:, :, start:stop], queries[:, :, start:stop])
+        assert st.state.slots.kv_bytes() <= 2 * 4 * max(st.seen - 6, 0) * 16 * 4
+    st.compact()
+    s = st.summary()
+    assert (_middle_counts(s, 6).sum(-1) == 4 * 16).all()
+    assert torch.equal(torch.isneginf(s.log_weights), s.positions == -1)
+
+
+def test_bad_parameters_are_refused_clearly():
+    with pytest.raises(ValueError, match=r"scorer must be the name of a registered score method.*snapkv.*got 'balancekv'"):
+        build_method("adakv", scorer="balancekv")
+    for bad in ("adakv", "nope", 3):
+        with pytest.raises(ValueError, match="scorer must be"):
+            build_method("adakv", scorer=bad)
+    for bad in (-0.1, 1.5, True, "0.2", float("nan")):
+        with pytest.raises(ValueError, match=r"alpha_safeguard must be a number in \[0, 1\]"):
+            build_method("adakv", alpha_safeguard=bad)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        build_method("adakv", normalize="sum")
+    with pytest.raises(ValueError, match="scorer_params must be a dict"):
+        build_method("adakv", scorer_params="fast")
+    with pytest.raises(ValueError, match="no parameter"):
+        build_method("adakv", scorer="snapkv", scorer_params={"nope": 1})
+    with pytest.raises(ValueError, match="scores tokens with queries"):
+        kvc.compress("adakv", *_layer()[:2], budget=8)
+    m = build_method("adakv", scorer="random")
+    assert m.randomized and not m.needs_queries and isinstance(m, AdaKV)
+
+
+def test_ragged_summary_packs_unpacks_and_selects_rows():
+    keys, values, queries = _layer(b=3, n=90)
+    s = kvc.compress("adakv", keys, values, queries, budget=12, sink=2, window=0)
+    assert has_empty_slots(s) and not has_empty_slots(kvc.compress("snapkv", keys, values, queries, budget=12, sink=2, window=0))
+    r = RaggedSummary.of(s)
+    counts = torch.isfinite(s.log_weights).sum(-1)
+    assert torch.equal(r.counts, counts.int()) and r.keys.shape == (int(counts.sum()), 16) and r.log_weights is None
+    assert r.nbytes() == int(counts.sum()) * 2 * 16 * 4 + 3 * 4 * 4 and r.nbytes() < s.nbytes()
+    u = r.summary()
+    for t in ("keys", "values", "log_weights", "positions"):
+        assert torch.equal(getattr(u, t), getattr(s, t)), t  # the compressed summary already has its padding at the end
+    torch.testing.assert_close(kvc.weighted_attention(queries, u), kvc.weighted_attention(queries, s))
+    rows = torch.tensor([2, 0, 2])
+    picked = r.select_rows(rows).summary()
+    width = picked.num_slots
+    for i, row in enumerate(rows.tolist()):
+        assert torch.equal(picked.positions[i, :, : u.num_slots][:, :width], u.positions[row][:, :width])
+        assert torch.equal(picked.keys[i], u.keys[row][:, :width])
+    half = r.to("cpu", torch.bfloat16)
+    assert half.keys.dtype == torch.bfloat16 and half.positions.dtype == torch.int32
+    weighted = KVSummary(s.keys, s.values, s.log_weights.masked_fill(s.log_weights == 0, 0.5), s.positions)
+    assert torch.equal(RaggedSummary.of(weighted).summary().log_weights, weighted.log_weights)
+    even = RaggedSummary.of(kvc.compress("snapkv", keys, values, queries, budget=12, sink=2, window=0))
+    assert even.eviction_only and even.summary().eviction_only
+    with pytest.raises(ValueError, match="normalizer"):
+        RaggedSummary.of(KVSummary(s.keys, s.values, s.log_weights, s.positions, Normalizer(s.keys, s.log_weights, s.positions)))
+
+
+def _compressed_cache(model, ctx, mode, **kw):
+    options = dict(method="adakv", budget=24, sink=2, window=8, mode=mode, chunk_size=32, **kw)
+    return compress_context_ids(model, ctx, **options), options
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+def test_a_cache_stores_only_the_slots_each_head_keeps(mode):
+    """Stored bytes = (sink + kept middle slots, summed over heads) x bytes per slot + 4 bytes per head (the counts),
+    plus the exact window; strictly less than the longest head times the heads; and the layer keeps H_kv·budget."""
+    model = tiny()
+    ctx, _ = _prompt(n=300)
+    cache, _ = _compressed_cache(model, ctx, mode)
+    slot_bytes = 2 * 16 * 4  # a key and a value, head_dim 16, float32
+    ragged = 0
+    for layer in cache.layers:
+        counts = torch.isfinite(layer.stored().log_weights).sum(-1)[0] - 8
+        assert int(counts.sum()) == 2 * (2 + 24)  # 2 KV heads: sink + middle each, the middle shared out
+        if len(set(counts.tolist())) == 1:  # heads that happen to keep as many: stored as any other method's
+            assert not isinstance(layer.front, RaggedSummary)
+            continue
+        ragged += 1
+        front, tail = layer.front, layer.tail
+        assert isinstance(front, RaggedSummary) and torch.equal(front.counts[0], counts.int())
+        assert front.nbytes() == int(counts.sum()) * slot_bytes + counts.numel() * 4
+        assert front.nbytes() < int(counts.max()) * counts.numel() * slot_bytes
+        assert tail.num_slots == 8 and tail.nbytes() == 2 * 8 * slot_bytes
+        assert layer.nbytes() == front.nbytes() + tail.nbytes()
+    assert ragged and cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+def test_save_and_load_answer_as_the_live_cache(tmp_path, mode):
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    cache, options = _compressed_cache(model, ctx, mode)
+    reference = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
+    cache.save(tmp_path / "ada.kvc")
+    loaded = kvc.load_cache(tmp_path / "ada.kvc", model)
+    assert any(isinstance(layer.front, RaggedSummary) for layer in loaded.layers)
+    for mine, theirs in zip(cache.layers, loaded.layers):
+        if isinstance(mine.front, RaggedSummary):
+            assert isinstance(theirs.front, RaggedSummary)
+            for name in ("keys", "values", "positions", "counts"):
+                assert torch.equal(getattr(mine.front, name), getattr(theirs.front, name)), name
+            assert theirs.nbytes() == mine.nbytes()
+        for name in ("keys", "values", "positions", "log_weights"):
+            assert torch.equal(getattr(mine.stored(), name), getattr(theirs.stored(), name)), name
+    (here,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=NEW, stop_at_eos=False)
+    (there,) = answer_from_cache_ids(model, loaded, [question], max_new_tokens=NEW, stop_at_eos=False)
+    assert here.token_ids == there.token_ids == reference.token_ids
+
+
+def test_quantized_storage_quantizes_the_padded_front():
+    """With kv_bits the front is a QuantizedSummary of the padded summary (empty slots set no group's range), the
+    window the exact tail: nothing is lost, and the answer at 8 bits starts as at full precision."""
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    cache, options = _compressed_cache(model, ctx, "prefill", kv_bits=8)
+    layer = cache.layers[0]
+    assert isinstance(layer.front, QuantizedSummary)
+    assert int(torch.isfinite(layer.front.summary().log_weights).sum()) == 2 * (2 + 24)
+    full = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **{**options, "kv_bits": None})
+    quantized = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
+    assert quantized.token_ids[:4] == full.token_ids[:4] and quantized.kv_bytes < full.kv_bytes
+
+
+def test_beam_search_reorders_a_ragged_cache():
+    model = tiny()
+    ctx, _ = _prompt(n=120)
+    cache = CompressedCache(model, "adakv", budget=30, sink=2, window=8)
+    out = model.generate(ctx, past_key_values=cache, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert out.shape == (1, 126) and isinstance(cache.layers[0].front, RaggedSummary)
+    assert cache.layers[0].front.counts.shape[0] == 3
+
+
+def test_decode_after_a_ragged_front_matches_attention_over_the_padded_summary():
+    """The ragged front answers as the padded summary would: decode logits over both agree."""
+    model = tiny()
+    ctx, _ = _prompt(n=200)
+    cache = CompressedCache(model, "adakv", budget=20, sink=2, window=8)
+    with torch.inference_mode(), use_compressed_attention(model):
+        model(ctx, past_key_values=cache)
+        padded = CompressedCache(model, "adakv", budget=20, sink=2, window=8)
+        assert any(isinstance(layer.front, RaggedSummary) for layer in cache.layers)
+        for mine, other in zip(cache.layers, padded.layers):
+            stored = mine.stored()
+            other.lazy_initialization(stored.keys, stored.values)
+            other.front, other.seen, other.budgets = stored, mine.seen, mine.budgets
+        a = model(torch.tensor([[5]]), past_key_values=cache).logits
+        b = model(torch.tensor([[5]]), past_key_values=padded).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_batch_is_stored_ragged_and_answers_as_each_row_alone():
+    from kvcompress.integration import generate_batch_ids
+
+    model = tiny("qwen2")
+    contexts = [_prompt(n=n, seed=s)[0] for n, s in ((180, 1), (120, 2))]
+    _, question = _prompt(n=10)
+    kw = dict(method="adakv", budget=30, sink=2, window=8, max_new_tokens=NEW, stop_at_eos=False)
+    batch = generate_batch_ids(model, contexts, question, **kw)
+    for ctx, res in zip(contexts, batch):
+        assert res.token_ids == generate_ids(model, ctx, question, **kw).token_ids
+    ids = torch.cat([torch.cat([torch.zeros(1, 60, dtype=torch.long), contexts[1]], 1), contexts[0]])
+    mask = torch.ones_like(ids)
+    mask[1, :60] = 0
+    cache = CompressedCache(model, "adakv", budget=30, sink=2, window=8)
+    with torch.inference_mode():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    front = cache.layers[0].front
+    assert isinstance(front, RaggedSummary) and (front.counts.sum(-1) == 2 * (2 + 30)).all()
+    assert cache.layers[0].tail.num_slots == 8

@@ -1,0 +1,246 @@
+"""KVzip (methods/kvzip.py, integration/reconstruction.py): the score against a brute-force softmax, what it keeps,
+the reconstruction forward in a model (its chunks, its cost counted as compression), and its refusals."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cache import CompressedCache
+from kvcompress.integration import generate_batch_ids, generate_ids, use_compressed_attention
+from kvcompress.integration.capture import capture_qkv
+from kvcompress.integration.reconstruction import reconstruct_context, repeat_prompt_ids
+from kvcompress.methods.kvzip import KVzip, own_lse, reconstruction_scores
+from kvcompress.methods.tokens import Tokens
+from kvcompress.options import CompressionOptions
+
+from test_integration import _prompt, _reference, tiny
+
+
+def _brute(queries, keys, exact, own, offset, scale):
+    """[B, H_kv, n] float64: max over queries and group heads of softmax over (keys, exact, own causal keys), on `keys`."""
+    b, hq, nq, _ = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    out = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for row in range(b):
+        for head in range(hq):
+            kv = head // group
+            for i in range(nq):
+                parts = [keys[row, kv], exact[row, kv], own[row, kv, : offset + i + 1]]
+                logits = torch.cat(parts).double() @ queries[row, head, i].double() * scale
+                probs = torch.softmax(logits, 0)[:n]
+                out[row, kv] = torch.maximum(out[row, kv], probs)
+    return out
+
+
+def _case(seed=0, b=2, hkv=2, group=2, n=40, m=5, nq=12, offset=3, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    exact = torch.randn(b, hkv, m, d, generator=g)
+    own = torch.randn(b, hkv, offset + nq, d, generator=g)
+    queries = 2 * torch.randn(b, hkv * group, nq, d, generator=g)
+    return [t.to(dtype) for t in (keys, values, exact, own, queries)]
+
+
+def _tokens(keys, values, queries, exact=None, extra=None, scale=None):
+    b, h, n, d = keys.shape
+    return Tokens(keys, values, torch.arange(n).expand(b, h, n), queries, scale=scale or d**-0.5, exact_keys=exact, extra_lse=extra)
+
+
+def test_the_score_is_the_max_softmax_probability_over_context_and_reconstruction_keys():
+    keys, values, exact, own, queries = _case()
+    scale = 8**-0.5
+    extra = own_lse(queries, own, scale, offset=3)
+    score = KVzip().score(_tokens(keys, values, queries, exact, extra, scale), torch.Generator())
+    assert score.shape == (2, 2, 40) and score.dtype == torch.float32
+    torch.testing.assert_close(score.exp().double(), _brute(queries, keys, exact, own, 3, scale), rtol=1e-5, atol=1e-7)
+
+
+def test_own_lse_is_the_causal_log_sum_exp_of_the_queries_own_keys():
+    _, _, _, own, queries = _case(seed=1)
+    got = own_lse(queries, own, 0.3, offset=3, max_logits=50)  # tiny chunks of queries
+    b, hq, nq, _ = queries.shape
+    for i in range(nq):
+        logits = torch.einsum("bhd,bhkd->bhk", queries[:, :, i].double(), own.repeat_interleave(2, 1)[:, :, : 3 + i + 1].double()) * 0.3
+        torch.testing.assert_close(got[:, :, i].double(), logits.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="need 15 keys"):
+        own_lse(queries, own[:, :, :-1], 0.3, offset=3)
+
+
+def test_query_chunks_give_the_same_scores_as_one_chunk():
+    keys, values, exact, own, queries = _case(seed=2)
+    extra = own_lse(queries, own, 0.35, offset=3)
+    whole = reconstruction_scores(queries, keys, 0.35, exact, extra)
+    for chunk in (1, 5):
+        torch.testing.assert_close(reconstruction_scores(queries, keys, 0.35, exact, extra, chunk_size=chunk), whole)
+        method = KVzip(reconstruction_chunk_size=chunk)
+        torch.testing.assert_close(method.score(_tokens(keys, values, queries, exact, extra, 0.35), torch.Generator()), whole)
+    torch.testing.assert_close(reconstruction_scores(queries, keys, 0.35, exact, extra, max_logits=1), whole)
+
+
+def test_without_own_keys_the_normaliser_is_the_context_alone():
+    """kvc.compress: the caller's queries are the reconstruction queries, their softmax over the keys given."""
+    keys, values, _, _, queries = _case(seed=3)
+    score = KVzip().score(_tokens(keys, values, queries), torch.Generator())
+    empty = keys[:, :, :0]
+    torch.testing.assert_close(score.exp().double(), _brute(queries, keys, empty, empty, 0, 8**-0.5), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_with_large_logits_stays_finite_and_matches_float32(dtype):
+    keys, values, exact, own, queries = _case(seed=4, dtype=dtype)
+    keys, queries = (keys.float() * 40).to(dtype), (queries.float() * 40).to(dtype)
+    extra = own_lse(queries, own, 8**-0.5, offset=3)
+    score = KVzip().score(_tokens(keys, values, queries, exact, extra), torch.Generator())
+    ref = KVzip().score(_tokens(keys.float(), values.float(), queries.float(), exact.float(), extra), torch.Generator())
+    assert torch.isfinite(extra).all() and not torch.isnan(score).any() and (score <= 1e-6).all()
+    torch.testing.assert_close(score, ref)
+
+
+def test_a_key_a_reconstruction_query_attends_to_sharply_is_kept():
+    g = torch.Generator().manual_seed(5)
+    keys, values = 0.1 * torch.randn(1, 2, 64, 16, generator=g), torch.randn(1, 2, 64, 16, generator=g)
+    queries = 0.1 * torch.randn(1, 4, 10, 16, generator=g)
+    keys[0, 0, 37] = keys[0, 1, 11] = 3 * torch.ones(16)
+    queries[0, 0, 4] = queries[0, 3, 7] = 3 * torch.ones(16)  # head 0 reads KV head 0, head 3 KV head 1
+    s = kvc.compress("kvzip", keys, values, queries, budget=3, sink=0, window=0)
+    assert 37 in s.positions[0, 0].tolist() and 11 in s.positions[0, 1].tolist()
+    assert s.num_slots == 3 and bool((s.log_weights == 0).all())
+
+
+def test_modes_other_than_prefill_and_streams_are_refused():
+    for mode in ("chunked", "decode"):
+        with pytest.raises(ValueError, match=f"method 'kvzip' runs in mode 'prefill' only, got mode='{mode}'.*reconstruct"):
+            CompressionOptions(method="kvzip", mode=mode, budget=8)
+        with pytest.raises(ValueError, match="'prefill' only"):
+            generate_ids(tiny(), *_prompt(n=40), method="kvzip", mode=mode, budget=8, max_new_tokens=1)
+    with pytest.raises(ValueError, match="'kvzip' has no stream"):
+        kvc.stream("kvzip", budget=8)
+    assert KVzip.modes == ("prefill",) and KVzip.needs_reconstruction
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64", None])
+def test_bad_parameters_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="reconstruction_chunk_size"):
+        CompressionOptions(method="kvzip", budget=8, method_params={"reconstruction_chunk_size": bad})
+    with pytest.raises(ValueError, match="has no parameter"):
+        CompressionOptions(method="kvzip", budget=8, method_params={"observation_window": 4})
+    with pytest.raises(ValueError, match="kvzip.*cannot be a part of the hybrid"):
+        kvc.compress("hybrid", torch.randn(1, 1, 10, 4), torch.randn(1, 1, 10, 4), budget=3, score="kvzip", exact_fraction=0.3,
+                     score_params=None)
+
+
+NEW = 8
+
+
+def test_generation_runs_the_reconstruction_counts_it_and_ratio_zero_is_the_full_cache():
+    model = tiny()
+    ctx, question = _prompt(n=150)
+    prefix = torch.tensor([[5, 6, 7]])
+    res = generate_ids(model, ctx, question, method="kvzip", compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False,
+                       reconstruction_ids=prefix, method_params={"reconstruction_chunk_size": 64})
+    assert res.token_ids == _reference(model, ctx, question, NEW)
+    assert res.slots_per_layer == [150 + question.shape[1] + NEW - 1] * 2
+    rec = res.extra["reconstruction"]
+    assert rec["forwards"] == 3 and rec["tokens"] == 150 + 3 * 3  # the context again, the instruction before each chunk
+    assert 0 < rec["seconds"] <= res.compress_seconds <= res.prefill_seconds
+    # the transient buffer held the context, the instruction and at most one chunk
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x KV heads x head dim x float32
+    assert rec["peak_kv_bytes"] == (150 + 3 + 64) * per_token
+
+
+def test_compressed_generation_keeps_the_budget_and_answers_from_the_compressed_context():
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    res = generate_ids(model, ctx, question, method="kvzip", budget=40, sink=2, window=0, max_new_tokens=NEW, stop_at_eos=False)
+    assert res.slots_per_layer == [42 + question.shape[1] + NEW - 1] * 2 and res.budget == 40
+    assert res.kv_bytes < res.kv_bytes_full and res.peak_kv_bytes <= res.kv_bytes_full
+    assert res.extra["reconstruction"]["tokens"] == 200  # no instruction given: the context alone is repeated
+
+
+def test_one_chunk_keeps_what_the_brute_force_reconstruction_scores_keep():
+    """The cache's kept tokens are the top-k of the brute-force scores on one forward over [context, instruction, context]."""
+    model = tiny()
+    ctx, _ = _prompt(n=60)
+    prefix = torch.tensor([[9, 8, 7, 6]])
+    cache = CompressedCache(model, CompressionOptions(method="kvzip", budget=12, sink=0, window=0))
+    with use_compressed_attention(model):
+        reconstruct_context(model, cache, ctx, prefix)
+    captured = capture_qkv(model, torch.cat([ctx, prefix, ctx], 1))
+    scale = model.model.layers[0].self_attn.scaling
+    empty = torch.zeros(1, 2, 0, 16)
+    for layer, (q, k, _) in captured.items():
+        scores = _brute(q[:, :, 64:], k[:, :, :60], empty, k[:, :, 60:], 4, scale)
+        expected = scores.topk(12, -1).indices.sort(-1).values
+        assert torch.equal(cache.layers[layer].stored().positions, expected), layer
+
+
+def test_smaller_chunks_bound_each_forward_and_still_score_every_token():
+    model = tiny()
+    ctx, _ = _prompt(n=100)
+    results = {}
+    for chunk in (100, 1000, 16):
+        cache = CompressedCache(model, CompressionOptions(method="kvzip", budget=20, sink=0, window=0,
+                                                          method_params={"reconstruction_chunk_size": chunk}))
+        with use_compressed_attention(model):
+            logits, stats = reconstruct_context(model, cache, ctx)
+        results[chunk] = ([layer.stored().positions for layer in cache.layers], stats)
+    assert all(torch.equal(a, b) for a, b in zip(results[100][0], results[1000][0]))  # a chunk covering everything is one chunk
+    positions, stats = results[16]
+    assert stats.forwards == math.ceil(100 / 16) and stats.tokens == 100
+    assert stats.peak_kv_bytes == (100 + 16) * 2 * 2 * 2 * 16 * 4 < results[100][1].peak_kv_bytes
+    assert all(p.shape == (1, 2, 20) and bool((p.diff(dim=-1) > 0).all()) for p in positions)
+
+
+def test_kvc_generate_puts_the_repeat_instruction_before_the_repeated_context(tiny_checkpoint):
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    prefix = repeat_prompt_ids(tokenizer)
+    assert tokenizer.decode(prefix[0]) == "\n\nRepeat the previous context exactly."  # no chat template: the plain text
+    res = kvc.generate(model, tokenizer, "some words in a context " * 12, "what?", method="kvzip", compression_ratio=0.5,
+                       max_new_tokens=4, progress=False)
+    assert res.extra["reconstruction"]["tokens"] == res.context_tokens + prefix.shape[1]
+    cache = kvc.compress_context(model, tokenizer, "another context " * 10, method="kvzip", compression_ratio=0.5, progress=False)
+    assert cache.compress_seconds() > 0 and cache.get_seq_length() == cache.token_ids.shape[1]
+    with pytest.raises(ValueError, match="instruction must be a non-empty str"):
+        repeat_prompt_ids(tokenizer, "  ")
+
+
+def test_what_kvzip_cannot_take_is_refused_clearly():
+    model = tiny()
+    ctx, question = _prompt(n=60)
+    with pytest.raises(ValueError, match="recorded prefill and a padded batch are not supported"):
+        generate_ids(model, ctx, question, method="kvzip", budget=8, prefill=capture_qkv(model, ctx))
+    with pytest.raises(ValueError, match="recorded prefill and a padded batch are not supported"):
+        generate_batch_ids(model, [ctx, ctx[:, :40]], question, method="kvzip", budget=8, max_new_tokens=1)
+    same = generate_batch_ids(model, [ctx, _prompt(n=60, seed=4)[0]], question, method="kvzip", budget=8, max_new_tokens=2)
+    assert [r.extra["reconstruction"]["forwards"] for r in same] == [1, 1]  # a batch of equal lengths reconstructs at once
+    with pytest.raises(ValueError, match="reconstruction forward.*not with the context's own"):
+        model.generate(ctx, past_key_values=CompressedCache(model, "kvzip", budget=8), max_new_tokens=2)
+    with pytest.raises(ValueError, match="which a recorded context prefill does not hold"):
+        CompressedCache.from_prefill(model, CompressionOptions(method="kvzip", budget=8), capture_qkv(model, ctx))
+    with pytest.raises(ValueError, match="context_ids must be an integer tensor"):
+        reconstruct_context(model, CompressedCache(model, CompressionOptions(method="kvzip", budget=8)), ctx.float())
+    with pytest.raises(ValueError, match="fresh prefill-mode CompressedCache"):
+        reconstruct_context(model, CompressedCache(model, CompressionOptions(method="snapkv", budget=8, mode="chunked")), ctx)
+    with pytest.raises(ValueError, match="does not score with a reconstruction"):
+        reconstruct_context(model, CompressedCache(model, CompressionOptions(method="snapkv", budget=8)), ctx)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "phi3", "gemma3", "gemma2"])
+def test_every_family_reconstructs_at_ratio_zero_as_the_full_cache_or_refuses_soft_capping(family):
+    """Sliding-window layers (Gemma 3) keep their window from the reconstruction's context prefill; Gemma 2's soft-capped
+    logits are not what KVzip's softmax scores model, so it is refused by name."""
+    from test_hf import _greedy, _ids
+    from test_hf import tiny as tiny_family
+
+    model = tiny_family(family)
+    ctx, question = _ids(100), _ids(6, 2)
+    run = dict(method="kvzip", compression_ratio=0.0, max_new_tokens=6, stop_at_eos=False)
+    if family == "gemma2":
+        with pytest.raises(ValueError, match="soft-caps its attention logits"):
+            generate_ids(model, ctx, question, **run)
+        return
+    reference = _greedy(model, torch.cat([ctx, question], 1), new=6)[0].tolist()
+    assert generate_ids(model, ctx, question, **run).token_ids == reference
