@@ -84,9 +84,13 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "snapkv[window=64,pool=5,sink=0]": ("snapkv", {"sink": 0, "window": 64, "observation_window": 64, "kernel_size": 5}),
     "expected_attention": ("expected_attention", {}),
     "compactor": ("compactor", {}),
+    "kvzip": ("kvzip", {}),
+    "adakv": ("adakv", {}),
+    "adakv[scorer=expected_attention]": ("adakv", {"scorer": "expected_attention"}),
+    "hybrid": ("hybrid", {}),
 }
 DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapkv", "snapkv[window=64,pool=5,sink=0]",
-                      "expected_attention", "compactor"]
+                      "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid"]
 
 # kvpress cells: label -> (press class, its keyword arguments, an inner press for wrappers); all at
 # kvpress 0.5.5's defaults.
@@ -102,7 +106,8 @@ KVPRESS_CELLS: dict[str, tuple[str | None, dict, str | None]] = {
 }
 DEFAULT_KVPRESS = [FULL, "KeyDiff", "Knorm", "SnapKV", "AdaKV(ExpectedAttention)", "ExpectedAttention", "Compactor", "KVzip"]
 
-# kvcompress cell -> its kvpress counterpart (the same method, or the nearest: kvcompress has no AdaKV).
+# kvcompress cell -> its kvpress counterpart: the same method, or the nearest (Ada-SnapKV: SnapKV's scores under one
+# budget per head; the hybrid has none, so kvpress's best press here, KVzip).
 COUNTERPARTS: dict[str, str] = {
     FULL: FULL,
     "keydiff": "KeyDiff",
@@ -112,10 +117,15 @@ COUNTERPARTS: dict[str, str] = {
     "snapkv[window=64,pool=5,sink=0]": "SnapKV",
     "expected_attention": "ExpectedAttention",
     "compactor": "Compactor",
+    "kvzip": "KVzip",
+    "adakv": "SnapKV",
+    "adakv[scorer=expected_attention]": "AdaKV(ExpectedAttention)",
+    "hybrid": "KVzip",
 }
 # kvcompress cell -> more kvpress cells worth pairing with: AdaKV's head-wise budget of the same score, and
-# KVzip (no kvcompress counterpart) against kvcompress's best query-agnostic method.
-EXTRA_COUNTERPARTS: dict[str, list[str]] = {"expected_attention": ["AdaKV(ExpectedAttention)"], "compactor": ["KVzip"]}
+# kvpress's KVzip (its best press here) against kvcompress's query-agnostic and composed methods.
+EXTRA_COUNTERPARTS: dict[str, list[str]] = {"expected_attention": ["AdaKV(ExpectedAttention)"], "compactor": ["KVzip"],
+                                            "adakv": ["AdaKV(ExpectedAttention)", "KVzip"]}
 
 
 # ---------------------------------------------------------------- file format, shared by both venvs
@@ -359,6 +369,7 @@ def run_kvcompress(args) -> None:
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.eval.tasks import score as task_score
     from kvcompress.integration import generate_ids
+    from kvcompress.integration.reconstruction import repeat_prompt_ids
     from kvcompress.options import CompressionOptions
 
     run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
@@ -376,7 +387,7 @@ def run_kvcompress(args) -> None:
         question_ids = torch.tensor([sample["question_ids"]])
         stop = stop_ids_of(manifest, sample)
         captured, capture_s = None, 0.0
-        if any(KVCOMPRESS_CELLS[label][0] is not None for label, _ in todo):
+        if any(KVCOMPRESS_CELLS[label][0] not in (None, "kvzip") for label, _ in todo):
             start = time.perf_counter()
             captured = capture_qkv(model, context_ids)
             capture_s = time.perf_counter() - start
@@ -392,8 +403,10 @@ def run_kvcompress(args) -> None:
                                        stop_token_ids=stop)
                 else:
                     options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
+                    # KVzip prefills the context itself, then runs its reconstruction forward (both in its prefill time)
+                    own = {"reconstruction_ids": repeat_prompt_ids(tokenizer)} if options.compressor.needs_reconstruction else {"prefill": captured}
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
-                                       stop_token_ids=stop, prefill=captured)
+                                       stop_token_ids=stop, **own)
             except (ValueError, RuntimeError) as err:
                 record["error"] = f"{type(err).__name__}: {err}"
                 print(f"[{record['key']}] {record['error']}", flush=True)
@@ -405,7 +418,7 @@ def run_kvcompress(args) -> None:
                     token_ids=tokens, prediction=prediction,
                     score=float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction)),
                     kept_tokens_mean=None if method is None else sum(slots) / len(slots) - max(len(tokens) - 1, 0) - sample["question_tokens"],
-                    prefill_s=res.prefill_seconds + (capture_s if method is not None else 0.0), decode_s=res.decode_seconds,
+                    prefill_s=res.prefill_seconds + (capture_s if method not in (None, "kvzip") else 0.0), decode_s=res.decode_seconds,
                 )
             record["wall_s"] = time.perf_counter() - start
             record["env"] = env
