@@ -19,8 +19,21 @@ compressed context, the median seconds per step (tokens per second), at each cel
 
 Writes benchmarks/results/quantized_storage.{csv,md}.
 
+With `--task needle`: `--samples` needle samples of the sweep's task `--needle-task` (default
+niah_single, a 7-digit needle in filler; niah_prose: a name in real prose) at `--context` tokens,
+sample i built as `kvcompress eval` builds it (seed i, depth `sample_depth(i)`, the default prompt
+layout). The context is prefilled once per sample and each cell answers from it greedily
+(`generate_ids(..., prefill=captured)`, the question and answer exact). Per cell: accuracy with its
+95% Wilson interval, and the paired difference to the same method and ratio at full precision
+(Newcombe's interval, `eval.stats.paired_difference_interval`); stored bytes of the compressed
+context as above. Writes benchmarks/results/quantized_storage_needle.{csv,md}.
+
+`--plot` draws both result tables as quality against stored bytes (benchmarks/results/quantized_storage.png).
+
     python benchmarks/quantized_storage.py [--documents 30] [--context 768] [--scored 128] [--methods snapkv,keydiff,balancekv]
         [--ratios 0.5,0.75,0.9] [--bits 32,8,4,2] [--steps 32] [--threads 2]
+    python benchmarks/quantized_storage.py --task needle --samples 30 --context 4096 --methods keydiff,snapkv [--needle-task niah_single]
+    python benchmarks/quantized_storage.py --plot
 """
 
 from __future__ import annotations
@@ -39,9 +52,12 @@ import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.eval.capture import capture_qkv
 from kvcompress.eval.perplexity import prose_document
-from kvcompress.eval.stats import t_interval
-from kvcompress.eval.tables import write_csv
-from kvcompress.integration import use_compressed_attention
+from kvcompress.eval.runner import SampleSpec, SweepConfig, sample_depth
+from kvcompress.eval.stats import paired_difference_interval, t_interval, wilson
+from kvcompress.eval.stopping import stop_token_ids
+from kvcompress.eval.tables import read_csv, write_csv
+from kvcompress.eval.tasks import score
+from kvcompress.integration import build_prompt, generate_ids, use_compressed_attention
 from kvcompress.integration.generation import full_kv_bytes
 from kvcompress.options import CompressionOptions
 
@@ -51,7 +67,10 @@ BLOCK = 64
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--documents", type=int, default=30)
+    p.add_argument("--task", default="perplexity", choices=["perplexity", "needle"])
+    p.add_argument("--documents", type=int, default=30, help="perplexity: prose documents")
+    p.add_argument("--samples", type=int, default=30, help="needle: samples")
+    p.add_argument("--needle-task", default="niah_single", choices=["niah_single", "niah_prose"])
     p.add_argument("--context", type=int, default=768, help="context tokens compressed")
     p.add_argument("--scored", type=int, default=128, help="continuation tokens scored after the context")
     p.add_argument("--methods", default="snapkv,keydiff,balancekv")
@@ -59,8 +78,12 @@ def parse_args():
     p.add_argument("--bits", default="32,8,4,2", help="bits per stored element; 32 is full precision (kv_bits None)")
     p.add_argument("--steps", type=int, default=32, help="single-token decode steps timed per cell on the first document")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "quantized_storage"))
-    return p.parse_args()
+    p.add_argument("--out", default=None, help="results path without suffix (default: results/quantized_storage[_needle])")
+    p.add_argument("--plot", action="store_true", help="only draw results/quantized_storage.png from the two result tables")
+    args = p.parse_args()
+    if args.out is None:
+        args.out = str(RESULTS / ("quantized_storage" if args.task == "perplexity" else "quantized_storage_needle"))
+    return args
 
 
 def cells(methods: list[str], ratios: list[float], bits: list[int]) -> list[tuple[str, float, int]]:
@@ -107,7 +130,13 @@ def decode_seconds(model, cache: CompressedCache, ids: torch.Tensor, n_context: 
 
 def main():
     args = parse_args()
+    if args.plot:
+        print(plot(RESULTS / "quantized_storage.csv", RESULTS / "quantized_storage_needle.csv", RESULTS / "quantized_storage.png"))
+        return
     torch.set_num_threads(args.threads)
+    if args.task == "needle":
+        needle(args)
+        return
     methods = args.methods.split(",")
     ratios = [float(r) for r in args.ratios.split(",")]
     bits = [int(b) for b in args.bits.split(",")]
@@ -130,7 +159,8 @@ def main():
                     speed[cell] = decode_seconds(model, CompressedCache.from_prefill(model, options_of(*cell), captured), ids, n_context,
                                                  args.steps)
                 log_ppl[cell].append(float(continuation_nll(model, cache, ids[:, : n_context + args.scored + 1], n_context).mean()))
-        write_results(args, summarize(grid, log_ppl, fraction, speed), index + 1, time.perf_counter() - started)
+        write_results(args, summarize(grid, log_ppl, fraction, speed), f"{index + 1} of {args.documents} prose documents",
+                      time.perf_counter() - started)
         print(f"document {index + 1}/{args.documents} done, {time.perf_counter() - started:.0f}s", flush=True)
     print(Path(args.out).with_suffix(".md").read_text())
 
@@ -153,23 +183,128 @@ def summarize(grid, log_ppl: dict, fraction: dict, speed: dict) -> list[dict]:
     return rows
 
 
-def write_results(args, rows: list[dict], documents: int, seconds: float) -> None:
+def header(args, title: str, done: str, details: str, seconds: float) -> str:
+    """The result file's title, machine, what was run (`done`, `details`) and the command that reproduces it."""
+    unused = ("documents", "scored", "steps") if args.task == "needle" else ("samples", "needle_task")
+    command = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "plot", *unused))
+    return (f"# {title}\n\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+            f"{args.threads} threads; SmolLM2-135M-Instruct float32; {done} ({details}); prefill mode, group size 32, each method's "
+            f"own sink and window. Wall time {seconds:.0f}s.\n\n`python benchmarks/quantized_storage.py {command}`\n\n")
+
+
+def write_results(args, rows: list[dict], done: str, seconds: float) -> None:
     """OUT.csv and OUT.md of the rows (rewritten after every document, so an interrupted run keeps what it measured)."""
     out = Path(args.out)
     write_csv(out.with_suffix(".csv"), rows)
-    header = (f"# Quantized storage of the compressed context\n\n{datetime.date.today()}, {platform.processor() or platform.machine()}, "
-              f"torch {torch.__version__}, {args.threads} threads; SmolLM2-135M-Instruct float32; {documents} of {args.documents} prose "
-              f"documents (context {args.context} tokens, {args.scored} scored); prefill mode, group size 32, each method's own sink and "
-              f"window; decode speed on document 0, median of {args.steps} single-token steps. Intervals: 95% Student-t over documents. "
-              f"Wall time {seconds:.0f}s.\n\n"
-              "`python benchmarks/quantized_storage.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out") + "`\n\n")
+    details = (f"context {args.context} tokens, {args.scored} scored; decode speed on document 0, median of {args.steps} "
+               "single-token steps; intervals: 95% Student-t over documents")
     lines = ["| method | ratio | bits | stored / full | perplexity [95% CI] | vs full cache [95% CI] | decode tok/s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['ratio']} | {r['bits']} | {r['stored_fraction']:.3f} | {r['perplexity']:.2f} "
                      f"[{r['ppl_low']:.2f}, {r['ppl_high']:.2f}] | {r['vs_full']:.3f} [{r['vs_full_low']:.3f}, {r['vs_full_high']:.3f}] | "
                      f"{r['decode_tokens_per_s']} |")
-    out.with_suffix(".md").write_text(header + "\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text(header(args, "Quantized storage of the compressed context", done, details, seconds)
+                                      + "\n".join(lines) + "\n")
+
+
+def needle(args) -> None:
+    """The needle task at `--context` tokens: every cell answers each sample from one prefill of its context."""
+    methods = args.methods.split(",")
+    grid = cells(methods, [float(r) for r in args.ratios.split(",")], [int(b) for b in args.bits.split(",")])
+    model, tokenizer = kvc.load_model(device="cpu", dtype="float32")
+    config = SweepConfig(methods=methods, tasks=[args.needle_task], lengths=[args.context], samples=args.samples)
+    scores: dict[tuple, list[float]] = {c: [] for c in grid}
+    fraction: dict[tuple, list[float]] = {c: [] for c in grid}
+    answers: dict[tuple, list[str]] = {c: [] for c in grid}
+    expected: list[str] = []
+    started = time.perf_counter()
+    for index in range(args.samples):
+        sample = SampleSpec(args.needle_task, args.context, index, sample_depth(index)).build(config, tokenizer)
+        context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
+        captured = capture_qkv(model, context_ids)
+        full = full_kv_bytes(model, context_ids.shape[1], torch.float32)
+        expected.append(", ".join(sample.answers))
+        for cell in grid:
+            options = options_of(*cell)
+            with use_compressed_attention(model):
+                fraction[cell].append(stored_bytes(CompressedCache.from_prefill(model, options, captured)) / full)
+            result = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample.max_new_tokens,
+                                  stop_token_ids=stop_token_ids(tokenizer, sample.stop), prefill=captured)
+            prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+            scores[cell].append(score(sample, prediction))
+            answers[cell].append(prediction)
+        write_needle_results(args, needle_rows(grid, scores, fraction), answers, expected,
+                             time.perf_counter() - started)
+        print(f"sample {index + 1}/{args.samples} done, {time.perf_counter() - started:.0f}s", flush=True)
+    print(Path(args.out).with_suffix(".md").read_text())
+
+
+def needle_rows(grid, scores: dict, fraction: dict) -> list[dict]:
+    """One row per cell: accuracy (Wilson interval) and its paired difference to the same method and ratio at full precision."""
+    rows = []
+    for cell in grid:
+        method, ratio, b = cell
+        hits, n = sum(scores[cell]), len(scores[cell])
+        low, high = wilson(hits, n)
+        diff, dlow, dhigh = paired_difference_interval(scores[cell], scores[(method, ratio, 32)])
+        rows.append({
+            "method": "full context" if ratio == 0 else method, "ratio": ratio, "bits": b, "samples": n,
+            "stored_fraction": round(statistics.mean(fraction[cell]), 4), "accuracy": round(hits / n, 4),
+            "acc_low": round(low, 4), "acc_high": round(high, 4),
+            "vs_full_precision": round(diff, 4), "vs_full_precision_low": round(dlow, 4), "vs_full_precision_high": round(dhigh, 4),
+        })
+    return rows
+
+
+def write_needle_results(args, rows: list[dict], answers: dict, expected: list[str], seconds: float) -> None:
+    """OUT.csv and OUT.md (the table, then every cell's answers beside the expected ones), rewritten after every sample."""
+    out = Path(args.out)
+    write_csv(out.with_suffix(".csv"), rows)
+    details = (f"task {args.needle_task}, context {args.context} tokens, greedy answers; accuracy with its 95% Wilson interval, "
+               "the difference to the same method and ratio at full precision with Newcombe's paired 95% interval")
+    lines = ["| method | ratio | bits | stored / full | accuracy % [95% CI] | vs full precision, points [95% CI] |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['ratio']} | {r['bits']} | {r['stored_fraction']:.3f} | {100 * r['accuracy']:.0f} "
+                     f"[{100 * r['acc_low']:.0f}, {100 * r['acc_high']:.0f}] | {100 * r['vs_full_precision']:+.0f} "
+                     f"[{100 * r['vs_full_precision_low']:+.0f}, {100 * r['vs_full_precision_high']:+.0f}] |")
+    lines += ["", "## Answers", "", "| sample | expected | " + " | ".join(f"{m} {r} {b}" for m, r, b in answers) + " |",
+              "|---|---|" + "---|" * len(answers)]
+    for i, want in enumerate(expected):
+        lines.append(f"| {i} | {want} | " + " | ".join(a[i].replace("|", "/").replace("\n", " ")[:40] for a in answers.values()) + " |")
+    out.with_suffix(".md").write_text(header(args, "Quantized storage: needle retrieval", f"{len(expected)} of {args.samples} samples",
+                                             details, seconds) + "\n".join(lines) + "\n")
+
+
+def plot(perplexity_csv: Path, needle_csv: Path, path: Path) -> Path:
+    """Quality against stored bytes: perplexity relative to the full cache (left) and needle accuracy (right), one line
+    per method and ratio through its numbers of bits (full precision and 8/4/2), with the 95% intervals as error bars."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.8))
+    panels = [(perplexity_csv, "vs_full", "perplexity / full cache (lower is better)"),
+              (needle_csv, "accuracy", "needle accuracy (higher is better)")]
+    for axis, (csv_path, column, label) in zip(fig.subplots(1, 2), panels):
+        rows = read_csv(csv_path)
+        for key in dict.fromkeys((r["method"], r["ratio"]) for r in rows):
+            line = sorted((r for r in rows if (r["method"], r["ratio"]) == key), key=lambda r: float(r["stored_fraction"]))
+            x = [float(r["stored_fraction"]) for r in line]
+            y = [float(r[column]) for r in line]
+            low = [float(r[column]) - float(r[f"{column}_low" if column == "vs_full" else "acc_low"]) for r in line]
+            high = [float(r[f"{column}_high" if column == "vs_full" else "acc_high"]) - float(r[column]) for r in line]
+            name = key[0] if float(key[1]) == 0 else f"{key[0]} @ {float(key[1]):g}"
+            axis.errorbar(x, y, yerr=[low, high], marker="o", capsize=2, label=name)
+            for r, xi, yi in zip(line, x, y):
+                axis.annotate(str(r["bits"]), (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        axis.set_xscale("log")
+        axis.set_xlabel("stored bytes / full cache (log; labels: bits)")
+        axis.set_ylabel(label)
+        axis.set_title(f"{csv_path.stem}.md", fontsize=9)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
 
 
 if __name__ == "__main__":
