@@ -10,10 +10,12 @@ import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.integration import generate_batch_ids, generate_ids, use_compressed_attention
 from kvcompress.integration.capture import capture_qkv
+from kvcompress.integration.generation import compress_context_ids
 from kvcompress.integration.reconstruction import reconstruct_context, repeat_prompt_ids
 from kvcompress.methods.kvzip import KVzip, own_lse, reconstruction_scores
 from kvcompress.methods.tokens import Tokens
 from kvcompress.options import CompressionOptions
+from kvcompress.ragged import RaggedSummary
 
 from test_integration import _prompt, _reference, tiny
 
@@ -244,3 +246,19 @@ def test_every_family_reconstructs_at_ratio_zero_as_the_full_cache_or_refuses_so
         return
     reference = _greedy(model, torch.cat([ctx, question], 1), new=6)[0].tolist()
     assert generate_ids(model, ctx, question, **run).token_ids == reference
+
+
+
+def test_adakv_shares_kvzips_budget_among_heads_through_the_reconstruction():
+    """AdaKV over KVzip's scores (head-wise budgets): the reconstruction runs, each layer row keeps H_kv·(sink + budget)
+    tokens in all, and the cache stores them ragged."""
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    options = CompressionOptions(method="adakv", budget=40, sink=2, window=0, method_params={"scorer": "kvzip"})
+    res = generate_ids(model, ctx, question, options, max_new_tokens=NEW, stop_at_eos=False)
+    assert res.extra["reconstruction"]["tokens"] == 200
+    cache = compress_context_ids(model, ctx, options)
+    for layer in cache.layers:
+        assert isinstance(layer.front, RaggedSummary)
+        kept = torch.isfinite(layer.front.summary().log_weights).sum(-1)  # [B, H_kv]: sink + middle of each head
+        assert int(kept.sum()) == 2 * (2 + 40)
