@@ -88,9 +88,11 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "adakv": ("adakv", {}),
     "adakv[scorer=expected_attention]": ("adakv", {"scorer": "expected_attention"}),
     "hybrid": ("hybrid", {}),
+    "adakv[scorer=kvzip]": ("adakv", {"scorer": "kvzip"}),
 }
 DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapkv", "snapkv[window=64,pool=5,sink=0]",
-                      "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid"]
+                      "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
+                      "adakv[scorer=kvzip]"]
 
 # kvpress cells: label -> (press class, its keyword arguments, an inner press for wrappers); all at
 # kvpress 0.5.5's defaults.
@@ -121,6 +123,7 @@ COUNTERPARTS: dict[str, str] = {
     "adakv": "SnapKV",
     "adakv[scorer=expected_attention]": "AdaKV(ExpectedAttention)",
     "hybrid": "KVzip",
+    "adakv[scorer=kvzip]": "KVzip",
 }
 # kvcompress cell -> more kvpress cells worth pairing with: AdaKV's head-wise budget of the same score, and
 # kvpress's KVzip (its best press here) against kvcompress's query-agnostic and composed methods.
@@ -387,7 +390,7 @@ def run_kvcompress(args) -> None:
         question_ids = torch.tensor([sample["question_ids"]])
         stop = stop_ids_of(manifest, sample)
         captured, capture_s = None, 0.0
-        if any(KVCOMPRESS_CELLS[label][0] not in (None, "kvzip") for label, _ in todo):
+        if any(KVCOMPRESS_CELLS[label][0] is not None and not reconstructs(label) for label, _ in todo):
             start = time.perf_counter()
             captured = capture_qkv(model, context_ids)
             capture_s = time.perf_counter() - start
@@ -418,13 +421,21 @@ def run_kvcompress(args) -> None:
                     token_ids=tokens, prediction=prediction,
                     score=float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction)),
                     kept_tokens_mean=None if method is None else sum(slots) / len(slots) - max(len(tokens) - 1, 0) - sample["question_tokens"],
-                    prefill_s=res.prefill_seconds + (capture_s if method not in (None, "kvzip") else 0.0), decode_s=res.decode_seconds,
+                    prefill_s=res.prefill_seconds + (0.0 if method is None or reconstructs(label) else capture_s), decode_s=res.decode_seconds,
                 )
             record["wall_s"] = time.perf_counter() - start
             record["env"] = env
             append_jsonl(path, record)
             print(f"kvcompress {label:<34} {ratio!s:<5} {sample['id']:<28} score={record.get('score')} "
                   f"{record.get('prediction')!r} ({record['wall_s']:.1f}s)", flush=True)
+
+
+def reconstructs(label: str) -> bool:
+    """Whether a kvcompress cell's method prefills the context itself and reconstructs it (KVzip, or AdaKV over its scores)."""
+    from kvcompress.options import CompressionOptions
+
+    method, params = KVCOMPRESS_CELLS[label]
+    return CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.needs_reconstruction
 
 
 def _kvcompress_version() -> str:
