@@ -78,7 +78,7 @@ def parse_args():
     p.add_argument("--bits", default="32,8,4,2", help="bits per stored element; 32 is full precision (kv_bits None)")
     p.add_argument("--steps", type=int, default=32, help="single-token decode steps timed per cell on the first document")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="results path without suffix (default: results/quantized_storage[_needle])")
+    p.add_argument("--out", default=None, help="results path; .csv and .md are written beside it, any suffix replaced (default: results/quantized_storage[_needle])")
     p.add_argument("--plot", action="store_true", help="only draw results/quantized_storage.png from the two result tables")
     args = p.parse_args()
     if args.out is None:
