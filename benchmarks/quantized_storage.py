@@ -251,7 +251,7 @@ def needle_rows(grid, scores: dict, fraction: dict) -> list[dict]:
         rows.append({
             "method": "full context" if ratio == 0 else method, "ratio": ratio, "bits": b, "samples": n,
             "stored_fraction": round(statistics.mean(fraction[cell]), 4), "accuracy": round(hits / n, 4),
-            "acc_low": round(low, 4), "acc_high": round(high, 4),
+            "accuracy_low": round(low, 4), "accuracy_high": round(high, 4),
             "vs_full_precision": round(diff, 4), "vs_full_precision_low": round(dlow, 4), "vs_full_precision_high": round(dhigh, 4),
         })
     return rows
@@ -266,7 +266,7 @@ def write_needle_results(args, rows: list[dict], answers: dict, expected: list[s
     lines = ["| method | ratio | bits | stored / full | accuracy % [95% CI] | vs full precision, points [95% CI] |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['ratio']} | {r['bits']} | {r['stored_fraction']:.3f} | {100 * r['accuracy']:.0f} "
-                     f"[{100 * r['acc_low']:.0f}, {100 * r['acc_high']:.0f}] | {100 * r['vs_full_precision']:+.0f} "
+                     f"[{100 * r['accuracy_low']:.0f}, {100 * r['accuracy_high']:.0f}] | {100 * r['vs_full_precision']:+.0f} "
                      f"[{100 * r['vs_full_precision_low']:+.0f}, {100 * r['vs_full_precision_high']:+.0f}] |")
     lines += ["", "## Answers", "", "| sample | expected | " + " | ".join(f"{m} {r} {b}" for m, r, b in answers) + " |",
               "|---|---|" + "---|" * len(answers)]
@@ -290,8 +290,8 @@ def plot(perplexity_csv: Path, needle_csv: Path, path: Path) -> Path:
             line = sorted((r for r in rows if (r["method"], r["ratio"]) == key), key=lambda r: float(r["stored_fraction"]))
             x = [float(r["stored_fraction"]) for r in line]
             y = [float(r[column]) for r in line]
-            low = [float(r[column]) - float(r[f"{column}_low" if column == "vs_full" else "acc_low"]) for r in line]
-            high = [float(r[f"{column}_high" if column == "vs_full" else "acc_high"]) - float(r[column]) for r in line]
+            low = [float(r[column]) - float(r[f"{column}_low"]) for r in line]
+            high = [float(r[f"{column}_high"]) - float(r[column]) for r in line]
             name = key[0] if float(key[1]) == 0 else f"{key[0]} @ {float(key[1]):g}"
             axis.errorbar(x, y, yerr=[low, high], marker="o", capsize=2, label=name)
             for r, xi, yi in zip(line, x, y):

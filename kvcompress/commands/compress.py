@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, resolve_device, set_threads
-from .generate import add_compression_args, options_of, read_context
+from .common import resolve_device, set_threads
+from .generate import add_run_args, options_of, read_context
 
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("compress", help="compress a context file once and save the cache, for `generate --cache`")
     p.add_argument("--context-file", required=True, type=Path, help="text file holding the context")
     p.add_argument("--out", required=True, type=Path, metavar="FILE", help="where the compressed cache is written (one safetensors file)")
-    add_compression_args(p)
-    add_threads_arg(p)
-    add_model_arg(p)
-    add_device_args(p)
-    p.set_defaults(func=_run)
+    add_run_args(p, _run)
 
 
 def _run(args) -> int:

@@ -19,11 +19,16 @@ def add_cli(subparsers) -> None:
                         help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
     p.add_argument("--question", default=None, help="question appended after the (compressed) context")
     p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
+    add_run_args(p, _run)
+
+
+def add_run_args(p, run) -> None:
+    """What `generate` and `compress` both take: the compression flags, threads, model and device; `run` handles the command."""
     add_compression_args(p)
     add_threads_arg(p)
     add_model_arg(p)
     add_device_args(p)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=run)
 
 
 def add_compression_args(p) -> None:
