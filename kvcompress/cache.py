@@ -49,7 +49,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import cache_file
 from .checks import as_count, describe
 from .integration.support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
-from .methods.base import compress_tokens, make_generator
+from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
 from .options import CompressionOptions
@@ -157,7 +157,7 @@ class CompressedLayer(CacheLayerMixin):
                     "kvcompress.integration.reconstruction.reconstruct_context(model, cache, context_ids)"
                 )
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass), self._window_slots(keys.shape[2]))
+                self._compress_context(keys, values, positions, queries, scale, attention_mass)
             else:
                 self._keep_rows(keys, values, positions, queries, scale, real)
         elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
@@ -214,6 +214,9 @@ class CompressedLayer(CacheLayerMixin):
         """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf
         padding slots; with kv_bits the stacked fronts quantized, with `adaptive_heads` (AdaKV) at full precision packed
         (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
+        if self.cache.options.compressor.shares_budget_across_layers:
+            raise ValueError(f"method {self.cache.options.method!r} with one budget over every layer compresses one context at a "
+                             "time: a padded batch is not supported; run the contexts one by one")
         rows, lengths = [], []
         for b in range(keys.shape[0]):
             index = real[b].nonzero().squeeze(-1)
@@ -232,16 +235,29 @@ class CompressedLayer(CacheLayerMixin):
 
     def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> KVSummary:
         options = self.cache.options
+        tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse)
+        budget = options.budget_for(tokens.length)
+        self.budgets += [budget] * tokens.keys.shape[0]
+        summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
+        return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
+
+    def _tokens(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> Tokens:
+        """The layer's context as the method sees it: keys/values [B,H_kv,n,d] at positions [n]."""
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
-        budget = options.budget_for(n)
-        self.budgets += [budget] * b
-        tokens = Tokens(
+        return Tokens(
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
             self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass, extra_lse=extra_lse,
         )
-        summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
-        return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
+
+    def _compress_context(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> None:
+        """Compress the context's prefill (one unpadded forward) and keep it; a method that `shares_budget_across_layers`
+        hands it to the cache instead, which compresses every layer together once the last one has it
+        (`CompressedCache._share_budget`)."""
+        if self.cache.options.compressor.shares_budget_across_layers:
+            self.cache._share_budget(self, self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse))
+            return
+        self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass, extra_lse), self._window_slots(keys.shape[2]))
 
     def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None,
                      extra_lse=None) -> None:
@@ -259,7 +275,7 @@ class CompressedLayer(CacheLayerMixin):
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
         self.seen = keys.shape[2]
-        self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass, extra_lse), self._window_slots(keys.shape[2]))
+        self._compress_context(keys, values, positions, queries, scale, attention_mass, extra_lse)
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 
@@ -477,6 +493,7 @@ class CompressedCache(Cache):
         self._model = weakref.ref(model)  # for the fingerprint save() writes; the cache does not keep the model alive
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._absorbing = True
+        self._waiting: dict[int, Tokens] = {}  # layer -> its context, until every layer has one (`_share_budget`)
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
         self._unrotate = RotaryInverse(model) if options.compressor.needs_pre_rope_keys else None
         layers = [
@@ -592,6 +609,24 @@ class CompressedCache(Cache):
         cache.token_ids = tensors["token_ids"].long().to(devices[0])
         select_compressed_attention(model)
         return cache
+
+    def _share_budget(self, layer: CompressedLayer, tokens: Tokens) -> None:
+        """Hold `layer`'s context until every compressed layer has handed in its own, then compress them together
+        (`methods.base.compress_layers`: one budget over every layer's heads) and keep each layer's share. Until then
+        the layers hold their whole context (counted in their peak bytes, as a prefill does). The joint compression's
+        time is counted by the layer whose context completes the set."""
+        self._waiting[layer.layer_idx] = tokens
+        compressed = [item for item in self.layers if isinstance(item, CompressedLayer)]
+        if len(self._waiting) < len(compressed):
+            return
+        waiting, self._waiting = self._waiting, {}
+        options, n = self.options, tokens.length
+        budget = options.budget_for(n)
+        summaries = compress_layers(options.compressor, [waiting[item.layer_idx] for item in compressed], budget, options.sink,
+                                    options.window, [self.generator(item.layer_idx) for item in compressed])
+        for item, summary in zip(compressed, summaries):
+            item.budgets += [budget] * tokens.keys.shape[0]
+            item._keep(summary.to(item.dtype).checked_eviction(), item._window_slots(n))
 
     def snapshot(self) -> list:
         """Every layer's state (cheap: stored tensors are shared), for restore(): e.g. right after a context is compressed."""

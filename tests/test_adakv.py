@@ -1,6 +1,7 @@
 """AdaKV (arXiv:2407.11550): head-adaptive budgets over an inner score method, and the ragged storage that keeps
 only what each head keeps (docs/design.md, "Memory")."""
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from kvcompress.cache import CompressedCache
 from kvcompress.integration import answer_from_cache_ids, compress_context_ids, generate_ids, use_compressed_attention
 from kvcompress.methods.adakv import AdaKV, head_allocation
 from kvcompress.methods.registry import build_method
+from kvcompress.methods.tokens import Tokens
 from kvcompress.quantization import QuantizedSummary
 from kvcompress.ragged import RaggedSummary, has_empty_slots
 from kvcompress.summary import KVSummary, Normalizer
@@ -292,3 +294,82 @@ def test_a_padded_batch_is_stored_ragged_and_answers_as_each_row_alone():
     front = cache.layers[0].front
     assert isinstance(front, RaggedSummary) and (front.counts.sum(-1) == 2 * (2 + 30)).all()
     assert cache.layers[0].tail.num_slots == 8
+
+
+# ---------------------------------------------------------------- scope "model": one budget over every layer
+
+
+def _layers(count=3, seed=0, **kw):
+    """Middles of `count` layers of one context, with the SnapKV queries (the same shapes in each)."""
+    out = []
+    for i in range(count):
+        keys, values, queries = _layer(seed=seed + i, **kw)
+        b, h, n, _ = keys.shape
+        out.append(Tokens(keys, values, torch.arange(n).expand(b, h, n), queries, scale=16**-0.5))
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2])
+def test_model_scope_is_one_top_k_over_every_layers_heads(alpha):
+    """compress_layers keeps exactly what `head_allocation` keeps from the scores of every layer's heads side by side:
+    L·H_kv·budget middle tokens per row in all, each head at least its safeguard, the layers unequal."""
+    method, budget = AdaKV(scope="model", alpha_safeguard=alpha), 20
+    layers = _layers()
+    layers[2] = Tokens(layers[2].keys * 3, layers[2].values, layers[2].positions, layers[2].queries, scale=layers[2].scale)
+    summaries = method.compress_layers(layers, budget, [torch.Generator() for _ in layers])
+    scores = torch.cat([method.head_scores(t, torch.Generator()) for t in layers], 1)
+    expected = head_allocation(scores, budget, method.safeguard(budget)).split(4, 1)
+    counts = torch.stack([_middle_counts(s, 0) for s in summaries])  # [L, B, H]
+    assert (counts.sum((0, 2)) == 3 * 4 * budget).all()
+    assert (counts >= method.safeguard(budget)).all() and len(set(counts.sum((1, 2)).tolist())) > 1
+    for tokens, summary, kept in zip(layers, summaries, expected):
+        for row in range(2):
+            for head in range(4):
+                real = torch.isfinite(summary.log_weights[row, head])
+                assert torch.equal(summary.positions[row, head][real], tokens.positions[row, head][kept[row, head]])
+    one = method.compress_layers(layers[:1], budget, [torch.Generator()])[0]  # one layer: the layer scope
+    layer_scope = AdaKV(alpha_safeguard=alpha).compress(layers[0], budget, torch.Generator())
+    assert torch.equal(one.positions, layer_scope.positions)
+
+
+def test_model_scope_in_a_cache_shares_the_budget_across_layers_in_both_prefill_paths():
+    """A prefill forward and a recorded prefill (`from_prefill`) give the same stored state: every layer holds its sink and
+    window, the middles hold L·H_kv·budget tokens in all, stored ragged; a budget above the context is the full cache."""
+    from kvcompress.eval.capture import capture_qkv
+    from kvcompress.options import CompressionOptions
+
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    options = CompressionOptions(method="adakv", budget=40, sink=2, window=8, method_params={"scope": "model"})
+    cache = compress_context_ids(model, ctx, options)
+    recorded = CompressedCache.from_prefill(model, options, capture_qkv(model, ctx))
+    middles = []
+    for layer, other in zip(cache.layers, recorded.layers):
+        stored = layer.stored()
+        assert torch.equal(stored.positions, other.stored().positions) and torch.equal(stored.keys, other.stored().keys)
+        kept = torch.isfinite(stored.log_weights).sum(-1)[0]
+        middles.append(kept - 2 - 8)
+        assert layer.budgets == [40]
+    middles = torch.stack(middles)
+    assert int(middles.sum()) == len(cache.layers) * 2 * 40 and len(set(middles.sum(-1).tolist())) > 1
+    assert any(isinstance(layer.front, RaggedSummary) for layer in cache.layers)
+    full = generate_ids(model, ctx, question, method=None, max_new_tokens=NEW, stop_at_eos=False)
+    wide = generate_ids(model, ctx, question, dataclasses.replace(options, budget=500), max_new_tokens=NEW, stop_at_eos=False)
+    assert wide.token_ids == full.token_ids
+
+
+def test_model_scope_refuses_streams_padded_batches_and_unknown_scopes():
+    from kvcompress.integration import generate_batch_ids
+
+    with pytest.raises(ValueError, match=r"scope must be one of \('layer', 'model'\).*got 'layers'"):
+        build_method("adakv", scope="layers")
+    model = tiny()
+    ctx, question = _prompt(n=120)
+    for mode in ("chunked", "decode"):
+        with pytest.raises(ValueError, match=f"scope='model' runs in mode 'prefill' only, got mode='{mode}'"):
+            generate_ids(model, ctx, question, method="adakv", budget=20, mode=mode, scope="model", max_new_tokens=2)
+    with pytest.raises(ValueError, match="scope='model' has no stream"):
+        kvc.stream("adakv", budget=8, scope="model")
+    contexts = [_prompt(n=n, seed=s)[0] for n, s in ((120, 1), (90, 2))]
+    with pytest.raises(ValueError, match="padded batch is not supported"):
+        generate_batch_ids(model, contexts, question, method="adakv", budget=20, scope="model", max_new_tokens=2)

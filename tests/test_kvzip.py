@@ -262,3 +262,17 @@ def test_adakv_shares_kvzips_budget_among_heads_through_the_reconstruction():
         assert isinstance(layer.front, RaggedSummary)
         kept = torch.isfinite(layer.front.summary().log_weights).sum(-1)  # [B, H_kv]: sink + middle of each head
         assert int(kept.sum()) == 2 * (2 + 40)
+
+
+def test_adakv_with_model_scope_shares_kvzips_budget_among_every_layers_heads():
+    """KVzip's own allocation (AdaKV over its scores, scope "model", no safeguard): after the reconstruction every layer is
+    compressed together, the model keeps L·H_kv·budget middle tokens in all, unevenly among its layers."""
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    options = CompressionOptions(method="adakv", budget=40, sink=2, window=0,
+                                 method_params={"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.0})
+    res = generate_ids(model, ctx, question, options, max_new_tokens=NEW, stop_at_eos=False)
+    assert res.extra["reconstruction"]["tokens"] == 200 and len(res.token_ids) == NEW
+    cache = compress_context_ids(model, ctx, options)
+    per_layer = [int(torch.isfinite(layer.stored().log_weights).sum()) - 2 * 2 for layer in cache.layers]
+    assert sum(per_layer) == len(cache.layers) * 2 * 40 and len(set(per_layer)) > 1

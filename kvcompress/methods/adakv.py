@@ -17,6 +17,13 @@ scorer, the paper's Ada-SnapKV) are attention probabilities: each observation qu
 every key sums to 1, so a head whose attention sits on the sink or the window has little mass
 left for the middle and is given fewer slots, as in the paper. A scorer on another scale (key norms,
 similarities) can be normalised per head first (`normalize="softmax"`).
+
+With `scope="model"` the joint top-k runs over every head of every compressed layer at once: the model keeps
+L·H_kv·budget middle tokens in all, and a layer whose heads matter more for the scores keeps more of them. This is
+how KVzip's paper shares its budget (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction", arXiv:2505.23416: its scores, maximum attention probabilities, are on one scale in every layer).
+The cache then compresses the layers together once the whole context has been through the model
+(`methods.base.compress_layers`), in mode "prefill" only.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from .registry import build_method, get_method_class, method_names, register
 from .tokens import Tokens
 
 NORMALIZATIONS = ("none", "softmax")
+SCOPES = ("layer", "model")
 # Method flags an instance takes from its scorer: the inputs it needs, whether it draws random numbers, the modes it runs in
 _FROM_SCORER = ("needs_queries", "needs_pre_rope_keys", "needs_attention_mass", "needs_reconstruction", "randomized", "modes")
 
@@ -95,6 +103,11 @@ class AdaKV(Method):
     normalize: how scores are made comparable across heads before the joint top-k: "none" (as given: right for
     attention probabilities, SnapKV's, H2O's, TOVA's) or "softmax" (each head's scores replaced by their log-softmax
     over the head's tokens, for scores on another scale, e.g. Knorm's negative key norms).
+    scope: where the joint top-k runs: "layer" (the heads of one layer, the paper's) or "model" (the heads of every
+    compressed layer together, KVzip's allocation; `shares_budget_across_layers`): then `budget` is the mean over
+    every layer's heads, and a layer keeps anywhere from H_kv·min(floor(alpha_safeguard·budget), n) to H_kv·n middle
+    tokens per batch row; mode "prefill" only. A single
+    call of `compress` (one layer's tensors, `kvc.compress`) is one layer, so there both scopes agree.
 
     Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
     H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
@@ -117,6 +130,7 @@ class AdaKV(Method):
     scorer_params: dict | None = None
     alpha_safeguard: float = 0.2
     normalize: str = "none"
+    scope: str = "layer"
 
     def __post_init__(self):
         accepted = score_method_names()
@@ -131,10 +145,25 @@ class AdaKV(Method):
                              f"got {alpha!r}")
         if self.normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES} (the heads one joint top-k runs over: one layer's, or every "
+                             f"layer's), got {self.scope!r}")
         self.inner = build_method(self.scorer, **(self.scorer_params or {}))
         for flag in _FROM_SCORER:  # what the scorer needs and is, AdaKV needs and is
             if hasattr(self.inner, flag):
                 setattr(self, flag, getattr(self.inner, flag))
+        if self.scope == "model":
+            self.shares_budget_across_layers = True
+            self.modes = tuple(mode for mode in self.modes if mode == "prefill")
+
+    def check_mode(self, mode: str) -> None:
+        if self.scope == "model" and mode != "prefill":
+            raise ValueError(
+                f"method 'adakv' with scope='model' runs in mode 'prefill' only, got mode={mode!r}: its top-k runs over every "
+                "layer's scores of the whole context at once, which a stream of blocks ('chunked', 'decode') never has; use "
+                "mode='prefill' or scope='layer'"
+            )
+        self.inner.check_mode(mode)
 
     def safeguard(self, budget: int) -> int:
         """Tokens every head keeps of its own at this budget: floor(alpha_safeguard·budget)."""
@@ -160,16 +189,35 @@ class AdaKV(Method):
         if tokens.length <= budget:
             return tokens.exact()
         kept, _ = self.allocate(tokens, budget, generator)
-        index, real = padded_index(kept)
-        empty = ~real
-        keys = take_slots(tokens.keys, index).masked_fill(empty.unsqueeze(-1), 0)
-        values = take_slots(tokens.values, index).masked_fill(empty.unsqueeze(-1), 0)
-        positions = take_slots(tokens.positions, index).masked_fill(empty, -1)
-        log_weights = torch.zeros(real.shape, device=keys.device).masked_fill(empty, float("-inf"))
-        return KVSummary(keys, values, log_weights, positions)
+        return kept_summary(tokens, kept)
+
+    def compress_layers(self, layers: list[Tokens], budget: int, generators: list[torch.Generator]) -> list[KVSummary]:
+        """scope "model": the middles of every compressed layer [B, H_kv, n, d] (one context: the same B, H_kv and n in
+        each), compressed together: one `head_allocation` over the scores of every layer's heads, L·H_kv·budget tokens
+        per batch row in all; -> one summary per layer (`compress`'s layout)."""
+        if layers[0].length <= budget:
+            return [tokens.exact() for tokens in layers]
+        scores = torch.cat([self.head_scores(tokens, generator) for tokens, generator in zip(layers, generators)], dim=1)
+        kept = head_allocation(scores, budget, self.safeguard(budget)).split(layers[0].keys.shape[1], dim=1)
+        return [kept_summary(tokens, layer_kept) for tokens, layer_kept in zip(layers, kept)]
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "AdaptiveBlockwiseState":
+        if self.scope == "model":
+            raise ValueError("adakv with scope='model' has no stream: its top-k runs over every layer's scores of the whole context "
+                             "at once; use scope='layer' to stream (kvc.stream, modes 'chunked' and 'decode')")
         return AdaptiveBlockwiseState(self, budget, generator, self.stream_slack(slack))
+
+
+def kept_summary(tokens: Tokens, kept: torch.Tensor) -> KVSummary:
+    """The tokens `kept` [B, H, n] bool of `tokens`, each head's in ascending order, shorter heads padded at the end
+    with empty slots (log-weight -inf, position -1, zero keys and values) to the most any head keeps."""
+    index, real = padded_index(kept)
+    empty = ~real
+    keys = take_slots(tokens.keys, index).masked_fill(empty.unsqueeze(-1), 0)
+    values = take_slots(tokens.values, index).masked_fill(empty.unsqueeze(-1), 0)
+    positions = take_slots(tokens.positions, index).masked_fill(empty, -1)
+    log_weights = torch.zeros(real.shape, device=keys.device).masked_fill(empty, float("-inf"))
+    return KVSummary(keys, values, log_weights, positions)
 
 
 class AdaptiveBlockwiseState(BlockwiseState):

@@ -83,6 +83,9 @@ class Method:
     # True: `budget` is the mean over a layer's KV heads (H_kv·budget slots per batch row, shared out among the heads,
     # one head keeping up to every token; AdaKV), not a bound on each head
     adaptive_heads: ClassVar[bool] = False
+    # True: one budget over every compressed layer of a model (`compress_layers(layers, budget, generators)`, which a
+    # cache calls once every layer holds the whole context, with `compress_layers` below; AdaKV with scope "model")
+    shares_budget_across_layers: ClassVar[bool] = False
     modes: ClassVar[tuple[str, ...]] = ("prefill", "chunked", "decode")  # the cache modes it runs in (`check_mode`)
     # True: scores with the queries of a forward that reconstructs the context after its prefill (KVzip), which
     # the model integration runs (`integration.reconstruction`); a plain forward's own queries are refused
@@ -289,16 +292,33 @@ def make_generator(seed: int | torch.Generator | None, device: torch.device | st
 def compress_tokens(method: Method, tokens: Tokens, budget: int, sink: int, window: int, generator) -> KVSummary:
     """Sink and window exact, the middle compressed by `method` to at most `budget` slots per head."""
     head, middle, tail = split_exact(tokens, sink, window)
-    parts = [head.exact()]
     if middle.length > budget:
-        middle = replace(
-            middle,
-            exact_keys=torch.cat([head.keys, tail.keys], 2),
-            exact_positions=torch.cat([head.positions, tail.positions], 2),
-        )
+        middle = _with_exact_neighbours(head, middle, tail)
         method.check_inputs(middle)
-        parts.append(method.compress(middle, budget, generator))
-    elif middle.length > 0:
-        parts.append(middle.exact())
-    parts.append(tail.exact())
+        middle = method.compress(middle, budget, generator)
+    return _assemble(head, middle, tail)
+
+
+def compress_layers(method: Method, layers: list[Tokens], budget: int, sink: int, window: int, generators) -> list[KVSummary]:
+    """`compress_tokens` for every compressed layer of a model at once (one context: the same batch, heads and tokens
+    in each), for a method that `shares_budget_across_layers`: each layer's sink and window exact, the middles
+    compressed together by `method.compress_layers` to `budget` slots per head on average over every layer."""
+    splits = [split_exact(tokens, sink, window) for tokens in layers]
+    middles = [middle for _, middle, _ in splits]
+    if middles[0].length > budget:
+        middles = [_with_exact_neighbours(head, middle, tail) for head, middle, tail in splits]
+        for middle in middles:
+            method.check_inputs(middle)
+        middles = method.compress_layers(middles, budget, list(generators))
+    return [_assemble(head, middle, tail) for (head, _, tail), middle in zip(splits, middles)]
+
+
+def _with_exact_neighbours(head: Tokens, middle: Tokens, tail: Tokens) -> Tokens:
+    """The middle with the sink and window beside it as its exact keys (`Tokens.exact_keys`)."""
+    return replace(middle, exact_keys=torch.cat([head.keys, tail.keys], 2), exact_positions=torch.cat([head.positions, tail.positions], 2))
+
+
+def _assemble(head: Tokens, middle: Tokens | KVSummary, tail: Tokens) -> KVSummary:
+    """Sink, middle (compressed, or as it is) and window as one summary."""
+    parts = [head.exact(), middle if isinstance(middle, KVSummary) else middle.exact(), tail.exact()]
     return concat([p for p in parts if p.num_slots > 0] or [parts[0]])
