@@ -28,10 +28,19 @@ layout). The context is prefilled once per sample and each cell answers from it 
 (Newcombe's interval, `eval.stats.paired_difference_interval`); stored bytes of the compressed
 context as above. Writes benchmarks/results/quantized_storage_needle.{csv,md}.
 
+With `--mode decode` (perplexity task): every token, context and continuation, goes through each
+cell's decode-mode stream (`CompressedCache(..., mode="decode", stream_length=...)`, the context fed
+in blocks of the options' chunk size), which keeps compressing as it goes; with kv_bits the stream
+stores its slots quantized, each slot once, keys and values grouped per slot
+(`quantization.QuantizedSlots`). Stored bytes are read after the context (the stream's state with
+its room for the next blocks, sink and window, positions and log-weights). Writes
+benchmarks/results/quantized_storage_decode.{csv,md} by default.
+
 `--plot` draws both result tables as quality against stored bytes (benchmarks/results/quantized_storage.png).
 
     python benchmarks/quantized_storage.py [--documents 30] [--context 768] [--scored 128] [--methods snapkv,keydiff,balancekv]
         [--ratios 0.5,0.75,0.9] [--bits 32,8,4,2] [--steps 32] [--threads 2]
+    python benchmarks/quantized_storage.py --mode decode --documents 30 --context 2048 --scored 64 --methods keydiff
     python benchmarks/quantized_storage.py --task needle --samples 30 --context 4096 --methods keydiff,snapkv [--needle-task niah_single]
     python benchmarks/quantized_storage.py --plot
 """
@@ -59,6 +68,7 @@ from kvcompress.eval.tables import read_csv, write_csv
 from kvcompress.eval.tasks import score
 from kvcompress.integration import build_prompt, generate_ids, use_compressed_attention
 from kvcompress.integration.generation import full_kv_bytes
+from kvcompress.methods.stream import Stream
 from kvcompress.options import CompressionOptions
 
 RESULTS = Path(__file__).parent / "results"
@@ -70,6 +80,8 @@ def parse_args():
     p.add_argument("--task", default="perplexity", choices=["perplexity", "needle"])
     p.add_argument("--documents", type=int, default=30, help="perplexity: prose documents")
     p.add_argument("--samples", type=int, default=30, help="needle: samples")
+    p.add_argument("--mode", default="prefill", choices=["prefill", "decode"],
+                   help="perplexity: compress the context once (prefill) or stream every token (decode)")
     p.add_argument("--needle-task", default="niah_single", choices=["niah_single", "niah_prose"])
     p.add_argument("--context", type=int, default=768, help="context tokens compressed")
     p.add_argument("--scored", type=int, default=128, help="continuation tokens scored after the context")
@@ -78,11 +90,14 @@ def parse_args():
     p.add_argument("--bits", default="32,8,4,2", help="bits per stored element; 32 is full precision (kv_bits None)")
     p.add_argument("--steps", type=int, default=32, help="single-token decode steps timed per cell on the first document")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="results path; .csv and .md are written beside it, any suffix replaced (default: results/quantized_storage[_needle])")
+    p.add_argument("--out", default=None, help="results path; .csv and .md are written beside it, any suffix replaced (default: results/quantized_storage[_needle|_decode])")
     p.add_argument("--plot", action="store_true", help="only draw results/quantized_storage.png from the two result tables")
     args = p.parse_args()
     if args.out is None:
-        args.out = str(RESULTS / ("quantized_storage" if args.task == "perplexity" else "quantized_storage_needle"))
+        name = {"needle": "quantized_storage_needle"}.get(args.task, "quantized_storage" if args.mode == "prefill" else "quantized_storage_decode")
+        args.out = str(RESULTS / name)
+    if args.mode != "prefill" and args.task != "perplexity":
+        p.error(f"--mode {args.mode} applies to the perplexity task, got --task {args.task}")
     return args
 
 
@@ -91,18 +106,33 @@ def cells(methods: list[str], ratios: list[float], bits: list[int]) -> list[tupl
     return [(methods[0], 0.0, b) for b in bits] + [(m, r, b) for m in methods for r in ratios for b in bits]
 
 
-def options_of(method: str, ratio: float, bits: int) -> CompressionOptions:
-    return CompressionOptions(method=method, compression_ratio=ratio, kv_bits=None if bits == 32 else bits)
+def options_of(method: str, ratio: float, bits: int, mode: str = "prefill") -> CompressionOptions:
+    return CompressionOptions(method=method, compression_ratio=ratio, kv_bits=None if bits == 32 else bits, mode=mode)
 
 
 def stored_bytes(cache: CompressedCache) -> int:
-    """KV bytes plus the positions and log-weights held, every layer."""
+    """KV bytes plus the positions and log-weights held, every layer (a live stream's: those of its summary)."""
     total = cache.nbytes()
     for layer in cache.layers:
         for part in (layer.front, layer.tail):
-            if part is not None:
+            if isinstance(part, Stream):
+                total += part.summary().index_nbytes()
+            elif part is not None:
                 total += part.index_nbytes()
     return total
+
+
+@torch.inference_mode()
+def compressed_context(model, cell: tuple, ids: torch.Tensor, n_context: int, mode: str, captured) -> CompressedCache:
+    """The cache of `cell` holding ids[:n_context]: compressed from the recorded prefill (prefill mode), or the context fed
+    in chunks through a decode-mode stream that will take every token of ids but the last."""
+    options = options_of(*cell, mode)
+    if mode == "prefill":
+        return CompressedCache.from_prefill(model, options, captured)
+    cache = CompressedCache(model, options, stream_length=ids.shape[1] - 1)
+    for block in ids[:, :n_context].split(options.chunk_size, dim=1):
+        model(block, past_key_values=cache, use_cache=True)
+    return cache
 
 
 @torch.inference_mode()
@@ -149,15 +179,15 @@ def main():
     for index in range(args.documents):
         ids = torch.tensor([prose_document(index, args.context + max(args.scored, args.steps) + 1, tokenizer).ids])
         n_context = args.context
-        captured = capture_qkv(model, ids[:, :n_context])
+        captured = capture_qkv(model, ids[:, :n_context]) if args.mode == "prefill" else None
         full = full_kv_bytes(model, n_context, torch.float32)
         with use_compressed_attention(model):
             for cell in grid:
-                cache = CompressedCache.from_prefill(model, options_of(*cell), captured)
+                cache = compressed_context(model, cell, ids, n_context, args.mode, captured)
                 fraction[cell].append(stored_bytes(cache) / full)
                 if index == 0:
-                    speed[cell] = decode_seconds(model, CompressedCache.from_prefill(model, options_of(*cell), captured), ids, n_context,
-                                                 args.steps)
+                    speed[cell] = decode_seconds(model, compressed_context(model, cell, ids, n_context, args.mode, captured), ids,
+                                                 n_context, args.steps)
                 log_ppl[cell].append(float(continuation_nll(model, cache, ids[:, : n_context + args.scored + 1], n_context).mean()))
         write_results(args, summarize(grid, log_ppl, fraction, speed), f"{index + 1} of {args.documents} prose documents",
                       time.perf_counter() - started)
@@ -188,7 +218,7 @@ def header(args, title: str, done: str, details: str, seconds: float) -> str:
     unused = ("documents", "scored", "steps") if args.task == "needle" else ("samples", "needle_task")
     command = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "plot", *unused))
     return (f"# {title}\n\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{args.threads} threads; SmolLM2-135M-Instruct float32; {done} ({details}); prefill mode, group size 32, each method's "
+            f"{args.threads} threads; SmolLM2-135M-Instruct float32; {done} ({details}); {args.mode} mode, group size 32, each method's "
             f"own sink and window. Wall time {seconds:.0f}s.\n\n`python benchmarks/quantized_storage.py {command}`\n\n")
 
 

@@ -165,8 +165,9 @@ class CompressedLayer(CacheLayerMixin):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
             if self.front is None:
                 self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
+                bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self.budgets[0], options.sink, options.window, self.cache.generator(self.layer_idx), scale,
-                                    options.slack, self.cache._unrotate)
+                                    options.slack, self.cache._unrotate, bits, options.kv_group_size)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return

@@ -51,8 +51,10 @@ class CompressionOptions:
     channel and values per slot in groups of `kv_group_size` (default 32), KIVI's scheme
     (`kvcompress.quantization`). What is quantized is what compression keeps, once it is done: in
     prefill mode the compressed first forward, in chunked mode the stream when the prompt ends. Its
-    exact window, and every later token (question, answer), stay at full precision. mode="decode"
-    takes none: its stream keeps re-selecting and merging slots at every token, at full precision.
+    exact window, and every later token (question, answer), stay at full precision. In mode="decode"
+    the stream itself stores its slots quantized, keys and values each per slot (a slot is quantized
+    once, as it enters the stream; `quantization.QuantizedSlots`), for block-wise streams (every score
+    method, compactor, adakv; not the native streams of Express, SubGen, ClusterGen, BalanceKV).
     """
 
     method: str | None = DEFAULT_METHOD
@@ -94,6 +96,13 @@ class CompressionOptions:
             raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
         self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
+        if self.kv_bits is not None and self.mode == "decode" and not self.compressor.quantized_stream:
+            raise ValueError(
+                f"kv_bits={self.kv_bits} in mode 'decode' stores a block-wise stream's slots quantized, each once as it enters the "
+                f"stream; method {self.method!r} streams natively, merging and re-weighting its slots at every token (a hybrid: "
+                "through its coreset), so its stream cannot: use mode 'prefill' or 'chunked', or a block-wise method (a score "
+                "method such as keydiff or snapkv, compactor, adakv)"
+            )
         sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))
         object.__setattr__(self, "sink", sink)
         object.__setattr__(self, "window", window)
@@ -120,11 +129,6 @@ class CompressionOptions:
             return
         size = DEFAULT_GROUP_SIZE if self.kv_group_size is None else self.kv_group_size
         object.__setattr__(self, "kv_group_size", as_count("kv_group_size", size, 1))
-        if self.mode == "decode":
-            raise ValueError(
-                f"kv_bits={self.kv_bits} stores what compression keeps once it is done (mode 'prefill' or 'chunked'); mode='decode' "
-                "keeps re-selecting and merging slots at every token, so its stream stays at full precision: leave kv_bits unset"
-            )
 
     @classmethod
     def build(cls, options: "CompressionOptions | None" = None, **settings) -> "CompressionOptions":

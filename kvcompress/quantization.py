@@ -13,6 +13,12 @@ with log-weight -inf (empty slots, head-wise budget padding) are left out of the
 ranges, and log-weights and positions (int32 here, int64 again when dequantized) stay exact.
 Plain torch ops, no kernel: `QuantizedSummary.summary()` dequantizes the whole summary into a
 `KVSummary` each time it is read.
+
+A live stream (mode "decode") keeps re-selecting which slots it holds, so a per-channel key group
+(G consecutive slots) would lose members at every re-compression and have to be quantized again,
+compounding the rounding. `QuantizedSlots`, the storage of a block-wise stream, therefore groups
+keys per slot too (G consecutive channels, as values): each slot is quantized once, when it enters
+the stream, and a re-compression only selects stored codes.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import as_count
-from .summary import KVSummary, Normalizer
+from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
 
 KV_BITS = (8, 4, 2)
 DEFAULT_GROUP_SIZE = 32
@@ -230,3 +236,66 @@ def _int32(positions: torch.Tensor) -> torch.Tensor:
     if positions.numel() and int(positions.max()) > torch.iinfo(torch.int32).max:
         raise ValueError(f"positions up to {int(positions.max())} do not fit the int32 a quantized summary stores them in")
     return positions.to(torch.int32).contiguous()
+
+
+class QuantizedSlots:
+    """The slot buffer of a block-wise stream (`methods.base.BlockwiseState`) with keys and values stored in `bits` bits.
+
+    The interface of `summary._GrowingSlots` over the columns (keys, values, positions, extra per-slot columns):
+    `append(columns, reserve=, most=)` quantizes the keys and the values of the new slots, each slot over groups of
+    `group_size` consecutive channels (axis "token" of `quantize`, for keys as well: module docstring), and stores
+    the codes with their scales and zero points; the other columns are stored as they are. `view()` returns the
+    columns with keys and values dequantized (in the scales' dtype, the stream's). `take(index, ...)` keeps the slots
+    `index` [B, H, k] of every head in a new buffer by selecting their stored codes: a slot is quantized once, however
+    many re-compressions it survives.
+    """
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits, self.group_size = check_kv_bits(bits), as_count("group_size", group_size, 1)
+        if self.bits is None:
+            raise ValueError("QuantizedSlots needs bits, one of " + ", ".join(map(str, KV_BITS)))
+        self.raw = _GrowingSlots()  # key packed, scale, zero; value packed, scale, zero; then the other columns
+        self.dims: tuple[int, int] | None = None
+
+    @property
+    def length(self) -> int:
+        return self.raw.length
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.raw.tensors
+
+    @property
+    def width(self) -> int:
+        """Columns stored, as `view()` returns them (keys and values count one each)."""
+        return self.raw.width - 4
+
+    def append(self, columns: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None) -> None:
+        keys, values, *rest = columns
+        if self.dims is None:
+            self.dims = (keys.shape[-1], values.shape[-1])
+        parts = []
+        for x in (keys, values):
+            q = quantize(x, self.bits, self.group_size, "token")
+            parts += [q.packed, q.scale, q.zero]
+        self.raw.append((*parts, *rest), reserve=reserve, most=most)
+
+    def _dequantized(self, packed, scale, zero, dim) -> torch.Tensor:
+        return QuantizedTensor(packed, scale, zero, self.bits, self.group_size, "token", dim).dequantize()
+
+    def view(self) -> tuple[torch.Tensor, ...]:
+        raw = self.raw.view()
+        keys, values = (self._dequantized(*raw[3 * i : 3 * i + 3], self.dims[i]) for i in range(2))
+        return (keys, values, *raw[6:])
+
+    def take(self, index: torch.Tensor, reserve: int = 0, most: int | None = None) -> "QuantizedSlots":
+        """A new buffer holding the slots `index` [B, H, k] (ascending per head) of this one, their codes as stored."""
+        out = QuantizedSlots(self.bits, self.group_size)
+        out.dims = self.dims
+        out.raw.append(tuple(take_slots(t, index) for t in self.raw.view()), reserve=reserve, most=most)
+        return out
+
+    def kv_bytes(self) -> int:
+        """Bytes allocated (room included) for the codes, scales and zero points of keys and values, and for any
+        other per-slot vector column [B,H,capacity,d] (stored pre-RoPE keys); per-slot scalars are bookkeeping."""
+        return sum(t.numel() * t.element_size() for i, t in enumerate(self.raw.tensors) if i < 6 or t.ndim == 4)

@@ -250,6 +250,11 @@ class _GrowingSlots:
             buffer[:, :, self.length : need] = part
         self.length = need
 
+    @property
+    def width(self) -> int:
+        """Columns stored."""
+        return len(self.tensors)
+
     def view(self) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, : self.length] for t in self.tensors)
 

@@ -12,7 +12,7 @@ from kvcompress.integration import generate_batch_ids, generate_ids
 from kvcompress.options import CompressionOptions
 from kvcompress.methods.registry import get_method_class
 from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedSummary, _pack, _unpack, quantize
-from kvcompress.summary import KVSummary, Normalizer
+from kvcompress.summary import KVSummary, Normalizer, take_slots
 
 from test_integration import _prompt, tiny
 
@@ -154,8 +154,10 @@ def test_storage_options_are_checked_when_built():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="kv_group_size"):
             CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4, kv_group_size=bad)
-    with pytest.raises(ValueError, match="mode='decode' keeps re-selecting and merging slots"):
-        CompressionOptions(method="snapkv", budget=8, mode="decode", kv_bits=4)
+    assert CompressionOptions(method="snapkv", budget=8, mode="decode", kv_bits=4).kv_bits == 4
+    for method in ("express", "subgen", "clustergen", "balancekv", "hybrid"):
+        with pytest.raises(ValueError, match=f"kv_bits=4 in mode 'decode' .* method '{method}' streams natively"):
+            CompressionOptions(method=method, budget=8, mode="decode", kv_bits=4)
     with pytest.raises(ValueError, match="method=None is the full cache: it takes no kv_bits"):
         CompressionOptions(method=None, kv_bits=4)
 
@@ -187,12 +189,17 @@ def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact
     assert layer.front.nbytes() == 2 * (2 * per_head_codes + scales)
 
 
-@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 @pytest.mark.parametrize("method", kvc.methods())
 def test_every_method_composes_with_quantized_storage(method, mode):
-    """At 8 bits every method answers as at full precision on the tiny model, and stores fewer bytes at 8, 4 and 2."""
+    """At 8 bits every method answers as at full precision on the tiny model, and stores fewer bytes at 8, 4 and 2. In
+    decode mode the block-wise streams store their slots quantized; a native stream is refused when the options are built."""
     if mode not in get_method_class(method).modes:  # KVzip runs in prefill mode only: refused when the options are built
         with pytest.raises(ValueError, match=f"got mode='{mode}'"):
+            CompressionOptions(method=method, mode=mode, budget=24, kv_bits=4)
+        return
+    if mode == "decode" and not CompressionOptions(method=method, budget=24).compressor.quantized_stream:
+        with pytest.raises(ValueError, match=f"method '{method}' streams natively"):
             CompressionOptions(method=method, mode=mode, budget=24, kv_bits=4)
         return
     model = tiny()
@@ -203,10 +210,44 @@ def test_every_method_composes_with_quantized_storage(method, mode):
     for bits in BITS:
         res = _reference_budget(model, ctx, question, kv_bits=bits, **kw)
         assert res.slots_per_layer == full.slots_per_layer and res.kv_bits == bits
-        if bits == 8:
+        if bits == 8 and mode != "decode":  # decode: the stream selects on stored keys (test_a_decode_stream_quantizes_...)
             assert res.token_ids[:4] == full.token_ids[:4], (method, mode)
         stored.append(res.kv_bytes)
     assert stored == sorted(stored, reverse=True) and stored[-1] < stored[0], stored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_stream_quantizes_each_slot_once_and_stores_only_codes(dtype):
+    """Decode mode with kv_bits: every middle slot the stream holds is its key and value quantized once per slot (the
+    layer-0 keys do not depend on compression, so they are checked against the full cache's), however many
+    re-compressions it survived; the state stores the packed codes with a scale and a zero point per group."""
+    from transformers import DynamicCache
+
+    from kvcompress.integration import use_compressed_attention
+    from kvcompress.quantization import QuantizedSlots
+
+    model = tiny().to(dtype)
+    ctx, _ = _prompt(n=300)
+    full = DynamicCache()
+    with torch.inference_mode():
+        model(ctx, past_key_values=full)
+    keys0, values0 = full.layers[0].keys, full.layers[0].values
+    cache = CompressedCache(model, "keydiff", mode="decode", budget=24, sink=2, window=8, kv_bits=4, kv_group_size=8)
+    with torch.inference_mode(), use_compressed_attention(model):
+        for block in ctx.split(20, 1):
+            model(block, past_key_values=cache)
+    state = cache.layers[0].front.state
+    assert isinstance(state.slots, QuantizedSlots) and state.slots.tensors[0].dtype == torch.uint8
+    keys, values, positions = state.slots.view()[:3]
+    assert keys.dtype == dtype and 24 <= positions.shape[2] <= 24 + 6 + 20
+    for x, original in ((keys, keys0), (values, values0)):
+        expected = quantize(take_slots(original, positions), 4, 8, "token").dequantize()
+        torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    d = keys0.shape[-1]
+    per_slot = 2 * (d * 4 // 8 + 2 * (d // 8) * keys0.element_size())  # keys and values: codes, a scale and a zero per 8 channels
+    capacity = state.slots.tensors[0].shape[2]  # slots allocated per head (room for the next blocks included)
+    assert state.nbytes() == capacity * 2 * per_slot  # 2 KV heads
+    assert state.nbytes() <= capacity * 2 * 2 * d * keys0.element_size() // 2  # at most half the same slots at full precision
 
 
 def test_a_padded_batch_quantized_answers_as_each_row_alone():

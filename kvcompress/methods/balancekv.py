@@ -254,6 +254,7 @@ class BalanceKV(Method):
     """
 
     name = "balancekv"
+    quantized_stream = False  # its native stream merges and re-weights slots
     randomized = True
     default_sink = 0
     default_window = 0

@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from ..checks import as_count
+from ..quantization import QuantizedSlots
 from ..summary import KVSummary, _GrowingSlots, concat, gather_slots, take_slots
 from .budget import DEFAULT_SLACK, check_slack
 from .tokens import (
@@ -59,6 +60,11 @@ class StreamState(ABC):
     def compact(self) -> None:
         """Bring what is held down to the budget now (a state that never holds more does nothing)."""
 
+    def store_quantized(self, bits: int, group_size: int) -> None:
+        """Store what the state holds in `bits` bits (a block-wise state does: `BlockwiseState.store_quantized`)."""
+        raise ValueError(f"{type(self).__name__} merges and re-weights the slots it holds as tokens arrive, so it cannot store "
+                         "them quantized once; kv_bits in mode 'decode' needs a block-wise stream (score methods, compactor, adakv)")
+
     def nbytes(self) -> int:
         """KV bytes the state stores (keys, values and other key copies, including any workspace kept between updates)."""
         s = self.summary()
@@ -80,6 +86,9 @@ class Method:
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
     stream_recompresses: ClassVar[bool] = True  # False: the native stream never holds more than budget (no slack)
+    # True: the stream is block-wise (`BlockwiseState`: it keeps a subset of what it holds), so it can store its slots
+    # quantized, each once (`StreamState.store_quantized`; kv_bits in mode "decode"); False for a native stream
+    quantized_stream: ClassVar[bool] = True
     # True: `budget` is the mean over a layer's KV heads (H_kv·budget slots per batch row, shared out among the heads,
     # one head keeping up to every token; AdaKV), not a bound on each head
     adaptive_heads: ClassVar[bool] = False
@@ -245,15 +254,35 @@ class BlockwiseState(StreamState):
             self.log_weights = kept + (before.logsumexp(-1) - kept.logsumexp(-1)).unsqueeze(-1)
         return (summary.keys, summary.values, summary.positions, *(take_slots(t, index) for t in extra))
 
+    def store_quantized(self, bits: int, group_size: int) -> None:
+        """Store the slots in `bits` bits from now on (`quantization.QuantizedSlots`: each slot quantized once, on
+        arrival; a re-compression selects stored codes). Before the first token only."""
+        if self.seen:
+            raise ValueError("store_quantized must be set before the stream's first token")
+        self.slots = QuantizedSlots(bits, group_size)
+
     def recompress(self, room: int) -> None:
         """Compress what is held back to the budget (when above it), into a buffer with `room` more slots reserved."""
         if self.slots.length <= self.budget:
             return
-        kept = self.keep(self.held())
+        held = self.held()
+        kept = self.keep(held)
         self.limit = max(self.budget, kept[0].shape[2])
-        self.slots = _GrowingSlots()
         slots = min(self.limit + room, self.most_slots()) if room else kept[0].shape[2]  # compact(): exactly what is kept
-        self.slots.append(kept, reserve=slots, most=slots)
+        self._refill(kept, held.positions, slots)
+
+    def _refill(self, kept: tuple[torch.Tensor, ...], held_positions: torch.Tensor, slots: int) -> None:
+        """A new buffer of `slots` slots holding the kept columns. Quantized storage keeps the stored codes of the kept
+        slots, found by position among the held ones (every block-wise method keeps a subset of what it holds)."""
+        if isinstance(self.slots, _GrowingSlots):
+            self.slots = _GrowingSlots()
+            self.slots.append(kept, reserve=slots, most=slots)
+            return
+        index = positions_index(held_positions, kept[2]).clamp_(max=held_positions.shape[2] - 1)
+        if not torch.equal(take_slots(held_positions, index), kept[2]):
+            raise RuntimeError(f"method {self.method.name!r} kept slots that are not among those it held: quantized stream storage "
+                               "selects stored codes and cannot hold new ones")
+        self.slots = self.slots.take(index, reserve=slots, most=slots)
 
     def compact(self) -> None:
         """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:
@@ -262,8 +291,7 @@ class BlockwiseState(StreamState):
             self.recompress(room=0)
         elif self.slots.tensors:
             held = self.slots.view()
-            self.slots = _GrowingSlots()
-            self.slots.append(held, most=held[0].shape[2])
+            self._refill(held, held[2], held[0].shape[2])
 
     def summary(self) -> KVSummary | None:
         if self.last is None:

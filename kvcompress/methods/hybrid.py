@@ -163,6 +163,7 @@ class Hybrid(Method):
             if method.needs_reconstruction:  # its queries come from a forward only the model integration runs for it alone
                 raise ValueError(f"method {method.name!r} scores with its own reconstruction forward: it cannot be a part of the hybrid")
         self.needs_queries = any(m.needs_queries for m in parts)
+        self.quantized_stream = self.coreset_method.quantized_stream  # the exact set is block-wise; the coreset streams as it does
         self.needs_pre_rope_keys = any(m.needs_pre_rope_keys for m in parts)
 
     def split_budget(self, budget: int) -> tuple[list[int], int]:
@@ -244,6 +245,10 @@ class HybridState(BlockwiseState):
     def compact(self) -> None:
         super().compact()
         self.coreset.compact()
+
+    def store_quantized(self, bits: int, group_size: int) -> None:
+        self.coreset.store_quantized(bits, group_size)
+        super().store_quantized(bits, group_size)
 
     def summary(self) -> KVSummary | None:
         exact = super().summary()

@@ -43,15 +43,21 @@ class Stream:
     every method, and the buffer never allocates more slots than tokens have left the window.
     unrotate (from a cache that can invert its model's rotation, see `Tokens.unrotate`): pre-RoPE
     keys are computed from the keys when a method needs them, instead of passed and stored.
+    kv_bits (with kv_group_size): the method's state stores its slots in that many bits, each slot
+    quantized once as it enters the state (`StreamState.store_quantized`; block-wise streams only);
+    sink and window stay exact.
     """
 
     def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None,
-                 slack: float | None = None, unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+                 slack: float | None = None, unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 kv_bits: int | None = None, kv_group_size: int | None = None):
         sink, window = check_sink_window(sink, window)
         budget = as_count("budget", budget, 1)
         self.method, self.budget, self.sink, self.window = method, budget, sink, window
         self.generator, self.scale = generator, check_scale(scale)
         self.state = method.new_stream(budget, generator, slack)
+        if kv_bits is not None:
+            self.state.store_quantized(kv_bits, kv_group_size)
         self.unrotate = unrotate
         self.head: Tokens | None = None
         self.recent: Tokens | None = None

@@ -272,6 +272,7 @@ class SubGen(Method):
     name = "subgen"
     randomized = True
     stream_recompresses = False
+    quantized_stream = False  # its native stream merges slots
     default_sink = 4
     default_window = 64
     s: int | None = None

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..attention import received_attention
+from ..quantization import QuantizedSlots
 from ..summary import KVSummary, _GrowingSlots, take_slots
 
 
@@ -119,9 +120,9 @@ def token_columns(tokens: Tokens) -> tuple[torch.Tensor, ...]:
     return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
 
 
-def append_columns(slots: _GrowingSlots, columns: tuple[torch.Tensor, ...], **allocation) -> None:
+def append_columns(slots: _GrowingSlots | QuantizedSlots, columns: tuple[torch.Tensor, ...], **allocation) -> None:
     """Append a block's `token_columns` (plus any extra ones) to a buffer (`_GrowingSlots.append` options)."""
-    if slots.tensors and len(columns) != len(slots.tensors):
+    if slots.length and len(columns) != slots.width:
         raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
     slots.append(columns, **allocation)
 
