@@ -13,6 +13,7 @@ from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
+from .quantization import DEFAULT_GROUP_SIZE, check_kv_bits
 from .summary import KVSummary
 
 
@@ -83,6 +84,8 @@ def stream(
     seed: int | torch.Generator | None = 0,
     scale: float | None = None,
     slack: float | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
     **method_params,
 ) -> Stream:
     """A streaming compressor: `.update(keys, values, queries=None)` any number of times, `.summary()`.
@@ -93,8 +96,13 @@ def stream(
     re-compressing back to `budget` each time it passes that, so its cost is linear in the stream
     length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (KeyDiff's
     block prompt processing); `.compact()` brings the state down to `budget` now. seed as in
-    `compress` (None: fresh randomness).
+    `compress` (None: fresh randomness). kv_bits (8, 4, 2; kv_group_size, default 32): the method's state
+    stores its slots quantized, each once, keys and values per slot (`quantization.QuantizedSlots`; block-wise
+    methods only: a native stream is refused).
     """
     m = build_method(method, **method_params)
     sink, window = default_sink_window(method, sink, window)
-    return Stream(m, budget, sink, window, make_generator(seed), scale, slack)
+    if kv_bits is None and kv_group_size is not None:
+        raise ValueError(f"kv_group_size={kv_group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
+    group = DEFAULT_GROUP_SIZE if kv_group_size is None else kv_group_size
+    return Stream(m, budget, sink, window, make_generator(seed), scale, slack, kv_bits=check_kv_bits(kv_bits), kv_group_size=group)

@@ -300,3 +300,28 @@ def test_ten_times_smaller_at_4_bits_and_ratio_075_on_4k_tokens(tmp_path):
     assert layer.front.index_nbytes() + layer.tail.index_nbytes() == 2 * (per_head - codes - scales - exact)
     smollm2_full, smollm2_stored = 30 * 3 * (4096 * d * 2 * 2), 30 * 3 * per_head
     assert smollm2_stored / smollm2_full < 0.095, smollm2_stored / smollm2_full
+
+
+def test_a_tensor_level_stream_stores_quantized_slots_and_native_streams_refuse():
+    """kvc.stream(kv_bits=...): the block-wise state holds packed codes, its summary is each slot quantized once per slot
+    (keys and values alike), sink and window exact; a native stream refuses with the reason."""
+    from kvcompress.quantization import QuantizedSlots
+
+    keys, values = _x((1, 2, 200, 16), seed=1), _x((1, 2, 200, 16), seed=2)
+    s = kvc.stream("knorm", budget=20, sink=2, window=4, kv_bits=4, kv_group_size=8)
+    for start in range(0, 200, 25):
+        s.update(keys[:, :, start : start + 25], values[:, :, start : start + 25])
+    assert isinstance(s.state.slots, QuantizedSlots)
+    summary = s.summary()
+    middle = summary.positions[0, 0, 2:-4]
+    assert torch.equal(summary.keys[:, :, :2], keys[:, :, :2]) and torch.equal(summary.values[:, :, -4:], values[:, :, -4:])
+    for got, original in ((summary.keys, keys), (summary.values, values)):
+        expected = quantize(take_slots(original, summary.positions[:, :, 2:-4]), 4, 8, "token").dequantize()
+        torch.testing.assert_close(got[:, :, 2:-4], expected, rtol=0, atol=0)
+    assert middle.numel() >= 20
+    with pytest.raises(ValueError, match="ExpressState merges and re-weights"):
+        kvc.stream("express", budget=20, kv_bits=4)
+    with pytest.raises(ValueError, match="kv_bits must be None"):
+        kvc.stream("knorm", budget=20, kv_bits=3)
+    with pytest.raises(ValueError, match="kv_group_size=8 groups quantized storage"):
+        kvc.stream("knorm", budget=20, kv_group_size=8)
