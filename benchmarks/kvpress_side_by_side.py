@@ -91,6 +91,7 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "adakv[scorer=kvzip]": ("adakv", {"scorer": "kvzip"}),
     "adakv[scorer=kvzip,scope=model]": ("adakv", {"scorer": "kvzip", "scope": "model"}),
     "adakv[scorer=kvzip,scope=model,alpha=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.0}),
+    "adakv[scorer=kvzip,scope=model,window=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0}),
 }
 DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapkv", "snapkv[window=64,pool=5,sink=0]",
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
@@ -128,6 +129,7 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip]": "KVzip",
     "adakv[scorer=kvzip,scope=model]": "KVzip",
     "adakv[scorer=kvzip,scope=model,alpha=0]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0]": "KVzip",
 }
 # kvcompress cell -> more kvpress cells worth pairing with: AdaKV's head-wise budget of the same score, and
 # kvpress's KVzip (its best press here) against kvcompress's query-agnostic and composed methods.

@@ -99,8 +99,8 @@ class CompressionOptions:
         if self.kv_bits is not None and self.mode == "decode" and not self.compressor.quantized_stream:
             raise ValueError(
                 f"kv_bits={self.kv_bits} in mode 'decode' stores a block-wise stream's slots quantized, each once as it enters the "
-                f"stream; method {self.method!r} streams natively, merging and re-weighting its slots at every token (a hybrid: "
-                "through its coreset), so its stream cannot: use mode 'prefill' or 'chunked', or a block-wise method (a score "
+                f"stream; method {self.method!r} streams natively (a hybrid: through its coreset), keeping its slots in structures "
+                "of its own that do not store them quantized: use mode 'prefill' or 'chunked', or a block-wise method (a score "
                 "method such as keydiff or snapkv, compactor, adakv)"
             )
         sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))

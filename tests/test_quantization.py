@@ -319,7 +319,7 @@ def test_a_tensor_level_stream_stores_quantized_slots_and_native_streams_refuse(
         expected = quantize(take_slots(original, summary.positions[:, :, 2:-4]), 4, 8, "token").dequantize()
         torch.testing.assert_close(got[:, :, 2:-4], expected, rtol=0, atol=0)
     assert middle.numel() >= 20
-    with pytest.raises(ValueError, match="ExpressState merges and re-weights"):
+    with pytest.raises(ValueError, match="ExpressState keeps its slots in structures of its own"):
         kvc.stream("express", budget=20, kv_bits=4)
     with pytest.raises(ValueError, match="kv_bits must be None"):
         kvc.stream("knorm", budget=20, kv_bits=3)

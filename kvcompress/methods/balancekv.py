@@ -254,7 +254,7 @@ class BalanceKV(Method):
     """
 
     name = "balancekv"
-    quantized_stream = False  # its native stream merges and re-weights slots
+    quantized_stream = False  # its native stream keeps slots in buckets and pools of its own
     randomized = True
     default_sink = 0
     default_window = 0

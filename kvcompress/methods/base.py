@@ -62,8 +62,8 @@ class StreamState(ABC):
 
     def store_quantized(self, bits: int, group_size: int) -> None:
         """Store what the state holds in `bits` bits (a block-wise state does: `BlockwiseState.store_quantized`)."""
-        raise ValueError(f"{type(self).__name__} merges and re-weights the slots it holds as tokens arrive, so it cannot store "
-                         "them quantized once; kv_bits in mode 'decode' needs a block-wise stream (score methods, compactor, adakv)")
+        raise ValueError(f"{type(self).__name__} keeps its slots in structures of its own, which do not store them quantized; "
+                         "kv_bits in mode 'decode' needs a block-wise stream (score methods, compactor, adakv)")
 
     def nbytes(self) -> int:
         """KV bytes the state stores (keys, values and other key copies, including any workspace kept between updates)."""

@@ -115,7 +115,7 @@ class ClusterGen(Method):
     """
 
     name = "clustergen"
-    quantized_stream = False  # its native stream merges and re-weights slots
+    quantized_stream = False  # its native stream merges slots into clusters
     default_sink = 0
     default_window = 64
     weighted: bool = False

@@ -508,7 +508,7 @@ class Express(Method):
     name = "express"
     randomized = True
     stream_recompresses = False
-    quantized_stream = False  # its native stream merges slots
+    quantized_stream = False  # its native stream keeps slots in its halving tree
     default_sink = 32
     default_window = 32
     g: int = 0

@@ -272,7 +272,7 @@ class SubGen(Method):
     name = "subgen"
     randomized = True
     stream_recompresses = False
-    quantized_stream = False  # its native stream merges slots
+    quantized_stream = False  # its native stream merges slots into clusters
     default_sink = 4
     default_window = 64
     s: int | None = None
