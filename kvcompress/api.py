@@ -13,7 +13,7 @@ from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
-from .quantization import DEFAULT_GROUP_SIZE, check_kv_bits
+from .quantization import check_storage
 from .summary import KVSummary
 
 
@@ -102,7 +102,5 @@ def stream(
     """
     m = build_method(method, **method_params)
     sink, window = default_sink_window(method, sink, window)
-    if kv_bits is None and kv_group_size is not None:
-        raise ValueError(f"kv_group_size={kv_group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
-    group = DEFAULT_GROUP_SIZE if kv_group_size is None else kv_group_size
-    return Stream(m, budget, sink, window, make_generator(seed), scale, slack, kv_bits=check_kv_bits(kv_bits), kv_group_size=group)
+    kv_bits, kv_group_size = check_storage(kv_bits, kv_group_size)
+    return Stream(m, budget, sink, window, make_generator(seed), scale, slack, kv_bits=kv_bits, kv_group_size=kv_group_size)

@@ -14,7 +14,7 @@ from typing import Any
 
 from .checks import as_count
 from .methods.base import Method
-from .quantization import DEFAULT_GROUP_SIZE, check_kv_bits
+from .quantization import check_storage
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 
@@ -121,14 +121,10 @@ class CompressionOptions:
             self.compressor.stream_slack(self.slack)
 
     def _check_storage(self) -> None:
-        """kv_bits and kv_group_size checked, kv_group_size resolved (DEFAULT_GROUP_SIZE) when kv_bits is set."""
-        object.__setattr__(self, "kv_bits", check_kv_bits(self.kv_bits))
-        if self.kv_bits is None:
-            if self.kv_group_size is not None:
-                raise ValueError(f"kv_group_size={self.kv_group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
-            return
-        size = DEFAULT_GROUP_SIZE if self.kv_group_size is None else self.kv_group_size
-        object.__setattr__(self, "kv_group_size", as_count("kv_group_size", size, 1))
+        """kv_bits and kv_group_size checked, kv_group_size resolved when kv_bits is set (`quantization.check_storage`)."""
+        bits, group_size = check_storage(self.kv_bits, self.kv_group_size)
+        object.__setattr__(self, "kv_bits", bits)
+        object.__setattr__(self, "kv_group_size", group_size)
 
     @classmethod
     def build(cls, options: "CompressionOptions | None" = None, **settings) -> "CompressionOptions":

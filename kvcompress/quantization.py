@@ -46,6 +46,17 @@ def check_kv_bits(bits) -> int | None:
     return None if bits is None else int(bits)
 
 
+def check_storage(bits, group_size) -> tuple[int | None, int | None]:
+    """(kv_bits, kv_group_size) checked: group_size resolved to DEFAULT_GROUP_SIZE when bits are set and it is None;
+    a group size without bits is an error."""
+    bits = check_kv_bits(bits)
+    if bits is None:
+        if group_size is not None:
+            raise ValueError(f"kv_group_size={group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
+        return None, None
+    return bits, as_count("kv_group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size, 1)
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A [B, H, n, d] tensor stored in `bits` bits per element.
