@@ -97,8 +97,8 @@ def stream(
     length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (KeyDiff's
     block prompt processing); `.compact()` brings the state down to `budget` now. seed as in
     `compress` (None: fresh randomness). kv_bits (8, 4, 2; kv_group_size, default 32): the method's state
-    stores its slots quantized, each once, keys and values per slot (`quantization.QuantizedSlots`; block-wise
-    methods only: a native stream is refused).
+    stores its slots quantized, each once, keys and values per slot (a block-wise buffer of codes,
+    `quantization.QuantizedSlots`; a native stream's tensors through `methods.base.QuantizedState`).
     """
     m = build_method(method, **method_params)
     sink, window = default_sink_window(method, sink, window)

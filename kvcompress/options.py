@@ -96,13 +96,6 @@ class CompressionOptions:
             raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
         self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
-        if self.kv_bits is not None and self.mode == "decode" and not self.compressor.quantized_stream:
-            raise ValueError(
-                f"kv_bits={self.kv_bits} in mode 'decode' stores a block-wise stream's slots quantized, each once as it enters the "
-                f"stream; method {self.method!r} streams natively (a hybrid: through its coreset), keeping its slots in structures "
-                "of its own that do not store them quantized: use mode 'prefill' or 'chunked', or a block-wise method (a score "
-                "method such as keydiff or snapkv, compactor, adakv)"
-            )
         sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))
         object.__setattr__(self, "sink", sink)
         object.__setattr__(self, "window", window)

@@ -18,7 +18,9 @@ A live stream (mode "decode") keeps re-selecting which slots it holds, so a per-
 (G consecutive slots) would lose members at every re-compression and have to be quantized again,
 compounding the rounding. `QuantizedSlots`, the storage of a block-wise stream, therefore groups
 keys per slot too (G consecutive channels, as values): each slot is quantized once, when it enters
-the stream, and a re-compression only selects stored codes.
+the stream, and a re-compression only selects stored codes. A native stream's state stores its
+tensors row by row the same way (`quantize_rows`, used by `methods.base.QuantizedState`), a row it
+already stored keeping its codes.
 """
 
 from __future__ import annotations
@@ -249,6 +251,43 @@ def _int32(positions: torch.Tensor) -> torch.Tensor:
     return positions.to(torch.int32).contiguous()
 
 
+def quantize_rows(x: torch.Tensor, bits: int, group_size: int, known: list[tuple[torch.Tensor, QuantizedTensor]] = ()) -> QuantizedTensor:
+    """x [..., d] quantized row by row (a row: the last axis, grouped over `group_size` consecutive channels as axis
+    "token" of `quantize` groups a slot), as one [1, 1, rows, d] `QuantizedTensor`.
+
+    known: pairs (rows [..., d] as they were dequantized, the `QuantizedTensor` [..., d] they came from, of the same
+    bits, group size and dtype). A row of x equal bit for bit to a known row takes that row's codes, scale and zero
+    point instead of being quantized again: re-quantizing a dequantized row is not exact (the scale it computes can
+    differ in its last bit), so a row a stream keeps, moves or copies is rounded once however often it is stored.
+    """
+    d = x.shape[-1]
+    rows = x.reshape(1, 1, -1, d)
+    fresh = quantize(rows, bits, group_size, "token")
+    known = [(content.reshape(-1, d), q) for content, q in known if content.shape[-1] == d and content.numel()]
+    if not known or rows.shape[2] == 0:
+        return fresh
+    match = _find_rows(rows[0, 0], torch.cat([content for content, _ in known]))
+    hit = (match >= 0)[:, None]
+    at = match.clamp_min(0)
+
+    def pick(name: str) -> torch.Tensor:
+        pool = torch.cat([getattr(q, name).reshape(-1, getattr(q, name).shape[-1]) for _, q in known])
+        mine = getattr(fresh, name)
+        return torch.where(hit, pool[at], mine[0, 0]).view(mine.shape)
+
+    return replace(fresh, packed=pick("packed"), scale=pick("scale"), zero=pick("zero"))
+
+
+def _find_rows(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """For each row of rows [N, d], the index of a row of pool [P, d] with the same bits, or -1 ([N] int64)."""
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()]
+    both = torch.cat([pool, rows]).contiguous().view(as_int)
+    unique, inverse = torch.unique(both, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), -1, dtype=torch.long, device=rows.device)
+    first.scatter_(0, inverse[: pool.shape[0]], torch.arange(pool.shape[0], device=rows.device))
+    return first[inverse[pool.shape[0] :]]
+
+
 class QuantizedSlots:
     """The slot buffer of a block-wise stream (`methods.base.BlockwiseState`) with keys and values stored in `bits` bits.
 
@@ -281,23 +320,21 @@ class QuantizedSlots:
         """Columns stored, as `view()` returns them (keys and values count one each)."""
         return self.raw.width - 4
 
-    def append(self, columns: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None) -> None:
+    def append(self, columns: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None,
+               known: list[tuple[torch.Tensor, QuantizedTensor]] = ()) -> None:
+        """Append slots [B, H, n, ...] per column; known: rows that keep their codes (`quantize_rows`)."""
         keys, values, *rest = columns
         if self.dims is None:
             self.dims = (keys.shape[-1], values.shape[-1])
         parts = []
         for x in (keys, values):
-            q = quantize(x, self.bits, self.group_size, "token")
-            parts += [q.packed, q.scale, q.zero]
+            q = quantize_rows(x, self.bits, self.group_size, known)
+            parts += [t.view(*x.shape[:3], t.shape[-1]) for t in (q.packed, q.scale, q.zero)]
         self.raw.append((*parts, *rest), reserve=reserve, most=most)
 
-    def _dequantized(self, packed, scale, zero, dim) -> torch.Tensor:
-        return QuantizedTensor(packed, scale, zero, self.bits, self.group_size, "token", dim).dequantize()
-
     def view(self) -> tuple[torch.Tensor, ...]:
-        raw = self.raw.view()
-        keys, values = (self._dequantized(*raw[3 * i : 3 * i + 3], self.dims[i]) for i in range(2))
-        return (keys, values, *raw[6:])
+        (keys, _), (values, _) = self.known()
+        return (keys, values, *self.raw.view()[6:])
 
     def take(self, index: torch.Tensor, reserve: int = 0, most: int | None = None) -> "QuantizedSlots":
         """A new buffer holding the slots `index` [B, H, k] (ascending per head) of this one, their codes as stored."""
@@ -305,6 +342,16 @@ class QuantizedSlots:
         out.dims = self.dims
         out.raw.append(tuple(take_slots(t, index) for t in self.raw.view()), reserve=reserve, most=most)
         return out
+
+    def known(self) -> list[tuple[torch.Tensor, QuantizedTensor]]:
+        """(dequantized keys, their codes) and (dequantized values, their codes) of the slots held, as `quantize_rows`
+        takes them: a stream handing these slots on keeps their codes."""
+        raw = self.raw.view()
+        pairs = []
+        for i in range(2):
+            q = QuantizedTensor(*raw[3 * i : 3 * i + 3], self.bits, self.group_size, "token", self.dims[i])
+            pairs.append((q.dequantize(), q))
+        return pairs
 
     def kv_bytes(self) -> int:
         """Bytes allocated (room included) for the codes, scales and zero points of keys and values, and for any

@@ -154,10 +154,8 @@ def test_storage_options_are_checked_when_built():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="kv_group_size"):
             CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4, kv_group_size=bad)
-    assert CompressionOptions(method="snapkv", budget=8, mode="decode", kv_bits=4).kv_bits == 4
-    for method in ("express", "subgen", "clustergen", "balancekv", "hybrid"):
-        with pytest.raises(ValueError, match=f"kv_bits=4 in mode 'decode' .* method '{method}' streams natively"):
-            CompressionOptions(method=method, budget=8, mode="decode", kv_bits=4)
+    for method in ("snapkv", "express", "subgen", "clustergen", "balancekv", "hybrid"):  # block-wise and native streams
+        assert CompressionOptions(method=method, budget=8, mode="decode", kv_bits=4).kv_bits == 4
     with pytest.raises(ValueError, match="method=None is the full cache: it takes no kv_bits"):
         CompressionOptions(method=None, kv_bits=4)
 
@@ -193,13 +191,9 @@ def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact
 @pytest.mark.parametrize("method", kvc.methods())
 def test_every_method_composes_with_quantized_storage(method, mode):
     """At 8 bits every method answers as at full precision on the tiny model, and stores fewer bytes at 8, 4 and 2. In
-    decode mode the block-wise streams store their slots quantized; a native stream is refused when the options are built."""
+    decode mode every stream, block-wise or native, stores its slots quantized."""
     if mode not in get_method_class(method).modes:  # KVzip runs in prefill mode only: refused when the options are built
         with pytest.raises(ValueError, match=f"got mode='{mode}'"):
-            CompressionOptions(method=method, mode=mode, budget=24, kv_bits=4)
-        return
-    if mode == "decode" and not CompressionOptions(method=method, budget=24).compressor.quantized_stream:
-        with pytest.raises(ValueError, match=f"method '{method}' streams natively"):
             CompressionOptions(method=method, mode=mode, budget=24, kv_bits=4)
         return
     model = tiny()
@@ -248,6 +242,60 @@ def test_a_decode_stream_quantizes_each_slot_once_and_stores_only_codes(dtype):
     capacity = state.slots.tensors[0].shape[2]  # slots allocated per head (room for the next blocks included)
     assert state.nbytes() == capacity * 2 * per_slot  # 2 KV heads
     assert state.nbytes() <= capacity * 2 * 2 * d * keys0.element_size() // 2  # at most half the same slots at full precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["express", "subgen", "clustergen", "balancekv", "hybrid"])
+def test_a_native_decode_stream_stores_each_slot_quantized_once(method, dtype):
+    """Decode mode with kv_bits on a native stream (`QuantizedState`; the hybrid's coreset too): every middle slot of
+    layer 0 is a token's key and value quantized once per slot, bit for bit, after every halving, sampling, clustering
+    and hand-over; the stream stores fewer bytes than the same stream at full precision."""
+    from transformers import DynamicCache
+
+    from kvcompress.integration import use_compressed_attention
+
+    model = tiny().to(dtype)
+    ctx, _ = _prompt(n=300)
+    full = DynamicCache()
+    with torch.inference_mode():
+        model(ctx, past_key_values=full)
+    keys0, values0 = full.layers[0].keys, full.layers[0].values
+    stored = {}
+    for bits in (None, 4):
+        cache = CompressedCache(model, method, mode="decode", budget=24, sink=2, window=8, kv_bits=bits,
+                                kv_group_size=None if bits is None else 8)
+        with torch.inference_mode(), use_compressed_attention(model):
+            for block in ctx.split(20, 1):
+                model(block, past_key_values=cache)
+        stream = cache.layers[0].front
+        stored[bits] = stream.nbytes()
+    summary = stream.summary()
+    middle = summary.positions[:, :, 2:-8]
+    assert torch.equal(summary.positions[0, 0, :2], torch.arange(2)) and torch.equal(summary.positions[0, 0, -8:], torch.arange(292, 300))
+    real = (middle >= 0)[..., None]
+    assert real.sum() >= 2 * 12  # both KV heads hold slots
+    for got, original in ((summary.keys, keys0), (summary.values, values0)):
+        expected = quantize(take_slots(original, middle.clamp_min(0)), 4, 8, "token").dequantize()
+        assert torch.equal(torch.where(real, got[:, :, 2:-8], 0), torch.where(real, expected, 0)), method
+    assert stored[4] < stored[None], stored
+
+
+def test_rows_known_before_keep_their_codes():
+    """quantize_rows: a row equal bit for bit to a known dequantized row takes its codes, scale and zero point (quantizing
+    a dequantized row again is not exact), any other row is quantized fresh."""
+    from kvcompress.quantization import quantize_rows
+
+    x = _x((1, 1, 400, 64), seed=3)
+    first = quantize_rows(x, 8, 32)
+    seen = first.dequantize()
+    again = quantize_rows(seen, 8, 32)
+    assert not torch.equal(again.scale, first.scale)  # why codes are reused: the second rounding moves scales
+    new = _x((1, 1, 5, 64), seed=4)
+    mixed = torch.cat([seen[:, :, 100:300].flip(2), new], 2)
+    got = quantize_rows(mixed, 8, 32, known=[(seen, first)])
+    for name in ("packed", "scale", "zero"):
+        assert torch.equal(getattr(got, name)[:, :, :200], getattr(first, name)[:, :, 100:300].flip(2))
+        assert torch.equal(getattr(got, name)[:, :, 200:], getattr(quantize_rows(new, 8, 32), name))
 
 
 def test_a_padded_batch_quantized_answers_as_each_row_alone():
@@ -302,9 +350,10 @@ def test_ten_times_smaller_at_4_bits_and_ratio_075_on_4k_tokens(tmp_path):
     assert smollm2_stored / smollm2_full < 0.095, smollm2_stored / smollm2_full
 
 
-def test_a_tensor_level_stream_stores_quantized_slots_and_native_streams_refuse():
+def test_a_tensor_level_stream_stores_quantized_slots():
     """kvc.stream(kv_bits=...): the block-wise state holds packed codes, its summary is each slot quantized once per slot
-    (keys and values alike), sink and window exact; a native stream refuses with the reason."""
+    (keys and values alike), sink and window exact; a native stream is wrapped and stores codes between updates."""
+    from kvcompress.methods.base import QuantizedState
     from kvcompress.quantization import QuantizedSlots
 
     keys, values = _x((1, 2, 200, 16), seed=1), _x((1, 2, 200, 16), seed=2)
@@ -319,8 +368,12 @@ def test_a_tensor_level_stream_stores_quantized_slots_and_native_streams_refuse(
         expected = quantize(take_slots(original, summary.positions[:, :, 2:-4]), 4, 8, "token").dequantize()
         torch.testing.assert_close(got[:, :, 2:-4], expected, rtol=0, atol=0)
     assert middle.numel() >= 20
-    with pytest.raises(ValueError, match="ExpressState keeps its slots in structures of its own"):
-        kvc.stream("express", budget=20, kv_bits=4)
+    native = kvc.stream("express", budget=20, kv_bits=4, kv_group_size=8)
+    for start in range(0, 200, 25):
+        native.update(keys[:, :, start : start + 25], values[:, :, start : start + 25])
+    assert isinstance(native.state, QuantizedState)
+    assert all(q.packed.dtype == torch.uint8 for q in native.state.stored.values())
+    assert all(t.stride() == (0,) * t.ndim for t in native.state.state.kv_tensors())  # placeholders between updates
     with pytest.raises(ValueError, match="kv_bits must be None"):
         kvc.stream("knorm", budget=20, kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size=8 groups quantized storage"):

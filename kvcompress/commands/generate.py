@@ -56,7 +56,7 @@ def add_compression_args(p) -> None:
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
-                        "a block-wise stream's slots, keys and values per slot; default: full precision)")
+                        "the stream's slots, keys and values per slot; default: full precision)")
     p.add_argument("--kv-group-size", type=count(1), default=None, metavar="N", help="with --kv-bits: values per quantization group (default 32)")
 
 

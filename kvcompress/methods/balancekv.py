@@ -254,7 +254,6 @@ class BalanceKV(Method):
     """
 
     name = "balancekv"
-    quantized_stream = False  # its native stream keeps slots in buckets and pools of its own
     randomized = True
     default_sink = 0
     default_window = 0
@@ -476,7 +475,7 @@ class BalanceKVStream(StreamState):
         b, h, n, d = tokens.keys.shape
         if self.shape is None:
             self.shape = (b, h)
-            self.template = (tokens.keys[:1, :1, :0], tokens.values[:1, :1, :0])
+            self.template = (tokens.keys.new_empty(0), tokens.values.new_empty(0))  # dtypes only: no view of the block
             self.references = torch.zeros(0, dtype=torch.int32, device=tokens.keys.device)
             self.free = torch.zeros(0, dtype=torch.long, device=tokens.keys.device)
         norms = tokens.values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
@@ -541,7 +540,7 @@ class BalanceKVStream(StreamState):
             capacity = 0 if self.keys is None else self.keys.shape[0]
             most_live = self.shape[0] * self.shape[1] * (self.budget + self.slack_slots + self.method.stream_batch)
             grown = max(capacity - self.free.numel() + count, min(2 * (capacity - self.free.numel() + count), most_live, self.stored_rows + count))
-            new_keys, new_values = keys.new_empty(grown, keys.shape[1]), values.new_empty(grown, values.shape[1])
+            new_keys, new_values = keys.new_zeros(grown, keys.shape[1]), values.new_zeros(grown, values.shape[1])
             if capacity:
                 new_keys[:capacity], new_values[:capacity] = self.keys, self.values
             self.keys, self.values = new_keys, new_values
@@ -726,6 +725,18 @@ class BalanceKVStream(StreamState):
         pool["level"][kept] = _MERGED
         pool["order"][kept] = self._stamp(pool["positions"][kept])
         self._remove(dropped)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The key/value buffers (rows no slot refers to included) and the exact outliers' keys and values."""
+        tensors = [self.keys, self.values] if self.keys is not None else []
+        return tensors + ([self.outliers.keys, self.outliers.values] if self.outliers is not None else [])
+
+    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
+        given = iter(tensors)
+        if self.keys is not None:
+            self.keys, self.values = next(given), next(given)
+        if self.outliers is not None:
+            self.outliers = replace(self.outliers, keys=next(given), values=next(given))
 
     def nbytes(self) -> int:
         """KV bytes: the key/value buffers as allocated (see `_store`); the slot metadata is bookkeeping."""

@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from ..checks import as_count
-from ..quantization import QuantizedSlots
+from ..quantization import QuantizedSlots, QuantizedTensor, quantize_rows
 from ..summary import KVSummary, _GrowingSlots, concat, gather_slots, take_slots
 from .budget import DEFAULT_SLACK, check_slack
 from .tokens import (
@@ -51,7 +51,8 @@ class StreamState(ABC):
 
     @abstractmethod
     def absorb(self, tokens: Tokens) -> None:
-        """Take the next tokens leaving the exact window."""
+        """Take the next tokens leaving the exact window. A state storing its slots quantized (`quantized`) also
+        takes codes=: the `QuantizedSlots` the tokens were dequantized from, whose codes their slots keep."""
 
     @abstractmethod
     def summary(self) -> KVSummary | None:
@@ -60,10 +61,20 @@ class StreamState(ABC):
     def compact(self) -> None:
         """Bring what is held down to the budget now (a state that never holds more does nothing)."""
 
-    def store_quantized(self, bits: int, group_size: int) -> None:
-        """Store what the state holds in `bits` bits (a block-wise state does: `BlockwiseState.store_quantized`)."""
-        raise ValueError(f"{type(self).__name__} keeps its slots in structures of its own, which do not store them quantized; "
-                         "kv_bits in mode 'decode' needs a block-wise stream (score methods, compactor, adakv)")
+    def quantized(self, bits: int, group_size: int) -> "StreamState":
+        """This state storing its keys and values in `bits` bits from now on (before its first token): a native
+        stream is wrapped (`QuantizedState`); a block-wise one stores its buffer quantized (`BlockwiseState.quantized`)."""
+        return QuantizedState(self, bits, group_size)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every key and value tensor the state stores ([..., d] each, a slot's key or value a row), in a fixed order
+        that `set_kv_tensors` takes back: what `QuantizedState` stores quantized. Bookkeeping (positions, counts,
+        weights, sums of keys) is not listed."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its key and value tensors, so it cannot store them quantized")
+
+    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Put back tensors of the shapes `kv_tensors` listed, in its order."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its key and value tensors, so it cannot store them quantized")
 
     def nbytes(self) -> int:
         """KV bytes the state stores (keys, values and other key copies, including any workspace kept between updates)."""
@@ -86,9 +97,6 @@ class Method:
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
     stream_recompresses: ClassVar[bool] = True  # False: the native stream never holds more than budget (no slack)
-    # True: the stream is block-wise (`BlockwiseState`: it keeps a subset of what it holds), so it can store its slots
-    # quantized, each once (`StreamState.store_quantized`; kv_bits in mode "decode"); False for a native stream
-    quantized_stream: ClassVar[bool] = True
     # True: `budget` is the mean over a layer's KV heads (H_kv·budget slots per batch row, shared out among the heads,
     # one head keeping up to every token; AdaKV), not a bound on each head
     adaptive_heads: ClassVar[bool] = False
@@ -226,10 +234,13 @@ class BlockwiseState(StreamState):
         """The per-token tensors [B,H,n,...] stored (`token_columns`)."""
         return token_columns(tokens)
 
-    def absorb(self, tokens: Tokens) -> None:
+    def absorb(self, tokens: Tokens, codes: QuantizedSlots | None = None) -> None:
+        """Buffer `tokens` (re-compressing past the slack); codes: the quantized buffer they were dequantized from
+        (a stream's held tokens), whose codes their slots keep in a quantized buffer."""
         self.seen += tokens.length
         room = self.limit + self.slack_slots + tokens.length  # what the buffer can hold before a re-compression
-        append_columns(self.slots, self.columns(tokens), reserve=room, most=min(room, self.most_slots()))
+        known = {} if codes is None else {"known": codes.known()}
+        append_columns(self.slots, self.columns(tokens), reserve=room, most=min(room, self.most_slots()), **known)
         if self.log_weights is not None:
             self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(tokens.positions.shape)], -1)
         self.last = tokens
@@ -254,12 +265,13 @@ class BlockwiseState(StreamState):
             self.log_weights = kept + (before.logsumexp(-1) - kept.logsumexp(-1)).unsqueeze(-1)
         return (summary.keys, summary.values, summary.positions, *(take_slots(t, index) for t in extra))
 
-    def store_quantized(self, bits: int, group_size: int) -> None:
-        """Store the slots in `bits` bits from now on (`quantization.QuantizedSlots`: each slot quantized once, on
-        arrival; a re-compression selects stored codes). Before the first token only."""
+    def quantized(self, bits: int, group_size: int) -> "BlockwiseState":
+        """This state, its buffer stored in `bits` bits from now on (`quantization.QuantizedSlots`: each slot quantized
+        once, on arrival; a re-compression selects stored codes). Before the first token only."""
         if self.seen:
-            raise ValueError("store_quantized must be set before the stream's first token")
+            raise ValueError("quantized storage must be set before the stream's first token")
         self.slots = QuantizedSlots(bits, group_size)
+        return self
 
     def recompress(self, room: int) -> None:
         """Compress what is held back to the budget (when above it), into a buffer with `room` more slots reserved."""
@@ -303,6 +315,82 @@ class BlockwiseState(StreamState):
         """KV bytes of the buffer as allocated (its room for the next blocks included): keys, values and any
         stored pre-RoPE keys, never more than the tokens absorbed so far would take."""
         return self.slots.kv_bytes()
+
+
+class QuantizedState(StreamState):
+    """A native stream's state (Express, SubGen, ClusterGen, BalanceKV) with its keys and values stored in `bits` bits.
+
+    Between calls the wrapped state holds placeholders and this wrapper the codes of every tensor the state lists
+    (`StreamState.kv_tensors`), row by row (`quantization.quantize_rows`: a row is one slot's key or value). Each
+    call dequantizes them into the state, runs it, and stores what it then lists: a row equal bit for bit to one
+    stored before, or to one handed over with the tokens (`absorb(tokens, codes=)`), keeps that row's codes, so a
+    slot the state keeps, moves or copies is quantized once, when it enters; a row the state computes (a merged
+    cluster centre, a sampled slot) is quantized as it appears. Dequantized rows are what the state reads: its
+    decisions see the stored slots, as a block-wise stream's re-compressions do. During a call the state is
+    held at full precision, a workspace as a re-compression's is.
+    """
+
+    def __init__(self, state: StreamState, bits: int, group_size: int):
+        state.set_kv_tensors(state.kv_tensors())  # a state that cannot list its tensors fails here, before any token
+        self.state, self.bits, self.group_size = state, bits, group_size
+        self.exact_within_budget = state.exact_within_budget
+        self.stored: dict[int, QuantizedTensor] = {}  # per row width: the rows of every listed tensor that wide, in order
+        self.shapes: list[torch.Size] = []  # of the listed tensors, in order
+        self.other_bytes = 0  # what the state's nbytes() counts beside its key and value tensors
+
+    def _restore(self) -> None:
+        if not self.shapes:
+            return
+        rows = {width: q.dequantize()[0, 0] for width, q in self.stored.items()}
+        start = dict.fromkeys(rows, 0)
+        tensors = []
+        for shape in self.shapes:
+            width, count = shape[-1], shape.numel() // max(shape[-1], 1)
+            tensors.append(rows[width][start[width] : start[width] + count].view(shape))
+            start[width] += count
+        self.state.set_kv_tensors(tensors)
+
+    def _hold_placeholders(self) -> None:
+        self.state.set_kv_tensors([t.new_zeros(()).expand(t.shape) for t in self.state.kv_tensors()])
+
+    def _store(self, handed: list[tuple[torch.Tensor, QuantizedTensor]]) -> None:
+        """Quantize what the state now lists, each row width in one call (rows known before keep their codes), then
+        leave the state placeholders."""
+        known = [(q.dequantize(), q) for q in self.stored.values()] + handed
+        tensors = self.state.kv_tensors()
+        self.other_bytes = self.state.nbytes() - sum(t.numel() * t.element_size() for t in tensors)
+        widths = dict.fromkeys(t.shape[-1] for t in tensors)
+        self.stored = {
+            width: quantize_rows(torch.cat([t.reshape(-1, width) for t in tensors if t.shape[-1] == width]), self.bits,
+                                 self.group_size, known)
+            for width in widths
+        }
+        self.shapes = [t.shape for t in tensors]
+        self._hold_placeholders()
+
+    def absorb(self, tokens: Tokens, codes: QuantizedSlots | None = None) -> None:
+        """Absorb `tokens`; codes: the quantized buffer they were dequantized from (a stream's held tokens, a hybrid's
+        evicted ones), whose codes their rows keep."""
+        self._restore()
+        self.state.absorb(tokens)
+        self._store(codes.known() if codes is not None else [])
+
+    def compact(self) -> None:
+        self._restore()
+        self.state.compact()
+        self._store([])
+
+    def summary(self) -> KVSummary | None:
+        self._restore()
+        summary = self.state.summary()
+        self._hold_placeholders()
+        return summary
+
+    def nbytes(self) -> int:
+        """The state's own bytes with its key and value tensors counted as stored: codes, scales and zero points."""
+        if not self.shapes:
+            return self.state.nbytes()
+        return self.other_bytes + sum(q.nbytes() for q in self.stored.values())
 
 
 def make_generator(seed: int | torch.Generator | None, device: torch.device | str = "cpu") -> torch.Generator:

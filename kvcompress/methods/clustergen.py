@@ -8,7 +8,7 @@ arXiv:2402.06082 (Sec. 3.2): keep the r most recent tokens plus k centres chosen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -115,7 +115,6 @@ class ClusterGen(Method):
     """
 
     name = "clustergen"
-    quantized_stream = False  # its native stream merges slots into clusters
     default_sink = 0
     default_window = 64
     weighted: bool = False
@@ -222,6 +221,17 @@ class ClusterGenState(StreamState):
         order = kept.positions.argsort(dim=-1)
         keys, values, positions = gather_slots(kept.keys, kept.values, kept.positions, order)
         return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        parts = [*self.runs, *self.waiting, *([self.pending] if self.pending is not None else [])]
+        return [t for p in parts for t in (p.keys, p.values)]
+
+    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
+        given = iter(tensors)
+        self.runs = [replace(r, keys=next(given), values=next(given)) for r in self.runs]
+        self.waiting = [replace(r, keys=next(given), values=next(given)) for r in self.waiting]
+        if self.pending is not None:
+            self.pending = replace(self.pending, keys=next(given), values=next(given))
 
     def nbytes(self) -> int:
         parts = [*self.runs, *self.waiting, *([self.pending] if self.pending is not None else [])]

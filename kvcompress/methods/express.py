@@ -376,12 +376,31 @@ class ExpressState(StreamState):
             self.ell *= 4
         self._start_block()
 
-    def summary(self) -> KVSummary | None:
+    def _parts(self) -> list[KVSummary | None]:
+        """C, the siblings, the Compress2 levels' waiting parts (top level first), the open leaf's and the candidate."""
         parts = [self.cache, *self.siblings]
         for buffer in (*reversed(self.levels), self.open_leaf):
             parts += buffer.parts
-        parts.append(self.candidate)
-        parts = [p for p in parts if p is not None and p.num_slots > 0]
+        return [*parts, self.candidate]
+
+    def _set_parts(self, parts: list[KVSummary | None]) -> None:
+        """Put back the parts `_parts` listed, in its order."""
+        parts = list(parts)
+        self.cache = parts.pop(0)
+        self.siblings = [parts.pop(0) for _ in self.siblings]
+        for buffer in (*reversed(self.levels), self.open_leaf):
+            buffer.parts = [parts.pop(0) for _ in buffer.parts]
+        self.candidate = parts.pop(0)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return [t for p in self._parts() if p is not None for t in (p.keys, p.values)]
+
+    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
+        given = iter(tensors)
+        self._set_parts([None if p is None else replace(p, keys=next(given), values=next(given)) for p in self._parts()])
+
+    def summary(self) -> KVSummary | None:
+        parts = [p for p in self._parts() if p is not None and p.num_slots > 0]
         return concat(parts) if parts else None
 
 
@@ -508,7 +527,6 @@ class Express(Method):
     name = "express"
     randomized = True
     stream_recompresses = False
-    quantized_stream = False  # its native stream keeps slots in its halving tree
     default_sink = 32
     default_window = 32
     g: int = 0

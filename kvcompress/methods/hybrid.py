@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..quantization import QuantizedSlots
 from ..summary import KVSummary, concat, take_slots
 from .base import BlockwiseState, Method, first_true, top_index
 from .registry import build_method, register
@@ -163,7 +164,6 @@ class Hybrid(Method):
             if method.needs_reconstruction:  # its queries come from a forward only the model integration runs for it alone
                 raise ValueError(f"method {method.name!r} scores with its own reconstruction forward: it cannot be a part of the hybrid")
         self.needs_queries = any(m.needs_queries for m in parts)
-        self.quantized_stream = self.coreset_method.quantized_stream  # the exact set is block-wise; the coreset streams as it does
         self.needs_pre_rope_keys = any(m.needs_pre_rope_keys for m in parts)
 
     def split_budget(self, budget: int) -> tuple[list[int], int]:
@@ -239,16 +239,20 @@ class HybridState(BlockwiseState):
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         exact, evicted = self.method.top(held, self.counts, self.generator)
-        self.coreset.absorb(evicted)
+        if isinstance(self.slots, QuantizedSlots):  # the evicted tokens keep the codes they were stored with
+            self.coreset.absorb(evicted, codes=self.slots)
+        else:
+            self.coreset.absorb(evicted)
         return self.columns(exact)
 
     def compact(self) -> None:
         super().compact()
         self.coreset.compact()
 
-    def store_quantized(self, bits: int, group_size: int) -> None:
-        self.coreset.store_quantized(bits, group_size)
-        super().store_quantized(bits, group_size)
+    def quantized(self, bits: int, group_size: int) -> "HybridState":
+        """The exact set's buffer and the coreset's stream both stored in `bits` bits."""
+        self.coreset = self.coreset.quantized(bits, group_size)
+        return super().quantized(bits, group_size)
 
     def summary(self) -> KVSummary | None:
         exact = super().summary()

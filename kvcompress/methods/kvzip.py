@@ -129,7 +129,6 @@ class KVzip(ScoreMethod):
     needs_queries = True
     needs_reconstruction = True
     modes = ("prefill",)
-    quantized_stream = False  # no stream at all
     default_sink = 4
     default_window = 0  # the reconstruction scores every context token; no exact window is needed
     reconstruction_chunk_size: int = DEFAULT_CHUNK_SIZE

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from ..checks import as_count, check_kv, check_positions, check_scale, describe
+from ..quantization import QuantizedSlots
 from ..summary import KVSummary, _GrowingSlots, concat
 from .base import Method
 from .budget import check_sink_window
@@ -43,9 +44,9 @@ class Stream:
     every method, and the buffer never allocates more slots than tokens have left the window.
     unrotate (from a cache that can invert its model's rotation, see `Tokens.unrotate`): pre-RoPE
     keys are computed from the keys when a method needs them, instead of passed and stored.
-    kv_bits (with kv_group_size): the method's state stores its slots in that many bits, each slot
-    quantized once as it enters the state (`StreamState.store_quantized`; block-wise streams only);
-    sink and window stay exact.
+    kv_bits (with kv_group_size): the tokens held until they pass the budget and the method's state
+    are stored in that many bits, each slot quantized once as it enters (`StreamState.quantized`: a
+    block-wise buffer of codes, or a native state wrapped by `QuantizedState`); sink and window stay exact.
     """
 
     def __init__(self, method: Method, budget: int, sink: int, window: int, generator: torch.Generator, scale: float | None = None,
@@ -57,12 +58,14 @@ class Stream:
         self.generator, self.scale = generator, check_scale(scale)
         self.state = method.new_stream(budget, generator, slack)
         if kv_bits is not None:
-            self.state.store_quantized(kv_bits, kv_group_size)
+            self.state = self.state.quantized(kv_bits, kv_group_size)
         self.unrotate = unrotate
         self.head: Tokens | None = None
         self.recent: Tokens | None = None
         # tokens that left the window, until more than budget did (then None); None from the start for a state exact by itself
-        self.exact: _GrowingSlots | None = None if self.state.exact_within_budget else _GrowingSlots()
+        self.exact: _GrowingSlots | QuantizedSlots | None = None
+        if not self.state.exact_within_budget:
+            self.exact = _GrowingSlots() if kv_bits is None else QuantizedSlots(kv_bits, kv_group_size)
         self.exact_last: Tokens | None = None
         self.seen = 0
         self.layout: tuple | None = None  # (B, H_kv, d, d_v, dtype, device) of the first update
@@ -122,8 +125,11 @@ class Stream:
         append_columns(self.exact, token_columns(leaving), most=min(self.budget, self.exact.length + leaving.length))
         self.exact_last = leaving
         if self.exact.length > self.budget:
-            held, self.exact = self.exact_tokens(), None
-            self.state.absorb(held)
+            held, slots, self.exact = self.exact_tokens(), self.exact, None
+            if isinstance(slots, QuantizedSlots):  # the held tokens keep the codes they were stored with
+                self.state.absorb(held, codes=slots)
+            else:
+                self.state.absorb(held)
 
     def exact_tokens(self) -> Tokens:
         """The tokens held exactly, with the latest block's queries and exact neighbours."""

@@ -225,6 +225,15 @@ class SubGenState(StreamState):
             log_weights.reshape(b, h, slots), positions.reshape(b, h, slots),
         )
 
+    def kv_tensors(self) -> list[torch.Tensor]:
+        if self.shape is None:
+            return []
+        return [self.centres, self.centre_values, self.num_keys, self.num_values, self.sample_keys, self.sample_values]
+
+    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
+        if tensors:
+            self.centres, self.centre_values, self.num_keys, self.num_values, self.sample_keys, self.sample_values = tensors
+
     def nbytes(self) -> int:
         if self.shape is None:
             return 0
@@ -272,7 +281,6 @@ class SubGen(Method):
     name = "subgen"
     randomized = True
     stream_recompresses = False
-    quantized_stream = False  # its native stream merges slots into clusters
     default_sink = 4
     default_window = 64
     s: int | None = None
