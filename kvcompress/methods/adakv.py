@@ -41,8 +41,10 @@ from .tokens import Tokens
 
 NORMALIZATIONS = ("none", "softmax")
 SCOPES = ("layer", "model")
-# Method flags an instance takes from its scorer: the inputs it needs, whether it draws random numbers, the modes it runs in
-_FROM_SCORER = ("needs_queries", "needs_pre_rope_keys", "needs_attention_mass", "needs_reconstruction", "randomized", "modes")
+# What an instance takes from its scorer: the inputs it needs, whether it draws random numbers, the modes it runs in, and
+# (KVzip) the chunk of context its reconstruction forward repeats at a time, which the model integration reads
+_FROM_SCORER = ("needs_queries", "needs_pre_rope_keys", "needs_attention_mass", "needs_reconstruction", "randomized", "modes",
+                "reconstruction_chunk_size")
 
 
 def score_method_names() -> list[str]:
