@@ -92,6 +92,12 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "adakv[scorer=kvzip,scope=model]": ("adakv", {"scorer": "kvzip", "scope": "model"}),
     "adakv[scorer=kvzip,scope=model,alpha=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.0}),
     "adakv[scorer=kvzip,scope=model,window=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0}),
+    # the context streamed through the method in blocks (chunked mode): candidates for the streaming modes' default
+    "snapkv[mode=chunked]": ("snapkv", {"mode": "chunked"}),
+    "keydiff[mode=chunked]": ("keydiff", {"mode": "chunked"}),
+    "compactor[mode=chunked]": ("compactor", {"mode": "chunked"}),
+    "hybrid[mode=chunked]": ("hybrid", {"mode": "chunked"}),
+    "adakv[scorer=keydiff,mode=chunked]": ("adakv", {"scorer": "keydiff", "mode": "chunked"}),
 }
 DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapkv", "snapkv[window=64,pool=5,sink=0]",
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
@@ -130,6 +136,11 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model]": "KVzip",
     "adakv[scorer=kvzip,scope=model,alpha=0]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0]": "KVzip",
+    "snapkv[mode=chunked]": "SnapKV",
+    "keydiff[mode=chunked]": "KeyDiff",
+    "compactor[mode=chunked]": "Compactor",
+    "hybrid[mode=chunked]": "KVzip",
+    "adakv[scorer=keydiff,mode=chunked]": "KeyDiff",
 }
 # kvcompress cell -> more kvpress cells worth pairing with: AdaKV's head-wise budget of the same score, and
 # kvpress's KVzip (its best press here) against kvcompress's query-agnostic and composed methods.
@@ -396,7 +407,7 @@ def run_kvcompress(args) -> None:
         question_ids = torch.tensor([sample["question_ids"]])
         stop = stop_ids_of(manifest, sample)
         captured, capture_s = None, 0.0
-        if any(KVCOMPRESS_CELLS[label][0] is not None and not reconstructs(label) for label, _ in todo):
+        if any(KVCOMPRESS_CELLS[label][0] is not None and not reconstructs(label) and not streams(label) for label, _ in todo):
             start = time.perf_counter()
             captured = capture_qkv(model, context_ids)
             capture_s = time.perf_counter() - start
@@ -412,8 +423,10 @@ def run_kvcompress(args) -> None:
                                        stop_token_ids=stop)
                 else:
                     options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
-                    # KVzip prefills the context itself, then runs its reconstruction forward (both in its prefill time)
-                    own = {"repeat": repeat_prompt(tokenizer)} if options.compressor.needs_reconstruction else {"prefill": captured}
+                    # KVzip prefills the context itself, then runs its reconstruction forward (both in its prefill time);
+                    # a chunked cell streams the context itself
+                    own = ({"repeat": repeat_prompt(tokenizer)} if options.compressor.needs_reconstruction
+                           else {"prefill": captured} if not options.streams else {})
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop, **own)
             except (ValueError, RuntimeError) as err:
@@ -427,7 +440,8 @@ def run_kvcompress(args) -> None:
                     token_ids=tokens, prediction=prediction,
                     score=float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction)),
                     kept_tokens_mean=None if method is None else sum(slots) / len(slots) - max(len(tokens) - 1, 0) - sample["question_tokens"],
-                    prefill_s=res.prefill_seconds + (0.0 if method is None or reconstructs(label) else capture_s), decode_s=res.decode_seconds,
+                    prefill_s=res.prefill_seconds + (0.0 if method is None or reconstructs(label) or streams(label) else capture_s),
+                    decode_s=res.decode_seconds,
                 )
             record["wall_s"] = time.perf_counter() - start
             record["env"] = env
@@ -442,6 +456,11 @@ def reconstructs(label: str) -> bool:
 
     method, params = KVCOMPRESS_CELLS[label]
     return CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.needs_reconstruction
+
+
+def streams(label: str) -> bool:
+    """Whether a kvcompress cell streams the context through its method (mode "chunked"), with no recorded prefill."""
+    return KVCOMPRESS_CELLS[label][1].get("mode", "prefill") != "prefill"
 
 
 def _kvcompress_version() -> str:

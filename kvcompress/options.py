@@ -53,8 +53,8 @@ class CompressionOptions:
     prefill mode the compressed first forward, in chunked mode the stream when the prompt ends. Its
     exact window, and every later token (question, answer), stay at full precision. In mode="decode"
     the stream itself stores its slots quantized, keys and values each per slot (a slot is quantized
-    once, as it enters the stream; `quantization.QuantizedSlots`), for block-wise streams (every score
-    method, compactor, adakv; not the native streams of Express, SubGen, ClusterGen, BalanceKV).
+    once, as it enters the stream): a block-wise stream's buffer (`quantization.QuantizedSlots`) and a
+    native stream's state (`methods.base.QuantizedState`) alike.
     """
 
     method: str | None = DEFAULT_METHOD
