@@ -389,7 +389,7 @@ def run_kvcompress(args) -> None:
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.eval.tasks import score as task_score
     from kvcompress.integration import generate_ids
-    from kvcompress.integration.reconstruction import repeat_prompt
+    from kvcompress.integration.reconstruction import repeat_prompt_ids
     from kvcompress.options import CompressionOptions
 
     run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
@@ -425,7 +425,7 @@ def run_kvcompress(args) -> None:
                     options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
                     # KVzip prefills the context itself, then runs its reconstruction forward (both in its prefill time);
                     # a chunked cell streams the context itself
-                    own = ({"repeat": repeat_prompt(tokenizer)} if options.compressor.needs_reconstruction
+                    own = ({"reconstruction_ids": repeat_prompt_ids(tokenizer)} if options.compressor.needs_reconstruction
                            else {"prefill": captured} if not options.streams else {})
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop, **own)

@@ -11,14 +11,13 @@ from kvcompress.cache import CompressedCache
 from kvcompress.integration import generate_batch_ids, generate_ids, use_compressed_attention
 from kvcompress.integration.capture import capture_qkv
 from kvcompress.integration.generation import compress_context_ids
-from kvcompress.integration.reconstruction import RepeatPrompt, reconstruct_context, repeat_prompt
+from kvcompress.integration.reconstruction import reconstruct_context, repeat_prompt_ids
 from kvcompress.methods.kvzip import KVzip, own_lse, reconstruction_scores
 from kvcompress.methods.tokens import Tokens
 from kvcompress.options import CompressionOptions
 from kvcompress.ragged import RaggedSummary
 
 from test_integration import _prompt, _reference, tiny
-from test_prompt_layout import CHATML
 
 
 def _brute(queries, keys, exact, own, offset, scale):
@@ -141,9 +140,9 @@ NEW = 8
 def test_generation_runs_the_reconstruction_counts_it_and_ratio_zero_is_the_full_cache():
     model = tiny()
     ctx, question = _prompt(n=150)
-    repeat = RepeatPrompt(torch.tensor([[5, 6, 7]]), ctx[:, :0])
+    prefix = torch.tensor([[5, 6, 7]])
     res = generate_ids(model, ctx, question, method="kvzip", compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False,
-                       repeat=repeat, method_params={"reconstruction_chunk_size": 64})
+                       reconstruction_ids=prefix, method_params={"reconstruction_chunk_size": 64})
     assert res.token_ids == _reference(model, ctx, question, NEW)
     assert res.slots_per_layer == [150 + question.shape[1] + NEW - 1] * 2
     rec = res.extra["reconstruction"]
@@ -163,39 +162,21 @@ def test_compressed_generation_keeps_the_budget_and_answers_from_the_compressed_
     assert res.extra["reconstruction"]["tokens"] == 200  # no instruction given: the context alone is repeated
 
 
-@pytest.mark.parametrize("header", [0, 10])
-def test_one_chunk_keeps_what_the_brute_force_reconstruction_scores_keep(header):
-    """The cache's kept tokens are the top-k of the brute-force scores on one forward over [context, instruction,
-    context less its first `header` tokens (a chat template's header, `RepeatPrompt.template_ids`)]: the header is
-    not repeated, and its tokens are scored like every other context token."""
+def test_one_chunk_keeps_what_the_brute_force_reconstruction_scores_keep():
+    """The cache's kept tokens are the top-k of the brute-force scores on one forward over [context, instruction, context]."""
     model = tiny()
     ctx, _ = _prompt(n=60)
     prefix = torch.tensor([[9, 8, 7, 6]])
     cache = CompressedCache(model, CompressionOptions(method="kvzip", budget=12, sink=0, window=0))
     with use_compressed_attention(model):
-        _, stats = reconstruct_context(model, cache, ctx, RepeatPrompt(prefix, ctx[:, :header]))
-    assert stats.tokens == 4 + 60 - header
-    captured = capture_qkv(model, torch.cat([ctx, prefix, ctx[:, header:]], 1))
+        reconstruct_context(model, cache, ctx, prefix)
+    captured = capture_qkv(model, torch.cat([ctx, prefix, ctx], 1))
     scale = model.model.layers[0].self_attn.scaling
     empty = torch.zeros(1, 2, 0, 16)
     for layer, (q, k, _) in captured.items():
         scores = _brute(q[:, :, 64:], k[:, :, :60], empty, k[:, :, 60:], 4, scale)
         expected = scores.topk(12, -1).indices.sort(-1).values
         assert torch.equal(cache.layers[layer].stored().positions, expected), layer
-
-
-def test_a_context_that_does_not_open_with_the_template_header_is_refused():
-    model = tiny()
-    ctx, _ = _prompt(n=30)
-    fresh = lambda: CompressedCache(model, CompressionOptions(method="kvzip", budget=8))  # noqa: E731
-    with pytest.raises(ValueError, match=r"context_ids must start with repeat.template_ids .* build the context with build_prompt"):
-        reconstruct_context(model, fresh(), ctx, RepeatPrompt(ctx[:, :3], ctx[:, 1:4] + 1))
-    with pytest.raises(ValueError, match="must start with repeat.template_ids"):  # nothing left to repeat
-        reconstruct_context(model, fresh(), ctx, RepeatPrompt(ctx[:, :3], ctx))
-    with pytest.raises(ValueError, match="repeat must be a RepeatPrompt"):
-        reconstruct_context(model, fresh(), ctx, ctx[:, :3])
-    with pytest.raises(ValueError, match="repeat.instruction_ids must be an integer tensor"):
-        reconstruct_context(model, fresh(), ctx, RepeatPrompt(ctx[:, :3].float(), ctx[:, :0]))
 
 
 def test_adakv_over_kvzip_reconstructs_in_its_scorers_chunks():
@@ -226,23 +207,15 @@ def test_smaller_chunks_bound_each_forward_and_still_score_every_token():
 
 def test_kvc_generate_puts_the_repeat_instruction_before_the_repeated_context(tiny_checkpoint):
     model, tokenizer = kvc.load_model(tiny_checkpoint)
-    repeat = repeat_prompt(tokenizer)
-    assert tokenizer.decode(repeat.instruction_ids[0]) == "\n\nRepeat the previous context exactly."  # no chat template: the plain text
-    assert repeat.template_ids.shape == (1, 0)
+    prefix = repeat_prompt_ids(tokenizer)
+    assert tokenizer.decode(prefix[0]) == "\n\nRepeat the previous context exactly."  # no chat template: the plain text
     res = kvc.generate(model, tokenizer, "some words in a context " * 12, "what?", method="kvzip", compression_ratio=0.5,
                        max_new_tokens=4, progress=False)
-    assert res.extra["reconstruction"]["tokens"] == res.context_tokens + repeat.instruction_ids.shape[1]
-    tokenizer.chat_template = CHATML  # with a template, its header opens the context and is not repeated
-    repeat = repeat_prompt(tokenizer)
-    assert tokenizer.decode(repeat.template_ids[0]) == "<|im_start|>user\n"
-    assert tokenizer.decode(repeat.instruction_ids[0]) == "\n\nRepeat the previous context exactly.<|im_end|>\n<|im_start|>assistant\n"
-    res = kvc.generate(model, tokenizer, "some words in a context " * 12, "what?", method="kvzip", compression_ratio=0.5,
-                       max_new_tokens=4, progress=False)
-    assert res.extra["reconstruction"]["tokens"] == res.context_tokens - repeat.template_ids.shape[1] + repeat.instruction_ids.shape[1]
+    assert res.extra["reconstruction"]["tokens"] == res.context_tokens + prefix.shape[1]
     cache = kvc.compress_context(model, tokenizer, "another context " * 10, method="kvzip", compression_ratio=0.5, progress=False)
     assert cache.compress_seconds() > 0 and cache.get_seq_length() == cache.token_ids.shape[1]
     with pytest.raises(ValueError, match="instruction must be a non-empty str"):
-        repeat_prompt(tokenizer, "  ")
+        repeat_prompt_ids(tokenizer, "  ")
 
 
 def test_what_kvzip_cannot_take_is_refused_clearly():

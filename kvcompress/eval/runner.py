@@ -267,7 +267,7 @@ def read_results(path: Path) -> list[dict]:
     return _parse_lines(path.read_bytes(), path)
 
 
-def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, repeat=None):
+def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, repeat_ids=None):
     """The cell's generation; the full cache is answered from the recorded prefill when there is one
     (every token kept exactly, `prefill_replay.full_as_ratio_zero`), so it costs no second prefill."""
     from ..integration import generate_ids
@@ -282,7 +282,7 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
     options = CompressionOptions(method=cell.method, mode=cell.mode, seed=config.seed, chunk_size=config.chunk_size, **size)
     if options.compressor.needs_reconstruction:  # KVzip: its own prefill and reconstruction forward, with the repeat instruction
         return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
-                            repeat=repeat)
+                            reconstruction_ids=repeat_ids)
     return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
                         prefill=captured if cell.mode == "prefill" else None)
 
@@ -409,13 +409,13 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     prefill. A cell whose method cannot run at this size is recorded with its error (and `log`ged).
     """
     from ..integration import build_prompt
-    from ..integration.reconstruction import repeat_prompt
+    from ..integration.reconstruction import repeat_prompt_ids
 
     sample = spec.build(config, tokenizer)
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
-    repeat = repeat_prompt(tokenizer) if any(c.method != FULL and get_method_class(c.method).needs_reconstruction for c in cells) else None
+    repeat_ids = repeat_prompt_ids(tokenizer) if any(c.method != FULL and get_method_class(c.method).needs_reconstruction for c in cells) else None
     captured, capture_s = None, 0.0
     if config.reuse_prefill and any(c.mode == "prefill" or c.method == FULL for c in cells):
         start = time.perf_counter()
@@ -426,7 +426,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         record = _record(cell, sample, context_ids, capture_s, config.prompt_layout)
         start = time.perf_counter()
         try:
-            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, repeat)
+            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, repeat_ids)
         except (ValueError, RuntimeError) as err:
             record["error"] = f"{type(err).__name__}: {err}"
             log(f"[{cell.key}] {record['error']}")

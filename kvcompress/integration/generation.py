@@ -29,7 +29,7 @@ from ..checks import as_count, describe
 from ..options import CompressionOptions
 from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
-from .reconstruction import RepeatPrompt, reconstruct_context, repeat_prompt
+from .reconstruction import reconstruct_context, repeat_prompt_ids
 from .support import check_supported, select_compressed_attention, use_compressed_attention
 from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
 
@@ -122,12 +122,12 @@ def check_context_ids(context_ids) -> None:
 @dataclass
 class _Prompt:
     """A tokenised prompt batch: context ids [B, n] (left-padded, mask [B, n] or None) and question ids [B or 1, m] or None;
-    repeat: what KVzip's reconstruction repeats after the context (`reconstruction.RepeatPrompt`), or None."""
+    reconstruction_ids [1, m] or None: KVzip's repeat instruction (`reconstruction.repeat_prompt_ids`)."""
 
     context_ids: torch.Tensor
     question_ids: torch.Tensor | None
     mask: torch.Tensor | None = None
-    repeat: RepeatPrompt | None = None
+    reconstruction_ids: torch.Tensor | None = None
 
 
 class _Session:
@@ -167,7 +167,7 @@ class _Session:
             raise ValueError("a recorded prefill serves a method in mode='prefill' with the question kept out of compression")
         # KVzip: the context's prefill is followed by its reconstruction forward (`reconstruction.reconstruct_context`)
         self.reconstructs = options.method is not None and options.compressor.needs_reconstruction
-        self.repeat, self.reconstruction = prompt.repeat, None
+        self.reconstruction_ids, self.reconstruction = prompt.reconstruction_ids, None
         if self.reconstructs and (prefill is not None or self.context_mask is not None):
             raise ValueError(f"method {options.method!r} compresses through its own reconstruction forward after a fresh prefill of one "
                              "unpadded context (or a batch of equal lengths): a recorded prefill and a padded batch are not supported")
@@ -237,7 +237,7 @@ class _Session:
         """KVzip: prefill ids [B, b] into the fresh cache and compress it with the context's reconstruction, whose cost
         counts as compression time; -> last logits [B, V]."""
         self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, torch.ones_like(ids)], 1)
-        logits, self.reconstruction = reconstruct_context(self.model, self.cache, ids, self.repeat)
+        logits, self.reconstruction = reconstruct_context(self.model, self.cache, ids, self.reconstruction_ids)
         return logits
 
     def adopt(self, cache: CompressedCache) -> None:
@@ -311,7 +311,7 @@ def generate_ids(
     stop_token_ids: Collection[int] = (),
     prefill: dict | None = None,
     prefill_approx: str | None = None,
-    repeat: RepeatPrompt | None = None,
+    reconstruction_ids: torch.Tensor | None = None,
     **settings,
 ) -> GenerationResult:
     """Greedy generation on token ids [1, n] through a compressed cache.
@@ -330,10 +330,9 @@ def generate_ids(
     the context's cache comes from a chunked forward with Thinformer Express attention
     (`integration.prefill_approx`), then the method compresses it. stop_token_ids: decoding also
     stops after any of these tokens. The first answer token is the argmax after the prompt; the
-    rest comes from greedy `model.generate` on the same cache. repeat: what KVzip's reconstruction
-    forward feeds after the context (`reconstruction.RepeatPrompt`: the repeat instruction, then the context again
-    without its chat-template header; `kvc.generate` makes it from the tokenizer with `reconstruction.repeat_prompt`);
-    None repeats the whole context with no instruction.
+    rest comes from greedy `model.generate` on the same cache. reconstruction_ids [1, m]: KVzip's repeat
+    instruction, placed before the repeated context in its reconstruction forward (`kvc.generate` renders it
+    through the chat template: `reconstruction.repeat_prompt_ids`); None repeats the context with no instruction.
     """
     options = CompressionOptions.build(options, **settings)
     as_count("max_new_tokens", max_new_tokens, 1)
@@ -346,7 +345,7 @@ def generate_ids(
     if prefill_approx is not None:  # Express computes the context's cache, the method compresses it
         check_prefill_approx(prefill_approx, options, prefill, question_ids)
         prefill, approx_seconds = timed_approximate_prefill(model, context_ids, prefill_approx, options.chunk_size, options.seed)
-    session = _Session(model, _Prompt(context_ids, question_ids, repeat=repeat), options, max_new_tokens, prefill)
+    session = _Session(model, _Prompt(context_ids, question_ids, reconstruction_ids=reconstruction_ids), options, max_new_tokens, prefill)
     with use_compressed_attention(model) if options.method is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not options.compress_question else None
@@ -357,7 +356,7 @@ def generate_ids(
 @torch.inference_mode()
 def answer_questions_ids(
     model, context_ids: torch.Tensor, questions_ids: list[torch.Tensor], options: CompressionOptions | None = None, *,
-    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, repeat: RepeatPrompt | None = None,
+    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, reconstruction_ids: torch.Tensor | None = None,
     **settings,
 ) -> list[GenerationResult]:
     """One context [1, n], many questions [1, m_i]: the context is prefilled and compressed once.
@@ -374,7 +373,7 @@ def answer_questions_ids(
     as_count("max_new_tokens", max_new_tokens, 1)
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
-    session = _Session(model, _Prompt(context_ids, None, repeat=repeat), options, max_new_tokens)
+    session = _Session(model, _Prompt(context_ids, None, reconstruction_ids=reconstruction_ids), options, max_new_tokens)
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         _, prefill_seconds = session.run_context(progress)
         return _answer_each(session, questions_ids, prefill_seconds, max_new_tokens, stop_at_eos)
@@ -402,7 +401,7 @@ def _answer_each(session: _Session, questions_ids: list[torch.Tensor], prefill_s
 
 @torch.inference_mode()
 def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionOptions | None = None, *, progress: bool = False,
-                         repeat: RepeatPrompt | None = None, **settings) -> CompressedCache:
+                         reconstruction_ids: torch.Tensor | None = None, **settings) -> CompressedCache:
     """The context [1, n] prefilled and compressed once, as `answer_questions_ids` does before its questions: the cache,
     its `token_ids` the context's, ready to `save` or to answer from (`answer_from_cache_ids`, `generate(cache=...)`).
 
@@ -422,7 +421,7 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"compress_context takes one context (batch size 1), got batch size {context_ids.shape[0]}")
-    session = _Session(model, _Prompt(context_ids, None, repeat=repeat), options, 1)
+    session = _Session(model, _Prompt(context_ids, None, reconstruction_ids=reconstruction_ids), options, 1)
     with use_compressed_attention(model):
         session.run_context(progress)
     select_compressed_attention(model)
@@ -460,7 +459,7 @@ def answer_from_cache_ids(
 def generate_batch_ids(
     model, contexts_ids: list[torch.Tensor], question_ids: torch.Tensor | None = None, options: CompressionOptions | None = None, *,
     max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, pad_token_id: int | None = None,
-    repeat: RepeatPrompt | None = None, **settings,
+    reconstruction_ids: torch.Tensor | None = None, **settings,
 ) -> list[GenerationResult]:
     """A batch of contexts [1, n_b] (any lengths) with one question [1, m], left-padded into one forward.
 
@@ -476,7 +475,7 @@ def generate_batch_ids(
     pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
     mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
-    session = _Session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None, repeat), options, max_new_tokens)
+    session = _Session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None, reconstruction_ids), options, max_new_tokens)
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not session.compress_question else None
@@ -504,12 +503,12 @@ def compress_context(model, tokenizer, context: str, options: CompressionOptions
         raise ValueError(f"context must be a non-empty str, got {context!r}")
     options = CompressionOptions.build(options, **settings)
     return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress,
-                                repeat=_repeat_prompt(tokenizer, options))
+                                reconstruction_ids=_reconstruction_ids(tokenizer, options))
 
 
-def _repeat_prompt(tokenizer, options: CompressionOptions) -> RepeatPrompt | None:
-    """KVzip's repeat prompt through the tokenizer's chat template, for a method that reconstructs the context (else None)."""
-    return repeat_prompt(tokenizer) if options.method is not None and options.compressor.needs_reconstruction else None
+def _reconstruction_ids(tokenizer, options: CompressionOptions) -> torch.Tensor | None:
+    """KVzip's repeat instruction through the tokenizer's chat template, for a method that reconstructs the context (else None)."""
+    return repeat_prompt_ids(tokenizer) if options.method is not None and options.compressor.needs_reconstruction else None
 
 
 def generate(
@@ -577,7 +576,7 @@ def generate(
         raise ValueError("questions=[...] asks many questions about one context: pass one context string and no question")
     options = CompressionOptions.build(options, **settings)
     run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos,
-               repeat=_repeat_prompt(tokenizer, options))
+               reconstruction_ids=_reconstruction_ids(tokenizer, options))
     if questions is not None:
         context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0], layout=prompt_layout)
         questions_ids = [build_prompt(tokenizer, contexts[0], q, layout=prompt_layout)[1] for q in questions]

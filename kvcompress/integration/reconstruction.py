@@ -3,14 +3,12 @@
 Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv:2505.23416;
 docs/design.md, "KVzip: scoring by reconstruction".
 
-`reconstruct_context(model, cache, context_ids, repeat)` fills a fresh prefill-mode `CompressedCache`:
+`reconstruct_context(model, cache, context_ids)` fills a fresh prefill-mode `CompressedCache`:
 1. the context is prefilled once into a transient `DynamicCache` (every layer's post-RoPE keys
    and values, the last position's logits);
-2. the context, less the chat template's header it opens with (`RepeatPrompt.template_ids`: the
-   text is repeated, not the template's system turn and user header), is fed back in chunks of the
-   method's `reconstruction_chunk_size` tokens, each forward over [repeat instruction + chunk] with
-   the whole context cache in place (positions continue after the context); every context token,
-   the header's included, is scored by the queries. The cache is cropped back to the context after each chunk, so each chunk's
+2. the context is fed back in chunks of the method's `reconstruction_chunk_size` tokens, each forward over
+   [repeat instruction + chunk] with the whole context cache in place (positions continue after
+   the context); the cache is cropped back to the context after each chunk, so each chunk's
    queries see the context and their own forward only. A temporary attention function records,
    for every compressed layer, the post-RoPE queries of the chunk's tokens and the log-sum-exp of
    their scores over their own forward's causal keys (`methods.kvzip.own_lse`), and computes the
@@ -58,27 +56,13 @@ class ReconstructionStats:
     peak_kv_bytes: int
 
 
-@dataclass(frozen=True)
-class RepeatPrompt:
-    """What the reconstruction feeds after a context built by `build_prompt` (`repeat_prompt`).
-
-    instruction_ids [1, m]: the ids before each repeated chunk, asking for the repetition.
-    template_ids [1, t]: the chat template's tokens that open every such context (its system turn and the user
-    header; [1, 0] without a template). They are not repeated: the model is asked to repeat the text it was given,
-    as the KVzip paper's prompt does, not the template's markup.
-    """
-
-    instruction_ids: torch.Tensor
-    template_ids: torch.Tensor
-
-
-def repeat_prompt(tokenizer, instruction: str = REPEAT_INSTRUCTION) -> RepeatPrompt:
-    """The `RepeatPrompt` of `tokenizer`'s chat template (the plain text where it has none): the instruction as a
-    question after a blank line, then the end of the user turn and the assistant header; the template's header
-    is what `build_prompt` puts before an empty context."""
+def repeat_prompt_ids(tokenizer, instruction: str = REPEAT_INSTRUCTION) -> torch.Tensor:
+    """[1, m]: the ids that follow a context (`build_prompt`'s context part) to ask for its repetition: the
+    instruction as a question after a blank line, then the end of the user turn and the assistant header
+    through the tokenizer's chat template (the plain text where it has none)."""
     if not isinstance(instruction, str) or not instruction.strip():
         raise ValueError(f"instruction must be a non-empty str, got {instruction!r}")
-    return RepeatPrompt(build_prompt(tokenizer, "", instruction, layout="blank_line")[1], build_prompt(tokenizer, "")[0])
+    return build_prompt(tokenizer, "", instruction, layout="blank_line")[1]
 
 
 class _Recorder:
@@ -109,50 +93,38 @@ def _kv_bytes(cache) -> int:
     return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers if layer.is_initialized)
 
 
-def _check(cache, context_ids, repeat: RepeatPrompt | None) -> None:
+def _check(cache, context_ids, prefix_ids) -> None:
     if not isinstance(cache, CompressedCache) or cache.options.mode != "prefill" or cache.get_seq_length():
         raise ValueError(f"reconstruct_context fills a fresh prefill-mode CompressedCache, got {cache!r}")
     if not cache.options.compressor.needs_reconstruction:
         raise ValueError(f"method {cache.options.method!r} does not score with a reconstruction forward (only e.g. 'kvzip' does)")
-    if repeat is not None and not isinstance(repeat, RepeatPrompt):
-        raise ValueError(f"repeat must be a RepeatPrompt (`repeat_prompt(tokenizer)`) or None, got {type(repeat).__name__}")
-    named = [("context_ids", context_ids, 1)]
-    if repeat is not None:
-        named += [("repeat.instruction_ids", repeat.instruction_ids, 0), ("repeat.template_ids", repeat.template_ids, 0)]
-    for name, ids, least in named:
+    for name, ids, least in (("context_ids", context_ids, 1), ("prefix_ids", prefix_ids, 0)):
+        if ids is None and name == "prefix_ids":
+            continue
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] < least or ids.is_floating_point():
             raise ValueError(f"{name} must be an integer tensor [B, n] with n >= {least}, got {describe(ids)}")
-    if repeat is None:
-        return
-    if repeat.instruction_ids.shape[0] not in (1, context_ids.shape[0]):
-        raise ValueError(f"repeat.instruction_ids must have 1 row or the context's {context_ids.shape[0]}, got {repeat.instruction_ids.shape[0]}")
-    header = repeat.template_ids.shape[1]
-    if repeat.template_ids.shape[0] != 1 or header >= context_ids.shape[1] or not bool(
-            (context_ids[:, :header] == repeat.template_ids.to(context_ids.device)).all()):
-        raise ValueError(f"context_ids must start with repeat.template_ids {describe(repeat.template_ids)} (the chat template's header "
-                         "that `build_prompt` puts before a context) and hold text after it; build the context with build_prompt")
+    if prefix_ids is not None and prefix_ids.shape[0] not in (1, context_ids.shape[0]):
+        raise ValueError(f"prefix_ids must have 1 row or the context's {context_ids.shape[0]}, got {prefix_ids.shape[0]}")
 
 
 @torch.inference_mode()
 def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor,
-                        repeat: RepeatPrompt | None = None) -> tuple[torch.Tensor, ReconstructionStats]:
+                        prefix_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ReconstructionStats]:
     """Prefill context_ids [B, n] (unpadded) and compress every layer of the fresh prefill-mode `cache` with KVzip's
     reconstruction (module docstring); -> (the context's last logits [B, V], `ReconstructionStats`).
 
-    repeat: the repeat instruction placed before each chunk of the repeated context, and the template header
-    the context opens with, which is not repeated (`repeat_prompt(tokenizer)`); None: the whole context is
-    repeated with no instruction. The cache's layers end up holding the compressed context at positions
-    0..n-1, as after any prefill-mode compression.
+    prefix_ids [1 or B, m]: the repeat instruction placed before each chunk of the repeated context
+    (`repeat_prompt_ids`); None: the context is repeated with no instruction. The cache's layers end up
+    holding the compressed context at positions 0..n-1, as after any prefill-mode compression.
     """
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    _check(cache, context_ids, repeat)
+    _check(cache, context_ids, prefix_ids)
     device = next(model.parameters()).device
     context_ids = context_ids.to(device)
     rows, n = context_ids.shape
-    prefix = (repeat.instruction_ids if repeat is not None else context_ids[:, :0]).to(device).expand(rows, -1)
-    header = repeat.template_ids.shape[1] if repeat is not None else 0
+    prefix = (prefix_ids if prefix_ids is not None else context_ids[:, :0]).to(device).expand(rows, -1)
     chunk_size = getattr(cache.options.compressor, "reconstruction_chunk_size", n)
     recorder = _Recorder({i for i, layer in enumerate(cache.layers) if isinstance(layer, CompressedLayer)})
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -166,7 +138,7 @@ def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor
         context_kv = [(layer.keys, layer.values) for layer in past.layers]
         recorder.context, recorder.offset = n, prefix.shape[1]
         start, forwards, peak = time.perf_counter(), 0, _kv_bytes(past)
-        for chunk in context_ids[:, header:].split(chunk_size, dim=1):
+        for chunk in context_ids.split(chunk_size, dim=1):
             model(torch.cat([prefix, chunk], 1), past_key_values=past, use_cache=True, **extra)
             peak = max(peak, _kv_bytes(past))
             past.crop(n - past.get_seq_length())  # back to the context (a negative count removes the chunk's tokens)
@@ -184,4 +156,4 @@ def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor
             layer.stats.compress_seconds += seconds / len(recorder.layers)  # the reconstruction forwards are compression work
         else:
             layer.load_prefill(None, keys, values, scales[i])
-    return logits, ReconstructionStats(forwards, n - header + forwards * prefix.shape[1], seconds, peak)
+    return logits, ReconstructionStats(forwards, n + forwards * prefix.shape[1], seconds, peak)
