@@ -92,6 +92,8 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "adakv[scorer=kvzip,scope=model]": ("adakv", {"scorer": "kvzip", "scope": "model"}),
     "adakv[scorer=kvzip,scope=model,alpha=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.0}),
     "adakv[scorer=kvzip,scope=model,window=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
+                                                                   "alpha_safeguard": 0.0}),
     # the context streamed through the method in blocks (chunked mode): candidates for the streaming modes' default
     "snapkv[mode=chunked]": ("snapkv", {"mode": "chunked"}),
     "keydiff[mode=chunked]": ("keydiff", {"mode": "chunked"}),
@@ -136,6 +138,7 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model]": "KVzip",
     "adakv[scorer=kvzip,scope=model,alpha=0]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0]": "KVzip",
     "snapkv[mode=chunked]": "SnapKV",
     "keydiff[mode=chunked]": "KeyDiff",
     "compactor[mode=chunked]": "Compactor",
