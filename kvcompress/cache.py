@@ -330,7 +330,12 @@ class CompressedLayer(CacheLayerMixin):
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
-        a quantized or ragged front and its exact tail apart, anything else as the one summary `stored()` reads."""
+        a live stream (decode mode) as the whole state it continues from (`cache_file.state_tensors`), a quantized or
+        ragged front and its exact tail apart, anything else as the one summary `stored()` reads."""
+        meta = {"kind": "compressed", "seen": self.seen, "budgets": self.budgets}
+        if isinstance(self.front, Stream):
+            tensors, described = cache_file.state_tensors(f"{prefix}.stream", self.front, self.cache.stream_links())
+            return tensors, {**meta, "stream": described, "dtype": str(self.dtype).removeprefix("torch.")}
         if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
             parts = {"front": self.front, "tail": self.tail}
         else:
@@ -340,15 +345,24 @@ class CompressedLayer(CacheLayerMixin):
             if part is not None:
                 part_tensors, described[name] = cache_file.summary_tensors(f"{prefix}.{name}", part)
                 tensors.update(part_tensors)
-        return tensors, {"kind": "compressed", "seen": self.seen, "budgets": self.budgets, "parts": described}
+        return tensors, {**meta, "parts": described}
 
     def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype) -> None:
         """Take the state `export_state` described, on `device` in `dtype`: a quantized front and its tail as they were; a
         full-precision state as the front later tokens follow, as after compression in its mode (prefill: a buffer they
-        are appended to in place; chunked: an exact tail beside it)."""
-        parts = {name: cache_file.summary_from(f"{prefix}.{name}", tensors, part, device, dtype) for name, part in meta["parts"].items()}
+        are appended to in place; chunked: an exact tail beside it). A live stream goes on in the dtype it was saved in:
+        another `dtype` is refused."""
         self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
         self.seen, self.budgets = meta["seen"], list(meta["budgets"])
+        if "stream" in meta:
+            if meta["dtype"] != str(dtype).removeprefix("torch."):
+                raise cache_file.CacheFileError(
+                    f"this cache holds live decode-mode streams in {meta['dtype']}, which go on absorbing every token in the dtype "
+                    f"they were saved in: load it with the model in {meta['dtype']}, not {str(dtype).removeprefix('torch.')}")
+            self.front, self.tail = cache_file.state_from(tensors, meta["stream"], self.cache.stream_links(), device), None
+            self.stats.peak_bytes = self.nbytes()
+            return
+        parts = {name: cache_file.summary_from(f"{prefix}.{name}", tensors, part, device, dtype) for name, part in meta["parts"].items()}
         if "stored" in parts:
             stored = parts["stored"]
             self.front = SlotBuffer(stored, most=stored.num_slots) if self.cache.options.mode == "prefill" else stored
@@ -549,19 +563,17 @@ class CompressedCache(Cache):
         token ids it stands for, the compression settings, and the fingerprint of the model it was
         made with; `CompressedCache.load(path, model)` (`kvc.load_cache`) reads it back, and it
         answers as this cache does. token_ids [1, n]: the ids of the n tokens held (default:
-        `self.token_ids`). One context (batch size 1). A live stream is refused, not compacted
-        behind the caller's back: a decode-mode cache keeps compressing every later token, and a
-        chunked-mode cache is saved once its prompt has ended (`absorbing` set False, as
-        `kvc.compress_context` does).
+        `self.token_ids`). One context (batch size 1). A decode-mode cache saves its live streams whole (every
+        later token goes on through them after `load`, as here); a chunked-mode cache is saved once its prompt has
+        ended (`absorbing` set False, as `kvc.compress_context` does), not compacted behind the caller's back.
         """
         model = self._model()
         if model is None:
             raise ValueError("the model this cache was built with no longer exists: save the cache while its model is alive")
-        if self.options.mode == "decode" or (self.options.mode == "chunked" and self.absorbing):
+        if self.options.mode == "chunked" and self.absorbing:
             raise ValueError(
-                f"this mode={self.options.mode!r} cache holds live streams that keep absorbing tokens: a chunked cache can be saved "
-                "once its prompt has ended (cache.absorbing = False compacts it, as kvc.compress_context does); a decode-mode cache "
-                "compresses every later token too, so it cannot be saved: use mode 'prefill' or 'chunked'"
+                "this mode='chunked' cache holds live streams that keep absorbing its prompt: it can be saved once the prompt has "
+                "ended (cache.absorbing = False compacts it, as kvc.compress_context does)"
             )
         seen = self.get_seq_length()
         if seen == 0:
@@ -606,7 +618,8 @@ class CompressedCache(Cache):
         devices = {m.layer_idx: next(m.parameters()).device for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
         for i, (layer, meta) in enumerate(zip(cache.layers, document["layers"])):
             layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype)
-        cache.absorbing = False  # the prompt has ended: nothing streams any more, later tokens stay exact
+        if cache.options.mode != "decode":
+            cache.absorbing = False  # the prompt has ended: nothing streams any more, later tokens stay exact
         cache.token_ids = tensors["token_ids"].long().to(devices[0])
         select_compressed_attention(model)
         return cache
@@ -637,6 +650,11 @@ class CompressedCache(Cache):
         """Roll every layer back to a snapshot(): later tokens are forgotten, the compressed context is reused as is."""
         for layer, state in zip(self.layers, snapshot):
             layer.restore(state)
+
+    def stream_links(self) -> dict:
+        """What a live stream holds of the cache itself (its method, its rotary inverse), which a saved stream refers to
+        by name (`cache_file.state_tensors`) rather than stores."""
+        return {"method": self.options.compressor, "unrotate": self._unrotate}
 
     def generator(self, layer_idx: int) -> torch.Generator:
         return make_generator(self.options.seed * 100003 + layer_idx)

@@ -13,6 +13,7 @@ summary (`RaggedSummary`) as its packed tensors and per-head counts.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import tempfile
@@ -213,3 +214,113 @@ def summary_from(prefix: str, tensors: dict[str, torch.Tensor], meta: dict, devi
                           tensors[f"{prefix}.normalizer.positions"].long())
     summary = KVSummary(tensors[f"{prefix}.keys"], tensors[f"{prefix}.values"], log_weights, positions.long(), norm, meta["eviction_only"])
     return summary.to(dtype, device)
+
+
+# What an entry of a saved object graph is (`state_tensors`): each entry is a JSON object holding one of these keys.
+_KINDS = ("link", "ref", "value", "tensor", "generator", "dtype", "device", "size", "list", "tuple", "dict", "object")
+
+
+def state_tensors(prefix: str, obj, links: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of a live object graph (a decode-mode `Stream` and the method state it holds), named under `prefix`,
+    and its JSON description, for `state_from`.
+
+    None, bools, numbers and strings are kept in the description; a tensor is stored once however often it is held;
+    a `torch.Generator` as its state; a dtype, a device, a size, a list, a tuple or a dict as such; an instance of a
+    kvcompress class as its class name and attributes. A generator or an instance held in several places is stored
+    once and referred to (`ref`) after that, so what the graph shares stays shared (a hybrid's state and its
+    coreset draw from one generator). An object among `links` (the cache's method, its rotary inverse) is stored by
+    its name and given back by `state_from`'s own links. Anything else is a ValueError.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    linked = {id(value): name for name, value in links.items() if value is not None}
+    shared: dict[int, int] = {}  # id of a generator or instance already stored -> its number
+    keep = []  # what `shared` numbers, alive until the encoding ends (ids are only unique among live objects)
+
+    def tensor(t: torch.Tensor) -> str:
+        if id(t) not in names:
+            names[id(t)] = f"{prefix}.{len(names)}"
+            tensors[names[id(t)]] = t
+        return names[id(t)]
+
+    def encode(x):
+        if id(x) in linked:
+            return {"link": linked[id(x)]}
+        if id(x) in shared:
+            return {"ref": shared[id(x)]}
+        if isinstance(x, torch.Generator) or type(x).__module__.startswith("kvcompress."):
+            shared[id(x)] = len(keep)
+            keep.append(x)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return {"value": x}
+        if isinstance(x, torch.Tensor):
+            return {"tensor": tensor(x)}
+        if isinstance(x, torch.Generator):
+            return {"generator": str(x.device), "state": tensor(x.get_state()), "id": shared[id(x)]}
+        if isinstance(x, torch.dtype):
+            return {"dtype": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.device):
+            return {"device": str(x)}
+        if isinstance(x, torch.Size):
+            return {"size": list(x)}
+        if isinstance(x, (list, tuple)):
+            return {type(x).__name__: [encode(v) for v in x]}
+        if isinstance(x, dict):
+            return {"dict": [[encode(k), encode(v)] for k, v in x.items()]}
+        cls = type(x)
+        if cls.__module__.startswith("kvcompress.") and hasattr(x, "__dict__"):
+            number = shared[id(x)]
+            return {"object": f"{cls.__module__}:{cls.__qualname__}", "id": number, "attributes": {k: encode(v) for k, v in vars(x).items()}}
+        raise ValueError(f"a live stream holds a {cls.__module__}.{cls.__qualname__}, which a cache file cannot store")
+
+    return tensors, encode(obj)
+
+
+def state_from(tensors: dict[str, torch.Tensor], description: dict, links: dict, device):
+    """The object graph `state_tensors` described, its tensors and generators on `device` (a generator keeps the
+    device it was saved on when that is the CPU). Only kvcompress classes are built, without running their
+    constructors; CacheFileError for a description naming anything else."""
+    loaded: dict[str, torch.Tensor] = {}
+    built: dict[int, object] = {}  # generators and instances by their number (`ref`)
+
+    def decode(x: dict):
+        kind = next((k for k in _KINDS if k in x), None)
+        value = x.get(kind)
+        if kind == "link":
+            return links[value]
+        if kind == "ref":
+            return built[value]
+        if kind == "value":
+            return value
+        if kind == "tensor":
+            if value not in loaded:
+                loaded[value] = tensors[value].to(device)
+            return loaded[value]
+        if kind == "generator":
+            generator = built[x["id"]] = torch.Generator(device=value if value == "cpu" else device)
+            generator.set_state(tensors[x["state"]])
+            return generator
+        if kind == "dtype":
+            return getattr(torch, value)
+        if kind == "device":
+            return torch.device(device)
+        if kind == "size":
+            return torch.Size(value)
+        if kind in ("list", "tuple"):
+            items = [decode(v) for v in value]
+            return items if kind == "list" else tuple(items)
+        if kind == "dict":
+            return {decode(k): decode(v) for k, v in value}
+        if kind == "object":
+            module, name = value.split(":")
+            if not module.startswith("kvcompress."):
+                raise CacheFileError(f"a saved stream names the class {value!r}, which is not kvcompress's")
+            cls = importlib.import_module(module)
+            for part in name.split("."):
+                cls = getattr(cls, part)
+            obj = built[x["id"]] = cls.__new__(cls)
+            obj.__dict__.update({k: decode(v) for k, v in x["attributes"].items()})
+            return obj
+        raise CacheFileError(f"a saved stream holds an entry of none of the kinds {_KINDS}: {sorted(x)}")
+
+    return decode(description)

@@ -1,6 +1,6 @@
 """Saved caches (issue 37): a compressed context written to one file, loaded in a fresh process, answering token for
-token as the cache that was saved, for every method in the modes that finish a context, at full precision and
-quantized, in float32 and bfloat16; and a clear error for every file or model that cannot be used."""
+token as the cache that was saved, for every method in every mode (a decode-mode cache with its live streams), at full
+precision and quantized, in float32 and bfloat16; and a clear error for every file or model that cannot be used."""
 
 import json
 import subprocess
@@ -23,7 +23,7 @@ from test_hf import tiny as tiny_family
 from test_integration import tiny
 
 NEW = 8
-CASES = [(method, mode, bits) for method in kvc.methods() for mode in ("prefill", "chunked") for bits in (None, 4)
+CASES = [(method, mode, bits) for method in kvc.methods() for mode in ("prefill", "chunked", "decode") for bits in (None, 4)
          if mode in get_method_class(method).modes]  # KVzip runs in prefill mode only
 CASES += [("snapkv", "prefill", 8), ("balancekv", "chunked", 2), ("hybrid", "prefill", 2), ("express", "chunked", 8)]
 
@@ -55,8 +55,8 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_method_round_trips_through_a_fresh_process(tiny_checkpoint, tmp_path, dtype):
     """compress -> save -> load in another process -> the same answer, token for token, as generating from the context
-    here (and the same slots and stored bytes), for every method in prefill and chunked mode, full precision and
-    quantized."""
+    here (and the same slots and stored bytes), for every method in every mode, full precision and quantized. A
+    decode-mode cache is saved with its live streams, so the question and the answer go on through them after loading."""
     model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype=dtype)
     ctx, question = _ids(300, 1), _ids(8, 2)
     jobs, expected = {}, {}
@@ -127,6 +127,36 @@ def test_a_cache_moves_to_the_models_dtype(tiny_checkpoint, tmp_path):
     for cache in (quantized, full):
         (res,) = answer_from_cache_ids(model16, cache, [_ids(5, 6)], max_new_tokens=4, stop_at_eos=False)
         assert len(res.token_ids) == 4
+    # live decode-mode streams go on in the dtype they were saved in
+    compress_context_ids(model32, _ids(200, 5), method="keydiff", budget=24, mode="decode").save(tmp_path / "d.kvc")
+    with pytest.raises(CacheFileError, match="live decode-mode streams in float32.*load it with the model in float32, not bfloat16"):
+        kvc.load_cache(tmp_path / "d.kvc", model16)
+
+
+def test_a_saved_stream_builds_only_kvcompress_objects_and_keeps_what_it_shares():
+    """The object graph of a live stream: shared generators and instances stay shared, links are given back by name,
+    anything but kvcompress classes is refused on the way in and on the way out."""
+    from kvcompress.methods.base import make_generator
+    from kvcompress.methods.registry import build_method
+    from kvcompress.methods.stream import Stream
+
+    method = build_method("hybrid")
+    stream = Stream(method, 16, 2, 4, make_generator(3))
+    keys = torch.randn(1, 2, 60, 8)
+    stream.update(keys, torch.randn(1, 2, 60, 8), torch.randn(1, 4, 60, 8), pre_rope_keys=keys)
+    tensors, described = cache_file.state_tensors("s", stream, {"method": method})
+    back = cache_file.state_from(tensors, json.loads(json.dumps(described)), {"method": method}, "cpu")
+    assert back.method is method and back.state.method is method
+    assert back.state.generator is back.state.coreset.generator is back.generator  # one generator, as in the stream saved
+    assert torch.equal(back.summary().keys, stream.summary().keys)
+    more = torch.randn(1, 2, 30, 8)
+    for s in (stream, back):
+        s.update(more, more, torch.randn(1, 4, 30, 8, generator=torch.Generator().manual_seed(0)), pre_rope_keys=more)
+    assert torch.equal(back.summary().positions, stream.summary().positions)
+    with pytest.raises(ValueError, match="a live stream holds a builtins.builtin_function_or_method, which a cache file cannot store"):
+        cache_file.state_tensors("s", [len], {})
+    with pytest.raises(CacheFileError, match="names the class 'os:system', which is not kvcompress's"):
+        cache_file.state_from({}, {"object": "os:system", "id": 0, "attributes": {}}, {}, "cpu")
 
 
 @pytest.fixture
@@ -208,11 +238,10 @@ def test_what_cannot_be_saved_is_refused(tmp_path):
         empty = CompressedCache(model, "snapkv", budget=16)
         with pytest.raises(ValueError, match="the cache holds no tokens yet"):
             empty.save(tmp_path / "x.kvc")
-        for mode in ("decode", "chunked"):
-            live = CompressedCache(model, "snapkv", budget=16, mode=mode)
-            model(ctx, past_key_values=live, use_cache=True)
-            with pytest.raises(ValueError, match="holds live streams that keep absorbing tokens"):
-                live.save(tmp_path / "x.kvc", token_ids=ctx)
+        live = CompressedCache(model, "snapkv", budget=16, mode="chunked")
+        model(ctx, past_key_values=live, use_cache=True)
+        with pytest.raises(ValueError, match="holds live streams that keep absorbing its prompt"):
+            live.save(tmp_path / "x.kvc", token_ids=ctx)
         plain = CompressedCache(model, "snapkv", budget=16)
         model(ctx, past_key_values=plain, use_cache=True)
         with pytest.raises(ValueError, match="does not know the ids of the 100 tokens it holds: pass token_ids"):
@@ -228,7 +257,7 @@ def test_what_cannot_be_saved_is_refused(tmp_path):
     with pytest.raises(ValueError, match="the prompt has ended"):
         compress_context_ids(model, ctx, method="snapkv", budget=16, mode="chunked").absorbing = True
     with pytest.raises(ValueError, match="compress_context compresses a context once for later questions"):
-        compress_context_ids(model, ctx, method="snapkv", budget=16, mode="decode")
+        compress_context_ids(model, ctx, method=None)
 
 
 def test_generate_from_a_cache_takes_its_settings_and_no_context(saved, tiny_checkpoint):

@@ -405,23 +405,23 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     """The context [1, n] prefilled and compressed once, as `answer_questions_ids` does before its questions: the cache,
     its `token_ids` the context's, ready to `save` or to answer from (`answer_from_cache_ids`, `generate(cache=...)`).
 
-    Takes `generate_ids`' options, in mode "prefill" or "chunked" (a chunked cache's prompt is ended:
-    its streams compacted, and with kv_bits quantized); mode "decode" keeps compressing every
-    later token, so it gives no finished context and is refused, as are the full cache
-    (method=None) and compress_question (no question here). Leaves the model on the 'kvcompress'
-    attention implementation, as `CompressedCache(model, method)` does.
+    Takes `generate_ids`' options. A chunked cache's prompt is ended (its streams compacted, and with
+    kv_bits quantized); a decode-mode cache's streams stay live, so every later token (question,
+    answer) goes through them, and its compression_ratio is resolved against the context alone
+    (the questions to come are not known). The full cache (method=None) and compress_question (no
+    question here) are refused. Leaves the model on the 'kvcompress' attention implementation, as
+    `CompressedCache(model, method)` does.
     """
     options = CompressionOptions.build(options, **settings)
-    if options.method is None or options.mode == "decode" or options.compress_question:
+    if options.method is None or options.compress_question:
         raise ValueError(
-            "compress_context compresses a context once for later questions: it takes a method, mode 'prefill' or 'chunked' and "
-            f"the question kept out of compression; got method={options.method!r}, mode={options.mode!r}, "
-            f"compress_question={options.compress_question!r}"
+            "compress_context compresses a context once for later questions: it takes a method and the question kept out of "
+            f"compression; got method={options.method!r}, compress_question={options.compress_question!r}"
         )
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"compress_context takes one context (batch size 1), got batch size {context_ids.shape[0]}")
-    session = _Session(model, _Prompt(context_ids, None, reconstruction_ids=reconstruction_ids), options, 1)
+    session = _Session(model, _Prompt(context_ids, None, reconstruction_ids=reconstruction_ids), options, 0)  # no answer here
     with use_compressed_attention(model):
         session.run_context(progress)
     select_compressed_attention(model)
