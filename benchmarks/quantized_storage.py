@@ -1,13 +1,14 @@
 """Quantized storage of the compressed context (kv_bits): bytes stored, decode speed and language-modelling quality.
 
-On the default model (SmolLM2-135M-Instruct, float32 on the CPU), `--documents` prose documents
+On the default model (SmolLM2-135M-Instruct on the CPU, float32, or bfloat16 with `--dtype`), `--documents` prose documents
 (`eval.perplexity.prose_document`, seed 0) of `--context` + `--scored` + 1 tokens. The first
 `--context` tokens are the context; it is prefilled once (`capture_qkv`) and compressed from that
 prefill by each method at each compression ratio (prefill mode, `CompressedCache.from_prefill`, the
-method's own sink and window), then stored at 32 (kv_bits None), 8, 4 and 2 bits (group size 32).
+method's own sink and window), then stored at full precision (kv_bits None: 32 bits in float32, 16 in
+bfloat16), 8, 4 and 2 bits (group size 32).
 The next `--scored` tokens are fed in blocks of 64 through each cache, and each is scored by the
 negative log-likelihood (float32) of the token after it, teacher-forced. Ratio 0 is the full
-context, at each number of bits (its 32-bit cell is the full cache, the reference).
+context, at each number of bits (its full-precision cell is the full cache, the reference).
 
 Per cell (method, ratio, bits), over documents: the perplexity exp(mean NLL) with the exp of the
 95% Student-t interval of the mean per-document log-perplexity, and the ratio to the full cache
@@ -72,6 +73,7 @@ from kvcompress.methods.stream import Stream
 from kvcompress.options import CompressionOptions
 
 RESULTS = Path(__file__).parent / "results"
+FULL_BITS = {"float32": 32, "bfloat16": 16}  # the bits of a stored element at full precision, by model dtype
 BLOCK = 64
 
 
@@ -87,7 +89,10 @@ def parse_args():
     p.add_argument("--scored", type=int, default=128, help="continuation tokens scored after the context")
     p.add_argument("--methods", default="snapkv,keydiff,balancekv")
     p.add_argument("--ratios", default="0.5,0.75,0.9")
-    p.add_argument("--bits", default="32,8,4,2", help="bits per stored element; 32 is full precision (kv_bits None)")
+    p.add_argument("--dtype", default="float32", choices=sorted(FULL_BITS), help="the model's dtype (default float32)")
+    p.add_argument("--bits", default=None,
+                   help="bits per stored element, the dtype's own (32 or 16) meaning full precision, kv_bits None (default: 32,8,4,2 "
+                        "in float32, 16,8,4,2 in bfloat16)")
     p.add_argument("--steps", type=int, default=32, help="single-token decode steps timed per cell on the first document")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="results path; .csv and .md are written beside it, any suffix replaced (default: results/quantized_storage[_needle|_decode])")
@@ -98,6 +103,11 @@ def parse_args():
         args.out = str(RESULTS / name)
     if args.mode != "prefill" and args.task != "perplexity":
         p.error(f"--mode {args.mode} applies to the perplexity task, got --task {args.task}")
+    full = FULL_BITS[args.dtype]
+    args.bits = args.bits or f"{full},8,4,2"
+    wrong = [b for b in args.bits.split(",") if int(b) not in (full, 8, 4, 2)]
+    if wrong:
+        p.error(f"--bits in {args.dtype} takes {full} (full precision), 8, 4 and 2, got {','.join(wrong)}")
     return args
 
 
@@ -107,7 +117,7 @@ def cells(methods: list[str], ratios: list[float], bits: list[int]) -> list[tupl
 
 
 def options_of(method: str, ratio: float, bits: int, mode: str = "prefill") -> CompressionOptions:
-    return CompressionOptions(method=method, compression_ratio=ratio, kv_bits=None if bits == 32 else bits, mode=mode)
+    return CompressionOptions(method=method, compression_ratio=ratio, kv_bits=None if bits in FULL_BITS.values() else bits, mode=mode)
 
 
 def stored_bytes(cache: CompressedCache) -> int:
@@ -171,7 +181,7 @@ def main():
     ratios = [float(r) for r in args.ratios.split(",")]
     bits = [int(b) for b in args.bits.split(",")]
     grid = cells(methods, ratios, bits)
-    model, tokenizer = kvc.load_model(device="cpu", dtype="float32")
+    model, tokenizer = kvc.load_model(device="cpu", dtype=args.dtype)
     log_ppl: dict[tuple, list[float]] = {c: [] for c in grid}
     fraction: dict[tuple, list[float]] = {c: [] for c in grid}
     speed: dict[tuple, float] = {}
@@ -180,7 +190,7 @@ def main():
         ids = torch.tensor([prose_document(index, args.context + max(args.scored, args.steps) + 1, tokenizer).ids])
         n_context = args.context
         captured = capture_qkv(model, ids[:, :n_context]) if args.mode == "prefill" else None
-        full = full_kv_bytes(model, n_context, torch.float32)
+        full = full_kv_bytes(model, n_context, model.dtype)
         with use_compressed_attention(model):
             for cell in grid:
                 cache = compressed_context(model, cell, ids, n_context, args.mode, captured)
@@ -218,7 +228,7 @@ def header(args, title: str, done: str, details: str, seconds: float) -> str:
     unused = ("documents", "scored", "steps") if args.task == "needle" else ("samples", "needle_task")
     command = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "plot", *unused))
     return (f"# {title}\n\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{args.threads} threads; SmolLM2-135M-Instruct float32; {done} ({details}); {args.mode} mode, group size 32, each method's "
+            f"{args.threads} threads; SmolLM2-135M-Instruct {args.dtype}; {done} ({details}); {args.mode} mode, group size 32, each method's "
             f"own sink and window. Wall time {seconds:.0f}s.\n\n`python benchmarks/quantized_storage.py {command}`\n\n")
 
 
@@ -242,7 +252,7 @@ def needle(args) -> None:
     """The needle task at `--context` tokens: every cell answers each sample from one prefill of its context."""
     methods = args.methods.split(",")
     grid = cells(methods, [float(r) for r in args.ratios.split(",")], [int(b) for b in args.bits.split(",")])
-    model, tokenizer = kvc.load_model(device="cpu", dtype="float32")
+    model, tokenizer = kvc.load_model(device="cpu", dtype=args.dtype)
     config = SweepConfig(methods=methods, tasks=[args.needle_task], lengths=[args.context], samples=args.samples)
     scores: dict[tuple, list[float]] = {c: [] for c in grid}
     fraction: dict[tuple, list[float]] = {c: [] for c in grid}
@@ -253,7 +263,7 @@ def needle(args) -> None:
         sample = SampleSpec(args.needle_task, args.context, index, sample_depth(index)).build(config, tokenizer)
         context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
         captured = capture_qkv(model, context_ids)
-        full = full_kv_bytes(model, context_ids.shape[1], torch.float32)
+        full = full_kv_bytes(model, context_ids.shape[1], model.dtype)
         expected.append(", ".join(sample.answers))
         for cell in grid:
             options = options_of(*cell)
@@ -277,7 +287,7 @@ def needle_rows(grid, scores: dict, fraction: dict) -> list[dict]:
         method, ratio, b = cell
         hits, n = sum(scores[cell]), len(scores[cell])
         low, high = wilson(hits, n)
-        diff, dlow, dhigh = paired_difference_interval(scores[cell], scores[(method, ratio, 32)])
+        diff, dlow, dhigh = paired_difference_interval(scores[cell], scores[(method, ratio, FULL_BITS[args.dtype])])
         rows.append({
             "method": "full context" if ratio == 0 else method, "ratio": ratio, "bits": b, "samples": n,
             "stored_fraction": round(statistics.mean(fraction[cell]), 4), "accuracy": round(hits / n, 4),
