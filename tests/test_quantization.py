@@ -210,26 +210,34 @@ def test_every_method_composes_with_quantized_storage(method, mode):
     assert stored == sorted(stored, reverse=True) and stored[-1] < stored[0], stored
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_stream_quantizes_each_slot_once_and_stores_only_codes(dtype):
-    """Decode mode with kv_bits: every middle slot the stream holds is its key and value quantized once per slot (the
-    layer-0 keys do not depend on compression, so they are checked against the full cache's), however many
-    re-compressions it survived; the state stores the packed codes with a scale and a zero point per group."""
+def _decode_layer0(dtype, method: str, bits: int | None):
+    """(the tiny model in dtype, the full cache's layer-0 keys and values of a 300-token context, a decode-mode cache of
+    `method` at `bits` (group size 8) that streamed the context in blocks of 20)."""
     from transformers import DynamicCache
 
     from kvcompress.integration import use_compressed_attention
-    from kvcompress.quantization import QuantizedSlots
 
     model = tiny().to(dtype)
     ctx, _ = _prompt(n=300)
     full = DynamicCache()
     with torch.inference_mode():
         model(ctx, past_key_values=full)
-    keys0, values0 = full.layers[0].keys, full.layers[0].values
-    cache = CompressedCache(model, "keydiff", mode="decode", budget=24, sink=2, window=8, kv_bits=4, kv_group_size=8)
+    cache = CompressedCache(model, method, mode="decode", budget=24, sink=2, window=8, kv_bits=bits,
+                            kv_group_size=None if bits is None else 8)
     with torch.inference_mode(), use_compressed_attention(model):
         for block in ctx.split(20, 1):
             model(block, past_key_values=cache)
+    return model, full.layers[0].keys, full.layers[0].values, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_stream_quantizes_each_slot_once_and_stores_only_codes(dtype):
+    """Decode mode with kv_bits: every middle slot the stream holds is its key and value quantized once per slot (the
+    layer-0 keys do not depend on compression, so they are checked against the full cache's), however many
+    re-compressions it survived; the state stores the packed codes with a scale and a zero point per group."""
+    from kvcompress.quantization import QuantizedSlots
+
+    model, keys0, values0, cache = _decode_layer0(dtype, "keydiff", 4)
     state = cache.layers[0].front.state
     assert isinstance(state.slots, QuantizedSlots) and state.slots.tensors[0].dtype == torch.uint8
     keys, values, positions = state.slots.view()[:3]
@@ -250,23 +258,9 @@ def test_a_native_decode_stream_stores_each_slot_quantized_once(method, dtype):
     """Decode mode with kv_bits on a native stream (`QuantizedState`; the hybrid's coreset too): every middle slot of
     layer 0 is a token's key and value quantized once per slot, bit for bit, after every halving, sampling, clustering
     and hand-over; the stream stores fewer bytes than the same stream at full precision."""
-    from transformers import DynamicCache
-
-    from kvcompress.integration import use_compressed_attention
-
-    model = tiny().to(dtype)
-    ctx, _ = _prompt(n=300)
-    full = DynamicCache()
-    with torch.inference_mode():
-        model(ctx, past_key_values=full)
-    keys0, values0 = full.layers[0].keys, full.layers[0].values
     stored = {}
     for bits in (None, 4):
-        cache = CompressedCache(model, method, mode="decode", budget=24, sink=2, window=8, kv_bits=bits,
-                                kv_group_size=None if bits is None else 8)
-        with torch.inference_mode(), use_compressed_attention(model):
-            for block in ctx.split(20, 1):
-                model(block, past_key_values=cache)
+        _, keys0, values0, cache = _decode_layer0(dtype, method, bits)
         stream = cache.layers[0].front
         stored[bits] = stream.nbytes()
     summary = stream.summary()
