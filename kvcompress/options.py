@@ -19,7 +19,18 @@ from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 
 MODES = ("prefill", "chunked", "decode")
-DEFAULT_METHOD = "snapkv"
+# method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
+# and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
+# real prose on tuning samples (docs/kvpress.md, "The default method"). Prefill: KVzip's reconstruction scores ranked
+# across every layer's heads with no per-head floor (AdaKV, scope "model", no safeguard), every token ranked (no exact
+# window). KVzip needs the whole context, so the streaming modes get the best that streams: KeyDiff's scores shared
+# out among each layer's heads (AdaKV, with its sink and window).
+DEFAULT = "default"
+DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
+    "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.0}, {"window": 0}),
+    "chunked": ("adakv", {"scorer": "keydiff"}, {}),
+    "decode": ("adakv", {"scorer": "keydiff"}, {}),
+}
 DEFAULT_CHUNK_SIZE = 128
 
 
@@ -27,9 +38,11 @@ DEFAULT_CHUNK_SIZE = 128
 class CompressionOptions:
     """One compressed generation's settings; invalid values are refused when it is built.
 
-    method: a registered method name (`kvc.methods()`), or None for the full, uncompressed cache
-    (which then takes no budget, ratio, slack or method parameters). method_params: the method's
-    own parameters (its dataclass fields), checked by building it (`compressor`).
+    method: a registered method name (`kvc.methods()`), DEFAULT (the default: the best measured
+    method for the mode, `DEFAULT_METHODS`, resolved to its name and parameters when built), or
+    None for the full, uncompressed cache (which then takes no budget, ratio, slack or method
+    parameters). method_params: the method's own parameters (its dataclass fields), checked by
+    building it (`compressor`); the default method takes none (name the method to set them).
     budget / compression_ratio: exactly one for a method. budget is the middle budget per KV head
     (sink and window come on top); compression_ratio is the fraction of the tokens removed,
     resolved by each layer against the tokens it compresses (`budget_for`).
@@ -57,7 +70,7 @@ class CompressionOptions:
     native stream's state (`methods.base.QuantizedState`) alike.
     """
 
-    method: str | None = DEFAULT_METHOD
+    method: str | None = DEFAULT
     method_params: dict[str, Any] = field(default_factory=dict)
     budget: int | None = None
     compression_ratio: float | None = None
@@ -85,6 +98,8 @@ class CompressionOptions:
         object.__setattr__(self, "seed", as_count("seed", self.seed, 0))
         object.__setattr__(self, "chunk_size", as_count("chunk_size", self.chunk_size, 1))
         self._check_storage()
+        if self.method == DEFAULT:
+            self._resolve_default()
         if self.method is None:
             given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
                                        ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits)) if v is not None}
@@ -112,6 +127,18 @@ class CompressionOptions:
             if self.mode == "prefill":
                 raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
             self.compressor.stream_slack(self.slack)
+
+    def _resolve_default(self) -> None:
+        """method=DEFAULT becomes the mode's default method, with its parameters and its sink and window where none are given."""
+        name, params, exact = DEFAULT_METHODS[self.mode]
+        if self.method_params:
+            raise ValueError(f"method parameters {sorted(self.method_params)} need a named method: the default in mode {self.mode!r} "
+                             f"is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the parameters you want")
+        object.__setattr__(self, "method", name)
+        object.__setattr__(self, "method_params", dict(params))
+        for key, value in exact.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
 
     def _check_storage(self) -> None:
         """kv_bits and kv_group_size checked, kv_group_size resolved when kv_bits is set (`quantization.check_storage`)."""

@@ -42,7 +42,7 @@ print(statuses, sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})
 # Each copy in kvcompress.commands.names, and how to read its owner's value.
 OWNERS = {
     "METHODS": ("kvcompress.methods.registry", lambda m: tuple(m.method_names())),
-    "DEFAULT_METHOD": ("kvcompress.options", lambda m: m.DEFAULT_METHOD),
+    "DEFAULT_METHOD": ("kvcompress.options", lambda m: m.DEFAULT),
     "MODES": ("kvcompress.options", lambda m: m.MODES),
     "KV_BITS": ("kvcompress.quantization", lambda m: m.KV_BITS),
     "PROMPT_LAYOUTS": ("kvcompress.integration.model", lambda m: tuple(m.PROMPT_LAYOUTS)),

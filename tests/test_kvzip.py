@@ -285,3 +285,27 @@ def test_adakv_with_model_scope_shares_kvzips_budget_among_every_layers_heads():
     cache = compress_context_ids(model, ctx, options)
     per_layer = [int(torch.isfinite(layer.stored().log_weights).sum()) - 2 * 2 for layer in cache.layers]
     assert sum(per_layer) == len(cache.layers) * 2 * 40 and len(set(per_layer)) > 1
+
+
+def test_the_default_method_is_the_modes_best_measured_and_takes_no_parameters():
+    """method=DEFAULT (what no method gives) resolves, when the options are built, to the mode's DEFAULT_METHODS entry:
+    in prefill mode KVzip's scores ranked across every layer's heads with no safeguard and no exact window."""
+    from kvcompress.options import DEFAULT, DEFAULT_METHODS
+
+    prefill = CompressionOptions(compression_ratio=0.5)
+    assert (prefill.method, prefill.method_params, prefill.window, prefill.sink) == (
+        "adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.0}, 0, 4)
+    assert prefill.compressor.needs_reconstruction and prefill.compressor.shares_budget_across_layers
+    assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options
+    assert CompressionOptions(compression_ratio=0.5, window=16).window == 16  # a window given replaces the default's
+    for mode in ("chunked", "decode"):
+        options = CompressionOptions(method=DEFAULT, budget=8, mode=mode)
+        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2] and mode in options.compressor.modes
+    with pytest.raises(ValueError, match=r"method parameters \['scorer'\] need a named method: the default in mode 'prefill' is 'adakv'"):
+        CompressionOptions.build(compression_ratio=0.5, scorer="snapkv")
+    model = tiny()
+    ctx, question = _prompt(n=120)
+    res = generate_ids(model, ctx, question, compression_ratio=0.5, max_new_tokens=2)
+    assert res.method == "adakv" and res.extra["reconstruction"]["forwards"] == 1
+    with pytest.raises(ValueError, match="padded batch are not supported; name another method"):
+        generate_batch_ids(model, [ctx, ctx[:, :80]], question, compression_ratio=0.5, max_new_tokens=1)

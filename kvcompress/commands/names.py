@@ -8,7 +8,7 @@ owner (named beside it), so a change there fails the tests until it is made here
 # kvcompress.methods.registry.method_names(): every registered method
 METHODS = ("adakv", "balancekv", "clustergen", "compactor", "expected_attention", "express", "h2o", "hybrid", "keydiff", "knorm",
            "kvzip", "pyramidkv", "random", "snapkv", "streamingllm", "subgen", "tova")
-DEFAULT_METHOD = "snapkv"  # kvcompress.options.DEFAULT_METHOD
+DEFAULT_METHOD = "default"  # kvcompress.options.DEFAULT
 MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
 DEFAULT_CHUNK_SIZE = 128  # kvcompress.options.DEFAULT_CHUNK_SIZE
 PROMPT_LAYOUTS = ("blank_line", "newline", "blank_line_primed", "newline_primed")  # kvcompress.integration.model.PROMPT_LAYOUTS (its keys)

@@ -170,7 +170,8 @@ class _Session:
         self.reconstruction_ids, self.reconstruction = prompt.reconstruction_ids, None
         if self.reconstructs and (prefill is not None or self.context_mask is not None):
             raise ValueError(f"method {options.method!r} compresses through its own reconstruction forward after a fresh prefill of one "
-                             "unpadded context (or a batch of equal lengths): a recorded prefill and a padded batch are not supported")
+                             "unpadded context (or a batch of equal lengths): a recorded prefill and a padded batch are not supported; name "
+                             "another method for them, e.g. method='compactor'")
 
     def new_cache(self):
         if self.method_name is None:
