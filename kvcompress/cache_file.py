@@ -280,6 +280,7 @@ def state_from(tensors: dict[str, torch.Tensor], description: dict, links: dict,
     """The object graph `state_tensors` described, its tensors and generators on `device` (a generator keeps the
     device it was saved on when that is the CPU). Only kvcompress classes are built, without running their
     constructors; CacheFileError for a description naming anything else."""
+    device = torch.empty(0, device=device).device  # "cuda" as the tensors moved there report it ("cuda:0")
     loaded: dict[str, torch.Tensor] = {}
     built: dict[int, object] = {}  # generators and instances by their number (`ref`)
 
@@ -297,13 +298,13 @@ def state_from(tensors: dict[str, torch.Tensor], description: dict, links: dict,
                 loaded[value] = tensors[value].to(device)
             return loaded[value]
         if kind == "generator":
-            generator = built[x["id"]] = torch.Generator(device=value if value == "cpu" else device)
+            generator = built[x["id"]] = torch.Generator(device="cpu" if value == "cpu" else device)
             generator.set_state(tensors[x["state"]])
             return generator
         if kind == "dtype":
             return getattr(torch, value)
         if kind == "device":
-            return torch.device(device)
+            return device
         if kind == "size":
             return torch.Size(value)
         if kind in ("list", "tuple"):

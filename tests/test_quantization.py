@@ -372,3 +372,33 @@ def test_a_tensor_level_stream_stores_quantized_slots():
         kvc.stream("knorm", budget=20, kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size=8 groups quantized storage"):
         kvc.stream("knorm", budget=20, kv_group_size=8)
+
+
+@pytest.mark.cuda
+def test_native_quantized_streams_and_a_saved_stream_run_on_cuda():
+    """QuantizedState's row matching (torch.unique on bit patterns) and a saved stream's reload run unchanged on CUDA:
+    as many slots as on the CPU, every middle slot a token quantized once; a stream saved on the CPU goes on on CUDA."""
+    from kvcompress import cache_file
+
+    keys, values, queries = _x((1, 2, 300, 16), seed=1), _x((1, 2, 300, 16), seed=2), _x((1, 4, 1, 16), seed=3)
+    for name in ("express", "balancekv", "subgen", "hybrid"):
+        summaries = []
+        for device in ("cpu", "cuda"):
+            s = kvc.stream(name, budget=24, sink=2, window=4, kv_bits=4, kv_group_size=8, seed=0)
+            k, v, q = keys.to(device), values.to(device), queries.to(device)
+            for start in range(0, 300, 20):
+                s.update(k[:, :, start : start + 20], v[:, :, start : start + 20], q, pre_rope_keys=k[:, :, start : start + 20])
+            summaries.append(s.summary())
+        cpu, gpu = summaries
+        assert gpu.keys.device.type == "cuda" and gpu.num_slots == cpu.num_slots, name
+        middle = gpu.positions[:, :, 2:-4]
+        real = (middle >= 0)[..., None]
+        expected = quantize(take_slots(keys.cuda(), middle.clamp_min(0)), 4, 8, "token").dequantize()
+        assert torch.equal(torch.where(real, gpu.keys[:, :, 2:-4], 0), torch.where(real, expected, 0)), name
+    s = kvc.stream("keydiff", budget=24, sink=2, window=4, kv_bits=4, kv_group_size=8)
+    s.update(keys[:, :, :200], values[:, :, :200])
+    tensors, described = cache_file.state_tensors("s", s, {"method": s.method})
+    back = cache_file.state_from(tensors, described, {"method": s.method}, "cuda")
+    for stream, device in ((s, "cpu"), (back, "cuda")):
+        stream.update(keys[:, :, 200:].to(device), values[:, :, 200:].to(device))
+    assert back.summary().keys.device.type == "cuda" and torch.equal(back.summary().positions.cpu(), s.summary().positions)
