@@ -248,7 +248,8 @@ def state_tensors(prefix: str, obj, links: dict) -> tuple[dict[str, torch.Tensor
             return {"link": linked[id(x)]}
         if id(x) in shared:
             return {"ref": shared[id(x)]}
-        if isinstance(x, torch.Generator) or type(x).__module__.startswith("kvcompress."):
+        ours = type(x).__module__.startswith("kvcompress.") and hasattr(x, "__dict__")
+        if isinstance(x, torch.Generator) or ours:
             shared[id(x)] = len(keep)
             keep.append(x)
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -268,9 +269,8 @@ def state_tensors(prefix: str, obj, links: dict) -> tuple[dict[str, torch.Tensor
         if isinstance(x, dict):
             return {"dict": [[encode(k), encode(v)] for k, v in x.items()]}
         cls = type(x)
-        if cls.__module__.startswith("kvcompress.") and hasattr(x, "__dict__"):
-            number = shared[id(x)]
-            return {"object": f"{cls.__module__}:{cls.__qualname__}", "id": number, "attributes": {k: encode(v) for k, v in vars(x).items()}}
+        if ours:
+            return {"object": f"{cls.__module__}:{cls.__qualname__}", "id": shared[id(x)], "attributes": {k: encode(v) for k, v in vars(x).items()}}
         raise ValueError(f"a live stream holds a {cls.__module__}.{cls.__qualname__}, which a cache file cannot store")
 
     return tensors, encode(obj)

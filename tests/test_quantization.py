@@ -368,6 +368,8 @@ def test_a_tensor_level_stream_stores_quantized_slots():
     assert isinstance(native.state, QuantizedState)
     assert all(q.packed.dtype == torch.uint8 for q in native.state.stored.values())
     assert all(t.stride() == (0,) * t.ndim for t in native.state.state.kv_tensors())  # placeholders between updates
+    with pytest.raises(ValueError, match="BlockwiseState does not list its key and value tensors"):
+        QuantizedState(kvc.stream("knorm", budget=20).state, 4, 8)  # a block-wise state quantizes its own buffer instead
     with pytest.raises(ValueError, match="kv_bits must be None"):
         kvc.stream("knorm", budget=20, kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size=8 groups quantized storage"):

@@ -66,16 +66,6 @@ class StreamState(ABC):
         stream is wrapped (`QuantizedState`); a block-wise one stores its buffer quantized (`BlockwiseState.quantized`)."""
         return QuantizedState(self, bits, group_size)
 
-    def kv_tensors(self) -> list[torch.Tensor]:
-        """Every key and value tensor the state stores ([..., d] each, a slot's key or value a row), in a fixed order
-        that `set_kv_tensors` takes back: what `QuantizedState` stores quantized. Bookkeeping (positions, counts,
-        weights, sums of keys) is not listed."""
-        raise NotImplementedError(f"{type(self).__name__} does not list its key and value tensors, so it cannot store them quantized")
-
-    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """Put back tensors of the shapes `kv_tensors` listed, in its order."""
-        raise NotImplementedError(f"{type(self).__name__} does not list its key and value tensors, so it cannot store them quantized")
-
     def nbytes(self) -> int:
         """KV bytes the state stores (keys, values and other key copies, including any workspace kept between updates)."""
         s = self.summary()
@@ -320,8 +310,11 @@ class BlockwiseState(StreamState):
 class QuantizedState(StreamState):
     """A native stream's state (Express, SubGen, ClusterGen, BalanceKV) with its keys and values stored in `bits` bits.
 
-    Between calls the wrapped state holds placeholders and this wrapper the codes of every tensor the state lists
-    (`StreamState.kv_tensors`), row by row (`quantization.quantize_rows`: a row is one slot's key or value). Each
+    The wrapped state lists its tensors: `kv_tensors()` returns every key and value tensor it stores ([..., d] each,
+    a slot's key or value a row; bookkeeping such as positions, counts, weights and sums of keys is not listed) in a
+    fixed order, and `set_kv_tensors(tensors)` takes tensors of those shapes back in that order.
+    Between calls the wrapped state holds placeholders and this wrapper the codes of every tensor the state lists,
+    row by row (`quantization.quantize_rows`: a row is one slot's key or value). Each
     call dequantizes them into the state, runs it, and stores what it then lists: a row equal bit for bit to one
     stored before, or to one handed over with the tokens (`absorb(tokens, codes=)`), keeps that row's codes, so a
     slot the state keeps, moves or copies is quantized once, when it enters; a row the state computes (a merged
@@ -331,7 +324,9 @@ class QuantizedState(StreamState):
     """
 
     def __init__(self, state: StreamState, bits: int, group_size: int):
-        state.set_kv_tensors(state.kv_tensors())  # a state that cannot list its tensors fails here, before any token
+        if not (callable(getattr(state, "kv_tensors", None)) and callable(getattr(state, "set_kv_tensors", None))):
+            raise ValueError(f"{type(state).__name__} does not list its key and value tensors (kv_tensors, set_kv_tensors), so its "
+                             "slots cannot be stored quantized")
         self.state, self.bits, self.group_size = state, bits, group_size
         self.exact_within_budget = state.exact_within_budget
         self.stored: dict[int, QuantizedTensor] = {}  # per row width: the rows of every listed tensor that wide, in order
@@ -356,6 +351,8 @@ class QuantizedState(StreamState):
     def _store(self, handed: list[tuple[torch.Tensor, QuantizedTensor]]) -> None:
         """Quantize what the state now lists, each row width in one call (rows known before keep their codes), then
         leave the state placeholders."""
+        # the rows as stored, dequantized again: the state may have written into the tensors `_restore` gave it (BalanceKV
+        # copies new rows into its buffer in place), so those no longer tell what each stored code stands for
         known = [(q.dequantize(), q) for q in self.stored.values()] + handed
         tensors = self.state.kv_tensors()
         self.other_bytes = self.state.nbytes() - sum(t.numel() * t.element_size() for t in tensors)
