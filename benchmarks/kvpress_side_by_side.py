@@ -94,6 +94,10 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "adakv[scorer=kvzip,scope=model,window=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                    "alpha_safeguard": 0.0}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
+                                                                      "alpha_safeguard": 0.05}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
+                                                                     "alpha_safeguard": 0.1}),
     # the context streamed through the method in blocks (chunked mode): candidates for the streaming modes' default
     "snapkv[mode=chunked]": ("snapkv", {"mode": "chunked"}),
     "keydiff[mode=chunked]": ("keydiff", {"mode": "chunked"}),
@@ -139,6 +143,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,alpha=0]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": "KVzip",
     "snapkv[mode=chunked]": "SnapKV",
     "keydiff[mode=chunked]": "KeyDiff",
     "compactor[mode=chunked]": "Compactor",
@@ -274,8 +280,8 @@ def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
     check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
     shard = parse_shard(args.shard)
     return SimpleNamespace(
-        manifest=manifest, samples=samples, shard=shard,
-        model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).eval(),
+        manifest=manifest, samples=samples, shard=shard, device=torch.device(args.device),
+        model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).to(args.device).eval(),
         tokenizer=AutoTokenizer.from_pretrained(checkpoint, local_files_only=True),
         cells=parse_list(args.cells, known_cells),
         ratios=[float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"],
@@ -299,14 +305,16 @@ def load_samples(out: Path) -> tuple[dict, list[dict]]:
     return json.loads(manifest_path.read_text()), read_jsonl(samples_path)
 
 
-def environment(threads: int) -> dict:
+def environment(threads: int, device: str = "cpu") -> dict:
     import torch
     import transformers
 
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "load_average": round(os.getloadavg()[0], 2),
+    gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device, "gpu": gpu,
+            "load_average": round(os.getloadavg()[0], 2),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
@@ -398,7 +406,7 @@ def run_kvcompress(args) -> None:
     run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
     manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
         run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.shard, run.path, run.done)
-    env = environment(args.threads) | {"kvcompress_version": _kvcompress_version()}
+    env = environment(args.threads, args.device) | {"kvcompress_version": _kvcompress_version()}
     for sample in select_shard(samples, shard):
         todo = [(label, None if KVCOMPRESS_CELLS[label][0] is None else ratio) for label in cells
                 for ratio in (ratios if KVCOMPRESS_CELLS[label][0] is not None else [None])]
@@ -406,8 +414,8 @@ def run_kvcompress(args) -> None:
         todo = [(label, ratio) for label, ratio in todo if cell_key("kvcompress", label, ratio, sample["id"]) not in done]
         if not todo:
             continue
-        context_ids = torch.tensor([sample["context_ids"]])
-        question_ids = torch.tensor([sample["question_ids"]])
+        context_ids = torch.tensor([sample["context_ids"]], device=run.device)
+        question_ids = torch.tensor([sample["question_ids"]], device=run.device)
         stop = stop_ids_of(manifest, sample)
         captured, capture_s = None, 0.0
         if any(KVCOMPRESS_CELLS[label][0] is not None and not reconstructs(label) and not streams(label) for label, _ in todo):
@@ -524,12 +532,14 @@ def greedy_answer(model, cache, n_context: int, question_ids, max_new_tokens: in
     in stop_ids (the first one included) or at max_new_tokens."""
     import torch
 
-    position_ids = torch.arange(n_context, n_context + question_ids.shape[1]).unsqueeze(0)
+    device = question_ids.device
+    position_ids = torch.arange(n_context, n_context + question_ids.shape[1], device=device).unsqueeze(0)
     out = model(input_ids=question_ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
     ids = [int(out.logits[0, -1].argmax())]
     position = n_context + question_ids.shape[1]
     while len(ids) < max_new_tokens and ids[-1] not in stop_ids:
-        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]]))
+        out = model(input_ids=torch.tensor([[ids[-1]]], device=device), past_key_values=cache,
+                    position_ids=torch.tensor([[position]], device=device))
         position += 1
         ids.append(int(out.logits[0, -1].argmax()))
     return ids
@@ -649,10 +659,11 @@ def run_kvpress(args) -> None:
     tasks_module = load_task_scorer()
     manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
         run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.shard, run.path, run.done)
-    env = environment(args.threads) | {"kvpress_version": version("kvpress"), "attn_implementation": model.config._attn_implementation}
+    env = environment(args.threads, args.device) | {"kvpress_version": version("kvpress"),
+                                                    "attn_implementation": model.config._attn_implementation}
     for sample in select_shard(samples, shard):
-        context_ids = torch.tensor([sample["context_ids"]])
-        question_ids = torch.tensor([sample["question_ids"]])
+        context_ids = torch.tensor([sample["context_ids"]], device=run.device)
+        question_ids = torch.tensor([sample["question_ids"]], device=run.device)
         stop = stop_ids_of(manifest, sample)
         digest = prompt_digest(context_ids[0].tolist(), question_ids[0].tolist())
         todo = {}
@@ -964,6 +975,7 @@ def main(argv=None) -> None:
         s.add_argument("--cells", default=",".join(default), help=f"comma-separated cells among {list(cells)}")
         s.add_argument("--ratios", default=None, help="comma-separated ratios (default: the manifest's)")
         s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+        s.add_argument("--device", default="cpu", help="torch device of the model and the prompts (default cpu; e.g. cuda)")
         s.add_argument("--shard", default=None, help="I/N: only samples I, I+N, ... (each shard writes its own file)")
         s.add_argument("--skip-checkpoint-hash", action="store_true", help="do not re-hash the checkpoint against the manifest")
         if name == "kvpress":
