@@ -545,15 +545,17 @@ class CompressedCache(Cache):
         `kvcompress.eval.capture.capture_qkv` returns them), optionally with a fourth tensor, the
         attention mass [B,H_kv,n] the capture's prefill computed, handed to a method that scores
         with it (`needs_attention_mass`). One prefill then serves any number of methods and
-        ratios: each gets its own compressed copy.
+        ratios: each gets its own compressed copy. The tensors are moved to the model's device
+        (`capture_qkv` records CPU copies), so the cache is built and held where the model runs.
         """
         cache = cls(model, options)
         if sorted(captured) != list(range(cache.num_layers)):
             raise ValueError(f"captured must hold every layer 0..{cache.num_layers - 1}")
         scales = attention_scales(model)
+        device = next(model.parameters()).device
         for layer, (queries, keys, values, *mass) in captured.items():
-            mass = mass[0] if mass and options.compressor.needs_attention_mass else None
-            cache.layers[layer].load_prefill(queries, keys, values, scales[layer], mass)
+            mass = mass[0].to(device) if mass and options.compressor.needs_attention_mass else None
+            cache.layers[layer].load_prefill(queries.to(device), keys.to(device), values.to(device), scales[layer], mass)
         return cache
 
     def save(self, path: str | os.PathLike, token_ids: torch.Tensor | None = None) -> None:

@@ -268,6 +268,31 @@ def test_cuda_methods_keep_tensors_on_device_and_match_float32(method):
     assert (gap <= 0.02 + 0.05 * span).all(), (gap, span)
 
 
+def _recorded_prefill_methods() -> list[str]:
+    """Methods that compress a recorded prefill (prefill mode, no reconstruction forward of their own)."""
+    built = {m: CompressionOptions(method=m, mode="prefill", compression_ratio=0.5).compressor for m in kvc.methods()}
+    return [m for m, c in built.items() if "prefill" in c.modes and not c.needs_reconstruction]
+
+
+@cuda
+@pytest.mark.parametrize("method", _recorded_prefill_methods())
+def test_cuda_recorded_prefill_is_moved_to_the_model_and_answers_as_a_fresh_prefill(method):
+    """`capture_qkv` records CPU copies; a cache built from them on a CUDA model holds its layers on the GPU."""
+    from kvcompress.eval.capture import capture_qkv
+
+    model = tiny_model(torch.float32, "cuda")
+    g = torch.Generator().manual_seed(8)
+    ctx, question = torch.randint(0, 96, (1, 200), generator=g), torch.randint(0, 96, (1, 5), generator=g)
+    settings = dict(method=method, compression_ratio=0.5, max_new_tokens=6, stop_at_eos=False)
+    recorded = generate_ids(model, ctx, question, prefill=capture_qkv(model, ctx), **settings)
+    fresh = generate_ids(model, ctx, question, **settings)
+    assert list(recorded.token_ids) == list(fresh.token_ids)
+    cache = CompressedCache.from_prefill(model, CompressionOptions(method=method, compression_ratio=0.5), capture_qkv(model, ctx))
+    for layer in cache.layers:
+        s = layer.stored()
+        assert {t.device.type for t in (s.keys, s.values, s.log_weights, s.positions)} == {"cuda"}
+
+
 @cuda
 def test_cuda_load_model_defaults_to_bfloat16_on_gpu():
     model, _ = kvc.load_model()
