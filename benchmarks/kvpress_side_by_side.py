@@ -84,6 +84,10 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "snapkv[window=64,pool=5,sink=0]": ("snapkv", {"sink": 0, "window": 64, "observation_window": 64, "kernel_size": 5}),
     "expected_attention": ("expected_attention", {}),
     "compactor": ("compactor", {}),
+    # kvpress's departures from the paper, one at a time: 8 + 4 protected tokens, and blending weight = ratio (0.9 at 0.9)
+    "compactor[sink=8,window=4]": ("compactor", {"sink": 8, "window": 4}),
+    "compactor[leverage_weight=0.9]": ("compactor", {"leverage_weight": 0.9}),
+    "compactor[sink=8,window=4,leverage_weight=0.9]": ("compactor", {"sink": 8, "window": 4, "leverage_weight": 0.9}),
     "kvzip": ("kvzip", {}),
     "adakv": ("adakv", {}),
     "adakv[scorer=expected_attention]": ("adakv", {"scorer": "expected_attention"}),
@@ -134,6 +138,9 @@ COUNTERPARTS: dict[str, str] = {
     "snapkv[window=64,pool=5,sink=0]": "SnapKV",
     "expected_attention": "ExpectedAttention",
     "compactor": "Compactor",
+    "compactor[sink=8,window=4]": "Compactor",
+    "compactor[leverage_weight=0.9]": "Compactor",
+    "compactor[sink=8,window=4,leverage_weight=0.9]": "Compactor",
     "kvzip": "KVzip",
     "adakv": "SnapKV",
     "adakv[scorer=expected_attention]": "AdaKV(ExpectedAttention)",
@@ -827,7 +834,8 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
     envs: dict[str, dict] = {}
     for r in records:  # per library: one line of versions, with the spread of threads, load and dates over its runs
         env = r.get("env", {})
-        seen = envs.setdefault(r["library"], env | {"loads": set(), "dates": set(), "thread_set": set()})
+        seen = envs.setdefault(r["library"], env | {"loads": set(), "dates": set(), "thread_set": set(), "devices": set()})
+        seen["devices"].add(env.get("gpu") or env.get("device", "cpu"))  # runs before --device recorded none: CPU
         seen["loads"].add(env.get("load_average"))
         seen["dates"].add(str(env.get("date", ""))[:10])
         seen["thread_set"].add(env.get("threads"))
@@ -839,14 +847,14 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
          f"`{s.get('prompt_layout', 'not recorded')}`), target {s['length']} tokens "
         f"(context {min(x['context_tokens'] for x in samples)}–{max(x['context_tokens'] for x in samples)} prompt tokens "
         f"before the question), seeds {s['seeds']}, depths `{s['depths']}`. Checkpoint `{Path(manifest['checkpoint']).name}` "
-        f"(model.safetensors sha256 {manifest['checkpoint_sha256']['model.safetensors'][:12]}…), float32, CPU."),
+        f"(model.safetensors sha256 {manifest['checkpoint_sha256']['model.safetensors'][:12]}…), float32."),
         "",
     ]
     for library, env in sorted(envs.items()):
         extra = f", kvpress {env.get('kvpress_version')}, attention {env.get('attn_implementation')}" if library == "kvpress" else ""
         loads = sorted(x for x in env["loads"] if x is not None)
         load = f"{loads[0]}–{loads[-1]}" if loads and loads[0] != loads[-1] else (f"{loads[0]}" if loads else "?")
-        lines.append(f"- {library}: {env.get('cpu')}, {env.get('cores')} cores, torch threads "
+        lines.append(f"- {library}: on {', '.join(sorted(env['devices']))}; {env.get('cpu')}, {env.get('cores')} cores, torch threads "
                      f"{', '.join(str(t) for t in sorted(x for x in env['thread_set'] if x is not None))}, load average {load} "
                      f"when its processes started, {', '.join(sorted(env['dates']))}, torch {env.get('torch')}, "
                      f"transformers {env.get('transformers')}, Python {env.get('python')}{extra}")
