@@ -274,13 +274,14 @@ def _recorded_prefill_methods() -> list[str]:
     return [m for m, c in built.items() if "prefill" in c.modes and not c.needs_reconstruction]
 
 
-@cuda
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("method", _recorded_prefill_methods())
-def test_cuda_recorded_prefill_is_moved_to_the_model_and_answers_as_a_fresh_prefill(method):
-    """`capture_qkv` records CPU copies; a cache built from them on a CUDA model holds its layers on the GPU."""
+def test_recorded_prefill_is_moved_to_the_model_and_answers_as_a_fresh_prefill(method, device):
+    """`capture_qkv` records CPU copies; a cache built from them holds its layers on the model's device (the GPU
+    for a CUDA model) and answers token for token as a fresh prefill does."""
     from kvcompress.eval.capture import capture_qkv
 
-    model = tiny_model(torch.float32, "cuda")
+    model = tiny_model(torch.float32, device)
     g = torch.Generator().manual_seed(8)
     ctx, question = torch.randint(0, 96, (1, 200), generator=g), torch.randint(0, 96, (1, 5), generator=g)
     settings = dict(method=method, compression_ratio=0.5, max_new_tokens=6, stop_at_eos=False)
@@ -290,7 +291,7 @@ def test_cuda_recorded_prefill_is_moved_to_the_model_and_answers_as_a_fresh_pref
     cache = CompressedCache.from_prefill(model, CompressionOptions(method=method, compression_ratio=0.5), capture_qkv(model, ctx))
     for layer in cache.layers:
         s = layer.stored()
-        assert {t.device.type for t in (s.keys, s.values, s.log_weights, s.positions)} == {"cuda"}
+        assert {t.device.type for t in (s.keys, s.values, s.log_weights, s.positions)} == {device}
 
 
 @cuda
