@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,6 +49,16 @@ def layer_z(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean()) / x.std().clamp_min(1e-6)
 
 
+def centred(keys: torch.Tensor) -> torch.Tensor:
+    """Keys [B, H, n, d] less their mean over the tokens (kvpress's leverage input)."""
+    return keys - keys.mean(-2, keepdim=True)
+
+
+def unscaled(tokens):
+    """The same tokens with attention scale 1: chunk attention logits q·k without the 1/sqrt(d) (kvpress)."""
+    return replace(tokens, scale=1.0)
+
+
 @register
 @dataclass
 class CentredLeverage(Compactor):
@@ -57,8 +67,7 @@ class CentredLeverage(Compactor):
     name = "compactor_centred"
 
     def blend(self, attention, pre_rope_keys, generator):
-        centred = pre_rope_keys - pre_rope_keys.mean(-2, keepdim=True)
-        return super().blend(attention, centred, generator)
+        return super().blend(attention, centred(pre_rope_keys), generator)
 
 
 @register
@@ -67,30 +76,21 @@ class UnscaledAttention(Compactor):
     """(2) chunk attention logits q·k without the 1/sqrt(d) scale."""
 
     name = "compactor_unscaled"
-    logit_scale: float | None = 1.0
-
-    def chunk_attention(self, tokens):
-        scale = tokens.scale if self.logit_scale is None else self.logit_scale
-        return chunked_noncausal_attention(own_queries(tokens), tokens.keys, scale, self.chunk_size)
 
     def attention_scores(self, tokens):
-        a = self.chunk_attention(tokens)
-        b, h, n = a.shape
-        pooled = F.avg_pool1d(a.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=self.kernel_size // 2,
-                              count_include_pad=False)
-        return pooled.reshape(b, h, n) * tokens.values.float().norm(dim=-1)
+        return super().attention_scores(unscaled(tokens))
 
 
 @register
 @dataclass
-class PoolAfterValueNorm(UnscaledAttention):
+class PoolAfterValueNorm(Compactor):
     """(3) ‖v‖ applied first, then a 3-token mean pool (zero padding counted, as F.avg_pool1d's default)."""
 
     name = "compactor_pool3"
-    logit_scale: float | None = None
 
     def attention_scores(self, tokens):
-        a = self.chunk_attention(tokens) * tokens.values.float().norm(dim=-1)
+        a = chunked_noncausal_attention(own_queries(tokens), tokens.keys, tokens.scale, self.chunk_size)
+        a = a * tokens.values.float().norm(dim=-1)
         b, h, n = a.shape
         return F.avg_pool1d(a.reshape(b * h, 1, n), 3, stride=1, padding=1).reshape(b, h, n)
 
@@ -109,16 +109,17 @@ class LayerZ(Compactor):
 
 @register
 @dataclass
-class KvpressCompactor(PoolAfterValueNorm):
-    """All of kvpress's departures: (1)-(4) here; (5) and (6) are the options `kvpress_settings` adds."""
+class KvpressCompactor(PoolAfterValueNorm, LayerZ):
+    """All of kvpress's departures: (1)-(4) here (the pool of (3) and the layer z-scores of (4), on unscaled logits and
+    centred keys); (5) and (6) are the options `kvpress_settings` adds."""
 
     name = "compactor_kvpress"
-    logit_scale: float | None = 1.0
+
+    def attention_scores(self, tokens):
+        return super().attention_scores(unscaled(tokens))
 
     def blend(self, attention, pre_rope_keys, generator):
-        centred = pre_rope_keys - pre_rope_keys.mean(-2, keepdim=True)
-        outlier = layer_z(leverage_scores(centred, self.leverage, self.sketch, self.sketch_dim, generator))
-        return layer_z(attention) + self.leverage_weight * outlier
+        return super().blend(attention, centred(pre_rope_keys), generator)
 
 
 def kvpress_settings(ratio: float) -> dict:

@@ -23,8 +23,9 @@ MODES = ("prefill", "chunked", "decode")
 # and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
 # real prose on tuning samples (docs/kvpress.md, "The default method" and "The default's safeguard"). Prefill: KVzip's
 # reconstruction scores ranked across every layer's heads (AdaKV, scope "model") with a small per-head floor (each head
-# keeps its own top 5 % of the budget), every token ranked (no exact window). KVzip needs the whole context, so the streaming modes get the best that streams: KeyDiff's scores shared
-# out among each layer's heads (AdaKV, with its sink and window).
+# keeps its own top 5 % of the budget), every token ranked (no exact window). KVzip needs the whole context, so the
+# streaming modes get the best that streams: KeyDiff's scores shared out among each layer's heads (AdaKV, with its sink
+# and window).
 DEFAULT = "default"
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
     "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05}, {"window": 0}),
