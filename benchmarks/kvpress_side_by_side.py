@@ -294,8 +294,19 @@ def results_path(out: Path, library: str, shard: tuple[int, int] | None) -> Path
 
 
 def done_keys(out: Path, library: str) -> set[str]:
-    """Cells already recorded in any of the library's files (whatever shards wrote them): a rerun skips them."""
-    return {r["key"] for path in out.glob(f"{library}*.jsonl") for r in read_jsonl(path)}
+    """Cells already answered in any of the library's files (whatever shards wrote them): a rerun skips them,
+    and runs again the cells whose record is an error."""
+    return {r["key"] for path in out.glob(f"{library}*.jsonl") for r in read_jsonl(path) if r.get("error") is None}
+
+
+def one_record_per_cell(records: list[dict]) -> list[dict]:
+    """One record per key, in first-seen order: the first answered one, else the first error (a cell run twice,
+    by two shards or by a rerun after an error, counts once)."""
+    seen: dict[str, dict] = {}
+    for r in records:
+        if r["key"] not in seen or (seen[r["key"]].get("error") is not None and r.get("error") is None):
+            seen[r["key"]] = r
+    return list(seen.values())
 
 
 def load_samples(out: Path) -> tuple[dict, list[dict]]:
@@ -911,10 +922,7 @@ def compare(args) -> None:
     records = [r for path in sorted(out.glob("kvcompress*.jsonl")) + sorted(out.glob("kvpress*.jsonl")) for r in read_jsonl(path)]
     if not records:
         raise SystemExit(f"{out} holds no predictions: run the `kvcompress` and `kvpress` steps first")
-    seen: dict[str, dict] = {}
-    for r in records:
-        seen.setdefault(r["key"], r)  # a cell run twice (two shards over the same samples) counts once
-    records = list(seen.values())
+    records = one_record_per_cell(records)
     by_id = {s["id"]: s for s in samples}
     tokenizer = AutoTokenizer.from_pretrained(manifest["checkpoint"], local_files_only=True)
     problems = rescore(records, by_id, tokenizer, lambda sample, text: task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), text))

@@ -97,6 +97,18 @@ def test_jsonl_round_trip_skips_and_repairs_a_torn_last_line(tmp_path):
     assert h.read_jsonl(path) == [{"key": "a"}, {"key": "c"}]
 
 
+def test_a_cell_that_ended_in_an_error_runs_again_and_its_answer_replaces_the_error(tmp_path):
+    h.append_jsonl(tmp_path / "kvcompress.shard0of2.jsonl", {"key": "a", "error": "RuntimeError: device"})
+    h.append_jsonl(tmp_path / "kvcompress.shard0of2.jsonl", {"key": "b", "error": None, "score": 0.0})
+    h.append_jsonl(tmp_path / "kvpress.jsonl", {"key": "c", "error": None, "score": 1.0})
+    assert h.done_keys(tmp_path, "kvcompress") == {"b"}
+    h.append_jsonl(tmp_path / "kvcompress.jsonl", {"key": "a", "error": None, "score": 1.0})
+    h.append_jsonl(tmp_path / "kvcompress.jsonl", {"key": "b", "error": None, "score": 1.0})
+    records = [r for path in sorted(tmp_path.glob("kvcompress*.jsonl"), reverse=True) for r in h.read_jsonl(path)]
+    assert h.one_record_per_cell(records) == [{"key": "a", "error": None, "score": 1.0}, {"key": "b", "error": None, "score": 0.0}]
+    assert h.one_record_per_cell([{"key": "d", "error": "x"}, {"key": "d", "error": "y"}]) == [{"key": "d", "error": "x"}]
+
+
 def test_small_parsers():
     assert h.trim_at_stop([5, 6, 7, 6], {6}) == [5, 6]
     assert h.trim_at_stop([5, 7], {6}) == [5, 7]
