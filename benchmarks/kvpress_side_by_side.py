@@ -32,6 +32,10 @@ The harness is four steps with one file format between them (JSONL under one out
    every cell vs its own library's full cache): the difference of the two proportions with Newcombe's
    95% square-and-add interval for paired data, wins/losses, the exact sign test
    (`eval.stats.paired_comparisons`), and how many answers are token-for-token identical.
+5. `table` (kvcompress's venv): one overview over several output folders (one per context length):
+   every cell's score at every length and ratio, and kvcompress's default against kvpress's best press
+   at each length and ratio (paired, with the share of the full cache's hits the default keeps). It
+   reads the recorded scores, which `compare` checks.
 
 Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output file
 already holds, so an interrupted run continues. `--shard I/N` splits the samples among processes
@@ -41,6 +45,8 @@ already holds, so an interrupted run continues. `--shard I/N` splits the samples
     .venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/kvpress_side_by_side
     /work/kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py kvpress --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py compare --out results/kvpress_side_by_side
+    .venv/bin/python benchmarks/kvpress_side_by_side.py table --folders results/kvpress_side_by_side,results/kvpress_side_by_side_4k \
+        --table results/side_by_side_table.md
     .venv/bin/python benchmarks/kvpress_side_by_side.py protocol-check --out results/kvpress_side_by_side \
         --pipeline results/kvpress_side_by_side/protocol_check      # after a `kvpress --protocol pipeline` rerun there
 
@@ -108,6 +114,8 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
 DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapkv", "snapkv[window=64,pool=5,sink=0]",
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
                       "adakv[scorer=kvzip]"]
+# kvcompress's default method in prefill mode (`options.DEFAULT_METHODS["prefill"]`), as a cell
+DEFAULT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"
 
 # kvpress cells: label -> (press class, its keyword arguments, an inner press for wrappers); all at
 # kvpress 0.5.5's defaults.
@@ -911,6 +919,79 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
     return "\n".join(lines) + "\n"
 
 
+def _score_text(row: dict | None, samples: int) -> str:
+    if row is None:
+        return "–"
+    n = "" if row["n"] == samples else f", n = {row['n']}"
+    return f"{_pct(row['score'])} ({_pct(row['ci_low'])}–{_pct(row['ci_high'])}){n}"
+
+
+def overview_markdown(runs: list[tuple[int, int, list[dict]]], default_cell: str) -> str:
+    """The `table` step's report. runs: (context length, number of samples, answered records) per folder.
+
+    Two tables: every (library, cell) at every length and ratio (score %, 95% Wilson interval, n when
+    short of the folder's samples), and per length and ratio kvcompress's `default_cell` against the
+    kvpress press that scores highest on the samples the default answered (ties: the first in
+    DEFAULT_KVPRESS order), paired, with how many of kvcompress's full cache's hits the default keeps."""
+    columns, by_cell = [], defaultdict(dict)
+    for length, n_samples, records in runs:
+        rows = per_cell_rows(records)
+        ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None})
+        columns += [(length, ratio, n_samples) for ratio in ratios]
+        for r in rows:
+            for ratio in ratios if r["ratio"] is None else [r["ratio"]]:
+                by_cell[(r["library"], r["cell"])][(length, ratio)] = r
+    order = {name: i for i, name in enumerate(DEFAULT_KVCOMPRESS + DEFAULT_KVPRESS)}
+    names = sorted(by_cell, key=lambda c: (c[0] != "kvcompress", c[1] != FULL, order.get(c[1], 99), c[1]))
+    lines = ["## Every cell (score %, 95% Wilson interval)", "",
+             "| cell | " + " | ".join(f"{length} tokens @ {ratio:g}" for length, ratio, _ in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for library, label in names:
+        cells = [_score_text(by_cell[(library, label)].get((length, ratio)), n) for length, ratio, n in columns]
+        lines.append(f"| {library}: {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"## kvcompress's default (`{default_cell}`) against kvpress's best press", "",
+              ("difference: the default minus the press, in points, with Newcombe's 95% interval for paired proportions; "
+               "won / lost: samples only the default / only the press answers; p: exact two-sided sign test; "
+               "hits kept: the full cache's hits the default also finds."), "",
+              "| length | ratio | default % (95%) | kvpress's best press | its % | difference (95% interval) | won / lost | p | "
+              "full cache's hits kept |", "|---|---|---|---|---|---|---|---|---|"]
+    for length, n_samples, records in runs:
+        by = defaultdict(dict)
+        for r in records:
+            by[(r["library"], r["cell"], r["ratio"])][r["sample"]] = r["score"]
+        full = by.get(("kvcompress", FULL, None), {})
+        for ratio in sorted({r["ratio"] for r in records if r["cell"] == default_cell}):
+            mine = by[("kvcompress", default_cell, ratio)]
+            presses = [c for c in DEFAULT_KVPRESS if c != FULL and set(mine) <= set(by.get(("kvpress", c, ratio), {}))]
+            hits = [s for s in mine if full.get(s) == 1.0]
+            kept = sum(mine[s] == 1.0 for s in hits)
+            share = f"{kept} of {len(hits)}" + (f" ({100 * kept / len(hits):.0f} %)" if hits else "")
+            low, high = next((r["ci_low"], r["ci_high"]) for r in per_cell_rows([r for r in records if r["cell"] == default_cell])
+                             if r["ratio"] == ratio)
+            score = f"{_pct(sum(mine.values()) / len(mine))} ({_pct(low)}–{_pct(high)}), n = {len(mine)}"
+            if not presses:
+                lines.append(f"| {length} | {ratio:g} | {score} | no press ran on all these samples | – | – | – | – | {share} |")
+                continue
+            best = max(presses, key=lambda c: (sum(by[("kvpress", c, ratio)][s] for s in mine), -presses.index(c)))
+            (pair,) = pair_rows(records, [(("kvcompress", default_cell, ratio), ("kvpress", best, ratio))])
+            lines.append(f"| {length} | {ratio:g} | {score} | {best} | {_pct(pair['second_score'])} | {_signed(pair['difference'])} "
+                         f"({_signed(pair['diff_low'])} to {_signed(pair['diff_high'])}) | {pair['wins']} / {pair['losses']} | "
+                         f"{pair['p_sign']:.2g} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(args) -> None:
+    runs = []
+    for folder in args.folders.split(","):
+        manifest, samples = load_samples(Path(folder))
+        records = [r for path in sorted(Path(folder).glob("kvcompress*.jsonl")) + sorted(Path(folder).glob("kvpress*.jsonl"))
+                   for r in read_jsonl(path)]
+        runs.append((manifest["samples"]["length"], len(samples), [r for r in one_record_per_cell(records) if r.get("error") is None]))
+    text = overview_markdown(runs, args.default_cell)
+    Path(args.table).write_text(text, encoding="utf-8")
+    print(text)
+
+
 def compare(args) -> None:
     from transformers import AutoTokenizer
 
@@ -997,10 +1078,15 @@ def main(argv=None) -> None:
     c.add_argument("--answers", type=int, default=6, help="samples whose answers the summary quotes (default 6)")
     for s in sub.choices.values():
         s.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default results/kvpress_side_by_side)")
+    t = sub.add_parser("table", help="(kvcompress's venv) one overview of several output folders (one per context length)")
+    t.add_argument("--folders", required=True, help="comma-separated output folders, in the order of their columns")
+    t.add_argument("--table", required=True, help="markdown file to write")
+    t.add_argument("--default-cell", default=DEFAULT_CELL, help=f"the kvcompress cell to pair with kvpress's best press (default {DEFAULT_CELL})")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    {"dump": dump, "kvcompress": run_kvcompress, "kvpress": run_kvpress, "compare": compare, "protocol-check": protocol_check}[args.step](args)
+    {"dump": dump, "kvcompress": run_kvcompress, "kvpress": run_kvpress, "compare": compare, "protocol-check": protocol_check,
+     "table": table}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,13 @@ def test_every_kvcompress_cell_names_a_registered_method_and_a_counterpart():
     assert set(h.DEFAULT_KVCOMPRESS) <= set(h.KVCOMPRESS_CELLS) and set(h.DEFAULT_KVPRESS) <= set(h.KVPRESS_CELLS)
 
 
+def test_the_default_cell_is_kvcompress_default_method_in_prefill_mode():
+    from kvcompress.options import DEFAULT_METHODS
+
+    name, params, exact = DEFAULT_METHODS["prefill"]
+    assert h.KVCOMPRESS_CELLS[h.DEFAULT_CELL] == (name, params | exact)
+
+
 def _records(library, cell, ratio, scores, tokens=None):
     return [{"key": h.cell_key(library, cell, ratio, f"s{i}"), "library": library, "cell": cell, "ratio": ratio, "sample": f"s{i}",
              "score": float(s), "error": None, "token_ids": (tokens or [[i, int(s)]] * len(scores))[i], "prediction": str(s),
@@ -253,3 +260,26 @@ def test_compare_flags_a_record_fed_other_tokens(tiny_run):
     problems = h.rescore(records, {s["id"]: s for s in samples}, None,
                          lambda sample, text: score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), text))
     assert any("fed prompt" in p for p in problems) and any("score" in p and "recorded" in p for p in problems)
+
+
+def test_overview_table_pairs_the_default_with_kvpress_best_press_at_each_length_and_ratio():
+    d = h.DEFAULT_CELL
+    short = (_records("kvcompress", h.FULL, None, [1, 1, 1, 1, 0, 0]) + _records("kvcompress", d, 0.75, [1, 1, 1, 0, 1, 0])
+             + _records("kvpress", "KVzip", 0.75, [1, 1, 0, 0, 0, 0]) + _records("kvpress", "Compactor", 0.75, [1, 1, 1, 0, 0, 0])
+             + _records("kvpress", "KeyDiff", 0.75, [1, 1, 1, 1, 1, 1])[:3])  # KeyDiff ran on 3 samples only: not eligible
+    long = (_records("kvcompress", h.FULL, None, [1, 0, 0, 0]) + _records("kvcompress", d, 0.9, [0, 0, 0, 1])
+            + _records("kvpress", "KVzip", 0.9, [1, 0, 0, 0]) + _records("kvpress", "Compactor", 0.9, [1, 0, 0, 0]))
+    text = h.overview_markdown([(2048, 6, short), (4096, 4, long)], d)
+    lines = text.splitlines()
+    assert "| cell | 2048 tokens @ 0.75 | 4096 tokens @ 0.9 |" in lines
+    assert "| kvcompress: full | 67 (30–90) | 25 (5–70) |" in lines
+    assert "| kvpress: KeyDiff | 100 (44–100), n = 3 | – |" in lines
+    rows = [line for line in lines if line.startswith("| 2048 |") or line.startswith("| 4096 |")]
+    # 2k: Compactor (3 hits) beats KVzip (2); the default wins sample 4 and loses none; keeps 3 of the full cache's 4
+    assert rows[0].startswith(f"| 2048 | 0.75 | 67 (30–90), n = 6 | Compactor | 50 | +17 (")
+    assert rows[0].endswith("| 1 / 0 | 1 | 3 of 4 (75 %) |")
+    # 4k: KVzip and Compactor tie on 1 hit: the first in kvpress's order (Compactor) is named
+    assert rows[1].startswith("| 4096 | 0.9 | 25 (5–70), n = 4 | Compactor | 25 | +0 (")
+    assert rows[1].endswith("| 1 / 1 | 1 | 0 of 1 (0 %) |")
+    alone = h.overview_markdown([(2048, 6, [r for r in short if r["library"] == "kvcompress"])], d)
+    assert "| 2048 | 0.75 | 67 (30–90), n = 6 | no press ran on all these samples | – | – | – | – | 3 of 4 (75 %) |" in alone
