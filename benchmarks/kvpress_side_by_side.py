@@ -45,7 +45,7 @@ already holds, so an interrupted run continues. `--shard I/N` splits the samples
     .venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/kvpress_side_by_side
     /work/kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py kvpress --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py compare --out results/kvpress_side_by_side
-    .venv/bin/python benchmarks/kvpress_side_by_side.py table --folders results/kvpress_side_by_side,results/kvpress_side_by_side_4k \
+    .venv/bin/python benchmarks/kvpress_side_by_side.py table --folders results/kvpress_side_by_side results/kvpress_side_by_side_4k \
         --table results/side_by_side_table.md
     .venv/bin/python benchmarks/kvpress_side_by_side.py protocol-check --out results/kvpress_side_by_side \
         --pipeline results/kvpress_side_by_side/protocol_check      # after a `kvpress --protocol pipeline` rerun there
@@ -982,7 +982,7 @@ def overview_markdown(runs: list[tuple[int, int, list[dict]]], default_cell: str
 
 def table(args) -> None:
     runs = []
-    for folder in args.folders.split(","):
+    for folder in args.folders:
         manifest, samples = load_samples(Path(folder))
         records = [r for path in sorted(Path(folder).glob("kvcompress*.jsonl")) + sorted(Path(folder).glob("kvpress*.jsonl"))
                    for r in read_jsonl(path)]
@@ -1079,7 +1079,7 @@ def main(argv=None) -> None:
     for s in sub.choices.values():
         s.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default results/kvpress_side_by_side)")
     t = sub.add_parser("table", help="(kvcompress's venv) one overview of several output folders (one per context length)")
-    t.add_argument("--folders", required=True, help="comma-separated output folders, in the order of their columns")
+    t.add_argument("--folders", required=True, nargs="+", help="output folders, in the order of their columns")
     t.add_argument("--table", required=True, help="markdown file to write")
     t.add_argument("--default-cell", default=DEFAULT_CELL, help=f"the kvcompress cell to pair with kvpress's best press (default {DEFAULT_CELL})")
     args = p.parse_args(argv)
