@@ -317,6 +317,12 @@ def one_record_per_cell(records: list[dict]) -> list[dict]:
     return list(seen.values())
 
 
+def read_records(out: Path) -> list[dict]:
+    """Both libraries' records in `out` (every shard's file), one per cell (`one_record_per_cell`)."""
+    return one_record_per_cell([r for library in ("kvcompress", "kvpress") for path in sorted(out.glob(f"{library}*.jsonl"))
+                                for r in read_jsonl(path)])
+
+
 def load_samples(out: Path) -> tuple[dict, list[dict]]:
     manifest_path, samples_path = out / MANIFEST_FILE, out / SAMPLES_FILE
     if not manifest_path.is_file() or not samples_path.is_file():
@@ -966,9 +972,8 @@ def overview_markdown(runs: list[tuple[int, int, list[dict]]], default_cell: str
             hits = [s for s in mine if full.get(s) == 1.0]
             kept = sum(mine[s] == 1.0 for s in hits)
             share = f"{kept} of {len(hits)}" + (f" ({100 * kept / len(hits):.0f} %)" if hits else "")
-            low, high = next((r["ci_low"], r["ci_high"]) for r in per_cell_rows([r for r in records if r["cell"] == default_cell])
-                             if r["ratio"] == ratio)
-            score = f"{_pct(sum(mine.values()) / len(mine))} ({_pct(low)}–{_pct(high)}), n = {len(mine)}"
+            row = by_cell[("kvcompress", default_cell)][(length, ratio)]
+            score = f"{_pct(row['score'])} ({_pct(row['ci_low'])}–{_pct(row['ci_high'])}), n = {row['n']}"
             if not presses:
                 lines.append(f"| {length} | {ratio:g} | {score} | no press ran on all these samples | – | – | – | – | {share} |")
                 continue
@@ -984,9 +989,7 @@ def table(args) -> None:
     runs = []
     for folder in args.folders:
         manifest, samples = load_samples(Path(folder))
-        records = [r for path in sorted(Path(folder).glob("kvcompress*.jsonl")) + sorted(Path(folder).glob("kvpress*.jsonl"))
-                   for r in read_jsonl(path)]
-        runs.append((manifest["samples"]["length"], len(samples), [r for r in one_record_per_cell(records) if r.get("error") is None]))
+        runs.append((manifest["samples"]["length"], len(samples), [r for r in read_records(Path(folder)) if r.get("error") is None]))
     text = overview_markdown(runs, args.default_cell)
     Path(args.table).write_text(text, encoding="utf-8")
     print(text)
@@ -1000,10 +1003,9 @@ def compare(args) -> None:
 
     out = Path(args.out)
     manifest, samples = load_samples(out)
-    records = [r for path in sorted(out.glob("kvcompress*.jsonl")) + sorted(out.glob("kvpress*.jsonl")) for r in read_jsonl(path)]
+    records = read_records(out)
     if not records:
         raise SystemExit(f"{out} holds no predictions: run the `kvcompress` and `kvpress` steps first")
-    records = one_record_per_cell(records)
     by_id = {s["id"]: s for s in samples}
     tokenizer = AutoTokenizer.from_pretrained(manifest["checkpoint"], local_files_only=True)
     problems = rescore(records, by_id, tokenizer, lambda sample, text: task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), text))
