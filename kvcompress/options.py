@@ -35,6 +35,17 @@ DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
 DEFAULT_CHUNK_SIZE = 128
 
 
+def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, int]]:
+    """(registered name, method parameters, exact sink/window settings) that `method` stands for in `mode`:
+    DEFAULT is the mode's default (`DEFAULT_METHODS`), any other name itself, with no parameters or settings."""
+    if method != DEFAULT:
+        return method, {}, {}
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    name, params, exact = DEFAULT_METHODS[mode]
+    return name, dict(params), dict(exact)
+
+
 @dataclass(frozen=True)
 class CompressionOptions:
     """One compressed generation's settings; invalid values are refused when it is built.
@@ -131,7 +142,7 @@ class CompressionOptions:
 
     def _resolve_default(self) -> None:
         """method=DEFAULT becomes the mode's default method, with its parameters and its sink and window where none are given."""
-        name, params, exact = DEFAULT_METHODS[self.mode]
+        name, params, exact = resolve_method(DEFAULT, self.mode)
         if self.method_params:
             raise ValueError(f"method parameters {sorted(self.method_params)} need a named method: the default in mode {self.mode!r} "
                              f"is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the parameters you want")

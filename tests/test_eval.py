@@ -202,3 +202,32 @@ def test_eval_help_documents_every_option(capsys):
     assert "approx" in out and "resumes" in out
     args = parser.parse_args(["eval", "approx", "--layers", "1,2", "--ratios", "0.5,0.75"])
     assert args.bench == "approx" and args.layers == [1, 2] and args.ratios == [0.5, 0.75]
+
+
+def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tmp_path):
+    """`default` is a sweep method (and in the sweep's default methods): in each mode it runs the mode's default method
+    (`options.DEFAULT_METHODS`), and each record names the method and parameters it stood for."""
+    from kvcompress.methods.registry import method_names
+    from kvcompress.options import DEFAULT, DEFAULT_METHODS
+
+    assert SweepConfig().methods == [DEFAULT, *method_names()]
+    assert build_parser().parse_args(["eval", "--methods", "default,knorm"]).methods == ["default", "knorm"]
+    model, tokenizer = tiny
+    config = small_config(methods=[DEFAULT, "knorm"], modes=["prefill", "chunked"], tasks=["niah_single"], samples=1,
+                          grid_lengths=[], grid_depths=[], lengths=[300])
+    records = run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    assert all(r["error"] is None for r in records), [r["error"] for r in records]
+    for mode in ("prefill", "chunked"):
+        (default,) = [r for r in records if r["method"] == DEFAULT and r["mode"] == mode]
+        name, params, exact = DEFAULT_METHODS[mode]
+        assert (default["resolved_method"], default["method_params"]) == (name, params | exact)
+        assert default["kv_bytes"] < default["kv_bytes_full"]
+    (knorm,) = [r for r in records if r["method"] == "knorm" and r["mode"] == "prefill"]
+    assert (knorm["resolved_method"], knorm["method_params"]) == ("knorm", {})
+    assert "resolved_method" not in next(r for r in records if r["method"] == FULL)
+    _, md_path = write_summary(records, tmp_path)
+    shown = [f"{mode}: {DEFAULT_METHODS[mode][0]}({', '.join(f'{k}={v}' for k, v in sorted((DEFAULT_METHODS[mode][1] | DEFAULT_METHODS[mode][2]).items()))})"
+             for mode in ("prefill", "chunked")]
+    assert f"`default` is the library's default method, here: {'; '.join(shown)}." in md_path.read_text()
+    with pytest.raises(ValueError, match="methods"):
+        ApproxConfig(methods=[DEFAULT])

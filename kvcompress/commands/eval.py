@@ -9,10 +9,10 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, method_list, name_list, parse_params, resolve_device, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
 from .names import (
-    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_PROMPT_LAYOUT, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
+    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
 )
 
 DESCRIPTION = """\
@@ -68,7 +68,10 @@ def add_cli(subparsers) -> None:
     add_model_arg(p)
     add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
-    p.add_argument("--methods", type=method_list, default=None, help="comma-separated method names (default: every registered method)")
+    p.add_argument("--methods", type=list_of((DEFAULT_METHOD, *METHODS), "method"), default=None,
+                   help=f"comma-separated method names; '{DEFAULT_METHOD}' (task sweep only) is the library's default for each mode "
+                        f"(default: the task sweep runs '{DEFAULT_METHOD}' and every registered method, approx and perplexity "
+                        "every registered method)")
     p.add_argument("--ratios", type=float_list, default=None,
                    help=f"comma-separated compression ratios, fraction removed, in [0, 1) (default tasks: {','.join(map(str, SWEEP_RATIOS))}; "
                         f"approx: {','.join(map(str, APPROX_RATIOS))}, the middle's rate)")

@@ -3,7 +3,9 @@
 Each sample (task, length, index, depth) is generated offline (`eval.tasks`), chat-formatted
 (`integration.build_prompt`, in the sweep's prompt layout, recorded in every record and in
 `config.json`) and answered greedily by `integration.generate_ids` for the full
-cache and for every (method, ratio, mode) cell. In prefill mode the context is prefilled once
+cache and for every (method, ratio, mode) cell. A method is a registered name or `default`, the library's default
+for the cell's mode (`options.DEFAULT_METHODS`); every record names the method and parameters its name resolved to
+(`resolved_method`, `method_params`). In prefill mode the context is prefilled once
 (`eval.capture.capture_qkv`) and that recorded prefill is compressed by every method and ratio,
 each on its own copy (`generate_ids(prefill=...)`), so M methods cost one context prefill per
 sample instead of M; the full cache answers from the same record with every token kept.
@@ -45,8 +47,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
-from ..methods.registry import get_method_class, method_names
-from ..options import MODES, CompressionOptions
+from ..methods.base import Method
+from ..methods.registry import build_method, method_names
+from ..options import DEFAULT, MODES, CompressionOptions, resolve_method
 from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
@@ -56,8 +59,9 @@ from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score
 
 FULL = "full"
-# Methods built from other methods: compared with the best single method, never chosen as it.
-COMPOSED = ("hybrid",)
+# Methods built from other methods (the library's default is AdaKV over another method's scores): compared with the best
+# single method, never chosen as it.
+COMPOSED = ("hybrid", DEFAULT)
 # A task counts as a compression result only where the full cache scores at least this.
 FULL_CACHE_BAR = 0.9
 # Generator arguments the sweep sets itself (not settable through task_params).
@@ -75,7 +79,8 @@ UNRECORDED_PROMPT_LAYOUT = "blank_line_primed"
 
 @dataclass
 class SweepConfig:
-    """What a sweep runs. methods None means every registered method; lengths are context tokens.
+    """What a sweep runs. methods: registered names and DEFAULT (the library's default for each mode); None means DEFAULT
+    and every registered method. lengths are context tokens.
 
     samples: samples per (task, length); tasks that take a depth place sample i at
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
@@ -115,14 +120,13 @@ class SweepConfig:
     def __post_init__(self):
         self.prompt_layout = prompt_layout(self.prompt_layout, parameter="prompt_layout")
         if self.methods is None:
-            self.methods = method_names()
+            self.methods = [DEFAULT, *method_names()]
         if self.benchmark is not None:
             self._check_benchmark()
         elif self.tasks is None:
             self.tasks = list(DEFAULT_TASKS)
-        known = set(method_names())
         for name, values, allowed in (
-            ("methods", self.methods, known),
+            ("methods", self.methods, {DEFAULT, *method_names()}),
             ("modes", self.modes, set(MODES)),
             ("tasks", [] if self.benchmark else self.tasks, set(TASKS)),
         ):
@@ -287,6 +291,12 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
                         prefill=captured if cell.mode == "prefill" else None)
 
 
+def _method_of(cell: Cell) -> Method:
+    """The method a (not full) cell runs, its name resolved for its mode (the default: the mode's default method)."""
+    name, params, _ = resolve_method(cell.method, cell.mode)
+    return build_method(name, **params)
+
+
 def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
     """Middle budget a streamed (chunked/decode) cache gets: what `ratio` keeps of n_tokens, less the method's
     sink and window (the prefill-mode budget), refused when below what the method's stream accepts."""
@@ -415,11 +425,11 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
-    repeat_ids = repeat_prompt_ids(tokenizer) if any(c.method != FULL and get_method_class(c.method).needs_reconstruction for c in cells) else None
+    repeat_ids = repeat_prompt_ids(tokenizer) if any(c.method != FULL and _method_of(c).needs_reconstruction for c in cells) else None
     captured, capture_s = None, 0.0
     if config.reuse_prefill and any(c.mode == "prefill" or c.method == FULL for c in cells):
         start = time.perf_counter()
-        scored_by_mass = any(c.mode == "prefill" and c.method != FULL and get_method_class(c.method).needs_attention_mass for c in cells)
+        scored_by_mass = any(c.mode == "prefill" and c.method != FULL and _method_of(c).needs_attention_mass for c in cells)
         captured = capture_qkv(model, context_ids, attention_mass=scored_by_mass)  # H2O's mass from the capture's own attention
         capture_s = time.perf_counter() - start
     for cell in cells:
@@ -463,7 +473,14 @@ def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: P
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
         "error": None, "capture_s": capture_s if cell.method == FULL or cell.mode == "prefill" else 0.0,
         "prompt_layout": layout.name,
-    }
+    } | ({} if cell.method == FULL else _resolved_fields(cell))
+
+
+def _resolved_fields(cell: Cell) -> dict:
+    """What a cell's method name stood for when it ran: the registered method, its parameters and any exact sink/window
+    the name fixes (for the default, whatever `options.DEFAULT_METHODS` held then)."""
+    name, params, exact = resolve_method(cell.method, cell.mode)
+    return {"resolved_method": name, "method_params": params | exact}
 
 
 def _rows(records: list[dict], grid: bool) -> Iterator[dict]:
@@ -606,6 +623,14 @@ def heatmap_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _default_resolutions(records: list[dict]) -> str:
+    """What the `default` cells ran in each mode, e.g. "prefill: adakv(scorer=kvzip, window=0)" ("" without such cells)."""
+    seen = {(r["mode"], r.get("resolved_method", "not recorded"), json.dumps(r.get("method_params", {}), sort_keys=True))
+            for r in records if r["method"] == DEFAULT}
+    return "; ".join(f"{mode}: {name}({', '.join(f'{k}={v}' for k, v in json.loads(params).items())})"
+                     for mode, name, params in sorted(seen, key=lambda s: (MODES.index(s[0]), s[1:])))
+
+
 def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
     """`summary.csv` (one row per method, ratio, mode, task, length; and the grid cells) and `summary.md`."""
     out = Path(out_dir)
@@ -624,6 +649,9 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     layouts = sorted({r.get("prompt_layout", f"not recorded ({UNRECORDED_PROMPT_LAYOUT})") for r in records})
     parts = [f"{len(records)} cells ({n_err} could not run), {wall / 3600:.2f} h of recorded wall time "
              f"(context captures {sum(captures.values()) / 3600:.2f} h). Prompt layout: {', '.join(layouts)}.", ""]
+    resolved = _default_resolutions(records)
+    if resolved:
+        parts += [f"`{DEFAULT}` is the library's default method, here: {resolved}.", ""]
     table = markdown_table(records)
     if table:
         parts += ["### Task scores (%, 95% Wilson interval)", "", table, ""]
