@@ -119,14 +119,15 @@ class SweepConfig:
 
     def __post_init__(self):
         self.prompt_layout = prompt_layout(self.prompt_layout, parameter="prompt_layout")
+        known = [DEFAULT, *method_names()]
         if self.methods is None:
-            self.methods = [DEFAULT, *method_names()]
+            self.methods = known
         if self.benchmark is not None:
             self._check_benchmark()
         elif self.tasks is None:
             self.tasks = list(DEFAULT_TASKS)
         for name, values, allowed in (
-            ("methods", self.methods, {DEFAULT, *method_names()}),
+            ("methods", self.methods, set(known)),
             ("modes", self.modes, set(MODES)),
             ("tasks", [] if self.benchmark else self.tasks, set(TASKS)),
         ):
@@ -625,9 +626,9 @@ def heatmap_table(records: list[dict]) -> str:
 
 def _default_resolutions(records: list[dict]) -> str:
     """What the `default` cells ran in each mode, e.g. "prefill: adakv(scorer=kvzip, window=0)" ("" without such cells)."""
-    seen = {(r["mode"], r.get("resolved_method", "not recorded"), json.dumps(r.get("method_params", {}), sort_keys=True))
+    seen = {(r["mode"], r.get("resolved_method", "not recorded"), tuple(sorted(r.get("method_params", {}).items())))
             for r in records if r["method"] == DEFAULT}
-    return "; ".join(f"{mode}: {name}({', '.join(f'{k}={v}' for k, v in json.loads(params).items())})"
+    return "; ".join(f"{mode}: {name}({', '.join(f'{k}={v}' for k, v in params)})"
                      for mode, name, params in sorted(seen, key=lambda s: (MODES.index(s[0]), s[1:])))
 
 
