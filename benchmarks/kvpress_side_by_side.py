@@ -15,7 +15,8 @@ The harness is four steps with one file format between them (JSONL under one out
    after EOS or a stop token (the eval's own rules). The full cache is a plain `DynamicCache`
    (`method=None`); each method compresses one recorded full prefill of the context (`capture_qkv`,
    as the eval does: the prefill is exact before compression, so this equals a fresh prefill per
-   method).
+   method); KVzip-scored cells share one recorded reconstruction of the context
+   (`reconstruction.shared_reconstruction`), whose forwards count in each one's prefill time.
 3. `kvpress` (kvpress's venv, kvpress 0.5.5 + transformers 5.2): the same checkpoint loaded with
    transformers, and per press and ratio kvpress's own pipeline protocol (`KVPressTextGenerationPipeline
    ._forward` / `generate_answer`): a `DynamicCache`, `with press(model): model.model(input_ids=context_ids,
@@ -425,7 +426,7 @@ def run_kvcompress(args) -> None:
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.eval.tasks import score as task_score
     from kvcompress.integration import generate_ids
-    from kvcompress.integration.reconstruction import repeat_prompt_ids
+    from kvcompress.integration.reconstruction import repeat_prompt_ids, shared_reconstruction
     from kvcompress.options import CompressionOptions
 
     run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
@@ -442,7 +443,7 @@ def run_kvcompress(args) -> None:
         context_ids = torch.tensor([sample["context_ids"]], device=run.device)
         question_ids = torch.tensor([sample["question_ids"]], device=run.device)
         stop = stop_ids_of(manifest, sample)
-        captured, capture_s = None, 0.0
+        captured, capture_s, reconstructions = None, 0.0, {}
         if any(KVCOMPRESS_CELLS[label][0] is not None and not reconstructs(label) and not streams(label) for label, _ in todo):
             start = time.perf_counter()
             captured = capture_qkv(model, context_ids)
@@ -459,10 +460,13 @@ def run_kvcompress(args) -> None:
                                        stop_token_ids=stop)
                 else:
                     options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
-                    # KVzip prefills the context itself, then runs its reconstruction forward (both in its prefill time);
-                    # a chunked cell streams the context itself
-                    own = ({"reconstruction_ids": repeat_prompt_ids(tokenizer)} if options.compressor.needs_reconstruction
-                           else {"prefill": captured} if not options.streams else {})
+                    # KVzip's context prefill and reconstruction forward are recorded once per sample for its cells
+                    # (`shared_reconstruction`) and counted in each one's prefill time; a chunked cell streams the context itself
+                    own = {"prefill": captured} if not options.streams else {}
+                    if options.compressor.needs_reconstruction:
+                        repeat = repeat_prompt_ids(tokenizer)
+                        own = {"reconstruction_ids": repeat,
+                               "prefill": shared_reconstruction(model, options, context_ids, repeat, reconstructions)}
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop, **own)
             except (ValueError, RuntimeError) as err:
@@ -476,7 +480,7 @@ def run_kvcompress(args) -> None:
                     token_ids=tokens, prediction=prediction,
                     score=float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction)),
                     kept_tokens_mean=None if method is None else sum(slots) / len(slots) - max(len(tokens) - 1, 0) - sample["question_tokens"],
-                    prefill_s=res.prefill_seconds + (0.0 if method is None or reconstructs(label) or streams(label) else capture_s),
+                    prefill_s=res.prefill_seconds + _shared_seconds(res, label, capture_s),
                     decode_s=res.decode_seconds,
                 )
             record["wall_s"] = time.perf_counter() - start
@@ -484,6 +488,14 @@ def run_kvcompress(args) -> None:
             append_jsonl(path, record)
             print(f"kvcompress {label:<34} {ratio!s:<5} {sample['id']:<28} score={record.get('score')} "
                   f"{record.get('prediction')!r} ({record['wall_s']:.1f}s)", flush=True)
+
+
+def _shared_seconds(res, label: str, capture_s: float) -> float:
+    """The seconds a cell's forwards took outside its own call: the sample's recorded prefill (capture_s) for a cell that
+    compresses it, the recorded context prefill and reconstruction forwards for KVzip's cells; 0 for the others."""
+    if "reconstruction" in res.extra:
+        return res.extra["reconstruction"]["context_seconds"] + res.extra["reconstruction"]["seconds"]
+    return 0.0 if KVCOMPRESS_CELLS[label][0] is None or streams(label) else capture_s
 
 
 def reconstructs(label: str) -> bool:
@@ -885,8 +897,9 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
         lines.append(f"| {cell_name(r['library'], r['cell'], r['ratio'])} | {r['n']}{errors} | {r['hits']:g} | {_pct(r['score'])} | "
                      f"{_pct(r['ci_low'])}–{_pct(r['ci_high'])} | {kept} | {r['prefill_s']:.1f} | {r['decode_s']:.2f} |")
     lines += ["", ("Times are per cell on a shared, loaded machine and are no speed comparison: in each library one prefill "
-              "of a sample serves all its cells but KVzip (kvcompress: `capture_qkv`, plus a plain prefill for the full cache; "
-              "kvpress: `--protocol shared`), and that prefill is counted in every cell that used it.")]
+              "of a sample serves all its cells but KVzip (kvcompress: `capture_qkv`, plus a plain prefill for the full cache, and "
+              "one recorded reconstruction for its KVzip-scored cells; kvpress: `--protocol shared`), and that prefill (and "
+              "reconstruction) is counted in every cell that used it.")]
     header = ("| first | second | pairs | first % | second % | difference (points) | 95% interval | wins | losses | p (sign test) | identical answers |",
               "|---|---|---|---|---|---|---|---|---|---|---|")
 

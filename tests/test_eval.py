@@ -114,6 +114,24 @@ def test_prefill_reuse_matches_reprefilling(tiny, tmp_path):
     assert all(r["capture_s"] > 0 for r in reused) and all(r["capture_s"] == 0 for r in fresh)
 
 
+def test_kvzip_scored_cells_share_one_recorded_reconstruction_per_sample(tiny, tmp_path, monkeypatch):
+    """With prefill reuse, every KVzip-scored cell of a sample (each ratio, kvzip and the default built on its scores)
+    compresses one recorded reconstruction, answering as cells that each reconstruct the context themselves."""
+    from kvcompress.integration import reconstruction
+
+    model, tokenizer = tiny
+    calls = []
+    real = reconstruction.record_reconstruction
+    monkeypatch.setattr(reconstruction, "record_reconstruction", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    config = dict(methods=["kvzip", "default"], ratios=[0.5, 0.75], grid_lengths=[], grid_depths=[], tasks=["niah_single"],
+                  include_full=False, max_new_tokens=4)
+    reused = run_sweep(model, tokenizer, small_config(**config), tmp_path / "a", progress=False)
+    assert len(reused) == 2 * 4 and all(r["error"] is None for r in reused) and len(calls) == 2  # one per sample
+    fresh = run_sweep(model, tokenizer, small_config(reuse_prefill=False, **config), tmp_path / "b", progress=False)
+    assert [r["prediction"] for r in reused] == [r["prediction"] for r in fresh]
+    assert [r["kv_bytes"] for r in reused] == [r["kv_bytes"] for r in fresh]
+
+
 def test_streaming_modes_and_unfit_cells_are_recorded(tiny, tmp_path):
     model, tokenizer = tiny
     config = small_config(methods=["streamingllm", "balancekv"], modes=["prefill", "chunked"], tasks=["niah_single"],

@@ -8,6 +8,7 @@ must answer token for token as kvcompress's full cache does: same positions, sam
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvcompress as kvc
 from kvcompress.eval.stats import paired_difference_interval
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,6 +207,37 @@ def test_kvcompress_step_records_every_cell_and_resumes(tiny_run):
     assert all(r["error"] is None and r["token_ids"] and r["score"] in (0.0, 1.0) for r in records)
     h.main(["kvcompress", "--out", str(tiny_run), "--cells", "full,knorm"])  # nothing left to do: no new lines
     assert len(h.read_jsonl(tiny_run / "kvcompress.jsonl")) == len(records)
+
+
+def test_kvzip_scored_cells_of_a_sample_share_one_recorded_reconstruction(tiny_run, tiny_checkpoint, tmp_path, monkeypatch):
+    """KVzip and the default (AdaKV over KVzip's scores) at two ratios: one reconstruction per sample, its forwards in
+    every cell's prefill time, each cell answering as its own fresh reconstruction does."""
+    from kvcompress.integration import generate_ids, reconstruction
+    from kvcompress.options import CompressionOptions
+
+    for name in ("manifest.json", "samples.jsonl"):
+        shutil.copy(tiny_run / name, tmp_path / name)
+    calls = []
+    real = reconstruction.record_reconstruction
+    monkeypatch.setattr(reconstruction, "record_reconstruction", lambda *a, **k: (calls.append(real(*a, **k)), calls[-1])[1])
+    default = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"
+    h.main(["kvcompress", "--out", str(tmp_path), "--cells", f"kvzip,{default}", "--ratios", "0.5,0.75"])
+    records = h.read_jsonl(tmp_path / "kvcompress.jsonl")
+    assert len(records) == 2 * 2 * 2 and all(r["error"] is None for r in records) and len(calls) == 2
+    manifest, samples = h.load_samples(tmp_path)
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    method, params = h.KVCOMPRESS_CELLS[default]
+    for sample in samples:
+        record = next(r for r in records if r["cell"] == default and r["ratio"] == 0.75 and r["sample"] == sample["id"])
+        stop = h.stop_ids_of(manifest, sample)
+        fresh = generate_ids(model, torch.tensor([sample["context_ids"]]), torch.tensor([sample["question_ids"]]),
+                             CompressionOptions.build(method=method, compression_ratio=0.75, **params),
+                             reconstruction_ids=reconstruction.repeat_prompt_ids(tokenizer),
+                             max_new_tokens=sample["max_new_tokens"], stop_token_ids=stop)
+        assert record["token_ids"] == h.trim_at_stop(list(fresh.token_ids), stop)
+    for sample, recorded in zip(samples, calls):
+        shared = recorded.stats.context_seconds + recorded.stats.seconds
+        assert all(r["prefill_s"] >= shared for r in records if r["sample"] == sample["id"])  # every cell counts them
 
 
 def test_press_free_decoding_answers_as_kvcompress_full_cache(tiny_run, tiny_checkpoint):

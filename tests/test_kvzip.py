@@ -2,6 +2,7 @@
 the reconstruction forward in a model (its chunks, its cost counted as compression), and its refusals."""
 
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from kvcompress.cache import CompressedCache
 from kvcompress.integration import generate_batch_ids, generate_ids, use_compressed_attention
 from kvcompress.integration.capture import capture_qkv
 from kvcompress.integration.generation import compress_context_ids
-from kvcompress.integration.reconstruction import reconstruct_context, repeat_prompt_ids
+from kvcompress.integration.reconstruction import load_reconstruction, reconstruct_context, record_reconstruction, repeat_prompt_ids
 from kvcompress.methods.kvzip import KVzip, own_lse, reconstruction_scores
 from kvcompress.methods.tokens import Tokens
 from kvcompress.options import CompressionOptions
@@ -203,6 +204,46 @@ def test_smaller_chunks_bound_each_forward_and_still_score_every_token():
     assert stats.forwards == math.ceil(100 / 16) and stats.tokens == 100
     assert stats.peak_kv_bytes == (100 + 16) * 2 * 2 * 2 * 16 * 4 < results[100][1].peak_kv_bytes
     assert all(p.shape == (1, 2, 20) and bool((p.diff(dim=-1) > 0).all()) for p in positions)
+
+
+def test_one_recorded_reconstruction_serves_every_ratio_and_kvzip_scored_method_as_a_fresh_one_would():
+    """generate_ids(prefill=recorded) answers token for token as the fresh reconstruction, for any number of caches;
+    the recorded forwards' seconds still count as each cache's compression time, and nothing in the record changes."""
+    model = tiny()
+    ctx, question = _prompt(n=90)
+    prefix = torch.tensor([[9, 8, 7, 6]])
+    recorded = record_reconstruction(model, CompressedCache(model, CompressionOptions(method="kvzip", budget=8)), ctx, prefix)
+    assert recorded.stats.forwards == 1 and recorded.stats.tokens == 94 and recorded.stats.context_seconds > 0
+    assert set(recorded.queries) == set(range(len(recorded.keys))) and recorded.queries[0].shape == (1, 4, 90, 16)
+    before = [t.clone() for t in (*recorded.keys, *recorded.values, *recorded.queries.values(), *recorded.lse.values())]
+    cells = [dict(method="kvzip", compression_ratio=r) for r in (0.5, 0.75, 0.9)]
+    cells.append(dict(method="adakv", compression_ratio=0.75, window=0, method_params={"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05}))
+    for cell in cells:
+        fresh = generate_ids(model, ctx, question, max_new_tokens=NEW, reconstruction_ids=prefix, **cell)
+        loaded = generate_ids(model, ctx, question, max_new_tokens=NEW, reconstruction_ids=prefix, prefill=recorded, **cell)
+        assert loaded.token_ids == fresh.token_ids and loaded.slots_per_layer == fresh.slots_per_layer, cell
+        assert loaded.kv_bytes == fresh.kv_bytes and loaded.extra["reconstruction"] == asdict(recorded.stats)
+        assert loaded.compress_seconds >= recorded.stats.seconds
+    after = (*recorded.keys, *recorded.values, *recorded.queries.values(), *recorded.lse.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_recorded_reconstruction_is_refused_where_it_does_not_fit():
+    model = tiny()
+    ctx, question = _prompt(n=60)
+    kvzip = CompressionOptions(method="kvzip", budget=8)
+    recorded = record_reconstruction(model, CompressedCache(model, kvzip), ctx)
+    with pytest.raises(ValueError, match="made for other context_ids"):
+        generate_ids(model, _prompt(n=60, seed=4)[0], question, kvzip, prefill=recorded)
+    with pytest.raises(ValueError, match="made for other reconstruction_ids"):
+        generate_ids(model, ctx, question, kvzip, prefill=recorded, reconstruction_ids=torch.tensor([[9, 8]]))
+    with pytest.raises(ValueError, match="serves a method scored by reconstruction.*got method='snapkv'"):
+        generate_ids(model, ctx, question, method="snapkv", budget=8, prefill=recorded)
+    chunked = CompressionOptions(method="kvzip", budget=8, method_params={"reconstruction_chunk_size": 16})
+    with pytest.raises(ValueError, match="reconstructs in chunks of 16 tokens.*used chunks of \\d+"):
+        load_reconstruction(model, CompressedCache(model, chunked), recorded)
+    with pytest.raises(ValueError, match="does not score with a reconstruction"):
+        record_reconstruction(model, CompressedCache(model, CompressionOptions(method="snapkv", budget=8)), ctx)
 
 
 def test_kvc_generate_puts_the_repeat_instruction_before_the_repeated_context(tiny_checkpoint):

@@ -272,10 +272,14 @@ def read_results(path: Path) -> list[dict]:
     return _parse_lines(path.read_bytes(), path)
 
 
-def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, repeat_ids=None):
+def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, repeat_ids=None,
+            reconstructions: dict | None = None):
     """The cell's generation; the full cache is answered from the recorded prefill when there is one
-    (every token kept exactly, `prefill_replay.full_as_ratio_zero`), so it costs no second prefill."""
+    (every token kept exactly, `prefill_replay.full_as_ratio_zero`), so it costs no second prefill. A method
+    scored by reconstruction (KVzip) is loaded from the sample's recorded reconstruction when `reconstructions`
+    is given ({chunk size: `RecordedReconstruction`}, filled at first use), else reconstructs the context itself."""
     from ..integration import generate_ids
+    from ..integration.reconstruction import shared_reconstruction
 
     if cell.method == FULL and captured is None:
         return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new, stop_token_ids=stop_ids)
@@ -285,9 +289,10 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
                             max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": stream_budget(cell.method, cell.ratio, context_ids.shape[1])}
     options = CompressionOptions(method=cell.method, mode=cell.mode, seed=config.seed, chunk_size=config.chunk_size, **size)
-    if options.compressor.needs_reconstruction:  # KVzip: its own prefill and reconstruction forward, with the repeat instruction
+    if options.compressor.needs_reconstruction:  # KVzip: the context's prefill and reconstruction forward, with the repeat instruction
+        recorded = None if reconstructions is None else shared_reconstruction(model, options, context_ids, repeat_ids, reconstructions)
         return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
-                            reconstruction_ids=repeat_ids)
+                            reconstruction_ids=repeat_ids, prefill=recorded)
     return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
                         prefill=captured if cell.mode == "prefill" else None)
 
@@ -417,7 +422,10 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     """Answer every cell of one sample, yielding one record per cell as it is produced.
 
     The context is prefilled once (prefill mode) and every method compresses a copy of that
-    prefill. A cell whose method cannot run at this size is recorded with its error (and `log`ged).
+    prefill; methods scored by reconstruction (KVzip) share one reconstruction of the context instead,
+    recorded by the first of them (in its `wall_s`) and counted in each one's `compress_s`. With
+    `config.reuse_prefill` False every cell runs its own forwards. A cell whose method cannot run at
+    this size is recorded with its error (and `log`ged).
     """
     from ..integration import build_prompt
     from ..integration.reconstruction import repeat_prompt_ids
@@ -433,11 +441,12 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         scored_by_mass = any(c.mode == "prefill" and c.method != FULL and _method_of(c).needs_attention_mass for c in cells)
         captured = capture_qkv(model, context_ids, attention_mass=scored_by_mass)  # H2O's mass from the capture's own attention
         capture_s = time.perf_counter() - start
+    reconstructions = {} if config.reuse_prefill else None
     for cell in cells:
         record = _record(cell, sample, context_ids, capture_s, config.prompt_layout)
         start = time.perf_counter()
         try:
-            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, repeat_ids)
+            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, repeat_ids, reconstructions)
         except (ValueError, RuntimeError) as err:
             record["error"] = f"{type(err).__name__}: {err}"
             log(f"[{cell.key}] {record['error']}")

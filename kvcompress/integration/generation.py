@@ -29,7 +29,7 @@ from ..checks import as_count, describe
 from ..options import CompressionOptions
 from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
-from .reconstruction import reconstruct_context, repeat_prompt_ids
+from .reconstruction import RecordedReconstruction, load_reconstruction, record_reconstruction, repeat_prompt_ids
 from .support import check_supported, select_compressed_attention, use_compressed_attention
 from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
 
@@ -162,16 +162,24 @@ class _Session:
             self.options = options.calibrated(self.chosen["compression_ratio"])
         # decode mode streams every token, the answer's included: a ratio is the fraction removed of all of them
         self.stream_length = n_prompt + max_new_tokens if options.mode == "decode" else n_prompt if options.compress_question else n_context
-        self.cache, self.prefill = None, prefill
         if prefill is not None and (options.streams or options.compress_question or options.method is None):
             raise ValueError("a recorded prefill serves a method in mode='prefill' with the question kept out of compression")
-        # KVzip: the context's prefill is followed by its reconstruction forward (`reconstruction.reconstruct_context`)
+        # KVzip: the context's prefill is followed by its reconstruction forward (`reconstruction.record_reconstruction`),
+        # run here or recorded once by the caller for several caches
         self.reconstructs = options.method is not None and options.compressor.needs_reconstruction
         self.reconstruction_ids, self.reconstruction = prompt.reconstruction_ids, None
-        if self.reconstructs and (prefill is not None or self.context_mask is not None):
+        self.recorded = prefill if isinstance(prefill, RecordedReconstruction) else None
+        self.cache, self.prefill = None, None if self.recorded is not None else prefill
+        if self.reconstructs and (self.prefill is not None or self.context_mask is not None):
             raise ValueError(f"method {options.method!r} compresses through its own reconstruction forward after a fresh prefill of one "
-                             "unpadded context (or a batch of equal lengths): a recorded prefill and a padded batch are not supported; name "
-                             "another method for them, e.g. method='compactor'")
+                             "unpadded context (or a batch of equal lengths), or from that forward recorded "
+                             "(`reconstruction.record_reconstruction`): a recorded prefill and a padded batch are not supported; "
+                             "name another method for them, e.g. method='compactor'")
+        if self.recorded is not None and not self.reconstructs:
+            raise ValueError(f"a recorded reconstruction serves a method scored by reconstruction (e.g. 'kvzip'), got method={options.method!r}; "
+                             "pass a recorded full prefill (`capture_qkv`) instead")
+        if self.recorded is not None:
+            self.recorded.check_matches(self.context_ids, self.reconstruction_ids)
 
     def new_cache(self):
         if self.method_name is None:
@@ -235,10 +243,11 @@ class _Session:
         return logits, time.perf_counter() - start
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        """KVzip: prefill ids [B, b] into the fresh cache and compress it with the context's reconstruction, whose cost
-        counts as compression time; -> last logits [B, V]."""
+        """KVzip: prefill ids [B, b] into the fresh cache and compress it with the context's reconstruction (the recorded one
+        when the session was given it), whose forwards' cost counts as compression time; -> last logits [B, V]."""
         self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, torch.ones_like(ids)], 1)
-        logits, self.reconstruction = reconstruct_context(self.model, self.cache, ids, self.reconstruction_ids)
+        recorded = self.recorded or record_reconstruction(self.model, self.cache, ids, self.reconstruction_ids)
+        logits, self.reconstruction = load_reconstruction(self.model, self.cache, recorded)
         return logits
 
     def adopt(self, cache: CompressedCache) -> None:
@@ -310,7 +319,7 @@ def generate_ids(
     progress: bool = False,
     stop_at_eos: bool = True,
     stop_token_ids: Collection[int] = (),
-    prefill: dict | None = None,
+    prefill: dict | RecordedReconstruction | None = None,
     prefill_approx: str | None = None,
     reconstruction_ids: torch.Tensor | None = None,
     **settings,
@@ -327,7 +336,10 @@ def generate_ids(
     length with compress_question; in decode mode, the prompt plus max_new_tokens, every token the
     stream takes). prefill: a recorded full prefill of the context ({layer: (queries, keys,
     values)}, see `kvcompress.eval.capture.capture_qkv`) to compress instead of running the
-    context again (prefill mode, question kept out of compression). prefill_approx="express":
+    context again (prefill mode, question kept out of compression); for a method scored by
+    reconstruction (KVzip), the context's `RecordedReconstruction` (`reconstruction.record_reconstruction`
+    with the same reconstruction_ids) instead: its forwards' seconds count in compress_seconds, not in
+    prefill_seconds, which holds only this call's work. prefill_approx="express":
     the context's cache comes from a chunked forward with Thinformer Express attention
     (`integration.prefill_approx`), then the method compresses it. stop_token_ids: decoding also
     stops after any of these tokens. The first answer token is the argmax after the prompt; the

@@ -19,7 +19,12 @@ docs/design.md, "KVzip: scoring by reconstruction".
 The reconstruction forwards' time is compression time: it is added to the compressed layers'
 `LayerStats.compress_seconds` (so `cache.compress_seconds()` and `GenerationResult.compress_seconds`
 count it), besides the layers' own scoring and selection. What it costs is returned as
-`ReconstructionStats`. Soft-capped attention (Gemma 2) is refused: KVzip's scores are plain
+`ReconstructionStats`.
+
+Steps 1-2 are what costs: `record_reconstruction` runs them once and keeps what step 3 needs (a
+`RecordedReconstruction`), and `load_reconstruction` does step 3 for any fresh cache of a KVzip-scored
+method with the same chunk size, so one context serves several ratios and methods (the evaluation
+sweep, `generate_ids(prefill=recorded)`); `reconstruct_context` is the two in a row. Soft-capped attention (Gemma 2) is refused: KVzip's scores are plain
 softmax probabilities. One unpadded batch (every row the same length); a padded batch is refused
 by the caller (`kvc.generate`).
 """
@@ -46,14 +51,16 @@ _RECONSTRUCT_IMPL = "kvcompress_reconstruct"
 @dataclass
 class ReconstructionStats:
     """What one context's reconstruction cost: the chunk forwards run, the tokens they fed (instruction
-    included), their seconds (counted as compression time), and the largest transient KV bytes the
+    included), their seconds (counted as compression time), the largest transient KV bytes the
     reconstruction's DynamicCache held (context + instruction + one chunk, every layer): a working
-    buffer freed once the layers are compressed, not part of the compressed cache's bytes."""
+    buffer freed once the layers are compressed, not part of the compressed cache's bytes; and the
+    seconds of the context's own forward before them."""
 
     forwards: int
     tokens: int
     seconds: float
     peak_kv_bytes: int
+    context_seconds: float
 
 
 def repeat_prompt_ids(tokenizer, instruction: str = REPEAT_INSTRUCTION) -> torch.Tensor:
@@ -107,15 +114,52 @@ def _check(cache, context_ids, prefix_ids) -> None:
         raise ValueError(f"prefix_ids must have 1 row or the context's {context_ids.shape[0]}, got {prefix_ids.shape[0]}")
 
 
+@dataclass
+class RecordedReconstruction:
+    """One context's prefill and reconstruction forwards (module docstring, steps 1-2), recorded once by
+    `record_reconstruction` so that any number of KVzip-scored caches (other methods built on KVzip's scores,
+    other ratios) compress that context without running the model again (`load_reconstruction`).
+
+    context_ids [B, n] and prefix_ids [B, m] (the repeat instruction; m = 0 without one): what was run;
+    chunk_size: context tokens repeated per forward; logits [B, V]: the context's last position's;
+    keys, values: every layer's context keys and values [B, H_kv, n, d], post-RoPE; queries, lse: for each
+    layer a cache compresses (`layers`), the reconstruction's queries of the repeated context [B, H_q, n, d]
+    and their own keys' log-sum-exp [B, H_q, n]; stats: what the forwards cost (`stats.seconds`, the
+    reconstruction forwards, is counted as compression time by every cache loaded from it).
+    """
+
+    context_ids: torch.Tensor
+    prefix_ids: torch.Tensor
+    chunk_size: int
+    logits: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    queries: dict[int, torch.Tensor]
+    lse: dict[int, torch.Tensor]
+    stats: ReconstructionStats
+
+    def check_matches(self, context_ids: torch.Tensor, prefix_ids: torch.Tensor | None) -> None:
+        """Refuse context_ids [B, n] and prefix_ids [1 or B, m] or None other than the ones recorded."""
+        prefix = context_ids[:, :0] if prefix_ids is None else prefix_ids.expand(context_ids.shape[0], -1)
+        for name, given, recorded in (("context_ids", context_ids, self.context_ids), ("reconstruction_ids", prefix, self.prefix_ids)):
+            if given.shape != recorded.shape or not torch.equal(given.to(recorded.device), recorded):
+                raise ValueError(f"the recorded reconstruction was made for other {name}: recorded {describe(recorded)}, "
+                                 f"given {describe(given)}; record this context with record_reconstruction")
+
+
+def _compressed_layers(cache: CompressedCache) -> set[int]:
+    return {i for i, layer in enumerate(cache.layers) if isinstance(layer, CompressedLayer)}
+
+
 @torch.inference_mode()
-def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor,
-                        prefix_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ReconstructionStats]:
-    """Prefill context_ids [B, n] (unpadded) and compress every layer of the fresh prefill-mode `cache` with KVzip's
-    reconstruction (module docstring); -> (the context's last logits [B, V], `ReconstructionStats`).
+def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tensor,
+                          prefix_ids: torch.Tensor | None = None) -> RecordedReconstruction:
+    """Prefill context_ids [B, n] (unpadded) and run KVzip's reconstruction forwards for caches like `cache` (a fresh
+    prefill-mode `CompressedCache` of a method that `needs_reconstruction`: its layers and its method's
+    `reconstruction_chunk_size` say what is recorded; the cache itself is left untouched).
 
     prefix_ids [1 or B, m]: the repeat instruction placed before each chunk of the repeated context
-    (`repeat_prompt_ids`); None: the context is repeated with no instruction. The cache's layers end up
-    holding the compressed context at positions 0..n-1, as after any prefill-mode compression.
+    (`repeat_prompt_ids`); None: the context is repeated with no instruction.
     """
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -126,16 +170,18 @@ def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor
     rows, n = context_ids.shape
     prefix = (prefix_ids if prefix_ids is not None else context_ids[:, :0]).to(device).expand(rows, -1)
     chunk_size = getattr(cache.options.compressor, "reconstruction_chunk_size", n)
-    recorder = _Recorder({i for i, layer in enumerate(cache.layers) if isinstance(layer, CompressedLayer)})
+    recorder = _Recorder(_compressed_layers(cache))
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     AttentionInterface.register(_RECONSTRUCT_IMPL, recorder)
     ALL_MASK_ATTENTION_FUNCTIONS.register(_RECONSTRUCT_IMPL, sdpa_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(_RECONSTRUCT_IMPL)
     try:
+        start = time.perf_counter()
         past = DynamicCache()
         logits = model(context_ids, past_key_values=past, use_cache=True, **extra).logits[:, -1]
         context_kv = [(layer.keys, layer.values) for layer in past.layers]
+        context_seconds = time.perf_counter() - start
         recorder.context, recorder.offset = n, prefix.shape[1]
         start, forwards, peak = time.perf_counter(), 0, _kv_bytes(past)
         for chunk in context_ids.split(chunk_size, dim=1):
@@ -147,13 +193,60 @@ def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor
     finally:
         model.set_attn_implementation(previous)
     del past
+    return RecordedReconstruction(
+        context_ids=context_ids, prefix_ids=prefix, chunk_size=chunk_size, logits=logits,
+        keys=[keys for keys, _ in context_kv], values=[values for _, values in context_kv],
+        queries={i: torch.cat(recorder.queries[i], 2) for i in recorder.layers},
+        lse={i: torch.cat(recorder.lse[i], 2) for i in recorder.layers},
+        stats=ReconstructionStats(forwards, n + forwards * prefix.shape[1], seconds, peak, context_seconds),
+    )
+
+
+def shared_reconstruction(model, options, context_ids: torch.Tensor, prefix_ids: torch.Tensor | None,
+                          recorded: dict[int, RecordedReconstruction]) -> RecordedReconstruction:
+    """The recorded reconstruction of context_ids [B, n] (with prefix_ids) for the chunk size of `options`' method (a
+    `CompressionOptions` of a method that `needs_reconstruction`): taken from `recorded` ({chunk size: record}, all of
+    this context and prefix), or recorded now and added to it."""
+    cache = CompressedCache(model, options)
+    chunk_size = getattr(options.compressor, "reconstruction_chunk_size", context_ids.shape[1])
+    if chunk_size not in recorded:
+        recorded[chunk_size] = record_reconstruction(model, cache, context_ids, prefix_ids)
+    return recorded[chunk_size]
+
+
+@torch.inference_mode()
+def load_reconstruction(model, cache: CompressedCache, recorded: RecordedReconstruction) -> tuple[torch.Tensor, ReconstructionStats]:
+    """Compress every layer of the fresh prefill-mode `cache` from `recorded` (module docstring, step 3); -> (the
+    context's last logits [B, V], the recorded `ReconstructionStats`). The recorded reconstruction forwards' seconds
+    are added to the compressed layers' compression time, as if they had run for this cache; `recorded` is not
+    modified, so it serves any number of caches."""
+    _check(cache, recorded.context_ids, None)
+    chunk_size = getattr(cache.options.compressor, "reconstruction_chunk_size", recorded.context_ids.shape[1])
+    layers = _compressed_layers(cache)
+    if chunk_size != recorded.chunk_size or layers != set(recorded.queries):
+        raise ValueError(f"method {cache.options.method!r} reconstructs in chunks of {chunk_size} tokens and compresses layers "
+                         f"{sorted(layers)}; the recorded reconstruction used chunks of {recorded.chunk_size} and layers "
+                         f"{sorted(recorded.queries)}: record it with a cache of this method")
     scales = attention_scales(model)
     for i, layer in enumerate(cache.layers):
-        keys, values = context_kv[i]
-        if i in recorder.layers:
-            queries, lse = torch.cat(recorder.queries.pop(i), 2), torch.cat(recorder.lse.pop(i), 2)
-            layer.load_prefill(queries, keys, values, scales[i], extra_lse=lse)
-            layer.stats.compress_seconds += seconds / len(recorder.layers)  # the reconstruction forwards are compression work
+        keys, values = recorded.keys[i], recorded.values[i]
+        if i in layers:
+            layer.load_prefill(recorded.queries[i], keys, values, scales[i], extra_lse=recorded.lse[i])
+            layer.stats.compress_seconds += recorded.stats.seconds / len(layers)  # the reconstruction forwards are compression work
         else:
             layer.load_prefill(None, keys, values, scales[i])
-    return logits, ReconstructionStats(forwards, n + forwards * prefix.shape[1], seconds, peak)
+    return recorded.logits, recorded.stats
+
+
+@torch.inference_mode()
+def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor,
+                        prefix_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ReconstructionStats]:
+    """Prefill context_ids [B, n] (unpadded) and compress every layer of the fresh prefill-mode `cache` with KVzip's
+    reconstruction (module docstring); -> (the context's last logits [B, V], `ReconstructionStats`).
+
+    prefix_ids [1 or B, m]: the repeat instruction placed before each chunk of the repeated context
+    (`repeat_prompt_ids`); None: the context is repeated with no instruction. The cache's layers end up
+    holding the compressed context at positions 0..n-1, as after any prefill-mode compression. The same as
+    `load_reconstruction(model, cache, record_reconstruction(model, cache, context_ids, prefix_ids))`.
+    """
+    return load_reconstruction(model, cache, record_reconstruction(model, cache, context_ids, prefix_ids))
