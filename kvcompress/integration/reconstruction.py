@@ -24,7 +24,9 @@ count it), besides the layers' own scoring and selection. What it costs is retur
 Steps 1-2 are what costs: `record_reconstruction` runs them once and keeps what step 3 needs (a
 `RecordedReconstruction`), and `load_reconstruction` does step 3 for any fresh cache of a KVzip-scored
 method with the same chunk size, so one context serves several ratios and methods (the evaluation
-sweep, `generate_ids(prefill=recorded)`); `reconstruct_context` is the two in a row. Soft-capped attention (Gemma 2) is refused: KVzip's scores are plain
+sweep, `generate_ids(prefill=recorded)`); `reconstruct_context` is the two in a row.
+
+Soft-capped attention (Gemma 2) is refused: KVzip's scores are plain
 softmax probabilities. One unpadded batch (every row the same length); a padded batch is refused
 by the caller (`kvc.generate`).
 """
@@ -207,10 +209,9 @@ def shared_reconstruction(model, options, context_ids: torch.Tensor, prefix_ids:
     """The recorded reconstruction of context_ids [B, n] (with prefix_ids) for the chunk size of `options`' method (a
     `CompressionOptions` of a method that `needs_reconstruction`): taken from `recorded` ({chunk size: record}, all of
     this context and prefix), or recorded now and added to it."""
-    cache = CompressedCache(model, options)
     chunk_size = getattr(options.compressor, "reconstruction_chunk_size", context_ids.shape[1])
-    if chunk_size not in recorded:
-        recorded[chunk_size] = record_reconstruction(model, cache, context_ids, prefix_ids)
+    if chunk_size not in recorded:  # a fresh cache of these options says which layers to record
+        recorded[chunk_size] = record_reconstruction(model, CompressedCache(model, options), context_ids, prefix_ids)
     return recorded[chunk_size]
 
 
