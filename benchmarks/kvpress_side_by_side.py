@@ -105,6 +105,12 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
                                                                       "alpha_safeguard": 0.05}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                      "alpha_safeguard": 0.1}),
+    # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
+    "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.0, "scorer_params": {"scoring": "chunk"}}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "scorer_params": {"scoring": "chunk"}}),
     # the context streamed through the method in blocks (chunked mode): candidates for the streaming modes' default
     "snapkv[mode=chunked]": ("snapkv", {"mode": "chunked"}),
     "keydiff[mode=chunked]": ("keydiff", {"mode": "chunked"}),
@@ -154,6 +160,9 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": "KVzip",
+    "kvzip[scoring=chunk]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",
     "snapkv[mode=chunked]": "SnapKV",
     "keydiff[mode=chunked]": "KeyDiff",
     "compactor[mode=chunked]": "Compactor",

@@ -83,6 +83,76 @@ def test_query_chunks_give_the_same_scores_as_one_chunk():
     torch.testing.assert_close(reconstruction_scores(queries, keys, 0.35, exact, extra, max_logits=1), whole)
 
 
+def _brute_chunked(queries, keys, positions, exact, exact_positions, extra, chunk, scale):
+    """[B, H_kv, n] float64: the paper's chunked scores by brute force: query j (repeating position j) scores the keys of its
+    chunk, its softmax over them, the exact keys of its chunk or before the middle, and extra's keys (their log-sum-exp)."""
+    b, hq, nq, _ = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    out = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for row in range(b):
+        for head in range(hq):
+            kv = head // group
+            for j in range(nq):
+                first = j // chunk * chunk
+                mine = (positions[row, kv] >= first) & (positions[row, kv] < first + chunk)
+                seen = (exact_positions[row, kv] < positions[row, kv].min()) | (
+                    (exact_positions[row, kv] >= first) & (exact_positions[row, kv] < first + chunk))
+                q = queries[row, head, j].double()
+                logits = keys[row, kv][mine].double() @ q * scale
+                lse = torch.logsumexp(torch.cat([logits, exact[row, kv][seen].double() @ q * scale, extra[row, head, j:j + 1].double()]), 0)
+                out[row, kv, mine] = torch.maximum(out[row, kv, mine], (logits - lse).exp())
+    return out
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 100])
+def test_chunked_scoring_scores_each_token_by_its_own_chunks_queries_as_the_paper_does(chunk):
+    """scoring='chunk' (KVzip Sec. 3, kvpress's KVzipPress): the queries that repeat chunk c score only chunk c's tokens, their
+    softmax over those, the sink and their own forward's keys; a chunk covering the context is the whole-context scoring."""
+    g = torch.Generator().manual_seed(7)
+    b, hkv, group, sink, window, n, d = 2, 2, 2, 3, 2, 35, 8
+    total = sink + n + window
+    keys, values = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    exact = torch.randn(b, hkv, sink + window, d, generator=g)
+    queries = 2 * torch.randn(b, hkv * group, total, d, generator=g)
+    extra = torch.randn(b, hkv * group, total, generator=g)
+    positions = torch.arange(sink, sink + n).expand(b, hkv, n)
+    exact_positions = torch.cat([torch.arange(sink), torch.arange(sink + n, total)]).expand(b, hkv, sink + window)
+    tokens = Tokens(keys, values, positions, queries, scale=0.4, exact_keys=exact, exact_positions=exact_positions, extra_lse=extra)
+    score = KVzip(reconstruction_chunk_size=chunk, scoring="chunk").score(tokens, torch.Generator())
+    expected = _brute_chunked(queries, keys, positions, exact, exact_positions, extra, chunk, 0.4)
+    torch.testing.assert_close(score.exp().double(), expected, rtol=1e-5, atol=1e-7)
+    small = reconstruction_scores(queries, keys, 0.4, exact, extra, chunk, max_logits=64, chunk_local=(positions, exact_positions))
+    torch.testing.assert_close(small, score)
+    if chunk >= total:
+        torch.testing.assert_close(score, KVzip(reconstruction_chunk_size=chunk).score(tokens, torch.Generator()))
+
+
+def test_chunked_scoring_needs_one_query_per_context_token():
+    keys, values, _, _, queries = _case(seed=8)
+    with pytest.raises(ValueError, match="scoring='chunk' needs one reconstruction query per context token.*got 12 queries for 40"):
+        KVzip(scoring="chunk").score(_tokens(keys, values, queries), torch.Generator())
+    with pytest.raises(ValueError, match="scoring must be one of \\('context', 'chunk'\\).*got 'local'"):
+        KVzip(scoring="local")
+
+
+def test_chunked_scoring_in_a_model_reads_the_recorded_queries_of_each_chunk():
+    """In a model, query j of the recorded reconstruction repeats context token j: chunked scoring keeps tokens from every
+    chunk, and one chunk covering the context keeps what whole-context scoring keeps."""
+    model = tiny()
+    ctx, _ = _prompt(n=100)
+    kept = {}
+    for scoring, chunk in (("context", 100), ("chunk", 100), ("chunk", 25)):
+        cache = CompressedCache(model, CompressionOptions(method="kvzip", budget=20, sink=2, window=0,
+                                                          method_params={"reconstruction_chunk_size": chunk, "scoring": scoring}))
+        with use_compressed_attention(model):
+            reconstruct_context(model, cache, ctx)
+        kept[scoring, chunk] = [layer.stored().positions for layer in cache.layers]
+    assert all(torch.equal(a, b) for a, b in zip(kept["context", 100], kept["chunk", 100]))
+    assert not all(torch.equal(a, b) for a, b in zip(kept["context", 100], kept["chunk", 25]))
+    assert all(p.shape == (1, 2, 22) for p in kept["chunk", 25])
+
+
 def test_without_own_keys_the_normaliser_is_the_context_alone():
     """kvc.compress: the caller's queries are the reconstruction queries, their softmax over the keys given."""
     keys, values, _, _, queries = _case(seed=3)

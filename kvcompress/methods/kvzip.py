@@ -13,6 +13,11 @@ tokens of the context per forward, each forward over [instruction + chunk] with 
 in place), which bounds the forward's memory; each chunk's queries see the context and their own
 forward's keys, not the earlier chunks'.
 
+Which queries score a token (`scoring`): "context" lets every reconstruction query score every context
+token, its softmax over the whole context and its own forward's keys; "chunk" is the paper's chunked
+scoring (its Sec. 3, and kvpress's KVzipPress): the queries that repeat a chunk score only that chunk's
+tokens, their softmax over those tokens, the sink and their own forward's keys. With one chunk the two agree.
+
 Contract of `score(tokens)`:
 - tokens.queries [B, H_q, q, d], post-RoPE: the reconstruction queries. Every one of them comes
   after every context token, so `tokens.query_positions` is ignored (nothing in the context is
@@ -49,6 +54,7 @@ from .tokens import Tokens
 # Largest number of float32 scores formed at once (per call) by `own_lse` and `reconstruction_scores`.
 MAX_LOGITS = 1 << 22
 DEFAULT_CHUNK_SIZE = 2048  # the paper's reconstruction chunk (tokens of the context per forward)
+SCORINGS = ("context", "chunk")
 
 
 def own_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float, offset: int = 0, max_logits: int = MAX_LOGITS) -> torch.Tensor:
@@ -84,12 +90,19 @@ def reconstruction_scores(
     extra_lse: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_logits: int = MAX_LOGITS,
+    chunk_local: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """[B, H_kv, n] float32: log max over queries and group heads of softmax(scale·<q, k>) on each key of `keys`.
 
     queries [B, H_q, q, d] see every key; the normaliser of each query is over keys [B, H_kv, n, d],
     exact_keys [B, H_kv, m, d] (None: none) and the keys behind extra_lse [B, H_q, q] (their
     log-sum-exp; None: none). Float32 logits, log-sum-exp normaliser, queries in chunks.
+
+    chunk_local (positions [B, H_kv, n] of `keys`, exact_positions [B, H_kv, m] or None): the paper's chunked
+    scoring instead. Query j repeats context position j (q is the whole context's length), and the queries
+    of a reconstruction chunk (positions c·chunk_size .. (c+1)·chunk_size - 1) score only the keys at those
+    positions, normalised over them, the exact keys at those positions or before the first key of `keys`
+    (the sink) and extra_lse's keys; a key's score comes from its own chunk's queries alone.
     """
     b, hq, nq, d = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
@@ -99,19 +112,39 @@ def reconstruction_scores(
     width = n + (ex.shape[2] if ex is not None else 0)
     q = (queries.float() * scale).reshape(b, hkv, group, nq, d)
     lse_extra = extra_lse.float().reshape(b, hkv, group, nq) if extra_lse is not None else None
-    chunk = max(1, min(chunk_size, max_logits // max(1, b * hq * width)))
+    step = max(1, min(chunk_size, max_logits // max(1, b * hq * width)))
     best = torch.full((b, hkv, n), float("-inf"), device=keys.device)
-    for start in range(0, nq, chunk):
-        stop = min(nq, start + chunk)
+    for start, stop in _query_blocks(nq, chunk_size, step):
         rows = q[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
         logits = torch.matmul(rows, k.transpose(-1, -2))  # [B, H_kv, rows, n]
+        ex_logits = torch.matmul(rows, ex.transpose(-1, -2)) if ex is not None else None
+        if chunk_local is not None:
+            logits, ex_logits = _within_chunk(logits, ex_logits, *chunk_local, start // chunk_size * chunk_size, chunk_size)
         lse = logits.logsumexp(-1)
-        if ex is not None:
-            lse = torch.logaddexp(lse, torch.matmul(rows, ex.transpose(-1, -2)).logsumexp(-1))
+        if ex_logits is not None:
+            lse = torch.logaddexp(lse, ex_logits.logsumexp(-1))
         if lse_extra is not None:
             lse = torch.logaddexp(lse, lse_extra[:, :, :, start:stop].reshape(b, hkv, -1))
-        best = torch.maximum(best, (logits - lse.unsqueeze(-1)).amax(-2))
+        best = torch.maximum(best, (logits - lse.unsqueeze(-1)).amax(-2).nan_to_num(nan=float("-inf")))
     return best
+
+
+def _query_blocks(nq: int, chunk_size: int, step: int) -> list[tuple[int, int]]:
+    """(start, stop) blocks of at most `step` queries that never straddle a reconstruction chunk boundary."""
+    return [(start, min(start + step, chunk + chunk_size, nq)) for chunk in range(0, nq, chunk_size)
+            for start in range(chunk, min(chunk + chunk_size, nq), step)]
+
+
+def _within_chunk(logits, ex_logits, positions, exact_positions, first: int, chunk_size: int):
+    """logits [B, H_kv, r, n] (and ex_logits [B, H_kv, r, m] or None) with every key outside the reconstruction chunk
+    that starts at position `first` set to -inf; exact keys before the first position of `positions` (the sink) stay."""
+    inside = (positions >= first) & (positions < first + chunk_size)
+    logits = logits.masked_fill(~inside.unsqueeze(-2), float("-inf"))
+    if ex_logits is not None:
+        sink = exact_positions < positions.amin(-1, keepdim=True) if positions.shape[-1] else torch.ones_like(exact_positions, dtype=torch.bool)
+        seen = sink | ((exact_positions >= first) & (exact_positions < first + chunk_size))
+        ex_logits = ex_logits.masked_fill(~seen.unsqueeze(-2), float("-inf"))
+    return logits, ex_logits
 
 
 @register
@@ -122,7 +155,9 @@ class KVzip(ScoreMethod):
     KV group), normalised over the context and the reconstruction's own causal keys (module docstring).
 
     reconstruction_chunk_size: tokens of the context reconstructed per forward in a model (the paper's 2k); the
-    scoring also takes at most this many queries at a time. Runs in mode "prefill" only.
+    scoring also takes at most this many queries at a time. scoring: "context" (every reconstruction query scores
+    every token) or "chunk" (a chunk's queries score only the tokens they repeat, the paper's; it needs one query per
+    context token, query j repeating position j, as the model's reconstruction gives). Runs in mode "prefill" only.
     """
 
     name = "kvzip"
@@ -132,9 +167,13 @@ class KVzip(ScoreMethod):
     default_sink = 4
     default_window = 0  # the reconstruction scores every context token; no exact window is needed
     reconstruction_chunk_size: int = DEFAULT_CHUNK_SIZE
+    scoring: str = "context"
 
     def __post_init__(self):
         self.reconstruction_chunk_size = as_count("reconstruction_chunk_size", self.reconstruction_chunk_size, 1)
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS} (which reconstruction queries score a context token: every one, "
+                             f"or its own chunk's), got {self.scoring!r}")
 
     def check_mode(self, mode: str) -> None:
         if mode not in self.modes:
@@ -151,5 +190,15 @@ class KVzip(ScoreMethod):
         )
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        chunk_local = None
+        if self.scoring == "chunk":
+            exact = 0 if tokens.exact_keys is None else tokens.exact_keys.shape[2]
+            if tokens.queries.shape[2] != tokens.length + exact or (exact and tokens.exact_positions is None):
+                raise ValueError(
+                    f"kvzip with scoring='chunk' needs one reconstruction query per context token (query j repeats position j) "
+                    f"and the exact tokens' positions: got {tokens.queries.shape[2]} queries for {tokens.length + exact} tokens; "
+                    "use scoring='context' for other queries"
+                )
+            chunk_local = (tokens.positions, tokens.exact_positions)
         return reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys, tokens.extra_lse,
-                                     self.reconstruction_chunk_size)
+                                     self.reconstruction_chunk_size, chunk_local=chunk_local)
