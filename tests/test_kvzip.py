@@ -21,21 +21,25 @@ from kvcompress.ragged import RaggedSummary
 from test_integration import _prompt, _reference, tiny
 
 
-def _brute(queries, keys, exact, own, offset, scale):
-    """[B, H_kv, n] float64: max over queries and group heads of softmax over (keys, exact, own causal keys), on `keys`."""
+def _max_over_queries(queries, keys, probabilities):
+    """[B, H_kv, n] float64: max over queries and group heads of probabilities(row, kv head, query head, i) -> [n]."""
     b, hq, nq, _ = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
-    group = hq // hkv
     out = torch.zeros(b, hkv, n, dtype=torch.float64)
     for row in range(b):
         for head in range(hq):
-            kv = head // group
+            kv = head // (hq // hkv)
             for i in range(nq):
-                parts = [keys[row, kv], exact[row, kv], own[row, kv, : offset + i + 1]]
-                logits = torch.cat(parts).double() @ queries[row, head, i].double() * scale
-                probs = torch.softmax(logits, 0)[:n]
-                out[row, kv] = torch.maximum(out[row, kv], probs)
+                out[row, kv] = torch.maximum(out[row, kv], probabilities(row, kv, head, i))
     return out
+
+
+def _brute(queries, keys, exact, own, offset, scale):
+    """[B, H_kv, n] float64: max over queries and group heads of softmax over (keys, exact, own causal keys), on `keys`."""
+    def probabilities(row, kv, head, i):
+        parts = [keys[row, kv], exact[row, kv], own[row, kv, : offset + i + 1]]
+        return torch.softmax(torch.cat(parts).double() @ queries[row, head, i].double() * scale, 0)[: keys.shape[2]]
+    return _max_over_queries(queries, keys, probabilities)
 
 
 def _case(seed=0, b=2, hkv=2, group=2, n=40, m=5, nq=12, offset=3, d=8, dtype=torch.float32):
@@ -86,23 +90,16 @@ def test_query_chunks_give_the_same_scores_as_one_chunk():
 def _brute_chunked(queries, keys, positions, exact, exact_positions, extra, chunk, scale):
     """[B, H_kv, n] float64: the paper's chunked scores by brute force: query j (repeating position j) scores the keys of its
     chunk, its softmax over them, the exact keys of its chunk or before the middle, and extra's keys (their log-sum-exp)."""
-    b, hq, nq, _ = queries.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    group = hq // hkv
-    out = torch.zeros(b, hkv, n, dtype=torch.float64)
-    for row in range(b):
-        for head in range(hq):
-            kv = head // group
-            for j in range(nq):
-                first = j // chunk * chunk
-                mine = (positions[row, kv] >= first) & (positions[row, kv] < first + chunk)
-                seen = (exact_positions[row, kv] < positions[row, kv].min()) | (
-                    (exact_positions[row, kv] >= first) & (exact_positions[row, kv] < first + chunk))
-                q = queries[row, head, j].double()
-                logits = keys[row, kv][mine].double() @ q * scale
-                lse = torch.logsumexp(torch.cat([logits, exact[row, kv][seen].double() @ q * scale, extra[row, head, j:j + 1].double()]), 0)
-                out[row, kv, mine] = torch.maximum(out[row, kv, mine], (logits - lse).exp())
-    return out
+    def probabilities(row, kv, head, j):
+        first = j // chunk * chunk
+        mine = (positions[row, kv] >= first) & (positions[row, kv] < first + chunk)
+        seen = (exact_positions[row, kv] < positions[row, kv].min()) | (
+            (exact_positions[row, kv] >= first) & (exact_positions[row, kv] < first + chunk))
+        q = queries[row, head, j].double()
+        logits = keys[row, kv][mine].double() @ q * scale
+        lse = torch.logsumexp(torch.cat([logits, exact[row, kv][seen].double() @ q * scale, extra[row, head, j:j + 1].double()]), 0)
+        return torch.zeros(keys.shape[2], dtype=torch.float64).masked_scatter(mine, (logits - lse).exp())
+    return _max_over_queries(queries, keys, probabilities)
 
 
 @pytest.mark.parametrize("chunk", [7, 16, 100])
