@@ -158,13 +158,19 @@ def test_without_own_keys_the_normaliser_is_the_context_alone():
     torch.testing.assert_close(score.exp().double(), _brute(queries, keys, empty, empty, 0, 8**-0.5), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("scoring", ["context", "chunk"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_with_large_logits_stays_finite_and_matches_float32(dtype):
-    keys, values, exact, own, queries = _case(seed=4, dtype=dtype)
+def test_half_precision_with_large_logits_stays_finite_and_matches_float32(dtype, scoring):
+    keys, values, exact, own, queries = _case(seed=4, dtype=dtype, nq=45)  # 45 = 5 exact + 40 middle: one query per token
     keys, queries = (keys.float() * 40).to(dtype), (queries.float() * 40).to(dtype)
     extra = own_lse(queries, own, 8**-0.5, offset=3)
-    score = KVzip().score(_tokens(keys, values, queries, exact, extra), torch.Generator())
-    ref = KVzip().score(_tokens(keys.float(), values.float(), queries.float(), exact.float(), extra), torch.Generator())
+    method = KVzip(scoring=scoring, reconstruction_chunk_size=16)
+
+    def tokens(k, v, q, e):
+        return Tokens(k, v, torch.arange(5, 45).expand(2, 2, 40), q, scale=8**-0.5, exact_keys=e,
+                      exact_positions=torch.arange(5).expand(2, 2, 5), extra_lse=extra)
+    score = method.score(tokens(keys, values, queries, exact), torch.Generator())
+    ref = method.score(tokens(keys.float(), values.float(), queries.float(), exact.float()), torch.Generator())
     assert torch.isfinite(extra).all() and not torch.isnan(score).any() and (score <= 1e-6).all()
     torch.testing.assert_close(score, ref)
 
