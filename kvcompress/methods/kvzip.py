@@ -98,11 +98,12 @@ def reconstruction_scores(
     exact_keys [B, H_kv, m, d] (None: none) and the keys behind extra_lse [B, H_q, q] (their
     log-sum-exp; None: none). Float32 logits, log-sum-exp normaliser, queries in chunks.
 
-    chunk_local (positions [B, H_kv, n] of `keys`, exact_positions [B, H_kv, m] or None): the paper's chunked
-    scoring instead. Query j repeats context position j (q is the whole context's length), and the queries
-    of a reconstruction chunk (positions c·chunk_size .. (c+1)·chunk_size - 1) score only the keys at those
-    positions, normalised over them, the exact keys at those positions or before the first key of `keys`
-    (the sink) and extra_lse's keys; a key's score comes from its own chunk's queries alone.
+    chunk_local (positions [n] of `keys`, exact_positions [m] of `exact_keys` or None; the same for every row and
+    head): the paper's chunked scoring instead. Query j repeats context position j (q is the whole context's
+    length), and the queries of a reconstruction chunk (positions c·chunk_size .. (c+1)·chunk_size - 1) score only
+    the keys at those positions, normalised over them, the exact keys at those positions or before the first key
+    of `keys` (the sink) and extra_lse's keys; a key's score comes from its own chunk's queries alone. Only the
+    chunk's keys enter each block's logits.
     """
     b, hq, nq, d = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
@@ -114,37 +115,33 @@ def reconstruction_scores(
     lse_extra = extra_lse.float().reshape(b, hkv, group, nq) if extra_lse is not None else None
     step = max(1, min(chunk_size, max_logits // max(1, b * hq * width)))
     best = torch.full((b, hkv, n), float("-inf"), device=keys.device)
-    for start, stop in _query_blocks(nq, chunk_size, step):
-        rows = q[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
-        logits = torch.matmul(rows, k.transpose(-1, -2))  # [B, H_kv, rows, n]
-        ex_logits = torch.matmul(rows, ex.transpose(-1, -2)) if ex is not None else None
+    for first in range(0, nq, chunk_size):
+        scored, block_keys, block_exact = slice(None), k, ex
         if chunk_local is not None:
-            logits, ex_logits = _within_chunk(logits, ex_logits, *chunk_local, start // chunk_size * chunk_size, chunk_size)
-        lse = logits.logsumexp(-1)
-        if ex_logits is not None:
-            lse = torch.logaddexp(lse, ex_logits.logsumexp(-1))
-        if lse_extra is not None:
-            lse = torch.logaddexp(lse, lse_extra[:, :, :, start:stop].reshape(b, hkv, -1))
-        best = torch.maximum(best, (logits - lse.unsqueeze(-1)).amax(-2).nan_to_num(nan=float("-inf")))
+            scored, seen = _chunk_indices(*chunk_local, first, chunk_size)
+            block_keys, block_exact = k[:, :, scored], (ex[:, :, seen] if ex is not None else None)
+        for start in range(first, min(first + chunk_size, nq), step):
+            stop = min(start + step, first + chunk_size, nq)
+            rows = q[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
+            logits = torch.matmul(rows, block_keys.transpose(-1, -2))  # [B, H_kv, rows, keys scored]
+            lse = logits.logsumexp(-1)
+            if block_exact is not None and block_exact.shape[2]:
+                lse = torch.logaddexp(lse, torch.matmul(rows, block_exact.transpose(-1, -2)).logsumexp(-1))
+            if lse_extra is not None:
+                lse = torch.logaddexp(lse, lse_extra[:, :, :, start:stop].reshape(b, hkv, -1))
+            best[:, :, scored] = torch.maximum(best[:, :, scored], (logits - lse.unsqueeze(-1)).amax(-2))
     return best
 
 
-def _query_blocks(nq: int, chunk_size: int, step: int) -> list[tuple[int, int]]:
-    """(start, stop) blocks of at most `step` queries that never straddle a reconstruction chunk boundary."""
-    return [(start, min(start + step, chunk + chunk_size, nq)) for chunk in range(0, nq, chunk_size)
-            for start in range(chunk, min(chunk + chunk_size, nq), step)]
-
-
-def _within_chunk(logits, ex_logits, positions, exact_positions, first: int, chunk_size: int):
-    """logits [B, H_kv, r, n] (and ex_logits [B, H_kv, r, m] or None) with every key outside the reconstruction chunk
-    that starts at position `first` set to -inf; exact keys before the first position of `positions` (the sink) stay."""
+def _chunk_indices(positions: torch.Tensor, exact_positions: torch.Tensor | None, first: int, chunk_size: int):
+    """(indices of the keys at positions first .. first + chunk_size - 1, indices of the exact keys there or before the
+    first key of `positions`, the sink): positions [n], exact_positions [m] or None."""
     inside = (positions >= first) & (positions < first + chunk_size)
-    logits = logits.masked_fill(~inside.unsqueeze(-2), float("-inf"))
-    if ex_logits is not None:
-        sink = exact_positions < positions.amin(-1, keepdim=True) if positions.shape[-1] else torch.ones_like(exact_positions, dtype=torch.bool)
-        seen = sink | ((exact_positions >= first) & (exact_positions < first + chunk_size))
-        ex_logits = ex_logits.masked_fill(~seen.unsqueeze(-2), float("-inf"))
-    return logits, ex_logits
+    if exact_positions is None:
+        return inside.nonzero().squeeze(-1), None
+    before = exact_positions < positions.min() if positions.numel() else torch.ones_like(exact_positions, dtype=torch.bool)
+    seen = before | ((exact_positions >= first) & (exact_positions < first + chunk_size))
+    return inside.nonzero().squeeze(-1), seen.nonzero().squeeze(-1)
 
 
 @register
@@ -193,12 +190,14 @@ class KVzip(ScoreMethod):
         chunk_local = None
         if self.scoring == "chunk":
             exact = 0 if tokens.exact_keys is None else tokens.exact_keys.shape[2]
-            if tokens.queries.shape[2] != tokens.length + exact or (exact and tokens.exact_positions is None):
+            exact_positions = tokens.exact_positions if exact else None
+            shared = all(p is None or bool((p == p[:1, :1]).all()) for p in (tokens.positions, exact_positions))
+            if tokens.queries.shape[2] != tokens.length + exact or (exact and exact_positions is None) or not shared:
                 raise ValueError(
                     f"kvzip with scoring='chunk' needs one reconstruction query per context token (query j repeats position j) "
-                    f"and the exact tokens' positions: got {tokens.queries.shape[2]} queries for {tokens.length + exact} tokens; "
-                    "use scoring='context' for other queries"
+                    f"and the tokens' positions, the same in every row and head: got {tokens.queries.shape[2]} queries for "
+                    f"{tokens.length + exact} tokens; use scoring='context' for other queries"
                 )
-            chunk_local = (tokens.positions, tokens.exact_positions)
+            chunk_local = (tokens.positions[0, 0], None if exact_positions is None else exact_positions[0, 0])
         return reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys, tokens.extra_lse,
                                      self.reconstruction_chunk_size, chunk_local=chunk_local)
