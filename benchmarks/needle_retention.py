@@ -1,0 +1,139 @@
+"""Which of a needle's tokens a compressed cache keeps, beside whether the answer was found.
+
+A missed needle can mean two things: its tokens were evicted, or they were kept and the model still
+answered from the surrounding text. This script tells them apart. For a folder dumped by
+`kvpress_side_by_side.py` (its `manifest.json` and `samples.jsonl`) and a kvcompress cell of that
+harness, it compresses each chosen sample's context as the harness does (one recorded prefill, or one
+recorded reconstruction for KVzip-scored cells), finds the needle sentence's tokens in the context
+ids, and counts the (layer, KV head, token) slots of the sentence and of its answer the cache holds.
+Each is set beside the fraction of the whole context the cache holds, and beside the answer the
+harness recorded for that cell, sample and ratio (if the folder has it).
+
+Writes one JSON line per (sample, ratio) to OUT/retention.jsonl and the table to OUT/retention.md:
+
+    .venv/bin/python benchmarks/needle_retention.py --out results/kvpress_side_by_side_prose_4k \\
+        --cell 'adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]' --ratios 0.75,0.9 --samples 2,7,12,21,23,26
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvpress_side_by_side as harness  # noqa: E402  (the dumped samples, the cells and their records)
+
+from kvcompress.cache import CompressedCache  # noqa: E402
+from kvcompress.integration.capture import capture_qkv  # noqa: E402
+from kvcompress.integration.reconstruction import load_reconstruction, repeat_prompt_ids, shared_reconstruction  # noqa: E402
+from kvcompress.options import CompressionOptions  # noqa: E402
+
+
+def token_span(tokenizer, ids: list[int], text: str) -> list[int]:
+    """Indices of the tokens of `ids` whose decoded characters overlap the first occurrence of `text` in the
+    decoded ids. Raises ValueError when the ids do not contain `text`."""
+    starts, decoded = [], ""
+    for i in range(len(ids)):  # prefix decoding: a token's characters are what it adds to the decoded prefix
+        starts.append(len(decoded))
+        decoded = tokenizer.decode(ids[: i + 1])
+    begin = decoded.find(text)
+    if begin < 0:
+        raise ValueError(f"the context ids do not contain {text!r}")
+    end = begin + len(text)
+    bounds = starts + [len(decoded)]
+    return [i for i in range(len(ids)) if bounds[i] < end and bounds[i + 1] > begin]
+
+
+def kept_fraction(cache: CompressedCache, span: list[int]) -> list[float]:
+    """Per layer: the fraction of (KV head, token of `span`) slots whose original position the cache holds."""
+    wanted = torch.tensor(span)
+    fractions = []
+    for layer in cache.layers:
+        stored = layer.stored()
+        positions = stored.positions[0].masked_fill(~torch.isfinite(stored.log_weights[0]), -1)  # [H_kv, slots]; empty slots -1
+        held = (positions.unsqueeze(-1) == wanted.to(positions.device)).any(-2)  # [H_kv, len(span)]
+        fractions.append(held.float().mean().item())
+    return fractions
+
+
+def compressed(model, tokenizer, options: CompressionOptions, context_ids: torch.Tensor, recorded: dict) -> CompressedCache:
+    """The context compressed as the harness's kvcompress step does: from one recorded reconstruction for a method
+    scored by it, else from one recorded prefill (both kept in `recorded` for the sample's other ratios)."""
+    if options.compressor.needs_reconstruction:
+        cache = CompressedCache(model, options)
+        reconstructions = recorded.setdefault("reconstructions", {})
+        load_reconstruction(model, cache, shared_reconstruction(model, options, context_ids, repeat_prompt_ids(tokenizer), reconstructions))
+        return cache
+    if "prefill" not in recorded:
+        recorded["prefill"] = capture_qkv(model, context_ids)
+    return CompressedCache.from_prefill(model, options, recorded["prefill"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="a folder dumped by kvpress_side_by_side.py")
+    parser.add_argument("--cell", required=True, help=f"a kvcompress prefill cell among {sorted(set(harness.KVCOMPRESS_CELLS) - {harness.FULL})}")
+    parser.add_argument("--ratios", required=True, help="comma-separated compression ratios")
+    parser.add_argument("--samples", required=True, help="comma-separated sample indices of the folder")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.cell not in harness.KVCOMPRESS_CELLS or harness.KVCOMPRESS_CELLS[args.cell][0] is None or harness.streams(args.cell):
+        raise SystemExit(f"--cell must be a compressing prefill cell of the harness, got {args.cell!r}")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    picks = {int(i) for i in args.samples.split(",")}
+
+    args.cells, args.device, args.shard, args.skip_checkpoint_hash = args.cell, "cpu", None, False  # what open_run reads
+    run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
+    samples = [s for s in run.samples if s["index"] in picks]
+    if {s["index"] for s in samples} != picks:
+        raise SystemExit(f"--samples: the folder has no sample with index {sorted(picks - {s['index'] for s in samples})}")
+    answers = {r["key"]: r for r in harness.read_records(Path(args.out))}
+    method, params = harness.KVCOMPRESS_CELLS[args.cell]
+    out_path = Path(args.out) / "retention.jsonl"
+    rows = []
+    for sample in samples:
+        context_ids = torch.tensor([sample["context_ids"]])
+        needle = sample["needles"][0]
+        needle_span = token_span(run.tokenizer, sample["context_ids"], needle)
+        answer_span = [needle_span[i] for i in token_span(run.tokenizer, [sample["context_ids"][p] for p in needle_span], sample["answers"][0])]
+        recorded: dict = {}
+        for ratio in ratios:
+            options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=run.manifest["samples"]["seed"], **params)
+            cache = compressed(run.model, run.tokenizer, options, context_ids, recorded)
+            per_layer = kept_fraction(cache, needle_span)
+            record = answers.get(harness.cell_key("kvcompress", args.cell, ratio, sample["id"]), {})
+            full = answers.get(harness.cell_key("kvcompress", harness.FULL, None, sample["id"]), {})
+            row = {
+                "sample": sample["id"], "index": sample["index"], "cell": args.cell, "ratio": ratio, "needle": needle,
+                "needle_tokens": len(needle_span),
+                "context_kept": sum(layer.slots() for layer in cache.layers) / (len(cache.layers) * len(sample["context_ids"])),
+                "needle_kept": sum(per_layer) / len(per_layer),
+                "answer_kept": sum(kept_fraction(cache, answer_span)) / len(per_layer),
+                "needle_kept_per_layer": per_layer, "full_score": full.get("score"),
+                "score": record.get("score"), "prediction": record.get("prediction"),
+            }
+            rows.append(row)
+            harness.append_jsonl(out_path, row)
+            print(f"{sample['id']} @ {ratio}: needle {row['needle_kept']:.2f} answer {row['answer_kept']:.2f} "
+                  f"context {row['context_kept']:.2f} score {row['score']} {row['prediction']!r}", flush=True)
+    write_table(Path(args.out) / "retention.md", rows)
+
+
+def write_table(path: Path, rows: list[dict]) -> None:
+    lines = [
+        "| sample | ratio | full cache | cell's answer | needle kept % | answer kept % | context kept % | layers keeping < 10 % of the needle |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        low = sum(f < 0.1 for f in r["needle_kept_per_layer"])
+        lines.append(f"| {r['index']} | {r['ratio']} | {r['full_score']} | {r['score']} {r['prediction']!r} | {100 * r['needle_kept']:.0f} | "
+                     f"{100 * r['answer_kept']:.0f} | {100 * r['context_kept']:.0f} | {low} of {len(r['needle_kept_per_layer'])} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
