@@ -9,7 +9,9 @@ ids, and counts the (layer, KV head, token) slots of the sentence and of its ans
 Each is set beside the fraction of the whole context the cache holds, and beside the answer the
 harness recorded for that cell, sample and ratio (if the folder has it).
 
-Writes one JSON line per (sample, ratio) to OUT/retention.jsonl and the table to OUT/retention.md:
+Appends one JSON line per (cell, sample, ratio) to OUT/retention.jsonl (a rerun skips what is there) and
+writes every line of it as tables to OUT/retention.md, one per cell and ratio, each with the mean
+fractions kept over the samples whose needle the full cache finds, split by whether the cell finds it too:
 
     .venv/bin/python benchmarks/needle_retention.py --out results/kvpress_side_by_side_prose_4k \\
         --cell 'adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]' --ratios 0.75,0.9 --samples 2,7,12,21,23,26
@@ -94,14 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     answers = {r["key"]: r for r in harness.read_records(Path(args.out))}
     method, params = harness.KVCOMPRESS_CELLS[args.cell]
     out_path = Path(args.out) / "retention.jsonl"
-    rows = []
+    done = {(r["cell"], r["sample"], r["ratio"]) for r in harness.read_jsonl(out_path)} if out_path.exists() else set()
     for sample in samples:
         context_ids = torch.tensor([sample["context_ids"]])
         needle = sample["needles"][0]
         needle_span = token_span(run.tokenizer, sample["context_ids"], needle)
         answer_span = [needle_span[i] for i in token_span(run.tokenizer, [sample["context_ids"][p] for p in needle_span], sample["answers"][0])]
         recorded: dict = {}
-        for ratio in ratios:
+        for ratio in [r for r in ratios if (args.cell, sample["id"], r) not in done]:
             options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=run.manifest["samples"]["seed"], **params)
             cache = compressed(run.model, run.tokenizer, options, context_ids, recorded)
             per_layer = kept_fraction(cache, needle_span)
@@ -116,23 +118,34 @@ def main(argv: list[str] | None = None) -> None:
                 "needle_kept_per_layer": per_layer, "full_score": full.get("score"),
                 "score": record.get("score"), "prediction": record.get("prediction"),
             }
-            rows.append(row)
             harness.append_jsonl(out_path, row)
             print(f"{sample['id']} @ {ratio}: needle {row['needle_kept']:.2f} answer {row['answer_kept']:.2f} "
                   f"context {row['context_kept']:.2f} score {row['score']} {row['prediction']!r}", flush=True)
-    write_table(Path(args.out) / "retention.md", rows)
+    write_tables(Path(args.out) / "retention.md", harness.read_jsonl(out_path))
 
 
-def write_table(path: Path, rows: list[dict]) -> None:
-    lines = [
-        "| sample | ratio | full cache | cell's answer | needle kept % | answer kept % | context kept % | layers keeping < 10 % of the needle |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        low = sum(f < 0.1 for f in r["needle_kept_per_layer"])
-        lines.append(f"| {r['index']} | {r['ratio']} | {r['full_score']} | {r['score']} {r['prediction']!r} | {100 * r['needle_kept']:.0f} | "
-                     f"{100 * r['answer_kept']:.0f} | {100 * r['context_kept']:.0f} | {low} of {len(r['needle_kept_per_layer'])} |")
-    path.write_text("\n".join(lines) + "\n")
+def write_tables(path: Path, rows: list[dict]) -> None:
+    """One table per (cell, ratio) of `rows` (retention.jsonl's lines), by sample, then the means over the full
+    cache's hits that the cell finds and that it misses."""
+    lines = []
+    for cell, ratio in sorted({(r["cell"], r["ratio"]) for r in rows}):
+        group = sorted((r for r in rows if (r["cell"], r["ratio"]) == (cell, ratio)), key=lambda r: r["index"])
+        lines += [f"## {cell} @ {ratio}", "",
+                  "| sample | full cache | cell's answer | needle kept % | answer kept % | context kept % | layers keeping < 10 % of the needle |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in group:
+            low = sum(f < 0.1 for f in r["needle_kept_per_layer"])
+            lines.append(f"| {r['index']} | {r['full_score']} | {r['score']} {r['prediction']!r} | {100 * r['needle_kept']:.0f} | "
+                         f"{100 * r['answer_kept']:.0f} | {100 * r['context_kept']:.0f} | {low} of {len(r['needle_kept_per_layer'])} |")
+        lines.append("")
+        for found, label in ((1.0, "found by the cell too"), (0.0, "missed by the cell")):
+            picked = [r for r in group if r["full_score"] == 1.0 and r["score"] == found]
+            if picked:
+                mean = {k: 100 * sum(r[k] for r in picked) / len(picked) for k in ("needle_kept", "answer_kept", "context_kept")}
+                lines.append(f"- the full cache's hits {label}: {len(picked)}; mean kept: needle {mean['needle_kept']:.0f} %, "
+                             f"answer {mean['answer_kept']:.0f} %, context {mean['context_kept']:.0f} %")
+        lines.append("")
+    path.write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

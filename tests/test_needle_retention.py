@@ -63,7 +63,9 @@ def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(dumped, 
         assert r["full_score"] == records[harness.cell_key("kvcompress", "full", None, r["sample"])]["score"]
     assert any(r["prediction"] is not None for r in rows) == (cell == "knorm")
     table = (dumped / "retention.md").read_text()
-    assert table.count("\n") == 2 + len(rows) and "| 0 | 0.5 |" in table
+    assert f"## {cell} @ 0.0" in table and f"## {cell} @ 0.5" in table and table.count("\n| 1 | ") == 2
+    retention.main(["--out", str(dumped), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])  # done: nothing added
+    assert len((dumped / "retention.jsonl").read_text().splitlines()) == len(rows)
 
 
 def test_a_cell_that_does_not_compress_a_prefill_is_refused(dumped):
