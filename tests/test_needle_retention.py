@@ -21,6 +21,7 @@ def _load(name):
 
 harness = _load("kvpress_side_by_side")
 retention = _load("needle_retention")
+from test_kvpress_harness import tiny_run  # noqa: E402,F401  (the harness's dumped folder, a fixture)
 
 
 def test_token_span_covers_exactly_the_tokens_of_the_text(tiny_checkpoint):
@@ -36,12 +37,9 @@ def test_token_span_covers_exactly_the_tokens_of_the_text(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def dumped(tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("retention")
-    harness.main(["dump", "--out", str(out), "--checkpoint", str(tiny_checkpoint), "--samples", "2", "--length", "160",
-                  "--haystack", "filler", "--ratios", "0.5"])
-    harness.main(["kvcompress", "--out", str(out), "--cells", "full,knorm"])
-    return out
+def dumped(tiny_run):
+    """The harness's dump and kvcompress steps on the tiny random model (its `tiny_run`: two filler needles, full and knorm recorded)."""
+    return tiny_run
 
 
 @pytest.mark.parametrize("cell", ["knorm", "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"])
