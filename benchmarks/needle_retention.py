@@ -20,7 +20,7 @@ fractions kept over the samples whose needle the full cache finds, split by whet
 from __future__ import annotations
 
 import argparse
-import json
+import bisect
 import sys
 from pathlib import Path
 
@@ -38,28 +38,27 @@ from kvcompress.options import CompressionOptions  # noqa: E402
 def token_span(tokenizer, ids: list[int], text: str) -> list[int]:
     """Indices of the tokens of `ids` whose decoded characters overlap the first occurrence of `text` in the
     decoded ids. Raises ValueError when the ids do not contain `text`."""
-    starts, decoded = [], ""
-    for i in range(len(ids)):  # prefix decoding: a token's characters are what it adds to the decoded prefix
-        starts.append(len(decoded))
-        decoded = tokenizer.decode(ids[: i + 1])
+    decoded = tokenizer.decode(ids)
     begin = decoded.find(text)
     if begin < 0:
         raise ValueError(f"the context ids do not contain {text!r}")
-    end = begin + len(text)
-    bounds = starts + [len(decoded)]
-    return [i for i in range(len(ids)) if bounds[i] < end and bounds[i + 1] > begin]
+    # the characters of ids[:i + 1] grow with i: the span runs from the first prefix that reaches past `begin`
+    # to the first that covers the text's end, found by bisection (O(log n) decodes, not one per token)
+    decoded_length = lambda i: len(tokenizer.decode(ids[: i + 1]))  # noqa: E731
+    first = bisect.bisect_right(range(len(ids)), begin, key=decoded_length)
+    last = bisect.bisect_left(range(len(ids)), begin + len(text), key=decoded_length)
+    return list(range(first, last + 1))
 
 
-def kept_fraction(cache: CompressedCache, span: list[int]) -> list[float]:
-    """Per layer: the fraction of (KV head, token of `span`) slots whose original position the cache holds."""
+def held(cache: CompressedCache, span: list[int]) -> list[torch.Tensor]:
+    """Per layer: bool [H_kv, len(span)], whether each KV head holds each token of `span` (by original position)."""
     wanted = torch.tensor(span)
-    fractions = []
+    masks = []
     for layer in cache.layers:
         stored = layer.stored()
         positions = stored.positions[0].masked_fill(~torch.isfinite(stored.log_weights[0]), -1)  # [H_kv, slots]; empty slots -1
-        held = (positions.unsqueeze(-1) == wanted.to(positions.device)).any(-2)  # [H_kv, len(span)]
-        fractions.append(held.float().mean().item())
-    return fractions
+        masks.append((positions.unsqueeze(-1) == wanted.to(positions.device)).any(-2).cpu())
+    return masks
 
 
 def compressed(model, tokenizer, options: CompressionOptions, context_ids: torch.Tensor, recorded: dict) -> CompressedCache:
@@ -101,12 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         context_ids = torch.tensor([sample["context_ids"]])
         needle = sample["needles"][0]
         needle_span = token_span(run.tokenizer, sample["context_ids"], needle)
-        answer_span = [needle_span[i] for i in token_span(run.tokenizer, [sample["context_ids"][p] for p in needle_span], sample["answers"][0])]
+        answer_columns = token_span(run.tokenizer, [sample["context_ids"][p] for p in needle_span], sample["answers"][0])
         recorded: dict = {}
         for ratio in [r for r in ratios if (args.cell, sample["id"], r) not in done]:
             options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=run.manifest["samples"]["seed"], **params)
             cache = compressed(run.model, run.tokenizer, options, context_ids, recorded)
-            per_layer = kept_fraction(cache, needle_span)
+            masks = held(cache, needle_span)
+            per_layer = [mask.float().mean().item() for mask in masks]
             record = answers.get(harness.cell_key("kvcompress", args.cell, ratio, sample["id"]), {})
             full = answers.get(harness.cell_key("kvcompress", harness.FULL, None, sample["id"]), {})
             row = {
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                 "needle_tokens": len(needle_span),
                 "context_kept": sum(layer.slots() for layer in cache.layers) / (len(cache.layers) * len(sample["context_ids"])),
                 "needle_kept": sum(per_layer) / len(per_layer),
-                "answer_kept": sum(kept_fraction(cache, answer_span)) / len(per_layer),
+                "answer_kept": sum(mask[:, answer_columns].float().mean().item() for mask in masks) / len(masks),
                 "needle_kept_per_layer": per_layer, "full_score": full.get("score"),
                 "score": record.get("score"), "prediction": record.get("prediction"),
             }
