@@ -249,3 +249,35 @@ def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tm
     assert f"`default` is the library's default method, here: {'; '.join(shown)}." in md_path.read_text()
     with pytest.raises(ValueError, match="methods"):
         ApproxConfig(methods=[DEFAULT])
+
+
+def test_attention_mass_methods_get_their_own_recorded_prefill(tiny, tmp_path, monkeypatch):
+    """H2O's prefill is recorded through the attention that computes its mass; every other cell answers from
+    a recording of the model's own attention, so its answer does not depend on whether H2O shares the run."""
+    model, tokenizer = tiny
+    flags, used = [], {}
+    real_capture, real_answer = runner.capture_qkv, runner._answer
+
+    def capture(*args, **kwargs):
+        flags.append(kwargs["attention_mass"])
+        return real_capture(*args, **kwargs)
+
+    def answer(model, cell, context_ids, question_ids, captured, *rest):
+        used[cell.method, cell.mode] = None if captured is None else any(len(t) == 4 for t in captured.values())
+        return real_answer(model, cell, context_ids, question_ids, captured, *rest)
+
+    monkeypatch.setattr(runner, "capture_qkv", capture)
+    monkeypatch.setattr(runner, "_answer", answer)
+    config = dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"], samples=1, max_new_tokens=4, modes=["prefill", "chunked"])
+    mixed = run_sweep(model, tokenizer, small_config(methods=["h2o", "snapkv"], **config), tmp_path / "a", progress=False)
+    assert flags == [False, True]
+    assert used == {(FULL, "-"): False, ("snapkv", "prefill"): False, ("h2o", "prefill"): True,
+                    ("snapkv", "chunked"): None, ("h2o", "chunked"): None}
+    flags.clear()
+    alone = run_sweep(model, tokenizer, small_config(methods=["snapkv"], **config), tmp_path / "b", progress=False)
+    assert flags == [False]
+    by_key = {r["key"]: r for r in mixed}
+    assert all(r["error"] is None and r["prediction"] == by_key[r["key"]]["prediction"] for r in alone)
+    streamed = [r for r in mixed if r["mode"] == "chunked"]
+    assert streamed and all(r["capture_s"] == 0 for r in streamed)
+    assert all(r["capture_s"] > 0 for r in mixed if r["mode"] != "chunked")

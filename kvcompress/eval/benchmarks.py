@@ -218,6 +218,8 @@ def _read(file: Path) -> list[dict]:
 
     datasets.disable_progress_bars()
     builder = "parquet" if file.suffix == ".parquet" else "json"
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a broken file is reported once, below, not also in datasets' log
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train").to_list()
     except Exception as err:  # datasets raises many types for a broken file: report the bad row ourselves
@@ -229,6 +231,8 @@ def _read(file: Path) -> list[dict]:
                     except json.JSONDecodeError as bad:
                         raise ValueError(f"{file}: row {number}: not valid JSON ({bad})") from err
         raise ValueError(f"{file}: cannot be read as {builder} ({type(err).__name__}: {err})") from err
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 @dataclass

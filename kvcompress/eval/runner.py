@@ -297,6 +297,21 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
                         prefill=captured if cell.mode == "prefill" else None)
 
 
+def _recording_kind(cell: Cell) -> bool | None:
+    """Which recorded prefill a cell answers from: None (its own forwards: streamed modes, KVzip's reconstruction),
+    True (one recorded with the attention mass its method scores by, H2O's) or False (the model's own attention).
+
+    A method scored by attention mass records the prefill through `causal_attention_with_mass`, whose rounding
+    differs from the model's attention; keeping the two recordings apart makes every cell answer as it would
+    alone, whatever other methods share the sample."""
+    if cell.method == FULL:
+        return False
+    if cell.mode != "prefill":
+        return None
+    method = _method_of(cell)
+    return None if method.needs_reconstruction else method.needs_attention_mass
+
+
 def _method_of(cell: Cell) -> Method:
     """The method a (not full) cell runs, its name resolved for its mode (the default: the mode's default method)."""
     name, params, _ = resolve_method(cell.method, cell.mode)
@@ -422,7 +437,9 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     """Answer every cell of one sample, yielding one record per cell as it is produced.
 
     The context is prefilled once (prefill mode) and every method compresses a copy of that
-    prefill; methods scored by reconstruction (KVzip) share one reconstruction of the context instead,
+    prefill (a second one, through `causal_attention_with_mass`, serves the methods scored by
+    attention mass: `_recording_kind`); each record's `capture_s` is the time of the sample's
+    recordings, 0 for a cell that used none. Methods scored by reconstruction (KVzip) share one reconstruction of the context instead,
     recorded by the first of them (in its `wall_s`) and counted in each one's `compress_s`. With
     `config.reuse_prefill` False every cell runs its own forwards. A cell whose method cannot run at
     this size is recorded with its error (and `log`ged).
@@ -435,17 +452,17 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
     repeat_ids = repeat_prompt_ids(tokenizer) if any(c.method != FULL and _method_of(c).needs_reconstruction for c in cells) else None
-    captured, capture_s = None, 0.0
-    if config.reuse_prefill and any(c.mode == "prefill" or c.method == FULL for c in cells):
-        start = time.perf_counter()
-        scored_by_mass = any(c.mode == "prefill" and c.method != FULL and _method_of(c).needs_attention_mass for c in cells)
-        captured = capture_qkv(model, context_ids, attention_mass=scored_by_mass)  # H2O's mass from the capture's own attention
-        capture_s = time.perf_counter() - start
+    kinds = {cell.key: _recording_kind(cell) if config.reuse_prefill else None for cell in cells}
+    recordings, start = {}, time.perf_counter()
+    for with_mass in sorted({kind for kind in kinds.values() if kind is not None}):
+        recordings[with_mass] = capture_qkv(model, context_ids, attention_mass=with_mass)
+    capture_s = time.perf_counter() - start
     reconstructions = {} if config.reuse_prefill else None
     for cell in cells:
-        record = _record(cell, sample, context_ids, capture_s, config.prompt_layout)
+        record = _record(cell, sample, context_ids, capture_s if kinds[cell.key] is not None else 0.0, config.prompt_layout)
         start = time.perf_counter()
         try:
+            captured = recordings.get(kinds[cell.key])
             res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, repeat_ids, reconstructions)
         except (ValueError, RuntimeError) as err:
             record["error"] = f"{type(err).__name__}: {err}"
@@ -481,7 +498,7 @@ def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: P
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
         "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
-        "error": None, "capture_s": capture_s if cell.method == FULL or cell.mode == "prefill" else 0.0,
+        "error": None, "capture_s": capture_s,
         "prompt_layout": layout.name,
     } | ({} if cell.method == FULL else _resolved_fields(cell))
 
@@ -653,7 +670,10 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
                                ("grid", True, ("method", "ratio", "mode", "task", "length", "depth"))):
             for row in aggregate(records, grid=grid, by=by):
                 w.writerow({"kind": kind, "depth": ""} | row)
-    captures = {(r["grid"], r["task"], r["length"], r["index"], r["depth"]): r["capture_s"] for r in records}
+    captures = {}
+    for r in records:  # a sample's recorded prefills, timed once in every cell that answered from them
+        key = (r["grid"], r["task"], r["length"], r["index"], r["depth"])
+        captures[key] = max(captures.get(key, 0.0), r["capture_s"])
     wall = sum(r["wall_s"] for r in records) + sum(captures.values())
     n_err = sum(r["error"] is not None for r in records)
     layouts = sorted({r.get("prompt_layout", f"not recorded ({UNRECORDED_PROMPT_LAYOUT})") for r in records})
