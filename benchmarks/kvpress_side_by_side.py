@@ -105,6 +105,11 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
                                                                       "alpha_safeguard": 0.05}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                      "alpha_safeguard": 0.1}),
+    # the default with its scores max-pooled over 3 or 5 neighbouring tokens (AdaKV's `span`): kept phrases stay whole
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=3]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
+                                                                             "alpha_safeguard": 0.05, "span": 3}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=5]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
+                                                                             "alpha_safeguard": 0.05, "span": 5}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (

@@ -11,6 +11,7 @@ import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.integration import answer_from_cache_ids, compress_context_ids, generate_ids, use_compressed_attention
 from kvcompress.methods.adakv import AdaKV, head_allocation
+from kvcompress.methods.base import max_pool_scores
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 from kvcompress.quantization import QuantizedSummary
@@ -97,6 +98,26 @@ def test_spread_heads_get_more_slots_than_concentrated_ones():
     assert {10, 40, 70} <= set(s.positions[0, 0][: int(counts[0])].tolist())
 
 
+def test_span_keeps_each_top_token_with_its_neighbours():
+    """With span 3, the three tokens around head 0's single peak are kept together; the -inf scores of tokens that
+    must go are not raised by a neighbour's."""
+    n, d = 60, 16
+    g = torch.Generator().manual_seed(3)
+    direction = torch.randn(d, generator=g)
+    keys = 0.1 * torch.randn(1, 2, n, d, generator=g)
+    keys[0, :, 30] = 8 * direction
+    queries = direction.expand(1, 2, n, d).contiguous()
+    values = torch.randn(1, 2, n, d, generator=g)
+    args = dict(budget=3, sink=0, window=0, alpha_safeguard=1.0, scorer_params={"kernel_size": 1})
+    plain = kvc.compress("adakv", keys, values, queries, **args)
+    pooled = kvc.compress("adakv", keys, values, queries, span=3, **args)
+    assert 30 in plain.positions[0, 0].tolist() and plain.positions[0, 0].tolist() != [29, 30, 31]
+    assert pooled.positions[0, 0].tolist() == [29, 30, 31] and pooled.positions[0, 1].tolist() == [29, 30, 31]
+    scores = torch.tensor([[[0.0, -math.inf, 5.0, 1.0, 2.0]]])
+    assert max_pool_scores(scores, 3).tolist() == [[[0.0, -math.inf, 5.0, 5.0, 2.0]]]
+    assert max_pool_scores(scores, 1) is scores
+
+
 def test_the_summary_pads_short_heads_with_empty_slots_at_the_end():
     keys, values, queries = _layer(b=1, n=90)
     s = kvc.compress("adakv", keys, values, queries, budget=12, sink=0, window=0)
@@ -144,6 +165,9 @@ def test_bad_parameters_are_refused_clearly():
             build_method("adakv", alpha_safeguard=bad)
     with pytest.raises(ValueError, match="normalize must be one of"):
         build_method("adakv", normalize="sum")
+    for bad in (0, 2, -1, 1.0, True, "3"):
+        with pytest.raises(ValueError, match=r"span must be an odd integer >= 1.*got"):
+            build_method("adakv", span=bad)
     with pytest.raises(ValueError, match="scorer_params must be a dict"):
         build_method("adakv", scorer_params="fast")
     with pytest.raises(ValueError, match="no parameter"):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, take_slots
-from .base import BlockwiseState, Method, ScoreMethod, first_true
+from .base import BlockwiseState, Method, ScoreMethod, first_true, max_pool_scores
 from .registry import build_method, get_method_class, method_names, register
 from .tokens import Tokens
 
@@ -108,7 +108,9 @@ class AdaKV(Method):
     scope: where the joint top-k runs: "layer" (the heads of one layer, the paper's) or "model" (the heads of every
     compressed layer together, KVzip's allocation; `shares_budget_across_layers`): then `budget` is the mean over
     every layer's heads, and a layer keeps anywhere from H_kv·min(floor(alpha_safeguard·budget), n) to H_kv·n middle
-    tokens per batch row; mode "prefill" only. A single
+    tokens per batch row; mode "prefill" only. span (odd, default 1: none): each score is raised to the highest within
+    the `span` tokens centred on it before the top-k, so a kept token takes its neighbours along (SnapKV's
+    pooling, with a maximum; kept phrases stay whole). A single
     call of `compress` (one layer's tensors, `kvc.compress`) is one layer, so there both scopes agree.
 
     Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
@@ -133,6 +135,7 @@ class AdaKV(Method):
     alpha_safeguard: float = 0.2
     normalize: str = "none"
     scope: str = "layer"
+    span: int = 1
 
     def __post_init__(self):
         accepted = score_method_names()
@@ -150,6 +153,9 @@ class AdaKV(Method):
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES} (the heads one joint top-k runs over: one layer's, or every "
                              f"layer's), got {self.scope!r}")
+        if isinstance(self.span, bool) or not isinstance(self.span, int) or self.span < 1 or self.span % 2 == 0:
+            raise ValueError(f"span must be an odd integer >= 1 (the tokens a score is max-pooled over, centred on each token; "
+                             f"1: no pooling), got {self.span!r}")
         self.inner = build_method(self.scorer, **(self.scorer_params or {}))
         for flag in _FROM_SCORER:  # what the scorer needs and is, AdaKV needs and is
             if hasattr(self.inner, flag):
@@ -176,11 +182,12 @@ class AdaKV(Method):
         self.inner.check_inputs(tokens)
 
     def head_scores(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
-        """[B, H_kv, n] float32: the scorer's scores, made comparable across heads (`normalize`)."""
+        """[B, H_kv, n] float32: the scorer's scores, made comparable across heads (`normalize`), then max-pooled over
+        `span` neighbouring tokens."""
         scores = self.inner.score(tokens, generator).float()
         if self.normalize == "softmax":
             scores = torch.log_softmax(scores, dim=-1).nan_to_num(nan=-math.inf)
-        return scores
+        return max_pool_scores(scores, self.span)
 
     def allocate(self, tokens: Tokens, budget: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept [B, H_kv, n] bool, the scores it was chosen by [B, H_kv, n]): `head_allocation` of the scorer's scores."""

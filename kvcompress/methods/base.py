@@ -175,6 +175,16 @@ def top_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values
 
 
+def max_pool_scores(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """[B,H,n]: each token's score [B,H,n] raised to the highest within the `span` (odd) tokens centred on it, so a
+    high score takes its neighbours along (contiguous picks); a -inf score (a token that must go) stays -inf."""
+    if span == 1:
+        return scores
+    b, h, n = scores.shape
+    pooled = torch.nn.functional.max_pool1d(scores.reshape(b * h, 1, n), span, stride=1, padding=span // 2).reshape(b, h, n)
+    return pooled.masked_fill(torch.isneginf(scores), -math.inf)
+
+
 def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
     """Keep the `budget` highest-scoring tokens per head, in their original order, with log-weight 0.
 

@@ -38,11 +38,10 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from ..quantization import QuantizedSlots
 from ..summary import KVSummary, concat, take_slots
-from .base import BlockwiseState, Method, first_true, top_index
+from .base import BlockwiseState, Method, first_true, max_pool_scores, top_index
 from .registry import build_method, register
 from .tokens import Tokens
 
@@ -69,10 +68,7 @@ def _pick(method: Method, span: int, tokens: Tokens, count: int, generator: torc
     if span == 1 or tokens.length <= count:
         return method.keep_index(tokens, count, generator)
     method.check_inputs(tokens)
-    scores = method.score(tokens, generator).float()
-    b, h, n = scores.shape
-    pooled = F.max_pool1d(scores.reshape(b * h, 1, n), span, stride=1, padding=span // 2).reshape(b, h, n)
-    return top_index(pooled, count)
+    return top_index(max_pool_scores(method.score(tokens, generator).float(), span), count)
 
 
 def _as_list(value) -> list:
