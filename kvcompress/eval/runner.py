@@ -439,8 +439,8 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     The context is prefilled once (prefill mode) and every method compresses a copy of that
     prefill (a second one, through `causal_attention_with_mass`, serves the methods scored by
     attention mass: `_recording_kind`); each record's `capture_s` is the time of the sample's
-    recordings, 0 for a cell that used none. Methods scored by reconstruction (KVzip) share one reconstruction of the context instead,
-    recorded by the first of them (in its `wall_s`) and counted in each one's `compress_s`. With
+    recordings, 0 for a cell that used none. Methods scored by reconstruction (KVzip) share one
+    reconstruction of the context instead, recorded by the first of them (in its `wall_s`) and counted in each one's `compress_s`. With
     `config.reuse_prefill` False every cell runs its own forwards. A cell whose method cannot run at
     this size is recorded with its error (and `log`ged).
     """

@@ -110,7 +110,7 @@ class AdaKV(Method):
     every layer's heads, and a layer keeps anywhere from H_kv·min(floor(alpha_safeguard·budget), n) to H_kv·n middle
     tokens per batch row; mode "prefill" only. span (odd, default 1: none): each score is raised to the highest within
     the `span` tokens centred on it before the top-k, so a kept token takes its neighbours along (SnapKV's
-    pooling, with a maximum; kept phrases stay whole). A single
+    pooling, with a maximum; kept phrases stay whole; in a stream, the neighbours among the held tokens). A single
     call of `compress` (one layer's tensors, `kvc.compress`) is one layer, so there both scopes agree.
 
     Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
