@@ -165,6 +165,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=3]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=5]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",
