@@ -21,7 +21,8 @@ def _load(name):
 
 harness = _load("kvpress_side_by_side")
 retention = _load("needle_retention")
-from test_kvpress_harness import tiny_run  # noqa: E402,F401  (the harness's dumped folder, a fixture)
+# the harness's dump and kvcompress steps on the tiny random model (two filler needles, full and knorm recorded)
+from test_kvpress_harness import tiny_run  # noqa: E402,F401
 
 
 def test_token_span_covers_exactly_the_tokens_of_the_text(tiny_checkpoint):
@@ -36,19 +37,13 @@ def test_token_span_covers_exactly_the_tokens_of_the_text(tiny_checkpoint):
         retention.token_span(tok, ids, "absent text")
 
 
-@pytest.fixture(scope="module")
-def dumped(tiny_run):
-    """The harness's dump and kvcompress steps on the tiny random model (its `tiny_run`: two filler needles, full and knorm recorded)."""
-    return tiny_run
-
-
 @pytest.mark.parametrize("cell", ["knorm", "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"])
-def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(dumped, cell):
-    (dumped / "retention.jsonl").unlink(missing_ok=True)
-    retention.main(["--out", str(dumped), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])
-    rows = [json.loads(line) for line in (dumped / "retention.jsonl").read_text().splitlines()]
+def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(tiny_run, cell):
+    (tiny_run / "retention.jsonl").unlink(missing_ok=True)
+    retention.main(["--out", str(tiny_run), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])
+    rows = [json.loads(line) for line in (tiny_run / "retention.jsonl").read_text().splitlines()]
     assert [(r["index"], r["ratio"]) for r in rows] == [(0, 0.0), (0, 0.5), (1, 0.0), (1, 0.5)]
-    records = {r["key"]: r for r in harness.read_records(dumped)}
+    records = {r["key"]: r for r in harness.read_records(tiny_run)}
     for r in rows:
         assert r["needle_tokens"] > 0 and len(r["needle_kept_per_layer"]) == 2
         if r["ratio"] == 0:
@@ -60,12 +55,12 @@ def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(dumped, 
         assert r["prediction"] == record.get("prediction")
         assert r["full_score"] == records[harness.cell_key("kvcompress", "full", None, r["sample"])]["score"]
     assert any(r["prediction"] is not None for r in rows) == (cell == "knorm")
-    table = (dumped / "retention.md").read_text()
+    table = (tiny_run / "retention.md").read_text()
     assert f"## {cell} @ 0.0" in table and f"## {cell} @ 0.5" in table and table.count("\n| 1 | ") == 2
-    retention.main(["--out", str(dumped), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])  # done: nothing added
-    assert len((dumped / "retention.jsonl").read_text().splitlines()) == len(rows)
+    retention.main(["--out", str(tiny_run), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])  # done: nothing added
+    assert len((tiny_run / "retention.jsonl").read_text().splitlines()) == len(rows)
 
 
-def test_a_cell_that_does_not_compress_a_prefill_is_refused(dumped):
+def test_a_cell_that_does_not_compress_a_prefill_is_refused(tiny_run):
     with pytest.raises(SystemExit, match="--cell"):
-        retention.main(["--out", str(dumped), "--cell", "full", "--ratios", "0.5", "--samples", "0"])
+        retention.main(["--out", str(tiny_run), "--cell", "full", "--ratios", "0.5", "--samples", "0"])

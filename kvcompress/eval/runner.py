@@ -297,9 +297,10 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
                         prefill=captured if cell.mode == "prefill" else None)
 
 
-def _recording_kind(cell: Cell) -> bool | None:
-    """Which recorded prefill a cell answers from: None (its own forwards: streamed modes, KVzip's reconstruction),
-    True (one recorded with the attention mass its method scores by, H2O's) or False (the model's own attention).
+def _recording_kind(cell: Cell, method: Method | None) -> bool | None:
+    """Which recorded prefill a cell (running `method`, None for the full cache) answers from: None (its own
+    forwards: streamed modes, KVzip's reconstruction), True (one recorded with the attention mass its method
+    scores by, H2O's) or False (the model's own attention).
 
     A method scored by attention mass records the prefill through `causal_attention_with_mass`, whose rounding
     differs from the model's attention; keeping the two recordings apart makes every cell answer as it would
@@ -308,7 +309,6 @@ def _recording_kind(cell: Cell) -> bool | None:
         return False
     if cell.mode != "prefill":
         return None
-    method = _method_of(cell)
     return None if method.needs_reconstruction else method.needs_attention_mass
 
 
@@ -451,8 +451,9 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
-    repeat_ids = repeat_prompt_ids(tokenizer) if any(c.method != FULL and _method_of(c).needs_reconstruction for c in cells) else None
-    kinds = {cell.key: _recording_kind(cell) if config.reuse_prefill else None for cell in cells}
+    methods = {cell.key: _method_of(cell) for cell in cells if cell.method != FULL}
+    repeat_ids = repeat_prompt_ids(tokenizer) if any(m.needs_reconstruction for m in methods.values()) else None
+    kinds = {cell.key: _recording_kind(cell, methods.get(cell.key)) if config.reuse_prefill else None for cell in cells}
     recordings, start = {}, time.perf_counter()
     for with_mass in sorted({kind for kind in kinds.values() if kind is not None}):
         recordings[with_mass] = capture_qkv(model, context_ids, attention_mass=with_mass)

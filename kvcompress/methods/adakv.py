@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..summary import KVSummary, take_slots
-from .base import BlockwiseState, Method, ScoreMethod, first_true, max_pool_scores
+from .base import BlockwiseState, Method, ScoreMethod, first_true, is_pool_span, max_pool_scores
 from .registry import build_method, get_method_class, method_names, register
 from .tokens import Tokens
 
@@ -153,7 +153,7 @@ class AdaKV(Method):
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES} (the heads one joint top-k runs over: one layer's, or every "
                              f"layer's), got {self.scope!r}")
-        if isinstance(self.span, bool) or not isinstance(self.span, int) or self.span < 1 or self.span % 2 == 0:
+        if not is_pool_span(self.span):
             raise ValueError(f"span must be an odd integer >= 1 (the tokens a score is max-pooled over, centred on each token; "
                              f"1: no pooling), got {self.span!r}")
         self.inner = build_method(self.scorer, **(self.scorer_params or {}))

@@ -175,6 +175,11 @@ def top_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values
 
 
+def is_pool_span(span) -> bool:
+    """Whether `span` is a width `max_pool_scores` takes: an odd int >= 1 (not a bool)."""
+    return isinstance(span, int) and not isinstance(span, bool) and span >= 1 and span % 2 == 1
+
+
 def max_pool_scores(scores: torch.Tensor, span: int) -> torch.Tensor:
     """[B,H,n]: each token's score [B,H,n] raised to the highest within the `span` (odd) tokens centred on it, so a
     high score takes its neighbours along (contiguous picks); a -inf score (a token that must go) stays -inf."""

@@ -41,7 +41,7 @@ import torch
 
 from ..quantization import QuantizedSlots
 from ..summary import KVSummary, concat, take_slots
-from .base import BlockwiseState, Method, first_true, max_pool_scores, top_index
+from .base import BlockwiseState, Method, first_true, is_pool_span, max_pool_scores, top_index
 from .registry import build_method, register
 from .tokens import Tokens
 
@@ -145,7 +145,7 @@ class Hybrid(Method):
                 raise ValueError(f"{role} cannot set {bad}: sink and window belong to the hybrid call")
         span = (_DEFAULT_SPAN if list(scores) == list(_DEFAULT_SCORE) else 1) if self.span is None else self.span
         spans = list(span) if isinstance(span, (list, tuple)) else [span] * len(scores)
-        if len(spans) != len(scores) or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 or w % 2 == 0 for w in spans):
+        if len(spans) != len(scores) or not all(is_pool_span(w) for w in spans):
             raise ValueError(f"span must be an odd integer >= 1, or one per score method ({len(scores)}), got {self.span!r}")
         self.spans = spans
         self.fractions = [float(f) for f in fractions]
