@@ -110,6 +110,13 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
                                                                              "alpha_safeguard": 0.05, "span": 3}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=5]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                              "alpha_safeguard": 0.05, "span": 5}),
+    # the default with each token's score weighed by its value's l1 norm (KVzip's `value_norm`): absolute, or over its head's mean
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=absolute]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05,
+                  "scorer_params": {"value_norm": "absolute"}}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=relative]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05,
+                  "scorer_params": {"value_norm": "relative"}}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
@@ -167,6 +174,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=3]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=5]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=absolute]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=relative]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",

@@ -65,6 +65,34 @@ def test_the_score_is_the_max_softmax_probability_over_context_and_reconstructio
     torch.testing.assert_close(score.exp().double(), _brute(queries, keys, exact, own, 3, scale), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_value_norm_weighs_each_probability_by_its_values_l1_norm(dtype):
+    """value_norm="absolute": probability times ‖v‖₁ (Guo et al., value also matters); "relative": times ‖v‖₁ over the
+    mean of its head's, which keeps each head's order of "absolute" and its scores on the probability's scale."""
+    keys, values, exact, own, queries = _case(seed=3, dtype=dtype)
+    values = values * 300  # float16 values whose l1 norm (d = 8) would pass 65504 at 300x more: formed in float32
+    scale = 8**-0.5
+    extra = own_lse(queries, own, scale, offset=3)
+    tokens = _tokens(keys, values, queries, exact, extra, scale)
+    plain = KVzip().score(tokens, torch.Generator())
+    absolute = KVzip(value_norm="absolute").score(tokens, torch.Generator())
+    relative = KVzip(value_norm="relative").score(tokens, torch.Generator())
+    norms = values.double().abs().sum(-1)
+    assert absolute.dtype == relative.dtype == torch.float32 and torch.isfinite(absolute).all()
+    torch.testing.assert_close(absolute.exp().double(), plain.exp().double() * norms, rtol=1e-4, atol=0)
+    torch.testing.assert_close(relative.exp().double(), plain.exp().double() * norms / norms.mean(-1, keepdim=True), rtol=1e-4, atol=0)
+    assert torch.equal(absolute.argsort(-1), relative.argsort(-1))
+    zero = KVzip(value_norm="absolute").score(_tokens(keys, torch.zeros_like(values), queries, exact, extra, scale), torch.Generator())
+    assert torch.isfinite(zero).all()  # a zero value is least worth keeping, not a token that must go (-inf)
+
+
+def test_value_norm_is_refused_outside_its_choices():
+    with pytest.raises(ValueError, match="value_norm must be one of \\('none', 'absolute', 'relative'\\).*got 'l2'"):
+        KVzip(value_norm="l2")
+    with pytest.raises(ValueError, match="value_norm must be one of"):
+        CompressionOptions(method="adakv", budget=8, method_params={"scorer": "kvzip", "scorer_params": {"value_norm": True}})
+
+
 def test_own_lse_is_the_causal_log_sum_exp_of_the_queries_own_keys():
     _, _, _, own, queries = _case(seed=1)
     got = own_lse(queries, own, 0.3, offset=3, max_logits=50)  # tiny chunks of queries

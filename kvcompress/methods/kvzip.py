@@ -18,6 +18,14 @@ token, its softmax over the whole context and its own forward's keys; "chunk" is
 scoring (its Sec. 3, and kvpress's KVzipPress): the queries that repeat a chunk score only that chunk's
 tokens, their softmax over those tokens, the sink and their own forward's keys. With one chunk the two agree.
 
+What a kept token is worth can also weigh its value (`value_norm`), as Guo et al., "Attention Score is not All You
+Need for Token Importance Indicator in KV Cache Reduction: Value Also Matters" (EMNLP 2024) argue: a token's share of an
+attention output is its probability times its value vector, so a token that draws attention but carries a small value
+changes little. "absolute" adds log ‖v‖₁ to each token's log score (probability times the value's ℓ1 norm, the paper's
+product); "relative" adds log(‖v‖₁ / the mean ‖v‖₁ of its head's scored tokens), which reorders a head's tokens the same
+way but leaves each head's scores on the probability's scale (so budgets shared across heads and layers by score,
+AdaKV's, are shared as without it). "none" (the default) is KVzip's score alone.
+
 Contract of `score(tokens)`:
 - tokens.queries [B, H_q, q, d], post-RoPE: the reconstruction queries. Every one of them comes
   after every context token, so `tokens.query_positions` is ignored (nothing in the context is
@@ -55,6 +63,7 @@ from .tokens import Tokens
 MAX_LOGITS = 1 << 22
 DEFAULT_CHUNK_SIZE = 2048  # the paper's reconstruction chunk (tokens of the context per forward)
 SCORINGS = ("context", "chunk")
+VALUE_NORMS = ("none", "absolute", "relative")
 
 
 def own_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float, offset: int = 0, max_logits: int = MAX_LOGITS) -> torch.Tensor:
@@ -154,7 +163,8 @@ class KVzip(ScoreMethod):
     reconstruction_chunk_size: tokens of the context reconstructed per forward in a model (the paper's 2k); the
     scoring also takes at most this many queries at a time. scoring: "context" (every reconstruction query scores
     every token) or "chunk" (a chunk's queries score only the tokens they repeat, the paper's; it needs one query per
-    context token, query j repeating position j, as the model's reconstruction gives). Runs in mode "prefill" only.
+    context token, query j repeating position j, as the model's reconstruction gives). value_norm: "none", "absolute" or
+    "relative", how a token's value norm weighs its score (module docstring). Runs in mode "prefill" only.
     """
 
     name = "kvzip"
@@ -165,12 +175,16 @@ class KVzip(ScoreMethod):
     default_window = 0  # the reconstruction scores every context token; no exact window is needed
     reconstruction_chunk_size: int = DEFAULT_CHUNK_SIZE
     scoring: str = "context"
+    value_norm: str = "none"
 
     def __post_init__(self):
         self.reconstruction_chunk_size = as_count("reconstruction_chunk_size", self.reconstruction_chunk_size, 1)
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS} (which reconstruction queries score a context token: every one, "
                              f"or its own chunk's), got {self.scoring!r}")
+        if self.value_norm not in VALUE_NORMS:
+            raise ValueError(f"value_norm must be one of {VALUE_NORMS} (how a token's value norm weighs its score: not at all, "
+                             f"times its l1 norm, or times its l1 norm over its head's mean), got {self.value_norm!r}")
 
     def check_mode(self, mode: str) -> None:
         if mode not in self.modes:
@@ -199,5 +213,17 @@ class KVzip(ScoreMethod):
                     f"{tokens.length + exact} tokens; use scoring='context' for other queries"
                 )
             chunk_local = (tokens.positions[0, 0], None if exact_positions is None else exact_positions[0, 0])
-        return reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys, tokens.extra_lse,
-                                     self.reconstruction_chunk_size, chunk_local=chunk_local)
+        scores = reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys, tokens.extra_lse,
+                                       self.reconstruction_chunk_size, chunk_local=chunk_local)
+        if self.value_norm == "none":
+            return scores
+        return scores + log_value_norms(tokens.values, relative=self.value_norm == "relative")
+
+
+def log_value_norms(values: torch.Tensor, relative: bool) -> torch.Tensor:
+    """[B, H, n] float32: log ‖v‖₁ of each value of values [B, H, n, d_v] (formed in float32; a zero value gives the
+    smallest normal float32's log, not -inf), less the log of its head's mean ‖v‖₁ when `relative`."""
+    norms = values.float().abs().sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    if relative and norms.shape[-1]:
+        norms = norms / norms.mean(-1, keepdim=True)
+    return norms.log()
