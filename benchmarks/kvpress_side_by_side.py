@@ -378,7 +378,7 @@ def dump(args) -> None:
 
     from transformers import AutoTokenizer
 
-    from kvcompress.eval.runner import SampleSpec, SweepConfig, sample_depth
+    from kvcompress.eval.runner import SampleSpec, SweepConfig, check_task_settings, sample_depth
     from kvcompress.eval.stopping import stop_token_ids
     from kvcompress.eval.tasks import GENERATORS
     from kvcompress.integration import build_prompt
@@ -391,9 +391,13 @@ def dump(args) -> None:
 
         kvc.load_model()  # builds the dequantised default checkpoint on first use
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    check_task_settings([args.task], haystack=args.haystack, kind=args.kind)
+    takes = inspect.signature(GENERATORS[args.task]).parameters
+    settings = {name: value or default for name, value, default in (("haystack", args.haystack, "prose"), ("kind", args.kind, "numbers"))
+                if name in takes}
     config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
-                         haystack=args.haystack, kind=args.kind, prompt_layout=args.prompt_layout)
-    takes_depth = "depth" in inspect.signature(GENERATORS[args.task]).parameters
+                         prompt_layout=args.prompt_layout, **settings)
+    takes_depth = "depth" in takes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stops: dict[str, list[int]] = {}
@@ -427,7 +431,7 @@ def dump(args) -> None:
         "checkpoint": str(checkpoint), "checkpoint_sha256": checkpoint_digest(checkpoint),
         "eos_token_ids": [e for e in eos if e is not None], "stop_token_ids": stops,
         "samples": {"task": args.task, "length": args.length, "count": args.samples, "seed": args.seed,
-                    "seeds": f"{args.seed}..{args.seed + args.samples - 1}", "haystack": args.haystack, "kind": args.kind,
+                    "seeds": f"{args.seed}..{args.seed + args.samples - 1}", "haystack": settings.get("haystack"), "kind": settings.get("kind"),
                     "prompt_layout": config.prompt_layout.name,
                     "depths": "eval.runner.sample_depth(index)" if takes_depth else None},
         "ratios": args.ratios, "dumped": environment(0) | {"threads": None},
@@ -898,8 +902,9 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
     lines = [
         "# kvcompress and kvpress side by side",
         "",
-        (f"Samples: {len(samples)} × `{s['task']}` (haystack {s['haystack']}, kind {s['kind']}, prompt layout "
-         f"`{s.get('prompt_layout', 'not recorded')}`), target {s['length']} tokens "
+        (f"Samples: {len(samples)} × `{s['task']}` ("
+         + "".join(f"{name} {s[name]}, " for name in ("haystack", "kind") if s.get(name) is not None)
+         + f"prompt layout `{s.get('prompt_layout', 'not recorded')}`), target {s['length']} tokens "
         f"(context {min(x['context_tokens'] for x in samples)}–{max(x['context_tokens'] for x in samples)} prompt tokens "
         f"before the question), seeds {s['seeds']}, depths `{s['depths']}`. Checkpoint `{Path(manifest['checkpoint']).name}` "
         f"(model.safetensors sha256 {manifest['checkpoint_sha256']['model.safetensors'][:12]}…), float32."),
@@ -1093,8 +1098,10 @@ def main(argv=None) -> None:
     d.add_argument("--length", type=int, default=2048, help="target context tokens (default 2048)")
     d.add_argument("--samples", type=int, default=30)
     d.add_argument("--seed", type=int, default=0, help="sample i uses seed + i (default 0)")
-    d.add_argument("--haystack", default="prose")
-    d.add_argument("--kind", default="numbers")
+    d.add_argument("--haystack", default=None, help="the haystack of a task that takes one (niah_single: default prose here; "
+                   "refused for a task that takes none)")
+    d.add_argument("--kind", default=None, help="the needle values of a task that takes them (niah_single: default numbers; "
+                   "refused for a task that takes none)")
     d.add_argument("--prompt-layout", default=None,
                    help="how context and question are joined (kvcompress.integration.model.PROMPT_LAYOUTS; default: the eval's default)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own answer limit")

@@ -96,6 +96,10 @@ CASES = {
     "eval perplexity zero documents": (["eval", "--tasks", "perplexity", "--samples", "0", "--out", "{tmp}/e"], "--samples"),
     "eval perplexity zero block": (["eval", "--tasks", "perplexity", "--block", "0", "--out", "{tmp}/e"], "block"),
     "eval perplexity with a haystack": (["eval", "--tasks", "perplexity", "--haystack", "prose", "--out", "{tmp}/e"], "--haystack"),
+    "eval haystack no task takes": (["eval", "--tasks", "niah_prose", "--haystack", "prose", "--out", "{tmp}/e"],
+                                    "haystack='prose' applies to the tasks niah_single"),
+    "eval kind no task takes": (["eval", "--tasks", "niah_prose,line_retrieval", "--kind", "words", "--out", "{tmp}/e"],
+                                "none of them is run (tasks niah_prose, line_retrieval)"),
     "eval context fraction without perplexity": (["eval", "--context-fraction", "0.5", "--out", "{tmp}/e"], "--context-fraction"),
     # bench
     "bench unknown section": (["bench", "--sections", "speed", "--out", "{tmp}/b"], "argument --sections: unknown section(s) ['speed']"),

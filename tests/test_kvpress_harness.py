@@ -198,6 +198,21 @@ def test_dump_writes_the_eval_prompt_tokens(tiny_run, tiny_checkpoint):
         assert s["answers"] == sample.answers and s["max_new_tokens"] == sample.max_new_tokens
         assert s["prompt_digest"] == h.prompt_digest(s["context_ids"], s["question_ids"])
     assert set(manifest["stop_token_ids"]) == {json.dumps([".", "\n"])}
+    assert (manifest["samples"]["haystack"], manifest["samples"]["kind"]) == ("filler", "numbers")
+
+
+def test_dump_records_only_the_settings_its_task_takes_and_refuses_the_others(tiny_checkpoint, tmp_path):
+    """niah_prose takes no haystack or needle kind: the manifest says none, the report names none, and giving one is refused."""
+    h.main(["dump", "--task", "niah_prose", "--out", str(tmp_path), "--checkpoint", str(tiny_checkpoint), "--samples", "1",
+            "--length", "200", "--ratios", "0.5"])
+    manifest, samples = h.load_samples(tmp_path)
+    assert manifest["samples"]["haystack"] is None and manifest["samples"]["kind"] is None
+    report = h.markdown_report(manifest, samples, [], [], answers_shown=0)
+    assert "× `niah_prose` (prompt layout" in report
+    for flag, value in (("--haystack", "prose"), ("--kind", "words")):
+        with pytest.raises(ValueError, match=f"{flag[2:]}='{value}' applies to the tasks niah_single.*none of them is run"):
+            h.main(["dump", "--task", "niah_prose", "--out", str(tmp_path / "x"), "--checkpoint", str(tiny_checkpoint),
+                    "--samples", "1", "--length", "200", "--ratios", "0.5", flag, value])
 
 
 def test_kvcompress_step_records_every_cell_and_resumes(tiny_run):

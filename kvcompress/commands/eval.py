@@ -247,7 +247,7 @@ def _run_sweep(args) -> int:
 
 
 def _sweep_config(args):
-    from ..eval.runner import SweepConfig
+    from ..eval.runner import SweepConfig, check_task_settings
 
     if args.benchmark:
         given = [f for f, v in (("--lengths", args.lengths), ("--haystack", args.haystack), ("--kind", args.kind),
@@ -258,7 +258,7 @@ def _sweep_config(args):
             raise ValueError(f"--benchmark {args.benchmark} needs --data PATH (the benchmark's local files)")
     elif args.data is not None:
         raise ValueError("--data goes with --benchmark")
-    return SweepConfig(
+    config = SweepConfig(
         methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
         lengths=args.lengths or list(SWEEP_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else SWEEP_SAMPLES), seed=args.seed,
         haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
@@ -267,6 +267,9 @@ def _sweep_config(args):
         include_full=not args.no_full, reuse_prefill=not args.no_reuse_prefill, max_new_tokens=args.max_new_tokens,
         chunk_size=args.chunk_size, task_params=_task_params(args.task_param), prompt_layout=args.prompt_layout,
     )
+    if not args.benchmark:
+        check_task_settings(config.tasks + ([config.grid_task] if config.grid_lengths else []), haystack=args.haystack, kind=args.kind)
+    return config
 
 
 def _task_params(items: list[str]) -> dict[str, dict]:

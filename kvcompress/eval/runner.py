@@ -230,6 +230,18 @@ class Cell:
         return f"{s.kind}|{task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
 
 
+def check_task_settings(tasks: list[str], **given) -> None:
+    """Refuse a generated-task setting (`haystack`, `kind`: the name and the value given, None when not given) that
+    no task of `tasks` takes: it would change nothing. ValueError naming the setting, the tasks run and those it
+    applies to."""
+    for name, value in given.items():
+        if value is None or any(name in inspect.signature(GENERATORS[t]).parameters for t in tasks):
+            continue
+        takers = [t for t in TASKS if name in inspect.signature(GENERATORS[t]).parameters]
+        raise ValueError(f"{name}={value!r} applies to the tasks {', '.join(takers)} and none of them is run "
+                         f"(tasks {', '.join(tasks)}): leave {name} unset")
+
+
 def sample_depth(index: int) -> float:
     """Depth of sample `index` for tasks that take one: 0.5, then a golden-ratio sequence that spreads
     over [0, 1] and does not depend on how many samples the sweep has (so a sweep can be extended)."""
