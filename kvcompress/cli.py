@@ -1,4 +1,4 @@
-"""Command line: `kvcompress generate | demo | eval | bench | calibrate` (also `python -m kvcompress`).
+"""Command line: `kvcompress generate | compress | demo | calibrate | bench | eval` (also `python -m kvcompress`).
 
 The top layer (docs/layout.md): this module only wires the subcommands together and runs the chosen
 one; each lives in its own module with `add_cli(subparsers)` (`kvcompress.commands.*`, and
