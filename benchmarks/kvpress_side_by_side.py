@@ -378,6 +378,7 @@ def dump(args) -> None:
 
     from transformers import AutoTokenizer
 
+    from kvcompress.commands.common import parse_params
     from kvcompress.eval.runner import SampleSpec, SweepConfig, check_task_settings, sample_depth
     from kvcompress.eval.stopping import stop_token_ids
     from kvcompress.eval.tasks import GENERATORS
@@ -395,15 +396,16 @@ def dump(args) -> None:
     takes = inspect.signature(GENERATORS[args.task]).parameters
     settings = {name: value or default for name, value, default in (("haystack", args.haystack, "prose"), ("kind", args.kind, "numbers"))
                 if name in takes}
+    task_params = parse_params(args.task_param, flag="--task-param")
     config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
-                         prompt_layout=args.prompt_layout, **settings)
+                         prompt_layout=args.prompt_layout, task_params={args.task: task_params} if task_params else {}, **settings)
     takes_depth = "depth" in takes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stops: dict[str, list[int]] = {}
     lines = []
     for index in range(args.samples):
-        spec = SampleSpec(args.task, args.length, index, sample_depth(index) if takes_depth else None)
+        spec = SampleSpec(args.task, args.length, index, sample_depth(index) if takes_depth else None, params=config.params_of(args.task))
         sample = spec.build(config, tokenizer)
         context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
         stop_key = json.dumps(list(sample.stop))
@@ -432,6 +434,7 @@ def dump(args) -> None:
         "eos_token_ids": [e for e in eos if e is not None], "stop_token_ids": stops,
         "samples": {"task": args.task, "length": args.length, "count": args.samples, "seed": args.seed,
                     "seeds": f"{args.seed}..{args.seed + args.samples - 1}", "haystack": settings.get("haystack"), "kind": settings.get("kind"),
+                    "task_params": task_params,
                     "prompt_layout": config.prompt_layout.name,
                     "depths": "eval.runner.sample_depth(index)" if takes_depth else None},
         "ratios": args.ratios, "dumped": environment(0) | {"threads": None},
@@ -904,6 +907,7 @@ def markdown_report(manifest: dict, samples: list[dict], records: list[dict], pr
         "",
         (f"Samples: {len(samples)} × `{s['task']}` ("
          + "".join(f"{name} {s[name]}, " for name in ("haystack", "kind") if s.get(name) is not None)
+         + "".join(f"{name}={value!r}, " for name, value in sorted(s.get("task_params", {}).items()))
          + f"prompt layout `{s.get('prompt_layout', 'not recorded')}`), target {s['length']} tokens "
         f"(context {min(x['context_tokens'] for x in samples)}–{max(x['context_tokens'] for x in samples)} prompt tokens "
         f"before the question), seeds {s['seeds']}, depths `{s['depths']}`. Checkpoint `{Path(manifest['checkpoint']).name}` "
@@ -1102,6 +1106,8 @@ def main(argv=None) -> None:
                    "refused for a task that takes none)")
     d.add_argument("--kind", default=None, help="the needle values of a task that takes them (niah_single: default numbers; "
                    "refused for a task that takes none)")
+    d.add_argument("--task-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="a parameter of the task's generator, e.g. split=tuning (niah_prose's tuning pools); repeatable")
     d.add_argument("--prompt-layout", default=None,
                    help="how context and question are joined (kvcompress.integration.model.PROMPT_LAYOUTS; default: the eval's default)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own answer limit")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.eval import tasks as T
 from kvcompress.eval.stats import paired_difference_interval
 
 REPO = Path(__file__).resolve().parent.parent
@@ -209,6 +210,16 @@ def test_dump_records_only_the_settings_its_task_takes_and_refuses_the_others(ti
     assert manifest["samples"]["haystack"] is None and manifest["samples"]["kind"] is None
     report = h.markdown_report(manifest, samples, [], [], answers_shown=0)
     assert "× `niah_prose` (prompt layout" in report
+    tuning = tmp_path / "tuning"
+    h.main(["dump", "--task", "niah_prose", "--out", str(tuning), "--checkpoint", str(tiny_checkpoint), "--samples", "1",
+            "--length", "200", "--ratios", "0.5", "--seed", "1000", "--task-param", "split=tuning"])
+    manifest, samples = h.load_samples(tuning)
+    assert manifest["samples"]["task_params"] == {"split": "tuning"} and samples[0]["answers"][0].split(" ")[0] in (
+        T.TUNING_FIRST_NAMES + T.TUNING_TOWNS)
+    assert "split='tuning'" in h.markdown_report(manifest, samples, [], [], answers_shown=0)
+    with pytest.raises(ValueError, match="split='tuning' takes seeds from TUNING_SEEDS"):
+        h.main(["dump", "--task", "niah_prose", "--out", str(tuning / "x"), "--checkpoint", str(tiny_checkpoint), "--samples", "1",
+                "--length", "200", "--ratios", "0.5", "--task-param", "split=tuning"])
     for flag, value in (("--haystack", "prose"), ("--kind", "words")):
         with pytest.raises(ValueError, match=f"{flag[2:]}='{value}' applies to the tasks niah_single.*none of them is run"):
             h.main(["dump", "--task", "niah_prose", "--out", str(tmp_path / "x"), "--checkpoint", str(tiny_checkpoint),

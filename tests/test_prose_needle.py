@@ -64,3 +64,33 @@ def test_in_the_default_sweep_beside_the_filler_needle_and_lines():
 def test_tuning_seeds_lie_above_the_reported_ones():
     assert T.TUNING_SEEDS.start == 1000 and len(T.TUNING_SEEDS) == 1000
     assert SweepConfig().seed + SweepConfig().samples <= T.TUNING_SEEDS.start
+
+
+def test_tuning_samples_share_no_text_wording_or_answer_with_the_reported_ones():
+    """split="tuning" (the issue's tuning cases: seeds, texts and needle wordings disjoint from the reported ones)."""
+    reported, tuning = set(T._prose_sentences("reported")), set(T._prose_sentences("tuning"))
+    assert len(tuning) > 1000 and not reported & tuning
+    for kind in ("names", "places"):
+        wordings = {part for fact in T.PROSE_FACTS[kind] for part in fact}
+        assert not wordings & {part for fact in T.TUNING_PROSE_FACTS[kind] for part in fact}
+    assert not set(T.FIRST_NAMES) & set(T.TUNING_FIRST_NAMES) and not set(T.SURNAMES) & set(T.TUNING_SURNAMES)
+    assert not set(T.TOWNS) & set(T.TUNING_TOWNS)
+    for seed in (1000, 1001, 1502):
+        s = T.niah_prose(900, 0.5, seed=seed, split="tuning")
+        (needle,) = s.needles
+        first_names, surnames, towns, facts = T.PROSE_POOLS["tuning"]
+        kind = "names" if s.question.startswith("Who") else "places"
+        assert any(needle == fact.format(s.answers[0]) and s.question == question for fact, question, _ in facts[kind])
+        assert set(s.answers[0].split(" ")) <= set(first_names + surnames + towns)
+        haystack = s.context.replace(needle, "").strip()
+        assert any(haystack.startswith(sentence) for sentence in tuning)
+        assert s == T.niah_prose(900, 0.5, seed=seed, split="tuning")
+    # the reported split is the default and draws what it always drew
+    assert T.niah_prose(700, 0.2, seed=1005) == T.niah_prose(700, 0.2, seed=1005, split="reported")
+
+
+def test_the_tuning_split_takes_only_tuning_seeds():
+    with pytest.raises(ValueError, match=r"split='tuning' takes seeds from TUNING_SEEDS \(1000..1999\), got seed=3"):
+        T.niah_prose(500, seed=3, split="tuning")
+    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning'\), got 'train'"):
+        T.niah_prose(500, seed=1000, split="train")

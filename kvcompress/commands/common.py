@@ -137,13 +137,13 @@ def resolve_device(device: str | None, dtype: str | None):
     return dev, parse_dtype(dtype, dev)
 
 
-def parse_params(items: list[str]) -> dict:
-    """["name=value", ...] -> {name: value} with ints, floats and true/false converted."""
+def parse_params(items: list[str], flag: str = "--param") -> dict:
+    """["name=value", ...] -> {name: value} with ints, floats and true/false converted (`flag`: the option named in errors)."""
     params = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name:
-            raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
+            raise ValueError(f"{flag} takes NAME=VALUE, got {item!r}")
         lowered = text.lower()
         if lowered in ("true", "false"):
             params[name] = lowered == "true"

@@ -279,7 +279,7 @@ def _task_params(items: list[str]) -> dict[str, dict]:
         task, dot, rest = item.partition(".")
         if not dot or not task:
             raise ValueError(f"--task-param takes TASK.NAME=VALUE, got {item!r}")
-        out.setdefault(task, {}).update(parse_params([rest]))
+        out.setdefault(task, {}).update(parse_params([rest], flag="--task-param"))
     return out
 
 

@@ -12,7 +12,16 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["capture_qkv", "prose_paragraphs", "prose_text"]
+__all__ = ["capture_qkv", "docstring_paragraphs", "prose_paragraphs", "prose_text"]
+
+# The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
+DOCSTRING_MODULES = (
+    "argparse", "logging", "unittest", "json", "textwrap", "typing", "dataclasses", "functools", "collections", "subprocess",
+    "threading", "pathlib", "datetime", "decimal", "fractions", "random", "statistics", "string", "re", "zipfile", "tarfile",
+    "csv", "pickle", "shutil", "tempfile", "inspect", "ast", "email.message", "http.client", "urllib.request", "sqlite3",
+    "heapq", "bisect", "contextlib", "enum", "abc", "io", "codecs", "locale", "gettext", "calendar", "difflib", "doctest",
+    "pdb", "pprint", "queue", "sched", "selectors", "socket", "ssl", "struct", "traceback", "warnings", "weakref",
+)
 
 
 def _is_prose(paragraph: str) -> bool:
@@ -61,3 +70,28 @@ def prose_text(n_chars: int | None = None, seed: int | None = None) -> str:
             if total >= n_chars:
                 break
     return "\n\n".join(parts)
+
+
+def docstring_paragraphs() -> list[str]:
+    """Prose paragraphs of the docstrings of `DOCSTRING_MODULES` and of their own public classes and functions, in a
+    fixed order: a second real-prose source that ships with every CPython, for tuning samples (`eval.tasks`, split
+    "tuning"). Paragraphs are chosen as `prose_paragraphs` chooses them; any that `prose_paragraphs` also has is left out.
+    """
+    import importlib
+    import inspect
+    import warnings
+
+    reference = set(prose_paragraphs())
+    out: dict[str, None] = {}
+    with warnings.catch_warnings():  # reading deprecated aliases (typing.re, typing.io) warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in DOCSTRING_MODULES:
+            module = importlib.import_module(name)
+            members = [getattr(module, attr) for attr in sorted(dir(module)) if not attr.startswith("_")]
+            own = [m for m in members if (inspect.isclass(m) or inspect.isfunction(m)) and getattr(m, "__module__", None) == name]
+            for obj in [module] + own:
+                for block in re.split(r"\n\s*\n", inspect.getdoc(obj) or ""):
+                    paragraph = " ".join(block.split())
+                    if _is_prose(block) and not block.rstrip().endswith(":") and paragraph not in reference:
+                        out.setdefault(paragraph)
+    return list(out)

@@ -26,6 +26,10 @@ Generation in Sublinear Time and Memory", arXiv:2402.06082):
 Seeds: a sample's seed fixes it entirely. Seeds from `TUNING_SEEDS` (1000–1999) are kept for
 choosing defaults (`benchmarks/tuning/`); reported runs use seeds below 1000 (the sweep's sample i
 of `SweepConfig(seed=0)` has seed i), so no default is chosen on the samples it is reported on.
+`niah_prose(split="tuning")` goes further: its tuning samples also draw their text, fact wordings, names
+and towns from pools the reported samples never use (the standard library's docstrings instead of the
+language reference, `TUNING_PROSE_FACTS`, `TUNING_FIRST_NAMES`, ...); in a sweep or the side-by-side
+harness, `--task-param niah_prose.split=tuning` / `--task-param split=tuning` with tuning seeds.
 """
 
 from __future__ import annotations
@@ -102,11 +106,20 @@ def _start(target_tokens, seed, tokenizer) -> tuple[random.Random, Callable[[Seq
     return random.Random(seed), token_counter(tokenizer)
 
 
-@functools.lru_cache(maxsize=1)
-def _prose_sentences() -> tuple[str, ...]:
-    from .capture import prose_paragraphs
+@functools.lru_cache(maxsize=None)
+def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
+    """The sentences of the real-prose haystack: the Python language reference (`capture.prose_paragraphs`) for reported
+    samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), less any sentence the
+    reference also has, so the two never share a sentence."""
+    from .capture import docstring_paragraphs, prose_paragraphs
 
-    return tuple(s for p in prose_paragraphs() for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
+    def sentences(paragraphs):
+        return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
+
+    if split == "reported":
+        return sentences(prose_paragraphs())
+    reference = set(_prose_sentences("reported"))
+    return tuple(s for s in sentences(docstring_paragraphs()) if s not in reference)
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,12 +129,12 @@ def vocabulary() -> tuple[str, ...]:
     return tuple(sorted(words))
 
 
-def _haystack_units(haystack: str, rng: random.Random) -> Callable[[int], list[str]]:
-    """n -> the next n haystack sentences (filler cycles; prose starts at a random sentence)."""
+def _haystack_units(haystack: str, rng: random.Random, split: str = "reported") -> Callable[[int], list[str]]:
+    """n -> the next n haystack sentences (filler cycles; prose starts at a random sentence of `split`'s source)."""
     if haystack == "filler":
         cycle = itertools.cycle(s + "." for s in FILLER.strip().rstrip(".").split(". "))
     elif haystack == "prose":
-        sentences = _prose_sentences()
+        sentences = _prose_sentences(split)
         start = rng.randrange(len(sentences))
         cycle = itertools.cycle(sentences[start:] + sentences[:start])
     else:
@@ -401,26 +414,89 @@ PROSE_FACTS = {
     ),
 }
 PROSE_ANSWER_KINDS = ("names", "places", "mixed")
+# Tuning samples' own pools (niah_prose(split="tuning")): no name, town or fact wording of the reported pools above.
+TUNING_FIRST_NAMES = (
+    "Agnieszka", "Bram", "Cosima", "Dario", "Esther", "Farid", "Gwendolyn", "Hugo", "Isolde", "Jonas",
+    "Kalinda", "Lucian", "Mireille", "Nikolai", "Odile", "Pavel", "Rosalind", "Stellan", "Thandiwe", "Ulrich",
+    "Vesna", "Wilhelmina", "Xavier", "Yusuf", "Zofia", "Alaric", "Brigid", "Casimir", "Delphine", "Evander",
+)
+TUNING_SURNAMES = (
+    "Achterberg", "Bellweather", "Czerny", "Dunleavy", "Esposito", "Fairbairn", "Hargreaves", "Iverson", "Jankowski",
+    "Kavanagh", "Lindgren", "Mbeki", "Nightingale", "Olofsson", "Pellegrini", "Quigley", "Rasmussen", "Stavros", "Thorne",
+    "Uchenna", "Vasquez", "Whitlock", "Yilmaz", "Zielinski", "Ashworth", "Blackwood", "Carrington", "Drummond", "Ellery",
+    "Montague",
+)
+TUNING_TOWNS = (
+    "Amesbury", "Bakewell", "Cockermouth", "Dunbar", "Evesham", "Falmouth", "Grasmere", "Hexham", "Ilfracombe", "Jedburgh",
+    "Kendal", "Ludlow", "Malton", "Newquay", "Oban", "Pickering", "Ramsey", "Sedbergh", "Tobermory", "Uppingham",
+    "Wells", "Whitby", "Appleby", "Beverley", "Clitheroe", "Dolgellau", "Ely", "Frome", "Glastonbury", "Hawes",
+    "Ilkley", "Kelso", "Lynton", "Melrose", "Nantwich", "Oakham", "Peebles", "Rye", "Settle", "Thirsk",
+)
+TUNING_PROSE_FACTS = {
+    "names": (
+        ("The potter who glazed the chapel tiles was {}.", "Who glazed the chapel tiles?", "The chapel tiles were glazed by"),
+        ("The mason who rebuilt the stone bridge was {}.", "Who rebuilt the stone bridge?", "The stone bridge was rebuilt by"),
+        ("The botanist who named the mountain fern was {}.", "Who named the mountain fern?", "The mountain fern was named by"),
+        ("The weaver who made the guild banner was {}.", "Who made the guild banner?", "The guild banner was made by"),
+        ("The physician who ran the island hospital was {}.", "Who ran the island hospital?", "The island hospital was run by"),
+        ("The painter who restored the abbey mural was {}.", "Who restored the abbey mural?", "The abbey mural was restored by"),
+        ("The astronomer who charted the winter comet was {}.", "Who charted the winter comet?",
+         "The winter comet was charted by"),
+        ("The librarian who rescued the flooded archive was {}.", "Who rescued the flooded archive?",
+         "The flooded archive was rescued by"),
+    ),
+    "places": (
+        ("The spring horse fair takes place in {}.", "Where does the spring horse fair take place?",
+         "The spring horse fair takes place in"),
+        ("The last working windmill of the county turns in {}.", "Where does the last working windmill of the county turn?",
+         "The last working windmill of the county turns in"),
+        ("The society kept its first weather station in {}.", "Where did the society keep its first weather station?",
+         "The society kept its first weather station in"),
+        ("The silver brooch of the old queen was unearthed near {}.", "Near which town was the silver brooch of the old queen unearthed?",
+         "The silver brooch of the old queen was unearthed near"),
+        ("The peace between the two clans was agreed in {}.", "Where was the peace between the two clans agreed?",
+         "The peace between the two clans was agreed in"),
+        ("The largest rope works of the coast is in {}.", "Where is the largest rope works of the coast?",
+         "The largest rope works of the coast is in"),
+    ),
+}
+# split -> (first names, surnames, towns, facts) of niah_prose
+PROSE_POOLS = {
+    "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
+    "tuning": (TUNING_FIRST_NAMES, TUNING_SURNAMES, TUNING_TOWNS, TUNING_PROSE_FACTS),
+}
 
 
-def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed") -> Sample:
+def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
     """One fact whose answer is a full name (first name × surname) or a town, at `depth` in real prose.
 
     answer_kind "names" or "places" fixes the kind; "mixed" draws it per seed (half each on
     average). The question asks for the fact without repeating it; the sample's answer prefix
     restates it up to the answer (RULER's convention, written only by a primed prompt layout). The
     score is whether the whole answer appears in the prediction (case-insensitive, whole words).
+
+    split "reported" (the default) draws from the reported pools: the Python language reference's prose, `PROSE_FACTS`,
+    `FIRST_NAMES`, `SURNAMES`, `TOWNS`. split "tuning", for choosing defaults, draws from pools that share nothing with
+    them: the standard library's docstrings (no sentence of the reference), `TUNING_PROSE_FACTS`, `TUNING_FIRST_NAMES`,
+    `TUNING_SURNAMES`, `TUNING_TOWNS`; it takes only seeds from `TUNING_SEEDS`.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
     if answer_kind not in PROSE_ANSWER_KINDS:
         raise ValueError(f"answer_kind must be one of {PROSE_ANSWER_KINDS}, got {answer_kind!r}")
+    if split not in PROSE_POOLS:
+        raise ValueError(f"split must be one of {tuple(PROSE_POOLS)}, got {split!r}")
+    if split == "tuning" and seed not in TUNING_SEEDS:
+        raise ValueError(f"split='tuning' takes seeds from TUNING_SEEDS ({TUNING_SEEDS.start}..{TUNING_SEEDS.stop - 1}), "
+                         f"got seed={seed!r}")
+    first_names, surnames, towns, facts = PROSE_POOLS[split]
     rng = random.Random(seed)
     kind = rng.choice(("names", "places")) if answer_kind == "mixed" else answer_kind
-    fact, question, prefix = rng.choice(PROSE_FACTS[kind])
-    answer = f"{rng.choice(FIRST_NAMES)} {rng.choice(SURNAMES)}" if kind == "names" else rng.choice(TOWNS)
+    fact, question, prefix = rng.choice(facts[kind])
+    answer = f"{rng.choice(first_names)} {rng.choice(surnames)}" if kind == "names" else rng.choice(towns)
     needle = fact.format(answer)
-    context, measured, n_tokens = _assemble(_haystack_units("prose", rng), [needle], [depth], target_tokens, token_counter(tokenizer))
+    units = _haystack_units("prose", rng, split)
+    context, measured, n_tokens = _assemble(units, [needle], [depth], target_tokens, token_counter(tokenizer))
     return Sample("niah_prose", context, question, [answer], target_tokens, n_tokens, measured, [needle], prefix, 24, (".", "\n"))
 
 
