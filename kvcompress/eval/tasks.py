@@ -125,7 +125,7 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def vocabulary() -> tuple[str, ...]:
     """Plain lowercase English words (5–10 letters) of the real-prose source, sorted."""
-    words = {w for s in _prose_sentences() for w in re.findall(r"\b[a-z]{5,10}\b", s)}
+    words = {w for s in _prose_sentences("reported") for w in re.findall(r"\b[a-z]{5,10}\b", s)}
     return tuple(sorted(words))
 
 
