@@ -374,14 +374,13 @@ def environment(threads: int, device: str = "cpu") -> dict:
 
 
 def dump(args) -> None:
-    import inspect
 
     from transformers import AutoTokenizer
 
     from kvcompress.commands.common import parse_params
     from kvcompress.eval.runner import SampleSpec, SweepConfig, check_task_settings, sample_depth
     from kvcompress.eval.stopping import stop_token_ids
-    from kvcompress.eval.tasks import GENERATORS
+    from kvcompress.eval.tasks import task_parameters
     from kvcompress.integration import build_prompt
     from kvcompress.integration.model import DEFAULT_PROMPT_LAYOUT, cache_dir
 
@@ -393,7 +392,7 @@ def dump(args) -> None:
         kvc.load_model()  # builds the dequantised default checkpoint on first use
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     check_task_settings([args.task], haystack=args.haystack, kind=args.kind)
-    takes = inspect.signature(GENERATORS[args.task]).parameters
+    takes = task_parameters(args.task)
     settings = {name: value or default for name, value, default in (("haystack", args.haystack, "prose"), ("kind", args.kind, "numbers"))
                 if name in takes}
     task_params = parse_params(args.task_param, flag="--task-param")

@@ -157,3 +157,11 @@ def test_bad_parameters():
         T.generate_sample("needle")
     with pytest.raises(ValueError, match="n_keys"):
         T.niah_multikey(500, n_keys=1)
+
+
+def test_task_parameters_name_what_each_generator_takes():
+    assert {"depth", "haystack", "kind"} <= T.task_parameters("niah_single")
+    assert "depth" not in T.task_parameters("common_words")
+    assert {"split", "answer_kind"} <= T.task_parameters("niah_prose") and "haystack" not in T.task_parameters("niah_prose")
+    with pytest.raises(ValueError, match="task must be one of .* got 'nope'"):
+        T.task_parameters("nope")

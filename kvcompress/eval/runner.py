@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import csv
 import fcntl
-import inspect
 import json
 import math
 import platform
@@ -56,7 +55,7 @@ from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
 from .stats import paired_comparisons, wilson
 from .stopping import stop_token_ids
-from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score
+from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score, task_parameters
 
 FULL = "full"
 # Methods built from other methods (the library's default is AdaKV over another method's scores): compared with the best
@@ -134,7 +133,7 @@ class SweepConfig:
             bad = [v for v in values if v not in allowed]
             if bad:
                 raise ValueError(f"{name} must be among {sorted(allowed)}, got {bad}")
-        if self.grid_task not in GENERATORS or "depth" not in inspect.signature(GENERATORS[self.grid_task]).parameters:
+        if self.grid_task not in GENERATORS or "depth" not in task_parameters(self.grid_task):
             raise ValueError(f"grid_task must be a task with a depth, got {self.grid_task!r}")
         for r in list(self.ratios) + list(self.grid_ratios):
             if not 0.0 <= r < 1.0:
@@ -156,7 +155,7 @@ class SweepConfig:
         for task, params in self.task_params.items():
             if task not in GENERATORS:
                 raise ValueError(f"task_params: task must be one of {TASKS}, got {task!r}")
-            allowed = set(inspect.signature(GENERATORS[task]).parameters) - set(_SWEEP_ARGUMENTS)
+            allowed = task_parameters(task) - set(_SWEEP_ARGUMENTS)
             bad = sorted(set(params) - allowed)
             if bad:
                 raise ValueError(f"task_params[{task!r}]: parameters must be among {sorted(allowed)}, got {bad}")
@@ -203,7 +202,7 @@ class SampleSpec:
         return {}
 
     def build(self, config: SweepConfig, tokenizer) -> Sample:
-        params = inspect.signature(GENERATORS[self.task]).parameters
+        params = task_parameters(self.task)
         kwargs = {"target_tokens": self.length, "seed": config.seed + self.index, "tokenizer": tokenizer}
         if self.depth is not None:
             kwargs["depth"] = self.depth
@@ -235,9 +234,9 @@ def check_task_settings(tasks: list[str], **given) -> None:
     no task of `tasks` takes: it would change nothing. ValueError naming the setting, the tasks run and those it
     applies to."""
     for name, value in given.items():
-        if value is None or any(name in inspect.signature(GENERATORS[t]).parameters for t in tasks):
+        if value is None or any(name in task_parameters(t) for t in tasks):
             continue
-        takers = [t for t in TASKS if name in inspect.signature(GENERATORS[t]).parameters]
+        takers = [t for t in TASKS if name in task_parameters(t)]
         raise ValueError(f"{name}={value!r} applies to the tasks {', '.join(takers)} and none of them is run "
                          f"(tasks {', '.join(tasks)}): leave {name} unset")
 
@@ -259,7 +258,7 @@ def sample_specs(config: SweepConfig) -> list[SampleSpec] | list[BenchmarkItem]:
     for i in range(config.samples):
         for length in config.lengths:
             for task in config.tasks:
-                takes_depth = "depth" in inspect.signature(GENERATORS[task]).parameters
+                takes_depth = "depth" in task_parameters(task)
                 specs.append(SampleSpec(task, length, i, sample_depth(i) if takes_depth else None, params=config.params_of(task)))
     for i, length in enumerate(config.grid_lengths):
         for j, depth in enumerate(config.grid_depths):

@@ -35,6 +35,7 @@ harness, `--task-param niah_prose.split=tuning` / `--task-param split=tuning` wi
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import random
 import re
@@ -511,6 +512,13 @@ GENERATORS: dict[str, Callable[..., Sample]] = {
     "line_retrieval": line_retrieval,
     "niah_prose": niah_prose,
 }
+
+
+def task_parameters(task: str) -> frozenset[str]:
+    """Names of the parameters the task's generator takes (e.g. "depth", "haystack", "kind")."""
+    if task not in GENERATORS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    return frozenset(inspect.signature(GENERATORS[task]).parameters)
 
 
 def generate_sample(task: str, **kwargs) -> Sample:
