@@ -1,25 +1,11 @@
 """benchmarks/answer_margin.py: the full cache's margin for its own answer, and the table by whether cells keep it."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from test_needle_retention import _load, harness  # the benchmark-module loader and the harness module
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load("kvpress_side_by_side")
 margin = _load("answer_margin")
 from test_kvpress_harness import tiny_run  # noqa: E402,F401
 
