@@ -90,7 +90,7 @@ def write_tables(path: Path, rows: list[dict], records: list[dict]) -> None:
     for r in records:
         if r["cell"] != harness.FULL and not r.get("error"):
             scores.setdefault((r["library"], r["cell"], r["ratio"]), {})[r["sample"]] = r["score"]
-    for (library, cell, ratio), by_sample in sorted(scores.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (library, cell, ratio), by_sample in sorted(scores.items(), key=lambda kv: kv[0]):
         paired = [r for r in hits if r["sample"] in by_sample]
         if not paired:
             continue
