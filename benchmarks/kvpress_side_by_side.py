@@ -117,6 +117,11 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=relative]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05,
                   "scorer_params": {"value_norm": "relative"}}),
+    # the default with each head's evicted tokens summarised in 1 or 8 weighted slots (AdaKV's `evicted_slots`)
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=1]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "evicted_slots": 1}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=8]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "evicted_slots": 8}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
@@ -176,6 +181,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=5]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=absolute]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=relative]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=1]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=8]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",
@@ -457,8 +464,6 @@ def run_kvcompress(args) -> None:
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.eval.tasks import score as task_score
     from kvcompress.integration import generate_ids
-    from kvcompress.integration.reconstruction import repeat_prompt_ids, shared_reconstruction
-    from kvcompress.options import CompressionOptions
 
     run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
     manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
@@ -480,7 +485,7 @@ def run_kvcompress(args) -> None:
             captured = capture_qkv(model, context_ids)
             capture_s = time.perf_counter() - start
         for label, ratio in todo:
-            method, params = KVCOMPRESS_CELLS[label]
+            method = KVCOMPRESS_CELLS[label][0]
             record = {"key": cell_key("kvcompress", label, ratio, sample["id"]), "library": "kvcompress", "cell": label,
                       "ratio": ratio, "sample": sample["id"], "prompt_digest": prompt_digest(sample["context_ids"], sample["question_ids"]),
                       "error": None}
@@ -490,14 +495,8 @@ def run_kvcompress(args) -> None:
                     res = generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop)
                 else:
-                    options = CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
-                    # KVzip's context prefill and reconstruction forward are recorded once per sample for its cells
-                    # (`shared_reconstruction`) and counted in each one's prefill time; a chunked cell streams the context itself
-                    own = {"prefill": captured} if not options.streams else {}
-                    if options.compressor.needs_reconstruction:
-                        repeat = repeat_prompt_ids(tokenizer)
-                        own = {"reconstruction_ids": repeat,
-                               "prefill": shared_reconstruction(model, options, context_ids, repeat, reconstructions)}
+                    options = kvcompress_options(label, ratio, manifest)
+                    own = recorded_inputs(model, tokenizer, options, context_ids, captured, reconstructions)
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop, **own)
             except (ValueError, RuntimeError) as err:
@@ -519,6 +518,27 @@ def run_kvcompress(args) -> None:
             append_jsonl(path, record)
             print(f"kvcompress {label:<34} {ratio!s:<5} {sample['id']:<28} score={record.get('score')} "
                   f"{record.get('prediction')!r} ({record['wall_s']:.1f}s)", flush=True)
+
+
+def kvcompress_options(label: str, ratio: float, manifest: dict):
+    """The `CompressionOptions` of kvcompress cell `label` (one with a method) at `ratio`, seeded as the dump says."""
+    from kvcompress.options import CompressionOptions
+
+    method, params = KVCOMPRESS_CELLS[label]
+    return CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
+
+
+def recorded_inputs(model, tokenizer, options, context_ids, captured: dict | None, reconstructions: dict) -> dict:
+    """The recorded forwards a cell of `options` compresses, as keyword arguments of `generate_ids`: KVzip's context
+    prefill and reconstruction forward, recorded once per sample in `reconstructions` (`shared_reconstruction`) with
+    its repeat instruction; the sample's recorded prefill `captured` (`capture_qkv`) for any other prefill-mode cell;
+    nothing for a chunked cell, which streams the context itself."""
+    from kvcompress.integration.reconstruction import repeat_prompt_ids, shared_reconstruction
+
+    if options.compressor.needs_reconstruction:
+        repeat = repeat_prompt_ids(tokenizer)
+        return {"reconstruction_ids": repeat, "prefill": shared_reconstruction(model, options, context_ids, repeat, reconstructions)}
+    return {"prefill": captured} if not options.streams else {}
 
 
 def _shared_seconds(res, label: str, capture_s: float) -> float:

@@ -397,3 +397,80 @@ def test_model_scope_refuses_streams_padded_batches_and_unknown_scopes():
     contexts = [_prompt(n=n, seed=s)[0] for n, s in ((120, 1), (90, 2))]
     with pytest.raises(ValueError, match="padded batch is not supported"):
         generate_batch_ids(model, contexts, question, method="adakv", budget=20, scope="model", max_new_tokens=2)
+
+
+def test_evicted_summary_holds_each_runs_mean_with_its_count():
+    """Each head's evicted tokens, in position order, cut into runs of (nearly) equal count: one slot per run with the
+    run's mean key and value, its last position and log-weight log(count); runs with no token are empty slots."""
+    from kvcompress.methods.adakv import evicted_summary
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 20, 4, generator=g), torch.randn(1, 2, 20, 4, generator=g)
+    evicted = torch.zeros(1, 2, 20, dtype=torch.bool)
+    evicted[0, 0, [1, 3, 5, 7, 9]] = True
+    evicted[0, 1, 2] = True
+    s = evicted_summary(Tokens(keys, values, torch.arange(20).expand(1, 2, 20)), evicted, 2)
+    torch.testing.assert_close(s.keys[0, 0], torch.stack([keys[0, 0, [1, 3, 5]].mean(0), keys[0, 0, [7, 9]].mean(0)]))
+    torch.testing.assert_close(s.values[0, 0], torch.stack([values[0, 0, [1, 3, 5]].mean(0), values[0, 0, [7, 9]].mean(0)]))
+    torch.testing.assert_close(s.log_weights[0], torch.tensor([[math.log(3), math.log(2)], [0.0, -math.inf]]))
+    assert s.positions[0].tolist() == [[5, 9], [2, -1]]
+    torch.testing.assert_close(s.keys[0, 1, 0], keys[0, 1, 2])
+    assert not s.keys[0, 1, 1].any() and not s.values[0, 1, 1].any()
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_evicted_slots_come_out_of_the_budget_and_never_attend_more_than_the_evicted_tokens(scope):
+    """With evicted_slots=E the middles keep L·H_kv·(budget - E) tokens per batch row (each layer's H_kv·(budget - E) in
+    scope "layer") and E summary slots per head after them; every token is kept or counted in its head's summary
+    slots; for any query a head's summary slots weigh at most what its evicted tokens would (Jensen's inequality)."""
+    budget, slots = 20, 3
+    layers = _layers()
+    method = AdaKV(scope=scope, evicted_slots=slots)
+    summaries = (method.compress_layers(layers, budget, [torch.Generator() for _ in layers]) if scope == "model"
+                 else [method.compress(t, budget, torch.Generator()) for t in layers])
+    g = torch.Generator().manual_seed(5)
+    kept_per_row = 0
+    for tokens, s in zip(layers, summaries):
+        kept_weights, summary_weights = s.log_weights[..., :-slots], s.log_weights[..., -slots:]
+        real = torch.isfinite(kept_weights)
+        assert (kept_weights[real] == 0).all()
+        n = tokens.keys.shape[2]
+        assert torch.equal(real.sum(-1) + summary_weights.exp().sum(-1).round().long(), torch.full((2, 4), n))
+        if scope == "layer":
+            assert (real.sum((-1, -2)) == 4 * (budget - slots)).all()
+        kept_per_row = kept_per_row + real.sum((-1, -2))
+        for row in range(2):
+            for head in range(4):
+                q = torch.randn(tokens.keys.shape[-1], generator=g)
+                evicted = torch.ones(n, dtype=torch.bool)
+                evicted[s.positions[row, head, :-slots][real[row, head]]] = False
+                evicted_mass = torch.logsumexp(tokens.keys[row, head][evicted] @ q, 0)
+                summary_mass = torch.logsumexp(s.keys[row, head, -slots:] @ q + summary_weights[row, head], 0)
+                assert summary_mass <= evicted_mass + 1e-5
+    assert (kept_per_row == len(layers) * 4 * (budget - slots)).all()
+
+
+def test_evicted_slots_in_a_cache_store_the_budget_and_answer_as_the_full_cache_when_nothing_is_evicted():
+    """In a prefill-mode cache the layers hold sink, window and H_kv·budget middle slots in all (stored ragged, with
+    their log-weights); a budget above the context is the full cache's answer; the streams and too small a budget
+    are refused by name."""
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    options = dict(method="adakv", sink=2, window=8, scope="model", evicted_slots=4)
+    cache = compress_context_ids(model, ctx, budget=40, **options)
+    middles = sum(int(torch.isfinite(layer.stored().log_weights).sum()) - 2 * (2 + 8) for layer in cache.layers)
+    assert middles == len(cache.layers) * 2 * 40
+    assert any((layer.stored().log_weights > 0).any() for layer in cache.layers)
+    full = generate_ids(model, ctx, question, method=None, max_new_tokens=NEW, stop_at_eos=False)
+    wide = generate_ids(model, ctx, question, budget=500, max_new_tokens=NEW, stop_at_eos=False, **options)
+    assert wide.token_ids == full.token_ids
+    for mode in ("chunked", "decode"):
+        with pytest.raises(ValueError, match=f"evicted_slots=4 runs in mode 'prefill' only, got mode='{mode}'"):
+            generate_ids(model, ctx, question, method="adakv", budget=20, mode=mode, evicted_slots=4, max_new_tokens=2)
+    with pytest.raises(ValueError, match="evicted_slots=4 has no stream"):
+        kvc.stream("adakv", budget=8, evicted_slots=4)
+    with pytest.raises(ValueError, match="evicted_slots=4 leaves no slot to keep tokens in at budget 4 per head"):
+        generate_ids(model, ctx, question, budget=4, max_new_tokens=2, **options)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="evicted_slots"):
+            build_method("adakv", evicted_slots=bad)

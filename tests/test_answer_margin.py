@@ -55,3 +55,29 @@ def test_table_splits_the_full_cache_hits_by_what_each_cell_keeps(tmp_path):
     assert text.count("| 'a") == 6  # one row per hit
     margin.write_tables(tmp_path / "none.md", [dict(rows[6])], records)
     assert "finds none of the 1 samples" in (tmp_path / "none.md").read_text()
+
+
+def test_cells_feed_the_full_cache_answer_through_each_compressed_cache(tiny_run):
+    """--cells/--ratios: one row per sample, cell and ratio; where a cell's own greedy answer (the harness record) is the
+    full cache's, every step's margin under it is >= 0; KL >= 0; the table pairs each cell with the first; a rerun
+    adds nothing; --cells alone and the full cache as a cell are refused."""
+    for name in ("margin.jsonl", "margin_cells.jsonl"):
+        (tiny_run / name).unlink(missing_ok=True)
+    margin.main(["--out", str(tiny_run), "--cells", "knorm,keydiff", "--ratios", "0.5"])
+    rows = [json.loads(line) for line in (tiny_run / "margin_cells.jsonl").read_text().splitlines()]
+    _, samples = harness.load_samples(tiny_run)
+    assert sorted((r["sample"], r["cell"]) for r in rows) == sorted((s["id"], c) for s in samples for c in ("knorm", "keydiff"))
+    records = {r["key"]: r for r in harness.read_records(tiny_run)}
+    for row in rows:
+        full = records[harness.cell_key("kvcompress", "full", None, row["sample"])]
+        own = records[harness.cell_key("kvcompress", row["cell"], 0.5, row["sample"])]
+        assert row["kl"] >= -1e-6 and len(row["margins"]) == len(full["token_ids"])
+        if own["token_ids"] == full["token_ids"]:
+            assert min(row["margins"]) >= -1e-4
+    table = (tiny_run / "margin_cells.md").read_text()
+    assert "| knorm | 0.5 | 2 |" in table and "| keydiff | 0.5 | 2 |" in table and table.count("| – |") == 1
+    margin.main(["--out", str(tiny_run), "--cells", "knorm,keydiff", "--ratios", "0.5"])
+    assert len((tiny_run / "margin_cells.jsonl").read_text().splitlines()) == len(rows)
+    for bad in (["--cells", "knorm"], ["--cells", "full,knorm", "--ratios", "0.5"]):
+        with pytest.raises(SystemExit):
+            margin.main(["--out", str(tiny_run), *bad])

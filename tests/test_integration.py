@@ -230,3 +230,27 @@ def test_context_calibrated_ratio_is_chosen_and_reported(tmp_path):
     assert res.slots_per_layer[0] == round(chosen["retention"] * 300 + 0.5) + 8 + 1
     with pytest.raises(ValueError, match="quality and calibration together"):
         generate_ids(model, ctx, question, method="knorm", quality=0.95, calibration=path, budget=10)
+
+
+@pytest.mark.parametrize("method", [None, "knorm", "kvzip"])
+def test_answer_log_probs_feed_the_answer_through_the_cache_generate_builds(method):
+    """Teacher forcing the answer generate_ids gave through the same cache: each row's argmax is that answer's token;
+    the full cache's rows are a plain forward's."""
+    from kvcompress.integration import answer_log_probs_ids
+
+    model = tiny()
+    ctx, question = _prompt(n=120)
+    settings = {} if method is None else {"budget": 30, "sink": 2, "window": 4}
+    res = generate_ids(model, ctx, question, method=method, max_new_tokens=6, stop_at_eos=False, **settings)
+    answer = torch.tensor([res.token_ids])
+    log_probs = answer_log_probs_ids(model, ctx, question, answer, method=method, **settings)
+    assert log_probs.shape == (6, model.config.vocab_size) and log_probs.dtype == torch.float32
+    assert log_probs.argmax(-1).tolist() == res.token_ids
+    if method is None:
+        with torch.no_grad():
+            plain = model(torch.cat([ctx, question, answer[:, :-1]], 1)).logits[0, -6:].float().log_softmax(-1)
+        torch.testing.assert_close(log_probs, plain, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"answer_ids must be an integer tensor \[1, m\] with m >= 1"):
+        answer_log_probs_ids(model, ctx, question, answer[:, :0], method=method, **settings)
+    with pytest.raises(ValueError, match="compress_question=True"):
+        answer_log_probs_ids(model, ctx, question, answer, method="knorm", budget=30, compress_question=True)

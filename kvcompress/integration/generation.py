@@ -367,6 +367,43 @@ def generate_ids(
 
 
 @torch.inference_mode()
+def answer_log_probs_ids(
+    model,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor,
+    answer_ids: torch.Tensor,
+    options: CompressionOptions | None = None,
+    *,
+    prefill: dict | RecordedReconstruction | None = None,
+    reconstruction_ids: torch.Tensor | None = None,
+    **settings,
+) -> torch.Tensor:
+    """Teacher forcing through a compressed cache: log-probabilities [a, V] (float32) of the token after the context,
+    the question and the first i tokens of answer_ids [1, a], for i = 0 .. a-1 (row i: the distribution the i-th
+    answer token is chosen from).
+
+    The cache is the one `generate_ids` builds from the same context_ids [1, n], question_ids [1, m], options (or
+    settings; method=None: the full cache), prefill and reconstruction_ids; the question stays out of compression
+    (compress_question=True is refused) and the answer is fed in one forward after it. With the answer
+    `generate_ids` gave, each row's argmax is that answer's token.
+    """
+    options = CompressionOptions.build(options, **settings)
+    if options.compress_question:
+        raise ValueError("answer_log_probs_ids keeps the question out of compression, got compress_question=True")
+    check_context_ids(context_ids)
+    for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("answer_ids", answer_ids)):
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point():
+            raise ValueError(f"{name} must be an integer tensor [1, m] with m >= 1, got {describe(ids)}")
+    session = _Session(model, _Prompt(context_ids, question_ids, reconstruction_ids=reconstruction_ids), options,
+                       answer_ids.shape[1], prefill)
+    with use_compressed_attention(model) if options.method is not None else nullcontext():
+        session.run_context(False)
+        ids = torch.cat([session.question_ids, answer_ids[:, :-1].to(session.device)], 1)
+        logits = model(ids, past_key_values=session.cache, use_cache=True, logits_to_keep=answer_ids.shape[1]).logits[0]
+    return logits.float().log_softmax(-1)
+
+
+@torch.inference_mode()
 def answer_questions_ids(
     model, context_ids: torch.Tensor, questions_ids: list[torch.Tensor], options: CompressionOptions | None = None, *,
     max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, reconstruction_ids: torch.Tensor | None = None,

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..summary import KVSummary, take_slots
+from ..checks import as_count
+from ..summary import KVSummary, concat, take_slots
 from .base import BlockwiseState, Method, ScoreMethod, first_true, is_pool_span, max_pool_scores
 from .registry import build_method, get_method_class, method_names, register
 from .tokens import Tokens
@@ -112,6 +113,11 @@ class AdaKV(Method):
     the `span` tokens centred on it before the top-k, so a kept token takes its neighbours along (SnapKV's
     pooling, with a maximum; kept phrases stay whole; in a stream, the neighbours among the held tokens). A single
     call of `compress` (one layer's tensors, `kvc.compress`) is one layer, so there both scopes agree.
+    evicted_slots (default 0: none): each head's evicted tokens are not dropped but summarised in this many slots
+    (`evicted_summary`): in position order, cut into runs of (nearly) equal count, each run one slot holding its
+    tokens' mean key and mean value with log-weight log(count). The slots come out of the budget: a head keeps
+    `evicted_slots` fewer tokens' worth of the joint top-k (budget - evicted_slots per head on average), so a layer
+    row still stores H_kv·budget middle slots. Mode "prefill" only.
 
     Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
     H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
@@ -136,6 +142,7 @@ class AdaKV(Method):
     normalize: str = "none"
     scope: str = "layer"
     span: int = 1
+    evicted_slots: int = 0
 
     def __post_init__(self):
         accepted = score_method_names()
@@ -156,12 +163,14 @@ class AdaKV(Method):
         if not is_pool_span(self.span):
             raise ValueError(f"span must be an odd integer >= 1 (the tokens a score is max-pooled over, centred on each token; "
                              f"1: no pooling), got {self.span!r}")
+        self.evicted_slots = as_count("evicted_slots", self.evicted_slots, 0)
         self.inner = build_method(self.scorer, **(self.scorer_params or {}))
         for flag in _FROM_SCORER:  # what the scorer needs and is, AdaKV needs and is
             if hasattr(self.inner, flag):
                 setattr(self, flag, getattr(self.inner, flag))
         if self.scope == "model":
             self.shares_budget_across_layers = True
+        if self.scope == "model" or self.evicted_slots:
             self.modes = tuple(mode for mode in self.modes if mode == "prefill")
 
     def check_mode(self, mode: str) -> None:
@@ -171,6 +180,10 @@ class AdaKV(Method):
                 "layer's scores of the whole context at once, which a stream of blocks ('chunked', 'decode') never has; use "
                 "mode='prefill' or scope='layer'"
             )
+        if self.evicted_slots and mode != "prefill":
+            raise ValueError(f"method 'adakv' with evicted_slots={self.evicted_slots} runs in mode 'prefill' only, got mode={mode!r}: "
+                             "its summary of the evicted tokens is made once, from the whole context; use mode='prefill' or "
+                             "evicted_slots=0")
         self.inner.check_mode(mode)
 
     def safeguard(self, budget: int) -> int:
@@ -189,16 +202,30 @@ class AdaKV(Method):
             scores = torch.log_softmax(scores, dim=-1).nan_to_num(nan=-math.inf)
         return max_pool_scores(scores, self.span)
 
+    def kept_budget(self, budget: int) -> int:
+        """Tokens kept per head on average at this budget: the budget less the `evicted_slots` that summarise the rest."""
+        if self.evicted_slots >= budget:
+            raise ValueError(f"evicted_slots={self.evicted_slots} leaves no slot to keep tokens in at budget {budget} per head: "
+                             f"evicted_slots must be smaller than the budget (a lower compression_ratio or fewer evicted_slots)")
+        return budget - self.evicted_slots
+
     def allocate(self, tokens: Tokens, budget: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept [B, H_kv, n] bool, the scores it was chosen by [B, H_kv, n]): `head_allocation` of the scorer's scores."""
         scores = self.head_scores(tokens, generator)
         return head_allocation(scores, budget, self.safeguard(budget)), scores
 
+    def summary(self, tokens: Tokens, kept: torch.Tensor) -> KVSummary:
+        """The kept tokens, then (evicted_slots > 0) the summary of the evicted ones (`evicted_summary`)."""
+        summary = kept_summary(tokens, kept)
+        if not self.evicted_slots:
+            return summary
+        return concat([summary, evicted_summary(tokens, ~kept, self.evicted_slots)])
+
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:
             return tokens.exact()
-        kept, _ = self.allocate(tokens, budget, generator)
-        return kept_summary(tokens, kept)
+        kept, _ = self.allocate(tokens, self.kept_budget(budget), generator)
+        return self.summary(tokens, kept)
 
     def compress_layers(self, layers: list[Tokens], budget: int, generators: list[torch.Generator]) -> list[KVSummary]:
         """scope "model": the middles of every compressed layer [B, H_kv, n, d] (one context: the same B, H_kv and n in
@@ -207,13 +234,17 @@ class AdaKV(Method):
         if layers[0].length <= budget:
             return [tokens.exact() for tokens in layers]
         scores = torch.cat([self.head_scores(tokens, generator) for tokens, generator in zip(layers, generators)], dim=1)
-        kept = head_allocation(scores, budget, self.safeguard(budget)).split(layers[0].keys.shape[1], dim=1)
-        return [kept_summary(tokens, layer_kept) for tokens, layer_kept in zip(layers, kept)]
+        kept_budget = self.kept_budget(budget)
+        kept = head_allocation(scores, kept_budget, self.safeguard(kept_budget)).split(layers[0].keys.shape[1], dim=1)
+        return [self.summary(tokens, layer_kept) for tokens, layer_kept in zip(layers, kept)]
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "AdaptiveBlockwiseState":
         if self.scope == "model":
             raise ValueError("adakv with scope='model' has no stream: its top-k runs over every layer's scores of the whole context "
                              "at once; use scope='layer' to stream (kvc.stream, modes 'chunked' and 'decode')")
+        if self.evicted_slots:
+            raise ValueError(f"adakv with evicted_slots={self.evicted_slots} has no stream: its summary of the evicted tokens is "
+                             "made once, from the whole context; use evicted_slots=0 to stream")
         return AdaptiveBlockwiseState(self, budget, generator, self.stream_slack(slack))
 
 
@@ -226,6 +257,26 @@ def kept_summary(tokens: Tokens, kept: torch.Tensor) -> KVSummary:
     values = take_slots(tokens.values, index).masked_fill(empty.unsqueeze(-1), 0)
     positions = take_slots(tokens.positions, index).masked_fill(empty, -1)
     log_weights = torch.zeros(real.shape, device=keys.device).masked_fill(empty, float("-inf"))
+    return KVSummary(keys, values, log_weights, positions)
+
+
+def evicted_summary(tokens: Tokens, evicted: torch.Tensor, slots: int) -> KVSummary:
+    """The tokens `evicted` [B, H, n] bool of `tokens` summarised in `slots` slots per head: each head's evicted tokens,
+    in position order, cut into `slots` runs of (nearly) equal count; a run's slot holds its tokens' mean key and mean
+    value (computed in float32, stored in the keys' dtype), its last position, and log-weight log(count), so it
+    attends as if each of its tokens had the mean key. By Jensen's inequality that mass, count·exp(s<q, mean key>),
+    is never more than the tokens' own, Σ exp(s<q, k>). A head with fewer than `slots` evicted tokens leaves the
+    rest empty (log-weight -inf, position -1, zero key and value)."""
+    count = evicted.sum(-1, keepdim=True)
+    rank = evicted.long().cumsum(-1) - 1
+    run = torch.where(evicted, rank * slots // count.clamp_min(1), slots)  # `slots`: not evicted, in no run
+    members = torch.nn.functional.one_hot(run, slots + 1)[..., :slots].float()  # [B, H, n, slots]
+    sizes = members.sum(2)  # [B, H, slots]
+    share = members / sizes.clamp_min(1).unsqueeze(2)
+    keys = torch.einsum("bhns,bhnd->bhsd", share, tokens.keys.float()).to(tokens.keys.dtype)
+    values = torch.einsum("bhns,bhnd->bhsd", share, tokens.values.float()).to(tokens.values.dtype)
+    positions = torch.where(members.bool(), tokens.positions.unsqueeze(-1), -1).amax(2)
+    log_weights = torch.where(sizes > 0, sizes.clamp_min(1).log(), float("-inf"))
     return KVSummary(keys, values, log_weights, positions)
 
 
