@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_cells(run, records: dict, cells: list[str], ratios: list[float], path: Path) -> None:
     """Append to `path` one row per (sample, cell, ratio) not there yet: the full cache's answer fed through the cell's
     cache, its margins at every step and the first step's KL divergence from the full cache (nats)."""
+    from kvcompress.eval.capture import capture_qkv
     from kvcompress.integration import answer_log_probs_ids
 
     done = {(r["sample"], r["cell"], r["ratio"]) for r in harness.read_jsonl(path)} if path.exists() else set()
@@ -125,8 +126,6 @@ def run_cells(run, records: dict, cells: list[str], ratios: list[float], path: P
         for cell, ratio in todo:
             options = harness.kvcompress_options(cell, ratio, run.manifest)
             if not options.compressor.needs_reconstruction and not options.streams and captured is None:
-                from kvcompress.eval.capture import capture_qkv
-
                 captured = capture_qkv(run.model, context_ids)
             own = harness.recorded_inputs(run.model, run.tokenizer, options, context_ids, captured, reconstructions)
             log_probs = answer_log_probs_ids(run.model, context_ids, question_ids, answer_ids, options, **own)

@@ -123,7 +123,9 @@ class AdaKV(Method):
     H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
     min(floor(alpha_safeguard·budget), n) and n. The summary is [B, H_kv, m, d] with m the most any head keeps,
     the shorter heads padded at the end with empty slots (log-weight -inf, position -1, zero keys and values: never
-    attended). Sink and window stay exact around it, as for every method. A cache stores such a summary ragged
+    attended). With evicted_slots = E the kept tokens are H_kv·(budget - E) per layer row (the safeguard taken of
+    budget - E), and each head's E summary slots follow its m (log-weight log(count), or empty). Sink and window
+    stay exact around it, as for every method. A cache stores such a summary ragged
     (`kvcompress.ragged.RaggedSummary`: only the kept slots) in prefill mode and once a chunked prompt ends.
 
     Streams (chunked and decode modes, `kvc.stream`) run block-wise (`BlockwiseState`) over a rectangular buffer:
