@@ -390,7 +390,6 @@ def answer_log_probs_ids(
     options = CompressionOptions.build(options, **settings)
     if options.compress_question:
         raise ValueError("answer_log_probs_ids keeps the question out of compression, got compress_question=True")
-    check_context_ids(context_ids)
     for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("answer_ids", answer_ids)):
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point():
             raise ValueError(f"{name} must be an integer tensor [1, m] with m >= 1, got {describe(ids)}")
