@@ -122,6 +122,11 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "evicted_slots": 1}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=8]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "evicted_slots": 8}),
+    # the default with its kept slots refitted to the reconstruction's attention (AdaKV's `refit`)
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights"}),
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": (
+        "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights_values"}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
@@ -183,6 +188,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=relative]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=1]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=8]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": "KVzip",
+    "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",

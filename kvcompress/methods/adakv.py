@@ -36,12 +36,14 @@ import torch
 
 from ..checks import as_count
 from ..summary import KVSummary, concat, take_slots
+from .attention_matching import fit_log_weights, fit_values
 from .base import BlockwiseState, Method, ScoreMethod, first_true, is_pool_span, max_pool_scores
 from .registry import build_method, get_method_class, method_names, register
 from .tokens import Tokens
 
 NORMALIZATIONS = ("none", "softmax")
 SCOPES = ("layer", "model")
+REFITS = ("none", "log_weights", "log_weights_values")
 # What an instance takes from its scorer: the inputs it needs, whether it draws random numbers, the modes it runs in, and
 # (KVzip) the chunk of context its reconstruction forward repeats at a time, which the model integration reads
 _FROM_SCORER = ("needs_queries", "needs_pre_rope_keys", "needs_attention_mass", "needs_reconstruction", "randomized", "modes",
@@ -118,6 +120,11 @@ class AdaKV(Method):
     tokens' mean key and mean value with log-weight log(count). The slots come out of the budget: a head keeps
     `evicted_slots` fewer tokens' worth of the joint top-k (budget - evicted_slots per head on average), so a layer
     row still stores H_kv·budget middle slots. Mode "prefill" only.
+    refit (default "none"): after the top-k, the kept slots are refitted to attend as the whole middle did for the
+    scorer's queries (`methods.attention_matching`; Zweiger et al., "Fast KV Compaction via Attention Matching",
+    arXiv:2602.16284): "log_weights" fits each kept slot's log-weight so the middle's attention mass is restored,
+    "log_weights_values" also fits the slots' values so the middle's attention output is; the keys stay the kept
+    tokens'. Needs a scorer with queries (snapkv, kvzip, ...), mode "prefill" only, and evicted_slots 0.
 
     Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
     H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
@@ -145,6 +152,7 @@ class AdaKV(Method):
     scope: str = "layer"
     span: int = 1
     evicted_slots: int = 0
+    refit: str = "none"
 
     def __post_init__(self):
         accepted = score_method_names()
@@ -166,13 +174,22 @@ class AdaKV(Method):
             raise ValueError(f"span must be an odd integer >= 1 (the tokens a score is max-pooled over, centred on each token; "
                              f"1: no pooling), got {self.span!r}")
         self.evicted_slots = as_count("evicted_slots", self.evicted_slots, 0)
+        if self.refit not in REFITS:
+            raise ValueError(f"refit must be one of {REFITS} (what of the kept slots is fitted to the middle's attention: nothing, "
+                             f"their log-weights, or their log-weights and values), got {self.refit!r}")
+        if self.refit != "none" and self.evicted_slots:
+            raise ValueError(f"refit={self.refit!r} fits the kept slots alone; it cannot be combined with evicted_slots="
+                             f"{self.evicted_slots}: set one of them off")
         self.inner = build_method(self.scorer, **(self.scorer_params or {}))
         for flag in _FROM_SCORER:  # what the scorer needs and is, AdaKV needs and is
             if hasattr(self.inner, flag):
                 setattr(self, flag, getattr(self.inner, flag))
         if self.scope == "model":
             self.shares_budget_across_layers = True
-        if self.scope == "model" or self.evicted_slots:
+        if self.refit != "none" and not self.needs_queries:
+            raise ValueError(f"refit={self.refit!r} fits the kept slots to the scorer's queries, and scorer {self.scorer!r} takes "
+                             "none: use a scorer with queries (snapkv, kvzip, ...) or refit='none'")
+        if self.scope == "model" or self.evicted_slots or self.refit != "none":
             self.modes = tuple(mode for mode in self.modes if mode == "prefill")
 
     def check_mode(self, mode: str) -> None:
@@ -186,6 +203,9 @@ class AdaKV(Method):
             raise ValueError(f"method 'adakv' with evicted_slots={self.evicted_slots} runs in mode 'prefill' only, got mode={mode!r}: "
                              "its summary of the evicted tokens is made once, from the whole context; use mode='prefill' or "
                              "evicted_slots=0")
+        if self.refit != "none" and mode != "prefill":
+            raise ValueError(f"method 'adakv' with refit={self.refit!r} runs in mode 'prefill' only, got mode={mode!r}: its fit uses "
+                             "the queries of the whole context at once; use mode='prefill' or refit='none'")
         self.inner.check_mode(mode)
 
     def safeguard(self, budget: int) -> int:
@@ -217,8 +237,14 @@ class AdaKV(Method):
         return head_allocation(scores, budget, self.safeguard(budget)), scores
 
     def summary(self, tokens: Tokens, kept: torch.Tensor) -> KVSummary:
-        """The kept tokens, then (evicted_slots > 0) the summary of the evicted ones (`evicted_summary`)."""
+        """The kept tokens (refitted: `refit`), then (evicted_slots > 0) the summary of the evicted ones
+        (`evicted_summary`)."""
         summary = kept_summary(tokens, kept)
+        if self.refit != "none":
+            index, real = padded_index(kept)
+            log_weights = fit_log_weights(tokens, index, real)
+            values = fit_values(tokens, index, real, log_weights) if self.refit == "log_weights_values" else summary.values
+            return KVSummary(summary.keys, values, log_weights, summary.positions)
         if not self.evicted_slots:
             return summary
         return concat([summary, evicted_summary(tokens, ~kept, self.evicted_slots)])
@@ -244,6 +270,9 @@ class AdaKV(Method):
         if self.scope == "model":
             raise ValueError("adakv with scope='model' has no stream: its top-k runs over every layer's scores of the whole context "
                              "at once; use scope='layer' to stream (kvc.stream, modes 'chunked' and 'decode')")
+        if self.refit != "none":
+            raise ValueError(f"adakv with refit={self.refit!r} has no stream: its fit uses the queries of the whole context at "
+                             "once; use refit='none' to stream")
         if self.evicted_slots:
             raise ValueError(f"adakv with evicted_slots={self.evicted_slots} has no stream: its summary of the evicted tokens is "
                              "made once, from the whole context; use evicted_slots=0 to stream")

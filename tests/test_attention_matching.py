@@ -1,0 +1,111 @@
+"""Attention matching (Zweiger et al., "Fast KV Compaction via Attention Matching", arXiv:2602.16284): AdaKV's kept
+slots refitted (`refit`) so they attend as the whole middle did for the scorer's queries."""
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.integration import compress_context_ids, generate_ids
+from kvcompress.methods.adakv import AdaKV, padded_index
+from kvcompress.methods.attention_matching import MIN_WEIGHT, fit_log_weights, fit_values
+from kvcompress.methods.registry import build_method
+from kvcompress.methods.tokens import Tokens
+
+from test_integration import _prompt, tiny
+
+SCALE = 16 ** -0.5
+
+
+def _tokens(n=200, d=16, group=2, queries=300, seed=0, dtype=torch.float32):
+    """Keys near 12 centres per head (real keys cluster; a kept subset can stand for the rest only if they do)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(1, 2, 12, d, generator=g) * 2
+    keys = centres.gather(2, torch.randint(12, (1, 2, n, 1), generator=g).expand(-1, -1, -1, d))
+    keys = keys + 0.3 * torch.randn(1, 2, n, d, generator=g)
+    values = torch.randn(1, 2, n, d, generator=g)
+    q = torch.randn(1, 2 * group, queries, d, generator=g) * 2
+    positions = torch.arange(n).expand(1, 2, n)
+    return Tokens(keys.to(dtype), values.to(dtype), positions, queries=q.to(dtype), scale=SCALE)
+
+
+def _middle(summary, queries):
+    """(log mass [B, H_kv, r], output [B, H_kv, r, d]) of the middle `summary` for queries [B, H_q, q, d]."""
+    b, hkv = summary.keys.shape[:2]
+    rows = queries.float().reshape(b, hkv, -1, queries.shape[-1])
+    logits = rows @ summary.keys.float().transpose(-1, -2) * SCALE + summary.log_weights.unsqueeze(2)
+    return logits.logsumexp(-1), logits.softmax(-1) @ summary.values.float()
+
+
+def test_keeping_every_token_fits_weight_one_and_the_tokens_own_values():
+    """With every token kept the fit has nothing to restore: each weight is 1 (log-weight 0) and each value its own."""
+    tokens = _tokens(n=40)
+    index, real = padded_index(torch.ones(1, 2, 40, dtype=torch.bool))
+    log_weights = fit_log_weights(tokens, index, real)
+    torch.testing.assert_close(log_weights, torch.zeros(1, 2, 40), atol=2e-3, rtol=0)
+    torch.testing.assert_close(fit_values(tokens, index, real, log_weights), tokens.values, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("refit", ["log_weights", "log_weights_values"])
+def test_refitting_brings_the_reference_queries_attention_closer_to_the_whole_middle(refit):
+    """For the queries it was fitted on, and for fresh queries like them, the refitted slots' mass is nearer the whole
+    middle's (the squared relative error the fit minimises) than the plain kept tokens'; with values refitted, so is
+    the attention output. The keys, positions and the number of slots are the plain kept tokens'."""
+    tokens = _tokens()
+    fresh = torch.randn(tokens.queries.shape, generator=torch.Generator().manual_seed(1)) * 2
+    plain = AdaKV(scorer="snapkv").compress(tokens, 30, torch.Generator())
+    fitted = AdaKV(scorer="snapkv", refit=refit).compress(tokens, 30, torch.Generator())
+    assert torch.equal(fitted.keys, plain.keys) and torch.equal(fitted.positions, plain.positions)
+    assert torch.equal(torch.isfinite(fitted.log_weights), torch.isfinite(plain.log_weights))
+    assert (fitted.log_weights[torch.isfinite(fitted.log_weights)] >= torch.tensor(MIN_WEIGHT).log() - 1e-6).all()
+    whole = tokens.exact()
+    for queries in (tokens.queries, fresh):
+        full_mass, full_out = _middle(whole, queries)
+        plain_mass, plain_out = _middle(plain, queries)
+        fitted_mass, fitted_out = _middle(fitted, queries)
+        assert ((fitted_mass - full_mass).exp() - 1).square().mean() < 0.8 * ((plain_mass - full_mass).exp() - 1).square().mean()
+        if refit == "log_weights_values":
+            assert (fitted_out - full_out).norm(dim=-1).mean() < 0.8 * (plain_out - full_out).norm(dim=-1).mean()
+        else:
+            assert torch.equal(fitted.values, plain.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_with_large_keys_stays_finite(dtype):
+    tokens = _tokens(dtype=dtype)
+    tokens.keys.mul_(30)
+    s = AdaKV(scorer="snapkv", refit="log_weights_values").compress(tokens, 30, torch.Generator())
+    assert s.values.dtype == dtype
+    assert torch.isfinite(s.values).all()
+    assert torch.isfinite(s.log_weights[torch.isfinite(s.log_weights)]).all() and not torch.isnan(s.log_weights).any()
+
+
+def test_in_a_cache_the_refitted_slots_are_stored_and_a_budget_above_the_context_is_the_full_cache():
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    options = dict(method="adakv", sink=2, window=8, refit="log_weights_values")
+    cache = compress_context_ids(model, ctx, budget=40, **options)
+    stored = [layer.stored() for layer in cache.layers]
+    assert all(int(torch.isfinite(s.log_weights).sum()) == 2 * (2 + 8 + 40) for s in stored)
+    assert any((s.log_weights.abs() > 1e-3).any() for s in stored)
+    full = generate_ids(model, ctx, question, method=None, max_new_tokens=8, stop_at_eos=False)
+    wide = generate_ids(model, ctx, question, budget=500, max_new_tokens=8, stop_at_eos=False, **options)
+    assert wide.token_ids == full.token_ids
+    narrow = generate_ids(model, ctx, question, budget=40, max_new_tokens=8, stop_at_eos=False, **options)
+    assert len(narrow.token_ids) == 8
+
+
+def test_bad_refits_are_refused_by_name():
+    for bad in ("values", None, 1):
+        with pytest.raises(ValueError, match="refit must be one of"):
+            build_method("adakv", refit=bad)
+    with pytest.raises(ValueError, match="scorer 'knorm' takes none"):
+        build_method("adakv", scorer="knorm", refit="log_weights")
+    with pytest.raises(ValueError, match="cannot be combined with evicted_slots=2"):
+        build_method("adakv", refit="log_weights", evicted_slots=2)
+    with pytest.raises(ValueError, match="refit='log_weights' has no stream"):
+        kvc.stream("adakv", budget=8, refit="log_weights")
+    model = tiny()
+    ctx, question = _prompt(n=100)
+    for mode in ("chunked", "decode"):
+        with pytest.raises(ValueError, match=f"refit='log_weights' runs in mode 'prefill' only, got mode='{mode}'"):
+            generate_ids(model, ctx, question, method="adakv", budget=20, mode=mode, refit="log_weights", max_new_tokens=2)
