@@ -7,7 +7,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.integration import compress_context_ids, generate_ids
 from kvcompress.methods.adakv import AdaKV, padded_index
-from kvcompress.methods.attention_matching import MIN_WEIGHT, fit_log_weights, fit_values
+from kvcompress.methods.attention_matching import MIN_WEIGHT, refit_kept
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 
@@ -39,10 +39,9 @@ def _middle(summary, queries):
 def test_keeping_every_token_fits_weight_one_and_the_tokens_own_values():
     """With every token kept the fit has nothing to restore: each weight is 1 (log-weight 0) and each value its own."""
     tokens = _tokens(n=40)
-    index, real = padded_index(torch.ones(1, 2, 40, dtype=torch.bool))
-    log_weights = fit_log_weights(tokens, index, real)
+    log_weights, values = refit_kept(tokens, *padded_index(torch.ones(1, 2, 40, dtype=torch.bool)), values=True)
     torch.testing.assert_close(log_weights, torch.zeros(1, 2, 40), atol=2e-3, rtol=0)
-    torch.testing.assert_close(fit_values(tokens, index, real, log_weights), tokens.values, atol=5e-3, rtol=0)
+    torch.testing.assert_close(values, tokens.values, atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("refit", ["log_weights", "log_weights_values"])

@@ -36,7 +36,7 @@ import torch
 
 from ..checks import as_count
 from ..summary import KVSummary, concat, take_slots
-from .attention_matching import fit_log_weights, fit_values
+from .attention_matching import refit_kept
 from .base import BlockwiseState, Method, ScoreMethod, first_true, is_pool_span, max_pool_scores
 from .registry import build_method, get_method_class, method_names, register
 from .tokens import Tokens
@@ -241,9 +241,7 @@ class AdaKV(Method):
         (`evicted_summary`)."""
         summary = kept_summary(tokens, kept)
         if self.refit != "none":
-            index, real = padded_index(kept)
-            log_weights = fit_log_weights(tokens, index, real)
-            values = fit_values(tokens, index, real, log_weights) if self.refit == "log_weights_values" else summary.values
+            log_weights, values = refit_kept(tokens, *padded_index(kept), values=self.refit == "log_weights_values")
             return KVSummary(summary.keys, values, log_weights, summary.positions)
         if not self.evicted_slots:
             return summary

@@ -24,7 +24,8 @@ head is fitted on the queries of all its query heads together. The keys stay the
 subset selection; which subset is the method's choice).
 
 Logits, probabilities and the accumulated Gram matrices are float32, formed over blocks of queries of at most
-`MAX_LOGITS` scores; the two small solves run in float64. The refitted values are stored in the values' dtype.
+`MAX_LOGITS` scores (the kept columns are held for every query at once: m·t floats per head); the values'
+solve runs in float64. The refitted values are stored in the values' dtype.
 """
 
 from __future__ import annotations
@@ -32,51 +33,63 @@ from __future__ import annotations
 import torch
 
 from .kvzip import MAX_LOGITS
+from ..summary import take_slots
 from .tokens import Tokens
 
 MASS_STEPS = 200  # projected gradient steps of the mass fit
 VALUE_RIDGE = 1e-3  # the values' ridge toward the kept tokens' own, relative to the mean diagonal of the normal equations
 MIN_WEIGHT = 1e-3  # the smallest weight a kept slot is given (log-weight about -6.9): every kept slot stays attended
+REFERENCE_QUERIES = 16384  # the most reference queries a KV head is fitted on (evenly spaced among its rows; bounds memory)
 
 
-def _query_blocks(tokens: Tokens):
-    """Yield p [B, H_kv, r, n] float32: each block of reference queries' softmax over the middle's keys (a KV head's
-    rows are the queries of its query heads)."""
+def kept_attention(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, outputs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(kept [B, H_kv, m, t], local [B, H_kv, m, d_v] or None) float32: for each reference query (a KV head's rows
+    are the queries of its query heads, of which m <= `REFERENCE_QUERIES` evenly spaced ones are taken), its softmax over the middle's keys at the kept slots `index` [B, H_kv, t]
+    (padding slots, real False, 0), and (`outputs`) the middle's local output, that softmax's average of every value.
+    The softmax is formed over blocks of queries of at most `MAX_LOGITS` scores."""
     b, hq, nq, d = tokens.queries.shape
     hkv, n = tokens.keys.shape[1], tokens.keys.shape[2]
     group = hq // hkv
-    queries = (tokens.queries.float() * tokens.scale).reshape(b, hkv, group * nq, d)
-    keys = tokens.keys.float().transpose(-1, -2)
+    queries = tokens.queries.float().reshape(b, hkv, group * nq, d)
+    stride = -(-group * nq // REFERENCE_QUERIES)
+    queries = queries[:, :, ::stride] * tokens.scale
+    keys, values = tokens.keys.float().transpose(-1, -2), tokens.values.float()
     rows = max(1, MAX_LOGITS // max(1, b * hkv * n))
-    for start in range(0, group * nq, rows):
-        yield torch.matmul(queries[:, :, start : start + rows], keys).softmax(-1)
+    kept, local = [], []
+    for start in range(0, queries.shape[2], rows):
+        p = torch.matmul(queries[:, :, start : start + rows], keys).softmax(-1)
+        kept.append(p.gather(-1, index.unsqueeze(2).expand(-1, -1, p.shape[2], -1)) * real.unsqueeze(2))
+        if outputs:
+            local.append(p @ values)
+    return torch.cat(kept, 2), (torch.cat(local, 2) if outputs else None)
 
 
-def _columns(p: torch.Tensor, index: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """p [B, H, r, n] -> [B, H, r, t]: the columns of the kept slots `index` [B, H, t]; padding slots (real False) 0."""
-    picked = p.gather(-1, index.unsqueeze(2).expand(-1, -1, p.shape[2], -1))
-    return picked * real.unsqueeze(2)
-
-
-def fit_log_weights(tokens: Tokens, index: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, t] float32: the log-weights of the kept slots `index` [B, H_kv, t] (real [B, H_kv, t] False for
-    padding, whose log-weight is -inf) that best restore the middle's mass for the reference queries (module
-    docstring), each weight at least `MIN_WEIGHT`."""
-    t = index.shape[-1]
-    gram = torch.zeros(*index.shape[:2], t, t, device=index.device)
-    target = torch.zeros(index.shape, device=index.device)
-    for p in _query_blocks(tokens):
-        kept = _columns(p, index, real)
-        gram += kept.transpose(-1, -2) @ kept
-        target += kept.sum(2)
-    gram, target = gram.double(), target.double()
+def fit_log_weights(kept: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, t] float32: the log-weights of the kept slots (kept [B, H_kv, m, t], `kept_attention`'s; real
+    [B, H_kv, t] False for padding, which comes after a head's kept slots and gets log-weight -inf) that best restore
+    the middle's mass for the reference queries: min over w >= `MIN_WEIGHT` of Σ_i (Σ_j kept_ij w_j - 1)^2 (module
+    docstring), by accelerated projected gradient on the normal equations."""
+    gram = _gram(kept, real)
+    target = kept.sum(2)
     step = (1.0 / _largest_eigenvalue(gram).clamp_min(1e-12)).unsqueeze(-1)
-    weights = previous = real.double().clamp_min(MIN_WEIGHT)
-    for k in range(MASS_STEPS):  # accelerated projected gradient (FISTA's momentum)
+    weights = previous = real.float().clamp_min(MIN_WEIGHT)
+    for k in range(MASS_STEPS):  # FISTA's momentum
         ahead = weights + (k / (k + 3)) * (weights - previous)
         previous = weights
         weights = (ahead - step * ((gram @ ahead.unsqueeze(-1)).squeeze(-1) - target)).clamp_min(MIN_WEIGHT)
-    return weights.log().float().masked_fill(~real, float("-inf"))
+    return weights.log().masked_fill(~real, float("-inf"))
+
+
+def _gram(matrix: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[B, H, t, t]: matrixᵀ·matrix per head for matrix [B, H, m, t] whose columns past each head's real slots (real
+    [B, H, t], a prefix of each head's) are zero: each head's product is formed over its own slots only (heads keep
+    very different numbers of slots), the rest left 0."""
+    out = matrix.new_zeros(*matrix.shape[:2], matrix.shape[-1], matrix.shape[-1])
+    for row, heads in enumerate(real.sum(-1).tolist()):
+        for head, count in enumerate(heads):
+            columns = matrix[row, head, :, :count]
+            out[row, head, :count, :count] = columns.transpose(0, 1) @ columns
+    return out
 
 
 def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 30) -> torch.Tensor:
@@ -85,27 +98,33 @@ def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 30) -> torch.Tenso
     vector = torch.ones(gram.shape[:-1], dtype=gram.dtype, device=gram.device)
     for _ in range(iterations):
         vector = (gram @ vector.unsqueeze(-1)).squeeze(-1)
-        vector = vector / vector.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+        vector = vector / vector.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(gram.dtype).tiny)
     return 1.05 * (vector * (gram @ vector.unsqueeze(-1)).squeeze(-1)).sum(-1)
 
 
-def fit_values(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, t, d_v] in the values' dtype: the values of the kept slots `index` (with `log_weights`, both
-    [B, H_kv, t]; padding slots get 0) whose attention best reproduces the middle's local output for the reference
-    queries, ridged toward the kept tokens' own values (module docstring)."""
-    t = index.shape[-1]
-    own = tokens.values.float().gather(2, index.unsqueeze(-1).expand(-1, -1, -1, tokens.values.shape[-1]))
-    weights = log_weights.exp().unsqueeze(2)
-    gram = torch.zeros(*index.shape[:2], t, t, device=index.device)
-    moment = torch.zeros_like(own)
-    values = tokens.values.float()
-    for p in _query_blocks(tokens):
-        kept = _columns(p, index, real) * weights
-        kept = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        gram += kept.transpose(-1, -2) @ kept
-        moment += kept.transpose(-1, -2) @ (p @ values)
-    gram, moment, own = gram.double(), moment.double(), own.double()
-    ridge = VALUE_RIDGE * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
-    fitted = torch.linalg.solve(gram + ridge[..., None, None] * eye, moment + ridge[..., None, None] * own)
-    return fitted.masked_fill(~real.unsqueeze(-1), 0).to(tokens.values.dtype)
+def fit_values(kept: torch.Tensor, local: torch.Tensor, own: torch.Tensor, real: torch.Tensor,
+               log_weights: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, t, d_v] float32: the values of the kept slots whose attention, with `log_weights` [B, H_kv, t],
+    best reproduces the middle's local output for the reference queries (kept [B, H_kv, m, t] and local
+    [B, H_kv, m, d_v], `kept_attention`'s), ridged toward their own values own [B, H_kv, t, d_v]; padding slots
+    (real False) get 0 (module docstring)."""
+    attention = kept * log_weights.exp().unsqueeze(2)
+    attention = attention / attention.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    gram = _gram(attention, real).double()
+    moment = (attention.transpose(-1, -2) @ local).double()
+    ridge = (VALUE_RIDGE * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12))[..., None, None]
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    fitted = torch.linalg.solve(gram + ridge * eye, moment + ridge * own.double())
+    return fitted.float().masked_fill(~real.unsqueeze(-1), 0)
+
+
+def refit_kept(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_weights [B, H_kv, t] float32, values [B, H_kv, t, d_v] in the values' dtype) of the kept slots `index`
+    [B, H_kv, t] of `tokens` (real [B, H_kv, t] False for padding: log-weight -inf, value 0): the log-weights fitted
+    to the middle's mass for `tokens.queries`, and the values fitted to its output (`values`) or the kept tokens' own."""
+    kept, local = kept_attention(tokens, index, real, outputs=values)
+    log_weights = fit_log_weights(kept, real)
+    own = take_slots(tokens.values, index).masked_fill(~real.unsqueeze(-1), 0)
+    if not values:
+        return log_weights, own
+    return log_weights, fit_values(kept, local, own.float(), real, log_weights).to(tokens.values.dtype)
