@@ -44,9 +44,10 @@ REFERENCE_QUERIES = 16384  # the most reference queries a KV head is fitted on (
 
 def kept_attention(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, outputs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(kept [B, H_kv, m, t], local [B, H_kv, m, d_v] or None) float32: for each reference query (a KV head's rows
-    are the queries of its query heads, of which m <= `REFERENCE_QUERIES` evenly spaced ones are taken), its softmax over the middle's keys at the kept slots `index` [B, H_kv, t]
-    (padding slots, real False, 0), and (`outputs`) the middle's local output, that softmax's average of every value.
-    The softmax is formed over blocks of queries of at most `MAX_LOGITS` scores."""
+    are the queries of its query heads, of which m <= `REFERENCE_QUERIES` evenly spaced ones are taken), its softmax
+    over the middle's keys at the kept slots `index` [B, H_kv, t] (padding slots, real False, 0), and (`outputs`) the
+    middle's local output, that softmax's average of every value. The normaliser (a log-sum-exp over every middle key)
+    is formed over blocks of queries of at most `MAX_LOGITS` scores."""
     b, hq, nq, d = tokens.queries.shape
     hkv, n = tokens.keys.shape[1], tokens.keys.shape[2]
     group = hq // hkv
@@ -54,13 +55,16 @@ def kept_attention(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, outp
     stride = -(-group * nq // REFERENCE_QUERIES)
     queries = queries[:, :, ::stride] * tokens.scale
     keys, values = tokens.keys.float().transpose(-1, -2), tokens.values.float()
+    kept_keys = take_slots(tokens.keys, index).float().transpose(-1, -2)
     rows = max(1, MAX_LOGITS // max(1, b * hkv * n))
     kept, local = [], []
     for start in range(0, queries.shape[2], rows):
-        p = torch.matmul(queries[:, :, start : start + rows], keys).softmax(-1)
-        kept.append(p.gather(-1, index.unsqueeze(2).expand(-1, -1, p.shape[2], -1)) * real.unsqueeze(2))
+        block = queries[:, :, start : start + rows]
+        logits = torch.matmul(block, keys)
+        lse = logits.logsumexp(-1, keepdim=True)
+        kept.append((torch.matmul(block, kept_keys) - lse).exp_() * real.unsqueeze(2))
         if outputs:
-            local.append(p @ values)
+            local.append(logits.sub_(lse).exp_() @ values)
     return torch.cat(kept, 2), (torch.cat(local, 2) if outputs else None)
 
 
@@ -68,22 +72,31 @@ def fit_log_weights(kept: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """[B, H_kv, t] float32: the log-weights of the kept slots (kept [B, H_kv, m, t], `kept_attention`'s; real
     [B, H_kv, t] False for padding, which comes after a head's kept slots and gets log-weight -inf) that best restore
     the middle's mass for the reference queries: min over w >= `MIN_WEIGHT` of Σ_i (Σ_j kept_ij w_j - 1)^2 (module
-    docstring), by accelerated projected gradient on the normal equations."""
-    gram = _gram(kept, real)
-    target = kept.sum(2)
-    step = (1.0 / _largest_eigenvalue(gram).clamp_min(1e-12)).unsqueeze(-1)
-    weights = previous = real.float().clamp_min(MIN_WEIGHT)
-    for k in range(MASS_STEPS):  # FISTA's momentum
+    docstring). Each head is solved over its own slots (heads keep very different numbers of them)."""
+    log_weights = torch.full(real.shape, float("-inf"), device=kept.device)
+    for row, heads in enumerate(real.sum(-1).tolist()):
+        for head, count in enumerate(heads):
+            columns = kept[row, head, :, :count]
+            log_weights[row, head, :count] = _mass_weights(columns.transpose(0, 1) @ columns, columns.sum(0)).log()
+    return log_weights
+
+
+def _mass_weights(gram: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[t]: argmin over w >= `MIN_WEIGHT` of wᵀ·gram·w - 2·targetᵀ·w (gram [t, t] symmetric positive semi-definite),
+    by accelerated projected gradient (FISTA's momentum, `MASS_STEPS` steps of size 1/λ_max) from w = 1."""
+    step = 1.0 / _largest_eigenvalue(gram).clamp_min(1e-12)
+    weights = previous = torch.ones_like(target)
+    for k in range(MASS_STEPS):
         ahead = weights + (k / (k + 3)) * (weights - previous)
         previous = weights
-        weights = (ahead - step * ((gram @ ahead.unsqueeze(-1)).squeeze(-1) - target)).clamp_min(MIN_WEIGHT)
-    return weights.log().masked_fill(~real, float("-inf"))
+        weights = (ahead - step * (gram @ ahead - target)).clamp_min(MIN_WEIGHT)
+    return weights
 
 
 def _gram(matrix: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """[B, H, t, t]: matrixᵀ·matrix per head for matrix [B, H, m, t] whose columns past each head's real slots (real
-    [B, H, t], a prefix of each head's) are zero: each head's product is formed over its own slots only (heads keep
-    very different numbers of slots), the rest left 0."""
+    [B, H, t], a prefix of each head's) are zero: each head's product is formed over its own slots only, the rest
+    left 0."""
     out = matrix.new_zeros(*matrix.shape[:2], matrix.shape[-1], matrix.shape[-1])
     for row, heads in enumerate(real.sum(-1).tolist()):
         for head, count in enumerate(heads):
@@ -93,13 +106,13 @@ def _gram(matrix: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 
 def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 30) -> torch.Tensor:
-    """[B, H]: the largest eigenvalue of each symmetric positive semi-definite gram [B, H, t, t] (power iteration,
-    1.05 times the estimate so a step of its inverse never overshoots)."""
-    vector = torch.ones(gram.shape[:-1], dtype=gram.dtype, device=gram.device)
+    """The largest eigenvalue of the symmetric positive semi-definite gram [t, t] (power iteration, 1.05 times the
+    estimate so a step of its inverse never overshoots)."""
+    vector = torch.ones(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     for _ in range(iterations):
-        vector = (gram @ vector.unsqueeze(-1)).squeeze(-1)
-        vector = vector / vector.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(gram.dtype).tiny)
-    return 1.05 * (vector * (gram @ vector.unsqueeze(-1)).squeeze(-1)).sum(-1)
+        vector = gram @ vector
+        vector = vector / vector.norm().clamp_min(torch.finfo(gram.dtype).tiny)
+    return 1.05 * (vector @ (gram @ vector))
 
 
 def fit_values(kept: torch.Tensor, local: torch.Tensor, own: torch.Tensor, real: torch.Tensor,
