@@ -7,7 +7,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.integration import compress_context_ids, generate_ids
 from kvcompress.methods.adakv import AdaKV, padded_index
-from kvcompress.methods.attention_matching import MIN_WEIGHT, refit_kept
+from kvcompress.methods.attention_matching import MIN_WEIGHT, fit_log_weights, kept_attention, refit_kept
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 
@@ -108,3 +108,21 @@ def test_bad_refits_are_refused_by_name():
     for mode in ("chunked", "decode"):
         with pytest.raises(ValueError, match=f"refit='log_weights' runs in mode 'prefill' only, got mode='{mode}'"):
             generate_ids(model, ctx, question, method="adakv", budget=20, mode=mode, refit="log_weights", max_new_tokens=2)
+
+
+def test_the_mass_fit_reaches_the_non_negative_least_squares_optimum():
+    """Each head's weights are the non-negative least-squares solution of Σ_j kept_ij w_j ≈ 1 (scipy's active-set
+    solver as the reference), up to the floor `MIN_WEIGHT`: the fitted objective is within 1 % of the optimum's."""
+    from scipy.optimize import nnls
+
+    tokens = _tokens()
+    kept_mask, _ = AdaKV(scorer="snapkv").allocate(tokens, 30, torch.Generator())
+    index, real = padded_index(kept_mask)
+    kept, _ = kept_attention(tokens, index, real, outputs=False)
+    weights = fit_log_weights(kept, real).exp()
+    for head in range(2):
+        count = int(real[0, head].sum())
+        columns = kept[0, head, :, :count].double()
+        fitted = (columns @ weights[0, head, :count].double() - 1).square().sum()
+        optimum = nnls(columns.numpy(), torch.ones(columns.shape[0], dtype=torch.float64).numpy())[1] ** 2
+        assert optimum <= fitted <= 1.01 * optimum + 1e-6
