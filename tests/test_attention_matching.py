@@ -39,7 +39,7 @@ def _middle(summary, queries):
 def test_keeping_every_token_fits_weight_one_and_the_tokens_own_values():
     """With every token kept the fit has nothing to restore: each weight is 1 (log-weight 0) and each value its own."""
     tokens = _tokens(n=40)
-    log_weights, values = refit_kept(tokens, *padded_index(torch.ones(1, 2, 40, dtype=torch.bool)), values=True)
+    log_weights, values = refit_kept(tokens, *padded_index(torch.ones(1, 2, 40, dtype=torch.bool)), tokens.values, values=True)
     torch.testing.assert_close(log_weights, torch.zeros(1, 2, 40), atol=2e-3, rtol=0)
     torch.testing.assert_close(values, tokens.values, atol=5e-3, rtol=0)
 

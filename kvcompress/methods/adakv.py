@@ -241,7 +241,8 @@ class AdaKV(Method):
         (`evicted_summary`)."""
         summary = kept_summary(tokens, kept)
         if self.refit != "none":
-            log_weights, values = refit_kept(tokens, *padded_index(kept), values=self.refit == "log_weights_values")
+            fit_values = self.refit == "log_weights_values"
+            log_weights, values = refit_kept(tokens, *padded_index(kept), summary.values, values=fit_values)
             return KVSummary(summary.keys, values, log_weights, summary.positions)
         if not self.evicted_slots:
             return summary

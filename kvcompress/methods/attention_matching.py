@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .kvzip import MAX_LOGITS
 from ..summary import take_slots
+from .kvzip import MAX_LOGITS
 from .tokens import Tokens
 
 MASS_STEPS = 200  # projected gradient steps of the mass fit
@@ -73,11 +73,12 @@ def fit_log_weights(kept: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     [B, H_kv, t] False for padding, which comes after a head's kept slots and gets log-weight -inf) that best restore
     the middle's mass for the reference queries: min over w >= `MIN_WEIGHT` of Σ_i (Σ_j kept_ij w_j - 1)^2 (module
     docstring). Each head is solved over its own slots (heads keep very different numbers of them)."""
+    gram, target = _gram(kept, real), kept.sum(2)
     log_weights = torch.full(real.shape, float("-inf"), device=kept.device)
     for row, heads in enumerate(real.sum(-1).tolist()):
         for head, count in enumerate(heads):
-            columns = kept[row, head, :, :count]
-            log_weights[row, head, :count] = _mass_weights(columns.transpose(0, 1) @ columns, columns.sum(0)).log()
+            weights = _mass_weights(gram[row, head, :count, :count], target[row, head, :count])
+            log_weights[row, head, :count] = weights.log()
     return log_weights
 
 
@@ -131,13 +132,14 @@ def fit_values(kept: torch.Tensor, local: torch.Tensor, own: torch.Tensor, real:
     return fitted.float().masked_fill(~real.unsqueeze(-1), 0)
 
 
-def refit_kept(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def refit_kept(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, own: torch.Tensor,
+               values: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_weights [B, H_kv, t] float32, values [B, H_kv, t, d_v] in the values' dtype) of the kept slots `index`
-    [B, H_kv, t] of `tokens` (real [B, H_kv, t] False for padding: log-weight -inf, value 0): the log-weights fitted
-    to the middle's mass for `tokens.queries`, and the values fitted to its output (`values`) or the kept tokens' own."""
+    [B, H_kv, t] of `tokens` (real [B, H_kv, t] False for padding: log-weight -inf, value 0), whose own values are
+    own [B, H_kv, t, d_v]: the log-weights fitted to the middle's mass for `tokens.queries`, and the values fitted to
+    its output (`values`) or `own` as given."""
     kept, local = kept_attention(tokens, index, real, outputs=values)
     log_weights = fit_log_weights(kept, real)
-    own = take_slots(tokens.values, index).masked_fill(~real.unsqueeze(-1), 0)
     if not values:
         return log_weights, own
-    return log_weights, fit_values(kept, local, own.float(), real, log_weights).to(tokens.values.dtype)
+    return log_weights, fit_values(kept, local, own.float(), real, log_weights).to(own.dtype)
