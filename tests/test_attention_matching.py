@@ -126,3 +126,23 @@ def test_the_mass_fit_reaches_the_non_negative_least_squares_optimum():
         fitted = (columns @ weights[0, head, :count].double() - 1).square().sum()
         optimum = nnls(columns.numpy(), torch.ones(columns.shape[0], dtype=torch.float64).numpy())[1] ** 2
         assert optimum <= fitted <= 1.01 * optimum + 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("refit", ["log_weights", "log_weights_values"])
+def test_cuda_refit_stays_on_the_device_and_matches_the_cpu_fit(refit):
+    """The fit is batched tensor code: on a GPU it keeps every tensor there and gives the CPU's slots in float32;
+    in bfloat16 it stays finite."""
+    tokens = _tokens()
+    on_cpu = AdaKV(scorer="snapkv", refit=refit).compress(tokens, 30, torch.Generator())
+    moved = Tokens(*(t.cuda() for t in (tokens.keys, tokens.values, tokens.positions)), queries=tokens.queries.cuda(), scale=SCALE)
+    on_gpu = AdaKV(scorer="snapkv", refit=refit).compress(moved, 30, torch.Generator())
+    assert on_gpu.keys.is_cuda and on_gpu.values.is_cuda and on_gpu.log_weights.is_cuda
+    assert torch.equal(on_gpu.positions.cpu(), on_cpu.positions)
+    torch.testing.assert_close(on_gpu.log_weights.cpu(), on_cpu.log_weights, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(on_gpu.values.cpu(), on_cpu.values, atol=1e-3, rtol=1e-3)
+    half = Tokens(*(t.to(torch.bfloat16) for t in (moved.keys, moved.values)), moved.positions,
+                  queries=moved.queries.to(torch.bfloat16), scale=SCALE)
+    s = AdaKV(scorer="snapkv", refit=refit).compress(half, 30, torch.Generator())
+    assert s.values.dtype == torch.bfloat16 and torch.isfinite(s.values).all()
+    assert not torch.isnan(s.log_weights).any()
