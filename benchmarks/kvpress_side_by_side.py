@@ -26,7 +26,8 @@ The harness is four steps with one file format between them (JSONL under one out
    stops only at EOS and never checks its first token). By default (`--protocol shared`) one prefill
    serves the full cache and every press that compresses through `BasePress.forward_hook`
    (`shared_prefill_answers`: the same `compress` calls on the same inputs); `--protocol pipeline`
-   prefills once per press, and the `protocol-check` step compares the two runs token for token.
+   prefills once per press, and the `protocol-check` step compares the two runs token for token
+   (`device-check` does the same for kvcompress's answers rerun on another device, `--device cuda`).
 4. `compare` (kvcompress's venv): every prediction re-decoded from its token ids with the checkpoint's
    tokenizer and re-scored with `kvcompress.eval.tasks.score`; per cell the score with its 95% Wilson
    interval; paired comparisons on the same samples (kvcompress method vs its kvpress counterpart, and
@@ -1097,24 +1098,36 @@ def compare(args) -> None:
         print(f"{len(problems)} consistency problems (listed at the end of {out / 'summary.md'})", file=sys.stderr)
 
 
-def protocol_check(args) -> None:
-    """Token-for-token agreement of the kvpress records of `--out` (shared prefill) with those of `--pipeline`
-    (the same samples rerun with `--protocol pipeline`); writes `protocol_check.md` into `--pipeline`."""
-    out, other = Path(args.out), Path(args.pipeline)
-    mine = {r["key"]: r for path in sorted(out.glob("kvpress*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
-    theirs = {r["key"]: r for path in sorted(other.glob("kvpress*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
-    common = sorted(set(mine) & set(theirs))
+def rerun_agreement(out: Path, rerun: Path, library: str, label, title: str, filename: str) -> None:
+    """Token-for-token agreement of `library`'s records in `out` with those of the same cells in `rerun` (the same
+    samples answered again under another protocol or on another device); `label(record)` names how the rerun
+    differs (its protocol, its device). Writes `filename` into `rerun`."""
+    mine = {r["key"]: r for path in sorted(out.glob(f"{library}*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
+    theirs = {r["key"]: r for path in sorted(rerun.glob(f"{library}*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
     rows = defaultdict(lambda: [0, 0])
-    for key in common:
-        label = cell_name("kvpress", theirs[key]["cell"], theirs[key]["ratio"])
-        rows[label][0] += mine[key]["token_ids"] == theirs[key]["token_ids"]
-        rows[label][1] += 1
-    protocols = sorted({f"{r.get('protocol')}" for r in theirs.values()})
-    lines = [f"# kvpress: `{args.out}` against the same cells rerun in `{args.pipeline}` (protocol {', '.join(protocols)})", "",
+    for key in sorted(set(mine) & set(theirs)):
+        name = cell_name(library, theirs[key]["cell"], theirs[key]["ratio"])
+        rows[name][0] += mine[key]["token_ids"] == theirs[key]["token_ids"]
+        rows[name][1] += 1
+    labels = ", ".join(sorted({label(r) for r in theirs.values()}))
+    lines = [f"# {library}: `{out}` against the same cells rerun in `{rerun}` ({title} {labels})", "",
              "| cell | identical answer tokens |", "|---|---|"] + [f"| {k} | {v[0]}/{v[1]} |" for k, v in sorted(rows.items())]
     text = "\n".join(lines) + "\n"
-    (other / "protocol_check.md").write_text(text)
+    (rerun / filename).write_text(text)
     print(text)
+
+
+def protocol_check(args) -> None:
+    """kvpress's records of `--out` (shared prefill) against `--pipeline` (the same samples rerun with `--protocol
+    pipeline`); writes `protocol_check.md` into `--pipeline`."""
+    rerun_agreement(Path(args.out), Path(args.pipeline), "kvpress", lambda r: f"{r.get('protocol')}", "protocol", "protocol_check.md")
+
+
+def device_check(args) -> None:
+    """kvcompress's records of `--out` against `--rerun` (the same samples and cells answered on another device,
+    e.g. a GPU); writes `device_check.md` into `--rerun`."""
+    rerun_agreement(Path(args.out), Path(args.rerun), "kvcompress", lambda r: r["env"].get("gpu") or r["env"]["device"], "device",
+                    "device_check.md")
 
 
 # ---------------------------------------------------------------- command line
@@ -1153,6 +1166,8 @@ def main(argv=None) -> None:
                                 "BasePress's hook (KVzip keeps its own); pipeline: `with press(model)` and a prefill per press")
     pc = sub.add_parser("protocol-check", help="(either venv) kvpress answers of --out against a --protocol pipeline rerun")
     pc.add_argument("--pipeline", required=True, help="folder of the rerun (its own manifest.json and samples.jsonl)")
+    dc = sub.add_parser("device-check", help="(kvcompress's venv) kvcompress answers of --out against a rerun on another device")
+    dc.add_argument("--rerun", required=True, help="folder of the rerun (its own manifest.json and samples.jsonl)")
     c = sub.add_parser("compare", help="(kvcompress's venv) re-score both libraries' answers and write the paired tables")
     c.add_argument("--answers", type=int, default=6, help="samples whose answers the summary quotes (default 6)")
     for s in sub.choices.values():
@@ -1165,7 +1180,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     {"dump": dump, "kvcompress": run_kvcompress, "kvpress": run_kvpress, "compare": compare, "protocol-check": protocol_check,
-     "table": table}[args.step](args)
+     "device-check": device_check, "table": table}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -181,6 +181,22 @@ def tiny_run(tiny_checkpoint, tmp_path_factory):
     return out
 
 
+def test_device_check_counts_identical_answer_tokens_per_cell(tmp_path, capsys):
+    """A rerun on another device is compared token for token with the first run, cell by cell, on the keys both hold."""
+    first, rerun = tmp_path / "cpu", tmp_path / "gpu"
+    first.mkdir(), rerun.mkdir()
+    for r in _records("kvcompress", "full", None, [1, 0, 1]) + _records("kvcompress", "snapkv", 0.75, [1, 1, 0]):
+        h.append_jsonl(first / "kvcompress.jsonl", {**r, "env": {"device": "cpu", "gpu": None}})
+    changed = _records("kvcompress", "snapkv", 0.75, [1, 1, 0], tokens=[[0, 1], [9, 9], [2, 0]])[:2]
+    for r in _records("kvcompress", "full", None, [1, 0, 1]) + changed:
+        h.append_jsonl(rerun / "kvcompress.shard0of2.jsonl", {**r, "env": {"device": "cuda", "gpu": "NVIDIA H200"}})
+    h.main(["device-check", "--out", str(first), "--rerun", str(rerun)])
+    text = (rerun / "device_check.md").read_text()
+    assert "(device NVIDIA H200)" in text
+    assert "| kvcompress: full | 3/3 |" in text and "| kvcompress: snapkv @ 0.75 | 1/2 |" in text
+    assert text in capsys.readouterr().out
+
+
 def test_dump_writes_the_eval_prompt_tokens(tiny_run, tiny_checkpoint):
     from transformers import AutoTokenizer
 
