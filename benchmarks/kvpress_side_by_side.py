@@ -51,6 +51,8 @@ already holds, so an interrupted run continues. `--shard I/N` splits the samples
         --table results/side_by_side_table.md
     .venv/bin/python benchmarks/kvpress_side_by_side.py protocol-check --out results/kvpress_side_by_side \
         --pipeline results/kvpress_side_by_side/protocol_check      # after a `kvpress --protocol pipeline` rerun there
+    .venv/bin/python benchmarks/kvpress_side_by_side.py device-check --out results/kvpress_side_by_side_prose_8k \
+        --rerun results/cuda_h200/refit_prose_8k                    # after a `kvcompress --device cuda` rerun there
 
 This file imports nothing of kvcompress at module level and nothing of kvpress anywhere but the
 `kvpress` step, so each half runs in its own venv. The `kvpress` step scores with kvcompress's own
