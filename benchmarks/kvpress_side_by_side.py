@@ -72,6 +72,7 @@ import platform
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -1100,7 +1101,7 @@ def compare(args) -> None:
         print(f"{len(problems)} consistency problems (listed at the end of {out / 'summary.md'})", file=sys.stderr)
 
 
-def rerun_agreement(out: Path, rerun: Path, library: str, label, title: str, filename: str) -> None:
+def rerun_agreement(out: Path, rerun: Path, library: str, label: Callable[[dict], str], title: str, filename: str) -> None:
     """Token-for-token agreement of `library`'s records in `out` with those of the same cells in `rerun` (the same
     samples answered again under another protocol or on another device); `label(record)` names how the rerun
     differs (its protocol, its device). Writes `filename` into `rerun`."""
