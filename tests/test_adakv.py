@@ -341,7 +341,7 @@ def test_model_scope_is_one_top_k_over_every_layers_heads(alpha):
     layers = _layers()
     layers[2] = Tokens(layers[2].keys * 3, layers[2].values, layers[2].positions, layers[2].queries, scale=layers[2].scale)
     summaries = method.compress_layers(layers, budget, [torch.Generator() for _ in layers])
-    scores = torch.cat([method.head_scores(t, torch.Generator()) for t in layers], 1)
+    scores = torch.cat([method.head_scores(t, torch.Generator())[0] for t in layers], 1)
     expected = head_allocation(scores, budget, method.safeguard(budget)).split(4, 1)
     counts = torch.stack([_middle_counts(s, 0) for s in summaries])  # [L, B, H]
     assert (counts.sum((0, 2)) == 3 * 4 * budget).all()

@@ -1,13 +1,15 @@
 """Attention matching (Zweiger et al., "Fast KV Compaction via Attention Matching", arXiv:2602.16284): AdaKV's kept
 slots refitted (`refit`) so they attend as the whole middle did for the scorer's queries."""
 
+import sys
+
 import pytest
 import torch
 
 import kvcompress as kvc
 from kvcompress.integration import compress_context_ids, generate_ids
 from kvcompress.methods.adakv import AdaKV, padded_index
-from kvcompress.methods.attention_matching import MIN_WEIGHT, fit_log_weights, kept_attention, refit_kept
+from kvcompress.methods.attention_matching import MIN_WEIGHT, _gram, fit_log_weights, kept_attention, refit_kept
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 
@@ -116,7 +118,7 @@ def test_the_mass_fit_reaches_the_non_negative_least_squares_optimum():
     from scipy.optimize import nnls
 
     tokens = _tokens()
-    kept_mask, _ = AdaKV(scorer="snapkv").allocate(tokens, 30, torch.Generator())
+    kept_mask, _, _ = AdaKV(scorer="snapkv").allocate(tokens, 30, torch.Generator())
     index, real = padded_index(kept_mask)
     kept, _ = kept_attention(tokens, index, real, outputs=False)
     weights = fit_log_weights(kept, real).exp()
@@ -126,6 +128,41 @@ def test_the_mass_fit_reaches_the_non_negative_least_squares_optimum():
         fitted = (columns @ weights[0, head, :count].double() - 1).square().sum()
         optimum = nnls(columns.numpy(), torch.ones(columns.shape[0], dtype=torch.float64).numpy())[1] ** 2
         assert optimum <= fitted <= 1.01 * optimum + 1e-6
+
+
+def test_the_gram_products_formed_block_by_block_above_the_diagonal_are_each_heads_whole_product():
+    """Heads keep ragged numbers of slots (a prefix each, zero columns after): each head's Gram matrix is its own
+    columns' product, formed in blocks on and above the diagonal and mirrored (GRAM_BLOCK 256: one to three blocks
+    here, the last partial); the rest is 0."""
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([[600, 300, 257, 0]])
+    real = torch.arange(600) < counts.unsqueeze(-1)
+    matrix = torch.rand(1, 4, 50, 600, generator=g) * real.unsqueeze(2)
+    gram = _gram(matrix, real)
+    expected = (matrix.double().transpose(-1, -2) @ matrix.double()).float()
+    torch.testing.assert_close(gram, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("refit", ["log_weights", "log_weights_values"])
+@pytest.mark.parametrize("reference_queries", [16384, 70])
+def test_kvzips_normalisers_handed_to_the_refit_give_the_fit_formed_without_them(refit, reference_queries, monkeypatch):
+    """KVzip forms every reconstruction query's log-sum-exp over the middle while scoring (its normaliser also spans the
+    exact keys and the forward's own, which the middle's does not) and AdaKV hands it to the refit; the slots are
+    those of a refit that forms the normalisers itself, also when only every k-th query is a reference query."""
+    monkeypatch.setattr(sys.modules["kvcompress.methods.attention_matching"], "REFERENCE_QUERIES", reference_queries)
+    plain = _tokens()
+    g = torch.Generator().manual_seed(5)
+    tokens = Tokens(plain.keys, plain.values, plain.positions, queries=plain.queries, scale=SCALE,
+                    exact_keys=torch.randn(1, 2, 6, 16, generator=g), extra_lse=torch.randn(1, 4, 300, generator=g))
+    method = AdaKV(scorer="kvzip", refit=refit)
+    kept, _, middle_lse = method.allocate(tokens, 30, torch.Generator())
+    assert middle_lse is not None and middle_lse.shape == (1, 2, 600)
+    handed = method.compress(tokens, 30, torch.Generator())
+    formed = method.summary(tokens, kept)  # no normalisers given: the refit forms them
+    assert torch.equal(handed.keys, formed.keys) and torch.equal(handed.positions, formed.positions)
+    torch.testing.assert_close(handed.log_weights, formed.log_weights, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(handed.values, formed.values, atol=1e-4, rtol=1e-4)
+    assert (handed.log_weights[torch.isfinite(handed.log_weights)].abs() > 1e-2).any()  # a fit that moved the weights
 
 
 @pytest.mark.cuda

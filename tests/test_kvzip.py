@@ -111,8 +111,21 @@ def test_query_chunks_give_the_same_scores_as_one_chunk():
     for chunk in (1, 5):
         torch.testing.assert_close(reconstruction_scores(queries, keys, 0.35, exact, extra, chunk_size=chunk), whole)
         method = KVzip(reconstruction_chunk_size=chunk)
-        torch.testing.assert_close(method.score(_tokens(keys, values, queries, exact, extra, 0.35), torch.Generator()), whole)
+        tokens = _tokens(keys, values, queries, exact, extra, 0.35)
+        torch.testing.assert_close(method.score(tokens, torch.Generator()), whole[0])
+        torch.testing.assert_close(method.score_and_middle_lse(tokens, torch.Generator()), whole)
     torch.testing.assert_close(reconstruction_scores(queries, keys, 0.35, exact, extra, max_logits=1), whole)
+
+
+def test_the_middle_lse_is_each_querys_log_sum_exp_over_the_middle_keys_alone():
+    """What a refit of the kept slots reuses (`methods.attention_matching`): the normaliser over `keys` only, neither the
+    exact keys nor the forward's own (extra_lse), a KV head's rows its query heads' queries, head by head."""
+    keys, _, exact, own, queries = _case(seed=3)
+    b, hq, nq, d = queries.shape
+    hkv = keys.shape[1]
+    _, middle_lse = reconstruction_scores(queries, keys, 0.35, exact, own_lse(queries, own, 0.35, offset=3), chunk_size=5)
+    logits = torch.einsum("bhqd,bhkd->bhqk", queries.double(), keys.repeat_interleave(hq // hkv, 1).double()) * 0.35
+    torch.testing.assert_close(middle_lse.double(), logits.logsumexp(-1).reshape(b, hkv, -1), rtol=1e-5, atol=1e-5)
 
 
 def _brute_chunked(queries, keys, positions, exact, exact_positions, extra, chunk, scale):
@@ -147,8 +160,10 @@ def test_chunked_scoring_scores_each_token_by_its_own_chunks_queries_as_the_pape
     score = KVzip(reconstruction_chunk_size=chunk, scoring="chunk").score(tokens, torch.Generator())
     expected = _brute_chunked(queries, keys, positions, exact, exact_positions, extra, chunk, 0.4)
     torch.testing.assert_close(score.exp().double(), expected, rtol=1e-5, atol=1e-7)
-    small = reconstruction_scores(queries, keys, 0.4, exact, extra, chunk, max_logits=64, chunk_local=(positions[0, 0], exact_positions[0, 0]))
+    small, middle_lse = reconstruction_scores(queries, keys, 0.4, exact, extra, chunk, max_logits=64,
+                                              chunk_local=(positions[0, 0], exact_positions[0, 0]))
     torch.testing.assert_close(small, score)
+    assert middle_lse is None  # a chunk's queries never see the whole middle
     if chunk >= total:
         torch.testing.assert_close(score, KVzip(reconstruction_chunk_size=chunk).score(tokens, torch.Generator()))
 

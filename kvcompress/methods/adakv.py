@@ -216,13 +216,18 @@ class AdaKV(Method):
         super().check_inputs(tokens)
         self.inner.check_inputs(tokens)
 
-    def head_scores(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
-        """[B, H_kv, n] float32: the scorer's scores, made comparable across heads (`normalize`), then max-pooled over
-        `span` neighbouring tokens."""
-        scores = self.inner.score(tokens, generator).float()
+    def head_scores(self, tokens: Tokens, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scores [B, H_kv, n] float32: the scorer's, made comparable across heads (`normalize`), then max-pooled over
+        `span` neighbouring tokens; with `refit`, the middle's normalisers the scorer formed for its queries, else
+        None: `ScoreMethod.score_and_middle_lse`)."""
+        if self.refit != "none":
+            scores, middle_lse = self.inner.score_and_middle_lse(tokens, generator)
+        else:
+            scores, middle_lse = self.inner.score(tokens, generator), None
+        scores = scores.float()
         if self.normalize == "softmax":
             scores = torch.log_softmax(scores, dim=-1).nan_to_num(nan=-math.inf)
-        return max_pool_scores(scores, self.span)
+        return max_pool_scores(scores, self.span), middle_lse
 
     def kept_budget(self, budget: int) -> int:
         """Tokens kept per head on average at this budget: the budget less the `evicted_slots` that summarise the rest."""
@@ -231,18 +236,20 @@ class AdaKV(Method):
                              f"evicted_slots must be smaller than the budget (a lower compression_ratio or fewer evicted_slots)")
         return budget - self.evicted_slots
 
-    def allocate(self, tokens: Tokens, budget: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kept [B, H_kv, n] bool, the scores it was chosen by [B, H_kv, n]): `head_allocation` of the scorer's scores."""
-        scores = self.head_scores(tokens, generator)
-        return head_allocation(scores, budget, self.safeguard(budget)), scores
+    def allocate(self, tokens: Tokens, budget: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """(kept [B, H_kv, n] bool, the scores it was chosen by [B, H_kv, n], the middle's normalisers or None):
+        `head_allocation` of `head_scores`."""
+        scores, middle_lse = self.head_scores(tokens, generator)
+        return head_allocation(scores, budget, self.safeguard(budget)), scores, middle_lse
 
-    def summary(self, tokens: Tokens, kept: torch.Tensor) -> KVSummary:
-        """The kept tokens (refitted: `refit`), then (evicted_slots > 0) the summary of the evicted ones
-        (`evicted_summary`)."""
+    def summary(self, tokens: Tokens, kept: torch.Tensor, middle_lse: torch.Tensor | None = None) -> KVSummary:
+        """The kept tokens (refitted: `refit`, with the scorer's normalisers `middle_lse` where it formed them), then
+        (evicted_slots > 0) the summary of the evicted ones (`evicted_summary`)."""
         summary = kept_summary(tokens, kept)
         if self.refit != "none":
             fit_values = self.refit == "log_weights_values"
-            log_weights, values = refit_kept(tokens, *padded_index(kept), summary.values, values=fit_values)
+            log_weights, values = refit_kept(tokens, *padded_index(kept), summary.values, values=fit_values,
+                                             middle_lse=middle_lse)
             return KVSummary(summary.keys, values, log_weights, summary.positions)
         if not self.evicted_slots:
             return summary
@@ -251,8 +258,8 @@ class AdaKV(Method):
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:
             return tokens.exact()
-        kept, _ = self.allocate(tokens, self.kept_budget(budget), generator)
-        return self.summary(tokens, kept)
+        kept, _, middle_lse = self.allocate(tokens, self.kept_budget(budget), generator)
+        return self.summary(tokens, kept, middle_lse)
 
     def compress_layers(self, layers: list[Tokens], budget: int, generators: list[torch.Generator]) -> list[KVSummary]:
         """scope "model": the middles of every compressed layer [B, H_kv, n, d] (one context: the same B, H_kv and n in
@@ -260,10 +267,10 @@ class AdaKV(Method):
         per batch row in all; -> one summary per layer (`compress`'s layout)."""
         if layers[0].length <= budget:
             return [tokens.exact() for tokens in layers]
-        scores = torch.cat([self.head_scores(tokens, generator) for tokens, generator in zip(layers, generators)], dim=1)
+        scores, middle_lse = zip(*(self.head_scores(tokens, generator) for tokens, generator in zip(layers, generators)))
         kept_budget = self.kept_budget(budget)
-        kept = head_allocation(scores, kept_budget, self.safeguard(kept_budget)).split(layers[0].keys.shape[1], dim=1)
-        return [self.summary(tokens, layer_kept) for tokens, layer_kept in zip(layers, kept)]
+        kept = head_allocation(torch.cat(scores, dim=1), kept_budget, self.safeguard(kept_budget))
+        return [self.summary(*layer) for layer in zip(layers, kept.split(layers[0].keys.shape[1], dim=1), middle_lse)]
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "AdaptiveBlockwiseState":
         if self.scope == "model":
@@ -318,7 +325,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
     and never allocates more slots than the tokens absorbed."""
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
-        kept, scores = self.method.allocate(held, self.budget, self.generator)
+        kept, scores, _ = self.method.allocate(held, self.budget, self.generator)
         index, real = padded_index(kept, scores)
         self.log_weights = torch.zeros(real.shape, device=held.keys.device).masked_fill(~real, float("-inf"))
         return tuple(take_slots(column, index) for column in self.slots.view())

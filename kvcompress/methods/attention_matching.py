@@ -25,7 +25,8 @@ subset selection; which subset is the method's choice).
 
 Logits, probabilities and the accumulated Gram matrices are float32, formed over blocks of queries of at most
 `MAX_LOGITS` scores (the kept columns are held for every query at once: m·t floats per head); the values'
-solve runs in float64. The refitted values are stored in the values' dtype.
+solve runs in float64. A scorer that formed the reference queries' normalisers over the middle while scoring
+(KVzip's reconstruction) hands them on, and the mass fit then forms the kept keys' logits only. The refitted values are stored in the values' dtype.
 """
 
 from __future__ import annotations
@@ -39,29 +40,35 @@ from .tokens import Tokens
 MASS_STEPS = 200  # projected gradient steps of the mass fit
 VALUE_RIDGE = 1e-3  # the values' ridge toward the kept tokens' own, relative to the mean diagonal of the normal equations
 MIN_WEIGHT = 1e-3  # the smallest weight a kept slot is given (log-weight about -6.9): every kept slot stays attended
+GRAM_BLOCK = 256  # columns per block of a Gram product (formed on and above the diagonal only)
 REFERENCE_QUERIES = 16384  # the most reference queries a KV head is fitted on (evenly spaced among its rows; bounds memory)
 
 
-def kept_attention(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, outputs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def kept_attention(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, outputs: bool,
+                   middle_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(kept [B, H_kv, m, t], local [B, H_kv, m, d_v] or None) float32: for each reference query (a KV head's rows
     are the queries of its query heads, of which m <= `REFERENCE_QUERIES` evenly spaced ones are taken), its softmax
     over the middle's keys at the kept slots `index` [B, H_kv, t] (padding slots, real False, 0), and (`outputs`) the
-    middle's local output, that softmax's average of every value. The normaliser (a log-sum-exp over every middle key)
-    is formed over blocks of queries of at most `MAX_LOGITS` scores."""
+    middle's local output, that softmax's average of every value. The softmax's normaliser is a log-sum-exp over
+    every middle key, formed over blocks of queries of at most `MAX_LOGITS` scores, or taken from middle_lse
+    [B, H_kv, group·q] (every query's, as the scorer formed it: `ScoreMethod.score_and_middle_lse`); then only the
+    kept keys' logits are formed, unless `outputs` needs every value's weight."""
     b, hq, nq, d = tokens.queries.shape
     hkv, n = tokens.keys.shape[1], tokens.keys.shape[2]
     group = hq // hkv
     queries = tokens.queries.float().reshape(b, hkv, group * nq, d)
     stride = -(-group * nq // REFERENCE_QUERIES)
     queries = queries[:, :, ::stride] * tokens.scale
+    if middle_lse is not None:
+        middle_lse = middle_lse[:, :, ::stride].unsqueeze(-1)
     keys, values = tokens.keys.float().transpose(-1, -2), tokens.values.float()
     kept_keys = take_slots(tokens.keys, index).float().transpose(-1, -2)
     rows = max(1, MAX_LOGITS // max(1, b * hkv * n))
     kept, local = [], []
     for start in range(0, queries.shape[2], rows):
         block = queries[:, :, start : start + rows]
-        logits = torch.matmul(block, keys)
-        lse = logits.logsumexp(-1, keepdim=True)
+        logits = torch.matmul(block, keys) if outputs or middle_lse is None else None
+        lse = logits.logsumexp(-1, keepdim=True) if middle_lse is None else middle_lse[:, :, start : start + rows]
         kept.append((torch.matmul(block, kept_keys) - lse).exp_() * real.unsqueeze(2))
         if outputs:
             local.append(logits.sub_(lse).exp_() @ values)
@@ -97,12 +104,17 @@ def _mass_weights(gram: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _gram(matrix: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """[B, H, t, t]: matrixᵀ·matrix per head for matrix [B, H, m, t] whose columns past each head's real slots (real
     [B, H, t], a prefix of each head's) are zero: each head's product is formed over its own slots only, the rest
-    left 0."""
+    left 0. The product is symmetric: it is formed in blocks of `GRAM_BLOCK` columns, those on and above the diagonal,
+    and the ones below are their transposes."""
     out = matrix.new_zeros(*matrix.shape[:2], matrix.shape[-1], matrix.shape[-1])
     for row, heads in enumerate(real.sum(-1).tolist()):
         for head, count in enumerate(heads):
             columns = matrix[row, head, :, :count]
-            out[row, head, :count, :count] = columns.transpose(0, 1) @ columns
+            for first in range(0, count, GRAM_BLOCK):
+                stop = min(first + GRAM_BLOCK, count)
+                block = columns[:, first:stop].transpose(0, 1) @ columns[:, first:]
+                out[row, head, first:stop, first:count] = block
+                out[row, head, stop:count, first:stop] = block[:, stop - first :].transpose(0, 1)
     return out
 
 
@@ -132,13 +144,14 @@ def fit_values(kept: torch.Tensor, local: torch.Tensor, own: torch.Tensor, real:
     return fitted.float().masked_fill(~real.unsqueeze(-1), 0)
 
 
-def refit_kept(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, own: torch.Tensor,
-               values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def refit_kept(tokens: Tokens, index: torch.Tensor, real: torch.Tensor, own: torch.Tensor, values: bool,
+               middle_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_weights [B, H_kv, t] float32, values [B, H_kv, t, d_v] in the values' dtype) of the kept slots `index`
     [B, H_kv, t] of `tokens` (real [B, H_kv, t] False for padding: log-weight -inf, value 0), whose own values are
     own [B, H_kv, t, d_v]: the log-weights fitted to the middle's mass for `tokens.queries`, and the values fitted to
-    its output (`values`) or `own` as given."""
-    kept, local = kept_attention(tokens, index, real, outputs=values)
+    its output (`values`) or `own` as given. middle_lse: the queries' normalisers over the middle, if the scorer
+    formed them (`kept_attention`)."""
+    kept, local = kept_attention(tokens, index, real, outputs=values, middle_lse=middle_lse)
     log_weights = fit_log_weights(kept, real)
     if not values:
         return log_weights, own

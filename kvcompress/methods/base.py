@@ -152,6 +152,13 @@ class ScoreMethod(Method, ABC):
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         """[B, H_kv, n] importance of each token (higher is kept)."""
 
+    def score_and_middle_lse(self, tokens: Tokens, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`score`'s scores, the log-sum-exp of each of `tokens.queries`' scaled logits over the middle's keys
+        `tokens.keys`, [B, H_kv, group·q] float32 with a KV head's rows its query heads' queries, head by head, or
+        None): a scorer that forms that normaliser while scoring hands it on (KVzip), so that a refit of the kept
+        slots to the same queries (`methods.attention_matching`) need not form it again; None here."""
+        return self.score(tokens, generator), None
+
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:
             return tokens.exact()

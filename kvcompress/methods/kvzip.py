@@ -100,8 +100,10 @@ def reconstruction_scores(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_logits: int = MAX_LOGITS,
     chunk_local: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-) -> torch.Tensor:
-    """[B, H_kv, n] float32: log max over queries and group heads of softmax(scale·<q, k>) on each key of `keys`.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores [B, H_kv, n] float32: log max over queries and group heads of softmax(scale·<q, k>) on each key of
+    `keys`; middle_lse [B, H_kv, group·q] float32: each query's log-sum-exp over `keys` alone, a KV head's rows its
+    query heads' queries head by head, or None with chunk_local, whose blocks see a chunk's keys only).
 
     queries [B, H_q, q, d] see every key; the normaliser of each query is over keys [B, H_kv, n, d],
     exact_keys [B, H_kv, m, d] (None: none) and the keys behind extra_lse [B, H_q, q] (their
@@ -124,6 +126,7 @@ def reconstruction_scores(
     lse_extra = extra_lse.float().reshape(b, hkv, group, nq) if extra_lse is not None else None
     step = max(1, min(chunk_size, max_logits // max(1, b * hq * width)))
     best = torch.full((b, hkv, n), float("-inf"), device=keys.device)
+    middle_lse = torch.empty(b, hkv, group, nq, device=keys.device) if chunk_local is None else None
     for first in range(0, nq, chunk_size):
         scored, block_keys, block_exact = slice(None), k, ex
         if chunk_local is not None:
@@ -134,12 +137,14 @@ def reconstruction_scores(
             rows = q[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
             logits = torch.matmul(rows, block_keys.transpose(-1, -2))  # [B, H_kv, rows, keys scored]
             lse = logits.logsumexp(-1)
+            if middle_lse is not None:
+                middle_lse[:, :, :, start:stop] = lse.view(b, hkv, group, stop - start)
             if block_exact is not None and block_exact.shape[2]:
                 lse = torch.logaddexp(lse, torch.matmul(rows, block_exact.transpose(-1, -2)).logsumexp(-1))
             if lse_extra is not None:
                 lse = torch.logaddexp(lse, lse_extra[:, :, :, start:stop].reshape(b, hkv, -1))
             best[:, :, scored] = torch.maximum(best[:, :, scored], (logits - lse.unsqueeze(-1)).amax(-2))
-    return best
+    return best, (middle_lse.view(b, hkv, group * nq) if middle_lse is not None else None)
 
 
 def _chunk_indices(positions: torch.Tensor, exact_positions: torch.Tensor | None, first: int, chunk_size: int):
@@ -201,6 +206,10 @@ class KVzip(ScoreMethod):
         )
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
+        return self.score_and_middle_lse(tokens, generator)[0]
+
+    def score_and_middle_lse(self, tokens: Tokens, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`score`, the middle's log-sum-exp per reconstruction query that scoring formed: scoring "context" only)."""
         chunk_local = None
         if self.scoring == "chunk":
             exact = 0 if tokens.exact_keys is None else tokens.exact_keys.shape[2]
@@ -213,11 +222,11 @@ class KVzip(ScoreMethod):
                     f"{tokens.length + exact} tokens; use scoring='context' for other queries"
                 )
             chunk_local = (tokens.positions[0, 0], None if exact_positions is None else exact_positions[0, 0])
-        scores = reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys, tokens.extra_lse,
-                                       self.reconstruction_chunk_size, chunk_local=chunk_local)
-        if self.value_norm == "none":
-            return scores
-        return scores + log_value_norms(tokens.values, relative=self.value_norm == "relative")
+        scores, middle_lse = reconstruction_scores(tokens.queries, tokens.keys, tokens.scale, tokens.exact_keys,
+                                                   tokens.extra_lse, self.reconstruction_chunk_size, chunk_local=chunk_local)
+        if self.value_norm != "none":
+            scores = scores + log_value_norms(tokens.values, relative=self.value_norm == "relative")
+        return scores, middle_lse
 
 
 def log_value_norms(values: torch.Tensor, relative: bool) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""What the prefill default's refit costs, with KVzip's normalisers handed on and with the fit forming its own.
+
+The default (`adakv(scorer="kvzip", scope="model", alpha_safeguard=0.05, window=0, refit="log_weights")`) scores
+every layer's middle with the context's reconstruction queries, shares the budget over every layer's heads, then
+refits each layer's kept slots to the middle's attention mass for the same queries
+(`kvcompress.methods.attention_matching`). The mass fit needs each query's log-sum-exp over the whole middle; KVzip
+forms it while scoring and AdaKV hands it on (`ScoreMethod.score_and_middle_lse`), so the fit forms only the kept
+keys' logits. This bench times, in one process and on the same tensors:
+
+- scoring: `AdaKV.head_scores` of every layer (KVzip's reconstruction scores) and the joint top-k;
+- refit, handed: each layer's `AdaKV.summary` with the normalisers the scorer formed;
+- refit, formed: the same summary without them (the fit forms the log-sum-exp over every middle key itself);
+
+and checks that both refits give the same log-weights. The tensors are random, with the default model's shapes
+(SmolLM2-135M: 3 KV heads of 64 dimensions, 3 query heads each) and one reconstruction query per context token per
+query head; keys drawn near a few centres per head, as real keys cluster. Only shapes and kept counts set the cost,
+so the model's weights are not needed; on real scores the heads keep more unevenly than here, which makes the
+Gram products (the same in both refits) a larger share. Writes benchmarks/results/refit_cost.{csv,md}.
+
+    python benchmarks/refit_cost.py [--length 4096] [--layers 4] [--ratios 0.5 0.75 0.9] [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from kvcompress.eval.tables import markdown_table, write_csv
+from kvcompress.methods.adakv import AdaKV, head_allocation
+from kvcompress.methods.tokens import Tokens
+
+RESULTS = Path(__file__).parent / "results"
+DEFAULT = dict(scorer="kvzip", scope="model", alpha_safeguard=0.05, refit="log_weights")
+
+
+def layer_tokens(length: int, kv_heads: int, group: int, dim: int, seed: int) -> Tokens:
+    """One layer's middle [1, kv_heads, length, dim] with `length` reconstruction queries per query head."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(1, kv_heads, 16, dim, generator=g) * 2
+    keys = centres.gather(2, torch.randint(16, (1, kv_heads, length, 1), generator=g).expand(-1, -1, -1, dim))
+    keys = keys + 0.5 * torch.randn(1, kv_heads, length, dim, generator=g)
+    values = torch.randn(1, kv_heads, length, dim, generator=g)
+    queries = torch.randn(1, kv_heads * group, length, dim, generator=g) * 2
+    return Tokens(keys, values, torch.arange(length).expand(1, kv_heads, length), queries=queries, scale=dim ** -0.5,
+                  extra_lse=torch.randn(1, kv_heads * group, length, generator=g))
+
+
+def measure(layers: list[Tokens], ratio: float, repeat: int) -> dict:
+    method = AdaKV(**DEFAULT)
+    budget = round((1 - ratio) * layers[0].length)
+    start = time.perf_counter()
+    scored = [method.head_scores(tokens, torch.Generator()) for tokens in layers]
+    kept = head_allocation(torch.cat([scores for scores, _ in scored], 1), budget, method.safeguard(budget))
+    kept = kept.split(layers[0].keys.shape[1], dim=1)
+    scoring = time.perf_counter() - start
+    seconds, fits = {}, {}
+    for way in (("handed", "formed") if repeat % 2 == 0 else ("formed", "handed")):
+        start = time.perf_counter()
+        fits[way] = [method.summary(tokens, layer_kept, lse if way == "handed" else None)
+                     for tokens, layer_kept, (_, lse) in zip(layers, kept, scored)]
+        seconds[way] = time.perf_counter() - start
+    difference = max(float((a.log_weights - b.log_weights).nan_to_num(0).abs().max())
+                     for a, b in zip(fits["handed"], fits["formed"]))
+    counts = torch.cat([layer_kept.sum(-1) for layer_kept in kept]).flatten().float()
+    return dict(ratio=ratio, repeat=repeat, layers=len(layers), kept_per_head_mean=round(float(counts.mean()), 1),
+                kept_per_head_max=int(counts.max()), scoring_s=round(scoring, 2), refit_handed_s=round(seconds["handed"], 2),
+                refit_formed_s=round(seconds["formed"], 2), log_weights_max_difference=f"{difference:.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096, help="middle tokens per layer (and reconstruction queries)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--group", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    layers = [layer_tokens(args.length, args.kv_heads, args.group, args.head_dim, seed) for seed in range(args.layers)]
+    rows = []
+    for repeat in range(args.repeats):
+        for ratio in args.ratios:
+            rows.append(measure(layers, ratio, repeat))
+            print(rows[-1], flush=True)
+    summary = []
+    for ratio in args.ratios:
+        mine = [row for row in rows if row["ratio"] == ratio]
+        median = {key: sorted(row[key] for row in mine)[len(mine) // 2] for key in ("scoring_s", "refit_handed_s", "refit_formed_s")}
+        summary.append(dict(ratio=ratio, kept_per_head_mean=mine[0]["kept_per_head_mean"], **median,
+                            refit_formed_over_handed=round(median["refit_formed_s"] / median["refit_handed_s"], 2),
+                            compression_formed_over_handed=round((median["scoring_s"] + median["refit_formed_s"])
+                                                                 / (median["scoring_s"] + median["refit_handed_s"]), 2)))
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s), torch "
+               f"{torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}")
+    RESULTS.mkdir(exist_ok=True)
+    write_csv(RESULTS / "refit_cost.csv", rows)
+    text = (f"# The default's refit: normalisers handed on by KVzip or formed by the fit\n\n{machine}; {args.layers} layers of "
+            f"{args.length} middle tokens, {args.kv_heads} KV heads x {args.group} query heads, head dim {args.head_dim}; "
+            f"medians of {args.repeats} repeats (seconds for all the layers)\n\n" + markdown_table(summary) + "\n")
+    (RESULTS / "refit_cost.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
