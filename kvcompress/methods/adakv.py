@@ -236,7 +236,8 @@ class AdaKV(Method):
                              f"evicted_slots must be smaller than the budget (a lower compression_ratio or fewer evicted_slots)")
         return budget - self.evicted_slots
 
-    def allocate(self, tokens: Tokens, budget: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    def allocate(self, tokens: Tokens, budget: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(kept [B, H_kv, n] bool, the scores it was chosen by [B, H_kv, n], the middle's normalisers or None):
         `head_allocation` of `head_scores`."""
         scores, middle_lse = self.head_scores(tokens, generator)

@@ -25,8 +25,9 @@ subset selection; which subset is the method's choice).
 
 Logits, probabilities and the accumulated Gram matrices are float32, formed over blocks of queries of at most
 `MAX_LOGITS` scores (the kept columns are held for every query at once: m·t floats per head); the values'
-solve runs in float64. A scorer that formed the reference queries' normalisers over the middle while scoring
-(KVzip's reconstruction) hands them on, and the mass fit then forms the kept keys' logits only. The refitted values are stored in the values' dtype.
+solve runs in float64. The refitted values are stored in the values' dtype. A scorer that formed the reference
+queries' normalisers over the middle while scoring (KVzip's reconstruction) hands them on, and the mass fit then
+forms the kept keys' logits only.
 """
 
 from __future__ import annotations
