@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kvcompress.eval.tables import markdown_table, write_csv
-from kvcompress.methods.adakv import AdaKV, head_allocation
+from kvcompress.methods.adakv import AdaKV
 from kvcompress.methods.tokens import Tokens
 
 RESULTS = Path(__file__).parent / "results"
@@ -55,15 +55,13 @@ def measure(layers: list[Tokens], ratio: float, repeat: int) -> dict:
     method = AdaKV(**DEFAULT)
     budget = round((1 - ratio) * layers[0].length)
     start = time.perf_counter()
-    scored = [method.head_scores(tokens, torch.Generator()) for tokens in layers]
-    kept = head_allocation(torch.cat([scores for scores, _ in scored], 1), budget, method.safeguard(budget))
-    kept = kept.split(layers[0].keys.shape[1], dim=1)
+    kept, middle_lse = method.allocate_layers(layers, budget, [torch.Generator() for _ in layers])
     scoring = time.perf_counter() - start
     seconds, fits = {}, {}
     for way in (("handed", "formed") if repeat % 2 == 0 else ("formed", "handed")):
         start = time.perf_counter()
         fits[way] = [method.summary(tokens, layer_kept, lse if way == "handed" else None)
-                     for tokens, layer_kept, (_, lse) in zip(layers, kept, scored)]
+                     for tokens, layer_kept, lse in zip(layers, kept, middle_lse)]
         seconds[way] = time.perf_counter() - start
     difference = max(float((a.log_weights - b.log_weights).nan_to_num(0).abs().max())
                      for a, b in zip(fits["handed"], fits["formed"]))

@@ -25,9 +25,8 @@ MODES = ("prefill", "chunked", "decode")
 # reported prose set"). Prefill: KVzip's reconstruction scores ranked across every layer's heads (AdaKV, scope "model")
 # with a small per-head floor (each head keeps its own top 5 % of the budget), every token ranked (no exact window), and
 # the kept slots' log-weights refitted so they carry the whole middle's attention mass for KVzip's reconstruction
-# queries (attention matching). KVzip needs the whole context, so the
-# streaming modes get the best that streams: KeyDiff's scores shared out among each layer's heads (AdaKV, with its sink
-# and window).
+# queries (attention matching). KVzip needs the whole context, so the streaming modes get the best that streams:
+# KeyDiff's scores shared out among each layer's heads (AdaKV, with its sink and window).
 DEFAULT = "default"
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
     "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights"}, {"window": 0}),

@@ -218,12 +218,9 @@ class AdaKV(Method):
 
     def head_scores(self, tokens: Tokens, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scores [B, H_kv, n] float32: the scorer's, made comparable across heads (`normalize`), then max-pooled over
-        `span` neighbouring tokens; with `refit`, the middle's normalisers the scorer formed for its queries, else
-        None: `ScoreMethod.score_and_middle_lse`)."""
-        if self.refit != "none":
-            scores, middle_lse = self.inner.score_and_middle_lse(tokens, generator)
-        else:
-            scores, middle_lse = self.inner.score(tokens, generator), None
+        `span` neighbouring tokens; the middle's normalisers the scorer formed for its queries, or None:
+        `ScoreMethod.score_and_middle_lse`, which `refit` uses)."""
+        scores, middle_lse = self.inner.score_and_middle_lse(tokens, generator)
         scores = scores.float()
         if self.normalize == "softmax":
             scores = torch.log_softmax(scores, dim=-1).nan_to_num(nan=-math.inf)
@@ -268,10 +265,17 @@ class AdaKV(Method):
         per batch row in all; -> one summary per layer (`compress`'s layout)."""
         if layers[0].length <= budget:
             return [tokens.exact() for tokens in layers]
+        kept, middle_lse = self.allocate_layers(layers, budget, generators)
+        return [self.summary(*layer) for layer in zip(layers, kept, middle_lse)]
+
+    def allocate_layers(self, layers: list[Tokens], budget: int,
+                        generators: list[torch.Generator]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """scope "model": (kept [B, H_kv, n] bool per layer, the scorer's middle normalisers per layer or None): one
+        `head_allocation` of every layer's `head_scores` at `kept_budget(budget)` per head on average."""
         scores, middle_lse = zip(*(self.head_scores(tokens, generator) for tokens, generator in zip(layers, generators)))
         kept_budget = self.kept_budget(budget)
         kept = head_allocation(torch.cat(scores, dim=1), kept_budget, self.safeguard(kept_budget))
-        return [self.summary(*layer) for layer in zip(layers, kept.split(layers[0].keys.shape[1], dim=1), middle_lse)]
+        return list(kept.split(layers[0].keys.shape[1], dim=1)), list(middle_lse)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "AdaptiveBlockwiseState":
         if self.scope == "model":
