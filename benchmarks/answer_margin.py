@@ -79,14 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     if harness.FULL in cells:
         parser.error("--cells takes compressed cells: the full cache is what they are measured against")
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else []
-    chosen = {int(i) for i in args.samples.split(",")} if args.samples else None
     args.cells, args.ratios, args.device, args.shard, args.skip_checkpoint_hash = harness.FULL, None, "cpu", None, False
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
-    if chosen is not None:
-        unknown = chosen - {sample["index"] for sample in run.samples}
-        if unknown:
-            parser.error(f"--samples {args.samples!r}: no sample with index {sorted(unknown)} in {args.out}")
-        run.samples = [sample for sample in run.samples if sample["index"] in chosen]
     records = {r["key"]: r for r in harness.read_records(Path(args.out))}
     out_path = Path(args.out) / "margin.jsonl"
     done = {r["sample"] for r in harness.read_jsonl(out_path)} if out_path.exists() else set()

@@ -40,8 +40,8 @@ The harness is four steps with one file format between them (JSONL under one out
    reads the recorded scores, which `compare` checks.
 
 Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output file
-already holds, so an interrupted run continues. `--shard I/N` splits the samples among processes
-(each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
+already holds, so an interrupted run continues. `--samples` answers only the samples of the indices named, and
+`--shard I/N` splits the samples among processes (each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
 
     .venv/bin/python benchmarks/kvpress_side_by_side.py dump --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/kvpress_side_by_side
@@ -311,7 +311,23 @@ def score_prediction(tasks_module, sample: dict, prediction: str) -> float:
     return float(tasks_module.score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction))
 
 
-def select_shard(samples: list[dict], shard: tuple[int, int] | None) -> list[dict]:
+def parse_sample_indices(text: str | None) -> set[int] | None:
+    """'3,7,12' -> {3, 7, 12} (sample indices); None -> None (every sample)."""
+    if text is None:
+        return None
+    try:
+        return {int(x) for x in text.split(",")}
+    except ValueError:
+        raise SystemExit(f"--samples must be comma-separated sample indices, e.g. 2,4,7, got {text!r}") from None
+
+
+def select_samples(samples: list[dict], indices: set[int] | None, shard: tuple[int, int] | None) -> list[dict]:
+    """The samples whose index is among `indices` (all when None), then this shard's share of them."""
+    if indices is not None:
+        known = {sample["index"] for sample in samples}
+        if not indices <= known:
+            raise SystemExit(f"--samples names indices {sorted(indices - known)} that no dumped sample has; known: {sorted(known)}")
+        samples = [sample for sample in samples if sample["index"] in indices]
     return samples if shard is None else samples[shard[0]::shard[1]]
 
 
@@ -332,7 +348,7 @@ def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
     check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
     shard = parse_shard(args.shard)
     return SimpleNamespace(
-        manifest=manifest, samples=samples, shard=shard, device=torch.device(args.device),
+        manifest=manifest, samples=select_samples(samples, parse_sample_indices(args.samples), shard), device=torch.device(args.device),
         model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).to(args.device).eval(),
         tokenizer=AutoTokenizer.from_pretrained(checkpoint, local_files_only=True),
         cells=parse_list(args.cells, known_cells),
@@ -477,10 +493,10 @@ def run_kvcompress(args) -> None:
     from kvcompress.integration import generate_ids
 
     run = open_run(args, "kvcompress", KVCOMPRESS_CELLS)
-    manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
-        run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.shard, run.path, run.done)
+    manifest, samples, model, tokenizer, cells, ratios, path, done = (
+        run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.path, run.done)
     env = environment(args.threads, args.device) | {"kvcompress_version": _kvcompress_version()}
-    for sample in select_shard(samples, shard):
+    for sample in samples:
         todo = [(label, None if KVCOMPRESS_CELLS[label][0] is None else ratio) for label in cells
                 for ratio in (ratios if KVCOMPRESS_CELLS[label][0] is not None else [None])]
         todo = list(dict.fromkeys(todo))
@@ -756,11 +772,11 @@ def run_kvpress(args) -> None:
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's "2-3x prefill" warning, once per press built
     run = open_run(args, "kvpress", KVPRESS_CELLS)
     tasks_module = load_task_scorer()
-    manifest, samples, model, tokenizer, cells, ratios, shard, path, done = (
-        run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.shard, run.path, run.done)
+    manifest, samples, model, tokenizer, cells, ratios, path, done = (
+        run.manifest, run.samples, run.model, run.tokenizer, run.cells, run.ratios, run.path, run.done)
     env = environment(args.threads, args.device) | {"kvpress_version": version("kvpress"),
                                                     "attn_implementation": model.config._attn_implementation}
-    for sample in select_shard(samples, shard):
+    for sample in samples:
         context_ids = torch.tensor([sample["context_ids"]], device=run.device)
         question_ids = torch.tensor([sample["question_ids"]], device=run.device)
         stop = stop_ids_of(manifest, sample)
@@ -1162,6 +1178,9 @@ def main(argv=None) -> None:
         s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
         s.add_argument("--device", default="cpu", help="torch device of the model and the prompts (default cpu; e.g. cuda)")
         s.add_argument("--shard", default=None, help="I/N: only samples I, I+N, ... (each shard writes its own file)")
+        s.add_argument("--samples", default=None,
+                       help="comma-separated sample indices to answer (default: every sample); "
+                            "--shard then splits these")
         s.add_argument("--skip-checkpoint-hash", action="store_true", help="do not re-hash the checkpoint against the manifest")
         if name == "kvpress":
             s.add_argument("--protocol", choices=("shared", "pipeline"), default="shared",

@@ -85,18 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.cell not in harness.KVCOMPRESS_CELLS or harness.KVCOMPRESS_CELLS[args.cell][0] is None or harness.streams(args.cell):
         raise SystemExit(f"--cell must be a compressing prefill cell of the harness, got {args.cell!r}")
     ratios = [float(r) for r in args.ratios.split(",")]
-    picks = {int(i) for i in args.samples.split(",")}
 
     args.cells, args.device, args.shard, args.skip_checkpoint_hash = args.cell, "cpu", None, False  # what open_run reads
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
-    samples = [s for s in run.samples if s["index"] in picks]
-    if {s["index"] for s in samples} != picks:
-        raise SystemExit(f"--samples: the folder has no sample with index {sorted(picks - {s['index'] for s in samples})}")
     answers = {r["key"]: r for r in harness.read_records(Path(args.out))}
     method, params = harness.KVCOMPRESS_CELLS[args.cell]
     out_path = Path(args.out) / "retention.jsonl"
     done = {(r["cell"], r["sample"], r["ratio"]) for r in harness.read_jsonl(out_path)} if out_path.exists() else set()
-    for sample in samples:
+    for sample in run.samples:
         context_ids = torch.tensor([sample["context_ids"]])
         needle = sample["needles"][0]
         needle_span = token_span(run.tokenizer, sample["context_ids"], needle)

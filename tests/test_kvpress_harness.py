@@ -124,6 +124,18 @@ def test_small_parsers():
     assert h.prompt_digest([1, 2], [3]) != h.prompt_digest([1], [2, 3])
 
 
+def test_select_samples_takes_the_named_indices_then_the_shard():
+    samples = [{"index": i} for i in range(6)]
+    assert h.parse_sample_indices(None) is None and h.parse_sample_indices("4,1") == {1, 4}
+    with pytest.raises(SystemExit, match="--samples"):
+        h.parse_sample_indices("1,x")
+    assert h.select_samples(samples, None, None) == samples
+    assert h.select_samples(samples, None, (1, 2)) == [{"index": 1}, {"index": 3}, {"index": 5}]
+    assert h.select_samples(samples, {0, 2, 3, 5}, (1, 2)) == [{"index": 2}, {"index": 5}]
+    with pytest.raises(SystemExit, match=r"\[9\]"):
+        h.select_samples(samples, {1, 9}, None)
+
+
 def test_every_kvcompress_cell_names_a_registered_method_and_a_counterpart():
     import kvcompress as kvc
 
