@@ -40,7 +40,7 @@ The harness is four steps with one file format between them (JSONL under one out
    reads the recorded scores, which `compare` checks.
 
 Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output file
-already holds, so an interrupted run continues. `--samples` answers only the samples of the indices named, and
+already holds, so an interrupted run continues. `--sample-indices` answers only the samples of the indices named, and
 `--shard I/N` splits the samples among processes (each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
 
     .venv/bin/python benchmarks/kvpress_side_by_side.py dump --out results/kvpress_side_by_side
@@ -318,7 +318,7 @@ def parse_sample_indices(text: str | None) -> set[int] | None:
     try:
         return {int(x) for x in text.split(",")}
     except ValueError:
-        raise SystemExit(f"--samples must be comma-separated sample indices, e.g. 2,4,7, got {text!r}") from None
+        raise SystemExit(f"--sample-indices must be comma-separated sample indices, e.g. 2,4,7, got {text!r}") from None
 
 
 def select_samples(samples: list[dict], indices: set[int] | None, shard: tuple[int, int] | None) -> list[dict]:
@@ -326,7 +326,7 @@ def select_samples(samples: list[dict], indices: set[int] | None, shard: tuple[i
     if indices is not None:
         known = {sample["index"] for sample in samples}
         if not indices <= known:
-            raise SystemExit(f"--samples names indices {sorted(indices - known)} that no dumped sample has; known: {sorted(known)}")
+            raise SystemExit(f"--sample-indices names indices {sorted(indices - known)} that no dumped sample has; known: {sorted(known)}")
         samples = [sample for sample in samples if sample["index"] in indices]
     return samples if shard is None else samples[shard[0]::shard[1]]
 
@@ -348,7 +348,7 @@ def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
     check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
     shard = parse_shard(args.shard)
     return SimpleNamespace(
-        manifest=manifest, samples=select_samples(samples, parse_sample_indices(args.samples), shard), device=torch.device(args.device),
+        manifest=manifest, samples=select_samples(samples, parse_sample_indices(args.sample_indices), shard), device=torch.device(args.device),
         model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).to(args.device).eval(),
         tokenizer=AutoTokenizer.from_pretrained(checkpoint, local_files_only=True),
         cells=parse_list(args.cells, known_cells),
@@ -1178,7 +1178,7 @@ def main(argv=None) -> None:
         s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
         s.add_argument("--device", default="cpu", help="torch device of the model and the prompts (default cpu; e.g. cuda)")
         s.add_argument("--shard", default=None, help="I/N: only samples I, I+N, ... (each shard writes its own file)")
-        s.add_argument("--samples", default=None,
+        s.add_argument("--sample-indices", default=None,
                        help="comma-separated sample indices to answer (default: every sample); "
                             "--shard then splits these")
         s.add_argument("--skip-checkpoint-hash", action="store_true", help="do not re-hash the checkpoint against the manifest")

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--cell must be a compressing prefill cell of the harness, got {args.cell!r}")
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    args.cells, args.device, args.shard, args.skip_checkpoint_hash = args.cell, "cpu", None, False  # what open_run reads
+    args.cells, args.device, args.shard, args.skip_checkpoint_hash, args.sample_indices = args.cell, "cpu", None, False, args.samples  # what open_run reads
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
     answers = {r["key"]: r for r in harness.read_records(Path(args.out))}
     method, params = harness.KVCOMPRESS_CELLS[args.cell]

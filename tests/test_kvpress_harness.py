@@ -127,7 +127,7 @@ def test_small_parsers():
 def test_select_samples_takes_the_named_indices_then_the_shard():
     samples = [{"index": i} for i in range(6)]
     assert h.parse_sample_indices(None) is None and h.parse_sample_indices("4,1") == {1, 4}
-    with pytest.raises(SystemExit, match="--samples"):
+    with pytest.raises(SystemExit, match="--sample-indices"):
         h.parse_sample_indices("1,x")
     assert h.select_samples(samples, None, None) == samples
     assert h.select_samples(samples, None, (1, 2)) == [{"index": 1}, {"index": 3}, {"index": 5}]
