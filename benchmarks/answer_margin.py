@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cells", default=None, help="kvcompress cells to feed the answer through, comma-separated, the first the reference")
     parser.add_argument("--ratios", default=None, help="their compression ratios, comma-separated (with --cells)")
-    parser.add_argument("--samples", default=None, help="only these samples (their indices in the dump, comma-separated); default all")
+    parser.add_argument("--sample-indices", default=None, help="only these samples (their indices in the dump, comma-separated); default all")
     args = parser.parse_args(argv)
     if bool(args.cells) != bool(args.ratios):
         parser.error(f"--cells and --ratios go together, got --cells {args.cells!r} and --ratios {args.ratios!r}")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     if harness.FULL in cells:
         parser.error("--cells takes compressed cells: the full cache is what they are measured against")
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else []
-    args.cells, args.ratios, args.device, args.shard, args.skip_checkpoint_hash, args.sample_indices = harness.FULL, None, "cpu", None, False, args.samples
+    args.cells, args.ratios, args.device, args.shard, args.skip_checkpoint_hash = harness.FULL, None, "cpu", None, False
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
     records = {r["key"]: r for r in harness.read_records(Path(args.out))}
     out_path = Path(args.out) / "margin.jsonl"

@@ -14,7 +14,7 @@ writes every line of it as tables to OUT/retention.md, one per cell and ratio, e
 fractions kept over the samples whose needle the full cache finds, split by whether the cell finds it too:
 
     .venv/bin/python benchmarks/needle_retention.py --out results/kvpress_side_by_side_prose_4k \\
-        --cell 'adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]' --ratios 0.75,0.9 --samples 2,7,12,21,23,26
+        --cell 'adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]' --ratios 0.75,0.9 --sample-indices 2,7,12,21,23,26
 """
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="a folder dumped by kvpress_side_by_side.py")
     parser.add_argument("--cell", required=True, help=f"a kvcompress prefill cell among {sorted(set(harness.KVCOMPRESS_CELLS) - {harness.FULL})}")
     parser.add_argument("--ratios", required=True, help="comma-separated compression ratios")
-    parser.add_argument("--samples", required=True, help="comma-separated sample indices of the folder")
+    parser.add_argument("--sample-indices", required=True, help="comma-separated sample indices of the folder")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.cell not in harness.KVCOMPRESS_CELLS or harness.KVCOMPRESS_CELLS[args.cell][0] is None or harness.streams(args.cell):
         raise SystemExit(f"--cell must be a compressing prefill cell of the harness, got {args.cell!r}")
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    args.cells, args.device, args.shard, args.skip_checkpoint_hash, args.sample_indices = args.cell, "cpu", None, False, args.samples  # what open_run reads
+    args.cells, args.device, args.shard, args.skip_checkpoint_hash = args.cell, "cpu", None, False  # what open_run reads
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
     answers = {r["key"]: r for r in harness.read_records(Path(args.out))}
     method, params = harness.KVCOMPRESS_CELLS[args.cell]

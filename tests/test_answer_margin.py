@@ -79,8 +79,8 @@ def test_cells_feed_the_full_cache_answer_through_each_compressed_cache(tiny_run
     margin.main(["--out", str(tiny_run), "--cells", "knorm,keydiff", "--ratios", "0.5"])
     assert len((tiny_run / "margin_cells.jsonl").read_text().splitlines()) == len(rows)
     (tiny_run / "margin_cells.jsonl").unlink()
-    margin.main(["--out", str(tiny_run), "--cells", "knorm", "--ratios", "0.5", "--samples", str(samples[1]["index"])])
+    margin.main(["--out", str(tiny_run), "--cells", "knorm", "--ratios", "0.5", "--sample-indices", str(samples[1]["index"])])
     assert [json.loads(line)["sample"] for line in (tiny_run / "margin_cells.jsonl").read_text().splitlines()] == [samples[1]["id"]]
-    for bad in (["--cells", "knorm"], ["--cells", "full,knorm", "--ratios", "0.5"], ["--samples", "7"]):
+    for bad in (["--cells", "knorm"], ["--cells", "full,knorm", "--ratios", "0.5"], ["--sample-indices", "7"]):
         with pytest.raises(SystemExit):
             margin.main(["--out", str(tiny_run), *bad])

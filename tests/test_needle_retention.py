@@ -40,7 +40,7 @@ def test_token_span_covers_exactly_the_tokens_of_the_text(tiny_checkpoint):
 @pytest.mark.parametrize("cell", ["knorm", "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"])
 def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(tiny_run, cell):
     (tiny_run / "retention.jsonl").unlink(missing_ok=True)
-    retention.main(["--out", str(tiny_run), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])
+    retention.main(["--out", str(tiny_run), "--cell", cell, "--ratios", "0,0.5", "--sample-indices", "0,1"])
     rows = [json.loads(line) for line in (tiny_run / "retention.jsonl").read_text().splitlines()]
     assert [(r["index"], r["ratio"]) for r in rows] == [(0, 0.0), (0, 0.5), (1, 0.0), (1, 0.5)]
     records = {r["key"]: r for r in harness.read_records(tiny_run)}
@@ -57,10 +57,10 @@ def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(tiny_run
     assert any(r["prediction"] is not None for r in rows) == (cell == "knorm")
     table = (tiny_run / "retention.md").read_text()
     assert f"## {cell} @ 0.0" in table and f"## {cell} @ 0.5" in table and table.count("\n| 1 | ") == 2
-    retention.main(["--out", str(tiny_run), "--cell", cell, "--ratios", "0,0.5", "--samples", "0,1"])  # done: nothing added
+    retention.main(["--out", str(tiny_run), "--cell", cell, "--ratios", "0,0.5", "--sample-indices", "0,1"])  # done: nothing added
     assert len((tiny_run / "retention.jsonl").read_text().splitlines()) == len(rows)
 
 
 def test_a_cell_that_does_not_compress_a_prefill_is_refused(tiny_run):
     with pytest.raises(SystemExit, match="--cell"):
-        retention.main(["--out", str(tiny_run), "--cell", "full", "--ratios", "0.5", "--samples", "0"])
+        retention.main(["--out", str(tiny_run), "--cell", "full", "--ratios", "0.5", "--sample-indices", "0"])
