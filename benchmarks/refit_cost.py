@@ -1,23 +1,26 @@
 """What the prefill default's refit costs, with KVzip's normalisers handed on and with the fit forming its own.
 
-The default (`adakv(scorer="kvzip", scope="model", alpha_safeguard=0.05, window=0, refit="log_weights")`) scores
-every layer's middle with the context's reconstruction queries, shares the budget over every layer's heads, then
-refits each layer's kept slots to the middle's attention mass for the same queries
-(`kvcompress.methods.attention_matching`). The mass fit needs each query's log-sum-exp over the whole middle; KVzip
-forms it while scoring and AdaKV hands it on (`ScoreMethod.score_and_middle_lse`), so the fit forms only the kept
-keys' logits. This bench times, in one process and on the same tensors:
+The prefill default (`options.DEFAULT_METHODS["prefill"]`: `adakv` over KVzip's scores, `scope="model"`,
+`alpha_safeguard=0.05`, no exact window, a refit) scores every layer's middle with the context's reconstruction
+queries, shares the budget over every layer's heads, then refits each layer's kept slots for the same queries
+(`kvcompress.methods.attention_matching`): `--refit log_weights` fits their log-weights to the middle's attention
+mass, `--refit log_weights_values` their values too, to the middle's output; by default the default's refit.
+The mass fit needs each query's log-sum-exp over the whole middle; KVzip forms it while scoring and AdaKV hands it
+on (`ScoreMethod.score_and_middle_lse`), so the fit forms only the kept keys' logits. This bench times, in one
+process and on the same tensors:
 
 - scoring: `AdaKV.head_scores` of every layer (KVzip's reconstruction scores) and the joint top-k;
 - refit, handed: each layer's `AdaKV.summary` with the normalisers the scorer formed;
 - refit, formed: the same summary without them (the fit forms the log-sum-exp over every middle key itself);
 
-and checks that both refits give the same log-weights. The tensors are random, with the default model's shapes
-(SmolLM2-135M: 3 KV heads of 64 dimensions, 3 query heads each) and one reconstruction query per context token per
-query head; keys drawn near a few centres per head, as real keys cluster. Only shapes and kept counts set the cost,
+and checks that both ways give the same log-weights and values. The tensors are random, with the default model's
+shapes (SmolLM2-135M: 3 KV heads of 64 dimensions, 3 query heads each) and one reconstruction query per context token
+per query head; keys drawn near a few centres per head, as real keys cluster. Only shapes and kept counts set the cost,
 so the model's weights are not needed; on real scores the heads keep more unevenly than here, which makes the
-Gram products (the same in both refits) a larger share. Writes benchmarks/results/refit_cost.{csv,md}.
+Gram products (the same in both ways) a larger share. Writes benchmarks/results/refit_cost_<refit>.{csv,md}.
 
-    python benchmarks/refit_cost.py [--length 4096] [--layers 4] [--ratios 0.5 0.75 0.9] [--repeats 3] [--threads 1]
+    python benchmarks/refit_cost.py [--refit log_weights] [--length 4096] [--layers 4] [--ratios 0.5 0.75 0.9]
+        [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from pathlib import Path
 import torch
 
 from kvcompress.eval.tables import markdown_table, write_csv
-from kvcompress.methods.adakv import AdaKV
+from kvcompress.methods.adakv import REFITS, AdaKV
 from kvcompress.methods.tokens import Tokens
+from kvcompress.options import DEFAULT_METHODS
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT = dict(scorer="kvzip", scope="model", alpha_safeguard=0.05, refit="log_weights")
+DEFAULT = DEFAULT_METHODS["prefill"][1]
 
 
 def layer_tokens(length: int, kv_heads: int, group: int, dim: int, seed: int) -> Tokens:
@@ -51,8 +55,8 @@ def layer_tokens(length: int, kv_heads: int, group: int, dim: int, seed: int) ->
                   extra_lse=torch.randn(1, kv_heads * group, length, generator=g))
 
 
-def measure(layers: list[Tokens], ratio: float, repeat: int) -> dict:
-    method = AdaKV(**DEFAULT)
+def measure(layers: list[Tokens], ratio: float, repeat: int, refit: str) -> dict:
+    method = AdaKV(**(DEFAULT | {"refit": refit}))
     budget = round((1 - ratio) * layers[0].length)
     start = time.perf_counter()
     kept, middle_lse = method.allocate_layers(layers, budget, [torch.Generator() for _ in layers])
@@ -63,16 +67,18 @@ def measure(layers: list[Tokens], ratio: float, repeat: int) -> dict:
         fits[way] = [method.summary(tokens, layer_kept, lse if way == "handed" else None)
                      for tokens, layer_kept, lse in zip(layers, kept, middle_lse)]
         seconds[way] = time.perf_counter() - start
-    difference = max(float((a.log_weights - b.log_weights).nan_to_num(0).abs().max())
-                     for a, b in zip(fits["handed"], fits["formed"]))
+    difference = max(float((getattr(a, field) - getattr(b, field)).nan_to_num(0).abs().max())
+                     for a, b in zip(fits["handed"], fits["formed"]) for field in ("log_weights", "values"))
     counts = torch.cat([layer_kept.sum(-1) for layer_kept in kept]).flatten().float()
     return dict(ratio=ratio, repeat=repeat, layers=len(layers), kept_per_head_mean=round(float(counts.mean()), 1),
                 kept_per_head_max=int(counts.max()), scoring_s=round(scoring, 2), refit_handed_s=round(seconds["handed"], 2),
-                refit_formed_s=round(seconds["formed"], 2), log_weights_max_difference=f"{difference:.1e}")
+                refit_formed_s=round(seconds["formed"], 2), max_difference=f"{difference:.1e}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--refit", choices=[r for r in REFITS if r != "none"], default=DEFAULT["refit"],
+                        help="the refit timed (default: the prefill default's)")
     parser.add_argument("--length", type=int, default=4096, help="middle tokens per layer (and reconstruction queries)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
@@ -87,7 +93,7 @@ def main() -> None:
     rows = []
     for repeat in range(args.repeats):
         for ratio in args.ratios:
-            rows.append(measure(layers, ratio, repeat))
+            rows.append(measure(layers, ratio, repeat, args.refit))
             print(rows[-1], flush=True)
     summary = []
     for ratio in args.ratios:
@@ -100,11 +106,11 @@ def main() -> None:
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s), torch "
                f"{torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}")
     RESULTS.mkdir(exist_ok=True)
-    write_csv(RESULTS / "refit_cost.csv", rows)
-    text = (f"# The default's refit: normalisers handed on by KVzip or formed by the fit\n\n{machine}; {args.layers} layers of "
+    write_csv(RESULTS / f"refit_cost_{args.refit}.csv", rows)
+    text = (f"# refit={args.refit}: normalisers handed on by KVzip or formed by the fit\n\n{machine}; {args.layers} layers of "
             f"{args.length} middle tokens, {args.kv_heads} KV heads x {args.group} query heads, head dim {args.head_dim}; "
             f"medians of {args.repeats} repeats (seconds for all the layers)\n\n" + markdown_table(summary) + "\n")
-    (RESULTS / "refit_cost.md").write_text(text)
+    (RESULTS / f"refit_cost_{args.refit}.md").write_text(text)
     print(text)
 
 
