@@ -148,7 +148,7 @@ DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapk
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
                       "adakv[scorer=kvzip]"]
 # kvcompress's default method in prefill mode (`options.DEFAULT_METHODS["prefill"]`), as a cell
-DEFAULT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]"
+DEFAULT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]"
 
 # kvpress cells: label -> (press class, its keyword arguments, an inner press for wrappers); all at
 # kvpress 0.5.5's defaults.

@@ -21,15 +21,16 @@ from .methods.registry import build_method, default_sink_window, method_names
 MODES = ("prefill", "chunked", "decode")
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
 # and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
-# real prose on tuning samples (docs/kvpress.md, "The default method", "The default's safeguard" and "The refit on every
-# reported prose set"). Prefill: KVzip's reconstruction scores ranked across every layer's heads (AdaKV, scope "model")
-# with a small per-head floor (each head keeps its own top 5 % of the budget), every token ranked (no exact window), and
-# the kept slots' log-weights refitted so they carry the whole middle's attention mass for KVzip's reconstruction
-# queries (attention matching). KVzip needs the whole context, so the streaming modes get the best that streams:
-# KeyDiff's scores shared out among each layer's heads (AdaKV, with its sink and window).
+# real prose on tuning samples (docs/kvpress.md, "The default method", "The default's safeguard", "The refit on every
+# reported prose set" and "The values' refit on the reported sets"). Prefill: KVzip's reconstruction scores ranked across
+# every layer's heads (AdaKV, scope "model") with a small per-head floor (each head keeps its own top 5 % of the budget),
+# every token ranked (no exact window), and the kept slots refitted so they carry the whole middle's attention mass
+# (log-weights) and output (values) for KVzip's reconstruction queries (attention matching). KVzip needs the whole
+# context, so the streaming modes get the best that streams: KeyDiff's scores shared out among each layer's heads
+# (AdaKV, with its sink and window).
 DEFAULT = "default"
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
-    "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights"}, {"window": 0}),
+    "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"}, {"window": 0}),
     "chunked": ("adakv", {"scorer": "keydiff"}, {}),
     "decode": ("adakv", {"scorer": "keydiff"}, {}),
 }

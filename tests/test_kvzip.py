@@ -447,12 +447,12 @@ def test_adakv_with_model_scope_shares_kvzips_budget_among_every_layers_heads():
 def test_the_default_method_is_the_modes_best_measured_and_takes_no_parameters():
     """method=DEFAULT (what no method gives) resolves, when the options are built, to the mode's DEFAULT_METHODS entry:
     in prefill mode KVzip's scores ranked across every layer's heads with a 5 % safeguard and no exact window, the kept
-    slots' log-weights refitted to the reconstruction's attention."""
+    slots' log-weights and values refitted to the reconstruction's attention."""
     from kvcompress.options import DEFAULT, DEFAULT_METHODS
 
     prefill = CompressionOptions(compression_ratio=0.5)
     assert (prefill.method, prefill.method_params, prefill.window, prefill.sink) == (
-        "adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights"}, 0, 4)
+        "adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"}, 0, 4)
     assert prefill.compressor.needs_reconstruction and prefill.compressor.shares_budget_across_layers
     assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options
     assert CompressionOptions(compression_ratio=0.5, window=16).window == 16  # a window given replaces the default's
