@@ -8,7 +8,7 @@ import kvcompress as kvc
 from kvcompress.integration import generate_ids
 from kvcompress.integration.reconstruction import reconstruct_context
 from kvcompress.methods.registry import get_method_class
-from kvcompress.options import CompressionOptions
+from kvcompress.options import DEFAULT, CompressionOptions
 
 from test_integration import ARCHS, _prompt, _reference, tiny
 
@@ -139,8 +139,10 @@ def full_answer(default_model):
 @pytest.mark.smoke
 @pytest.mark.parametrize("mode", MODES)
 def test_default_model_every_method_answers_as_the_full_cache_at_ratio_zero(default_model, full_answer, mode):
+    """Every method that runs in `mode`, and the default (`method=DEFAULT`: in prefill mode with its refitted log-weights
+    and values), gives the full cache's answer tokens at ratio 0."""
     model, tokenizer = default_model
-    for method in [m for m in METHODS if not _refused(m, mode)]:
+    for method in [DEFAULT] + [m for m in METHODS if not _refused(m, mode)]:
         res = kvc.generate(model, tokenizer, _CONTEXT, _QUESTION, method=method, compression_ratio=0.0, mode=mode, max_new_tokens=12, progress=False)
         assert res.token_ids == full_answer.token_ids, (method, mode, res.text)
         _within_full(res)
