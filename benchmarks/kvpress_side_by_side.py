@@ -1030,8 +1030,9 @@ def overview_markdown(runs: list[tuple[int, int, list[dict]]], default_cell: str
 
     Two tables: every (library, cell) at every length and ratio (score %, 95% Wilson interval, n when
     short of the folder's samples), and per length and ratio kvcompress's `default_cell` against the
-    kvpress press that scores highest on the samples the default answered (ties: the first in
-    DEFAULT_KVPRESS order), paired, with how many of kvcompress's full cache's hits the default keeps."""
+    kvpress press that scores highest on the samples that cell answered (ties: the first in
+    DEFAULT_KVPRESS order), paired, with how many of kvcompress's full cache's hits that cell keeps. The
+    second table calls the cell "default" only when it is DEFAULT_CELL, and otherwise names the default."""
     columns, by_cell = [], defaultdict(dict)
     for length, n_samples, records in runs:
         rows = per_cell_rows(records)
@@ -1048,11 +1049,15 @@ def overview_markdown(runs: list[tuple[int, int, list[dict]]], default_cell: str
     for library, label in names:
         cells = [_score_text(by_cell[(library, label)].get((length, ratio)), n) for length, ratio, n in columns]
         lines.append(f"| {library}: {label} | " + " | ".join(cells) + " |")
-    lines += ["", f"## kvcompress's default (`{default_cell}`) against kvpress's best press", "",
-              ("difference: the default minus the press, in points, with Newcombe's 95% interval for paired proportions; "
-               "won / lost: samples only the default / only the press answers; p: exact two-sided sign test; "
-               "hits kept: the full cache's hits the default also finds."), "",
-              "| length | ratio | default % (95%) | kvpress's best press | its % | difference (95% interval) | won / lost | p | "
+    what = "default" if default_cell == DEFAULT_CELL else "cell"
+    heading = f"## kvcompress's {what} (`{default_cell}`) against kvpress's best press"
+    if what == "cell":
+        heading += f" (kvcompress's default is `{DEFAULT_CELL}`)"
+    lines += ["", heading, "",
+              (f"difference: the {what} minus the press, in points, with Newcombe's 95% interval for paired proportions; "
+               f"won / lost: samples only the {what} / only the press answers; p: exact two-sided sign test; "
+               f"hits kept: the full cache's hits the {what} also finds."), "",
+              f"| length | ratio | {what} % (95%) | kvpress's best press | its % | difference (95% interval) | won / lost | p | "
               "full cache's hits kept |", "|---|---|---|---|---|---|---|---|---|"]
     for length, n_samples, records in runs:
         by = defaultdict(dict)

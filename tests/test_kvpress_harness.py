@@ -370,3 +370,14 @@ def test_overview_table_pairs_the_default_with_kvpress_best_press_at_each_length
     assert rows[1].endswith("| 1 / 1 | 1 | 0 of 1 (0 %) |")
     alone = h.overview_markdown([(2048, 6, [r for r in short if r["library"] == "kvcompress"])], d)
     assert "| 2048 | 0.75 | 67 (30–90), n = 6 | no press ran on all these samples | – | – | – | – | 3 of 4 (75 %) |" in alone
+
+
+def test_overview_table_calls_a_cell_other_than_the_default_by_its_name():
+    cell = "adakv[scorer=kvzip]"
+    records = (_records("kvcompress", h.FULL, None, [1, 0]) + _records("kvcompress", cell, 0.75, [1, 1])
+               + _records("kvpress", "KVzip", 0.75, [1, 0]))
+    lines = h.overview_markdown([(2048, 2, records)], cell).splitlines()
+    assert f"## kvcompress's cell (`{cell}`) against kvpress's best press (kvcompress's default is `{h.DEFAULT_CELL}`)" in lines
+    assert "| length | ratio | cell % (95%) | kvpress's best press | its % | difference (95% interval) | won / lost | p | full cache's hits kept |" in lines
+    default_lines = h.overview_markdown([(2048, 2, records)], h.DEFAULT_CELL).splitlines()
+    assert f"## kvcompress's default (`{h.DEFAULT_CELL}`) against kvpress's best press" in default_lines
