@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -103,11 +104,33 @@ class Calibration:
         return cls(**data)
 
 
-def choose_ratio(calibration: Calibration | str | Path, nll_context: float, quality: float) -> float:
-    """compression_ratio (fraction removed, kvpress convention) = 1 - r* for a context of NLL `nll_context`."""
-    if not isinstance(calibration, Calibration):
-        calibration = Calibration.load(calibration)
-    return max(0.0, 1.0 - calibration.retention(nll_context, quality))
+def load_calibration(calibration: Calibration | str | os.PathLike) -> Calibration:
+    """`calibration` itself when it is a `Calibration`, else the one saved in the JSON file at that path
+    (`Calibration.save`, `kvcompress calibrate --out`). Anything else, or a path that holds no such file, is a
+    ValueError naming `calibration`, what it was and what is accepted."""
+    if isinstance(calibration, Calibration):
+        return calibration
+    if not isinstance(calibration, (str, os.PathLike)):
+        raise ValueError(f"calibration must be a kvcompress.calibration.Calibration or the path of the JSON file one was saved to, "
+                         f"got a {type(calibration).__name__}: {calibration!r}")
+    path = Path(calibration)
+    saved = "`kvc.calibrate(...).save(path)` or `kvcompress calibrate --out FILE`"
+    if path.is_dir():
+        raise ValueError(f"calibration {str(path)!r} is a directory: pass the JSON file a calibration was saved to ({saved})")
+    if not path.is_file():
+        raise ValueError(f"calibration {str(path)!r} does not exist: write one with {saved}")
+    try:
+        return Calibration.load(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"calibration {str(path)!r} is not JSON text ({err}): pass the file a calibration was saved to ({saved})") from None
+    except ValueError as err:
+        raise ValueError(f"calibration {err}") from None
+
+
+def choose_ratio(calibration: Calibration | str | os.PathLike, nll_context: float, quality: float) -> float:
+    """compression_ratio (fraction removed, kvpress convention) = 1 - r* for a context of NLL `nll_context`;
+    `calibration` as `load_calibration` takes it."""
+    return max(0.0, 1.0 - load_calibration(calibration).retention(nll_context, quality))
 
 
 def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, method_params: dict | None = None) -> Calibration:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .calibration import check_quality, load_calibration
 from .checks import as_count
 from .methods.base import Method
 from .quantization import check_storage
@@ -53,7 +54,8 @@ class CompressionOptions:
     """One compressed generation's settings; invalid values are refused when it is built.
 
     method: a registered method name (`kvc.methods()`), DEFAULT (the default: the best measured
-    method for the mode, `DEFAULT_METHODS`, resolved to its name and parameters when built), or
+    method for the mode, `DEFAULT_METHODS`, resolved to its name and parameters when built; with a
+    calibration, the method the calibration was fitted for), or
     None for the full, uncompressed cache (which then takes no budget, ratio, slack or method
     parameters). method_params: the method's own parameters (its dataclass fields), checked by
     building it (`compressor`); the default method takes none (name the method to set them).
@@ -70,10 +72,14 @@ class CompressionOptions:
     chunk_size: block size of the chunked and decode modes' prompt (and of an approximate prefill).
     compress_question: the question goes through compression with the context (default: it is
     appended exactly afterwards, as kvpress does).
-    quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path), in place of
-    budget and compression_ratio: context-calibrated compression, the smallest compression whose
-    predicted quality meets `quality`, chosen from the context's own NLL when it is known
-    (`calibrated`).
+    quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path, loaded when the
+    options are built), in place of budget and compression_ratio: context-calibrated compression,
+    the smallest compression whose predicted quality meets `quality` (in (0, 1]), chosen from the
+    context's own NLL when it is known (`calibrated`). The curve predicts the quality of the method
+    it was fitted for, with its parameters, so that method runs: with no method named (DEFAULT) the
+    calibration's method and parameters are used; a method named must be the calibration's (another
+    is an error naming both), and method parameters given must agree with the calibration's (theirs
+    fill the rest).
     kv_bits: None (full precision) or 8, 4, 2: the compressed context is stored quantized, keys per
     channel and values per slot in groups of `kv_group_size` (default 32), KIVI's scheme
     (`kvcompress.quantization`). What is quantized is what compression keeps, once it is done: in
@@ -112,6 +118,10 @@ class CompressionOptions:
         object.__setattr__(self, "seed", as_count("seed", self.seed, 0))
         object.__setattr__(self, "chunk_size", as_count("chunk_size", self.chunk_size, 1))
         self._check_storage()
+        if self.quality is not None:
+            check_quality(self.quality)
+        if self.calibration is not None and self.method is not None:
+            self._resolve_calibration()
         if self.method == DEFAULT:
             self._resolve_default()
         if self.method is None:
@@ -141,6 +151,24 @@ class CompressionOptions:
             if self.mode == "prefill":
                 raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
             self.compressor.stream_slack(self.slack)
+
+    def _resolve_calibration(self) -> None:
+        """calibration loaded (`load_calibration`), and the method it was fitted for set with its parameters: method=DEFAULT
+        becomes that method, another named method is refused, and method_params given must agree with the calibration's."""
+        calibration = load_calibration(self.calibration)
+        object.__setattr__(self, "calibration", calibration)
+        if self.method not in (DEFAULT, calibration.method):
+            raise ValueError(
+                f"calibration was fitted for method {calibration.method!r}, got method={self.method!r}: its curve predicts the "
+                f"quality of {calibration.method!r} only; fit one for {self.method!r} (kvc.calibrate(model, tokenizer, samples, "
+                f"method={self.method!r}), `kvcompress calibrate --method {self.method}`), or name no method to run {calibration.method!r}"
+            )
+        clash = {k: v for k, v in self.method_params.items() if calibration.method_params.get(k, v) != v}
+        if clash:
+            raise ValueError(f"method parameters {clash} differ from those the calibration was fitted with, {calibration.method_params}; "
+                             "its curve predicts the quality of the method with those")
+        object.__setattr__(self, "method", calibration.method)
+        object.__setattr__(self, "method_params", {**calibration.method_params, **self.method_params})
 
     def _resolve_default(self) -> None:
         """method=DEFAULT becomes the mode's default method, with its parameters and its sink and window where none are given."""

@@ -382,7 +382,7 @@ def test_model_scope_in_a_cache_shares_the_budget_across_layers_in_both_prefill_
     assert wide.token_ids == full.token_ids
 
 
-def test_model_scope_refuses_streams_padded_batches_and_unknown_scopes():
+def test_model_scope_refuses_streams_and_unknown_scopes_and_runs_a_padded_batch_one_context_at_a_time():
     from kvcompress.integration import generate_batch_ids
 
     with pytest.raises(ValueError, match=r"scope must be one of \('layer', 'model'\).*got 'layers'"):
@@ -395,8 +395,10 @@ def test_model_scope_refuses_streams_padded_batches_and_unknown_scopes():
     with pytest.raises(ValueError, match="scope='model' has no stream"):
         kvc.stream("adakv", budget=8, scope="model")
     contexts = [_prompt(n=n, seed=s)[0] for n, s in ((120, 1), (90, 2))]
-    with pytest.raises(ValueError, match="padded batch is not supported"):
-        generate_batch_ids(model, contexts, question, method="adakv", budget=20, scope="model", max_new_tokens=2)
+    kw = dict(method="adakv", budget=20, scope="model", max_new_tokens=2, stop_at_eos=False)
+    batch = generate_batch_ids(model, contexts, question, **kw)  # one budget over every layer: each context alone
+    for ctx, res in zip(contexts, batch):
+        assert res.token_ids == generate_ids(model, ctx, question, **kw).token_ids and res.extra["batch_run"] == "one_by_one"
 
 
 def test_evicted_summary_holds_each_runs_mean_with_its_count():

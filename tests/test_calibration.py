@@ -109,3 +109,65 @@ def test_mean_nll_matches_cross_entropy():
     ref = torch.nn.functional.cross_entropy(logits[0], targets[0])
     assert math.isclose(cal.mean_nll(logits.half(), targets), float(ref), rel_tol=1e-2)
     assert math.isclose(cal.mean_nll(logits, targets), float(ref), rel_tol=1e-6)
+
+
+def test_a_calibration_for_another_method_is_refused_naming_both_methods_before_the_model_runs(tmp_path, tiny_checkpoint):
+    import kvcompress as kvc
+    from kvcompress.options import CompressionOptions
+
+    path = tmp_path / "compactor.json"
+    cal.Calibration("compactor", alpha=0.0, beta=-3.0).save(path)
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=r"calibration was fitted for method 'compactor', got method='keydiff'.*name no method to run 'compactor'"):
+        kvc.generate(model, tokenizer, "The magic number is 42. " * 8, "What is the magic number?", method="keydiff",
+                     calibration=path, quality=0.9, progress=False)
+    assert forwards == []  # refused when the options are built
+    fitted = cal.Calibration("keydiff", alpha=0.0, beta=-3.0, method_params={"anchor": "median"})
+    with pytest.raises(ValueError, match=r"method parameters \{'anchor': 'mean'\} differ from those the calibration was fitted with, \{'anchor': 'median'\}"):
+        CompressionOptions.build(method="keydiff", anchor="mean", quality=0.9, calibration=fitted)
+    with pytest.raises(ValueError, match=r"calibration must be a kvcompress.calibration.Calibration or the path .*got a int: 3"):
+        CompressionOptions(quality=0.9, calibration=3)
+    with pytest.raises(ValueError, match=r"calibration '.*none.json' does not exist: write one with"):
+        CompressionOptions(quality=0.9, calibration=tmp_path / "none.json")
+    with pytest.raises(ValueError, match=r"quality \(the NLL-ratio budget gamma\) must be in \(0, 1\], got 0"):
+        CompressionOptions(quality=0, calibration=path)
+
+
+def test_with_no_method_named_the_calibrations_method_and_parameters_run(tmp_path, tiny_checkpoint):
+    """Not the library's default (adakv): KeyDiff with the median anchor the file was fitted with, at the ratio it chose."""
+    import kvcompress as kvc
+    from kvcompress.options import CompressionOptions
+
+    path = tmp_path / "keydiff.json"
+    cal.Calibration("keydiff", alpha=0.0, beta=-3.0, method_params={"anchor": "median"}).save(path)
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    context, question = "The magic number is 42. The sky is green today. " * 6, "What is the magic number?"
+    run = dict(max_new_tokens=4, stop_at_eos=False, progress=False)
+    res = kvc.generate(model, tokenizer, context, question, calibration=path, quality=0.8, **run)
+    ratio = res.extra["calibration"]["compression_ratio"]
+    assert res.method == "keydiff" and ratio == pytest.approx(1 - cal.optimal_retention(-3.0, 0.8))
+    named = kvc.generate(model, tokenizer, context, question, method="keydiff", anchor="median", compression_ratio=ratio, **run)
+    assert res.token_ids == named.token_ids and res.slots_per_layer == named.slots_per_layer
+    options = CompressionOptions(quality=0.8, calibration=str(path))
+    assert (options.method, options.method_params) == ("keydiff", {"anchor": "median"}) and options.calibration == cal.Calibration.load(path)
+    assert CompressionOptions(**options.to_dict()) == options
+    # a method named is the file's: its parameters fill those not given
+    assert CompressionOptions.build(method="keydiff", metric="dot", quality=0.8, calibration=path).method_params == {"anchor": "median", "metric": "dot"}
+
+
+def test_a_batch_with_a_calibration_runs_each_context_alone_at_its_own_ratio(tmp_path, tiny_checkpoint):
+    import kvcompress as kvc
+
+    path = tmp_path / "knorm.json"
+    cal.Calibration("knorm", alpha=0.5, beta=-4.0).save(path)  # kappa depends on the context's NLL: a ratio per context
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    contexts = ["The magic number is 42. The sky is green today. " * 6, "Seven blue birds sat on a fence; one flew off. " * 4]
+    run = dict(calibration=path, quality=0.8, max_new_tokens=4, stop_at_eos=False, progress=False)
+    batch = kvc.generate(model, tokenizer, contexts, "What is the magic number?", **run)
+    for context, res in zip(contexts, batch):
+        alone = kvc.generate(model, tokenizer, context, "What is the magic number?", **run)
+        assert res.token_ids == alone.token_ids and res.extra["calibration"] == alone.extra["calibration"]
+        assert res.method == "knorm" and res.extra["batch_run"] == "one_by_one" and res.extra["batch_size"] == 2
+    assert batch[0].extra["calibration"]["compression_ratio"] != batch[1].extra["calibration"]["compression_ratio"]

@@ -120,6 +120,20 @@ def test_generate_compresses_at_the_ratio_a_calibration_file_chooses(tiny_checkp
     assert f"(compression ratio {ratio:.3f}) for quality 0.8" in out
 
 
+def test_generate_refuses_a_calibration_of_another_method_with_the_error_python_gives(context_file, tmp_path, capsys):
+    """One check, in CompressionOptions, for the command line and Python alike; refused before a model loads."""
+    from kvcompress.options import CompressionOptions
+
+    path = tmp_path / "compactor.json"
+    Calibration("compactor", alpha=0.0, beta=-3.0).save(path)
+    with pytest.raises(ValueError) as python:
+        CompressionOptions(method="keydiff", quality=0.9, calibration=path)
+    assert "fitted for method 'compactor', got method='keydiff'" in str(python.value)
+    assert main(["generate", "--model", str(tmp_path / "no-model"), "--method", "keydiff", "--calibration", str(path), "--quality", "0.9",
+                 "--context-file", str(context_file)]) == 2
+    assert capsys.readouterr().err.strip() == f"kvcompress generate: error: {python.value}"
+
+
 def test_a_file_written_by_kvcompress_calibrate_drives_generate(tiny_checkpoint, context_file, tmp_path, capsys):
     path = tmp_path / "knorm.json"
     assert main(["calibrate", "--model", str(tiny_checkpoint), "--method", "knorm", "--tasks", "niah_single", "--samples", "2",

@@ -47,3 +47,36 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert main(["generate", "--method", "knorm", "--compression-ratio", "1.2", "--context-file", str(context)]) == 2
     assert "compression_ratio must be in [0, 1)" in capsys.readouterr().err
     assert main(["generate", "--method", "knorm", "--budget", "8", "--context-file", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_the_default_method_answers_a_padded_batch_as_each_context_alone(default_model):
+    """The default (AdaKV over KVzip's scores, one budget over the model) cannot compress the rows of one padded forward
+    apart: each context is compressed and answered alone, with its solo answer."""
+    model, tokenizer = default_model
+    contexts = ["The magic number is 4217. The sky was grey all morning, and the streets were wet with rain.",
+                "Anna keeps her keys in the blue bowl by the door. She bought the bowl in Lisbon last summer. "
+                "The door is painted green."]
+    question = "What is the magic number, or where are the keys?"
+    run = dict(compression_ratio=0.5, max_new_tokens=6, progress=False)
+    batch = kvc.generate(model, tokenizer, contexts, question, **run)
+    for context, res in zip(contexts, batch):
+        alone = kvc.generate(model, tokenizer, context, question, **run)
+        assert res.token_ids == alone.token_ids and res.text == alone.text
+        assert res.method == "adakv" and res.extra["batch_run"] == "one_by_one" and res.kv_bytes < res.kv_bytes_full
+
+
+def test_a_calibration_of_another_method_is_refused_before_the_model_runs(default_model, tmp_path):
+    from kvcompress.calibration import Calibration
+
+    model, tokenizer = default_model
+    path = tmp_path / "compactor.json"
+    Calibration("compactor", alpha=0.0, beta=-3.0, model="SmolLM2-135M-Instruct").save(path)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match="calibration was fitted for method 'compactor', got method='keydiff'"):
+            kvc.generate(model, tokenizer, "The magic number is 4217.", "What is the magic number?", method="keydiff",
+                         calibration=path, quality=0.9, progress=False)
+    finally:
+        hook.remove()
+    assert forwards == []

@@ -136,9 +136,11 @@ def test_left_padded_batch_through_kvc_generate_ids_and_gemma():
             solo = generate_ids(model, ctx, question, method="keydiff", compression_ratio=0.5, max_new_tokens=8, stop_at_eos=False, sink=2, window=8)
             assert batch[row].token_ids == solo.token_ids, (family, row)
             assert batch[row].slots_per_layer == solo.slots_per_layer and batch[row].budget == solo.budget
-            assert batch[row].context_tokens == ctx.shape[1]
-    with pytest.raises(ValueError, match="mode='prefill'"):
-        generate_batch_ids(model, contexts, question, method="keydiff", budget=16, mode="chunked")
+            assert batch[row].context_tokens == ctx.shape[1] and batch[row].extra["batch_run"] == "one_forward"
+    kw = dict(method="keydiff", budget=16, mode="chunked", chunk_size=32, max_new_tokens=4, stop_at_eos=False)
+    streamed = generate_batch_ids(model, contexts, question, **kw)  # a stream takes no padding: each context alone
+    for ctx, res in zip(contexts, streamed):
+        assert res.token_ids == generate_ids(model, ctx, question, **kw).token_ids and res.extra["batch_run"] == "one_by_one"
 
 
 def test_many_questions_compress_once_and_match_single_runs():

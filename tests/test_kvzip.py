@@ -378,12 +378,11 @@ def test_kvc_generate_puts_the_repeat_instruction_before_the_repeated_context(ti
 def test_what_kvzip_cannot_take_is_refused_clearly():
     model = tiny()
     ctx, question = _prompt(n=60)
-    with pytest.raises(ValueError, match="recorded prefill and a padded batch are not supported"):
+    with pytest.raises(ValueError, match="a recorded prefill is not supported; name another method"):
         generate_ids(model, ctx, question, method="kvzip", budget=8, prefill=capture_qkv(model, ctx))
-    with pytest.raises(ValueError, match="recorded prefill and a padded batch are not supported"):
-        generate_batch_ids(model, [ctx, ctx[:, :40]], question, method="kvzip", budget=8, max_new_tokens=1)
     same = generate_batch_ids(model, [ctx, _prompt(n=60, seed=4)[0]], question, method="kvzip", budget=8, max_new_tokens=2)
     assert [r.extra["reconstruction"]["forwards"] for r in same] == [1, 1]  # a batch of equal lengths reconstructs at once
+    assert [r.extra["batch_run"] for r in same] == ["one_forward"] * 2
     with pytest.raises(ValueError, match="reconstruction forward.*not with the context's own"):
         model.generate(ctx, past_key_values=CompressedCache(model, "kvzip", budget=8), max_new_tokens=2)
     with pytest.raises(ValueError, match="which a recorded context prefill does not hold"):
@@ -394,6 +393,24 @@ def test_what_kvzip_cannot_take_is_refused_clearly():
         reconstruct_context(model, CompressedCache(model, CompressionOptions(method="snapkv", budget=8, mode="chunked")), ctx)
     with pytest.raises(ValueError, match="does not score with a reconstruction"):
         reconstruct_context(model, CompressedCache(model, CompressionOptions(method="snapkv", budget=8)), ctx)
+
+
+@pytest.mark.parametrize("method", ["default", "kvzip"])
+def test_a_padded_batch_with_the_default_method_or_kvzip_runs_each_context_alone_with_its_solo_answer(method):
+    """One padded forward cannot compress its rows apart through a reconstruction forward (nor with the default's one
+    budget over every layer): each context is compressed and answered alone, exactly as generate_ids does it."""
+    model = tiny()
+    contexts = [_prompt(n=n, seed=s)[0] for n, s in ((120, 1), (80, 2), (101, 3))]
+    _, question = _prompt(n=60, seed=4)
+    kw = dict(method=method, compression_ratio=0.5, max_new_tokens=6, stop_at_eos=False)
+    batch = generate_batch_ids(model, contexts, question, **kw)
+    assert len(batch) == 3
+    for ctx, res in zip(contexts, batch):
+        solo = generate_ids(model, ctx, question, **kw)
+        assert res.token_ids == solo.token_ids and res.slots_per_layer == solo.slots_per_layer
+        assert res.method == solo.method == ("adakv" if method == "default" else "kvzip")
+        assert res.context_tokens == ctx.shape[1] and res.extra["reconstruction"]["forwards"] == 1
+        assert res.extra["batch_run"] == "one_by_one" and res.extra["batch_size"] == 3
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "phi3", "gemma3", "gemma2"])
@@ -465,5 +482,3 @@ def test_the_default_method_is_the_modes_best_measured_and_takes_no_parameters()
     ctx, question = _prompt(n=120)
     res = generate_ids(model, ctx, question, compression_ratio=0.5, max_new_tokens=2)
     assert res.method == "adakv" and res.extra["reconstruction"]["forwards"] == 1
-    with pytest.raises(ValueError, match="padded batch are not supported; name another method"):
-        generate_batch_ids(model, [ctx, ctx[:, :80]], question, compression_ratio=0.5, max_new_tokens=1)

@@ -11,9 +11,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 LAYERS = [
     ("core", ("summary", "attention", "checks", "quantization", "ragged")),
     ("methods", ("methods",)),
-    ("api", ("api", "options")),
+    ("api", ("api", "options", "calibration")),
     ("model support", ("integration.support",)),
-    ("cache", ("cache", "cache_file", "calibration")),
+    ("cache", ("cache", "cache_file")),
     ("integration", ("integration",)),
     ("eval", ("eval",)),
     ("cli", ("cli", "commands", "demo", "__main__")),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, add_threads_arg, count, one_of, parse_params, resolve_device, set_threads
@@ -115,43 +114,17 @@ def options_of(args):
         if args.kv_bits is not None or args.kv_group_size is not None:
             raise ValueError(f"--method {FULL} keeps every token at full precision: it takes no --kv-bits or --kv-group-size")
         return CompressionOptions(method=None, mode=args.mode, seed=args.seed, chunk_size=args.chunk_size, compress_question=args.compress_question)
-    method, calibration = args.method or DEFAULT_METHOD, None
-    if args.calibration is not None:
-        calibration = _calibration(args.calibration, args.quality)
-        if args.method is not None and args.method != calibration.method:
-            raise ValueError(f"--calibration {str(args.calibration)!r} was fitted for method {calibration.method!r}, got --method {args.method}; "
-                             f"fit one for {args.method} with `kvcompress calibrate --method {args.method}`")
-        clash = {k: v for k, v in params.items() if calibration.method_params.get(k, v) != v}
-        if clash:
-            raise ValueError(f"--param {clash} differs from the parameters --calibration was fitted with, {calibration.method_params}")
-        method, params = calibration.method, {**calibration.method_params, **params}
-    elif args.quality is not None:
+    if args.calibration is not None and args.quality is None:
+        raise ValueError(f"--calibration {str(args.calibration)!r} needs --quality Q: the predicted NLL ratio of the answer to keep, in (0, 1]")
+    if args.calibration is None and args.quality is not None:
         raise ValueError(f"--quality {args.quality:g} goes with --calibration FILE (a file written by `kvcompress calibrate`)")
-    elif args.budget is None and args.compression_ratio is None:
+    if args.calibration is None and args.budget is None and args.compression_ratio is None:
         raise ValueError(f"pass --compression-ratio, --budget or --calibration with --quality (or --method {FULL})")
-    return CompressionOptions(method=method, method_params=params, budget=args.budget, compression_ratio=args.compression_ratio, mode=args.mode,
-                              sink=args.sink, window=args.window, seed=args.seed, slack=args.slack, chunk_size=args.chunk_size,
-                              compress_question=args.compress_question, quality=args.quality, calibration=calibration,
-                              kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
-
-
-def _calibration(path: Path, quality: float | None):
-    """The `Calibration` in the file of --calibration, with --quality checked against it."""
-    from ..calibration import Calibration, check_quality
-
-    if quality is None:
-        raise ValueError(f"--calibration {str(path)!r} needs --quality Q: the predicted NLL ratio of the answer to keep, in (0, 1]")
-    check_quality(quality)
-    if path.is_dir():
-        raise ValueError(f"--calibration {str(path)!r} is a directory: pass the JSON file `kvcompress calibrate --out` wrote")
-    if not path.is_file():
-        raise ValueError(f"--calibration {str(path)!r} does not exist: write one with `kvcompress calibrate --out FILE`")
-    try:
-        return Calibration.load(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"--calibration {str(path)!r} is not JSON text ({err}): pass the file `kvcompress calibrate --out` wrote") from None
-    except ValueError as err:
-        raise ValueError(f"--calibration {err}") from None
+    # with --calibration and no --method, the options run the method the file was fitted for (and refuse another)
+    return CompressionOptions(method=args.method or DEFAULT_METHOD, method_params=params, budget=args.budget,
+                              compression_ratio=args.compression_ratio, mode=args.mode, sink=args.sink, window=args.window, seed=args.seed,
+                              slack=args.slack, chunk_size=args.chunk_size, compress_question=args.compress_question, quality=args.quality,
+                              calibration=args.calibration, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
 
 
 def read_context(path: Path) -> str:

@@ -6,10 +6,11 @@ The prompt is run here (context in one forward or in blocks, then the question),
 token is the argmax of its last logits, and the rest of the answer comes from an ordinary greedy
 `model.generate(past_key_values=cache)`; what this adds is the statistics. Many questions about one
 context (`answer_questions_ids`) compress the context once and answer each question from a
-snapshot of the compressed cache; a batch of contexts (`generate_batch_ids`) is left-padded, and
-padding is never kept or attended. A context can also be compressed alone (`compress_context`),
-saved (`CompressedCache.save`) and answered from later (`generate(cache=...)`,
-`answer_from_cache_ids`): docs/design.md, "Saved caches".
+snapshot of the compressed cache; a batch of contexts (`generate_batch_ids`) is left-padded into
+one forward, padding never kept or attended, or, where one forward cannot compress its rows apart
+(KVzip, the default method, streams, a calibration), run one context at a time. A context can also
+be compressed alone (`compress_context`), saved (`CompressedCache.save`) and answered from later
+(`generate(cache=...)`, `answer_from_cache_ids`): docs/design.md, "Saved caches".
 """
 
 from __future__ import annotations
@@ -143,8 +144,6 @@ class _Session:
         self.device = next(model.parameters()).device
         self.context_ids = context_ids.to(self.device)
         self.context_mask = prompt.mask.to(self.device) if prompt.mask is not None else None
-        if self.context_mask is not None and (options.streams or prefill is not None):
-            raise ValueError(f"a padded batch is compressed in mode='prefill' from a fresh prefill, got mode={options.mode!r}")
         question_ids = prompt.question_ids
         self.question_ids = question_ids.to(self.device) if question_ids is not None and question_ids.shape[1] > 0 else None
         n_context = context_ids.shape[1]
@@ -170,11 +169,10 @@ class _Session:
         self.reconstruction_ids, self.reconstruction = prompt.reconstruction_ids, None
         self.recorded = prefill if isinstance(prefill, RecordedReconstruction) else None
         self.cache, self.prefill = None, None if self.recorded is not None else prefill
-        if self.reconstructs and (self.prefill is not None or self.context_mask is not None):
-            raise ValueError(f"method {options.method!r} compresses through its own reconstruction forward after a fresh prefill of one "
-                             "unpadded context (or a batch of equal lengths), or from that forward recorded "
-                             "(`reconstruction.record_reconstruction`): a recorded prefill and a padded batch are not supported; "
-                             "name another method for them, e.g. method='compactor'")
+        if self.reconstructs and self.prefill is not None:
+            raise ValueError(f"method {options.method!r} compresses through its own reconstruction forward after a fresh prefill of the "
+                             "context, or from that forward recorded (`reconstruction.record_reconstruction`): a recorded prefill is not "
+                             "supported; name another method for it, e.g. method='compactor'")
         if self.recorded is not None and not self.reconstructs:
             raise ValueError(f"a recorded reconstruction serves a method scored by reconstruction (e.g. 'kvzip'), got method={options.method!r}; "
                              "pass a recorded full prefill (`capture_qkv`) instead")
@@ -510,32 +508,60 @@ def generate_batch_ids(
     max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, pad_token_id: int | None = None,
     reconstruction_ids: torch.Tensor | None = None, **settings,
 ) -> list[GenerationResult]:
-    """A batch of contexts [1, n_b] (any lengths) with one question [1, m], left-padded into one forward.
+    """A batch of contexts [1, n_b] (any lengths) with one question [1, m]: one answer per context, the one it gets alone.
 
-    Padding is never attended, kept or counted: each row is compressed alone (prefill mode) and
-    answers as it would alone. Results share the batch's times and KV bytes (for the whole batch);
-    `slots_per_layer` is the row's own.
+    The batch runs in one forward, left-padded when the lengths differ: padding is never attended, kept or counted,
+    each row is compressed alone and answers as it would alone. Those results share the batch's times and KV bytes
+    (for the whole batch); `slots_per_layer` is the row's own; extra["batch_run"] is "one_forward". Where one forward
+    cannot compress its rows apart (`_runs_one_by_one`), each context is compressed and answered as its own context
+    through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
+    'decode' (a stream takes no padding), or with a method scored by its own reconstruction forward (KVzip, and the
+    default in mode 'prefill') or with one budget over every layer (`shares_budget_across_layers`: AdaKV with
+    scope='model', the default in mode 'prefill'); and any batch with context-calibrated compression (quality +
+    calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
+    its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
+    number of contexts. (A padded batch through one `CompressedCache`, as `model.generate` runs it, is always one
+    forward: there a stream, AdaKV with scope='model', KVzip and the default are refused with the cause.)
     """
     options = CompressionOptions.build(options, **settings)
     if not contexts_ids:
         raise ValueError("contexts_ids must be a non-empty list of [1, n] token id tensors")
     as_count("max_new_tokens", max_new_tokens, 1)
     width = max(c.shape[1] for c in contexts_ids)
+    padded = any(c.shape[1] != width for c in contexts_ids)
+    batch = {"batch_size": len(contexts_ids)}
+    if _runs_one_by_one(options, padded):
+        results = [generate_ids(model, c, question_ids, options, max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos,
+                                reconstruction_ids=reconstruction_ids) for c in contexts_ids]
+        for res in results:
+            res.extra = {**res.extra, **batch, "batch_run": "one_by_one"}
+        return results
     pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
     mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
-    session = _Session(model, _Prompt(ids, question_ids, mask if not bool(mask.all()) else None, reconstruction_ids), options, max_new_tokens)
+    session = _Session(model, _Prompt(ids, question_ids, mask if padded else None, reconstruction_ids), options, max_new_tokens)
     with use_compressed_attention(model) if session.method_name is not None else nullcontext():
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not session.compress_question else None
         answers, question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
     results = []
     for row, tokens in enumerate(answers):
-        res = session.result(tokens, prefill_seconds + question_seconds, decode_seconds, row, {"batch_size": len(answers)})
+        res = session.result(tokens, prefill_seconds + question_seconds, decode_seconds, row, {**batch, "batch_run": "one_forward"})
         res.context_tokens = contexts_ids[row].shape[1]
         res.prompt_tokens = session.n_prompt - width + res.context_tokens
         results.append(res)
     return results
+
+
+def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
+    """Whether `generate_batch_ids` runs each context alone rather than the batch in one forward: with
+    context-calibrated compression (a ratio per context), or for a padded batch that a stream would take (padding
+    and all) or whose method compresses the rows of one forward together (its own reconstruction forward, one
+    budget over every layer)."""
+    if options.quality is not None:
+        return True
+    method = options.compressor
+    return padded and (options.streams or (method is not None and (method.needs_reconstruction or method.shares_budget_across_layers)))
 
 
 def compress_context(model, tokenizer, context: str, options: CompressionOptions | None = None, *, progress: bool = True,
@@ -585,8 +611,10 @@ def generate(
     convention; `compress_question=True` opts in). Returns a GenerationResult with the answer
     text and stats (tokens kept per layer, KV bytes full/stored/peak, prefill, compression and
     decode time). `questions=[...]` (instead of question): one answer per question, the context
-    compressed once (`answer_questions_ids`). A list of contexts: one left-padded batch, one
-    answer per context (`generate_batch_ids`).
+    compressed once (`answer_questions_ids`). A list of contexts: one answer per context, the one it
+    gets alone, from one left-padded batch, or, where one forward cannot compress the rows apart (a
+    padded batch with KVzip, the default method in mode 'prefill', or a stream; any batch with a
+    calibration), from each context run alone; extra["batch_run"] says which (`generate_batch_ids`).
 
     cache (instead of context, options and settings): a compressed context made earlier, by
     `compress_context` or saved and given as its path (`load_cache`): `question` or
