@@ -55,6 +55,7 @@ from .methods.tokens import Tokens, query_positions_for
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, has_empty_slots
+from .saved_state import Instance
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 
 @dataclass
@@ -330,11 +331,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
-        a live stream (decode mode) as the whole state it continues from (`cache_file.state_tensors`), a quantized or
-        ragged front and its exact tail apart, anything else as the one summary `stored()` reads."""
+        a live stream (decode mode) as the whole state it continues from, a quantized or ragged front and its exact tail
+        apart, anything else as the one summary `stored()` reads; each written by its schema (`saved_state`)."""
         meta = {"kind": "compressed", "seen": self.seen, "budgets": self.budgets}
         if isinstance(self.front, Stream):
-            tensors, described = cache_file.state_tensors(f"{prefix}.stream", self.front, self.cache.stream_links())
+            tensors, described = cache_file.state_tensors(f"{prefix}.stream", _SAVED_STREAM, self.front, self.cache.stream_links())
             return tensors, {**meta, "stream": described, "dtype": str(self.dtype).removeprefix("torch.")}
         if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
             parts = {"front": self.front, "tail": self.tail}
@@ -343,33 +344,83 @@ class CompressedLayer(CacheLayerMixin):
         tensors, described = {}, {}
         for name, part in parts.items():
             if part is not None:
-                part_tensors, described[name] = cache_file.summary_tensors(f"{prefix}.{name}", part)
+                part_tensors, described[name] = cache_file.state_tensors(f"{prefix}.{name}", _SAVED_SUMMARY, part, {})
                 tensors.update(part_tensors)
         return tensors, {**meta, "parts": described}
 
-    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype) -> None:
+    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype, path) -> None:
         """Take the state `export_state` described, on `device` in `dtype`: a quantized front and its tail as they were; a
         full-precision state as the front later tokens follow, as after compression in its mode (prefill: a buffer they
         are appended to in place; chunked: an exact tail beside it). A live stream goes on in the dtype it was saved in:
-        another `dtype` is refused."""
+        another `dtype` is refused. Everything is checked against the schema and this cache's settings first
+        (CacheFileError naming the file, the layer and the field)."""
+        where, options = f"layers.{self.layer_idx}", self.cache.options
+        # a decode-mode cache holds live streams; a chunked one its compacted streams, or what `compact` stored apart
+        streams = options.mode == "decode" or options.mode == "chunked" and "stream" in meta
+        keys = {"kind", "seen", "budgets", *(("stream", "dtype") if streams else ("parts",))}
+        if set(meta) != keys or not isinstance(meta["seen"], int) or isinstance(meta["seen"], bool) or meta["seen"] < 1:
+            raise cache_file.CacheFileError(f"{str(path)!r}: {where} must hold {sorted(keys)} with seen a positive count for a "
+                                            f"mode={options.mode!r} cache, got {sorted(meta)} (seen {meta.get('seen')!r})")
+        budgets = meta["budgets"]
+        if not (isinstance(budgets, list) and len(budgets) == 1 and isinstance(budgets[0], int) and not isinstance(budgets[0], bool)
+                and budgets[0] >= 1):
+            raise cache_file.CacheFileError(f"{str(path)!r}: {where}.budgets must be one positive count (one context), got {budgets!r}")
         self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
-        self.seen, self.budgets = meta["seen"], list(meta["budgets"])
-        if "stream" in meta:
+        self.seen, self.budgets = meta["seen"], list(budgets)
+        read = dict(dims=self.cache.saved_dims, device=device, path=path)
+        if streams:
             if meta["dtype"] != str(dtype).removeprefix("torch."):
                 raise cache_file.CacheFileError(
                     f"this cache holds live decode-mode streams in {meta['dtype']}, which go on absorbing every token in the dtype "
                     f"they were saved in: load it with the model in {meta['dtype']}, not {str(dtype).removeprefix('torch.')}")
-            self.front, self.tail = cache_file.state_from(tensors, meta["stream"], self.cache.stream_links(), device), None
-            self.stats.peak_bytes = self.nbytes()
-            return
-        parts = {name: cache_file.summary_from(f"{prefix}.{name}", tensors, part, device, dtype) for name, part in meta["parts"].items()}
-        if "stored" in parts:
-            stored = parts["stored"]
-            self.front = SlotBuffer(stored, most=stored.num_slots) if self.cache.options.mode == "prefill" else stored
-            self.tail = None
+            stream = cache_file.state_from(tensors, _SAVED_STREAM, meta["stream"], links=self.cache.stream_links(), where=f"{where}.stream", **read)
+            settings = (stream.budget, stream.sink, stream.window, stream.seen)
+            if settings != (self.budgets[0], options.sink, options.window, self.seen):
+                raise cache_file.CacheFileError(
+                    f"{str(path)!r}: {where}.stream has budget, sink, window and tokens seen {settings}, the cache's settings say "
+                    f"{(self.budgets[0], options.sink, options.window, self.seen)}")
+            self.front, self.tail = stream, None
         else:
-            self.front, self.tail = parts["front"], parts.get("tail")
+            parts = meta["parts"]
+            if not isinstance(parts, dict) or set(parts) not in ({"stored"}, {"front"}, {"front", "tail"}):
+                raise cache_file.CacheFileError(f"{str(path)!r}: {where}.parts must be {{stored}} or {{front[, tail]}}, got "
+                                                f"{sorted(parts) if isinstance(parts, dict) else parts!r}")
+            built = {name: cache_file.state_from(tensors, _SAVED_SUMMARY, part, links={}, where=f"{where}.{name}", **read).to(device=device, dtype=dtype)
+                     for name, part in parts.items()}
+            if "stored" in built:
+                stored = built["stored"]
+                if not isinstance(stored, KVSummary):
+                    raise cache_file.CacheFileError(f"{str(path)!r}: {where}.stored must be a kv_summary, got {type(stored).saved_name}")
+                self.front = SlotBuffer(stored, most=stored.num_slots) if options.mode == "prefill" else stored
+                self.tail = None
+            else:
+                if isinstance(built["front"], KVSummary) or isinstance(built.get("tail"), (QuantizedSummary, RaggedSummary)):
+                    raise cache_file.CacheFileError(f"{str(path)!r}: {where}.front must be a quantized or ragged summary and its "
+                                                    "tail a kv_summary")
+                self.front, self.tail = built["front"], built.get("tail")
+        self._check_loaded(path)
         self.stats.peak_bytes = self.nbytes()
+
+    def _check_loaded(self, path) -> None:
+        """CacheFileError unless what the layer now stores is a summary attention can read: one row of the model's KV heads
+        and head dimension, positions in 0..seen-1 (-1 for empty slots, of weight -inf), no NaN or +inf weight."""
+        where = f"{str(path)!r}: layers.{self.layer_idx}"
+        try:
+            s = self.stored()
+        except (ValueError, RuntimeError, IndexError, TypeError) as err:
+            raise cache_file.CacheFileError(f"{where} holds a state that cannot be read ({err})") from None
+        dims = self.cache.saved_dims
+        if tuple(s.keys.shape[:2]) != (1, dims["H"]) or s.keys.shape[-1] != dims["D"] or s.values.shape[-1] != dims["V"]:
+            raise cache_file.CacheFileError(f"{where} holds keys {list(s.keys.shape)} and values {list(s.values.shape)}, the model "
+                                            f"needs [1, {dims['H']}, n, {dims['D']}]")
+        empty = torch.isneginf(s.log_weights)
+        bad_positions = (s.positions >= self.seen) | (s.positions < 0) & ~(empty & (s.positions == -1))
+        if bool(bad_positions.any()) or bool((torch.isnan(s.log_weights) | torch.isposinf(s.log_weights)).any()):
+            raise cache_file.CacheFileError(f"{where} holds positions outside 0..{self.seen - 1} or log-weights NaN or +inf")
+
+
+_SAVED_STREAM = Instance(Stream)
+_SAVED_SUMMARY = Instance(KVSummary, QuantizedSummary, RaggedSummary)
 
 
 def _frozen(front):
@@ -415,12 +466,24 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
             return {}, {"kind": "sliding", "seen": 0}
         return {f"{prefix}.keys": self.keys, f"{prefix}.values": self.values}, {"kind": "sliding", "seen": self.cumulative_length}
 
-    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype) -> None:
-        """Take the window `export_state` described, on `device` in `dtype`."""
-        if meta["seen"]:
-            keys, values = (tensors[f"{prefix}.{name}"].to(device, dtype) for name in ("keys", "values"))
+    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype, path,
+                     dims: dict[str, int]) -> None:
+        """Take the window `export_state` described, on `device` in `dtype`; CacheFileError for a window that does not fit
+        the layer (dims: the model's KV heads H and head dimension D)."""
+        seen = meta.get("seen")
+        if set(meta) != {"kind", "seen"} or not isinstance(seen, int) or isinstance(seen, bool) or seen < 0:
+            raise cache_file.CacheFileError(f"{str(path)!r}: {prefix} must hold kind and seen (a count), got {meta!r}")
+        if seen:
+            keys, values = (tensors.get(f"{prefix}.{name}") for name in ("keys", "values"))
+            most = min(seen, self.sliding_window)
+            shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and t.is_floating_point() else None for t in (keys, values)]
+            if shapes[0] is None or shapes[0] != shapes[1] or len(shapes[0]) != 4 or shapes[0][:2] != (1, dims["H"]) or \
+                    shapes[0][3] != dims["D"] or not 1 <= shapes[0][2] <= most:
+                raise cache_file.CacheFileError(f"{str(path)!r}: {prefix} must hold floating keys and values [1, {dims['H']}, w, "
+                                                f"{dims['D']}] (the last w <= {most} of {seen} tokens), got shapes {shapes}")
+            keys, values = keys.to(device, dtype), values.to(device, dtype)
             self.lazy_initialization(keys, values)
-            self.keys, self.values, self.cumulative_length = keys, values, meta["seen"]
+            self.keys, self.values, self.cumulative_length = keys, values, seen
         self.stats.peak_bytes = self.nbytes()
 
 
@@ -506,7 +569,12 @@ class CompressedCache(Cache):
         self.options, self.stream_length = options, stream_length
         self.token_ids: torch.Tensor | None = None
         self._model = weakref.ref(model)  # for the fingerprint save() writes; the cache does not keep the model alive
-        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers = config.num_hidden_layers
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # the model's dimensions a saved state must have (`saved_state` shapes: batch, KV heads, query heads, head dims)
+        self.saved_dims = {"B": 1, "H": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                           "Q": config.num_attention_heads, "D": head_dim, "V": head_dim, "vocab": config.vocab_size}
         self._absorbing = True
         self._waiting: dict[int, Tokens] = {}  # layer -> its context, until every layer has one (`_share_budget`)
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
@@ -615,14 +683,35 @@ class CompressedCache(Cache):
         attention implementation, as a cache built from a method name does.
         """
         tensors, document = cache_file.read(path)
+        where = f"{str(path)!r}"
         cache_file.check_model(document["model"], model, path)
-        cache = cls(model, CompressionOptions(**document["options"]), stream_length=document["stream_length"])
+        options = document["options"]
+        try:
+            cache = cls(model, CompressionOptions(**options), stream_length=document["stream_length"])
+        except (TypeError, ValueError) as err:
+            raise cache_file.CacheFileError(f"{where} holds settings this kvcompress does not accept ({err}): options {options!r}, "
+                                            f"stream_length {document['stream_length']!r}") from None
+        layers, ids = document["layers"], tensors.get("token_ids")
+        if not isinstance(layers, list) or len(layers) != len(cache.layers) or not all(isinstance(m, dict) for m in layers):
+            raise cache_file.CacheFileError(f"{where} must describe the model's {len(cache.layers)} layers, one object each")
+        kinds = ["sliding" if isinstance(layer, SlidingWindowLayer) else "compressed" for layer in cache.layers]
+        if [m.get("kind") for m in layers] != kinds:
+            raise cache_file.CacheFileError(f"{where} describes layers of kinds {[m.get('kind') for m in layers]}, the model's are {kinds}")
+        seen = {m.get("seen") for m, kind in zip(layers, kinds) if kind == "compressed"}
+        if len(seen) != 1 or not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or tuple(ids.shape) != (1, *seen):
+            raise cache_file.CacheFileError(f"{where} must hold token_ids, int32 [1, n], for the n tokens every compressed layer has "
+                                            f"seen; got {describe(ids)} and layers that have seen {sorted(seen, key=str)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.saved_dims["vocab"]):
+            raise cache_file.CacheFileError(f"{where} holds token ids outside the model's vocabulary 0..{cache.saved_dims['vocab'] - 1}")
         devices = {m.layer_idx: next(m.parameters()).device for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
-        for i, (layer, meta) in enumerate(zip(cache.layers, document["layers"])):
-            layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype)
+        for i, (layer, meta) in enumerate(zip(cache.layers, layers)):
+            if isinstance(layer, SlidingWindowLayer):
+                layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype, path, cache.saved_dims)
+            else:
+                layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype, path)
         if cache.options.mode != "decode":
             cache.absorbing = False  # the prompt has ended: nothing streams any more, later tokens stay exact
-        cache.token_ids = tensors["token_ids"].long().to(devices[0])
+        cache.token_ids = ids.long().to(devices[0])
         select_compressed_attention(model)
         return cache
 
@@ -654,9 +743,10 @@ class CompressedCache(Cache):
             layer.restore(state)
 
     def stream_links(self) -> dict:
-        """What a live stream holds of the cache itself (its method, its rotary inverse), which a saved stream refers to
-        by name (`cache_file.state_tensors`) rather than stores."""
-        return {"method": self.options.compressor, "unrotate": self._unrotate}
+        """What a live stream holds of the cache itself (its method and the methods it is made of, its rotary inverse),
+        which a saved stream refers to by name (`saved_state.Linked`) rather than stores."""
+        method = self.options.compressor
+        return {"method": method, **method.parts(), "unrotate": self._unrotate}
 
     def generator(self, layer_idx: int) -> torch.Generator:
         return make_generator(self.options.seed * 100003 + layer_idx)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import as_count
+from .saved_state import Choice, Count, Instance, Maybe, Record, Saveable, Tensor, saved
 from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
 
 KV_BITS = (8, 4, 2)
@@ -59,8 +60,20 @@ def check_storage(bits, group_size) -> tuple[int | None, int | None]:
     return bits, as_count("kv_group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size, 1)
 
 
+def check_quantized_shapes(packed: torch.Size, scale: torch.Size, bits: int, group_size: int, axis: str, dim: int) -> None:
+    """ValueError unless codes [B, H, n, ceil(dim·bits/8)] and scales of these shapes are what `quantize` writes."""
+    check_kv_bits(bits)
+    b, h, n, width = packed
+    per = 8 // bits
+    want = (b, h, -(-n // group_size), dim) if axis == "channel" else (b, h, n, -(-dim // group_size))
+    if width != -(-dim // per) or tuple(scale) != want:
+        raise ValueError(f"{bits}-bit codes {list(packed)} with scales {list(scale)} do not fit dim {dim}, group size {group_size}, axis "
+                         f"{axis!r}: expected codes [{b}, {h}, {n}, {-(-dim // per)}] and scales {list(want)}")
+
+
+@saved("quantized_tensor")
 @dataclass(frozen=True)
-class QuantizedTensor:
+class QuantizedTensor(Saveable):
     """A [B, H, n, d] tensor stored in `bits` bits per element.
 
     packed: uint8 [B, H, n, ceil(d·bits/8)], codes in [0, 2^bits - 1], the lowest bits first.
@@ -76,6 +89,14 @@ class QuantizedTensor:
     group_size: int
     axis: str
     dim: int
+
+    saved_fields = {"packed": Tensor("b h n p", ("uint8",)), "scale": Tensor("b h s t"), "zero": Tensor("b h s t"), "bits": Count(1),
+                    "group_size": Count(1), "axis": Choice(("channel", "token")), "dim": Count(1)}
+
+    def check_saved(self) -> None:
+        check_quantized_shapes(self.packed.shape, self.scale.shape, self.bits, self.group_size, self.axis, self.dim)
+        if self.zero.shape != self.scale.shape:
+            raise ValueError(f"zero points {list(self.zero.shape)} and scales {list(self.scale.shape)} differ in shape")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,8 +186,9 @@ def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :d]
 
 
+@saved("quantized_summary")
 @dataclass(frozen=True)
-class QuantizedSummary:
+class QuantizedSummary(Saveable):
     """A `KVSummary` whose keys and values (and normalizer keys) are stored quantized; immutable.
 
     keys: axis "channel", values: axis "token" (`quantize`). log_weights [B, H, n] float32, None
@@ -180,6 +202,25 @@ class QuantizedSummary:
     log_weights: torch.Tensor | None
     positions: torch.Tensor
     normalizer: tuple[QuantizedTensor, torch.Tensor, torch.Tensor] | None = None
+
+    saved_fields = {
+        "keys": Instance("quantized_tensor"), "values": Instance("quantized_tensor"), "log_weights": Maybe(Tensor("B H n")),
+        "positions": Tensor("B H n", ("int32",)),
+        "normalizer": Maybe(Record((Instance("quantized_tensor"), Tensor("B H m"), Tensor("B H m", ("int32",))))),
+    }
+
+    @classmethod
+    def from_saved(cls, values):
+        return cls(**values)
+
+    def check_saved(self) -> None:
+        shape = tuple(self.positions.shape)
+        parts = [("keys", self.keys, shape, "channel"), ("values", self.values, shape, "token")]
+        if self.normalizer is not None:
+            parts.append(("normalizer keys", self.normalizer[0], tuple(self.normalizer[2].shape), "channel"))
+        for name, q, want, axis in parts:
+            if tuple(q.packed.shape[:3]) != want or q.axis != axis:
+                raise ValueError(f"{name}: codes {list(q.packed.shape)} on axis {q.axis!r}, expected {list(want)} slots on axis {axis!r}")
 
     @classmethod
     def of(cls, summary: KVSummary, bits: int, group_size: int) -> "QuantizedSummary":
@@ -288,7 +329,8 @@ def _find_rows(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     return first[inverse[pool.shape[0] :]]
 
 
-class QuantizedSlots:
+@saved("quantized_slots")
+class QuantizedSlots(Saveable):
     """The slot buffer of a block-wise stream (`methods.base.BlockwiseState`) with keys and values stored in `bits` bits.
 
     The interface of `summary._GrowingSlots` over the columns (keys, values, positions, extra per-slot columns):
@@ -306,6 +348,21 @@ class QuantizedSlots:
             raise ValueError("QuantizedSlots needs bits, one of " + ", ".join(map(str, KV_BITS)))
         self.raw = _GrowingSlots()  # key packed, scale, zero; value packed, scale, zero; then the other columns
         self.dims: tuple[int, int] | None = None
+
+    saved_fields = {"bits": Count(1), "group_size": Count(1), "raw": Instance("growing_slots"), "dims": Maybe(Record((Count(1), Count(1))))}
+
+    def check_saved(self) -> None:
+        check_kv_bits(self.bits)
+        if not self.raw.tensors:
+            return
+        if self.dims is None or self.raw.width < 6:
+            raise ValueError(f"quantized slots hold {self.raw.width} columns with dims {self.dims}: expected the codes, scales and zero "
+                             "points of keys and values (6 columns) and their dims")
+        for i, dim in enumerate(self.dims):
+            packed, scale, zero = self.raw.tensors[3 * i : 3 * i + 3]
+            check_quantized_shapes(packed.shape, scale.shape, self.bits, self.group_size, "token", dim)
+            if zero.shape != scale.shape or packed.dtype != torch.uint8:
+                raise ValueError(f"column {3 * i}: zero points {list(zero.shape)} or codes ({packed.dtype}) do not match the scales")
 
     @property
     def length(self) -> int:

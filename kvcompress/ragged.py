@@ -24,6 +24,7 @@ from functools import cached_property
 
 import torch
 
+from .saved_state import Maybe, Saveable, Tensor, saved
 from .summary import KVSummary
 
 
@@ -35,8 +36,9 @@ def has_empty_slots(summary: KVSummary) -> bool:
     return bool(torch.isneginf(summary.log_weights).any())
 
 
+@saved("ragged_summary")
 @dataclass(frozen=True)
-class RaggedSummary:
+class RaggedSummary(Saveable):
     """A `KVSummary` without its empty slots, packed head after head (see the module docstring); immutable.
 
     keys [T, d], values [T, d_v] (T: the real slots of every batch row and head), log_weights [T]
@@ -49,6 +51,17 @@ class RaggedSummary:
     log_weights: torch.Tensor | None
     positions: torch.Tensor
     counts: torch.Tensor
+
+    saved_fields = {"keys": Tensor("T D"), "values": Tensor("T V"), "log_weights": Maybe(Tensor("T")),
+                    "positions": Tensor("T", ("int32",)), "counts": Tensor("B H", ("int32",))}
+
+    @classmethod
+    def from_saved(cls, values):
+        return cls(**values)
+
+    def check_saved(self) -> None:
+        if bool((self.counts < 0).any()) or int(self.counts.sum()) != self.keys.shape[0]:
+            raise ValueError(f"per-head counts must be non-negative and add up to the {self.keys.shape[0]} packed slots")
 
     def __post_init__(self):
         total = self.keys.shape[0]

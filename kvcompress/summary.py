@@ -7,9 +7,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .saved_state import Count, Flag, Instance, Maybe, Saveable, Sequence, Tensor, saved
 
+
+@saved("normalizer")
 @dataclass
-class Normalizer:
+class Normalizer(Saveable):
     """A separate slot set used only for the softmax denominator.
 
     keys [B, H_kv, m, d], log_weights [B, H_kv, m], positions [B, H_kv, m] (original token index,
@@ -21,13 +24,16 @@ class Normalizer:
     log_weights: torch.Tensor
     positions: torch.Tensor
 
+    saved_fields = {"keys": Tensor("B H m D"), "log_weights": Tensor("B H m"), "positions": Tensor("B H m", ("int64",))}
+
     def nbytes(self) -> int:
         """Bytes of its keys (the KV data; see `KVSummary.nbytes`)."""
         return self.keys.numel() * self.keys.element_size()
 
 
+@saved("kv_summary")
 @dataclass
-class KVSummary:
+class KVSummary(Saveable):
     """What a compressed layer hands to attention.
 
     keys [B, H_kv, n, d] (post-RoPE), values [B, H_kv, n, d_v], log_weights [B, H_kv, n]
@@ -48,6 +54,18 @@ class KVSummary:
     positions: torch.Tensor
     normalizer: Normalizer | None = None
     eviction_only: bool = False
+
+    saved_fields = {"keys": Tensor("B H n D"), "values": Tensor("B H n V"), "log_weights": Tensor("B H n"),
+                    "positions": Tensor("B H n", ("int64",)), "normalizer": Maybe(Instance("normalizer")), "eviction_only": Flag()}
+
+    @classmethod
+    def from_saved(cls, values):
+        """Built by the constructor, which checks the shapes agree."""
+        return cls(**values)
+
+    def check_saved(self) -> None:
+        if self.eviction_only and not bool((self.log_weights == 0).all()):
+            raise ValueError("eviction_only is set but some log-weights are not 0")
 
     def __post_init__(self):
         if self.eviction_only and self.normalizer is not None:
@@ -226,15 +244,25 @@ def gather_slots(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
     return take_slots(keys, index), take_slots(values, index), take_slots(positions, index)
 
 
-class _GrowingSlots:
+@saved("growing_slots")
+class _GrowingSlots(Saveable):
     """Tensors [B, H, capacity, ...] filled along the slot axis; `append` writes in place and
     reallocates (one copy) only when full, with room for max(16, n/16) more slots (or up to
     `reserve` slots in all, when larger), never beyond `most` slots (when given) unless the slots
     themselves need more."""
 
+    # every column [B, H, capacity, ...]: keys, values, positions and any other per-slot column
+    saved_fields = {"tensors": Sequence(Tensor("B H c ...", ("float", "int64", "int32", "uint8")), kind="tuple"), "length": Count()}
+
     def __init__(self):
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.length = 0
+
+    def check_saved(self) -> None:
+        if self.tensors and self.length > self.tensors[0].shape[2]:
+            raise ValueError(f"length {self.length} is more than the {self.tensors[0].shape[2]} slots allocated")
+        if not self.tensors and self.length:
+            raise ValueError(f"length {self.length} with no tensors")
 
     def append(self, parts: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None) -> None:
         need = self.length + parts[0].shape[2]

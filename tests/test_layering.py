@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 
 # Lowest first; a module's layer is the longest matching prefix of its dotted name (without "kvcompress.").
 LAYERS = [
-    ("core", ("summary", "attention", "checks", "quantization", "ragged")),
+    ("core", ("summary", "attention", "checks", "quantization", "ragged", "saved_state")),
     ("methods", ("methods",)),
     ("api", ("api", "options", "calibration")),
     ("model support", ("integration.support",)),

@@ -133,19 +133,24 @@ def test_a_cache_moves_to_the_models_dtype(tiny_checkpoint, tmp_path):
         kvc.load_cache(tmp_path / "d.kvc", model16)
 
 
-def test_a_saved_stream_builds_only_kvcompress_objects_and_keeps_what_it_shares():
-    """The object graph of a live stream: shared generators and instances stay shared, links are given back by name,
-    anything but kvcompress classes is refused on the way in and on the way out."""
+def test_a_saved_stream_builds_only_registered_classes_and_keeps_what_it_shares():
+    """A live stream written by schema: shared generators stay shared, the cache's own objects come back by link name,
+    an object of no registered class is refused on the way out, and a class name the schema does not list (a class path
+    included) on the way in."""
     from kvcompress.methods.base import make_generator
     from kvcompress.methods.registry import build_method
     from kvcompress.methods.stream import Stream
+    from kvcompress.saved_state import Instance
 
     method = build_method("hybrid")
     stream = Stream(method, 16, 2, 4, make_generator(3))
     keys = torch.randn(1, 2, 60, 8)
     stream.update(keys, torch.randn(1, 2, 60, 8), torch.randn(1, 4, 60, 8), pre_rope_keys=keys)
-    tensors, described = cache_file.state_tensors("s", stream, {"method": method})
-    back = cache_file.state_from(tensors, json.loads(json.dumps(described)), {"method": method}, "cpu")
+    links = {"method": method, **method.parts(), "unrotate": None}
+    tensors, described = cache_file.state_tensors("s", Instance(Stream), stream, links)
+    assert described["class"] == "stream" and described["fields"]["method"] == "method"
+    read = dict(dims={"B": 1, "H": 2, "Q": 4, "D": 8, "V": 8}, links=links, device="cpu", where="s", path="f.kvc")
+    back = cache_file.state_from(tensors, Instance(Stream), json.loads(json.dumps(described)), **read)
     assert back.method is method and back.state.method is method
     assert back.state.generator is back.state.coreset.generator is back.generator  # one generator, as in the stream saved
     assert torch.equal(back.summary().keys, stream.summary().keys)
@@ -153,10 +158,14 @@ def test_a_saved_stream_builds_only_kvcompress_objects_and_keeps_what_it_shares(
     for s in (stream, back):
         s.update(more, more, torch.randn(1, 4, 30, 8, generator=torch.Generator().manual_seed(0)), pre_rope_keys=more)
     assert torch.equal(back.summary().positions, stream.summary().positions)
-    with pytest.raises(ValueError, match="a live stream holds a builtins.builtin_function_or_method, which a cache file cannot store"):
-        cache_file.state_tensors("s", [len], {})
-    with pytest.raises(CacheFileError, match="names the class 'os:system', which is not kvcompress's"):
-        cache_file.state_from({}, {"object": "os:system", "id": 0, "attributes": {}}, {}, "cpu")
+    from kvcompress.saved_state import SchemaError
+    with pytest.raises(SchemaError, match=r"expected an instance of \['stream'\], got 'list'"):
+        cache_file.state_tensors("s", Instance(Stream), [len], {})
+    for name in ("os:system", "kvcompress.methods.stream:Stream", "tokens"):
+        edited = json.loads(json.dumps(described))
+        edited["class"] = name
+        with pytest.raises(CacheFileError, match=rf"at s.class: expected one of \['stream'\], got '{name}'"):
+            cache_file.state_from(tensors, Instance(Stream), edited, **read)
 
 
 @pytest.fixture
@@ -209,12 +218,15 @@ def test_a_foreign_file_is_refused(saved, tiny_checkpoint, tmp_path):
 
 
 def test_another_format_version_is_refused(tmp_path, monkeypatch):
+    """A file of another format (the object-graph format 1 before the explicit schema, say) is refused before anything
+    is read, with how to remake it."""
     model = tiny()
-    monkeypatch.setattr(cache_file, "VERSION", 2)
-    compress_context_ids(model, _ids(100, 8) % 96, method="knorm", budget=16).save(tmp_path / "v2.kvc")
+    current = cache_file.VERSION
     monkeypatch.setattr(cache_file, "VERSION", 1)
-    with pytest.raises(CacheFileError, match="format version '2'; this kvcompress reads version 1"):
-        kvc.load_cache(tmp_path / "v2.kvc", model)
+    compress_context_ids(model, _ids(100, 8) % 96, method="knorm", budget=16).save(tmp_path / "v1.kvc")
+    monkeypatch.setattr(cache_file, "VERSION", current)
+    with pytest.raises(CacheFileError, match=f"format version '1'; this kvcompress reads version {current}: compress the context again"):
+        kvc.load_cache(tmp_path / "v1.kvc", model)
 
 
 def test_another_model_is_refused(saved):
@@ -271,3 +283,51 @@ def test_generate_from_a_cache_takes_its_settings_and_no_context(saved, tiny_che
         kvc.generate(model, tokenizer, question="Why?")
     with pytest.raises(ValueError, match="cache must be a CompressedCache"):
         answer_from_cache_ids(model, 42, [_ids(3, 0)])
+
+
+@pytest.mark.parametrize("numel", [1, 3, 4, 10, 2**24 + 1, 28311552, 2**40 + 5])
+def test_the_fingerprint_samples_exact_indices_of_any_size(numel):
+    """Evenly spaced sample indices in exact integer arithmetic: the first and last element, in order, for any size (a
+    float32 linspace rounds indices past 2^24 and stepped past the end of the default model's 28,311,552-element embedding)."""
+    index = cache_file.sample_indices(numel, cache_file.SAMPLES_PER_PARAMETER)
+    assert index.dtype == torch.int64 and len(index) == min(numel, cache_file.SAMPLES_PER_PARAMETER)
+    assert int(index[0]) == 0 and int(index[-1]) == numel - 1 and bool((index[1:] > index[:-1]).all())
+    if numel < 2**24:
+        linspace = torch.linspace(0, numel - 1, len(index), dtype=torch.float64).round().long()
+        assert torch.equal(index, linspace)  # small tensors sample what files already saved sampled
+    if numel < 2**26:
+        flat = torch.arange(numel, dtype=torch.int64)
+        assert flat[index].tolist() == index.tolist()  # every index is inside the tensor
+
+
+# The saved format: every registered class, its version and its fields. A change here is a change of the file format:
+# bump the class's version (`saved(name, version)`) and, for a change old files cannot be read with, cache_file.VERSION.
+SAVED_FORMAT = {
+    "adaptive_blockwise_state": (1, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "balancekv_stream": (1, ['budget', 'events', 'exact_count', 'fail_events', 'free', 'generator', 'held', 'key_count', 'key_sum', 'keys', 'method', 'outliers', 'pool', 'references', 'scale', 'shape', 'slack_slots', 'stored_rows', 'template', 'values']),
+    "blockwise_state": (1, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "clustergen_state": (1, ['block_size', 'budget', 'ends', 'pending', 'runs', 'seen', 'slack_slots', 'waiting']),
+    "compactor_state": (1, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "express_buffer": (1, ['parts', 'slots']),
+    "express_state": (1, ['block_seen', 'cache', 'candidate', 'count', 'delta', 'depth', 'ell', 'g', 'generator', 'leaf', 'levels', 'm', 'max_group', 'open_leaf', 'scale', 'siblings', 'stratum']),
+    "growing_slots": (1, ['length', 'tensors']),
+    "hybrid_state": (1, ['budget', 'coreset', 'coreset_slots', 'counts', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "kv_summary": (1, ['eviction_only', 'keys', 'log_weights', 'normalizer', 'positions', 'values']),
+    "normalizer": (1, ['keys', 'log_weights', 'positions']),
+    "quantized_slots": (1, ['bits', 'dims', 'group_size', 'raw']),
+    "quantized_state": (1, ['bits', 'exact_within_budget', 'group_size', 'other_bytes', 'shapes', 'state', 'stored']),
+    "quantized_summary": (1, ['keys', 'log_weights', 'normalizer', 'positions', 'values']),
+    "quantized_tensor": (1, ['axis', 'bits', 'dim', 'group_size', 'packed', 'scale', 'zero']),
+    "ragged_summary": (1, ['counts', 'keys', 'log_weights', 'positions', 'values']),
+    "stream": (1, ['budget', 'exact', 'exact_last', 'generator', 'head', 'layout', 'method', 'recent', 'scale', 'seen', 'sink', 'state', 'unrotate', 'window']),
+    "subgen_state": (1, ['cap', 'centre_pos', 'centre_values', 'centres', 'cluster_weight', 'counts', 'delta', 'delta0', 'generator', 'live', 'mu', 'num_keys', 'num_pos', 'num_sq', 'num_values', 'r', 's', 'sample_cluster', 'sample_keys', 'sample_pos', 'sample_values', 'seen', 'shape']),
+    "tokens": (1, ['attention_mass', 'exact_keys', 'exact_positions', 'extra_lse', 'keys', 'layer_idx', 'num_layers', 'positions', 'pre_rope_keys', 'queries', 'query_positions', 'scale', 'unrotate', 'values']),
+}
+
+
+def test_the_saved_format_is_the_declared_schema():
+    """What a cache file holds is each registered class's declared fields, nothing an object merely has: renaming a
+    private attribute leaves the format as it is unless the declaration changes, and then this listing shows it."""
+    from kvcompress.saved_state import REGISTRY
+
+    assert {name: (cls.saved_version, sorted(cls.saved_fields)) for name, cls in REGISTRY.items()} == SAVED_FORMAT

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import as_count
+from ..saved_state import saved
 from ..summary import KVSummary, concat, take_slots
 from .attention_matching import refit_kept
 from .base import BlockwiseState, Method, ScoreMethod, first_true, is_pool_span, max_pool_scores
@@ -322,6 +323,7 @@ def evicted_summary(tokens: Tokens, evicted: torch.Tensor, slots: int) -> KVSumm
     return KVSummary(keys, values, log_weights, positions)
 
 
+@saved("adaptive_blockwise_state")
 class AdaptiveBlockwiseState(BlockwiseState):
     """`BlockwiseState` for head-adaptive budgets: a re-compression keeps H_kv·budget tokens per batch row
     (`AdaKV.allocate`) in a buffer of m slots per head, m the most any head keeps; a head that keeps fewer fills its

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..checks import as_count
+from ..saved_state import Choice, Count, Generator, Instance, Linked, Mapping, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary, concat, take_slots
 from .base import Method, StreamState, first_true
 from .budget import check_slack
@@ -397,6 +398,7 @@ _LEVELS = 64
 _MERGED = _LEVELS - 1
 
 
+@saved("balancekv_stream")
 class BalanceKVStream(StreamState):
     """Streaming BalanceKV (the paper's Alg. 1 + Alg. 4): every head and bucket in one pool of slots.
 
@@ -461,6 +463,50 @@ class BalanceKVStream(StreamState):
         self.events = 0
         self.fail_events = 0  # a 0-d tensor once counted (no host sync per halving)
         self.stored_rows = 0  # rows ever written: the buffers never grow past them (a full cache's size)
+
+    _POOL = ("positions", "row", "instance", "level", "log_weight", "order", "token")
+    saved_fields = {
+        "method": Linked("method", "coreset_method"), "budget": Count(1), "exact_count": Count(), "generator": Generator(),
+        "slack_slots": Count(), "outliers": Maybe(Instance("tokens")), "key_sum": Maybe(Tensor("B H D")), "key_count": Count(),
+        "held": Count(), "scale": Maybe(Real(0.0)), "pool": Maybe(Mapping(Choice(_POOL), Tensor("S", ("int64", "float32")))),
+        "keys": Maybe(Tensor("R D")), "values": Maybe(Tensor("R V")), "references": Maybe(Tensor("R", ("int32",))),
+        "free": Maybe(Tensor("F", ("int64",))), "shape": Maybe(Record((Count(1), Count(1)))),
+        "template": Maybe(Record((Tensor("0"), Tensor("0")))), "events": Count(), "fail_events": Count(), "stored_rows": Count(),
+    }
+
+    def saved_values(self) -> dict:
+        """The fields, the slots added since the last read merged into the pool, the FAIL count as an int."""
+        return {name: getattr(self, name) for name in self.saved_fields} | {"fail_events": int(self.fail_events)}
+
+    @classmethod
+    def from_saved(cls, values):
+        pool = values.pop("pool")
+        state = super().from_saved(values)
+        state._pool, state.added = pool, []
+        return state
+
+    def check_saved(self) -> None:
+        started = [name for name in ("pool", "keys", "values", "references", "free", "shape", "template") if getattr(self, name) is not None]
+        if self.shape is None:
+            if started:
+                raise ValueError(f"{started} are saved before any token reached the pool (shape is null)")
+            return
+        pool = self.pool
+        if pool is None or len(started) != 7:
+            raise ValueError(f"shape {self.shape} is set but only {started} of the pool and its buffers are saved")
+        if set(pool) != set(self._POOL) or len({t.shape[0] for t in pool.values()}) != 1:
+            raise ValueError(f"the pool must hold {list(self._POOL)}, one value per slot each, got {[(k, list(t.shape)) for k, t in pool.items()]}")
+        if pool["log_weight"].dtype != torch.float32 or any(pool[k].dtype != torch.long for k in self._POOL if k != "log_weight"):
+            raise ValueError("the pool's log_weight must be float32 and its other fields int64")
+        rows = self.keys.shape[0]
+        bounds = {"row": self.shape[0] * self.shape[1], "instance": _INSTANCES, "level": _LEVELS, "token": rows}
+        for name, most in bounds.items():
+            if pool[name].numel() and bool((pool[name] < 0).any() | (pool[name] >= most).any()):
+                raise ValueError(f"the pool's {name} values must lie in 0..{most - 1}")
+        if self.free.numel() and bool((self.free < 0).any() | (self.free >= rows).any()):
+            raise ValueError(f"free buffer rows must lie in 0..{rows - 1}")
+        if self.references.shape[0] != rows or self.values.shape[0] != rows:
+            raise ValueError(f"key buffer of {rows} rows, value buffer of {self.values.shape[0]} and {self.references.shape[0]} reference counts")
 
     @property
     def failures(self) -> int:

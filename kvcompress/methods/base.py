@@ -30,7 +30,8 @@ from typing import ClassVar
 import torch
 
 from ..checks import as_count
-from ..quantization import QuantizedSlots, QuantizedTensor, quantize_rows
+from ..quantization import QuantizedSlots, QuantizedTensor, check_kv_bits, quantize_rows
+from ..saved_state import Count, Flag, Generator, Instance, Linked, Mapping, Maybe, Saveable, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, gather_slots, take_slots
 from .budget import DEFAULT_SLACK, check_slack
 from .tokens import (
@@ -43,8 +44,9 @@ from .tokens import (
 )
 
 
-class StreamState(ABC):
-    """Per-layer streaming state of one method over the compressible middle."""
+class StreamState(Saveable, ABC):
+    """Per-layer streaming state of one method over the compressible middle. A state a saved cache can hold declares its
+    fields (`saved_state.saved`)."""
 
     # True: holds every token exactly while at most `budget` were absorbed (else `Stream` holds them until then)
     exact_within_budget: ClassVar[bool] = False
@@ -60,6 +62,10 @@ class StreamState(ABC):
 
     def compact(self) -> None:
         """Bring what is held down to the budget now (a state that never holds more does nothing)."""
+
+    def same_kind(self, other: "StreamState") -> bool:
+        """Whether `other` (a saved state, its storage unwrapped: `unwrapped`) is a state of the kind this fresh one is."""
+        return type(self) is type(unwrapped(other))
 
     def quantized(self, bits: int, group_size: int) -> "StreamState":
         """This state storing its keys and values in `bits` bits from now on (before its first token): a native
@@ -131,6 +137,10 @@ class Method:
         if summary.normalizer is not None or not bool((summary.log_weights == 0).all()):
             return None
         return positions_index(tokens.positions, summary.positions)
+
+    def parts(self) -> dict[str, "Method"]:
+        """The methods this one is made of whose streams it holds, by name (a saved stream refers to them by it)."""
+        return {}
 
     def check_mode(self, mode: str) -> None:
         """Raise a clear error when the method cannot run in cache mode `mode` (not among `modes`)."""
@@ -207,6 +217,7 @@ def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
     return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
 
 
+@saved("blockwise_state")
 class BlockwiseState(StreamState):
     """Block-wise streaming of a one-shot method with amortised re-compression.
 
@@ -237,6 +248,28 @@ class BlockwiseState(StreamState):
         self.peak_slots = 0
         self.seen = 0
         self.log_weights: torch.Tensor | None = None  # [B,H,held] once a re-compression kept weighted slots
+
+    saved_fields = {
+        "method": Linked("method", "coreset_method"), "budget": Count(1), "generator": Generator(), "slack_slots": Count(), "limit": Count(1),
+        "slots": Instance("growing_slots", "quantized_slots"), "last": Maybe(Instance("tokens")), "peak_slots": Count(), "seen": Count(),
+        "log_weights": Maybe(Tensor("B H n")),
+    }
+
+    def check_saved(self) -> None:
+        held = self.slots.length
+        if self.limit < self.budget or held > self.limit + self.slack_slots or held > self.seen or held > self.peak_slots:
+            raise ValueError(f"{held} slots held do not fit budget {self.budget}, limit {self.limit}, slack {self.slack_slots}, "
+                             f"{self.seen} tokens seen and a peak of {self.peak_slots}")
+        if (self.last is None) != (self.seen == 0):
+            raise ValueError(f"{self.seen} tokens seen but the latest block is {'missing' if self.last is None else 'there'}")
+        if self.log_weights is not None and self.log_weights.shape[-1] != held:
+            raise ValueError(f"log_weights for {self.log_weights.shape[-1]} slots, {held} held")
+        if self.last is not None and self.slots.tensors:
+            columns = self.columns(self.last)  # what each absorbed block stores per slot
+            stored = self.slots.view()
+            if len(stored) != len(columns) or any(s.dtype != c.dtype or s.shape[3:] != c.shape[3:] for s, c in zip(stored, columns)):
+                raise ValueError(f"the slot buffer holds columns {[(list(s.shape), s.dtype) for s in stored]}, the method stores "
+                                 f"{[(list(c.shape), c.dtype) for c in columns]} per block")
 
     def most_slots(self) -> int:
         """The most slots the buffer may allocate: the tokens absorbed so far (what a full cache would hold)."""
@@ -329,6 +362,12 @@ class BlockwiseState(StreamState):
         return self.slots.kv_bytes()
 
 
+def unwrapped(state: StreamState) -> StreamState:
+    """The method's own state: `state` itself, or the native state a `QuantizedState` stores quantized."""
+    return state.state if isinstance(state, QuantizedState) else state
+
+
+@saved("quantized_state")
 class QuantizedState(StreamState):
     """A native stream's state (Express, SubGen, ClusterGen, BalanceKV) with its keys and values stored in `bits` bits.
 
@@ -354,6 +393,29 @@ class QuantizedState(StreamState):
         self.stored: dict[int, QuantizedTensor] = {}  # per row width: the rows of every listed tensor that wide, in order
         self.shapes: list[torch.Size] = []  # of the listed tensors, in order
         self.other_bytes = 0  # what the state's nbytes() counts beside its key and value tensors
+
+    saved_fields = {
+        "state": Instance(StreamState), "bits": Count(1),
+        "group_size": Count(1), "exact_within_budget": Flag(), "stored": Mapping(Count(1), Instance("quantized_tensor")),
+        "shapes": Sequence(Sequence(Count(), kind="size")), "other_bytes": Count(),
+    }
+
+    def check_saved(self) -> None:
+        check_kv_bits(self.bits)
+        if self.exact_within_budget != self.state.exact_within_budget:
+            raise ValueError(f"exact_within_budget {self.exact_within_budget} differs from the wrapped state's")
+        listed = [t.shape for t in self.state.kv_tensors()]
+        if listed != self.shapes:
+            raise ValueError(f"the wrapped state lists tensors of shapes {[list(s) for s in listed]}, the codes stand for {[list(s) for s in self.shapes]}")
+        rows: dict[int, int] = {}
+        for shape in self.shapes:
+            if not shape or shape[-1] == 0:
+                raise ValueError(f"a listed tensor of shape {list(shape)} has no row width")
+            rows[shape[-1]] = rows.get(shape[-1], 0) + shape.numel() // shape[-1]
+        coded = {width: q.packed.shape[2] * q.packed.shape[0] * q.packed.shape[1] for width, q in self.stored.items()}
+        if rows != coded or any(q.dim != width or q.bits != self.bits for width, q in self.stored.items()):
+            raise ValueError(f"codes for rows {coded} of widths and bits {[(q.dim, q.bits) for q in self.stored.values()]}, the tensors "
+                             f"listed need rows {rows} in {self.bits} bits")
 
     def _restore(self) -> None:
         if not self.shapes:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..checks import as_count
+from ..saved_state import Count, Instance, Maybe, Sequence, saved
 from ..summary import KVSummary, gather_slots
 from .base import Method, StreamState
 from .budget import check_slack
@@ -152,6 +153,7 @@ def run_quotas(ends: list[int], budget: int, n: int) -> list[int]:
     return [c - p for c, p in zip(cumulative, [0, *cumulative[:-1]])]
 
 
+@saved("clustergen_state")
 class ClusterGenState(StreamState):
     """Block-local k-center as a stream: every completed run of `block_size` tokens holds the head of
     its farthest-first traversal (batched over batch and heads), trimmed to its quota as n grows.
@@ -179,6 +181,18 @@ class ClusterGenState(StreamState):
         self.ends: list[int] = []  # tokens seen up to the end of each completed run
         self.pending: Tokens | None = None
         self.seen = 0
+
+    saved_fields = {
+        "budget": Count(1), "block_size": Count(1), "slack_slots": Count(), "runs": Sequence(Instance("tokens")),
+        "waiting": Sequence(Instance("tokens")), "ends": Sequence(Count(1)), "pending": Maybe(Instance("tokens")), "seen": Count(),
+    }
+
+    def check_saved(self) -> None:
+        if len(self.ends) != len(self.runs) + len(self.waiting) or self.ends != sorted(self.ends) or any(e > self.seen for e in self.ends):
+            raise ValueError(f"run ends {self.ends} do not fit {len(self.runs)} traversed and {len(self.waiting)} waiting runs of "
+                             f"{self.seen} tokens")
+        if self.pending is not None and self.pending.length >= self.block_size:
+            raise ValueError(f"the run in progress holds {self.pending.length} tokens, a whole run of {self.block_size}")
 
     def absorb(self, tokens: Tokens) -> None:
         start = 0

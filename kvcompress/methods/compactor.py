@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..attention import exp_rows_, totals_in_range
 from ..checks import as_count
+from ..saved_state import saved
 from ..summary import KVSummary, take_slots
 from .base import BlockwiseState, Method, StreamState, keep_top, top_index
 from .registry import register
@@ -255,6 +256,7 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
     )
 
 
+@saved("compactor_state")
 class CompactorState(BlockwiseState):
     """Kept tokens with their pre-RoPE keys (unless `Tokens.unrotate` recomputes them) and raw attention
     scores, re-compressed to `budget` with amortised slack (`BlockwiseState`): leverage and both

@@ -76,6 +76,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..saved_state import Count, Generator, Instance, Maybe, Real, Saveable, Sequence, saved
 from ..summary import KVSummary, concat, gather_slots, take_slots
 from .base import Method, StreamState
 from .registry import register
@@ -257,6 +258,7 @@ def offline_plan(n: int, budget: int, g: int) -> tuple[int, int] | None:
     return None if best is None else (best[1], best[2])
 
 
+@saved("express_state")
 class ExpressState(StreamState):
     """The Express weighted cache of target size m ("Express Language Modeling", Alg. 1) over the compressible middle.
 
@@ -272,6 +274,29 @@ class ExpressState(StreamState):
         self.cache: KVSummary | None = None
         self.siblings: list[KVSummary] = []
         self._start_block()
+
+    saved_fields = {
+        "m": Count(1), "g": Count(), "delta": Maybe(Real(0.0)), "generator": Generator(), "max_group": Count(1), "scale": Real(0.0),
+        "ell": Count(1), "cache": Maybe(Instance("kv_summary")), "siblings": Sequence(Instance("kv_summary")), "block_seen": Count(),
+        "stratum": Count(), "leaf": Count(), "depth": Count(), "levels": Sequence(Instance("express_buffer")),
+        "open_leaf": Instance("express_buffer"), "candidate": Maybe(Instance("kv_summary")), "count": Count(),
+    }
+
+    def check_saved(self) -> None:
+        if self.ell & (self.ell - 1) or self.ell > 1 and (self.cache is None or self.cache.num_slots != self.m):
+            raise ValueError(f"thinning factor {self.ell} (a power of 2) with a cache of {self.cache and self.cache.num_slots} slots, "
+                             f"size {self.m}")
+        if self.cache is not None and self.cache.num_slots > self.m:
+            raise ValueError(f"the cache holds {self.cache.num_slots} slots, more than its size {self.m}")
+        plan = block_plan(self.ell, self.m, self.g)
+        if (self.stratum, self.leaf, self.depth) != plan or len(self.levels) != self.depth or len(self.siblings) > 3:
+            raise ValueError(f"block plan (stratum, leaf, depth) {(self.stratum, self.leaf, self.depth)} with {len(self.levels)} levels "
+                             f"and {len(self.siblings)} siblings, expected {plan} for thinning factor {self.ell}")
+        if self.block_seen >= self.ell * self.m:
+            raise ValueError(f"{self.block_seen} tokens of a block of {self.ell * self.m}")
+        if self.count >= max(self.stratum, 1) or (self.candidate is None) != (self.count == 0):
+            raise ValueError(f"{self.count} tokens of the stratum in progress (of {self.stratum}) with "
+                             f"{'no' if self.candidate is None else 'a'} candidate")
 
     def _start_block(self) -> None:
         self.block_seen = 0
@@ -452,12 +477,19 @@ def _select(s: KVSummary, index: torch.Tensor) -> KVSummary:
     return KVSummary(s.keys[:, :, index], s.values[:, :, index], s.log_weights[:, :, index], s.positions[:, :, index])
 
 
-class _Buffer:
+@saved("express_buffer")
+class _Buffer(Saveable):
     """Slots waiting for a full group, kept as a list of parts so that adding one costs no copy."""
+
+    saved_fields = {"parts": Sequence(Instance("kv_summary")), "slots": Count()}
 
     def __init__(self):
         self.parts: list[KVSummary] = []
         self.slots = 0
+
+    def check_saved(self) -> None:
+        if self.slots != sum(part.num_slots for part in self.parts):
+            raise ValueError(f"{self.slots} slots counted, the parts hold {sum(part.num_slots for part in self.parts)}")
 
     def push(self, part: KVSummary | None, group: int) -> KVSummary | None:
         """Add `part`; once whole groups are there, return them (a multiple of `group` slots) and keep the rest."""

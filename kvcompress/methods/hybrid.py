@@ -40,8 +40,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quantization import QuantizedSlots
+from ..saved_state import Count, Instance, Sequence, saved
 from ..summary import KVSummary, concat, take_slots
-from .base import BlockwiseState, Method, first_true, is_pool_span, max_pool_scores, top_index
+from .base import BlockwiseState, Method, StreamState, first_true, is_pool_span, max_pool_scores, top_index
 from .registry import build_method, register
 from .tokens import Tokens
 
@@ -162,6 +163,9 @@ class Hybrid(Method):
         self.needs_queries = any(m.needs_queries for m in parts)
         self.needs_pre_rope_keys = any(m.needs_pre_rope_keys for m in parts)
 
+    def parts(self) -> dict[str, Method]:
+        return {"coreset_method": self.coreset_method}
+
     def split_budget(self, budget: int) -> tuple[list[int], int]:
         """(exact slots per score method, coreset slots) per head; the coreset always gets at least one."""
         counts, left = [], budget - 1
@@ -211,6 +215,7 @@ class Hybrid(Method):
         return HybridState(self, budget, generator, self.stream_slack(slack))
 
 
+@saved("hybrid_state")
 class HybridState(BlockwiseState):
     """Streamed hybrid: the exact set buffered with amortised slack (`BlockwiseState`) and re-selected
     only at a re-compression, which hands every token it lets go to the coreset's stream.
@@ -229,6 +234,16 @@ class HybridState(BlockwiseState):
         coreset = method.coreset_method
         self.coreset = coreset.new_stream(self.coreset_slots, generator, slack if coreset.stream_recompresses else None)
 
+    saved_fields = {
+        **BlockwiseState.saved_fields, "counts": Sequence(Count()), "coreset_slots": Count(1),
+        "coreset": Instance(StreamState),
+    }
+
+    def check_saved(self) -> None:
+        super().check_saved()
+        if sum(self.counts) != self.budget:
+            raise ValueError(f"the exact set's counts {self.counts} do not add up to its budget {self.budget}")
+
     def most_slots(self) -> int:
         """The tokens absorbed so far less the coreset's budget: the two together never allocate more than a full cache."""
         return max(1, self.seen - self.coreset_slots)
@@ -244,6 +259,9 @@ class HybridState(BlockwiseState):
     def compact(self) -> None:
         super().compact()
         self.coreset.compact()
+
+    def same_kind(self, other: StreamState) -> bool:
+        return super().same_kind(other) and self.coreset.same_kind(other.coreset)
 
     def quantized(self, bits: int, group_size: int) -> "HybridState":
         """The exact set's buffer and the coreset's stream both stored in `bits` bits."""

@@ -10,8 +10,9 @@ import torch
 
 from ..checks import as_count, check_kv, check_positions, check_scale, describe
 from ..quantization import QuantizedSlots
+from ..saved_state import Count, Device, DType, Generator, Instance, Linked, Maybe, Real, Record, Saveable, saved
 from ..summary import KVSummary, _GrowingSlots, concat
-from .base import Method
+from .base import Method, StreamState
 from .budget import check_sink_window
 from .tokens import (
     Tokens,
@@ -23,7 +24,8 @@ from .tokens import (
 )
 
 
-class Stream:
+@saved("stream")
+class Stream(Saveable):
     """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
 
     update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
@@ -69,6 +71,35 @@ class Stream:
         self.exact_last: Tokens | None = None
         self.seen = 0
         self.layout: tuple | None = None  # (B, H_kv, d, d_v, dtype, device) of the first update
+
+    saved_fields = {
+        "method": Linked("method"), "budget": Count(1), "sink": Count(), "window": Count(), "generator": Generator(),
+        "scale": Maybe(Real(0.0)), "state": Instance(StreamState), "unrotate": Linked("unrotate"), "head": Maybe(Instance("tokens")),
+        "recent": Maybe(Instance("tokens")), "exact": Maybe(Instance("growing_slots", "quantized_slots")),
+        "exact_last": Maybe(Instance("tokens")), "seen": Count(),
+        "layout": Maybe(Record((Count(1), Count(1), Count(1), Count(1), DType(), Device()))),
+    }
+
+    def check_saved(self) -> None:
+        fresh = self.method.new_stream(self.budget, torch.Generator(), None if not self.method.stream_recompresses else 0.0)
+        if not fresh.same_kind(self.state):
+            raise ValueError(f"method {self.method.name!r} streams through a {type(fresh).saved_name}, the file holds a "
+                             f"{type(self.state).saved_name}")
+        head = self.head.length if self.head is not None else 0
+        recent = self.recent.length if self.recent is not None else 0
+        if head > self.sink or recent > self.window or head + recent > self.seen:
+            raise ValueError(f"{head} sink and {recent} window tokens for a sink of {self.sink}, a window of {self.window} and "
+                             f"{self.seen} tokens seen")
+        if self.exact is not None and (self.exact.length > self.budget or self.exact.length and self.exact_last is None):
+            raise ValueError(f"{self.exact.length} tokens held exactly for a budget of {self.budget}, latest block "
+                             f"{'missing' if self.exact_last is None else 'there'}")
+        if (self.layout is None) != (self.seen == 0):
+            raise ValueError(f"{self.seen} tokens seen with layout {self.layout}")
+        if self.layout is not None:
+            b, h, d, dv, dtype, _ = self.layout
+            for part in (p for p in (self.head, self.recent, self.exact_last) if p is not None):
+                if part.keys.shape[:2] != (b, h) or part.keys.shape[-1] != d or part.values.shape[-1] != dv or part.keys.dtype != dtype:
+                    raise ValueError(f"tokens {list(part.keys.shape)} {part.keys.dtype} do not match the stream's layout {self.layout}")
 
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
         """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count).

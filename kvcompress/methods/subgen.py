@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import as_count
+from ..saved_state import Count, Generator, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary
 from .base import Method, StreamState
 from .clustergen import farthest_point
@@ -40,6 +41,7 @@ def _distances(points: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
     return sq.sub_(2.0 * torch.bmm(points, centres.transpose(1, 2))).clamp_min_(0.0).sqrt_()
 
 
+@saved("subgen_state")
 class SubGenState(StreamState):
     """SubGen's data structures for every (batch, head), stored flat over G = B * H_kv rows.
 
@@ -70,6 +72,46 @@ class SubGenState(StreamState):
         self.s, self.r, self.cap, self.delta0, self.cluster_weight = s, r, cap, delta, cluster_weight
         self.generator = generator
         self.shape: tuple[int, int] | None = None
+
+    # the tensors `_init` allocates at the first block (None before it): G = batch × KV heads rows
+    _LAZY = {
+        "centres": Tensor("G C D"), "centre_values": Tensor("G C V"), "centre_pos": Tensor("G C", ("int64",)),
+        "counts": Tensor("G C", ("int64",)), "live": Tensor("G", ("int64",)), "delta": Tensor("G", ("float32",)),
+        "num_keys": Tensor("G S D"), "num_values": Tensor("G S V"), "num_pos": Tensor("G S", ("int64",)),
+        "num_sq": Tensor("G S", ("float32",)), "mu": Tensor("G", ("float64",)), "sample_keys": Tensor("G R D"),
+        "sample_values": Tensor("G R V"), "sample_pos": Tensor("G R", ("int64",)), "sample_cluster": Tensor("G R", ("int64",)),
+        "seen": Tensor("G", ("float64",)),
+    }
+    saved_fields = {
+        "s": Count(1), "r": Count(1), "cap": Count(1), "delta0": Real(0.0), "cluster_weight": Real(0.0), "generator": Generator(),
+        "shape": Maybe(Record((Count(1), Count(1)))), **{name: Maybe(spec) for name, spec in _LAZY.items()},
+    }
+
+    def saved_values(self) -> dict:
+        lazy = {name: getattr(self, name) if self.shape is not None else None for name in self._LAZY}
+        return {**{name: getattr(self, name) for name in self.saved_fields if name not in lazy}, **lazy}
+
+    @classmethod
+    def from_saved(cls, values):
+        return super().from_saved({name: v for name, v in values.items() if v is not None or name not in cls._LAZY})
+
+    def check_saved(self) -> None:
+        lazy = [name for name in self._LAZY if getattr(self, name, None) is not None]
+        if self.shape is None:
+            if lazy:
+                raise ValueError(f"{lazy} are saved before any block (shape is null)")
+            return
+        if len(lazy) != len(self._LAZY):
+            raise ValueError(f"shape {self.shape} is set but {sorted(set(self._LAZY) - set(lazy))} are missing")
+        g = self.shape[0] * self.shape[1]
+        sizes = (self.centres.shape[:2], self.num_keys.shape[1], self.sample_keys.shape[1])
+        if sizes != ((g, self.cap), self.s, self.r):
+            raise ValueError(f"centres {list(self.centres.shape)}, {self.num_keys.shape[1]} norm samples and {self.sample_keys.shape[1]} "
+                             f"samples, expected {g} rows, {self.cap} centres, {self.s} and {self.r}")
+        if bool((self.live < 0).any() | (self.live > self.cap).any()):
+            raise ValueError(f"live cluster counts outside 0..{self.cap}")
+        if bool((self.sample_cluster < 0).any() | (self.sample_cluster >= self.cap).any()):
+            raise ValueError(f"sample clusters outside 0..{self.cap - 1}")
 
     def _init(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         g, _, d = keys.shape

@@ -15,11 +15,13 @@ import torch
 
 from ..attention import received_attention
 from ..quantization import QuantizedSlots
+from ..saved_state import Count, Linked, Maybe, Real, Saveable, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, take_slots
 
 
+@saved("tokens")
 @dataclass
-class Tokens:
+class Tokens(Saveable):
     """Exact tokens handed to a method.
 
     keys [B,H_kv,n,d] (post-RoPE), values [B,H_kv,n,d_v], positions [B,H_kv,n] (int64),
@@ -55,6 +57,24 @@ class Tokens:
     attention_mass: torch.Tensor | None = None
     unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     extra_lse: torch.Tensor | None = None
+
+    saved_fields = {
+        "keys": Tensor("B H n D"), "values": Tensor("B H n V"), "positions": Tensor("B H n", ("int64",)),
+        "queries": Maybe(Tensor("B Q q D")), "pre_rope_keys": Maybe(Tensor("B H n D")), "scale": Real(0.0),
+        "layer_idx": Maybe(Count()), "num_layers": Maybe(Count(1)), "query_positions": Maybe(Tensor("q", ("int64",))),
+        "exact_keys": Maybe(Tensor("B H e D")), "exact_positions": Maybe(Tensor("B H e", ("int64",))),
+        "attention_mass": Maybe(Tensor("B H n")), "unrotate": Linked("unrotate"), "extra_lse": Maybe(Tensor("B Q q")),
+    }
+
+    @classmethod
+    def from_saved(cls, values):
+        return cls(**values)
+
+    def check_saved(self) -> None:
+        if (self.layer_idx is None) != (self.num_layers is None) or (self.layer_idx is not None and self.layer_idx >= self.num_layers):
+            raise ValueError(f"layer_idx {self.layer_idx} does not fit num_layers {self.num_layers}")
+        if (self.exact_keys is None) != (self.exact_positions is None):
+            raise ValueError("exact_keys and exact_positions come together")
 
     @property
     def length(self) -> int:
