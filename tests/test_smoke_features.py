@@ -1,0 +1,313 @@
+"""Smoke tests: each feature that README.md or docs/cli.md shows a user doing, run once on the real default model.
+
+The project's rule is that every public feature runs on SmolLM2-135M-Instruct in CI (`-m "not e2e or smoke"`), not
+only on tiny random models. Short contexts (a three-digit magic number in a few sentences of filler), at most 8 new
+tokens, the model loaded once (`default_model`); the commands run in-process through `kvcompress.cli.main` with the
+model loader handing back that model (the entry point itself and a real load run in a subprocess in
+tests/test_readme.py and tests/test_model.py). What other smoke tests already check is not repeated here: the README's
+`model.generate` + `CompressedCache`, pipeline, batch and `res.report()` examples and the `kvcompress generate`
+example (tests/test_readme.py), every method and the default at ratio 0 in every mode (tests/test_conformance.py),
+`kvc.calibrate` (tests/test_hardening.py), the bench's prefill rows (tests/test_bench.py) and a RULER sweep through
+`run_sweep` (tests/test_benchmarks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cli import main
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smoke]
+
+FILLER = "Grass is green. The sky is blue. "
+CONTEXT = FILLER * 10 + "The magic number is 731. " + FILLER * 10  # ~215 prompt tokens, the needle in the middle
+QUESTION = "What is the magic number?"
+SECOND = "What colour is grass?"
+NEEDLE = "731"
+NEW = 8  # "The magic number is 731": 8 tokens, one per digit
+MODES = ("prefill", "chunked", "decode")
+
+
+@pytest.fixture
+def cli(default_model, monkeypatch, capsys):
+    """run(*argv) -> stdout of `kvcompress argv` in-process (exit status 0 asserted), the default model not reloaded."""
+    from kvcompress.integration import model as model_module
+
+    model = default_model[0]
+
+    def loaded(path=None, device=None, dtype=None):
+        # what no --model, --device or --dtype asks for: the default model, on load_model's default device and dtype
+        dev = model_module.parse_device(device)
+        assert path is None and dev.type == model.device.type and model_module.parse_dtype(dtype, dev) == model.dtype, (path, device, dtype)
+        return default_model
+
+    monkeypatch.setattr(model_module, "load_model", loaded)
+
+    def run(*argv) -> str:
+        capsys.readouterr()
+        status = main([str(a) for a in argv])
+        done = capsys.readouterr()
+        assert status == 0, f"kvcompress {' '.join(map(str, argv))}: exit {status}\n{done.err[-3000:]}"
+        return done.out
+
+    return run
+
+
+@pytest.fixture
+def doc(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(CONTEXT)
+    return path
+
+
+def answer_and_kept(out: str) -> tuple[str, str]:
+    """The answer (first line) and the 'tokens kept/layer' line of `kvcompress generate`'s output."""
+    kept = [line for line in out.splitlines() if line.startswith("tokens kept/layer")]
+    assert len(kept) == 1, out
+    return out.splitlines()[0], kept[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compress once, ask later (README "Compress once, ask later"; docs/cli.md "`compress`, then `generate --cache`")
+
+# Other compression flags `compress` takes, one case each: (method, mode, kv bits) -> extra flags
+EXTRA_FLAGS = {("keydiff", "prefill", 4): ["--kv-group-size", 16], ("keydiff", "chunked", None): ["--sink", 2, "--window", 32, "--chunk-size", 64],
+               ("keydiff", "decode", None): ["--param", "anchor=median"]}
+CLI_CASES = [("keydiff", mode, bits) for mode in MODES for bits in (None, 4)] + [(None, mode, None) for mode in MODES]
+
+
+@pytest.mark.parametrize("method, mode, bits", CLI_CASES, ids=[f"{m or 'default'}-{mode}-{b or 32}bit" for m, mode, b in CLI_CASES])
+def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_context(cli, doc, tmp_path, method, mode, bits):
+    """`kvcompress compress --context-file doc.txt ... --out doc.kvc`, then `kvcompress generate --cache doc.kvc --question`:
+    the answer and the tokens kept of `kvcompress generate --context-file doc.txt` with the same flags (no --method: the
+    default method; a few cases add --kv-group-size, --sink/--window/--chunk-size or --param). Decode mode takes --budget:
+    a ratio is resolved there against the tokens the stream will see, the context alone for `compress` but context,
+    question and --max-new-tokens for `generate --context-file`."""
+    flags = ["--mode", mode, *(["--compression-ratio", "0.5"] if mode != "decode" else ["--budget", 64])]
+    flags += ["--method", method] if method else []
+    flags += ["--kv-bits", bits] if bits else []
+    flags += EXTRA_FLAGS.get((method, mode, bits), [])
+    saved = cli("compress", "--context-file", doc, "--out", tmp_path / "doc.kvc", *flags)
+    assert (tmp_path / "doc.kvc").is_file() and saved.startswith(f"saved {tmp_path / 'doc.kvc'}: ")
+    assert (f", {bits}-bit)" in saved) == bool(bits), saved
+    ask = ["--question", QUESTION, "--max-new-tokens", NEW]
+    from_cache = cli("generate", "--cache", tmp_path / "doc.kvc", *ask)
+    direct = cli("generate", "--context-file", doc, *flags, *ask)
+    assert answer_and_kept(from_cache) == answer_and_kept(direct), (from_cache, direct)
+    assert NEEDLE in answer_and_kept(direct)[0], direct
+    assert f"mode={mode}" in from_cache and (f"{bits}-bit storage" in from_cache) == bool(bits), from_cache
+    assert f"method            {method or 'adakv'} " in from_cache, from_cache  # the default: AdaKV (over KVzip's or KeyDiff's scores)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same in Python: kvc.compress_context, cache.save, kvc.load_cache / kvc.generate(cache=path, questions=[...])
+
+@pytest.mark.parametrize("mode", MODES)
+def test_python_compress_save_load_answers_as_generate_on_the_context(default_model, tmp_path, mode):
+    """The README's `kvc.compress_context(model, tokenizer, document, method="keydiff", compression_ratio=0.75, kv_bits=4)`,
+    `cache.save("doc.kvc")`, `kvc.generate(model, tokenizer, cache="doc.kvc", questions=[...])` in every mode (decode mode:
+    the budget the ratio gives in prefill mode, 54, as the CLI test explains): the answers to two questions are token for
+    token those of `kvc.generate` on the context with the same settings, and `kvc.load_cache` gives back what was saved."""
+    model, tokenizer = default_model
+    settings = dict(method="keydiff", mode=mode, kv_bits=4, **({"compression_ratio": 0.75} if mode != "decode" else {"budget": 54}))
+    questions = [QUESTION, SECOND]
+    direct = kvc.generate(model, tokenizer, CONTEXT, questions=questions, max_new_tokens=NEW, progress=False, **settings)
+    cache = kvc.compress_context(model, tokenizer, CONTEXT, progress=False, **settings)
+    path = tmp_path / "doc.kvc"
+    cache.save(path)
+    loaded = kvc.load_cache(path, model)
+    assert loaded.slots_per_layer() == cache.slots_per_layer() and torch.equal(loaded.token_ids, cache.token_ids)
+    from_path = kvc.generate(model, tokenizer, cache=str(path), questions=questions, max_new_tokens=NEW)
+    assert [r.token_ids for r in from_path] == [r.token_ids for r in direct], ([r.text for r in from_path], [r.text for r in direct])
+    assert [r.slots_per_layer for r in from_path] == [r.slots_per_layer for r in direct]
+    assert from_path[0].kv_bits == 4 == direct[0].kv_bits and from_path[0].mode == mode and "4-bit storage" in direct[0].report()
+    assert direct[0].budget == 54 and from_path[0].kv_bytes < 0.25 * from_path[0].kv_bytes_full, direct[0].report()
+    assert NEEDLE in direct[0].text, direct[0].text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_cache(default_model, mode):
+    """`kvc.generate` with no method named, in every mode: the default (AdaKV, over KVzip's scores in prefill mode and over
+    KeyDiff's in chunked and decode modes) keeps the needle at compression_ratio=0.5."""
+    model, tokenizer = default_model
+    res = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, mode=mode, max_new_tokens=NEW, progress=False)
+    assert NEEDLE in res.text, res.report()
+    assert res.method == "adakv" and res.mode == mode and res.realised_compression_ratio > 0.3, res.report()
+    assert res.kv_bytes < res.kv_bytes_full, res.report()
+
+
+def test_a_saved_cache_of_the_default_model_is_refused_by_another_model_and_when_truncated(default_model, tiny_checkpoint, tmp_path):
+    """'a file made for another model, truncated or corrupted is refused' (the fingerprint of the real model's
+    28M-element embedding is what once crashed the save)."""
+    from kvcompress.cache_file import CacheFileError
+
+    model, tokenizer = default_model
+    path = tmp_path / "doc.kvc"
+    kvc.compress_context(model, tokenizer, CONTEXT, method="knorm", compression_ratio=0.5, progress=False).save(path)
+    other, _ = kvc.load_model(tiny_checkpoint, device="cpu")
+    with pytest.raises((CacheFileError, ValueError), match="model"):
+        kvc.load_cache(path, other)
+    cut = tmp_path / "cut.kvc"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises((CacheFileError, ValueError)):
+        kvc.load_cache(cut, model)
+    assert kvc.load_cache(path, model).token_ids.shape[1] > 200
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kv_bits, and model.generate with a CompressedCache
+
+
+def test_kv_bits_store_the_compressed_context_in_fewer_bytes(default_model):
+    """`kv_bits=8|4|2` through `kvc.generate`: the same slots stored in fewer bytes as the bits fall; 8 bits keep the answer."""
+    model, tokenizer = default_model
+    runs = {bits: kvc.generate(model, tokenizer, CONTEXT, QUESTION, method="keydiff", compression_ratio=0.5, kv_bits=bits,
+                               max_new_tokens=NEW, progress=False) for bits in (8, 2)}  # 4 bits: the tests above
+    assert NEEDLE in runs[8].text and runs[8].kv_bits == 8 and "8-bit storage" in runs[8].report(), runs[8].text
+    assert runs[2].kv_bits == 2 and "2-bit storage" in runs[2].report() and runs[2].slots_per_layer == runs[8].slots_per_layer
+    # the same slots in fewer bytes: 8 bits under half the full cache's bytes at half the tokens, 2 bits under 8 bits
+    assert runs[2].kv_bytes < runs[8].kv_bytes < 0.5 * runs[8].kv_bytes_full, (runs[8].report(), runs[2].report())
+
+
+def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(default_model):
+    """'model.generate(**inputs, past_key_values=cache, ...)   # sampling, eos, streamers as usual'; 'beam search
+    run[s] in prefill mode': a streamer sees the answer generate returns; beams find the needle."""
+    from transformers.generation.streamers import BaseStreamer
+
+    model, tokenizer = default_model
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": CONTEXT + "\n\n" + QUESTION}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    n = inputs["input_ids"].shape[1]
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    cache = kvc.CompressedCache(model, "keydiff", compression_ratio=0.5)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, do_sample=False, streamer=streamer)
+    assert streamer.ended and [t for chunk in streamer.chunks[1:] for t in chunk] == out[0, n:].tolist()
+    assert NEEDLE in tokenizer.decode(out[0, n:], skip_special_tokens=True)
+    assert max(cache.slots_per_layer()) < n  # compressed
+    cache = kvc.CompressedCache(model, "keydiff", compression_ratio=0.5)
+    beams = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, num_beams=2, do_sample=False)
+    assert NEEDLE in tokenizer.decode(beams[0, n:], skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The other commands, at their smallest settings
+
+
+def test_cli_calibrate_then_generate_with_calibration(cli, doc, tmp_path):
+    """docs/cli.md: `kvcompress calibrate --method compactor --out compactor.json`, then `kvcompress generate --calibration
+    compactor.json --quality 0.9 ...` (one sample of 128 tokens, two retentions here)."""
+    out = cli("calibrate", "--method", "compactor", "--tasks", "niah_single", "--samples", 1, "--tokens", 128, "--retentions", "0.5,0.9",
+              "--out", tmp_path / "compactor.json")
+    assert re.search(r"alpha=\S+ beta=\S+ \(loss \S+, 2 triples\)", out), out
+    fit = json.loads((tmp_path / "compactor.json").read_text())
+    assert fit["method"] == "compactor" and math.isfinite(fit["alpha"]) and math.isfinite(fit["beta"])
+    out = cli("generate", "--calibration", tmp_path / "compactor.json", "--quality", "0.9", "--context-file", doc, "--question", QUESTION,
+              "--max-new-tokens", NEW)
+    assert out.splitlines()[0].strip() and "method            compactor (mode=prefill" in out, out
+    chosen = re.search(r"^calibration       NLL\(context\) \S+ -> keep (\S+)% \(compression ratio (\S+)\) for quality 0.9$", out, re.M)
+    assert chosen and 0 < float(chosen.group(1)) <= 100 and 0 <= float(chosen.group(2)) < 1, out
+
+
+def test_cli_demo_at_a_short_context(cli):
+    """`kvcompress demo` (what `make demo` runs), at 256 tokens with one method named: the needle, and the table with the
+    full cache's row (which finds it) and the method's."""
+    out = cli("demo", "--tokens", 256, "--methods", "keydiff", "--compression-ratio", "0.5")
+    assert re.search(r"^context: \d+ tokens.*needle at depth \d+%", out, re.M), out
+    assert re.search(r"^full\s+yes\s", out, re.M) and re.search(r"^keydiff\s+(yes|no)\s.*\d+%", out, re.M), out
+
+
+def test_cli_eval_task_sweep_with_the_default_method(cli, tmp_path):
+    """`kvcompress eval` task sweep with `--methods default,keydiff` (docs/cli.md "eval"): the record names what `default`
+    ran (in prefill mode AdaKV over KVzip's scores), summary.md says it; the full cache finds the needle."""
+    out_dir = tmp_path / "sweep"
+    out = cli("eval", "--tasks", "niah_single", "--lengths", 128, "--samples", 1, "--methods", "default,keydiff", "--ratios", "0.5",
+              "--no-progress", "--out", out_dir)
+    records = {(r["method"], r["mode"]): r for r in map(json.loads, (out_dir / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {("full", "-"), ("default", "prefill"), ("keydiff", "prefill")}, list(records)
+    assert records["full", "-"]["score"] == 1.0, records["full", "-"]
+    assert all(r["error"] is None and 0.0 <= r["score"] <= 1.0 for r in records.values())
+    default = records["default", "prefill"]
+    assert default["resolved_method"] == "adakv" and default["method_params"].get("scorer") == "kvzip", default
+    summary = (out_dir / "summary.md").read_text()
+    assert "`default` is the library's default method" in summary and "scorer=kvzip" in summary and summary in out
+
+
+def test_cli_eval_on_a_benchmarks_shipped_samples(cli, tmp_path):
+    """`kvcompress eval --benchmark longbench --data tests/fixtures/longbench/ ...` (README "Standard benchmarks"): one
+    sample, one method, the leaderboard written and printed. (RULER's runs through `run_sweep` in tests/test_benchmarks.py.)"""
+    from pathlib import Path
+
+    out_dir = tmp_path / "lb"
+    out = cli("eval", "--benchmark", "longbench", "--data", Path(__file__).parent / "fixtures" / "longbench", "--tasks", "hotpotqa",
+              "--samples", 1, "--methods", "keydiff", "--ratios", "0.5", "--max-new-tokens", NEW, "--no-progress", "--out", out_dir)
+    board = out_dir / "leaderboard_longbench.md"
+    assert board.is_file() and board.read_text() in out
+    assert "| full cache |" in out and "| keydiff @ 0.5 |" in out and "hotpotqa" in out, out
+
+
+def test_cli_eval_perplexity(cli, tmp_path):
+    """`kvcompress eval --tasks perplexity --methods keydiff --ratios 0.75 ...` (README "Language modelling under
+    compression"): one 128-token document, prefill and decode modes, against the full cache."""
+    out_dir = tmp_path / "ppl"
+    out = cli("eval", "--tasks", "perplexity", "--methods", "keydiff", "--ratios", "0.75", "--samples", 1, "--lengths", 128,
+              "--no-progress", "--out", out_dir)
+    assert (out_dir / "leaderboard_perplexity.md").is_file()
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (full cache|keydiff @ 0\.75 \((?:prefill|decode)\)) \| 128 \| 1 \| ([\d.]+)", out, re.M)}
+    assert set(rows) == {"full cache", "keydiff @ 0.75 (prefill)", "keydiff @ 0.75 (decode)"}, out
+    assert all(1.0 < p < 1000.0 for p in rows.values()), rows
+
+
+def test_cli_eval_approx(cli, tmp_path):
+    """`kvcompress eval approx --methods hybrid,balancekv ...` (README, attention error at equal memory): one layer, one
+    seed, 256 tokens of real prose."""
+    out_dir = tmp_path / "approx"
+    cli("eval", "approx", "--methods", "hybrid,balancekv", "--seeds", 1, "--layers", 1, "--tokens", 256, "--queries", 32, "--sink", 4,
+        "--ratios", "0.5", "--no-progress", "--out", out_dir)
+    from kvcompress.eval.tables import read_csv
+
+    rows = read_csv(out_dir / "approx.csv")
+    assert sorted(r["method"] for r in rows) == ["balancekv", "hybrid"] and all(r["layer"] == 1 and r["ratio"] == 0.5 for r in rows), rows
+    assert all(0.0 < r["error_mean"] < 0.5 for r in rows), rows  # relative error of the attention output
+    assert (out_dir / "approx.md").is_file()
+
+
+def test_cli_bench_memory_on_the_model(cli, tmp_path):
+    """`kvcompress bench --sections memory --memory-sizes ... --memory-budget ...` (README "Highlights", Memory), at 256
+    prompt tokens."""
+    out_dir = tmp_path / "bench"
+    out = cli("bench", "--sections", "memory", "--memory-sizes", 256, "--memory-budget", 32, "--chunk-size", 64, "--out", out_dir)
+    from kvcompress.eval.tables import read_csv
+
+    rows = {r["mode"]: r for r in read_csv(out_dir / "memory.csv")}
+    assert set(rows) == {"chunked", "prefill"} and all(r["method"] == "keydiff" and r["n"] == 256 for r in rows.values()), rows
+    # chunked mode's peak stays below the full context's, which prefill mode holds; both end at the same summary
+    assert rows["chunked"]["peak_kv_bytes"] < rows["prefill"]["peak_kv_bytes"] == rows["prefill"]["kv_bytes_full"], rows
+    assert rows["chunked"]["kv_bytes"] == rows["prefill"]["kv_bytes"] < rows["prefill"]["kv_bytes_full"], rows
+    assert (out_dir / "bench.md").is_file() and "memory chunked n=256: peak KV" in out
+
+
+def test_python_dash_m_runs_the_command_line():
+    """'also `python -m kvcompress`, `python -m kvcompress.cli`' (docs/cli.md): both start the same parser, in a fresh process."""
+    import subprocess
+    import sys
+
+    for module in ("kvcompress", "kvcompress.cli"):
+        done = subprocess.run([sys.executable, "-m", module, "compress", "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith("usage: kvcompress compress") and "--kv-bits" in done.stdout, done.stderr
