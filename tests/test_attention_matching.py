@@ -183,3 +183,36 @@ def test_cuda_refit_stays_on_the_device_and_matches_the_cpu_fit(refit):
     s = AdaKV(scorer="snapkv", refit=refit).compress(half, 30, torch.Generator())
     assert s.values.dtype == torch.bfloat16 and torch.isfinite(s.values).all()
     assert not torch.isnan(s.log_weights).any()
+
+
+@pytest.mark.parametrize("width", [130, 160, 200])
+def test_the_values_fit_solves_its_normal_equations_at_two_threads(width):
+    """The values' fit at 2 threads (CI's) on the widths where the CPU build's batched LU solve returned garbage or
+    raised: every head's fitted values satisfy its ridged normal equations, as a solve of that head alone does."""
+    from kvcompress.methods.attention_matching import VALUE_RIDGE, fit_values
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(width)
+        kept = torch.rand(1, 3, 4 * width, width, generator=g) ** 4 / width
+        real = torch.ones(1, 3, width, dtype=torch.bool)
+        real[0, 1, width // 2 :] = False
+        kept = kept * real.unsqueeze(2)
+        local, own = torch.randn(1, 3, 4 * width, 16, generator=g), torch.randn(1, 3, width, 16, generator=g)
+        log_weights = torch.zeros(1, 3, width).masked_fill(~real, float("-inf"))
+        fitted = fit_values(kept, local, own, real, log_weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(fitted).all()
+    attention = kept * log_weights.exp().unsqueeze(2)
+    attention = attention / attention.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    for head in range(3):
+        count = int(real[0, head].sum())
+        a = attention[0, head, :, :count].double()
+        gram = a.T @ a
+        ridge = VALUE_RIDGE * (a.square().sum(0).sum() / width)  # the mean diagonal over the head's padded width
+        want = torch.linalg.solve(gram + ridge * torch.eye(count, dtype=torch.float64),
+                                  a.T @ local[0, head].double() + ridge * own[0, head, :count].double())
+        assert torch.allclose(fitted[0, head, :count].double(), want, rtol=1e-4, atol=1e-4), head
+        assert (fitted[0, head, count:] == 0).all()
