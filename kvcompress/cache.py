@@ -48,10 +48,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from . import cache_file
 from .checks import as_count, describe
-from .integration.support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
 from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
+from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, has_empty_slots

@@ -24,7 +24,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from .integration.support import check_supported
+from .model_support import check_supported
 from .saved_state import SchemaError, Spec, decode, encode
 
 FORMAT = "kvcompress-cache"

@@ -18,8 +18,9 @@ from .methods.base import Method
 from .quantization import check_storage
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
+from .names import DEFAULT_CHUNK_SIZE, MODES
+from .names import DEFAULT_METHOD as DEFAULT
 
-MODES = ("prefill", "chunked", "decode")
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
 # and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
 # real prose on tuning samples (docs/kvpress.md, "The default method", "The default's safeguard", "The refit on every
@@ -29,13 +30,11 @@ MODES = ("prefill", "chunked", "decode")
 # (log-weights) and output (values) for KVzip's reconstruction queries (attention matching). KVzip needs the whole
 # context, so the streaming modes get the best that streams: KeyDiff's scores shared out among each layer's heads
 # (AdaKV, with its sink and window).
-DEFAULT = "default"
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
     "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"}, {"window": 0}),
     "chunked": ("adakv", {"scorer": "keydiff"}, {}),
     "decode": ("adakv", {"scorer": "keydiff"}, {}),
 }
-DEFAULT_CHUNK_SIZE = 128
 
 
 def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, int]]:

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from .checks import as_count
+from .names import KV_BITS
 from .saved_state import Choice, Count, Instance, Maybe, Record, Saveable, Tensor, saved
 from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
 
-KV_BITS = (8, 4, 2)
 DEFAULT_GROUP_SIZE = 32
 _AXES = ("channel", "token")
 

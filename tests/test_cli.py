@@ -1,12 +1,11 @@
-"""The command line: a parser that imports nothing heavy, its name lists kept equal to the library's, subcommands
-independent of `kvcompress.cli`, and `generate` with --threads and a calibration file.
+"""The command line: a parser that imports nothing heavy (its names come from `kvcompress.names`, which the library
+imports too), subcommands independent of `kvcompress.cli`, and `generate` with --threads and a calibration file.
 
 Start-up time itself is measured by benchmarks/cli_startup.py, not asserted here; these tests check
 what makes it fast (building the parser, --help and argument errors import neither torch nor transformers).
 """
 
 import ast
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ import torch
 
 from kvcompress.calibration import Calibration, optimal_retention
 from kvcompress.cli import main
-from kvcompress.commands import names
+from kvcompress import names
+from kvcompress.methods.registry import method_names
 
 HEAVY = ("torch", "transformers", "numpy", "matplotlib", "scipy")
 PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
@@ -39,40 +39,13 @@ print(statuses, sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})
     assert done.stdout.splitlines()[-1] == f"{[0] * 6 + [2] * 8} []"
 
 
-# Each copy in kvcompress.commands.names, and how to read its owner's value.
-OWNERS = {
-    "METHODS": ("kvcompress.methods.registry", lambda m: tuple(m.method_names())),
-    "DEFAULT_METHOD": ("kvcompress.options", lambda m: m.DEFAULT),
-    "MODES": ("kvcompress.options", lambda m: m.MODES),
-    "KV_BITS": ("kvcompress.quantization", lambda m: m.KV_BITS),
-    "PROMPT_LAYOUTS": ("kvcompress.integration.model", lambda m: tuple(m.PROMPT_LAYOUTS)),
-    "DEFAULT_PROMPT_LAYOUT": ("kvcompress.integration.model", lambda m: m.DEFAULT_PROMPT_LAYOUT),
-    "DEFAULT_CHUNK_SIZE": ("kvcompress.options", lambda m: m.DEFAULT_CHUNK_SIZE),
-    "DTYPES": ("kvcompress.integration.model", lambda m: tuple(m.DTYPES)),
-    "CALIBRATION_RETENTIONS": ("kvcompress.integration.calibrate_model", lambda m: m.DEFAULT_RETENTIONS),
-    "SWEEP_RATIOS": ("kvcompress.eval.runner", lambda m: m.DEFAULT_RATIOS),
-    "SWEEP_LENGTHS": ("kvcompress.eval.runner", lambda m: m.DEFAULT_LENGTHS),
-    "SWEEP_SAMPLES": ("kvcompress.eval.runner", lambda m: m.DEFAULT_SAMPLES),
-    "APPROX_RATIOS": ("kvcompress.eval.approx", lambda m: m.DEFAULT_APPROX_RATIOS),
-    "APPROX_LAYERS": ("kvcompress.eval.approx", lambda m: m.DEFAULT_APPROX_LAYERS),
-    "PERPLEXITY": ("kvcompress.eval.perplexity", lambda m: m.PERPLEXITY),
-    "PERPLEXITY_BLOCK": ("kvcompress.eval.perplexity", lambda m: m.DEFAULT_BLOCK),
-    "PERPLEXITY_DOCUMENTS": ("kvcompress.eval.perplexity", lambda m: m.DEFAULT_DOCUMENTS),
-    "PERPLEXITY_CONTEXT_FRACTION": ("kvcompress.eval.perplexity", lambda m: m.DEFAULT_CONTEXT_FRACTION),
-    "BENCH_SECTIONS": ("kvcompress.eval.bench", lambda m: m.SECTIONS),
-    "BENCH_SHAPES": ("kvcompress.eval.bench", lambda m: tuple(m.SHAPES)),
-    "BENCH_SIZES": ("kvcompress.eval.bench", lambda m: m.DEFAULT_SIZES),
-}
+def test_the_method_names_the_parser_accepts_are_the_registered_methods():
+    """The parser reads `kvcompress.names.METHODS`, the library the registry, which each method's module fills when it
+    is imported (`@register`): a method registered but not listed, or listed but not registered, fails here."""
+    assert list(names.METHODS) == method_names()
 
 
-@pytest.mark.parametrize("name", OWNERS)
-def test_each_name_list_equals_its_owner(name):
-    module, read = OWNERS[name]
-    assert getattr(names, name) == read(importlib.import_module(module)), f"update kvcompress/commands/names.py: {name} differs from {module}"
-
-
-def test_every_name_list_has_an_owner_checked_and_the_sweep_default_tasks_are_every_task():
-    assert {n for n in vars(names) if n.isupper()} == set(OWNERS)
+def test_the_sweep_default_tasks_are_every_task():
     from kvcompress.eval.runner import DEFAULT_TASKS
     from kvcompress.eval.tasks import TASKS
 

@@ -153,11 +153,11 @@ def test_tasks_beyond_the_model_are_flagged_and_left_out_of_the_averages():
     records = [rec(FULL, None, "niah_single", 1.0), rec(FULL, None, "niah_multikey", 0.5),
                rec("knorm", 0.5, "niah_single", 0.0), rec("knorm", 0.5, "niah_multikey", 1.0)]
     assert runner.beyond_model(records) == ["niah_multikey"]
-    lines = [ln for ln in runner.markdown_table(records).splitlines() if ln.startswith("|")]
+    lines = [ln for ln in runner.score_table(records).splitlines() if ln.startswith("|")]
     assert lines[0].split("|")[1:-1] == [" method @ ratio ", " niah_single ", " niah_multikey† ", " 1000 tok ", " all "]
     assert lines[2].split("|")[1:-1] == [" full cache ", " 100 (21–100) ", " 50 (5–95) ", " 100 (21–100) ", " 100 (21–100) "]
     assert lines[3].split("|")[1:-1] == [" knorm @ 0.5 ", " 0 (0–79) ", " 100 (21–100) ", " 0 (0–79) ", " 0 (0–79) "]
-    assert "beyond this model" in runner.markdown_table(records)
+    assert "beyond this model" in runner.score_table(records)
 
 
 def test_config_errors_name_the_parameter():

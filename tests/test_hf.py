@@ -22,7 +22,7 @@ from transformers import (
 
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache, SlidingWindowLayer
-from kvcompress.integration.support import SUPPORTED_MODEL_TYPES, check_supported
+from kvcompress.model_support import SUPPORTED_MODEL_TYPES, check_supported
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
 

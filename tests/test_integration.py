@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from kvcompress.cache import CompressedCache
-from kvcompress.integration.support import RotaryInverse
+from kvcompress.model_support import RotaryInverse
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.methods.budget import DEFAULT_SLACK

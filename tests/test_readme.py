@@ -20,6 +20,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,10 @@ INSTALL_ONLY = ["make demo", "make test"]  # sets up .venv and runs the tests; `
 CLAIMED = [PY_FIRST, PY_PIPELINE, PY_BATCH, PY_REPORT, PY_TENSOR, SH_CLI, SH_BENCHMARKS, SH_PERPLEXITY, SH_RULER_GPU]
 
 
-def snippets(lang: str | None = None) -> list[tuple[str, str]]:
-    """(language, text) of every fenced snippet of the README, in order."""
-    found = re.findall(r"^```(\w*)\n(.*?)^```", TEXT, re.S | re.M)
+def snippets(lang: str | None = None, text: str = TEXT) -> list[tuple[str, str]]:
+    """(language, text) of every fenced snippet of a Markdown text (default: the README), in order; a snippet
+    indented under a list item is returned dedented."""
+    found = [(lg, textwrap.dedent(body)) for lg, body in re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, re.S | re.M)]
     return [(lg, body) for lg, body in found if lang is None or lg == lang]
 
 

@@ -232,7 +232,7 @@ def test_chunked_queries_match_one_chunk(monkeypatch):
 @pytest.fixture(scope="module")
 def real_layers(default_model):
     """q/k/v of layers 2 and 5 of the default model on 2048 tokens of real prose (the approximation bench's input)."""
-    from kvcompress.integration.support import attention_scales
+    from kvcompress.model_support import attention_scales
     from kvcompress.eval.capture import capture_qkv, prose_text
 
     model, tok = default_model

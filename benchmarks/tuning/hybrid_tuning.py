@@ -37,7 +37,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache
-from kvcompress.integration.support import attention_scales
+from kvcompress.model_support import attention_scales
 from kvcompress.options import CompressionOptions
 from kvcompress.eval.approx import ApproxConfig, layer_errors
 from kvcompress.eval.capture import capture_qkv, prose_text

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, count_list, float_list, int_list, list_of, method_list, method_name, one_of, resolve_device
-from .names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, MODES
+from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, MODES
 
 
 def add_cli(subparsers) -> None:

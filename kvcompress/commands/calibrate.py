@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..eval.tasks import TASKS
 from .common import add_device_args, add_model_arg, count, float_list, list_of, method_name, resolve_device
-from .names import CALIBRATION_RETENTIONS
+from ..names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
 

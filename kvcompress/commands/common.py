@@ -2,7 +2,7 @@
 
 Nothing here imports torch or transformers at import time: the parser is built on every call,
 `--help` and argument errors included, and must answer at once. The argument types check what
-can be checked on the text (integers, ranges, known names, from `commands.names`), so those errors
+can be checked on the text (integers, ranges, known names, from `kvcompress.names`), so those errors
 come before any library import; the library checks everything else when the command runs.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from .names import DTYPES, METHODS
+from ..names import DTYPES, METHODS
 
 
 class ArgumentParser(argparse.ArgumentParser):

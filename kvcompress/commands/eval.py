@@ -11,7 +11,7 @@ from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
     add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
-from .names import (
+from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, add_threads_arg, count, one_of, parse_params, resolve_device, set_threads
-from .names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, METHODS, MODES
+from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, METHODS, MODES
 
 FULL = "full"
 

@@ -31,12 +31,12 @@ from tqdm.auto import tqdm
 
 from ..api import compress
 from ..attention import exact_attention, weighted_attention
-from ..integration.support import RotaryInverse, attention_scales
 from ..methods.registry import get_method_class, method_names
+from ..model_support import RotaryInverse, attention_scales
+from ..names import APPROX_LAYERS as DEFAULT_APPROX_LAYERS
+from ..names import APPROX_RATIOS as DEFAULT_APPROX_RATIOS
 from .capture import capture_qkv, prose_text
-
-DEFAULT_APPROX_RATIOS = (0.5, 0.75, 0.875, 0.9375)
-DEFAULT_APPROX_LAYERS = (1, 2, 5, 15)
+from .tables import markdown_table
 
 
 @dataclass
@@ -144,10 +144,10 @@ def write_approx(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
     cells = {(r["method"], r["ratio"], r["layer"]): r for r in rows}
     with_mean = len(layers) > 1
     head = ["method", "ratio"] + [f"layer {layer}" for layer in layers] + (["mean over layers"] if with_mean else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for method, ratio in dict.fromkeys((r["method"], r["ratio"]) for r in rows):
         vals = [cells.get((method, ratio, layer)) for layer in layers]
         mean = [f"{sum(c['error_mean'] for c in vals) / len(vals):.3f}" if all(vals) else ""] if with_mean else []
-        lines.append("| " + " | ".join([method, f"{ratio:g}"] + [f"{c['error_mean']:.3f} ± {c['error_std']:.3f}" if c else "" for c in vals] + mean) + " |")
-    md_path.write_text("\n".join(lines) + "\n")
+        table.append(dict(zip(head, [method, f"{ratio:g}"] + [f"{c['error_mean']:.3f} ± {c['error_std']:.3f}" if c else "" for c in vals] + mean)))
+    md_path.write_text(markdown_table(table, head) + "\n")
     return csv_path, md_path

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from .benchmarks import LONGBENCH_E_BUCKETS
 from .runner import FULL
 from .stats import Z95, t_interval, wilson
+from .tables import markdown_table
 
 def score_stats(scores: list[float], lower_is_better: bool = False) -> dict:
     """Mean, standard error and 95% interval (fractions in [0, 1]) of per-sample scores; lower_is_better:
@@ -198,8 +199,8 @@ def _caption(benchmark: str, records: list[dict]) -> str:
 def markdown_leaderboard(benchmark: str, records: list[dict]) -> str:
     """The leaderboard of one benchmark's records as a Markdown table with a caption."""
     head, rows = _table(records)
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join([f"### {benchmark}", "", *lines, "", _caption(benchmark, records), ""])
+    table = markdown_table([dict(zip(head, r)) for r in rows], head)
+    return "\n".join([f"### {benchmark}", "", table, "", _caption(benchmark, records), ""])
 
 
 def html_leaderboard(benchmark: str, records: list[dict]) -> str:

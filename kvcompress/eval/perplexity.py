@@ -80,17 +80,17 @@ from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length
 from ..integration.reconstruction import reconstruct_context
 from ..methods.registry import method_names
+from ..names import PERPLEXITY
+from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
+from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
+from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
 from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results, stream_budget
 from .stats import t_interval
 from . import tables
 
-PERPLEXITY = "perplexity"  # the task's name (and its benchmark's, for the leaderboard)
 DEFAULT_MODES = ("prefill", "decode")
 DEFAULT_LENGTHS = (2048,)
-DEFAULT_DOCUMENTS = 30
-DEFAULT_CONTEXT_FRACTION = 0.75
-DEFAULT_BLOCK = 64
 MIN_LENGTH = 64
 _GOLDEN = 0.6180339887498949
 
@@ -393,7 +393,7 @@ def _interval(value: float, low: float, high: float) -> str:
     return f"{value:.3f} [{low:.3f}, {high:.3f}]"
 
 
-def markdown_table(records: list[dict]) -> str:
+def perplexity_table(records: list[dict]) -> str:
     """Perplexity and its ratio to the full cache (95% t-intervals over documents) per method @ ratio (mode) and length."""
     rows = summarize(records)
     if not rows:
@@ -426,7 +426,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     n_err = sum(r["error"] is not None for r in ppl)
     parts = [
         f"{len(ppl)} cells ({n_err} could not run) on {n_docs} documents, {sum(r['wall_s'] for r in ppl) / 3600:.2f} h of recorded wall time.", "",
-        "### Language modelling under compression (perplexity, lower is better)", "", markdown_table(records), "",
+        "### Language modelling under compression (perplexity, lower is better)", "", perplexity_table(records), "",
         "Perplexity: exp of the mean NLL of the continuation tokens (the last quarter of each document by default), "
         "the 95% interval a Student t interval over documents of their log-perplexity, exponentiated. × full cache: "
         "exp of the mean per-document difference of log-perplexity against the full cache on the same document, "

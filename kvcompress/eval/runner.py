@@ -48,6 +48,9 @@ from tqdm.auto import tqdm
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
+from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
+from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
+from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
 from ..options import DEFAULT, MODES, CompressionOptions, resolve_method
 from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
@@ -67,11 +70,6 @@ FULL_CACHE_BAR = 0.9
 _SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
 RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
-DEFAULT_RATIOS = (0.5, 0.75, 0.9)
-# "8k" is 8000 context tokens: the default model's 8192 positions must also hold the question and the answer.
-DEFAULT_LENGTHS = (2048, 4096, 8000)
-# Samples per (task, length): one sample moves a score by at most 1/30 (3.3 points).
-DEFAULT_SAMPLES = 30
 # The layout of every run made before layouts were recorded: a blank line, and the task's answer prefix.
 UNRECORDED_PROMPT_LAYOUT = "blank_line_primed"
 
@@ -583,7 +581,7 @@ def beyond_model(records: list[dict]) -> list[str]:
     return [a["task"] for a in full if a["method"] == FULL and a["n"] and a["score"] < FULL_CACHE_BAR]
 
 
-def markdown_table(records: list[dict]) -> str:
+def score_table(records: list[dict]) -> str:
     """Task-sweep scores (%, with 95% Wilson intervals) per method@ratio: one column per task (mean over
     lengths) and per length (mean over tasks). Tasks in `beyond_model` are marked † and left out of the
     per-length and "all" columns."""
@@ -618,14 +616,12 @@ def paired_table(records: list[dict]) -> str:
     if not rows:
         return ""
     modes = sorted({r["mode"] for r in rows})
-    head = ["method @ ratio", "task", "best single method", "pairs", "method %", "best %", "wins", "losses", "p (sign test)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["ratio"], r["mode"], TASKS.index(r["task"]), r["method"] not in COMPOSED, r["method"])):
-        lines.append("| " + " | ".join([
-            _label(r["method"], r["ratio"], r["mode"], modes), r["task"], r["baseline"], str(r["n_pairs"]),
-            f"{100 * r['method_score']:.0f}", f"{100 * r['baseline_score']:.0f}", str(r["wins"]), str(r["losses"]), f"{r['p']:.3g}",
-        ]) + " |")
-    return "\n".join(lines)
+    table = [{
+        "method @ ratio": _label(r["method"], r["ratio"], r["mode"], modes), "task": r["task"], "best single method": r["baseline"],
+        "pairs": r["n_pairs"], "method %": f"{100 * r['method_score']:.0f}", "best %": f"{100 * r['baseline_score']:.0f}",
+        "wins": r["wins"], "losses": r["losses"], "p (sign test)": f"{r['p']:.3g}",
+    } for r in sorted(rows, key=lambda r: (r["ratio"], r["mode"], TASKS.index(r["task"]), r["method"] not in COMPOSED, r["method"]))]
+    return tables.markdown_table(table)
 
 
 def wall_table(records: list[dict]) -> str:
@@ -636,13 +632,14 @@ def wall_table(records: list[dict]) -> str:
             groups[(r["task"], r["length"], r["method"] == FULL)].append(r)
     if not groups:
         return ""
-    lines = ["| task | tokens | cells | wall s | decode s | decoded tokens |", "|---|---|---|---|---|---|"]
+    table = []
     for (task, length, full), rs in sorted(groups.items(), key=lambda kv: (TASKS.index(kv[0][0]), kv[0][1], not kv[0][2])):
         tokens = [r["new_tokens"] for r in rs if "new_tokens" in r]
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        lines.append(f"| {task}{' (full cache)' if full else ''} | {length} | {len(rs)} | {mean([r['wall_s'] for r in rs]):.2f} | "
-                     f"{mean([r['decode_s'] for r in rs]):.2f} | {f'{mean(tokens):.1f}' if tokens else 'not recorded'} |")
-    return "\n".join(lines)
+        table.append({"task": f"{task}{' (full cache)' if full else ''}", "tokens": length, "cells": len(rs),
+                      "wall s": f"{mean([r['wall_s'] for r in rs]):.2f}", "decode s": f"{mean([r['decode_s'] for r in rs]):.2f}",
+                      "decoded tokens": f"{mean(tokens):.1f}" if tokens else "not recorded"})
+    return tables.markdown_table(table)
 
 
 def heatmap_table(records: list[dict]) -> str:
@@ -656,10 +653,9 @@ def heatmap_table(records: list[dict]) -> str:
     for a in agg:
         table[(a["method"], a["ratio"], a["mode"], a["length"])][a["depth"]] = a
     head = ["method @ ratio", "tokens"] + [f"depth {d:g}" for d in depths]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (method, ratio, mode, length), row in table.items():
-        lines.append("| " + " | ".join([_label(method, ratio, mode, modes), str(length)] + [_fmt(row.get(d)) for d in depths]) + " |")
-    return "\n".join(lines)
+    rows = [dict(zip(head, [_label(method, ratio, mode, modes), length] + [_fmt(row.get(d)) for d in depths]))
+            for (method, ratio, mode, length), row in table.items()]
+    return tables.markdown_table(rows, head)
 
 
 def _default_resolutions(records: list[dict]) -> str:
@@ -694,7 +690,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     resolved = _default_resolutions(records)
     if resolved:
         parts += [f"`{DEFAULT}` is the library's default method, here: {resolved}.", ""]
-    table = markdown_table(records)
+    table = score_table(records)
     if table:
         parts += ["### Task scores (%, 95% Wilson interval)", "", table, ""]
     paired = paired_table(records)

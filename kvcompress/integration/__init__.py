@@ -1,9 +1,7 @@
 """transformers integration: the compressed cache's attention function, the default model, generate(), the pipeline.
 
-Importing the package registers the "kvcompress" attention and the "kvcompress-text-generation"
-pipeline; everything else loads
-when first used, so the model inspection (`support`) that `kvcompress.cache` relies on imports
-without the generation path above it.
+Importing the package registers the "kvcompress" attention (which a `CompressedCache` switches its
+model to) and the "kvcompress-text-generation" pipeline; everything else loads when first used.
 """
 
 from importlib import import_module
@@ -13,7 +11,7 @@ from .pipeline import TASK as PIPELINE_TASK  # registers the "kvcompress-text-ge
 from .pipeline import CompressedTextGenerationPipeline
 
 _EXPORTS = {
-    "ATTENTION_NAME": "kvcompress.integration.support",
+    "ATTENTION_NAME": "kvcompress.model_support",
     "CompressedCache": "kvcompress.cache",
     "GenerationResult": "kvcompress.integration.generation",
     "answer_from_cache_ids": "kvcompress.integration.generation",
@@ -29,7 +27,7 @@ _EXPORTS = {
     "kvcompress_attention": "kvcompress.integration.attention",
     "load_cache": "kvcompress.cache",
     "load_model": "kvcompress.integration.model",
-    "use_compressed_attention": "kvcompress.integration.support",
+    "use_compressed_attention": "kvcompress.model_support",
 }
 
 __all__ = [

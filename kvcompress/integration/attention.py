@@ -14,7 +14,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import exp_rows_, totals_in_range, weighted_attention
 from ..checks import as_count
-from .support import ATTENTION_NAME, has_padding
+from ..model_support import ATTENTION_NAME, has_padding
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -15,10 +15,9 @@ import torch
 
 from ..calibration import Calibration, context_nll, fit, mean_nll
 from ..methods.registry import get_method_class
+from ..names import CALIBRATION_RETENTIONS as DEFAULT_RETENTIONS
 from .model import build_prompt
 from .prefill import SharedPrefill, continuation_logits
-
-DEFAULT_RETENTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 
 def answer_nll(model, cache, continuation_ids: torch.Tensor, answer_len: int) -> float:

@@ -27,11 +27,11 @@ from tqdm.auto import tqdm
 
 from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, describe
+from ..model_support import check_supported, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
 from . import attention  # noqa: F401  (registers the kvcompress attention)
 from .prefill_approx import check_prefill_approx, timed_approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, record_reconstruction, repeat_prompt_ids
-from .support import check_supported, select_compressed_attention, use_compressed_attention
 from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
 
 # Prompts longer than this show a progress bar while they are processed.

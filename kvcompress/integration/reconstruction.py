@@ -42,9 +42,9 @@ import torch
 from ..cache import CompressedCache, CompressedLayer
 from ..checks import describe
 from ..methods.kvzip import own_lse
+from ..model_support import attention_scales
 from .attention import exact_attention_with_mask
 from .model import build_prompt
-from .support import attention_scales
 
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 _RECONSTRUCT_IMPL = "kvcompress_reconstruct"

@@ -1,17 +1,25 @@
-"""Budget arithmetic: the middle budget from a budget or a compression ratio, sink/window and stream slack checks."""
+"""Budget arithmetic: the middle budget from a budget or a compression ratio, sink/window and stream slack checks.
+
+Below `methods.base`, which imports it: a method reaches it only as a `Streaming` value (no import of `base`).
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..checks import as_count, as_fraction
 
-if TYPE_CHECKING:
-    from .base import Method
+
+class Streaming(Protocol):
+    """What the stream budget checks read of a method (a `methods.base.Method`): its name and its stream factory."""
+
+    name: str
+
+    def new_stream(self, budget: int, generator: torch.Generator) -> object: ...
 
 
 # Default re-compression slack of block-wise streams (fraction of the budget held beyond it before
@@ -38,7 +46,7 @@ def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
     return n
 
 
-def smallest_stream_budget(method: Method) -> int:
+def smallest_stream_budget(method: Streaming) -> int:
     """The smallest budget the method's streaming state accepts (1 for most; BalanceKV and Express need more)."""
     for budget in range(1, 65):
         try:
@@ -55,7 +63,7 @@ def resolve_budget(
     compression_ratio: float | None,
     sink: int,
     window: int,
-    method: "Method | None" = None,
+    method: Streaming | None = None,
     streaming: bool = False,
 ) -> int:
     """Middle budget (slots per head, sink and window not counted) from exactly one of budget / ratio.

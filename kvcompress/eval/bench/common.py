@@ -16,6 +16,8 @@ import torch
 from matplotlib.figure import Figure
 
 from ...checks import as_count
+from ...names import BENCH_SHAPES
+from ...names import BENCH_SIZES as DEFAULT_SIZES
 from ..tables import markdown_table, write_csv
 
 
@@ -29,11 +31,7 @@ class Shape:
     head_dim: int
 
 
-SHAPES = {
-    "smollm2": Shape("smollm2", 3, 9, 64),  # the default model, SmolLM2-135M-Instruct
-    "llama8b": Shape("llama8b", 8, 32, 128),  # Llama-3-8B-like: 8 KV heads x 128, 32 query heads
-}
-DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+SHAPES = {name: Shape(name, *dims) for name, dims in BENCH_SHAPES.items()}
 
 
 def time_calls(fn: Callable[[], object], repeats: int, max_seconds: float = math.inf, device: torch.device | str = "cpu") -> list[float]:

@@ -9,10 +9,10 @@ import torch
 
 from ...checks import as_count, as_fraction
 from ...methods.registry import method_names
+from ...names import BENCH_SECTIONS as SECTIONS
 from ...options import MODES
 from .common import DEFAULT_SIZES, SHAPES, Shape
 
-SECTIONS = ("overhead", "prefill", "throughput", "decode", "attention", "memory")
 STREAM_CHOICES = ("native", "all", "none")
 
 _SEQUENCES = ("sections", "methods", "shapes", "sizes", "kept", "step_contexts", "memory_sizes", "memory_modes", "threads")

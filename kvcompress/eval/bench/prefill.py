@@ -35,8 +35,8 @@ def prefill_seconds(model, ids: torch.Tensor, method: str | None, ratio: float) 
 def fused_attention_cost(model, ids: torch.Tensor, repeats: int) -> dict[str, float]:
     """Seconds of SDPA's causal pass and of `causal_attention_with_mass` on the context's q/k/v, each summed over
     the layers of per-layer minima over `repeats` interleaved calls, and their difference (`fused_extra_s`)."""
-    from ...integration.support import attention_scales
     from ...integration.attention import causal_attention_with_mass
+    from ...model_support import attention_scales
     from ..capture import capture_qkv
 
     scales = attention_scales(model)

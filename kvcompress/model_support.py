@@ -1,5 +1,9 @@
 """Model inspection: which models and layers kvcompress supports, their attention scales and rotary embedding,
-and switching a model to the kvcompress attention implementation."""
+and switching a model to the kvcompress attention implementation.
+
+What the cache must know about a model, and nothing that generates: it sits below `kvcompress.cache`
+(docs/layout.md, layer "model support"). The attention implementation it switches to is registered
+by `kvcompress.integration` when that is imported (`kvc.CompressedCache` imports it)."""
 
 from __future__ import annotations
 

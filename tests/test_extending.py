@@ -1,0 +1,43 @@
+"""docs/extending.md, "Adding a method", run as printed: its method module registers, and its session compresses and
+streams with it, printing what the page shows. The snippets are read from the page (`test_readme.snippets`), so
+editing the example changes what is run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvcompress.methods import registry
+from test_readme import printed, run_python, shown, snippets
+
+PAGE = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
+
+
+def method_snippets() -> list[str]:
+    """The Python snippets of the page's "Adding a method" section: the method's module, then the session using it."""
+    section = PAGE[PAGE.index("## Adding a method"):PAGE.index("## Adding a task")]
+    return [body for _, body in snippets("python", section)]
+
+
+@pytest.fixture
+def method_module(monkeypatch):
+    """The module the page creates, `kvcompress.methods.mymethod`, empty; it and the registry (on a copy) are dropped
+    after the test, so the example's method stays out of the other tests."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    module = ModuleType("kvcompress.methods.mymethod")
+    module.__package__ = "kvcompress.methods"
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def test_the_method_of_extending_md_registers_and_runs_one_shot_and_streamed(method_module):
+    code, session = method_snippets()
+    run_python(code, method_module.__dict__)
+    assert registry.get_method_class("mymethod") is method_module.MyMethod
+    out = run_python(session, {})
+    assert printed(out) == shown(session.split("\n"))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        registry.build_method("mymethod", temperature=0.0)
