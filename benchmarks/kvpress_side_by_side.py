@@ -39,8 +39,9 @@ The harness is four steps with one file format between them (JSONL under one out
    at each length and ratio (paired, with the share of the full cache's hits the default keeps). It
    reads the recorded scores, which `compare` checks.
 
-Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output file
-already holds, so an interrupted run continues. `--sample-indices` answers only the samples of the indices named, and
+Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output files
+already hold (committed folders keep them merged and gzip-compressed, `<library>.jsonl.gz`, and the dump's
+`samples.jsonl.gz`: every step reads those too), so an interrupted run continues. `--sample-indices` answers only the samples of the indices named, and
 `--shard I/N` splits the samples among processes (each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
 
     .venv/bin/python benchmarks/kvpress_side_by_side.py dump --out results/kvpress_side_by_side
@@ -48,7 +49,7 @@ already holds, so an interrupted run continues. `--sample-indices` answers only 
     /work/kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py kvpress --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py compare --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py table --folders results/kvpress_side_by_side results/kvpress_side_by_side_4k \
-        --table results/side_by_side_table.md
+        --table OUT.md                      # docs/results.md holds these overviews, written by benchmarks/report.py
     .venv/bin/python benchmarks/kvpress_side_by_side.py protocol-check --out results/kvpress_side_by_side \
         --pipeline results/kvpress_side_by_side/protocol_check      # after a `kvpress --protocol pipeline` rerun there
     .venv/bin/python benchmarks/kvpress_side_by_side.py device-check --out results/kvpress_side_by_side_prose_8k \
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -213,10 +215,11 @@ EXTRA_COUNTERPARTS: dict[str, list[str]] = {"expected_attention": ["AdaKV(Expect
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSONL file; a last line torn by an interruption (no newline after it) is ignored."""
+    """Records of a JSONL file, or of its gzip-compressed copy (`.jsonl.gz`: committed records are kept compressed);
+    a last line torn by an interruption (no newline after it) is ignored."""
     if not path.is_file():
         return []
-    text = path.read_text(encoding="utf-8")
+    text = (gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text(encoding="utf-8"))
     lines = text.split("\n")
     return [json.loads(line) for line in lines[:-1] if line.strip()]
 
@@ -361,10 +364,16 @@ def results_path(out: Path, library: str, shard: tuple[int, int] | None) -> Path
     return out / (f"{library}.jsonl" if shard is None else f"{library}.shard{shard[0]}of{shard[1]}.jsonl")
 
 
+def record_files(out: Path, library: str) -> list[Path]:
+    """The library's record files in `out`, by name: the committed, compressed `<library>.jsonl.gz` (every earlier
+    shard's records, in this same order) first, then any `<library>*.jsonl` a later run wrote."""
+    return sorted(out.glob(f"{library}*.jsonl.gz")) + sorted(out.glob(f"{library}*.jsonl"))
+
+
 def done_keys(out: Path, library: str) -> set[str]:
     """Cells already answered in any of the library's files (whatever shards wrote them): a rerun skips them,
     and runs again the cells whose record is an error."""
-    return {r["key"] for path in out.glob(f"{library}*.jsonl") for r in read_jsonl(path) if r.get("error") is None}
+    return {r["key"] for path in record_files(out, library) for r in read_jsonl(path) if r.get("error") is None}
 
 
 def one_record_per_cell(records: list[dict]) -> list[dict]:
@@ -379,12 +388,14 @@ def one_record_per_cell(records: list[dict]) -> list[dict]:
 
 def read_records(out: Path) -> list[dict]:
     """Both libraries' records in `out` (every shard's file), one per cell (`one_record_per_cell`)."""
-    return one_record_per_cell([r for library in ("kvcompress", "kvpress") for path in sorted(out.glob(f"{library}*.jsonl"))
+    return one_record_per_cell([r for library in ("kvcompress", "kvpress") for path in record_files(out, library)
                                 for r in read_jsonl(path)])
 
 
 def load_samples(out: Path) -> tuple[dict, list[dict]]:
     manifest_path, samples_path = out / MANIFEST_FILE, out / SAMPLES_FILE
+    if not samples_path.is_file():  # committed dumps are kept compressed
+        samples_path = out / (SAMPLES_FILE + ".gz")
     if not manifest_path.is_file() or not samples_path.is_file():
         raise SystemExit(f"{out} holds no dumped samples: run the `dump` step first (in kvcompress's venv)")
     return json.loads(manifest_path.read_text()), read_jsonl(samples_path)
@@ -1122,21 +1133,29 @@ def compare(args) -> None:
         print(f"{len(problems)} consistency problems (listed at the end of {out / 'summary.md'})", file=sys.stderr)
 
 
-def rerun_agreement(out: Path, rerun: Path, library: str, label: Callable[[dict], str], title: str, filename: str) -> None:
+def agreement_markdown(out: Path, rerun: Path, library: str, label: Callable[[dict], str], title: str) -> str:
     """Token-for-token agreement of `library`'s records in `out` with those of the same cells in `rerun` (the same
-    samples answered again under another protocol or on another device); `label(record)` names how the rerun
-    differs (its protocol, its device). Writes `filename` into `rerun`."""
-    mine = {r["key"]: r for path in sorted(out.glob(f"{library}*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
-    theirs = {r["key"]: r for path in sorted(rerun.glob(f"{library}*.jsonl")) for r in read_jsonl(path) if r.get("error") is None}
+    samples answered again under another protocol or on another device), as Markdown; `label(record)` names how
+    the rerun differs (its protocol, its device). A record found in both folders as it is (a rerun's record copied
+    into `out`) is no rerun and is not counted."""
+    mine = {r["key"]: r for path in record_files(out, library) for r in read_jsonl(path) if r.get("error") is None}
+    theirs = {r["key"]: r for path in record_files(rerun, library) for r in read_jsonl(path) if r.get("error") is None}
     rows = defaultdict(lambda: [0, 0])
     for key in sorted(set(mine) & set(theirs)):
+        if mine[key] == theirs[key]:
+            continue
         name = cell_name(library, theirs[key]["cell"], theirs[key]["ratio"])
         rows[name][0] += mine[key]["token_ids"] == theirs[key]["token_ids"]
         rows[name][1] += 1
     labels = ", ".join(sorted({label(r) for r in theirs.values()}))
     lines = [f"# {library}: `{out}` against the same cells rerun in `{rerun}` ({title} {labels})", "",
              "| cell | identical answer tokens |", "|---|---|"] + [f"| {k} | {v[0]}/{v[1]} |" for k, v in sorted(rows.items())]
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def rerun_agreement(out: Path, rerun: Path, library: str, label: Callable[[dict], str], title: str, filename: str) -> None:
+    """`agreement_markdown`, written as `filename` into `rerun` and printed."""
+    text = agreement_markdown(out, rerun, library, label, title)
     (rerun / filename).write_text(text)
     print(text)
 

@@ -238,14 +238,19 @@ def write_results(args, rows: list[dict], done: str, seconds: float) -> None:
     write_csv(out.with_suffix(".csv"), rows)
     details = (f"context {args.context} tokens, {args.scored} scored; decode speed on document 0, median of {args.steps} "
                "single-token steps; intervals: 95% Student-t over documents")
+    out.with_suffix(".md").write_text(header(args, "Quantized storage of the compressed context", done, details, seconds)
+                                      + perplexity_table(rows) + "\n")
+
+
+def perplexity_table(rows: list[dict]) -> str:
+    """The Markdown table of `summarize`'s rows (as written to OUT.csv)."""
     lines = ["| method | ratio | bits | stored / full | perplexity [95% CI] | vs full cache [95% CI] | decode tok/s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['ratio']} | {r['bits']} | {r['stored_fraction']:.3f} | {r['perplexity']:.2f} "
                      f"[{r['ppl_low']:.2f}, {r['ppl_high']:.2f}] | {r['vs_full']:.3f} [{r['vs_full_low']:.3f}, {r['vs_full_high']:.3f}] | "
                      f"{r['decode_tokens_per_s']} |")
-    out.with_suffix(".md").write_text(header(args, "Quantized storage of the compressed context", done, details, seconds)
-                                      + "\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 def needle(args) -> None:
@@ -303,17 +308,23 @@ def write_needle_results(args, rows: list[dict], answers: dict, expected: list[s
     write_csv(out.with_suffix(".csv"), rows)
     details = (f"task {args.needle_task}, context {args.context} tokens, greedy answers; accuracy with its 95% Wilson interval, "
                "the difference to the same method and ratio at full precision with Newcombe's paired 95% interval")
-    lines = ["| method | ratio | bits | stored / full | accuracy % [95% CI] | vs full precision, points [95% CI] |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['ratio']} | {r['bits']} | {r['stored_fraction']:.3f} | {100 * r['accuracy']:.0f} "
-                     f"[{100 * r['accuracy_low']:.0f}, {100 * r['accuracy_high']:.0f}] | {100 * r['vs_full_precision']:+.0f} "
-                     f"[{100 * r['vs_full_precision_low']:+.0f}, {100 * r['vs_full_precision_high']:+.0f}] |")
+    lines = [needle_table(rows)]
     lines += ["", "## Answers", "", "| sample | expected | " + " | ".join(f"{m} {r} {b}" for m, r, b in answers) + " |",
               "|---|---|" + "---|" * len(answers)]
     for i, want in enumerate(expected):
         lines.append(f"| {i} | {want} | " + " | ".join(a[i].replace("|", "/").replace("\n", " ")[:40] for a in answers.values()) + " |")
     out.with_suffix(".md").write_text(header(args, "Quantized storage: needle retrieval", f"{len(expected)} of {args.samples} samples",
                                              details, seconds) + "\n".join(lines) + "\n")
+
+
+def needle_table(rows: list[dict]) -> str:
+    """The Markdown table of `needle_rows` (as written to OUT.csv)."""
+    lines = ["| method | ratio | bits | stored / full | accuracy % [95% CI] | vs full precision, points [95% CI] |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['ratio']} | {r['bits']} | {r['stored_fraction']:.3f} | {100 * r['accuracy']:.0f} "
+                     f"[{100 * r['accuracy_low']:.0f}, {100 * r['accuracy_high']:.0f}] | {100 * r['vs_full_precision']:+.0f} "
+                     f"[{100 * r['vs_full_precision_low']:+.0f}, {100 * r['vs_full_precision_high']:+.0f}] |")
+    return "\n".join(lines)
 
 
 def plot(perplexity_csv: Path, needle_csv: Path, path: Path) -> Path:

@@ -75,6 +75,19 @@ def measure(layers: list[Tokens], ratio: float, repeat: int, refit: str) -> dict
                 refit_formed_s=round(seconds["formed"], 2), max_difference=f"{difference:.1e}")
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """Per ratio (in the rows' order): the median of each time over the repeats, and the two ways' ratios."""
+    summary = []
+    for ratio in dict.fromkeys(row["ratio"] for row in rows):
+        mine = [row for row in rows if row["ratio"] == ratio]
+        median = {key: sorted(row[key] for row in mine)[len(mine) // 2] for key in ("scoring_s", "refit_handed_s", "refit_formed_s")}
+        summary.append(dict(ratio=ratio, kept_per_head_mean=mine[0]["kept_per_head_mean"], **median,
+                            refit_formed_over_handed=round(median["refit_formed_s"] / median["refit_handed_s"], 2),
+                            compression_formed_over_handed=round((median["scoring_s"] + median["refit_formed_s"])
+                                                                 / (median["scoring_s"] + median["refit_handed_s"]), 2)))
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refit", choices=[r for r in REFITS if r != "none"], default=DEFAULT["refit"],
@@ -95,14 +108,7 @@ def main() -> None:
         for ratio in args.ratios:
             rows.append(measure(layers, ratio, repeat, args.refit))
             print(rows[-1], flush=True)
-    summary = []
-    for ratio in args.ratios:
-        mine = [row for row in rows if row["ratio"] == ratio]
-        median = {key: sorted(row[key] for row in mine)[len(mine) // 2] for key in ("scoring_s", "refit_handed_s", "refit_formed_s")}
-        summary.append(dict(ratio=ratio, kept_per_head_mean=mine[0]["kept_per_head_mean"], **median,
-                            refit_formed_over_handed=round(median["refit_formed_s"] / median["refit_handed_s"], 2),
-                            compression_formed_over_handed=round((median["scoring_s"] + median["refit_formed_s"])
-                                                                 / (median["scoring_s"] + median["refit_handed_s"]), 2)))
+    summary = medians(rows)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s), torch "
                f"{torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}")
     RESULTS.mkdir(exist_ok=True)

@@ -408,7 +408,7 @@ def _digest(summary) -> str:
 # Outputs before the halving kernel was formed in place (commit ec268af), on this project's CI machine
 # (x86-64 CPU, float32 kernels): the same slots, weights and keys for the same seed. One-shot digests
 # re-pinned when whole blocks began to share Halve calls (their random swaps are drawn in another
-# order; benchmarks/results/express_blocks has the quality before and after); the second stream when
+# order; the quality before and after was compared then, records in git history); the second stream when
 # streams began holding tokens exactly until they pass the budget (its first blocks now arrive as one).
 # (b, h, n, d, update block, budget, parameters, dtype, seed, stream digest, one-shot digest)
 PINNED = [

@@ -284,7 +284,7 @@ def _layer(b, h, group, n, d, seed, dtype):
 # weights, keys and values for the same seed. The streams of the last two cases were re-pinned when
 # the stream began holding tokens exactly until they pass the budget, and BalanceKV's stream changed. Express
 # coreset cases re-pinned when its whole blocks began to share Halve calls (random swaps drawn in
-# another order; benchmarks/results/express_blocks has the quality before and after).
+# another order; the quality before and after was compared then, records in git history).
 # Express coresets keep the Halve groups of 128 they were pinned with (the default became 64), and the
 # BalanceKV coreset its blocks of 256 (the default became 128).
 # (b, h, query group, n, d, update block, budget, sink, window, parameters, dtype, seed, stream digest, one-shot digest)

@@ -10,7 +10,7 @@ re-compression scores) over the budget. Slack 0 is the previous per-block re-com
 
 Writes stream_slack.{csv,md} into `--out`.
 
-    PYTHONPATH=. nice -n 10 python benchmarks/tuning/stream_slack.py --out benchmarks/results/bench/streams3
+    PYTHONPATH=. nice -n 10 python benchmarks/tuning/stream_slack.py      # into benchmarks/results/bench/slack/
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import gzip
 import json
 import math
 import platform
@@ -274,11 +275,14 @@ def cells_for(spec: SampleSpec, config: SweepConfig) -> list[Cell]:
 
 
 def read_results(path: Path) -> list[dict]:
-    """Records of a results JSONL file. A last line cut short by an interruption (no newline after it) is
-    ignored, so the run resumes; an undecodable line anywhere else is a ValueError naming it."""
+    """Records of a results JSONL file, or of its gzip-compressed copy (a path ending in `.gz`: committed records
+    are kept compressed). A last line cut short by an interruption (no newline after it) is ignored, so the run
+    resumes; an undecodable line anywhere else is a ValueError naming it."""
+    path = Path(path)
     if not path.is_file():
         return []
-    return _parse_lines(path.read_bytes(), path)
+    data = path.read_bytes()
+    return _parse_lines(gzip.decompress(data) if path.suffix == ".gz" else data, path)
 
 
 def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, repeat_ids=None,

@@ -20,7 +20,14 @@ from .throughput import throughput_rows
 
 def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(), throughput=()) -> None:
     """One Markdown page with every section that was run."""
-    out = ["# kvcompress bench", "", f"Machine: {machine}.", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(["# kvcompress bench", "", f"Machine: {machine}.", "",
+                               markdown(overhead, exponents, decode, step, memory, prefill, throughput)]))
+
+
+def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(), throughput=()) -> str:
+    """The sections of a bench page for the rows given (each section a `##` heading), without its title and machine line."""
+    out = []
     if overhead:
         out += ["## Compression overhead", "",
                 "Time of each method over one exact causal attention pass (SDPA) over the same n tokens "
@@ -58,8 +65,7 @@ def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(
     if memory:
         out += ["## Memory: prefill vs chunked", "",
                 markdown_table(memory, ["mode", "method", "n", "budget", "peak_kv_bytes", "kv_bytes_full", "peak_rss_growth_bytes", "prompt_s"]), ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out))
+    return "\n".join(out)
 
 
 def report(out_dir: Path) -> dict[str, list[dict]]:

