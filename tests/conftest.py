@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# Tests run on small tensors; extra threads only contend on the shared 2-core machines.
-torch.set_num_threads(int(os.environ.get("KVCOMPRESS_TEST_THREADS", "2")))
+# Tests run on small tensors; extra threads only contend on the shared 2-core machines: one thread per process when
+# pytest-xdist runs one process per core (`make test`), two otherwise.
+torch.set_num_threads(int(os.environ.get("KVCOMPRESS_TEST_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -148,9 +148,8 @@ def test_default_model_every_method_answers_as_the_full_cache_at_ratio_zero(defa
         _within_full(res)
 
 
-@pytest.mark.e2e
-@pytest.mark.smoke
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.e2e  # every method at 0.5 on the real model; the default and KeyDiff at 0.5 in every mode are smoke-tested
+@pytest.mark.parametrize("mode", MODES)  # in tests/test_smoke_features.py
 def test_default_model_answers_stay_plausible_at_half_compression(default_model, full_answer, mode):
     """At ratio 0.5 each method's answer is text the full model finds likely (no gibberish), and fits the full cache."""
     model, tokenizer = default_model
