@@ -639,7 +639,7 @@ class CompressedCache(Cache):
         """
         model = self._model()
         if model is None:
-            raise ValueError("the model this cache was built with no longer exists: save the cache while its model is alive")
+            raise ValueError("the model this cache was built with has been deleted: save the cache while its model is alive")
         if self.options.mode == "chunked" and self.absorbing:
             raise ValueError(
                 "this mode='chunked' cache holds live streams that keep absorbing its prompt: it can be saved once the prompt has "

@@ -23,8 +23,8 @@ from .names import DEFAULT_METHOD as DEFAULT
 
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
 # and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
-# real prose on tuning samples (docs/kvpress.md, "The default method", "The default's safeguard", "The refit on every
-# reported prose set" and "The values' refit on the reported sets"). Prefill: KVzip's reconstruction scores ranked across
+# real prose on tuning samples (docs/design.md, "Why the defaults are what they are", with the evidence in
+# docs/results.md). Prefill: KVzip's reconstruction scores ranked across
 # every layer's heads (AdaKV, scope "model") with a small per-head floor (each head keeps its own top 5 % of the budget),
 # every token ranked (no exact window), and the kept slots refitted so they carry the whole middle's attention mass
 # (log-weights) and output (values) for KVzip's reconstruction queries (attention matching). KVzip needs the whole

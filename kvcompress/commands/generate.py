@@ -35,7 +35,7 @@ def add_compression_args(p) -> None:
     p.add_argument("--method", type=one_of((FULL, DEFAULT_METHOD, *METHODS), "method"), default=None, metavar="NAME",
                    help=f"registered method name, '{FULL}' for the uncompressed cache, or '{DEFAULT_METHOD}' (the default): the best "
                         "measured method for the mode (prefill: adakv over KVzip's reconstruction scores, ranked across layers; "
-                        "chunked and decode: adakv over KeyDiff's scores; see docs/kvpress.md); with --calibration, the method it was "
+                        "chunked and decode: adakv over KeyDiff's scores; see docs/design.md); with --calibration, the method it was "
                         "fitted for")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context's tokens removed, in [0, 1)")

@@ -436,7 +436,7 @@ class QuantizedState(StreamState):
         """Quantize what the state now lists, each row width in one call (rows known before keep their codes), then
         leave the state placeholders."""
         # the rows as stored, dequantized again: the state may have written into the tensors `_restore` gave it (BalanceKV
-        # copies new rows into its buffer in place), so those no longer tell what each stored code stands for
+        # copies new rows into its buffer in place), so those may not match what each stored code stands for
         known = [(q.dequantize(), q) for q in self.stored.values()] + handed
         tensors = self.state.kv_tensors()
         self.other_bytes = self.state.nbytes() - sum(t.numel() * t.element_size() for t in tensors)
