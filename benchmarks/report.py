@@ -312,6 +312,15 @@ def summary_section() -> list[str]:
     return lines
 
 
+def harness_runs(folders: list) -> list[tuple[int, int, list]]:
+    """(context length, sample count, records) of each side-by-side folder, as the harness's overview takes them."""
+    runs_ = []
+    for folder in folders:
+        manifest, samples, records = harness_run(folder)
+        runs_.append((manifest["samples"]["length"], len(samples), records))
+    return runs_
+
+
 def side_by_side_section() -> list[str]:
     lines = ["## Side by side with kvpress", "",
              "`benchmarks/kvpress_side_by_side.py` runs kvcompress and kvpress 0.5.5 (in its own virtual environment, "
@@ -320,10 +329,7 @@ def side_by_side_section() -> list[str]:
              "95% Wilson intervals; paired differences have Newcombe's 95% interval and an exact sign test. The overview "
              "below is the harness's `table` step:", "",
              "    .venv/bin/python benchmarks/kvpress_side_by_side.py table --folders FOLDER ... --table OUT.md [--default-cell CELL]", ""]
-    runs_ = []
-    for folder in PROSE:
-        manifest, samples, records = harness_run(folder)
-        runs_.append((manifest["samples"]["length"], len(samples), records))
+    runs_ = harness_runs(PROSE)
     lines += ["### A prose needle with word answers: 2k, 4k and 8k tokens", "",
               "One plain-English fact whose answer is a person's name or a town, in real prose (`niah_prose`), 30 samples "
               "(the same needles at each length).", ""]
@@ -333,10 +339,7 @@ def side_by_side_section() -> list[str]:
     lines += ["### The same task on 30 other samples at 4k", ""]
     lines += harness_block([PROSE_FRESH])
     lines += [demote(harness.overview_markdown([(manifest["samples"]["length"], len(samples), records)], DEFAULT_CELL), 2), ""]
-    runs_ = []
-    for folder in NUMERIC:
-        manifest, samples, records = harness_run(folder)
-        runs_.append((manifest["samples"]["length"], len(samples), records))
+    runs_ = harness_runs(NUMERIC)
     lines += ["### A 7-digit needle in prose: 2k, 4k and 8k tokens", "",
               "A 7-digit number in real prose (`niah_single`, haystack prose), 30 samples. Its paired section compares the "
               "default without its refits, the one cell run at every length and ratio; the default's own cells are in the "
