@@ -97,15 +97,15 @@ def _other_values(value) -> list:
     if isinstance(value, bool):
         return [not value, "yes"]
     if isinstance(value, int):
-        return [value + 1, value - 1, -value - 7, value * 1000 + 3, str(value), None]
+        return [value + 1, -value - 7, value * 1000 + 3, str(value)]
     if isinstance(value, float):
-        return [value * 2 + 1, -value - 1, float("nan"), str(value)]
+        return [-value * 2 - 1, float("nan"), str(value)]
     if isinstance(value, str):
-        return [value + "x", "layers.0.0", 3]
+        return [value + "x", 3]
     if value is None:
-        return [0, "x", [], {}]
+        return [0, "x", {}]
     if isinstance(value, list):
-        return [value[:-1], value + value[-1:], {}, 1]
+        return [value[:-1], value + value[-1:], 1]
     return [[], "x"]
 
 
