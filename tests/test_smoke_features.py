@@ -275,7 +275,7 @@ def test_cli_eval_perplexity(cli, tmp_path):
 
 
 def test_cli_eval_approx(cli, tmp_path):
-    """`kvcompress eval approx --methods hybrid,balancekv ...` (README, attention error at equal memory): one layer, one
+    """`kvcompress eval approx --methods hybrid,balancekv ...` (docs/cli.md, docs/extending.md): one layer, one
     seed, 256 tokens of real prose."""
     out_dir = tmp_path / "approx"
     cli("eval", "approx", "--methods", "hybrid,balancekv", "--seeds", 1, "--layers", 1, "--tokens", 256, "--queries", 32, "--sink", 4,
@@ -289,7 +289,7 @@ def test_cli_eval_approx(cli, tmp_path):
 
 
 def test_cli_bench_memory_on_the_model(cli, tmp_path):
-    """`kvcompress bench --sections memory --memory-sizes ... --memory-budget ...` (README "Highlights", Memory), at 256
+    """`kvcompress bench --sections memory --memory-sizes ... --memory-budget ...` (docs/bench.md, memory), at 256
     prompt tokens."""
     out_dir = tmp_path / "bench"
     out = cli("bench", "--sections", "memory", "--memory-sizes", 256, "--memory-budget", 32, "--chunk-size", 64, "--out", out_dir)
