@@ -49,7 +49,8 @@ def _save(model, tmp_path, settings: dict):
 
 
 def _outcome(model, path) -> str | None:
-    """None when the file loads and answers or is a CacheFileError; else the exception that escaped."""
+    """None when the file loads and answers (the question and 2 tokens) or is a CacheFileError; else the exception that
+    escaped."""
     try:
         cache = kvc.load_cache(path, model)
     except CacheFileError:
@@ -57,8 +58,8 @@ def _outcome(model, path) -> str | None:
     except Exception as err:  # noqa: BLE001 - what this test exists to catch
         return f"load: {type(err).__name__}: {err}"[:300]
     try:
-        (res,) = answer_from_cache_ids(model, cache, [QUESTION], max_new_tokens=3, stop_at_eos=False)
-        assert len(res.token_ids) == 3
+        (res,) = answer_from_cache_ids(model, cache, [QUESTION], max_new_tokens=2, stop_at_eos=False)
+        assert len(res.token_ids) == 2
     except Exception as err:  # noqa: BLE001
         return f"answer: {type(err).__name__}: {err}"[:300]
     return None
@@ -173,7 +174,7 @@ def test_an_edited_or_damaged_file_loads_and_answers_or_is_a_cache_file_error(mo
         others = {k: v for k, v in tensors.items() if k != name}
         cache_file.write(probe, others, document)
         run(f"{name} dropped")
-        for reshaped in (t.reshape(-1), t.reshape(*t.shape, 1), t[..., :-1] if t.ndim and t.shape[-1] > 1 else t.reshape(1, -1)):
+        for reshaped in (t.reshape(-1), t[..., :-1] if t.ndim and t.shape[-1] > 1 else t.reshape(1, -1)):
             cache_file.write(probe, {**others, name: reshaped}, document)
             run(f"{name} reshaped to {list(reshaped.shape)}")
     assert cases > 100
