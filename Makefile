@@ -20,7 +20,7 @@ demo: env
 # Unit tests (small tensors, tiny random models) + the quick end-to-end smoke tests on the real model, one process
 # per core (pytest-xdist).
 test: env
-	$(BIN)/python -m pytest -q -n 2 -m "not e2e or smoke"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not e2e or smoke"
 
 # Every end-to-end test on the real default model, including the method comparisons (slow on 2 cores).
 test-e2e: env
