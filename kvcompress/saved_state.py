@@ -17,6 +17,7 @@ several places is written once and referred to ({"ref": k}) after that, so what 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -94,16 +95,20 @@ class Context:
     used: set = field(default_factory=set)
 
 
-class Spec:
-    """How one field is written, checked and read."""
+class Spec(ABC):
+    """How one field is written (`encode`: the JSON value, its tensors handed to the writer), checked whole before
+    anything is built (`check`: SchemaError naming the field) and read (`decode`)."""
 
+    @abstractmethod
     def encode(self, x, out: "_Writer", path: str):
-        raise NotImplementedError
+        """The JSON value of `x`."""
 
+    @abstractmethod
     def check(self, v, ctx: Context, scope: _Scope, path: str) -> None:
-        raise NotImplementedError
+        """SchemaError unless the JSON value `v` is one this spec writes."""
 
     def decode(self, v, ctx: Context):
+        """The value `v` (checked) stands for."""
         return v
 
 
