@@ -55,7 +55,7 @@ from .model_support import RotaryInverse, attention_scales, check_supported, has
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, has_empty_slots
-from .saved_state import Instance
+from .saved_state import Instance, is_count
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 
 @dataclass
@@ -348,7 +348,8 @@ class CompressedLayer(CacheLayerMixin):
                 tensors.update(part_tensors)
         return tensors, {**meta, "parts": described}
 
-    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype, path) -> None:
+    def import_state(self, prefix: str, tensors: dict[str, torch.Tensor], meta: dict, device, dtype: torch.dtype, path,
+                     dims: dict[str, int]) -> None:
         """Take the state `export_state` described, on `device` in `dtype`: a quantized front and its tail as they were; a
         full-precision state as the front later tokens follow, as after compression in its mode (prefill: a buffer they
         are appended to in place; chunked: an exact tail beside it). A live stream goes on in the dtype it was saved in:
@@ -358,16 +359,15 @@ class CompressedLayer(CacheLayerMixin):
         # a decode-mode cache holds live streams; a chunked one its compacted streams, or what `compact` stored apart
         streams = options.mode == "decode" or options.mode == "chunked" and "stream" in meta
         keys = {"kind", "seen", "budgets", *(("stream", "dtype") if streams else ("parts",))}
-        if set(meta) != keys or not isinstance(meta["seen"], int) or isinstance(meta["seen"], bool) or meta["seen"] < 1:
+        if set(meta) != keys or not is_count(meta["seen"], 1):
             raise cache_file.CacheFileError(f"{str(path)!r}: {where} must hold {sorted(keys)} with seen a positive count for a "
                                             f"mode={options.mode!r} cache, got {sorted(meta)} (seen {meta.get('seen')!r})")
         budgets = meta["budgets"]
-        if not (isinstance(budgets, list) and len(budgets) == 1 and isinstance(budgets[0], int) and not isinstance(budgets[0], bool)
-                and budgets[0] >= 1):
+        if not (isinstance(budgets, list) and len(budgets) == 1 and is_count(budgets[0], 1)):
             raise cache_file.CacheFileError(f"{str(path)!r}: {where}.budgets must be one positive count (one context), got {budgets!r}")
         self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
         self.seen, self.budgets = meta["seen"], list(budgets)
-        read = dict(dims=self.cache.saved_dims, device=device, path=path)
+        read = dict(dims=dims, device=device, path=path)
         if streams:
             if meta["dtype"] != str(dtype).removeprefix("torch."):
                 raise cache_file.CacheFileError(
@@ -398,10 +398,10 @@ class CompressedLayer(CacheLayerMixin):
                     raise cache_file.CacheFileError(f"{str(path)!r}: {where}.front must be a quantized or ragged summary and its "
                                                     "tail a kv_summary")
                 self.front, self.tail = built["front"], built.get("tail")
-        self._check_loaded(path)
+        self._check_loaded(path, dims)
         self.stats.peak_bytes = self.nbytes()
 
-    def _check_loaded(self, path) -> None:
+    def _check_loaded(self, path, dims: dict[str, int]) -> None:
         """CacheFileError unless what the layer now stores is a summary attention can read: one row of the model's KV heads
         and head dimension, positions in 0..seen-1 (-1 for empty slots, of weight -inf), no NaN or +inf weight."""
         where = f"{str(path)!r}: layers.{self.layer_idx}"
@@ -409,7 +409,6 @@ class CompressedLayer(CacheLayerMixin):
             s = self.stored()
         except (ValueError, RuntimeError, IndexError, TypeError) as err:
             raise cache_file.CacheFileError(f"{where} holds a state that cannot be read ({err})") from None
-        dims = self.cache.saved_dims
         if tuple(s.keys.shape[:2]) != (1, dims["H"]) or s.keys.shape[-1] != dims["D"] or s.values.shape[-1] != dims["V"]:
             raise cache_file.CacheFileError(f"{where} holds keys {list(s.keys.shape)} and values {list(s.values.shape)}, the model "
                                             f"needs [1, {dims['H']}, n, {dims['D']}]")
@@ -471,7 +470,7 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         """Take the window `export_state` described, on `device` in `dtype`; CacheFileError for a window that does not fit
         the layer (dims: the model's KV heads H and head dimension D)."""
         seen = meta.get("seen")
-        if set(meta) != {"kind", "seen"} or not isinstance(seen, int) or isinstance(seen, bool) or seen < 0:
+        if set(meta) != {"kind", "seen"} or not is_count(seen):
             raise cache_file.CacheFileError(f"{str(path)!r}: {prefix} must hold kind and seen (a count), got {meta!r}")
         if seen:
             keys, values = (tensors.get(f"{prefix}.{name}") for name in ("keys", "values"))
@@ -705,10 +704,7 @@ class CompressedCache(Cache):
             raise cache_file.CacheFileError(f"{where} holds token ids outside the model's vocabulary 0..{cache.saved_dims['vocab'] - 1}")
         devices = {m.layer_idx: next(m.parameters()).device for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
         for i, (layer, meta) in enumerate(zip(cache.layers, layers)):
-            if isinstance(layer, SlidingWindowLayer):
-                layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype, path, cache.saved_dims)
-            else:
-                layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype, path)
+            layer.import_state(f"layers.{i}", tensors, meta, devices[i], model.dtype, path, cache.saved_dims)
         if cache.options.mode != "decode":
             cache.absorbing = False  # the prompt has ended: nothing streams any more, later tokens stay exact
         cache.token_ids = ids.long().to(devices[0])

@@ -112,6 +112,11 @@ class Spec(ABC):
         return v
 
 
+def is_count(v, minimum: int = 0) -> bool:
+    """Whether `v` is an int (not a bool) of at least `minimum`, as a count read from JSON must be."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
 def _expect(ok: bool, path: str, what: str, v) -> None:
     if not ok:
         shown = repr(v) if not isinstance(v, (dict, list)) or len(repr(v)) < 80 else f"a {type(v).__name__}"
@@ -125,11 +130,11 @@ class Count(Spec):
     minimum: int = 0
 
     def encode(self, x, out, path):
-        _expect(isinstance(x, int) and not isinstance(x, bool) and x >= self.minimum, path, f"an int >= {self.minimum}", x)
+        self.check(x, None, None, path)
         return int(x)
 
     def check(self, v, ctx, scope, path):
-        _expect(isinstance(v, int) and not isinstance(v, bool) and v >= self.minimum, path, f"an int >= {self.minimum}", v)
+        _expect(is_count(v, self.minimum), path, f"an int >= {self.minimum}", v)
 
 
 @dataclass(frozen=True)
@@ -373,7 +378,7 @@ class Generator(Spec):
             return
         _expect(set(v) == {"generator", "cpu", "id"}, path, "a generator {generator, cpu, id}", v)
         _expect(isinstance(v["cpu"], bool), f"{path}.cpu", "a bool", v["cpu"])
-        _expect(isinstance(v["id"], int) and not isinstance(v["id"], bool) and v["id"] not in ctx.shared, f"{path}.id", "a new id", v["id"])
+        _expect(is_count(v["id"]) and v["id"] not in ctx.shared, f"{path}.id", "a new id", v["id"])
         Tensor("*", ("uint8",)).check(v["generator"], ctx, scope, f"{path}.generator")
         ctx.shared[v["id"]] = ("generator", None)
 
@@ -427,7 +432,7 @@ class Instance(Spec):
         cls = REGISTRY[name]
         _expect(v["version"] == cls.saved_version, f"{path}.version",
                 f"version {cls.saved_version} of {name} (the file was written by another kvcompress: compress the context again)", v["version"])
-        _expect(isinstance(v["id"], int) and not isinstance(v["id"], bool) and v["id"] not in ctx.shared, f"{path}.id", "a new id", v["id"])
+        _expect(is_count(v["id"]) and v["id"] not in ctx.shared, f"{path}.id", "a new id", v["id"])
         ctx.shared[v["id"]] = ("instance", name)
         fields = v["fields"]
         _expect(isinstance(fields, dict), f"{path}.fields", "an object", fields)
