@@ -118,10 +118,10 @@ def run_cells(run, records: dict, cells: list[str], ratios: list[float], path: P
         reference = answer_log_probs_ids(run.model, context_ids, question_ids, answer_ids, method=None)
         captured, reconstructions = None, {}
         for cell, ratio in todo:
-            options = harness.kvcompress_options(cell, ratio, run.manifest)
-            if not options.compressor.needs_reconstruction and not options.streams and captured is None:
+            options = harness.kvcompress_options(cell, ratio, run.manifest, run.tokenizer)
+            if not options.compressor.requirements.needs("reconstruction") and not options.streams and captured is None:
                 captured = capture_qkv(run.model, context_ids)
-            own = harness.recorded_inputs(run.model, run.tokenizer, options, context_ids, captured, reconstructions)
+            own = harness.recorded_inputs(run.model, options, context_ids, captured, reconstructions)
             log_probs = answer_log_probs_ids(run.model, context_ids, question_ids, answer_ids, options, **own)
             margins, _ = step_margins(log_probs, full["token_ids"])
             kl = float((reference[0].exp() * (reference[0] - log_probs[0])).sum())

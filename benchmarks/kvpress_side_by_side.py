@@ -533,8 +533,8 @@ def run_kvcompress(args) -> None:
                     res = generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop)
                 else:
-                    options = kvcompress_options(label, ratio, manifest)
-                    own = recorded_inputs(model, tokenizer, options, context_ids, captured, reconstructions)
+                    options = kvcompress_options(label, ratio, manifest, tokenizer)
+                    own = recorded_inputs(model, options, context_ids, captured, reconstructions)
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
                                        stop_token_ids=stop, **own)
             except (ValueError, RuntimeError) as err:
@@ -558,24 +558,26 @@ def run_kvcompress(args) -> None:
                   f"{record.get('prediction')!r} ({record['wall_s']:.1f}s)", flush=True)
 
 
-def kvcompress_options(label: str, ratio: float, manifest: dict):
-    """The `CompressionOptions` of kvcompress cell `label` (one with a method) at `ratio`, seeded as the dump says."""
+def kvcompress_options(label: str, ratio: float, manifest: dict, tokenizer):
+    """The `CompressionOptions` of kvcompress cell `label` (one with a method) at `ratio`, seeded as the dump says, with
+    KVzip's repeat instruction through `tokenizer` for a cell scored by reconstruction (`with_repeat_prompt`)."""
+    from kvcompress.integration.reconstruction import with_repeat_prompt
     from kvcompress.options import CompressionOptions
 
     method, params = KVCOMPRESS_CELLS[label]
-    return CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params)
+    return with_repeat_prompt(CompressionOptions.build(method=method, compression_ratio=ratio, seed=manifest["samples"]["seed"], **params),
+                              tokenizer)
 
 
-def recorded_inputs(model, tokenizer, options, context_ids, captured: dict | None, reconstructions: dict) -> dict:
+def recorded_inputs(model, options, context_ids, captured: dict | None, reconstructions: dict) -> dict:
     """The recorded forwards a cell of `options` compresses, as keyword arguments of `generate_ids`: KVzip's context
     prefill and reconstruction forward, recorded once per sample in `reconstructions` (`shared_reconstruction`) with
-    its repeat instruction; the sample's recorded prefill `captured` (`capture_qkv`) for any other prefill-mode cell;
-    nothing for a chunked cell, which streams the context itself."""
-    from kvcompress.integration.reconstruction import repeat_prompt_ids, shared_reconstruction
+    the options' repeat instruction; the sample's recorded prefill `captured` (`capture_qkv`) for any other
+    prefill-mode cell; nothing for a chunked cell, which streams the context itself."""
+    from kvcompress.integration.reconstruction import shared_reconstruction
 
-    if options.compressor.needs_reconstruction:
-        repeat = repeat_prompt_ids(tokenizer)
-        return {"reconstruction_ids": repeat, "prefill": shared_reconstruction(model, options, context_ids, repeat, reconstructions)}
+    if options.compressor.requirements.needs("reconstruction"):
+        return {"prefill": shared_reconstruction(model, options, context_ids, reconstructions)}
     return {"prefill": captured} if not options.streams else {}
 
 
@@ -592,7 +594,7 @@ def reconstructs(label: str) -> bool:
     from kvcompress.options import CompressionOptions
 
     method, params = KVCOMPRESS_CELLS[label]
-    return CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.needs_reconstruction
+    return CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.requirements.needs("reconstruction")
 
 
 def streams(label: str) -> bool:

@@ -31,7 +31,7 @@ import kvpress_side_by_side as harness  # noqa: E402  (the dumped samples, the c
 
 from kvcompress.cache import CompressedCache  # noqa: E402
 from kvcompress.integration.capture import capture_qkv  # noqa: E402
-from kvcompress.integration.reconstruction import load_reconstruction, repeat_prompt_ids, shared_reconstruction  # noqa: E402
+from kvcompress.integration.reconstruction import load_reconstruction, shared_reconstruction, with_repeat_prompt  # noqa: E402
 from kvcompress.options import CompressionOptions  # noqa: E402
 
 
@@ -64,10 +64,11 @@ def held(cache: CompressedCache, span: list[int]) -> list[torch.Tensor]:
 def compressed(model, tokenizer, options: CompressionOptions, context_ids: torch.Tensor, recorded: dict) -> CompressedCache:
     """The context compressed as the harness's kvcompress step does: from one recorded reconstruction for a method
     scored by it, else from one recorded prefill (both kept in `recorded` for the sample's other ratios)."""
-    if options.compressor.needs_reconstruction:
+    if options.compressor.requirements.needs("reconstruction"):
+        options = with_repeat_prompt(options, tokenizer)
         cache = CompressedCache(model, options)
         reconstructions = recorded.setdefault("reconstructions", {})
-        load_reconstruction(model, cache, shared_reconstruction(model, options, context_ids, repeat_prompt_ids(tokenizer), reconstructions))
+        load_reconstruction(model, cache, shared_reconstruction(model, options, context_ids, reconstructions))
         return cache
     if "prefill" not in recorded:
         recorded["prefill"] = capture_qkv(model, context_ids)

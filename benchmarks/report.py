@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "
 import kvpress_side_by_side as harness  # noqa: E402
 import prompt_layout  # noqa: E402
 import quantized_storage  # noqa: E402
+import kvzap_default  # noqa: E402
 import refit_cost  # noqa: E402
 
 from kvcompress.eval import perplexity, runner  # noqa: E402
@@ -497,10 +498,23 @@ def cost_section() -> list[str]:
         lines += [f"### {title}", "", note, ""]
         lines += meta_block(path)
         lines += [table(read_csv(ROOT / path)), ""]
+    path = "benchmarks/results/tuning/kvzap_default.jsonl"
+    lines += ["### KVzap on tuning needles", "",
+              "`benchmarks/tuning/kvzap_default.py`: needles in the tuning prose (`niah_prose(split=\"tuning\")`) at compression "
+              "ratio 0.75, each variant paired per needle with the full cache: of the needles the full cache finds, how many it "
+              "also finds, and its median time per answer ÷ the full cache's on the same needle (one process, one thread). "
+              "KVzap's scores come from the shipped linear surrogate; `adakv_keydiff` is the streaming default.", ""]
+    lines += meta_block(path)
+    lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
     return lines
 
 
 CSV_TABLES = [  # (record, title, what it measures, its table from the record's rows)
+    ("benchmarks/results/kvzap_fidelity.csv", "KVzap's fidelity on held-out text",
+     "`benchmarks/kvzap_fidelity.py`: Spearman correlation per layer between the shipped linear surrogate's predicted scores "
+     "(from each token's hidden state) and the project's exact KVzip scores, on held-out standard-library docstrings "
+     "(`eval.capture.HELDOUT_MODULES`, fixed before this run): the mean over the layer's KV heads and its lowest head.",
+     lambda rows: markdown_table(rows, ["layer", "spearman_mean", "spearman_min_head", "tokens"])),
     ("benchmarks/results/refit_cost_log_weights_values.csv", "The prefill default's refit",
      "`benchmarks/refit_cost.py`: on random tensors of the default model's shapes (4 layers of 4096 middle tokens), KVzip's "
      "scores and top-k (`scoring_s`) against the refit of the kept slots' log-weights and values, with KVzip's normalisers "

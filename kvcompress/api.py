@@ -36,6 +36,7 @@ def compress(
     scale: float | None = None,
     layer: tuple[int, int] | None = None,
     seed: int | torch.Generator | None = 0,
+    hidden_states: torch.Tensor | None = None,
     **settings,
 ) -> KVSummary:
     """One-shot compression of one layer's keys/values [B, H_kv, n, d] into a KVSummary.
@@ -44,7 +45,8 @@ def compress(
     exact) or `compression_ratio` (fraction of the n tokens removed; an error when it would remove
     tokens but sink + window leave no room); `sink` / `window` (default: the method's paper
     defaults); any other name is a parameter of the method. queries [B, H_q, n_q, d] post-RoPE
-    for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid.
+    for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid;
+    hidden_states [B, H_kv, n, d_model] (each token's hidden state at the layer's input) for KVzap.
     positions [n] or [B, H_kv, n] default to 0..n-1. layer: (layer_idx, num_layers), for a
     method that depends on the layer (PyramidKV). seed: an int (reproducible), a
     torch.Generator, or None for fresh randomness (a different draw each call).
@@ -63,7 +65,8 @@ def compress(
     s = 1.0 / math.sqrt(d) if scale is None else scale
     layer_idx, num_layers = check_layer(layer)
     generator = make_generator(seed, keys.device)
-    tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions))
+    tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions),
+                    hidden_states=hidden_states)
     return compress_tokens(m, tokens, middle_budget, sink, window, generator)
 
 
@@ -90,13 +93,16 @@ def stream(
 ) -> Stream:
     """A streaming compressor: `.update(keys, values, queries=None)` any number of times, `.summary()`.
 
-    Besides the exact sink and window, Express and SubGen store at most `budget` slots per head; a
-    block-wise method (score methods, Compactor, the hybrid), ClusterGen's run-wise stream and
-    BalanceKV's (halvings wait by the slack) at most budget + ceil(slack·budget) between updates (plus the block in progress during one),
-    re-compressing back to `budget` each time it passes that, so its cost is linear in the stream
-    length. slack: None is DEFAULT_SLACK (0.5), 0 re-compresses after every block (KeyDiff's
-    block prompt processing); `.compact()` brings the state down to `budget` now. seed as in
-    `compress` (None: fresh randomness). kv_bits (8, 4, 2; kv_group_size, default 32): the method's state
+    Besides the exact sink and window, every method's stream stores at most `budget` slots per head
+    at every step, the block in progress included (AdaKV's: H_kv·budget per batch row; PyramidKV's
+    lower layers keep more): Express and SubGen by construction; a block-wise method (score methods,
+    Compactor, the hybrid), ClusterGen's run-wise stream and BalanceKV's (halvings wait by the slack)
+    take their slack and the block out of the budget (`methods.budget.stream_split`), compressing
+    back to a target (block-wise: floor(budget / (1 + slack)) slots) each time the next tokens do not
+    fit, so the cost is linear in the stream length. slack: None is DEFAULT_SLACK (0.5: back to 2/3
+    of the budget), 0 keeps one slot of room (a re-compression at every token once the budget is
+    full); `.compact()` gives back the room reserved for later tokens. seed as in `compress` (None:
+    fresh randomness). kv_bits (8, 4, 2; kv_group_size, default 32): the method's state
     stores its slots quantized, each once, keys and values per slot (a block-wise buffer of codes,
     `quantization.QuantizedSlots`; a native stream's tensors through `methods.base.QuantizedState`).
     """

@@ -13,9 +13,11 @@ block's own queries still see the block exactly.
 Modes:
 - "prefill": the first forward (the context) is compressed once, at its end; later tokens stay exact.
 - "chunked": while `absorbing` is True every block goes through the method's stream (the caller
-  feeds the prompt in blocks of B tokens: stored KV stays within budget + ceil(slack·budget) + B
-  for block-wise methods, ClusterGen and BalanceKV, budget + B for Express and SubGen); setting `absorbing` False compacts each
-  stream to its budget once, and later tokens stay exact.
+  feeds the prompt in blocks of B tokens: each stream stores at most its budget per head beside
+  sink and window, its slack and the block it absorbs included, `methods.budget.stream_split`;
+  the block of B tokens is held beside it only during its own forward); setting `absorbing` False
+  compacts each stream once (the room it reserves for later tokens given back), and later tokens
+  stay exact.
 - "decode": every token, prompt and generated, goes through the stream.
 
 Padded batches (left padding, prefill mode): the model's boolean mask tells each layer which
@@ -50,13 +52,35 @@ from . import cache_file
 from .checks import as_count, describe
 from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream
-from .methods.tokens import Tokens, query_positions_for
+from .methods.tokens import Tokens, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, has_empty_slots
 from .saved_state import Instance, is_count
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How a cache compresses and stores its method's contexts: read once, when the cache is built, from what the
+    method declares it needs (`Method.requirements`); the cache reads nothing else of its method.
+
+    ragged: the heads of a layer keep different numbers of slots (budget scope "layer" or "model", AdaKV), so a
+    compressed context is stored packed (`RaggedSummary`) rather than in one rectangular buffer.
+    joint: one budget over every layer (budget scope "model"): each layer hands its context to the cache, which
+    compresses them together once the last one has it (`CompressedCache._share_budget`); a padded batch is refused.
+    pre_rope_keys: the method reads pre-RoPE keys, which the cache computes from the keys (`RotaryInverse`).
+    """
+
+    ragged: bool
+    joint: bool
+    pre_rope_keys: bool
+
+    @classmethod
+    def of(cls, method) -> "CachePlan":
+        needs = method.requirements
+        return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"))
+
 
 @dataclass
 class LayerStats:
@@ -142,25 +166,24 @@ class CompressedLayer(CacheLayerMixin):
         log_weights = torch.cat([view.log_weights[..., :stored], view.log_weights[..., stored:].masked_fill(hidden, float("-inf"))], -1)
         self.view = KVSummary(view.keys, view.values, log_weights, view.positions, view.normalizer)  # a new summary: its weights are not all 0
 
-    def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None) -> None:
+    def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None,
+               hidden_states: torch.Tensor | None = None) -> None:
         """Absorb the pending block, now that its queries [B, H_q, n, d] are known (and, from the
-        attention that computed it, the mass [B, H_kv, n] each token received: `Tokens.attention_mass`)."""
+        attention that computed it, the mass [B, H_kv, n] each token received: `Tokens.attention_mass`; and, when the
+        model integration captured them for a method that reads them, the hidden states [B, n, d_model] the layer's
+        attention received for the block: `Tokens.hidden_states`). What is handed over goes to the method as it is."""
         keys, values, positions = self.pending
+        hidden_states = per_head(hidden_states, keys.shape[1])
         real = self.pending_real
         self.pending, self.pending_real, self.view = None, None, None
         options = self.cache.options
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
-            if options.compressor.needs_reconstruction:
-                raise ValueError(
-                    f"method {options.method!r} scores the context with the queries of its reconstruction forward, not with the "
-                    "context's own: compress through kvc.generate / kvc.compress_context, or "
-                    "kvcompress.integration.reconstruction.reconstruct_context(model, cache, context_ids)"
-                )
+            options.compressor.check_context(reconstructed=False)  # a plain forward's queries: refused by KVzip
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self._compress_context(keys, values, positions, queries, scale, attention_mass)
+                self._compress_context(keys, values, positions, queries, scale, attention_mass, hidden_states=hidden_states)
             else:
-                self._keep_rows(keys, values, positions, queries, scale, real)
+                self._keep_rows(keys, values, positions, queries, scale, real, hidden_states)
         elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
@@ -169,7 +192,7 @@ class CompressedLayer(CacheLayerMixin):
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self.budgets[0], options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
-            self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers)
+            self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return
         else:
@@ -182,12 +205,13 @@ class CompressedLayer(CacheLayerMixin):
         self.stats.compress_seconds += time.perf_counter() - start
 
     def compact(self) -> None:
-        """Compress a live stream down to its budget now (timed as compression); with kv_bits, or when its heads keep
-        different numbers of slots (empty slots: AdaKV), store what it keeps as `_keep` does."""
+        """Compact a live stream now (`Stream.compact`: the room it reserves for later tokens given back; timed as
+        compression); with kv_bits, or when its heads keep different numbers of slots (empty slots: AdaKV), store what
+        it keeps as `_keep` does."""
         if isinstance(self.front, Stream):
             start = time.perf_counter()
             self.front.compact()
-            if self.cache.options.kv_bits is not None or self.cache.options.compressor.adaptive_heads:
+            if self.cache.options.kv_bits is not None or self.cache.plan.ragged:
                 summary, recent = self.front.summary(), self.front.recent
                 if self.cache.options.kv_bits is not None or has_empty_slots(summary):
                     self._keep(summary, recent.length if recent is not None else 0)
@@ -196,11 +220,11 @@ class CompressedLayer(CacheLayerMixin):
     def _keep(self, summary: KVSummary, window: int) -> None:
         """Store the compressed context `summary` (the front), whose last `window` slots are its exact window. At full
         precision: in a buffer allocated at the compressed size (room for later tokens comes with the first of them), or,
-        when its heads keep different numbers of slots (a method with `adaptive_heads`, AdaKV: empty slots), packed
+        when its heads keep different numbers of slots (`CachePlan.ragged`, AdaKV: empty slots), packed
         without its empty slots (`RaggedSummary`) but for the window, which starts the exact tail. With kv_bits: quantized
         (`QuantizedSummary`, empty slots included: they set no group's range) but for the window, likewise."""
         options = self.cache.options
-        ragged = options.kv_bits is None and options.compressor.adaptive_heads and has_empty_slots(summary)
+        ragged = options.kv_bits is None and self.cache.plan.ragged and has_empty_slots(summary)
         if options.kv_bits is None and not ragged:
             self.front = SlotBuffer(summary, most=summary.num_slots)
             return
@@ -212,22 +236,24 @@ class CompressedLayer(CacheLayerMixin):
         options = self.cache.options
         return n - max(min(options.sink, n), n - options.window)
 
-    def _keep_rows(self, keys, values, positions, queries, scale, real) -> None:
+    def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None) -> None:
         """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf
-        padding slots; with kv_bits the stacked fronts quantized, with `adaptive_heads` (AdaKV) at full precision packed
-        (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
-        if self.cache.options.compressor.shares_budget_across_layers:
+        padding slots; with kv_bits the stacked fronts quantized, with heads that keep different numbers of slots
+        (`CachePlan.ragged`, AdaKV) at full precision packed (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
+        if self.cache.plan.joint:
             raise ValueError(f"method {self.cache.options.method!r} with one budget over every layer compresses one context at a "
                              "time: a padded batch is not supported; run the contexts one by one")
         rows, lengths = [], []
         for b in range(keys.shape[0]):
             index = real[b].nonzero().squeeze(-1)
             lengths.append(index.numel())
+            hidden = hidden_states[b : b + 1, :, index] if hidden_states is not None else None
             rows.append(self._compress_once(
-                keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale
+                keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale,
+                hidden_states=hidden,
             ))
         options = self.cache.options
-        if options.kv_bits is None and not options.compressor.adaptive_heads:
+        if options.kv_bits is None and not self.cache.plan.ragged:
             self.front = stack_rows(rows)
             return
         parts = [split_window(row, self._window_slots(n)) for row, n in zip(rows, lengths)]
@@ -235,44 +261,45 @@ class CompressedLayer(CacheLayerMixin):
         self.front = RaggedSummary.of(front) if options.kv_bits is None else QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
         self.tail = stack_rows([window for _, window in parts])
 
-    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> KVSummary:
+    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None) -> KVSummary:
         options = self.cache.options
-        tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse)
+        tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states)
         budget = options.budget_for(tokens.length)
         self.budgets += [budget] * tokens.keys.shape[0]
         summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
-    def _tokens(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> Tokens:
-        """The layer's context as the method sees it: keys/values [B,H_kv,n,d] at positions [n]."""
+    def _tokens(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None) -> Tokens:
+        """The layer's context as the method sees it: keys/values [B,H_kv,n,d] at positions [n] (hidden states
+        [B,H_kv,n,d_model] or None)."""
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
         return Tokens(
             keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
             self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass, extra_lse=extra_lse,
+            hidden_states=hidden_states,
         )
 
-    def _compress_context(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None) -> None:
-        """Compress the context's prefill (one unpadded forward) and keep it; a method that `shares_budget_across_layers`
-        hands it to the cache instead, which compresses every layer together once the last one has it
-        (`CompressedCache._share_budget`)."""
-        if self.cache.options.compressor.shares_budget_across_layers:
-            self.cache._share_budget(self, self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse))
+    def _compress_context(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None) -> None:
+        """Compress the context's prefill (one unpadded forward) and keep it; with one budget over every layer
+        (`CachePlan.joint`) the layer hands it to the cache instead, which compresses every layer together once the last
+        one has it (`CompressedCache._share_budget`)."""
+        if self.cache.plan.joint:
+            self.cache._share_budget(self, self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states))
             return
-        self._keep(self._compress_once(keys, values, positions, queries, scale, attention_mass, extra_lse), self._window_slots(keys.shape[2]))
+        summary = self._compress_once(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states)
+        self._keep(summary, self._window_slots(keys.shape[2]))
 
     def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None,
                      extra_lse=None) -> None:
         """Compress an already computed context prefill (prefill mode): keys/values [B,H_kv,n,d], queries [B,H_q,n,d],
-        attention_mass [B,H_kv,n] or None (`Tokens.attention_mass`). A method that `needs_reconstruction` (KVzip) takes
-        its reconstruction's queries [B,H_q,q,d] and their own keys' log-sum-exp extra_lse [B,H_q,q] (`Tokens.extra_lse`;
-        `integration.reconstruction`) instead of the context's queries."""
+        attention_mass [B,H_kv,n] or None (`Tokens.attention_mass`). A method that needs a reconstruction forward (KVzip)
+        takes its reconstruction's queries [B,H_q,q,d] and their own keys' log-sum-exp extra_lse [B,H_q,q]
+        (`Tokens.extra_lse`; `integration.reconstruction`) instead of the context's queries: without extra_lse it refuses
+        (`Method.check_context`)."""
         if self.cache.options.mode != "prefill" or self.front is not None or self.seen:
             raise ValueError("load_prefill needs a fresh layer of a prefill-mode cache")
-        if self.cache.options.compressor.needs_reconstruction and extra_lse is None:
-            raise ValueError(f"method {self.cache.options.method!r} compresses with its reconstruction forward's queries and their "
-                             "own keys (extra_lse), which a recorded context prefill does not hold: use "
-                             "kvcompress.integration.reconstruction.reconstruct_context")
+        self.cache.options.compressor.check_context(reconstructed=extra_lse is not None)
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
@@ -571,13 +598,16 @@ class CompressedCache(Cache):
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # the model's dimensions a saved state must have (`saved_state` shapes: batch, KV heads, query heads, head dims)
+        # the model's dimensions a saved state must have (`saved_state` shapes: batch, KV heads, query heads, head dims,
+        # hidden size)
         self.saved_dims = {"B": 1, "H": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                           "Q": config.num_attention_heads, "D": head_dim, "V": head_dim, "vocab": config.vocab_size}
+                           "Q": config.num_attention_heads, "D": head_dim, "V": head_dim, "M": config.hidden_size,
+                           "vocab": config.vocab_size}
         self._absorbing = True
         self._waiting: dict[int, Tokens] = {}  # layer -> its context, until every layer has one (`_share_budget`)
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
-        self._unrotate = RotaryInverse(model) if options.compressor.needs_pre_rope_keys else None
+        self.plan = CachePlan.of(options.compressor)
+        self._unrotate = RotaryInverse(model) if self.plan.pre_rope_keys else None
         layers = [
             CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)
             for i, (kind, window) in enumerate(layer_types)
@@ -593,8 +623,8 @@ class CompressedCache(Cache):
 
     @absorbing.setter
     def absorbing(self, value: bool) -> None:
-        """Setting it False ends the prompt: every stream is compacted to its budget once (its slack compressed away; with
-        kv_bits, stored quantized). The prompt cannot start again: setting it True afterwards is an error."""
+        """Setting it False ends the prompt: every stream is compacted once (the room it reserves for later tokens given
+        back; with kv_bits, stored quantized). The prompt cannot start again: setting it True afterwards is an error."""
         if value and not self._absorbing:
             raise ValueError("the prompt has ended (absorbing was set False): the streams are compacted and later tokens stay exact, "
                              "so absorbing cannot be set True again; build a new cache for a new prompt")
@@ -610,8 +640,8 @@ class CompressedCache(Cache):
 
         captured: {layer: (queries, keys, values)} for every layer, post-RoPE (as
         `kvcompress.eval.capture.capture_qkv` returns them), optionally with a fourth tensor, the
-        attention mass [B,H_kv,n] the capture's prefill computed, handed to a method that scores
-        with it (`needs_attention_mass`). One prefill then serves any number of methods and
+        attention mass [B,H_kv,n] the capture's prefill computed, handed on to the method (a method
+        that does not score with it, `Requirements.inputs`, ignores it). One prefill then serves any number of methods and
         ratios: each gets its own compressed copy. The tensors are moved to the model's device
         (`capture_qkv` records CPU copies), so the cache is built and held where the model runs.
         """
@@ -621,7 +651,7 @@ class CompressedCache(Cache):
         scales = attention_scales(model)
         device = next(model.parameters()).device
         for layer, (queries, keys, values, *mass) in captured.items():
-            mass = mass[0].to(device) if mass and options.compressor.needs_attention_mass else None
+            mass = mass[0].to(device) if mass else None
             cache.layers[layer].load_prefill(queries.to(device), keys.to(device), values.to(device), scales[layer], mass)
         return cache
 

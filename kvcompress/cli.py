@@ -1,4 +1,4 @@
-"""Command line: `kvcompress generate | compress | demo | calibrate | bench | eval` (also `python -m kvcompress`).
+"""Command line: `kvcompress generate | compress | demo | calibrate | train-scorer | bench | eval` (also `python -m kvcompress`).
 
 The top layer (docs/layout.md): this module only wires the subcommands together and runs the chosen
 one; each lives in its own module with `add_cli(subparsers)` (`kvcompress.commands.*`, and
@@ -14,7 +14,8 @@ import sys
 
 from .commands.common import ArgumentParser
 
-_SUBCOMMAND_MODULES = ("kvcompress.commands.generate", "kvcompress.commands.compress", "kvcompress.demo", "kvcompress.commands.calibrate", "kvcompress.commands.bench",
+_SUBCOMMAND_MODULES = ("kvcompress.commands.generate", "kvcompress.commands.compress", "kvcompress.demo", "kvcompress.commands.calibrate",
+                       "kvcompress.commands.train_scorer", "kvcompress.commands.bench",
                        "kvcompress.commands.eval")
 
 

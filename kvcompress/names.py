@@ -11,10 +11,11 @@ tests/test_cli.py checks that this list is the registry's.
 
 # kvcompress.methods.registry.method_names(): every registered method
 METHODS = ("adakv", "balancekv", "clustergen", "compactor", "expected_attention", "express", "h2o", "hybrid", "keydiff", "knorm",
-           "kvzip", "pyramidkv", "random", "snapkv", "streamingllm", "subgen", "tova")
+           "kvzap", "kvzip", "pyramidkv", "random", "snapkv", "streamingllm", "subgen", "tova")
 DEFAULT_METHOD = "default"  # kvcompress.options.DEFAULT
 MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
 DEFAULT_CHUNK_SIZE = 128  # kvcompress.options.DEFAULT_CHUNK_SIZE
+PREFILL_APPROXIMATIONS = ("express",)  # kvcompress.integration.prefill_approx: how a context's prefill may be approximated
 # kvcompress.integration.model.PROMPT_LAYOUTS: name -> (separator, primed), the fields of its PromptLayout
 PROMPT_LAYOUTS = {
     "blank_line": ("\n\n", False),

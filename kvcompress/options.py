@@ -18,7 +18,7 @@ from .methods.base import Method
 from .quantization import check_storage
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
-from .names import DEFAULT_CHUNK_SIZE, MODES
+from .names import DEFAULT_CHUNK_SIZE, MODES, PREFILL_APPROXIMATIONS
 from .names import DEFAULT_METHOD as DEFAULT
 
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
@@ -65,9 +65,10 @@ class CompressionOptions:
     `chunk_size`), "decode" (stream every token, the answer's included).
     sink / window: exact tokens at the start and end; None is the method's paper default.
     seed: the seed of randomised methods (each layer draws from its own generator).
-    slack: how far a re-compressing stream may exceed its budget before it compresses again, as a
-    fraction of the budget (None: the method's default); chunked and decode modes only, and an
-    error for a method whose stream never holds more than its budget (Express, SubGen).
+    slack: the room a re-compressing stream fills before it compresses again, as a fraction of what
+    it compresses back to, both within the budget (`methods.budget.stream_split`: 0.5 compresses to
+    2/3 of the budget; None: the method's default); chunked and decode modes only, and an error for
+    a method whose stream never re-compresses (Express, SubGen).
     chunk_size: block size of the chunked and decode modes' prompt (and of an approximate prefill).
     compress_question: the question goes through compression with the context (default: it is
     appended exactly afterwards, as kvpress does).
@@ -87,6 +88,14 @@ class CompressionOptions:
     the stream itself stores its slots quantized, keys and values each per slot (a slot is quantized
     once, as it enters the stream): a block-wise stream's buffer (`quantization.QuantizedSlots`) and a
     native stream's state (`methods.base.QuantizedState`) alike.
+    repeat_prompt_ids: for a method scored by a reconstruction forward (KVzip, and AdaKV over its scores), the token
+    ids of the repeat instruction placed before each repeated chunk of the context (`kvc.generate` renders
+    "Repeat the previous context exactly." through the tokenizer's chat template when none is given:
+    `integration.reconstruction.with_repeat_prompt`); None repeats the context with no instruction. A method
+    without a reconstruction forward takes none.
+    prefill_approx: None (the context's prefill is exact) or "express": the context's keys and values come from a
+    chunked forward with Thinformer Express attention, which the method then compresses (`integration.prefill_approx`);
+    mode "prefill" with the question kept out of compression only.
     """
 
     method: str | None = DEFAULT
@@ -104,6 +113,8 @@ class CompressionOptions:
     calibration: Any = None
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    repeat_prompt_ids: tuple[int, ...] | None = None
+    prefill_approx: str | None = None
     compressor: Method | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
@@ -125,7 +136,8 @@ class CompressionOptions:
             self._resolve_default()
         if self.method is None:
             given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
-                                       ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits)) if v is not None}
+                                       ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits),
+                                       ("repeat_prompt_ids", self.repeat_prompt_ids), ("prefill_approx", self.prefill_approx)) if v is not None}
             given.update({k: v for k, v in (("quality", self.quality), ("calibration", self.calibration)) if v is not None})
             if given or self.method_params:
                 raise ValueError(f"method=None is the full cache: it takes no {', '.join([*given, *self.method_params])}")
@@ -134,6 +146,7 @@ class CompressionOptions:
             raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
         self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
+        self._check_model_steps()
         sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))
         object.__setattr__(self, "sink", sink)
         object.__setattr__(self, "window", window)
@@ -150,6 +163,28 @@ class CompressionOptions:
             if self.mode == "prefill":
                 raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")
             self.compressor.stream_slack(self.slack)
+
+    def _check_model_steps(self) -> None:
+        """repeat_prompt_ids (a non-empty sequence of token ids, kept as a tuple) only for a method scored by a reconstruction
+        forward; prefill_approx one of `PREFILL_APPROXIMATIONS`, in mode "prefill" with the question kept out of compression."""
+        ids = self.repeat_prompt_ids
+        if ids is not None:
+            if not self.compressor.requirements.needs("reconstruction"):
+                raise ValueError(f"repeat_prompt_ids is the instruction of a reconstruction forward (KVzip's); method {self.method!r} "
+                                 "runs none: leave it unset")
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not len(ids) or \
+                    not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ValueError(f"repeat_prompt_ids must be a non-empty sequence of token ids (ints >= 0), got {ids!r}")
+            object.__setattr__(self, "repeat_prompt_ids", tuple(ids))
+        if self.prefill_approx is not None:
+            if self.prefill_approx not in PREFILL_APPROXIMATIONS:
+                raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS} or None, got {self.prefill_approx!r}")
+            if self.mode != "prefill" or self.compress_question:
+                raise ValueError(
+                    "prefill_approx computes the context's cache approximately, compresses it with the method, then reads the "
+                    f"question exactly: it needs mode='prefill' and compress_question=False (got mode={self.mode!r}, "
+                    f"compress_question={self.compress_question!r})"
+                )
 
     def _resolve_calibration(self) -> None:
         """calibration loaded (`load_calibration`), and the method it was fitted for set with its parameters: method=DEFAULT

@@ -12,6 +12,7 @@ from kvcompress.cache import CompressedCache
 from kvcompress.integration import answer_from_cache_ids, compress_context_ids, generate_ids, use_compressed_attention
 from kvcompress.methods.adakv import AdaKV, head_allocation
 from kvcompress.methods.base import max_pool_scores
+from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 from kvcompress.quantization import QuantizedSummary
@@ -150,7 +151,8 @@ def test_streams_keep_heads_times_budget_and_never_allocate_more_than_they_took_
         assert st.state.slots.kv_bytes() <= 2 * 4 * max(st.seen - 6, 0) * 16 * 4
     st.compact()
     s = st.summary()
-    assert (_middle_counts(s, 6).sum(-1) == 4 * 16).all()
+    target, _ = stream_split(16, DEFAULT_SLACK)  # what a re-compression keeps; blocks then fill the rest of the budget
+    assert ((_middle_counts(s, 6).sum(-1) >= 4 * target) & (_middle_counts(s, 6).sum(-1) <= 4 * 16)).all()
     assert torch.equal(torch.isneginf(s.log_weights), s.positions == -1)
 
 
@@ -175,7 +177,7 @@ def test_bad_parameters_are_refused_clearly():
     with pytest.raises(ValueError, match="scores tokens with queries"):
         kvc.compress("adakv", *_layer()[:2], budget=8)
     m = build_method("adakv", scorer="random")
-    assert m.randomized and not m.needs_queries and isinstance(m, AdaKV)
+    assert m.randomized and not m.requirements.needs("queries") and isinstance(m, AdaKV)
 
 
 def test_ragged_summary_packs_unpacks_and_selects_rows():
@@ -222,7 +224,11 @@ def test_a_cache_stores_only_the_slots_each_head_keeps(mode):
     ragged = 0
     for layer in cache.layers:
         counts = torch.isfinite(layer.stored().log_weights).sum(-1)[0] - 8
-        assert int(counts.sum()) == 2 * (2 + 24)  # 2 KV heads: sink + middle each, the middle shared out
+        if mode == "prefill":
+            assert int(counts.sum()) == 2 * (2 + 24)  # 2 KV heads: sink + middle each, the middle shared out
+        else:  # a stream holds between its target and its budget (its slack comes out of the budget)
+            target, _ = stream_split(24, DEFAULT_SLACK)
+            assert 2 * (2 + target) <= int(counts.sum()) <= 2 * (2 + 24)
         if len(set(counts.tolist())) == 1:  # heads that happen to keep as many: stored as any other method's
             assert not isinstance(layer.front, RaggedSummary)
             continue

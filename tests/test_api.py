@@ -7,7 +7,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.methods.budget import DEFAULT_SLACK
-from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.registry import build_method
 from kvcompress.methods.pyramidkv import layer_budget
 
 BASELINES = ["streamingllm", "random", "knorm", "snapkv", "tova", "h2o", "pyramidkv"]
@@ -19,8 +19,8 @@ def _kv(n=300, b=1, hkv=3, hq=9, d=16, seed=0):
 
 
 def _inputs(name, k, q):
-    cls = get_method_class(name)
-    return {"queries": q, "pre_rope_keys": k if cls.needs_pre_rope_keys else None, "layer": (0, 1)}  # a lone layer: PyramidKV keeps `budget`
+    cls = build_method(name)
+    return {"queries": q, "pre_rope_keys": k if cls.requirements.needs("pre_rope_keys") else None, "layer": (0, 1)}  # a lone layer: PyramidKV keeps `budget`
 
 
 def test_registry_lists_the_baselines():

@@ -9,6 +9,8 @@ import torch
 import kvcompress as kvc
 from kvcompress.integration import compress_context_ids, generate_ids
 from kvcompress.methods.adakv import AdaKV, padded_index
+from kvcompress.methods.kvzip import KVzip
+from kvcompress.methods.snapkv import SnapKV
 from kvcompress.methods.attention_matching import MIN_WEIGHT, _gram, fit_log_weights, kept_attention, refit_kept
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
@@ -53,8 +55,8 @@ def test_refitting_brings_the_reference_queries_attention_closer_to_the_whole_mi
     the attention output. The keys, positions and the number of slots are the plain kept tokens'."""
     tokens = _tokens()
     fresh = torch.randn(tokens.queries.shape, generator=torch.Generator().manual_seed(1)) * 2
-    plain = AdaKV(scorer="snapkv").compress(tokens, 30, torch.Generator())
-    fitted = AdaKV(scorer="snapkv", refit=refit).compress(tokens, 30, torch.Generator())
+    plain = AdaKV(scorer=SnapKV()).compress(tokens, 30, torch.Generator())
+    fitted = AdaKV(scorer=SnapKV(), refit=refit).compress(tokens, 30, torch.Generator())
     assert torch.equal(fitted.keys, plain.keys) and torch.equal(fitted.positions, plain.positions)
     assert torch.equal(torch.isfinite(fitted.log_weights), torch.isfinite(plain.log_weights))
     assert (fitted.log_weights[torch.isfinite(fitted.log_weights)] >= torch.tensor(MIN_WEIGHT).log() - 1e-6).all()
@@ -74,7 +76,7 @@ def test_refitting_brings_the_reference_queries_attention_closer_to_the_whole_mi
 def test_half_precision_with_large_keys_stays_finite(dtype):
     tokens = _tokens(dtype=dtype)
     tokens.keys.mul_(30)
-    s = AdaKV(scorer="snapkv", refit="log_weights_values").compress(tokens, 30, torch.Generator())
+    s = AdaKV(scorer=SnapKV(), refit="log_weights_values").compress(tokens, 30, torch.Generator())
     assert s.values.dtype == dtype
     assert torch.isfinite(s.values).all()
     assert torch.isfinite(s.log_weights[torch.isfinite(s.log_weights)]).all() and not torch.isnan(s.log_weights).any()
@@ -118,7 +120,7 @@ def test_the_mass_fit_reaches_the_non_negative_least_squares_optimum():
     from scipy.optimize import nnls
 
     tokens = _tokens()
-    kept_mask, _, _ = AdaKV(scorer="snapkv").allocate(tokens, 30, torch.Generator())
+    kept_mask, _, _ = AdaKV(scorer=SnapKV()).allocate(tokens, 30, torch.Generator())
     index, real = padded_index(kept_mask)
     kept, _ = kept_attention(tokens, index, real, outputs=False)
     weights = fit_log_weights(kept, real).exp()
@@ -154,7 +156,7 @@ def test_kvzips_normalisers_handed_to_the_refit_give_the_fit_formed_without_them
     g = torch.Generator().manual_seed(5)
     tokens = Tokens(plain.keys, plain.values, plain.positions, queries=plain.queries, scale=SCALE,
                     exact_keys=torch.randn(1, 2, 6, 16, generator=g), extra_lse=torch.randn(1, 4, 300, generator=g))
-    method = AdaKV(scorer="kvzip", refit=refit)
+    method = AdaKV(scorer=KVzip(), refit=refit)
     kept, _, middle_lse = method.allocate(tokens, 30, torch.Generator())
     assert middle_lse is not None and middle_lse.shape == (1, 2, 600)
     handed = method.compress(tokens, 30, torch.Generator())
@@ -171,16 +173,16 @@ def test_cuda_refit_stays_on_the_device_and_matches_the_cpu_fit(refit):
     """The fit is batched tensor code: on a GPU it keeps every tensor there and gives the CPU's slots in float32;
     in bfloat16 it stays finite."""
     tokens = _tokens()
-    on_cpu = AdaKV(scorer="snapkv", refit=refit).compress(tokens, 30, torch.Generator())
+    on_cpu = AdaKV(scorer=SnapKV(), refit=refit).compress(tokens, 30, torch.Generator())
     moved = Tokens(*(t.cuda() for t in (tokens.keys, tokens.values, tokens.positions)), queries=tokens.queries.cuda(), scale=SCALE)
-    on_gpu = AdaKV(scorer="snapkv", refit=refit).compress(moved, 30, torch.Generator())
+    on_gpu = AdaKV(scorer=SnapKV(), refit=refit).compress(moved, 30, torch.Generator())
     assert on_gpu.keys.is_cuda and on_gpu.values.is_cuda and on_gpu.log_weights.is_cuda
     assert torch.equal(on_gpu.positions.cpu(), on_cpu.positions)
     torch.testing.assert_close(on_gpu.log_weights.cpu(), on_cpu.log_weights, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(on_gpu.values.cpu(), on_cpu.values, atol=1e-3, rtol=1e-3)
     half = Tokens(*(t.to(torch.bfloat16) for t in (moved.keys, moved.values)), moved.positions,
                   queries=moved.queries.to(torch.bfloat16), scale=SCALE)
-    s = AdaKV(scorer="snapkv", refit=refit).compress(half, 30, torch.Generator())
+    s = AdaKV(scorer=SnapKV(), refit=refit).compress(half, 30, torch.Generator())
     assert s.values.dtype == torch.bfloat16 and torch.isfinite(s.values).all()
     assert not torch.isnan(s.log_weights).any()
 

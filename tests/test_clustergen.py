@@ -1,12 +1,13 @@
 """ClusterGen (the SubGen paper, Sec. 3.2): greedy k-center centres + recent window, one-shot and block-wise."""
 
 import itertools
-import math
 
 import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.methods.budget import stream_split
+from kvcompress.methods.clustergen import ClusterGenState
 from kvcompress.methods.budget import DEFAULT_SLACK
 from kvcompress.methods.clustergen import block_centres, farthest_point
 
@@ -87,16 +88,22 @@ def test_repeated_keys_are_never_chosen_twice():
 
 
 def test_blockwise_stream_keeps_every_cluster_within_budget():
+    """The re-compression slack comes out of the budget: a budget of 12 re-clusters back to its target of 8 centres, one
+    per cluster, and fills the room beside them with the newest tokens."""
     keys, values, labels = blobs(600)
-    st = kvc.stream("clustergen", budget=8, window=16, seed=0, block_size=None)
+    budget = 12
+    target, _ = stream_split(budget, DEFAULT_SLACK)
+    assert target == 8  # the clusters
+    st = kvc.stream("clustergen", budget=budget, window=16, seed=0, block_size=None)
     for start in range(0, 600, 50):
         st.update(keys[:, :, start : start + 50], values[:, :, start : start + 50])
-        assert st.state.slots.length <= 8 + math.ceil(DEFAULT_SLACK * 8)  # budget + re-compression slack
+        assert target <= st.state.slots.length <= budget and st.state.peak_slots <= budget  # never past the budget
     st.compact()
     summ = st.summary()
-    assert summ.num_slots == 8 + 16
-    for h in range(2):
+    assert 8 + 16 <= summ.num_slots <= budget + 16
+    for h in range(2):  # the buffer holds the centres of the last re-compression first, then the tokens added since
         assert len(labels[h, summ.positions[0, h, :8]].unique()) == 8
+        assert torch.equal(summ.positions[0, h, 8:-16], torch.arange(584 - (summ.num_slots - 8 - 16), 584))
 
 
 def _farthest_point_per_step(points, k):
@@ -123,20 +130,38 @@ def test_distance_table_reproduces_the_per_step_traversal():
     assert torch.equal(farthest_point(points, 150)[0], _farthest_point_per_step(points, 150))
 
 
-@pytest.mark.parametrize("n,budget,block", [(1000, 250, 128), (777, 500, 50), (600, 8, 50), (3000, 1500, 128), (300, 400, 64)])
-def test_stream_equals_one_shot_on_the_tokens_seen(n, budget, block):
-    """Native stream (block_size 256): after any number of updates the summary is the one-shot block-local k-center."""
+@pytest.mark.parametrize("n,budget,block,equal", [(1000, 250, 128, True), (777, 500, 50, True), (600, 8, 50, False), (3000, 1500, 128, True),
+                                                 (300, 400, 64, True)])
+def test_stream_equals_one_shot_on_the_tokens_seen(n, budget, block, equal):
+    """Native stream (block_size 256): the summary is the one-shot block-local k-center at the stream's target, with
+    runs of the stream's length (`ClusterGenState.within`: the budget less the room beside the target, runs shortened to
+    the room), and the stream never stores more than its budget. equal False: the runs are so short (3 tokens at budget
+    8) that run quotas go to 0 and back as n grows (floor rounding), and a run trimmed to 0 lost its slot (the exception
+    `ClusterGenState` names): the summary is then a subset of the one-shot's, each run a prefix of the same traversal."""
     g = torch.Generator().manual_seed(n)
     keys, values = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
     st = kvc.stream("clustergen", budget=budget, sink=0, window=0)
+    target, room = stream_split(budget, DEFAULT_SLACK)
+    run = min(256, room)
+    assert (st.state.budget, st.state.block_size, st.state.slack_slots) == (target, run, room - run)
     for start in range(0, n, block):
         st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
         stored = sum(r.length for r in st.state.runs)
-        assert stored <= budget and (st.state.pending is None or st.state.pending.length < 256)
-    one = kvc.compress("clustergen", keys, values, budget=budget, sink=0, window=0)
+        held = stored + sum(r.length for r in st.state.waiting) + (st.state.pending.length if st.state.pending is not None else 0)
+        assert stored <= target and held <= budget and (st.state.pending is None or st.state.pending.length < run)
+    # at most `budget` tokens seen: the stream holds them exactly, which is the one-shot at its budget
+    one = kvc.compress("clustergen", keys, values, budget=budget if n <= budget else target, sink=0, window=0, block_size=run)
     got = st.summary()
-    for a, b in ((got.positions, one.positions), (got.keys, one.keys), (got.values, one.values), (got.log_weights, one.log_weights)):
-        assert torch.equal(a, b)
+    if equal:
+        for a, b in ((got.positions, one.positions), (got.keys, one.keys), (got.values, one.values), (got.log_weights, one.log_weights)):
+            assert torch.equal(a, b)
+    else:
+        assert 0 < got.positions.shape[-1] <= one.positions.shape[-1] == target
+        index = torch.searchsorted(one.positions, got.positions)
+        assert torch.equal(one.positions.gather(-1, index), got.positions)
+        for a, b in ((got.keys, one.keys), (got.values, one.values)):
+            assert torch.equal(a, b.gather(2, index[..., None].expand(-1, -1, -1, b.shape[-1])))
+        assert torch.equal(got.log_weights, torch.zeros_like(got.log_weights))
 
 
 def test_half_precision_and_bad_parameter():
@@ -166,20 +191,26 @@ def test_generate_on_the_default_model(default_model):
 
 @pytest.mark.parametrize("slack", [0.0, 0.5, 2.0])
 def test_stream_waiting_runs_change_no_kept_slot(slack):
-    """Completed runs wait (exact) up to ceil(slack·budget) tokens before one batched traversal: same summary as slack 0 and as one-shot."""
+    """The stream stays within its budget: traversed runs keep the target (`budget.stream_split`), the run in progress
+    and the waiting runs (exact, up to `slack_slots` tokens, then one batched traversal) fill the room beside it; the
+    waiting changes no kept slot (the same as a state with the same target and runs that traverses every run at once)."""
     g = torch.Generator().manual_seed(11)
     n, budget = 3000, 700
     keys, values = torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g)
     st = kvc.stream("clustergen", budget=budget, sink=0, window=0, slack=slack)
-    reference = kvc.stream("clustergen", budget=budget, sink=0, window=0, slack=0.0)
+    target, room = stream_split(budget, slack)
+    assert st.state.budget == target and st.state.block_size + st.state.slack_slots == room
+    reference = kvc.stream("clustergen", budget=budget, sink=0, window=0)  # the same target and runs, no run waiting
+    reference.state = ClusterGenState(target, st.state.block_size, 0.0)
     for start in range(0, n, 100):
-        for s in (st, reference):
-            s.update(keys[:, :, start : start + 100], values[:, :, start : start + 100])
-        assert sum(r.length for r in st.state.waiting) <= math.ceil(slack * budget)
-        assert sum(r.length for r in st.state.runs) <= budget
+        st.update(keys[:, :, start : start + 100], values[:, :, start : start + 100])
+        assert sum(r.length for r in st.state.waiting) <= st.state.slack_slots
+        assert sum(r.length for r in st.state.runs) <= target
+        assert st.summary().positions.shape[-1] <= budget
+        reference.update(keys[:, :, start : start + 100], values[:, :, start : start + 100])
         assert torch.equal(st.summary().positions, reference.summary().positions)
     st.compact()
-    assert st.state.waiting == [] and sum(r.length for r in st.state.runs) <= budget
-    one = kvc.compress("clustergen", keys, values, budget=budget, sink=0, window=0)
-    for a, b in ((st.summary().positions, one.positions), (st.summary().keys, one.keys)):
+    reference.compact()
+    assert st.state.waiting == [] and sum(r.length for r in st.state.runs) <= target
+    for a, b in ((st.summary().positions, reference.summary().positions), (st.summary().keys, reference.summary().keys)):
         assert torch.equal(a, b)

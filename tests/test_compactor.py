@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvcompress as kvc
 from kvcompress.methods import compactor as cm
 from kvcompress.methods.base import make_generator
+from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 
@@ -206,24 +207,50 @@ def test_sink_and_window_are_exact_and_queries_are_matched_by_position():
 @pytest.mark.parametrize("attention", [True, False])
 @pytest.mark.parametrize("n", [512, 300])
 def test_one_shot_equals_the_one_block_stream(n, attention):
-    keys, values, queries, pre = _layer(n=n)
-    one = kvc.compress("compactor", keys, values, queries=queries, pre_rope_keys=pre, budget=128, attention=attention, seed=2)
-    st = kvc.stream("compactor", budget=128, attention=attention, seed=2)
-    st.update(keys, values, queries, pre_rope_keys=pre)
-    st.compact()
+    """A stream whose buffer holds one whole block (budget n, the block scored on arrival) re-compresses it to its target
+    when the next token does not fit: that is the one-shot algorithm at the target (128 for this slack), with the next
+    token added after it; compact() gives back the room and changes no slot."""
+    keys, values, queries, pre = _layer(n=n + 1)
+    slack = n / 128 - 1
+    assert stream_split(n, slack) == (128, n - 128)
+    block = slice(0, n)
+    one = kvc.compress("compactor", keys[:, :, block], values[:, :, block], queries=queries[:, :, block], pre_rope_keys=pre[:, :, block],
+                       budget=128, attention=attention, seed=2)
+    st = kvc.stream("compactor", budget=n, attention=attention, seed=2, slack=slack)
+    st.update(keys[:, :, block], values[:, :, block], queries[:, :, block], pre_rope_keys=pre[:, :, block])
+    assert torch.equal(st.summary().positions, torch.arange(n).expand(1, 3, n))  # it fits the budget: held as it is
+    st.update(keys[:, :, n:], values[:, :, n:], queries[:, :, n:], pre_rope_keys=pre[:, :, n:])
     streamed = st.summary()
+    st.compact()
+    assert torch.equal(st.summary().positions, streamed.positions) and st.state.slots.length == 129
     for a, b in ((one.positions, streamed.positions), (one.keys, streamed.keys), (one.values, streamed.values), (one.log_weights, streamed.log_weights)):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b[:, :, :128])
+    assert torch.equal(streamed.positions[:, :, 128], torch.full((1, 3), n)) and torch.equal(streamed.keys[:, :, 128], keys[:, :, n])
+
+
+def _held_after(blocks: list[int], budget: int, target: int) -> int:
+    """Slots a block-wise stream holds per head after absorbing blocks of these sizes: what is held is compressed back
+    to `target` whenever the rest of a block does not fit the budget, and the block goes in in pieces that fit."""
+    held = 0
+    for rest in blocks:
+        while rest:
+            if held + rest > budget and held > target:
+                held = target
+            piece = min(rest, budget - held)
+            held, rest = held + piece, rest - piece
+    return held
 
 
 def test_stream_stays_bounded_and_stores_scores_and_pre_rope_keys():
     keys, values, queries, pre = _layer(n=512)
     st = kvc.stream("compactor", budget=128)
+    target, _ = stream_split(128, DEFAULT_SLACK)
     for start in range(0, 512, 256):
         sl = slice(start, start + 256)
         st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl])
-        assert st.summary().num_slots <= 128
-        assert st.state.slots.view()[4].shape == (1, 3, min(128, start + 256))  # the raw attention score of each held token
+        assert st.summary().num_slots <= 128 and st.state.peak_slots <= 128  # the block goes in in pieces within the budget
+        held = _held_after([256] * (start // 256 + 1), 128, target)
+        assert st.state.slots.view()[4].shape == (1, 3, held)  # the raw attention score of each held token
     assert st.nbytes() > st.summary().nbytes()  # pre-RoPE keys and scores are stored too
 
 

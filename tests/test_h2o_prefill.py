@@ -17,6 +17,7 @@ from kvcompress.integration.attention import causal_attention_with_mass
 from kvcompress.methods.base import compress_tokens
 from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.h2o import H2O
+from kvcompress.methods.requirements import Requirements
 
 
 def qkv(n_q, n, hq=6, hkv=2, d=16, dv=8, key_scale=1.0, seed=0, dtype=torch.float32):
@@ -184,7 +185,7 @@ def test_h2o_keeps_the_same_tokens_with_the_prefill_mass_as_with_its_own(fused_c
     assert len(fused_calls) == 2  # one fused prefill attention per layer, then nothing else
     res_fused = generate_ids(model, ctx, question, method="h2o", compression_ratio=0.6, max_new_tokens=8, stop_at_eos=False)
     assert len(fused_calls) == 4  # the question and the answer tokens attend through the ordinary path
-    monkeypatch.setattr(H2O, "needs_attention_mass", False)  # H2O then computes the mass itself from the queries
+    monkeypatch.setattr(H2O, "requirements", Requirements(inputs={"queries"}))  # H2O then computes the mass itself from the queries
     own = kept_positions(model, ctx, "h2o")
     res_own = generate_ids(model, ctx, question, method="h2o", compression_ratio=0.6, max_new_tokens=8, stop_at_eos=False)
     assert len(fused_calls) == 4

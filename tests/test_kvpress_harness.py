@@ -285,8 +285,8 @@ def test_kvzip_scored_cells_of_a_sample_share_one_recorded_reconstruction(tiny_r
         record = next(r for r in records if r["cell"] == default and r["ratio"] == 0.75 and r["sample"] == sample["id"])
         stop = h.stop_ids_of(manifest, sample)
         fresh = generate_ids(model, torch.tensor([sample["context_ids"]]), torch.tensor([sample["question_ids"]]),
-                             CompressionOptions.build(method=method, compression_ratio=0.75, **params),
-                             reconstruction_ids=reconstruction.repeat_prompt_ids(tokenizer),
+                             reconstruction.with_repeat_prompt(CompressionOptions.build(method=method, compression_ratio=0.75, **params),
+                                                               tokenizer),
                              max_new_tokens=sample["max_new_tokens"], stop_token_ids=stop)
         assert record["token_ids"] == h.trim_at_stop(list(fresh.token_ids), stop)
     for sample, recorded in zip(samples, calls):

@@ -237,7 +237,7 @@ def test_modes_other_than_prefill_and_streams_are_refused():
             generate_ids(tiny(), *_prompt(n=40), method="kvzip", mode=mode, budget=8, max_new_tokens=1)
     with pytest.raises(ValueError, match="'kvzip' has no stream"):
         kvc.stream("kvzip", budget=8)
-    assert KVzip.modes == ("prefill",) and KVzip.needs_reconstruction
+    assert KVzip.requirements.modes == ("prefill",) and KVzip.requirements.needs("reconstruction")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64", None])
@@ -259,7 +259,7 @@ def test_generation_runs_the_reconstruction_counts_it_and_ratio_zero_is_the_full
     ctx, question = _prompt(n=150)
     prefix = torch.tensor([[5, 6, 7]])
     res = generate_ids(model, ctx, question, method="kvzip", compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False,
-                       reconstruction_ids=prefix, method_params={"reconstruction_chunk_size": 64})
+                       repeat_prompt_ids=prefix[0].tolist(), method_params={"reconstruction_chunk_size": 64})
     assert res.token_ids == _reference(model, ctx, question, NEW)
     assert res.slots_per_layer == [150 + question.shape[1] + NEW - 1] * 2
     rec = res.extra["reconstruction"]
@@ -335,8 +335,8 @@ def test_one_recorded_reconstruction_serves_every_ratio_and_kvzip_scored_method_
     cells = [dict(method="kvzip", compression_ratio=r) for r in (0.5, 0.75, 0.9)]
     cells.append(dict(method="adakv", compression_ratio=0.75, window=0, method_params={"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05}))
     for cell in cells:
-        fresh = generate_ids(model, ctx, question, max_new_tokens=NEW, reconstruction_ids=prefix, **cell)
-        loaded = generate_ids(model, ctx, question, max_new_tokens=NEW, reconstruction_ids=prefix, prefill=recorded, **cell)
+        fresh = generate_ids(model, ctx, question, max_new_tokens=NEW, repeat_prompt_ids=prefix[0].tolist(), **cell)
+        loaded = generate_ids(model, ctx, question, max_new_tokens=NEW, repeat_prompt_ids=prefix[0].tolist(), prefill=recorded, **cell)
         assert loaded.token_ids == fresh.token_ids and loaded.slots_per_layer == fresh.slots_per_layer, cell
         assert loaded.kv_bytes == fresh.kv_bytes and loaded.extra["reconstruction"] == asdict(recorded.stats)
         assert loaded.compress_seconds >= recorded.stats.seconds
@@ -351,8 +351,8 @@ def test_a_recorded_reconstruction_is_refused_where_it_does_not_fit():
     recorded = record_reconstruction(model, CompressedCache(model, kvzip), ctx)
     with pytest.raises(ValueError, match="made for other context_ids"):
         generate_ids(model, _prompt(n=60, seed=4)[0], question, kvzip, prefill=recorded)
-    with pytest.raises(ValueError, match="made for other reconstruction_ids"):
-        generate_ids(model, ctx, question, kvzip, prefill=recorded, reconstruction_ids=torch.tensor([[9, 8]]))
+    with pytest.raises(ValueError, match="made for other repeat_prompt_ids"):
+        generate_ids(model, ctx, question, method="kvzip", budget=8, prefill=recorded, repeat_prompt_ids=[9, 8])
     with pytest.raises(ValueError, match="serves a method scored by reconstruction.*got method='snapkv'"):
         generate_ids(model, ctx, question, method="snapkv", budget=8, prefill=recorded)
     chunked = CompressionOptions(method="kvzip", budget=8, method_params={"reconstruction_chunk_size": 16})
@@ -378,14 +378,14 @@ def test_kvc_generate_puts_the_repeat_instruction_before_the_repeated_context(ti
 def test_what_kvzip_cannot_take_is_refused_clearly():
     model = tiny()
     ctx, question = _prompt(n=60)
-    with pytest.raises(ValueError, match="a recorded prefill is not supported; name another method"):
+    with pytest.raises(ValueError, match="a recorded prefill is not supported, nor an approximate one; name another method"):
         generate_ids(model, ctx, question, method="kvzip", budget=8, prefill=capture_qkv(model, ctx))
     same = generate_batch_ids(model, [ctx, _prompt(n=60, seed=4)[0]], question, method="kvzip", budget=8, max_new_tokens=2)
     assert [r.extra["reconstruction"]["forwards"] for r in same] == [1, 1]  # a batch of equal lengths reconstructs at once
     assert [r.extra["batch_run"] for r in same] == ["one_forward"] * 2
     with pytest.raises(ValueError, match="reconstruction forward.*not with the context's own"):
         model.generate(ctx, past_key_values=CompressedCache(model, "kvzip", budget=8), max_new_tokens=2)
-    with pytest.raises(ValueError, match="which a recorded context prefill does not hold"):
+    with pytest.raises(ValueError, match="reconstruction forward.*not with the context's own.*recorded prefill"):
         CompressedCache.from_prefill(model, CompressionOptions(method="kvzip", budget=8), capture_qkv(model, ctx))
     with pytest.raises(ValueError, match="context_ids must be an integer tensor"):
         reconstruct_context(model, CompressedCache(model, CompressionOptions(method="kvzip", budget=8)), ctx.float())
@@ -470,12 +470,12 @@ def test_the_default_method_is_the_modes_best_measured_and_takes_no_parameters()
     prefill = CompressionOptions(compression_ratio=0.5)
     assert (prefill.method, prefill.method_params, prefill.window, prefill.sink) == (
         "adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"}, 0, 4)
-    assert prefill.compressor.needs_reconstruction and prefill.compressor.shares_budget_across_layers
+    assert prefill.compressor.requirements.needs("reconstruction") and prefill.compressor.requirements.budget_scope == "model"
     assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options
     assert CompressionOptions(compression_ratio=0.5, window=16).window == 16  # a window given replaces the default's
     for mode in ("chunked", "decode"):
         options = CompressionOptions(method=DEFAULT, budget=8, mode=mode)
-        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2] and mode in options.compressor.modes
+        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2] and mode in options.compressor.requirements.modes
     with pytest.raises(ValueError, match=r"method parameters \['scorer'\] need a named method: the default in mode 'prefill' is 'adakv'"):
         CompressionOptions.build(compression_ratio=0.5, scorer="snapkv")
     model = tiny()

@@ -8,6 +8,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import kvcompress as kvc
+from registered import SHARED
 from kvcompress.cli import main
 from kvcompress.eval.leaderboard import leaderboard, markdown_leaderboard
 from kvcompress.eval.perplexity import (
@@ -22,7 +23,7 @@ from kvcompress.eval.perplexity import (
 )
 from kvcompress.eval.runner import FULL, RESULTS_FILE, read_results
 from kvcompress.integration import load_model
-from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.registry import build_method
 
 from test_integration import tiny
 
@@ -55,7 +56,7 @@ def test_full_cache_nll_is_a_plain_forwards(document):
 def test_every_method_at_ratio_zero_scores_as_the_full_cache(document, mode):
     model = tiny()
     reference = continuation_nll(model, document, N_CONTEXT, block=16)
-    for method in [m for m in kvc.methods() if mode in get_method_class(m).modes]:  # KVzip: prefill only
+    for method in [m for m in SHARED if mode in build_method(m).requirements.modes]:  # KVzip: prefill only
         sizes = [{"compression_ratio": 0.0}] if mode == "prefill" else [{"budget": stream_budget(method, 0.0, N)}, {"budget": 1000}]
         for size in sizes:
             nll = continuation_nll(model, document, N_CONTEXT, method, mode=mode, block=16, chunk_size=32, **size)

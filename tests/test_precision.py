@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcompress as kvc
+from registered import SHARED
 from kvcompress.cache import CompressedCache
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import generate_ids, use_compressed_attention
@@ -126,7 +127,7 @@ def _compressed(model, method, ctx, ratio=0.75, sink=4, window=16):
     cache = CompressedCache(model, settings)
     ctx = ctx.to(next(model.parameters()).device)
     with torch.inference_mode(), use_compressed_attention(model):
-        if settings.compressor.needs_reconstruction:  # KVzip: the context's prefill with its reconstruction forward
+        if settings.compressor.requirements.needs("reconstruction"):  # KVzip: the context's prefill with its reconstruction forward
             return reconstruct_context(model, cache, ctx)[0][0], cache
         logits = model(ctx, past_key_values=cache).logits[0, -1]
     return logits, cache
@@ -176,7 +177,7 @@ class _Float32Outputs(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("method", kvc.methods())
+@pytest.mark.parametrize("method", SHARED)
 def test_bfloat16_cache_holds_model_dtype_and_decode_makes_no_float32_copy(method):
     model = tiny_model(torch.bfloat16)
     g = torch.Generator().manual_seed(4)
@@ -193,7 +194,7 @@ def test_bfloat16_cache_holds_model_dtype_and_decode_makes_no_float32_copy(metho
     assert all(layer.stored().keys.dtype == torch.bfloat16 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("method", kvc.methods())
+@pytest.mark.parametrize("method", SHARED)
 def test_bfloat16_decode_logits_close_to_float32_tiny(method):
     """Same weights and compressed state in both dtypes, ratio 0.75: bfloat16 decode logits within 0.02 + 5% of
     the float32 logit range."""
@@ -205,7 +206,7 @@ def test_bfloat16_decode_logits_close_to_float32_tiny(method):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method", kvc.methods())
+@pytest.mark.parametrize("method", SHARED)
 def test_bfloat16_decode_logits_close_to_float32_default_model(default_model, method):
     """Default model, 384 tokens of prose compressed at ratio 0.75, 3 decode steps over the same compressed state:
     bfloat16 logits within 3% of the float32 logit range (about 1.0 of ~33; the full cache's own bfloat16 gap is
@@ -255,7 +256,7 @@ def test_cuda_attention_matches_cpu_in_bfloat16(kind, nq):
 
 
 @cuda
-@pytest.mark.parametrize("method", kvc.methods())
+@pytest.mark.parametrize("method", SHARED)
 def test_cuda_methods_keep_tensors_on_device_and_match_float32(method):
     g = torch.Generator().manual_seed(7)
     ctx = torch.randint(0, 96, (1, 200), generator=g)
@@ -270,8 +271,8 @@ def test_cuda_methods_keep_tensors_on_device_and_match_float32(method):
 
 def _recorded_prefill_methods() -> list[str]:
     """Methods that compress a recorded prefill (prefill mode, no reconstruction forward of their own)."""
-    built = {m: CompressionOptions(method=m, mode="prefill", compression_ratio=0.5).compressor for m in kvc.methods()}
-    return [m for m, c in built.items() if "prefill" in c.modes and not c.needs_reconstruction]
+    built = {m: CompressionOptions(method=m, mode="prefill", compression_ratio=0.5).compressor for m in SHARED}
+    return [m for m, c in built.items() if "prefill" in c.requirements.modes and not c.requirements.needs("reconstruction")]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])

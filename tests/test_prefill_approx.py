@@ -58,7 +58,8 @@ def test_express_attention_changes_later_layers_only():
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"prefill_approx": "hyper"}, "prefill_approx"), ({"prefill_approx": "express", "mode": "chunked", "budget": 16}, "mode='prefill'"),
-     ({"prefill_approx": "express", "method": None}, "needs a method"),
+     ({"prefill_approx": "express", "method": None}, "full cache: it takes no prefill_approx"),
+     ({"prefill_approx": "express", "method": "kvzip"}, "nor an approximate one"),
      ({"prefill_approx": "express", "compress_question": True}, "compress_question")],
 )
 def test_bad_recipe_arguments(kwargs, match):

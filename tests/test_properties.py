@@ -1,6 +1,6 @@
 """Invariants of every registered method as properties (hypothesis): random shapes, dtypes, budgets, ratios and seeds.
 
-Each property runs for every name in `kvc.methods()`, so a newly registered method is covered
+Each property runs for every name in `SHARED`, so a newly registered method is covered
 without touching this file. Examples are few and tensors small (bounded CI time); derandomized,
 so a failure reproduces.
 """
@@ -13,11 +13,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import kvcompress as kvc
+from registered import SHARED
 from kvcompress.methods.budget import DEFAULT_SLACK
-from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import split_exact, Tokens
 
-METHODS = kvc.methods()
+METHODS = SHARED
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # No shrinking: a failure is reported as drawn (bounded CI time).
 FEW = settings(max_examples=20, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
@@ -58,7 +59,7 @@ def layers(draw, min_n=1, max_n=72, dtypes=(torch.float32,)):
 def inputs(method: str, layer: dict) -> dict:
     """compress() arguments: queries for every method (query-agnostic ones ignore them), pre-RoPE keys for those that need them."""
     args = {"queries": layer["queries"], "sink": layer["sink"], "window": layer["window"], "seed": layer["seed"], "layer": (0, 1)}
-    if get_method_class(method).needs_pre_rope_keys:
+    if build_method(method).requirements.needs("pre_rope_keys"):
         args["pre_rope_keys"] = layer["keys"]
     return args
 
@@ -72,10 +73,10 @@ def exact_count(n: int, sink: int, window: int) -> int:
 def middle_slots(summary, exact: int, method: str | None = None) -> int:
     """Slots stored per head beyond the exact tokens: numerator slots plus, for a separate normalizer, its slots (padding counts).
 
-    For a method with `adaptive_heads` (AdaKV), whose budget is the mean over a batch row's KV heads, the padding of the
-    heads that keep fewer is not stored (a cache keeps such a summary ragged): the most real slots a row keeps per
-    head on average."""
-    if method is not None and get_method_class(method).adaptive_heads:
+    For a method with budget scope "layer" (`requirements.ragged`, AdaKV), whose budget is the mean over a batch row's
+    KV heads, the padding of the heads that keep fewer is not stored (a cache keeps such a summary ragged): the most
+    real slots a row keeps per head on average."""
+    if method is not None and build_method(method).requirements.ragged:
         assert summary.normalizer is None
         real = torch.isfinite(summary.log_weights).sum(-1).double() - exact
         return math.ceil(float(real.mean(-1).max()) - 1e-9)
@@ -87,7 +88,7 @@ def middle_slots(summary, exact: int, method: str | None = None) -> int:
 
 def most_stored_slots(summary, per_row: bool = False) -> int:
     """Most distinct (position, log-weight) slots any head holds over the numerator and a separate normalizer; padding not counted.
-    per_row (a method with `adaptive_heads`): the most any batch row holds per head on average.
+    per_row (a method with budget scope "layer", `requirements.ragged`): the most any batch row holds per head on average.
 
     A stream's state stores no padding (BalanceKV's pool is flat over heads) while its summary pads
     heads to one width, and a token kept exactly sits in both the numerator and the normalizer
@@ -266,8 +267,8 @@ def test_batch_rows_are_independent(method, layer, budget):
 
 
 def refuses_streams(cls, budget: int) -> bool:
-    """True for a method that runs in mode 'prefill' only (`Method.modes`: KVzip), after checking that `kvc.stream` refuses it by name."""
-    if "chunked" in cls.modes or "decode" in cls.modes:
+    """True for a method that runs in mode 'prefill' only (`Method.requirements.modes`: KVzip), after checking that `kvc.stream` refuses it by name."""
+    if "chunked" in cls.requirements.modes or "decode" in cls.requirements.modes:
         return False
     with pytest.raises(ValueError, match=f"method '{cls.name}' has no stream"):
         kvc.stream(cls.name, budget=budget)
@@ -279,7 +280,7 @@ def refuses_streams(cls, budget: int) -> bool:
 @given(layer=layers(min_n=16, max_n=96), budget=st.integers(4, 24), blocks=st.lists(st.integers(1, 40), min_size=1, max_size=6))
 def test_streams_stay_bounded(method, layer, budget, blocks):
     keys, values, queries = layer["keys"], layer["values"], layer["queries"]
-    n, cls = keys.shape[2], get_method_class(method)
+    n, cls = keys.shape[2], build_method(method)
     if refuses_streams(cls, budget):
         return
     # Compactor scores a token with its own query, which a stream hands over only with that token's block: window 0 (its docstring).
@@ -294,15 +295,15 @@ def test_streams_stay_bounded(method, layer, budget, blocks):
         if start >= n:
             break
         stop = min(n, start + size)
-        extra = {"pre_rope_keys": keys[:, :, start:stop]} if cls.needs_pre_rope_keys else {}
-        if cls.needs_queries:
+        extra = {"pre_rope_keys": keys[:, :, start:stop]} if cls.requirements.needs("pre_rope_keys") else {}
+        if cls.requirements.needs("queries"):
             extra["queries"] = queries[:, :, start:stop]
         stream.update(keys[:, :, start:stop], values[:, :, start:stop], layer_idx=0, num_layers=1, **extra)
         seen, start = stop, stop
         middle = stream.state.summary()
         if middle is not None:  # block-wise states hold up to ceil(DEFAULT_SLACK * budget) slots of re-compression slack
             bound = budget + (math.ceil(DEFAULT_SLACK * budget) if stream.method.stream_recompresses else 0)
-            assert most_stored_slots(middle, per_row=cls.adaptive_heads) <= bound
+            assert most_stored_slots(middle, per_row=cls.requirements.ragged) <= bound
         s = stream.summary()
         if is_weighted(s):
             assert_weights_sum_to(method, s, seen)
@@ -316,7 +317,7 @@ def test_streams_are_exact_when_the_budget_covers_every_token(method, layer, ext
     """At a budget of at least the tokens seen, after every update a stream's summary is its input: every token once,
     in order, log-weight 0 (so the weights sum to the tokens seen), no normalizer."""
     keys, values, queries = layer["keys"], layer["values"], layer["queries"]
-    n, cls = keys.shape[2], get_method_class(method)
+    n, cls = keys.shape[2], build_method(method)
     if refuses_streams(cls, n + extra):
         return
     window = 0 if method == "compactor" else layer["window"]
@@ -326,7 +327,7 @@ def test_streams_are_exact_when_the_budget_covers_every_token(method, layer, ext
         if start >= n:
             break
         stop = min(n, start + size)
-        extra_inputs = {"pre_rope_keys": keys[:, :, start:stop]} if cls.needs_pre_rope_keys else {}
+        extra_inputs = {"pre_rope_keys": keys[:, :, start:stop]} if cls.requirements.needs("pre_rope_keys") else {}
         stream.update(keys[:, :, start:stop], values[:, :, start:stop], queries=queries[:, :, start:stop], layer_idx=0, num_layers=1, **extra_inputs)
         s = stream.summary()
         assert s.normalizer is None and bool((s.log_weights == 0).all())
@@ -351,7 +352,7 @@ def _seed_case(method: str, seed):
     """A layer large enough that two independent draws of a randomised method coincide with negligible probability."""
     g = torch.Generator().manual_seed(3)
     keys, values, queries = (torch.randn(1, 2, 96, 128, generator=g) for _ in range(3))
-    extra = {"pre_rope_keys": keys} if get_method_class(method).needs_pre_rope_keys else {}
+    extra = {"pre_rope_keys": keys} if build_method(method).requirements.needs("pre_rope_keys") else {}
     return kvc.compress(method, keys, values, queries=queries, budget=24, sink=0, window=0, seed=seed, layer=(0, 1), **extra)
 
 
@@ -362,20 +363,20 @@ def test_the_same_seed_gives_the_same_summary(method):
     assert _same(_seed_case(method, generator_a), _seed_case(method, generator_b))
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if get_method_class(m).randomized])
+@pytest.mark.parametrize("method", [m for m in METHODS if build_method(m).randomized])
 def test_different_seeds_give_different_summaries(method):
     first = _seed_case(method, 0)
     assert not all(_same(first, _seed_case(method, seed)) for seed in (1, 2, 3))
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if get_method_class(m).randomized])
+@pytest.mark.parametrize("method", [m for m in METHODS if build_method(m).randomized])
 def test_seed_none_draws_fresh_randomness(method):
     """Express on this case spreads over only ~15 outcomes, so one pair can coincide; five draws cannot all."""
     first = _seed_case(method, None)
     assert not all(_same(first, _seed_case(method, None)) for _ in range(4))
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if not get_method_class(m).randomized])
+@pytest.mark.parametrize("method", [m for m in METHODS if not build_method(m).randomized])
 def test_a_deterministic_method_ignores_the_seed(method):
     """Methods not marked `randomized` must really not depend on the seed (else the mark is missing)."""
     assert _same(_seed_case(method, 0), _seed_case(method, 1)) and _same(_seed_case(method, 0), _seed_case(method, None))

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from registered import SHARED
 from kvcompress.cache import CompressedCache
 from kvcompress.integration import generate_batch_ids, generate_ids
 from kvcompress.options import CompressionOptions
-from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
+from kvcompress.methods.registry import build_method
 from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedSummary, _pack, _unpack, quantize
 from kvcompress.summary import KVSummary, Normalizer, take_slots
 
@@ -177,22 +179,27 @@ def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact
             model(block, past_key_values=cache, use_cache=True)
         cache.absorbing = False
         layer = cache.layers[0]
-        assert isinstance(layer.front, QuantizedSummary) and layer.front.num_slots == 4 + 40
+        # prefill keeps the budget; a compacted stream holds between its target and the budget (`stream_split`)
+        middle = range(40, 41) if mode == "prefill" else range(stream_split(40, DEFAULT_SLACK)[0], 41)
+        assert isinstance(layer.front, QuantizedSummary) and layer.front.num_slots - 4 in middle, layer.front.num_slots
+        assert layer.front.positions[0, 0, :4].tolist() == [0, 1, 2, 3]  # the sink leads the front
         assert layer.tail.num_slots == 16 and torch.equal(layer.tail.positions[0, 0], torch.arange(284, 300))
         model(question, past_key_values=cache, use_cache=True)
     assert layer.tail.num_slots == 16 + question.shape[1] and layer.tail.keys.dtype == torch.float32
     assert layer.nbytes() == layer.front.nbytes() + layer.tail.nbytes()
-    per_head_codes = 44 * 16 * 4 // 8
-    scales = 2 * (2 * 16) * 4 + 2 * (44 * 1) * 4  # keys: 2 slot groups x 16 channels; values: 1 channel group per slot
+    kept = layer.front.num_slots  # sink + middle
+    per_head_codes = kept * 16 * 4 // 8
+    # keys: ceil(kept / 32) slot groups x 16 channels; values: 1 channel group per slot (a scale and a zero point each)
+    scales = 2 * (math.ceil(kept / 32) * 16) * 4 + 2 * (kept * 1) * 4
     assert layer.front.nbytes() == 2 * (2 * per_head_codes + scales)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
-@pytest.mark.parametrize("method", kvc.methods())
+@pytest.mark.parametrize("method", SHARED)
 def test_every_method_composes_with_quantized_storage(method, mode):
     """At 8 bits every method answers as at full precision on the tiny model, and stores fewer bytes at 8, 4 and 2. In
     decode mode every stream, block-wise or native, stores its slots quantized."""
-    if mode not in get_method_class(method).modes:  # KVzip runs in prefill mode only: refused when the options are built
+    if mode not in build_method(method).requirements.modes:  # KVzip runs in prefill mode only: refused when the options are built
         with pytest.raises(ValueError, match=f"got mode='{mode}'"):
             CompressionOptions(method=method, mode=mode, budget=24, kv_bits=4)
         return
@@ -203,11 +210,32 @@ def test_every_method_composes_with_quantized_storage(method, mode):
     stored = [full.kv_bytes]
     for bits in BITS:
         res = _reference_budget(model, ctx, question, kv_bits=bits, **kw)
-        assert res.slots_per_layer == full.slots_per_layer and res.kv_bits == bits
+        assert res.kv_bits == bits
+        if mode == "decode" and method == "subgen":
+            # decode: the stream selects on stored keys (test_a_decode_stream_quantizes_...), and SubGen's live slots
+            # follow its clusters of them: as many as its budget allows at most
+            assert max(res.slots_per_layer) <= 2 + 24 + 8, res.slots_per_layer
+        else:
+            assert res.slots_per_layer == full.slots_per_layer, (bits, res.slots_per_layer, full.slots_per_layer)
         if bits == 8 and mode != "decode":  # decode: the stream selects on stored keys (test_a_decode_stream_quantizes_...)
-            assert res.token_ids[:4] == full.token_ids[:4], (method, mode)
+            _answers_alike(model, ctx, question, full.token_ids[:4], res.token_ids[:4], kw)
         stored.append(res.kv_bytes)
     assert stored == sorted(stored, reverse=True) and stored[-1] < stored[0], stored
+
+
+def _answers_alike(model, ctx, question, full: list[int], quantized: list[int], kw: dict, tie: float = 1e-3):
+    """The quantized cache's answer is the full-precision one, up to where full precision itself is at a tie: the first
+    token they differ at is one the full-precision cache gives within `tie` of its own choice (log-probability, teacher
+    forced on its answer: `answer_log_probs_ids`). 8-bit storage moves the tiny model's logits by about 1e-4, so only such
+    a tie can flip; a real difference in what is attended moves them much more."""
+    from kvcompress.integration.generation import answer_log_probs_ids
+
+    if quantized == full:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(full, quantized)) if a != b)
+    log_probs = answer_log_probs_ids(model, ctx, question, torch.tensor([full[: at + 1]]), chunk_size=32, **kw)[at]
+    gap = float(log_probs[full[at]] - log_probs[quantized[at]])
+    assert abs(gap) <= tie, (kw["method"], kw["mode"], full, quantized, at, gap)
 
 
 def _decode_layer0(dtype, method: str, bits: int | None):
@@ -241,14 +269,15 @@ def test_a_decode_stream_quantizes_each_slot_once_and_stores_only_codes(dtype):
     state = cache.layers[0].front.state
     assert isinstance(state.slots, QuantizedSlots) and state.slots.tensors[0].dtype == torch.uint8
     keys, values, positions = state.slots.view()[:3]
-    assert keys.dtype == dtype and 24 <= positions.shape[2] <= 24 + 6 + 20
+    # between the target it compresses back to and the budget, which its room and the block being absorbed are within
+    assert keys.dtype == dtype and stream_split(24, DEFAULT_SLACK)[0] <= positions.shape[2] <= 24
     for x, original in ((keys, keys0), (values, values0)):
         expected = quantize(take_slots(original, positions), 4, 8, "token").dequantize()
         torch.testing.assert_close(x, expected, rtol=0, atol=0)
     d = keys0.shape[-1]
     per_slot = 2 * (d * 4 // 8 + 2 * (d // 8) * keys0.element_size())  # keys and values: codes, a scale and a zero per 8 channels
     capacity = state.slots.tensors[0].shape[2]  # slots allocated per head (room for the next blocks included)
-    assert state.nbytes() == capacity * 2 * per_slot  # 2 KV heads
+    assert capacity <= 24 and state.nbytes() == capacity * 2 * per_slot  # within the budget; 2 KV heads
     assert state.nbytes() <= capacity * 2 * 2 * d * keys0.element_size() // 2  # at most half the same slots at full precision
 
 
@@ -267,7 +296,9 @@ def test_a_native_decode_stream_stores_each_slot_quantized_once(method, dtype):
     middle = summary.positions[:, :, 2:-8]
     assert torch.equal(summary.positions[0, 0, :2], torch.arange(2)) and torch.equal(summary.positions[0, 0, -8:], torch.arange(292, 300))
     real = (middle >= 0)[..., None]
-    assert real.sum() >= 2 * 12  # both KV heads hold slots
+    # both KV heads hold slots: half the budget and more, but ClusterGen's, whose runs are shortened to the room its
+    # stream leaves within the budget (8 tokens here, under one centre each), and lose slots to the quotas' rounding
+    assert bool((real.sum(2) >= (4 if method == "clustergen" else 12)).all()), real.sum(2).flatten().tolist()
     for got, original in ((summary.keys, keys0), (summary.values, values0)):
         expected = quantize(take_slots(original, middle.clamp_min(0)), 4, 8, "token").dequantize()
         assert torch.equal(torch.where(real, got[:, :, 2:-8], 0), torch.where(real, expected, 0)), method
@@ -354,14 +385,14 @@ def test_a_tensor_level_stream_stores_quantized_slots():
     s = kvc.stream("knorm", budget=20, sink=2, window=4, kv_bits=4, kv_group_size=8)
     for start in range(0, 200, 25):
         s.update(keys[:, :, start : start + 25], values[:, :, start : start + 25])
-    assert isinstance(s.state.slots, QuantizedSlots)
+    assert isinstance(s.state.slots, QuantizedSlots) and s.state.slots.tensors[0].shape[2] <= 20  # allocated within the budget
     summary = s.summary()
     middle = summary.positions[0, 0, 2:-4]
     assert torch.equal(summary.keys[:, :, :2], keys[:, :, :2]) and torch.equal(summary.values[:, :, -4:], values[:, :, -4:])
     for got, original in ((summary.keys, keys), (summary.values, values)):
         expected = quantize(take_slots(original, summary.positions[:, :, 2:-4]), 4, 8, "token").dequantize()
         torch.testing.assert_close(got[:, :, 2:-4], expected, rtol=0, atol=0)
-    assert middle.numel() >= 20
+    assert stream_split(20, DEFAULT_SLACK)[0] <= middle.numel() <= 20  # between the stream's target and its budget
     native = kvc.stream("express", budget=20, kv_bits=4, kv_group_size=8)
     for start in range(0, 200, 25):
         native.update(keys[:, :, start : start + 25], values[:, :, start : start + 25])

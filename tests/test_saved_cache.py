@@ -12,19 +12,20 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcompress as kvc
+from registered import SHARED
 from kvcompress import cache_file
 from kvcompress.cache import CompressedCache
 from kvcompress.cache_file import CacheFileError
 from kvcompress.integration import answer_from_cache_ids, compress_context_ids, generate_ids
-from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.registry import build_method
 from kvcompress.quantization import QuantizedSummary
 
 from test_hf import tiny as tiny_family
 from test_integration import tiny
 
 NEW = 8
-CASES = [(method, mode, bits) for method in kvc.methods() for mode in ("prefill", "chunked", "decode") for bits in (None, 4)
-         if mode in get_method_class(method).modes]  # KVzip runs in prefill mode only
+CASES = [(method, mode, bits) for method in SHARED for mode in ("prefill", "chunked", "decode") for bits in (None, 4)
+         if mode in build_method(method).requirements.modes]  # KVzip runs in prefill mode only
 CASES += [("snapkv", "prefill", 8), ("balancekv", "chunked", 2), ("hybrid", "prefill", 2), ("express", "chunked", 8)]
 
 # Runs in a fresh interpreter: loads the checkpoint and every saved cache, answers each question, prints JSON.
@@ -303,15 +304,15 @@ def test_the_fingerprint_samples_exact_indices_of_any_size(numel):
 # The saved format: every registered class, its version and its fields. A change here is a change of the file format:
 # bump the class's version (`saved(name, version)`) and, for a change old files cannot be read with, cache_file.VERSION.
 SAVED_FORMAT = {
-    "adaptive_blockwise_state": (1, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
-    "balancekv_stream": (1, ['budget', 'events', 'exact_count', 'fail_events', 'free', 'generator', 'held', 'key_count', 'key_sum', 'keys', 'method', 'outliers', 'pool', 'references', 'scale', 'shape', 'slack_slots', 'stored_rows', 'template', 'values']),
-    "blockwise_state": (1, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
-    "clustergen_state": (1, ['block_size', 'budget', 'ends', 'pending', 'runs', 'seen', 'slack_slots', 'waiting']),
-    "compactor_state": (1, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "adaptive_blockwise_state": (2, ['budget', 'generator', 'kept', 'kept_extra', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "balancekv_stream": (2, ['budget', 'events', 'exact_count', 'fail_events', 'free', 'generator', 'held', 'key_count', 'key_sum', 'keys', 'method', 'outliers', 'pool', 'references', 'scale', 'shape', 'slack_slots', 'stored_rows', 'template', 'values']),
+    "blockwise_state": (2, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "clustergen_state": (2, ['block_size', 'budget', 'ends', 'pending', 'runs', 'seen', 'slack_slots', 'waiting']),
+    "compactor_state": (2, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
     "express_buffer": (1, ['parts', 'slots']),
     "express_state": (1, ['block_seen', 'cache', 'candidate', 'count', 'delta', 'depth', 'ell', 'g', 'generator', 'leaf', 'levels', 'm', 'max_group', 'open_leaf', 'scale', 'siblings', 'stratum']),
     "growing_slots": (1, ['length', 'tensors']),
-    "hybrid_state": (1, ['budget', 'coreset', 'coreset_slots', 'counts', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "hybrid_state": (2, ['budget', 'coreset', 'coreset_slots', 'counts', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
     "kv_summary": (1, ['eviction_only', 'keys', 'log_weights', 'normalizer', 'positions', 'values']),
     "normalizer": (1, ['keys', 'log_weights', 'positions']),
     "quantized_slots": (1, ['bits', 'dims', 'group_size', 'raw']),
@@ -321,7 +322,7 @@ SAVED_FORMAT = {
     "ragged_summary": (1, ['counts', 'keys', 'log_weights', 'positions', 'values']),
     "stream": (1, ['budget', 'exact', 'exact_last', 'generator', 'head', 'layout', 'method', 'recent', 'scale', 'seen', 'sink', 'state', 'unrotate', 'window']),
     "subgen_state": (1, ['cap', 'centre_pos', 'centre_values', 'centres', 'cluster_weight', 'counts', 'delta', 'delta0', 'generator', 'live', 'mu', 'num_keys', 'num_pos', 'num_sq', 'num_values', 'r', 's', 'sample_cluster', 'sample_keys', 'sample_pos', 'sample_values', 'seen', 'shape']),
-    "tokens": (1, ['attention_mass', 'exact_keys', 'exact_positions', 'extra_lse', 'keys', 'layer_idx', 'num_layers', 'positions', 'pre_rope_keys', 'queries', 'query_positions', 'scale', 'unrotate', 'values']),
+    "tokens": (2, ['attention_mass', 'entry_scores', 'exact_keys', 'exact_positions', 'extra_lse', 'hidden_states', 'keys', 'layer_idx', 'num_layers', 'positions', 'pre_rope_keys', 'queries', 'query_positions', 'scale', 'unrotate', 'values']),
 }
 
 

@@ -1,14 +1,15 @@
 """BalanceKV stream: two settings of the stream compared on real layers, paired by seed (`--compare`).
 
-`--compare cascade_rounds` (default): `cascade_rounds=1` halves, after each batch of t tokens, every
-level that is full at that moment once; a level that round fills waits for the next batch.
+`--compare cascade_rounds` (default): `cascade_rounds=1` halves, at each reduction, every level
+that is full at that moment once; a level that round fills waits for the next reduction.
 `cascade_rounds=None` repeats rounds until no level holds t slots, as seed Alg. 4 does (both with
-slack 0, the stream of that comparison). `--compare slack`: the default slack 0.5 (new slots wait
-until a head may pass budget + ceil(0.5·budget), then all waiting halvings run together) against
-slack 0 (halvings after every batch). Both variants run on the same real layers of the default
-model (post-RoPE q/k/v captured on prose), with the the BalanceKV paper's App. B.1 protocol (first `--sink` and
-last `--window` tokens exact, the middle streamed in blocks of `--block` tokens, then compacted to
-a share 1 − ratio), over the same seeds.
+slack 0, the stream of that comparison). `--compare slack`: the default slack 0.5 (new slots wait in
+the room the slack leaves within the pool's budget, a third of it, then all waiting halvings run
+together) against slack 0 (one slot of room: a reduction at every token once a head's pool is
+full). Both variants run on the same real layers of the default model (post-RoPE q/k/v captured on
+prose), with the the BalanceKV paper's App. B.1 protocol (first `--sink` and last `--window` tokens
+exact, the middle streamed in blocks of `--block` tokens within a budget of a share 1 − ratio, then
+compacted), over the same seeds.
 
 Reports, per (layer, ratio) and pooled: the relative attention error ‖z − Attn‖_F / ‖Attn‖_F of
 the last `--window` queries for each variant (mean with a 95% t-interval over seeds), the mean

@@ -2,11 +2,13 @@
 
 One process, one torch thread count, synthetic tensors of the default model's shape
 (`kvcompress.eval.bench.synthetic_layer`). For each slack, each block-wise method streams n tokens
-in blocks of `--block` (half kept: budget n/2, no sink or window), compacted to the budget at the
-end (`kvcompress.eval.bench.streamed`); the time is the min of `--repeats` runs, divided by one
-exact causal attention pass over the same n tokens measured in the same run. The time exponent is
-fitted over `--sizes`; peak_over_budget is the most slots the state held at once (the buffer a
-re-compression scores) over the budget. Slack 0 is the previous per-block re-compression.
+in blocks of `--block` (half kept: budget n/2, no sink or window), compacted at the end
+(`kvcompress.eval.bench.streamed`); the time is the min of `--repeats` runs, divided by one exact
+causal attention pass over the same n tokens measured in the same run. The time exponent is fitted
+over `--sizes`; peak_over_budget is the most slots the state held at once (the buffer a
+re-compression scores) over the budget, at most 1: the slack and the block come out of the budget
+(`kvcompress.methods.budget.stream_split`). Slack 0 leaves one slot of room, a re-compression at
+every token once the buffer is full.
 
 Writes stream_slack.{csv,md} into `--out`.
 

@@ -52,7 +52,8 @@ def add_compression_args(p) -> None:
     p.add_argument("--chunk-size", type=count(1), default=DEFAULT_CHUNK_SIZE,
                    help=f"prompt block size in chunked/decode mode (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--slack", type=float, default=None,
-                   help="chunked/decode mode: a block-wise stream re-compresses to its budget once it holds budget + slack·budget slots (default 0.5; 0: after every block)")
+                   help="chunked/decode mode: the room a re-compressing stream fills before it compresses again, as a fraction of what it "
+                        "compresses back to, both within the budget (default 0.5: back to 2/3 of the budget; 0: one slot of room)")
     p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,

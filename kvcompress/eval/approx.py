@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..api import compress
 from ..attention import exact_attention, weighted_attention
-from ..methods.registry import get_method_class, method_names
+from ..methods.registry import build_method, method_names
 from ..model_support import RotaryInverse, attention_scales
 from ..names import APPROX_LAYERS as DEFAULT_APPROX_LAYERS
 from ..names import APPROX_RATIOS as DEFAULT_APPROX_RATIOS
@@ -110,7 +110,7 @@ def run_approx(model, tokenizer, config: ApproxConfig, progress: bool = True) ->
     rows = []
     bar = tqdm(total=len(config.methods) * len(captured), desc="approx", unit="method-layer", disable=not progress)
     for method in config.methods:
-        unrotate = RotaryInverse(model) if get_method_class(method).needs_pre_rope_keys else None
+        unrotate = RotaryInverse(model) if build_method(method).requirements.needs("pre_rope_keys") else None
         for layer, (q, k, v) in captured.items():
             start = time.perf_counter()
             pre = unrotate(k, torch.arange(n)) if unrotate is not None else None

@@ -25,8 +25,9 @@ continuation, whose tokens are scored teacher-forced:
   against the context), then the continuation is fed in blocks of `block` tokens (default 64)
   through the same cache (those tokens stay exact).
 - chunked: the context goes through the method's stream in blocks of `chunk_size`, with the
-  middle budget the ratio gives on the context (`stream_budget`); the stream is compacted to its
-  budget, then the continuation is fed exactly in blocks of `block`.
+  middle budget the ratio gives on the context (`stream_budget`); the stream is compacted (the
+  room it reserves for later blocks given back), then the continuation is fed exactly in blocks
+  of `block`.
 - decode: every token, context and continuation, goes through a `mode="decode"` cache in blocks
   of `chunk_size`, with the middle budget the ratio gives on the whole document
   (`methods.base.resolve_budget` of n tokens with the method's sink and window).
@@ -241,13 +242,13 @@ def _continuation(model, ids, n_context, method, compression_ratio, budget, mode
         else:
             cache = CompressedCache(model, method, compression_ratio=compression_ratio, budget=budget, mode=mode, seed=seed)
         context = ids[:, :n_context]
-        if method is not None and cache.options.compressor.needs_reconstruction:  # KVzip: prefill, then its reconstruction
+        if method is not None and cache.options.compressor.requirements.needs("reconstruction"):  # KVzip: prefill, then its reconstruction
             logits = reconstruct_context(model, cache, context)[0][:, None]
         else:
             for part in context.split(chunk_size, 1) if streamed else [context]:
                 logits = _logits(model, part, cache, last_only=True)
         if method is not None and mode == "chunked":
-            cache.absorbing = False  # the stream is compacted to its budget; the continuation stays exact
+            cache.absorbing = False  # the stream is compacted; the continuation stays exact
         nll = [_token_nll(logits, ids[:, n_context : n_context + 1])]
         position = n_context
         for part in ids[:, n_context : n - 1].split(chunk_size if streamed and mode == "decode" else block, 1):
@@ -432,7 +433,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
         "exp of the mean per-document difference of log-perplexity against the full cache on the same document, "
         "with its 95% t interval (1 = no loss, above 1 = compression costs perplexity). KV kept: stored KV bytes "
         "after the last token over the full cache's (prefill mode: the compressed context plus the exact continuation; "
-        "decode mode: the stream, which holds up to its re-compression slack and a block above its budget). Prefill mode: the ratio applies to the context; decode mode: "
+        "decode mode: the stream, whose re-compression slack and block in progress come out of its budget). Prefill mode: the ratio applies to the context; decode mode: "
         "to the whole document, every token streamed. Documents overlap when there are more than the prose holds "
         "disjointly (`kvcompress.eval.perplexity`). `*`: some documents could not run (see results.jsonl); n/a: none could.", "",
     ]

@@ -285,14 +285,15 @@ def read_results(path: Path) -> list[dict]:
     return _parse_lines(gzip.decompress(data) if path.suffix == ".gz" else data, path)
 
 
-def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, repeat_ids=None,
+def _answer(model, cell: Cell, context_ids, question_ids, captured, config: SweepConfig, max_new: int, stop_ids, tokenizer,
             reconstructions: dict | None = None):
     """The cell's generation; the full cache is answered from the recorded prefill when there is one
     (every token kept exactly, `prefill_replay.full_as_ratio_zero`), so it costs no second prefill. A method
-    scored by reconstruction (KVzip) is loaded from the sample's recorded reconstruction when `reconstructions`
-    is given ({chunk size: `RecordedReconstruction`}, filled at first use), else reconstructs the context itself."""
+    scored by reconstruction (KVzip), with the repeat instruction `tokenizer` renders, is loaded from the sample's
+    recorded reconstruction when `reconstructions` is given ({chunk size: `RecordedReconstruction`}, filled at first
+    use), else reconstructs the context itself."""
     from ..integration import generate_ids
-    from ..integration.reconstruction import shared_reconstruction
+    from ..integration.reconstruction import shared_reconstruction, with_repeat_prompt
 
     if cell.method == FULL and captured is None:
         return generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=max_new, stop_token_ids=stop_ids)
@@ -302,10 +303,11 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
                             max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": stream_budget(cell.method, cell.ratio, context_ids.shape[1])}
     options = CompressionOptions(method=cell.method, mode=cell.mode, seed=config.seed, chunk_size=config.chunk_size, **size)
-    if options.compressor.needs_reconstruction:  # KVzip: the context's prefill and reconstruction forward, with the repeat instruction
-        recorded = None if reconstructions is None else shared_reconstruction(model, options, context_ids, repeat_ids, reconstructions)
+    if options.compressor.requirements.needs("reconstruction"):  # KVzip: the context's prefill and reconstruction forward
+        options = with_repeat_prompt(options, tokenizer)
+        recorded = None if reconstructions is None else shared_reconstruction(model, options, context_ids, reconstructions)
         return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
-                            reconstruction_ids=repeat_ids, prefill=recorded)
+                            prefill=recorded)
     return generate_ids(model, context_ids, question_ids, options, max_new_tokens=max_new, stop_token_ids=stop_ids,
                         prefill=captured if cell.mode == "prefill" else None)
 
@@ -322,7 +324,8 @@ def _recording_kind(cell: Cell, method: Method | None) -> bool | None:
         return False
     if cell.mode != "prefill":
         return None
-    return None if method.needs_reconstruction else method.needs_attention_mass
+    needs = method.requirements
+    return None if needs.needs("reconstruction") else needs.needs("attention_mass")
 
 
 def _method_of(cell: Cell) -> Method:
@@ -458,14 +461,12 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     this size is recorded with its error (and `log`ged).
     """
     from ..integration import build_prompt
-    from ..integration.reconstruction import repeat_prompt_ids
 
     sample = spec.build(config, tokenizer)
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
     methods = {cell.key: _method_of(cell) for cell in cells if cell.method != FULL}
-    repeat_ids = repeat_prompt_ids(tokenizer) if any(m.needs_reconstruction for m in methods.values()) else None
     kinds = {cell.key: _recording_kind(cell, methods.get(cell.key)) if config.reuse_prefill else None for cell in cells}
     recordings, start = {}, time.perf_counter()
     for with_mass in sorted({kind for kind in kinds.values() if kind is not None}):
@@ -477,7 +478,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         start = time.perf_counter()
         try:
             captured = recordings.get(kinds[cell.key])
-            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, repeat_ids, reconstructions)
+            res = _answer(model, cell, context_ids, question_ids, captured, config, max_new, stop_ids, tokenizer, reconstructions)
         except (ValueError, RuntimeError) as err:
             record["error"] = f"{type(err).__name__}: {err}"
             log(f"[{cell.key}] {record['error']}")

@@ -29,6 +29,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     """
     layer = getattr(key, "kvcompress_layer", None)
     softcap = kwargs.pop("softcap", None)
+    hidden_states = vars(module).pop(_HIDDEN_STATES, None)  # captured by `feeding_hidden_states`, for this forward only
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     layer.mask_padding(attention_mask)
@@ -42,7 +43,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     else:
         query_positions = torch.arange(layer.seen - query.shape[2], layer.seen, device=query.device)
         out = softcapped_weighted_attention(query, view, scaling, softcap, query_positions)
-    layer.commit(query, scaling, attention_mass=mass)
+    layer.commit(query, scaling, attention_mass=mass, hidden_states=hidden_states)
     if progress is not None:
         progress.update(1)
     return out.transpose(1, 2).contiguous(), None
@@ -51,14 +52,44 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
 def _compresses_with_attention_mass(layer) -> bool:
     """True when this forward is the layer's one-shot prefill compression (prefill mode, nothing
     stored yet, no padding) and its method scores with the full attention mass
-    (`needs_attention_mass`): the attention then goes through `causal_attention_with_mass`."""
+    (`Requirements.inputs` "attention_mass"): the attention then goes through `causal_attention_with_mass`."""
     options = layer.cache.options
     return (
-        options.compressor.needs_attention_mass
+        options.compressor.requirements.needs("attention_mass")
         and options.mode == "prefill"
         and layer.front is None
         and not has_padding(layer.pending_real)
     )
+
+
+_HIDDEN_STATES = "_kvcompress_hidden_states"
+
+
+class feeding_hidden_states:
+    """Context manager: while active, every attention module of `model` keeps the hidden states it receives (its
+    `hidden_states` argument, [B, n, d_model] after the layer's input norm, a reference, no copy) until the 'kvcompress'
+    attention function of the same forward takes them and hands them to the cache layer with the block
+    (`CompressedLayer.commit`, `Tokens.hidden_states`). The model integration enters it while a method that reads hidden
+    states runs (`Requirements.inputs`); one forward pre-hook per attention module, removed on exit."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        self.handles = []
+
+    @staticmethod
+    def _keep(module, args, kwargs):
+        setattr(module, _HIDDEN_STATES, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+    def __enter__(self):
+        self.handles = [m.register_forward_pre_hook(self._keep, with_kwargs=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        for module in self.modules:
+            vars(module).pop(_HIDDEN_STATES, None)
+        return False
 
 
 _MAX_WORKERS = 4

@@ -29,9 +29,9 @@ from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, describe
 from ..model_support import check_supported, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
-from . import attention  # noqa: F401  (registers the kvcompress attention)
-from .prefill_approx import check_prefill_approx, timed_approximate_prefill
-from .reconstruction import RecordedReconstruction, load_reconstruction, record_reconstruction, repeat_prompt_ids
+from .attention import feeding_hidden_states  # the module registers the kvcompress attention
+from .prefill_approx import approximate_prefill
+from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
 from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
 
 # Prompts longer than this show a progress bar while they are processed.
@@ -122,17 +122,35 @@ def check_context_ids(context_ids) -> None:
 
 @dataclass
 class _Prompt:
-    """A tokenised prompt batch: context ids [B, n] (left-padded, mask [B, n] or None) and question ids [B or 1, m] or None;
-    reconstruction_ids [1, m] or None: KVzip's repeat instruction (`reconstruction.repeat_prompt_ids`)."""
+    """A tokenised prompt batch: context ids [B, n] (left-padded, mask [B, n] or None) and question ids [B or 1, m] or None."""
 
     context_ids: torch.Tensor
     question_ids: torch.Tensor | None
     mask: torch.Tensor | None = None
-    reconstruction_ids: torch.Tensor | None = None
+
+
+@contextmanager
+def _running(model, options: CompressionOptions):
+    """While active, `model` runs what `options`' method needs (read once from its `Requirements`): the 'kvcompress'
+    attention, and the hidden states captured for a method that reads them (`attention.feeding_hidden_states`); the
+    full cache (method None) runs the model as it is."""
+    if options.method is None:
+        yield
+        return
+    hidden = feeding_hidden_states(model) if options.compressor.requirements.needs("hidden_states") else nullcontext()
+    with use_compressed_attention(model), hidden:
+        yield
 
 
 class _Session:
-    """One compressed context on the model: builds the cache, prefills, then answers (greedy) through model.generate."""
+    """One compressed context on the model: builds the cache, prefills, then answers (greedy) through model.generate.
+
+    How the context is prefilled is chosen once, from the options and what the method needs (`Requirements`): a plain
+    forward through the cache (in blocks in a streaming mode); a recorded full prefill (`prefill`) or an approximate
+    one (`CompressionOptions.prefill_approx`) compressed as it is (`CompressedCache.from_prefill`); or, for a method
+    scored by a reconstruction forward (KVzip), the context's prefill followed by that forward with the options' repeat
+    instruction (`reconstruction.record_reconstruction`), run here or recorded once by the caller for several caches.
+    """
 
     def __init__(self, model, prompt: _Prompt, options: CompressionOptions, max_new_tokens: int, prefill: dict | None = None):
         context_ids = prompt.context_ids
@@ -163,21 +181,24 @@ class _Session:
         self.stream_length = n_prompt + max_new_tokens if options.mode == "decode" else n_prompt if options.compress_question else n_context
         if prefill is not None and (options.streams or options.compress_question or options.method is None):
             raise ValueError("a recorded prefill serves a method in mode='prefill' with the question kept out of compression")
-        # KVzip: the context's prefill is followed by its reconstruction forward (`reconstruction.record_reconstruction`),
-        # run here or recorded once by the caller for several caches
-        self.reconstructs = options.method is not None and options.compressor.needs_reconstruction
-        self.reconstruction_ids, self.reconstruction = prompt.reconstruction_ids, None
+        self.approximates = options.prefill_approx is not None
+        if self.approximates and (prefill is not None or self.question_ids is None):
+            raise ValueError(f"prefill_approx={options.prefill_approx!r} computes the context's cache itself, then reads the question "
+                             f"exactly: it needs a question and no recorded prefill (question given: {self.question_ids is not None}, "
+                             f"prefill given: {prefill is not None})")
+        self.reconstructs = options.method is not None and options.compressor.requirements.needs("reconstruction")
+        self.reconstruction = None
         self.recorded = prefill if isinstance(prefill, RecordedReconstruction) else None
         self.cache, self.prefill = None, None if self.recorded is not None else prefill
-        if self.reconstructs and self.prefill is not None:
+        if self.reconstructs and (self.prefill is not None or self.approximates):
             raise ValueError(f"method {options.method!r} compresses through its own reconstruction forward after a fresh prefill of the "
                              "context, or from that forward recorded (`reconstruction.record_reconstruction`): a recorded prefill is not "
-                             "supported; name another method for it, e.g. method='compactor'")
+                             "supported, nor an approximate one; name another method for it, e.g. method='compactor'")
         if self.recorded is not None and not self.reconstructs:
             raise ValueError(f"a recorded reconstruction serves a method scored by reconstruction (e.g. 'kvzip'), got method={options.method!r}; "
                              "pass a recorded full prefill (`capture_qkv`) instead")
         if self.recorded is not None:
-            self.recorded.check_matches(self.context_ids, self.reconstruction_ids)
+            self.recorded.check_matches(self.context_ids, options_prompt_ids(options))
 
     def new_cache(self):
         if self.method_name is None:
@@ -202,7 +223,14 @@ class _Session:
         return self.model(ids, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1]
 
     def run_context(self, progress: bool):
-        """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds)."""
+        """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds,
+        an approximate prefill's included)."""
+        approx_seconds = 0.0
+        if self.approximates:  # Express computes the context's cache, the method compresses it as a recorded prefill
+            start = time.perf_counter()
+            self.prefill = approximate_prefill(self.model, self.context_ids, self.options.prefill_approx, chunk_size=self.options.chunk_size,
+                                               seed=self.options.seed)
+            approx_seconds = time.perf_counter() - start
         self.cache = self.new_cache()
         rows = self.context_ids.shape[0]
         self.ids = self.context_ids if self.prefill is not None else self.context_ids[:, :0]  # what the cache holds
@@ -238,13 +266,13 @@ class _Session:
             self.cache.token_ids = self.ids
         if bar is not None:
             bar.close()
-        return logits, time.perf_counter() - start
+        return logits, approx_seconds + time.perf_counter() - start
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
         """KVzip: prefill ids [B, b] into the fresh cache and compress it with the context's reconstruction (the recorded one
         when the session was given it), whose forwards' cost counts as compression time; -> last logits [B, V]."""
         self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, torch.ones_like(ids)], 1)
-        recorded = self.recorded or record_reconstruction(self.model, self.cache, ids, self.reconstruction_ids)
+        recorded = self.recorded or record_reconstruction(self.model, self.cache, ids)
         logits, self.reconstruction = load_reconstruction(self.model, self.cache, recorded)
         return logits
 
@@ -318,8 +346,6 @@ def generate_ids(
     stop_at_eos: bool = True,
     stop_token_ids: Collection[int] = (),
     prefill: dict | RecordedReconstruction | None = None,
-    prefill_approx: str | None = None,
-    reconstruction_ids: torch.Tensor | None = None,
     **settings,
 ) -> GenerationResult:
     """Greedy generation on token ids [1, n] through a compressed cache.
@@ -336,14 +362,12 @@ def generate_ids(
     values)}, see `kvcompress.eval.capture.capture_qkv`) to compress instead of running the
     context again (prefill mode, question kept out of compression); for a method scored by
     reconstruction (KVzip), the context's `RecordedReconstruction` (`reconstruction.record_reconstruction`
-    with the same reconstruction_ids) instead: its forwards' seconds count in compress_seconds, not in
-    prefill_seconds, which holds only this call's work. prefill_approx="express":
-    the context's cache comes from a chunked forward with Thinformer Express attention
+    with the same repeat instruction, the options' `repeat_prompt_ids`) instead: its forwards' seconds count in
+    compress_seconds, not in prefill_seconds, which holds only this call's work. With the options'
+    prefill_approx="express" the context's cache comes from a chunked forward with Thinformer Express attention
     (`integration.prefill_approx`), then the method compresses it. stop_token_ids: decoding also
     stops after any of these tokens. The first answer token is the argmax after the prompt; the
-    rest comes from greedy `model.generate` on the same cache. reconstruction_ids [1, m]: KVzip's repeat
-    instruction, placed before the repeated context in its reconstruction forward (`kvc.generate` renders it
-    through the chat template: `reconstruction.repeat_prompt_ids`); None repeats the context with no instruction.
+    rest comes from greedy `model.generate` on the same cache.
     """
     options = CompressionOptions.build(options, **settings)
     as_count("max_new_tokens", max_new_tokens, 1)
@@ -352,16 +376,12 @@ def generate_ids(
         raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
     if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
         raise ValueError(f"question_ids must be an integer tensor [1, m] or None, got {describe(question_ids)}")
-    approx_seconds = 0.0
-    if prefill_approx is not None:  # Express computes the context's cache, the method compresses it
-        check_prefill_approx(prefill_approx, options, prefill, question_ids)
-        prefill, approx_seconds = timed_approximate_prefill(model, context_ids, prefill_approx, options.chunk_size, options.seed)
-    session = _Session(model, _Prompt(context_ids, question_ids, reconstruction_ids=reconstruction_ids), options, max_new_tokens, prefill)
-    with use_compressed_attention(model) if options.method is not None else nullcontext():
+    session = _Session(model, _Prompt(context_ids, question_ids), options, max_new_tokens, prefill)
+    with _running(model, options):
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not options.compress_question else None
         (tokens,), question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos, stop_token_ids)
-    return session.result(tokens, approx_seconds + prefill_seconds + question_seconds, decode_seconds, 0, {})
+    return session.result(tokens, prefill_seconds + question_seconds, decode_seconds, 0, {})
 
 
 @torch.inference_mode()
@@ -373,7 +393,6 @@ def answer_log_probs_ids(
     options: CompressionOptions | None = None,
     *,
     prefill: dict | RecordedReconstruction | None = None,
-    reconstruction_ids: torch.Tensor | None = None,
     **settings,
 ) -> torch.Tensor:
     """Teacher forcing through a compressed cache: log-probabilities [a, V] (float32) of the token after the context,
@@ -381,7 +400,7 @@ def answer_log_probs_ids(
     answer token is chosen from).
 
     The cache is the one `generate_ids` builds from the same context_ids [1, n], question_ids [1, m], options (or
-    settings; method=None: the full cache), prefill and reconstruction_ids; the question stays out of compression
+    settings; method=None: the full cache) and prefill; the question stays out of compression
     (compress_question=True is refused) and the answer is fed in one forward after it. With the answer
     `generate_ids` gave, each row's argmax is that answer's token.
     """
@@ -391,9 +410,8 @@ def answer_log_probs_ids(
     for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("answer_ids", answer_ids)):
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point():
             raise ValueError(f"{name} must be an integer tensor [1, m] with m >= 1, got {describe(ids)}")
-    session = _Session(model, _Prompt(context_ids, question_ids, reconstruction_ids=reconstruction_ids), options,
-                       answer_ids.shape[1], prefill)
-    with use_compressed_attention(model) if options.method is not None else nullcontext():
+    session = _Session(model, _Prompt(context_ids, question_ids), options, answer_ids.shape[1], prefill)
+    with _running(model, options):
         session.run_context(False)
         ids = torch.cat([session.question_ids, answer_ids[:, :-1].to(session.device)], 1)
         logits = model(ids, past_key_values=session.cache, use_cache=True, logits_to_keep=answer_ids.shape[1]).logits[0]
@@ -403,8 +421,7 @@ def answer_log_probs_ids(
 @torch.inference_mode()
 def answer_questions_ids(
     model, context_ids: torch.Tensor, questions_ids: list[torch.Tensor], options: CompressionOptions | None = None, *,
-    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, reconstruction_ids: torch.Tensor | None = None,
-    **settings,
+    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, **settings,
 ) -> list[GenerationResult]:
     """One context [1, n], many questions [1, m_i]: the context is prefilled and compressed once.
 
@@ -420,8 +437,8 @@ def answer_questions_ids(
     as_count("max_new_tokens", max_new_tokens, 1)
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
-    session = _Session(model, _Prompt(context_ids, None, reconstruction_ids=reconstruction_ids), options, max_new_tokens)
-    with use_compressed_attention(model) if session.method_name is not None else nullcontext():
+    session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
+    with _running(model, options):
         _, prefill_seconds = session.run_context(progress)
         return _answer_each(session, questions_ids, prefill_seconds, max_new_tokens, stop_at_eos)
 
@@ -448,7 +465,7 @@ def _answer_each(session: _Session, questions_ids: list[torch.Tensor], prefill_s
 
 @torch.inference_mode()
 def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionOptions | None = None, *, progress: bool = False,
-                         reconstruction_ids: torch.Tensor | None = None, **settings) -> CompressedCache:
+                         **settings) -> CompressedCache:
     """The context [1, n] prefilled and compressed once, as `answer_questions_ids` does before its questions: the cache,
     its `token_ids` the context's, ready to `save` or to answer from (`answer_from_cache_ids`, `generate(cache=...)`).
 
@@ -468,8 +485,8 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"compress_context takes one context (batch size 1), got batch size {context_ids.shape[0]}")
-    session = _Session(model, _Prompt(context_ids, None, reconstruction_ids=reconstruction_ids), options, 0)  # no answer here
-    with use_compressed_attention(model):
+    session = _Session(model, _Prompt(context_ids, None), options, 0)  # no answer here
+    with _running(model, options):
         session.run_context(progress)
     select_compressed_attention(model)
     return session.cache
@@ -498,15 +515,14 @@ def answer_from_cache_ids(
     as_count("max_new_tokens", max_new_tokens, 1)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
     session.adopt(cache)
-    with use_compressed_attention(model):
+    with _running(model, cache.options):
         return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)
 
 
 @torch.inference_mode()
 def generate_batch_ids(
     model, contexts_ids: list[torch.Tensor], question_ids: torch.Tensor | None = None, options: CompressionOptions | None = None, *,
-    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, pad_token_id: int | None = None,
-    reconstruction_ids: torch.Tensor | None = None, **settings,
+    max_new_tokens: int = 64, stop_at_eos: bool = True, progress: bool = False, pad_token_id: int | None = None, **settings,
 ) -> list[GenerationResult]:
     """A batch of contexts [1, n_b] (any lengths) with one question [1, m]: one answer per context, the one it gets alone.
 
@@ -516,7 +532,7 @@ def generate_batch_ids(
     cannot compress its rows apart (`_runs_one_by_one`), each context is compressed and answered as its own context
     through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
     'decode' (a stream takes no padding), or with a method scored by its own reconstruction forward (KVzip, and the
-    default in mode 'prefill') or with one budget over every layer (`shares_budget_across_layers`: AdaKV with
+    default in mode 'prefill') or with one budget over every layer (budget scope "model": AdaKV with
     scope='model', the default in mode 'prefill'); and any batch with context-calibrated compression (quality +
     calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
     its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
@@ -531,16 +547,16 @@ def generate_batch_ids(
     padded = any(c.shape[1] != width for c in contexts_ids)
     batch = {"batch_size": len(contexts_ids)}
     if _runs_one_by_one(options, padded):
-        results = [generate_ids(model, c, question_ids, options, max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos,
-                                reconstruction_ids=reconstruction_ids) for c in contexts_ids]
+        results = [generate_ids(model, c, question_ids, options, max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
+                   for c in contexts_ids]
         for res in results:
             res.extra = {**res.extra, **batch, "batch_run": "one_by_one"}
         return results
     pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or 0)
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
     mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
-    session = _Session(model, _Prompt(ids, question_ids, mask if padded else None, reconstruction_ids), options, max_new_tokens)
-    with use_compressed_attention(model) if session.method_name is not None else nullcontext():
+    session = _Session(model, _Prompt(ids, question_ids, mask if padded else None), options, max_new_tokens)
+    with _running(model, options):
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not session.compress_question else None
         answers, question_seconds, decode_seconds = session.answer(question, logits, max_new_tokens, stop_at_eos)
@@ -560,8 +576,10 @@ def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
     budget over every layer)."""
     if options.quality is not None:
         return True
-    method = options.compressor
-    return padded and (options.streams or (method is not None and (method.needs_reconstruction or method.shares_budget_across_layers)))
+    if not padded or options.streams:
+        return padded
+    needs = options.compressor.requirements if options.method is not None else None
+    return needs is not None and (needs.needs("reconstruction") or needs.budget_scope == "model")
 
 
 def compress_context(model, tokenizer, context: str, options: CompressionOptions | None = None, *, progress: bool = True,
@@ -576,14 +594,8 @@ def compress_context(model, tokenizer, context: str, options: CompressionOptions
 
     if not isinstance(context, str) or not context.strip():
         raise ValueError(f"context must be a non-empty str, got {context!r}")
-    options = CompressionOptions.build(options, **settings)
-    return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress,
-                                reconstruction_ids=_reconstruction_ids(tokenizer, options))
-
-
-def _reconstruction_ids(tokenizer, options: CompressionOptions) -> torch.Tensor | None:
-    """KVzip's repeat instruction through the tokenizer's chat template, for a method that reconstructs the context (else None)."""
-    return repeat_prompt_ids(tokenizer) if options.method is not None and options.compressor.needs_reconstruction else None
+    options = with_repeat_prompt(CompressionOptions.build(options, **settings), tokenizer)
+    return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress)
 
 
 def generate(
@@ -651,9 +663,8 @@ def generate(
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
     if questions is not None and (question is not None or isinstance(context, list)):
         raise ValueError("questions=[...] asks many questions about one context: pass one context string and no question")
-    options = CompressionOptions.build(options, **settings)
-    run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos,
-               reconstruction_ids=_reconstruction_ids(tokenizer, options))
+    options = with_repeat_prompt(CompressionOptions.build(options, **settings), tokenizer)
+    run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
     if questions is not None:
         context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0], layout=prompt_layout)
         questions_ids = [build_prompt(tokenizer, contexts[0], q, layout=prompt_layout)[1] for q in questions]

@@ -11,21 +11,19 @@ prefill.
 
 `approximate_prefill` returns the same record as an exact prefill capture ({layer: (queries,
 keys, values)}), so `CompressedCache.from_prefill` compresses it unchanged;
-`kvc.generate(..., prefill_approx="express")` composes the two.
+`kvc.generate(..., prefill_approx="express")` (a `CompressionOptions` setting) composes the two.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from ..cache import CompressedCache, CompressedLayer
 from ..checks import as_count
 from ..model_support import use_compressed_attention
+from ..names import PREFILL_APPROXIMATIONS
 from ..options import CompressionOptions
 
-PREFILL_APPROXIMATIONS = ("express",)
 # The paper's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.
 EXPRESS_SINK, EXPRESS_WINDOW = 32, 32
 # Middle slots per head of the Express stream during the prefill (the paper's m is not in its extracted text).
@@ -39,24 +37,11 @@ class _RecordingLayer(CompressedLayer):
         super().__init__(cache, layer_idx)
         self.blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None) -> None:
+    def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None,
+               hidden_states: torch.Tensor | None = None) -> None:
         keys, values, _ = self.pending
         self.blocks.append((queries, keys, values))
-        super().commit(queries, scale, attention_mass)
-
-
-def check_prefill_approx(prefill_approx: str, options: CompressionOptions, prefill, question_ids) -> None:
-    """ValueError unless the recipe applies: a known approximation, a method, prefill mode, a question kept exact, no recorded prefill."""
-    if prefill_approx not in PREFILL_APPROXIMATIONS:
-        raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS} or None, got {prefill_approx!r}")
-    method, mode, compress_question = options.method, options.mode, options.compress_question
-    if method is None or mode != "prefill" or compress_question or prefill is not None or question_ids is None:
-        raise ValueError(
-            "prefill_approx computes the context's cache approximately, compresses it with `method`, then reads the "
-            "question exactly: it needs a method, mode='prefill', compress_question=False, a question and no recorded "
-            f"prefill (got method={method!r}, mode={mode!r}, compress_question={compress_question!r}, "
-            f"question given: {question_ids is not None}, prefill given: {prefill is not None})"
-        )
+        super().commit(queries, scale, attention_mass, hidden_states)
 
 
 @torch.inference_mode()
@@ -87,10 +72,3 @@ def approximate_prefill(
         i: tuple(torch.cat([blk[j] for blk in layer.blocks], dim=2) for j in range(3))
         for i, layer in enumerate(cache.layers)
     }
-
-
-def timed_approximate_prefill(model, context_ids, prefill_approx: str, chunk_size: int, seed: int):
-    """(record, seconds) of `approximate_prefill` with its defaults for the Express cache."""
-    start = time.perf_counter()
-    record = approximate_prefill(model, context_ids, prefill_approx, chunk_size=chunk_size, seed=seed)
-    return record, time.perf_counter() - start

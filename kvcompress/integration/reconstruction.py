@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,7 @@ from ..cache import CompressedCache, CompressedLayer
 from ..checks import describe
 from ..methods.kvzip import own_lse
 from ..model_support import attention_scales
+from ..options import CompressionOptions
 from .attention import exact_attention_with_mask
 from .model import build_prompt
 
@@ -63,6 +64,19 @@ class ReconstructionStats:
     seconds: float
     peak_kv_bytes: int
     context_seconds: float
+
+
+def with_repeat_prompt(options: CompressionOptions, tokenizer) -> CompressionOptions:
+    """`options` with KVzip's repeat instruction rendered by `tokenizer` (`repeat_prompt_ids`) as their
+    `repeat_prompt_ids`, when their method is scored by a reconstruction forward and they name none; else `options`."""
+    if options.method is None or options.repeat_prompt_ids is not None or not options.compressor.requirements.needs("reconstruction"):
+        return options
+    return replace(options, repeat_prompt_ids=tuple(repeat_prompt_ids(tokenizer)[0].tolist()))
+
+
+def options_prompt_ids(options: CompressionOptions) -> torch.Tensor | None:
+    """[1, m]: the repeat instruction `options` name (`CompressionOptions.repeat_prompt_ids`), None when they name none."""
+    return None if options.repeat_prompt_ids is None else torch.tensor([options.repeat_prompt_ids])
 
 
 def repeat_prompt_ids(tokenizer, instruction: str = REPEAT_INSTRUCTION) -> torch.Tensor:
@@ -105,7 +119,7 @@ def _kv_bytes(cache) -> int:
 def _check(cache, context_ids, prefix_ids) -> None:
     if not isinstance(cache, CompressedCache) or cache.options.mode != "prefill" or cache.get_seq_length():
         raise ValueError(f"reconstruct_context fills a fresh prefill-mode CompressedCache, got {cache!r}")
-    if not cache.options.compressor.needs_reconstruction:
+    if not cache.options.compressor.requirements.needs("reconstruction"):
         raise ValueError(f"method {cache.options.method!r} does not score with a reconstruction forward (only e.g. 'kvzip' does)")
     for name, ids, least in (("context_ids", context_ids, 1), ("prefix_ids", prefix_ids, 0)):
         if ids is None and name == "prefix_ids":
@@ -143,7 +157,7 @@ class RecordedReconstruction:
     def check_matches(self, context_ids: torch.Tensor, prefix_ids: torch.Tensor | None) -> None:
         """Refuse context_ids [B, n] and prefix_ids [1 or B, m] or None other than the ones recorded."""
         prefix = context_ids[:, :0] if prefix_ids is None else prefix_ids.expand(context_ids.shape[0], -1)
-        for name, given, recorded in (("context_ids", context_ids, self.context_ids), ("reconstruction_ids", prefix, self.prefix_ids)):
+        for name, given, recorded in (("context_ids", context_ids, self.context_ids), ("repeat_prompt_ids", prefix, self.prefix_ids)):
             if given.shape != recorded.shape or not torch.equal(given.to(recorded.device), recorded):
                 raise ValueError(f"the recorded reconstruction was made for other {name}: recorded {describe(recorded)}, "
                                  f"given {describe(given)}; record this context with record_reconstruction")
@@ -157,21 +171,23 @@ def _compressed_layers(cache: CompressedCache) -> set[int]:
 def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tensor,
                           prefix_ids: torch.Tensor | None = None) -> RecordedReconstruction:
     """Prefill context_ids [B, n] (unpadded) and run KVzip's reconstruction forwards for caches like `cache` (a fresh
-    prefill-mode `CompressedCache` of a method that `needs_reconstruction`: its layers and its method's
+    prefill-mode `CompressedCache` of a method scored by a reconstruction forward: its layers and its method's
     `reconstruction_chunk_size` say what is recorded; the cache itself is left untouched).
 
     prefix_ids [1 or B, m]: the repeat instruction placed before each chunk of the repeated context
-    (`repeat_prompt_ids`); None: the context is repeated with no instruction.
+    (`repeat_prompt_ids`); None: the one the cache's options name (`CompressionOptions.repeat_prompt_ids`; without
+    one, the context is repeated with no instruction).
     """
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    prefix_ids = options_prompt_ids(cache.options) if prefix_ids is None else prefix_ids
     _check(cache, context_ids, prefix_ids)
     device = next(model.parameters()).device
     context_ids = context_ids.to(device)
     rows, n = context_ids.shape
     prefix = (prefix_ids if prefix_ids is not None else context_ids[:, :0]).to(device).expand(rows, -1)
-    chunk_size = getattr(cache.options.compressor, "reconstruction_chunk_size", n)
+    chunk_size = cache.options.compressor.reconstruction_chunk_size
     recorder = _Recorder(_compressed_layers(cache))
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     AttentionInterface.register(_RECONSTRUCT_IMPL, recorder)
@@ -204,14 +220,14 @@ def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tens
     )
 
 
-def shared_reconstruction(model, options, context_ids: torch.Tensor, prefix_ids: torch.Tensor | None,
+def shared_reconstruction(model, options: CompressionOptions, context_ids: torch.Tensor,
                           recorded: dict[int, RecordedReconstruction]) -> RecordedReconstruction:
-    """The recorded reconstruction of context_ids [B, n] (with prefix_ids) for the chunk size of `options`' method (a
-    `CompressionOptions` of a method that `needs_reconstruction`): taken from `recorded` ({chunk size: record}, all of
-    this context and prefix), or recorded now and added to it."""
-    chunk_size = getattr(options.compressor, "reconstruction_chunk_size", context_ids.shape[1])
+    """The recorded reconstruction of context_ids [B, n] for the chunk size of `options`' method (a method scored by a
+    reconstruction forward), with their repeat instruction: taken from `recorded` ({chunk size: record}, all of this
+    context and instruction), or recorded now and added to it."""
+    chunk_size = options.compressor.reconstruction_chunk_size
     if chunk_size not in recorded:  # a fresh cache of these options says which layers to record
-        recorded[chunk_size] = record_reconstruction(model, CompressedCache(model, options), context_ids, prefix_ids)
+        recorded[chunk_size] = record_reconstruction(model, CompressedCache(model, options), context_ids)
     return recorded[chunk_size]
 
 
@@ -222,7 +238,7 @@ def load_reconstruction(model, cache: CompressedCache, recorded: RecordedReconst
     are added to the compressed layers' compression time, as if they had run for this cache; `recorded` is not
     modified, so it serves any number of caches."""
     _check(cache, recorded.context_ids, None)
-    chunk_size = getattr(cache.options.compressor, "reconstruction_chunk_size", recorded.context_ids.shape[1])
+    chunk_size = cache.options.compressor.reconstruction_chunk_size
     layers = _compressed_layers(cache)
     if chunk_size != recorded.chunk_size or layers != set(recorded.queries):
         raise ValueError(f"method {cache.options.method!r} reconstructs in chunks of {chunk_size} tokens and compresses layers "
@@ -246,7 +262,7 @@ def reconstruct_context(model, cache: CompressedCache, context_ids: torch.Tensor
     reconstruction (module docstring); -> (the context's last logits [B, V], `ReconstructionStats`).
 
     prefix_ids [1 or B, m]: the repeat instruction placed before each chunk of the repeated context
-    (`repeat_prompt_ids`); None: the context is repeated with no instruction. The cache's layers end up
+    (`repeat_prompt_ids`); None: the one the cache's options name, if any. The cache's layers end up
     holding the compressed context at positions 0..n-1, as after any prefill-mode compression. The same as
     `load_reconstruction(model, cache, record_reconstruction(model, cache, context_ids, prefix_ids))`.
     """

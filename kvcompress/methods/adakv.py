@@ -30,25 +30,25 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from ..checks import as_count
-from ..saved_state import saved
-from ..summary import KVSummary, concat, take_slots
+from ..ragged import RaggedSummary
+from ..saved_state import Instance, Maybe, Sequence, Tensor, saved
+from ..summary import KVSummary, _GrowingSlots, concat, take_slots
 from .attention_matching import refit_kept
-from .base import BlockwiseState, Method, ScoreMethod, first_true, is_pool_span, max_pool_scores
+from .base import BlockwiseState, Method, ScoreMethod, check_params, first_true, is_pool_span, max_pool_scores
 from .registry import build_method, get_method_class, method_names, register
-from .tokens import Tokens
+from .requirements import Requirements
+from .snapkv import SnapKV
+from .tokens import Tokens, tokens_from_columns
 
 NORMALIZATIONS = ("none", "softmax")
 SCOPES = ("layer", "model")
 REFITS = ("none", "log_weights", "log_weights_values")
-# What an instance takes from its scorer: the inputs it needs, whether it draws random numbers, the modes it runs in, and
-# (KVzip) the chunk of context its reconstruction forward repeats at a time, which the model integration reads
-_FROM_SCORER = ("needs_queries", "needs_pre_rope_keys", "needs_attention_mass", "needs_reconstruction", "randomized", "modes",
-                "reconstruction_chunk_size")
 
 
 def score_method_names() -> list[str]:
@@ -99,18 +99,20 @@ class AdaKV(Method):
     """Head-adaptive budgets: the top H_kv·budget scores of all the layer's KV heads together are kept (per batch row),
     every head keeping at least its own top floor(alpha_safeguard·budget) (Ada-KV, arXiv:2407.11550; module docstring).
 
-    scorer: the name of a registered score method (`ScoreMethod`: snapkv (default, the paper's Ada-SnapKV),
-    pyramidkv, h2o, tova, expected_attention, knorm, keydiff, random, streamingllm, ...) whose
-    `score(tokens) -> [B, H_kv, n]` ranks the tokens; only its score is used (a parameter that changes how it
+    scorer: a score method instance (`ScoreMethod`: SnapKV() (default, the paper's Ada-SnapKV), PyramidKV, H2O,
+    TOVA, ExpectedAttention, Knorm, KeyDiff, Random, StreamingLLM, KVzip, ...; e.g. `AdaKV(scorer=KVzip(scoring="chunk"))`)
+    whose `score(tokens) -> [B, H_kv, n]` ranks the tokens; only its score is used (a parameter that changes how it
     keeps tokens rather than how it scores them, e.g. KeyDiff's block_size or PyramidKV's layer budgets, has no
-    effect here). scorer_params: its parameters (a dict, None for its defaults), checked by its own constructor.
+    effect here). What the scorer needs, AdaKV needs (`requirements`). By name (the command line, `build_method`,
+    `CompressionOptions`, a saved cache's settings): scorer="kvzip" and scorer_params={...}, its parameters
+    (`from_params` builds the instance).
     alpha_safeguard in [0, 1]: the share of `budget` every head keeps of its own (the paper's alpha, 0.2); 1 keeps the
     scorer's own top `budget` per head (the scorer itself), 0 a free top-k over the layer.
     normalize: how scores are made comparable across heads before the joint top-k: "none" (as given: right for
     attention probabilities, SnapKV's, H2O's, TOVA's) or "softmax" (each head's scores replaced by their log-softmax
     over the head's tokens, for scores on another scale, e.g. Knorm's negative key norms).
     scope: where the joint top-k runs: "layer" (the heads of one layer, the paper's) or "model" (the heads of every
-    compressed layer together, KVzip's allocation; `shares_budget_across_layers`): then `budget` is the mean over
+    compressed layer together, KVzip's allocation; budget scope "model"): then `budget` is the mean over
     every layer's heads, and a layer keeps anywhere from H_kv·min(floor(alpha_safeguard·budget), n) to H_kv·n middle
     tokens per batch row; mode "prefill" only. span (odd, default 1: none): each score is raised to the highest within
     the `span` tokens centred on it before the top-k, so a kept token takes its neighbours along (SnapKV's
@@ -127,7 +129,7 @@ class AdaKV(Method):
     "log_weights_values" also fits the slots' values so the middle's attention output is; the keys stay the kept
     tokens'. Needs a scorer with queries (snapkv, kvzip, ...), mode "prefill" only, and evicted_slots 0.
 
-    Contract (`adaptive_heads`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
+    Contract (budget scope "layer" or "model", `requirements`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
     H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
     min(floor(alpha_safeguard·budget), n) and n. The summary is [B, H_kv, m, d] with m the most any head keeps,
     the shorter heads padded at the end with empty slots (log-weight -inf, position -1, zero keys and values: never
@@ -144,10 +146,7 @@ class AdaKV(Method):
     """
 
     name = "adakv"
-    adaptive_heads = True
-    needs_queries = True  # the default scorer's (SnapKV); an instance takes its scorer's in __post_init__
-    scorer: str = "snapkv"
-    scorer_params: dict | None = None
+    scorer: ScoreMethod = field(default_factory=SnapKV)
     alpha_safeguard: float = 0.2
     normalize: str = "none"
     scope: str = "layer"
@@ -155,13 +154,25 @@ class AdaKV(Method):
     evicted_slots: int = 0
     refit: str = "none"
 
-    def __post_init__(self):
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "AdaKV":
+        """AdaKV from plain values: scorer, the name of a registered score method, and scorer_params, its parameters (a
+        dict, None for its defaults), build the scorer instance; the other parameters are AdaKV's own."""
+        params = dict(params)
+        scorer, scorer_params = params.pop("scorer", SnapKV.name), params.pop("scorer_params", None)
+        check_params(cls, params)
         accepted = score_method_names()
-        if not isinstance(self.scorer, str) or self.scorer not in accepted:
+        if not isinstance(scorer, str) or scorer not in accepted:
             raise ValueError(f"scorer must be the name of a registered score method (one with a score to rank tokens by): one of "
-                             f"{', '.join(accepted)}; got {self.scorer!r}")
-        if self.scorer_params is not None and not isinstance(self.scorer_params, dict):
-            raise ValueError(f"scorer_params must be a dict of {self.scorer!r}'s parameters or None (its defaults), got {self.scorer_params!r}")
+                             f"{', '.join(accepted)}; got {scorer!r}")
+        if scorer_params is not None and not isinstance(scorer_params, dict):
+            raise ValueError(f"scorer_params must be a dict of {scorer!r}'s parameters or None (its defaults), got {scorer_params!r}")
+        return cls(scorer=build_method(scorer, **(scorer_params or {})), **params)
+
+    def __post_init__(self):
+        if not isinstance(self.scorer, ScoreMethod):
+            raise ValueError(f"scorer must be a score method (a ScoreMethod instance, e.g. SnapKV() or KVzip(); by name through "
+                             f"build_method or the command line: one of {', '.join(score_method_names())}), got {self.scorer!r}")
         alpha = self.alpha_safeguard
         if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha_safeguard must be a number in [0, 1] (the share of the budget every head keeps of its own), "
@@ -181,47 +192,64 @@ class AdaKV(Method):
         if self.refit != "none" and self.evicted_slots:
             raise ValueError(f"refit={self.refit!r} fits the kept slots alone; it cannot be combined with evicted_slots="
                              f"{self.evicted_slots}: set one of them off")
-        self.inner = build_method(self.scorer, **(self.scorer_params or {}))
-        for flag in _FROM_SCORER:  # what the scorer needs and is, AdaKV needs and is
-            if hasattr(self.inner, flag):
-                setattr(self, flag, getattr(self.inner, flag))
-        if self.scope == "model":
-            self.shares_budget_across_layers = True
-        if self.refit != "none" and not self.needs_queries:
-            raise ValueError(f"refit={self.refit!r} fits the kept slots to the scorer's queries, and scorer {self.scorer!r} takes "
+        if self.refit != "none" and not self.scorer.requirements.needs("queries"):
+            raise ValueError(f"refit={self.refit!r} fits the kept slots to the scorer's queries, and scorer {self.scorer.name!r} takes "
                              "none: use a scorer with queries (snapkv, kvzip, ...) or refit='none'")
-        if self.scope == "model" or self.evicted_slots or self.refit != "none":
-            self.modes = tuple(mode for mode in self.modes if mode == "prefill")
+
+    @property
+    def requirements(self) -> Requirements:
+        """The scorer's inputs; the budget shared among a layer's heads (scope "layer") or every layer's (scope "model");
+        the scorer's modes, or mode "prefill" alone when a setting needs the whole context at once (`whole_context`)."""
+        needs = self.scorer.requirements
+        modes = ("prefill",) if self.whole_context() is not None else needs.modes
+        return Requirements(inputs=needs.inputs, budget_scope=self.scope, modes=modes)
+
+    @property
+    def randomized(self) -> bool:
+        """The scorer's: AdaKV itself draws nothing."""
+        return self.scorer.randomized
+
+    @property
+    def reconstruction_chunk_size(self) -> int:
+        """The scorer's (KVzip's): the chunk of context its reconstruction forward repeats at a time."""
+        return self.scorer.reconstruction_chunk_size
+
+    def whole_context(self) -> tuple[str, str, str] | None:
+        """(the setting, why it needs the whole context at once, the setting that streams) when this instance runs in mode
+        "prefill" only and has no stream; None when it streams as its scorer does."""
+        if self.scope == "model":
+            return ("scope='model'", "its top-k runs over every layer's scores of the whole context at once", "scope='layer'")
+        if self.evicted_slots:
+            return (f"evicted_slots={self.evicted_slots}", "its summary of the evicted tokens is made once, from the whole context",
+                    "evicted_slots=0")
+        if self.refit != "none":
+            return (f"refit={self.refit!r}", "its fit uses the queries of the whole context at once", "refit='none'")
+        return None
 
     def check_mode(self, mode: str) -> None:
-        if self.scope == "model" and mode != "prefill":
-            raise ValueError(
-                f"method 'adakv' with scope='model' runs in mode 'prefill' only, got mode={mode!r}: its top-k runs over every "
-                "layer's scores of the whole context at once, which a stream of blocks ('chunked', 'decode') never has; use "
-                "mode='prefill' or scope='layer'"
-            )
-        if self.evicted_slots and mode != "prefill":
-            raise ValueError(f"method 'adakv' with evicted_slots={self.evicted_slots} runs in mode 'prefill' only, got mode={mode!r}: "
-                             "its summary of the evicted tokens is made once, from the whole context; use mode='prefill' or "
-                             "evicted_slots=0")
-        if self.refit != "none" and mode != "prefill":
-            raise ValueError(f"method 'adakv' with refit={self.refit!r} runs in mode 'prefill' only, got mode={mode!r}: its fit uses "
-                             "the queries of the whole context at once; use mode='prefill' or refit='none'")
-        self.inner.check_mode(mode)
+        whole = self.whole_context()
+        if whole is not None and mode != "prefill":
+            setting, why, streams = whole
+            raise ValueError(f"method 'adakv' with {setting} runs in mode 'prefill' only, got mode={mode!r}: {why}, which a stream "
+                             f"of blocks ('chunked', 'decode') never has; use mode='prefill' or {streams}")
+        self.scorer.check_mode(mode)
 
     def safeguard(self, budget: int) -> int:
         """Tokens every head keeps of its own at this budget: floor(alpha_safeguard·budget)."""
         return math.floor(self.alpha_safeguard * budget + 1e-9)
 
     def check_inputs(self, tokens: Tokens) -> None:
-        super().check_inputs(tokens)
-        self.inner.check_inputs(tokens)
+        self.scorer.check_inputs(tokens)
+
+    def on_entry(self, tokens: Tokens) -> Tokens:
+        """The scorer's (KVzap's scores a block as it enters a stream)."""
+        return self.scorer.on_entry(tokens)
 
     def head_scores(self, tokens: Tokens, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scores [B, H_kv, n] float32: the scorer's, made comparable across heads (`normalize`), then max-pooled over
         `span` neighbouring tokens; the middle's normalisers the scorer formed for its queries, or None:
         `ScoreMethod.score_and_middle_lse`, which `refit` uses)."""
-        scores, middle_lse = self.inner.score_and_middle_lse(tokens, generator)
+        scores, middle_lse = self.scorer.score_and_middle_lse(tokens, generator)
         scores = scores.float()
         if self.normalize == "softmax":
             scores = torch.log_softmax(scores, dim=-1).nan_to_num(nan=-math.inf)
@@ -279,15 +307,11 @@ class AdaKV(Method):
         return list(kept.split(layers[0].keys.shape[1], dim=1)), list(middle_lse)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "AdaptiveBlockwiseState":
-        if self.scope == "model":
-            raise ValueError("adakv with scope='model' has no stream: its top-k runs over every layer's scores of the whole context "
-                             "at once; use scope='layer' to stream (kvc.stream, modes 'chunked' and 'decode')")
-        if self.refit != "none":
-            raise ValueError(f"adakv with refit={self.refit!r} has no stream: its fit uses the queries of the whole context at "
-                             "once; use refit='none' to stream")
-        if self.evicted_slots:
-            raise ValueError(f"adakv with evicted_slots={self.evicted_slots} has no stream: its summary of the evicted tokens is "
-                             "made once, from the whole context; use evicted_slots=0 to stream")
+        whole = self.whole_context()
+        if whole is not None:
+            setting, why, streams = whole
+            raise ValueError(f"adakv with {setting} has no stream: {why}; use {streams} to stream (kvc.stream, modes 'chunked' and "
+                             "'decode')")
         return AdaptiveBlockwiseState(self, budget, generator, self.stream_slack(slack))
 
 
@@ -323,23 +347,136 @@ def evicted_summary(tokens: Tokens, evicted: torch.Tensor, slots: int) -> KVSumm
     return KVSummary(keys, values, log_weights, positions)
 
 
-@saved("adaptive_blockwise_state")
+@saved("adaptive_blockwise_state", 2)
 class AdaptiveBlockwiseState(BlockwiseState):
-    """`BlockwiseState` for head-adaptive budgets: a re-compression keeps H_kv·budget tokens per batch row
-    (`AdaKV.allocate`) in a buffer of m slots per head, m the most any head keeps; a head that keeps fewer fills its
-    m slots with its next-best tokens, held with log-weight -inf (not attended) and candidates again at the next
-    re-compression. The buffer then waits for ceil(slack·budget) new tokens per head beyond m before re-compressing,
-    and never allocates more slots than the tokens absorbed."""
+    """`BlockwiseState` for head-adaptive budgets, stored ragged: a re-compression keeps H_kv·target tokens per batch
+    row (`AdaKV.allocate`'s rule, `head_allocation`), each head as many as it wins, packed head after head
+    (`kept`, a `RaggedSummary`: only the kept slots are stored, as a cache stores a compressed context); the tokens
+    absorbed since then wait in the rectangular buffer (`slots`: every head takes every token) until it holds
+    `slack_slots` (the room `budget.stream_split` leaves) per head, when everything held is re-allocated again. So
+    a layer row stores at most H_kv·budget slots at any time, the block being absorbed included, as the other
+    block-wise streams do per head, while each head keeps what the joint top-k gives it.
+
+    A re-compression scores the held tokens as one rectangle, each head's kept tokens unpacked and padded to the
+    longest head with empty slots (zero keys and values, position -1), then its new tokens; the empty slots' scores
+    are set to -inf before the joint top-k, so they are never kept. A scorer that reads every key of a head (SnapKV's
+    softmax, KeyDiff's mean key) sees the zero keys beside the real ones: a departure from scoring the held tokens
+    alone (KeyDiff's scores do not change: a zero key moves the mean's length, not its direction).
+
+    With kv_bits the buffer is stored quantized (`QuantizedSlots`), which has no packed form: a re-compression keeps
+    a rectangle of m slots per head, m the most any head keeps, a head that keeps fewer filling its m slots with its
+    next-best tokens (held with log-weight -inf: not attended, candidates again at the next re-compression), and the
+    room comes on top of m; that buffer's slots can pass the budget (its bytes are kv_bits/16 of full precision's).
+    """
+
+    saved_fields = {**BlockwiseState.saved_fields, "kept": Maybe(Instance("ragged_summary")), "kept_extra": Sequence(Tensor("* ..."), kind="tuple")}
+
+    def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float):
+        super().__init__(method, budget, generator, slack)
+        self.kept: RaggedSummary | None = None  # the tokens the last re-compression kept, packed (None before the first)
+        self.kept_extra: tuple[torch.Tensor, ...] = ()  # their other stored columns (pre-RoPE keys), packed as `kept`
+
+    def check_saved(self) -> None:
+        super().check_saved()
+        if self.kept is not None:
+            b, h = self.kept.counts.shape
+            if int(self.kept.counts.sum()) != b * h * self.target or self.log_weights is not None or self.limit != self.target:
+                raise ValueError(f"{int(self.kept.counts.sum())} packed slots for {b}x{h} heads of target {self.target}")
+            if any(t.shape[0] != self.kept.keys.shape[0] for t in self.kept_extra):
+                raise ValueError("the packed extra columns do not match the packed slots")
+
+    def _ragged(self) -> bool:
+        return isinstance(self.slots, _GrowingSlots)
+
+    def held_slots(self) -> int:
+        return self.slots.length + (self.target if self.kept is not None else 0)
+
+    def most_slots(self) -> int:
+        return self.seen - (self.target if self.kept is not None else 0)
+
+    def _unpacked(self) -> tuple[torch.Tensor, ...] | None:
+        """The kept tokens' columns as a rectangle [B, H, m, ...] (empty slots: zero keys and values, position -1)."""
+        if self.kept is None:
+            return None
+        padded = self.kept.summary()
+        columns = [padded.keys, padded.values, padded.positions]
+        if self.kept_extra:
+            slots = self.kept._slots()
+            b, h, m = padded.positions.shape
+            for packed in self.kept_extra:
+                out = packed.new_zeros(b * h * m, *packed.shape[1:]).index_copy_(0, slots, packed)
+                columns.append(out.view(b, h, m, *packed.shape[1:]))
+        return tuple(columns)
+
+    def _held_columns(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """(every held column [B, H, m + r, ...]: the kept rectangle then the new tokens, empty [B, H, m + r] bool or
+        None when no slot is empty)."""
+        kept, new = self._unpacked(), self.slots.view()
+        if kept is None:
+            return new, None
+        columns = tuple(torch.cat([k, n], 2) for k, n in zip(kept, new)) if new else kept
+        empty = torch.arange(kept[0].shape[2], device=kept[0].device) >= self.kept.counts.unsqueeze(-1).long()
+        if new:
+            empty = torch.cat([empty, empty.new_zeros(*empty.shape[:2], new[0].shape[2])], -1)
+        return columns, empty
+
+    def held(self) -> Tokens:
+        if not self._ragged():
+            return super().held()
+        held = tokens_from_columns(self.last, self._held_columns()[0])
+        return replace(held, pre_rope_keys=held.pre_rope()) if self.method.requirements.needs("pre_rope_keys") else held
+
+    def recompress(self, room: int) -> None:
+        if not self._ragged():
+            return super().recompress(room)
+        if self.held_slots() <= self.target:
+            return
+        columns, empty = self._held_columns()
+        held = tokens_from_columns(self.last, columns)
+        if self.method.requirements.needs("pre_rope_keys"):
+            held = replace(held, pre_rope_keys=held.pre_rope())
+        scores, _ = self.method.head_scores(held, self.generator)
+        if empty is not None:
+            scores = scores.masked_fill(empty, -math.inf)
+        kept = head_allocation(scores, self.target, self.method.safeguard(self.target))
+        positions = columns[2][kept]
+        self.kept = RaggedSummary(columns[0][kept], columns[1][kept], None, positions.to(torch.int32), kept.sum(-1).to(torch.int32))
+        self.kept_extra = tuple(column[kept] for column in columns[3:])
+        self.slots = _GrowingSlots()  # the room is allocated with the next token
+        self.limit = self.target
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
-        kept, scores, _ = self.method.allocate(held, self.budget, self.generator)
+        """The quantized buffer's rectangle (see the class docstring)."""
+        kept, scores, _ = self.method.allocate(held, self.target, self.generator)
         index, real = padded_index(kept, scores)
         self.log_weights = torch.zeros(real.shape, device=held.keys.device).masked_fill(~real, float("-inf"))
         return tuple(take_slots(column, index) for column in self.slots.view())
 
+    def compact(self) -> None:
+        if not self._ragged():
+            return super().compact()
+        if self.slots.tensors:
+            held = self.slots.view()
+            self._refill(held, held[2], held[0].shape[2])
+
     def summary(self) -> KVSummary | None:
+        if self._ragged():
+            if self.kept is None:
+                return super().summary()
+            parts = [self.kept.summary()]
+            if self.slots.length:
+                keys, values, positions, *_ = self.slots.view()
+                parts.append(KVSummary.exact(keys, values, positions))
+            return concat(parts)
         summary = super().summary()
         if summary is None or self.log_weights is None:
             return summary
         empty = torch.isneginf(summary.log_weights)
         return KVSummary(summary.keys, summary.values, summary.log_weights, summary.positions.masked_fill(empty, -1))
+
+    def nbytes(self) -> int:
+        """KV bytes: the packed kept slots (with their per-head counts and any packed pre-RoPE keys) and the buffer of
+        new tokens as allocated."""
+        kept = self.kept.nbytes() + sum(t.numel() * t.element_size() for t in self.kept_extra if t.ndim == 2) if self.kept is not None else 0
+        return kept + self.slots.kv_bytes()
+

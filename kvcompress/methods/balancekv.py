@@ -22,7 +22,7 @@ from ..checks import as_count
 from ..saved_state import Choice, Count, Generator, Instance, Linked, Mapping, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary, concat, take_slots
 from .base import Method, StreamState, first_true
-from .budget import check_slack
+from .budget import check_slack, stream_split
 from .registry import register
 from .tokens import Tokens, cat_tokens
 
@@ -359,8 +359,8 @@ class BalanceKV(Method):
         return keys, values, positions, log_weights
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "BalanceKVStream":
-        """Native stream (`BalanceKVStream`): pending halvings wait until a head holds more than
-        budget + ceil(slack·budget) slots; slack=0 halves after every batch."""
+        """Native stream (`BalanceKVStream`): at most `budget` slots per head at any time, its slack and the batch
+        being added included; pending halvings wait until a head's pool is full."""
         return BalanceKVStream(self, budget, generator, self.stream_slack(slack))
 
 
@@ -398,7 +398,7 @@ _LEVELS = 64
 _MERGED = _LEVELS - 1
 
 
-@saved("balancekv_stream")
+@saved("balancekv_stream", 2)
 class BalanceKVStream(StreamState):
     """Streaming BalanceKV (the paper's Alg. 1 + Alg. 4): every head and bucket in one pool of slots.
 
@@ -417,9 +417,9 @@ class BalanceKVStream(StreamState):
       doubled weight) by one sketch and dropped by the other, that ratio is unbounded and the
       model emits gibberish. Self-normalised over the kept slots (as the one-shot form is), the
       output stays a convex combination of kept values, and every token takes one slot.
-    - Exact until compression is needed: no halving runs while every head holds at most
-      budget + ceil(slack·budget) slots, so a budget at least the tokens seen keeps them all
-      exactly (log-weight 0).
+    - Exact until compression is needed: no halving runs while every head's pool has room for the
+      next tokens (the stream's budget, outliers aside), so a budget at least the tokens seen keeps
+      them all exactly (log-weight 0).
     - A hard budget: a head over `budget` after the cascade has the fullest level (ties: the
       lighter one) halve its oldest even number of slots ahead of time (a forced halving), so
       memory stays bounded for any stream length while every level still holds slots of one
@@ -429,21 +429,26 @@ class BalanceKVStream(StreamState):
       is never halved again.
     - The erasure of negligible buckets (Alg. 1 line 8) is not applied: every token stays represented.
 
-    slack: pending halvings wait, exact at level 0, until a head may hold more than
-    budget + ceil(slack·budget) slots (a host-side bound: every token adds one slot per head, no
-    check or sync per batch); then `_reduce` runs them: one cascade round in which every level
-    below the top halves all its whole multiples of t at once (as rows of t of one batched walk),
-    then, only for heads still above `budget`, the forced halvings. slack=0 reduces as soon as a
-    head passes `budget`. `compact()` brings every head to `budget`. One-shot `BalanceKV.compress`
-    is the separate round-based form and has no slack.
+    Within the stream's budget: the stream is built with the most slots per head it may ever store
+    (`new_stream`'s budget); the outliers take their share of it, and the rest, the pool's, is split
+    by `budget.stream_split` into the pool's target (`self.budget`) and the room beside it
+    (`slack_slots`) for the slack and the batch being added. slack: pending halvings wait, exact at
+    level 0, until a head's pool is full (a host-side bound: every token adds one slot per head, no
+    check or sync per batch); tokens are added in batches of at most t that fit the room, and a
+    batch that does not fit runs `_reduce` first: one cascade round in which every level below the
+    top halves all its whole multiples of t at once (as rows of t of one batched walk), then the
+    forced halvings down to the target. slack=0 keeps one slot of room (a reduction at every token
+    past the target). `compact()` gives back the buffer rows no slot uses. One-shot
+    `BalanceKV.compress` is the separate round-based form and has no slack.
     """
 
-    exact_within_budget = True  # no halving runs while a head holds at most budget + ceil(slack·budget) slots
+    exact_within_budget = True  # no halving runs while every head's pool has room for the next tokens
 
     def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator, slack: float):
-        self.exact_count = min(int(method.augment * budget), budget - 1)
-        self.method, self.budget, self.generator = method, budget - self.exact_count, generator
-        self.slack_slots = math.ceil(check_slack(slack) * budget)
+        self.exact_count = max(0, min(int(method.augment * budget), budget - 2))
+        # the pool's target, and the room beside it for the slack and the batch being added (`budget.stream_split`)
+        target, self.slack_slots = stream_split(budget - self.exact_count, check_slack(slack))
+        self.method, self.budget, self.generator = method, target, generator
         self.outliers: Tokens | None = None  # the `exact_count` keys most anti-correlated with the mean key so far, kept exactly
         self.key_sum: torch.Tensor | None = None
         self.key_count = 0
@@ -486,6 +491,8 @@ class BalanceKVStream(StreamState):
         return state
 
     def check_saved(self) -> None:
+        if self.slack_slots < 1:  # `absorb` adds tokens only into the room beside the target: none would never finish
+            raise ValueError(f"slack_slots must be at least 1 (the room `budget.stream_split` leaves beside the target), got {self.slack_slots}")
         started = [name for name in ("pool", "keys", "values", "references", "free", "shape", "template") if getattr(self, name) is not None]
         if self.shape is None:
             if started:
@@ -530,15 +537,17 @@ class BalanceKVStream(StreamState):
         slots = torch.stack([tokens.positions.reshape(b * h, n), rows, instance], -1)  # [B·H, n, 3]
         step = self.method.stream_batch
         self.scale = tokens.scale
-        for start in range(0, n, step):
-            stop = min(n, start + step)
+        start = 0
+        while start < n:
+            if self.held >= self.budget + self.slack_slots:  # full: the pending halvings make room first
+                self._reduce(tokens.scale)
+            stop = min(n, start + step, start + self.budget + self.slack_slots - self.held)
             count = stop - start
             token = self._store(tokens.keys[:, :, start:stop].reshape(-1, d), tokens.values[:, :, start:stop].reshape(-1, tokens.values.shape[-1]))
             added = slots[:, start:stop].reshape(-1, 3)  # head-major, as the buffer rows
             self._add({"positions": added[:, 0], "row": added[:, 1], "instance": added[:, 2], "token": token})
             self.held += count
-            if self.held > self.budget + self.slack_slots:
-                self._reduce(tokens.scale)
+            start = stop
 
     def _keep_outliers(self, tokens: Tokens) -> Tokens:
         """The paper's augmentation (Sec. 4.3), streamed: the held outliers and the new tokens compete for the
@@ -555,10 +564,8 @@ class BalanceKVStream(StreamState):
         return candidates.select(leaving)
 
     def compact(self) -> None:
-        """Run the pending halvings now when a head may hold more than `budget` slots (at most `budget` then),
-        and give back the buffer rows no slot refers to."""
-        if self.held > self.budget:
-            self._reduce(self.scale)
+        """Give back the buffer rows no slot refers to (what is held is already within the stream's budget; the pending
+        halvings wait for the next token that does not fit)."""
         if self.keys is not None:
             live = (self.references > 0).nonzero().squeeze(1)
             new_row = torch.full_like(self.references, -1, dtype=torch.long).index_copy_(0, live, torch.arange(len(live), device=live.device))
@@ -577,14 +584,14 @@ class BalanceKVStream(StreamState):
 
         Rows freed by `_remove` are reused (the latest first), so the buffers stop growing once the
         pool stops growing; when fewer than c rows are free, the buffers are copied into ones twice
-        the live rows plus c, capped at the most rows ever live at once, B·H·(budget + ceil(slack·budget) + t)
-        (a head holds at most that bound's first two terms between batches, and a batch adds at most t tokens per head),
+        the live rows plus c, capped at the most rows ever live at once, B·H·(budget + slack_slots) (a batch is added
+        only while every head has room for it),
         and at the rows written so far plus c (so never more than a full cache of the tokens seen).
         """
         count = keys.shape[0]
         if self.free.numel() < count:
             capacity = 0 if self.keys is None else self.keys.shape[0]
-            most_live = self.shape[0] * self.shape[1] * (self.budget + self.slack_slots + self.method.stream_batch)
+            most_live = self.shape[0] * self.shape[1] * (self.budget + self.slack_slots)
             grown = max(capacity - self.free.numel() + count, min(2 * (capacity - self.free.numel() + count), most_live, self.stored_rows + count))
             new_keys, new_values = keys.new_zeros(grown, keys.shape[1]), values.new_zeros(grown, values.shape[1])
             if capacity:

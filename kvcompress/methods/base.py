@@ -5,27 +5,30 @@ docs/design.md, "Two shapes of compressor" and "Streams hold tokens exactly unti
 A method is a dataclass whose fields are its parameters. It sees only the compressible middle of
 a layer (sink and window are handled here, the same way for every method) as a `Tokens` bundle,
 and must honour `budget`: at most `budget` slots per head in what it returns (a method with
-`adaptive_heads`, AdaKV: H_kv·budget slots per batch row in all, shared out unevenly among the heads).
+budget scope "layer", AdaKV: H_kv·budget slots per batch row in all, shared out unevenly among the heads).
 
 - One-shot: `Method.compress(tokens, budget, generator) -> KVSummary`.
 - Streaming: `Method.new_stream(budget, generator, slack) -> StreamState` with `absorb(tokens)`,
-  `summary()` and `compact()`. A method that is natively one-shot streams block-wise
-  (`BlockwiseState`): tokens are buffered and compressed back to `budget` once the buffer passes
-  budget + ceil(slack·budget) slots, so at most budget + ceil(slack·budget) + block slots are
-  stored and the total work stays linear in the stream length. A natively streaming method
-  (Express, SubGen) holds at most `budget` by construction and never re-compresses
-  (`stream_recompresses` False: a slack is refused); ClusterGen's native stream lets completed
-  runs wait up to ceil(slack·budget) tokens before traversing them, BalanceKV's lets new slots wait
-  until a head may pass budget + ceil(slack·budget) before halving them all at once. A natively
-  streaming method's one-shot `compress` runs its stream over the tokens.
+  `summary()` and `compact()`. A stream stores at most `budget` slots per head (AdaKV's: H_kv·budget
+  per batch row): its slack and the block being absorbed come out of the budget, not on top of it
+  (`budget.stream_split`; PyramidKV's lower layers, which keep more than the budget, take the same
+  room on top of what they keep). A method that is natively one-shot streams block-wise
+  (`BlockwiseState`): tokens are buffered until the buffer holds `budget` slots, and what is held is
+  compressed back to the target, floor(budget / (1 + slack)), whenever the next tokens do not fit,
+  so the total work stays linear in the stream length. A natively streaming method (Express,
+  SubGen) holds at most `budget` by construction and never re-compresses (`stream_recompresses`
+  False: a slack is refused); ClusterGen's native stream lets completed runs wait, in the room
+  beside its target, before traversing them, BalanceKV's lets new slots wait until a head's pool
+  is full before halving them all at once. A natively streaming method's one-shot `compress` runs
+  its stream over the tokens.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,7 +36,8 @@ from ..checks import as_count
 from ..quantization import QuantizedSlots, QuantizedTensor, check_kv_bits, quantize_rows
 from ..saved_state import Count, Flag, Generator, Instance, Linked, Mapping, Maybe, Saveable, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, gather_slots, take_slots
-from .budget import DEFAULT_SLACK, check_slack
+from .budget import DEFAULT_SLACK, check_slack, stream_split
+from .requirements import Requirements
 from .tokens import (
     Tokens,
     append_columns,
@@ -61,7 +65,9 @@ class StreamState(Saveable, ABC):
         """The current summary (None before any token)."""
 
     def compact(self) -> None:
-        """Bring what is held down to the budget now (a state that never holds more does nothing)."""
+        """End a run of absorbs now (e.g. at the end of a prompt): give back the room reserved for later tokens, or run
+        the work that waits for them (ClusterGen's traversal). What is held is within the budget before and after; a
+        state that reserves nothing does nothing."""
 
     def same_kind(self, other: "StreamState") -> bool:
         """Whether `other` (a saved state, its storage unwrapped: `unwrapped`) is a state of the kind this fresh one is."""
@@ -80,12 +86,18 @@ class StreamState(Saveable, ABC):
 
 @dataclass
 class Method:
-    """Base of every registered method. Subclasses are dataclasses; their fields are parameters."""
+    """Base of every registered method. Subclasses are dataclasses; their fields are parameters.
+
+    What a method needs to run (the inputs it reads beyond keys and values, the heads its budget is shared over,
+    the modes it runs in) is one frozen value, `requirements` (`methods.requirements.Requirements`): a class
+    attribute, or a property where it depends on the parameters (AdaKV's on its scorer). The cache and the model
+    integration read it and nothing else of the method. The other class attributes say how the method behaves,
+    for the methods layer and the tests: `randomized`, `reads_keys_values`, `stream_recompresses`, and the
+    paper's `default_sink` / `default_window`.
+    """
 
     name: ClassVar[str] = ""
-    needs_queries: ClassVar[bool] = False
-    needs_pre_rope_keys: ClassVar[bool] = False
-    needs_attention_mass: ClassVar[bool] = False  # scores with attention_mass(tokens) of every query: a prefill computes it fused
+    requirements: ClassVar[Requirements] = Requirements()
     # False when keep_index (and score) read neither tokens.keys nor tokens.values: a composition
     # (the hybrid) then hands it placeholders instead of gathering them
     reads_keys_values: ClassVar[bool] = True
@@ -93,16 +105,20 @@ class Method:
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
     stream_recompresses: ClassVar[bool] = True  # False: the native stream never holds more than budget (no slack)
-    # True: `budget` is the mean over a layer's KV heads (H_kv·budget slots per batch row, shared out among the heads,
-    # one head keeping up to every token; AdaKV), not a bound on each head
-    adaptive_heads: ClassVar[bool] = False
-    # True: one budget over every compressed layer of a model (`compress_layers(layers, budget, generators)`, which a
-    # cache calls once every layer holds the whole context, with `compress_layers` below; AdaKV with scope "model")
-    shares_budget_across_layers: ClassVar[bool] = False
-    modes: ClassVar[tuple[str, ...]] = ("prefill", "chunked", "decode")  # the cache modes it runs in (`check_mode`)
-    # True: scores with the queries of a forward that reconstructs the context after its prefill (KVzip), which
-    # the model integration runs (`integration.reconstruction`); a plain forward's own queries are refused
-    needs_reconstruction: ClassVar[bool] = False
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "Method":
+        """An instance from its parameters by name as plain values (what the command line, `CompressionOptions` and
+        saved caches hold: numbers, strings, bools, lists, dicts), each name one of the dataclass fields. A method
+        whose parameter is another method (AdaKV's scorer) overrides this to build that part from its name."""
+        check_params(cls, params)
+        return cls(**params)
+
+    def on_entry(self, tokens: Tokens) -> Tokens:
+        """What a stream keeps of a block as it enters (before the sink, window and state see it): the block as it
+        is. A method that scores each token from an input too large to keep (KVzap, from the hidden states) returns
+        the block with its scores in `Tokens.entry_scores` instead of that input."""
+        return tokens
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         """One-shot: summarise `tokens` in at most `budget` slots per head (this default runs the method's stream once over them)."""
@@ -112,8 +128,8 @@ class Method:
         return state.summary()
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> StreamState:
-        """Streaming: a fresh state holding at most budget + ceil(slack·budget) slots per head between updates
-        (`BlockwiseState`); slack as `stream_slack` takes it."""
+        """Streaming: a fresh state storing at most `budget` slots per head at any time, its slack and the block
+        being absorbed included (`BlockwiseState`); slack as `stream_slack` takes it."""
         return BlockwiseState(self, budget, generator, self.stream_slack(slack))
 
     def stream_slack(self, slack: float | None) -> float:
@@ -143,16 +159,46 @@ class Method:
         return {}
 
     def check_mode(self, mode: str) -> None:
-        """Raise a clear error when the method cannot run in cache mode `mode` (not among `modes`)."""
-        if mode not in self.modes:
-            raise ValueError(f"method {self.name!r} runs in mode {' or '.join(map(repr, self.modes))} only, got mode={mode!r}")
+        """Raise a clear error when the method cannot run in cache mode `mode` (not among `requirements.modes`)."""
+        modes = self.requirements.modes
+        if mode not in modes:
+            raise ValueError(f"method {self.name!r} runs in mode {' or '.join(map(repr, modes))} only, got mode={mode!r}")
+
+    def check_context(self, reconstructed: bool) -> None:
+        """Raise a clear error when a prefill-mode cache is about to compress a context with queries other than those the
+        method scores with: a method that needs a reconstruction forward (KVzip) takes that forward's queries
+        (`reconstructed`), never the context's own (a plain forward, a recorded prefill)."""
+        if self.requirements.needs("reconstruction") and not reconstructed:
+            raise ValueError(
+                f"method {self.name!r} scores the context with the queries of its reconstruction forward, not with the context's "
+                "own (a plain forward or a recorded prefill): compress through kvc.generate / kvc.compress_context, or "
+                "kvcompress.integration.reconstruction.reconstruct_context(model, cache, context_ids)"
+            )
 
     def check_inputs(self, tokens: Tokens) -> None:
-        """Raise a clear error when the method's required inputs are missing."""
-        if self.needs_queries and tokens.queries is None:
+        """Raise a clear error when the method's required inputs (`requirements.inputs`) are missing."""
+        needs = self.requirements.needs
+        if needs("queries") and tokens.queries is None:
             raise ValueError(f"method {self.name!r} scores tokens with queries: pass queries=[B, H_q, n_q, d]")
-        if self.needs_pre_rope_keys and tokens.pre_rope_keys is None and tokens.unrotate is None:
+        if needs("pre_rope_keys") and tokens.pre_rope_keys is None and tokens.unrotate is None:
             raise ValueError(f"method {self.name!r} scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
+        if needs("hidden_states") and tokens.hidden_states is None:
+            raise ValueError(f"method {self.name!r} scores the layer's hidden states: pass hidden_states=[B, H_kv, n, d_model] (in a "
+                             "model, run it through kvc.generate, which captures them)")
+
+
+def check_params(cls: type[Method], params: dict[str, Any]) -> None:
+    """ValueError unless every name in `params` is a field of method class `cls`, and every bool field is given a bool,
+    naming the parameter."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"method {cls.name!r} has no parameter(s) {unknown}; its parameters are {sorted(known)}")
+    for f in fields(cls):
+        if f.type in ("bool", bool) and f.name in params and not isinstance(params[f.name], bool):
+            raise ValueError(
+                f"method {cls.name!r} parameter {f.name} must be True or False (on the command line: true or false), got {params[f.name]!r}"
+            )
 
 
 class ScoreMethod(Method, ABC):
@@ -217,19 +263,23 @@ def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
     return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
 
 
-@saved("blockwise_state")
+@saved("blockwise_state", 2)
 class BlockwiseState(StreamState):
-    """Block-wise streaming of a one-shot method with amortised re-compression.
+    """Block-wise streaming of a one-shot method with amortised re-compression, within its budget.
 
-    Blocks are appended in place to a buffer (no copy of what is held); once it holds more than
-    limit + ceil(slack·budget) slots (limit = budget, or what the method kept last time when it
-    keeps more, as PyramidKV's lower layers do), the method compresses everything held back to
-    `budget`. So between updates the state holds at most budget + ceil(slack·budget) slots per
-    head, `peak_slots` (the buffer a re-compression scores) is at most
-    budget + ceil(slack·budget) + block, and each token takes part in about 1 + 1/slack
-    re-compressions: total work is linear in the stream length even when budget grows with it.
-    slack=0 re-compresses after every block (KeyDiff's block prompt processing, Eq. 6 of arXiv:2504.15364:
-    peak budget + block). `compact()` re-compresses now, so the state holds `budget`.
+    `budget` is the most slots per head the state ever stores, the block being absorbed included: the
+    stream's working space comes out of it (`budget.stream_split`). The method compresses what is held
+    back to `target` = floor(budget / (1 + slack)) slots (at most budget - 1), and the buffer then
+    takes blocks in place (no copy of what is held) until it holds `budget` slots: a block that does
+    not fit is taken in pieces, the buffer compressed back to `target` each time it is full. So
+    `peak_slots` (the buffer a re-compression scores) never passes `budget`, and each token takes part
+    in about 1 + 1/slack re-compressions: total work is linear in the stream length even when budget
+    grows with it. A method that keeps more than `target` (PyramidKV's lower layers) raises the
+    `limit` it compresses back to, and the room budget - target stays the same on top of it.
+    slack=0 compresses back to budget - 1 (KeyDiff's block prompt processing, Eq. 6 of arXiv:2504.15364,
+    is slack 0 with one block of room: here a budget's worth of stored slots includes the block).
+    A budget of 1 leaves no room (a ValueError). `compact()` gives back the room the buffer reserves
+    for later blocks; what is held is already within the budget.
     The buffer never allocates more slots than the tokens it has absorbed, so it never holds more
     than a full cache of the same tokens would.
     A method that keeps weighted slots (Random and ClusterGen with weighted=True) compresses the
@@ -239,15 +289,22 @@ class BlockwiseState(StreamState):
 
     exact_within_budget = True
 
-    def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float):
+    def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float,
+                 split: tuple[int, int] | None = None):
+        """split: (target, room) when the caller shares the budget out itself (the hybrid); else `stream_split`."""
         self.method, self.budget, self.generator = method, budget, generator
-        self.slack_slots = math.ceil(check_slack(slack) * budget)
-        self.limit = budget
+        target, self.slack_slots = split if split is not None else stream_split(budget, check_slack(slack))
+        self.limit = target
         self.slots = _GrowingSlots()
         self.last: Tokens | None = None
         self.peak_slots = 0
         self.seen = 0
         self.log_weights: torch.Tensor | None = None  # [B,H,held] once a re-compression kept weighted slots
+
+    @property
+    def target(self) -> int:
+        """What a re-compression keeps per head: the budget less the room for the slack and the next block."""
+        return self.budget - self.slack_slots
 
     saved_fields = {
         "method": Linked("method", "coreset_method"), "budget": Count(1), "generator": Generator(), "slack_slots": Count(), "limit": Count(1),
@@ -256,20 +313,23 @@ class BlockwiseState(StreamState):
     }
 
     def check_saved(self) -> None:
-        held = self.slots.length
-        if self.limit < self.budget or held > self.limit + self.slack_slots or held > self.seen or held > self.peak_slots:
+        held = self.held_slots()
+        if self.slack_slots < 1 or self.slack_slots >= self.budget or self.limit < self.target or \
+                held > self.limit + self.slack_slots or held > self.seen or held > self.peak_slots:
             raise ValueError(f"{held} slots held do not fit budget {self.budget}, limit {self.limit}, slack {self.slack_slots}, "
                              f"{self.seen} tokens seen and a peak of {self.peak_slots}")
         if (self.last is None) != (self.seen == 0):
             raise ValueError(f"{self.seen} tokens seen but the latest block is {'missing' if self.last is None else 'there'}")
-        if self.log_weights is not None and self.log_weights.shape[-1] != held:
-            raise ValueError(f"log_weights for {self.log_weights.shape[-1]} slots, {held} held")
+        if self.log_weights is not None and self.log_weights.shape[-1] != self.slots.length:
+            raise ValueError(f"log_weights for {self.log_weights.shape[-1]} slots, {self.slots.length} held")
         if self.last is not None and self.slots.tensors:
             columns = self.columns(self.last)  # what each absorbed block stores per slot
             stored = self.slots.view()
             if len(stored) != len(columns) or any(s.dtype != c.dtype or s.shape[3:] != c.shape[3:] for s, c in zip(stored, columns)):
                 raise ValueError(f"the slot buffer holds columns {[(list(s.shape), s.dtype) for s in stored]}, the method stores "
                                  f"{[(list(c.shape), c.dtype) for c in columns]} per block")
+            if stored[2].shape[2] > 1 and not bool((stored[2].diff(dim=-1) > 0).all()):  # a re-compression finds kept slots by position
+                raise ValueError("the slots held are not in ascending order of position in every head")
 
     def most_slots(self) -> int:
         """The most slots the buffer may allocate: the tokens absorbed so far (what a full cache would hold)."""
@@ -280,27 +340,41 @@ class BlockwiseState(StreamState):
         return token_columns(tokens)
 
     def absorb(self, tokens: Tokens, codes: QuantizedSlots | None = None) -> None:
-        """Buffer `tokens` (re-compressing past the slack); codes: the quantized buffer they were dequantized from
-        (a stream's held tokens), whose codes their slots keep in a quantized buffer."""
-        self.seen += tokens.length
-        room = self.limit + self.slack_slots + tokens.length  # what the buffer can hold before a re-compression
+        """Buffer `tokens`. When they do not all fit the budget, what is held is first compressed back to the target
+        (scored with the previous block's queries, as if it had been compressed at the end of that block: KeyDiff's
+        block prompt processing); a block larger than the room is taken in pieces, compressing each time the buffer is
+        full. codes: the quantized buffer they were dequantized from (a stream's held tokens), whose codes their slots
+        keep in a quantized buffer."""
         known = {} if codes is None else {"known": codes.known()}
-        append_columns(self.slots, self.columns(tokens), reserve=room, most=min(room, self.most_slots()), **known)
-        if self.log_weights is not None:
-            self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(tokens.positions.shape)], -1)
-        self.last = tokens
-        self.peak_slots = max(self.peak_slots, self.slots.length)
-        if self.slots.length > self.limit + self.slack_slots:
-            self.recompress(room=self.slack_slots + tokens.length)
+        columns = self.columns(tokens)  # of the whole block (Compactor scores a block's tokens with its queries)
+        start = 0
+        while start < tokens.length:
+            rest = tokens.length - start
+            if self.held_slots() + rest > self.limit + self.slack_slots and self.held_slots() > self.target:
+                self.recompress(room=self.slack_slots)
+            stop = start + min(rest, self.limit + self.slack_slots - self.held_slots())
+            piece = tuple(column[:, :, start:stop] for column in columns)
+            self.seen += stop - start
+            full = self.slots.length + self.limit + self.slack_slots - self.held_slots()  # the buffer's slots once full
+            append_columns(self.slots, piece, reserve=full, most=min(full, self.most_slots()), **known)
+            if self.log_weights is not None:
+                self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(piece[2].shape)], -1)
+            self.last = tokens
+            self.peak_slots = max(self.peak_slots, self.held_slots())
+            start = stop
+
+    def held_slots(self) -> int:
+        """Slots held per head (on average over the heads, for a state whose heads hold different numbers)."""
+        return self.slots.length
 
     def held(self) -> Tokens:
         """Every token held, with the latest block's queries and exact neighbours."""
         held = tokens_from_columns(self.last, self.slots.view())
-        return replace(held, pre_rope_keys=held.pre_rope()) if self.method.needs_pre_rope_keys else held
+        return replace(held, pre_rope_keys=held.pre_rope()) if self.method.requirements.needs("pre_rope_keys") else held
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
-        """The stored columns of the tokens the method keeps from `held` (more than budget)."""
-        summary = self.method.compress(held, self.budget, self.generator)
+        """The stored columns of the tokens the method keeps from `held` (more than the target)."""
+        summary = self.method.compress(held, self.target, self.generator)
         extra = self.slots.view()[3:]
         weighted = self.log_weights is not None or not bool((summary.log_weights == 0).all())
         index = positions_index(held.positions, summary.positions) if extra or weighted else None
@@ -319,12 +393,12 @@ class BlockwiseState(StreamState):
         return self
 
     def recompress(self, room: int) -> None:
-        """Compress what is held back to the budget (when above it), into a buffer with `room` more slots reserved."""
-        if self.slots.length <= self.budget:
+        """Compress what is held back to the target (when above it), into a buffer with `room` more slots reserved."""
+        if self.slots.length <= self.target:
             return
         held = self.held()
         kept = self.keep(held)
-        self.limit = max(self.budget, kept[0].shape[2])
+        self.limit = max(self.target, kept[0].shape[2])
         slots = min(self.limit + room, self.most_slots()) if room else kept[0].shape[2]  # compact(): exactly what is kept
         self._refill(kept, held.positions, slots)
 
@@ -342,8 +416,9 @@ class BlockwiseState(StreamState):
         self.slots = self.slots.take(index, reserve=slots, most=slots)
 
     def compact(self) -> None:
-        """Compress to the budget now, into a buffer sized for what is kept (e.g. at the end of a prompt:
-        the room reserved for further blocks is given back)."""
+        """Give back the room reserved for further blocks (e.g. at the end of a prompt): the buffer is sized for what it
+        holds, already within the budget (a method that kept more than its target, PyramidKV's lower layers, is
+        compressed back to it when it holds more than the budget)."""
         if self.slots.length > self.budget:
             self.recompress(room=0)
         elif self.slots.tensors:
@@ -498,7 +573,7 @@ def compress_tokens(method: Method, tokens: Tokens, budget: int, sink: int, wind
 
 def compress_layers(method: Method, layers: list[Tokens], budget: int, sink: int, window: int, generators) -> list[KVSummary]:
     """`compress_tokens` for every compressed layer of a model at once (one context: the same batch, heads and tokens
-    in each), for a method that `shares_budget_across_layers`: each layer's sink and window exact, the middles
+    in each), for a method whose budget scope is "model" (`Requirements.budget_scope`): each layer's sink and window exact, the middles
     compressed together by `method.compress_layers` to `budget` slots per head on average over every layer."""
     splits = [split_exact(tokens, sink, window) for tokens in layers]
     middles = [middle for _, middle, _ in splits]

@@ -22,9 +22,10 @@ class Streaming(Protocol):
     def new_stream(self, budget: int, generator: torch.Generator) -> object: ...
 
 
-# Default re-compression slack of block-wise streams (fraction of the budget held beyond it before
-# re-compressing). Each token then takes part in about 1 + 1/slack re-compressions; time and peak
-# memory against it: docs/bench.md, "Streams with amortised re-compression".
+# Default re-compression slack of block-wise streams: the room a stream fills before re-compressing, as a fraction of
+# what it compresses back to, both within the budget (`stream_split`: 0.5 compresses to 2/3 of the budget and lets the
+# last third fill). Each token then takes part in about 1 + 1/slack re-compressions; time against it: docs/bench.md,
+# "Streams with amortised re-compression".
 DEFAULT_SLACK = 0.5
 
 
@@ -32,10 +33,30 @@ def check_slack(slack) -> float:
     """The re-compression slack of a block-wise stream: a finite number >= 0, as a Python float."""
     if isinstance(slack, bool) or not isinstance(slack, numbers.Real) or not math.isfinite(slack) or slack < 0:
         raise ValueError(
-            f"slack must be a finite number >= 0 (extra slots a block-wise stream holds before re-compressing, "
-            f"as a fraction of budget; 0 re-compresses after every block), got {slack!r}"
+            f"slack must be a finite number >= 0 (the room a re-compressing stream fills before compressing again, as a "
+            f"fraction of what it compresses back to, both within the budget; 0 compresses at every token past the budget), "
+            f"got {slack!r}"
         )
     return float(slack)
+
+
+def stream_split(budget: int, slack: float, workspace: int = 0) -> tuple[int, int]:
+    """(target, room) of a re-compressing stream whose stored slots per head never pass `budget` (the middle budget the
+    user's budget or compression ratio gives): it compresses back to `target` slots and lets `room` = budget - target
+    more in (its slack and the block being absorbed) before it compresses again. target = floor((budget - workspace) /
+    (1 + slack)), room the rest, so the slack comes out of the budget, not on top of it: slack 0.5 compresses to 2/3
+    of the budget and lets the last third fill. `workspace`: slots the stream needs beside its slack whatever the slack
+    (a native stream's batch or run in progress). The room is at least 1 slot (a block-wise stream takes a block in
+    pieces that fit it), so slack 0 compresses back to budget - 1 - workspace; a budget below workspace + 2 leaves no
+    room for the stream to work in and is a ValueError naming it."""
+    if budget < workspace + 2:
+        raise ValueError(
+            f"a re-compressing stream needs a middle budget >= {workspace + 2} per KV head (at least 1 slot kept, 1 for the "
+            f"next token{f' and {workspace} of workspace' if workspace else ''}, all within the budget), got budget={budget}; "
+            "use a larger budget or a lower compression_ratio"
+        )
+    target = min(budget - 1 - workspace, max(1, math.floor((budget - workspace) / (1.0 + slack) + 1e-9)))
+    return target, budget - target
 
 
 def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
@@ -47,7 +68,8 @@ def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
 
 
 def smallest_stream_budget(method: Streaming) -> int:
-    """The smallest budget the method's streaming state accepts (1 for most; BalanceKV and Express need more)."""
+    """The smallest budget the method's streaming state accepts (2 for a re-compressing stream: one slot kept and one of
+    room, `stream_split`; Express, SubGen and the hybrid need more)."""
     for budget in range(1, 65):
         try:
             method.new_stream(budget, torch.Generator())

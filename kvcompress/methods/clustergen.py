@@ -16,7 +16,7 @@ from ..checks import as_count
 from ..saved_state import Count, Instance, Maybe, Sequence, saved
 from ..summary import KVSummary, gather_slots
 from .base import Method, StreamState
-from .budget import check_slack
+from .budget import check_slack, stream_split
 from .registry import register
 from .tokens import Tokens, cat_tokens
 
@@ -96,14 +96,17 @@ class ClusterGen(Method):
     framework's `window` (default 64) and `default_sink = 0`. The centres are plain kept tokens
     (log-weight 0) as in the paper; `weighted=True` instead gives each centre the log of the number
     of keys nearest to it (a cluster-size-weighted coreset, an option the paper does not use).
-    Streaming with an integer block_size (`ClusterGenState`) gives, after any number of tokens,
-    the one-shot summary of every token seen: each run's farthest-first traversal is computed
-    once, when the run completes, and the run keeps the first quota(n) points of it (quotas only
-    shrink as n grows, a traversal's prefix is the traversal of the smaller quota), so an update
-    costs O(B²·d) per completed run plus one copy of the kept slots: linear in n per
-    run of B tokens. block_size=None or weighted=True stream block-wise (the state of
-    `methods.base`): after every update the kept centres plus the new tokens are re-clustered
-    down to `budget`, O(budget·(budget + update)) per update, storage budget + update slots.
+    Streaming with an integer block_size (`ClusterGenState.within`) gives, after any number of
+    tokens, the one-shot summary of every token seen at the stream's target (the budget less the
+    room for the waiting runs and the run in progress, `budget.stream_split`; runs of min(B, room)
+    tokens): each run's farthest-first traversal is computed once, when the run completes, and the
+    run keeps the first quota(n) points of it (quotas only shrink as n grows, a traversal's prefix
+    is the traversal of the smaller quota), so an update costs O(B²·d) per completed run plus one
+    copy of the kept slots: linear in n per run of B tokens. block_size=None or weighted=True stream
+    block-wise (the state of `methods.base`): the kept centres and the new tokens fill a buffer of
+    `budget` slots, which is re-clustered down to its target (`budget.stream_split`) when the next
+    tokens do not fit, O(budget²·d) per re-compression, each token in about 1 + 1/slack of them;
+    storage at most `budget` slots.
 
     block_size: None runs the paper's k-center over all n keys of a head: `budget` sequential
     farthest-point steps of O(n·d) each, O(budget·n·d) per head, quadratic when the budget is a
@@ -140,11 +143,11 @@ class ClusterGen(Method):
         return KVSummary(keys, values, log_weights, positions)
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> StreamState:
-        """Native (`ClusterGenState`: completed runs wait up to ceil(slack·budget) tokens before their batched
-        traversal) with block_size and unweighted; otherwise block-wise with `slack`."""
+        """Native (`ClusterGenState.within`: completed runs wait, within the budget, before their batched traversal)
+        with block_size and unweighted; otherwise block-wise with `slack`."""
         if self.block_size is None or self.weighted:
             return super().new_stream(budget, generator, slack)
-        return ClusterGenState(budget, self.block_size, self.stream_slack(slack))
+        return ClusterGenState.within(budget, self.block_size, self.stream_slack(slack))
 
 
 def run_quotas(ends: list[int], budget: int, n: int) -> list[int]:
@@ -153,24 +156,38 @@ def run_quotas(ends: list[int], budget: int, n: int) -> list[int]:
     return [c - p for c, p in zip(cumulative, [0, *cumulative[:-1]])]
 
 
-@saved("clustergen_state")
+@saved("clustergen_state", 2)
 class ClusterGenState(StreamState):
     """Block-local k-center as a stream: every completed run of `block_size` tokens holds the head of
     its farthest-first traversal (batched over batch and heads), trimmed to its quota as n grows.
 
-    Completed runs wait, exact, until they hold more than ceil(slack·budget) tokens (or until
-    `compact()`); then all waiting runs are traversed in one batched call and every run is trimmed to
-    its current quota. Quotas only shrink as n grows and a traversal's prefix is the traversal of a
+    Completed runs wait, exact, until they hold more than `slack_slots` tokens (or until `compact()`);
+    then all waiting runs are traversed in one batched call and every run is trimmed to its current
+    quota. Quotas only shrink as n grows and a traversal's prefix is the traversal of a
     smaller quota, so waiting changes no kept slot; it batches the traversal's sequential steps and
-    trims each run once per wait instead of once per run. slack=0 traverses and trims at every
-    completed run.
+    trims each run once per wait instead of once per run. slack_slots 0 traverses and trims at
+    every completed run. Built directly, the state takes slack_slots = ceil(slack·budget) on top of
+    `budget`; a stream's state is built by `within`, which fits the traversed runs, the waiting
+    runs and the run in progress into the stream's budget.
 
     summary() after n tokens equals `ClusterGen.compress` of those n tokens (block_size runs counted
     from the first absorbed token), except when floor rounding gives a run one centre more than it
     had at an earlier trim: that slot is gone and the summary holds one slot fewer (never more than
-    `budget`). Storage between updates: at most `budget` slots of traversed runs, ceil(slack·budget)
-    tokens of waiting runs and the < block_size tokens of the run in progress.
+    `budget`). Storage: at most `budget` slots of traversed runs, `slack_slots` tokens of waiting runs
+    and block_size tokens of the run in progress (the run that has just completed, before the wait is
+    traversed); `within` sizes the three so that they fit a stream's budget.
     """
+
+    @classmethod
+    def within(cls, budget: int, block_size: int, slack: float) -> "ClusterGenState":
+        """A state that never stores more than `budget` slots per head: the room `budget.stream_split` leaves beside
+        the target holds the run in progress (runs of min(block_size, room) tokens: a run longer than the room is
+        shortened to it) and the waiting runs (the rest of the room). The traversed runs keep `target` slots."""
+        target, room = stream_split(budget, slack)
+        run = min(block_size, room)
+        state = cls(target, run, 0.0)
+        state.slack_slots = room - run
+        return state
 
 
     def __init__(self, budget: int, block_size: int, slack: float):
@@ -207,8 +224,8 @@ class ClusterGenState(StreamState):
                 self.ends.append(self.seen)
                 self.waiting.append(self.pending)
                 self.pending = None
-        if sum(r.length for r in self.waiting) > self.slack_slots:
-            self.compact()
+                if sum(r.length for r in self.waiting) > self.slack_slots:
+                    self.compact()
 
     def compact(self) -> None:
         """Traverse the waiting runs and trim every run to its quota (at most `budget` slots then)."""
@@ -248,8 +265,8 @@ class ClusterGenState(StreamState):
             self.pending = replace(self.pending, keys=next(given), values=next(given))
 
     def nbytes(self) -> int:
-        parts = [*self.runs, *self.waiting, *([self.pending] if self.pending is not None else [])]
-        return sum(t.numel() * t.element_size() for p in parts for t in (p.keys, p.values, p.positions))
+        """KV bytes of the runs, the waiting runs and the run in progress (positions are bookkeeping, counted apart)."""
+        return sum(t.numel() * t.element_size() for t in self.kv_tensors())
 
 
 def _head(run: Tokens, count: int) -> Tokens:

@@ -20,6 +20,7 @@ from ..saved_state import saved
 from ..summary import KVSummary, take_slots
 from .base import BlockwiseState, Method, StreamState, keep_top, top_index
 from .registry import register
+from .requirements import Requirements
 from .tokens import Tokens
 
 LEVERAGE_ROUTES = ("sketch", "exact", "qr", "eig")
@@ -158,16 +159,15 @@ class Compactor(Method):
 
     Streaming: each block is attention-scored when it arrives (the score of a token depends only
     on its chunk, chunks restart at each block), the raw a of every held token is stored beside
-    it, and at each re-compression (once the buffer passes budget + ceil(slack·budget) slots,
-    `BlockwiseState`) leverage is recomputed over the held pre-RoPE keys and both scores are
+    it, and at each re-compression (once the buffer is full, `BlockwiseState`: a block that does not fit is
+    taken in pieces, scored as a whole on arrival) leverage is recomputed over the held pre-RoPE keys and both scores are
     re-standardised. With blocks that are multiples of `chunk_size`, the one-block case is the
     one-shot algorithm.
     """
 
     name = "compactor"
     randomized = True  # the Gaussian/SRHT sketch (exact leverage, seed-independent, when head_dim <= sketch size)
-    needs_queries = True
-    needs_pre_rope_keys = True
+    requirements = Requirements(inputs={"queries", "pre_rope_keys"})
     default_sink = 0
     default_window = 0
     leverage_weight: float | None = None
@@ -256,10 +256,10 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
     )
 
 
-@saved("compactor_state")
+@saved("compactor_state", 2)
 class CompactorState(BlockwiseState):
     """Kept tokens with their pre-RoPE keys (unless `Tokens.unrotate` recomputes them) and raw attention
-    scores, re-compressed to `budget` with amortised slack (`BlockwiseState`): leverage and both
+    scores, re-compressed to the stream's target with amortised slack, within `budget` (`BlockwiseState`): leverage and both
     standardisations are recomputed only at a re-compression, over everything held."""
 
     def columns(self, tokens: Tokens) -> tuple[torch.Tensor, ...]:
@@ -272,5 +272,5 @@ class CompactorState(BlockwiseState):
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         columns = self.slots.view()
         scores = self.method.blend(columns[-1] if self.method.attention else None, held.pre_rope_keys, self.generator)
-        index = top_index(scores, self.budget)
+        index = top_index(scores, self.target)
         return tuple(take_slots(t, index) for t in columns)

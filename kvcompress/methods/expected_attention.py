@@ -15,6 +15,7 @@ import torch
 from ..checks import as_count
 from .base import ScoreMethod
 from .registry import register
+from .requirements import Requirements
 from .tokens import Tokens
 
 
@@ -34,7 +35,7 @@ class ExpectedAttention(ScoreMethod):
     """
 
     name = "expected_attention"
-    needs_queries = True
+    requirements = Requirements(inputs={"queries"})
     n_future_positions: int = 512
     use_covariance: bool = True
     use_vnorm: bool = True

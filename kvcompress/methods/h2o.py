@@ -9,6 +9,7 @@ import torch
 
 from .base import ScoreMethod
 from .registry import register
+from .requirements import Requirements
 from .tokens import Tokens, attention_mass
 
 
@@ -19,7 +20,7 @@ class H2O(ScoreMethod):
     known), softmax over every key each query sees (sink and window included), averaged over the
     query heads of each KV head.
 
-    Where the mass comes from (`needs_attention_mass`): a model's prefill in prefill mode computes
+    Where the mass comes from (its `requirements` name "attention_mass"): a model's prefill in prefill mode computes
     it as a by-product of its own attention (`integration.attention.causal_attention_with_mass`)
     and hands it over as `tokens.attention_mass`, so compression adds only the top-k. Called
     without it (the pure-tensor API `kvc.compress`, a stream, a padded batch) H2O computes it
@@ -29,8 +30,7 @@ class H2O(ScoreMethod):
     running scores."""
 
     name = "h2o"
-    needs_queries = True
-    needs_attention_mass = True
+    requirements = Requirements(inputs={"queries", "attention_mass"})
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return tokens.attention_mass if tokens.attention_mass is not None else attention_mass(tokens)

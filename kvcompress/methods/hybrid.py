@@ -17,13 +17,14 @@ outlier keys (Compactor's leverage blend) are the rare tokens retrieval needs (a
 coreset of the bulk drops.
 
 One-shot: the score methods select over all tokens, the coreset compresses the rest once.
-Streamed: new blocks join the held exact set until it passes Σ n_i + ceil(slack·budget) slots;
-then the exact set is re-selected over everything held, as KeyDiff's block prompt processing does (its
-Eq. 6, with amortised slack: linear total work); the tokens it lets go are absorbed by the
-coreset's own stream (`coreset` method's `new_stream`), so nothing leaves the summary unweighted.
-Stored slots stay within Σ n_i + ceil(slack·budget) + what the coreset stream holds between updates
-(its budget; plus its own slack for BalanceKV) and the block in progress; `compact()` re-selects
-now, leaving Σ n_i exact slots, and compacts the coreset stream to its budget.
+Streamed: the room for the slack and the block in progress comes out of the budget first
+(`budget.stream_split`), and what is left is split into Σ n_i and the coreset's budget. New blocks
+join the held exact set until it holds Σ n_i + room slots; then the exact set is re-selected over
+everything held, as KeyDiff's block prompt processing does (its Eq. 6, with amortised slack: linear
+total work); the tokens it lets go are absorbed by the coreset's own stream (`coreset` method's
+`new_stream`, within its budget), so nothing leaves the summary unweighted. Stored slots stay within
+the budget at every step; `compact()` gives back the exact set's unused room and compacts the
+coreset stream.
 
 Papers: Compactor, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
 Leverage Scores", arXiv:2507.08143; KeyDiff, "KeyDiff: Key Similarity-Based KV Cache Eviction for
@@ -34,16 +35,18 @@ Compression through Discrepancy Theory", arXiv:2502.07861.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..names import MODES
 from ..quantization import QuantizedSlots
 from ..saved_state import Count, Instance, Sequence, saved
 from ..summary import KVSummary, concat, take_slots
 from .base import BlockwiseState, Method, StreamState, first_true, is_pool_span, max_pool_scores, top_index
+from .budget import stream_split
 from .registry import build_method, register
+from .requirements import Requirements
 from .tokens import Tokens
 
 _COMPOSED_PARAMS = ("sink", "window")
@@ -109,8 +112,6 @@ class Hybrid(Method):
 
     name = "hybrid"
     randomized = True  # through its coreset (Express and BalanceKV draw random signs)
-    needs_queries = True  # the default composition's (TOVA); an instance sets its own in __post_init__
-    needs_pre_rope_keys = True  # the default composition's (Compactor's leverage)
     default_sink = 0
     default_window = 0
     score: str | tuple[str, ...] = _DEFAULT_SCORE
@@ -158,10 +159,15 @@ class Hybrid(Method):
         self.coreset_method = build_method(self.coreset, **{**coreset_defaults, **(self.coreset_params or {})})
         parts = [*self.score_methods, self.coreset_method]
         for method in parts:
-            if method.needs_reconstruction:  # its queries come from a forward only the model integration runs for it alone
+            if method.requirements.needs("reconstruction"):  # its queries come from a forward only the model integration runs for it alone
                 raise ValueError(f"method {method.name!r} scores with its own reconstruction forward: it cannot be a part of the hybrid")
-        self.needs_queries = any(m.needs_queries for m in parts)
-        self.needs_pre_rope_keys = any(m.needs_pre_rope_keys for m in parts)
+
+    @property
+    def requirements(self) -> Requirements:
+        """Every part's inputs, a budget per head, and the modes every part runs in."""
+        parts = [*self.score_methods, self.coreset_method]
+        return Requirements(inputs=frozenset().union(*(m.requirements.inputs for m in parts)),
+                            modes=tuple(mode for mode in MODES if all(mode in m.requirements.modes for m in parts)))
 
     def parts(self) -> dict[str, Method]:
         return {"coreset_method": self.coreset_method}
@@ -200,7 +206,7 @@ class Hybrid(Method):
         # the others first and the kept last, each in original order
         order = first_true(~kept_mask, tokens.length)
         n_rest = tokens.length - n_kept
-        others = tokens if self.coreset_method.needs_pre_rope_keys else replace(tokens, pre_rope_keys=None)
+        others = tokens if self.coreset_method.requirements.needs("pre_rope_keys") else replace(tokens, pre_rope_keys=None)
         return tokens.select(order[..., n_rest:]), others.select(order[..., :n_rest])
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
@@ -215,22 +221,25 @@ class Hybrid(Method):
         return HybridState(self, budget, generator, self.stream_slack(slack))
 
 
-@saved("hybrid_state")
+@saved("hybrid_state", 2)
 class HybridState(BlockwiseState):
     """Streamed hybrid: the exact set buffered with amortised slack (`BlockwiseState`) and re-selected
     only at a re-compression, which hands every token it lets go to the coreset's stream.
 
-    Between updates it holds at most Σ n_i + ceil(slack·budget) exact slots (the slack counted on
-    the hybrid's whole budget) plus what the coreset's stream holds; every token seen is either held
-    exactly (weight 1) or covered by the coreset, so the weights add up to the tokens seen.
+    The hybrid's budget is split once (`budget.stream_split` on the whole budget): the room for the slack
+    and the block in progress, then the rest shared out as one-shot does (`Hybrid.split_budget`): Σ n_i
+    exact slots and the coreset's budget. The exact set's buffer holds at most Σ n_i + room slots, the
+    coreset's stream at most its budget (its own slack within it), so the state never stores more than
+    `budget` slots per head; every token seen is either held exactly (weight 1) or covered by the
+    coreset, so the weights add up to the tokens seen.
     """
 
     exact_within_budget = False  # the exact set re-compresses past its own share of the budget
 
     def __init__(self, method: Hybrid, budget: int, generator: torch.Generator, slack: float):
-        self.counts, self.coreset_slots = method.split_budget(budget)
-        super().__init__(method, sum(self.counts), generator, slack)
-        self.slack_slots = math.ceil(slack * budget)
+        target, room = stream_split(budget, slack)
+        self.counts, self.coreset_slots = method.split_budget(target)
+        super().__init__(method, sum(self.counts) + room, generator, slack, split=(sum(self.counts), room))
         coreset = method.coreset_method
         self.coreset = coreset.new_stream(self.coreset_slots, generator, slack if coreset.stream_recompresses else None)
 
@@ -241,8 +250,8 @@ class HybridState(BlockwiseState):
 
     def check_saved(self) -> None:
         super().check_saved()
-        if sum(self.counts) != self.budget:
-            raise ValueError(f"the exact set's counts {self.counts} do not add up to its budget {self.budget}")
+        if sum(self.counts) != self.target:
+            raise ValueError(f"the exact set's counts {self.counts} do not add up to its target {self.target}")
 
     def most_slots(self) -> int:
         """The tokens absorbed so far less the coreset's budget: the two together never allocate more than a full cache."""

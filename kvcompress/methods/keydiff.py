@@ -8,13 +8,16 @@ anchor; the `budget` highest-scoring (least typical) tokens per KV head are kept
 score are O(n·d) time and memory: no n×n matrix and no attention weights.
 
 Block prompt processing (Eq. 6): as a stream (`kvc.stream("keydiff", budget=N)`, or
-`generate(..., mode="chunked")`), blocks of B new tokens are appended to the N kept ones and the
-policy evicts back to N over everything held; with slack=0 after every block (stored KV peaks at
-sink + N + B (+ window) per head, the paper's protocol), by default once the buffer passes
-N + ceil(slack·N) (peak sink + N + ceil(slack·N) + B (+ window), linear total work; the
-block-wise state of `methods.base`). Either way the peak does not depend on the prompt length. One-shot `compress`
-scores all tokens at once (the paper's B = T case) unless `block_size` asks for the same block
-recursion offline.
+`generate(..., mode="chunked")`), new tokens are appended to the kept ones and the policy evicts
+over everything held, within N slots per head, the block being appended included (the block-wise
+state of `methods.base`, `budget.stream_split`): whenever the next tokens do not fit, what is held
+is evicted back to the target floor(N / (1 + slack)), and a block larger than the room left is
+appended in pieces. By default (slack 0.5) the target is 2N/3, linear total work; slack=0 evicts
+back to N - 1, one eviction per token once N are held. The paper's protocol (keep N', append a
+block of B, evict back to N') is budget N' + B with slack B/N' (each eviction runs as the next
+block arrives). In every case stored KV stays within sink + N (+ window) per head, whatever the
+prompt length. One-shot `compress` scores all tokens at once (the paper's B = T case) unless
+`block_size` asks for the same block recursion offline.
 
 Ablations of the paper (Sec. 4.3, Tables 2–3):
 - anchor="median": coordinate-wise median of the normalised keys instead of their mean.
@@ -103,7 +106,7 @@ class KeyDiff(ScoreMethod):
     normalize_anchor: build the anchor from unit keys (μ(K̂), default) or raw keys (μ(K));
     block_size: None scores all tokens of a one-shot call at once, an int runs the block
     recursion of Eq. 6 over them as chunked prefill does (the block-wise stream with its default
-    re-compression slack, compacted to `budget` at the end).
+    re-compression slack, within `budget` throughout, compacted at the end).
     """
 
     name = "keydiff"

@@ -57,6 +57,7 @@ import torch
 from ..checks import as_count
 from .base import ScoreMethod, StreamState
 from .registry import register
+from .requirements import Requirements
 from .tokens import Tokens
 
 # Largest number of float32 scores formed at once (per call) by `own_lse` and `reconstruction_scores`.
@@ -173,9 +174,7 @@ class KVzip(ScoreMethod):
     """
 
     name = "kvzip"
-    needs_queries = True
-    needs_reconstruction = True
-    modes = ("prefill",)
+    requirements = Requirements(inputs={"queries", "reconstruction"}, modes=("prefill",))
     default_sink = 4
     default_window = 0  # the reconstruction scores every context token; no exact window is needed
     reconstruction_chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -192,7 +191,7 @@ class KVzip(ScoreMethod):
                              f"times its l1 norm, or times its l1 norm over its head's mean), got {self.value_norm!r}")
 
     def check_mode(self, mode: str) -> None:
-        if mode not in self.modes:
+        if mode not in self.requirements.modes:
             raise ValueError(
                 f"method 'kvzip' runs in mode 'prefill' only, got mode={mode!r}: KVzip scores the context by reconstructing it "
                 "whole after its prefill (query-agnostic context reconstruction), which a stream of blocks ('chunked', 'decode') "

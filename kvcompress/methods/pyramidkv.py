@@ -10,6 +10,7 @@ import torch
 from ..summary import KVSummary
 from .base import ScoreMethod
 from .registry import register
+from .requirements import Requirements
 from .snapkv import pooled_observation_scores
 from .tokens import Tokens
 
@@ -43,7 +44,7 @@ class PyramidKV(ScoreMethod):
     (up to rounding)."""
 
     name = "pyramidkv"
-    needs_queries = True
+    requirements = Requirements(inputs={"queries"})
     beta: float = 20.0
     observation_window: int = 32
     kernel_size: int = 7

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .base import ScoreMethod
 from .registry import register
+from .requirements import Requirements
 from .tokens import Tokens, attention_mass
 
 
@@ -33,7 +34,7 @@ class SnapKV(ScoreMethod):
     """
 
     name = "snapkv"
-    needs_queries = True
+    requirements = Requirements(inputs={"queries"})
     observation_window: int = 32
     kernel_size: int = 7
 

@@ -29,15 +29,18 @@ class Stream(Saveable):
     """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
 
     update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
-    the method's state. A natively streaming method (Express, SubGen) stores at most `budget`
-    slots per head; ClusterGen's and BalanceKV's native streams hold at most budget +
-    ceil(slack·budget) between updates. A block-wise one (every score method, Compactor, the hybrid's exact
-    set) lets its buffer grow to budget + ceil(slack·budget) slots before compressing it back to
-    `budget`, so its cost stays linear in the stream length: between updates it stores at most
-    budget + ceil(slack·budget) slots, during one at most that plus the block. slack=None is
-    DEFAULT_SLACK; slack=0 re-compresses after every block; an explicit slack for a method that
-    never re-compresses is an error. compact() brings the state down to `budget` now (e.g. at the
-    end of a prompt). summary() is sink + method summary + window.
+    the method's state, which stores at most `budget` slots per head at every step, the block being
+    absorbed included (`methods.budget.stream_split`; PyramidKV's lower layers, which keep more,
+    aside: `BlockwiseState`). A natively streaming method (Express, SubGen) holds at most `budget`
+    by construction; ClusterGen's and BalanceKV's native streams keep their waiting work in the
+    room the slack leaves beside their target. A block-wise one (every score method, Compactor, the
+    hybrid's exact set) fills its buffer up to `budget` slots and compresses what is held back to
+    its target, floor(budget / (1 + slack)), when the next tokens do not fit (a block larger than
+    the room goes in in pieces), so its cost stays linear in the stream length. slack=None is
+    DEFAULT_SLACK; slack=0 leaves one slot of room (a re-compression at every token once the
+    buffer is full); an explicit slack for a method that never re-compresses is an error.
+    compact() gives back the room the state reserves for later tokens (e.g. at the end of a prompt).
+    summary() is sink + method summary + window.
 
     Every method streams exactly while it can: a state that is not exact by itself while it holds
     at most `budget` tokens (`StreamState.exact_within_budget`) gets the tokens leaving the window
@@ -101,8 +104,10 @@ class Stream(Saveable):
                 if part.keys.shape[:2] != (b, h) or part.keys.shape[-1] != d or part.values.shape[-1] != dv or part.keys.dtype != dtype:
                     raise ValueError(f"tokens {list(part.keys.shape)} {part.keys.dtype} do not match the stream's layout {self.layout}")
 
-    def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None) -> None:
-        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count).
+    def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None,
+               hidden_states=None) -> None:
+        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count);
+        hidden_states [B,H_kv,b,d_model] or None (`Tokens.hidden_states`: held with the tokens, window and buffer alike).
 
         Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
         inf is a ValueError on the CPU and a device-side assertion elsewhere (no host sync per block).
@@ -124,7 +129,9 @@ class Stream(Saveable):
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)
-        block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos, unrotate=self.unrotate)
+        block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos, unrotate=self.unrotate,
+                       hidden_states=hidden_states)
+        block = self.method.on_entry(block)
         self.seen += n
         have = self.head.length if self.head is not None else 0
         take = min(self.sink - have, n)
@@ -153,14 +160,17 @@ class Stream(Saveable):
         if self.exact is None:
             self.state.absorb(leaving)
             return
-        append_columns(self.exact, token_columns(leaving), most=min(self.budget, self.exact.length + leaving.length))
-        self.exact_last = leaving
-        if self.exact.length > self.budget:
-            held, slots, self.exact = self.exact_tokens(), self.exact, None
-            if isinstance(slots, QuantizedSlots):  # the held tokens keep the codes they were stored with
-                self.state.absorb(held, codes=slots)
-            else:
-                self.state.absorb(held)
+        if self.exact.length + leaving.length <= self.budget:
+            append_columns(self.exact, token_columns(leaving), most=self.exact.length + leaving.length)
+            self.exact_last = leaving
+            return
+        # past the budget: what is held and the block go to the state together (the buffer never holds more than budget)
+        slots, self.exact = self.exact, None
+        held = cat_tokens([tokens_from_columns(leaving, slots.view()), leaving]) if slots.length else leaving
+        if isinstance(slots, QuantizedSlots):  # the held tokens keep the codes they were stored with
+            self.state.absorb(held, codes=slots)
+        else:
+            self.state.absorb(held)
 
     def exact_tokens(self) -> Tokens:
         """The tokens held exactly, with the latest block's queries and exact neighbours."""
@@ -178,8 +188,8 @@ class Stream(Saveable):
         return concat(parts)
 
     def compact(self) -> None:
-        """Compress the method's state down to `budget` slots per head now (a no-op for native streams
-        and while the tokens are held exactly)."""
+        """Compact the method's state now (`StreamState.compact`: the room reserved for later tokens given back; a
+        no-op while the tokens are held exactly)."""
         if self.exact is None:
             self.state.compact()
 

@@ -277,11 +277,16 @@ class SubGenState(StreamState):
             self.centres, self.centre_values, self.num_keys, self.num_values, self.sample_keys, self.sample_values = tensors
 
     def nbytes(self) -> int:
+        """KV bytes: the keys and values of the centres and both sample sets (budget slots per head). Positions,
+        counts, radii and ‖v‖² are bookkeeping, counted apart (`index_nbytes`), as for every summary."""
+        return sum(x.numel() * x.element_size() for x in self.kv_tensors())
+
+    def index_nbytes(self) -> int:
+        """Bytes of the bookkeeping: positions, cluster counts and memberships, radii, ‖v‖² and the counters."""
         if self.shape is None:
             return 0
-        stored = (self.centres, self.centre_values, self.centre_pos, self.counts, self.live, self.delta,
-                  self.num_keys, self.num_values, self.num_pos, self.num_sq, self.mu,
-                  self.sample_keys, self.sample_values, self.sample_pos, self.sample_cluster, self.seen)
+        stored = (self.centre_pos, self.counts, self.live, self.delta, self.num_pos, self.num_sq, self.mu, self.sample_pos,
+                  self.sample_cluster, self.seen)
         return sum(x.numel() * x.element_size() for x in stored)
 
 

@@ -19,7 +19,7 @@ from ..saved_state import Count, Linked, Maybe, Real, Saveable, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, take_slots
 
 
-@saved("tokens")
+@saved("tokens", version=2)  # 2: hidden_states
 @dataclass
 class Tokens(Saveable):
     """Exact tokens handed to a method.
@@ -41,6 +41,15 @@ class Tokens(Saveable):
     extra_lse [B,H_q,n_q] float32 or None: per query, the log of Σ exp(s<q,k>) over keys it also
     attends to that are neither these tokens nor `exact_keys` (KVzip's reconstruction forward: the
     queries' own causal keys), so a method's softmax normaliser includes them (None: no such keys).
+    hidden_states [B,H_kv,n,d_model] (the model's dtype) or None: for each token, the hidden state the layer's
+    attention module received (after the layer's input norm), handed over only to a method that reads it
+    (`Requirements.inputs` "hidden_states"). Per KV head because a stream's heads keep different tokens: from the
+    model it is one [B, n, d_model] tensor broadcast over the heads (`per_head`, no copy), while a stream's buffer
+    stores it per head like any other column (H_kv·d_model more elements per token held, counted in its bytes).
+    `slice`, `select` and `cat_tokens` carry it along.
+    entry_scores [B,H_kv,n] float32 or None: scores a method gave each token when it entered a stream
+    (`Method.on_entry`), from inputs the stream then need not keep (KVzap's, from the hidden states): a per-token
+    scalar stored beside the positions, like them bookkeeping rather than KV bytes.
     """
 
     keys: torch.Tensor
@@ -57,6 +66,8 @@ class Tokens(Saveable):
     attention_mass: torch.Tensor | None = None
     unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     extra_lse: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    entry_scores: torch.Tensor | None = None
 
     saved_fields = {
         "keys": Tensor("B H n D"), "values": Tensor("B H n V"), "positions": Tensor("B H n", ("int64",)),
@@ -64,6 +75,7 @@ class Tokens(Saveable):
         "layer_idx": Maybe(Count()), "num_layers": Maybe(Count(1)), "query_positions": Maybe(Tensor("q", ("int64",))),
         "exact_keys": Maybe(Tensor("B H e D")), "exact_positions": Maybe(Tensor("B H e", ("int64",))),
         "attention_mass": Maybe(Tensor("B H n")), "unrotate": Linked("unrotate"), "extra_lse": Maybe(Tensor("B Q q")),
+        "hidden_states": Maybe(Tensor("B H n M")), "entry_scores": Maybe(Tensor("B H n", ("float32",))),
     }
 
     @classmethod
@@ -84,6 +96,8 @@ class Tokens(Saveable):
         """Tokens start:stop along the token axis (queries kept as they are)."""
         pre = self.pre_rope_keys[:, :, start:stop] if self.pre_rope_keys is not None else None
         mass = self.attention_mass[:, :, start:stop] if self.attention_mass is not None else None
+        hidden = self.hidden_states[:, :, start:stop] if self.hidden_states is not None else None
+        entry = self.entry_scores[:, :, start:stop] if self.entry_scores is not None else None
         return replace(
             self,
             keys=self.keys[:, :, start:stop],
@@ -91,6 +105,8 @@ class Tokens(Saveable):
             positions=self.positions[:, :, start:stop],
             pre_rope_keys=pre,
             attention_mass=mass,
+            hidden_states=hidden,
+            entry_scores=entry,
         )
 
     def exact(self) -> KVSummary:
@@ -101,11 +117,14 @@ class Tokens(Saveable):
         over all the tokens, so a later score method computes the subset's own. keys_values=False (for a
         method whose `reads_keys_values` is False): keys and values are empty [B,H,k,0] placeholders."""
         pre = take_slots(self.pre_rope_keys, index) if self.pre_rope_keys is not None else None
+        hidden = take_slots(self.hidden_states, index) if self.hidden_states is not None else None
+        entry = take_slots(self.entry_scores, index) if self.entry_scores is not None else None
         if keys_values:
             keys, values = take_slots(self.keys, index), take_slots(self.values, index)
         else:
             keys, values = self.keys.new_empty((*index.shape, 0)), self.values.new_empty((*index.shape, 0))
-        return replace(self, keys=keys, values=values, positions=take_slots(self.positions, index), pre_rope_keys=pre, attention_mass=None)
+        return replace(self, keys=keys, values=values, positions=take_slots(self.positions, index), pre_rope_keys=pre, attention_mass=None,
+                       hidden_states=hidden, entry_scores=entry)
 
     def pre_rope(self) -> torch.Tensor | None:
         """Pre-RoPE keys [B,H_kv,n,d]: the given ones, else computed by `unrotate` (None without either)."""
@@ -115,14 +134,18 @@ class Tokens(Saveable):
 
 
 def cat_tokens(parts: list[Tokens]) -> Tokens:
-    """Concatenate token bundles along the token axis; queries from the last part; pre-RoPE keys and
-    attention mass when every part has them (else None)."""
+    """Concatenate token bundles along the token axis; queries from the last part; pre-RoPE keys, attention mass,
+    hidden states and entry scores when every part has them (else None)."""
     last = parts[-1]
-    pre = mass = None
+    pre = mass = hidden = entry = None
     if all(p.pre_rope_keys is not None for p in parts):
         pre = torch.cat([p.pre_rope_keys for p in parts], 2)
     if all(p.attention_mass is not None for p in parts):
         mass = torch.cat([p.attention_mass for p in parts], 2)
+    if all(p.hidden_states is not None for p in parts):
+        hidden = torch.cat([p.hidden_states for p in parts], 2)
+    if all(p.entry_scores is not None for p in parts):
+        entry = torch.cat([p.entry_scores for p in parts], 2)
     return replace(
         last,
         keys=torch.cat([p.keys for p in parts], 2),
@@ -130,20 +153,34 @@ def cat_tokens(parts: list[Tokens]) -> Tokens:
         positions=torch.cat([p.positions for p in parts], 2),
         pre_rope_keys=pre,
         attention_mass=mass,
+        hidden_states=hidden,
+        entry_scores=entry,
     )
 
 
+def per_head(hidden_states: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """hidden_states [B, n, d_model] as `Tokens.hidden_states` takes them, [B, heads, n, d_model] (a broadcast view, no
+    copy); None stays None."""
+    return None if hidden_states is None else hidden_states.unsqueeze(1).expand(-1, heads, -1, -1)
+
+
 def token_columns(tokens: Tokens) -> tuple[torch.Tensor, ...]:
-    """The per-token tensors [B,H,n,...] a stream stores: keys, values, positions, and pre-RoPE keys when given
-    (not when `tokens.unrotate` can recompute them)."""
-    base = (tokens.keys, tokens.values, tokens.positions)
-    return base if tokens.pre_rope_keys is None or tokens.unrotate is not None else (*base, tokens.pre_rope_keys)
+    """The per-token tensors [B,H,n,...] a stream stores: keys, values, positions, pre-RoPE keys when given (not when
+    `tokens.unrotate` can recompute them), hidden states and entry scores when given."""
+    columns = [tokens.keys, tokens.values, tokens.positions]
+    if tokens.pre_rope_keys is not None and tokens.unrotate is None:
+        columns.append(tokens.pre_rope_keys)
+    if tokens.hidden_states is not None:
+        columns.append(tokens.hidden_states)
+    if tokens.entry_scores is not None:
+        columns.append(tokens.entry_scores)
+    return tuple(columns)
 
 
 def append_columns(slots: _GrowingSlots | QuantizedSlots, columns: tuple[torch.Tensor, ...], **allocation) -> None:
     """Append a block's `token_columns` (plus any extra ones) to a buffer (`_GrowingSlots.append` options)."""
     if slots.length and len(columns) != slots.width:
-        raise ValueError("a stream's updates must all pass pre_rope_keys or all leave them out")
+        raise ValueError("a stream's updates must all pass pre_rope_keys (and hidden_states) or all leave them out")
     slots.append(columns, **allocation)
 
 
@@ -151,8 +188,10 @@ def tokens_from_columns(last: Tokens, columns: tuple[torch.Tensor, ...]) -> Toke
     """The tokens whose `token_columns` (and extra columns after them) are `columns`, with the latest
     block's queries and exact neighbours (`last`)."""
     keys, values, positions, *extra = columns
-    pre = extra[0] if last.pre_rope_keys is not None and last.unrotate is None else None
-    return replace(last, keys=keys, values=values, positions=positions, pre_rope_keys=pre)
+    pre = extra.pop(0) if last.pre_rope_keys is not None and last.unrotate is None else None
+    hidden = extra.pop(0) if last.hidden_states is not None else None
+    entry = extra.pop(0) if last.entry_scores is not None else None
+    return replace(last, keys=keys, values=values, positions=positions, pre_rope_keys=pre, hidden_states=hidden, entry_scores=entry)
 
 
 def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import torch
 from ..attention import AVERAGES
 from .base import ScoreMethod
 from .registry import register
+from .requirements import Requirements
 from .tokens import Tokens, attention_mass
 
 
@@ -29,7 +30,7 @@ class TOVA(ScoreMethod):
     """
 
     name = "tova"
-    needs_queries = True
+    requirements = Requirements(inputs={"queries"})
     default_sink = 0
     default_window = 0
     average: str = "layer"

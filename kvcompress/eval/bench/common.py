@@ -64,7 +64,8 @@ def fit_exponent(sizes: Sequence[float], values: Sequence[float]) -> tuple[float
 
 
 def synthetic_layer(shape: Shape, n: int, generator: torch.Generator, dtype=torch.float32, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Random post-RoPE keys/values/queries [1, H, n, d] and pre-RoPE keys for one layer of `shape`, on `device` in `dtype`.
+    """Random post-RoPE keys/values/queries [1, H, n, d], pre-RoPE keys, and hidden states [1, H_kv, n, H_q·d] (one per
+    token, the same for every head) for one layer of `shape`, on `device` in `dtype`.
 
     Drawn on the CPU from `generator` (the same numbers on every device), then moved.
 
@@ -85,6 +86,7 @@ def synthetic_layer(shape: Shape, n: int, generator: torch.Generator, dtype=torc
         "values": torch.randn(1, h, n, shape.head_dim, generator=generator).to(device, dtype),
         "queries": draw(hq),
         "pre_rope_keys": draw(h),
+        "hidden_states": torch.randn(1, 1, n, hq * d, generator=generator).to(device, dtype).expand(1, h, n, hq * d),
     }
 
 

@@ -22,22 +22,24 @@ def exact_attention_pass(layer: dict[str, torch.Tensor]) -> torch.Tensor:
 def natively_streaming(method: str) -> bool:
     """True when the method has its own streaming state (not the block-wise replay of its one-shot form)."""
     from ...methods.base import Method
-    from ...methods.registry import get_method_class
+    from ...methods.registry import build_method
 
-    cls = get_method_class(method)
-    return cls.new_stream is not Method.new_stream and "chunked" in cls.modes  # KVzip's new_stream only refuses
+    built = build_method(method)
+    return type(built).new_stream is not Method.new_stream and "chunked" in built.requirements.modes  # KVzip's new_stream only refuses
 
 
 def method_inputs(method: str, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The optional inputs the method needs: queries and/or pre-RoPE keys."""
-    from ...methods.registry import get_method_class
+    """The optional inputs the method needs: queries, pre-RoPE keys, hidden states."""
+    from ...methods.registry import build_method
 
-    cls = get_method_class(method)
+    needs = build_method(method).requirements.needs
     out = {}
-    if cls.needs_queries:
+    if needs("queries"):
         out["queries"] = layer["queries"]
-    if cls.needs_pre_rope_keys:
+    if needs("pre_rope_keys"):
         out["pre_rope_keys"] = layer["pre_rope_keys"]
+    if needs("hidden_states"):
+        out["hidden_states"] = layer["hidden_states"]
     return out
 
 
@@ -63,8 +65,8 @@ def streamed(method: str, layer: dict[str, torch.Tensor], compression_ratio: flo
              slack: float | None = None) -> Callable[[], object]:
     """A call feeding the layer to a fresh `kvc.stream` (sink = window = 0, re-compression `slack`:
     None is the default) in blocks of `block` tokens, each with its own queries, then compacting it
-    to its budget (so it ends with the same number of slots as one-shot compression); the call
-    returns the stream."""
+    (the room it reserves for later blocks given back: it ends with at most the budget, as one-shot
+    compression keeps); the call returns the stream."""
     from ...api import stream
 
     n = layer["keys"].shape[2]
@@ -94,9 +96,9 @@ def _timing_row(shape: Shape, n: int, method: str, kind: str, times: list[float]
 
 def _streams(method: str) -> bool:
     """Whether the method has a stream (a prefill-only method, KVzip, has none)."""
-    from ...methods.registry import get_method_class
+    from ...methods.registry import build_method
 
-    return "chunked" in get_method_class(method).modes
+    return "chunked" in build_method(method).requirements.modes
 
 
 def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:

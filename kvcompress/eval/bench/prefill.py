@@ -85,12 +85,12 @@ def prefill_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], Non
     `overhead_min` charges to the method, and paired runs share the machine's load. on_rows gets the
     rows so far after each prefill.
     """
-    from ...methods.registry import get_method_class
+    from ...methods.registry import build_method
 
     methods, ratio = config.methods, config.prefill_ratio
     ids = context_ids(tokenizer, config.prefill_tokens)
     prefill_seconds(model, ids[:, :256], None, ratio)  # warm-up: first calls pay allocation and dispatch setup
-    mass_methods = {m for m in methods if get_method_class(m).needs_attention_mass}
+    mass_methods = {m for m in methods if build_method(m).requirements.needs("attention_mass")}
     kernel = {"sdpa_s": 0.0, "fused_s": 0.0, "fused_extra_s": 0.0}
     if mass_methods:
         kernel = fused_attention_cost(model, ids, config.kernel_repeats)

@@ -19,9 +19,9 @@ def throughput_rows(config: BenchConfig, log: Callable[[str], None] = print) -> 
 
     Synthetic tensors of config.throughput_shape: throughput_tokens tokens fed in blocks of `block`
     (each block with its own queries and pre-RoPE keys), half of them kept (no sink or window), then
-    compacted to the budget (`streamed`). tokens_per_s is tokens over the min of throughput_repeats
-    runs; methods take turns within each repeat (in reverse every other repeat), so load changes of
-    a shared machine hit all of them. KeyDiff is always measured.
+    compacted (`streamed`). tokens_per_s is tokens over the min of throughput_repeats runs; methods
+    take turns within each repeat (in reverse every other repeat), so load changes of a shared
+    machine hit all of them. KeyDiff is always measured.
     """
     shape, tokens, block, seed = config.throughput_shape, config.throughput_tokens, config.block, config.seed
     order = [REFERENCE, *[m for m in config.methods if m != REFERENCE]]

@@ -1,0 +1,100 @@
+"""What one answer costs: `kvc.generate` with a method against a plain transformers `model.generate` of the same prompt
+tokens, on the default model, in one process at one thread count (the ratio is what is reported).
+
+For each context length (real prose, `eval.capture.prose_text`, cut to the length in tokens) the prompt is built once
+(`build_prompt`, the layout `kvc.generate` uses), then, `--repeats` times in turn, a plain greedy `model.generate` of
+those ids and every (method, mode) answer `--new-tokens` tokens (no stop at the end of text, so every call writes as
+many). The median seconds per call and its ratio to the plain generate's median are written to OUT as CSV, with the
+machine, threads and date:
+
+    .venv/bin/python benchmarks/default_cost.py --lengths 2048,4096,8192 --methods default,kvzap --threads 1 \\
+        --out benchmarks/results/default_cost.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.eval.capture import prose_text
+from kvcompress.integration import build_prompt
+
+QUESTION = "What is the main subject of the text above? Answer in one sentence."
+# name -> (method, method_params, exact sink/window settings)
+VARIANTS = {
+    "default": ("default", {}, {}),
+    "kvzap": ("kvzap", {}, {}),
+    "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
+    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),
+    "snapkv": ("snapkv", {}, {}),
+}
+
+
+def context_of(tokenizer, tokens: int) -> str:
+    ids = tokenizer(prose_text(n_chars=6 * tokens), add_special_tokens=False)["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="2048,4096,8192")
+    p.add_argument("--methods", default="default", help=f"comma-separated, among {','.join(VARIANTS)}")
+    p.add_argument("--modes", default="prefill,chunked,decode")
+    p.add_argument("--ratio", type=float, default=0.75)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = kvc.load_model()
+    rows = []
+    for length in map(int, args.lengths.split(",")):
+        context = context_of(tokenizer, length)
+        context_ids, question_ids = build_prompt(tokenizer, context, QUESTION)
+        prompt = torch.cat([context_ids, question_ids], 1)
+        cells = [(m, mode) for m in args.methods.split(",") for mode in args.modes.split(",")]
+        times: dict[tuple[str, str], list[float]] = {cell: [] for cell in [("plain", "generate"), *cells]}
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                               do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            times[("plain", "generate")].append(time.perf_counter() - start)
+            for name, mode in list(cells):
+                method, params, exact = VARIANTS[name]
+                start = time.perf_counter()
+                try:
+                    kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=args.ratio,
+                                 mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
+                except ValueError as error:  # a variant that does not run in this mode (e.g. scope "model" streams not)
+                    print(f"{name} {mode}: {error}")
+                    times.pop((name, mode), None)
+                    cells.remove((name, mode))
+                    continue
+                times[(name, mode)].append(time.perf_counter() - start)
+        plain = statistics.median(times[("plain", "generate")])
+        for (name, mode), seconds in times.items():
+            row = {"tokens": prompt.shape[1], "context_tokens": length, "method": name, "mode": mode, "ratio": args.ratio,
+                   "median_s": round(statistics.median(seconds), 3), "over_plain": round(statistics.median(seconds) / plain, 3),
+                   "repeats": args.repeats, "new_tokens": args.new_tokens, "threads": args.threads,
+                   "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+                   "date": time.strftime("%Y-%m-%d")}
+            rows.append(row)
+            print(row, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Choosing the default on tuning samples: needles in the tuning prose (`niah_prose(split="tuning")`, seeds from
+`TUNING_SEEDS`), each answered by the full cache and by every variant at one compression ratio, with each answer's
+time, so quality and cost are read from one run (same process, same thread count).
+
+Appends one JSON line per (variant, mode, seed, length) to OUT (a rerun skips what is there) and prints, per variant
+and mode, the full cache's hits it keeps (paired per needle) and the median time per answer ÷ the full cache's:
+
+    .venv/bin/python benchmarks/tuning/kvzap_default.py --out benchmarks/results/tuning/kvzap_default.jsonl \\
+        --lengths 2048 --seeds 1000-1011 --ratio 0.75 --threads 1 --prompt-layout newline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose, score
+
+# name -> (method, method_params, exact sink/window settings, modes)
+VARIANTS = {
+    "full": (None, {}, {}, ("prefill",)),
+    "adakv_kvzip_refit": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
+                          {"window": 0}, ("prefill",)),
+    "kvzap": ("kvzap", {}, {}, ("prefill", "chunked", "decode")),
+    "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}, ("prefill", "chunked", "decode")),
+    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}, ("prefill",)),
+    "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),
+}
+
+
+def seed_range(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--lengths", default="2048")
+    p.add_argument("--seeds", default="1000-1011")
+    p.add_argument("--ratio", type=float, default=0.75)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--modes", default="prefill,chunked")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=24, help="answer tokens (enough for the whole answer sentence)")
+    p.add_argument("--prompt-layout", default="newline", help="how the question follows the context (kvc.generate's prompt_layout)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    seeds = seed_range(args.seeds)
+    if not set(seeds) <= set(TUNING_SEEDS):
+        raise SystemExit(f"--seeds must be tuning seeds ({TUNING_SEEDS})")
+    model, tokenizer = kvc.load_model()
+    done = set()
+    if args.out.exists():
+        done = {(r["variant"], r["mode"], r["seed"], r["length"]) for r in map(json.loads, args.out.read_text().splitlines())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    modes = args.modes.split(",")
+    for length in map(int, args.lengths.split(",")):
+        for seed in seeds:
+            sample = niah_prose(length, depth=((seed - 1000) * 0.618) % 1.0, seed=seed, tokenizer=tokenizer, split="tuning")
+            for name in args.variants.split(","):
+                method, params, exact, variant_modes = VARIANTS[name]
+                for mode in (m for m in modes if m in variant_modes):
+                    if (name, mode, seed, length) in done:
+                        continue
+                    ratio = 0.0 if method is None else args.ratio
+                    settings = {"method": None} if method is None else dict(method=method, method_params=params, compression_ratio=ratio, **exact)
+                    start = time.perf_counter()
+                    res = kvc.generate(model, tokenizer, sample.context, sample.question, mode=mode, max_new_tokens=args.new_tokens, progress=False,
+                                       prompt_layout=args.prompt_layout, **settings)
+                    seconds = time.perf_counter() - start
+                    row = {"variant": name, "mode": mode, "seed": seed, "length": length, "ratio": ratio, "hit": score(sample, res.text),
+                           "seconds": round(seconds, 3), "text": res.text, "answers": sample.answers, "kv_bytes": res.kv_bytes,
+                           "kv_bytes_full": res.kv_bytes_full, "threads": args.threads, "prompt_layout": args.prompt_layout, "date": time.strftime("%Y-%m-%d")}
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(json.dumps({k: row[k] for k in ("variant", "mode", "seed", "hit", "seconds", "text")}), flush=True)
+    summarise(args.out)
+
+
+def summary_rows(path: Path) -> list[dict]:
+    """Per (variant, mode): the needles the full cache finds that it also finds (paired per needle), and the median of its
+    time per answer ÷ the full cache's on the same needle."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    full = {(r["seed"], r["length"]): r for r in rows if r["variant"] == "full"}
+    found = {k for k, r in full.items() if r["hit"] >= 1}
+    out = []
+    for variant, mode in sorted({(r["variant"], r["mode"]) for r in rows}):
+        mine = {(r["seed"], r["length"]): r for r in rows if (r["variant"], r["mode"]) == (variant, mode)}
+        paired = [k for k in found if k in mine]
+        out.append({"variant": variant, "mode": mode, "needles": len(mine), "full_cache_hits": len(paired),
+                    "hits_kept": sum(1 for k in paired if mine[k]["hit"] >= 1),
+                    "median_time_over_full": round(statistics.median(mine[k]["seconds"] / full[k]["seconds"] for k in mine if k in full), 2)})
+    return out
+
+
+def summarise(path: Path) -> None:
+    for row in summary_rows(path):
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""`kvcompress train-scorer`: fit KVzap's surrogates (`methods.kvzap`) to the project's own KVzip scores on text the
+standard library ships, and save them as a scorer file for `--method kvzap --method-params scorer=FILE`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .common import add_device_args, add_model_arg, add_threads_arg, count, resolve_device
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train-scorer", help="fit KVzap's learned KVzip scores for a model (arXiv 2601.07891)",
+        description="Compute KVzip's scores (a prefill and the reconstruction forwards) of training contexts made of "
+        "standard-library docstrings (eval.capture.SCORER_TRAINING_MODULES, disjoint from every evaluation text), fit one "
+        "surrogate per layer and KV head from each token's hidden state to its score, report the fit's Spearman "
+        "correlation per layer on tuning contexts (the tuning prose, eval.capture.DOCSTRING_MODULES) and save it.",
+    )
+    p.add_argument("--kind", choices=("linear", "mlp"), default="linear", help="surrogate: ridge-regressed linear map or a "
+                   "2-layer MLP (default linear)")
+    p.add_argument("--tokens", type=count(16), default=2048, help="tokens per training context, >= 16 (default 2048)")
+    p.add_argument("--contexts", type=count(1), default=10, help="training contexts, >= 1 (default 10)")
+    p.add_argument("--tuning-contexts", type=count(1), default=1, help="tuning contexts the fit is reported on (default 1)")
+    p.add_argument("--mlp-width", type=count(1), default=16, help="hidden units per head of --kind mlp (default 16)")
+    p.add_argument("--steps", type=count(1), default=300, help="Adam steps of --kind mlp (default 300)")
+    p.add_argument("--seed", type=int, default=0, help="order of the training paragraphs and the MLP's initialisation")
+    p.add_argument("--out", type=Path, required=True, help="where to write the scorer (safetensors)")
+    add_model_arg(p)
+    add_device_args(p)
+    add_threads_arg(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    import torch
+
+    from ..eval.capture import DOCSTRING_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
+    from ..integration import load_model
+    from ..integration.scorer_training import fidelity, scoring_pairs, training_contexts
+    from ..methods.kvzap import fit_surrogate
+
+    if not args.out.parent.is_dir():
+        raise ValueError(f"--out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    tuning_text = docstring_paragraphs(DOCSTRING_MODULES)
+    held_apart = set(tuning_text)
+    training_text = [p for p in docstring_paragraphs(SCORER_TRAINING_MODULES) if p not in held_apart]
+    train = scoring_pairs(model, tokenizer, training_contexts(tokenizer, training_text, args.tokens, args.contexts, args.seed),
+                          progress=print)
+    tuning = scoring_pairs(model, tokenizer, training_contexts(tokenizer, tuning_text, args.tokens, args.tuning_contexts, args.seed))
+    name = getattr(model.config, "_name_or_path", "") or ""
+    surrogate = fit_surrogate(train.hidden, train.targets, args.kind, mlp_width=args.mlp_width, steps=args.steps, seed=args.seed,
+                              model=Path(name).name if name else "")
+    per_layer = fidelity(surrogate, tuning)
+    seconds = time.perf_counter() - start
+    meta = {"kind": args.kind, "seed": args.seed, "tokens_per_context": args.tokens, "training_tokens": int(train.hidden[surrogate.layers[0]].shape[0]),
+            "training_text": "eval.capture.SCORER_TRAINING_MODULES", "tuning_text": "eval.capture.DOCSTRING_MODULES",
+            "tuning_tokens": int(tuning.hidden[surrogate.layers[0]].shape[0]),
+            "tuning_spearman": {str(k): round(v, 4) for k, v in per_layer.items()}, "seconds": round(seconds, 1),
+            "threads": torch.get_num_threads(), "mlp_width": args.mlp_width if args.kind == "mlp" else None,
+            "steps": args.steps if args.kind == "mlp" else None}
+    surrogate = type(surrogate)(**{**surrogate.__dict__, "meta": meta})
+    surrogate.save(args.out)
+    values = list(per_layer.values())
+    print(f"{args.kind} surrogate of {len(values)} layers, Spearman on tuning text: mean {sum(values) / len(values):.3f}, "
+          f"min {min(values):.3f}; {meta['training_tokens']} training tokens, {seconds:.0f} s on {meta['threads']} threads -> {args.out}")
+    return 0

@@ -1,0 +1,319 @@
+"""KVzap: learned KVzip scores, computed from what a layer already has when a token enters the cache.
+
+Jégou and Jeblick, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arXiv 2601.07891.
+
+KVzip (Kim et al., arXiv 2505.23416; `methods.kvzip`) scores a context token by the largest attention it receives
+while the model repeats the context: query-agnostic and accurate, but it costs a second forward over the whole
+context and needs the context at once. KVzap trains a small surrogate per layer to predict that score from the
+token's own layer input, so that a token is scored the moment it enters the cache, in one-shot and streaming modes
+alike, for a few multiply-adds per token.
+
+The surrogate (`Surrogate`) maps each token's hidden state at the layer's input (after the layer's input norm: what
+the attention module receives, `Tokens.hidden_states`) to one score per KV head, either linearly (W x + b) or through a
+2-layer MLP (W2 gelu(W1 x + b1) + b2), the input's standardisation folded into the first layer. On tuning text the
+hidden states predicted KVzip's scores better than the layer's own keys or keys and values (`docs/design.md`, "KVzap").
+Its target is KVzip's log-score (`integration.scorer_training`), a log-probability on the same scale in every layer
+and head, so heads or layers can share a budget by score (`AdaKV(scorer=KVzap())`).
+
+A token is scored once, when it enters: in prefill mode from the context's hidden states, in a stream as each block
+arrives (`on_entry`: the stream keeps the score, one number per head, and never the hidden state), so the same scorer
+runs in prefill, chunked and decode modes within the stream's memory, with no second forward.
+
+Two ways to keep tokens:
+- a budget (the compression ratio): the top `budget` per head (`ScoreMethod.compress`), in every mode;
+- KVzap's threshold (`threshold`, a log-score): a token is kept when its predicted score is at least the threshold,
+  within the budget (a ratio of 0 sets no budget, so the threshold alone decides); heads keep different numbers of
+  tokens, stored ragged, and the realised ratio is what the stored summary holds. Mode "prefill" only.
+
+Weights: `kvcompress train-scorer` fits them (`integration.scorer_training`); the default model's ship with the
+package (`SHIPPED`), any other model's load from a path (`scorer=`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .adakv import kept_summary
+from .base import ScoreMethod, top_index
+from .registry import register
+from .requirements import Requirements
+from .tokens import Tokens
+
+SURROGATE_FORMAT = "kvcompress-kvzap-surrogate"
+SURROGATE_VERSION = 1
+KINDS = ("linear", "mlp")
+# scorer="default": the weights shipped for the default model, in the package's `scorers` folder
+SHIPPED = {"default": "smollm2-135m-kvzap.safetensors"}
+TRAIN_COMMAND = "kvcompress train-scorer --out FILE"
+
+
+class SurrogateError(ValueError):
+    """A scorer file that cannot be used: missing, unreadable, of another format, or of another model's shapes."""
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """Per-layer, per-KV-head surrogates of one model, stacked over its full-attention layers.
+
+    Each head's surrogate reads a token's hidden state at the layer's input (width d_model). kind: "linear" or "mlp". layers: the model's layer index of each row of the stacks. first_weight [L, H_kv, d_in, h]
+    and first_bias [L, H_kv, h] (h = 1 for "linear"); second_weight [L, H_kv, h, 1] and second_bias [L, H_kv, 1]
+    ("mlp" only, else None); float32, the input's standardisation folded in. model: the name of the model the weights
+    were trained on; meta: how they were trained (text, seed, fidelity), as recorded.
+    """
+
+    kind: str
+    layers: tuple[int, ...]
+    first_weight: torch.Tensor
+    first_bias: torch.Tensor
+    second_weight: torch.Tensor | None = None
+    second_bias: torch.Tensor | None = None
+    model: str = ""
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.first_weight.shape[1]
+
+    @property
+    def input_width(self) -> int:
+        return self.first_weight.shape[2]
+
+    def row(self, layer_idx: int | None) -> int:
+        """The stacks' row of model layer `layer_idx` (a clear error for a layer the file has no surrogate for)."""
+        if layer_idx not in self.layers:
+            raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) has no surrogate for layer {layer_idx}: it "
+                                 f"covers layers {list(self.layers)}; a cache passes each layer's index (kvc.compress takes "
+                                 f"layer=(layer_idx, num_layers)); for another model train a scorer with `{TRAIN_COMMAND}`")
+        return self.layers.index(layer_idx)
+
+    def predict(self, inputs: torch.Tensor, layer_idx: int | None) -> torch.Tensor:
+        """[B, H_kv, n] float32: predicted KVzip log-scores at layer `layer_idx` of inputs [B, H_kv, n, d_in] (any float dtype;
+        head h's rows are what head h's surrogate reads)."""
+        if inputs.shape[1] != self.kv_heads or inputs.shape[-1] != self.input_width:
+            raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) reads hidden states of width {self.input_width} "
+                                 f"for {self.kv_heads} KV heads, got {inputs.shape[1]} heads of width {inputs.shape[-1]}: it "
+                                 f"belongs to another model; train one for this model with `{TRAIN_COMMAND}`")
+        i = self.row(layer_idx)
+        device = inputs.device
+        out = torch.matmul(inputs.float(), self.first_weight[i].to(device)) + self.first_bias[i].to(device).unsqueeze(1)
+        if self.kind == "mlp":
+            out = torch.matmul(torch.nn.functional.gelu(out), self.second_weight[i].to(device)) + self.second_bias[i].to(device).unsqueeze(1)
+        return out.squeeze(-1)
+
+    def save(self, path: str | Path) -> None:
+        """Write the weights as safetensors, with their format, kind, layers, model and meta in its metadata."""
+        from safetensors.torch import save_file
+
+        tensors = {"first_weight": self.first_weight, "first_bias": self.first_bias}
+        if self.kind == "mlp":
+            tensors |= {"second_weight": self.second_weight, "second_bias": self.second_bias}
+        header = {"format": SURROGATE_FORMAT, "version": str(SURROGATE_VERSION), "kind": self.kind,
+                  "layers": json.dumps(list(self.layers)), "model": self.model, "meta": json.dumps(self.meta, sort_keys=True)}
+        save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(path), metadata=header)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Surrogate":
+        """The weights in `path` (written by `save`), checked whole: a `SurrogateError` naming the file and what is wrong."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise SurrogateError(f"KVzap scorer file {str(path)!r} does not exist; train one with `{TRAIN_COMMAND}`")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as error:  # safetensors raises its own types for a damaged file
+            raise SurrogateError(f"KVzap scorer file {str(path)!r} is not a readable safetensors file ({error})") from None
+        return cls.from_parts(header, tensors, str(path))
+
+    @classmethod
+    def from_parts(cls, header: dict, tensors: dict, source: str) -> "Surrogate":
+        """Check a file's metadata and tensors against the format, then build (`load`)."""
+        def fail(what):
+            raise SurrogateError(f"KVzap scorer file {source!r}: {what}")
+
+        if header.get("format") != SURROGATE_FORMAT:
+            fail(f"format {header.get('format')!r}, expected {SURROGATE_FORMAT!r} (written by `kvcompress train-scorer`)")
+        if header.get("version") != str(SURROGATE_VERSION):
+            fail(f"version {header.get('version')!r}; this kvcompress reads version {SURROGATE_VERSION}: train it again")
+        if header.get("kind") not in KINDS:
+            fail(f"kind {header.get('kind')!r}: expected one of {KINDS}")
+        try:
+            layers, meta = tuple(json.loads(header.get("layers", ""))), json.loads(header.get("meta", "{}"))
+        except ValueError:
+            fail("layers and meta must be JSON")
+        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) or len(set(layers)) != len(layers):
+            fail(f"layers must be distinct layer indices, got {header.get('layers')!r}")
+        names = {"first_weight", "first_bias"} | ({"second_weight", "second_bias"} if header["kind"] == "mlp" else set())
+        if set(tensors) != names:
+            fail(f"tensors {sorted(tensors)}, expected {sorted(names)} for kind {header['kind']!r}")
+        w1, b1 = tensors["first_weight"], tensors["first_bias"]
+        shapes_ok = w1.ndim == 4 and w1.shape[0] == len(layers) and min(w1.shape) >= 1 and tuple(b1.shape) == (*w1.shape[:2], w1.shape[3])
+        if header["kind"] == "mlp":
+            w2, b2 = tensors["second_weight"], tensors["second_bias"]
+            shapes_ok = shapes_ok and tuple(w2.shape) == (*w1.shape[:2], w1.shape[3], 1) and tuple(b2.shape) == (*w1.shape[:2], 1)
+        else:
+            shapes_ok = shapes_ok and w1.shape[3] == 1
+        if not shapes_ok:
+            fail("tensor shapes " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in sorted(tensors.items())) + f" do not fit {len(layers)} layers")
+        if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in tensors.values()):
+            fail("weights must be finite floating-point numbers")
+        return cls(header["kind"], layers, w1.float(), b1.float(), tensors.get("second_weight"),
+                   tensors.get("second_bias"), header.get("model", ""), meta)
+
+
+def shipped_path(name: str) -> Path:
+    """The path of a scorer shipped in the package (`SHIPPED`)."""
+    return Path(str(resources.files("kvcompress") / "scorers" / SHIPPED[name]))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, mtime_ns: int) -> Surrogate:
+    return Surrogate.load(path)
+
+
+def load_surrogate(scorer: str) -> Surrogate:
+    """The surrogate `scorer` names: a key of `SHIPPED` (the package's own weights) or the path of a file `train-scorer`
+    wrote. Loaded once per file version (a file rewritten in place is read again)."""
+    path = shipped_path(scorer) if scorer in SHIPPED else Path(scorer)
+    if not path.is_file():
+        raise SurrogateError(f"KVzap scorer file {str(path)!r} does not exist: scorer takes {sorted(SHIPPED)} (the weights shipped "
+                             f"for the default model) or the path of a file written by `{TRAIN_COMMAND}`")
+    return _load_cached(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+@register
+@dataclass
+class KVzap(ScoreMethod):
+    """Keep the tokens a learned surrogate of KVzip's score ranks highest (module docstring).
+
+    scorer: "default" (the weights shipped for the default model) or the path of a file written by
+    `kvcompress train-scorer`. threshold: None (keep the top `budget` per head, every mode), or a log-score: keep each
+    token the surrogate scores at least this high, within the budget (KVzap's rule; heads keep different numbers of
+    tokens; mode "prefill" only).
+    """
+
+    name = "kvzap"
+    default_sink = 4
+    default_window = 64
+    scorer: str = "default"
+    threshold: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.scorer, (str, os.PathLike)) or not str(self.scorer):
+            raise ValueError(f"scorer must be {sorted(SHIPPED)} or the path of a KVzap scorer file, got {self.scorer!r}")
+        self.scorer = str(self.scorer)
+        if self.threshold is not None:
+            if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
+                raise ValueError(f"threshold must be a finite log-score (e.g. -6.0) or None, got {self.threshold!r}")
+            self.threshold = float(self.threshold)
+        self.surrogate = load_surrogate(self.scorer)
+
+    @property
+    def requirements(self) -> Requirements:
+        """The hidden states; with a threshold, heads keep different numbers of tokens (budget scope "layer", stored
+        ragged) and the whole context is scored at once (mode "prefill")."""
+        if self.threshold is None:
+            return Requirements(inputs={"hidden_states"})
+        return Requirements(inputs={"hidden_states"}, budget_scope="layer", modes=("prefill",))
+
+    def check_inputs(self, tokens: Tokens) -> None:
+        if tokens.entry_scores is None:
+            super().check_inputs(tokens)
+
+    def on_entry(self, tokens: Tokens) -> Tokens:
+        """The block with its scores (`Tokens.entry_scores`) in place of its hidden states, which a stream never keeps."""
+        if tokens.entry_scores is not None or tokens.hidden_states is None:
+            return tokens
+        return replace(tokens, hidden_states=None, entry_scores=self.score(tokens, None))
+
+    def score(self, tokens: Tokens, generator: torch.Generator | None) -> torch.Tensor:
+        """[B, H_kv, n] float32: the predicted KVzip log-score of every token (the scores it was given on entry, if any)."""
+        if tokens.entry_scores is not None:
+            return tokens.entry_scores
+        self.check_inputs(tokens)
+        return self.surrogate.predict(tokens.hidden_states, tokens.layer_idx)
+
+    def compress(self, tokens: Tokens, budget: int, generator: torch.Generator):
+        if self.threshold is None:
+            return super().compress(tokens, budget, generator)
+        scores = self.score(tokens, generator)
+        kept = scores >= self.threshold
+        if tokens.length > budget:  # within the budget: a head keeps at most its top `budget`
+            top = torch.zeros_like(kept).scatter_(-1, top_index(scores, budget), True)
+            kept &= top
+        return kept_summary(tokens, kept)
+
+
+def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tensor], kind: str = "linear", *,
+                  mlp_width: int = 16, steps: int = 300, ridge: float = 1e-2, seed: int = 0, model: str = "",
+                  meta: dict | None = None) -> Surrogate:
+    """Fit one surrogate per layer and KV head to training pairs (`integration.scorer_training.ScoringPairs`, several
+    contexts concatenated): hidden {layer: [N, d_model]} -> targets {layer: [H_kv, N]}.
+
+    The inputs are standardised (per feature, over the N tokens). "linear": ridge regression, (XᵀX + ridge·N·I) W = XᵀY
+    solved by a Cholesky factorisation, all heads at once. "mlp": `mlp_width` hidden units per head, gelu, fitted by Adam
+    (full batch, `steps` steps, learning rate 1e-2, seeded by `seed`) on the mean squared error. The standardisation is
+    then folded into the first layer, so `Surrogate.predict` reads raw hidden states."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not hidden or set(hidden) != set(targets):
+        raise ValueError(f"hidden and targets must cover the same layers, got {sorted(hidden)} and {sorted(targets)}")
+    layers = tuple(sorted(hidden))
+    generator = torch.Generator().manual_seed(seed)
+    parts = {"first_weight": [], "first_bias": [], "second_weight": [], "second_bias": []}
+    for layer in layers:
+        x, y = hidden[layer].float(), targets[layer].float().T  # [N, d], [N, H]
+        if x.shape[0] != y.shape[0] or x.shape[0] < 2:
+            raise ValueError(f"layer {layer}: {x.shape[0]} hidden states for {y.shape[0]} targets (at least 2 tokens each)")
+        mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+        z = (x - mean) / std
+        heads, n, d = y.shape[1], x.shape[0], x.shape[1]
+        if kind == "linear":
+            gram = z.T @ z + ridge * n * torch.eye(d)
+            w = torch.cholesky_solve((z.T @ (y - y.mean(0))), torch.linalg.cholesky(gram))  # [d, H]
+            w1, b1 = w.T.unsqueeze(-1), y.mean(0).unsqueeze(-1)  # [H, d, 1], [H, 1]
+            w2 = b2 = None
+        else:
+            w1 = (torch.randn(heads, d, mlp_width, generator=generator) / math.sqrt(d)).requires_grad_()
+            b1 = torch.zeros(heads, mlp_width, requires_grad=True)
+            w2 = (torch.randn(heads, mlp_width, 1, generator=generator) / math.sqrt(mlp_width)).requires_grad_()
+            b2 = y.mean(0).unsqueeze(-1).clone().requires_grad_()
+            optimiser = torch.optim.Adam([w1, b1, w2, b2], lr=1e-2)
+            with torch.enable_grad():
+                for _ in range(steps):
+                    optimiser.zero_grad()
+                    out = torch.nn.functional.gelu(torch.einsum("nd,hdk->hnk", z, w1) + b1.unsqueeze(1)) @ w2 + b2.unsqueeze(1)
+                    loss = (out.squeeze(-1) - y.T).pow(2).mean()
+                    loss.backward()
+                    optimiser.step()
+            w1, b1, w2, b2 = (t.detach() for t in (w1, b1, w2, b2))
+        # fold the standardisation: (x - mean) / std @ w1 + b1 = x @ (w1 / std) + (b1 - (mean / std) @ w1)
+        parts["first_bias"].append(b1 - torch.einsum("d,hdk->hk", mean / std, w1))
+        parts["first_weight"].append(w1 / std[None, :, None])
+        if kind == "mlp":
+            parts["second_weight"].append(w2)
+            parts["second_bias"].append(b2)
+    stacked = {k: torch.stack(v) if v else None for k, v in parts.items()}
+    return Surrogate(kind, layers, stacked["first_weight"], stacked["first_bias"], stacked["second_weight"],
+                     stacked["second_bias"], model, dict(meta or {}))
+
+
+def spearman(predicted: torch.Tensor, target: torch.Tensor) -> float:
+    """Spearman's rank correlation of two [..., n] tensors along the last axis, averaged over the leading ones (ties:
+    ranked in index order)."""
+    def ranks(t):
+        return t.float().argsort(-1).argsort(-1).float()
+
+    a, b = ranks(predicted), ranks(target)
+    a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+    return float(((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)).mean())

@@ -1,0 +1,201 @@
+"""KVzap (`methods.kvzap`): the surrogate file format and its errors, the fit, `kvcompress train-scorer` end to end on a
+tiny model, and the method in every mode scoring each token once, from the hidden state its layer computed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cli import main
+from kvcompress.methods import kvzap
+from kvcompress.methods.kvzap import KVzap, Surrogate, SurrogateError, fit_surrogate, load_surrogate, spearman
+from kvcompress.methods.registry import build_method
+from kvcompress.methods.stream import Stream
+from kvcompress.methods.tokens import Tokens
+
+
+def _surrogate(kind="linear", layers=(0, 1), heads=2, width=8, hidden=4) -> Surrogate:
+    g = torch.Generator().manual_seed(0)
+    h = 1 if kind == "linear" else hidden
+    w1, b1 = torch.randn(len(layers), heads, width, h, generator=g), torch.randn(len(layers), heads, h, generator=g)
+    w2 = torch.randn(len(layers), heads, h, 1, generator=g) if kind == "mlp" else None
+    b2 = torch.randn(len(layers), heads, 1, generator=g) if kind == "mlp" else None
+    return Surrogate(kind, tuple(layers), w1, b1, w2, b2, "tiny", {"seed": 0})
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_scorer_file_round_trips_and_predicts_per_head(tmp_path, kind):
+    s = _surrogate(kind)
+    s.save(tmp_path / "s.safetensors")
+    t = Surrogate.load(tmp_path / "s.safetensors")
+    assert (t.kind, t.layers, t.model, t.meta) == (kind, (0, 1), "tiny", {"seed": 0})
+    x = torch.randn(1, 2, 5, 8)
+    out = t.predict(x, 1)
+    assert out.shape == (1, 2, 5)
+    torch.testing.assert_close(out, s.predict(x, 1))
+    first = x[0, 0] @ s.first_weight[1, 0] + s.first_bias[1, 0]  # head 0 of layer 1 by hand
+    want = first if kind == "linear" else torch.nn.functional.gelu(first) @ s.second_weight[1, 0] + s.second_bias[1, 0]
+    torch.testing.assert_close(out[0, 0], want.squeeze(-1))
+
+
+def test_a_missing_or_wrong_scorer_file_is_a_clear_error(tmp_path):
+    with pytest.raises(SurrogateError, match=r"does not exist.*kvcompress train-scorer"):
+        build_method("kvzap", scorer=str(tmp_path / "none.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(SurrogateError, match="not a readable safetensors file"):
+        Surrogate.load(bad)
+    from safetensors.torch import save_file
+
+    s = _surrogate()
+    header = {"format": kvzap.SURROGATE_FORMAT, "version": "1", "kind": "linear", "layers": "[0, 1]", "model": "m", "meta": "{}"}
+    tensors = {"first_weight": s.first_weight, "first_bias": s.first_bias}
+    for edit, match in (({"format": "x"}, "format 'x'"), ({"version": "9"}, "version '9'"), ({"kind": "tree"}, "kind 'tree'"),
+                        ({"layers": "[0]"}, "do not fit 1 layers"), ({"layers": "[0, 0]"}, "distinct layer indices")):
+        save_file(tensors, str(bad), metadata={**header, **edit})
+        with pytest.raises(SurrogateError, match=match):
+            Surrogate.load(bad)
+    save_file({**tensors, "first_bias": torch.full_like(s.first_bias, float("nan"))}, str(bad), metadata=header)
+    with pytest.raises(SurrogateError, match="finite"):
+        Surrogate.load(bad)
+    with pytest.raises(SurrogateError, match=r"reads hidden states of width 8 for 2 KV heads, got 3 heads of width 8.*train-scorer"):
+        s.predict(torch.randn(1, 3, 4, 8), 0)
+    with pytest.raises(SurrogateError, match="no surrogate for layer 5"):
+        s.predict(torch.randn(1, 2, 4, 8), 5)
+    for bad_value in (float("nan"), True, "high"):
+        with pytest.raises(ValueError, match="threshold must be a finite log-score"):
+            KVzap(threshold=bad_value)
+
+
+def test_the_shipped_weights_load_offline_and_fit_the_default_model():
+    s = load_surrogate("default")
+    assert s.kv_heads == 3 and s.input_width == 576 and len(s.layers) == 30  # SmolLM2-135M: 30 layers, 3 KV heads, d_model 576
+    assert s.meta["training_text"] == "eval.capture.SCORER_TRAINING_MODULES" and min(s.meta["tuning_spearman"].values()) > 0.3
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_the_fit_recovers_a_planted_score_and_is_seeded(kind):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(600, 6, generator=g) * 3 + 1
+    truth = torch.stack([x @ torch.randn(6, generator=g), torch.tanh(x[:, 0]) * 2 - x[:, 1]])  # [H=2, N]
+    fitted = fit_surrogate({0: x}, {0: truth}, kind, steps=300, seed=0)
+    predicted = fitted.predict(x[None, None].expand(1, 2, -1, -1), 0)[0]
+    assert spearman(predicted[0], truth[0]) > 0.99 and spearman(predicted[1], truth[1]) > 0.85
+    again = fit_surrogate({0: x}, {0: truth}, kind, steps=300, seed=0)
+    assert torch.equal(again.first_weight, fitted.first_weight)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        fit_surrogate({0: x}, {0: truth}, "tree")
+
+
+def test_spearman_is_one_for_monotone_and_minus_one_for_reversed():
+    a = torch.randn(3, 50)
+    assert spearman(a, a.exp()) == pytest.approx(1.0) and spearman(a, -a) == pytest.approx(-1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_scorer(tiny_checkpoint, tmp_path_factory):
+    """A scorer trained by the command line on the tiny model (KVzip's scores of its training contexts, fitted)."""
+    out = tmp_path_factory.mktemp("scorer") / "tiny.safetensors"
+    assert main(["train-scorer", "--model", str(tiny_checkpoint), "--tokens", "96", "--contexts", "2", "--out", str(out)]) == 0
+    return out
+
+
+def test_train_scorer_runs_end_to_end_and_records_how(tiny_scorer, capsys):
+    s = Surrogate.load(tiny_scorer)
+    assert s.kind == "linear" and s.layers == (0, 1) and s.kv_heads == 2 and s.input_width == 64
+    assert s.meta["seed"] == 0 and s.meta["training_tokens"] > 100 and set(s.meta["tuning_spearman"]) == {"0", "1"}
+    assert all(-1 <= v <= 1 for v in s.meta["tuning_spearman"].values()) and s.meta["seconds"] > 0
+
+
+def test_train_scorer_refuses_a_missing_directory(tmp_path, capsys):
+    assert main(["train-scorer", "--out", str(tmp_path / "no" / "s.safetensors")]) != 0
+    assert "does not exist" in capsys.readouterr().err
+
+
+def _capture_hidden(model, ids):
+    got, handles = {}, []
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "scaling"):
+            def keep(m, args, kwargs):
+                got.setdefault(m.layer_idx, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+            handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    return got
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_kvzap_runs_in_every_mode_within_budget_and_is_the_full_cache_at_ratio_zero(tiny_checkpoint, tiny_scorer, mode):
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    context = "A token is scored once, when it enters the cache, from its hidden state. " * 6
+    common = dict(mode=mode, chunk_size=32, max_new_tokens=6, progress=False, stop_at_eos=False)
+    full = kvc.generate(model, tokenizer, context, "what?", method=None, **common)
+    exact = kvc.generate(model, tokenizer, context, "what?", method="kvzap", method_params={"scorer": str(tiny_scorer)},
+                         compression_ratio=0.0, **common)
+    assert exact.token_ids == full.token_ids
+    half = kvc.generate(model, tokenizer, context, "what?", method="kvzap", method_params={"scorer": str(tiny_scorer)},
+                        compression_ratio=0.5, **common)
+    assert max(half.slots_per_layer) < half.prompt_tokens and half.realised_compression_ratio > 0.3
+
+
+def test_prefill_keeps_the_tokens_the_surrogate_ranks_highest(tiny_checkpoint, tiny_scorer):
+    """In prefill mode the kept middle is each head's top `budget` by the surrogate's prediction from the hidden states
+    the model's attention received (no second forward)."""
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.integration import build_prompt, compress_context_ids
+
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    ids, _ = build_prompt(tokenizer, "every hidden state is scored by the surrogate. " * 5, "q")
+    cache = compress_context_ids(model, ids, method="kvzap", method_params={"scorer": str(tiny_scorer)}, budget=20, sink=4, window=8)
+    hidden = _capture_hidden(model, ids)
+    surrogate = load_surrogate(str(tiny_scorer))
+    n = ids.shape[1]
+    for i, layer in enumerate(cache.layers):
+        assert isinstance(layer, CompressedLayer)
+        scores = surrogate.predict(hidden[i][:, None].expand(1, 2, -1, -1), i)[0, :, 4 : n - 8]  # [H, middle]
+        want = scores.topk(20, -1).indices.sort(-1).values + 4
+        kept = layer.stored().positions[0, :, 4 : 4 + 20]
+        assert torch.equal(kept, want), i
+
+
+def test_a_stream_scores_on_entry_and_never_keeps_hidden_states():
+    s = _surrogate(layers=(0,), width=16)
+    method = KVzap.__new__(KVzap)  # the shipped scorer is the default model's: give this one the test surrogate
+    method.scorer, method.threshold, method.surrogate = "test", None, s
+    st = Stream(method, 8, 2, 2, torch.Generator())
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 40, 16, generator=g)
+    keys, values = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    for start in range(0, 40, 5):
+        sl = slice(start, start + 5)
+        st.update(keys[:, :, sl], values[:, :, sl], layer_idx=0, num_layers=1, hidden_states=hidden[:, None, sl].expand(1, 2, -1, -1))
+        assert st.state.slots.width == 4  # keys, values, positions and the entry scores: no hidden states held
+        assert st.nbytes() <= (2 + 8 + 2) * 2 * 2 * 8 * 4
+    st.compact()
+    kept = st.summary().positions[0, :, 2:-2]
+    scores = s.predict(hidden[:, None].expand(1, 2, -1, -1), 0)[0]
+    for head in range(2):  # every kept token outscores... at least the lowest-scoring middle token
+        assert scores[head, kept[head]].min() >= scores[head, 2:38].min()
+
+
+def test_the_threshold_keeps_what_scores_above_it_within_the_budget():
+    s = _surrogate(layers=(0,), width=16)
+    method = KVzap.__new__(KVzap)
+    method.scorer, method.threshold, method.surrogate = "test", 0.0, s
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 2, 60, 16, generator=g)
+    tokens = Tokens(torch.randn(1, 2, 60, 8), torch.randn(1, 2, 60, 8), torch.arange(60).expand(1, 2, 60), layer_idx=0, num_layers=1,
+                    hidden_states=hidden)
+    scores = s.predict(hidden, 0)
+    summary = method.compress(tokens, 40, torch.Generator())
+    for head in range(2):
+        kept = summary.positions[0, head][torch.isfinite(summary.log_weights[0, head])]
+        above = (scores[0, head] >= 0).nonzero().squeeze(1)
+        want = above if len(above) <= 40 else scores[0, head].topk(40).indices.sort().values
+        assert torch.equal(kept, want)
+    assert method.requirements.modes == ("prefill",) and method.requirements.budget_scope == "layer"

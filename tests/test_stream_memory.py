@@ -1,0 +1,152 @@
+"""The ratio asked for is the memory used: a stream's working space (its slack, the block being absorbed, a native
+stream's workspace) comes out of its budget, not on top of it (`methods.budget.stream_split`; docs/design.md, "Streams
+hold tokens exactly until they pass the budget" and "Memory"). At a compression ratio r the stored KV bytes stay
+within (1 - r) of the full cache's plus the exact sink and window at every step: after every update of a tensor
+stream, after every forward of a chunked or decode cache, for every method that streams."""
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from registered import SHARED
+from kvcompress.cache import CompressedCache, CompressedLayer
+from kvcompress.integration import use_compressed_attention
+from kvcompress.methods.budget import DEFAULT_SLACK, resolve_budget, stream_split
+from kvcompress.methods.pyramidkv import layer_budget
+from kvcompress.methods.registry import build_method
+from test_integration import _prompt, tiny
+
+RATIOS = [0.5, 0.75, 0.9]
+SINK, WINDOW = 4, 8
+# Compactor's attention term needs every compressed token's own query, which a stream hands only with its block:
+# its streams (and the hybrid's, which ranks with it) run with no exact window
+NO_WINDOW = {"compactor", "hybrid"}
+
+
+def _streaming(name: str) -> bool:
+    try:
+        build_method(name).check_mode("decode")
+        build_method(name).new_stream(64, torch.Generator())
+    except ValueError:
+        return False
+    return True
+
+
+STREAMING = [name for name in SHARED if _streaming(name)]
+
+
+def test_the_methods_that_stream_are_covered():
+    assert {"adakv", "keydiff", "snapkv", "compactor", "hybrid", "express", "subgen", "clustergen", "balancekv"} <= set(STREAMING)
+
+
+def _within(stored: int, n: int, ratio: float, per_token: int, heads: int) -> tuple[bool, str]:
+    """Whether `stored` bytes fit (1 - ratio) of a full cache of n tokens plus sink and window (per_token: one token's KV
+    bytes), and also the tighter bound the budget gives, ceil((1 - ratio)·n) tokens (sink and window included), plus a
+    ragged store's 4-byte count per head."""
+    full = n * per_token
+    loose = (1 - ratio) * full + (SINK + WINDOW) * per_token
+    tight = math.ceil((1 - ratio) * n - 1e-9) * per_token + 4 * heads
+    return stored <= tight and stored <= loose, f"stored {stored} B, (1 - r)·full + sink + window {loose:.0f} B, budget {tight} B"
+
+
+@pytest.mark.parametrize("method", STREAMING)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_a_tensor_stream_stays_within_the_ratio_at_every_update(method, ratio):
+    b, h, d, n = 1, 2, 16, 480
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries, pre = (torch.randn(b, heads, n, d, generator=g) for heads in (h, h, 4, h))
+    budget = resolve_budget(n, None, ratio, SINK, WINDOW)
+    needs_pre = build_method(method).requirements.needs("pre_rope_keys")
+    per_token = h * (3 if needs_pre else 2) * d * 4  # keys and values (and the pre-RoPE keys a stream then stores), fp32
+    for block in (1, 7, 64):
+        st = kvc.stream(method, budget=budget, sink=SINK, window=0 if method in NO_WINDOW else WINDOW, seed=0)
+        for start in range(0, n, block):
+            sl = slice(start, start + block)
+            st.update(keys[:, :, sl], values[:, :, sl], queries[:, :, sl], pre_rope_keys=pre[:, :, sl] if needs_pre else None,
+                      layer_idx=0, num_layers=1)
+            ok, why = _within(st.nbytes(), n, ratio, int(per_token), h)
+            assert ok, f"{method} at block {block}, after {min(sl.stop, n)} tokens: {why}"
+            if hasattr(st.state, "peak_slots"):
+                assert st.state.peak_slots <= budget or method == "pyramidkv"
+
+
+def _compressed_bytes(cache: CompressedCache) -> int:
+    return sum(layer.nbytes() for layer in cache.layers if isinstance(layer, CompressedLayer))
+
+
+def _pyramid_excess(budget: int, layer_idx: int, num_layers: int) -> int:
+    """Slots per head a PyramidKV layer's stream may store beyond its budget: what the layer keeps beyond the stream's
+    target (`BlockwiseState`: a method that keeps more than its target raises the level it compresses back to, the
+    room stays on top). What a layer keeps is `layer_budget` of the target, at most its unclamped value in a layer that
+    keeps more than the target; the deeper layers keep less and store at most the budget."""
+    target = stream_split(budget, DEFAULT_SLACK)[0]
+    return max(0, layer_budget(target, layer_idx, num_layers, build_method("pyramidkv").beta) - target)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+@pytest.mark.parametrize("method", STREAMING)
+def test_a_streaming_cache_stays_within_the_ratio_after_every_forward(method, mode):
+    model = tiny()
+    n = 240
+    ctx, _ = _prompt(n=n)
+    config = model.config
+    per_token = config.num_hidden_layers * config.num_key_value_heads * 2 * (config.hidden_size // config.num_attention_heads) * 4
+    block = 24 if mode == "chunked" else 1
+    for ratio in RATIOS:
+        window = 0 if method in NO_WINDOW else WINDOW
+        cache = CompressedCache(model, method, compression_ratio=ratio, sink=SINK, window=window, mode=mode, stream_length=n)
+        with use_compressed_attention(model), torch.no_grad():
+            for start in range(0, n, block):
+                model(ctx[:, start : start + block], past_key_values=cache)
+                _check_cache(cache, method, n, ratio, window, per_token, f"{method} {mode} at ratio {ratio}, after {start + block} tokens")
+            if mode == "chunked":
+                cache.absorbing = False
+                _check_cache(cache, method, n, ratio, window, per_token, f"{method} chunked at ratio {ratio}, compacted")
+
+
+def _check_cache(cache: CompressedCache, method: str, n: int, ratio: float, window: int, per_token: int, where: str) -> None:
+    """The cache's stored bytes within the ratio (`_within`, over every layer together). PyramidKV's budget is the mean
+    over layers, and its lower layers keep more than it by design: each layer is checked alone, within the ratio plus
+    the slots `_pyramid_excess` allows it (none in the deeper layers, which keep less than the target)."""
+    layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
+    heads = cache.saved_dims["H"]
+    if method != "pyramidkv":
+        ok, why = _within(_compressed_bytes(cache), n, ratio, per_token, len(layers) * heads)
+        assert ok, f"{where}: {why}"
+        return
+    per_layer = per_token // len(layers)  # one token's keys and values in one layer
+    budget = resolve_budget(n, None, ratio, SINK, window)
+    for i, layer in enumerate(layers):
+        excess = _pyramid_excess(budget, i, len(layers))
+        ok, why = _within(layer.nbytes() - excess * per_layer, n, ratio, per_layer, heads)
+        assert ok, f"{where}, layer {i} (beyond the ratio by at most {excess} slots per head): {why}"
+
+
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_generation_keeps_the_default_within_the_ratio(mode, ratio):
+    """Through the generation entry point (`generate_ids`, what `kvc.generate` runs; the default method: AdaKV over
+    KeyDiff, stored ragged while it streams): the peak KV bytes of the whole generation stay within the ratio of the
+    full cache's, sink and window included (chunked: plus the question and answer, which follow the prompt exactly),
+    plus the block a forward takes. A cache's peak counts that block beside what it stores (`CompressedLayer.update`):
+    its keys and values are the forward's own, which its attention reads before the stream absorbs them, as a full
+    cache's forward holds them; once absorbed the stream is back within its budget."""
+    from kvcompress.integration.generation import generate_ids
+
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    new = 4
+    out = generate_ids(model, ctx, question, compression_ratio=ratio, mode=mode, sink=SINK, window=WINDOW, max_new_tokens=new,
+                       chunk_size=32, stop_at_eos=False)
+    config = model.config
+    per_token = config.num_hidden_layers * config.num_key_value_heads * 2 * (config.hidden_size // config.num_attention_heads) * 4
+    total = ctx.shape[1] + question.shape[1] + new
+    streamed = total if mode == "decode" else ctx.shape[1]
+    allowance = (total - streamed) * per_token  # chunked: the question and the answer stay exact after the prompt
+    counts = 4 * config.num_hidden_layers * config.num_key_value_heads
+    kept = math.ceil((1 - ratio) * streamed - 1e-9)  # sink + middle budget + window (`resolve_budget`)
+    block = 32  # chunk_size: the prompt's blocks, the largest a forward takes
+    assert kept <= (1 - ratio) * streamed + SINK + WINDOW
+    assert out.peak_kv_bytes <= (kept + block) * per_token + allowance + counts, (out.peak_kv_bytes, kept, block)
