@@ -19,8 +19,8 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.capture import DOCSTRING_MODULES, HELDOUT_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
-from kvcompress.integration.scorer_training import scoring_pairs, training_contexts
-from kvcompress.methods.kvzap import load_surrogate, spearman
+from kvcompress.integration.scorer_training import fidelity, scoring_pairs, text_contexts
+from kvcompress.methods.kvzap import load_surrogate
 
 
 def main() -> None:
@@ -35,14 +35,11 @@ def main() -> None:
     model, tokenizer = kvc.load_model()
     used = set(docstring_paragraphs(DOCSTRING_MODULES)) | set(docstring_paragraphs(SCORER_TRAINING_MODULES))
     text = [p for p in docstring_paragraphs(HELDOUT_MODULES) if p not in used]
-    contexts = training_contexts(tokenizer, text, args.tokens, args.contexts, seed=0)
+    contexts = text_contexts(tokenizer, text, args.tokens, args.contexts, seed=0)
     pairs = scoring_pairs(model, tokenizer, contexts)
     surrogate = load_surrogate(args.scorer)
     rows = []
-    for layer in surrogate.layers:
-        hidden = pairs.hidden[layer][None, None].expand(1, surrogate.kv_heads, -1, -1)
-        predicted = surrogate.predict(hidden, layer)[0]
-        per_head = [spearman(predicted[h], pairs.targets[layer][h]) for h in range(surrogate.kv_heads)]
+    for layer, per_head in fidelity(surrogate, pairs).items():
         rows.append({"layer": layer, "spearman_mean": round(sum(per_head) / len(per_head), 4), "spearman_min_head": round(min(per_head), 4),
                      "tokens": int(pairs.hidden[layer].shape[0]), "contexts": len(contexts), "scorer": args.scorer, "kind": surrogate.kind,
                      "threads": args.threads, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -15,6 +15,7 @@ from kvcompress.methods.kvzap import KVzap, Surrogate, SurrogateError, fit_surro
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.stream import Stream
 from kvcompress.methods.tokens import Tokens
+from test_requirements import _attention_inputs
 
 
 def _surrogate(kind="linear", layers=(0, 1), heads=2, width=8, hidden=4) -> Surrogate:
@@ -115,20 +116,6 @@ def test_train_scorer_refuses_a_missing_directory(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def _capture_hidden(model, ids):
-    got, handles = {}, []
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "scaling"):
-            def keep(m, args, kwargs):
-                got.setdefault(m.layer_idx, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
-            handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
-    with torch.no_grad():
-        model(ids)
-    for handle in handles:
-        handle.remove()
-    return got
-
-
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 def test_kvzap_runs_in_every_mode_within_budget_and_is_the_full_cache_at_ratio_zero(tiny_checkpoint, tiny_scorer, mode):
     model, tokenizer = kvc.load_model(tiny_checkpoint)
@@ -152,7 +139,7 @@ def test_prefill_keeps_the_tokens_the_surrogate_ranks_highest(tiny_checkpoint, t
     model, tokenizer = kvc.load_model(tiny_checkpoint)
     ids, _ = build_prompt(tokenizer, "every hidden state is scored by the surrogate. " * 5, "q")
     cache = compress_context_ids(model, ids, method="kvzap", method_params={"scorer": str(tiny_scorer)}, budget=20, sink=4, window=8)
-    hidden = _capture_hidden(model, ids)
+    hidden = _attention_inputs(model, ids)
     surrogate = load_surrogate(str(tiny_scorer))
     n = ids.shape[1]
     for i, layer in enumerate(cache.layers):

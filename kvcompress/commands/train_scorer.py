@@ -33,11 +33,13 @@ def add_cli(subparsers) -> None:
 
 
 def _run(args) -> int:
+    from dataclasses import replace
+
     import torch
 
     from ..eval.capture import DOCSTRING_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
     from ..integration import load_model
-    from ..integration.scorer_training import fidelity, scoring_pairs, training_contexts
+    from ..integration.scorer_training import fidelity, scoring_pairs, text_contexts
     from ..methods.kvzap import fit_surrogate
 
     if not args.out.parent.is_dir():
@@ -49,13 +51,13 @@ def _run(args) -> int:
     tuning_text = docstring_paragraphs(DOCSTRING_MODULES)
     held_apart = set(tuning_text)
     training_text = [p for p in docstring_paragraphs(SCORER_TRAINING_MODULES) if p not in held_apart]
-    train = scoring_pairs(model, tokenizer, training_contexts(tokenizer, training_text, args.tokens, args.contexts, args.seed),
+    train = scoring_pairs(model, tokenizer, text_contexts(tokenizer, training_text, args.tokens, args.contexts, args.seed),
                           progress=print)
-    tuning = scoring_pairs(model, tokenizer, training_contexts(tokenizer, tuning_text, args.tokens, args.tuning_contexts, args.seed))
+    tuning = scoring_pairs(model, tokenizer, text_contexts(tokenizer, tuning_text, args.tokens, args.tuning_contexts, args.seed))
     name = getattr(model.config, "_name_or_path", "") or ""
     surrogate = fit_surrogate(train.hidden, train.targets, args.kind, mlp_width=args.mlp_width, steps=args.steps, seed=args.seed,
                               model=Path(name).name if name else "")
-    per_layer = fidelity(surrogate, tuning)
+    per_layer = {layer: sum(heads) / len(heads) for layer, heads in fidelity(surrogate, tuning).items()}
     seconds = time.perf_counter() - start
     meta = {"kind": args.kind, "seed": args.seed, "tokens_per_context": args.tokens, "training_tokens": int(train.hidden[surrogate.layers[0]].shape[0]),
             "training_text": "eval.capture.SCORER_TRAINING_MODULES", "tuning_text": "eval.capture.DOCSTRING_MODULES",
@@ -63,7 +65,7 @@ def _run(args) -> int:
             "tuning_spearman": {str(k): round(v, 4) for k, v in per_layer.items()}, "seconds": round(seconds, 1),
             "threads": torch.get_num_threads(), "mlp_width": args.mlp_width if args.kind == "mlp" else None,
             "steps": args.steps if args.kind == "mlp" else None}
-    surrogate = type(surrogate)(**{**surrogate.__dict__, "meta": meta})
+    surrogate = replace(surrogate, meta=meta)
     surrogate.save(args.out)
     values = list(per_layer.values())
     print(f"{args.kind} surrogate of {len(values)} layers, Spearman on tuning text: mean {sum(values) / len(values):.3f}, "

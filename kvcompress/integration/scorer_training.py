@@ -75,7 +75,7 @@ def record_scoring_pairs(model, tokenizer, context_ids: torch.Tensor, sink: int 
     return ScoringPairs(hidden, targets)
 
 
-def training_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, seed: int) -> list[torch.Tensor]:
+def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, seed: int) -> list[torch.Tensor]:
     """Up to `count` contexts [1, n] (`context_ids_of`) of about `tokens` tokens each: `paragraphs` shuffled by `seed`,
     then joined by blank lines, a context closing at the first paragraph that takes it to `tokens` tokens; each
     paragraph is used once. ValueError when the paragraphs fill none."""
@@ -109,13 +109,13 @@ def scoring_pairs(model, tokenizer, contexts: list[torch.Tensor], sink: int = 4,
                         {i: torch.cat([p.targets[i] for p in pairs], 1) for i in layers})
 
 
-def fidelity(surrogate, pairs: ScoringPairs) -> dict[int, float]:
-    """{layer: Spearman correlation of the surrogate's predicted scores with KVzip's, per head, averaged over the heads}
-    on `pairs` (text the surrogate was not fitted on)."""
+def fidelity(surrogate, pairs: ScoringPairs) -> dict[int, list[float]]:
+    """{layer: [Spearman correlation of the surrogate's predicted scores with KVzip's, one per KV head]} on `pairs`
+    (text the surrogate was not fitted on)."""
     from ..methods.kvzap import spearman
 
     out = {}
     for layer in surrogate.layers:
         predicted = surrogate.predict(pairs.hidden[layer][None, None].expand(1, surrogate.kv_heads, -1, -1), layer)[0]
-        out[layer] = spearman(predicted, pairs.targets[layer])
+        out[layer] = [spearman(predicted[h], pairs.targets[layer][h]) for h in range(surrogate.kv_heads)]
     return out

@@ -11,7 +11,8 @@ alike, for a few multiply-adds per token.
 The surrogate (`Surrogate`) maps each token's hidden state at the layer's input (after the layer's input norm: what
 the attention module receives, `Tokens.hidden_states`) to one score per KV head, either linearly (W x + b) or through a
 2-layer MLP (W2 gelu(W1 x + b1) + b2), the input's standardisation folded into the first layer. On tuning text the
-hidden states predicted KVzip's scores better than the layer's own keys or keys and values (`docs/design.md`, "KVzap").
+hidden states predicted KVzip's scores better than the layer's own keys or keys and values (`docs/design.md`,
+"KVzap: KVzip's scores, learned").
 Its target is KVzip's log-score (`integration.scorer_training`), a log-probability on the same scale in every layer
 and head, so heads or layers can share a budget by score (`AdaKV(scorer=KVzap())`).
 
@@ -255,8 +256,7 @@ class KVzap(ScoreMethod):
 
 
 def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tensor], kind: str = "linear", *,
-                  mlp_width: int = 16, steps: int = 300, ridge: float = 1e-2, seed: int = 0, model: str = "",
-                  meta: dict | None = None) -> Surrogate:
+                  mlp_width: int = 16, steps: int = 300, ridge: float = 1e-2, seed: int = 0, model: str = "") -> Surrogate:
     """Fit one surrogate per layer and KV head to training pairs (`integration.scorer_training.ScoringPairs`, several
     contexts concatenated): hidden {layer: [N, d_model]} -> targets {layer: [H_kv, N]}.
 
@@ -305,7 +305,7 @@ def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tens
             parts["second_bias"].append(b2)
     stacked = {k: torch.stack(v) if v else None for k, v in parts.items()}
     return Surrogate(kind, layers, stacked["first_weight"], stacked["first_bias"], stacked["second_weight"],
-                     stacked["second_bias"], model, dict(meta or {}))
+                     stacked["second_bias"], model)
 
 
 def spearman(predicted: torch.Tensor, target: torch.Tensor) -> float:
