@@ -30,6 +30,7 @@ QUESTION = "What is the main subject of the text above? Answer in one sentence."
 # name -> (method, method_params, exact sink/window settings)
 VARIANTS = {
     "default": ("default", {}, {}),
+    "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
     "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),

@@ -111,28 +111,33 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
                                                                       "alpha_safeguard": 0.05}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.1]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                      "alpha_safeguard": 0.1}),
-    # the default with its scores max-pooled over 3 or 5 neighbouring tokens (AdaKV's `span`): kept phrases stay whole
+    # AdaKV over KVzip's scores (scope model, window 0) with its scores max-pooled over 3 or 5 neighbouring tokens (AdaKV's `span`): kept phrases stay whole
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=3]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                              "alpha_safeguard": 0.05, "span": 3}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,span=5]": ("adakv", {"scorer": "kvzip", "scope": "model", "window": 0,
                                                                              "alpha_safeguard": 0.05, "span": 5}),
-    # the default with each token's score weighed by its value's l1 norm (KVzip's `value_norm`): absolute, or over its head's mean
+    # AdaKV over KVzip's scores (scope model, window 0) with each token's score weighed by its value's l1 norm (KVzip's `value_norm`): absolute, or over its head's mean
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=absolute]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05,
                   "scorer_params": {"value_norm": "absolute"}}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,value_norm=relative]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05,
                   "scorer_params": {"value_norm": "relative"}}),
-    # the default with each head's evicted tokens summarised in 1 or 8 weighted slots (AdaKV's `evicted_slots`)
+    # AdaKV over KVzip's scores (scope model, window 0) with each head's evicted tokens summarised in 1 or 8 weighted slots (AdaKV's `evicted_slots`)
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=1]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "evicted_slots": 1}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=8]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "evicted_slots": 8}),
-    # the default with its kept slots refitted to the reconstruction's attention (AdaKV's `refit`)
+    # AdaKV over KVzip's scores with its kept slots refitted to the reconstruction's attention (AdaKV's `refit`; kvzip_refit)
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights_values"}),
+    # KVzap's learned KVzip scores shared by AdaKV over every layer's heads (the library's default in prefill mode)
+    "adakv[scorer=kvzap,scope=model,alpha=0.05]": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}),
+    # the library's default in chunked and decode modes: KVzap's scores shared by AdaKV within each layer, streamed
+    "adakv[scorer=kvzap,alpha=0.05,mode=chunked]": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05, "mode": "chunked"}),
+    "adakv[scorer=kvzap,alpha=0.05,mode=decode]": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05, "mode": "decode"}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
@@ -150,7 +155,9 @@ DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapk
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
                       "adakv[scorer=kvzip]"]
 # kvcompress's default method in prefill mode (`options.DEFAULT_METHODS["prefill"]`), as a cell
-DEFAULT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]"
+DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"
+# the prefill default before KVzap, by name `kvzip_refit` (`options.NAMED_SETTINGS`), as a cell
+KVZIP_REFIT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]"
 
 # kvpress cells: label -> (press class, its keyword arguments, an inner press for wrappers); all at
 # kvpress 0.5.5's defaults.
@@ -196,6 +203,9 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,evicted_slots=8]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05]": "KVzip",
+    "adakv[scorer=kvzap,alpha=0.05,mode=chunked]": "KVzip",
+    "adakv[scorer=kvzap,alpha=0.05,mode=decode]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",
@@ -518,7 +528,7 @@ def run_kvcompress(args) -> None:
         question_ids = torch.tensor([sample["question_ids"]], device=run.device)
         stop = stop_ids_of(manifest, sample)
         captured, capture_s, reconstructions = None, 0.0, {}
-        if any(KVCOMPRESS_CELLS[label][0] is not None and not reconstructs(label) and not streams(label) for label, _ in todo):
+        if any(compresses_the_recorded_prefill(label) for label, _ in todo):
             start = time.perf_counter()
             captured = capture_qkv(model, context_ids)
             capture_s = time.perf_counter() - start
@@ -573,12 +583,14 @@ def recorded_inputs(model, options, context_ids, captured: dict | None, reconstr
     """The recorded forwards a cell of `options` compresses, as keyword arguments of `generate_ids`: KVzip's context
     prefill and reconstruction forward, recorded once per sample in `reconstructions` (`shared_reconstruction`) with
     the options' repeat instruction; the sample's recorded prefill `captured` (`capture_qkv`) for any other
-    prefill-mode cell; nothing for a chunked cell, which streams the context itself."""
+    prefill-mode cell but one whose method reads the layers' hidden states (KVzap), which a recording does not keep;
+    nothing for those and for a chunked cell, which run the context's forward themselves."""
     from kvcompress.integration.reconstruction import shared_reconstruction
 
-    if options.compressor.requirements.needs("reconstruction"):
+    needs = options.compressor.requirements
+    if needs.needs("reconstruction"):
         return {"prefill": shared_reconstruction(model, options, context_ids, reconstructions)}
-    return {"prefill": captured} if not options.streams else {}
+    return {} if options.streams or needs.needs("hidden_states") else {"prefill": captured}
 
 
 def _shared_seconds(res, label: str, capture_s: float) -> float:
@@ -586,15 +598,19 @@ def _shared_seconds(res, label: str, capture_s: float) -> float:
     compresses it, the recorded context prefill and reconstruction forwards for KVzip's cells; 0 for the others."""
     if "reconstruction" in res.extra:
         return res.extra["reconstruction"]["context_seconds"] + res.extra["reconstruction"]["seconds"]
-    return 0.0 if KVCOMPRESS_CELLS[label][0] is None or streams(label) else capture_s
+    return capture_s if compresses_the_recorded_prefill(label) else 0.0
 
 
-def reconstructs(label: str) -> bool:
-    """Whether a kvcompress cell's method prefills the context itself and reconstructs it (KVzip, or AdaKV over its scores)."""
+def compresses_the_recorded_prefill(label: str) -> bool:
+    """Whether a kvcompress cell compresses the sample's recorded prefill: a prefill-mode method that neither reconstructs
+    the context (KVzip, or AdaKV over its scores) nor reads the layers' hidden states (KVzap), which run their own."""
     from kvcompress.options import CompressionOptions
 
     method, params = KVCOMPRESS_CELLS[label]
-    return CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.requirements.needs("reconstruction")
+    if method is None or streams(label):
+        return False
+    needs = CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.requirements
+    return not (needs.needs("reconstruction") or needs.needs("hidden_states"))
 
 
 def streams(label: str) -> bool:

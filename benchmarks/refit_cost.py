@@ -1,10 +1,10 @@
-"""What the prefill default's refit costs, with KVzip's normalisers handed on and with the fit forming its own.
+"""What `kvzip_refit`'s refit costs, with KVzip's normalisers handed on and with the fit forming its own.
 
-The prefill default (`options.DEFAULT_METHODS["prefill"]`: `adakv` over KVzip's scores, `scope="model"`,
+`kvzip_refit` (`options.NAMED_SETTINGS["kvzip_refit"]`, the prefill default before KVzap: `adakv` over KVzip's scores, `scope="model"`,
 `alpha_safeguard=0.05`, no exact window, a refit) scores every layer's middle with the context's reconstruction
 queries, shares the budget over every layer's heads, then refits each layer's kept slots for the same queries
 (`kvcompress.methods.attention_matching`): `--refit log_weights` fits their log-weights to the middle's attention
-mass, `--refit log_weights_values` their values too, to the middle's output; by default the default's refit.
+mass, `--refit log_weights_values` their values too, to the middle's output; by default `kvzip_refit`'s refit.
 The mass fit needs each query's log-sum-exp over the whole middle; KVzip forms it while scoring and AdaKV hands it
 on (`ScoreMethod.score_and_middle_lse`), so the fit forms only the kept keys' logits. This bench times, in one
 process and on the same tensors:
@@ -37,10 +37,10 @@ import torch
 from kvcompress.eval.tables import markdown_table, write_csv
 from kvcompress.methods.adakv import REFITS, AdaKV
 from kvcompress.methods.tokens import Tokens
-from kvcompress.options import DEFAULT_METHODS
+from kvcompress.options import NAMED_SETTINGS
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT = DEFAULT_METHODS["prefill"][1]
+KVZIP_REFIT = NAMED_SETTINGS["kvzip_refit"]["prefill"][1]
 
 
 def layer_tokens(length: int, kv_heads: int, group: int, dim: int, seed: int) -> Tokens:
@@ -56,7 +56,7 @@ def layer_tokens(length: int, kv_heads: int, group: int, dim: int, seed: int) ->
 
 
 def measure(layers: list[Tokens], ratio: float, repeat: int, refit: str) -> dict:
-    method = AdaKV(**(DEFAULT | {"refit": refit}))
+    method = AdaKV(**(KVZIP_REFIT | {"refit": refit}))
     budget = round((1 - ratio) * layers[0].length)
     start = time.perf_counter()
     kept, middle_lse = method.allocate_layers(layers, budget, [torch.Generator() for _ in layers])
@@ -90,8 +90,8 @@ def medians(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--refit", choices=[r for r in REFITS if r != "none"], default=DEFAULT["refit"],
-                        help="the refit timed (default: the prefill default's)")
+    parser.add_argument("--refit", choices=[r for r in REFITS if r != "none"], default=KVZIP_REFIT["refit"],
+                        help="the refit timed (default: kvzip_refit's)")
     parser.add_argument("--length", type=int, default=4096, help="middle tokens per layer (and reconstruction queries)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])

@@ -52,16 +52,16 @@ KVPRESS_PYTHON = "/path/to/kvpress-venv/bin/python"
 PROSE = ["results/kvpress_side_by_side_prose", "results/kvpress_side_by_side_prose_4k", "results/kvpress_side_by_side_prose_8k"]
 PROSE_FRESH = "results/kvpress_side_by_side_prose_4k_fresh"
 NUMERIC = ["results/kvpress_side_by_side", "results/kvpress_side_by_side_4k", "results/kvpress_side_by_side_8k"]
-DEFAULT_CELL = harness.DEFAULT_CELL  # the library's prefill default, as the harness names it
-NO_REFIT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"  # the prefill default without its refits
+KVZIP_REFIT_CELL = harness.KVZIP_REFIT_CELL  # `kvzip_refit`, the prefill default before KVzap, as the harness names it
+NO_REFIT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"  # kvzip_refit without its refits
 LOG_WEIGHTS_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]"
-STREAMING_DEFAULT_CELL = "adakv[scorer=keydiff,mode=chunked]"
+KEYDIFF_STREAM_CELL = "adakv[scorer=keydiff,mode=chunked]"  # the streaming modes' default before KVzap
 SUMMARY_SET = "results/kvpress_side_by_side_prose_4k"
 SUMMARY_RATIOS = (0.75, 0.9)
-# (use, cell) rows of the summary, all from SUMMARY_SET; the streaming default's row comes from NUMERIC[0].
+# (use, cell) rows of the summary, all from SUMMARY_SET; the chunked row comes from NUMERIC[0].
 SUMMARY_ROWS = [
     ("no compression: the reference", harness.FULL),
-    ("the default in prefill mode (no method named)", DEFAULT_CELL),
+    ("`kvzip_refit`: KVzip's exact scores, refitted (slow; prefill only)", KVZIP_REFIT_CELL),
     ("Compactor: leverage and attention scores, query-agnostic", "compactor"),
     ("the hybrid: heavy hitters and outliers exact, a coreset of the rest", "hybrid"),
     ("KeyDiff: a score of the keys alone", "keydiff"),
@@ -247,7 +247,7 @@ def hits_table(sets: list[tuple[str, str]], cells: list[tuple[str, str]], ratios
 
 
 def summary_rows() -> list[dict]:
-    """The summary's rows: quality on SUMMARY_SET (and the streaming default's on NUMERIC[0]), the median seconds per
+    """The summary's rows: quality on SUMMARY_SET (and the chunked row's on NUMERIC[0]), the median seconds per
     answer in that run and its ratio to the full cache's, and the cost bench's end-to-end prefill ratio."""
     bench = {r["method"]: r for r in read_csv(ROOT / COST_BENCH / "threads-1" / "prefill.csv")}
     rows = []
@@ -285,7 +285,7 @@ def summary_rows() -> list[dict]:
 
     for use, cell in SUMMARY_ROWS:
         rows.append(row(use, SUMMARY_SET, cell, "prefill", True))
-    rows.insert(2, row("the default in chunked and decode modes (no method named)", NUMERIC[0], STREAMING_DEFAULT_CELL, "chunked", False))
+    rows.insert(2, row("AdaKV over KeyDiff's scores, streamed", NUMERIC[0], KEYDIFF_STREAM_CELL, "chunked", False))
     return rows
 
 
@@ -297,11 +297,13 @@ SUMMARY_NOTE = (
     "% found: answers holding the needle's answer, with the 95% Wilson interval; hits kept: of the samples the uncompressed "
     "cache answers, how many the method also answers. s per answer: the median prefill + compression + decode seconds of one "
     "answer on the CPU in that run (its machine and threads are under the side by side below; a shared CPU, so only a large "
-    "ratio means much), where the compressed cells compress a recorded prefill and the default also runs KVzip's "
+    "ratio means much), where the compressed cells compress a recorded prefill and `kvzip_refit` also runs KVzip's "
     "reconstruction forward and its refits. "
     "Cost bench: a `generate` prefill of 4k tokens with 75% removed ÷ a plain transformers prefill, by the compression's "
-    "share of it (the default and the chunked default are not in it). The chunked default's row is another needle set "
-    "(a 7-digit number in prose) and its times come from runs under other load, so none are shown.")
+    "share of it (`kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
+    "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The default (no method "
+    "named, AdaKV over KVzap's learned scores) has not run on these sets: its tuning needles and its cost against a plain "
+    "`model.generate` are under \"Why the defaults are what they are\".")
 
 
 def summary_section() -> list[str]:
@@ -335,16 +337,16 @@ def side_by_side_section() -> list[str]:
               "One plain-English fact whose answer is a person's name or a town, in real prose (`niah_prose`), 30 samples "
               "(the same needles at each length).", ""]
     lines += harness_block(PROSE)
-    lines += [demote(harness.overview_markdown(runs_, DEFAULT_CELL), 2), ""]
+    lines += [demote(harness.overview_markdown(runs_, KVZIP_REFIT_CELL), 2), ""]
     manifest, samples, records = harness_run(PROSE_FRESH)
     lines += ["### The same task on 30 other samples at 4k", ""]
     lines += harness_block([PROSE_FRESH])
-    lines += [demote(harness.overview_markdown([(manifest["samples"]["length"], len(samples), records)], DEFAULT_CELL), 2), ""]
+    lines += [demote(harness.overview_markdown([(manifest["samples"]["length"], len(samples), records)], KVZIP_REFIT_CELL), 2), ""]
     runs_ = harness_runs(NUMERIC)
     lines += ["### A 7-digit needle in prose: 2k, 4k and 8k tokens", "",
               "A 7-digit number in real prose (`niah_single`, haystack prose), 30 samples. Its paired section compares the "
-              "default without its refits, the one cell run at every length and ratio; the default's own cells are in the "
-              "first table.", ""]
+              "`kvzip_refit` without its refits, the one cell run at every length and ratio; `kvzip_refit`'s own cells are in "
+              "the first table.", ""]
     lines += harness_block(NUMERIC)
     lines += [demote(harness.overview_markdown(runs_, NO_REFIT_CELL), 2), ""]
     check = f"{NUMERIC[0]}/protocol_check"
@@ -498,14 +500,6 @@ def cost_section() -> list[str]:
         lines += [f"### {title}", "", note, ""]
         lines += meta_block(path)
         lines += [table(read_csv(ROOT / path)), ""]
-    path = "benchmarks/results/tuning/kvzap_default.jsonl"
-    lines += ["### KVzap on tuning needles", "",
-              "`benchmarks/tuning/kvzap_default.py`: needles in the tuning prose (`niah_prose(split=\"tuning\")`) at compression "
-              "ratio 0.75, each variant paired per needle with the full cache: of the needles the full cache finds, how many it "
-              "also finds, and its median time per answer ÷ the full cache's on the same needle (one process, one thread). "
-              "KVzap's scores come from the shipped linear surrogate; `adakv_keydiff` is the streaming default.", ""]
-    lines += meta_block(path)
-    lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
     return lines
 
 
@@ -515,10 +509,10 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "(from each token's hidden state) and the project's exact KVzip scores, on held-out standard-library docstrings "
      "(`eval.capture.HELDOUT_MODULES`, fixed before this run): the mean over the layer's KV heads and its lowest head.",
      lambda rows: markdown_table(rows, ["layer", "spearman_mean", "spearman_min_head", "tokens"])),
-    ("benchmarks/results/refit_cost_log_weights_values.csv", "The prefill default's refit",
+    ("benchmarks/results/refit_cost_log_weights_values.csv", "`kvzip_refit`'s refit",
      "`benchmarks/refit_cost.py`: on random tensors of the default model's shapes (4 layers of 4096 middle tokens), KVzip's "
      "scores and top-k (`scoring_s`) against the refit of the kept slots' log-weights and values, with KVzip's normalisers "
-     "handed on (`refit_handed_s`, what the default does) and formed by the fit; seconds for all 4 layers, medians over the repeats.",
+     "handed on (`refit_handed_s`, what `kvzip_refit` does) and formed by the fit; seconds for all 4 layers, medians over the repeats.",
      lambda rows: markdown_table(refit_cost.medians(rows))),
     ("benchmarks/results/native_speed.csv", "Decode speed at native precision",
      "`benchmarks/native_speed.py`: on the default model and real prose, a ratio-0 prefill through kvcompress's cache against a "
@@ -546,7 +540,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
 def gpu_section() -> list[str]:
     lines = ["## On a GPU", "",
              "The 8k cells of the 7-digit needle's side by side ran on an NVIDIA H200 (their machine is named above), as did "
-             "part of the default's tuning. Here the default's cells of the prose needle were answered again on the GPU and "
+             "part of `kvzip_refit`'s tuning. Here `kvzip_refit`'s cells of the prose needle were answered again on the GPU and "
              "compared token for token with the CPU's answers in the side-by-side folders.", ""]
     for cpu_folder, gpu_folder in (("results/kvpress_side_by_side_prose_4k", "results/cuda_h200/refit_prose_4k"),
                                    ("results/kvpress_side_by_side_prose_8k", "results/cuda_h200/refit_prose_8k")):
@@ -562,26 +556,37 @@ def defaults_section() -> list[str]:
     lines = ["## Why the defaults are what they are", "",
              "Each default was chosen on tuning samples (seeds 1000 and up, `kvcompress.eval.tasks.TUNING_SEEDS`), not on the "
              "samples reported above; where a rule decided, it was written before the run and is stated with its table. The "
-             "refits of the prefill default were then checked by a second rule over every reported prose set. Hits kept: of "
+             "refits of `kvzip_refit` were then checked by a second rule over every reported prose set. Hits kept: of "
              "the samples the uncompressed cache answers, how many the cell also answers.", ""]
-    prefill = "`kvcompress.options.DEFAULT_METHODS`"
+    path = "benchmarks/results/tuning/kvzap_default.jsonl"
+    lines += ["### Every mode: AdaKV over KVzap's scores", "",
+              "The default (`kvcompress.options.DEFAULT_METHODS`) is the variant that kept the most of the full cache's hits among "
+              "those whose answer costs about a plain generate: AdaKV over KVzap's scores (the shipped linear surrogate), ranked "
+              "across every layer's heads in prefill mode (`adakv_kvzap_model`) and within each layer in chunked and decode modes "
+              "(`adakv_kvzap`). `benchmarks/tuning/kvzap_default.py`: needles in the tuning prose (`niah_prose(split=\"tuning\")`), "
+              "2k tokens, ratio 0.75, each variant paired per needle with the full cache: of the needles the full cache finds, "
+              "how many it also finds, and its median time per answer ÷ the full cache's on the same needle (one process, one "
+              "thread, a shared CPU). `adakv_keydiff` is the streaming default before KVzap; `adakv_kvzip_refit` (`kvzip_refit`) "
+              "ran on one needle only, at many times the full cache's time.", ""]
+    lines += meta_block(path)
+    lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
     folder = "results/kvzip_allocation_tuning"
-    lines += ["### Prefill mode: KVzip's scores ranked across every head of every layer, no exact window", "",
-              f"{prefill}' prefill entry is AdaKV over KVzip's scores with `scope=\"model\"` (one top-k over every head of every "
-              "layer) and `window=0`, chosen here against KVzip's one budget per head; 7-digit needle in 2k tokens of prose, "
-              "ratio 0.75.", ""]
+    lines += ["### `kvzip_refit`: KVzip's scores ranked across every head of every layer, no exact window", "",
+              "`kvzip_refit` (the prefill default before KVzap, `kvcompress.options.NAMED_SETTINGS`) is AdaKV over KVzip's scores "
+              "with `scope=\"model\"` (one top-k over every head of every layer) and `window=0`, chosen here against KVzip's one "
+              "budget per head; 7-digit needle in 2k tokens of prose, ratio 0.75.", ""]
     lines += harness_block([folder])
     lines += [cells_table(folder), ""]
     sets = [("2k", "results/cuda_h200/safeguard_tuning_2k"), ("4k", "results/cuda_h200/safeguard_tuning_4k")]
     candidates = [(f"alpha_safeguard {alpha}", f"adakv[scorer=kvzip,scope=model,window=0{',alpha=' + alpha if alpha != '0.2' else ''}]")
                   for alpha in ("0", "0.05", "0.1", "0.2")]
-    lines += ["### Prefill mode: each head's floor, `alpha_safeguard=0.05`", "",
+    lines += ["### `kvzip_refit`: each head's floor, `alpha_safeguard=0.05` (kept by the default)", "",
               "Rule: the candidate keeping the most of the full cache's hits over the four tuning cells (2k and 4k, 0.75 and 0.9) "
               "becomes the default; a tie keeps the default of the time, 0. (0.2 is AdaKV's own.)", ""]
     lines += harness_block([folder for _, folder in sets])
     lines += [hits_table(sets, candidates, [0.75, 0.9]), ""]
     folder = "results/kvzip_refit_tuning_4k"
-    lines += ["### Prefill mode: the kept slots refitted (`refit`)", "",
+    lines += ["### `kvzip_refit`: the kept slots refitted (`refit`)", "",
               "The kept slots' log-weights (`log_weights`), and then their values too (`log_weights_values`), fitted so that they "
               "give the whole middle's attention mass and output for KVzip's reconstruction queries (after Zweiger et al., "
               "\"Fast KV Compaction via Attention Matching\"). Each step: on 30 new tuning samples (a prose needle with word "
@@ -591,19 +596,19 @@ def defaults_section() -> list[str]:
     lines += [hits_table([("4k tuning", folder)], [("no refit", NO_REFIT_CELL), ("refit=log_weights", LOG_WEIGHTS_CELL)], [0.75, 0.9]), ""]
     folder = "results/refit_values_tuning_4k"
     lines += harness_block([folder])
-    lines += [hits_table([("4k tuning", folder)], [("refit=log_weights", LOG_WEIGHTS_CELL), ("refit=log_weights_values", DEFAULT_CELL)],
+    lines += [hits_table([("4k tuning", folder)], [("refit=log_weights", LOG_WEIGHTS_CELL), ("refit=log_weights_values", KVZIP_REFIT_CELL)],
                          [0.75, 0.9]), ""]
     sets = [("2k", PROSE[0]), ("4k", PROSE[1]), ("4k fresh", PROSE_FRESH), ("8k", PROSE[2])]
     lines += ["Then, on the reported prose sets (the side by side's records above), the rule written before those runs: the values' "
               "refit replaces the log-weights refit only if, summed over the sets, it keeps at least as many of the full cache's "
               "hits at each ratio and more in total.", ""]
     for ratio in (0.5, 0.75, 0.9):
-        lines += [f"At {ratio:g}:", "", hits_table(sets, [("refit=log_weights", LOG_WEIGHTS_CELL), ("refit=log_weights_values", DEFAULT_CELL)],
+        lines += [f"At {ratio:g}:", "", hits_table(sets, [("refit=log_weights", LOG_WEIGHTS_CELL), ("refit=log_weights_values", KVZIP_REFIT_CELL)],
                                                    [ratio]), ""]
     folder = "results/streaming_default_tuning"
-    lines += ["### Chunked and decode modes: AdaKV over KeyDiff's scores", "",
-              "KVzip needs the whole context, so the streaming modes have their own default, chosen in chunked mode at 0.75 on "
-              "tuning samples (7-digit needle in 2k tokens of prose); decode mode takes the same.", ""]
+    lines += ["### Chunked and decode modes before KVzap: AdaKV over KeyDiff's scores", "",
+              "KVzip needs the whole context, so before KVzap the streaming modes had their own default, chosen in chunked mode "
+              "at 0.75 on tuning samples (7-digit needle in 2k tokens of prose) among the methods that stream.", ""]
     lines += harness_block([folder])
     lines += [cells_table(folder), ""]
     lines += ["### The prompt layout", "",

@@ -13,6 +13,7 @@ tests/test_cli.py checks that this list is the registry's.
 METHODS = ("adakv", "balancekv", "clustergen", "compactor", "expected_attention", "express", "h2o", "hybrid", "keydiff", "knorm",
            "kvzap", "kvzip", "pyramidkv", "random", "snapkv", "streamingllm", "subgen", "tova")
 DEFAULT_METHOD = "default"  # kvcompress.options.DEFAULT
+KVZIP_REFIT = "kvzip_refit"  # kvcompress.options.KVZIP_REFIT: the prefill default before KVzap, by name
 MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
 DEFAULT_CHUNK_SIZE = 128  # kvcompress.options.DEFAULT_CHUNK_SIZE
 PREFILL_APPROXIMATIONS = ("express",)  # kvcompress.integration.prefill_approx: how a context's prefill may be approximated

@@ -20,31 +20,48 @@ from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 from .names import DEFAULT_CHUNK_SIZE, MODES, PREFILL_APPROXIMATIONS
 from .names import DEFAULT_METHOD as DEFAULT
+from .names import KVZIP_REFIT
 
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
 # and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
-# real prose on tuning samples (docs/design.md, "Why the defaults are what they are", with the evidence in
-# docs/results.md). Prefill: KVzip's reconstruction scores ranked across
-# every layer's heads (AdaKV, scope "model") with a small per-head floor (each head keeps its own top 5 % of the budget),
-# every token ranked (no exact window), and the kept slots refitted so they carry the whole middle's attention mass
-# (log-weights) and output (values) for KVzip's reconstruction queries (attention matching). KVzip needs the whole
-# context, so the streaming modes get the best that streams: KeyDiff's scores shared out among each layer's heads
-# (AdaKV, with its sink and window).
+# real prose on tuning samples among those whose answer costs about a plain generate (docs/design.md, "Why the defaults
+# are what they are", with the evidence in docs/results.md): KVzap's learned KVzip scores (`methods.kvzap`, scored from
+# each token's hidden state as it enters the cache, no second forward) shared out by AdaKV with a small per-head floor
+# (each head keeps its own top 5 % of the budget): ranked across every layer's heads in prefill mode (scope "model"),
+# across each layer's heads in the streaming modes. It needs a KVzap scorer for the model: the package ships the
+# default model's; for another model `kvcompress train-scorer` writes one (AdaKV over KVzap, scorer=its path), or name
+# another method.
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
-    "prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"}, {"window": 0}),
-    "chunked": ("adakv", {"scorer": "keydiff"}, {}),
-    "decode": ("adakv", {"scorer": "keydiff"}, {}),
+    "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),
+    "chunked": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
+    "decode": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
+}
+# KVZIP_REFIT: the prefill default before KVzap, kept by name. KVzip's exact reconstruction scores ranked across every
+# layer's heads (AdaKV, scope "model", per-head floor 5 %), every token ranked (no exact window), and the kept slots
+# refitted to carry the whole middle's attention mass (log-weights) and output (values) for KVzip's reconstruction
+# queries (attention matching). It kept the most of the full cache's answers on the project's prose needles, but one
+# answer costs a second forward over the context plus the refits: 8.1x a plain `model.generate` at 2k tokens and 12.7x
+# at 4k (one thread, 2026-11-29; `benchmarks/default_cost.py`, docs/results.md). KVzip needs the whole context: mode
+# "prefill" only.
+NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, int]]]] = {
+    DEFAULT: DEFAULT_METHODS,
+    KVZIP_REFIT: {"prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
+                              {"window": 0})},
 }
 
 
 def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, int]]:
-    """(registered name, method parameters, exact sink/window settings) that `method` stands for in `mode`:
-    DEFAULT is the mode's default (`DEFAULT_METHODS`), any other name itself, with no parameters or settings."""
-    if method != DEFAULT:
+    """(registered name, method parameters, exact sink/window settings) that `method` stands for in `mode`: a name of
+    `NAMED_SETTINGS` (DEFAULT: the mode's default, `DEFAULT_METHODS`; KVZIP_REFIT) its entry for the mode, any other
+    name itself, with no parameters or settings."""
+    if method not in NAMED_SETTINGS:
         return method, {}, {}
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    name, params, exact = DEFAULT_METHODS[mode]
+    by_mode = NAMED_SETTINGS[method]
+    if mode not in by_mode:
+        raise ValueError(f"method {method!r} runs in mode {' or '.join(map(repr, by_mode))} only, got mode={mode!r}")
+    name, params, exact = by_mode[mode]
     return name, dict(params), dict(exact)
 
 
@@ -54,7 +71,8 @@ class CompressionOptions:
 
     method: a registered method name (`kvc.methods()`), DEFAULT (the default: the best measured
     method for the mode, `DEFAULT_METHODS`, resolved to its name and parameters when built; with a
-    calibration, the method the calibration was fitted for), or
+    calibration, the method the calibration was fitted for), KVZIP_REFIT ("kvzip_refit": the slow,
+    prefill-only default before KVzap, `NAMED_SETTINGS`), or
     None for the full, uncompressed cache (which then takes no budget, ratio, slack or method
     parameters). method_params: the method's own parameters (its dataclass fields), checked by
     building it (`compressor`); the default method takes none (name the method to set them).
@@ -132,8 +150,8 @@ class CompressionOptions:
             check_quality(self.quality)
         if self.calibration is not None and self.method is not None:
             self._resolve_calibration()
-        if self.method == DEFAULT:
-            self._resolve_default()
+        if self.method in NAMED_SETTINGS:
+            self._resolve_named()
         if self.method is None:
             given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
                                        ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits),
@@ -204,12 +222,13 @@ class CompressionOptions:
         object.__setattr__(self, "method", calibration.method)
         object.__setattr__(self, "method_params", {**calibration.method_params, **self.method_params})
 
-    def _resolve_default(self) -> None:
-        """method=DEFAULT becomes the mode's default method, with its parameters and its sink and window where none are given."""
-        name, params, exact = resolve_method(DEFAULT, self.mode)
+    def _resolve_named(self) -> None:
+        """A name of `NAMED_SETTINGS` (DEFAULT, KVZIP_REFIT) becomes the registered method it stands for in this mode, with
+        its parameters and its sink and window where none are given."""
+        name, params, exact = resolve_method(self.method, self.mode)
         if self.method_params:
-            raise ValueError(f"method parameters {sorted(self.method_params)} need a named method: the default in mode {self.mode!r} "
-                             f"is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the parameters you want")
+            raise ValueError(f"method parameters {sorted(self.method_params)} need a registered method: {self.method!r} in mode "
+                             f"{self.mode!r} is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the parameters you want")
         object.__setattr__(self, "method", name)
         object.__setattr__(self, "method_params", dict(params))
         for key, value in exact.items():

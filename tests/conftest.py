@@ -44,3 +44,18 @@ def tiny_checkpoint(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(path)
     PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def tiny_default_scorer(monkeypatch, tmp_path):
+    """The default method (AdaKV over KVzap) on the tiny random models (2 layers, 2 KV heads of hidden width 64): the
+    package's scorer for the default model (`kvzap.SHIPPED["default"]`) is replaced, for this test, by a seeded random
+    linear surrogate of the tiny models' shapes, written as a scorer file. Returns its path."""
+    from kvcompress.methods import kvzap
+
+    g = torch.Generator().manual_seed(0)
+    surrogate = kvzap.Surrogate("linear", (0, 1), torch.randn(2, 2, 64, 1, generator=g) / 8, torch.zeros(2, 2, 1), model="tiny")
+    path = tmp_path / "tiny-kvzap.safetensors"
+    surrogate.save(path)
+    monkeypatch.setattr(kvzap, "shipped_path", lambda name: path)
+    return path

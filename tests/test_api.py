@@ -158,3 +158,9 @@ def test_cli_method_parameters_are_parsed():
     }
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_params(["anchor"])
+    # a dotted name sets a parameter's own parameters (AdaKV's scorer's)
+    assert parse_params(["scorer=kvzap", "scorer_params.scorer=my.safetensors", "scorer_params.threshold=-6"]) == {
+        "scorer": "kvzap", "scorer_params": {"scorer": "my.safetensors", "threshold": -6}}
+    for bad in (["a.=1"], [".a=1"], ["a=1", "a.b=2"], ["a.b=2", "a=1"]):
+        with pytest.raises(ValueError, match="NAME=VALUE|both as a value and as parameters"):
+            parse_params(bad)

@@ -45,7 +45,7 @@ CASES = {
     "generate full cache with slack": ([*GEN, "--method", "full", "--slack", "0.5"], "--slack"),
     "generate negative slack": ([*GEN, "--budget", "8", "--mode", "chunked", "--slack", "-1"], "slack"),
     "generate slack in prefill mode": ([*GEN, "--budget", "8", "--slack", "0.5"], "slack"),
-    "generate unknown method": ([*GEN, "--method", "zip", "--budget", "8"], "argument --method: unknown method 'zip'; known methods: full, default, adakv, balancekv"),
+    "generate unknown method": ([*GEN, "--method", "zip", "--budget", "8"], "argument --method: unknown method 'zip'; known methods: full, default, kvzip_refit, adakv, balancekv"),
     "generate unknown mode": ([*GEN, "--budget", "8", "--mode", "fast"], "--mode"),
     "generate unknown method parameter": ([*GEN, "--method", "keydiff", "--budget", "8", "--param", "bogus=1"], "bogus"),
     "generate malformed parameter": ([*GEN, "--budget", "8", "--param", "anchor"], "--param"),

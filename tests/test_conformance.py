@@ -153,8 +153,8 @@ def _answers_as_the_full_cache_at_ratio_zero(default_model, full_answer, mode, m
 @pytest.mark.smoke
 @pytest.mark.parametrize("mode", MODES)
 def test_default_model_the_default_and_the_coresets_answer_as_the_full_cache_at_ratio_zero(default_model, full_answer, mode):
-    """The default (`method=DEFAULT`: in prefill mode with its refitted log-weights and values), BalanceKV and Express
-    give the full cache's answer tokens at ratio 0."""
+    """The default (`method=DEFAULT`: AdaKV over KVzap's scores), BalanceKV and Express give the full cache's answer
+    tokens at ratio 0."""
     _answers_as_the_full_cache_at_ratio_zero(default_model, full_answer, mode, SMOKE_METHODS)
 
 

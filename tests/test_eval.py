@@ -115,7 +115,7 @@ def test_prefill_reuse_matches_reprefilling(tiny, tmp_path):
 
 
 def test_kvzip_scored_cells_share_one_recorded_reconstruction_per_sample(tiny, tmp_path, monkeypatch):
-    """With prefill reuse, every KVzip-scored cell of a sample (each ratio, kvzip and the default built on its scores)
+    """With prefill reuse, every KVzip-scored cell of a sample (each ratio, kvzip and kvzip_refit built on its scores)
     compresses one recorded reconstruction, answering as cells that each reconstruct the context themselves."""
     from kvcompress.integration import reconstruction
 
@@ -123,7 +123,7 @@ def test_kvzip_scored_cells_share_one_recorded_reconstruction_per_sample(tiny, t
     calls = []
     real = reconstruction.record_reconstruction
     monkeypatch.setattr(reconstruction, "record_reconstruction", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    config = dict(methods=["kvzip", "default"], ratios=[0.5, 0.75], grid_lengths=[], grid_depths=[], tasks=["niah_single"],
+    config = dict(methods=["kvzip", "kvzip_refit"], ratios=[0.5, 0.75], grid_lengths=[], grid_depths=[], tasks=["niah_single"],
                   include_full=False, max_new_tokens=4)
     reused = run_sweep(model, tokenizer, small_config(**config), tmp_path / "a", progress=False)
     assert len(reused) == 2 * 4 and all(r["error"] is None for r in reused) and len(calls) == 2  # one per sample
@@ -222,9 +222,11 @@ def test_eval_help_documents_every_option(capsys):
     assert args.bench == "approx" and args.layers == [1, 2] and args.ratios == [0.5, 0.75]
 
 
-def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tmp_path):
+def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tmp_path, tiny_default_scorer):
     """`default` is a sweep method (and in the sweep's default methods): in each mode it runs the mode's default method
-    (`options.DEFAULT_METHODS`), and each record names the method and parameters it stood for."""
+    (`options.DEFAULT_METHODS`; on the tiny model a random scorer of its shapes stands for the shipped one), and each
+    record names the method and parameters it stood for. KVzap reads the layers' hidden states, so a prefill cell runs
+    its own forward rather than a recorded prefill (which keeps none)."""
     from kvcompress.methods.registry import method_names
     from kvcompress.options import DEFAULT, DEFAULT_METHODS
 

@@ -145,11 +145,11 @@ def test_every_kvcompress_cell_names_a_registered_method_and_a_counterpart():
     assert set(h.DEFAULT_KVCOMPRESS) <= set(h.KVCOMPRESS_CELLS) and set(h.DEFAULT_KVPRESS) <= set(h.KVPRESS_CELLS)
 
 
-def test_the_default_cell_is_kvcompress_default_method_in_prefill_mode():
-    from kvcompress.options import DEFAULT_METHODS
+def test_the_default_cell_is_kvcompress_default_method_in_prefill_mode_and_kvzip_refit_its_named_cell():
+    from kvcompress.options import DEFAULT_METHODS, NAMED_SETTINGS
 
-    name, params, exact = DEFAULT_METHODS["prefill"]
-    assert h.KVCOMPRESS_CELLS[h.DEFAULT_CELL] == (name, params | exact)
+    for cell, (name, params, exact) in ((h.DEFAULT_CELL, DEFAULT_METHODS["prefill"]), (h.KVZIP_REFIT_CELL, NAMED_SETTINGS["kvzip_refit"]["prefill"])):
+        assert h.KVCOMPRESS_CELLS[cell] == (name, params | exact)
 
 
 def _records(library, cell, ratio, scores, tokens=None):
@@ -264,7 +264,7 @@ def test_kvcompress_step_records_every_cell_and_resumes(tiny_run):
 
 
 def test_kvzip_scored_cells_of_a_sample_share_one_recorded_reconstruction(tiny_run, tiny_checkpoint, tmp_path, monkeypatch):
-    """KVzip and the default (AdaKV over KVzip's scores) at two ratios: one reconstruction per sample, its forwards in
+    """KVzip and AdaKV over KVzip's scores at two ratios: one reconstruction per sample, its forwards in
     every cell's prefill time, each cell answering as its own fresh reconstruction does."""
     from kvcompress.integration import generate_ids, reconstruction
     from kvcompress.options import CompressionOptions
@@ -274,7 +274,7 @@ def test_kvzip_scored_cells_of_a_sample_share_one_recorded_reconstruction(tiny_r
     calls = []
     real = reconstruction.record_reconstruction
     monkeypatch.setattr(reconstruction, "record_reconstruction", lambda *a, **k: (calls.append(real(*a, **k)), calls[-1])[1])
-    default = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"
+    default = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]"  # kvzip_refit without its refits
     h.main(["kvcompress", "--out", str(tmp_path), "--cells", f"kvzip,{default}", "--ratios", "0.5,0.75"])
     records = h.read_jsonl(tmp_path / "kvcompress.jsonl")
     assert len(records) == 2 * 2 * 2 and all(r["error"] is None for r in records) and len(calls) == 2

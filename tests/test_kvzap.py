@@ -186,3 +186,41 @@ def test_the_threshold_keeps_what_scores_above_it_within_the_budget():
         want = above if len(above) <= 40 else scores[0, head].topk(40).indices.sort().values
         assert torch.equal(kept, want)
     assert method.requirements.modes == ("prefill",) and method.requirements.budget_scope == "layer"
+
+
+def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_parameters(tiny_default_scorer):
+    """method=DEFAULT (what no method gives) resolves, when the options are built, to the mode's DEFAULT_METHODS entry:
+    AdaKV over KVzap's scores with a 5 % floor per head, ranked across every layer's heads in prefill mode and within each
+    layer in the streaming modes; it runs in every mode with no reconstruction forward."""
+    from kvcompress.integration import generate_ids
+    from kvcompress.options import DEFAULT, DEFAULT_METHODS, CompressionOptions
+    from test_integration import _prompt, tiny
+
+    prefill = CompressionOptions(compression_ratio=0.5)
+    assert (prefill.method, prefill.method_params, prefill.sink, prefill.window) == (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, 4, 64)
+    assert prefill.compressor.requirements.needs("hidden_states") and prefill.compressor.requirements.budget_scope == "model"
+    assert not prefill.compressor.requirements.needs("reconstruction")
+    assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options
+    assert CompressionOptions(compression_ratio=0.5, window=16).window == 16  # a window given replaces the default's
+    with pytest.raises(ValueError, match=r"method parameters \['scorer'\] need a registered method: 'default' in mode 'prefill' is 'adakv'"):
+        CompressionOptions.build(compression_ratio=0.5, scorer="snapkv")
+    model = tiny()
+    ctx, question = _prompt(n=200)
+    for mode in ("prefill", "chunked", "decode"):
+        options = CompressionOptions(method=DEFAULT, compression_ratio=0.5, mode=mode)
+        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2]
+        assert options.compressor.scorer.name == "kvzap" and mode in options.compressor.requirements.modes
+        res = generate_ids(model, ctx, question, compression_ratio=0.5, mode=mode, max_new_tokens=2, stop_at_eos=False)
+        assert res.method == "adakv" and "reconstruction" not in res.extra and res.realised_compression_ratio > 0.3
+
+
+def test_the_default_on_a_model_without_a_scorer_is_an_error_naming_train_scorer():
+    """The shipped scorer fits the default model only: the default method on another model's shapes is refused at its
+    first forward, naming the command that trains a scorer and how to name another method."""
+    from kvcompress.integration import generate_ids
+    from test_integration import _prompt, tiny
+
+    ctx, question = _prompt(n=200)
+    with pytest.raises(SurrogateError, match=r"default method \(AdaKV over KVzap\).*kvcompress train-scorer.*another method"):
+        generate_ids(tiny(), ctx, question, compression_ratio=0.5, max_new_tokens=2)

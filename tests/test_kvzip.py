@@ -395,9 +395,9 @@ def test_what_kvzip_cannot_take_is_refused_clearly():
         reconstruct_context(model, CompressedCache(model, CompressionOptions(method="snapkv", budget=8)), ctx)
 
 
-@pytest.mark.parametrize("method", ["default", "kvzip"])
-def test_a_padded_batch_with_the_default_method_or_kvzip_runs_each_context_alone_with_its_solo_answer(method):
-    """One padded forward cannot compress its rows apart through a reconstruction forward (nor with the default's one
+@pytest.mark.parametrize("method", ["kvzip_refit", "kvzip"])
+def test_a_padded_batch_with_kvzip_refit_or_kvzip_runs_each_context_alone_with_its_solo_answer(method):
+    """One padded forward cannot compress its rows apart through a reconstruction forward (nor with kvzip_refit's one
     budget over every layer): each context is compressed and answered alone, exactly as generate_ids does it."""
     model = tiny()
     contexts = [_prompt(n=n, seed=s)[0] for n, s in ((120, 1), (80, 2), (101, 3))]
@@ -408,7 +408,7 @@ def test_a_padded_batch_with_the_default_method_or_kvzip_runs_each_context_alone
     for ctx, res in zip(contexts, batch):
         solo = generate_ids(model, ctx, question, **kw)
         assert res.token_ids == solo.token_ids and res.slots_per_layer == solo.slots_per_layer
-        assert res.method == solo.method == ("adakv" if method == "default" else "kvzip")
+        assert res.method == solo.method == ("adakv" if method == "kvzip_refit" else "kvzip")
         assert res.context_tokens == ctx.shape[1] and res.extra["reconstruction"]["forwards"] == 1
         assert res.extra["batch_run"] == "one_by_one" and res.extra["batch_size"] == 3
 
@@ -461,24 +461,22 @@ def test_adakv_with_model_scope_shares_kvzips_budget_among_every_layers_heads():
     assert sum(per_layer) == len(cache.layers) * 2 * 40 and len(set(per_layer)) > 1
 
 
-def test_the_default_method_is_the_modes_best_measured_and_takes_no_parameters():
-    """method=DEFAULT (what no method gives) resolves, when the options are built, to the mode's DEFAULT_METHODS entry:
-    in prefill mode KVzip's scores ranked across every layer's heads with a 5 % safeguard and no exact window, the kept
-    slots' log-weights and values refitted to the reconstruction's attention."""
-    from kvcompress.options import DEFAULT, DEFAULT_METHODS
-
-    prefill = CompressionOptions(compression_ratio=0.5)
+def test_kvzip_refit_is_the_slow_prefill_default_by_name_and_takes_no_parameters():
+    """method="kvzip_refit" (`options.NAMED_SETTINGS`) resolves, when the options are built, to KVzip's scores ranked
+    across every layer's heads with a 5 % safeguard and no exact window, the kept slots' log-weights and values refitted
+    to the reconstruction's attention; prefill mode only, and its parameters are not given by name."""
+    prefill = CompressionOptions(method="kvzip_refit", compression_ratio=0.5)
     assert (prefill.method, prefill.method_params, prefill.window, prefill.sink) == (
         "adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"}, 0, 4)
     assert prefill.compressor.requirements.needs("reconstruction") and prefill.compressor.requirements.budget_scope == "model"
     assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options
-    assert CompressionOptions(compression_ratio=0.5, window=16).window == 16  # a window given replaces the default's
+    assert CompressionOptions(method="kvzip_refit", compression_ratio=0.5, window=16).window == 16  # a window given replaces it
     for mode in ("chunked", "decode"):
-        options = CompressionOptions(method=DEFAULT, budget=8, mode=mode)
-        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2] and mode in options.compressor.requirements.modes
-    with pytest.raises(ValueError, match=r"method parameters \['scorer'\] need a named method: the default in mode 'prefill' is 'adakv'"):
-        CompressionOptions.build(compression_ratio=0.5, scorer="snapkv")
+        with pytest.raises(ValueError, match=rf"method 'kvzip_refit' runs in mode 'prefill' only, got mode='{mode}'"):
+            CompressionOptions(method="kvzip_refit", budget=8, mode=mode)
+    with pytest.raises(ValueError, match=r"method parameters \['scorer'\] need a registered method: 'kvzip_refit' in mode 'prefill' is 'adakv'"):
+        CompressionOptions.build(method="kvzip_refit", compression_ratio=0.5, scorer="snapkv")
     model = tiny()
     ctx, question = _prompt(n=120)
-    res = generate_ids(model, ctx, question, compression_ratio=0.5, max_new_tokens=2)
+    res = generate_ids(model, ctx, question, method="kvzip_refit", compression_ratio=0.5, max_new_tokens=2)
     assert res.method == "adakv" and res.extra["reconstruction"]["forwards"] == 1

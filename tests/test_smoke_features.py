@@ -102,7 +102,7 @@ def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_co
     assert answer_and_kept(from_cache) == answer_and_kept(direct), (from_cache, direct)
     assert NEEDLE in answer_and_kept(direct)[0], direct
     assert f"mode={mode}" in from_cache and (f"{bits}-bit storage" in from_cache) == bool(bits), from_cache
-    assert f"method            {method or 'adakv'} " in from_cache, from_cache  # the default: AdaKV (over KVzip's or KeyDiff's scores)
+    assert f"method            {method or 'adakv'} " in from_cache, from_cache  # the default: AdaKV over KVzap's scores
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -133,8 +133,8 @@ def test_python_compress_save_load_answers_as_generate_on_the_context(default_mo
 
 @pytest.mark.parametrize("mode", MODES)
 def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_cache(default_model, mode):
-    """`kvc.generate` with no method named, in every mode: the default (AdaKV, over KVzip's scores in prefill mode and over
-    KeyDiff's in chunked and decode modes) keeps the needle at compression_ratio=0.5."""
+    """`kvc.generate` with no method named, in every mode: the default (AdaKV over KVzap's scores, across every layer's
+    heads in prefill mode and within each layer in chunked and decode modes) keeps the needle at compression_ratio=0.5."""
     model, tokenizer = default_model
     res = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, mode=mode, max_new_tokens=NEW, progress=False)
     assert NEEDLE in res.text, res.report()
@@ -226,12 +226,17 @@ def test_cli_calibrate_then_generate_with_calibration(cli, doc, tmp_path):
 
 
 def test_cli_train_scorer_then_generate_with_it(cli, doc, tmp_path):
-    """docs/cli.md "train-scorer": `kvcompress train-scorer --out my-kvzap.safetensors`, then `kvcompress generate --method
-    kvzap --param scorer=my-kvzap.safetensors` (one context of 64 tokens here)."""
-    out = cli("train-scorer", "--tokens", 64, "--contexts", 1, "--out", tmp_path / "my-kvzap.safetensors")
+    """docs/cli.md "train-scorer": `kvcompress train-scorer --out my-kvzap.safetensors`, then `kvcompress generate` with the
+    default's method over that scorer (`--method adakv --param scorer=kvzap --param scorer_params.scorer=FILE ...`) and with
+    `--method kvzap --param scorer=FILE` (one context of 64 tokens here)."""
+    scorer = tmp_path / "my-kvzap.safetensors"
+    out = cli("train-scorer", "--tokens", 64, "--contexts", 1, "--out", scorer)
     assert re.search(r"^linear surrogate of 30 layers, Spearman on tuning text: mean \S+, min \S+;", out, re.M), out
-    out = cli("generate", "--method", "kvzap", "--param", f"scorer={tmp_path / 'my-kvzap.safetensors'}", "--compression-ratio", "0.5",
-              "--context-file", doc, "--question", QUESTION, "--max-new-tokens", NEW)
+    common = ("--compression-ratio", "0.5", "--context-file", doc, "--question", QUESTION, "--max-new-tokens", NEW)
+    out = cli("generate", "--method", "adakv", "--param", "scorer=kvzap", "--param", f"scorer_params.scorer={scorer}",
+              "--param", "scope=model", "--param", "alpha_safeguard=0.05", *common)
+    assert out.splitlines()[0].strip() and "method            adakv" in out, out
+    out = cli("generate", "--method", "kvzap", "--param", f"scorer={scorer}", *common)
     assert out.splitlines()[0].strip() and "method            kvzap" in out, out
 
 
@@ -245,18 +250,18 @@ def test_cli_demo_at_a_short_context(cli):
 
 def test_cli_eval_task_sweep_with_the_default_method(cli, tmp_path):
     """`kvcompress eval` task sweep with `--methods default,keydiff` (docs/cli.md "eval"): the record names what `default`
-    ran (in prefill mode AdaKV over KVzip's scores), summary.md says it; the full cache finds the needle."""
+    ran (in prefill mode AdaKV over KVzap's scores), summary.md says it; the full cache finds the needle."""
     out_dir = tmp_path / "sweep"
-    out = cli("eval", "--tasks", "niah_single", "--lengths", 128, "--samples", 1, "--methods", "default,keydiff", "--ratios", "0.5",
+    out = cli("eval", "--tasks", "niah_single", "--lengths", 256, "--samples", 1, "--methods", "default,keydiff", "--ratios", "0.5",
               "--no-progress", "--out", out_dir)
     records = {(r["method"], r["mode"]): r for r in map(json.loads, (out_dir / "results.jsonl").read_text().splitlines())}
     assert set(records) == {("full", "-"), ("default", "prefill"), ("keydiff", "prefill")}, list(records)
     assert records["full", "-"]["score"] == 1.0, records["full", "-"]
     assert all(r["error"] is None and 0.0 <= r["score"] <= 1.0 for r in records.values())
     default = records["default", "prefill"]
-    assert default["resolved_method"] == "adakv" and default["method_params"].get("scorer") == "kvzip", default
+    assert default["resolved_method"] == "adakv" and default["method_params"].get("scorer") == "kvzap", default
     summary = (out_dir / "summary.md").read_text()
-    assert "`default` is the library's default method" in summary and "scorer=kvzip" in summary and summary in out
+    assert "`default` is the library's default method" in summary and "scorer=kvzap" in summary and summary in out
 
 
 def test_cli_eval_on_a_benchmarks_shipped_samples(cli, tmp_path):

@@ -138,22 +138,34 @@ def resolve_device(device: str | None, dtype: str | None):
 
 
 def parse_params(items: list[str], flag: str = "--param") -> dict:
-    """["name=value", ...] -> {name: value} with ints, floats and true/false converted (`flag`: the option named in errors)."""
+    """["name=value", ...] -> {name: value} with ints, floats and true/false converted (`flag`: the option named in errors).
+    A dotted name sets a parameter of a parameter: "scorer_params.scorer=FILE" -> {"scorer_params": {"scorer": FILE}}
+    (AdaKV's scorer's own parameters)."""
     params = {}
     for item in items:
         name, sep, text = item.partition("=")
-        if not sep or not name:
-            raise ValueError(f"{flag} takes NAME=VALUE, got {item!r}")
-        lowered = text.lower()
-        if lowered in ("true", "false"):
-            params[name] = lowered == "true"
-            continue
-        for convert in (int, float):
-            try:
-                params[name] = convert(text)
-                break
-            except ValueError:
-                continue
-        else:
-            params[name] = text
+        if not sep or not name or "" in name.split("."):
+            raise ValueError(f"{flag} takes NAME=VALUE (NAME may be dotted, OUTER.INNER), got {item!r}")
+        *outer, name = name.split(".")
+        target = params
+        for key in outer:
+            target = target.setdefault(key, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"{flag} {item!r}: {key!r} is given both as a value and as parameters")
+        if isinstance(target.get(name), dict):
+            raise ValueError(f"{flag} {item!r}: {name!r} is given both as a value and as parameters")
+        target[name] = _param_value(text)
     return params
+
+
+def _param_value(text: str):
+    """A --param value: true/false, an int, a float, else the text itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            continue
+    return text

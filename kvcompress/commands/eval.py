@@ -12,7 +12,7 @@ from .common import (
     add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
 from ..names import (
-    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
+    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
 )
 
 DESCRIPTION = """\
@@ -68,8 +68,9 @@ def add_cli(subparsers) -> None:
     add_model_arg(p)
     add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
-    p.add_argument("--methods", type=list_of((DEFAULT_METHOD, *METHODS), "method"), default=None,
-                   help=f"comma-separated method names; '{DEFAULT_METHOD}' (task sweep only) is the library's default for each mode "
+    p.add_argument("--methods", type=list_of((DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
+                   help=f"comma-separated method names; '{DEFAULT_METHOD}' and '{KVZIP_REFIT}' (task sweep only) are the library's "
+                        "default for each mode and the slow prefill default before KVzap "
                         f"(default: the task sweep runs '{DEFAULT_METHOD}' and every registered method, approx and perplexity "
                         "every registered method)")
     p.add_argument("--ratios", type=float_list, default=None,

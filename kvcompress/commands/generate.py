@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, add_threads_arg, count, one_of, parse_params, resolve_device, set_threads
-from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, METHODS, MODES
+from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
 FULL = "full"
 
@@ -32,11 +32,12 @@ def add_run_args(p, run) -> None:
 
 def add_compression_args(p) -> None:
     """The flags of a `CompressionOptions` (read back by `options_of`), shared by `generate` and `compress`."""
-    p.add_argument("--method", type=one_of((FULL, DEFAULT_METHOD, *METHODS), "method"), default=None, metavar="NAME",
-                   help=f"registered method name, '{FULL}' for the uncompressed cache, or '{DEFAULT_METHOD}' (the default): the best "
-                        "measured method for the mode (prefill: adakv over KVzip's reconstruction scores, ranked across layers; "
-                        "chunked and decode: adakv over KeyDiff's scores; see docs/design.md); with --calibration, the method it was "
-                        "fitted for")
+    p.add_argument("--method", type=one_of((FULL, DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None, metavar="NAME",
+                   help=f"registered method name, '{FULL}' for the uncompressed cache, '{DEFAULT_METHOD}' (the default): the best "
+                        "measured method for the mode within a plain generate's cost (adakv over KVzap's learned KVzip scores, ranked "
+                        "across layers in prefill mode, within each layer when streaming; see docs/design.md), or "
+                        f"'{KVZIP_REFIT}' (prefill only: the slow default before KVzap, KVzip's exact scores and a refit); with "
+                        "--calibration, the method it was fitted for")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context's tokens removed, in [0, 1)")
     size.add_argument("--budget", type=int, default=None, help="tokens kept per KV head besides the exact sink and window (>= 1)")

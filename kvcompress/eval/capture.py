@@ -12,7 +12,8 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["capture_qkv", "docstring_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
+__all__ = ["capture_qkv", "docstring_paragraphs", "manual_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES",
+           "SCORER_TRAINING_MODULES"]
 
 # The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
 DOCSTRING_MODULES = (
@@ -112,4 +113,47 @@ def docstring_paragraphs(modules: tuple[str, ...] = DOCSTRING_MODULES) -> list[s
                     paragraph = " ".join(block.split())
                     if _is_prose(block) and not block.rstrip().endswith(":") and paragraph not in reference:
                         out.setdefault(paragraph)
+    return list(out)
+
+
+def manual_paragraphs() -> list[str]:
+    """Prose paragraphs of IDLE's user manual (`idlelib/help.html`, shipped with CPython), in document order: the held-out
+    needle set's text (`eval.tasks`, split "heldout"), a body of prose no tuning, training or reported sample uses.
+    Each `<p>` element's text with its whitespace collapsed, kept as `prose_paragraphs` keeps paragraphs; a Python without
+    idlelib is a clear error."""
+    import importlib.util
+    from html.parser import HTMLParser
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("idlelib")
+    path = Path(spec.origin).parent / "help.html" if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError("the held-out prose is IDLE's user manual, idlelib/help.html, which this Python does not ship "
+                                "(some distributions package idlelib apart: install it, e.g. the idle-python3 package)")
+
+    class Paragraphs(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.paragraphs: list[str] = []
+            self.current: list[str] | None = None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "p":
+                self.current = []
+
+        def handle_endtag(self, tag):
+            if tag == "p" and self.current is not None:
+                self.paragraphs.append("".join(self.current))
+                self.current = None
+
+        def handle_data(self, data):
+            if self.current is not None:
+                self.current.append(data)
+
+    parser = Paragraphs()
+    parser.feed(path.read_text(encoding="utf-8"))
+    out: dict[str, None] = {}
+    for block in parser.paragraphs:
+        if _is_prose(block) and not block.rstrip().endswith(":"):
+            out.setdefault(" ".join(block.split()))
     return list(out)

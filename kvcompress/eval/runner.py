@@ -52,7 +52,7 @@ from ..methods.registry import build_method, method_names
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
-from ..options import DEFAULT, MODES, CompressionOptions, resolve_method
+from ..options import DEFAULT, KVZIP_REFIT, MODES, CompressionOptions, resolve_method
 from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
@@ -64,7 +64,7 @@ from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score,
 FULL = "full"
 # Methods built from other methods (the library's default is AdaKV over another method's scores): compared with the best
 # single method, never chosen as it.
-COMPOSED = ("hybrid", DEFAULT)
+COMPOSED = ("hybrid", DEFAULT, KVZIP_REFIT)
 # A task counts as a compression result only where the full cache scores at least this.
 FULL_CACHE_BAR = 0.9
 # Generator arguments the sweep sets itself (not settable through task_params).
@@ -77,8 +77,8 @@ UNRECORDED_PROMPT_LAYOUT = "blank_line_primed"
 
 @dataclass
 class SweepConfig:
-    """What a sweep runs. methods: registered names and DEFAULT (the library's default for each mode); None means DEFAULT
-    and every registered method. lengths are context tokens.
+    """What a sweep runs. methods: registered names, DEFAULT (the library's default for each mode) and KVZIP_REFIT (the
+    prefill default before KVzap); None means DEFAULT and every registered method. lengths are context tokens.
 
     samples: samples per (task, length); tasks that take a depth place sample i at
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
@@ -119,7 +119,8 @@ class SweepConfig:
         self.prompt_layout = prompt_layout(self.prompt_layout, parameter="prompt_layout")
         known = [DEFAULT, *method_names()]
         if self.methods is None:
-            self.methods = known
+            self.methods = list(known)
+        known.append(KVZIP_REFIT)
         if self.benchmark is not None:
             self._check_benchmark()
         elif self.tasks is None:
@@ -314,8 +315,9 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
 
 def _recording_kind(cell: Cell, method: Method | None) -> bool | None:
     """Which recorded prefill a cell (running `method`, None for the full cache) answers from: None (its own
-    forwards: streamed modes, KVzip's reconstruction), True (one recorded with the attention mass its method
-    scores by, H2O's) or False (the model's own attention).
+    forwards: streamed modes, KVzip's reconstruction, a method that reads the layers' hidden states, which a
+    recording does not keep), True (one recorded with the attention mass its method scores by, H2O's) or False (the
+    model's own attention).
 
     A method scored by attention mass records the prefill through `causal_attention_with_mass`, whose rounding
     differs from the model's attention; keeping the two recordings apart makes every cell answer as it would
@@ -325,7 +327,7 @@ def _recording_kind(cell: Cell, method: Method | None) -> bool | None:
     if cell.mode != "prefill":
         return None
     needs = method.requirements
-    return None if needs.needs("reconstruction") else needs.needs("attention_mass")
+    return None if needs.needs("reconstruction") or needs.needs("hidden_states") else needs.needs("attention_mass")
 
 
 def _method_of(cell: Cell) -> Method:

@@ -30,6 +30,9 @@ of `SweepConfig(seed=0)` has seed i), so no default is chosen on the samples it 
 and towns from pools the reported samples never use (the standard library's docstrings instead of the
 language reference, `TUNING_PROSE_FACTS`, `TUNING_FIRST_NAMES`, ...); in a sweep or the side-by-side
 harness, `--task-param niah_prose.split=tuning` / `--task-param split=tuning` with tuning seeds.
+`niah_prose(split="heldout")`, with seeds from `HELDOUT_SEEDS` (2000–2999), is a third set of pools shared with
+neither: IDLE's user manual as the prose (`capture.manual_paragraphs`), `HELDOUT_PROSE_FACTS`, `HELDOUT_FIRST_NAMES`, ...,
+kept for a final check that runs once, after every choice is made (`benchmarks/heldout/PLAN.md`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ TASKS = (
 )
 # Seeds for choosing defaults; reported runs use seeds below TUNING_SEEDS.start.
 TUNING_SEEDS = range(1000, 2000)
+# Seeds of the held-out needle set (niah_prose(split="heldout")), run once after every choice is made.
+HELDOUT_SEEDS = range(2000, 3000)
 
 
 @dataclass
@@ -110,17 +115,21 @@ def _start(target_tokens, seed, tokenizer) -> tuple[random.Random, Callable[[Seq
 @functools.lru_cache(maxsize=None)
 def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     """The sentences of the real-prose haystack: the Python language reference (`capture.prose_paragraphs`) for reported
-    samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), less any sentence the
-    reference also has, so the two never share a sentence."""
-    from .capture import docstring_paragraphs, prose_paragraphs
+    samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), for held-out samples
+    IDLE's user manual (`capture.manual_paragraphs`), each less any sentence an earlier source has, so no two share a
+    sentence."""
+    from .capture import docstring_paragraphs, manual_paragraphs, prose_paragraphs
 
     def sentences(paragraphs):
         return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
 
     if split == "reported":
         return sentences(prose_paragraphs())
-    reference = set(_prose_sentences("reported"))
-    return tuple(s for s in sentences(docstring_paragraphs()) if s not in reference)
+    earlier = set(_prose_sentences("reported"))
+    if split == "tuning":
+        return tuple(s for s in sentences(docstring_paragraphs()) if s not in earlier)
+    earlier |= set(_prose_sentences("tuning"))
+    return tuple(s for s in sentences(manual_paragraphs()) if s not in earlier)
 
 
 @functools.lru_cache(maxsize=1)
@@ -461,11 +470,63 @@ TUNING_PROSE_FACTS = {
          "The largest rope works of the coast is in"),
     ),
 }
+# Held-out samples' own pools (niah_prose(split="heldout")): no name, town or fact wording of the two sets above.
+HELDOUT_FIRST_NAMES = (
+    "Adaeze", "Benedikt", "Carmela", "Desmond", "Eleonora", "Florian", "Giedre", "Hector", "Ilse", "Joaquin",
+    "Katarina", "Leopold", "Marisol", "Nestor", "Ottilie", "Perpetua", "Quentin", "Radomir", "Saoirse", "Tobias",
+    "Ursula", "Valentin", "Wanjiru", "Ximena", "Yevgenia", "Zoltan", "Anouk", "Barnaby", "Clemence", "Dagny",
+)
+HELDOUT_SURNAMES = (
+    "Abernethy", "Bocanegra", "Cholmondeley", "Dragomir", "Engstrom", "Fitzwilliam", "Grimaldi", "Halvorsen", "Ibekwe",
+    "Jorgensen", "Kuznetsova", "Lockhart", "Mwangi", "Nordqvist", "Ostrowski", "Prendergast", "Radcliffe", "Sorensen",
+    "Tremblay", "Umberfield", "Vanterpool", "Wetherby", "Yamamoto", "Zamora", "Ainsworth", "Birkenhead", "Cavendish",
+    "Delacourt", "Everingham", "Featherstone",
+)
+HELDOUT_TOWNS = (
+    "Abergavenny", "Berwick", "Chepstow", "Dunkeld", "Egremont", "Fishguard", "Gairloch", "Hawick", "Inveraray", "Kirkbean",
+    "Lampeter", "Machynlleth", "Newtonmore", "Orford", "Padstow", "Rothbury", "Southwold", "Tavistock", "Ullapool",
+    "Walberswick", "Aberfeldy", "Bamburgh", "Crail", "Dunster", "Elgin", "Forres", "Girvan", "Hay", "Ironbridge",
+    "Kirkcudbright", "Llandeilo", "Moffat", "Newlyn", "Pitlochry", "Richmond", "Staithes", "Thurso", "Wivenhoe", "Beaumaris",
+    "Cullen",
+)
+HELDOUT_PROSE_FACTS = {
+    "names": (
+        ("The shipwright who built the lifeboat of the estuary was {}.", "Who built the lifeboat of the estuary?",
+         "The lifeboat of the estuary was built by"),
+        ("The chemist who refined the dye of the valley mills was {}.", "Who refined the dye of the valley mills?",
+         "The dye of the valley mills was refined by"),
+        ("The judge who settled the quarry dispute was {}.", "Who settled the quarry dispute?", "The quarry dispute was settled by"),
+        ("The baker who won the harvest prize was {}.", "Who won the harvest prize?", "The harvest prize was won by"),
+        ("The sculptor who carved the fountain lions was {}.", "Who carved the fountain lions?", "The fountain lions were carved by"),
+        ("The pilot who flew the first mail plane to the glen was {}.", "Who flew the first mail plane to the glen?",
+         "The first mail plane to the glen was flown by"),
+        ("The scholar who translated the border ballads was {}.", "Who translated the border ballads?",
+         "The border ballads were translated by"),
+        ("The nurse who ran the mountain field station was {}.", "Who ran the mountain field station?",
+         "The mountain field station was run by"),
+    ),
+    "places": (
+        ("The midsummer boat race starts in {}.", "Where does the midsummer boat race start?", "The midsummer boat race starts in"),
+        ("The oldest covered market of the shire is in {}.", "Where is the oldest covered market of the shire?",
+         "The oldest covered market of the shire is in"),
+        ("The railway company laid its first track in {}.", "Where did the railway company lay its first track?",
+         "The railway company laid its first track in"),
+        ("The golden chalice of the abbot was hidden near {}.", "Near which town was the golden chalice of the abbot hidden?",
+         "The golden chalice of the abbot was hidden near"),
+        ("The charter of the fishing guild was sealed in {}.", "Where was the charter of the fishing guild sealed?",
+         "The charter of the fishing guild was sealed in"),
+        ("The great tapestry workshop of the west is in {}.", "Where is the great tapestry workshop of the west?",
+         "The great tapestry workshop of the west is in"),
+    ),
+}
 # split -> (first names, surnames, towns, facts) of niah_prose
 PROSE_POOLS = {
     "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
     "tuning": (TUNING_FIRST_NAMES, TUNING_SURNAMES, TUNING_TOWNS, TUNING_PROSE_FACTS),
+    "heldout": (HELDOUT_FIRST_NAMES, HELDOUT_SURNAMES, HELDOUT_TOWNS, HELDOUT_PROSE_FACTS),
 }
+# split -> the seeds it takes (the reported split: any seed; reported runs use seeds below TUNING_SEEDS.start)
+SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS}
 
 
 def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
@@ -479,7 +540,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     split "reported" (the default) draws from the reported pools: the Python language reference's prose, `PROSE_FACTS`,
     `FIRST_NAMES`, `SURNAMES`, `TOWNS`. split "tuning", for choosing defaults, draws from pools that share nothing with
     them: the standard library's docstrings (no sentence of the reference), `TUNING_PROSE_FACTS`, `TUNING_FIRST_NAMES`,
-    `TUNING_SURNAMES`, `TUNING_TOWNS`; it takes only seeds from `TUNING_SEEDS`.
+    `TUNING_SURNAMES`, `TUNING_TOWNS`; it takes only seeds from `TUNING_SEEDS`. split "heldout", for the final check
+    run once after every choice, draws from a third set of pools shared with neither: IDLE's user manual,
+    `HELDOUT_PROSE_FACTS`, `HELDOUT_FIRST_NAMES`, `HELDOUT_SURNAMES`, `HELDOUT_TOWNS`; seeds from `HELDOUT_SEEDS` only.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
@@ -487,9 +550,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
         raise ValueError(f"answer_kind must be one of {PROSE_ANSWER_KINDS}, got {answer_kind!r}")
     if split not in PROSE_POOLS:
         raise ValueError(f"split must be one of {tuple(PROSE_POOLS)}, got {split!r}")
-    if split == "tuning" and seed not in TUNING_SEEDS:
-        raise ValueError(f"split='tuning' takes seeds from TUNING_SEEDS ({TUNING_SEEDS.start}..{TUNING_SEEDS.stop - 1}), "
-                         f"got seed={seed!r}")
+    if split in SPLIT_SEEDS and seed not in SPLIT_SEEDS[split]:
+        seeds = SPLIT_SEEDS[split]
+        raise ValueError(f"split={split!r} takes seeds from {split.upper()}_SEEDS ({seeds.start}..{seeds.stop - 1}), got seed={seed!r}")
     first_names, surnames, towns, facts = PROSE_POOLS[split]
     rng = random.Random(seed)
     kind = rng.choice(("names", "places")) if answer_kind == "mixed" else answer_kind

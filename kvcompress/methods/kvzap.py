@@ -101,7 +101,9 @@ class Surrogate:
         if inputs.shape[1] != self.kv_heads or inputs.shape[-1] != self.input_width:
             raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) reads hidden states of width {self.input_width} "
                                  f"for {self.kv_heads} KV heads, got {inputs.shape[1]} heads of width {inputs.shape[-1]}: it "
-                                 f"belongs to another model; train one for this model with `{TRAIN_COMMAND}`")
+                                 f"belongs to another model. The default method (AdaKV over KVzap) needs one for this model: "
+                                 f"train it with `{TRAIN_COMMAND}` and pass method='adakv', scorer='kvzap', scorer_params={{'scorer': FILE}}, or "
+                                 f"name another method (e.g. method='snapkv')")
         i = self.row(layer_idx)
         device = inputs.device
         out = torch.matmul(inputs.float(), self.first_weight[i].to(device)) + self.first_bias[i].to(device).unsqueeze(1)
