@@ -5,7 +5,8 @@ For each context length (real prose, `eval.capture.prose_text`, cut to the lengt
 (`build_prompt`, the layout `kvc.generate` uses), then, `--repeats` times in turn, a plain greedy `model.generate` of
 those ids and every (method, mode) answer `--new-tokens` tokens (no stop at the end of text, so every call writes as
 many). The median seconds per call and its ratio to the plain generate's median are written to OUT as CSV, with the
-machine, threads and date:
+KV bytes the answer's cache stored ÷ the full cache's for the same tokens (`GenerationResult.kv_bytes`, the peak), the
+machine, threads and date; each `--ratios` value is one more round of every cell:
 
     .venv/bin/python benchmarks/default_cost.py --lengths 2048,4096,8192 --methods default,kvzap --threads 1 \\
         --out benchmarks/results/default_cost.csv
@@ -48,7 +49,7 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--methods", default="default", help=f"comma-separated, among {','.join(VARIANTS)}")
     p.add_argument("--modes", default="prefill,chunked,decode")
-    p.add_argument("--ratio", type=float, default=0.75)
+    p.add_argument("--ratios", default="0.75", help="comma-separated compression ratios (each a round of every cell)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
@@ -61,30 +62,33 @@ def main() -> None:
         context = context_of(tokenizer, length)
         context_ids, question_ids = build_prompt(tokenizer, context, QUESTION)
         prompt = torch.cat([context_ids, question_ids], 1)
-        cells = [(m, mode) for m in args.methods.split(",") for mode in args.modes.split(",")]
-        times: dict[tuple[str, str], list[float]] = {cell: [] for cell in [("plain", "generate"), *cells]}
+        cells = [(m, mode, float(r)) for r in args.ratios.split(",") for m in args.methods.split(",") for mode in args.modes.split(",")]
+        times: dict[tuple, list[float]] = {cell: [] for cell in [("plain", "generate", 0.0), *cells]}
+        stored: dict[tuple, float] = {}
         for _ in range(args.repeats):
             start = time.perf_counter()
             with torch.no_grad():
                 model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            times[("plain", "generate")].append(time.perf_counter() - start)
-            for name, mode in list(cells):
+            times[("plain", "generate", 0.0)].append(time.perf_counter() - start)
+            for name, mode, ratio in list(cells):
                 method, params, exact = VARIANTS[name]
                 start = time.perf_counter()
                 try:
-                    kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=args.ratio,
-                                 mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
+                    res = kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=ratio,
+                                       mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
                 except ValueError as error:  # a variant that does not run in this mode (e.g. scope "model" streams not)
                     print(f"{name} {mode}: {error}")
-                    times.pop((name, mode), None)
-                    cells.remove((name, mode))
+                    times.pop((name, mode, ratio), None)
+                    cells.remove((name, mode, ratio))
                     continue
-                times[(name, mode)].append(time.perf_counter() - start)
-        plain = statistics.median(times[("plain", "generate")])
-        for (name, mode), seconds in times.items():
-            row = {"tokens": prompt.shape[1], "context_tokens": length, "method": name, "mode": mode, "ratio": args.ratio,
+                times[(name, mode, ratio)].append(time.perf_counter() - start)
+                stored[(name, mode, ratio)] = res.kv_bytes / res.kv_bytes_full
+        plain = statistics.median(times[("plain", "generate", 0.0)])
+        for (name, mode, ratio), seconds in times.items():
+            row = {"tokens": prompt.shape[1], "context_tokens": length, "method": name, "mode": mode, "ratio": ratio,
                    "median_s": round(statistics.median(seconds), 3), "over_plain": round(statistics.median(seconds) / plain, 3),
+                   "kv_over_full": round(stored.get((name, mode, ratio), 1.0), 4),
                    "repeats": args.repeats, "new_tokens": args.new_tokens, "threads": args.threads,
                    "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
                    "date": time.strftime("%Y-%m-%d")}

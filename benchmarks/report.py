@@ -488,6 +488,14 @@ def cost_section() -> list[str]:
         page = bench_markdown(overhead=overhead, exponents=exponent_rows(overhead), prefill=read_csv(sub / "prefill.csv"),
                                      throughput=read_csv(sub / "throughput.csv"))
         lines += [demote(page, 3), ""]
+    folder = "benchmarks/results/bench/kvzap_overhead"
+    lines += ["### The default's compression step, 2k to 16k tokens", "",
+              "`kvcompress bench --sections overhead`: KVzap's compression of one layer (its surrogate's scores from the hidden "
+              "states, then each head's top-k) against one exact causal attention pass over the same n tokens, beside AdaKV (over "
+              "SnapKV's scores) and KeyDiff; the growth exponent of each one's time from 2k to 16k tokens.", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
+    overhead = read_csv(ROOT / folder / "overhead.csv")
+    lines += [demote(bench_markdown(overhead=overhead, exponents=exponent_rows(overhead)), 3), ""]
     for folder, title, section in (("benchmarks/results/bench/memory", "Memory: prefill against chunked mode", "memory"),
                                    ("benchmarks/results/bench/llama8b", "One decode step's attention, Llama-8B-like shape", "attention")):
         sub = ROOT / folder

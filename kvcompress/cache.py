@@ -53,7 +53,8 @@ from .checks import as_count, describe
 from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream
 from .methods.tokens import Tokens, per_head, query_positions_for
-from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, select_compressed_attention
+from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
+from .model_support import select_compressed_attention
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, has_empty_slots
@@ -70,16 +71,20 @@ class CachePlan:
     joint: one budget over every layer (budget scope "model"): each layer hands its context to the cache, which
     compresses them together once the last one has it (`CompressedCache._share_budget`); a padded batch is refused.
     pre_rope_keys: the method reads pre-RoPE keys, which the cache computes from the keys (`RotaryInverse`).
+    hidden_states: the method reads each layer's input hidden states, which the model's attention modules keep for the
+    attention function (`model_support.keep_hidden_states`).
     """
 
     ragged: bool
     joint: bool
     pre_rope_keys: bool
+    hidden_states: bool
 
     @classmethod
     def of(cls, method) -> "CachePlan":
         needs = method.requirements
-        return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"))
+        return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"),
+                   hidden_states=needs.needs("hidden_states"))
 
 
 @dataclass
@@ -565,8 +570,12 @@ class CompressedCache(Cache):
     Built from a method name, the cache switches the model to the 'kvcompress' attention
     implementation (`model.set_attn_implementation("kvcompress")`), which attends over compressed
     layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
-    without the cache. Built from a CompressionOptions (library use) it leaves the model as is:
-    run it under `use_compressed_attention(model)`, which also restores the previous one on exit.
+    without the cache; for a method that reads the layers' hidden states (KVzap, and AdaKV over its
+    scores) it also hooks the model's attention modules to keep their inputs for the attention
+    function, until the cache is garbage collected (`model_support.keep_hidden_states`). Built from
+    a CompressionOptions (library use) it leaves the model as is: run it under
+    `use_compressed_attention(model)` (and `integration.attention.feeding_hidden_states(model)` for
+    such a method), which restore the model on exit.
 
     token_ids [1, n]: the ids of the n tokens the cache holds when known, None otherwise
     (`kvc.compress_context` and `kvc.generate` set them); `save` stores them with the state, so a
@@ -615,6 +624,8 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         if isinstance(method, str):
             select_compressed_attention(model)
+            if self.plan.hidden_states:  # KVzap: the layers' inputs, kept while this cache lives
+                weakref.finalize(self, release_hidden_states, keep_hidden_states(model))
 
     @property
     def absorbing(self) -> bool:

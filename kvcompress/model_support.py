@@ -45,9 +45,39 @@ def check_supported(model) -> list[tuple[str, int | None]]:
     return layers
 
 
+def attention_modules(model) -> list:
+    """The model's attention modules (those with a layer index and an attention scale), in module order."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+
+
 def attention_scales(model) -> dict[int, float]:
     """{layer_idx: attention scale} of the model's attention modules."""
-    return {m.layer_idx: m.scaling for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+    return {m.layer_idx: m.scaling for m in attention_modules(model)}
+
+
+# The attribute an attention module keeps its forward's input hidden states under (`keep_hidden_states`) until the
+# 'kvcompress' attention function of the same forward takes it (`kvcompress.integration.attention`).
+HIDDEN_STATES_ATTRIBUTE = "_kvcompress_hidden_states"
+
+
+def _keep(module, args, kwargs) -> None:
+    setattr(module, HIDDEN_STATES_ATTRIBUTE, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+
+def keep_hidden_states(model) -> list:
+    """One forward pre-hook per attention module of `model` that keeps the hidden states the module receives (its
+    `hidden_states` argument, [B, n, d_model] after the layer's input norm, a reference, no copy) as
+    `HIDDEN_STATES_ATTRIBUTE`, for a method that reads them (`Requirements.inputs` "hidden_states"); the 'kvcompress'
+    attention function takes them off the module in the same forward. Returns the hooks' handles;
+    `release_hidden_states` removes them."""
+    return [m.register_forward_pre_hook(_keep, with_kwargs=True) for m in attention_modules(model)]
+
+
+def release_hidden_states(handles: list) -> None:
+    """Remove the hooks of `keep_hidden_states`. It leaves the modules' attributes alone: it may run at any moment (a
+    cache's finalizer, during another cache's forward), when a live hook's hidden states wait for their attention."""
+    for handle in handles:
+        handle.remove()
 
 
 def find_rotary_embedding(model):

@@ -25,11 +25,12 @@ FILES = [
     dict(method="snapkv", mode="prefill", kv_bits=4),
     dict(method="adakv", mode="prefill"),  # ragged: heads keep different numbers of slots
     dict(method="balancekv", mode="chunked"),
-    dict(method="keydiff", mode="decode"),
     dict(method="keydiff", mode="decode", kv_bits=4),
     dict(method="subgen", mode="decode"),  # a native stream
-    # the other native streams, and a quantized block-wise decode stream: slow (many edits, each answered), e2e only
-    *(pytest.param(s, marks=pytest.mark.e2e) for s in (dict(method="express", mode="decode"), dict(method="clustergen", mode="decode"),
+    # slow (many edits, each answered), e2e only: a full-precision block-wise decode stream, the other native streams,
+    # and a quantized BalanceKV decode stream
+    *(pytest.param(s, marks=pytest.mark.e2e) for s in (dict(method="keydiff", mode="decode"), dict(method="express", mode="decode"),
+                                                        dict(method="clustergen", mode="decode"),
                                                         dict(method="hybrid", mode="decode"), dict(method="balancekv", mode="decode", kv_bits=4))),
 ]
 QUESTION = torch.tensor([[5, 17, 33]])

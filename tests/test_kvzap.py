@@ -224,3 +224,25 @@ def test_the_default_on_a_model_without_a_scorer_is_an_error_naming_train_scorer
     ctx, question = _prompt(n=200)
     with pytest.raises(SurrogateError, match=r"default method \(AdaKV over KVzap\).*kvcompress train-scorer.*another method"):
         generate_ids(tiny(), ctx, question, compression_ratio=0.5, max_new_tokens=2)
+
+
+def test_a_compressed_cache_of_kvzap_runs_inside_model_generate_and_leaves_no_hook(tiny_checkpoint, tiny_scorer):
+    """`CompressedCache(model, "kvzap", scorer=FILE)` passed to a plain `model.generate`: the cache has the model keep
+    each attention module's input hidden states for the attention function (`model_support.keep_hidden_states`), so the
+    answer is the one `kvc.generate` gives; the hooks go when the cache does."""
+    import gc
+
+    from kvcompress.integration import generate_ids
+
+    model, _ = kvc.load_model(tiny_checkpoint)
+    g = torch.Generator().manual_seed(3)
+    ctx, question = torch.randint(0, 200, (1, 160), generator=g), torch.randint(0, 200, (1, 6), generator=g)
+    settings = dict(budget=24, method_params={"scorer": str(tiny_scorer)})
+    cache = kvc.CompressedCache(model, "kvzap", **settings)
+    out = model.generate(torch.cat([ctx, question], 1), past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert max(cache.slots_per_layer()) < 166
+    want = generate_ids(model, ctx, question, method="kvzap", max_new_tokens=4, stop_at_eos=False, **settings)
+    assert out[0, 166:].tolist() == want.token_ids
+    del cache
+    gc.collect()
+    assert not any(m._forward_pre_hooks for m in model.modules())

@@ -66,6 +66,22 @@ def test_every_method_at_ratio_zero_scores_as_the_full_cache(document, mode):
     assert torch.isfinite(compressed).all() and (compressed - reference).abs().max() > 1e-3  # compression does change the NLL
 
 
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_the_default_method_scores_in_every_mode(document, mode, tiny_default_scorer):
+    """`default` is a perplexity method (the library's default, AdaKV over KVzap; on the tiny model a random scorer of its
+    shapes stands for the shipped one): at ratio 0 its NLL is the full cache's, at 0.4 (room beyond its sink and window
+    of 68 tokens) it differs and stays finite."""
+    model = tiny()
+    reference = continuation_nll(model, document, N_CONTEXT, block=16)
+    streamed = N if mode == "decode" else N_CONTEXT  # the tokens the stream takes
+    size = (lambda r: {"compression_ratio": r}) if mode == "prefill" else (lambda r: {"budget": stream_budget("default", r, streamed)})
+    exact = continuation_nll(model, document, N_CONTEXT, "default", mode=mode, block=16, chunk_size=32, **size(0.0))
+    torch.testing.assert_close(exact, reference, rtol=1e-5, atol=1e-5)
+    compressed = continuation_nll(model, document, N_CONTEXT, "default", mode=mode, block=16, chunk_size=32, **size(0.4))
+    assert torch.isfinite(compressed).all() and (compressed - reference).abs().max() > 1e-3
+    assert PerplexityConfig(methods=["default"]).methods == ["default"]
+
+
 def test_documents_are_reproducible_distinct_and_exactly_long(checkpoint_model):
     _, tokenizer = checkpoint_model
     docs = [prose_document(i, 2048, tokenizer) for i in range(30)]

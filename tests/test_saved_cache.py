@@ -53,15 +53,17 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.e2e)])  # bfloat16 loading: below
-def test_every_method_round_trips_through_a_fresh_process(tiny_checkpoint, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, quantized", [("float32", False), pytest.param("float32", True, marks=pytest.mark.e2e),
+                                               pytest.param("bfloat16", None, marks=pytest.mark.e2e)])  # bfloat16 loading: below
+def test_every_method_round_trips_through_a_fresh_process(tiny_checkpoint, tmp_path, dtype, quantized):
     """compress -> save -> load in another process -> the same answer, token for token, as generating from the context
-    here (and the same slots and stored bytes), for every method in every mode, full precision and quantized. A
-    decode-mode cache is saved with its live streams, so the question and the answer go on through them after loading."""
+    here (and the same slots and stored bytes), for every method in every mode, full precision and quantized (quantized:
+    False, True, or None for both; the quantized cases and bfloat16 with the e2e tests). A decode-mode cache is saved
+    with its live streams, so the question and the answer go on through them after loading."""
     model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype=dtype)
     ctx, question = _ids(300, 1), _ids(8, 2)
     jobs, expected = {}, {}
-    for method, mode, bits in CASES:
+    for method, mode, bits in [c for c in CASES if quantized is None or (c[2] is not None) == quantized]:
         name = f"{method}-{mode}-{bits}"
         options = _options(method, mode, bits)
         reference = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)

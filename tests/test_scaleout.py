@@ -97,6 +97,7 @@ class KillOnce:
         return model, tokenizer
 
 
+@pytest.mark.e2e  # slow on 2 cores (a cluster, a killed worker, a resumed sweep); the Ray run itself is in every test run
 def test_killed_worker_is_retried_and_a_resumed_sweep_records_every_cell_once(ray_cluster, tiny_checkpoint, local_records, tmp_path):
     from kvcompress.eval.ray_sweep import run_sweep_ray
 

@@ -79,10 +79,14 @@ def answer_and_kept(out: str) -> tuple[str, str]:
 # Other compression flags `compress` takes, one case each: (method, mode, kv bits) -> extra flags
 EXTRA_FLAGS = {("keydiff", "prefill", 4): ["--kv-group-size", 16], ("keydiff", "chunked", None): ["--sink", 2, "--window", 32, "--chunk-size", 64],
                ("keydiff", "decode", None): ["--param", "anchor=median"]}
-CLI_CASES = [("keydiff", mode, bits) for mode in MODES for bits in (None, 4)] + [(None, mode, None) for mode in MODES]
+# the default in every mode, KeyDiff quantized in prefill and decode mode and at full precision in chunked mode; KeyDiff's
+# other three cases with the e2e tests
+CLI_CASES = [(None, mode, None) for mode in MODES] + [("keydiff", "prefill", 4), ("keydiff", "chunked", None), ("keydiff", "decode", 4)]
+CLI_CASES += [pytest.param("keydiff", mode, bits, marks=pytest.mark.e2e) for mode, bits in (("prefill", None), ("chunked", 4), ("decode", None))]
 
 
-@pytest.mark.parametrize("method, mode, bits", CLI_CASES, ids=[f"{m or 'default'}-{mode}-{b or 32}bit" for m, mode, b in CLI_CASES])
+@pytest.mark.parametrize("method, mode, bits", CLI_CASES,
+                         ids=[f"{m or 'default'}-{mode}-{b or 32}bit" for m, mode, b in (getattr(c, "values", c) for c in CLI_CASES)])
 def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_context(cli, doc, tmp_path, method, mode, bits):
     """`kvcompress compress --context-file doc.txt ... --out doc.kvc`, then `kvcompress generate --cache doc.kvc --question`:
     the answer and the tokens kept of `kvcompress generate --context-file doc.txt` with the same flags (no --method: the
@@ -204,6 +208,24 @@ def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(defaul
     cache = kvc.CompressedCache(model, "keydiff", compression_ratio=0.5)
     beams = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, num_beams=2, do_sample=False)
     assert NEEDLE in tokenizer.decode(beams[0, n:], skip_special_tokens=True)
+
+
+def test_model_generate_with_the_default_method_in_a_compressed_cache(default_model):
+    """`kvc.CompressedCache(model, "default", ...)` inside a plain `model.generate`: the default (AdaKV over KVzap) reads
+    each layer's hidden states, which the cache has the model keep while it lives; it finds the needle at half the
+    cache, and once the cache is gone the model carries no hook of it."""
+    import gc
+
+    model, tokenizer = default_model
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": CONTEXT + "\n\n" + QUESTION}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    n = inputs["input_ids"].shape[1]
+    cache = kvc.CompressedCache(model, "default", compression_ratio=0.5)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    assert NEEDLE in tokenizer.decode(out[0, n:], skip_special_tokens=True) and max(cache.slots_per_layer()) < n
+    del cache, out
+    gc.collect()
+    assert not any(m._forward_pre_hooks for m in model.modules())
 
 
 # ---------------------------------------------------------------------------------------------------------------

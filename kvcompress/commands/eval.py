@@ -69,8 +69,8 @@ def add_cli(subparsers) -> None:
     add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
     p.add_argument("--methods", type=list_of((DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
-                   help=f"comma-separated method names; '{DEFAULT_METHOD}' and '{KVZIP_REFIT}' (task sweep only) are the library's "
-                        "default for each mode and the slow prefill default before KVzap "
+                   help=f"comma-separated method names; '{DEFAULT_METHOD}' (task sweep and perplexity) and '{KVZIP_REFIT}' (task "
+                        "sweep only) are the library's default for each mode and the slow prefill default before KVzap "
                         f"(default: the task sweep runs '{DEFAULT_METHOD}' and every registered method, approx and perplexity "
                         "every registered method)")
     p.add_argument("--ratios", type=float_list, default=None,

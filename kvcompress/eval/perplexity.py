@@ -81,6 +81,7 @@ from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length
 from ..integration.reconstruction import reconstruct_context
 from ..methods.registry import method_names
+from ..names import DEFAULT_METHOD as DEFAULT
 from ..names import PERPLEXITY
 from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
@@ -98,7 +99,8 @@ _GOLDEN = 0.6180339887498949
 
 @dataclass
 class PerplexityConfig:
-    """What a perplexity run evaluates. methods None: every registered method; lengths: document tokens.
+    """What a perplexity run evaluates. methods: registered names and DEFAULT (the library's default for each mode);
+    None: every registered method. lengths: document tokens.
 
     documents: documents per length (document i is `prose_document(i, length, tokenizer, seed)`);
     context_fraction: the share of a document's tokens given as context, the rest is scored;
@@ -122,7 +124,7 @@ class PerplexityConfig:
     def __post_init__(self):
         if self.methods is None:
             self.methods = method_names()
-        for name, values, allowed in (("methods", self.methods, method_names()), ("modes", self.modes, MODES)):
+        for name, values, allowed in (("methods", self.methods, [DEFAULT, *method_names()]), ("modes", self.modes, MODES)):
             if isinstance(values, str) or not isinstance(values, (list, tuple)):
                 raise ValueError(f"{name} must be a list of names among {sorted(allowed)}, got {values!r}")
             bad = [v for v in values if v not in allowed]

@@ -14,7 +14,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import exp_rows_, totals_in_range, weighted_attention
 from ..checks import as_count
-from ..model_support import ATTENTION_NAME, has_padding
+from ..model_support import ATTENTION_NAME, HIDDEN_STATES_ATTRIBUTE, attention_modules, has_padding, keep_hidden_states
+from ..model_support import release_hidden_states
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -29,7 +30,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     """
     layer = getattr(key, "kvcompress_layer", None)
     softcap = kwargs.pop("softcap", None)
-    hidden_states = vars(module).pop(_HIDDEN_STATES, None)  # captured by `feeding_hidden_states`, for this forward only
+    hidden_states = vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)  # kept by `keep_hidden_states`, for this forward only
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     layer.mask_padding(attention_mask)
@@ -62,33 +63,25 @@ def _compresses_with_attention_mass(layer) -> bool:
     )
 
 
-_HIDDEN_STATES = "_kvcompress_hidden_states"
-
-
 class feeding_hidden_states:
-    """Context manager: while active, every attention module of `model` keeps the hidden states it receives (its
-    `hidden_states` argument, [B, n, d_model] after the layer's input norm, a reference, no copy) until the 'kvcompress'
-    attention function of the same forward takes them and hands them to the cache layer with the block
-    (`CompressedLayer.commit`, `Tokens.hidden_states`). The model integration enters it while a method that reads hidden
-    states runs (`Requirements.inputs`); one forward pre-hook per attention module, removed on exit."""
+    """Context manager: while active, every attention module of `model` keeps the hidden states it receives
+    (`model_support.keep_hidden_states`) until the 'kvcompress' attention function of the same forward takes them and
+    hands them to the cache layer with the block (`CompressedLayer.commit`, `Tokens.hidden_states`). The model
+    integration enters it while a method that reads hidden states runs (`Requirements.inputs`); the hooks are removed on
+    exit."""
 
     def __init__(self, model):
-        self.modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        self.model = model
         self.handles = []
 
-    @staticmethod
-    def _keep(module, args, kwargs):
-        setattr(module, _HIDDEN_STATES, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
-
     def __enter__(self):
-        self.handles = [m.register_forward_pre_hook(self._keep, with_kwargs=True) for m in self.modules]
+        self.handles = keep_hidden_states(self.model)
         return self
 
     def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        for module in self.modules:
-            vars(module).pop(_HIDDEN_STATES, None)
+        release_hidden_states(self.handles)
+        for module in attention_modules(self.model):  # a forward that stopped before its attention took them
+            vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)
         return False
 
 
