@@ -40,9 +40,9 @@ DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
 # layer's heads (AdaKV, scope "model", per-head floor 5 %), every token ranked (no exact window), and the kept slots
 # refitted to carry the whole middle's attention mass (log-weights) and output (values) for KVzip's reconstruction
 # queries (attention matching). It kept the most of the full cache's answers on the project's prose needles, but one
-# answer costs a second forward over the context plus the refits: 8.1x a plain `model.generate` at 2k tokens and 12.7x
-# at 4k (one thread, 2026-11-29; `benchmarks/default_cost.py`, docs/results.md). KVzip needs the whole context: mode
-# "prefill" only.
+# answer costs a second forward over the context plus the refits: 7.1x a plain `model.generate` at 2k tokens (one
+# thread, 2026-12-02, `benchmarks/default_cost.py`, docs/results.md), 12.7x at 4k when measured on 2026-11-29, growing
+# with the length. KVzip needs the whole context: mode "prefill" only.
 NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, int]]]] = {
     DEFAULT: DEFAULT_METHODS,
     KVZIP_REFIT: {"prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
