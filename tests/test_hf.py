@@ -232,8 +232,7 @@ def test_layer_snapshot_restore_and_sliding_window_state():
     assert [(layer.slots(), layer.get_seq_length()) for layer in cache.layers] == before == [(31, 80), (22, 80)]
 
 
-@pytest.mark.e2e
-@pytest.mark.smoke
+@pytest.mark.e2e  # the same blocks run, and their printed output is checked, in tests/test_readme.py (smoke)
 def test_readme_use_snippets_run(default_model):
     """Every python block of the README's Use section runs, in order, in one namespace.
 

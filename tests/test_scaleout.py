@@ -65,6 +65,7 @@ def test_two_shards_match_the_local_run(tiny_checkpoint, local_records, tmp_path
         build_parser().parse_args(["eval", "--shard", "4/4"])
 
 
+@pytest.mark.e2e  # slow on 2 cores; `kvcompress eval --ray` runs a sweep on a cluster in every test run (below)
 def test_ray_run_matches_the_local_run(ray_cluster, tiny_checkpoint, local_records, tmp_path):
     from kvcompress.eval.ray_sweep import run_sweep_ray
 
@@ -97,7 +98,7 @@ class KillOnce:
         return model, tokenizer
 
 
-@pytest.mark.e2e  # slow on 2 cores (a cluster, a killed worker, a resumed sweep); the Ray run itself is in every test run
+@pytest.mark.e2e  # slow on 2 cores (a cluster, a killed worker, a resumed sweep); `kvcompress eval --ray` is in every test run
 def test_killed_worker_is_retried_and_a_resumed_sweep_records_every_cell_once(ray_cluster, tiny_checkpoint, local_records, tmp_path):
     from kvcompress.eval.ray_sweep import run_sweep_ray
 
