@@ -590,7 +590,7 @@ def recorded_inputs(model, options, context_ids, captured: dict | None, reconstr
     needs = options.compressor.requirements
     if needs.needs("reconstruction"):
         return {"prefill": shared_reconstruction(model, options, context_ids, reconstructions)}
-    return {} if options.streams or needs.needs("hidden_states") else {"prefill": captured}
+    return {"prefill": captured} if needs.compresses_a_recorded_prefill and not options.streams else {}
 
 
 def _shared_seconds(res, label: str, capture_s: float) -> float:
@@ -609,8 +609,7 @@ def compresses_the_recorded_prefill(label: str) -> bool:
     method, params = KVCOMPRESS_CELLS[label]
     if method is None or streams(label):
         return False
-    needs = CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.requirements
-    return not (needs.needs("reconstruction") or needs.needs("hidden_states"))
+    return CompressionOptions.build(method=method, compression_ratio=0.5, **params).compressor.requirements.compresses_a_recorded_prefill
 
 
 def streams(label: str) -> bool:

@@ -117,16 +117,14 @@ class SweepConfig:
 
     def __post_init__(self):
         self.prompt_layout = prompt_layout(self.prompt_layout, parameter="prompt_layout")
-        known = [DEFAULT, *method_names()]
         if self.methods is None:
-            self.methods = list(known)
-        known.append(KVZIP_REFIT)
+            self.methods = [DEFAULT, *method_names()]
         if self.benchmark is not None:
             self._check_benchmark()
         elif self.tasks is None:
             self.tasks = list(DEFAULT_TASKS)
         for name, values, allowed in (
-            ("methods", self.methods, set(known)),
+            ("methods", self.methods, {DEFAULT, KVZIP_REFIT, *method_names()}),
             ("modes", self.modes, set(MODES)),
             ("tasks", [] if self.benchmark else self.tasks, set(TASKS)),
         ):
@@ -327,7 +325,7 @@ def _recording_kind(cell: Cell, method: Method | None) -> bool | None:
     if cell.mode != "prefill":
         return None
     needs = method.requirements
-    return None if needs.needs("reconstruction") or needs.needs("hidden_states") else needs.needs("attention_mass")
+    return needs.needs("attention_mass") if needs.compresses_a_recorded_prefill else None
 
 
 def _method_of(cell: Cell) -> Method:

@@ -73,6 +73,14 @@ class Requirements:
         return name in self.inputs
 
     @property
+    def compresses_a_recorded_prefill(self) -> bool:
+        """Whether a recorded full prefill of the context (keys, values, queries and attention mass,
+        `integration.capture.capture_qkv`) holds everything the method reads in prefill mode: not for a method scored by a
+        reconstruction forward, nor for one that reads hidden states, which a recording does not keep; those run the
+        context's forward themselves."""
+        return not self.inputs & {"reconstruction", "hidden_states"}
+
+    @property
     def ragged(self) -> bool:
         """Whether the heads of a layer keep different numbers of slots (budget_scope "layer" or "model")."""
         return self.budget_scope != "head"
