@@ -73,20 +73,18 @@ class CachePlan:
     pre_rope_keys: the method reads pre-RoPE keys, which the cache computes from the keys (`RotaryInverse`).
     hidden_states: the method reads each layer's input hidden states, which the model's attention modules keep for the
     attention function (`model_support.keep_hidden_states`).
-    recorded_prefill: a recorded full prefill holds all the method reads (`Requirements.compresses_a_recorded_prefill`).
     """
 
     ragged: bool
     joint: bool
     pre_rope_keys: bool
     hidden_states: bool
-    recorded_prefill: bool
 
     @classmethod
     def of(cls, method) -> "CachePlan":
         needs = method.requirements
         return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"),
-                   hidden_states=needs.needs("hidden_states"), recorded_prefill=needs.compresses_a_recorded_prefill)
+                   hidden_states=needs.needs("hidden_states"))
 
 
 @dataclass
@@ -659,9 +657,6 @@ class CompressedCache(Cache):
         (`capture_qkv` records CPU copies), so the cache is built and held where the model runs.
         """
         cache = cls(model, options)
-        if not cache.plan.recorded_prefill:
-            raise ValueError(f"method {options.method!r} reads what a recorded prefill does not hold (a reconstruction forward's "
-                             "queries, or the layers' hidden states): it runs the context's forward itself, so pass no recorded prefill")
         if sorted(captured) != list(range(cache.num_layers)):
             raise ValueError(f"captured must hold every layer 0..{cache.num_layers - 1}")
         scales = attention_scales(model)

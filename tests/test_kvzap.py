@@ -249,8 +249,9 @@ def test_a_compressed_cache_of_kvzap_runs_inside_model_generate_and_leaves_no_ho
 
 
 def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_scorer):
-    """A recorded prefill (`capture_qkv`) keeps no hidden states: compressing one with KVzap is refused naming why, and the
-    sweep runner lets a KVzap cell run its own forward (`Requirements.compresses_a_recorded_prefill`)."""
+    """A recorded prefill (`capture_qkv`) keeps no hidden states: compressing one with KVzap is refused naming why
+    (`Method.check_inputs`), and the sweep runner lets a KVzap cell run its own forward
+    (`Requirements.compresses_a_recorded_prefill`)."""
     from kvcompress.cache import CompressedCache
     from kvcompress.eval.capture import capture_qkv
     from kvcompress.options import CompressionOptions
@@ -259,6 +260,6 @@ def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_s
     captured = capture_qkv(model, torch.randint(0, 200, (1, 96), generator=torch.Generator().manual_seed(1)))
     options = CompressionOptions(method="kvzap", method_params={"scorer": str(tiny_scorer)}, budget=16)
     assert not options.compressor.requirements.compresses_a_recorded_prefill
-    with pytest.raises(ValueError, match="reads what a recorded prefill does not hold.*hidden states"):
+    with pytest.raises(ValueError, match="scores the layer's hidden states.*a recorded prefill keeps none"):
         CompressedCache.from_prefill(model, options, captured)
     assert CompressionOptions(method="snapkv", budget=16).compressor.requirements.compresses_a_recorded_prefill

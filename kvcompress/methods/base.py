@@ -184,7 +184,8 @@ class Method:
             raise ValueError(f"method {self.name!r} scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
         if needs("hidden_states") and tokens.hidden_states is None:
             raise ValueError(f"method {self.name!r} scores the layer's hidden states: pass hidden_states=[B, H_kv, n, d_model] (in a "
-                             "model, run it through kvc.generate, which captures them)")
+                             "model, kvc.generate and a CompressedCache built from a method name capture them; a recorded prefill "
+                             "keeps none)")
 
 
 def check_params(cls: type[Method], params: dict[str, Any]) -> None:
