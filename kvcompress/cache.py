@@ -195,7 +195,7 @@ class CompressedLayer(CacheLayerMixin):
             if self.front is None:
                 self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
-                self.front = Stream(options.compressor, self.budgets[0], options.sink, options.window, self.cache.generator(self.layer_idx), scale,
+                self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
@@ -208,6 +208,13 @@ class CompressedLayer(CacheLayerMixin):
             self.tail = block if self.tail is None else concat([self.tail, block])
             return
         self.stats.compress_seconds += time.perf_counter() - start
+
+    def _stream_budget(self) -> int:
+        """The middle budget of this layer's stream: its share of the options' budget (`Method.layer_budget`: the same
+        for every layer unless the method shares one budget over the model), from the middle tokens the stream will take."""
+        options, length = self.cache.options, self.cache.stream_length
+        middle = None if length is None else max(1, length - options.sink - options.window)
+        return options.compressor.layer_budget(self.budgets[0], self.layer_idx, middle)
 
     def compact(self) -> None:
         """Compact a live stream now (`Stream.compact`: the room it reserves for later tokens given back; timed as
@@ -407,10 +414,10 @@ class CompressedLayer(CacheLayerMixin):
                     f"they were saved in: load it with the model in {meta['dtype']}, not {str(dtype).removeprefix('torch.')}")
             stream = cache_file.state_from(tensors, _SAVED_STREAM, meta["stream"], links=self.cache.stream_links(), where=f"{where}.stream", **read)
             settings = (stream.budget, stream.sink, stream.window, stream.seen)
-            if settings != (self.budgets[0], options.sink, options.window, self.seen):
+            if settings != (self._stream_budget(), options.sink, options.window, self.seen):
                 raise cache_file.CacheFileError(
                     f"{str(path)!r}: {where}.stream has budget, sink, window and tokens seen {settings}, the cache's settings say "
-                    f"{(self.budgets[0], options.sink, options.window, self.seen)}")
+                    f"{(self._stream_budget(), options.sink, options.window, self.seen)}")
             self.front, self.tail = stream, None
         else:
             parts = meta["parts"]
@@ -563,9 +570,12 @@ class CompressedCache(Cache):
     parameters), or a ready `CompressionOptions` (then no settings). Sliding-window layers (Gemma
     2/3, Phi-3 with a window) keep their window exact.
 
-    stream_length: in chunked and decode modes with a compression_ratio, the number of tokens the
-    streams will take (prompt, and in decode mode the answer too): the ratio is resolved against
-    it. A prefill-mode layer resolves the ratio against the tokens of the forward it compresses.
+    stream_length: in chunked and decode modes, the number of tokens the streams will take (prompt,
+    and in decode mode the answer too): needed with a compression_ratio, which is resolved against
+    it, and by a method that shares one budget over the model's layers (AdaKV with scope "model",
+    the default), which shares it by the fraction of the stream kept; optional with a budget
+    otherwise. A prefill-mode layer resolves the ratio against the tokens of the forward it
+    compresses and takes no stream_length.
 
     Built from a method name, the cache switches the model to the 'kvcompress' attention
     implementation (`model.set_attn_implementation("kvcompress")`), which attends over compressed
@@ -591,16 +601,16 @@ class CompressedCache(Cache):
             options = CompressionOptions.build(method=method, **settings)
         else:
             raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionOptions, got {method!r}")
-        if options.streams and options.compression_ratio is not None:
-            if stream_length is None:
-                raise ValueError(
-                    f"mode={options.mode!r} with compression_ratio={options.compression_ratio}: pass stream_length (the tokens the "
-                    "streams will take) to resolve the ratio against, or a budget"
-                )
+        if options.streams and options.compression_ratio is not None and stream_length is None:
+            raise ValueError(
+                f"mode={options.mode!r} with compression_ratio={options.compression_ratio}: pass stream_length (the tokens the "
+                "streams will take) to resolve the ratio against, or a budget"
+            )
+        if options.streams and stream_length is not None:
             options.budget_for(as_count("stream_length", stream_length, 1))
         elif stream_length is not None:
-            raise ValueError(f"stream_length={stream_length!r} resolves a streaming mode's compression_ratio; mode={options.mode!r} "
-                             f"with budget={options.budget!r} takes none")
+            raise ValueError(f"stream_length={stream_length!r} is the tokens a stream will take; mode={options.mode!r} streams "
+                             "nothing and takes none")
         self.options, self.stream_length = options, stream_length
         self.token_ids: torch.Tensor | None = None
         self._model = weakref.ref(model)  # for the fingerprint save() writes; the cache does not keep the model alive

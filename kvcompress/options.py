@@ -23,18 +23,20 @@ from .names import DEFAULT_METHOD as DEFAULT
 from .names import KVZIP_REFIT
 
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
-# and the sink/window it runs with unless they are given) that kept the most of the full cache's answers to needles in
-# real prose on tuning samples among those whose answer costs about a plain generate (docs/design.md, "Why the defaults
-# are what they are", with the evidence in docs/results.md): KVzap's learned KVzip scores (`methods.kvzap`, scored from
-# each token's hidden state as it enters the cache, no second forward) shared out by AdaKV with a small per-head floor
-# (each head keeps its own top 5 % of the budget): ranked across every layer's heads in prefill mode (scope "model"),
-# across each layer's heads in the streaming modes. It needs a KVzap scorer for the model: the package ships the
-# default model's; for another model `kvcompress train-scorer` writes one (AdaKV over KVzap, scorer=its path), or name
-# another method.
-DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
+# and the cache settings, sink, window and stream slack, it runs with unless they are given) that kept the most of the
+# full cache's answers to needles in real prose on tuning samples among those whose answer costs about a plain generate
+# (docs/design.md, "Why the defaults are what they are", with the evidence in docs/results.md): KVzap's learned KVzip
+# scores (`methods.kvzap`, scored from each token's hidden state as it enters the cache, no second forward) shared out by
+# AdaKV over every layer's heads (scope "model") with a small per-head floor (each head keeps its own top 5 % of the
+# budget). In prefill mode every layer's heads are ranked together; a stream gives each layer the share of the model's
+# budget the scorer learned on its training text (`AdaKV.layer_budget`) and re-compresses to 10/11 of it (slack 0.1),
+# so that it holds nearly its whole budget after each re-compression. It needs a KVzap scorer for the model: the
+# package ships the default model's; for another model `kvcompress train-scorer` writes one (AdaKV over KVzap,
+# scorer=its path), or name another method.
+DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
     "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),
-    "chunked": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
-    "decode": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
+    "chunked": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
+    "decode": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
 }
 # KVZIP_REFIT: the prefill default before KVzap, kept by name. KVzip's exact reconstruction scores ranked across every
 # layer's heads (AdaKV, scope "model", per-head floor 5 %), every token ranked (no exact window), and the kept slots
@@ -43,15 +45,15 @@ DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
 # answer costs a second forward over the context plus the refits: 7.1x a plain `model.generate` at 2k tokens (one
 # thread, 2026-12-02, `benchmarks/default_cost.py`, docs/results.md), 12.7x at 4k when measured on 2026-11-29, growing
 # with the length. KVzip needs the whole context: mode "prefill" only.
-NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, int]]]] = {
+NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, float]]]] = {
     DEFAULT: DEFAULT_METHODS,
     KVZIP_REFIT: {"prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
                               {"window": 0})},
 }
 
 
-def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, int]]:
-    """(registered name, method parameters, exact sink/window settings) that `method` stands for in `mode`: a name of
+def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, float]]:
+    """(registered name, method parameters, cache settings: sink, window, slack) that `method` stands for in `mode`: a name of
     `NAMED_SETTINGS` (DEFAULT: the mode's default, `DEFAULT_METHODS`; KVZIP_REFIT) its entry for the mode, any other
     name itself, with no parameters or settings."""
     if method not in NAMED_SETTINGS:
@@ -224,7 +226,7 @@ class CompressionOptions:
 
     def _resolve_named(self) -> None:
         """A name of `NAMED_SETTINGS` (DEFAULT, KVZIP_REFIT) becomes the registered method it stands for in this mode, with
-        its parameters and its sink and window where none are given."""
+        its parameters and its sink, window and slack where none are given."""
         name, params, exact = resolve_method(self.method, self.mode)
         if self.method_params:
             raise ValueError(f"method parameters {sorted(self.method_params)} need a registered method: {self.method!r} in mode "

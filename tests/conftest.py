@@ -1,4 +1,5 @@
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def tiny_default_scorer(monkeypatch, tmp_path):
 
     g = torch.Generator().manual_seed(0)
     surrogate = kvzap.Surrogate("linear", (0, 1), torch.randn(2, 2, 64, 1, generator=g) / 8, torch.zeros(2, 2, 1), model="tiny")
+    hidden = {layer: torch.randn(256, 64, generator=g) for layer in (0, 1)}
+    surrogate = replace(surrogate, score_quantiles=kvzap.score_quantiles(surrogate, hidden))
     path = tmp_path / "tiny-kvzap.safetensors"
     surrogate.save(path)
     monkeypatch.setattr(kvzap, "shipped_path", lambda name: path)

@@ -4,6 +4,7 @@ tiny model, and the method in every mode scoring each token once, from the hidde
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -75,6 +76,7 @@ def test_the_shipped_weights_load_offline_and_fit_the_default_model():
     s = load_surrogate("default")
     assert s.kv_heads == 3 and s.input_width == 576 and len(s.layers) == 30  # SmolLM2-135M: 30 layers, 3 KV heads, d_model 576
     assert s.meta["training_text"] == "eval.capture.SCORER_TRAINING_MODULES" and min(s.meta["tuning_spearman"].values()) > 0.3
+    assert s.score_quantiles.shape == (30, kvzap.SCORE_QUANTILES)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -87,8 +89,68 @@ def test_the_fit_recovers_a_planted_score_and_is_seeded(kind):
     assert spearman(predicted[0], truth[0]) > 0.99 and spearman(predicted[1], truth[1]) > 0.85
     again = fit_surrogate({0: x}, {0: truth}, kind, steps=300, seed=0)
     assert torch.equal(again.first_weight, fitted.first_weight)
+    quantiles = fitted.score_quantiles  # of its predictions on the training inputs
+    assert quantiles.shape == (1, kvzap.SCORE_QUANTILES) and bool((quantiles.diff() >= 0).all())
+    assert quantiles[0, 0] == pytest.approx(float(predicted.min()), abs=1e-4) and quantiles[0, -1] == pytest.approx(float(predicted.max()), abs=1e-4)
     with pytest.raises(ValueError, match="kind must be one of"):
         fit_surrogate({0: x}, {0: truth}, "tree")
+
+
+def _with_quantiles(rows: list[list[float]]) -> Surrogate:
+    return replace(_surrogate(layers=tuple(range(len(rows)))), score_quantiles=torch.tensor(rows))
+
+
+def test_layer_shares_follow_each_layers_scores_and_average_one():
+    """Layer 0's scores spread evenly over [0, 1], layer 1's over [1, 2]: keeping a quarter of all tokens ranked together
+    takes the top half of layer 1 (threshold 1.5) and none of layer 0, so the shares are 0 and 2; keeping everything,
+    1 and 1; keeping three quarters, the top half of layer 0 and all of layer 1."""
+    s = _with_quantiles([torch.linspace(0, 1, 9).tolist(), torch.linspace(1, 2, 9).tolist()])
+    for fraction, want in ((0.25, {0: 0.0, 1: 2.0}), (1.0, {0: 1.0, 1: 1.0}), (0.75, {0: 2 / 3, 1: 4 / 3})):
+        got = s.layer_shares(fraction)
+        assert got == pytest.approx(want, abs=1e-6), fraction
+    three = _with_quantiles([[0, 1, 2], [-5, -1, 0], [0.5, 0.5, 3]])
+    assert sum(three.layer_shares(0.1).values()) == pytest.approx(3.0)
+    for bad in (0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="kept_fraction must be a number in"):
+            s.layer_shares(bad)
+    with pytest.raises(SurrogateError, match="records no score quantiles.*train-scorer"):
+        _surrogate().layer_shares(0.5)
+
+
+def test_a_files_score_quantiles_round_trip_and_are_checked(tmp_path):
+    from safetensors.torch import save_file
+
+    s = _with_quantiles([[0, 1, 2], [1, 2, 3]])
+    s.save(tmp_path / "s.safetensors")
+    assert torch.equal(Surrogate.load(tmp_path / "s.safetensors").score_quantiles, s.score_quantiles)
+    header = {"format": kvzap.SURROGATE_FORMAT, "version": "1", "kind": "linear", "layers": "[0, 1]", "model": "m", "meta": "{}"}
+    tensors = {"first_weight": s.first_weight, "first_bias": s.first_bias}
+    for quantiles in (torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]]), torch.zeros(3, 4), torch.tensor([[0.0, float("inf")]] * 2)):
+        save_file({**tensors, "score_quantiles": quantiles}, str(tmp_path / "bad.safetensors"), metadata=header)
+        with pytest.raises(SurrogateError, match="score_quantiles must be"):
+            Surrogate.load(tmp_path / "bad.safetensors")
+
+
+def test_scope_model_streams_give_each_layer_its_share_of_the_budget(tmp_path):
+    """AdaKV(scope="model") over KVzap in a stream: layer budgets 2 + floor((budget - 2)·share), share =
+    alpha + (1 - alpha)·the scorer's layer share at the kept fraction, so they sum to at most L·budget; scope "layer"
+    keeps the budget in every layer. Without score quantiles, or without the stream's length, it is a clear error."""
+    from kvcompress.methods.adakv import AdaKV
+
+    s = _with_quantiles([torch.linspace(0, 1, 9).tolist(), torch.linspace(1, 2, 9).tolist()])
+    s.save(tmp_path / "q.safetensors")
+    method = AdaKV(scorer=KVzap(scorer=str(tmp_path / "q.safetensors")), scope="model", alpha_safeguard=0.2)
+    assert "chunked" in method.requirements.modes and method.requirements.budget_scope == "model"
+    budgets = [method.layer_budget(102, layer, middle_length=408) for layer in (0, 1)]  # keeps a quarter: shares 0 and 2
+    assert budgets == [2 + 20, 2 + 180] and sum(budgets) <= 2 * 102
+    assert AdaKV(scorer=method.scorer, scope="layer").layer_budget(102, 0, 408) == 102
+    with pytest.raises(ValueError, match="stream_length"):
+        method.layer_budget(102, 0, None)
+    _surrogate().save(tmp_path / "plain.safetensors")
+    plain = AdaKV(scorer=KVzap(scorer=str(tmp_path / "plain.safetensors")), scope="model")
+    assert plain.requirements.modes == ("prefill",)
+    with pytest.raises(ValueError, match=r"scope='model' runs in mode 'prefill' only.*knows no per-layer shares"):
+        plain.check_mode("chunked")
 
 
 def test_spearman_is_one_for_monotone_and_minus_one_for_reversed():
@@ -109,6 +171,7 @@ def test_train_scorer_runs_end_to_end_and_records_how(tiny_scorer, capsys):
     assert s.kind == "linear" and s.layers == (0, 1) and s.kv_heads == 2 and s.input_width == 64
     assert s.meta["seed"] == 0 and s.meta["training_tokens"] > 100 and set(s.meta["tuning_spearman"]) == {"0", "1"}
     assert all(-1 <= v <= 1 for v in s.meta["tuning_spearman"].values()) and s.meta["seconds"] > 0
+    assert s.score_quantiles.shape == (2, kvzap.SCORE_QUANTILES) and sum(s.layer_shares(0.5).values()) == pytest.approx(2.0)
 
 
 def test_train_scorer_refuses_a_missing_directory(tmp_path, capsys):
@@ -190,8 +253,8 @@ def test_the_threshold_keeps_what_scores_above_it_within_the_budget():
 
 def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_parameters(tiny_default_scorer):
     """method=DEFAULT (what no method gives) resolves, when the options are built, to the mode's DEFAULT_METHODS entry:
-    AdaKV over KVzap's scores with a 5 % floor per head, ranked across every layer's heads in prefill mode and within each
-    layer in the streaming modes; it runs in every mode with no reconstruction forward."""
+    AdaKV over KVzap's scores with a 5 % floor per head, one budget over every layer's heads (in the streaming modes each
+    layer's learned share of it, re-compressed at slack 0.1); it runs in every mode with no reconstruction forward."""
     from kvcompress.integration import generate_ids
     from kvcompress.options import DEFAULT, DEFAULT_METHODS, CompressionOptions
     from test_integration import _prompt, tiny
@@ -209,8 +272,9 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
     ctx, question = _prompt(n=200)
     for mode in ("prefill", "chunked", "decode"):
         options = CompressionOptions(method=DEFAULT, compression_ratio=0.5, mode=mode)
-        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2]
+        assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2] and options.compressor.scope == "model"
         assert options.compressor.scorer.name == "kvzap" and mode in options.compressor.requirements.modes
+        assert options.slack == (None if mode == "prefill" else 0.1)
         res = generate_ids(model, ctx, question, compression_ratio=0.5, mode=mode, max_new_tokens=2, stop_at_eos=False)
         assert res.method == "adakv" and "reconstruction" not in res.extra and res.realised_compression_ratio > 0.3
 
@@ -248,6 +312,35 @@ def test_a_compressed_cache_of_kvzap_runs_inside_model_generate_and_leaves_no_ho
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
+def test_scope_model_streams_of_a_model_take_each_layers_share_and_stay_within_it(tiny_checkpoint, tiny_scorer, tmp_path):
+    """AdaKV(scope="model") over KVzap in a decode-mode cache inside `model.generate`: each layer's stream is built with
+    its share of the model's budget (`AdaKV.layer_budget`), the shares differ, sum to at most L·budget, and no stream
+    ever holds more than its own; saved and loaded, the streams keep those budgets."""
+    model, _ = kvc.load_model(tiny_checkpoint)
+    ids = torch.randint(0, 200, (1, 166), generator=torch.Generator().manual_seed(4))
+    params = {"scorer": "kvzap", "scorer_params": {"scorer": str(tiny_scorer)}, "scope": "model", "alpha_safeguard": 0.05}
+    cache = kvc.CompressedCache(model, "adakv", mode="decode", compression_ratio=0.5, window=8, stream_length=170, method_params=params)
+    peaks = [0, 0]
+
+    def watch(module, args, kwargs, output):
+        for i, layer in enumerate(cache.layers):
+            if layer.front is not None:
+                peaks[i] = max(peaks[i], layer.front.state.held_slots())
+
+    handle = model.register_forward_hook(watch, with_kwargs=True)
+    try:
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    finally:
+        handle.remove()
+    budget = cache.options.budget_for(170)
+    want = [cache.options.compressor.layer_budget(budget, i, 170 - 4 - 8) for i in range(2)]
+    assert [layer.front.budget for layer in cache.layers] == want and want[0] != want[1] and sum(want) <= 2 * budget
+    assert all(0 < peak <= b for peak, b in zip(peaks, want))
+    cache.save(tmp_path / "streams.kvc", token_ids=out[:, :-1])
+    loaded = kvc.CompressedCache.load(tmp_path / "streams.kvc", model)
+    assert [layer.front.budget for layer in loaded.layers] == want
+
+
 def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_scorer):
     """A recorded prefill (`capture_qkv`) keeps no hidden states: compressing one with KVzap is refused naming why
     (`Method.check_inputs`), and the sweep runner lets a KVzap cell run its own forward
@@ -263,3 +356,36 @@ def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_s
     with pytest.raises(ValueError, match="scores the layer's hidden states.*a recorded prefill keeps none"):
         CompressedCache.from_prefill(model, options, captured)
     assert CompressionOptions(method="snapkv", budget=16).compressor.requirements.compresses_a_recorded_prefill
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
+def test_a_stream_turns_away_only_tokens_no_later_recompression_could_keep(tmp_path, alpha):
+    """AdaKV over entry scores (KVzap's) in a stream: tokens scoring below every head's floor and the row's cutoff of the
+    last re-compression are not stored (`adakv.admission`), and none of them was needed: a last re-compression of what
+    is held keeps exactly what one allocation over every token absorbed keeps. Most tokens are turned away, so the
+    stream re-compresses far less often than once per room's worth of tokens; its room is at least 16 slots."""
+    from kvcompress.methods.adakv import AdaKV, head_allocation
+
+    _surrogate(width=4).save(tmp_path / "s.safetensors")
+    method = AdaKV(scorer=KVzap(scorer=str(tmp_path / "s.safetensors")), alpha_safeguard=alpha)
+    g = torch.Generator().manual_seed(5)
+    b, h, n, budget = 2, 3, 3000, 40
+    keys, values = torch.randn(b, h, n, 4, generator=g), torch.randn(b, h, n, 4, generator=g)
+    scores = torch.randn(b, h, n, generator=g) + torch.linspace(0, 2, h)[:, None]  # heads on different levels
+    state = method.new_stream(budget, torch.Generator(), 0.1)
+    assert (state.target, state.slack_slots) == (24, 16)  # slack 0.1 alone leaves 4 slots of room; at least 16 (ENTRY_SCORE_ROOM)
+    assert method.ranks_by_entry_score and not AdaKV(normalize="softmax", scorer=method.scorer).ranks_by_entry_score
+    assert AdaKV().new_stream(budget, torch.Generator(), 0.1).slack_slots == 4  # SnapKV rescores: the slack's room
+    calls = []
+    recompress = state.recompress
+    state.recompress = lambda room: (calls.append(state.held_slots()), recompress(room))
+    for start in range(0, n, 7):
+        stop = min(n, start + 7)
+        state.absorb(Tokens(keys[:, :, start:stop], values[:, :, start:stop], torch.arange(start, stop).expand(b, h, -1),
+                            entry_scores=scores[:, :, start:stop]))
+        assert state.held_slots() <= budget
+    assert state.seen == n and len(calls) < (n - budget) // state.slack_slots // 2  # 185 without turning any away
+    state.recompress(room=0)
+    kept = head_allocation(scores, state.target, min(method.safeguard(state.target), state.target))
+    want = torch.arange(n).expand(b, h, -1)[kept]
+    assert torch.equal(state.kept.positions.long(), want) and torch.equal(state.kept.counts.long(), kept.sum(-1))

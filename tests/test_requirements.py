@@ -32,12 +32,12 @@ def test_requirements_are_checked_when_built():
                        ({"modes": ("decode", "prefill")}, "in that order"), ({"modes": ()}, "non-empty"),
                        ({"inputs": {"reconstruction"}, "modes": ("prefill",)}, "reads its queries"),
                        ({"inputs": {"queries", "reconstruction"}}, "mode 'prefill' only"),
-                       ({"inputs": {"queries", "reconstruction", "hidden_states"}, "modes": ("prefill",)}, "queries only"),
-                       ({"budget_scope": "model"}, "modes=\\('prefill',\\)")):
+                       ({"inputs": {"queries", "reconstruction", "hidden_states"}, "modes": ("prefill",)}, "queries only")):
         with pytest.raises(ValueError, match=match):
             Requirements(**bad)
     with pytest.raises(ValueError, match="unknown input"):
         Requirements().needs("keys")
+    assert Requirements(budget_scope="model").modes == ("prefill", "chunked", "decode")  # streams share it by `layer_budget`
 
 
 def test_adakv_holds_its_scorer_and_needs_what_it_needs():
@@ -56,7 +56,7 @@ def test_adakv_holds_its_scorer_and_needs_what_it_needs():
 
 def test_the_cache_reads_no_method_flag_and_the_public_ids_functions_take_no_model_step_inputs():
     cache = (ROOT / "kvcompress" / "cache.py").read_text(encoding="utf-8")
-    assert set(re.findall(r"compressor\.(\w+)", cache)) == {"check_context"}  # a call into the method, no flag
+    assert set(re.findall(r"compressor\.(\w+)", cache)) == {"check_context", "layer_budget"}  # calls into the method, no flag
     assert re.findall(r"\bmethod\.requirements\b", cache) == ["method.requirements"]  # read once, by CachePlan.of
     for name in ("generate_ids", "answer_log_probs_ids", "answer_questions_ids", "compress_context_ids", "generate_batch_ids"):
         parameters = inspect.signature(getattr(generation, name)).parameters

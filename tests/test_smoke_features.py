@@ -89,7 +89,9 @@ def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_co
     the answer and the tokens kept of `kvcompress generate --context-file doc.txt` with the same flags (no --method: the
     default method; a few cases add --kv-group-size, --sink/--window/--chunk-size or --param). Decode mode takes --budget:
     a ratio is resolved there against the tokens the stream will see, the context alone for `compress` but context,
-    question and --max-new-tokens for `generate --context-file`."""
+    question and --max-new-tokens for `generate --context-file`. The default shares its budget among the layers by the
+    fraction of the stream kept (`AdaKV.layer_budget`), which differs between the two in decode mode for the same
+    reason: there the answers agree, the tokens kept per layer may not."""
     flags = ["--mode", mode, *(["--compression-ratio", "0.5"] if mode != "decode" else ["--budget", 64])]
     flags += ["--method", method] if method else []
     flags += ["--kv-bits", bits] if bits else []
@@ -100,7 +102,8 @@ def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_co
     ask = ["--question", QUESTION, "--max-new-tokens", NEW]
     from_cache = cli("generate", "--cache", tmp_path / "doc.kvc", *ask)
     direct = cli("generate", "--context-file", doc, *flags, *ask)
-    assert answer_and_kept(from_cache) == answer_and_kept(direct), (from_cache, direct)
+    same = 1 if (method, mode) == (None, "decode") else 2  # the answer; and the tokens kept per layer
+    assert answer_and_kept(from_cache)[:same] == answer_and_kept(direct)[:same], (from_cache, direct)
     assert NEEDLE in answer_and_kept(direct)[0], direct
     assert f"mode={mode}" in from_cache and (f"{bits}-bit storage" in from_cache) == bool(bits), from_cache
     assert f"method            {method or 'adakv'} " in from_cache, from_cache  # the default: AdaKV over KVzap's scores

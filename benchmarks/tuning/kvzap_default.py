@@ -22,21 +22,34 @@ import torch
 import kvcompress as kvc
 from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose, score
 
-# name -> (method, method_params, exact sink/window settings, modes)
+# name -> (method, method_params, exact sink/window and stream slack settings, modes)
 VARIANTS = {
     "full": (None, {}, {}, ("prefill",)),
     "adakv_kvzip_refit": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
                           {"window": 0}, ("prefill",)),
     "kvzap": ("kvzap", {}, {}, ("prefill", "chunked", "decode")),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}, ("prefill", "chunked", "decode")),
-    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}, ("prefill",)),
+    # scope "model": prefill ranks every layer's heads together; a stream gives each layer its learned share of the budget
+    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}, ("prefill", "chunked", "decode")),
+    "adakv_kvzap_model_slack_0.1": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1},
+                                    ("chunked", "decode")),
+    # the same, run again once streams ranked by entry scores turn away tokens they could never keep and leave themselves
+    # at least 16 slots of room (adakv.ENTRY_SCORE_ROOM): the library's behaviour from then on
+    "adakv_kvzap_model_slack_0.1_admission": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                              {"slack": 0.1}, ("chunked", "decode")),
     "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),
+    # streams re-compressing to a larger share of their budget (slack 0.5, the library's default, compresses to 2/3)
+    "adakv_kvzap_slack_0.1": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {"slack": 0.1}, ("chunked", "decode")),
 }
 
 
 def seed_range(text: str) -> list[int]:
-    first, _, last = text.partition("-")
-    return list(range(int(first), int(last or first) + 1))
+    """Seeds from "first-last" ranges and single seeds, comma-separated ("1000-1003,1010")."""
+    seeds = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        seeds += range(int(first), int(last or first) + 1)
+    return seeds
 
 
 def main() -> None:

@@ -242,7 +242,9 @@ def _continuation(model, ids, n_context, method, compression_ratio, budget, mode
 
             cache = DynamicCache(config=model.config)
         else:
-            cache = CompressedCache(model, method, compression_ratio=compression_ratio, budget=budget, mode=mode, seed=seed)
+            stream_length = None if not streamed else n_context if mode == "chunked" else n - 1  # decode: every token fed
+            cache = CompressedCache(model, method, compression_ratio=compression_ratio, budget=budget, mode=mode, seed=seed,
+                                    stream_length=stream_length)
         context = ids[:, :n_context]
         if method is not None and cache.options.compressor.requirements.needs("reconstruction"):  # KVzip: prefill, then its reconstruction
             logits = reconstruct_context(model, cache, context)[0][:, None]

@@ -519,10 +519,10 @@ def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: P
 
 
 def _resolved_fields(cell: Cell) -> dict:
-    """What a cell's method name stood for when it ran: the registered method, its parameters and any exact sink/window
-    the name fixes (for the default, whatever `options.DEFAULT_METHODS` held then)."""
-    name, params, exact = resolve_method(cell.method, cell.mode)
-    return {"resolved_method": name, "method_params": params | exact}
+    """What a cell's method name stood for when it ran: the registered method, its parameters and any cache settings
+    (sink, window, slack) the name fixes (for the default, whatever `options.DEFAULT_METHODS` held then)."""
+    name, params, settings = resolve_method(cell.method, cell.mode)
+    return {"resolved_method": name, "method_params": params | settings}
 
 
 def _rows(records: list[dict], grid: bool) -> Iterator[dict]:

@@ -207,8 +207,7 @@ class _Session:
             return DynamicCache(config=self.model.config)
         if self.prefill is not None:
             return CompressedCache.from_prefill(self.model, self.options, self.prefill)
-        streamed_ratio = self.options.streams and self.options.compression_ratio is not None
-        return CompressedCache(self.model, self.options, stream_length=self.stream_length if streamed_ratio else None)
+        return CompressedCache(self.model, self.options, stream_length=self.stream_length if self.options.streams else None)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run ids [B or 1, b] (their padding mask [B, b], default none) through the cache; -> last logits [B, V]."""

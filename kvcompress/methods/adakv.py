@@ -23,7 +23,10 @@ L·H_kv·budget middle tokens in all, and a layer whose heads matter more for th
 how KVzip's paper shares its budget (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context
 Reconstruction", arXiv:2505.23416: its scores, maximum attention probabilities, are on one scale in every layer).
 The cache then compresses the layers together once the whole context has been through the model
-(`methods.base.compress_layers`), in mode "prefill" only.
+(`methods.base.compress_layers`). A stream (modes "chunked" and "decode") never has every layer's scores at once: with
+a scorer that knows in advance how the layers would share the budget (`ScoreMethod.layer_shares`: KVzap's, learned on
+its training text), each layer's stream keeps its share of the model's budget (`layer_budget`) and ranks its own
+heads together; with any other scorer scope "model" runs in mode "prefill" only.
 """
 
 from __future__ import annotations
@@ -41,12 +44,16 @@ from ..saved_state import Instance, Maybe, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, take_slots
 from .attention_matching import refit_kept
 from .base import BlockwiseState, Method, ScoreMethod, check_params, first_true, is_pool_span, max_pool_scores
+from .budget import check_slack, stream_split
 from .registry import build_method, get_method_class, method_names, register
 from .requirements import Requirements
 from .snapkv import SnapKV
 from .tokens import Tokens, tokens_from_columns
 
 NORMALIZATIONS = ("none", "softmax")
+# The least room (slots per head) a stream whose ranks are fixed on entry leaves itself, up to half its budget: its
+# re-compressions then come at most every so many admitted tokens, whatever the slack (`AdaptiveBlockwiseState`)
+ENTRY_SCORE_ROOM = 16
 SCOPES = ("layer", "model")
 REFITS = ("none", "log_weights", "log_weights_values")
 
@@ -114,7 +121,8 @@ class AdaKV(Method):
     scope: where the joint top-k runs: "layer" (the heads of one layer, the paper's) or "model" (the heads of every
     compressed layer together, KVzip's allocation; budget scope "model"): then `budget` is the mean over
     every layer's heads, and a layer keeps anywhere from H_kv·min(floor(alpha_safeguard·budget), n) to H_kv·n middle
-    tokens per batch row; mode "prefill" only. span (odd, default 1: none): each score is raised to the highest within
+    tokens per batch row; streams (chunked, decode) only with a scorer that has `layer_shares` (KVzap), each layer
+    then keeping its share of the budget (`layer_budget`), else mode "prefill" only. span (odd, default 1: none): each score is raised to the highest within
     the `span` tokens centred on it before the top-k, so a kept token takes its neighbours along (SnapKV's
     pooling, with a maximum; kept phrases stay whole; in a stream, the neighbours among the held tokens). A single
     call of `compress` (one layer's tensors, `kvc.compress`) is one layer, so there both scopes agree.
@@ -217,8 +225,9 @@ class AdaKV(Method):
     def whole_context(self) -> tuple[str, str, str] | None:
         """(the setting, why it needs the whole context at once, the setting that streams) when this instance runs in mode
         "prefill" only and has no stream; None when it streams as its scorer does."""
-        if self.scope == "model":
-            return ("scope='model'", "its top-k runs over every layer's scores of the whole context at once", "scope='layer'")
+        if self.scope == "model" and not self.scorer.shares_layers:
+            return ("scope='model'", f"its top-k runs over every layer's scores of the whole context at once, and scorer "
+                    f"{self.scorer.name!r} knows no per-layer shares of the budget in advance (KVzap's do)", "scope='layer'")
         if self.evicted_slots:
             return (f"evicted_slots={self.evicted_slots}", "its summary of the evicted tokens is made once, from the whole context",
                     "evicted_slots=0")
@@ -233,6 +242,33 @@ class AdaKV(Method):
             raise ValueError(f"method 'adakv' with {setting} runs in mode 'prefill' only, got mode={mode!r}: {why}, which a stream "
                              f"of blocks ('chunked', 'decode') never has; use mode='prefill' or {streams}")
         self.scorer.check_mode(mode)
+
+    @property
+    def ranks_by_entry_score(self) -> bool:
+        """Whether a token's rank is fixed when it enters a stream: the scorer scores on entry (`scores_on_entry`,
+        KVzap) and `head_scores` passes its scores on unchanged (normalize "none", span 1). `AdaptiveBlockwiseState` then
+        turns away, as they enter, tokens no later re-compression could keep, and leaves itself at least
+        `ENTRY_SCORE_ROOM` slots of room."""
+        return self.scorer.scores_on_entry and self.normalize == "none" and self.span == 1
+
+    def layer_budget(self, budget: int, layer_idx: int, middle_length: int | None) -> int:
+        """scope "model" (in a stream): layer `layer_idx`'s share of the model's budget, `budget` per head on average over
+        the layers. Its share s is alpha_safeguard + (1 - alpha_safeguard)·(the scorer's `layer_shares` at the kept
+        fraction budget / middle_length), mean 1 over the layers, as every head keeps floor(alpha_safeguard·budget) in
+        prefill mode; the layer's budget is 2 + floor((budget - 2)·s), at least the 2 slots a stream works in
+        (`budget.stream_split`), so the L layers' budgets sum to at most L·budget. scope "layer": `budget`."""
+        if self.scope != "model" or budget <= 2:
+            return budget
+        if middle_length is None:
+            raise ValueError("adakv with scope='model' shares the model's budget among the layers of a stream by the fraction of the "
+                             "stream it keeps: give the cache the stream's length (CompressedCache(..., stream_length=N)) or use "
+                             "scope='layer'")
+        shares = self.scorer.layer_shares(min(1.0, budget / as_count("middle_length", middle_length, 1)))
+        if shares is None or layer_idx not in shares:
+            raise ValueError(f"adakv with scope='model' in a stream needs the scorer's share for layer {layer_idx}; scorer "
+                             f"{self.scorer.name!r} has {'none' if shares is None else f'shares for layers {sorted(shares)}'}")
+        share = self.alpha_safeguard + (1.0 - self.alpha_safeguard) * shares[layer_idx]
+        return 2 + math.floor((budget - 2) * share)
 
     def safeguard(self, budget: int) -> int:
         """Tokens every head keeps of its own at this budget: floor(alpha_safeguard·budget)."""
@@ -315,6 +351,23 @@ class AdaKV(Method):
         return AdaptiveBlockwiseState(self, budget, generator, self.stream_slack(slack))
 
 
+def admission(scores: torch.Tensor, kept: torch.Tensor, guaranteed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(floors [B, H], cutoffs [B]) of a `head_allocation` that kept `kept` [B, H, n] of `scores` [B, H, n] with
+    `guaranteed` tokens per head of its own: a head's floor is the lowest of its own top `guaranteed` scores (+inf when
+    it guarantees none, -inf when it has fewer finite scores), a row's cutoff the lowest score kept outside the heads'
+    own top (+inf when every slot is guaranteed). A token scoring below both was not kept, and (the scores fixed)
+    never will be by an allocation of as many slots over more tokens."""
+    s = scores.float().nan_to_num(nan=-math.inf)
+    if guaranteed > 0:
+        top = s.topk(guaranteed, dim=-1)
+        floors = top.values[..., -1]
+        s = s.scatter(-1, top.indices, math.inf)
+    else:
+        floors = s.new_full(s.shape[:2], math.inf)
+    cutoffs = s.masked_fill(~kept, math.inf).flatten(1).amin(-1)
+    return floors, cutoffs
+
+
 def kept_summary(tokens: Tokens, kept: torch.Tensor) -> KVSummary:
     """The tokens `kept` [B, H, n] bool of `tokens`, each head's in ascending order, shorter heads padded at the end
     with empty slots (log-weight -inf, position -1, zero keys and values) to the most any head keeps."""
@@ -363,6 +416,15 @@ class AdaptiveBlockwiseState(BlockwiseState):
     softmax, KeyDiff's mean key) sees the zero keys beside the real ones: a departure from scoring the held tokens
     alone (KeyDiff's scores do not change: a zero key moves the mean's length, not its direction).
 
+    Scores fixed when a token enters (`Tokens.entry_scores`: KVzap's, ranked as they are, `AdaKV.ranks_by_entry_score`)
+    let the stream turn tokens away as they enter. After a re-compression, a head's floor (the lowest of its own top
+    floor(alpha_safeguard·target) scores) and the row's cutoff (the lowest score that won a slot of the joint top-k)
+    can only rise at later re-compressions, which rank a superset of candidates for the same number of slots; so a new
+    token scoring below both in every head of every row could never be kept, and is not stored (`admission`). The
+    stream then re-compresses only when tokens that may still be kept fill its room, which keeps a small slack cheap;
+    its room is at least `ENTRY_SCORE_ROOM` slots (up to half the budget), so that a small budget (a layer with a small
+    share of the model's) does not re-compress at nearly every admitted token.
+
     With kv_bits the buffer is stored quantized (`QuantizedSlots`), which has no packed form: a re-compression keeps
     a rectangle of m slots per head, m the most any head keeps, a head that keeps fewer filling its m slots with its
     next-best tokens (held with log-weight -inf: not attended, candidates again at the next re-compression), and the
@@ -371,10 +433,50 @@ class AdaptiveBlockwiseState(BlockwiseState):
 
     saved_fields = {**BlockwiseState.saved_fields, "kept": Maybe(Instance("ragged_summary")), "kept_extra": Sequence(Tensor("* ..."), kind="tuple")}
 
+    # (floors [B, H], cutoffs [B]) of the last re-compression over entry scores, or None (none yet, scores that are not
+    # fixed on entry, or a stream loaded from a file: recomputed at its next re-compression); the class docstring
+    admission: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float):
-        super().__init__(method, budget, generator, slack)
+        target, room = stream_split(budget, check_slack(slack))
+        if method.ranks_by_entry_score:
+            room = max(room, min(ENTRY_SCORE_ROOM, budget // 2))
+        super().__init__(method, budget, generator, slack, split=(budget - room, room))
         self.kept: RaggedSummary | None = None  # the tokens the last re-compression kept, packed (None before the first)
         self.kept_extra: tuple[torch.Tensor, ...] = ()  # their other stored columns (pre-RoPE keys), packed as `kept`
+
+    def absorb(self, tokens: Tokens, codes=None) -> None:
+        """`BlockwiseState.absorb`; with scores fixed on entry, only of the tokens a later re-compression could still
+        keep (`admission`, checked again after each re-compression the block causes); the others count as seen and are
+        not stored."""
+        if codes is not None or not self._ragged() or tokens.entry_scores is None or not self.method.ranks_by_entry_score:
+            return super().absorb(tokens, codes)
+        while True:
+            tokens = self._admitted(tokens)
+            if tokens is None:
+                return
+            room = self.limit + self.slack_slots - self.held_slots()
+            if room <= 0:
+                self.recompress(room=self.slack_slots)
+                continue
+            super().absorb(tokens.slice(0, min(room, tokens.length)))
+            if tokens.length <= room:
+                return
+            tokens = tokens.slice(room, tokens.length)
+
+    def _admitted(self, tokens: Tokens) -> Tokens | None:
+        """The tokens scoring at least a head's floor or the row's cutoff of the last re-compression in some head of some
+        row (all of them before the first); the rest are counted as seen. None when none is left."""
+        if self.admission is None:
+            return tokens
+        floors, cutoffs = self.admission
+        scores = tokens.entry_scores
+        admitted = ((scores >= floors.unsqueeze(-1)) | (scores >= cutoffs[:, None, None])).flatten(0, 1).any(0)  # [n]
+        kept = admitted.nonzero().squeeze(1)
+        self.seen += tokens.length - kept.numel()
+        if kept.numel() == tokens.length:
+            return tokens
+        return tokens.select(kept.expand(*scores.shape[:2], -1)) if kept.numel() else None
 
     def check_saved(self) -> None:
         super().check_saved()
@@ -438,7 +540,9 @@ class AdaptiveBlockwiseState(BlockwiseState):
         scores, _ = self.method.head_scores(held, self.generator)
         if empty is not None:
             scores = scores.masked_fill(empty, -math.inf)
-        kept = head_allocation(scores, self.target, self.method.safeguard(self.target))
+        guaranteed = min(self.method.safeguard(self.target), self.target)
+        kept = head_allocation(scores, self.target, guaranteed)
+        self.admission = admission(scores, kept, guaranteed) if held.entry_scores is not None and self.method.ranks_by_entry_score else None
         positions = columns[2][kept]
         self.kept = RaggedSummary(columns[0][kept], columns[1][kept], None, positions.to(torch.int32), kept.sum(-1).to(torch.int32))
         self.kept_extra = tuple(column[kept] for column in columns[3:])

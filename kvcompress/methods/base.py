@@ -132,6 +132,13 @@ class Method:
         being absorbed included (`BlockwiseState`); slack as `stream_slack` takes it."""
         return BlockwiseState(self, budget, generator, self.stream_slack(slack))
 
+    def layer_budget(self, budget: int, layer_idx: int, middle_length: int | None) -> int:
+        """The middle budget per KV head of layer `layer_idx`'s stream when `budget` is what the
+        options give every layer and `middle_length` the middle tokens the stream will take (its tokens less the sink
+        and window; None when unknown): `budget` itself, every layer the same. A method whose budget is one over every
+        layer (budget scope "model") and that streams gives each layer its share of it (AdaKV over KVzap)."""
+        return budget
+
     def stream_slack(self, slack: float | None) -> float:
         """The slack this method's stream runs with: `slack` checked (None: DEFAULT_SLACK). A method whose
         stream never holds more than its budget (`stream_recompresses` False) refuses any slack."""
@@ -215,6 +222,21 @@ class ScoreMethod(Method, ABC):
         None): a scorer that forms that normaliser while scoring hands it on (KVzip), so that a refit of the kept
         slots to the same queries (`methods.attention_matching`) need not form it again; None here."""
         return self.score(tokens, generator), None
+
+    # True when `on_entry` gives each token its final score (`Tokens.entry_scores`): a held token's score never changes
+    scores_on_entry: ClassVar[bool] = False
+
+    @property
+    def shares_layers(self) -> bool:
+        """Whether `layer_shares` knows the layers' shares (False here)."""
+        return False
+
+    def layer_shares(self, kept_fraction: float) -> dict[int, float] | None:
+        """{layer index: share} (mean 1 over the layers): how one budget over every layer, `kept_fraction` of the
+        middle tokens kept, would be shared out among the layers if all their tokens were ranked together by this
+        scorer, as known before the context is seen (so that a stream, which never has every layer's scores at once,
+        can share a budget over the model); None when the scorer knows no such shares (this default)."""
+        return None
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         if tokens.length <= budget:

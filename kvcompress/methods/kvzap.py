@@ -20,6 +20,11 @@ A token is scored once, when it enters: in prefill mode from the context's hidde
 arrives (`on_entry`: the stream keeps the score, one number per head, and never the hidden state), so the same scorer
 runs in prefill, chunked and decode modes within the stream's memory, with no second forward.
 
+A scorer file also records each layer's distribution of predicted scores on the training text (`score_quantiles`).
+From it, `layer_shares` tells how one budget over every layer would be shared out if all layers' tokens were ranked
+together, which lets `AdaKV(scorer=KVzap(), scope="model")` give each layer of a stream its share of the model's budget
+before the context is seen (a stream never has every layer's scores at once).
+
 Two ways to keep tokens:
 - a budget (the compression ratio): the top `budget` per head (`ScoreMethod.compress`), in every mode;
 - KVzap's threshold (`threshold`, a log-score): a token is kept when its predicted score is at least the threshold,
@@ -54,6 +59,8 @@ KINDS = ("linear", "mlp")
 # scorer="default": the weights shipped for the default model, in the package's `scorers` folder
 SHIPPED = {"default": "smollm2-135m-kvzap.safetensors"}
 TRAIN_COMMAND = "kvcompress train-scorer --out FILE"
+# quantile levels 0, 1/(Q-1), ..., 1 of each layer's predicted scores on the training text (`Surrogate.score_quantiles`)
+SCORE_QUANTILES = 257
 
 
 class SurrogateError(ValueError):
@@ -67,7 +74,9 @@ class Surrogate:
     Each head's surrogate reads a token's hidden state at the layer's input (width d_model). kind: "linear" or "mlp". layers: the model's layer index of each row of the stacks. first_weight [L, H_kv, d_in, h]
     and first_bias [L, H_kv, h] (h = 1 for "linear"); second_weight [L, H_kv, h, 1] and second_bias [L, H_kv, 1]
     ("mlp" only, else None); float32, the input's standardisation folded in. model: the name of the model the weights
-    were trained on; meta: how they were trained (text, seed, fidelity), as recorded.
+    were trained on; meta: how they were trained (text, seed, fidelity), as recorded. score_quantiles [L, Q] float32 or
+    None (a file written before they were recorded): each layer's predicted scores on the training text, every head
+    and token pooled, at the quantile levels 0, 1/(Q-1), ..., 1 (non-decreasing); `layer_shares` reads them.
     """
 
     kind: str
@@ -78,6 +87,7 @@ class Surrogate:
     second_bias: torch.Tensor | None = None
     model: str = ""
     meta: dict = field(default_factory=dict)
+    score_quantiles: torch.Tensor | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -111,13 +121,39 @@ class Surrogate:
             out = torch.matmul(torch.nn.functional.gelu(out), self.second_weight[i].to(device)) + self.second_bias[i].to(device).unsqueeze(1)
         return out.squeeze(-1)
 
+    def layer_shares(self, kept_fraction: float) -> dict[int, float]:
+        """{layer index: share}, mean 1: each layer's part of one budget over every layer that keeps `kept_fraction` in
+        (0, 1] of the tokens, if the tokens of every layer were ranked together by predicted score (AdaKV's scope
+        "model"), as the training text's score quantiles tell: the threshold t at which the layers keep
+        `kept_fraction` of their tokens on average, each layer's share the fraction of its own scores at or above t
+        over that average. Each layer's distribution is read piecewise linearly between its quantiles, so the shares
+        are exact for those distributions. A SurrogateError for a file with no quantiles."""
+        import numpy as np
+
+        if self.score_quantiles is None:
+            raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) records no score quantiles, so it cannot share "
+                                 f"a budget over the layers of a stream: train it again with `{TRAIN_COMMAND}`")
+        if isinstance(kept_fraction, bool) or not isinstance(kept_fraction, (int, float)) or not 0.0 < kept_fraction <= 1.0:
+            raise ValueError(f"kept_fraction must be a number in (0, 1] (the share of the tokens kept), got {kept_fraction!r}")
+        quantiles = self.score_quantiles.double().numpy()
+        levels = np.linspace(0.0, 1.0, quantiles.shape[1])
+        knots = np.unique(quantiles)
+        above = np.mean([1.0 - np.interp(knots, row, levels) for row in quantiles], axis=0)  # non-increasing in the knots
+        threshold = np.interp(kept_fraction, above[::-1], knots[::-1])
+        shares = np.array([1.0 - np.interp(threshold, row, levels) for row in quantiles]) / kept_fraction
+        shares *= len(shares) / shares.sum()  # mean exactly 1 (the interpolation's rounding aside)
+        return {layer: float(share) for layer, share in zip(self.layers, shares)}
+
     def save(self, path: str | Path) -> None:
-        """Write the weights as safetensors, with their format, kind, layers, model and meta in its metadata."""
+        """Write the weights (and score quantiles) as safetensors, with their format, kind, layers, model and meta in its
+        metadata."""
         from safetensors.torch import save_file
 
         tensors = {"first_weight": self.first_weight, "first_bias": self.first_bias}
         if self.kind == "mlp":
             tensors |= {"second_weight": self.second_weight, "second_bias": self.second_bias}
+        if self.score_quantiles is not None:
+            tensors["score_quantiles"] = self.score_quantiles
         header = {"format": SURROGATE_FORMAT, "version": str(SURROGATE_VERSION), "kind": self.kind,
                   "layers": json.dumps(list(self.layers)), "model": self.model, "meta": json.dumps(self.meta, sort_keys=True)}
         save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(path), metadata=header)
@@ -157,8 +193,9 @@ class Surrogate:
         if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) or len(set(layers)) != len(layers):
             fail(f"layers must be distinct layer indices, got {header.get('layers')!r}")
         names = {"first_weight", "first_bias"} | ({"second_weight", "second_bias"} if header["kind"] == "mlp" else set())
-        if set(tensors) != names:
-            fail(f"tensors {sorted(tensors)}, expected {sorted(names)} for kind {header['kind']!r}")
+        if set(tensors) - {"score_quantiles"} != names:
+            fail(f"tensors {sorted(tensors)}, expected {sorted(names)} (and optionally score_quantiles) for kind {header['kind']!r}")
+        quantiles = tensors.pop("score_quantiles", None)
         w1, b1 = tensors["first_weight"], tensors["first_bias"]
         shapes_ok = w1.ndim == 4 and w1.shape[0] == len(layers) and min(w1.shape) >= 1 and tuple(b1.shape) == (*w1.shape[:2], w1.shape[3])
         if header["kind"] == "mlp":
@@ -170,8 +207,13 @@ class Surrogate:
             fail("tensor shapes " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in sorted(tensors.items())) + f" do not fit {len(layers)} layers")
         if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in tensors.values()):
             fail("weights must be finite floating-point numbers")
+        if quantiles is not None and not (quantiles.ndim == 2 and quantiles.shape[0] == len(layers) and quantiles.shape[1] >= 2
+                                          and quantiles.is_floating_point() and bool(torch.isfinite(quantiles).all())
+                                          and bool((quantiles.diff(dim=1) >= 0).all())):
+            fail(f"score_quantiles must be [{len(layers)} layers, >= 2 levels] finite and non-decreasing along each row, got "
+                 f"{tuple(quantiles.shape)} {quantiles.dtype}")
         return cls(header["kind"], layers, w1.float(), b1.float(), tensors.get("second_weight"),
-                   tensors.get("second_bias"), header.get("model", ""), meta)
+                   tensors.get("second_bias"), header.get("model", ""), meta, None if quantiles is None else quantiles.float())
 
 
 def shipped_path(name: str) -> Path:
@@ -206,6 +248,7 @@ class KVzap(ScoreMethod):
     """
 
     name = "kvzap"
+    scores_on_entry = True
     default_sink = 4
     default_window = 64
     scorer: str = "default"
@@ -245,6 +288,16 @@ class KVzap(ScoreMethod):
             return tokens.entry_scores
         self.check_inputs(tokens)
         return self.surrogate.predict(tokens.hidden_states, tokens.layer_idx)
+
+    @property
+    def shares_layers(self) -> bool:
+        """Whether the scorer file records score quantiles (`layer_shares`)."""
+        return self.surrogate.score_quantiles is not None
+
+    def layer_shares(self, kept_fraction: float) -> dict[int, float] | None:
+        """The surrogate's shares of a budget over every layer (`Surrogate.layer_shares`, from its scores on the training
+        text); None for a scorer file that records no score quantiles."""
+        return self.surrogate.layer_shares(kept_fraction) if self.shares_layers else None
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator):
         if self.threshold is None:
@@ -306,8 +359,21 @@ def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tens
             parts["second_weight"].append(w2)
             parts["second_bias"].append(b2)
     stacked = {k: torch.stack(v) if v else None for k, v in parts.items()}
-    return Surrogate(kind, layers, stacked["first_weight"], stacked["first_bias"], stacked["second_weight"],
-                     stacked["second_bias"], model)
+    surrogate = Surrogate(kind, layers, stacked["first_weight"], stacked["first_bias"], stacked["second_weight"],
+                          stacked["second_bias"], model)
+    return replace(surrogate, score_quantiles=score_quantiles(surrogate, hidden))
+
+
+def score_quantiles(surrogate: Surrogate, hidden: dict[int, torch.Tensor], levels: int = SCORE_QUANTILES) -> torch.Tensor:
+    """[L, levels] float32: per layer of `surrogate`, the quantiles at 0, 1/(levels-1), ..., 1 of its predicted scores of
+    hidden {layer: [N, d_model]} (every KV head's and token's, pooled): `Surrogate.score_quantiles`."""
+    grid = torch.linspace(0.0, 1.0, levels)
+    rows = []
+    for layer in surrogate.layers:
+        x = hidden[layer].float()
+        predicted = surrogate.predict(x[None, None].expand(1, surrogate.kv_heads, -1, -1), layer).flatten()
+        rows.append(torch.quantile(predicted.double(), grid.double()).float())
+    return torch.stack(rows)
 
 
 def spearman(predicted: torch.Tensor, target: torch.Tensor) -> float:

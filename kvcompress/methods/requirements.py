@@ -21,9 +21,9 @@ the model for it:
   - "head": `budget` bounds every KV head (most methods);
   - "layer": `budget` is the mean over a layer's KV heads, shared out unevenly (AdaKV): a head keeps
     anywhere from none to every token, so a cache stores such a layer ragged (`ragged.RaggedSummary`);
-  - "model": one budget over every compressed layer of a model (`compress_layers`; AdaKV with
-    scope "model"): a cache compresses the layers together once each holds the whole context.
-    Mode "prefill" only.
+  - "model": one budget over every compressed layer of a model (AdaKV with scope "model"): in mode
+    "prefill" a cache compresses the layers together once each holds the whole context
+    (`compress_layers`); a stream gives each layer its share of it (`Method.layer_budget`).
 - modes: the cache modes the method runs in, among "prefill", "chunked", "decode", in that order.
 """
 
@@ -62,9 +62,6 @@ class Requirements:
                              f"inputs with 'queries' and modes=('prefill',), got inputs {sorted(inputs)} and modes {modes}")
         if "reconstruction" in inputs and inputs & {"attention_mass", "hidden_states"}:
             raise ValueError(f"a reconstruction forward hands a method its queries only, not {sorted(inputs & {'attention_mass', 'hidden_states'})}")
-        if self.budget_scope == "model" and modes != ("prefill",):
-            raise ValueError(f"one budget over every layer (budget_scope 'model') needs the whole context of every layer at once: "
-                             f"modes=('prefill',), got {modes}")
 
     def needs(self, name: str) -> bool:
         """Whether the method reads input `name` (one of `INPUTS`)."""
