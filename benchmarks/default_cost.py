@@ -34,7 +34,7 @@ VARIANTS = {
     "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
-    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),
+    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),  # the default at slack 0.5
     "snapkv": ("snapkv", {}, {}),
 }
 
@@ -77,7 +77,7 @@ def main() -> None:
                 try:
                     res = kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=ratio,
                                        mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
-                except ValueError as error:  # a variant that does not run in this mode (e.g. scope "model" streams not)
+                except ValueError as error:  # a variant that does not run in this mode (e.g. kvzip_refit streams not)
                     print(f"{name} {mode}: {error}")
                     times.pop((name, mode, ratio), None)
                     cells.remove((name, mode, ratio))

@@ -24,11 +24,11 @@ FILES = [
     dict(method="snapkv", mode="prefill"),
     dict(method="snapkv", mode="prefill", kv_bits=4),
     dict(method="adakv", mode="prefill"),  # ragged: heads keep different numbers of slots
-    dict(method="keydiff", mode="decode", kv_bits=4),
-    dict(method="subgen", mode="decode"),  # a native stream
+    dict(method="keydiff", mode="decode", kv_bits=4),  # a live stream, quantized
     # slow (many edits, each answered), e2e only: BalanceKV's chunked stream, a full-precision block-wise decode stream,
-    # the other native streams, and a quantized BalanceKV decode stream
+    # the native streams, and a quantized BalanceKV decode stream
     *(pytest.param(s, marks=pytest.mark.e2e) for s in (dict(method="balancekv", mode="chunked"), dict(method="keydiff", mode="decode"),
+                                                        dict(method="subgen", mode="decode"),
                                                         dict(method="express", mode="decode"),
                                                         dict(method="clustergen", mode="decode"),
                                                         dict(method="hybrid", mode="decode"), dict(method="balancekv", mode="decode", kv_bits=4))),

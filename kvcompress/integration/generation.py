@@ -530,9 +530,8 @@ def generate_batch_ids(
     (for the whole batch); `slots_per_layer` is the row's own; extra["batch_run"] is "one_forward". Where one forward
     cannot compress its rows apart (`_runs_one_by_one`), each context is compressed and answered as its own context
     through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
-    'decode' (a stream takes no padding), or with a method scored by its own reconstruction forward (KVzip, and the
-    default in mode 'prefill') or with one budget over every layer (budget scope "model": AdaKV with
-    scope='model', the default in mode 'prefill'); and any batch with context-calibrated compression (quality +
+    'decode' (a stream takes no padding), or with a method scored by its own reconstruction forward (KVzip) or with
+    one budget over every layer (budget scope "model": AdaKV with scope='model', the default); and any batch with context-calibrated compression (quality +
     calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
     its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
     number of contexts. (A padded batch through one `CompressedCache`, as `model.generate` runs it, is always one
