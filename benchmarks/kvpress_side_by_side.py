@@ -135,9 +135,12 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights_values"}),
     # KVzap's learned KVzip scores shared by AdaKV over every layer's heads (the library's default in prefill mode)
     "adakv[scorer=kvzap,scope=model,alpha=0.05]": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}),
-    # the library's default in chunked and decode modes: KVzap's scores shared by AdaKV within each layer, streamed
-    "adakv[scorer=kvzap,alpha=0.05,mode=chunked]": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05, "mode": "chunked"}),
-    "adakv[scorer=kvzap,alpha=0.05,mode=decode]": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05, "mode": "decode"}),
+    # the library's default in chunked and decode modes: the same, each layer's stream taking its learned share of the
+    # model's budget, re-compressed at slack 0.1
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "slack": 0.1, "mode": "chunked"}),
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]": (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "slack": 0.1, "mode": "decode"}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
@@ -204,8 +207,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05]": "KVzip",
-    "adakv[scorer=kvzap,alpha=0.05,mode=chunked]": "KVzip",
-    "adakv[scorer=kvzap,alpha=0.05,mode=decode]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",
