@@ -518,6 +518,13 @@ def cost_section() -> list[str]:
 
 
 COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "over_plain", "kv_over_full"]
+
+
+def cost_table(rows: list[dict]) -> str:
+    """A `default_cost.py` record's rows as a table of `COST_COLUMNS`."""
+    return markdown_table(rows, COST_COLUMNS)
+
+
 CSV_TABLES = [  # (record, title, what it measures, its table from the record's rows)
     ("benchmarks/results/default_cost.csv", "What one answer costs: the default against a plain generate",
      "`benchmarks/default_cost.py`: one answer of 8 tokens with `kvc.generate` and no method named (the default, in each mode "
@@ -525,22 +532,22 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "prose, every call in turn in one process at one thread: the median seconds per answer, its ratio to the plain "
      "generate's (`over_plain`), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
      "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens).",
-     lambda rows: markdown_table(rows, COST_COLUMNS)),
+     cost_table),
     ("benchmarks/results/default_cost_4k.csv", "What one answer costs at 4k tokens on an otherwise idle CPU",
      "The 4k rows above shared the CPU with other runs for part of their time; this is the same measurement at compression "
      "ratio 0.75 with three repeats and nothing else running.",
-     lambda rows: markdown_table(rows, COST_COLUMNS)),
+     cost_table),
     ("benchmarks/results/default_cost_4k_slack.csv", "What one answer costs at 4k tokens: the streams at the library's slack",
      "The default's streams re-compress at slack 0.1; here the same method at the library's slack of 0.5 "
      "(`adakv_kvzap_model`), which kept 8 of the 12 tuning hits where slack 0.1 kept 10, on an otherwise idle CPU.",
-     lambda rows: markdown_table(rows, COST_COLUMNS)),
+     cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
      "ratio 0.75, in a second process beside the first, each on its own core.",
-     lambda rows: markdown_table(rows, COST_COLUMNS)),
+     cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens): the same measurement as above.",
-     lambda rows: markdown_table(rows, COST_COLUMNS)),
+     cost_table),
     ("benchmarks/results/kvzap_fidelity.csv", "KVzap's fidelity on held-out text",
      "`benchmarks/kvzap_fidelity.py`: Spearman correlation per layer between the shipped linear surrogate's predicted scores "
      "(from each token's hidden state) and the project's exact KVzip scores, on held-out standard-library docstrings "

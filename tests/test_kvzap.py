@@ -361,7 +361,7 @@ def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_s
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
 def test_a_stream_turns_away_only_tokens_no_later_recompression_could_keep(tmp_path, alpha):
     """AdaKV over entry scores (KVzap's) in a stream: tokens scoring below every head's floor and the row's cutoff of the
-    last re-compression are not stored (`adakv.admission`), and none of them was needed: a last re-compression of what
+    last re-compression are not stored (`AdaptiveBlockwiseState.admission`), and none of them was needed: a last re-compression of what
     is held keeps exactly what one allocation over every token absorbed keeps. Most tokens are turned away, so the
     stream re-compresses far less often than once per room's worth of tokens; its room is at least 16 slots."""
     from kvcompress.methods.adakv import AdaKV, head_allocation

@@ -33,8 +33,8 @@ VARIANTS = {
     "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}, ("prefill", "chunked", "decode")),
     "adakv_kvzap_model_slack_0.1": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1},
                                     ("chunked", "decode")),
-    # the same, run again once streams ranked by entry scores turn away tokens they could never keep and leave themselves
-    # at least 16 slots of room (adakv.ENTRY_SCORE_ROOM): the library's behaviour from then on
+    # the same settings, answered by streams that turn away tokens they could never keep and leave themselves at least 16
+    # slots of room (adakv.AdaptiveBlockwiseState.admission, adakv.ENTRY_SCORE_ROOM); the variant above was answered without
     "adakv_kvzap_model_slack_0.1_admission": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
                                               {"slack": 0.1}, ("chunked", "decode")),
     "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),

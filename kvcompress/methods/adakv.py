@@ -74,14 +74,27 @@ def head_allocation(scores: torch.Tensor, budget: int, safeguard: int) -> torch.
     b, h, n = scores.shape
     if n <= budget:
         return torch.ones(b, h, n, dtype=torch.bool, device=scores.device)
-    s = scores.float().nan_to_num(nan=-math.inf, posinf=torch.finfo(torch.float32).max)
-    priority = s.clone()
-    guaranteed = min(safeguard, budget)
-    if guaranteed > 0:
-        top = s.topk(guaranteed, dim=-1)
-        priority.scatter_(-1, top.indices, torch.where(torch.isfinite(top.values), math.inf, top.values))
+    return joint_top(allocation_priority(scores, min(safeguard, budget))[0], budget)
+
+
+def allocation_priority(scores: torch.Tensor, guaranteed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(priority [B, H, n] float32, floors [B, H]) of `head_allocation`: the scores (NaN as -inf) with each head's own top
+    `guaranteed` finite ones raised to +inf; a head's floor is the lowest of its own top `guaranteed` scores (+inf when
+    it guarantees none, -inf when it has fewer finite scores)."""
+    priority = scores.float().nan_to_num(nan=-math.inf, posinf=torch.finfo(torch.float32).max)
+    if guaranteed <= 0:
+        return priority, priority.new_full(priority.shape[:2], math.inf)
+    top = priority.topk(guaranteed, dim=-1)
+    priority = priority.scatter(-1, top.indices, torch.where(torch.isfinite(top.values), math.inf, top.values))
+    return priority, top.values[..., -1]
+
+
+def joint_top(priority: torch.Tensor, budget: int) -> torch.Tensor:
+    """kept [B, H, n] bool: the H·budget highest `priority` [B, H, n] of each batch row, over every head together
+    (n > budget)."""
+    b, h, n = priority.shape
     chosen = priority.reshape(b, h * n).topk(h * budget, dim=-1).indices
-    kept = torch.zeros(b, h * n, dtype=torch.bool, device=scores.device)
+    kept = torch.zeros(b, h * n, dtype=torch.bool, device=priority.device)
     return kept.scatter_(-1, chosen, True).view(b, h, n)
 
 
@@ -351,23 +364,6 @@ class AdaKV(Method):
         return AdaptiveBlockwiseState(self, budget, generator, self.stream_slack(slack))
 
 
-def admission(scores: torch.Tensor, kept: torch.Tensor, guaranteed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(floors [B, H], cutoffs [B]) of a `head_allocation` that kept `kept` [B, H, n] of `scores` [B, H, n] with
-    `guaranteed` tokens per head of its own: a head's floor is the lowest of its own top `guaranteed` scores (+inf when
-    it guarantees none, -inf when it has fewer finite scores), a row's cutoff the lowest score kept outside the heads'
-    own top (+inf when every slot is guaranteed). A token scoring below both was not kept, and (the scores fixed)
-    never will be by an allocation of as many slots over more tokens."""
-    s = scores.float().nan_to_num(nan=-math.inf)
-    if guaranteed > 0:
-        top = s.topk(guaranteed, dim=-1)
-        floors = top.values[..., -1]
-        s = s.scatter(-1, top.indices, math.inf)
-    else:
-        floors = s.new_full(s.shape[:2], math.inf)
-    cutoffs = s.masked_fill(~kept, math.inf).flatten(1).amin(-1)
-    return floors, cutoffs
-
-
 def kept_summary(tokens: Tokens, kept: torch.Tensor) -> KVSummary:
     """The tokens `kept` [B, H, n] bool of `tokens`, each head's in ascending order, shorter heads padded at the end
     with empty slots (log-weight -inf, position -1, zero keys and values) to the most any head keeps."""
@@ -420,7 +416,8 @@ class AdaptiveBlockwiseState(BlockwiseState):
     let the stream turn tokens away as they enter. After a re-compression, a head's floor (the lowest of its own top
     floor(alpha_safeguard·target) scores) and the row's cutoff (the lowest score that won a slot of the joint top-k)
     can only rise at later re-compressions, which rank a superset of candidates for the same number of slots; so a new
-    token scoring below both in every head of every row could never be kept, and is not stored (`admission`). The
+    token scoring below both in every head of every row could never be kept, and is not stored (`admission`: the
+    floors of `allocation_priority`, and each row's lowest priority kept, +inf when every kept slot is guaranteed). The
     stream then re-compresses only when tokens that may still be kept fill its room, which keeps a small slack cheap;
     its room is at least `ENTRY_SCORE_ROOM` slots (up to half the budget), so that a small budget (a layer with a small
     share of the model's) does not re-compress at nearly every admitted token.
@@ -438,7 +435,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
     admission: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float):
-        target, room = stream_split(budget, check_slack(slack))
+        _, room = stream_split(budget, check_slack(slack))
         if method.ranks_by_entry_score:
             room = max(room, min(ENTRY_SCORE_ROOM, budget // 2))
         super().__init__(method, budget, generator, slack, split=(budget - room, room))
@@ -451,18 +448,16 @@ class AdaptiveBlockwiseState(BlockwiseState):
         not stored."""
         if codes is not None or not self._ragged() or tokens.entry_scores is None or not self.method.ranks_by_entry_score:
             return super().absorb(tokens, codes)
-        while True:
-            tokens = self._admitted(tokens)
-            if tokens is None:
-                return
+        rest = self._admitted(tokens)
+        while rest is not None:
             room = self.limit + self.slack_slots - self.held_slots()
             if room <= 0:
                 self.recompress(room=self.slack_slots)
+                rest = self._admitted(rest)
                 continue
-            super().absorb(tokens.slice(0, min(room, tokens.length)))
-            if tokens.length <= room:
-                return
-            tokens = tokens.slice(room, tokens.length)
+            take = min(room, rest.length)
+            super().absorb(rest.slice(0, take))
+            rest = rest.slice(take, rest.length) if take < rest.length else None
 
     def _admitted(self, tokens: Tokens) -> Tokens | None:
         """The tokens scoring at least a head's floor or the row's cutoff of the last re-compression in some head of some
@@ -540,9 +535,10 @@ class AdaptiveBlockwiseState(BlockwiseState):
         scores, _ = self.method.head_scores(held, self.generator)
         if empty is not None:
             scores = scores.masked_fill(empty, -math.inf)
-        guaranteed = min(self.method.safeguard(self.target), self.target)
-        kept = head_allocation(scores, self.target, guaranteed)
-        self.admission = admission(scores, kept, guaranteed) if held.entry_scores is not None and self.method.ranks_by_entry_score else None
+        priority, floors = allocation_priority(scores, min(self.method.safeguard(self.target), self.target))
+        kept = joint_top(priority, self.target)  # `head_allocation`: more than the target are held
+        fixed = held.entry_scores is not None and self.method.ranks_by_entry_score
+        self.admission = (floors, priority.masked_fill(~kept, math.inf).flatten(1).amin(-1)) if fixed else None
         positions = columns[2][kept]
         self.kept = RaggedSummary(columns[0][kept], columns[1][kept], None, positions.to(torch.int32), kept.sum(-1).to(torch.int32))
         self.kept_extra = tuple(column[kept] for column in columns[3:])

@@ -263,6 +263,8 @@ class KVzap(ScoreMethod):
                 raise ValueError(f"threshold must be a finite log-score (e.g. -6.0) or None, got {self.threshold!r}")
             self.threshold = float(self.threshold)
         self.surrogate = load_surrogate(self.scorer)
+        # every layer's stream of a cache asks for the shares at the same kept fraction: computed once per fraction
+        self._layer_shares = functools.lru_cache(maxsize=16)(self.surrogate.layer_shares)
 
     @property
     def requirements(self) -> Requirements:
@@ -297,7 +299,7 @@ class KVzap(ScoreMethod):
     def layer_shares(self, kept_fraction: float) -> dict[int, float] | None:
         """The surrogate's shares of a budget over every layer (`Surrogate.layer_shares`, from its scores on the training
         text); None for a scorer file that records no score quantiles."""
-        return self.surrogate.layer_shares(kept_fraction) if self.shares_layers else None
+        return self._layer_shares(kept_fraction) if self.shares_layers else None
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator):
         if self.threshold is None:
