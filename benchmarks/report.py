@@ -38,8 +38,9 @@ import refit_cost  # noqa: E402
 from kvcompress.eval import perplexity, runner  # noqa: E402
 from kvcompress.eval.bench.report import markdown as bench_markdown  # noqa: E402
 from kvcompress.eval.bench.overhead import exponent_rows  # noqa: E402
-from kvcompress.eval.stats import wilson  # noqa: E402
+from kvcompress.eval.stats import paired_difference_interval, sign_test, wilson  # noqa: E402
 from kvcompress.eval.tables import markdown_table, read_csv  # noqa: E402
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT, PROMPT_LAYOUTS  # noqa: E402
 from kvcompress.options import MODES  # noqa: E402
 
 RESULTS_MD = ROOT / "docs" / "results.md"
@@ -68,6 +69,16 @@ SUMMARY_ROWS = [
     ("SnapKV: the attention of the context's last tokens", "snapkv"),
 ]
 COST_BENCH = "benchmarks/results/bench/cost"
+# The held-out set's rows, first in the summary: (use, library, cell, mode) on SUMMARY_HELDOUT (see heldout_section)
+SUMMARY_HELDOUT = "results/heldout_2048"
+SUMMARY_HELDOUT_ROWS = [
+    ("**the default** (no method named): AdaKV over KVzap's learned scores", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05]", "prefill"),
+    ("the default, streamed in blocks", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]", "chunked"),
+    ("the default, every token streamed", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]", "decode"),
+    ("no compression: the reference", "kvcompress", "full", "prefill"),
+    ("`kvzip_refit`: KVzip's exact scores, refitted (slow; prefill only)", "kvcompress", "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]", "prefill"),
+    ("kvpress's KVzip, for comparison", "kvpress", "KVzip", "prefill"),
+]
 
 
 # ---------------------------------------------------------------- records and their run metadata
@@ -143,6 +154,7 @@ def harness_commands(folder: str, manifest: dict, records: list[dict]) -> list[s
     dump = f".venv/bin/python benchmarks/kvpress_side_by_side.py dump --task {s['task']} --length {s['length']} --samples {s['count']} --seed {s['seed']}"
     dump += "".join(f" --{name} {s[name]}" for name in ("haystack", "kind") if s.get(name) is not None)
     dump += "".join(f" --task-param {k}={v}" for k, v in sorted(s.get("task_params", {}).items()))
+    dump += f" --prompt-layout {s['prompt_layout']}" if s.get("prompt_layout", DEFAULT_PROMPT_LAYOUT) != DEFAULT_PROMPT_LAYOUT else ""
     out = [dump + f" --out {folder}"]
     ratios_of: dict[tuple, set] = defaultdict(set)
     for r in records:
@@ -252,30 +264,30 @@ def summary_rows() -> list[dict]:
     bench = {r["method"]: r for r in read_csv(ROOT / COST_BENCH / "threads-1" / "prefill.csv")}
     rows = []
 
-    def row(use: str, folder: str, cell: str, mode: str, timed: bool) -> dict:
+    def row(use: str, folder: str, cell: str, mode: str, timed: bool, library: str = "kvcompress") -> dict:
         manifest, samples, records = harness_run(folder)
         scores = scores_by_cell(records)
         seconds = defaultdict(list)
         for r in records:
             if r["library"] == "kvcompress" and not r["env"].get("gpu"):  # the CPU's answers only
                 seconds[(r["cell"], r["ratio"])].append(r["prefill_s"] + r["decode_s"])
-        full_s = statistics.median(seconds[(harness.FULL, None)])
         s = manifest["samples"]
-        out = {"use": use, "method": "no method (`method=None`)" if cell == harness.FULL else f"`{cell}`", "mode": mode,
+        method = "no method (`method=None`)" if cell == harness.FULL else f"`{cell}`" if library == "kvcompress" else f"{library}'s `{cell}`"
+        out = {"use": use, "method": method, "mode": mode,
                "needle set": f"{s['task']}, {s['length']} tokens, seeds {s['seeds']}"}
         for ratio in SUMMARY_RATIOS:
-            got = scores.get(("kvcompress", cell, None if cell == harness.FULL else ratio))
+            got = scores.get((library, cell, None if cell == harness.FULL else ratio))
             column = f"@ {ratio:g}: % found (95%); hits kept"
             if not got:
                 out[column] = "not run"
                 continue
-            kept, hits = hits_kept(scores, cell, ratio) if cell != harness.FULL else (None, None)
+            kept, hits = hits_kept(scores, cell, ratio, library) if cell != harness.FULL else (None, None)
             out[column] = pct_interval(sum(got.values()), len(got)) + ("" if kept is None else f"; {kept} of {hits}")
         ratio = None if cell == harness.FULL else SUMMARY_RATIOS[0]
         if timed and seconds.get((cell, ratio)):
             median = statistics.median(seconds[(cell, ratio)])
             out[f"s per answer @ {SUMMARY_RATIOS[0]:g} (median)"] = f"{median:.1f}"
-            out["÷ no compression"] = f"{median / full_s:.2f}"
+            out["÷ no compression"] = f"{median / statistics.median(seconds[(harness.FULL, None)]):.2f}"
         else:
             out[f"s per answer @ {SUMMARY_RATIOS[0]:g} (median)"] = out["÷ no compression"] = "–"
         plain = bench["plain"]
@@ -283,9 +295,11 @@ def summary_rows() -> list[dict]:
         out[column] = f"{bench[cell]['implied_overhead']:.3f}" if cell in bench else "–"
         return out
 
+    if (ROOT / SUMMARY_HELDOUT / "manifest.json").is_file():
+        rows += [row(use, SUMMARY_HELDOUT, cell, mode, False, library) for use, library, cell, mode in SUMMARY_HELDOUT_ROWS]
     for use, cell in SUMMARY_ROWS:
         rows.append(row(use, SUMMARY_SET, cell, "prefill", True))
-    rows.insert(2, row("AdaKV over KeyDiff's scores, streamed", NUMERIC[0], KEYDIFF_STREAM_CELL, "chunked", False))
+    rows.insert(rows.index(next(r for r in rows if r["needle set"].startswith("niah_prose, 4096"))) + 2, row("AdaKV over KeyDiff's scores, streamed", NUMERIC[0], KEYDIFF_STREAM_CELL, "chunked", False))
     return rows
 
 
@@ -460,7 +474,8 @@ def prompt_layout_section() -> list[str]:
     lines = ["## Prompt layout", "",
              "The full cache, no compression, on the prose needle with names or towns as answers: how the prompt is laid out "
              "(`kvcompress.integration.build_prompt`: the separator between context and question, and whether the task's "
-             "answer prefix follows the assistant header). The tuning seeds chose the default layout, `blank_line_primed`; "
+             "answer prefix follows the assistant header). The tuning seeds, in two bodies of prose (the language reference "
+             "and, `_tuning_prose`, the standard library's docstrings), chose the default layout, `blank_line_primed`; "
              "the reported seeds are other samples. Pairs: exact sign test on the same samples.", ""]
     lines += meta_block(folder, records=[f"{folder}/"], threads=", ".join(sorted({str(m["threads"]) for m in machines})),
                         date=_span(m["date"][:10] for m in machines))
@@ -579,6 +594,102 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "same method and ratio at full precision with Newcombe's paired 95% interval.",
      quantized_storage.needle_table),
 ]
+
+
+HELDOUT_PLAN = "benchmarks/heldout/PLAN.md"
+HELDOUT_LENGTHS = (2048, 4096)
+HELDOUT_LAYOUT = "blank_line_primed"  # the compressed cells' layout (the plan's); the full cache runs under every layout
+DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"
+# (label, library, cell, ratios) in the plan's order
+HELDOUT_CELLS = [
+    ("the default, prefill", "kvcompress", DEFAULT_CELL, (0.75, 0.9)),
+    ("the default, chunked", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]", (0.75,)),
+    ("the default, decode", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]", (0.75,)),
+    ("`kvzip_refit`, prefill", "kvcompress", KVZIP_REFIT_CELL, (0.75, 0.9)),
+    ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
+]
+HELDOUT_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("`kvzip_refit`", "kvcompress", KVZIP_REFIT_CELL)]
+
+
+def heldout_folder(length: int, layout: str = HELDOUT_LAYOUT) -> str:
+    return f"results/heldout_{length}" + ("" if layout == HELDOUT_LAYOUT else f"_{layout}")
+
+
+def paired_cell(mine: dict[str, float], theirs: dict[str, float]) -> str:
+    """Won / lost per needle on the samples both answered, Newcombe's 95% interval of the difference in % found, and the
+    exact sign test's p."""
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return "not run"
+    first, second = [mine[k] for k in common], [theirs[k] for k in common]
+    diff, low, high = paired_difference_interval(first, second)
+    won, lost = sum(a > b for a, b in zip(first, second)), sum(a < b for a, b in zip(first, second))
+    return f"{won} / {lost}; {100 * diff:+.0f} ({100 * low:+.0f} to {100 * high:+.0f}); p {sign_test(won, lost):.2g}"
+
+
+def heldout_length(length: int) -> list[str]:
+    """One length of the held-out set: every cell of the plan (not run yet where it has no record), the full cache under
+    each layout, and the answers of the default's misses."""
+    layouts = [HELDOUT_LAYOUT] + [layout for layout in PROMPT_LAYOUTS if layout != HELDOUT_LAYOUT]
+    folders = [heldout_folder(length, layout) for layout in layouts if (ROOT / heldout_folder(length, layout) / "manifest.json").is_file()]
+    if heldout_folder(length) not in folders:
+        return [f"### {length} tokens", "", "Not run yet.", ""]
+    _, samples, records = harness_run(heldout_folder(length))
+    scores = scores_by_cell(records)
+    lines = [f"### {length} tokens", ""] + harness_block(folders)
+    rows = []
+    for label, library, cell, ratios in HELDOUT_CELLS:
+        for ratio in ratios:
+            got = scores.get((library, cell, ratio), {})
+            row = {"cell": label, "method": f"`{cell}`", "ratio": f"{ratio:g}", "n": len(got)}
+            if not got:
+                rows.append(row | {"found % (95%)": "not run"})
+                continue
+            kept, hits = hits_kept(scores, cell, ratio, library)
+            row["found % (95%)"] = pct_interval(sum(got.values()), len(got))
+            row["its library's full cache's hits kept, % (95%)"] = f"{kept} of {hits}: " + pct_interval(kept, hits) if hits else "–"
+            for name, base_library, base_cell in HELDOUT_BASELINES:
+                column = f"against {name}: won / lost; difference in % (95%); p"
+                row[column] = "–" if (library, cell) == (base_library, base_cell) else paired_cell(got, scores.get((base_library, base_cell, ratio), {}))
+            rows.append(row)
+    for library in ("kvcompress", "kvpress"):
+        got = scores.get((library, harness.FULL, None), {})
+        rows.insert(0 if library == "kvcompress" else len(rows), {"cell": f"{library}'s full cache", "method": "–", "ratio": "–", "n": len(got),
+                    "found % (95%)": pct_interval(sum(got.values()), len(got)) if got else "not run"})
+    lines += [f"Every cell of the plan, on the layout `{HELDOUT_LAYOUT}`; the paired columns count needles (won: this "
+              "cell finds the needle and the other misses it):", "", markdown_table(rows), ""]
+    full = {layout: scores_by_cell(harness_run(heldout_folder(length, layout))[2]).get(("kvcompress", harness.FULL, None), {})
+            for layout in layouts if heldout_folder(length, layout) in folders}
+    layout_rows = [{"layout": f"`{layout}`", "n": len(got), "found % (95%)": pct_interval(sum(got.values()), len(got)) if got else "not run",
+                    f"against `{HELDOUT_LAYOUT}`: won / lost; difference in % (95%); p":
+                        "–" if layout == HELDOUT_LAYOUT else paired_cell(got, full.get(HELDOUT_LAYOUT, {}))}
+                   for layout, got in full.items()]
+    lines += ["The full cache (kvcompress) under each prompt layout:", "", markdown_table(layout_rows), ""]
+    by_sample = {s["id"]: s for s in samples}
+    text = {(r["library"], r["cell"], r["ratio"], r["sample"]): r["prediction"] for r in records}
+    found = scores.get(("kvcompress", harness.FULL, None), {})
+    misses = []
+    for label, library, cell, ratios in HELDOUT_CELLS[:3]:
+        for ratio in ratios:
+            for sample, score in sorted(scores.get((library, cell, ratio), {}).items()):
+                if score == 0 and found.get(sample) == 1.0:
+                    misses.append({"cell": label, "ratio": f"{ratio:g}", "sample": f"`{sample}`",
+                                   "answer": "; ".join(by_sample[sample]["answers"]), "the default's answer": repr(text[(library, cell, ratio, sample)]),
+                                   "the full cache's": repr(text[("kvcompress", harness.FULL, None, sample)])})
+    lines += ["The default's misses of needles the full cache finds, as text:", "",
+              markdown_table(misses) if misses else "None.", ""]
+    return lines
+
+
+def heldout_section() -> list[str]:
+    lines = ["## The held-out needle set", "",
+             f"The final check of the default, fixed in writing before any run on it ([{HELDOUT_PLAN}](../{HELDOUT_PLAN})): "
+             "30 needles (seeds 2000–2029) in a text the project used nowhere else (IDLE's user manual), with fact "
+             "wordings, names and towns of their own, at 2048 and 4096 tokens. Each cell runs once and is reported as it "
+             "came out; nothing was chosen on it. A needle is the unit of pairing, and the two lengths are reported apart.", ""]
+    for length in HELDOUT_LENGTHS:
+        lines += heldout_length(length)
+    return lines
 
 
 def gpu_section() -> list[str]:
@@ -718,8 +829,8 @@ table states the command that made its records, the machine, torch threads, date
 
 
 def sections() -> list[list[str]]:
-    return [summary_section(), side_by_side_section(), sweeps_section(), prompt_layout_section(), cost_section(), gpu_section(),
-            defaults_section()]
+    return [summary_section(), heldout_section(), side_by_side_section(), sweeps_section(), prompt_layout_section(), cost_section(),
+            gpu_section(), defaults_section()]
 
 
 def results_page() -> str:

@@ -24,9 +24,9 @@ PROMPT_LAYOUTS = {
     "blank_line_primed": ("\n\n", True),
     "newline_primed": ("\n", True),
 }
-# kvcompress.integration.model.DEFAULT_PROMPT_LAYOUT. Chosen on the prose name needle's tuning seeds at 2k tokens
-# (docs/prompt_layout.md): priming beat both unprimed layouts, the two primed layouts tied, and unprimed (all
-# kvc.generate has) the blank line did better.
+# kvcompress.integration.model.DEFAULT_PROMPT_LAYOUT. Chosen on the prose name needle's tuning seeds at 2k tokens, in two
+# bodies of prose (docs/prompt_layout.md): in both, priming beat both unprimed layouts, the blank line was no worse than
+# the newline primed, and unprimed (a call without an answer prefix) the blank line did better.
 DEFAULT_PROMPT_LAYOUT = "blank_line_primed"
 KV_BITS = (8, 4, 2)  # kvcompress.quantization.KV_BITS
 DTYPES = ("float32", "bfloat16", "float16")  # kvcompress.integration.model.DTYPES: the names of its torch dtypes

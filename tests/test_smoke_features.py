@@ -137,8 +137,8 @@ def test_python_compress_save_load_answers_as_generate_on_the_context(default_mo
 
 @pytest.mark.parametrize("mode", MODES)
 def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_cache(default_model, mode):
-    """`kvc.generate` with no method named, in every mode: the default (AdaKV over KVzap's scores, across every layer's
-    heads in prefill mode and within each layer in chunked and decode modes) keeps the needle at compression_ratio=0.5."""
+    """`kvc.generate` with no method named, in every mode: the default (AdaKV over KVzap's scores, one budget across every
+    layer's heads) keeps the needle at compression_ratio=0.5."""
     model, tokenizer = default_model
     res = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, mode=mode, max_new_tokens=NEW, progress=False)
     assert NEEDLE in res.text, res.report()

@@ -8,12 +8,16 @@ answers its full-cache cells (greedy, the sample's answer limit and stop strings
 
 Seeds: `--split tuning` runs task seeds TUNING_SEEDS.start + i (1000..), on which the default was
 chosen; `--split reported` runs task seeds i (0..), which the choice never saw. Sample i sits at the
-runner's depth `sample_depth(i)`.
+runner's depth `sample_depth(i)`. `--prose` picks the body of prose: the language reference (`reported`, the
+default, the pools of the reported samples) or the standard library's docstrings (`tuning`, niah_prose's tuning pools),
+so the layout is chosen across two texts:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/tuning/prompt_layout.py --split tuning --prose tuning --length 2048 --samples 30
 
     PYTHONPATH=. .venv/bin/python benchmarks/tuning/prompt_layout.py --split tuning --length 2048 --samples 30
     PYTHONPATH=. .venv/bin/python benchmarks/tuning/prompt_layout.py --split reported --length 2048 --samples 30
 
-A run appends one record per (sample, layout) to OUT/<split>_<length>_<answer kind>/records.jsonl
+A run appends one record per (sample, layout) to OUT/<split>_<length>_<answer kind>[_tuning_prose]/records.jsonl
 (a rerun skips the samples already there, so a run can be split into several) and rewrites
 OUT/summary.md from every records file under OUT: accuracy per layout with 95% Wilson intervals,
 every pair of layouts on the same samples (exact sign test), and the machine.
@@ -50,6 +54,8 @@ from kvcompress.integration.model import (
 
 OUT = Path(__file__).parents[2] / "results" / "prompt_layout"
 RECORDS = "records.jsonl"
+# niah_prose's split -> the body of prose its haystack comes from (a record without "prose" predates the choice: reported)
+PROSE_BODIES = {"reported": "the Python language reference", "tuning": "the standard library's docstrings"}
 
 
 def task_seed(split: str, index: int) -> int:
@@ -61,7 +67,7 @@ def run(args) -> Path:
     """Answer every sample not yet in this run's records with every layout; return the records file."""
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
-    folder = args.out / f"{args.split}_{args.length}_{args.answer_kind}"
+    folder = args.out / (f"{args.split}_{args.length}_{args.answer_kind}" + ("" if args.prose == "reported" else f"_{args.prose}_prose"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / RECORDS
     done = {r["seed"] for r in read_records(path)}
@@ -75,7 +81,7 @@ def run(args) -> Path:
         seed = task_seed(args.split, i)
         if seed in done:
             continue
-        sample = niah_prose(args.length, sample_depth(i), seed, tokenizer, answer_kind=args.answer_kind)
+        sample = niah_prose(args.length, sample_depth(i), seed, tokenizer, answer_kind=args.answer_kind, split=args.prose)
         prompts = {name: build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, name) for name in args.layouts}
         context_ids = next(iter(prompts.values()))[0]
         if any(not torch.equal(c, context_ids) for c, _ in prompts.values()):
@@ -90,7 +96,7 @@ def run(args) -> Path:
                                max_new_tokens=sample.max_new_tokens, stop_token_ids=stops)
             prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
             layout = PROMPT_LAYOUTS[name]
-            rows.append({"split": args.split, "length": args.length, "answer_kind": args.answer_kind, "seed": seed,
+            rows.append({"split": args.split, "prose": args.prose, "length": args.length, "answer_kind": args.answer_kind, "seed": seed,
                          "depth": sample_depth(i), "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]),
                          "layout": name, "separator": layout.separator, "primed": layout.primed, "question": sample.question,
                          "answer_prefix": sample.answer_prefix if layout.primed else "", "answers": sample.answers,
@@ -135,7 +141,8 @@ def summary(out: Path) -> str:
                           "p (sign test)": f"{sign_test(wins, losses):.3g}"})
         machines = read_records(folder / "machine.jsonl")
         first = records[0]
-        parts += [f"## {first['split']} seeds {seeds[0]}–{seeds[-1]}, {first['length']} tokens, {first['answer_kind']}", "",
+        parts += [f"## {first['split']} seeds {seeds[0]}–{seeds[-1]}, {first['length']} tokens, {first['answer_kind']}, "
+                  f"{PROSE_BODIES[first.get('prose', 'reported')]}", "",
                   markdown_table(rows), "", markdown_table(pairs), "",
                   (f"Machine: {machines[-1]['host']}, {machines[-1]['threads']} thread(s), torch {machines[-1]['torch']}; "
                    f"runs {', '.join(m['date'] for m in machines)}; command `{machines[-1]['command']}`."), ""]
@@ -145,6 +152,9 @@ def summary(out: Path) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--split", choices=("tuning", "reported"), required=True, help="tuning seeds (1000..) or reported seeds (0..)")
+    p.add_argument("--prose", choices=("reported", "tuning"), default="reported",
+                   help="niah_prose's pools (its split): the language reference (reported, default) or the standard library's "
+                        "docstrings (tuning; tuning seeds only)")
     p.add_argument("--length", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--samples", type=int, default=30, help="samples (default 30)")
     p.add_argument("--answer-kind", choices=PROSE_ANSWER_KINDS, default="names", help="niah_prose answer kind (default names)")
