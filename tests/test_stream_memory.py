@@ -13,8 +13,7 @@ import kvcompress as kvc
 from registered import SHARED
 from kvcompress.cache import CompressedCache, CompressedLayer
 from kvcompress.integration import use_compressed_attention
-from kvcompress.methods.budget import DEFAULT_SLACK, resolve_budget, stream_split
-from kvcompress.methods.pyramidkv import layer_budget
+from kvcompress.methods.budget import resolve_budget
 from kvcompress.methods.registry import build_method
 from test_integration import _prompt, tiny
 
@@ -71,20 +70,11 @@ def test_a_tensor_stream_stays_within_the_ratio_at_every_update(method, ratio):
             ok, why = _within(st.nbytes(), n, ratio, int(per_token), h)
             assert ok, f"{method} at block {block}, after {min(sl.stop, n)} tokens: {why}"
             if hasattr(st.state, "peak_slots"):
-                assert st.state.peak_slots <= budget or method == "pyramidkv"
+                assert st.state.peak_slots <= budget
 
 
 def _compressed_bytes(cache: CompressedCache) -> int:
     return sum(layer.nbytes() for layer in cache.layers if isinstance(layer, CompressedLayer))
-
-
-def _pyramid_excess(budget: int, layer_idx: int, num_layers: int) -> int:
-    """Slots per head a PyramidKV layer's stream may store beyond its budget: what the layer keeps beyond the stream's
-    target (`BlockwiseState`: a method that keeps more than its target raises the level it compresses back to, the
-    room stays on top). What a layer keeps is `layer_budget` of the target, at most its unclamped value in a layer that
-    keeps more than the target; the deeper layers keep less and store at most the budget."""
-    target = stream_split(budget, DEFAULT_SLACK)[0]
-    return max(0, layer_budget(target, layer_idx, num_layers, build_method("pyramidkv").beta) - target)
 
 
 @pytest.mark.parametrize("mode", ["chunked", "decode"])
@@ -109,21 +99,11 @@ def test_a_streaming_cache_stays_within_the_ratio_after_every_forward(method, mo
 
 
 def _check_cache(cache: CompressedCache, method: str, n: int, ratio: float, window: int, per_token: int, where: str) -> None:
-    """The cache's stored bytes within the ratio (`_within`, over every layer together). PyramidKV's budget is the mean
-    over layers, and its lower layers keep more than it by design: each layer is checked alone, within the ratio plus
-    the slots `_pyramid_excess` allows it (none in the deeper layers, which keep less than the target)."""
+    """The cache's stored bytes within the ratio (`_within`, over every layer together: PyramidKV's lower layers keep more
+    than the budget and its deeper layers less)."""
     layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
-    heads = cache.saved_dims["H"]
-    if method != "pyramidkv":
-        ok, why = _within(_compressed_bytes(cache), n, ratio, per_token, len(layers) * heads)
-        assert ok, f"{where}: {why}"
-        return
-    per_layer = per_token // len(layers)  # one token's keys and values in one layer
-    budget = resolve_budget(n, None, ratio, SINK, window)
-    for i, layer in enumerate(layers):
-        excess = _pyramid_excess(budget, i, len(layers))
-        ok, why = _within(layer.nbytes() - excess * per_layer, n, ratio, per_layer, heads)
-        assert ok, f"{where}, layer {i} (beyond the ratio by at most {excess} slots per head): {why}"
+    ok, why = _within(_compressed_bytes(cache), n, ratio, per_token, len(layers) * cache.saved_dims["H"])
+    assert ok, f"{where}: {why}"
 
 
 @pytest.mark.parametrize("mode", ["chunked", "decode"])

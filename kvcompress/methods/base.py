@@ -11,8 +11,8 @@ budget scope "layer", AdaKV: H_kv·budget slots per batch row in all, shared out
 - Streaming: `Method.new_stream(budget, generator, slack) -> StreamState` with `absorb(tokens)`,
   `summary()` and `compact()`. A stream stores at most `budget` slots per head (AdaKV's: H_kv·budget
   per batch row): its slack and the block being absorbed come out of the budget, not on top of it
-  (`budget.stream_split`; PyramidKV's lower layers, which keep more than the budget, take the same
-  room on top of what they keep). A method that is natively one-shot streams block-wise
+  (`budget.stream_split`; PyramidKV's layers keep their share of it, more than the budget in the lower
+  layers and less in the deeper ones, with the same room on top). A method that is natively one-shot streams block-wise
   (`BlockwiseState`): tokens are buffered until the buffer holds `budget` slots, and what is held is
   compressed back to the target, floor(budget / (1 + slack)), whenever the next tokens do not fit,
   so the total work stays linear in the stream length. A natively streaming method (Express,
@@ -92,8 +92,8 @@ class Method:
     the modes it runs in) is one frozen value, `requirements` (`methods.requirements.Requirements`): a class
     attribute, or a property where it depends on the parameters (AdaKV's on its scorer). The cache and the model
     integration read it and nothing else of the method. The other class attributes say how the method behaves,
-    for the methods layer and the tests: `randomized`, `reads_keys_values`, `stream_recompresses`, and the
-    paper's `default_sink` / `default_window`.
+    for the methods layer and the tests: `randomized`, `reads_keys_values`, `stream_recompresses`,
+    `keeps_a_layer_share`, and the paper's `default_sink` / `default_window`.
     """
 
     name: ClassVar[str] = ""
@@ -105,6 +105,9 @@ class Method:
     default_sink: ClassVar[int] = 4
     default_window: ClassVar[int] = 64
     stream_recompresses: ClassVar[bool] = True  # False: the native stream never holds more than budget (no slack)
+    # True when `compress` keeps a share of the budget that depends on the layer and averages the budget over the layers
+    # (PyramidKV): a `BlockwiseState` then refills to what it kept, below its target in a layer that keeps less
+    keeps_a_layer_share: ClassVar[bool] = False
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "Method":
@@ -131,6 +134,12 @@ class Method:
         """Streaming: a fresh state storing at most `budget` slots per head at any time, its slack and the block
         being absorbed included (`BlockwiseState`); slack as `stream_slack` takes it."""
         return BlockwiseState(self, budget, generator, self.stream_slack(slack))
+
+    def compress_held(self, tokens: Tokens, target: int, generator: torch.Generator) -> KVSummary:
+        """What a block-wise stream (`BlockwiseState`) keeps of the tokens it holds at a re-compression: `compress`. A
+        method whose layers keep shares of the budget (`keeps_a_layer_share`) keeps its layer's share of `target` here,
+        whatever the layer holds, so that the layers' streams together keep L·target."""
+        return self.compress(tokens, target, generator)
 
     def layer_budget(self, budget: int, layer_idx: int, middle_length: int | None) -> int:
         """The middle budget per KV head of layer `layer_idx`'s stream when `budget` is what the
@@ -297,8 +306,10 @@ class BlockwiseState(StreamState):
     not fit is taken in pieces, the buffer compressed back to `target` each time it is full. So
     `peak_slots` (the buffer a re-compression scores) never passes `budget`, and each token takes part
     in about 1 + 1/slack re-compressions: total work is linear in the stream length even when budget
-    grows with it. A method that keeps more than `target` (PyramidKV's lower layers) raises the
-    `limit` it compresses back to, and the room budget - target stays the same on top of it.
+    grows with it. A method that keeps a layer's share of `target` (`keeps_a_layer_share`, PyramidKV) sets
+    the `limit` it compresses back to to what it kept, above the target in a layer that keeps more and below it in
+    one that keeps less, and the room budget - target stays the same on top of it: the layers' streams together
+    store what L streams of `budget` would.
     slack=0 compresses back to budget - 1 (KeyDiff's block prompt processing, Eq. 6 of arXiv:2504.15364,
     is slack 0 with one block of room: here a budget's worth of stored slots includes the block).
     A budget of 1 leaves no room (a ValueError). `compact()` gives back the room the buffer reserves
@@ -337,7 +348,7 @@ class BlockwiseState(StreamState):
 
     def check_saved(self) -> None:
         held = self.held_slots()
-        if self.slack_slots < 1 or self.slack_slots >= self.budget or self.limit < self.target or \
+        if self.slack_slots < 1 or self.slack_slots >= self.budget or (self.limit < self.target and not self.method.keeps_a_layer_share) or \
                 held > self.limit + self.slack_slots or held > self.seen or held > self.peak_slots:
             raise ValueError(f"{held} slots held do not fit budget {self.budget}, limit {self.limit}, slack {self.slack_slots}, "
                              f"{self.seen} tokens seen and a peak of {self.peak_slots}")
@@ -373,7 +384,7 @@ class BlockwiseState(StreamState):
         start = 0
         while start < tokens.length:
             rest = tokens.length - start
-            if self.held_slots() + rest > self.limit + self.slack_slots and self.held_slots() > self.target:
+            if self.held_slots() + rest > self.limit + self.slack_slots and self.held_slots() > self.floor:
                 self.recompress(room=self.slack_slots)
             stop = start + min(rest, self.limit + self.slack_slots - self.held_slots())
             piece = tuple(column[:, :, start:stop] for column in columns)
@@ -397,7 +408,7 @@ class BlockwiseState(StreamState):
 
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         """The stored columns of the tokens the method keeps from `held` (more than the target)."""
-        summary = self.method.compress(held, self.target, self.generator)
+        summary = self.method.compress_held(held, self.target, self.generator)
         extra = self.slots.view()[3:]
         weighted = self.log_weights is not None or not bool((summary.log_weights == 0).all())
         index = positions_index(held.positions, summary.positions) if extra or weighted else None
@@ -415,13 +426,18 @@ class BlockwiseState(StreamState):
         self.slots = QuantizedSlots(bits, group_size)
         return self
 
+    @property
+    def floor(self) -> int:
+        """The fewest slots a re-compression may leave: the target, or less where the limit is (`keeps_a_layer_share`)."""
+        return min(self.target, self.limit)
+
     def recompress(self, room: int) -> None:
-        """Compress what is held back to the target (when above it), into a buffer with `room` more slots reserved."""
-        if self.slots.length <= self.target:
+        """Compress what is held back to the target (when above the floor), into a buffer with `room` more slots reserved."""
+        if self.slots.length <= self.floor:
             return
         held = self.held()
         kept = self.keep(held)
-        self.limit = max(self.target, kept[0].shape[2])
+        self.limit = kept[0].shape[2] if self.method.keeps_a_layer_share else max(self.target, kept[0].shape[2])
         slots = min(self.limit + room, self.most_slots()) if room else kept[0].shape[2]  # compact(): exactly what is kept
         self._refill(kept, held.positions, slots)
 

@@ -45,6 +45,7 @@ class PyramidKV(ScoreMethod):
 
     name = "pyramidkv"
     requirements = Requirements(inputs={"queries"})
+    keeps_a_layer_share = True  # a stream refills to its layer's share, so the layers' streams store L·budget together
     beta: float = 20.0
     observation_window: int = 32
     kernel_size: int = 7
@@ -67,3 +68,10 @@ class PyramidKV(ScoreMethod):
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         budget = layer_budget(budget, tokens.layer_idx, tokens.num_layers, self.beta, tokens.length)
         return super().compress(tokens, budget, generator)
+
+    def compress_held(self, tokens: Tokens, target: int, generator: torch.Generator) -> KVSummary:
+        """In a stream: the layer's share of `target`, with no share moved to the deeper layers when a lower layer holds
+        fewer tokens than its share (each layer's stream holds its own count, so moving shares by it would let the
+        layers together keep more than L·target)."""
+        self.check_inputs(tokens)
+        return super().compress(tokens, layer_budget(target, tokens.layer_idx, tokens.num_layers, self.beta), generator)
