@@ -248,7 +248,72 @@ def test_the_threshold_keeps_what_scores_above_it_within_the_budget():
         above = (scores[0, head] >= 0).nonzero().squeeze(1)
         want = above if len(above) <= 40 else scores[0, head].topk(40).indices.sort().values
         assert torch.equal(kept, want)
-    assert method.requirements.modes == ("prefill",) and method.requirements.budget_scope == "layer"
+    assert method.requirements.budget_scope == "layer" and set(method.requirements.modes) == {"prefill", "chunked", "decode"}
+
+
+@pytest.mark.parametrize("budget", [10, 40])
+@pytest.mark.parametrize("block", [1, 7, 25])
+def test_a_threshold_stream_keeps_what_one_pass_over_every_token_keeps(budget, block):
+    """KVzap's threshold in a stream (`ThresholdState`): after every block, each head holds exactly what `compress` keeps
+    of the tokens that have left the window so far (at most `budget`, each scoring at least the threshold), stored packed;
+    a stream refuses a slack, and its state round-trips a save and load."""
+    from kvcompress.methods.kvzap import ThresholdState
+    from kvcompress.saved_state import Instance, decode, encode
+
+    s = _surrogate(layers=(0,), width=16)
+    method = KVzap.__new__(KVzap)
+    method.scorer, method.threshold, method.surrogate = "test", 0.0, s
+    g = torch.Generator().manual_seed(1)
+    n, sink, window = 90, 2, 4
+    hidden = torch.randn(1, 2, n, 16, generator=g)
+    keys, values = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+    st = Stream(method, budget, sink, window, torch.Generator())
+    assert isinstance(st.state, ThresholdState)
+    for start in range(0, n, block):
+        sl = slice(start, min(n, start + block))
+        st.update(keys[:, :, sl], values[:, :, sl], layer_idx=0, num_layers=1, hidden_states=hidden[:, :, sl])
+        left = max(0, sl.stop - window)  # tokens that have left the window (the sink included)
+        if left <= sink:
+            continue
+        middle = Tokens(keys[:, :, sink:left], values[:, :, sink:left], torch.arange(sink, left).expand(1, 2, -1), layer_idx=0,
+                        num_layers=1, hidden_states=hidden[:, :, sink:left])
+        want = method.compress(middle, budget, torch.Generator())
+        got = st.state.summary()
+        for head in range(2):
+            real = torch.isfinite(want.log_weights[0, head])
+            kept = want.positions[0, head][real]
+            assert torch.equal(got.positions[0, head][torch.isfinite(got.log_weights[0, head])], kept), (start, head)
+            assert torch.equal(got.keys[0, head][: len(kept)], keys[0, head, kept])
+        assert int(st.state.kept.counts.max()) <= budget and st.state.nbytes() == st.state.kept.nbytes()
+    spec = Instance("kvzap_threshold_state")
+    tensors, description = encode(spec, st.state, "state", {"method": method})
+    again = decode(spec, description, tensors, dims={"B": 1, "H": 2, "D": 8}, links={"method": method}, device="cpu", path="state")
+    assert torch.equal(again.summary().keys, st.state.summary().keys) and torch.equal(again.kept_scores, st.state.kept_scores)
+    with pytest.raises(ValueError, match="slack"):
+        Stream(method, budget, sink, window, torch.Generator(), slack=0.5)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_a_threshold_decides_alone_at_ratio_zero_in_every_mode(tiny_checkpoint, tiny_scorer, mode):
+    """`method="kvzap", method_params={"threshold": t}` in every mode, with no budget: at a threshold no score reaches, the
+    middle is dropped; at one every score passes, with no budget (ratio 0), the answer is the full cache's; in between, the
+    realised ratio rises with the threshold; with kv_bits the kept slots are stored quantized."""
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    context = "A token is scored once, when it enters the cache, from its hidden state. " * 6
+    common = dict(mode=mode, chunk_size=32, max_new_tokens=6, progress=False, stop_at_eos=False, sink=4, window=8)
+    full = kvc.generate(model, tokenizer, context, "what?", method=None, **{k: v for k, v in common.items() if k not in ("sink", "window")})
+
+    def run(threshold, ratio, **more):
+        return kvc.generate(model, tokenizer, context, "what?", method="kvzap", compression_ratio=ratio,
+                            method_params={"scorer": str(tiny_scorer), "threshold": threshold}, **common, **more)
+
+    runs = [run(threshold, 0.0) for threshold in (-1e9, -5.5, -5.0, 1e9)]  # the tiny scorer's scores lie around -5
+    assert runs[0].token_ids == full.token_ids and runs[0].realised_compression_ratio == 0.0
+    stored = [r.kv_bytes for r in runs]
+    assert stored[0] > stored[1] > stored[2] > stored[3], stored
+    assert runs[-1].realised_compression_ratio > 0.8  # the sink, the window and (decode) the last tokens are left
+    assert 0.0 < runs[1].realised_compression_ratio < runs[2].realised_compression_ratio < runs[3].realised_compression_ratio
+    assert run(-5.5, 0.0, kv_bits=4).kv_bytes < stored[1]  # the kept slots stored in 4 bits
 
 
 def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_parameters(tiny_default_scorer):

@@ -315,6 +315,7 @@ SAVED_FORMAT = {
     "express_state": (1, ['block_seen', 'cache', 'candidate', 'count', 'delta', 'depth', 'ell', 'g', 'generator', 'leaf', 'levels', 'm', 'max_group', 'open_leaf', 'scale', 'siblings', 'stratum']),
     "growing_slots": (1, ['length', 'tensors']),
     "hybrid_state": (2, ['budget', 'coreset', 'coreset_slots', 'counts', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "kvzap_threshold_state": (1, ['budget', 'kept', 'kept_scores', 'method', 'seen']),
     "kv_summary": (1, ['eviction_only', 'keys', 'log_weights', 'normalizer', 'positions', 'values']),
     "normalizer": (1, ['keys', 'log_weights', 'positions']),
     "quantized_slots": (1, ['bits', 'dims', 'group_size', 'raw']),

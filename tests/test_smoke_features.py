@@ -146,6 +146,18 @@ def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_ca
     assert res.kv_bytes < res.kv_bytes_full, res.report()
 
 
+def test_python_generate_with_kvzaps_threshold_in_every_mode(default_model):
+    """`method="kvzap", method_params={"threshold": -6.0}` with no budget (ratio 0): the shipped scorer's rule alone decides,
+    in every mode (a stream decides each token as it leaves the window); about half the context goes, the needle stays,
+    and the prefill and chunked modes drop nearly the same share."""
+    model, tokenizer = default_model
+    runs = {mode: kvc.generate(model, tokenizer, CONTEXT, QUESTION, method="kvzap", method_params={"threshold": -6.0},
+                               compression_ratio=0.0, mode=mode, max_new_tokens=NEW, progress=False) for mode in MODES}
+    for mode, res in runs.items():
+        assert NEEDLE in res.text and 0.3 < res.realised_compression_ratio < 0.8, (mode, res.report())
+    assert abs(runs["prefill"].realised_compression_ratio - runs["chunked"].realised_compression_ratio) < 0.05
+
+
 def test_a_saved_cache_of_the_default_model_is_refused_by_another_model_and_when_truncated(default_model, tiny_checkpoint, tmp_path):
     """'a file made for another model, truncated or corrupted is refused' (the fingerprint of the real model's
     28M-element embedding is what once crashed the save)."""

@@ -93,7 +93,7 @@ class Method:
     attribute, or a property where it depends on the parameters (AdaKV's on its scorer). The cache and the model
     integration read it and nothing else of the method. The other class attributes say how the method behaves,
     for the methods layer and the tests: `randomized`, `reads_keys_values`, `stream_recompresses`,
-    `keeps_a_layer_share`, and the paper's `default_sink` / `default_window`.
+    `keeps_a_layer_share`, `drops_within_budget`, and the paper's `default_sink` / `default_window`.
     """
 
     name: ClassVar[str] = ""
@@ -108,6 +108,9 @@ class Method:
     # True when `compress` keeps a share of the budget that depends on the layer and averages the budget over the layers
     # (PyramidKV): a `BlockwiseState` then refills to what it kept, below its target in a layer that keeps less
     keeps_a_layer_share: ClassVar[bool] = False
+    # True when the method drops tokens even within its budget (KVzap's threshold): it then runs on a middle no longer
+    # than its budget too (`compress_tokens`), and a stream hands it every token from the first (`Stream`)
+    drops_within_budget: ClassVar[bool] = False
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "Method":
@@ -601,9 +604,10 @@ def make_generator(seed: int | torch.Generator | None, device: torch.device | st
 
 
 def compress_tokens(method: Method, tokens: Tokens, budget: int, sink: int, window: int, generator) -> KVSummary:
-    """Sink and window exact, the middle compressed by `method` to at most `budget` slots per head."""
+    """Sink and window exact, the middle compressed by `method` to at most `budget` slots per head (kept exactly when it
+    fits, unless the method drops tokens within its budget)."""
     head, middle, tail = split_exact(tokens, sink, window)
-    if middle.length > budget:
+    if middle.length > budget or (middle.length and method.drops_within_budget):
         middle = _with_exact_neighbours(head, middle, tail)
         method.check_inputs(middle)
         middle = method.compress(middle, budget, generator)

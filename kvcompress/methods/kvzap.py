@@ -29,7 +29,8 @@ Two ways to keep tokens:
 - a budget (the compression ratio): the top `budget` per head (`ScoreMethod.compress`), in every mode;
 - KVzap's threshold (`threshold`, a log-score): a token is kept when its predicted score is at least the threshold,
   within the budget (a ratio of 0 sets no budget, so the threshold alone decides); heads keep different numbers of
-  tokens, stored ragged, and the realised ratio is what the stored summary holds. Mode "prefill" only.
+  tokens, stored ragged, and the realised ratio is what the stored summary holds. In every mode: a stream decides
+  as each token leaves the exact window (`ThresholdState`), which keeps what one pass over the whole context keeps.
 
 Weights: `kvcompress train-scorer` fits them (`integration.scorer_training`); the default model's ship with the
 package (`SHIPPED`), any other model's load from a path (`scorer=`).
@@ -47,8 +48,11 @@ from pathlib import Path
 
 import torch
 
+from ..ragged import RaggedSummary
+from ..saved_state import Count, Instance, Linked, Maybe, Tensor, saved
+from ..summary import KVSummary
 from .adakv import kept_summary
-from .base import ScoreMethod, top_index
+from .base import ScoreMethod, StreamState, top_index
 from .registry import register
 from .requirements import Requirements
 from .tokens import Tokens
@@ -244,7 +248,7 @@ class KVzap(ScoreMethod):
     scorer: "default" (the weights shipped for the default model) or the path of a file written by
     `kvcompress train-scorer`. threshold: None (keep the top `budget` per head, every mode), or a log-score: keep each
     token the surrogate scores at least this high, within the budget (KVzap's rule; heads keep different numbers of
-    tokens; mode "prefill" only).
+    tokens; every mode, a stream through `ThresholdState`).
     """
 
     name = "kvzap"
@@ -269,10 +273,27 @@ class KVzap(ScoreMethod):
     @property
     def requirements(self) -> Requirements:
         """The hidden states; with a threshold, heads keep different numbers of tokens (budget scope "layer", stored
-        ragged) and the whole context is scored at once (mode "prefill")."""
+        ragged)."""
         if self.threshold is None:
             return Requirements(inputs={"hidden_states"})
-        return Requirements(inputs={"hidden_states"}, budget_scope="layer", modes=("prefill",))
+        return Requirements(inputs={"hidden_states"}, budget_scope="layer")
+
+    @property
+    def drops_within_budget(self) -> bool:
+        """With a threshold, tokens scoring below it are dropped however many fit the budget (ratio 0: no budget)."""
+        return self.threshold is not None
+
+    @property
+    def stream_recompresses(self) -> bool:
+        """With a threshold, a stream decides each token once and never holds more than its budget: no slack."""
+        return self.threshold is None
+
+    def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> StreamState:
+        """A budget: the block-wise stream of every score method. A threshold: `ThresholdState`."""
+        if self.threshold is None:
+            return super().new_stream(budget, generator, slack)
+        self.stream_slack(slack)  # refuses a slack: there is no re-compression to space out
+        return ThresholdState(self, budget)
 
     def check_inputs(self, tokens: Tokens) -> None:
         if tokens.entry_scores is None:
@@ -310,6 +331,71 @@ class KVzap(ScoreMethod):
             top = torch.zeros_like(kept).scatter_(-1, top_index(scores, budget), True)
             kept &= top
         return kept_summary(tokens, kept)
+
+
+@saved("kvzap_threshold_state")
+class ThresholdState(StreamState):
+    """KVzap's threshold in a stream: each head keeps the tokens its surrogate scored at least `method.threshold` when
+    they entered (`Tokens.entry_scores`), at most its `budget` best, packed head after head (`kept`, a `RaggedSummary`,
+    with their scores in `kept_scores`). A head's best `budget` of everything it has seen are the best `budget` of what
+    it kept and of the new tokens, so the state always holds what `KVzap.compress` keeps of every token absorbed so far,
+    and it is never more than the budget per head: there is no room and no re-compression. Each absorb unpacks what is
+    kept beside the new tokens (a workspace, as a re-compression's is) and packs the result again. A token is decided
+    when it leaves the exact window: the stream hands the state every token from the first (`drops_within_budget`)."""
+
+    saved_fields = {"method": Linked("method"), "budget": Count(1), "kept": Maybe(Instance("ragged_summary")),
+                    "kept_scores": Maybe(Tensor("T")), "seen": Count()}
+
+    def __init__(self, method: "KVzap", budget: int):
+        self.method, self.budget = method, budget
+        self.kept: RaggedSummary | None = None
+        self.kept_scores: torch.Tensor | None = None  # [T] float32, the entry scores of the packed slots
+        self.seen = 0
+
+    def check_saved(self) -> None:
+        if (self.kept is None) != (self.kept_scores is None):
+            raise ValueError("kept slots and their scores must be saved together")
+        if self.kept is not None:
+            most = int(self.kept.counts.max())
+            if self.kept_scores.shape != (self.kept.keys.shape[0],) or most > min(self.budget, self.seen):
+                raise ValueError(f"{self.kept.keys.shape[0]} packed slots with {self.kept_scores.shape[0]} scores, {most} in one head, "
+                                 f"for a budget of {self.budget} and {self.seen} tokens seen")
+            if bool((self.kept_scores < self.method.threshold).any()):
+                raise ValueError(f"kept slots score below the threshold {self.method.threshold}")
+
+    def absorb(self, tokens: Tokens, codes=None) -> None:
+        """Keep the new tokens that score at least the threshold, and per head the best `budget` of those and the kept."""
+        if tokens.entry_scores is None:
+            tokens = self.method.on_entry(tokens)
+        scores = tokens.entry_scores.float().masked_fill(tokens.entry_scores < self.method.threshold, -math.inf)
+        keys, values, positions = tokens.keys, tokens.values, tokens.positions
+        if self.kept is not None:
+            held = self.kept.summary()
+            held_scores = self.kept_scores.new_full((held.positions.numel(),), -math.inf)
+            held_scores = held_scores.index_copy_(0, self.kept._slots(), self.kept_scores).view(held.positions.shape)
+            keys, values = torch.cat([held.keys, keys], 2), torch.cat([held.values, values], 2)
+            positions, scores = torch.cat([held.positions, positions], 2), torch.cat([held_scores, scores], 2)
+        self.seen += tokens.length
+        kept = torch.isfinite(scores)
+        if scores.shape[2] > self.budget:
+            kept &= torch.zeros_like(kept).scatter_(-1, top_index(scores, self.budget), True)
+        self.kept = RaggedSummary(keys[kept], values[kept], None, positions[kept].to(torch.int32), kept.sum(-1).to(torch.int32))
+        self.kept_scores = scores[kept]
+
+    def summary(self) -> KVSummary | None:
+        return None if self.kept is None else self.kept.summary()
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The packed keys and values (`QuantizedState` stores them in kv_bits)."""
+        return [] if self.kept is None else [self.kept.keys, self.kept.values]
+
+    def set_kv_tensors(self, tensors: list[torch.Tensor]) -> None:
+        if self.kept is not None:
+            self.kept = replace(self.kept, keys=tensors[0], values=tensors[1])
+
+    def nbytes(self) -> int:
+        """The packed keys and values and their per-head counts."""
+        return 0 if self.kept is None else self.kept.nbytes()
 
 
 def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tensor], kind: str = "linear", *,

@@ -46,7 +46,8 @@ class Stream(Saveable):
     at most `budget` tokens (`StreamState.exact_within_budget`) gets the tokens leaving the window
     only once more than `budget` of them have left it (all at once), and they are held as they are
     until then. So at a budget of at least the tokens seen the summary is the exact input, for
-    every method, and the buffer never allocates more slots than tokens have left the window.
+    every method but one that drops tokens within its budget (`Method.drops_within_budget`, KVzap's threshold: its state
+    takes every token from the first), and the buffer never allocates more slots than tokens have left the window.
     unrotate (from a cache that can invert its model's rotation, see `Tokens.unrotate`): pre-RoPE
     keys are computed from the keys when a method needs them, instead of passed and stored.
     kv_bits (with kv_group_size): the tokens held until they pass the budget and the method's state
@@ -69,7 +70,7 @@ class Stream(Saveable):
         self.recent: Tokens | None = None
         # tokens that left the window, until more than budget did (then None); None from the start for a state exact by itself
         self.exact: _GrowingSlots | QuantizedSlots | None = None
-        if not self.state.exact_within_budget:
+        if not self.state.exact_within_budget and not method.drops_within_budget:
             self.exact = _GrowingSlots() if kv_bits is None else QuantizedSlots(kv_bits, kv_group_size)
         self.exact_last: Tokens | None = None
         self.seen = 0
