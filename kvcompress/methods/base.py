@@ -108,8 +108,8 @@ class Method:
     # True when `compress` keeps a share of the budget that depends on the layer and averages the budget over the layers
     # (PyramidKV): a `BlockwiseState` then refills to what it kept, below its target in a layer that keeps less
     keeps_a_layer_share: ClassVar[bool] = False
-    # True when the method drops tokens even within its budget (KVzap's threshold): it then runs on a middle no longer
-    # than its budget too (`compress_tokens`), and a stream hands it every token from the first (`Stream`)
+    # True when the method drops tokens even within its budget (KVzap's threshold): it then runs on a middle that fits
+    # its budget too (`compress_tokens`), and a stream hands it every token from the first (`Stream`)
     drops_within_budget: ClassVar[bool] = False
 
     @classmethod
