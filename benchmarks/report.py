@@ -570,6 +570,14 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "(from each token's hidden state) and the project's exact KVzip scores, on held-out standard-library docstrings "
      "(`eval.capture.HELDOUT_MODULES`, fixed before this run): the mean over the layer's KV heads and its lowest head.",
      lambda rows: markdown_table(rows, ["layer", "spearman_mean", "spearman_min_head", "tokens"])),
+    ("benchmarks/results/tuning/scorer_inputs.csv", "KVzap's surrogate: training text, ridge, MLP, neighbours (tuning)",
+     "`benchmarks/tuning/scorer_inputs.py`: each variant of the surrogate fitted on KVzip's exact scores of training text and "
+     "scored on the tuning contexts (`train-scorer`'s): Spearman's correlation with KVzip's scores, and the share of KVzip's "
+     "top 25 % and top 10 % per head it also ranks there (what ratios 0.75 and 0.9 keep), means over the layers' KV heads. "
+     "`training + extra text` adds every other standard-library module with prose docstrings (`EXTRA_MODULES`) to "
+     "`train-scorer`'s text; `neighbours' hidden states` reads the previous and next tokens' beside the token's own.",
+     lambda rows: markdown_table(rows, ["variant", "training_tokens", "layers", "spearman_mean", "top_25_mean", "top_10_mean",
+                                        "per_layer_spearman"])),
     ("benchmarks/results/refit_cost_log_weights_values.csv", "`kvzip_refit`'s refit",
      "`benchmarks/refit_cost.py`: on random tensors of the default model's shapes (4 layers of 4096 middle tokens), KVzip's "
      "scores and top-k (`scoring_s`) against the refit of the kept slots' log-weights and values, with KVzip's normalisers "
@@ -709,6 +717,31 @@ def gpu_section() -> list[str]:
     return lines
 
 
+SURROGATE_NEEDLES = "benchmarks/results/tuning/kvzap_vs_kvzip.jsonl"
+
+
+def surrogate_against_exact() -> list[str]:
+    """The needles the shipped surrogate's scores keep against KVzip's exact scores, the same allocation and ratio."""
+    lines = ["### KVzap's surrogate against KVzip's exact scores, on needles", "",
+             "The default's allocation (AdaKV over every layer's heads, per-head floor 5 %, exact window 64) ranking tokens by the "
+             "shipped surrogate's scores (`adakv_kvzap_model`, the default) and by KVzip's exact scores from its reconstruction "
+             "forward (`adakv_kvzip_model`): what a perfect surrogate would keep. `benchmarks/tuning/kvzap_default.py` on 30 "
+             "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. Paired per needle against the "
+             "surrogate at the same ratio: won / lost, Newcombe's 95% interval of the difference in % found, sign test.", ""]
+    lines += meta_block(SURROGATE_NEEDLES)
+    rows = [json.loads(line) for line in (ROOT / SURROGATE_NEEDLES).read_text().splitlines()]
+    by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        by_cell[(r["variant"], r["ratio"])][str(r["seed"])] = r["hit"]
+    table = []
+    for row in kvzap_default.summary_rows(ROOT / SURROGATE_NEEDLES):
+        surrogate = by_cell.get(("adakv_kvzap_model", row["ratio"]), {})
+        paired = "–" if row["variant"] in ("full", "adakv_kvzap_model") else paired_cell(by_cell[(row["variant"], row["ratio"])], surrogate)
+        table.append({k: row[k] for k in ("variant", "ratio", "needles", "full_cache_hits", "hits_kept")} |
+                     {"paired vs the surrogate (won / lost; diff; p)": paired, "median_time_over_full": row["median_time_over_full"]})
+    return lines + [markdown_table(table), ""]
+
+
 def defaults_section() -> list[str]:
     lines = ["## Why the defaults are what they are", "",
              "Each default was chosen on tuning samples (seeds 1000 and up, `kvcompress.eval.tasks.TUNING_SEEDS`), not on the "
@@ -733,6 +766,7 @@ def defaults_section() -> list[str]:
               "(`kvzip_refit`) ran on one needle only, at many times the full cache's time.", ""]
     lines += meta_block(path)
     lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
+    lines += surrogate_against_exact()
     folder = "results/kvzip_allocation_tuning"
     lines += ["### `kvzip_refit`: KVzip's scores ranked across every head of every layer, no exact window", "",
               "`kvzip_refit` (the prefill default before KVzap, `kvcompress.options.NAMED_SETTINGS`) is AdaKV over KVzip's scores "

@@ -296,3 +296,26 @@ def test_every_benchmark_script_is_documented_in_bench_md_and_compiles():
     for script in scripts:
         assert f"`{script.name}`" in bench_md, f"docs/bench.md does not describe benchmarks/{script.relative_to(REPO / 'benchmarks')}"
         compile(script.read_text(encoding="utf-8"), str(script), "exec")
+
+
+def test_scorer_inputs_neighbours_and_top_share_on_hand_worked_cases():
+    """benchmarks/tuning/scorer_inputs.py: a token's neighbours' rows, and the share of the target's top-k the prediction
+    ranks there too."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("scorer_inputs", REPO / "benchmarks" / "tuning" / "scorer_inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = torch.arange(8.0).reshape(4, 2)
+    assert module.shifted(x, 1).tolist() == [[2, 3], [4, 5], [6, 7], [0, 0]]
+    assert module.shifted(x, -1).tolist() == [[0, 0], [0, 1], [2, 3], [4, 5]]
+    assert torch.equal(module.shifted(x, 0), x)
+    assert module.neighbours(x)[1].tolist() == [0, 1, 2, 3, 4, 5]
+    target = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    assert module.top_share(target, target, 0.5) == 1.0
+    assert module.top_share(-target, target, 0.5) == 0.0
+    # head 0 ranks {0, 2} where the target's top half is {0, 1}: one of two; head 1 gets both
+    predicted = torch.tensor([[4.0, 1.0, 3.0, 2.0], [0.0, 0.0, 5.0, 6.0]])
+    assert module.top_share(predicted, target, 0.5) == 0.75

@@ -2,8 +2,9 @@
 `TUNING_SEEDS`), each answered by the full cache and by every variant at one compression ratio, with each answer's
 time, so quality and cost are read from one run (same process, same thread count).
 
-Appends one JSON line per (variant, mode, seed, length) to OUT (a rerun skips what is there) and prints, per variant
-and mode, the full cache's hits it keeps (paired per needle) and the median time per answer ÷ the full cache's:
+Appends one JSON line per (variant, mode, seed, length, ratio) to OUT (a rerun skips what is there; the full cache,
+ratio 0, serves every ratio) and prints, per variant, mode and ratio, the full cache's hits it keeps (paired per needle)
+and the median time per answer ÷ the full cache's:
 
     .venv/bin/python benchmarks/tuning/kvzap_default.py --out benchmarks/results/tuning/kvzap_default.jsonl \\
         --lengths 2048 --seeds 1000-1011 --ratio 0.75 --threads 1 --prompt-layout newline
@@ -28,6 +29,9 @@ VARIANTS = {
     "adakv_kvzip_refit": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
                           {"window": 0}, ("prefill",)),
     "kvzap": ("kvzap", {}, {}, ("prefill", "chunked", "decode")),
+    # the default's allocation with KVzip's exact scores (its reconstruction forward) in place of the surrogate's, the
+    # same exact window: what a perfect surrogate would keep
+    "adakv_kvzip_model": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05}, {"window": 64}, ("prefill",)),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}, ("prefill", "chunked", "decode")),
     # scope "model": prefill ranks every layer's heads together; a stream gives each layer its learned share of the budget
     "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}, ("prefill", "chunked", "decode")),
@@ -63,6 +67,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=24, help="answer tokens (enough for the whole answer sentence)")
     p.add_argument("--prompt-layout", default="newline", help="how the question follows the context (kvc.generate's prompt_layout)")
+    p.add_argument("--scorer", default="default", help="the KVzap surrogate of every variant that scores with one: 'default' "
+                   "(the shipped weights) or a file `kvcompress train-scorer` wrote (each row records it; give each scorer its own OUT)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     seeds = seed_range(args.seeds)
@@ -71,7 +77,7 @@ def main() -> None:
     model, tokenizer = kvc.load_model()
     done = set()
     if args.out.exists():
-        done = {(r["variant"], r["mode"], r["seed"], r["length"]) for r in map(json.loads, args.out.read_text().splitlines())}
+        done = {(r["variant"], r["mode"], r["seed"], r["length"], r["ratio"]) for r in map(json.loads, args.out.read_text().splitlines())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
     for length in map(int, args.lengths.split(",")):
@@ -80,34 +86,45 @@ def main() -> None:
             for name in args.variants.split(","):
                 method, params, exact, variant_modes = VARIANTS[name]
                 for mode in (m for m in modes if m in variant_modes):
-                    if (name, mode, seed, length) in done:
-                        continue
                     ratio = 0.0 if method is None else args.ratio
-                    settings = {"method": None} if method is None else dict(method=method, method_params=params, compression_ratio=ratio, **exact)
+                    if (name, mode, seed, length, ratio) in done:
+                        continue
+                    settings = {"method": None} if method is None else dict(method=method, method_params=with_scorer(method, params, args.scorer),
+                                                                               compression_ratio=ratio, **exact)
                     start = time.perf_counter()
                     res = kvc.generate(model, tokenizer, sample.context, sample.question, mode=mode, max_new_tokens=args.new_tokens, progress=False,
                                        prompt_layout=args.prompt_layout, **settings)
                     seconds = time.perf_counter() - start
                     row = {"variant": name, "mode": mode, "seed": seed, "length": length, "ratio": ratio, "hit": score(sample, res.text),
                            "seconds": round(seconds, 3), "text": res.text, "answers": sample.answers, "kv_bytes": res.kv_bytes,
-                           "kv_bytes_full": res.kv_bytes_full, "threads": args.threads, "prompt_layout": args.prompt_layout, "date": time.strftime("%Y-%m-%d")}
+                           "kv_bytes_full": res.kv_bytes_full, "threads": args.threads, "prompt_layout": args.prompt_layout,
+                           "scorer": args.scorer, "date": time.strftime("%Y-%m-%d")}
                     with args.out.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(json.dumps({k: row[k] for k in ("variant", "mode", "seed", "hit", "seconds", "text")}), flush=True)
     summarise(args.out)
 
 
+def with_scorer(method: str, params: dict, scorer: str) -> dict:
+    """`params` with KVzap's surrogate set to `scorer` where the variant scores with KVzap (itself or as AdaKV's scorer)."""
+    if method == "kvzap":
+        return {**params, "scorer": scorer}
+    if params.get("scorer") == "kvzap":
+        return {**params, "scorer_params": {"scorer": scorer}}
+    return params
+
+
 def summary_rows(path: Path) -> list[dict]:
-    """Per (variant, mode): the needles the full cache finds that it also finds (paired per needle), and the median of its
-    time per answer ÷ the full cache's on the same needle."""
+    """Per (variant, mode, ratio): the needles the full cache finds that it also finds (paired per needle), and the median
+    of its time per answer ÷ the full cache's on the same needle."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     full = {(r["seed"], r["length"]): r for r in rows if r["variant"] == "full"}
     found = {k for k, r in full.items() if r["hit"] >= 1}
     out = []
-    for variant, mode in sorted({(r["variant"], r["mode"]) for r in rows}):
-        mine = {(r["seed"], r["length"]): r for r in rows if (r["variant"], r["mode"]) == (variant, mode)}
+    for variant, mode, ratio in sorted({(r["variant"], r["mode"], r["ratio"]) for r in rows}):
+        mine = {(r["seed"], r["length"]): r for r in rows if (r["variant"], r["mode"], r["ratio"]) == (variant, mode, ratio)}
         paired = [k for k in found if k in mine]
-        out.append({"variant": variant, "mode": mode, "needles": len(mine), "full_cache_hits": len(paired),
+        out.append({"variant": variant, "mode": mode, "ratio": ratio, "needles": len(mine), "full_cache_hits": len(paired),
                     "hits_kept": sum(1 for k in paired if mine[k]["hit"] >= 1),
                     "median_time_over_full": round(statistics.median(mine[k]["seconds"] / full[k]["seconds"] for k in mine if k in full), 2)})
     return out

@@ -1,0 +1,143 @@
+"""What would make KVzap's surrogate predict KVzip's scores better: more training text, a ridge, an MLP, or the hidden
+states of the neighbouring tokens beside the token's own (tuning, on the default model).
+
+KVzip's exact scores (`integration.scorer_training.scoring_pairs`) are computed once for three texts: the tuning
+contexts (`eval.capture.DOCSTRING_MODULES`, what `kvcompress train-scorer` reports its fit on), the training text
+`kvcompress train-scorer` uses (`SCORER_TRAINING_MODULES`) and EXTRA_MODULES (every other standard-library module with
+prose docstrings, none of the tuning, training or held-out lists). Each variant is fitted on the training pairs of
+`--layers` and scored on the tuning contexts: Spearman's correlation with KVzip's scores, and the share of KVzip's top
+25 % and top 10 % per head that the surrogate also ranks there (what ratios 0.75 and 0.9 keep), means over the layers'
+heads. `--cache DIR` keeps the scored pairs (`pairs_<text>.pt`), so a rerun only fits.
+
+    .venv/bin/python benchmarks/tuning/scorer_inputs.py --cache /tmp/scorer_pairs --threads 2 \\
+        --out benchmarks/results/tuning/scorer_inputs.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.eval.capture import DOCSTRING_MODULES, HELDOUT_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
+from kvcompress.eval.tables import write_csv
+from kvcompress.integration.scorer_training import scoring_pairs, text_contexts
+from kvcompress.methods.kvzap import fit_surrogate, spearman
+
+# Standard-library modules with prose docstrings in none of DOCSTRING_MODULES, SCORER_TRAINING_MODULES, HELDOUT_MODULES.
+EXTRA_MODULES = tuple("""
+turtle tkinter.tix fileinput _pyio tkinter.dnd aifc sunau email.quoprimime email.charset tkinter.ttk tkinter wave cgi
+email.policy py_compile asyncio.tasks wsgiref.simple_server telnetlib asyncio.locks asyncio.unix_events pyclbr
+xml.sax.xmlreader bdb pipes email.base64mime email._policybase xmlrpc.server importlib.util xml.sax.handler plistlib imp
+unittest.async_case posixpath dbm xml.dom.expatbuilder xml.sax.saxutils getpass quopri ntpath asyncio.protocols
+wsgiref.util runpy asyncore zipapp importlib.abc asynchat email.feedparser asyncio.runners concurrent.futures._base
+webbrowser dis hmac linecache mailcap cgitb email.header signal multiprocessing.shared_memory asyncio.queues chunk cProfile
+curses.textpad dbm.dumb lib2to3.pytree tabnanny numbers glob email.generator asyncio.staggered lib2to3.pgen2.driver fnmatch
+html.parser secrets sndhdr _pydecimal multiprocessing.managers html copy genericpath codeop asyncio.sslproto types
+unittest.util email.iterators tracemalloc urllib.error unittest.suite asyncio.timeouts crypt tkinter.filedialog tkinter.font
+wsgiref.validate poplib xml.dom.minicompat asyncio.transports importlib nntplib rlcompleter json.decoder ctypes
+encodings.idna compileall curses unittest.result encodings multiprocessing.connection lib2to3.refactor lib2to3.fixer_base
+json.encoder tkinter.scrolledtext asyncio.taskgroups operator colorsys smtpd unittest.runner urllib.robotparser
+wsgiref.headers asyncio.selector_events
+""".split())
+
+
+def shifted(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """[N, d]: row i holds x[i + offset] (zeros past either end)."""
+    out = torch.zeros_like(x)
+    if offset > 0:
+        out[:-offset] = x[offset:]
+    elif offset < 0:
+        out[-offset:] = x[:offset]
+    else:
+        out[:] = x
+    return out
+
+
+def neighbours(x: torch.Tensor) -> torch.Tensor:
+    """[N, 3d]: each token's hidden state beside its predecessor's and its successor's."""
+    return torch.cat([shifted(x, -1), x, shifted(x, 1)], 1)
+
+
+def top_share(predicted: torch.Tensor, target: torch.Tensor, keep: float) -> float:
+    """The share of target's top `keep` per head [H, n] that predicted also ranks in its top `keep`, mean over heads."""
+    k = max(1, int(keep * target.shape[-1]))
+    mine = torch.zeros_like(target, dtype=torch.bool).scatter_(-1, predicted.topk(k, -1).indices, True)
+    theirs = torch.zeros_like(target, dtype=torch.bool).scatter_(-1, target.topk(k, -1).indices, True)
+    return ((mine & theirs).sum(-1).float() / k).mean().item()
+
+
+def scored_text(model, tokenizer, name: str, paragraphs: list[str], contexts: int, cache: Path | None) -> dict:
+    """{"hidden": {layer: [N, d]}, "targets": {layer: [H, N]}, "contexts": n} of `paragraphs` (cached by name)."""
+    path = cache / f"pairs_{name}.pt" if cache is not None else None
+    if path is not None and path.is_file():
+        return torch.load(path)
+    ids = text_contexts(tokenizer, paragraphs, 2048, contexts, seed=0)
+    pairs = scoring_pairs(model, tokenizer, ids, progress=print)
+    out = {"hidden": pairs.hidden, "targets": pairs.targets, "contexts": len(ids)}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, path)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cache", type=Path, default=None, help="folder keeping the scored pairs between runs")
+    p.add_argument("--layers", default="0,10,20,29", help="the layers fitted and scored (default 0,10,20,29)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = kvc.load_model()
+    tuning_text = docstring_paragraphs(DOCSTRING_MODULES)
+    held_apart = set(tuning_text) | set(docstring_paragraphs(HELDOUT_MODULES))
+    training_text = [t for t in docstring_paragraphs(SCORER_TRAINING_MODULES) if t not in held_apart]
+    extra_text = [t for t in docstring_paragraphs(EXTRA_MODULES) if t not in held_apart and t not in set(training_text)]
+    tuning = scored_text(model, tokenizer, "tuning", tuning_text, 3, args.cache)
+    training = scored_text(model, tokenizer, "old", training_text, 100, args.cache)
+    extra = scored_text(model, tokenizer, "extra", extra_text, 100, args.cache)
+    layers = [int(x) for x in args.layers.split(",")]
+    half = training["hidden"][layers[0]].shape[0] // 2
+    both = {"hidden": {i: torch.cat([training["hidden"][i], extra["hidden"][i]]) for i in layers},
+            "targets": {i: torch.cat([training["targets"][i], extra["targets"][i]], 1) for i in layers}}
+    first_half = {"hidden": {i: training["hidden"][i][:half] for i in layers}, "targets": {i: training["targets"][i][:, :half] for i in layers}}
+    identity = lambda x: x  # noqa: E731
+    # name -> (training pairs, input of a token, kind, fit options)
+    variants = {
+        "linear, half the training text": (first_half, identity, "linear", {}),
+        "linear, the training text (train-scorer's)": (training, identity, "linear", {}),
+        "linear, training + extra text": (both, identity, "linear", {}),
+        "linear, training + extra text, ridge 1e-3": (both, identity, "linear", {"ridge": 1e-3}),
+        "linear, training + extra text, ridge 1e-1": (both, identity, "linear", {"ridge": 1e-1}),
+        "linear, training + extra text, neighbours' hidden states": (both, neighbours, "linear", {}),
+        "mlp (16 units, 300 steps), training + extra text": (both, identity, "mlp", {}),
+    }
+    rows = []
+    for name, (pairs, inputs, kind, options) in variants.items():
+        start = time.perf_counter()
+        surrogate = fit_surrogate({i: inputs(pairs["hidden"][i]) for i in layers}, {i: pairs["targets"][i] for i in layers}, kind, **options)
+        seconds = time.perf_counter() - start
+        fidelity = {"spearman": [], "top_25": [], "top_10": []}
+        for layer in layers:
+            x, target = inputs(tuning["hidden"][layer]), tuning["targets"][layer]
+            predicted = surrogate.predict(x[None, None].expand(1, surrogate.kv_heads, -1, -1), layer)[0]
+            fidelity["spearman"].append(spearman(predicted, target))
+            fidelity["top_25"].append(top_share(predicted, target, 0.25))
+            fidelity["top_10"].append(top_share(predicted, target, 0.10))
+        row = {"variant": name, "training_tokens": pairs["hidden"][layers[0]].shape[0], "layers": args.layers}
+        row |= {f"{k}_mean": round(sum(v) / len(v), 4) for k, v in fidelity.items()}
+        row |= {"per_layer_spearman": " ".join(f"{v:.3f}" for v in fidelity["spearman"]), "fit_s": round(seconds, 1),
+                "tuning_tokens": tuning["hidden"][layers[0]].shape[0], "threads": args.threads,
+                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "date": time.strftime("%Y-%m-%d")}
+        rows.append(row)
+        print({k: row[k] for k in ("variant", "training_tokens", "spearman_mean", "top_25_mean", "top_10_mean")}, flush=True)
+    write_csv(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
