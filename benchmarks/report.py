@@ -69,6 +69,8 @@ SUMMARY_ROWS = [
     ("SnapKV: the attention of the context's last tokens", "snapkv"),
 ]
 COST_BENCH = "benchmarks/results/bench/cost"
+# The end-to-end prefill of every method, measured again on its own (one thread): the summary's cost column
+PREFILL_BENCH = "benchmarks/results/bench/prefill"
 # The held-out set's rows, first in the summary: (use, library, cell, mode) on SUMMARY_HELDOUT (see heldout_section)
 SUMMARY_HELDOUT = "results/heldout_2048"
 SUMMARY_HELDOUT_ROWS = [
@@ -261,7 +263,7 @@ def hits_table(sets: list[tuple[str, str]], cells: list[tuple[str, str]], ratios
 def summary_rows() -> list[dict]:
     """The summary's rows: quality on SUMMARY_SET (and the chunked row's on NUMERIC[0]), the median seconds per
     answer in that run and its ratio to the full cache's, and the cost bench's end-to-end prefill ratio."""
-    bench = {r["method"]: r for r in read_csv(ROOT / COST_BENCH / "threads-1" / "prefill.csv")}
+    bench = {r["method"]: r for r in read_csv(ROOT / PREFILL_BENCH / "prefill.csv")}
     rows = []
 
     def row(use: str, folder: str, cell: str, mode: str, timed: bool, library: str = "kvcompress") -> dict:
@@ -314,7 +316,7 @@ SUMMARY_NOTE = (
     "ratio means much), where the compressed cells compress a recorded prefill and `kvzip_refit` also runs KVzip's "
     "reconstruction forward and its refits. "
     "Cost bench: a `generate` prefill of 4k tokens with 75% removed ÷ a plain transformers prefill, by the compression's "
-    "share of it (`kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
+    "share of it (`benchmarks/results/bench/prefill/`; `kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
     "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The first rows are the "
     "held-out set (\"The held-out needle set\": another text, run once after every choice), where the default (no method "
     "named, AdaKV over KVzap's learned scores) ran beside the full cache, `kvzip_refit` and kvpress's KVzip on the same "
@@ -511,6 +513,13 @@ def cost_section() -> list[str]:
         page = bench_markdown(overhead=overhead, exponents=exponent_rows(overhead), prefill=read_csv(sub / "prefill.csv"),
                                      throughput=read_csv(sub / "throughput.csv"))
         lines += [demote(page, 3), ""]
+    folder = PREFILL_BENCH
+    lines += ["### End-to-end prefill, every method, measured again", "",
+              "`kvcompress bench --sections prefill`: the 4k-token `generate` prefill above, each method with 75% removed against "
+              "a plain transformers prefill in the same run, at one thread, with nothing else running but, for about two minutes, "
+              "the report and one test file at low priority.", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
+    lines += ["\n".join(bench_markdown(prefill=read_csv(ROOT / folder / "prefill.csv")).splitlines()[2:]).strip(), ""]
     folder = "benchmarks/results/bench/kvzap_overhead"
     lines += ["### The default's compression step, 2k to 16k tokens", "",
               "`kvcompress bench --sections overhead`: KVzap's compression of one layer (its surrogate's scores from the hidden "
