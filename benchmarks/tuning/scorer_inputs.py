@@ -97,9 +97,10 @@ def main() -> None:
     tuning_text = docstring_paragraphs(DOCSTRING_MODULES)
     held_apart = set(tuning_text) | set(docstring_paragraphs(HELDOUT_MODULES))
     training_text = [t for t in docstring_paragraphs(SCORER_TRAINING_MODULES) if t not in held_apart]
-    extra_text = [t for t in docstring_paragraphs(EXTRA_MODULES) if t not in held_apart and t not in set(training_text)]
+    held_apart |= set(training_text)
+    extra_text = [t for t in docstring_paragraphs(EXTRA_MODULES) if t not in held_apart]
     tuning = scored_text(model, tokenizer, "tuning", tuning_text, 3, args.cache)
-    training = scored_text(model, tokenizer, "old", training_text, 100, args.cache)
+    training = scored_text(model, tokenizer, "training", training_text, 100, args.cache)
     extra = scored_text(model, tokenizer, "extra", extra_text, 100, args.cache)
     layers = [int(x) for x in args.layers.split(",")]
     half = training["hidden"][layers[0]].shape[0] // 2
