@@ -28,9 +28,10 @@ from kvcompress.eval.capture import prose_text
 from kvcompress.integration import build_prompt
 
 QUESTION = "What is the main subject of the text above? Answer in one sentence."
-# name -> (method, method_params, exact sink/window settings)
+# name -> (method, method_params, exact sink/window and chunk_size settings)
 VARIANTS = {
     "default": ("default", {}, {}),
+    "default_chunk_128": ("default", {}, {"chunk_size": 128}),  # the streams' prompt in blocks of 128 tokens (the library's 256)
     "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),

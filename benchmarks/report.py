@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -320,8 +321,9 @@ SUMMARY_NOTE = (
     "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The first rows are the "
     "held-out set (\"The held-out needle set\": another text, run once after every choice), where the default (no method "
     "named, AdaKV over KVzap's learned scores) ran beside the full cache, `kvzip_refit` and kvpress's KVzip on the same "
-    "prompt tokens, its times not shown (several runs shared the CPU); its cost against a plain `model.generate` is under "
-    "\"What one answer costs\".")
+    "prompt tokens, its times not shown (several runs shared the CPU); its streams took the prompt in blocks of 128 tokens, "
+    "the library's `chunk_size` then (256 now: \"The streams' prompt blocks\"); its cost against a plain `model.generate` is "
+    "under \"What one answer costs\".")
 
 
 def summary_section() -> list[str]:
@@ -559,17 +561,14 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "generate's (`over_plain`), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
      "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens).",
      cost_table),
-    ("benchmarks/results/default_cost_4k.csv", "What one answer costs at 4k tokens on an otherwise idle CPU",
-     "The 4k rows above shared the CPU with other runs for part of their time; this is the same measurement at compression "
-     "ratio 0.75 with three repeats and nothing else running.",
-     cost_table),
-    ("benchmarks/results/default_cost_4k_slack.csv", "What one answer costs at 4k tokens: the streams at the library's slack",
-     "The default's streams re-compress at slack 0.1; here the same method at the library's slack of 0.5 "
-     "(`adakv_kvzap_model`), which kept 8 of the 12 tuning hits where slack 0.1 kept 10, on an otherwise idle CPU.",
+    ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
+     "The default's chunked and decode modes with the prompt fed in blocks of 256 tokens (`default`, the library's "
+     "`chunk_size`) and of 128 (`default_chunk_128`, the size before), at compression ratio 0.75, in a second process "
+     "beside the first, each on its own core.",
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in a second process beside the first, each on its own core.",
+     "ratio 0.75, in the second process after the run above, each process on its own core.",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens): the same measurement as above.",
@@ -705,7 +704,10 @@ def heldout_section() -> list[str]:
              f"The final check of the default, fixed in writing before any run on it ([{HELDOUT_PLAN}](../{HELDOUT_PLAN})): "
              "30 needles (seeds 2000–2029) in a text the project used nowhere else (IDLE's user manual), with fact "
              "wordings, names and towns of their own, at 2048 and 4096 tokens. Each cell runs once and is reported as it "
-             "came out; nothing was chosen on it. A needle is the unit of pairing, and the two lengths are reported apart.", ""]
+             "came out; nothing was chosen on it. A needle is the unit of pairing, and the two lengths are reported apart. "
+             "The chunked and decode cells fed the prompt through the streams in blocks of 128 tokens, the library's "
+             "`chunk_size` when they ran; it is 256 now, checked on tuning needles (\"The streams' prompt blocks: 256 tokens "
+             "against 128\").", ""]
     for length in HELDOUT_LENGTHS:
         lines += heldout_length(length)
     return lines
@@ -738,17 +740,43 @@ def surrogate_against_exact() -> list[str]:
              "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. Paired per needle against the "
              "surrogate at the same ratio: won / lost, Newcombe's 95% interval of the difference in % found, sign test.", ""]
     lines += meta_block(SURROGATE_NEEDLES)
-    rows = [json.loads(line) for line in (ROOT / SURROGATE_NEEDLES).read_text().splitlines()]
+    table = paired_needle_table(SURROGATE_NEEDLES, ["variant", "ratio"], "paired vs the surrogate (won / lost; diff; p)",
+                                lambda variant: None if variant in ("full", "adakv_kvzap_model") else "adakv_kvzap_model")
+    return lines + [table, ""]
+
+
+def paired_needle_table(path: str, columns: list[str], label: str, reference: Callable[[str], str | None]) -> str:
+    """A `kvzap_default.py` record's `summary_rows` (their `columns`, then hits), each paired per needle (column `label`)
+    against the variant `reference(variant)` names in the same mode at the same ratio ("–" where it names none)."""
     by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in rows:
-        by_cell[(r["variant"], r["ratio"])][str(r["seed"])] = r["hit"]
+    for r in map(json.loads, (ROOT / path).read_text().splitlines()):
+        by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
     table = []
-    for row in kvzap_default.summary_rows(ROOT / SURROGATE_NEEDLES):
-        surrogate = by_cell.get(("adakv_kvzap_model", row["ratio"]), {})
-        paired = "–" if row["variant"] in ("full", "adakv_kvzap_model") else paired_cell(by_cell[(row["variant"], row["ratio"])], surrogate)
-        table.append({k: row[k] for k in ("variant", "ratio", "needles", "full_cache_hits", "hits_kept")} |
-                     {"paired vs the surrogate (won / lost; diff; p)": paired, "median_time_over_full": row["median_time_over_full"]})
-    return lines + [markdown_table(table), ""]
+    for row in kvzap_default.summary_rows(ROOT / path):
+        other = reference(row["variant"])
+        paired = "–" if other is None else paired_cell(by_cell[(row["variant"], row["mode"], row["ratio"])],
+                                                       by_cell.get((other, row["mode"], row["ratio"]), {}))
+        table.append({k: row[k] for k in [*columns, "needles", "full_cache_hits", "hits_kept"]} |
+                     {label: paired, "median_time_over_full": row["median_time_over_full"]})
+    return markdown_table(table)
+
+
+STREAM_BLOCKS = "benchmarks/results/tuning/chunk_size.jsonl"
+
+
+def stream_blocks() -> list[str]:
+    """The stream default's needles with its prompt fed in blocks of 128 tokens and of 256 (`chunk_size`), paired per needle."""
+    lines = ["### The streams' prompt blocks: 256 tokens against 128", "",
+             "The stream default (`adakv_kvzap_model_slack_0.1_admission`) with the prompt fed through its streams in blocks of "
+             "128 tokens (the library's `chunk_size` before) and of 256 (now), on 30 tuning needles at 2k tokens in the default "
+             "prompt layout, at ratio 0.75: of the needles the full cache finds, how many each finds; blocks of 256 paired per "
+             "needle against blocks of 128 in the same mode (won / lost, Newcombe's 95% interval of the difference in % found, "
+             "sign test). The two block sizes ran as two processes side by side, so the times are only indicative; the cost is "
+             "measured apart, under \"What one answer costs\".", ""]
+    lines += meta_block(STREAM_BLOCKS)
+    table = paired_needle_table(STREAM_BLOCKS, ["variant", "mode"], "paired vs blocks of 128 (won / lost; diff; p)",
+                                lambda variant: variant.replace("_chunk_256", "_chunk_128") if variant.endswith("_chunk_256") else None)
+    return lines + [table, ""]
 
 
 def defaults_section() -> list[str]:
@@ -776,6 +804,7 @@ def defaults_section() -> list[str]:
     lines += meta_block(path)
     lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
     lines += surrogate_against_exact()
+    lines += stream_blocks()
     folder = "results/kvzip_allocation_tuning"
     lines += ["### `kvzip_refit`: KVzip's scores ranked across every head of every layer, no exact window", "",
               "`kvzip_refit` (the prefill default before KVzap, `kvcompress.options.NAMED_SETTINGS`) is AdaKV over KVzip's scores "

@@ -15,7 +15,7 @@ METHODS = ("adakv", "balancekv", "clustergen", "compactor", "expected_attention"
 DEFAULT_METHOD = "default"  # kvcompress.options.DEFAULT
 KVZIP_REFIT = "kvzip_refit"  # kvcompress.options.KVZIP_REFIT: the prefill default before KVzap, by name
 MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
-DEFAULT_CHUNK_SIZE = 128  # kvcompress.options.DEFAULT_CHUNK_SIZE
+DEFAULT_CHUNK_SIZE = 256  # kvcompress.options.DEFAULT_CHUNK_SIZE
 PREFILL_APPROXIMATIONS = ("express",)  # kvcompress.integration.prefill_approx: how a context's prefill may be approximated
 # kvcompress.integration.model.PROMPT_LAYOUTS: name -> (separator, primed), the fields of its PromptLayout
 PROMPT_LAYOUTS = {

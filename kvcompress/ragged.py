@@ -109,22 +109,29 @@ class RaggedSummary(Saveable):
         starts = counts.cumsum(0) - counts
         return head * self.num_slots + torch.arange(total, device=counts.device) - starts[head]
 
+    def _unpack(self, column: torch.Tensor, fill, slots: torch.Tensor) -> torch.Tensor:
+        """The packed `column` [T, ...] as [B, H, m, ...]: each head's slots first (at `slots`, `_slots()`), `fill` after."""
+        b, h = self.counts.shape
+        out = column.new_full((b * h * self.num_slots, *column.shape[1:]), fill)
+        return out.index_copy_(0, slots, column).view(b, h, self.num_slots, *column.shape[1:])
+
+    def padded(self, *packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(keys [B, H, m, d], values [B, H, m, d_v], positions [B, H, m] int64, then each of `packed` [T, ...] as
+        [B, H, m, ...]): the rectangle `summary()` unpacks, without log-weights; empty slots have zero keys, values and
+        extra columns, position -1."""
+        slots = self._slots()
+        return (self._unpack(self.keys, 0, slots), self._unpack(self.values, 0, slots), self._unpack(self.positions.long(), -1, slots),
+                *(self._unpack(column, 0, slots) for column in packed))
+
     def summary(self) -> KVSummary:
         """The padded summary: each head's slots first, then empty ones (log-weight -inf, position -1, zero keys and
         values) up to the longest head; keys and values in the stored dtype, positions int64."""
-        b, h = self.counts.shape
-        width, slots = self.num_slots, self._slots()
-
-        def unpack(packed: torch.Tensor, fill) -> torch.Tensor:
-            out = packed.new_full((b * h * width, *packed.shape[1:]), fill)
-            out.index_copy_(0, slots, packed)
-            return out.view(b, h, width, *packed.shape[1:])
-
-        positions = unpack(self.positions.long(), -1)
         if self._uniform and self.log_weights is None:
-            return KVSummary.exact(unpack(self.keys, 0), unpack(self.values, 0), positions)
+            return KVSummary.exact(*self.padded())
         weights = self.log_weights if self.log_weights is not None else torch.zeros(self.keys.shape[0], device=self.keys.device)
-        return KVSummary(unpack(self.keys, 0), unpack(self.values, 0), unpack(weights, float("-inf")), positions)
+        slots = self._slots()
+        return KVSummary(self._unpack(self.keys, 0, slots), self._unpack(self.values, 0, slots),
+                         self._unpack(weights, float("-inf"), slots), self._unpack(self.positions.long(), -1, slots))
 
     def nbytes(self) -> int:
         """KV bytes stored: the packed keys and values, and the per-head counts that locate them (4 bytes per head)."""

@@ -334,12 +334,12 @@ def test_stream_slack_batches_the_halvings_into_fewer_walks(monkeypatch):
     calls = []
     walk = module.balancing_walk
     monkeypatch.setattr(module, "balancing_walk", lambda kernel, *rest: calls.append(kernel.shape[0]) or walk(kernel, *rest))
-    keys, values = _kv(b=1, h=3, n=2048, d=16, seed=6)
+    keys, values = _kv(b=1, h=3, n=1024, d=16, seed=6)
     blocks = {}
     for slack in (0.0, 0.5):
         calls.clear()
-        st = kvc.stream("balancekv", budget=256, sink=0, window=0, seed=0, slack=slack)
-        for start in range(0, 2048, 64):
+        st = kvc.stream("balancekv", budget=128, sink=0, window=0, seed=0, slack=slack)
+        for start in range(0, 1024, 64):
             st.update(keys[:, :, start : start + 64], values[:, :, start : start + 64])
         st.compact()
         blocks[slack] = list(calls)

@@ -23,7 +23,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.cli import main
 
-pytestmark = [pytest.mark.e2e, pytest.mark.smoke]
+pytestmark = pytest.mark.e2e  # and each test, or case, that runs in CI: smoke
 
 FILLER = "Grass is green. The sky is blue. "
 CONTEXT = FILLER * 10 + "The magic number is 731. " + FILLER * 10  # ~215 prompt tokens, the needle in the middle
@@ -76,18 +76,21 @@ def answer_and_kept(out: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Compress once, ask later (README "Compress once, ask later"; docs/cli.md "`compress`, then `generate --cache`")
 
-# Other compression flags `compress` takes, one case each: (method, mode, kv bits) -> extra flags
-EXTRA_FLAGS = {("keydiff", "prefill", 4): ["--kv-group-size", 16], ("keydiff", "chunked", 4): ["--sink", 2, "--window", 32, "--chunk-size", 64],
-               ("keydiff", "decode", 4): ["--param", "anchor=median"]}
-# every mode at full precision (the default) and quantized (KeyDiff, 4 bits)
-CLI_CASES = [(None, mode, None) for mode in MODES] + [("keydiff", mode, 4) for mode in MODES]
+# Other compression flags `compress` takes: (method, mode, kv bits) -> extra flags
+EXTRA_FLAGS = {("keydiff", "chunked", 4): ["--kv-group-size", 16, "--sink", 2, "--window", 32, "--chunk-size", 64, "--param", "anchor=median"]}
+# the default at full precision in prefill and decode mode and KeyDiff quantized to 4 bits in chunked mode with every other
+# flag in CI (smoke); the other combinations with the e2e tests
+SMOKE_CLI_CASES = [(None, "prefill", None), (None, "decode", None), ("keydiff", "chunked", 4)]
+E2E_CLI_CASES = [(None, "chunked", None), ("keydiff", "prefill", 4), ("keydiff", "decode", 4)]
+CLI_CASES = [pytest.param(method, mode, bits, id=f"{method or 'default'}-{mode}-{bits or 32}bit", marks=[pytest.mark.smoke] if smoke else [])
+             for cases, smoke in ((SMOKE_CLI_CASES, True), (E2E_CLI_CASES, False)) for method, mode, bits in cases]
 
 
-@pytest.mark.parametrize("method, mode, bits", CLI_CASES, ids=[f"{m or 'default'}-{mode}-{b or 32}bit" for m, mode, b in CLI_CASES])
+@pytest.mark.parametrize("method, mode, bits", CLI_CASES)
 def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_context(cli, doc, tmp_path, method, mode, bits):
     """`kvcompress compress --context-file doc.txt ... --out doc.kvc`, then `kvcompress generate --cache doc.kvc --question`:
     the answer and the tokens kept of `kvcompress generate --context-file doc.txt` with the same flags (no --method: the
-    default method; a few cases add --kv-group-size, --sink/--window/--chunk-size or --param). Decode mode takes --budget:
+    default method; KeyDiff in chunked mode adds --kv-group-size, --sink/--window/--chunk-size and --param). Decode mode takes --budget:
     a ratio is resolved there against the tokens the stream will see, the context alone for `compress` but context,
     question and --max-new-tokens for `generate --context-file`. The default shares its budget among the layers by the
     fraction of the stream kept (`AdaKV.layer_budget`), which differs between the two in decode mode for the same
@@ -112,6 +115,7 @@ def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_co
 # ---------------------------------------------------------------------------------------------------------------
 # The same in Python: kvc.compress_context, cache.save, kvc.load_cache / kvc.generate(cache=path, questions=[...])
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("mode", MODES)
 def test_python_compress_save_load_answers_as_generate_on_the_context(default_model, tmp_path, mode):
     """The README's `kvc.compress_context(model, tokenizer, document, method="keydiff", compression_ratio=0.75, kv_bits=4)`,
@@ -135,6 +139,7 @@ def test_python_compress_save_load_answers_as_generate_on_the_context(default_mo
     assert NEEDLE in direct[0].text, direct[0].text
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("mode", MODES)
 def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_cache(default_model, mode):
     """`kvc.generate` with no method named, in every mode: the default (AdaKV over KVzap's scores, one budget across every
@@ -146,6 +151,7 @@ def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_ca
     assert res.kv_bytes < res.kv_bytes_full, res.report()
 
 
+@pytest.mark.smoke
 def test_python_generate_with_kvzaps_threshold_in_every_mode(default_model):
     """`method="kvzap", method_params={"threshold": -6.0}` with no budget (ratio 0): the shipped scorer's rule alone decides,
     in every mode (a stream decides each token as it leaves the window); about half the context goes, the needle stays,
@@ -158,6 +164,7 @@ def test_python_generate_with_kvzaps_threshold_in_every_mode(default_model):
     assert abs(runs["prefill"].realised_compression_ratio - runs["chunked"].realised_compression_ratio) < 0.05
 
 
+@pytest.mark.smoke
 def test_a_saved_cache_of_the_default_model_is_refused_by_another_model_and_when_truncated(default_model, tiny_checkpoint, tmp_path):
     """'a file made for another model, truncated or corrupted is refused' (the fingerprint of the real model's
     28M-element embedding is what once crashed the save)."""
@@ -180,6 +187,7 @@ def test_a_saved_cache_of_the_default_model_is_refused_by_another_model_and_when
 # kv_bits, and model.generate with a CompressedCache
 
 
+@pytest.mark.smoke
 def test_kv_bits_store_the_compressed_context_in_fewer_bytes(default_model):
     """`kv_bits=8|4|2` through `kvc.generate`: the same slots stored in fewer bytes as the bits fall; 8 bits keep the answer."""
     model, tokenizer = default_model
@@ -191,6 +199,7 @@ def test_kv_bits_store_the_compressed_context_in_fewer_bytes(default_model):
     assert runs[2].kv_bytes < runs[8].kv_bytes < 0.5 * runs[8].kv_bytes_full, (runs[8].report(), runs[2].report())
 
 
+@pytest.mark.smoke
 def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(default_model):
     """'model.generate(**inputs, past_key_values=cache, ...)   # sampling, eos, streamers as usual'; 'beam search
     run[s] in prefill mode': a streamer sees the answer generate returns; beams find the needle."""
@@ -222,6 +231,7 @@ def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(defaul
     assert NEEDLE in tokenizer.decode(beams[0, n:], skip_special_tokens=True)
 
 
+@pytest.mark.smoke
 def test_model_generate_with_the_default_method_in_a_compressed_cache(default_model):
     """`kvc.CompressedCache(model, "default", ...)` inside a plain `model.generate`: the default (AdaKV over KVzap) reads
     each layer's hidden states, which the cache has the model keep while it lives; it finds the needle at half the
@@ -244,6 +254,7 @@ def test_model_generate_with_the_default_method_in_a_compressed_cache(default_mo
 # The other commands, at their smallest settings
 
 
+@pytest.mark.smoke
 def test_cli_calibrate_then_generate_with_calibration(cli, doc, tmp_path):
     """docs/cli.md: `kvcompress calibrate --method compactor --out compactor.json`, then `kvcompress generate --calibration
     compactor.json --quality 0.9 ...` (one sample of 128 tokens, two retentions here)."""
@@ -259,6 +270,7 @@ def test_cli_calibrate_then_generate_with_calibration(cli, doc, tmp_path):
     assert chosen and 0 < float(chosen.group(1)) <= 100 and 0 <= float(chosen.group(2)) < 1, out
 
 
+@pytest.mark.smoke
 def test_cli_train_scorer_then_generate_with_it(cli, doc, tmp_path):
     """docs/cli.md "train-scorer": `kvcompress train-scorer --out my-kvzap.safetensors`, then `kvcompress generate` with the
     default's method over that scorer (`--method adakv --param scorer=kvzap --param scorer_params.scorer=FILE ...`) and with
@@ -274,6 +286,7 @@ def test_cli_train_scorer_then_generate_with_it(cli, doc, tmp_path):
     assert out.splitlines()[0].strip() and "method            kvzap" in out, out
 
 
+@pytest.mark.smoke
 def test_cli_demo_at_a_short_context(cli):
     """`kvcompress demo` (what `make demo` runs), at 256 tokens with one method named: the needle, and the table with the
     full cache's row (which finds it) and the method's."""
@@ -282,6 +295,7 @@ def test_cli_demo_at_a_short_context(cli):
     assert re.search(r"^full\s+yes\s", out, re.M) and re.search(r"^keydiff\s+(yes|no)\s.*\d+%", out, re.M), out
 
 
+@pytest.mark.smoke
 def test_cli_eval_task_sweep_with_the_default_method(cli, tmp_path):
     """`kvcompress eval` task sweep with `--methods default,keydiff` (docs/cli.md "eval"): the record names what `default`
     ran (in prefill mode AdaKV over KVzap's scores), summary.md says it; the full cache finds the needle."""
@@ -298,6 +312,7 @@ def test_cli_eval_task_sweep_with_the_default_method(cli, tmp_path):
     assert "`default` is the library's default method" in summary and "scorer=kvzap" in summary and summary in out
 
 
+@pytest.mark.smoke
 def test_cli_eval_on_a_benchmarks_shipped_samples(cli, tmp_path):
     """`kvcompress eval --benchmark longbench --data tests/fixtures/longbench/ ...` (README "Standard benchmarks"): one
     sample, one method, the leaderboard written and printed. (RULER's runs through `run_sweep` in tests/test_benchmarks.py.)"""
@@ -311,6 +326,7 @@ def test_cli_eval_on_a_benchmarks_shipped_samples(cli, tmp_path):
     assert "| full cache |" in out and "| keydiff @ 0.5 |" in out and "hotpotqa" in out, out
 
 
+@pytest.mark.smoke
 def test_cli_eval_perplexity(cli, tmp_path):
     """`kvcompress eval --tasks perplexity --methods keydiff --ratios 0.75 ...` (README "Language modelling under
     compression"): one 128-token document, prefill and decode modes, against the full cache."""
@@ -323,6 +339,7 @@ def test_cli_eval_perplexity(cli, tmp_path):
     assert all(1.0 < p < 1000.0 for p in rows.values()), rows
 
 
+@pytest.mark.smoke
 def test_cli_eval_approx(cli, tmp_path):
     """`kvcompress eval approx --methods hybrid,balancekv ...` (docs/cli.md, docs/extending.md): one layer, one
     seed, 256 tokens of real prose."""
@@ -337,6 +354,7 @@ def test_cli_eval_approx(cli, tmp_path):
     assert (out_dir / "approx.md").is_file()
 
 
+@pytest.mark.smoke
 def test_cli_bench_memory_on_the_model(cli, tmp_path):
     """`kvcompress bench --sections memory --memory-sizes ... --memory-budget ...` (docs/bench.md, memory), at 256
     prompt tokens."""
@@ -359,6 +377,7 @@ def test_cli_bench_memory_on_the_model(cli, tmp_path):
     assert (out_dir / "bench.md").is_file() and "memory chunked n=256: peak KV" in out
 
 
+@pytest.mark.smoke
 def test_python_dash_m_runs_the_command_line():
     """'also `python -m kvcompress`, `python -m kvcompress.cli`' (docs/cli.md): both start the same parser, in a fresh process."""
     import subprocess

@@ -23,7 +23,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose, score
 
-# name -> (method, method_params, exact sink/window and stream slack settings, modes)
+# name -> (method, method_params, exact sink/window, stream slack and chunk_size settings, modes)
 VARIANTS = {
     "full": (None, {}, {}, ("prefill",)),
     "adakv_kvzip_refit": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
@@ -41,6 +41,9 @@ VARIANTS = {
     # slots of room (adakv.AdaptiveBlockwiseState.admission, adakv.ENTRY_SCORE_ROOM); the variant above was answered without
     "adakv_kvzap_model_slack_0.1_admission": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
                                               {"slack": 0.1}, ("chunked", "decode")),
+    # the stream default (the variant above) with its prompt fed in blocks of 128 and of 256 tokens (`chunk_size`)
+    **{f"adakv_kvzap_model_slack_0.1_admission_chunk_{size}": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                                               {"slack": 0.1, "chunk_size": size}, ("chunked", "decode")) for size in (128, 256)},
     "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),
     # streams re-compressing to a larger share of their budget (slack 0.5, the library's default, compresses to 2/3)
     "adakv_kvzap_slack_0.1": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {"slack": 0.1}, ("chunked", "decode")),

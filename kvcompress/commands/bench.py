@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, count_list, float_list, int_list, list_of, method_list, method_name, one_of, resolve_device
-from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, MODES
+from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, DEFAULT_CHUNK_SIZE, MODES
 
 
 def add_cli(subparsers) -> None:
@@ -59,7 +59,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("--memory-sizes", type=int_list, default=[2048, 4096, 8192, 16384], help="prompt lengths (default 2048,4096,8192,16384)")
     g.add_argument("--memory-budget", type=int, default=1024, help="middle budget (slots per KV head) of the memory runs (default 1024)")
     g.add_argument("--memory-modes", type=list_of(MODES, "mode"), default=["chunked", "prefill"], help="generation modes compared (default chunked,prefill)")
-    g.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked mode (default 128)")
+    g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"prompt block size in chunked mode (default {DEFAULT_CHUNK_SIZE})")
     add_model_arg(p)
     add_device_args(p)
     p.set_defaults(func=_run, measurement_defaults={a.dest: a.default for a in p._actions if a.dest not in ("help", "out", "report_only")})

@@ -12,7 +12,7 @@ from .common import (
     add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
 from ..names import (
-    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
+    APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
 )
 
 DESCRIPTION = """\
@@ -103,7 +103,7 @@ def add_cli(subparsers) -> None:
     t.add_argument("--no-full", action="store_true", help="skip the full-cache reference cells")
     t.add_argument("--no-reuse-prefill", action="store_true", help="re-prefill the context for every method (to measure what prefill reuse saves)")
     t.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: per task, enough for its answers)")
-    t.add_argument("--chunk-size", type=int, default=128, help="prompt block size in chunked/decode modes (default 128)")
+    t.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"prompt block size in chunked/decode modes (default {DEFAULT_CHUNK_SIZE})")
     t.add_argument("--prompt-layout", default=DEFAULT_PROMPT_LAYOUT, choices=PROMPT_LAYOUTS,
                    help=f"how each prompt joins context and question (docs/prompt_layout.md): blank_line / newline separator, "
                         f"_primed: the task's answer prefix starts the answer (default {DEFAULT_PROMPT_LAYOUT}); recorded in every "

@@ -81,6 +81,7 @@ from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length
 from ..integration.reconstruction import reconstruct_context
 from ..methods.registry import method_names
+from ..names import DEFAULT_CHUNK_SIZE
 from ..names import DEFAULT_METHOD as DEFAULT
 from ..names import PERPLEXITY
 from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
@@ -118,7 +119,7 @@ class PerplexityConfig:
     seed: int = 0
     context_fraction: float = DEFAULT_CONTEXT_FRACTION
     block: int = DEFAULT_BLOCK
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     include_full: bool = True
 
     def __post_init__(self):
@@ -207,7 +208,7 @@ def continuation_nll(
     budget: int | None = None,
     mode: str = "prefill",
     block: int = DEFAULT_BLOCK,
-    chunk_size: int = 128,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     seed: int = 0,
 ) -> torch.Tensor:
     """NLL [m] (float32, CPU) of each continuation token ids[0, n_context:] under `method`'s cache (None: the full cache).

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
+from ..names import DEFAULT_CHUNK_SIZE
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
@@ -109,7 +110,7 @@ class SweepConfig:
     include_full: bool = True
     reuse_prefill: bool = True
     max_new_tokens: int | None = None
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     task_params: dict[str, dict] = field(default_factory=dict)
     benchmark: str | None = None
     data: str | None = None

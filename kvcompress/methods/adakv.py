@@ -493,17 +493,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
 
     def _unpacked(self) -> tuple[torch.Tensor, ...] | None:
         """The kept tokens' columns as a rectangle [B, H, m, ...] (empty slots: zero keys and values, position -1)."""
-        if self.kept is None:
-            return None
-        padded = self.kept.summary()
-        columns = [padded.keys, padded.values, padded.positions]
-        if self.kept_extra:
-            slots = self.kept._slots()
-            b, h, m = padded.positions.shape
-            for packed in self.kept_extra:
-                out = packed.new_zeros(b * h * m, *packed.shape[1:]).index_copy_(0, slots, packed)
-                columns.append(out.view(b, h, m, *packed.shape[1:]))
-        return tuple(columns)
+        return None if self.kept is None else self.kept.padded(*self.kept_extra)
 
     def _held_columns(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """(every held column [B, H, m + r, ...]: the kept rectangle then the new tokens, empty [B, H, m + r] bool or
@@ -512,10 +502,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
         if kept is None:
             return new, None
         columns = tuple(torch.cat([k, n], 2) for k, n in zip(kept, new)) if new else kept
-        empty = torch.arange(kept[0].shape[2], device=kept[0].device) >= self.kept.counts.unsqueeze(-1).long()
-        if new:
-            empty = torch.cat([empty, empty.new_zeros(*empty.shape[:2], new[0].shape[2])], -1)
-        return columns, empty
+        return columns, columns[2] < 0  # an empty slot's position is -1, every token's at least 0
 
     def held(self) -> Tokens:
         if not self._ragged():
@@ -539,9 +526,10 @@ class AdaptiveBlockwiseState(BlockwiseState):
         kept = joint_top(priority, self.target)  # `head_allocation`: more than the target are held
         fixed = held.entry_scores is not None and self.method.ranks_by_entry_score
         self.admission = (floors, priority.masked_fill(~kept, math.inf).flatten(1).amin(-1)) if fixed else None
-        positions = columns[2][kept]
-        self.kept = RaggedSummary(columns[0][kept], columns[1][kept], None, positions.to(torch.int32), kept.sum(-1).to(torch.int32))
-        self.kept_extra = tuple(column[kept] for column in columns[3:])
+        slots = kept.flatten().nonzero().squeeze(1)  # the kept slots of the [B·H·n] rectangle, head after head: packed order
+        packed = [column.flatten(0, 2).index_select(0, slots) for column in columns]
+        self.kept = RaggedSummary(packed[0], packed[1], None, packed[2].to(torch.int32), kept.sum(-1).to(torch.int32))
+        self.kept_extra = tuple(packed[3:])
         self.slots = _GrowingSlots()  # the room is allocated with the next token
         self.limit = self.target
 

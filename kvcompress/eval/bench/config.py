@@ -9,6 +9,7 @@ import torch
 
 from ...checks import as_count, as_fraction
 from ...methods.registry import method_names
+from ...names import DEFAULT_CHUNK_SIZE
 from ...names import BENCH_SECTIONS as SECTIONS
 from ...options import MODES
 from .common import DEFAULT_SIZES, SHAPES, Shape
@@ -73,7 +74,7 @@ class BenchConfig:
     memory_sizes: Sequence[int] = (2048, 4096, 8192, 16384)
     memory_budget: int = 1024
     memory_modes: Sequence[str] = ("chunked", "prefill")
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     threads: Sequence[int] = ()
     model: str | None = None
     seed: int = 0
