@@ -728,26 +728,34 @@ def gpu_section() -> list[str]:
     return lines
 
 
-SURROGATE_NEEDLES = "benchmarks/results/tuning/kvzap_vs_kvzip.jsonl"
+# Paired-needle tables of `kvzap_default.py` records, under "Why the defaults are what they are": (record, title, what it
+# measures, the summary columns shown before the hits, the paired column's label, the variant each variant is paired
+# against (None: not paired))
+PAIRED_NEEDLE_TABLES = [
+    ("benchmarks/results/tuning/kvzap_vs_kvzip.jsonl", "KVzap's surrogate against KVzip's exact scores, on needles",
+     "The default's allocation (AdaKV over every layer's heads, per-head floor 5 %, exact window 64) ranking tokens by the "
+     "shipped surrogate's scores (`adakv_kvzap_model`, the default) and by KVzip's exact scores from its reconstruction "
+     "forward (`adakv_kvzip_model`): what a perfect surrogate would keep. `benchmarks/tuning/kvzap_default.py` on 30 "
+     "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. Paired per needle against the "
+     "surrogate at the same ratio: won / lost, Newcombe's 95% interval of the difference in % found, sign test.",
+     ["variant", "ratio"], "paired vs the surrogate (won / lost; diff; p)",
+     lambda variant: None if variant in ("full", "adakv_kvzap_model") else "adakv_kvzap_model"),
+    ("benchmarks/results/tuning/chunk_size.jsonl", "The streams' prompt blocks: 256 tokens against 128",
+     "The stream default (`adakv_kvzap_model_slack_0.1_admission`) with the prompt fed through its streams in blocks of "
+     "128 tokens (the library's `chunk_size` before) and of 256 (now), on 30 tuning needles at 2k tokens in the default "
+     "prompt layout, at ratio 0.75: of the needles the full cache finds, how many each finds; blocks of 256 paired per "
+     "needle against blocks of 128 in the same mode (won / lost, Newcombe's 95% interval of the difference in % found, "
+     "sign test). The two block sizes ran as two processes side by side, so the times are only indicative; the cost is "
+     "measured apart, under \"What one answer costs\".",
+     ["variant", "mode"], "paired vs blocks of 128 (won / lost; diff; p)",
+     lambda variant: variant.replace("_chunk_256", "_chunk_128") if variant.endswith("_chunk_256") else None),
+]
 
 
-def surrogate_against_exact() -> list[str]:
-    """The needles the shipped surrogate's scores keep against KVzip's exact scores, the same allocation and ratio."""
-    lines = ["### KVzap's surrogate against KVzip's exact scores, on needles", "",
-             "The default's allocation (AdaKV over every layer's heads, per-head floor 5 %, exact window 64) ranking tokens by the "
-             "shipped surrogate's scores (`adakv_kvzap_model`, the default) and by KVzip's exact scores from its reconstruction "
-             "forward (`adakv_kvzip_model`): what a perfect surrogate would keep. `benchmarks/tuning/kvzap_default.py` on 30 "
-             "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. Paired per needle against the "
-             "surrogate at the same ratio: won / lost, Newcombe's 95% interval of the difference in % found, sign test.", ""]
-    lines += meta_block(SURROGATE_NEEDLES)
-    table = paired_needle_table(SURROGATE_NEEDLES, ["variant", "ratio"], "paired vs the surrogate (won / lost; diff; p)",
-                                lambda variant: None if variant in ("full", "adakv_kvzap_model") else "adakv_kvzap_model")
-    return lines + [table, ""]
-
-
-def paired_needle_table(path: str, columns: list[str], label: str, reference: Callable[[str], str | None]) -> str:
-    """A `kvzap_default.py` record's `summary_rows` (their `columns`, then hits), each paired per needle (column `label`)
-    against the variant `reference(variant)` names in the same mode at the same ratio ("–" where it names none)."""
+def paired_needle_section(path: str, title: str, note: str, columns: list[str], label: str,
+                          reference: Callable[[str], str | None]) -> list[str]:
+    """One of PAIRED_NEEDLE_TABLES: the record's `summary_rows` (their `columns`, then hits), each paired per needle (column
+    `label`) against the variant `reference(variant)` names in the same mode at the same ratio ("–" where it names none)."""
     by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in map(json.loads, (ROOT / path).read_text().splitlines()):
         by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
@@ -758,25 +766,7 @@ def paired_needle_table(path: str, columns: list[str], label: str, reference: Ca
                                                        by_cell.get((other, row["mode"], row["ratio"]), {}))
         table.append({k: row[k] for k in [*columns, "needles", "full_cache_hits", "hits_kept"]} |
                      {label: paired, "median_time_over_full": row["median_time_over_full"]})
-    return markdown_table(table)
-
-
-STREAM_BLOCKS = "benchmarks/results/tuning/chunk_size.jsonl"
-
-
-def stream_blocks() -> list[str]:
-    """The stream default's needles with its prompt fed in blocks of 128 tokens and of 256 (`chunk_size`), paired per needle."""
-    lines = ["### The streams' prompt blocks: 256 tokens against 128", "",
-             "The stream default (`adakv_kvzap_model_slack_0.1_admission`) with the prompt fed through its streams in blocks of "
-             "128 tokens (the library's `chunk_size` before) and of 256 (now), on 30 tuning needles at 2k tokens in the default "
-             "prompt layout, at ratio 0.75: of the needles the full cache finds, how many each finds; blocks of 256 paired per "
-             "needle against blocks of 128 in the same mode (won / lost, Newcombe's 95% interval of the difference in % found, "
-             "sign test). The two block sizes ran as two processes side by side, so the times are only indicative; the cost is "
-             "measured apart, under \"What one answer costs\".", ""]
-    lines += meta_block(STREAM_BLOCKS)
-    table = paired_needle_table(STREAM_BLOCKS, ["variant", "mode"], "paired vs blocks of 128 (won / lost; diff; p)",
-                                lambda variant: variant.replace("_chunk_256", "_chunk_128") if variant.endswith("_chunk_256") else None)
-    return lines + [table, ""]
+    return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), ""]
 
 
 def defaults_section() -> list[str]:
@@ -803,8 +793,8 @@ def defaults_section() -> list[str]:
               "(`kvzip_refit`) ran on one needle only, at many times the full cache's time.", ""]
     lines += meta_block(path)
     lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
-    lines += surrogate_against_exact()
-    lines += stream_blocks()
+    for table in PAIRED_NEEDLE_TABLES:
+        lines += paired_needle_section(*table)
     folder = "results/kvzip_allocation_tuning"
     lines += ["### `kvzip_refit`: KVzip's scores ranked across every head of every layer, no exact window", "",
               "`kvzip_refit` (the prefill default before KVzap, `kvcompress.options.NAMED_SETTINGS`) is AdaKV over KVzip's scores "

@@ -109,19 +109,18 @@ class RaggedSummary(Saveable):
         starts = counts.cumsum(0) - counts
         return head * self.num_slots + torch.arange(total, device=counts.device) - starts[head]
 
-    def _unpack(self, column: torch.Tensor, fill, slots: torch.Tensor) -> torch.Tensor:
-        """The packed `column` [T, ...] as [B, H, m, ...]: each head's slots first (at `slots`, `_slots()`), `fill` after."""
-        b, h = self.counts.shape
-        out = column.new_full((b * h * self.num_slots, *column.shape[1:]), fill)
-        return out.index_copy_(0, slots, column).view(b, h, self.num_slots, *column.shape[1:])
-
-    def padded(self, *packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def padded(self, *packed: torch.Tensor, fill: float = 0.0) -> tuple[torch.Tensor, ...]:
         """(keys [B, H, m, d], values [B, H, m, d_v], positions [B, H, m] int64, then each of `packed` [T, ...] as
-        [B, H, m, ...]): the rectangle `summary()` unpacks, without log-weights; empty slots have zero keys, values and
-        extra columns, position -1."""
+        [B, H, m, ...]): each head's slots first, then empty ones up to the longest head m, with zero keys and values,
+        position -1 and `fill` in the extra columns."""
+        b, h = self.counts.shape
         slots = self._slots()
-        return (self._unpack(self.keys, 0, slots), self._unpack(self.values, 0, slots), self._unpack(self.positions.long(), -1, slots),
-                *(self._unpack(column, 0, slots) for column in packed))
+
+        def unpack(column: torch.Tensor, value) -> torch.Tensor:
+            out = column.new_full((b * h * self.num_slots, *column.shape[1:]), value)
+            return out.index_copy_(0, slots, column).view(b, h, self.num_slots, *column.shape[1:])
+
+        return (unpack(self.keys, 0), unpack(self.values, 0), unpack(self.positions.long(), -1), *(unpack(c, fill) for c in packed))
 
     def summary(self) -> KVSummary:
         """The padded summary: each head's slots first, then empty ones (log-weight -inf, position -1, zero keys and
@@ -129,9 +128,8 @@ class RaggedSummary(Saveable):
         if self._uniform and self.log_weights is None:
             return KVSummary.exact(*self.padded())
         weights = self.log_weights if self.log_weights is not None else torch.zeros(self.keys.shape[0], device=self.keys.device)
-        slots = self._slots()
-        return KVSummary(self._unpack(self.keys, 0, slots), self._unpack(self.values, 0, slots),
-                         self._unpack(weights, float("-inf"), slots), self._unpack(self.positions.long(), -1, slots))
+        keys, values, positions, log_weights = self.padded(weights, fill=float("-inf"))
+        return KVSummary(keys, values, log_weights, positions)
 
     def nbytes(self) -> int:
         """KV bytes stored: the packed keys and values, and the per-head counts that locate them (4 bytes per head)."""

@@ -78,12 +78,17 @@ def answer_and_kept(out: str) -> tuple[str, str]:
 
 # Other compression flags `compress` takes: (method, mode, kv bits) -> extra flags
 EXTRA_FLAGS = {("keydiff", "chunked", 4): ["--kv-group-size", 16, "--sink", 2, "--window", 32, "--chunk-size", 64, "--param", "anchor=median"]}
-# the default at full precision in prefill and decode mode and KeyDiff quantized to 4 bits in chunked mode with every other
-# flag in CI (smoke); the other combinations with the e2e tests
-SMOKE_CLI_CASES = [(None, "prefill", None), (None, "decode", None), ("keydiff", "chunked", 4)]
-E2E_CLI_CASES = [(None, "chunked", None), ("keydiff", "prefill", 4), ("keydiff", "decode", 4)]
-CLI_CASES = [pytest.param(method, mode, bits, id=f"{method or 'default'}-{mode}-{bits or 32}bit", marks=[pytest.mark.smoke] if smoke else [])
-             for cases, smoke in ((SMOKE_CLI_CASES, True), (E2E_CLI_CASES, False)) for method, mode, bits in cases]
+
+
+def cli_case(method: str | None, mode: str, bits: int | None, *marks) -> object:
+    return pytest.param(method, mode, bits, id=f"{method or 'default'}-{mode}-{bits or 32}bit", marks=marks)
+
+
+# In CI (smoke): the default at full precision in prefill and decode mode, and KeyDiff quantized to 4 bits in chunked mode
+# with every other flag; the other combinations with the e2e tests.
+CLI_CASES = [cli_case(None, "prefill", None, pytest.mark.smoke), cli_case(None, "decode", None, pytest.mark.smoke),
+             cli_case("keydiff", "chunked", 4, pytest.mark.smoke),
+             cli_case(None, "chunked", None), cli_case("keydiff", "prefill", 4), cli_case("keydiff", "decode", 4)]
 
 
 @pytest.mark.parametrize("method, mode, bits", CLI_CASES)

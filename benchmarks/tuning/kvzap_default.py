@@ -42,8 +42,10 @@ VARIANTS = {
     "adakv_kvzap_model_slack_0.1_admission": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
                                               {"slack": 0.1}, ("chunked", "decode")),
     # the stream default (the variant above) with its prompt fed in blocks of 128 and of 256 tokens (`chunk_size`)
-    **{f"adakv_kvzap_model_slack_0.1_admission_chunk_{size}": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
-                                                               {"slack": 0.1, "chunk_size": size}, ("chunked", "decode")) for size in (128, 256)},
+    "adakv_kvzap_model_slack_0.1_admission_chunk_128": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                                        {"slack": 0.1, "chunk_size": 128}, ("chunked", "decode")),
+    "adakv_kvzap_model_slack_0.1_admission_chunk_256": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                                        {"slack": 0.1, "chunk_size": 256}, ("chunked", "decode")),
     "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),
     # streams re-compressing to a larger share of their budget (slack 0.5, the library's default, compresses to 2/3)
     "adakv_kvzap_slack_0.1": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {"slack": 0.1}, ("chunked", "decode")),

@@ -491,16 +491,13 @@ class AdaptiveBlockwiseState(BlockwiseState):
     def most_slots(self) -> int:
         return self.seen - (self.target if self.kept is not None else 0)
 
-    def _unpacked(self) -> tuple[torch.Tensor, ...] | None:
-        """The kept tokens' columns as a rectangle [B, H, m, ...] (empty slots: zero keys and values, position -1)."""
-        return None if self.kept is None else self.kept.padded(*self.kept_extra)
-
     def _held_columns(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """(every held column [B, H, m + r, ...]: the kept rectangle then the new tokens, empty [B, H, m + r] bool or
-        None when no slot is empty)."""
-        kept, new = self._unpacked(), self.slots.view()
-        if kept is None:
+        """(every held column [B, H, m + r, ...]: the kept tokens unpacked to a rectangle (`RaggedSummary.padded`) then
+        the new tokens; empty [B, H, m + r] bool, the padding's slots, or None before the first re-compression)."""
+        new = self.slots.view()
+        if self.kept is None:
             return new, None
+        kept = self.kept.padded(*self.kept_extra)
         columns = tuple(torch.cat([k, n], 2) for k, n in zip(kept, new)) if new else kept
         return columns, columns[2] < 0  # an empty slot's position is -1, every token's at least 0
 

@@ -9,8 +9,8 @@ import torch
 
 from ...checks import as_count, as_fraction
 from ...methods.registry import method_names
-from ...names import DEFAULT_CHUNK_SIZE
 from ...names import BENCH_SECTIONS as SECTIONS
+from ...names import DEFAULT_CHUNK_SIZE
 from ...options import MODES
 from .common import DEFAULT_SIZES, SHAPES, Shape
 
