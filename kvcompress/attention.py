@@ -150,6 +150,8 @@ def _causal_tail_attention(queries, keys, values, log_weights, scale, causal_tai
     nq, n = queries.shape[2], keys.shape[2]
     if not causal_tail or nq == 1:
         return _attend(queries, keys, values, _slot_mask(log_weights, None, queries.dtype), scale, split)
+    if split is None and _FLASH_WITH_LOGSUMEXP is not None and queries.device.type == "cpu":
+        return _held_then_block_attention(queries, keys, values, log_weights, scale)
     # slot j holds tail token j - first[j], where first[j] is where its part's tail starts
     slot = torch.arange(n, device=keys.device)
     first = torch.full((n,), n - nq, device=keys.device)
@@ -163,6 +165,49 @@ def _causal_tail_attention(queries, keys, values, log_weights, scale, causal_tai
         mask = _slot_mask(log_weights, hidden[None, None], queries.dtype)
         outs.append(_attend(queries[:, :, start : start + chunk], keys, values, mask, scale, split))
     return torch.cat(outs, dim=2)
+
+
+# The CPU flash-attention kernel, which also returns each query's log-sum-exp (torch >= 2.3); None where absent.
+_FLASH_WITH_LOGSUMEXP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _held_then_block_attention(queries, keys, values, log_weights, scale):
+    """Causal-tail attention on the CPU without a per-query mask over the held slots. -> [B, H_q, q, d_v].
+
+    queries [B,H_q,q,d]; keys/values [B,H_kv,n,*] whose last q slots are the queries' own block; log_weights
+    [B,H_kv,n] or None. Two flash-attention calls: the queries (GQA group folded into the query axis) over the n - q
+    held slots, every one visible, their log-weights one bias row per head broadcast over the queries (a view: the
+    [B,H_kv,group·q,n] mask of the one-call form is never written); and the queries over their own block, causal.
+    The two are merged by their log-sum-exps in float32, which is the one softmax over all n slots. A head with no
+    finite log-weight among its held slots contributes nothing (the kernel returns 0 and a log-sum-exp of 0 for
+    such a row, so its log-sum-exp is set to -inf here); a query that sees nothing at all gets 0.
+    """
+    b, hq, nq, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group, held = hq // hkv, n - nq
+    own_keys, own_values = (t[:, :, held:].repeat_interleave(group, 1) for t in (keys, values))
+    own_weights = None if log_weights is None else log_weights[:, :, held:]
+    if own_weights is None or bool((own_weights == 0).all()):  # the block's own tokens, exact (one host read per block)
+        own, own_lse = _FLASH_WITH_LOGSUMEXP(queries, own_keys, own_values, 0.0, True, scale=scale)
+    else:
+        hidden = torch.ones(nq, nq, dtype=torch.bool, device=queries.device).triu(1)
+        own_bias = own_weights[:, :, None, :].to(queries.dtype).masked_fill(hidden, float("-inf")).repeat_interleave(group, 1)
+        own, own_lse = _FLASH_WITH_LOGSUMEXP(queries, own_keys, own_values, 0.0, False, attn_mask=own_bias, scale=scale)
+        unseen = torch.isneginf(own_weights).int().cummin(-1).values.bool()  # [B, H_kv, q]: its block's slots up to it all empty
+        own_lse = own_lse.masked_fill(unseen.repeat_interleave(group, 1), float("-inf"))
+    if held == 0:
+        return own.nan_to_num(0.0)
+    folded = queries.reshape(b, hkv, group * nq, d)
+    bias = None if log_weights is None else log_weights[:, :, None, :held].to(queries.dtype).expand(b, hkv, group * nq, held)
+    out, lse = _FLASH_WITH_LOGSUMEXP(folded, keys[:, :, :held], values[:, :, :held], 0.0, False, attn_mask=bias, scale=scale)
+    lse = lse.reshape(b, hkv, group, nq)
+    if log_weights is not None:
+        lse = lse.masked_fill(~torch.isfinite(log_weights[:, :, :held]).any(-1)[:, :, None, None], float("-inf"))
+    lse = lse.reshape(b, hq, nq)
+    top = torch.maximum(lse, own_lse).nan_to_num(0.0, neginf=0.0)[..., None]
+    held_share, own_share = (lse[..., None] - top).exp(), (own_lse[..., None] - top).exp()
+    merged = (out.reshape(b, hq, nq, -1).float() * held_share + own.float() * own_share) / (held_share + own_share)
+    return merged.nan_to_num(0.0).to(queries.dtype)
 
 
 def exact_attention(

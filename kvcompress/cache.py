@@ -118,9 +118,18 @@ class CompressedLayer(CacheLayerMixin):
 
     def stored(self) -> KVSummary | None:
         """The layer's stored state as one summary (front then tail), without the pending block."""
-        front = self.front.summary() if isinstance(self.front, (SlotBuffer, Stream, QuantizedSummary, RaggedSummary)) else self.front
-        parts = [p for p in (front, self.tail) if p is not None]
+        parts = self._stored_parts()
         return concat(parts) if parts else None
+
+    def _stored_parts(self) -> list[KVSummary]:
+        """`stored()` as the parts it concatenates (a stream's sink, middle and window apart)."""
+        if isinstance(self.front, Stream):
+            front = self.front.summary_parts()
+        elif isinstance(self.front, (SlotBuffer, QuantizedSummary, RaggedSummary)):
+            front = [self.front.summary()]
+        else:
+            front = [self.front] if self.front is not None else []
+        return front + ([self.tail] if self.tail is not None else [])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -140,8 +149,7 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
         else:
-            stored = self.stored()
-            view = concat([stored, new]) if stored is not None else new
+            view = concat([*self._stored_parts(), new])  # one copy of what is stored
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()

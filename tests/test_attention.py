@@ -86,6 +86,26 @@ def test_half_precision_large_logits_are_finite(dtype):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("held", [0, 1, 40])
+def test_causal_tail_equals_query_positions_with_weights_and_empty_slots(held, dtype):
+    """A block over held weighted slots (on the CPU: two flash calls merged by log-sum-exp) is the one masked softmax:
+    a head with no finite held slot, a padded first token in the block and a query that sees nothing included."""
+    nq = 6
+    n = held + nq
+    q, k, v = _qkv(nq=nq, n=n, seed=3, dtype=dtype)
+    log_weights = torch.rand(2, 3, n, generator=torch.Generator().manual_seed(4)).log1p() * 3
+    log_weights[..., held:] = 0.0
+    log_weights[0, 1, :held] = float("-inf")  # every held slot of a head empty
+    log_weights[1, :, held] = float("-inf")  # the block's first token padding: its query sees no slot when nothing is held
+    s = KVSummary(k, v, log_weights, torch.arange(n).expand(2, 3, n))
+    tail = kvc.weighted_attention(q, s, causal_tail=True)
+    ref = kvc.weighted_attention(q.float(), s.to(torch.float32), query_positions=torch.arange(held, n))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(tail.float(), ref, atol=tol, rtol=tol)
+    assert tail.dtype == dtype and torch.isfinite(tail).all()
+
+
 def test_query_chunking_matches_unchunked(monkeypatch):
     import kvcompress.attention as attention
 

@@ -21,6 +21,19 @@ from test_integration import _prompt, tiny
 
 FIXTURE = Path(__file__).parent / "fixtures" / "pinned_outputs.json"
 MODES = ["prefill", "chunked", "decode"]
+# Methods whose choices on these random inputs turn on float32 rounding, which differs between CPUs (their kernels'
+# summation orders): the hybrid's exact set ranks tokens by Compactor's leverage scores, nearly uniform over random
+# keys (neighbouring scores ~1e-6 apart, a relative perturbation of 1e-7 of the keys reorders them). For these only
+# what no ranking moves is pinned: slots and bytes stored, and the summaries' total log-weight (the tokens seen).
+ROUNDING_SENSITIVE = {"hybrid"}
+STABLE_FIELDS = {"slots", "kv_bytes", "peak_kv_bytes", "log_weight_sum"}
+
+
+def _stable(record):
+    """`record` without the fields a reordering of near-tied scores moves (`ROUNDING_SENSITIVE`)."""
+    if isinstance(record, dict):
+        return {k: _stable(v) for k, v in record.items() if isinstance(v, dict) or k in STABLE_FIELDS}
+    return record
 
 
 def _generation(method: str, mode: str) -> dict:
@@ -63,5 +76,7 @@ def test_outputs_are_the_pinned_ones(method):
         pinned = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
         pinned[method] = observed
         FIXTURE.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
-    pinned = json.loads(FIXTURE.read_text())
-    assert observed == pinned[method]
+    pinned = json.loads(FIXTURE.read_text())[method]
+    if method in ROUNDING_SENSITIVE:
+        observed, pinned = _stable(observed), _stable(pinned)
+    assert observed == pinned

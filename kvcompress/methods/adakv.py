@@ -544,15 +544,18 @@ class AdaptiveBlockwiseState(BlockwiseState):
             held = self.slots.view()
             self._refill(held, held[2], held[0].shape[2])
 
+    def summary_parts(self) -> list[KVSummary]:
+        if not self._ragged() or self.kept is None:
+            return super().summary_parts()
+        parts = [self.kept.summary()]
+        if self.slots.length:
+            keys, values, positions, *_ = self.slots.view()
+            parts.append(KVSummary.exact(keys, values, positions))
+        return parts
+
     def summary(self) -> KVSummary | None:
         if self._ragged():
-            if self.kept is None:
-                return super().summary()
-            parts = [self.kept.summary()]
-            if self.slots.length:
-                keys, values, positions, *_ = self.slots.view()
-                parts.append(KVSummary.exact(keys, values, positions))
-            return concat(parts)
+            return super().summary() if self.kept is None else concat(self.summary_parts())
         summary = super().summary()
         if summary is None or self.log_weights is None:
             return summary

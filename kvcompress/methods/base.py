@@ -64,6 +64,12 @@ class StreamState(Saveable, ABC):
     def summary(self) -> KVSummary | None:
         """The current summary (None before any token)."""
 
+    def summary_parts(self) -> list[KVSummary]:
+        """`summary()` as the parts it concatenates, in slot order (none before any token): a caller that adds slots of
+        its own concatenates once instead of twice."""
+        summary = self.summary()
+        return [] if summary is None else [summary]
+
     def compact(self) -> None:
         """End a run of absorbs now (e.g. at the end of a prompt): give back the room reserved for later tokens, or run
         the work that waits for them (ClusterGen's traversal). What is held is within the budget before and after; a

@@ -178,15 +178,21 @@ class Stream(Saveable):
         return tokens_from_columns(self.exact_last, self.exact.view())
 
     def summary(self) -> KVSummary:
+        """Sink, then the middle (the method's summary, or the tokens held exactly), then the window."""
+        return concat(self.summary_parts())
+
+    def summary_parts(self) -> list[KVSummary]:
+        """`summary()` as the parts it concatenates (`StreamState.summary_parts`)."""
         parts = [p.exact() for p in (self.head,) if p is not None]
-        middle = self.state.summary() if self.exact is None else (self.exact_tokens().exact() if self.exact.length else None)
-        if middle is not None:
-            parts.append(middle)
+        if self.exact is None:
+            parts += self.state.summary_parts()
+        elif self.exact.length:
+            parts.append(self.exact_tokens().exact())
         if self.recent is not None and self.recent.length > 0:
             parts.append(self.recent.exact())
         if not parts:
             raise ValueError("the stream has seen no tokens yet")
-        return concat(parts)
+        return parts
 
     def compact(self) -> None:
         """Compact the method's state now (`StreamState.compact`: the room reserved for later tokens given back; a
