@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
+from kvcompress.eval.bench.common import machine_description
 from kvcompress.eval.capture import prose_text
 from kvcompress.integration import build_prompt
 
@@ -91,7 +91,7 @@ def main() -> None:
                    "median_s": round(statistics.median(seconds), 3), "over_plain": round(statistics.median(seconds) / plain, 3),
                    "kv_over_full": round(stored.get((name, mode, ratio), 1.0), 4),
                    "repeats": args.repeats, "new_tokens": args.new_tokens, "threads": args.threads,
-                   "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+                   "machine": machine_description(torch.get_num_threads()),
                    "date": time.strftime("%Y-%m-%d")}
             rows.append(row)
             print(row, flush=True)

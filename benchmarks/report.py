@@ -518,8 +518,8 @@ def cost_section() -> list[str]:
     folder = PREFILL_BENCH
     lines += ["### End-to-end prefill, every method, measured again", "",
               "`kvcompress bench --sections prefill`: the 4k-token `generate` prefill above, each method with 75% removed against "
-              "a plain transformers prefill in the same run, at one thread, with nothing else running but, for about two minutes, "
-              "the report and one test file at low priority.", ""]
+              "a plain transformers prefill in the same run, at one thread, with a one-thread run of the held-out set (kvpress's "
+              "KVzip) on the other core for all but its last minutes.", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
     lines += ["\n".join(bench_markdown(prefill=read_csv(ROOT / folder / "prefill.csv")).splitlines()[2:]).strip(), ""]
     folder = "benchmarks/results/bench/kvzap_overhead"
@@ -568,7 +568,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in the second process after the run above, each process on its own core.",
+     "ratio 0.75, in a run of its own (another process on the other core).",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens): the same measurement as above.",
