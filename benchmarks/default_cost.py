@@ -4,7 +4,8 @@ tokens, on the default model, in one process at one thread count (the ratio is w
 For each context length (real prose, `eval.capture.prose_text`, cut to the length in tokens) the prompt is built once
 (`build_prompt`, the layout `kvc.generate` uses), then, `--repeats` times in turn, a plain greedy `model.generate` of
 those ids and every (method, mode) answer `--new-tokens` tokens (no stop at the end of text, so every call writes as
-many). The median seconds per call and its ratio to the plain generate's median are written to OUT as CSV, with the
+many), after `--warmup` untimed rounds of the same calls (a cell's first call pays one-off costs: first allocations
+of its shapes). The median seconds per call and its ratio to the plain generate's median are written to OUT as CSV, with the
 KV bytes the answer's cache stored ÷ the full cache's for the same tokens (`GenerationResult.kv_bytes`, the peak), the
 machine, threads and date; each `--ratios` value is one more round of every cell:
 
@@ -53,6 +54,7 @@ def main() -> None:
     p.add_argument("--ratios", default="0.75", help="comma-separated compression ratios (each a round of every cell)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every call before the timed ones (default 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -66,12 +68,14 @@ def main() -> None:
         cells = [(m, mode, float(r)) for r in args.ratios.split(",") for m in args.methods.split(",") for mode in args.modes.split(",")]
         times: dict[tuple, list[float]] = {cell: [] for cell in [("plain", "generate", 0.0), *cells]}
         stored: dict[tuple, float] = {}
-        for _ in range(args.repeats):
+        for round_index in range(args.warmup + args.repeats):
+            timed = round_index >= args.warmup
             start = time.perf_counter()
             with torch.no_grad():
                 model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            times[("plain", "generate", 0.0)].append(time.perf_counter() - start)
+            if timed:
+                times[("plain", "generate", 0.0)].append(time.perf_counter() - start)
             for name, mode, ratio in list(cells):
                 method, params, exact = VARIANTS[name]
                 start = time.perf_counter()
@@ -83,7 +87,8 @@ def main() -> None:
                     times.pop((name, mode, ratio), None)
                     cells.remove((name, mode, ratio))
                     continue
-                times[(name, mode, ratio)].append(time.perf_counter() - start)
+                if timed:
+                    times[(name, mode, ratio)].append(time.perf_counter() - start)
                 stored[(name, mode, ratio)] = res.kv_bytes / res.kv_bytes_full
         plain = statistics.median(times[("plain", "generate", 0.0)])
         for (name, mode, ratio), seconds in times.items():

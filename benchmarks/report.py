@@ -557,7 +557,8 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
     ("benchmarks/results/default_cost.csv", "What one answer costs: the default against a plain generate",
      "`benchmarks/default_cost.py`: one answer of 8 tokens with `kvc.generate` and no method named (the default, in each mode "
      "and at each compression ratio) against a plain greedy `model.generate` of the same prompt tokens (`plain`), on real "
-     "prose, every call in turn in one process at one thread: the median seconds per answer, its ratio to the plain "
+     "prose, every call in turn in one process at one thread (after one untimed round where the record says so): the "
+     "median seconds per answer, its ratio to the plain "
      "generate's (`over_plain`), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
      "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens).",
      cost_table),
