@@ -57,7 +57,7 @@ from .model_support import RotaryInverse, attention_scales, check_supported, has
 from .model_support import select_compressed_attention
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
-from .ragged import RaggedSummary, has_empty_slots
+from .ragged import RaggedSummary, concat_parts, has_empty_slots
 from .saved_state import Instance, is_count
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 
@@ -119,13 +119,14 @@ class CompressedLayer(CacheLayerMixin):
     def stored(self) -> KVSummary | None:
         """The layer's stored state as one summary (front then tail), without the pending block."""
         parts = self._stored_parts()
-        return concat(parts) if parts else None
+        return concat_parts(parts) if parts else None
 
-    def _stored_parts(self) -> list[KVSummary]:
-        """`stored()` as the parts it concatenates (a stream's sink, middle and window apart)."""
+    def _stored_parts(self) -> list[KVSummary | RaggedSummary]:
+        """`stored()` as the parts `concat_parts` joins (a stream's sink, middle and window apart; packed slots as they
+        are stored)."""
         if isinstance(self.front, Stream):
             front = self.front.summary_parts()
-        elif isinstance(self.front, (SlotBuffer, QuantizedSummary, RaggedSummary)):
+        elif isinstance(self.front, (SlotBuffer, QuantizedSummary)):
             front = [self.front.summary()]
         else:
             front = [self.front] if self.front is not None else []
@@ -149,7 +150,7 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
         else:
-            view = concat([*self._stored_parts(), new])  # one copy of what is stored
+            view = concat_parts([*self._stored_parts(), new])  # one copy of what is stored
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()

@@ -25,7 +25,7 @@ from functools import cached_property
 import torch
 
 from .saved_state import Maybe, Saveable, Tensor, saved
-from .summary import KVSummary
+from .summary import KVSummary, concat
 
 
 def has_empty_slots(summary: KVSummary) -> bool:
@@ -113,14 +113,17 @@ class RaggedSummary(Saveable):
         """(keys [B, H, m, d], values [B, H, m, d_v], positions [B, H, m] int64, then each of `packed` [T, ...] as
         [B, H, m, ...]): each head's slots first, then empty ones up to the longest head m, with zero keys and values,
         position -1 and `fill` in the extra columns."""
-        b, h = self.counts.shape
         slots = self._slots()
+        columns = ((self.keys, 0), (self.values, 0), (self.positions.long(), -1), *((c, fill) for c in packed))
+        return tuple(self.unpacked(column, value, slots) for column, value in columns)
 
-        def unpack(column: torch.Tensor, value) -> torch.Tensor:
-            out = column.new_full((b * h * self.num_slots, *column.shape[1:]), value)
-            return out.index_copy_(0, slots, column).view(b, h, self.num_slots, *column.shape[1:])
-
-        return (unpack(self.keys, 0), unpack(self.values, 0), unpack(self.positions.long(), -1), *(unpack(c, fill) for c in packed))
+    def unpacked(self, column: torch.Tensor, fill: float, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """A packed column [T, ...] as [B, H, m, ...]: each head's slots first, then `fill` up to the longest head m.
+        slots: `_slots()`, when the caller has it already."""
+        b, h = self.counts.shape
+        out = column.new_full((b * h * self.num_slots, *column.shape[1:]), fill)
+        out.index_copy_(0, self._slots() if slots is None else slots, column)
+        return out.view(b, h, self.num_slots, *column.shape[1:])
 
     def summary(self) -> KVSummary:
         """The padded summary: each head's slots first, then empty ones (log-weight -inf, position -1, zero keys and
@@ -130,6 +133,24 @@ class RaggedSummary(Saveable):
         weights = self.log_weights if self.log_weights is not None else torch.zeros(self.keys.shape[0], device=self.keys.device)
         keys, values, positions, log_weights = self.padded(weights, fill=float("-inf"))
         return KVSummary(keys, values, log_weights, positions)
+
+    def unpack_into(self, keys: torch.Tensor, values: torch.Tensor, log_weights: torch.Tensor, positions: torch.Tensor, at: int) -> None:
+        """Write `summary()` into columns at..at+m of a larger summary's contiguous keys [B, H, W, d], values [B, H, W, d_v],
+        log_weights [B, H, W] and positions [B, H, W] (`concat_parts`): each kept slot copied once, from its packed row."""
+        b, h = self.counts.shape
+        width, m = keys.shape[2], self.num_slots
+        region = slice(at, at + m)
+        for column, fill in ((keys, 0.0), (values, 0.0), (log_weights, float("-inf")), (positions, -1)):
+            column[:, :, region] = fill
+        slots = self._slots()  # head·m + j -> head·W + at + j
+        rows = slots.div(m, rounding_mode="floor") * width + at + slots.remainder(m)
+        keys.view(b * h * width, -1).index_copy_(0, rows, self.keys)
+        values.view(b * h * width, -1).index_copy_(0, rows, self.values)
+        positions.view(-1).index_copy_(0, rows, self.positions.long())
+        if self.log_weights is None:
+            log_weights.view(-1).index_fill_(0, rows, 0.0)
+        else:
+            log_weights.view(-1).index_copy_(0, rows, self.log_weights.to(log_weights.dtype))
 
     def nbytes(self) -> int:
         """KV bytes stored: the packed keys and values, and the per-head counts that locate them (4 bytes per head)."""
@@ -161,3 +182,31 @@ class RaggedSummary(Saveable):
         log_weights = self.log_weights.to(device) if self.log_weights is not None else None
         return RaggedSummary(self.keys.to(device, dtype), self.values.to(device, dtype), log_weights, self.positions.to(device),
                              self.counts.to(device))
+
+
+def concat_parts(parts: list[KVSummary | RaggedSummary]) -> KVSummary:
+    """`summary.concat` of summaries some of which are packed (`RaggedSummary`, as a layer stores AdaKV's kept tokens):
+    each packed part is unpacked straight into its columns of the result (`unpack_into`), so its slots are copied once,
+    not unpacked and then copied again. Parts with a normalizer go through `concat` (a packed summary has none)."""
+    if not any(isinstance(p, RaggedSummary) for p in parts):
+        return concat(parts)
+    if len(parts) == 1 or any(getattr(p, "normalizer", None) is not None for p in parts):
+        return concat([p.summary() if isinstance(p, RaggedSummary) else p for p in parts])
+    rectangle = next((p for p in parts if isinstance(p, KVSummary)), None)
+    b, h = rectangle.keys.shape[:2] if rectangle is not None else parts[0].counts.shape
+    reference = parts[0]
+    widths = [p.num_slots for p in parts]
+    total = sum(widths)
+    keys = reference.keys.new_empty((b, h, total, reference.keys.shape[-1]))
+    values = reference.values.new_empty((b, h, total, reference.values.shape[-1]))
+    log_weights = torch.empty((b, h, total), device=keys.device)
+    positions = torch.empty((b, h, total), dtype=torch.long, device=keys.device)
+    at = 0
+    for part, width in zip(parts, widths):
+        if isinstance(part, RaggedSummary):
+            part.unpack_into(keys, values, log_weights, positions, at)
+        else:
+            for out, column in ((keys, part.keys), (values, part.values), (log_weights, part.log_weights), (positions, part.positions)):
+                out[:, :, at : at + width] = column
+        at += width
+    return KVSummary(keys, values, log_weights, positions, eviction_only=all(p.eviction_only for p in parts))

@@ -16,8 +16,8 @@ from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 from kvcompress.quantization import QuantizedSummary
-from kvcompress.ragged import RaggedSummary, has_empty_slots
-from kvcompress.summary import KVSummary, Normalizer
+from kvcompress.ragged import RaggedSummary, concat_parts, has_empty_slots
+from kvcompress.summary import KVSummary, Normalizer, concat
 
 from test_integration import _prompt, tiny
 
@@ -206,6 +206,26 @@ def test_ragged_summary_packs_unpacks_and_selects_rows():
     assert even.eviction_only and even.summary().eviction_only
     with pytest.raises(ValueError, match="normalizer"):
         RaggedSummary.of(KVSummary(s.keys, s.values, s.log_weights, s.positions, Normalizer(s.keys, s.log_weights, s.positions)))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_concat_parts_unpacks_packed_parts_straight_into_the_view(weighted):
+    """`concat_parts` with packed parts anywhere among rectangular ones equals `concat` of the unpacked summaries; only
+    rectangular parts (or one with a normalizer) go through `concat` itself."""
+    keys, values, queries = _layer(b=2, n=90)
+    s = kvc.compress("adakv", keys, values, queries, budget=12, sink=0, window=0)
+    if weighted:
+        s = KVSummary(s.keys, s.values, s.log_weights.masked_fill(s.log_weights == 0, 0.5), s.positions)
+    packed = RaggedSummary.of(s)
+    exact = KVSummary.exact(keys[:, :, :5], values[:, :, :5], torch.arange(5))
+    block = KVSummary.exact(keys[:, :, 85:], values[:, :, 85:], torch.arange(85, 90))
+    for parts in ([exact, packed, block], [packed, block], [exact, packed], [packed, exact, packed]):
+        got = concat_parts(parts)
+        want = concat([p.summary() if isinstance(p, RaggedSummary) else p for p in parts])
+        for t in ("keys", "values", "log_weights", "positions"):
+            assert torch.equal(getattr(got, t), getattr(want, t)), t
+        assert got.eviction_only == want.eviction_only
+    assert concat_parts([exact, block]).eviction_only and torch.equal(concat_parts([packed]).keys, packed.summary().keys)
 
 
 def _compressed_cache(model, ctx, mode, **kw):

@@ -423,6 +423,41 @@ def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_s
     assert CompressionOptions(method="snapkv", budget=16).compressor.requirements.compresses_a_recorded_prefill
 
 
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_a_recompression_by_entry_scores_keeps_what_one_over_every_held_column_keeps(tmp_path, pre_rope):
+    """`AdaptiveBlockwiseState._recompress_by_entry_scores` (the kept tokens' columns gathered from the packed slots and
+    the buffer, only the scores unpacked) leaves the state `_recompress_held` (every column unpacked to one rectangle)
+    leaves: the same packed keys, values, positions, extra columns, per-head counts and admission rule."""
+    import copy
+
+    from kvcompress.methods.adakv import AdaKV
+
+    _surrogate(width=4).save(tmp_path / "s.safetensors")
+    method = AdaKV(scorer=KVzap(scorer=str(tmp_path / "s.safetensors")), alpha_safeguard=0.2)
+    g = torch.Generator().manual_seed(7)
+    b, h, n, budget = 2, 3, 400, 40
+    keys, values = torch.randn(b, h, n, 4, generator=g), torch.randn(b, h, n, 4, generator=g)
+    scores = torch.randn(b, h, n, generator=g) + torch.linspace(0, 2, h)[:, None]
+    pre = torch.randn(b, h, n, 4, generator=g)
+    state = method.new_stream(budget, torch.Generator(), 0.1)
+    checked = 0
+    for start in range(0, n, 9):
+        stop = min(n, start + 9)
+        state.absorb(Tokens(keys[:, :, start:stop], values[:, :, start:stop], torch.arange(start, stop).expand(b, h, -1),
+                            pre_rope_keys=pre[:, :, start:stop] if pre_rope else None, entry_scores=scores[:, :, start:stop]))
+        if state.kept is not None and state.held_slots() > state.target:
+            gathered, unpacked = copy.deepcopy(state), copy.deepcopy(state)
+            gathered._recompress_by_entry_scores()
+            unpacked._recompress_held(fixed=True)
+            for name in ("keys", "values", "positions", "counts"):
+                assert torch.equal(getattr(gathered.kept, name), getattr(unpacked.kept, name)), name
+            assert len(gathered.kept_extra) == 1 + pre_rope
+            assert all(torch.equal(x, y) for x, y in zip(gathered.kept_extra, unpacked.kept_extra, strict=True))
+            assert all(torch.equal(x, y) for x, y in zip(gathered.admission, unpacked.admission, strict=True))
+            checked += 1
+    assert checked >= 5
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
 def test_a_stream_turns_away_only_tokens_no_later_recompression_could_keep(tmp_path, alpha):
     """AdaKV over entry scores (KVzap's) in a stream: tokens scoring below every head's floor and the row's cutoff of the

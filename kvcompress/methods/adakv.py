@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..checks import as_count
-from ..ragged import RaggedSummary
+from ..ragged import RaggedSummary, concat_parts
 from ..saved_state import Instance, Maybe, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, take_slots
 from .attention_matching import refit_kept
@@ -512,6 +512,15 @@ class AdaptiveBlockwiseState(BlockwiseState):
             return super().recompress(room)
         if self.held_slots() <= self.target:
             return
+        fixed = self.last.entry_scores is not None and self.method.ranks_by_entry_score
+        if fixed and self.kept is not None:
+            self._recompress_by_entry_scores()
+        else:
+            self._recompress_held(fixed)
+
+    def _recompress_held(self, fixed: bool) -> None:
+        """`recompress` in general: every held column unpacked to one rectangle (`_held_columns`), scored by the method
+        (the empty slots -inf), the kept tokens' columns gathered from it. fixed: the scores are the entry scores."""
         columns, empty = self._held_columns()
         held = tokens_from_columns(self.last, columns)
         if self.method.requirements.needs("pre_rope_keys"):
@@ -519,12 +528,40 @@ class AdaptiveBlockwiseState(BlockwiseState):
         scores, _ = self.method.head_scores(held, self.generator)
         if empty is not None:
             scores = scores.masked_fill(empty, -math.inf)
+        kept = self._allocate(scores, fixed)
+        slots = kept.flatten().nonzero().squeeze(1)  # the kept slots of the [B·H·n] rectangle, head after head: packed order
+        self._store([column.flatten(0, 2).index_select(0, slots) for column in columns], kept)
+
+    def _recompress_by_entry_scores(self) -> None:
+        """`recompress` when the ranks are the entry scores (`AdaKV.ranks_by_entry_score`) and a re-compression kept
+        tokens before, with the outcome of `_recompress_held`: only the kept tokens' scores are unpacked to the rectangle the allocation ranks (the kept slots of
+        each head, empty ones to the longest head, then the new tokens: the same scores `head_scores` would give); each
+        stored column of the tokens kept is then gathered at once from the packed slots and the buffer, never unpacked."""
+        new = self.slots.view()
+        kept_scores = self.kept.unpacked(self.kept_extra[-1], -math.inf)  # the entry scores are the last column
+        kept = self._allocate(torch.cat([kept_scores, new[-1].float()], 2), fixed=True)
+        width, old_width = kept.shape[2], self.kept.num_slots
+        slots = kept.flatten().nonzero().squeeze(1)  # packed order, as in `recompress`
+        head, column_index = slots.div(width, rounding_mode="floor"), slots.remainder(width)
+        counts = self.kept.counts.flatten().long()
+        old_source = (counts.cumsum(0) - counts)[head] + column_index
+        new_source = self.kept.keys.shape[0] + head * (width - old_width) + column_index - old_width
+        source = torch.where(column_index < old_width, old_source, new_source)  # into [packed kept slots; buffer rows]
+        old = (self.kept.keys, self.kept.values, self.kept.positions, *self.kept_extra)
+        fresh = (new[0], new[1], new[2].to(torch.int32), *new[3:])
+        self._store([torch.cat([o, f.flatten(0, 2)]).index_select(0, source) for o, f in zip(old, fresh)], kept)
+
+    def _allocate(self, scores: torch.Tensor, fixed: bool) -> torch.Tensor:
+        """kept [B, H, n]: the re-compression's `head_allocation` of the held tokens' scores [B, H, n] (empty slots
+        -inf) to the target; with scores fixed on entry, the `admission` rule it leaves for later tokens."""
         priority, floors = allocation_priority(scores, min(self.method.safeguard(self.target), self.target))
         kept = joint_top(priority, self.target)  # `head_allocation`: more than the target are held
-        fixed = held.entry_scores is not None and self.method.ranks_by_entry_score
         self.admission = (floors, priority.masked_fill(~kept, math.inf).flatten(1).amin(-1)) if fixed else None
-        slots = kept.flatten().nonzero().squeeze(1)  # the kept slots of the [B·H·n] rectangle, head after head: packed order
-        packed = [column.flatten(0, 2).index_select(0, slots) for column in columns]
+        return kept
+
+    def _store(self, packed: list[torch.Tensor], kept: torch.Tensor) -> None:
+        """Keep the packed columns [T, ...] of the tokens `kept` [B, H, n] chose (keys, values, positions, then the
+        extra ones); the buffer starts empty again."""
         self.kept = RaggedSummary(packed[0], packed[1], None, packed[2].to(torch.int32), kept.sum(-1).to(torch.int32))
         self.kept_extra = tuple(packed[3:])
         self.slots = _GrowingSlots()  # the room is allocated with the next token
@@ -544,10 +581,12 @@ class AdaptiveBlockwiseState(BlockwiseState):
             held = self.slots.view()
             self._refill(held, held[2], held[0].shape[2])
 
-    def summary_parts(self) -> list[KVSummary]:
+    def summary_parts(self) -> list[KVSummary | RaggedSummary]:
+        """The kept tokens, packed (a `RaggedSummary`, which `concat_parts` unpacks straight into the view), then the new
+        ones."""
         if not self._ragged() or self.kept is None:
             return super().summary_parts()
-        parts = [self.kept.summary()]
+        parts = [self.kept]
         if self.slots.length:
             keys, values, positions, *_ = self.slots.view()
             parts.append(KVSummary.exact(keys, values, positions))
@@ -555,7 +594,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
 
     def summary(self) -> KVSummary | None:
         if self._ragged():
-            return super().summary() if self.kept is None else concat(self.summary_parts())
+            return super().summary() if self.kept is None else concat_parts(self.summary_parts())
         summary = super().summary()
         if summary is None or self.log_weights is None:
             return summary

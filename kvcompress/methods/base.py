@@ -66,7 +66,7 @@ class StreamState(Saveable, ABC):
 
     def summary_parts(self) -> list[KVSummary]:
         """`summary()` as the parts it concatenates, in slot order (none before any token): a caller that adds slots of
-        its own concatenates once instead of twice."""
+        its own concatenates once instead of twice (`ragged.concat_parts`: a part may be a packed `RaggedSummary`)."""
         summary = self.summary()
         return [] if summary is None else [summary]
 

@@ -11,7 +11,8 @@ import torch
 from ..checks import as_count, check_kv, check_positions, check_scale, describe
 from ..quantization import QuantizedSlots
 from ..saved_state import Count, Device, DType, Generator, Instance, Linked, Maybe, Real, Record, Saveable, saved
-from ..summary import KVSummary, _GrowingSlots, concat
+from ..ragged import concat_parts
+from ..summary import KVSummary, _GrowingSlots
 from .base import Method, StreamState
 from .budget import check_sink_window
 from .tokens import (
@@ -179,7 +180,7 @@ class Stream(Saveable):
 
     def summary(self) -> KVSummary:
         """Sink, then the middle (the method's summary, or the tokens held exactly), then the window."""
-        return concat(self.summary_parts())
+        return concat_parts(self.summary_parts())
 
     def summary_parts(self) -> list[KVSummary]:
         """`summary()` as the parts it concatenates (`StreamState.summary_parts`)."""
