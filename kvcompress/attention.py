@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_queries
+from .ragged import RaggedSummary, concat_parts
 from .summary import KVSummary
 
 # Largest number of mask entries materialised at once (per call); queries are processed in
@@ -175,13 +176,19 @@ def _held_then_block_attention(queries, keys, values, log_weights, scale):
     """Causal-tail attention on the CPU without a per-query mask over the held slots. -> [B, H_q, q, d_v].
 
     queries [B,H_q,q,d]; keys/values [B,H_kv,n,*] whose last q slots are the queries' own block; log_weights
-    [B,H_kv,n] or None. Two flash-attention calls: the queries (GQA group folded into the query axis) over the n - q
-    held slots, every one visible, their log-weights one bias row per head broadcast over the queries (a view: the
-    [B,H_kv,group·q,n] mask of the one-call form is never written); and the queries over their own block, causal.
-    The two are merged by their log-sum-exps in float32, which is the one softmax over all n slots. A head with no
-    finite log-weight among its held slots contributes nothing (the kernel returns 0 and a log-sum-exp of 0 for
-    such a row, so its log-sum-exp is set to -inf here); a query that sees nothing at all gets 0.
+    [B,H_kv,n] or None. The two flash-attention calls of `_held_then_block_parts`, merged by their log-sum-exps in
+    float32 (`_merge_parts`), which is the one softmax over all n slots; a query that sees nothing at all gets 0.
     """
+    return _merge_parts(_held_then_block_parts(queries, keys, values, log_weights, scale), queries.dtype)
+
+
+def _held_then_block_parts(queries, keys, values, log_weights, scale) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`_held_then_block_attention` before the merge: [(output [B,H_q,q,d_v], log-sum-exp [B,H_q,q] float32)] of the
+    queries over the n - q held slots (the GQA group folded into the query axis, every slot visible, the log-weights
+    one bias row per head broadcast over the queries: a view, the [B,H_kv,group·q,n] mask of the one-call form is
+    never written; left out when nothing is held), then over their own block, causal. A head with no finite
+    log-weight among its held slots contributes nothing (the kernel returns 0 and a log-sum-exp of 0 for such a row,
+    so its log-sum-exp is set to -inf here), as does a block slot of log-weight -inf."""
     b, hq, nq, d = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
     group, held = hq // hkv, n - nq
@@ -196,18 +203,73 @@ def _held_then_block_attention(queries, keys, values, log_weights, scale):
         unseen = torch.isneginf(own_weights).int().cummin(-1).values.bool()  # [B, H_kv, q]: its block's slots up to it all empty
         own_lse = own_lse.masked_fill(unseen.repeat_interleave(group, 1), float("-inf"))
     if held == 0:
-        return own.nan_to_num(0.0)
+        return [(own, own_lse)]
     folded = queries.reshape(b, hkv, group * nq, d)
     bias = None if log_weights is None else log_weights[:, :, None, :held].to(queries.dtype).expand(b, hkv, group * nq, held)
     out, lse = _FLASH_WITH_LOGSUMEXP(folded, keys[:, :, :held], values[:, :, :held], 0.0, False, attn_mask=bias, scale=scale)
     lse = lse.reshape(b, hkv, group, nq)
     if log_weights is not None:
         lse = lse.masked_fill(~torch.isfinite(log_weights[:, :, :held]).any(-1)[:, :, None, None], float("-inf"))
-    lse = lse.reshape(b, hq, nq)
-    top = torch.maximum(lse, own_lse).nan_to_num(0.0, neginf=0.0)[..., None]
-    held_share, own_share = (lse[..., None] - top).exp(), (own_lse[..., None] - top).exp()
-    merged = (out.reshape(b, hq, nq, -1).float() * held_share + own.float() * own_share) / (held_share + own_share)
-    return merged.nan_to_num(0.0).to(queries.dtype)
+    return [(out.reshape(b, hq, nq, -1), lse.reshape(b, hq, nq)), (own, own_lse)]
+
+
+def _packed_parts(queries, packed: RaggedSummary, scale) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(output [B,H_q,q,d_v], log-sum-exp [B,H_q,q] float32)]: the queries over a packed summary's slots, every one
+    visible, read where they are stored: one flash-attention call per (batch row, KV head) over its run of packed rows
+    (a view, no copy; the GQA group folded into the query axis), its log-weights one bias row. A head that keeps no
+    slot contributes nothing (output 0, log-sum-exp -inf)."""
+    b, hq, nq, d = queries.shape
+    hkv = packed.counts.shape[1]
+    group, dv = hq // hkv, packed.values.shape[-1]
+    folded = queries.reshape(b, hkv, group * nq, d)
+    out = queries.new_zeros(b, hkv, group * nq, dv)
+    lse = torch.full((b, hkv, group * nq), float("-inf"), device=queries.device)
+    keys, values = packed.keys.to(queries.dtype), packed.values.to(queries.dtype)
+    start = 0
+    for run, count in enumerate(packed.counts.flatten().tolist()):  # one host read of the counts
+        if count:
+            row, head = divmod(run, hkv)
+            rows = slice(start, start + count)
+            bias = None if packed.log_weights is None else \
+                packed.log_weights[rows].to(queries.dtype).view(1, 1, 1, count).expand(1, 1, group * nq, count)
+            o, l = _FLASH_WITH_LOGSUMEXP(folded[row : row + 1, head : head + 1], keys[rows].view(1, 1, count, d),
+                                         values[rows].view(1, 1, count, dv), 0.0, False, attn_mask=bias, scale=scale)
+            out[row, head], lse[row, head] = o[0, 0], l[0, 0]
+        start += count
+    return [(out.reshape(b, hq, nq, dv), lse.reshape(b, hq, nq))]
+
+
+def _merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """One softmax over the union of the parts' slots, from each part's output [B,H_q,q,d_v] and log-sum-exp [B,H_q,q]
+    (-inf: the part shows the query nothing): outputs weighted by exp(lse - max lse), in float32. -> [B,H_q,q,d_v] in
+    `dtype`; a query that sees nothing at all gets 0."""
+    if len(parts) == 1:
+        return parts[0][0].nan_to_num(0.0).to(dtype)
+    top = torch.stack([lse for _, lse in parts]).amax(0).nan_to_num(0.0, neginf=0.0)[..., None]
+    shares = [(lse[..., None] - top).exp() for _, lse in parts]
+    merged = sum(out.float() * share for (out, _), share in zip(parts, shares)) / sum(shares)
+    return merged.nan_to_num(0.0).to(dtype)
+
+
+def packed_then_causal_attention(queries: torch.Tensor, packed: list[RaggedSummary], summary: KVSummary,
+                                 scale: float | None = None) -> torch.Tensor:
+    """`weighted_attention(queries, concat_parts([*packed, summary]), scale, causal_tail=True)` without unpacking the
+    packed summaries: slots every query sees, stored head after head (`RaggedSummary`: a layer's kept tokens when its
+    heads keep different numbers), then `summary`, whose last q slots are the queries' own block. On the CPU each
+    packed summary is attended where it is stored (`_packed_parts`) and `summary` as `_held_then_block_attention`
+    does, the parts merged by their log-sum-exps; elsewhere (no CPU flash kernel, or a normalizer) the packed slots
+    are unpacked into one summary first. -> [B, H_q, q, d_v]."""
+    check_queries(queries, summary.keys, "the summary's keys")
+    if scale is None:
+        scale = 1.0 / math.sqrt(queries.shape[-1])
+    if _FLASH_WITH_LOGSUMEXP is None or queries.device.type != "cpu" or summary.normalizer is not None:
+        return weighted_attention(queries, concat_parts([*packed, summary]), scale, causal_tail=True)
+    if summary.num_slots < queries.shape[2]:
+        raise ValueError(f"the summary must end with the queries' own {queries.shape[2]} tokens; it has {summary.num_slots} slots")
+    log_weights = None if summary.eviction_only else summary.log_weights
+    keys, values = summary.keys.to(queries.dtype), summary.values.to(queries.dtype)
+    parts = [part for p in packed for part in _packed_parts(queries, p, scale)]
+    return _merge_parts(parts + _held_then_block_parts(queries, keys, values, log_weights, scale), queries.dtype)
 
 
 def exact_attention(

@@ -108,6 +108,10 @@ class CompressedLayer(CacheLayerMixin):
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
+        # what the pending block's attention reads: `view` (the stored slots and the block last, one summary) beside the
+        # packed parts of what is stored (`view_packed`, RaggedSummary, attended where they are)
+        self.view: KVSummary | None = None
+        self.view_packed: list[RaggedSummary] = []
         self.seen = 0
         self.budgets: list[int] = []  # the middle budget each batch row was compressed to
         self.stats = LayerStats()
@@ -149,8 +153,11 @@ class CompressedLayer(CacheLayerMixin):
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes() + new.nbytes())
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
-        else:
-            view = concat_parts([*self._stored_parts(), new])  # one copy of what is stored
+            self.view_packed = []
+        else:  # the packed parts stay where they are stored (`attention.packed_then_causal_attention`), the rest is copied once
+            parts = [*self._stored_parts(), new]
+            self.view_packed = [p for p in parts if isinstance(p, RaggedSummary)]
+            view = concat([p for p in parts if not isinstance(p, RaggedSummary)])
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
@@ -189,7 +196,7 @@ class CompressedLayer(CacheLayerMixin):
         keys, values, positions = self.pending
         hidden_states = per_head(hidden_states, keys.shape[1])
         real = self.pending_real
-        self.pending, self.pending_real, self.view = None, None, None
+        self.pending, self.pending_real, self.view, self.view_packed = None, None, None, []
         options = self.cache.options
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:

@@ -106,6 +106,31 @@ def test_causal_tail_equals_query_positions_with_weights_and_empty_slots(held, d
     assert tail.dtype == dtype and torch.isfinite(tail).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nq", [1, 6])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_packed_slots_are_attended_where_they_are_stored(nq, weighted, dtype):
+    """`packed_then_causal_attention` (each packed head's run attended as stored, the parts merged by log-sum-exp) is
+    the causal-tail attention over the packed slots unpacked before the summary: heads that keep different numbers of
+    slots, one that keeps none, weighted packed slots, and a summary of held slots before the block included."""
+    from kvcompress.attention import packed_then_causal_attention
+    from kvcompress.ragged import RaggedSummary, concat_parts
+
+    q, k, v = _qkv(nq=nq, n=30 + 4 + nq, seed=5, dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    log_weights = torch.rand(2, 3, 30, generator=g).log1p() if weighted else torch.zeros(2, 3, 30)
+    log_weights[torch.rand(2, 3, 30, generator=g) < 0.4] = float("-inf")
+    log_weights[1, 2] = float("-inf")  # a head that keeps nothing
+    packed = RaggedSummary.of(KVSummary(k[:, :, :30], v[:, :, :30], log_weights, torch.arange(30).expand(2, 3, 30)))
+    assert (packed.log_weights is None) != weighted and int(packed.counts[1, 2]) == 0
+    rest = KVSummary.exact(k[:, :, 30:], v[:, :, 30:], torch.arange(30, 34 + nq))
+    got = packed_then_causal_attention(q, [packed], rest)
+    want = kvc.weighted_attention(q.float(), concat_parts([packed, rest]).to(torch.float32), causal_tail=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert got.dtype == dtype
+
+
 def test_query_chunking_matches_unchunked(monkeypatch):
     import kvcompress.attention as attention
 

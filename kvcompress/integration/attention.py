@@ -12,18 +12,19 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ..attention import exp_rows_, totals_in_range, weighted_attention
+from ..attention import exp_rows_, packed_then_causal_attention, totals_in_range, weighted_attention
 from ..checks import as_count
 from ..model_support import ATTENTION_NAME, HIDDEN_STATES_ATTRIBUTE, attention_modules, has_padding, keep_hidden_states
 from ..model_support import release_hidden_states
+from ..ragged import concat_parts
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [B,H_q,q,d], key/value as a CompressedCache layer returned them -> ([B,q,H_q,d], None).
 
     Over a CompressedCache layer: weighted attention over its view (log-weights as a bias, causal
-    by original positions, padding slots ignored), then the layer absorbs the new block with these
-    queries. Without one (a sliding-window layer, no cache, a plain forward) the keys are exact and
+    by original positions, padding slots ignored; packed slots read where they are stored,
+    `packed_then_causal_attention`), then the layer absorbs the new block with these queries. Without one (a sliding-window layer, no cache, a plain forward) the keys are exact and
     the model's mask applies (`exact_attention_with_mask`). In the model's dtype; without soft-capping,
     causality comes from the view's layout (`causal_tail`: the block is its last slots), so a decode
     step reads no tensor value on the host.
@@ -34,16 +35,18 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     layer.mask_padding(attention_mask)
-    view = layer.view
+    view, packed = layer.view, layer.view_packed
     progress = layer.cache.progress
     mass = None
     if softcap is None and _compresses_with_attention_mass(layer):
         out, mass = causal_attention_with_mass(query, view.keys, view.values, scaling)
+    elif softcap is None and packed:
+        out = packed_then_causal_attention(query, packed, view, scaling)
     elif softcap is None:
         out = weighted_attention(query, view, scaling, causal_tail=True)
     else:
         query_positions = torch.arange(layer.seen - query.shape[2], layer.seen, device=query.device)
-        out = softcapped_weighted_attention(query, view, scaling, softcap, query_positions)
+        out = softcapped_weighted_attention(query, concat_parts([*packed, view]), scaling, softcap, query_positions)
     layer.commit(query, scaling, attention_mass=mass, hidden_states=hidden_states)
     if progress is not None:
         progress.update(1)
