@@ -569,7 +569,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in a run of its own (another process on the other core).",
+     "ratio 0.75, in a run of its own.",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens): the same measurement as above.",
