@@ -134,24 +134,6 @@ class RaggedSummary(Saveable):
         keys, values, positions, log_weights = self.padded(weights, fill=float("-inf"))
         return KVSummary(keys, values, log_weights, positions)
 
-    def unpack_into(self, keys: torch.Tensor, values: torch.Tensor, log_weights: torch.Tensor, positions: torch.Tensor, at: int) -> None:
-        """Write `summary()` into columns at..at+m of a larger summary's contiguous keys [B, H, W, d], values [B, H, W, d_v],
-        log_weights [B, H, W] and positions [B, H, W] (`concat_parts`): each kept slot copied once, from its packed row."""
-        b, h = self.counts.shape
-        width, m = keys.shape[2], self.num_slots
-        region = slice(at, at + m)
-        for column, fill in ((keys, 0.0), (values, 0.0), (log_weights, float("-inf")), (positions, -1)):
-            column[:, :, region] = fill
-        slots = self._slots()  # head·m + j -> head·W + at + j
-        rows = slots.div(m, rounding_mode="floor") * width + at + slots.remainder(m)
-        keys.view(b * h * width, -1).index_copy_(0, rows, self.keys)
-        values.view(b * h * width, -1).index_copy_(0, rows, self.values)
-        positions.view(-1).index_copy_(0, rows, self.positions.long())
-        if self.log_weights is None:
-            log_weights.view(-1).index_fill_(0, rows, 0.0)
-        else:
-            log_weights.view(-1).index_copy_(0, rows, self.log_weights.to(log_weights.dtype))
-
     def nbytes(self) -> int:
         """KV bytes stored: the packed keys and values, and the per-head counts that locate them (4 bytes per head)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.counts))
@@ -186,27 +168,5 @@ class RaggedSummary(Saveable):
 
 def concat_parts(parts: list[KVSummary | RaggedSummary]) -> KVSummary:
     """`summary.concat` of summaries some of which are packed (`RaggedSummary`, as a layer stores AdaKV's kept tokens):
-    each packed part is unpacked straight into its columns of the result (`unpack_into`), so its slots are copied once,
-    not unpacked and then copied again. Parts with a normalizer go through `concat` (a packed summary has none)."""
-    if not any(isinstance(p, RaggedSummary) for p in parts):
-        return concat(parts)
-    if len(parts) == 1 or any(getattr(p, "normalizer", None) is not None for p in parts):
-        return concat([p.summary() if isinstance(p, RaggedSummary) else p for p in parts])
-    rectangle = next((p for p in parts if isinstance(p, KVSummary)), None)
-    b, h = rectangle.keys.shape[:2] if rectangle is not None else parts[0].counts.shape
-    reference = parts[0]
-    widths = [p.num_slots for p in parts]
-    total = sum(widths)
-    keys = reference.keys.new_empty((b, h, total, reference.keys.shape[-1]))
-    values = reference.values.new_empty((b, h, total, reference.values.shape[-1]))
-    log_weights = torch.empty((b, h, total), device=keys.device)
-    positions = torch.empty((b, h, total), dtype=torch.long, device=keys.device)
-    at = 0
-    for part, width in zip(parts, widths):
-        if isinstance(part, RaggedSummary):
-            part.unpack_into(keys, values, log_weights, positions, at)
-        else:
-            for out, column in ((keys, part.keys), (values, part.values), (log_weights, part.log_weights), (positions, part.positions)):
-                out[:, :, at : at + width] = column
-        at += width
-    return KVSummary(keys, values, log_weights, positions, eviction_only=all(p.eviction_only for p in parts))
+    each packed part unpacked (`summary()`) where it stands."""
+    return concat([p.summary() if isinstance(p, RaggedSummary) else p for p in parts])

@@ -209,9 +209,9 @@ def test_ragged_summary_packs_unpacks_and_selects_rows():
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_concat_parts_unpacks_packed_parts_straight_into_the_view(weighted):
-    """`concat_parts` with packed parts anywhere among rectangular ones equals `concat` of the unpacked summaries; only
-    rectangular parts (or one with a normalizer) go through `concat` itself."""
+def test_concat_parts_joins_packed_parts_as_the_summaries_they_pack(weighted):
+    """`concat_parts` with packed parts anywhere among rectangular ones equals `concat` of the padded summaries they were
+    packed from (the compressed summary ends each head with its empty slots, as unpacking does)."""
     keys, values, queries = _layer(b=2, n=90)
     s = kvc.compress("adakv", keys, values, queries, budget=12, sink=0, window=0)
     if weighted:
@@ -221,11 +221,11 @@ def test_concat_parts_unpacks_packed_parts_straight_into_the_view(weighted):
     block = KVSummary.exact(keys[:, :, 85:], values[:, :, 85:], torch.arange(85, 90))
     for parts in ([exact, packed, block], [packed, block], [exact, packed], [packed, exact, packed]):
         got = concat_parts(parts)
-        want = concat([p.summary() if isinstance(p, RaggedSummary) else p for p in parts])
+        want = concat([s if p is packed else p for p in parts])
         for t in ("keys", "values", "log_weights", "positions"):
             assert torch.equal(getattr(got, t), getattr(want, t)), t
         assert got.eviction_only == want.eviction_only
-    assert concat_parts([exact, block]).eviction_only and torch.equal(concat_parts([packed]).keys, packed.summary().keys)
+    assert concat_parts([exact, block]).eviction_only and torch.equal(concat_parts([packed]).keys, s.keys)
 
 
 def _compressed_cache(model, ctx, mode, **kw):

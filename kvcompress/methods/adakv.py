@@ -534,9 +534,10 @@ class AdaptiveBlockwiseState(BlockwiseState):
 
     def _recompress_by_entry_scores(self) -> None:
         """`recompress` when the ranks are the entry scores (`AdaKV.ranks_by_entry_score`) and a re-compression kept
-        tokens before, with the outcome of `_recompress_held`: only the kept tokens' scores are unpacked to the rectangle the allocation ranks (the kept slots of
-        each head, empty ones to the longest head, then the new tokens: the same scores `head_scores` would give); each
-        stored column of the tokens kept is then gathered at once from the packed slots and the buffer, never unpacked."""
+        tokens before, with the outcome of `_recompress_held`: only the kept tokens' scores are unpacked to the
+        rectangle the allocation ranks (the kept slots of each head, empty ones to the longest head, then the new
+        tokens: the same scores `head_scores` would give); each stored column of the tokens kept is then gathered at
+        once from the packed slots and the buffer, never unpacked."""
         new = self.slots.view()
         kept_scores = self.kept.unpacked(self.kept_extra[-1], -math.inf)  # the entry scores are the last column
         kept = self._allocate(torch.cat([kept_scores, new[-1].float()], 2), fixed=True)
@@ -582,8 +583,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
             self._refill(held, held[2], held[0].shape[2])
 
     def summary_parts(self) -> list[KVSummary | RaggedSummary]:
-        """The kept tokens, packed (a `RaggedSummary`, which `concat_parts` unpacks straight into the view), then the new
-        ones."""
+        """The kept tokens, packed (a `RaggedSummary`: attention reads it where it is stored), then the new ones."""
         if not self._ragged() or self.kept is None:
             return super().summary_parts()
         parts = [self.kept]
