@@ -245,10 +245,12 @@ def _merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dt
     `dtype`; a query that sees nothing at all gets 0."""
     if len(parts) == 1:
         return parts[0][0].nan_to_num(0.0).to(dtype)
-    top = torch.stack([lse for _, lse in parts]).amax(0).nan_to_num(0.0, neginf=0.0)[..., None]
-    shares = [(lse[..., None] - top).exp() for _, lse in parts]
-    merged = sum(out.float() * share for (out, _), share in zip(parts, shares)) / sum(shares)
-    return merged.nan_to_num(0.0).to(dtype)
+    lses = torch.stack([lse for _, lse in parts]).float()  # [parts, B, H_q, q]
+    shares = lses.sub_(lses.amax(0).nan_to_num_(0.0, neginf=0.0)).exp_().unsqueeze(-1)
+    merged = torch.mul(parts[0][0], shares[0], out=torch.empty(parts[0][0].shape, dtype=torch.float32, device=shares.device))
+    for (out, _), share in zip(parts[1:], shares[1:]):
+        merged.addcmul_(out.float(), share)
+    return merged.div_(shares.sum(0)).nan_to_num_(0.0).to(dtype)
 
 
 def packed_then_causal_attention(queries: torch.Tensor, packed: list[RaggedSummary], summary: KVSummary,

@@ -25,6 +25,19 @@ from .tokens import Tokens, cat_tokens
 _MAX_GRAM = 1 << 25
 
 
+def squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """‖x‖² over the last axis of float32 x [..., d] -> [...] (the norm's own reduction, a few times faster on the CPU
+    than squaring and summing over a short last axis)."""
+    return torch.linalg.vector_norm(x, dim=-1).square_()
+
+
+def dots(points: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """<x, c> [G, n, m] of points [G, n, d] and centres [G, m, d]: one batched matmul with the points as its wide
+    right-hand side (centres · pointsᵀ, a transposed view), which the CPU runs about twice as fast as points ·
+    centresᵀ when m is small."""
+    return torch.bmm(centres, points.transpose(1, 2)).transpose(1, 2)
+
+
 def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy k-center (farthest-first traversal), batched over the leading axis.
 
@@ -41,7 +54,7 @@ def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = No
     g, n, _ = x.shape
     rows = torch.arange(g, device=x.device)
     index = torch.zeros(g, k, dtype=torch.long, device=x.device)
-    sq_norms = x.square().sum(-1)
+    sq_norms = squared_norms(x)
     if g * n * n <= _MAX_GRAM:  # every squared distance at once: row c holds ‖x‖² − 2<x, x_c> + ‖x_c‖², one gather per step
         table = torch.bmm(x, x.transpose(1, 2)).mul_(-2.0).add_(sq_norms[:, None, :]).add_(sq_norms[:, :, None]).clamp_min_(0.0)
 
@@ -50,7 +63,7 @@ def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = No
     else:
 
         def sq_distance_to(centre: torch.Tensor) -> torch.Tensor:
-            dot = torch.bmm(x, x[rows, centre].unsqueeze(-1)).squeeze(-1)
+            dot = dots(x, x[rows, centre].unsqueeze(1)).squeeze(-1)
             return (sq_norms - 2.0 * dot + sq_norms[rows, centre][:, None]).clamp_min(0.0)
 
     nearest = sq_distance_to(index[:, 0])

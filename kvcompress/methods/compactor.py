@@ -105,26 +105,29 @@ def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale
     group = hq // hkv
     chunk_size = min(chunk_size, n)  # fewer tokens than a chunk: one chunk of n
     q = queries.float().unflatten(1, (hkv, group))  # [B, H_kv, group, n, d]
-    k = keys.float().unsqueeze(2)  # [B, H_kv, 1, n, d]: one key head for its group
-    sums, total_range = _chunk_column_sums(q, k, scale, chunk_size, shifted=False)
+    k = keys.float() * scale  # [B, H_kv, n, d]: one key head for its group
+    sums, total_range = _chunk_column_sums(q, k, chunk_size, shifted=False)
     if not totals_in_range(total_range):
-        sums, _ = _chunk_column_sums(q, k, scale, chunk_size, shifted=True)
+        sums, _ = _chunk_column_sums(q, k, chunk_size, shifted=True)
     return sums.div_(group)
 
 
-def _chunk_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, chunk_size: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_column_sums(q: torch.Tensor, k: torch.Tensor, chunk_size: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(column sums [B,H_kv,n] of each chunk's softmax rows, summed over the group; the largest |log2| of a
-    row's total) for q [B,H_kv,group,n,d] and k [B,H_kv,1,n,d] (`chunked_noncausal_attention`)."""
-    b, hkv, group, n, _ = q.shape
+    row's total) for q [B,H_kv,group,n,d] and scaled keys k [B,H_kv,n,d] (`chunked_noncausal_attention`). A chunk's
+    queries of one KV group are the rows of one matrix (a copy of group x chunk_size rows), so each KV head's
+    logits are one product."""
+    b, hkv, group, n, d = q.shape
     out = torch.empty(b, hkv, n, device=q.device)
     workspace = torch.empty(b * hkv * group * chunk_size * chunk_size, device=q.device)
     total_range = torch.zeros((), device=q.device)
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
-        logits = workspace[: b * hkv * group * (hi - lo) ** 2].view(b, hkv, group, hi - lo, hi - lo)
-        torch.matmul(q[..., lo:hi, :], (k[..., lo:hi, :] * scale).transpose(-1, -2), out=logits)
+        rows = group * (hi - lo)
+        logits = workspace[: b * hkv * rows * (hi - lo)].view(b, hkv, rows, hi - lo)
+        torch.matmul(q[..., lo:hi, :].reshape(b, hkv, rows, d), k[..., lo:hi, :].transpose(-1, -2), out=logits)
         probs, inverse, chunk_range = exp_rows_(logits, shifted)
-        torch.sum(torch.matmul(inverse.transpose(-1, -2), probs), (2, 3), out=out[:, :, lo:hi])
+        torch.matmul(inverse.transpose(-1, -2), probs, out=out[:, :, lo:hi].unsqueeze(2))
         total_range = torch.maximum(total_range, chunk_range)
     return out, total_range
 

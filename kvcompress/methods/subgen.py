@@ -18,7 +18,7 @@ from ..checks import as_count
 from ..saved_state import Count, Generator, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary
 from .base import Method, StreamState
-from .clustergen import farthest_point
+from .clustergen import dots, farthest_point, squared_norms
 from .registry import register
 from .tokens import Tokens
 
@@ -35,10 +35,12 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.reshape(g * n, *x.shape[2:]).index_select(0, flat).reshape(*index.shape, *x.shape[2:])
 
 
-def _distances(points: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
-    """Euclidean distances [G, n, m] between points [G, n, d] and centres [G, m, d] (float32, via one matmul)."""
-    sq = points.square().sum(-1, keepdim=True) + centres.square().sum(-1).unsqueeze(1)
-    return sq.sub_(2.0 * torch.bmm(points, centres.transpose(1, 2))).clamp_min_(0.0).sqrt_()
+def _distances(points: torch.Tensor, centres: torch.Tensor, points_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """Euclidean distances [G, n, m] between points [G, n, d] and centres [G, m, d] (float32, via one matmul);
+    points_sq [G, n], the points' squared norms, when the caller has them."""
+    points_sq = squared_norms(points) if points_sq is None else points_sq
+    sq = points_sq.unsqueeze(-1) + squared_norms(centres).unsqueeze(1)
+    return sq.sub_(dots(points, centres).mul_(2.0)).clamp_min_(0.0).sqrt_()
 
 
 @saved("subgen_state")
@@ -143,7 +145,7 @@ class SubGenState(StreamState):
         if self.shape is None:
             self.shape = (b, h)
             self._init(keys, values)
-        sq = values.float().pow(2).sum(-1)
+        sq = squared_norms(values.float())
         rows, slots, pick = self._reservoir(sq, self.mu, self.s)
         for store, source in ((self.num_keys, keys), (self.num_values, values), (self.num_pos, positions), (self.num_sq, sq)):
             store[rows, slots] = source[rows, pick]
@@ -184,17 +186,19 @@ class SubGenState(StreamState):
         g, n, _ = x.shape
         rows = torch.arange(g, device=x.device)
         columns = torch.arange(self.cap, device=x.device)
-        dist = _distances(x, self.centres.float()).masked_fill_((columns[None] >= self.live[:, None])[:, None, :], float("inf"))
+        x_sq = squared_norms(x)
+        dist = _distances(x, self.centres.float(), x_sq).masked_fill_((columns[None] >= self.live[:, None])[:, None, :], float("inf"))
         dist, nearest = dist.min(-1)
         if not bool((dist > self.delta[:, None]).any()):
             return nearest
         for _ in range(min(self.cap, n)):
-            far = torch.where(dist > self.delta[:, None], dist, torch.full_like(dist, -1.0))
-            best_dist, best = far.max(-1)
+            best_dist, best = dist.masked_fill(dist <= self.delta[:, None], -1.0).max(-1)
             opens = (best_dist > self.delta) & (self.live < self.cap)
+            if not bool(opens.any()):  # nothing changed: no later step opens one either
+                break
             col = self.live.clamp_max(self.cap - 1)
             self._set_centre(rows, col, opens, keys[rows, best], values[rows, best], positions[rows, best])
-            new_dist = (x - x[rows, best].unsqueeze(1)).norm(dim=-1)
+            new_dist = _distances(x, x[rows, best].unsqueeze(1), x_sq).squeeze(-1)
             closer = opens[:, None] & (new_dist <= dist)
             dist = torch.where(closer, new_dist, dist)
             nearest = torch.where(closer, col[:, None], nearest)
