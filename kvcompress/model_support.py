@@ -110,20 +110,32 @@ class RotaryInverse:
     RoPE maps halves (x1, x2) to (x1·cos − x2·sin, x2·cos + x1·sin); the inverse is written half by
     half into one output, the same products and sums as the forward formula with −sin, with two
     half-size temporaries instead of five full-size ones. Partial rotary (Phi-3) rotates a prefix
-    of the channels and leaves the rest as they are.
+    of the channels and leaves the rest as they are. The angles of the last call are kept and
+    reused while the positions, batch shape and dtype repeat (every layer of one forward).
     """
 
     def __init__(self, model):
         self.rotary, self.extra = find_rotary_embedding(model)
+        self._last: tuple | None = None  # (positions, shape, dtype, cos, sin) of the last call
 
-    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _angles(self, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) broadcastable to keys [B,H,n,·] at positions [n] or [B,H,n], in the keys' dtype."""
         b, h, n, _ = keys.shape
+        last = self._last
+        if (last is not None and last[1:3] == (keys.shape[:3], keys.dtype) and last[0].shape == positions.shape
+                and last[0].device == positions.device and torch.equal(last[0], positions)):
+            return last[3], last[4]
         if positions.ndim == 1:
             cos, sin = self.rotary(keys, positions[None].expand(b, -1), **self.extra)
             cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
         else:
             cos, sin = self.rotary(keys, positions.reshape(b * h, n), **self.extra)
             cos, sin = cos.view(b, h, n, -1).to(keys.dtype), sin.view(b, h, n, -1).to(keys.dtype)
+        self._last = (positions.clone(), keys.shape[:3], keys.dtype, cos, sin)
+        return cos, sin
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._angles(keys, positions)
         width = cos.shape[-1]
         half = width // 2
         first, second = keys[..., :half], keys[..., half:width]

@@ -168,12 +168,13 @@ def test_pre_rope_keys_are_recovered():
 
 
 def test_pre_rope_keys_for_a_batch_several_positions_and_bfloat16():
+    """One inverse over calls that repeat the last call's positions (its angles reused) and change them."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = tiny()
     unrotate = RotaryInverse(model)
-    k = torch.randn(2, 2, 10, 16)
-    for start, dtype in [(5, torch.float32), (7, torch.float32), (5, torch.bfloat16)]:
+    for start, dtype in [(5, torch.float32), (5, torch.float32), (7, torch.float32), (5, torch.bfloat16), (5, torch.float32)]:
+        k = torch.randn(2, 2, 10, 16)
         pos = torch.arange(start, start + 10)
         cos, sin = model.model.rotary_emb(k, pos[None].expand(2, -1))
         _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
