@@ -518,8 +518,8 @@ def cost_section() -> list[str]:
     folder = PREFILL_BENCH
     lines += ["### End-to-end prefill, every method, measured again", "",
               "`kvcompress bench --sections prefill`: the 4k-token `generate` prefill above, each method with 75% removed against "
-              "a plain transformers prefill in the same run, at one thread, with a one-thread run of the held-out set (kvpress's "
-              "KVzip) on the other core for all but its last minutes.", ""]
+              "a plain transformers prefill in the same run, at one thread, with nothing else running (the load average at "
+              "its start is that of a test run that had just ended).", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
     lines += ["\n".join(bench_markdown(prefill=read_csv(ROOT / folder / "prefill.csv")).splitlines()[2:]).strip(), ""]
     folder = "benchmarks/results/bench/kvzap_overhead"
