@@ -247,7 +247,7 @@ def _merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dt
         return parts[0][0].nan_to_num(0.0).to(dtype)
     lses = torch.stack([lse for _, lse in parts]).float()  # [parts, B, H_q, q]
     shares = lses.sub_(lses.amax(0).nan_to_num_(0.0, neginf=0.0)).exp_().unsqueeze(-1)
-    merged = torch.mul(parts[0][0], shares[0], out=torch.empty(parts[0][0].shape, dtype=torch.float32, device=shares.device))
+    merged = parts[0][0].float() * shares[0]
     for (out, _), share in zip(parts[1:], shares[1:]):
         merged.addcmul_(out.float(), share)
     return merged.div_(shares.sum(0)).nan_to_num_(0.0).to(dtype)

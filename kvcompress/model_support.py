@@ -116,22 +116,23 @@ class RotaryInverse:
 
     def __init__(self, model):
         self.rotary, self.extra = find_rotary_embedding(model)
-        self._last: tuple | None = None  # (positions, shape, dtype, cos, sin) of the last call
+        self._last_call: tuple | None = None  # (keys' [B,H,n] and dtype, positions' shape and device) of the last call
+        self._last_positions: torch.Tensor | None = None
+        self._last_angles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _angles(self, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) broadcastable to keys [B,H,n,·] at positions [n] or [B,H,n], in the keys' dtype."""
         b, h, n, _ = keys.shape
-        last = self._last
-        if (last is not None and last[1:3] == (keys.shape[:3], keys.dtype) and last[0].shape == positions.shape
-                and last[0].device == positions.device and torch.equal(last[0], positions)):
-            return last[3], last[4]
+        call = (keys.shape[:3], keys.dtype, positions.shape, positions.device)
+        if call == self._last_call and torch.equal(self._last_positions, positions):
+            return self._last_angles
         if positions.ndim == 1:
             cos, sin = self.rotary(keys, positions[None].expand(b, -1), **self.extra)
             cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
         else:
             cos, sin = self.rotary(keys, positions.reshape(b * h, n), **self.extra)
             cos, sin = cos.view(b, h, n, -1).to(keys.dtype), sin.view(b, h, n, -1).to(keys.dtype)
-        self._last = (positions.clone(), keys.shape[:3], keys.dtype, cos, sin)
+        self._last_call, self._last_positions, self._last_angles = call, positions.clone(), (cos, sin)
         return cos, sin
 
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

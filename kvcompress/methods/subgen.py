@@ -18,7 +18,7 @@ from ..checks import as_count
 from ..saved_state import Count, Generator, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary
 from .base import Method, StreamState
-from .clustergen import dots, farthest_point, squared_norms
+from .clustergen import farthest_point, squared_distances, squared_norms
 from .registry import register
 from .tokens import Tokens
 
@@ -36,11 +36,8 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _distances(points: torch.Tensor, centres: torch.Tensor, points_sq: torch.Tensor | None = None) -> torch.Tensor:
-    """Euclidean distances [G, n, m] between points [G, n, d] and centres [G, m, d] (float32, via one matmul);
-    points_sq [G, n], the points' squared norms, when the caller has them."""
-    points_sq = squared_norms(points) if points_sq is None else points_sq
-    sq = points_sq.unsqueeze(-1) + squared_norms(centres).unsqueeze(1)
-    return sq.sub_(dots(points, centres).mul_(2.0)).clamp_min_(0.0).sqrt_()
+    """Euclidean distances [G, n, m] between float32 points [G, n, d] and centres [G, m, d] (`squared_distances`)."""
+    return squared_distances(points, centres, points_sq).sqrt_()
 
 
 @saved("subgen_state")
