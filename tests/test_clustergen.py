@@ -9,7 +9,8 @@ import kvcompress as kvc
 from kvcompress.methods.budget import stream_split
 from kvcompress.methods.clustergen import ClusterGenState
 from kvcompress.methods.budget import DEFAULT_SLACK
-from kvcompress.methods.clustergen import block_centres, farthest_point
+from kvcompress.methods import clustergen
+from kvcompress.methods.clustergen import block_centres, farthest_point, squared_distances, squared_norms
 
 torch.set_num_threads(1)
 
@@ -128,6 +129,22 @@ def _farthest_point_per_step(points, k):
 def test_distance_table_reproduces_the_per_step_traversal():
     points = torch.randn(6, 300, 64, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.5, 4, 64)
     assert torch.equal(farthest_point(points, 150)[0], _farthest_point_per_step(points, 150))
+
+
+def test_squared_distances_and_traversal_take_the_callers_norms(monkeypatch):
+    """Squared norms the caller hands on give the same distances and the same traversal, bit for bit, on the table
+    path and on the per-step path (a step's centre norm read from the points' own)."""
+    gen = torch.Generator().manual_seed(3)
+    points, centres = torch.randn(3, 500, 64, generator=gen) * 2, torch.randn(3, 7, 64, generator=gen)
+    given = squared_distances(points, centres, squared_norms(points), squared_norms(centres))
+    assert torch.equal(given, squared_distances(points, centres))
+    torch.testing.assert_close(given, torch.cdist(points, centres).square(), rtol=1e-4, atol=1e-3)
+    valid = torch.rand(3, 500, generator=gen) < 0.7
+    valid[:, 0] = True
+    for max_gram in (clustergen._MAX_GRAM, 0):  # the table of every pair, then one matrix-vector product per step
+        monkeypatch.setattr(clustergen, "_MAX_GRAM", max_gram)
+        own, handed = farthest_point(points, 40, valid), farthest_point(points, 40, valid, squared_norms(points))
+        assert torch.equal(own[0], handed[0]) and torch.equal(own[1], handed[1])
 
 
 @pytest.mark.parametrize("n,budget,block,equal", [(1000, 250, 128, True), (777, 500, 50, True), (600, 8, 50, False), (3000, 1500, 128, True),

@@ -35,9 +35,10 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.reshape(g * n, *x.shape[2:]).index_select(0, flat).reshape(*index.shape, *x.shape[2:])
 
 
-def _distances(points: torch.Tensor, centres: torch.Tensor, points_sq: torch.Tensor | None = None) -> torch.Tensor:
+def _distances(points: torch.Tensor, centres: torch.Tensor, points_sq: torch.Tensor | None = None,
+               centres_sq: torch.Tensor | None = None) -> torch.Tensor:
     """Euclidean distances [G, n, m] between float32 points [G, n, d] and centres [G, m, d] (`squared_distances`)."""
-    return squared_distances(points, centres, points_sq).sqrt_()
+    return squared_distances(points, centres, points_sq, centres_sq).sqrt_()
 
 
 @saved("subgen_state")
@@ -195,14 +196,14 @@ class SubGenState(StreamState):
                 break
             col = self.live.clamp_max(self.cap - 1)
             self._set_centre(rows, col, opens, keys[rows, best], values[rows, best], positions[rows, best])
-            new_dist = _distances(x, x[rows, best].unsqueeze(1), x_sq).squeeze(-1)
+            new_dist = _distances(x, x[rows, best].unsqueeze(1), x_sq, x_sq[rows, best].unsqueeze(1)).squeeze(-1)
             closer = opens[:, None] & (new_dist <= dist)
             dist = torch.where(closer, new_dist, dist)
             nearest = torch.where(closer, col[:, None], nearest)
             self.live = self.live + opens.long()
         uncovered = dist > self.delta[:, None]
         if bool(uncovered.any()):
-            nearest = self._double(x, keys, values, positions, nearest, uncovered)
+            nearest = self._double(x, x_sq, keys, values, positions, nearest, uncovered)
         return nearest
 
     def _set_centre(self, rows, col, mask, key, value, position) -> None:
@@ -212,28 +213,34 @@ class SubGenState(StreamState):
         self.centre_values[rows, col] = torch.where(m, value, self.centre_values[rows, col])
         self.centre_pos[rows, col] = torch.where(mask, position, self.centre_pos[rows, col])
 
-    def _double(self, x, keys, values, positions, nearest, uncovered) -> torch.Tensor:
-        """Cap rule on the rows with uncovered keys: k-center at cap // 2 over live centres + uncovered keys, δ doubling, merge. Returns the block's cluster columns."""
+    def _double(self, x, x_sq, keys, values, positions, nearest, uncovered) -> torch.Tensor:
+        """Cap rule on the rows with uncovered keys: k-center at cap // 2 over live centres + uncovered keys, δ doubling, merge.
+        x [G, n, d] the block's float32 keys, x_sq [G, n] their squared norms. Returns the block's cluster columns."""
         need = uncovered.any(-1)
         g = x.shape[0]
         k = max(1, self.cap // 2)
-        points = torch.cat([self.centres.float(), x], 1)
+        centres = self.centres.float()
+        points = torch.cat([centres, x], 1)
+        points_sq = torch.cat([squared_norms(centres), x_sq], 1)
         valid = torch.cat([torch.arange(self.cap, device=x.device)[None] < self.live[:, None], uncovered], 1)
-        chosen, spread = farthest_point(points, k, valid)
+        chosen, spread = farthest_point(points, k, valid, points_sq)
         radius = spread.masked_fill(~valid, float("-inf")).amax(-1).clamp_min(0.0)
         self.delta = torch.where(need, torch.maximum(2 * self.delta, radius), self.delta)
         new_centres = _gather_rows(points, chosen)
-        owner = _distances(points, new_centres).argmin(-1)  # [G, cap + n]: kept centre nearest to each point
+        # [G, cap + n]: the kept centre nearest to each point (see `squared_distances`: min's indices, the first of
+        # equal minima, as argmin's)
+        owner = squared_distances(points, new_centres, points_sq, points_sq.gather(1, chosen)).min(-1).indices
         old_to_new = owner[:, : self.cap]
         block_owner = torch.where(uncovered, owner[:, self.cap :], old_to_new.gather(1, nearest))
-        all_values = torch.cat([self.centre_values, values], 1)
-        all_pos = torch.cat([self.centre_pos, positions], 1)
         counts = torch.zeros_like(self.counts).scatter_add_(1, old_to_new, self.counts)
         cols = torch.arange(self.cap, device=x.device).clamp_max(k - 1)
+        source = chosen.gather(1, cols[None].expand(g, -1))  # [G, cap] into [centres; block]
+        from_centre = source < self.cap
         merged = (
             torch.cat([new_centres, new_centres.new_zeros(g, self.cap - k, x.shape[-1])], 1).to(keys.dtype),
-            _gather_rows(all_values, chosen.gather(1, cols[None].expand(g, -1))),
-            all_pos.gather(1, chosen.gather(1, cols[None].expand(g, -1))),
+            torch.where(from_centre[..., None], _gather_rows(self.centre_values, source.clamp_max(self.cap - 1)),
+                        _gather_rows(values, (source - self.cap).clamp_min(0))),
+            torch.where(from_centre, self.centre_pos.gather(1, source.clamp_max(self.cap - 1)), positions.gather(1, (source - self.cap).clamp_min(0))),
         )
         n_row = need[:, None]
         self.centres = torch.where(n_row[..., None], merged[0], self.centres)
