@@ -380,11 +380,12 @@ def _merge_lightest(keys, values, positions, log_weights, generator: torch.Gener
 
 
 def _outlier_mask(keys: torch.Tensor, count: int) -> torch.Tensor:
-    """[B,H,n] True for the `count` keys with the lowest mean inner product with the other keys (the paper's Sec. 4.3)."""
+    """[B,H,n] True for the `count` keys with the lowest mean inner product with the other keys (the paper's Sec. 4.3):
+    <k_i, Σ_j k_j − k_i> / (n − 1), one matrix-vector product and the keys' squared norms (no [B,H,n,d] temporary)."""
     keys = keys.float()
     n = keys.shape[2]
-    others = (keys.sum(2, keepdim=True) - keys) / max(n - 1, 1)
-    score = (keys * others).sum(-1)
+    total = keys.sum(2, keepdim=True)  # [B,H,1,d]
+    score = (keys @ total.transpose(-1, -2)).squeeze(-1).sub_(torch.linalg.vector_norm(keys, dim=-1).square_()).div_(max(n - 1, 1))
     index = score.topk(count, dim=-1, largest=False).indices
     return torch.zeros(score.shape, dtype=torch.bool, device=keys.device).scatter(-1, index, True)
 
