@@ -34,6 +34,7 @@ import kvpress_side_by_side as harness  # noqa: E402
 import prompt_layout  # noqa: E402
 import quantized_storage  # noqa: E402
 import kvzap_default  # noqa: E402
+import needle_keep  # noqa: E402
 import refit_cost  # noqa: E402
 
 from kvcompress.eval import perplexity, runner  # noqa: E402
@@ -770,6 +771,20 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
     return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), ""]
 
 
+def needle_keep_section() -> list[str]:
+    """Which of a needle's tokens the default and KVzip's exact scores keep, beside whether they found the needle."""
+    path, hits = "benchmarks/results/tuning/needle_keep.jsonl", "benchmarks/results/tuning/kvzap_vs_kvzip.jsonl"
+    note = ("The variants of the table above, on its 30 tuning needles, their contexts compressed again to read which tokens "
+            "each keeps (`benchmarks/tuning/needle_keep.py`): for the needles the full cache finds, split by whether the "
+            "variant found them in that table's run, the needles whose answer lies in the exact window apart, then the median "
+            "over the others of the share of the model's (layer, KV head) pairs that keep the least kept of the answer's "
+            "tokens, the answer's tokens on average, the fact's words before the answer, and any context token (the budget's "
+            "own share: about 1 − ratio). A share near the last column means the scores single out the needle no more than "
+            "any token. Nothing was chosen on it.")
+    table = needle_keep.summary_rows(ROOT / path, ROOT / hits)
+    return ["### Which needle tokens the default keeps", "", note, "", *meta_block(path, records=[path, hits]), markdown_table(table), ""]
+
+
 def defaults_section() -> list[str]:
     lines = ["## Why the defaults are what they are", "",
              "Each default was chosen on tuning samples (seeds 1000 and up, `kvcompress.eval.tasks.TUNING_SEEDS`), not on the "
@@ -796,6 +811,7 @@ def defaults_section() -> list[str]:
     lines += [markdown_table(kvzap_default.summary_rows(ROOT / path)), ""]
     for table in PAIRED_NEEDLE_TABLES:
         lines += paired_needle_section(*table)
+    lines += needle_keep_section()
     folder = "results/kvzip_allocation_tuning"
     lines += ["### `kvzip_refit`: KVzip's scores ranked across every head of every layer, no exact window", "",
               "`kvzip_refit` (the prefill default before KVzap, `kvcompress.options.NAMED_SETTINGS`) is AdaKV over KVzip's scores "

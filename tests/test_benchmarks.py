@@ -319,3 +319,46 @@ def test_scorer_inputs_neighbours_and_top_share_on_hand_worked_cases():
     # head 0 ranks {0, 2} where the target's top half is {0, 1}: one of two; head 1 gets both
     predicted = torch.tensor([[4.0, 1.0, 3.0, 2.0], [0.0, 0.0, 5.0, 6.0]])
     assert module.top_share(predicted, target, 0.5) == 0.75
+
+
+def test_needle_keep_spans_and_summary_on_hand_worked_cases(tmp_path):
+    """benchmarks/tuning/needle_keep.py: the answer's tokens and the fact's words before it (back to the last full stop),
+    and the summary's split of the full cache's hits by whether the variant found them."""
+    import importlib.util
+    import json
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "tuning"))
+    try:
+        spec = importlib.util.spec_from_file_location("needle_keep", REPO / "benchmarks" / "tuning" / "needle_keep.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks" / "tuning"))
+
+    class Words:  # one token per word; a word's text is its own
+        vocab = ["It", "rained.", "The", "key", "was", "near", "Ludlow", "Castle", "today."]
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [self.vocab.index(w) for w in text.split()]}
+
+        def decode(self, ids):
+            return " ".join(self.vocab[i] for i in ids)
+
+    ids = Words()("It rained. The key was near Ludlow Castle today.")["input_ids"]
+    answer, fact = module.needle_spans(Words(), ids, "Ludlow Castle")
+    assert (answer, fact) == (range(6, 8), range(2, 6))
+    with pytest.raises(ValueError, match="not among"):
+        module.needle_spans(Words(), ids, "Castle Ludlow")
+    hits = [{"variant": "full", "seed": s, "length": 8, "ratio": 0.0, "hit": h} for s, h in ((1, 1.0), (2, 1.0), (3, 0.0))]
+    hits += [{"variant": "v", "seed": s, "length": 8, "ratio": 0.9, "hit": h} for s, h in ((1, 1.0), (2, 0.0), (3, 1.0))]
+    rows = [{"variant": "v", "seed": s, "length": 8, "ratio": 0.9, "in_window": False, "answer_share_min": m, "answer_share_mean": m,
+             "fact_share_mean": 0.1, "context_share_mean": 0.1} for s, m in ((1, 0.5), (2, 0.05), (3, 0.9))]
+    (tmp_path / "hits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in hits))
+    (tmp_path / "keep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = module.summary_rows(tmp_path / "keep.jsonl", tmp_path / "hits.jsonl")  # needle 3: the full cache misses it
+    assert [(r["needle"], r["needles"], r["least kept answer token"]) for r in summary] == [("found", 1, 0.5), ("missed", 1, 0.05)]
+    rows[0]["in_window"] = True  # a needle in the exact window is counted apart, its shares left out
+    (tmp_path / "keep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = module.summary_rows(tmp_path / "keep.jsonl", tmp_path / "hits.jsonl")[0]
+    assert (found["in the window"], found["least kept answer token"]) == (1, "–")

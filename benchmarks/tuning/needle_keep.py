@@ -1,0 +1,134 @@
+"""Which of a needle's tokens a prefill-mode variant keeps: the diagnosis behind its misses, on tuning needles.
+
+For each tuning needle (`niah_prose(split="tuning")`, the depths and prompt layout of `kvzap_default.py`), the context is
+compressed once (`compress_context_ids`, no answer written) and every layer's stored slots are read back: for each
+context token, the share of the model's (layer, KV head) pairs that keep it. One JSON line per (variant, seed, length,
+ratio) goes to OUT (a rerun skips what is there) with that share for the answer's tokens (the least kept one and their
+mean), for the fact's words before the answer (the needle sentence up to the answer), and for every context token
+(the budget's own share), and whether the answer lies in the exact window. `summary_rows` joins them with the hits the
+same variant scored on the same needles in a `kvzap_default.py` record:
+
+    .venv/bin/python benchmarks/tuning/needle_keep.py --out benchmarks/results/tuning/needle_keep.jsonl \\
+        --lengths 2048 --seeds 1000-1029 --ratio 0.9 --variants adakv_kvzap_model,adakv_kvzip_model --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose
+from kvcompress.integration import build_prompt
+from kvcompress.integration.generation import compress_context_ids
+from kvzap_default import VARIANTS, seed_range
+
+DEFAULT_LAYOUT = "blank_line_primed"
+
+
+def kept_share(cache, n: int) -> torch.Tensor:
+    """[n]: for each of the n context tokens, the share of (layer, KV head) pairs of `cache` (batch row 0) that store it
+    in a slot with a finite log-weight."""
+    kept = []
+    for layer in cache.layers:
+        stored = layer.stored()
+        positions, real = stored.positions[0], torch.isfinite(stored.log_weights[0])
+        mask = torch.zeros(positions.shape[0], n, dtype=torch.bool)
+        for head in range(positions.shape[0]):
+            mask[head, positions[head][real[head] & (positions[head] >= 0)]] = True
+        kept.append(mask)
+    return torch.stack(kept).float().mean((0, 1))
+
+
+def needle_spans(tokenizer, ids: list[int], answer: str) -> tuple[range, range]:
+    """(the answer's token positions in ids, the positions of the fact's words before it: back to the token after the
+    last one holding a full stop)."""
+    answer_ids = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
+    start = next((i for i in range(len(ids) - len(answer_ids) + 1) if ids[i : i + len(answer_ids)] == answer_ids), None)
+    if start is None:
+        raise ValueError(f"the answer {answer!r} is not among the context's tokens")
+    first = start
+    while first > 0 and "." not in tokenizer.decode([ids[first - 1]]):
+        first -= 1
+    return range(start, start + len(answer_ids)), range(first, start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--lengths", default="2048")
+    p.add_argument("--seeds", default="1000-1029")
+    p.add_argument("--ratio", type=float, default=0.9)
+    p.add_argument("--variants", default="adakv_kvzap_model,adakv_kvzip_model", help="prefill-mode variants of kvzap_default.py")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt-layout", default=DEFAULT_LAYOUT)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    seeds = seed_range(args.seeds)
+    if not set(seeds) <= set(TUNING_SEEDS):
+        raise SystemExit(f"--seeds must be tuning seeds ({TUNING_SEEDS})")
+    names = args.variants.split(",")
+    for name in names:
+        if name not in VARIANTS or VARIANTS[name][0] is None or "prefill" not in VARIANTS[name][3]:
+            raise SystemExit(f"--variants takes prefill-mode variants with a method, among "
+                             f"{[v for v, spec in VARIANTS.items() if spec[0] is not None and 'prefill' in spec[3]]}; got {name!r}")
+    model, tokenizer = kvc.load_model()
+    done = set()
+    if args.out.exists():
+        done = {(r["variant"], r["seed"], r["length"], r["ratio"]) for r in map(json.loads, args.out.read_text().splitlines())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for length in map(int, args.lengths.split(",")):
+        for seed in seeds:
+            sample = niah_prose(length, depth=((seed - 1000) * 0.618) % 1.0, seed=seed, tokenizer=tokenizer, split="tuning")
+            context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, layout=args.prompt_layout)
+            ids = context_ids[0].tolist()
+            answer, fact = needle_spans(tokenizer, ids, sample.answers[0])
+            for name in names:
+                if (name, seed, length, args.ratio) in done:
+                    continue
+                method, params, exact, _ = VARIANTS[name]
+                cache = compress_context_ids(model, context_ids, method=method, method_params=params, compression_ratio=args.ratio, **exact)
+                share = kept_share(cache, len(ids))
+                window = cache.options.window
+                row = {"variant": name, "seed": seed, "length": length, "ratio": args.ratio, "answer": sample.answers[0],
+                       "answer_tokens": len(answer), "in_window": answer.start >= len(ids) - window,
+                       "answer_share_min": round(float(share[answer.start : answer.stop].min()), 4),
+                       "answer_share_mean": round(float(share[answer.start : answer.stop].mean()), 4),
+                       "fact_share_mean": round(float(share[fact.start : fact.stop].mean()), 4) if len(fact) else None,
+                       "context_share_mean": round(float(share.mean()), 4), "threads": args.threads,
+                       "prompt_layout": args.prompt_layout, "date": time.strftime("%Y-%m-%d")}
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+
+
+def summary_rows(path: Path, hits_path: Path) -> list[dict]:
+    """Per (variant, ratio), over the needles the full cache finds in `hits_path` (a `kvzap_default.py` record of the same
+    variants, seeds and ratios), split by whether the variant found them there: how many (and how many lie in the exact
+    window), and the median over the needles outside the window of the share of (layer, KV head) pairs keeping the least
+    kept answer token, the answer's tokens, the fact's words before it and any context token."""
+    hits = {(r["variant"], r["seed"], r["length"], r["ratio"]): r["hit"] for r in map(json.loads, hits_path.read_text().splitlines())}
+    groups: dict[tuple, list[dict]] = {}
+    for r in map(json.loads, path.read_text().splitlines()):
+        if hits.get(("full", r["seed"], r["length"], 0.0)) != 1.0 or (r["variant"], r["seed"], r["length"], r["ratio"]) not in hits:
+            continue
+        found = hits[(r["variant"], r["seed"], r["length"], r["ratio"])] == 1.0
+        groups.setdefault((r["variant"], r["ratio"], "found" if found else "missed"), []).append(r)
+    def median(rows: list[dict], key: str) -> float | str:
+        outside = [r[key] for r in rows if not r["in_window"]]
+        return round(statistics.median(outside), 3) if outside else "–"
+
+    return [{"variant": variant, "ratio": ratio, "needle": outcome, "needles": len(rows),
+             "in the window": sum(r["in_window"] for r in rows),
+             "least kept answer token": median(rows, "answer_share_min"), "answer tokens": median(rows, "answer_share_mean"),
+             "fact's words before it": median(rows, "fact_share_mean"), "any context token": median(rows, "context_share_mean")}
+            for (variant, ratio, outcome), rows in sorted(groups.items())]
+
+
+if __name__ == "__main__":
+    main()
