@@ -61,6 +61,19 @@ def seed_range(text: str) -> list[int]:
     return seeds
 
 
+def tuning_seeds(text: str) -> list[int]:
+    """`seed_range(text)`, refused unless every seed is a tuning seed."""
+    seeds = seed_range(text)
+    if not set(seeds) <= set(TUNING_SEEDS):
+        raise SystemExit(f"--seeds must be tuning seeds ({TUNING_SEEDS})")
+    return seeds
+
+
+def tuning_needle(length: int, seed: int, tokenizer):
+    """The tuning prose needle of `seed` at `length` tokens, its depth spread over the context by the seed."""
+    return niah_prose(length, depth=((seed - 1000) * 0.618) % 1.0, seed=seed, tokenizer=tokenizer, split="tuning")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -76,9 +89,7 @@ def main() -> None:
                    "(the shipped weights) or a file `kvcompress train-scorer` wrote (each row records it; give each scorer its own OUT)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    seeds = seed_range(args.seeds)
-    if not set(seeds) <= set(TUNING_SEEDS):
-        raise SystemExit(f"--seeds must be tuning seeds ({TUNING_SEEDS})")
+    seeds = tuning_seeds(args.seeds)
     model, tokenizer = kvc.load_model()
     done = set()
     if args.out.exists():
@@ -87,7 +98,7 @@ def main() -> None:
     modes = args.modes.split(",")
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
-            sample = niah_prose(length, depth=((seed - 1000) * 0.618) % 1.0, seed=seed, tokenizer=tokenizer, split="tuning")
+            sample = tuning_needle(length, seed, tokenizer)
             for name in args.variants.split(","):
                 method, params, exact, variant_modes = VARIANTS[name]
                 for mode in (m for m in modes if m in variant_modes):

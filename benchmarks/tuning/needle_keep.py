@@ -23,12 +23,10 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
-from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose
 from kvcompress.integration import build_prompt
 from kvcompress.integration.generation import compress_context_ids
-from kvzap_default import VARIANTS, seed_range
-
-DEFAULT_LAYOUT = "blank_line_primed"
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT
+from kvzap_default import VARIANTS, tuning_needle, tuning_seeds
 
 
 def kept_share(cache, n: int) -> torch.Tensor:
@@ -37,11 +35,9 @@ def kept_share(cache, n: int) -> torch.Tensor:
     kept = []
     for layer in cache.layers:
         stored = layer.stored()
-        positions, real = stored.positions[0], torch.isfinite(stored.log_weights[0])
-        mask = torch.zeros(positions.shape[0], n, dtype=torch.bool)
-        for head in range(positions.shape[0]):
-            mask[head, positions[head][real[head] & (positions[head] >= 0)]] = True
-        kept.append(mask)
+        positions, real = stored.positions[0], torch.isfinite(stored.log_weights[0]) & (stored.positions[0] >= 0)
+        slots = positions.masked_fill(~real, n)  # an empty slot lands in a spare column n, dropped below
+        kept.append(torch.zeros(positions.shape[0], n + 1, dtype=torch.bool).scatter_(1, slots, True)[:, :n])
     return torch.stack(kept).float().mean((0, 1))
 
 
@@ -66,12 +62,10 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=0.9)
     p.add_argument("--variants", default="adakv_kvzap_model,adakv_kvzip_model", help="prefill-mode variants of kvzap_default.py")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--prompt-layout", default=DEFAULT_LAYOUT)
+    p.add_argument("--prompt-layout", default=DEFAULT_PROMPT_LAYOUT)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    seeds = seed_range(args.seeds)
-    if not set(seeds) <= set(TUNING_SEEDS):
-        raise SystemExit(f"--seeds must be tuning seeds ({TUNING_SEEDS})")
+    seeds = tuning_seeds(args.seeds)
     names = args.variants.split(",")
     for name in names:
         if name not in VARIANTS or VARIANTS[name][0] is None or "prefill" not in VARIANTS[name][3]:
@@ -84,7 +78,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
-            sample = niah_prose(length, depth=((seed - 1000) * 0.618) % 1.0, seed=seed, tokenizer=tokenizer, split="tuning")
+            sample = tuning_needle(length, seed, tokenizer)
             context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, layout=args.prompt_layout)
             ids = context_ids[0].tolist()
             answer, fact = needle_spans(tokenizer, ids, sample.answers[0])

@@ -23,6 +23,7 @@ from ..saved_state import Choice, Count, Generator, Instance, Linked, Mapping, M
 from ..summary import KVSummary, concat, take_slots
 from .base import Method, StreamState, first_true
 from .budget import check_slack, stream_split
+from .clustergen import squared_norms
 from .registry import register
 from .tokens import Tokens, cat_tokens
 
@@ -385,7 +386,7 @@ def _outlier_mask(keys: torch.Tensor, count: int) -> torch.Tensor:
     keys = keys.float()
     n = keys.shape[2]
     total = keys.sum(2, keepdim=True)  # [B,H,1,d]
-    score = (keys @ total.transpose(-1, -2)).squeeze(-1).sub_(torch.linalg.vector_norm(keys, dim=-1).square_()).div_(max(n - 1, 1))
+    score = (keys @ total.transpose(-1, -2)).squeeze(-1).sub_(squared_norms(keys)).div_(max(n - 1, 1))
     index = score.topk(count, dim=-1, largest=False).indices
     return torch.zeros(score.shape, dtype=torch.bool, device=keys.device).scatter(-1, index, True)
 
