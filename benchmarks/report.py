@@ -751,6 +751,27 @@ PAIRED_NEEDLE_TABLES = [
      "measured apart, under \"What one answer costs\".",
      ["variant", "mode"], "paired vs blocks of 128 (won / lost; diff; p)",
      lambda variant: variant.replace("_chunk_256", "_chunk_128") if variant.endswith("_chunk_256") else None),
+    ("benchmarks/results/tuning/needle_oracle.jsonl", "The needle forced into every head: an oracle",
+     "The prefill default with the needle's answer tokens (`forced_answer`), or those and the fact's words before them "
+     "(`forced_answer_fact`), scored above every other token so that every KV head of every layer keeps them within the "
+     "same budget (`benchmarks/tuning/needle_oracle.py`); `forced_none` forces nothing and is the default itself. On 30 "
+     "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. No query-agnostic ranking can "
+     "choose the needle's tokens better than this oracle, so its hits bound what a better ranking of the same budget "
+     "could add: where it finds little more than `forced_none`, the needle is lost to what the budget removes around it, "
+     "not to how its own tokens rank. Paired per needle against `forced_none` at the same ratio: won / lost, Newcombe's "
+     "95% interval of the difference in % found, sign test. The times are indicative only: the cells at 0.9 ran beside "
+     "the run of the next table, those at 0.75 alone.",
+     ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
+     lambda variant: "forced_none" if variant.startswith("forced_answer") else None),
+    ("benchmarks/results/tuning/evicted_slots.jsonl", "The prefill default with its evicted tokens summarised",
+     "The prefill default (`adakv_kvzap_model`) and the same with each head's evicted tokens not dropped but summarised "
+     "in 8 or 32 slots within its budget (AdaKV's `evicted_slots`: runs of equal count in position order, each slot the "
+     "run's mean key and mean value with log-weight log(count)), so the attention mass of what is evicted stays. "
+     "`benchmarks/tuning/kvzap_default.py` on 30 tuning needles at 2k tokens in the default prompt layout at ratio 0.9; "
+     "nothing was chosen on it. Paired per needle against the default: won / lost, Newcombe's 95% interval of the "
+     "difference in % found, sign test.",
+     ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
+     lambda variant: "adakv_kvzap_model" if "_evicted_" in variant else None),
 ]
 
 

@@ -362,3 +362,41 @@ def test_needle_keep_spans_and_summary_on_hand_worked_cases(tmp_path):
     (tmp_path / "keep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     found = module.summary_rows(tmp_path / "keep.jsonl", tmp_path / "hits.jsonl")[0]
     assert (found["in the window"], found["least kept answer token"]) == (1, "–")
+
+
+def test_needle_oracle_forces_the_chosen_positions_above_every_score_and_registers_nothing_on_import():
+    """benchmarks/tuning/needle_oracle.py: each variant's forced positions, and ForcedKVzap's scores: the surrogate's, with
+    the forced positions raised to FORCED_SCORE in every head; importing the script registers no method."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    import kvcompress as kvc
+    from kvcompress.methods.tokens import Tokens
+    from test_kvzap import _surrogate
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "tuning"))
+    try:
+        spec = importlib.util.spec_from_file_location("needle_oracle", REPO / "benchmarks" / "tuning" / "needle_oracle.py")
+        module = sys.modules["needle_oracle"] = importlib.util.module_from_spec(spec)  # a dataclass reads its module there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks" / "tuning"))
+    assert module.ForcedKVzap.name not in kvc.methods()
+    answer, fact = range(6, 8), range(2, 6)
+    assert module.forced_positions("forced_none", answer, fact) == ()
+    assert module.forced_positions("forced_answer", answer, fact) == (6, 7)
+    assert module.forced_positions("forced_answer_fact", answer, fact) == (2, 3, 4, 5, 6, 7)
+    with pytest.raises(ValueError, match="forced_answer"):
+        module.forced_positions("full", answer, fact)
+    surrogate = _surrogate(layers=(0,), width=16)
+    method = module.ForcedKVzap.__new__(module.ForcedKVzap)  # the test surrogate in place of the shipped one
+    method.scorer, method.threshold, method.surrogate, method.forced = "test", None, surrogate, (3, 7)
+    hidden = torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(0))
+    positions = torch.stack([torch.arange(10), torch.arange(10).flip(0)])[None]  # the heads hold the tokens in other orders
+    tokens = Tokens(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), positions, layer_idx=0, num_layers=1, hidden_states=hidden)
+    scores, predicted = method.score(tokens, None), surrogate.predict(hidden, 0)
+    forced = (positions == 3) | (positions == 7)
+    assert bool((scores[forced] == module.FORCED_SCORE).all()) and torch.equal(scores[~forced], predicted[~forced])
+    assert bool((predicted < module.FORCED_SCORE).all())

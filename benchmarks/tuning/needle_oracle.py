@@ -1,0 +1,114 @@
+"""Would keeping a needle's own tokens find it? The default's prefill compression with the needle forced into every
+(layer, KV head), on tuning needles: an oracle no query-agnostic ranking can beat at choosing the needle's tokens.
+
+The default in prefill mode (AdaKV over KVzap's scores, one budget over every layer's heads, per-head floor 5 %) with
+the scores of chosen context tokens raised above every other token's (`ForcedKVzap`), so every KV head of every layer
+keeps them, within the same budget, whatever the surrogate predicts. Variants:
+- `full`: the full cache (ratio 0);
+- `forced_none`: nothing forced, which is the default itself;
+- `forced_answer`: the answer's tokens;
+- `forced_answer_fact`: the answer's tokens and the fact's words before it (`needle_keep.needle_spans`).
+
+Each answers the tuning needles of `kvzap_default.py` (`tuning_needle`, 24 answer tokens) in the library's prompt
+layout, and one JSON line per (variant, seed, length, ratio) goes to OUT in `kvzap_default.py`'s format (a rerun skips
+what is there), so its `summary_rows` reads it:
+
+    .venv/bin/python benchmarks/tuning/needle_oracle.py --out benchmarks/results/tuning/needle_oracle.jsonl \\
+        --lengths 2048 --seeds 1000-1029 --ratio 0.9 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.eval.tasks import score
+from kvcompress.integration import build_prompt
+from kvcompress.methods.kvzap import KVzap
+from kvcompress.methods.registry import register
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT
+from kvzap_default import summarise, tuning_needle, tuning_seeds
+from needle_keep import needle_spans
+
+FORCED_SCORE = 1e4  # above every log-score the surrogate predicts, and finite, so sums over scores stay finite
+VARIANTS = ("full", "forced_none", "forced_answer", "forced_answer_fact")
+
+
+@dataclass
+class ForcedKVzap(KVzap):
+    """KVzap's scores with the tokens at positions `forced` raised to FORCED_SCORE, above every other token's in every
+    head of every layer. Registered by `main` only, so that importing this module leaves the library's methods as
+    they are."""
+
+    name = "kvzap_forced"
+    forced: tuple[int, ...] = ()
+
+    def score(self, tokens, generator):
+        scores = super().score(tokens, generator)
+        forced = torch.as_tensor(self.forced, dtype=torch.long, device=scores.device)
+        return scores.masked_fill(torch.isin(tokens.positions, forced), FORCED_SCORE)
+
+
+def forced_positions(variant: str, answer: range, fact: range) -> tuple[int, ...]:
+    """The context positions `variant` forces into every head."""
+    chosen = {"forced_none": [], "forced_answer": [*answer], "forced_answer_fact": [*fact, *answer]}
+    if variant not in chosen:
+        raise ValueError(f"variant must be one of {sorted(chosen)}, got {variant!r}")
+    return tuple(chosen[variant])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--lengths", default="2048")
+    p.add_argument("--seeds", default="1000-1029")
+    p.add_argument("--ratio", type=float, default=0.9)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=24)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    seeds = tuning_seeds(args.seeds)
+    names = args.variants.split(",")
+    if not set(names) <= set(VARIANTS):
+        raise SystemExit(f"--variants takes a comma-separated list among {', '.join(VARIANTS)}; got {args.variants!r}")
+    register(ForcedKVzap)
+    model, tokenizer = kvc.load_model()
+    done = set()
+    if args.out.exists():
+        done = {(r["variant"], r["seed"], r["length"], r["ratio"]) for r in map(json.loads, args.out.read_text().splitlines())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for length in map(int, args.lengths.split(",")):
+        for seed in seeds:
+            sample = tuning_needle(length, seed, tokenizer)
+            context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, layout=DEFAULT_PROMPT_LAYOUT)
+            answer, fact = needle_spans(tokenizer, context_ids[0].tolist(), sample.answers[0])
+            for name in names:
+                ratio = 0.0 if name == "full" else args.ratio
+                if (name, seed, length, ratio) in done:
+                    continue
+                settings = {"method": None} if name == "full" else dict(
+                    method="adakv", compression_ratio=ratio,
+                    method_params={"scorer": ForcedKVzap.name, "scope": "model", "alpha_safeguard": 0.05,
+                                   "scorer_params": {"forced": forced_positions(name, answer, fact)}})
+                start = time.perf_counter()
+                res = kvc.generate(model, tokenizer, sample.context, sample.question, mode="prefill", max_new_tokens=args.new_tokens,
+                                   progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
+                row = {"variant": name, "mode": "prefill", "seed": seed, "length": length, "ratio": ratio, "hit": score(sample, res.text),
+                       "seconds": round(time.perf_counter() - start, 3), "text": res.text, "answers": sample.answers,
+                       "forced_tokens": 0 if name == "full" else len(forced_positions(name, answer, fact)),
+                       "threads": args.threads, "prompt_layout": DEFAULT_PROMPT_LAYOUT, "date": time.strftime("%Y-%m-%d")}
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps({k: row[k] for k in ("variant", "seed", "ratio", "hit", "text")}), flush=True)
+    summarise(args.out)
+
+
+if __name__ == "__main__":
+    main()
