@@ -57,7 +57,7 @@ from .model_support import RotaryInverse, attention_scales, check_supported, has
 from .model_support import select_compressed_attention
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
-from .ragged import RaggedSummary, concat_parts, has_empty_slots
+from .ragged import RaggedSummary, concat_parts, has_empty_slots, occupied_slots
 from .saved_state import Instance, is_count
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 
@@ -342,11 +342,12 @@ class CompressedLayer(CacheLayerMixin):
         return front + (self.tail.nbytes() if self.tail is not None else 0)
 
     def slots(self, row: int | None = None) -> int:
-        """Occupied slots per head (finite log-weight), averaged over heads and the batch (or of one batch row)."""
-        s = self.stored()
-        if s is None:
+        """Occupied slots per head (finite log-weight), averaged over heads and the batch (or of one batch row), counted
+        part by part (`stored()`'s parts, packed ones not unpacked)."""
+        parts = self._stored_parts()
+        if not parts:
             return 0
-        occupied = torch.isfinite(s.log_weights).float().sum(-1)
+        occupied = sum(occupied_slots(part) for part in parts)
         return int((occupied if row is None else occupied[row]).mean().round())
 
     def get_seq_length(self) -> int:

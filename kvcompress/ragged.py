@@ -166,6 +166,14 @@ class RaggedSummary(Saveable):
                              self.counts.to(device))
 
 
+def occupied_slots(part: KVSummary | RaggedSummary) -> torch.Tensor:
+    """[B, H] float32: each head's slots of finite log-weight (a packed part stores only those: its counts), read
+    without unpacking."""
+    if isinstance(part, RaggedSummary):
+        return part.counts.float()
+    return torch.isfinite(part.log_weights).float().sum(-1)
+
+
 def concat_parts(parts: list[KVSummary | RaggedSummary]) -> KVSummary:
     """`summary.concat` of summaries some of which are packed (`RaggedSummary`, as a layer stores AdaKV's kept tokens):
     each packed part unpacked (`summary()`) where it stands."""

@@ -10,6 +10,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.options import CompressionOptions
+from kvcompress.ragged import RaggedSummary
 from kvcompress.integration import use_compressed_attention
 from kvcompress.methods.base import make_generator
 from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
@@ -234,6 +235,22 @@ def test_chunked_cache_holds_the_slack_while_absorbing_and_compacts_at_the_end()
         cache.absorbing = False
         assert all(sink + 27 + window <= layer.slots() <= sink + budget + window for layer in cache.layers)
         assert cache.peak_bytes() >= cache.nbytes()
+
+
+def test_a_layers_slots_are_counted_part_by_part_as_its_unpacked_state_counts_them():
+    """`slots` reads each stored part (a stream's packed kept tokens, its buffer, the sink and window) without unpacking:
+    the same count as the finite log-weights of the whole `stored()` summary, per row and over the batch."""
+    model = tiny()
+    ctx = torch.cat([_prompt(n=200, seed=2)[0], _prompt(n=200, seed=3)[0]])
+    cache = CompressedCache(model, "adakv", budget=24, sink=2, window=4, mode="chunked", slack=0.5)
+    with use_compressed_attention(model), torch.no_grad():
+        for start in range(0, 200, 32):
+            model(ctx[:, start : start + 32], past_key_values=cache)
+            for layer in cache.layers:
+                occupied = torch.isfinite(layer.stored().log_weights).float().sum(-1)
+                assert [layer.slots(row) for row in (0, 1)] == [int(occupied[row].mean().round()) for row in (0, 1)]
+                assert layer.slots() == int(occupied.mean().round())
+        assert any(isinstance(part, RaggedSummary) for layer in cache.layers for part in layer._stored_parts())
 
 
 def test_generate_passes_slack_to_the_cache():
