@@ -772,21 +772,33 @@ PAIRED_NEEDLE_TABLES = [
      "difference in % found, sign test.",
      ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model" if "_evicted_" in variant else None),
+    ("benchmarks/results/tuning/one_block.jsonl", "The stream default over the whole context as one block",
+     "The prefill default (`adakv_kvzap_model`: one top-k over every layer's heads) against the stream default taking the "
+     "whole context as one block in chunked mode (`adakv_kvzap_model_slack_0.1_admission_one_block`, `chunk_size` 8192): "
+     "the block's attention is exact as in prefill mode, then each layer's stream keeps the layer's learned share of "
+     "the budget, re-compressing at slack 0.1 as it takes the block in pieces. `benchmarks/tuning/kvzap_default.py` on 30 "
+     "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. Paired per needle against the "
+     "prefill default at the same ratio: won / lost, Newcombe's 95% interval of the difference in % found, sign test. "
+     "The two ratios ran as two processes side by side, so the times are only indicative.",
+     ["variant", "mode", "ratio"], "paired vs the prefill default (won / lost; diff; p)",
+     lambda variant: ("adakv_kvzap_model", "prefill") if variant.endswith("_one_block") else None),
 ]
 
 
 def paired_needle_section(path: str, title: str, note: str, columns: list[str], label: str,
-                          reference: Callable[[str], str | None]) -> list[str]:
+                          reference: Callable[[str], str | tuple[str, str] | None]) -> list[str]:
     """One of PAIRED_NEEDLE_TABLES: the record's `summary_rows` (their `columns`, then hits), each paired per needle (column
-    `label`) against the variant `reference(variant)` names in the same mode at the same ratio ("–" where it names none)."""
+    `label`) against the variant `reference(variant)` names at the same ratio, in the same mode or, named as (variant,
+    mode), in that mode ("–" where it names none)."""
     by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in map(json.loads, (ROOT / path).read_text().splitlines()):
         by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
     table = []
     for row in kvzap_default.summary_rows(ROOT / path):
         other = reference(row["variant"])
+        other_variant, other_mode = other if isinstance(other, tuple) else (other, row["mode"])
         paired = "–" if other is None else paired_cell(by_cell[(row["variant"], row["mode"], row["ratio"])],
-                                                       by_cell.get((other, row["mode"], row["ratio"]), {}))
+                                                       by_cell.get((other_variant, other_mode, row["ratio"]), {}))
         table.append({k: row[k] for k in [*columns, "needles", "full_cache_hits", "hits_kept"]} |
                      {label: paired, "median_time_over_full": row["median_time_over_full"]})
     return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), ""]

@@ -52,6 +52,10 @@ VARIANTS = {
                                     {}, ("prefill",)),
     "adakv_kvzap_model_evicted_32": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "evicted_slots": 32},
                                      {}, ("prefill",)),
+    # the stream default taking the whole context as one block (chunk_size past any tuning length): the block's attention
+    # exact as in prefill mode, then each layer's stream keeping its learned share of the budget
+    "adakv_kvzap_model_slack_0.1_admission_one_block": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                                        {"slack": 0.1, "chunk_size": 8192}, ("chunked",)),
     "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),
     # streams re-compressing to a larger share of their budget (slack 0.5, the library's default, compresses to 2/3)
     "adakv_kvzap_slack_0.1": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {"slack": 0.1}, ("chunked", "decode")),
