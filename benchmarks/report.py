@@ -772,16 +772,19 @@ PAIRED_NEEDLE_TABLES = [
      "difference in % found, sign test.",
      ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model" if "_evicted_" in variant else None),
-    ("benchmarks/results/tuning/one_block.jsonl", "The stream default over the whole context as one block",
-     "The prefill default (`adakv_kvzap_model`: one top-k over every layer's heads) against the stream default taking the "
-     "whole context as one block in chunked mode (`adakv_kvzap_model_slack_0.1_admission_one_block`, `chunk_size` 8192): "
-     "the block's attention is exact as in prefill mode, then each layer's stream keeps the layer's learned share of "
-     "the budget, re-compressing at slack 0.1 as it takes the block in pieces. `benchmarks/tuning/kvzap_default.py` on 30 "
-     "tuning needles at 2k tokens in the default prompt layout; nothing was chosen on it. Paired per needle against the "
-     "prefill default at the same ratio: won / lost, Newcombe's 95% interval of the difference in % found, sign test. "
-     "The two ratios ran as two processes side by side, so the times are only indicative.",
+    ("benchmarks/results/tuning/layer_split.jsonl", "The budget split by the layers' learned shares",
+     "The prefill default (`adakv_kvzap_model`: one top-k over every layer's heads, `layer_split=\"joint\"`) against two "
+     "splits of the same budget by the layers' learned shares (`AdaKV.layer_budget`, the streams' split): the stream "
+     "default taking the whole context as one block in chunked mode (`adakv_kvzap_model_slack_0.1_admission_one_block`, "
+     "`chunk_size` 8192: the block's attention exact as in prefill mode, then each layer's stream re-compressing at slack "
+     "0.1 as it takes the block in pieces), and the prefill default with `layer_split=\"learned\"` "
+     "(`adakv_kvzap_model_learned_split`: each layer its share in one shot, a top-k over the layer's heads). "
+     "`benchmarks/tuning/kvzap_default.py` on 30 tuning needles at 2k tokens in the default prompt layout; nothing was "
+     "chosen on it. Paired per needle against the prefill default at the same ratio: won / lost, Newcombe's 95% interval "
+     "of the difference in % found, sign test. The two ratios ran as two processes side by side, so the times are only "
+     "indicative.",
      ["variant", "mode", "ratio"], "paired vs the prefill default (won / lost; diff; p)",
-     lambda variant: ("adakv_kvzap_model", "prefill") if variant.endswith("_one_block") else None),
+     lambda variant: ("adakv_kvzap_model", "prefill") if variant.endswith(("_one_block", "_learned_split")) else None),
 ]
 
 

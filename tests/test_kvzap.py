@@ -489,3 +489,35 @@ def test_a_stream_turns_away_only_tokens_no_later_recompression_could_keep(tmp_p
     kept = head_allocation(scores, state.target, min(method.safeguard(state.target), state.target))
     want = torch.arange(n).expand(b, h, -1)[kept]
     assert torch.equal(state.kept.positions.long(), want) and torch.equal(state.kept.counts.long(), kept.sum(-1))
+
+
+def test_a_learned_layer_split_keeps_each_layers_share_in_one_shot_and_is_refused_without_shares(tmp_path):
+    """AdaKV scope "model" with layer_split="learned" (mode prefill): each layer keeps its `layer_budget` of the model's
+    budget, shared among its heads by `head_allocation` of its own scores, where "joint" ranks every layer's heads
+    together; a scope or scorer without learned shares, or another split, is a clear error."""
+    from kvcompress.methods.adakv import AdaKV, head_allocation
+
+    s = _with_quantiles([torch.linspace(0, 1, 9).tolist(), torch.linspace(1, 2, 9).tolist()])
+    s.save(tmp_path / "q.safetensors")
+    scorer = KVzap(scorer=str(tmp_path / "q.safetensors"))
+    learned = AdaKV(scorer=scorer, scope="model", alpha_safeguard=0.2, layer_split="learned")
+    g = torch.Generator().manual_seed(0)
+    layers = [Tokens(torch.randn(1, 2, 408, 8, generator=g), torch.randn(1, 2, 408, 8, generator=g), torch.arange(408).expand(1, 2, 408),
+                     layer_idx=layer, num_layers=2, hidden_states=torch.randn(1, 2, 408, 8, generator=g)) for layer in (0, 1)]
+    summaries = learned.compress_layers(layers, 102, [torch.Generator() for _ in layers])
+    budgets = [learned.layer_budget(102, layer, 408) for layer in (0, 1)]  # keeps a quarter: shares 0 and 2
+    assert budgets == [22, 182]
+    for tokens, summary, budget in zip(layers, summaries, budgets):
+        kept = head_allocation(scorer.score(tokens, None), budget, learned.safeguard(budget))
+        for head in range(2):
+            stored = summary.positions[0, head][torch.isfinite(summary.log_weights[0, head])]
+            assert torch.equal(stored, kept[0, head].nonzero().squeeze(1))
+    joint = AdaKV(scorer=scorer, scope="model", alpha_safeguard=0.2).compress_layers(layers, 102, [torch.Generator() for _ in layers])
+    assert [int(torch.isfinite(x.log_weights).sum()) for x in joint] != [2 * b for b in budgets]
+    with pytest.raises(ValueError, match="layer_split must be one of"):
+        AdaKV(scorer=scorer, scope="model", layer_split="even")
+    with pytest.raises(ValueError, match="needs scope='model' and a scorer with layer shares"):
+        AdaKV(scorer=scorer, scope="layer", layer_split="learned")
+    _surrogate().save(tmp_path / "plain.safetensors")
+    with pytest.raises(ValueError, match="needs scope='model' and a scorer with layer shares"):
+        AdaKV(scorer=KVzap(scorer=str(tmp_path / "plain.safetensors")), scope="model", layer_split="learned")

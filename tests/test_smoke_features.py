@@ -157,6 +157,17 @@ def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_ca
 
 
 @pytest.mark.smoke
+def test_python_generate_with_the_learned_layer_split_in_prefill_mode(default_model):
+    """The prefill default with `layer_split="learned"` (each layer its learned share of the budget, in one shot): the
+    needle kept at compression_ratio=0.5, and the layers keep different numbers of slots within the budget."""
+    model, tokenizer = default_model
+    res = kvc.generate(model, tokenizer, CONTEXT, QUESTION, method="adakv", compression_ratio=0.5, max_new_tokens=NEW, progress=False,
+                       method_params={"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "layer_split": "learned"})
+    assert NEEDLE in res.text, res.report()
+    assert len(set(res.slots_per_layer)) > 1 and res.kv_bytes < 0.6 * res.kv_bytes_full, res.report()
+
+
+@pytest.mark.smoke
 def test_python_generate_with_kvzaps_threshold_in_every_mode(default_model):
     """`method="kvzap", method_params={"threshold": -6.0}` with no budget (ratio 0): the shipped scorer's rule alone decides,
     in every mode (a stream decides each token as it leaves the window); about half the context goes, the needle stays,

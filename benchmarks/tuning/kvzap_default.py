@@ -56,6 +56,9 @@ VARIANTS = {
     # exact as in prefill mode, then each layer's stream keeping its learned share of the budget
     "adakv_kvzap_model_slack_0.1_admission_one_block": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
                                                         {"slack": 0.1, "chunk_size": 8192}, ("chunked",)),
+    # the prefill default with that split in one shot: each layer its learned share, one top-k over the layer's heads
+    "adakv_kvzap_model_learned_split": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "layer_split": "learned"},
+                                        {}, ("prefill",)),
     "adakv_keydiff": ("adakv", {"scorer": "keydiff"}, {}, ("chunked", "decode")),
     # streams re-compressing to a larger share of their budget (slack 0.5, the library's default, compresses to 2/3)
     "adakv_kvzap_slack_0.1": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {"slack": 0.1}, ("chunked", "decode")),

@@ -55,6 +55,7 @@ NORMALIZATIONS = ("none", "softmax")
 # re-compressions then come at most every so many admitted tokens, whatever the slack (`AdaptiveBlockwiseState`)
 ENTRY_SCORE_ROOM = 16
 SCOPES = ("layer", "model")
+LAYER_SPLITS = ("joint", "learned")
 REFITS = ("none", "log_weights", "log_weights_values")
 
 
@@ -149,6 +150,10 @@ class AdaKV(Method):
     arXiv:2602.16284): "log_weights" fits each kept slot's log-weight so the middle's attention mass is restored,
     "log_weights_values" also fits the slots' values so the middle's attention output is; the keys stay the kept
     tokens'. Needs a scorer with queries (snapkv, kvzip, ...), mode "prefill" only, and evicted_slots 0.
+    layer_split (scope "model", mode "prefill"): how the model's budget is split among the layers: "joint" (default: the
+    one top-k over every layer's heads) or "learned" (each layer keeps its learned share, `layer_budget`, shared among
+    its heads by a top-k over the layer's heads: the split a stream uses, in one shot; needs a scorer with
+    `layer_shares`, KVzap). A stream always splits by the learned shares.
 
     Contract (budget scope "layer" or "model", `requirements`): `budget` is the mean number of middle slots per KV head; a layer row keeps exactly
     H_kv·budget middle tokens (all of them when they fit `budget` per head), a head between
@@ -174,6 +179,7 @@ class AdaKV(Method):
     span: int = 1
     evicted_slots: int = 0
     refit: str = "none"
+    layer_split: str = "joint"
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "AdaKV":
@@ -210,6 +216,13 @@ class AdaKV(Method):
         if self.refit not in REFITS:
             raise ValueError(f"refit must be one of {REFITS} (what of the kept slots is fitted to the middle's attention: nothing, "
                              f"their log-weights, or their log-weights and values), got {self.refit!r}")
+        if self.layer_split not in LAYER_SPLITS:
+            raise ValueError(f"layer_split must be one of {LAYER_SPLITS} (how scope 'model' splits the budget among the layers: one "
+                             f"top-k over every layer's heads, or each layer its learned share), got {self.layer_split!r}")
+        if self.layer_split == "learned" and (self.scope != "model" or not self.scorer.shares_layers):
+            raise ValueError(f"layer_split='learned' splits scope 'model''s budget by the scorer's learned layer shares: it needs "
+                             f"scope='model' and a scorer with layer shares (kvzap), got scope={self.scope!r} and scorer "
+                             f"{self.scorer.name!r}")
         if self.refit != "none" and self.evicted_slots:
             raise ValueError(f"refit={self.refit!r} fits the kept slots alone; it cannot be combined with evicted_slots="
                              f"{self.evicted_slots}: set one of them off")
@@ -348,10 +361,14 @@ class AdaKV(Method):
 
     def allocate_layers(self, layers: list[Tokens], budget: int,
                         generators: list[torch.Generator]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """scope "model": (kept [B, H_kv, n] bool per layer, the scorer's middle normalisers per layer or None): one
-        `head_allocation` of every layer's `head_scores` at `kept_budget(budget)` per head on average."""
+        """scope "model": (kept [B, H_kv, n] bool per layer, the scorer's middle normalisers per layer or None) at
+        `kept_budget(budget)` per head on average: layer_split "joint", one `head_allocation` of every layer's
+        `head_scores`; "learned", a `head_allocation` of each layer's at its `layer_budget`."""
         scores, middle_lse = zip(*(self.head_scores(tokens, generator) for tokens, generator in zip(layers, generators)))
         kept_budget = self.kept_budget(budget)
+        if self.layer_split == "learned":
+            budgets = [self.layer_budget(kept_budget, tokens.layer_idx, tokens.length) for tokens in layers]
+            return [head_allocation(layer, b, self.safeguard(b)) for layer, b in zip(scores, budgets)], list(middle_lse)
         kept = head_allocation(torch.cat(scores, dim=1), kept_budget, self.safeguard(kept_budget))
         return list(kept.split(layers[0].keys.shape[1], dim=1)), list(middle_lse)
 
