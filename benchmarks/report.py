@@ -785,6 +785,12 @@ PAIRED_NEEDLE_TABLES = [
      "indicative.",
      ["variant", "mode", "ratio"], "paired vs the prefill default (won / lost; diff; p)",
      lambda variant: ("adakv_kvzap_model", "prefill") if variant.endswith(("_one_block", "_learned_split")) else None),
+    ("benchmarks/results/tuning/layer_split_4k.jsonl", "The budget split by the layers' learned shares, at 4k tokens",
+     "The table above at 4096 tokens, for the split in one shot only (`adakv_kvzap_model_learned_split` against the prefill "
+     "default `adakv_kvzap_model`), on the same 30 tuning needles; a needle at each length is reported apart, not pooled. "
+     "Nothing was chosen on it. The two ratios ran as two processes side by side, so the times are only indicative.",
+     ["variant", "mode", "ratio"], "paired vs the prefill default (won / lost; diff; p)",
+     lambda variant: "adakv_kvzap_model" if variant.endswith("_learned_split") else None),
 ]
 
 
