@@ -82,6 +82,21 @@ def tuning_seeds(text: str) -> list[int]:
     return seeds
 
 
+def recorded(path: Path, fields: tuple[str, ...]) -> set[tuple]:
+    """The `fields` of every row of the JSON-lines record at `path` (none when it does not exist yet), for a rerun to skip
+    what is there; the record's folder is created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        return set()
+    return {tuple(r[f] for f in fields) for r in map(json.loads, path.read_text().splitlines())}
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line appended to the record at `path`."""
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def tuning_needle(length: int, seed: int, tokenizer):
     """The tuning prose needle of `seed` at `length` tokens, its depth spread over the context by the seed."""
     return niah_prose(length, depth=((seed - 1000) * 0.618) % 1.0, seed=seed, tokenizer=tokenizer, split="tuning")
@@ -104,10 +119,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     seeds = tuning_seeds(args.seeds)
     model, tokenizer = kvc.load_model()
-    done = set()
-    if args.out.exists():
-        done = {(r["variant"], r["mode"], r["seed"], r["length"], r["ratio"]) for r in map(json.loads, args.out.read_text().splitlines())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    done = recorded(args.out, ("variant", "mode", "seed", "length", "ratio"))
     modes = args.modes.split(",")
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
@@ -128,8 +140,7 @@ def main() -> None:
                            "seconds": round(seconds, 3), "text": res.text, "answers": sample.answers, "kv_bytes": res.kv_bytes,
                            "kv_bytes_full": res.kv_bytes_full, "threads": args.threads, "prompt_layout": args.prompt_layout,
                            "scorer": args.scorer, "date": time.strftime("%Y-%m-%d")}
-                    with args.out.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_row(args.out, row)
                     print(json.dumps({k: row[k] for k in ("variant", "mode", "seed", "hit", "seconds", "text")}), flush=True)
     summarise(args.out)
 

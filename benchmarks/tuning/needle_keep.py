@@ -26,7 +26,7 @@ import kvcompress as kvc
 from kvcompress.integration import build_prompt
 from kvcompress.integration.generation import compress_context_ids
 from kvcompress.names import DEFAULT_PROMPT_LAYOUT
-from kvzap_default import VARIANTS, tuning_needle, tuning_seeds
+from kvzap_default import VARIANTS, append_row, recorded, tuning_needle, tuning_seeds
 
 
 def kept_share(cache, n: int) -> torch.Tensor:
@@ -54,6 +54,14 @@ def needle_spans(tokenizer, ids: list[int], answer: str) -> tuple[range, range]:
     return range(start, start + len(answer_ids)), range(first, start)
 
 
+def tuning_context(length: int, seed: int, tokenizer, layout: str):
+    """(the tuning needle of `seed` at `length` tokens, its context ids [1, n] in `layout`, the answer's token positions,
+    the fact's words' positions: `needle_spans`)."""
+    sample = tuning_needle(length, seed, tokenizer)
+    context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, layout=layout)
+    return sample, context_ids, *needle_spans(tokenizer, context_ids[0].tolist(), sample.answers[0])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -72,16 +80,11 @@ def main() -> None:
             raise SystemExit(f"--variants takes prefill-mode variants with a method, among "
                              f"{[v for v, spec in VARIANTS.items() if spec[0] is not None and 'prefill' in spec[3]]}; got {name!r}")
     model, tokenizer = kvc.load_model()
-    done = set()
-    if args.out.exists():
-        done = {(r["variant"], r["seed"], r["length"], r["ratio"]) for r in map(json.loads, args.out.read_text().splitlines())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    done = recorded(args.out, ("variant", "seed", "length", "ratio"))
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
-            sample = tuning_needle(length, seed, tokenizer)
-            context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, layout=args.prompt_layout)
+            sample, context_ids, answer, fact = tuning_context(length, seed, tokenizer, args.prompt_layout)
             ids = context_ids[0].tolist()
-            answer, fact = needle_spans(tokenizer, ids, sample.answers[0])
             for name in names:
                 if (name, seed, length, args.ratio) in done:
                     continue
@@ -96,8 +99,7 @@ def main() -> None:
                        "fact_share_mean": round(float(share[fact.start : fact.stop].mean()), 4) if len(fact) else None,
                        "context_share_mean": round(float(share.mean()), 4), "threads": args.threads,
                        "prompt_layout": args.prompt_layout, "date": time.strftime("%Y-%m-%d")}
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(args.out, row)
                 print(json.dumps(row), flush=True)
 
 

@@ -29,12 +29,12 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.tasks import score
-from kvcompress.integration import build_prompt
 from kvcompress.methods.kvzap import KVzap
 from kvcompress.methods.registry import register
 from kvcompress.names import DEFAULT_PROMPT_LAYOUT
-from kvzap_default import summarise, tuning_needle, tuning_seeds
-from needle_keep import needle_spans
+from kvcompress.options import DEFAULT_METHODS
+from kvzap_default import append_row, recorded, summarise, tuning_seeds
+from needle_keep import tuning_context
 
 FORCED_SCORE = 1e4  # above every log-score the surrogate predicts, and finite, so sums over scores stay finite
 VARIANTS = ("full", "forced_none", "forced_answer", "forced_answer_fact")
@@ -80,32 +80,27 @@ def main() -> None:
         raise SystemExit(f"--variants takes a comma-separated list among {', '.join(VARIANTS)}; got {args.variants!r}")
     register(ForcedKVzap)
     model, tokenizer = kvc.load_model()
-    done = set()
-    if args.out.exists():
-        done = {(r["variant"], r["seed"], r["length"], r["ratio"]) for r in map(json.loads, args.out.read_text().splitlines())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    done = recorded(args.out, ("variant", "seed", "length", "ratio"))
+    method, params, exact = DEFAULT_METHODS["prefill"]  # the prefill default, its scorer swapped for the forced one
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
-            sample = tuning_needle(length, seed, tokenizer)
-            context_ids, _ = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, layout=DEFAULT_PROMPT_LAYOUT)
-            answer, fact = needle_spans(tokenizer, context_ids[0].tolist(), sample.answers[0])
+            sample, _, answer, fact = tuning_context(length, seed, tokenizer, DEFAULT_PROMPT_LAYOUT)
             for name in names:
                 ratio = 0.0 if name == "full" else args.ratio
                 if (name, seed, length, ratio) in done:
                     continue
+                forced = () if name == "full" else forced_positions(name, answer, fact)
                 settings = {"method": None} if name == "full" else dict(
-                    method="adakv", compression_ratio=ratio,
-                    method_params={"scorer": ForcedKVzap.name, "scope": "model", "alpha_safeguard": 0.05,
-                                   "scorer_params": {"forced": forced_positions(name, answer, fact)}})
+                    method=method, compression_ratio=ratio, **exact,
+                    method_params={**params, "scorer": ForcedKVzap.name, "scorer_params": {"forced": forced}})
                 start = time.perf_counter()
                 res = kvc.generate(model, tokenizer, sample.context, sample.question, mode="prefill", max_new_tokens=args.new_tokens,
                                    progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
                 row = {"variant": name, "mode": "prefill", "seed": seed, "length": length, "ratio": ratio, "hit": score(sample, res.text),
                        "seconds": round(time.perf_counter() - start, 3), "text": res.text, "answers": sample.answers,
-                       "forced_tokens": 0 if name == "full" else len(forced_positions(name, answer, fact)),
+                       "forced_tokens": len(forced),
                        "threads": args.threads, "prompt_layout": DEFAULT_PROMPT_LAYOUT, "date": time.strftime("%Y-%m-%d")}
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(args.out, row)
                 print(json.dumps({k: row[k] for k in ("variant", "seed", "ratio", "hit", "text")}), flush=True)
     summarise(args.out)
 

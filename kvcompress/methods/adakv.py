@@ -278,8 +278,8 @@ class AdaKV(Method):
         return self.scorer.scores_on_entry and self.normalize == "none" and self.span == 1
 
     def layer_budget(self, budget: int, layer_idx: int, middle_length: int | None) -> int:
-        """scope "model" (in a stream): layer `layer_idx`'s share of the model's budget, `budget` per head on average over
-        the layers. Its share s is alpha_safeguard + (1 - alpha_safeguard)·(the scorer's `layer_shares` at the kept
+        """scope "model" (in a stream, or in prefill mode with layer_split "learned"): layer `layer_idx`'s share of the
+        model's budget, `budget` per head on average over the layers. Its share s is alpha_safeguard + (1 - alpha_safeguard)·(the scorer's `layer_shares` at the kept
         fraction budget / middle_length), mean 1 over the layers, as every head keeps floor(alpha_safeguard·budget) in
         prefill mode; the layer's budget is 2 + floor((budget - 2)·s), at least the 2 slots a stream works in
         (`budget.stream_split`), so the L layers' budgets sum to at most L·budget. scope "layer": `budget`."""
