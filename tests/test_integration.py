@@ -113,6 +113,23 @@ def test_compressed_layers_really_shrink():
     assert sum(half.slots_per_layer) * per_slot <= half.kv_bytes <= sum(s + 16 for s in half.slots_per_layer) * per_slot
 
 
+@pytest.mark.parametrize("question_kept_out", [True, False])
+def test_the_language_model_head_runs_once_per_answer_token_and_never_for_a_context_block_before_the_last(question_kept_out):
+    model = tiny()
+    ctx, question = _prompt(n=150)
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[1]))
+    try:
+        res = generate_ids(model, ctx, question, method="knorm", budget=10_000, mode="chunked", chunk_size=32, max_new_tokens=5,
+                           stop_at_eos=False, compress_question=not question_kept_out)
+    finally:
+        hook.remove()
+    # 150 context tokens in 5 blocks (and the question absorbed as a 6th): one position for the first answer token, from
+    # the question's forward or the absorbed question's block, then one per later answer token; the others keep none
+    assert [r for r in rows if r] == [1] * 5
+    assert res.token_ids == _reference(model, ctx, question, new=5)
+
+
 def test_chunked_peak_memory_is_budget_plus_block():
     model = tiny()
     small, _ = _prompt(n=300)

@@ -491,6 +491,39 @@ def test_a_stream_turns_away_only_tokens_no_later_recompression_could_keep(tmp_p
     assert torch.equal(state.kept.positions.long(), want) and torch.equal(state.kept.counts.long(), kept.sum(-1))
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.2])
+def test_a_block_larger_than_the_room_costs_one_recompression_and_stores_only_what_it_keeps(tmp_path, alpha):
+    """AdaKV over entry scores in a stream fed blocks of 64 tokens, four times its room of 16: each block whose admitted
+    tokens overflow the room is ranked with what is held in one re-compression (`AdaptiveBlockwiseState.absorb`), never
+    buffered first, so the state holds at most its budget throughout and re-compresses at most once per block; what it
+    keeps in the end is what one allocation over every token absorbed keeps."""
+    from kvcompress.methods.adakv import AdaKV, head_allocation
+
+    _surrogate(width=4).save(tmp_path / "s.safetensors")
+    method = AdaKV(scorer=KVzap(scorer=str(tmp_path / "s.safetensors")), alpha_safeguard=alpha)
+    g = torch.Generator().manual_seed(11)
+    b, h, n, budget, block = 2, 3, 1024, 40, 64
+    keys, values = torch.randn(b, h, n, 4, generator=g), torch.randn(b, h, n, 4, generator=g)
+    scores = torch.randn(b, h, n, generator=g) + torch.linspace(0, 2, h)[:, None]
+    state = method.new_stream(budget, torch.Generator(), 0.1)
+    assert state.slack_slots == 16
+    calls = []
+    for name in ("recompress", "_recompress_by_entry_scores"):
+        original = getattr(state, name)
+        setattr(state, name, lambda *args, _original=original, **kwargs: (calls.append(1), _original(*args, **kwargs))[1])
+    for start in range(0, n, block):
+        before = len(calls)
+        state.absorb(Tokens(keys[:, :, start:start + block], values[:, :, start:start + block],
+                            torch.arange(start, start + block).expand(b, h, -1), entry_scores=scores[:, :, start:start + block]))
+        assert state.held_slots() <= budget and state.peak_slots <= budget
+        assert len(calls) - before <= (2 if start == 0 else 1)  # the first block fills the buffer, then its first re-compression
+    assert state.seen == n and len(calls) <= n // block + 1
+    state.recompress(room=0)
+    kept = head_allocation(scores, state.target, min(method.safeguard(state.target), state.target))
+    want = torch.arange(n).expand(b, h, -1)[kept]
+    assert torch.equal(state.kept.positions.long(), want) and torch.equal(state.kept.counts.long(), kept.sum(-1))
+
+
 def test_a_learned_layer_split_keeps_each_layers_share_in_one_shot_and_is_refused_without_shares(tmp_path):
     """AdaKV scope "model" with layer_split="learned" (mode prefill): each layer keeps its `layer_budget` of the model's
     budget, shared among its heads by `head_allocation` of its own scores, where "joint" ranks every layer's heads

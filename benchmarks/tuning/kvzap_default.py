@@ -46,6 +46,12 @@ VARIANTS = {
                                                         {"slack": 0.1, "chunk_size": 128}, ("chunked", "decode")),
     "adakv_kvzap_model_slack_0.1_admission_chunk_256": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
                                                         {"slack": 0.1, "chunk_size": 256}, ("chunked", "decode")),
+    # the stream default (chunk_256's settings) once a block whose admitted tokens overflow the room costs one re-compression:
+    # what is held and the block's admitted tokens but the last room's worth ranked together, only those kept stored, the
+    # last ones then waiting in the room (adakv.AdaptiveBlockwiseState.absorb); chunk_256 took the block a room at a time,
+    # re-compressing each time the room was full
+    "adakv_kvzap_model_slack_0.1_block_then_room": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                                    {"slack": 0.1, "chunk_size": 256}, ("chunked", "decode")),
     # the prefill default with each head's evicted tokens summarised in 8 or 32 slots within its budget (runs of equal
     # count, each a mean key and value of log-weight log(count): AdaKV's evicted_slots), not dropped
     "adakv_kvzap_model_evicted_8": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "evicted_slots": 8},

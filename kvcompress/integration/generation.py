@@ -209,17 +209,19 @@ class _Session:
             return CompressedCache.from_prefill(self.model, self.options, self.prefill)
         return CompressedCache(self.model, self.options, stream_length=self.stream_length if self.options.streams else None)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run ids [B or 1, b] (their padding mask [B, b], default none) through the cache; -> last logits [B, V]."""
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, logits: bool = True) -> torch.Tensor | None:
+        """Run ids [B or 1, b] (their padding mask [B, b], default none) through the cache; -> last logits [B, V], or None
+        when `logits` is False (a context block before the last: the language-model head is not run at all)."""
         ids = ids.expand(self.ids.shape[0], -1)
         mask = torch.ones_like(ids) if mask is None else mask
         self.ids, self.mask = torch.cat([self.ids, ids], 1), torch.cat([self.mask, mask], 1)
         extra = {}
         if self.context_mask is not None:  # a padded batch: the mask and the rows' own positions
             extra = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
-        if self.last_logits_only:
-            extra["logits_to_keep"] = 1
-        return self.model(ids, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1]
+        if self.last_logits_only:  # an empty index keeps no position's logits
+            extra["logits_to_keep"] = 1 if logits else torch.empty(0, dtype=torch.long, device=self.device)
+        out = self.model(ids, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1:]
+        return out[:, -1] if logits else None
 
     def run_context(self, progress: bool):
         """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds,
@@ -256,7 +258,10 @@ class _Session:
             mask = None
             if i == 0 and self.context_mask is not None:
                 mask = torch.cat([self.context_mask, torch.ones_like(block[:, self.context_mask.shape[1] :])], 1)
-            logits = self.reconstruct(block) if self.reconstructs else self.forward(block, mask)
+            # the first answer token comes from the prompt's last block: the question's forward (`answer`) when it is kept
+            # out of compression, else the context's (or the absorbed question's) last block
+            last = i == len(blocks) - 1 and (absorbed is not None or self.question_ids is None)
+            logits = self.reconstruct(block) if self.reconstructs else self.forward(block, mask, logits=last)
             if bar is not None and not compressed:
                 bar.update(1)
         if compressed:

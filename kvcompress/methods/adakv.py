@@ -435,9 +435,13 @@ class AdaptiveBlockwiseState(BlockwiseState):
     can only rise at later re-compressions, which rank a superset of candidates for the same number of slots; so a new
     token scoring below both in every head of every row could never be kept, and is not stored (`admission`: the
     floors of `allocation_priority`, and each row's lowest priority kept, +inf when every kept slot is guaranteed). The
-    stream then re-compresses only when tokens that may still be kept fill its room, which keeps a small slack cheap;
-    its room is at least `ENTRY_SCORE_ROOM` slots (up to half the budget), so that a small budget (a layer with a small
-    share of the model's) does not re-compress at nearly every admitted token.
+    stream then re-compresses only when tokens that may still be kept overflow its room, and then once for the block:
+    what is held and the block's admitted tokens but the last room's worth are ranked together, the block's tokens read
+    where the block is (never buffered first) and only those that win a slot stored; the last ones then wait in the
+    room, as a stream taking the block a room at a time would leave them. So the layer row stores at most H_kv·budget
+    slots throughout, and a block costs at most one re-compression whatever the room; the room is at least
+    `ENTRY_SCORE_ROOM` slots (up to half the budget), so that a small budget (a layer with a small share of the
+    model's) does not re-compress at nearly every admitted token of decode mode's answer.
 
     With kv_bits the buffer is stored quantized (`QuantizedSlots`), which has no packed form: a re-compression keeps
     a rectangle of m slots per head, m the most any head keeps, a head that keeps fewer filling its m slots with its
@@ -468,13 +472,21 @@ class AdaptiveBlockwiseState(BlockwiseState):
         rest = self._admitted(tokens)
         while rest is not None:
             room = self.limit + self.slack_slots - self.held_slots()
-            if room <= 0:
+            if rest.length <= room:
+                return super().absorb(rest)
+            if self.kept is not None:  # one re-compression over what is held and the rest of the block but its last room
+                tail = min(rest.length, self.slack_slots)
+                self.seen += rest.length - tail
+                self.last = tokens
+                self._recompress_by_entry_scores(rest.slice(0, rest.length - tail) if tail < rest.length else None)
+                rest = self._admitted(rest.slice(rest.length - tail, rest.length))
+                continue
+            if room <= 0:  # the first re-compression, of the buffer alone
                 self.recompress(room=self.slack_slots)
                 rest = self._admitted(rest)
                 continue
-            take = min(room, rest.length)
-            super().absorb(rest.slice(0, take))
-            rest = rest.slice(take, rest.length) if take < rest.length else None
+            super().absorb(rest.slice(0, room))
+            rest = rest.slice(room, rest.length)
 
     def _admitted(self, tokens: Tokens) -> Tokens | None:
         """The tokens scoring at least a head's floor or the row's cutoff of the last re-compression in some head of some
@@ -549,13 +561,17 @@ class AdaptiveBlockwiseState(BlockwiseState):
         slots = kept.flatten().nonzero().squeeze(1)  # the kept slots of the [B·H·n] rectangle, head after head: packed order
         self._store([column.flatten(0, 2).index_select(0, slots) for column in columns], kept)
 
-    def _recompress_by_entry_scores(self) -> None:
+    def _recompress_by_entry_scores(self, block: Tokens | None = None) -> None:
         """`recompress` when the ranks are the entry scores (`AdaKV.ranks_by_entry_score`) and a re-compression kept
         tokens before, with the outcome of `_recompress_held`: only the kept tokens' scores are unpacked to the
         rectangle the allocation ranks (the kept slots of each head, empty ones to the longest head, then the new
         tokens: the same scores `head_scores` would give); each stored column of the tokens kept is then gathered at
-        once from the packed slots and the buffer, never unpacked."""
+        once from the packed slots and the buffer, never unpacked. block: tokens arriving now that take part without
+        being buffered first (the new tokens are the buffer's then theirs): only those kept are stored."""
         new = self.slots.view()
+        if block is not None:
+            arriving = self.columns(block)
+            new = tuple(torch.cat([n, a], 2) for n, a in zip(new, arriving)) if new else arriving
         kept_scores = self.kept.unpacked(self.kept_extra[-1], -math.inf)  # the entry scores are the last column
         kept = self._allocate(torch.cat([kept_scores, new[-1].float()], 2), fixed=True)
         width, old_width = kept.shape[2], self.kept.num_slots
