@@ -1,13 +1,19 @@
 """What one answer costs: `kvc.generate` with a method against a plain transformers `model.generate` of the same prompt
-tokens, on the default model, in one process at one thread count (the ratio is what is reported).
+tokens, on the default model, at one thread count (the ratio is what is reported).
 
 For each context length (real prose, `eval.capture.prose_text`, cut to the length in tokens) the prompt is built once
-(`build_prompt`, the layout `kvc.generate` uses), then, `--repeats` times in turn, a plain greedy `model.generate` of
-those ids and every (method, mode) answer `--new-tokens` tokens (no stop at the end of text, so every call writes as
-many), after `--warmup` untimed rounds of the same calls (a cell's first call pays one-off costs: first allocations
-of its shapes). The median seconds per call and its ratio to the plain generate's median are written to OUT as CSV, with the
-KV bytes the answer's cache stored ÷ the full cache's for the same tokens (`GenerationResult.kv_bytes`, the peak), the
-machine, threads and date; each `--ratios` value is one more round of every cell:
+(`build_prompt`, the layout `kvc.generate` uses); every call answers `--new-tokens` tokens (no stop at the end of text,
+so every call writes as many): a plain greedy `model.generate` of those ids, or a (method, mode, ratio) cell. Each cell
+is measured beside plain generates of its own: `--warmup` untimed then `--repeats` timed pairs (a plain generate, then
+the cell), and its ratio is its median over the median of those plain generates, so that the host's drift over the run
+cancels. With `--pairing process` (the default) each cell runs in a fresh process of this script: what a process ran
+before moves a call's time (its allocator's state: a plain generate after a stream's answers paid some 300k page faults
+in this project's measurements, and a stream's answer takes longer after other cells' than after its own), so no cell
+runs after another; `--pairing cell` measures every cell in this process, one after the other. With `--pairing round`
+(the records before 2026-12-03) each round calls a plain generate and then every cell in turn, and every cell is
+divided by the one plain median. The median seconds per call, the plain median it is divided by (`plain_s`; the
+`plain` row: the median over the cells) and the ratio are written to OUT as CSV, with the KV bytes the answer's cache
+stored ÷ the full cache's for the same tokens (`GenerationResult.kv_bytes`, the peak), the machine, threads and date:
 
     .venv/bin/python benchmarks/default_cost.py --lengths 2048,4096,8192 --methods default,kvzap --threads 1 \\
         --out benchmarks/results/default_cost.csv
@@ -18,6 +24,9 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,10 +63,15 @@ def main() -> None:
     p.add_argument("--ratios", default="0.75", help="comma-separated compression ratios (each a round of every cell)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every call before the timed ones (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed pairs (or rounds) of calls before the timed ones (default 1)")
+    p.add_argument("--pairing", choices=("process", "cell", "round"), default="process",
+                   help="process: each cell in a fresh process, beside plain generates of its own (default); cell: the same, every cell in "
+                        "this process; round: one plain generate, then every cell, per round")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    if args.pairing == "process":
+        return write_rows(args.out, rows_in_processes(args))
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
     rows = []
@@ -65,43 +79,105 @@ def main() -> None:
         context = context_of(tokenizer, length)
         context_ids, question_ids = build_prompt(tokenizer, context, QUESTION)
         prompt = torch.cat([context_ids, question_ids], 1)
-        cells = [(m, mode, float(r)) for r in args.ratios.split(",") for m in args.methods.split(",") for mode in args.modes.split(",")]
-        times: dict[tuple, list[float]] = {cell: [] for cell in [("plain", "generate", 0.0), *cells]}
+        cells = cells_of(args)
+        times: dict[tuple, list[float]] = {cell: [] for cell in cells}
+        plains: dict[tuple, list[float]] = {cell: [] for cell in cells}  # each cell's own plain generates (--pairing cell)
         stored: dict[tuple, float] = {}
-        for round_index in range(args.warmup + args.repeats):
-            timed = round_index >= args.warmup
+
+        def plain_generate() -> float:
             start = time.perf_counter()
             with torch.no_grad():
                 model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            if timed:
-                times[("plain", "generate", 0.0)].append(time.perf_counter() - start)
-            for name, mode, ratio in list(cells):
-                method, params, exact = VARIANTS[name]
-                start = time.perf_counter()
-                try:
-                    res = kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=ratio,
-                                       mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
-                except ValueError as error:  # a variant that does not run in this mode (e.g. kvzip_refit streams not)
-                    print(f"{name} {mode}: {error}")
-                    times.pop((name, mode, ratio), None)
-                    cells.remove((name, mode, ratio))
-                    continue
-                if timed:
-                    times[(name, mode, ratio)].append(time.perf_counter() - start)
-                stored[(name, mode, ratio)] = res.kv_bytes / res.kv_bytes_full
-        plain = statistics.median(times[("plain", "generate", 0.0)])
+            return time.perf_counter() - start
+
+        def answer(cell) -> float | None:
+            """Seconds of one answer of the cell, None when its method does not run in its mode."""
+            name, mode, ratio = cell
+            method, params, exact = VARIANTS[name]
+            start = time.perf_counter()
+            try:
+                res = kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=ratio,
+                                   mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
+            except ValueError as error:  # a variant that does not run in this mode (e.g. kvzip_refit streams not)
+                print(f"{name} {mode}: {error}")
+                return None
+            seconds = time.perf_counter() - start
+            stored[cell] = res.kv_bytes / res.kv_bytes_full
+            return seconds
+
+        skipped = set()
+        if args.pairing == "cell":
+            for cell in cells:
+                for round_index in range(args.warmup + args.repeats):
+                    plain_seconds, seconds = plain_generate(), answer(cell)
+                    if seconds is None:
+                        skipped.add(cell)
+                        break
+                    if round_index >= args.warmup:
+                        plains[cell].append(plain_seconds)
+                        times[cell].append(seconds)
+        else:
+            every_plain = []
+            for round_index in range(args.warmup + args.repeats):
+                plain_seconds = plain_generate()
+                if round_index >= args.warmup:
+                    every_plain.append(plain_seconds)
+                for cell in [c for c in cells if c not in skipped]:
+                    seconds = answer(cell)
+                    if seconds is None:
+                        skipped.add(cell)
+                    elif round_index >= args.warmup:
+                        times[cell].append(seconds)
+            plains = {cell: every_plain for cell in cells}
+        kept = [cell for cell in cells if cell not in skipped]
+        all_plain = every_plain if args.pairing == "round" else [s for cell in kept for s in plains[cell]]
+        times = {("plain", "generate", 0.0): all_plain, **{cell: times[cell] for cell in kept}}
+        plains[("plain", "generate", 0.0)] = all_plain
         for (name, mode, ratio), seconds in times.items():
+            plain = statistics.median(plains[(name, mode, ratio)])
             row = {"tokens": prompt.shape[1], "context_tokens": length, "method": name, "mode": mode, "ratio": ratio,
-                   "median_s": round(statistics.median(seconds), 3), "over_plain": round(statistics.median(seconds) / plain, 3),
+                   "median_s": round(statistics.median(seconds), 3), "plain_s": round(plain, 3),
+                   "over_plain": round(statistics.median(seconds) / plain, 3), "pairing": args.pairing,
                    "kv_over_full": round(stored.get((name, mode, ratio), 1.0), 4),
                    "repeats": args.repeats, "new_tokens": args.new_tokens, "threads": args.threads,
                    "machine": machine_description(torch.get_num_threads()),
                    "date": time.strftime("%Y-%m-%d")}
             rows.append(row)
             print(row, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
+    write_rows(args.out, rows)
+
+
+def cells_of(args) -> list[tuple[str, str, float]]:
+    """The (method, mode, ratio) cells the arguments name, ratio by ratio."""
+    return [(m, mode, float(r)) for r in args.ratios.split(",") for m in args.methods.split(",") for mode in args.modes.split(",")]
+
+
+def rows_in_processes(args) -> list[dict]:
+    """`--pairing process`: each (length, cell) measured by a fresh process of this script (`--pairing cell`, that cell alone),
+    so that no cell runs after another in the same process; their rows, and per length a `plain` row whose `plain_s` is the
+    median of the cells' plain medians."""
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "cell.csv"
+        for length in args.lengths.split(","):
+            plains, cells = [], []
+            for name, mode, ratio in cells_of(args):
+                subprocess.run([sys.executable, __file__, "--lengths", length, "--methods", name, "--modes", mode, "--ratios", str(ratio),
+                                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+                                "--threads", str(args.threads), "--pairing", "cell", "--out", str(out)], check=True)
+                measured = list(csv.DictReader(out.open()))
+                if len(measured) == 2:  # else the method does not run in this mode
+                    plains.append(measured[0])
+                    cells.append({**measured[1], "pairing": "process"})
+            plain = round(statistics.median(float(row["plain_s"]) for row in plains), 3)
+            rows += [{**plains[0], "median_s": plain, "plain_s": plain, "pairing": "process"}, *cells]
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

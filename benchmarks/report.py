@@ -323,7 +323,8 @@ SUMMARY_NOTE = (
     "held-out set (\"The held-out needle set\": another text, run once after every choice), where the default (no method "
     "named, AdaKV over KVzap's learned scores) ran beside the full cache, `kvzip_refit` and kvpress's KVzip on the same "
     "prompt tokens, its times not shown (several runs shared the CPU); its streams took the prompt in blocks of 128 tokens, "
-    "the library's `chunk_size` then (256 now: \"The streams' prompt blocks\"); its cost against a plain `model.generate` is "
+    "the library's `chunk_size` then (256 now: \"The streams' prompt blocks\"), each block a room's worth at a time (now one "
+    "re-compression per block: \"The streams: one re-compression per block\"); its cost against a plain `model.generate` is "
     "under \"What one answer costs\".")
 
 
@@ -546,34 +547,37 @@ def cost_section() -> list[str]:
     return lines
 
 
-COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "over_plain", "kv_over_full"]
+COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "plain_s", "over_plain", "kv_over_full"]
 
 
 def cost_table(rows: list[dict]) -> str:
-    """A `default_cost.py` record's rows as a table of `COST_COLUMNS`."""
-    return markdown_table(rows, COST_COLUMNS)
+    """A `default_cost.py` record's rows as a table of those `COST_COLUMNS` it has (`plain_s` since `--pairing cell`)."""
+    return markdown_table(rows, [c for c in COST_COLUMNS if any(c in row for row in rows)])
 
 
 CSV_TABLES = [  # (record, title, what it measures, its table from the record's rows)
     ("benchmarks/results/default_cost.csv", "What one answer costs: the default against a plain generate",
      "`benchmarks/default_cost.py`: one answer of 8 tokens with `kvc.generate` and no method named (the default, in each mode "
      "and at each compression ratio) against a plain greedy `model.generate` of the same prompt tokens (`plain`), on real "
-     "prose, every call in turn in one process at one thread (after one untimed round where the record says so): the "
-     "median seconds per answer, its ratio to the plain "
-     "generate's (`over_plain`), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
+     "prose, at one thread, each cell in a fresh process beside plain generates of its own (`--pairing process`: an untimed "
+     "pair, then pairs of a plain generate and the cell; what a process ran before can move a call's time by a tenth or more): "
+     "the median seconds per answer, the median of its plain generates (`plain_s`), the ratio of the two (`over_plain`; "
+     "the `plain` row's `plain_s` is the median over the cells), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
      "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens).",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
      "The default's chunked and decode modes with the prompt fed in blocks of 256 tokens (`default`, the library's "
      "`chunk_size`) and of 128 (`default_chunk_128`, the size before), at compression ratio 0.75, in a second process "
-     "beside the first, each on its own core.",
+     "beside the first, each on its own core, with every call in turn after one plain generate per round (`--pairing round`) "
+     "and the streams of then (a block taken a room at a time).",
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in a run of its own.",
+     "ratio 0.75, in a run of its own, with every call in turn after one plain generate per round (`--pairing round`) and "
+     "the streams of then (a block taken a room at a time).",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
-     "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens): the same measurement as above.",
+     "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens), each round a plain generate and then the answer (`--pairing round`).",
      cost_table),
     ("benchmarks/results/kvzap_fidelity.csv", "KVzap's fidelity on held-out text",
      "`benchmarks/kvzap_fidelity.py`: Spearman correlation per layer between the shipped linear surrogate's predicted scores "
@@ -791,6 +795,18 @@ PAIRED_NEEDLE_TABLES = [
      "Nothing was chosen on it. The two ratios ran as two processes side by side, so the times are only indicative.",
      ["variant", "mode", "ratio"], "paired vs the prefill default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model" if variant.endswith("_learned_split") else None),
+    ("benchmarks/results/tuning/block_then_room.jsonl", "The streams: one re-compression per block",
+     "The stream default as it takes a block now (`adakv_kvzap_model_slack_0.1_block_then_room`: when the block's admitted "
+     "tokens overflow the room, what is held and all of them but the last room's worth are ranked in one re-compression, "
+     "only those kept stored, the last ones waiting in the room) and as it took a block before "
+     "(`adakv_kvzap_model_slack_0.1_admission_chunk_256`: a room's worth at a time, re-compressing each time the room was "
+     "full; its rows and the full cache's are those of the chunk-size table above, answered on 2026-12-02 by the code of "
+     "then). `benchmarks/tuning/kvzap_default.py` on 30 tuning needles at 2k tokens in the default prompt layout at ratio "
+     "0.75, chosen on it for its cost at equal hits. Paired per needle against the stream before in the same mode: won / "
+     "lost, Newcombe's 95% interval of the difference in % found, sign test. The two modes ran as two processes side by "
+     "side, so the times are only indicative; the cost is measured apart, under \"What one answer costs\".",
+     ["variant", "mode"], "paired vs the stream before (won / lost; diff; p)",
+     lambda variant: "adakv_kvzap_model_slack_0.1_admission_chunk_256" if variant.endswith("_block_then_room") else None),
 ]
 
 

@@ -400,3 +400,71 @@ def test_needle_oracle_forces_the_chosen_positions_above_every_score_and_registe
     forced = (positions == 3) | (positions == 7)
     assert bool((scores[forced] == module.FORCED_SCORE).all()) and torch.equal(scores[~forced], predicted[~forced])
     assert bool((predicted < module.FORCED_SCORE).all())
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_default_cost_divides_each_cell_by_plain_generates_of_its_own(default_model, tmp_path, monkeypatch):
+    """benchmarks/default_cost.py on the default model (`--pairing cell`, every cell in one process): each cell's timed
+    answers alternate with plain generates of their own, after its untimed pair; its over_plain is its median over the
+    median of those (`plain_s`), and the `plain` row is the median of every timed plain generate."""
+    import csv
+    import statistics
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import default_cost
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    model, tokenizer = default_model
+    calls, answering = [], []
+    generate, answer = model.generate, default_cost.kvc.generate
+
+    def plain(*args, **kwargs):  # a plain generate, not kvc.generate's own decoding
+        if not answering:
+            calls.append("plain")
+        return generate(*args, **kwargs)
+
+    def compressed(*args, **kwargs):
+        calls.append(kwargs["mode"])
+        answering.append(True)
+        try:
+            return answer(*args, **kwargs)
+        finally:
+            answering.pop()
+
+    monkeypatch.setattr(model, "generate", plain)
+    monkeypatch.setattr(default_cost.kvc, "generate", compressed)
+    monkeypatch.setattr(default_cost.kvc, "load_model", lambda: default_model)
+    out = tmp_path / "cost.csv"
+    monkeypatch.setattr(sys, "argv", ["default_cost.py", "--lengths", "192", "--modes", "prefill,chunked", "--ratios", "0.5",
+                                      "--repeats", "2", "--warmup", "1", "--new-tokens", "2", "--pairing", "cell", "--out", str(out)])
+    default_cost.main()
+    assert calls == ["plain", "prefill"] * 3 + ["plain", "chunked"] * 3
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["method"], r["mode"]) for r in rows] == [("plain", "generate"), ("default", "prefill"), ("default", "chunked")]
+    for row in rows[1:]:
+        assert row["pairing"] == "cell" and float(row["over_plain"]) == pytest.approx(float(row["median_s"]) / float(row["plain_s"]), abs=2e-3)
+        assert 0 < float(row["kv_over_full"]) < 1
+    assert float(rows[0]["plain_s"]) >= min(float(r["plain_s"]) for r in rows[1:]) - 1e-3
+    assert float(rows[0]["plain_s"]) <= max(float(r["plain_s"]) for r in rows[1:]) + 1e-3
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_default_cost_measures_each_cell_in_a_fresh_process_by_default(tmp_path):
+    """benchmarks/default_cost.py's default `--pairing process`: one fresh process per cell, each row that cell's, and the
+    `plain` row the median of the cells' plain medians."""
+    import csv
+    import statistics
+    import subprocess
+    import sys
+
+    out = tmp_path / "cost.csv"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "default_cost.py"), "--lengths", "160", "--modes", "prefill,decode",
+                    "--ratios", "0.5", "--repeats", "1", "--warmup", "0", "--new-tokens", "2", "--out", str(out)], check=True, cwd=REPO)
+    rows = list(csv.DictReader(out.open()))
+    assert [r["mode"] for r in rows] == ["generate", "prefill", "decode"]
+    assert all(r["pairing"] == "process" for r in rows)
+    assert float(rows[0]["plain_s"]) == pytest.approx(statistics.median(float(r["plain_s"]) for r in rows[1:]), abs=1e-3)

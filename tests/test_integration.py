@@ -60,8 +60,9 @@ def test_no_compression_reproduces_plain_generate(arch, mode):
 
 @pytest.mark.parametrize("method", [None, "knorm"])
 def test_prefill_computes_the_last_positions_logits_only(method, monkeypatch):
-    """As model.generate does (logits_to_keep=1): a 150-token context's forward gives [B, 1, V] logits, not
-    [B, 150, V], and the answer is plain generate's."""
+    """As model.generate does (logits_to_keep=1), and less: a 150-token context's forward, whose logits the question's
+    forward makes unneeded, gives none ([B, 0, V], not [B, 150, V]), every later forward [B, 1, V], and the answer is
+    plain generate's."""
     model = tiny()
     ctx, question = _prompt()
     ref = _reference(model, ctx, question)
@@ -77,7 +78,7 @@ def test_prefill_computes_the_last_positions_logits_only(method, monkeypatch):
     options = {"compression_ratio": 0.0} if method else {}
     res = generate_ids(model, ctx, question, method=method, max_new_tokens=12, stop_at_eos=False, **options)
     assert res.token_ids == ref
-    assert shapes and all(shape[1] == 1 for shape in shapes), shapes
+    assert shapes[0][1] == 0 and len(shapes) > 1 and all(shape[1] == 1 for shape in shapes[1:]), shapes
 
 
 def test_budget_at_least_context_reproduces_in_prefill():
