@@ -573,8 +573,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in a run of its own, with every call in turn after one plain generate per round (`--pairing round`) and "
-     "the streams of then (a block taken a room at a time).",
+     "ratio 0.75, in a run of its own.",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens), each round a plain generate and then the answer (`--pairing round`).",
