@@ -80,8 +80,6 @@ def main() -> None:
         context_ids, question_ids = build_prompt(tokenizer, context, QUESTION)
         prompt = torch.cat([context_ids, question_ids], 1)
         cells = cells_of(args)
-        times: dict[tuple, list[float]] = {cell: [] for cell in cells}
-        plains: dict[tuple, list[float]] = {cell: [] for cell in cells}  # each cell's own plain generates (--pairing cell)
         stored: dict[tuple, float] = {}
 
         def plain_generate() -> float:
@@ -106,36 +104,38 @@ def main() -> None:
             stored[cell] = res.kv_bytes / res.kv_bytes_full
             return seconds
 
-        skipped = set()
+        # cell -> (its timed answers, the timed plain generates it is divided by); cells that do not run are left out
+        measured: dict[tuple, tuple[list[float], list[float]]] = {}
         if args.pairing == "cell":
             for cell in cells:
+                times, plains = [], []
                 for round_index in range(args.warmup + args.repeats):
                     plain_seconds, seconds = plain_generate(), answer(cell)
                     if seconds is None:
-                        skipped.add(cell)
                         break
                     if round_index >= args.warmup:
-                        plains[cell].append(plain_seconds)
-                        times[cell].append(seconds)
+                        plains.append(plain_seconds)
+                        times.append(seconds)
+                else:
+                    measured[cell] = (times, plains)
+            every_plain = [seconds for _, plains in measured.values() for seconds in plains]
         else:
-            every_plain = []
+            every_plain, running = [], list(cells)
             for round_index in range(args.warmup + args.repeats):
                 plain_seconds = plain_generate()
                 if round_index >= args.warmup:
                     every_plain.append(plain_seconds)
-                for cell in [c for c in cells if c not in skipped]:
+                for cell in list(running):
                     seconds = answer(cell)
                     if seconds is None:
-                        skipped.add(cell)
+                        running.remove(cell)
                     elif round_index >= args.warmup:
-                        times[cell].append(seconds)
-            plains = {cell: every_plain for cell in cells}
-        kept = [cell for cell in cells if cell not in skipped]
-        all_plain = every_plain if args.pairing == "round" else [s for cell in kept for s in plains[cell]]
-        times = {("plain", "generate", 0.0): all_plain, **{cell: times[cell] for cell in kept}}
-        plains[("plain", "generate", 0.0)] = all_plain
-        for (name, mode, ratio), seconds in times.items():
-            plain = statistics.median(plains[(name, mode, ratio)])
+                        measured.setdefault(cell, ([], every_plain))[0].append(seconds)
+            measured = {cell: measured[cell] for cell in running if cell in measured}
+        if not measured:
+            continue
+        for (name, mode, ratio), (seconds, plains) in {("plain", "generate", 0.0): (every_plain, every_plain), **measured}.items():
+            plain = statistics.median(plains)
             row = {"tokens": prompt.shape[1], "context_tokens": length, "method": name, "mode": mode, "ratio": ratio,
                    "median_s": round(statistics.median(seconds), 3), "plain_s": round(plain, 3),
                    "over_plain": round(statistics.median(seconds) / plain, 3), "pairing": args.pairing,
@@ -163,22 +163,25 @@ def rows_in_processes(args) -> list[dict]:
         for length in args.lengths.split(","):
             plains, cells = [], []
             for name, mode, ratio in cells_of(args):
+                out.unlink(missing_ok=True)
                 subprocess.run([sys.executable, __file__, "--lengths", length, "--methods", name, "--modes", mode, "--ratios", str(ratio),
                                 "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                                 "--threads", str(args.threads), "--pairing", "cell", "--out", str(out)], check=True)
                 measured = list(csv.DictReader(out.open()))
-                if len(measured) == 2:  # else the method does not run in this mode
+                if measured:  # else the method does not run in this mode
                     plains.append(measured[0])
                     cells.append({**measured[1], "pairing": "process"})
-            plain = round(statistics.median(float(row["plain_s"]) for row in plains), 3)
-            rows += [{**plains[0], "median_s": plain, "plain_s": plain, "pairing": "process"}, *cells]
+            if plains:
+                plain = round(statistics.median(float(row["plain_s"]) for row in plains), 3)
+                rows += [{**plains[0], "median_s": plain, "plain_s": plain, "pairing": "process"}, *cells]
     return rows
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
+    """rows as CSV at path (an empty file when no cell ran)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
         writer.writerows(rows)
 

@@ -569,7 +569,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "The default's chunked and decode modes with the prompt fed in blocks of 256 tokens (`default`, the library's "
      "`chunk_size`) and of 128 (`default_chunk_128`, the size before), at compression ratio 0.75, in a second process "
      "beside the first, each on its own core, with every call in turn after one plain generate per round (`--pairing round`) "
-     "and the streams of then (a block taken a room at a time).",
+     "and streams that took a block a room at a time.",
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
@@ -795,16 +795,15 @@ PAIRED_NEEDLE_TABLES = [
      ["variant", "mode", "ratio"], "paired vs the prefill default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model" if variant.endswith("_learned_split") else None),
     ("benchmarks/results/tuning/block_then_room.jsonl", "The streams: one re-compression per block",
-     "The stream default as it takes a block now (`adakv_kvzap_model_slack_0.1_block_then_room`: when the block's admitted "
+     "The stream default (`adakv_kvzap_model_slack_0.1_block_then_room`: when the block's admitted "
      "tokens overflow the room, what is held and all of them but the last room's worth are ranked in one re-compression, "
-     "only those kept stored, the last ones waiting in the room) and as it took a block before "
-     "(`adakv_kvzap_model_slack_0.1_admission_chunk_256`: a room's worth at a time, re-compressing each time the room was "
-     "full; its rows and the full cache's are those of the chunk-size table above, answered on 2026-12-02 by the code of "
-     "then). `benchmarks/tuning/kvzap_default.py` on 30 tuning needles at 2k tokens in the default prompt layout at ratio "
-     "0.75, chosen on it for its cost at equal hits. Paired per needle against the stream before in the same mode: won / "
+     "only those kept stored, the last ones waiting in the room) against the same settings taking a block "
+     "a room's worth at a time (`adakv_kvzap_model_slack_0.1_admission_chunk_256`, re-compressing each time the room "
+     "was full; its rows and the full cache's are those of the chunk-size table above, answered on 2026-12-02). "
+     "`benchmarks/tuning/kvzap_default.py` on 30 tuning needles at 2k tokens in the default prompt layout at ratio 0.75, chosen on it for its cost at equal hits. Paired per needle against the room-at-a-time stream in the same mode: won / "
      "lost, Newcombe's 95% interval of the difference in % found, sign test. The two modes ran as two processes side by "
      "side, so the times are only indicative; the cost is measured apart, under \"What one answer costs\".",
-     ["variant", "mode"], "paired vs the stream before (won / lost; diff; p)",
+     ["variant", "mode"], "paired vs a room at a time (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model_slack_0.1_admission_chunk_256" if variant.endswith("_block_then_room") else None),
 ]
 

@@ -220,8 +220,8 @@ class _Session:
             extra = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
         if self.last_logits_only:  # an empty index keeps no position's logits
             extra["logits_to_keep"] = 1 if logits else torch.empty(0, dtype=torch.long, device=self.device)
-        out = self.model(ids, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1:]
-        return out[:, -1] if logits else None
+        out = self.model(ids, past_key_values=self.cache, use_cache=True, **extra)
+        return out.logits[:, -1] if logits else None
 
     def run_context(self, progress: bool):
         """Prefill (and compress) the context, plus the question if it is compressed too; -> (last logits or None, seconds,
