@@ -92,29 +92,43 @@ def test_tuning_samples_share_no_text_wording_or_answer_with_the_reported_ones()
 def test_the_tuning_split_takes_only_tuning_seeds():
     with pytest.raises(ValueError, match=r"split='tuning' takes seeds from TUNING_SEEDS \(1000..1999\), got seed=3"):
         T.niah_prose(500, seed=3, split="tuning")
-    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout'\), got 'train'"):
+    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2'\), got 'train'"):
         T.niah_prose(500, seed=1000, split="train")
     with pytest.raises(ValueError, match=r"split='heldout' takes seeds from HELDOUT_SEEDS \(2000..2999\), got seed=1000"):
         T.niah_prose(500, seed=1000, split="heldout")
+    with pytest.raises(ValueError, match=r"split='heldout2' takes seeds from HELDOUT2_SEEDS \(3000..3999\), got seed=2000"):
+        T.niah_prose(500, seed=2000, split="heldout2")
 
 
-def test_the_heldout_split_shares_no_text_name_town_or_wording_with_the_others():
-    """split="heldout": IDLE's user manual, and pools of names, towns and fact wordings that neither the reported nor the
-    tuning samples use; seeds from HELDOUT_SEEDS; a sample is fixed by its seed."""
-    heldout = set(T._prose_sentences("heldout"))
-    assert len(heldout) > 150 and not heldout & (set(T._prose_sentences("reported")) | set(T._prose_sentences("tuning")))
-    others = [T.PROSE_POOLS["reported"], T.PROSE_POOLS["tuning"]]
-    first_names, surnames, towns, facts = T.PROSE_POOLS["heldout"]
+@pytest.mark.parametrize("split, earlier, seeds", [
+    ("heldout", ("reported", "tuning"), (2000, 2029)),
+    ("heldout2", ("reported", "tuning", "heldout"), (3000, 3029)),
+])
+def test_a_heldout_split_shares_no_text_name_town_or_wording_with_the_splits_before_it(split, earlier, seeds):
+    """split="heldout" (IDLE's user manual) and "heldout2" (CPython's licence and IDLE's notes): a text and pools of
+    names, towns and fact wordings that no split before it uses; seeds from the split's own range; a sample is fixed by
+    its seed."""
+    heldout = set(T._prose_sentences(split))
+    assert len(heldout) > 150 and not heldout & set().union(*(T._prose_sentences(e) for e in earlier))
+    first_names, surnames, towns, facts = T.PROSE_POOLS[split]
     words = set(first_names) | set(surnames) | set(towns)
-    for pool in others:
+    for pool in (T.PROSE_POOLS[e] for e in earlier):
         assert not words & (set(pool[0]) | set(pool[1]) | set(pool[2]))
         for kind in ("names", "places"):
             assert not {part for fact in facts[kind] for part in fact} & {part for fact in pool[3][kind] for part in fact}
-    for seed in (2000, 2029):
-        s = T.niah_prose(900, 0.5, seed=seed, split="heldout")
+    for seed in seeds:
+        s = T.niah_prose(900, 0.5, seed=seed, split=split)
         (needle,) = s.needles
         kind = "names" if s.question.startswith("Who") else "places"
         assert any(needle == fact.format(s.answers[0]) and s.question == question for fact, question, _ in facts[kind])
         assert set(s.answers[0].split(" ")) <= words
         assert any(s.context.replace(needle, "").strip().startswith(sentence) for sentence in heldout)
-        assert s == T.niah_prose(900, 0.5, seed=seed, split="heldout")
+        assert s == T.niah_prose(900, 0.5, seed=seed, split=split)
+
+
+def test_the_second_heldout_text_is_the_licence_and_idles_notes_without_news_tags():
+    from kvcompress.eval.capture import notes_paragraphs
+
+    paragraphs = notes_paragraphs()
+    assert paragraphs[0].startswith("Python was created in the early 1990s by Guido van Rossum")
+    assert len(paragraphs) > 200 and not any(p.startswith(("gh-", "bpo-")) for p in paragraphs)

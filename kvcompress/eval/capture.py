@@ -12,7 +12,7 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["capture_qkv", "docstring_paragraphs", "manual_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES",
+__all__ = ["capture_qkv", "docstring_paragraphs", "manual_paragraphs", "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES",
            "SCORER_TRAINING_MODULES"]
 
 # The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
@@ -113,6 +113,36 @@ def docstring_paragraphs(modules: tuple[str, ...] = DOCSTRING_MODULES) -> list[s
                     paragraph = " ".join(block.split())
                     if _is_prose(block) and not block.rstrip().endswith(":") and paragraph not in reference:
                         out.setdefault(paragraph)
+    return list(out)
+
+
+# The second held-out needle set's text (`notes_paragraphs`): CPython's licence, then IDLE's plain-text files, in this order.
+NOTES_FILES = ("LICENSE.txt", "idlelib/NEWS.txt", "idlelib/README.txt", "idlelib/CREDITS.txt", "idlelib/HISTORY.txt",
+               "idlelib/TODO.txt", "idlelib/extend.txt")
+# The issue tag a news entry starts with ("gh-104486: ", "bpo-45495: ", once without its colon), dropped from the sentence.
+_NEWS_TAG = re.compile(r"^(?:gh|bpo)-\d+:?\s*")
+
+
+def notes_paragraphs() -> list[str]:
+    """Prose paragraphs of CPython's licence (`LICENSE.txt`) and of IDLE's plain-text notes and news (`NOTES_FILES`,
+    shipped with CPython beside the standard library), in that order, each news entry without its issue tag: the second
+    held-out needle set's text (`eval.tasks`, split "heldout2"), which no tuning, training, reported or first held-out
+    sample uses. Paragraphs are chosen as `prose_paragraphs` chooses them; a Python without these files is a clear error."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    missing = [name for name in NOTES_FILES if not (root / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the second held-out set's prose is CPython's licence and IDLE's notes ({', '.join(NOTES_FILES)} "
+                                f"under {root}); this Python does not ship {', '.join(missing)} (some distributions package "
+                                "idlelib apart: install it, e.g. the idle-python3 package)")
+    out: dict[str, None] = {}
+    for name in NOTES_FILES:
+        for block in re.split(r"\n\s*\n", (root / name).read_text(encoding="utf-8")):
+            paragraph = _NEWS_TAG.sub("", " ".join(block.split()))
+            if _is_prose(block) and not block.rstrip().endswith(":") and paragraph:
+                out.setdefault(paragraph)
     return list(out)
 
 

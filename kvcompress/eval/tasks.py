@@ -33,6 +33,9 @@ harness, `--task-param niah_prose.split=tuning` / `--task-param split=tuning` wi
 `niah_prose(split="heldout")`, with seeds from `HELDOUT_SEEDS` (2000–2999), is a third set of pools shared with
 neither: IDLE's user manual as the prose (`capture.manual_paragraphs`), `HELDOUT_PROSE_FACTS`, `HELDOUT_FIRST_NAMES`, ...,
 kept for a final check that runs once, after every choice is made (`benchmarks/heldout/PLAN.md`).
+`niah_prose(split="heldout2")`, seeds from `HELDOUT2_SEEDS` (3000–3999), is a fourth set of pools shared with none of
+them, for a second final check (`benchmarks/heldout/PLAN2.md`): CPython's licence and IDLE's plain-text notes and news as
+the prose (`capture.notes_paragraphs`), `HELDOUT2_PROSE_FACTS`, `HELDOUT2_FIRST_NAMES`, ...
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ TASKS = (
 TUNING_SEEDS = range(1000, 2000)
 # Seeds of the held-out needle set (niah_prose(split="heldout")), run once after every choice is made.
 HELDOUT_SEEDS = range(2000, 3000)
+# Seeds of the second held-out needle set (niah_prose(split="heldout2")), fixed before the first run on it.
+HELDOUT2_SEEDS = range(3000, 4000)
 
 
 @dataclass
@@ -116,9 +121,9 @@ def _start(target_tokens, seed, tokenizer) -> tuple[random.Random, Callable[[Seq
 def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     """The sentences of the real-prose haystack: the Python language reference (`capture.prose_paragraphs`) for reported
     samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), for held-out samples
-    IDLE's user manual (`capture.manual_paragraphs`), each less any sentence an earlier source has, so no two share a
-    sentence."""
-    from .capture import docstring_paragraphs, manual_paragraphs, prose_paragraphs
+    IDLE's user manual (`capture.manual_paragraphs`), for the second held-out set CPython's licence and IDLE's notes
+    (`capture.notes_paragraphs`), each less any sentence an earlier source has, so no two share a sentence."""
+    from .capture import docstring_paragraphs, manual_paragraphs, notes_paragraphs, prose_paragraphs
 
     def sentences(paragraphs):
         return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
@@ -129,7 +134,10 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     if split == "tuning":
         return tuple(s for s in sentences(docstring_paragraphs()) if s not in earlier)
     earlier |= set(_prose_sentences("tuning"))
-    return tuple(s for s in sentences(manual_paragraphs()) if s not in earlier)
+    if split == "heldout":
+        return tuple(s for s in sentences(manual_paragraphs()) if s not in earlier)
+    earlier |= set(_prose_sentences("heldout"))
+    return tuple(s for s in sentences(notes_paragraphs()) if s not in earlier)
 
 
 @functools.lru_cache(maxsize=1)
@@ -519,14 +527,61 @@ HELDOUT_PROSE_FACTS = {
          "The great tapestry workshop of the west is in"),
     ),
 }
+# The second held-out set's own pools (niah_prose(split="heldout2")): no name, town or fact wording of the three sets above.
+HELDOUT2_FIRST_NAMES = (
+    "Ambrose", "Bettina", "Cyprian", "Dorotea", "Emeric", "Fenella", "Gideon", "Hortense", "Ignatius", "Jolanta",
+    "Kasimir", "Lavinia", "Mattias", "Noemi", "Orrin", "Philippa", "Reinhold", "Seraphina", "Thaddeus", "Ulrika",
+    "Vitus", "Winifred", "Yannick", "Zenobia", "Aurelio", "Beatrix", "Corentin", "Drusilla", "Emrys", "Fiammetta",
+)
+HELDOUT2_SURNAMES = (
+    "Applegarth", "Brackenbury", "Calloway", "Dunsmore", "Eckersley", "Fotheringham", "Harcourt", "Hollingworth", "Inchcape",
+    "Jessop", "Kilbride", "Lindgrove", "Macready", "Netherwood", "Okonkwo", "Pellingham", "Quartermaine", "Rowntree",
+    "Stanhope", "Trevelyan", "Underhill", "Villanueva", "Wolstenholme", "Yardley", "Zborowski", "Ashcombe", "Bramwell",
+    "Coverdale", "Dimbleby", "Elphinstone",
+)
+HELDOUT2_TOWNS = (
+    "Aberaeron", "Bala", "Buxton", "Corwen", "Cromer", "Dingwall", "Dunoon", "Eyam", "Fakenham", "Fochabers", "Golspie",
+    "Holt", "Hoylake", "Ingleton", "Kington", "Kinross", "Lauder", "Lerwick", "Lydd", "Mallaig", "Minehead", "Nefyn",
+    "Otley", "Oundle", "Presteigne", "Reeth", "Rhayader", "Rosemarkie", "Saltburn", "Sandwich", "Selkirk", "Tain", "Troon",
+    "Usk", "Wooler", "Yarm", "Abersoch", "Ambleside", "Brora", "Conwy",
+)
+HELDOUT2_PROSE_FACTS = {
+    "names": (
+        ("The carpenter who repaired the harbour lighthouse was {}.", "Who repaired the harbour lighthouse?",
+         "The harbour lighthouse was repaired by"),
+        ("The composer who wrote the cathedral anthem was {}.", "Who wrote the cathedral anthem?", "The cathedral anthem was written by"),
+        ("The surveyor who mapped the northern marshes was {}.", "Who mapped the northern marshes?",
+         "The northern marshes were mapped by"),
+        ("The teacher who founded the village school was {}.", "Who founded the village school?", "The village school was founded by"),
+        ("The engineer who designed the canal locks was {}.", "Who designed the canal locks?", "The canal locks were designed by"),
+        ("The gardener who planted the orchard of rare pears was {}.", "Who planted the orchard of rare pears?",
+         "The orchard of rare pears was planted by"),
+        ("The blacksmith who forged the town gates was {}.", "Who forged the town gates?", "The town gates were forged by"),
+        ("The archaeologist who excavated the hill fort was {}.", "Who excavated the hill fort?", "The hill fort was excavated by"),
+    ),
+    "places": (
+        ("The annual cheese fair is held in {}.", "Where is the annual cheese fair held?", "The annual cheese fair is held in"),
+        ("The first public library of the region opened in {}.", "Where did the first public library of the region open?",
+         "The first public library of the region opened in"),
+        ("The old silver mine of the county is near {}.", "Near which town is the old silver mine of the county?",
+         "The old silver mine of the county is near"),
+        ("The lost bronze bell of the priory was found in {}.", "Where was the lost bronze bell of the priory found?",
+         "The lost bronze bell of the priory was found in"),
+        ("The wool merchants' guild held its meetings in {}.", "Where did the wool merchants' guild hold its meetings?",
+         "The wool merchants' guild held its meetings in"),
+        ("The largest clock tower of the coast stands in {}.", "Where does the largest clock tower of the coast stand?",
+         "The largest clock tower of the coast stands in"),
+    ),
+}
 # split -> (first names, surnames, towns, facts) of niah_prose
 PROSE_POOLS = {
     "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
     "tuning": (TUNING_FIRST_NAMES, TUNING_SURNAMES, TUNING_TOWNS, TUNING_PROSE_FACTS),
     "heldout": (HELDOUT_FIRST_NAMES, HELDOUT_SURNAMES, HELDOUT_TOWNS, HELDOUT_PROSE_FACTS),
+    "heldout2": (HELDOUT2_FIRST_NAMES, HELDOUT2_SURNAMES, HELDOUT2_TOWNS, HELDOUT2_PROSE_FACTS),
 }
 # split -> the seeds it takes (the reported split: any seed; reported runs use seeds below TUNING_SEEDS.start)
-SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS}
+SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS}
 
 
 def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
@@ -543,6 +598,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     `TUNING_SURNAMES`, `TUNING_TOWNS`; it takes only seeds from `TUNING_SEEDS`. split "heldout", for the final check
     run once after every choice, draws from a third set of pools shared with neither: IDLE's user manual,
     `HELDOUT_PROSE_FACTS`, `HELDOUT_FIRST_NAMES`, `HELDOUT_SURNAMES`, `HELDOUT_TOWNS`; seeds from `HELDOUT_SEEDS` only.
+    split "heldout2", for a second final check, draws from a fourth set shared with none of them: CPython's licence and
+    IDLE's plain-text notes, `HELDOUT2_PROSE_FACTS`, `HELDOUT2_FIRST_NAMES`, `HELDOUT2_SURNAMES`, `HELDOUT2_TOWNS`; seeds
+    from `HELDOUT2_SEEDS` only.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
