@@ -412,6 +412,8 @@ PINNED_ONE_SHOT = [
     (1, 2, 300, 16, 100, {"block_size": 256}, 10, "71c6b8fa8d059463"),  # the default b until it became 128
     (1, 2, 513, 8, 40, {"block_size": 32, "kernel": "joint"}, 11, "17017b989a2d3f02"),
     (2, 1, 200, 8, 5, {"block_size": 16, "kernel": "key", "augment": 0.0}, 12, "1c5071e635396cb8"),
+    (2, 2, 1100, 32, 275, {}, 13, "9775dea7ab29a6bf"),  # the defaults: exact outliers, whole-level rounds, a selecting round
+    (1, 3, 900, 64, 100, {"weighted": False}, 14, "a170b6fb737def44"),
 ]
 
 

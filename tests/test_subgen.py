@@ -1,5 +1,6 @@
 """SubGen (the SubGen paper, Alg. 1): Lemma 1 and 2 invariants, post-stratified weights, bounded output, memory bound, API."""
 
+import hashlib
 import math
 
 import pytest
@@ -265,3 +266,41 @@ def test_real_layers_error_no_worse_than_uniform_sampling_and_bounded_under_key_
     for key_scale in (10.0, 300.0):
         scaled = real_error(real_layers, "subgen", key_scale)
         assert math.isfinite(scaled) and scaled <= 2 * base
+
+
+def _digest(summary) -> str:
+    """sha256 prefix of a summary's positions, which log-weights are finite, and those log-weights (to 1e-4)."""
+    finite = torch.isfinite(summary.log_weights)
+    digest = hashlib.sha256()
+    for part in (summary.positions, finite, torch.round(summary.log_weights.double().masked_fill(~finite, 0.0) * 1e4).long()):
+        digest.update(part.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# Summaries on this project's CI machine (x86-64 CPU, float32 kernels), pinned so that a change of how the clustering is
+# computed cannot change what it keeps: the same summary for the same seed. One-shot compressions (block None) and
+# streams, keys strided as a model's, cap hits, delta > 0, half precision, one token per update.
+# (b, h, n, d, update block or None, budget, parameters, key scale, dtype, seed, digest)
+PINNED = [
+    (1, 3, 1500, 64, None, 300, {}, 1.0, torch.float32, 0, "063be5e80640946d"),
+    (2, 2, 700, 32, None, 200, {"delta": 4.0}, 1.0, torch.float32, 1, "3dec021ff8fbb04b"),
+    (1, 2, 900, 16, 64, 100, {}, 1.0, torch.float32, 2, "f5b780ddae49ce2c"),
+    (1, 2, 600, 16, 7, 60, {"max_clusters": 4, "delta": 1.0}, 3.0, torch.float16, 3, "fa5f826e56f44e04"),
+    (2, 1, 300, 8, 1, 40, {}, 1.0, torch.bfloat16, 4, "92f0583fedc74afb"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(PINNED)))
+def test_a_seed_gives_the_pinned_summary(index):
+    b, h, n, d, block, budget, params, scale, dtype, seed, expected = PINNED[index]
+    g = torch.Generator().manual_seed(index)
+    keys = (torch.randn(b, n, h, d, generator=g) * scale).to(dtype).transpose(1, 2)
+    values = torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2)
+    if block is None:
+        summary = kvc.compress("subgen", keys, values, budget=budget, sink=0, window=0, seed=seed, **params)
+    else:
+        st = kvc.stream("subgen", budget=budget, sink=0, window=0, seed=seed, **params)
+        for start in range(0, n, block):
+            st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
+        summary = st.summary()
+    assert _digest(summary) == expected

@@ -21,7 +21,7 @@ import torch
 from ..checks import as_count
 from ..saved_state import Choice, Count, Generator, Instance, Linked, Mapping, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary, concat, take_slots
-from .base import Method, StreamState, first_true
+from .base import Method, StreamState
 from .budget import check_slack, stream_split
 from .clustergen import squared_norms
 from .registry import register
@@ -144,7 +144,7 @@ def halve(
     """
     m = keys.shape[1]
     keep, fails = halve_mask(keys, values, None, scale, method, method.block_size, kernel, generator)
-    return first_true(keep, m // 2), fails
+    return _true_columns(keep, m // 2), fails
 
 
 def halve_mask(
@@ -197,6 +197,12 @@ def halve_mask(
         keep.append(signs == side.to(signs.device)[:, None])
         fails += failed
     return torch.cat(keep).reshape(rows, -1)[:, :m], fails
+
+
+def _true_columns(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices [..., count] of the True entries of mask [..., n] (ascending), every row holding exactly `count` of them
+    (`first_true` without its sort)."""
+    return mask.nonzero()[:, -1].view(*mask.shape[:-1], count)
 
 
 def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -315,49 +321,53 @@ class BalanceKV(Method):
         if n <= budget:
             return tokens.exact()
         keys, values, positions = tokens.keys, tokens.values, tokens.positions
-        log_weights = torch.zeros(positions.shape, device=keys.device)
+        # the rounds follow the slots as indices into the tokens; keys and values are gathered once at the end
+        index = torch.arange(n, device=keys.device).expand(positions.shape)
         exact_count = int(self.augment * budget)
         if exact_count:
-            outlier = first_true(_outlier_mask(keys, exact_count), n)
-            outliers = _gather(outlier[..., :exact_count], keys, values, positions, log_weights)
-            keys, values, positions, log_weights = _gather(outlier[..., exact_count:], keys, values, positions, log_weights)
+            outlier = _outlier_mask(keys, exact_count)
+            outliers, index = _true_columns(outlier, exact_count), _true_columns(~outlier, n - exact_count)
+        log_weights = torch.zeros(index.shape, device=keys.device)
         self.fail_events = 0
-        keys, values, positions, log_weights = self._rounds(keys, values, positions, log_weights, budget - exact_count, tokens.scale, generator)
+        index, log_weights = self._rounds(keys, values, index, log_weights, budget - exact_count, tokens.scale, generator)
         if exact_count:
-            keys, values, positions, log_weights = (torch.cat(p, 2) for p in zip(outliers, (keys, values, positions, log_weights)))
-        order = positions.argsort(-1)
-        keys, values, positions, log_weights = _gather(order, keys, values, positions, log_weights)
-        if not self.weighted:
-            log_weights = torch.zeros_like(log_weights)
+            index = torch.cat([outliers, index], -1)
+            log_weights = torch.cat([torch.zeros(outliers.shape, device=keys.device), log_weights], -1)
+        order = take_slots(positions, index).argsort(-1)
+        index = index.gather(-1, order)
+        keys, values, positions = _gather(index, keys, values, positions)
+        log_weights = log_weights.gather(-1, order) if self.weighted else torch.zeros_like(log_weights)
         return KVSummary(keys, values, log_weights, positions)
 
-    def _rounds(self, keys, values, positions, log_weights, target: int, scale: float, generator: torch.Generator):
-        """Halving rounds over [B,H,n,·] tokens until `target` slots per head remain."""
+    def _rounds(self, keys, values, index, log_weights, target: int, scale: float, generator: torch.Generator):
+        """Halving rounds over the slots index [B,H,m] (into keys [B,H,n,d] / values [B,H,n,d_v]) with log-weights
+        [B,H,m] until `target` slots per head remain; returns (index, log_weights) of the slots kept. A round
+        gathers the keys (and values, unless kernel="key") of the slots it halves."""
         b, h, _, d = keys.shape
-        while keys.shape[2] > target:
-            current = keys.shape[2]
+        while index.shape[2] > target:
+            current = index.shape[2]
             level = log_weights == log_weights.amax(-1, keepdim=True)
             pairs = min(current - target, int(level[0, 0].sum()) // 2)
             if pairs == 0:
-                keys, values, positions, log_weights = _merge_lightest(keys, values, positions, log_weights, generator)
+                index, log_weights = _merge_lightest(index, log_weights, generator)
                 continue
             # drawn in every round, so the generator's stream does not depend on which rounds select
             draw = torch.rand(level.shape, generator=generator, device=generator.device)
             if 2 * pairs == current:  # every slot is halved (the first rounds): nothing to select
-                chosen, sel_k, sel_v = None, keys, values
+                chosen, halved = None, index
             else:
                 chosen = (draw.to(keys.device) + level).topk(2 * pairs, dim=-1).indices.sort(-1).values
-                rest = first_true(torch.ones_like(level).scatter(-1, chosen, False), current - 2 * pairs)
-                sel_k, sel_v = _gather(chosen, keys, values)
-            kernel_values = None if self.kernel == "key" else sel_v.reshape(b * h, 2 * pairs, -1)
-            kept, fails = halve(sel_k.reshape(b * h, 2 * pairs, d), kernel_values, scale, self, self.kernel, generator)
+                rest = _true_columns(torch.ones_like(level).scatter(-1, chosen, False), current - 2 * pairs)
+                halved = index.gather(-1, chosen)
+            kernel_values = None if self.kernel == "key" else take_slots(values, halved).reshape(b * h, 2 * pairs, -1)
+            kept, fails = halve(take_slots(keys, halved).reshape(b * h, 2 * pairs, d), kernel_values, scale, self, self.kernel, generator)
             self.fail_events += fails
-            # the rest, then the kept half of the chosen (weight doubled): one gather per tensor
+            # the rest, then the kept half of the chosen (weight doubled)
             kept = kept.reshape(b, h, pairs)
-            index = kept if chosen is None else torch.cat([rest, chosen.gather(-1, kept)], -1)
-            keys, values, positions, log_weights = _gather(index, keys, values, positions, log_weights)
+            order = kept if chosen is None else torch.cat([rest, chosen.gather(-1, kept)], -1)
+            index, log_weights = index.gather(-1, order), log_weights.gather(-1, order)
             log_weights[..., current - 2 * pairs :] += LOG2
-        return keys, values, positions, log_weights
+        return index, log_weights
 
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "BalanceKVStream":
         """Native stream (`BalanceKVStream`): at most `budget` slots per head at any time, its slack and the batch
@@ -365,19 +375,18 @@ class BalanceKV(Method):
         return BalanceKVStream(self, budget, generator, self.stream_slack(slack))
 
 
-def _merge_lightest(keys, values, positions, log_weights, generator: torch.Generator):
-    """One slot fewer per head when every level holds a single slot: the two lightest slots (weights
-    w1, w2) become one, slot i kept with probability w_i / (w1 + w2) at weight w1 + w2 (unbiased)."""
+def _merge_lightest(index: torch.Tensor, log_weights: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slot fewer per head when every level holds a single slot: of the slots index [B,H,m] with log-weights
+    [B,H,m], the two lightest (weights w1, w2) become one, slot i kept with probability w_i / (w1 + w2) at weight
+    w1 + w2 (unbiased). Returns (index, log_weights) [B,H,m-1]: the other slots in order, then the merged one."""
     lightest = log_weights.topk(2, dim=-1, largest=False).indices
     pair_weights = log_weights.gather(-1, lightest)
-    first = torch.rand(pair_weights.shape[:-1], generator=generator, device=generator.device).to(keys.device)
+    first = torch.rand(pair_weights.shape[:-1], generator=generator, device=generator.device).to(index.device)
     keep_first = first < pair_weights.softmax(-1)[..., 0]
     kept = torch.where(keep_first, lightest[..., 0], lightest[..., 1]).unsqueeze(-1)
-    rest = first_true(torch.ones_like(log_weights, dtype=torch.bool).scatter(-1, lightest, False), log_weights.shape[-1] - 2)
-    merged = _gather(kept, keys, values, positions)
-    parts = _gather(rest, keys, values, positions, log_weights)
-    merged.append(pair_weights.logsumexp(-1, keepdim=True))
-    return (torch.cat(p, 2) for p in zip(parts, merged))
+    rest = _true_columns(torch.ones_like(log_weights, dtype=torch.bool).scatter(-1, lightest, False), log_weights.shape[-1] - 2)
+    weights = torch.cat([log_weights.gather(-1, rest), pair_weights.logsumexp(-1, keepdim=True)], -1)
+    return index.gather(-1, torch.cat([rest, kept], -1)), weights
 
 
 def _outlier_mask(keys: torch.Tensor, count: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from ..checks import as_count
 from ..saved_state import Count, Generator, Maybe, Real, Record, Tensor, saved
-from ..summary import KVSummary
+from ..summary import KVSummary, take_slots
 from .base import Method, StreamState
 from .clustergen import farthest_point, squared_distances, squared_norms
 from .registry import register
@@ -29,10 +29,9 @@ def _uniform(shape, generator: torch.Generator, device) -> torch.Tensor:
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [G, n, ...], index [G, k] -> [G, k, ...]: per-row gather along the token axis (one flat index_select)."""
-    g, n = x.shape[:2]
-    flat = (index + n * torch.arange(g, device=index.device)[:, None]).flatten()
-    return x.reshape(g * n, *x.shape[2:]).index_select(0, flat).reshape(*index.shape, *x.shape[2:])
+    """x [G, n, ...], index [G, k] -> [G, k, ...]: per-row gather along the token axis (`take_slots`: one index_select,
+    and no copy of a strided x such as the model's keys and values)."""
+    return take_slots(x.unsqueeze(0), index.unsqueeze(0)).squeeze(0)
 
 
 def _distances(points: torch.Tensor, centres: torch.Tensor, points_sq: torch.Tensor | None = None,
@@ -179,50 +178,68 @@ class SubGenState(StreamState):
         return rows, which, pick.clamp_max(weights.shape[1] - 1)
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Cluster column [G, n] of every key of the block, opening (and if needed merging) clusters on the way."""
+        """Cluster column [G, n] of every key of the block, opening (and if needed merging) clusters on the way.
+
+        When some key is uncovered, the block's keys are first copied into float32 rows behind room for the centres,
+        the points `_double` takes (contiguous rows: the distance products of the opening steps read them faster than
+        the model's strided keys).
+        """
         x = keys.float()
-        g, n, _ = x.shape
+        g, n, d = x.shape
         rows = torch.arange(g, device=x.device)
-        columns = torch.arange(self.cap, device=x.device)
         x_sq = squared_norms(x)
-        dist = _distances(x, self.centres.float(), x_sq).masked_fill_((columns[None] >= self.live[:, None])[:, None, :], float("inf"))
-        dist, nearest = dist.min(-1)
+        if bool(self.live.any()):
+            columns = torch.arange(self.cap, device=x.device)
+            dist = _distances(x, self.centres.float(), x_sq).masked_fill_((columns[None] >= self.live[:, None])[:, None, :], float("inf"))
+            dist, nearest = dist.min(-1)
+        else:  # no cluster yet (a fresh state's first block): every key uncovered, as the masked distances would say
+            dist, nearest = torch.full((g, n), float("inf"), device=x.device), torch.zeros(g, n, dtype=torch.long, device=x.device)
         if not bool((dist > self.delta[:, None]).any()):
             return nearest
+        points = x.new_empty(g, self.cap + n, d)
+        x = points[:, self.cap :].copy_(x)
+        opened = []  # (key opening a cluster in each row, whether it opens one) per step; the centres are written after the loop
         for _ in range(min(self.cap, n)):
-            best_dist, best = dist.masked_fill(dist <= self.delta[:, None], -1.0).max(-1)
+            best_dist, best = dist.max(-1)  # the farthest key: uncovered (it opens a cluster) unless every key is covered
             opens = (best_dist > self.delta) & (self.live < self.cap)
             if not bool(opens.any()):  # nothing changed: no later step opens one either
                 break
             col = self.live.clamp_max(self.cap - 1)
-            self._set_centre(rows, col, opens, keys[rows, best], values[rows, best], positions[rows, best])
             new_dist = _distances(x, x[rows, best].unsqueeze(1), x_sq, x_sq[rows, best].unsqueeze(1)).squeeze(-1)
             closer = opens[:, None] & (new_dist <= dist)
             dist = torch.where(closer, new_dist, dist)
             nearest = torch.where(closer, col[:, None], nearest)
             self.live = self.live + opens.long()
+            opened.append((best, opens))
+        if opened:
+            self._open(opened, keys, values, positions)
         uncovered = dist > self.delta[:, None]
         if bool(uncovered.any()):
-            nearest = self._double(x, x_sq, keys, values, positions, nearest, uncovered)
+            nearest = self._double(points, x_sq, keys, values, positions, nearest, uncovered)
         return nearest
 
-    def _set_centre(self, rows, col, mask, key, value, position) -> None:
-        """Centre column `col` [G] of each row takes (key, value, position) where mask [G] holds."""
-        m = mask[:, None]
-        self.centres[rows, col] = torch.where(m, key, self.centres[rows, col])
-        self.centre_values[rows, col] = torch.where(m, value, self.centre_values[rows, col])
-        self.centre_pos[rows, col] = torch.where(mask, position, self.centre_pos[rows, col])
+    def _open(self, opened: list[tuple[torch.Tensor, torch.Tensor]], keys, values, positions) -> None:
+        """Write the clusters the opening steps opened: opened holds each step's (best [G], opens [G]); a row's opening
+        steps took its next free columns in turn, so its clusters end at column `live` [G] (already counted)."""
+        best, opens = (torch.stack(part, 1) for part in zip(*opened))  # [G, steps]
+        col = self.live[:, None] - opens.long().flip(1).cumsum(1).flip(1)  # a step's column: live less the openings from it on
+        row, step = opens.nonzero(as_tuple=True)
+        token, col = best[row, step], col[row, step]
+        self.centres[row, col] = keys[row, token]
+        self.centre_values[row, col] = values[row, token]
+        self.centre_pos[row, col] = positions[row, token]
 
-    def _double(self, x, x_sq, keys, values, positions, nearest, uncovered) -> torch.Tensor:
+    def _double(self, points, x_sq, keys, values, positions, nearest, uncovered) -> torch.Tensor:
         """Cap rule on the rows with uncovered keys: k-center at cap // 2 over live centres + uncovered keys, δ doubling, merge.
-        x [G, n, d] the block's float32 keys, x_sq [G, n] their squared norms. Returns the block's cluster columns."""
+        points [G, cap + n, d] float32 with the block's keys in its last n rows (the first cap are written here: the
+        centres), x_sq [G, n] the keys' squared norms. Returns the block's cluster columns."""
         need = uncovered.any(-1)
-        g = x.shape[0]
+        g, _, d = points.shape
         k = max(1, self.cap // 2)
-        centres = self.centres.float()
-        points = torch.cat([centres, x], 1)
+        centres = points[:, : self.cap]
+        centres.copy_(self.centres)
         points_sq = torch.cat([squared_norms(centres), x_sq], 1)
-        valid = torch.cat([torch.arange(self.cap, device=x.device)[None] < self.live[:, None], uncovered], 1)
+        valid = torch.cat([torch.arange(self.cap, device=points.device)[None] < self.live[:, None], uncovered], 1)
         chosen, spread = farthest_point(points, k, valid, points_sq)
         radius = spread.masked_fill(~valid, float("-inf")).amax(-1).clamp_min(0.0)
         self.delta = torch.where(need, torch.maximum(2 * self.delta, radius), self.delta)
@@ -233,11 +250,11 @@ class SubGenState(StreamState):
         old_to_new = owner[:, : self.cap]
         block_owner = torch.where(uncovered, owner[:, self.cap :], old_to_new.gather(1, nearest))
         counts = torch.zeros_like(self.counts).scatter_add_(1, old_to_new, self.counts)
-        cols = torch.arange(self.cap, device=x.device).clamp_max(k - 1)
+        cols = torch.arange(self.cap, device=points.device).clamp_max(k - 1)
         source = chosen.gather(1, cols[None].expand(g, -1))  # [G, cap] into [centres; block]
         from_centre = source < self.cap
         merged = (
-            torch.cat([new_centres, new_centres.new_zeros(g, self.cap - k, x.shape[-1])], 1).to(keys.dtype),
+            torch.cat([new_centres, new_centres.new_zeros(g, self.cap - k, d)], 1).to(keys.dtype),
             torch.where(from_centre[..., None], _gather_rows(self.centre_values, source.clamp_max(self.cap - 1)),
                         _gather_rows(values, (source - self.cap).clamp_min(0))),
             torch.where(from_centre, self.centre_pos.gather(1, source.clamp_max(self.cap - 1)), positions.gather(1, (source - self.cap).clamp_min(0))),
@@ -245,7 +262,7 @@ class SubGenState(StreamState):
         n_row = need[:, None]
         self.centres = torch.where(n_row[..., None], merged[0], self.centres)
         self.centre_values = torch.where(n_row[..., None], merged[1], self.centre_values)
-        self.centre_pos = torch.where(n_row, merged[2].masked_fill(torch.arange(self.cap, device=x.device)[None] >= k, -1), self.centre_pos)
+        self.centre_pos = torch.where(n_row, merged[2].masked_fill(torch.arange(self.cap, device=points.device)[None] >= k, -1), self.centre_pos)
         self.counts = torch.where(n_row, counts, self.counts)
         self.sample_cluster = torch.where(n_row, old_to_new.gather(1, self.sample_cluster), self.sample_cluster)
         self.live = torch.where(need, torch.full_like(self.live, k), self.live)
