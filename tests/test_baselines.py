@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.methods.base import first_true
 from kvcompress.methods.registry import get_method_class
 from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.pyramidkv import layer_budget
@@ -201,3 +202,16 @@ def test_pyramidkv_without_its_layer_is_an_error_not_snapkv():
     assert torch.equal(lone.positions, kvc.compress("snapkv", k, v, queries=q, budget=50).positions)  # one layer: nothing to redistribute
     deep = kvc.compress("pyramidkv", k, v, queries=q, budget=50, layer=(5, 6))
     assert deep.num_slots < lone.num_slots
+
+
+@pytest.mark.parametrize("exact_count", [True, False])
+def test_first_true_gives_the_first_trues_in_order_whether_or_not_every_row_holds_exactly_that_many(exact_count):
+    """Rows holding exactly `count` Trues (read off by `nonzero`) and rows holding more (a stable sort) both give the
+    indices of their first `count` Trues, ascending."""
+    g = torch.Generator().manual_seed(0)
+    count = 5
+    scores = torch.rand(2, 3, 40, generator=g)
+    kept = count if exact_count else count + 7
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, scores.topk(kept, dim=-1).indices, True)
+    expected = torch.tensor([[[i for i in range(40) if row[i]][:count] for row in head] for head in mask.tolist()])
+    assert torch.equal(first_true(mask, count), expected)
