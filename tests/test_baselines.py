@@ -204,14 +204,15 @@ def test_pyramidkv_without_its_layer_is_an_error_not_snapkv():
     assert deep.num_slots < lone.num_slots
 
 
-@pytest.mark.parametrize("exact_count", [True, False])
-def test_first_true_gives_the_first_trues_in_order_whether_or_not_every_row_holds_exactly_that_many(exact_count):
-    """Rows holding exactly `count` Trues (read off by `nonzero`) and rows holding more (a stable sort) both give the
-    indices of their first `count` Trues, ascending."""
+@pytest.mark.parametrize("kept", [5, 12])
+def test_first_true_gives_the_first_trues_in_order_by_sort_and_by_nonzero_when_the_count_is_exact(kept):
+    """The first `count` Trues of each row, ascending: by the stable sort whatever each row holds, and by `nonzero`
+    (exact=True) when every row holds exactly `count`."""
     g = torch.Generator().manual_seed(0)
     count = 5
     scores = torch.rand(2, 3, 40, generator=g)
-    kept = count if exact_count else count + 7
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, scores.topk(kept, dim=-1).indices, True)
     expected = torch.tensor([[[i for i in range(40) if row[i]][:count] for row in head] for head in mask.tolist()])
     assert torch.equal(first_true(mask, count), expected)
+    if kept == count:
+        assert torch.equal(first_true(mask, count, exact=True), expected)

@@ -144,7 +144,7 @@ def halve(
     """
     m = keys.shape[1]
     keep, fails = halve_mask(keys, values, None, scale, method, method.block_size, kernel, generator)
-    return first_true(keep, m // 2), fails
+    return first_true(keep, m // 2, exact=True), fails
 
 
 def halve_mask(
@@ -320,7 +320,7 @@ class BalanceKV(Method):
         exact_count = int(self.augment * budget)
         if exact_count:
             outlier = _outlier_mask(keys, exact_count)
-            outliers, index = first_true(outlier, exact_count), first_true(~outlier, n - exact_count)
+            outliers, index = first_true(outlier, exact_count, exact=True), first_true(~outlier, n - exact_count, exact=True)
         log_weights = torch.zeros(index.shape, device=keys.device)
         self.fail_events = 0
         index, log_weights = self._rounds(keys, values, index, log_weights, budget - exact_count, tokens.scale, generator)
@@ -351,7 +351,7 @@ class BalanceKV(Method):
                 chosen, halved = None, index
             else:
                 chosen = (draw.to(keys.device) + level).topk(2 * pairs, dim=-1).indices.sort(-1).values
-                rest = first_true(torch.ones_like(level).scatter(-1, chosen, False), current - 2 * pairs)
+                rest = first_true(torch.ones_like(level).scatter(-1, chosen, False), current - 2 * pairs, exact=True)
                 halved = index.gather(-1, chosen)
             kernel_values = None if self.kernel == "key" else take_slots(values, halved).reshape(b * h, 2 * pairs, -1)
             kept, fails = halve(take_slots(keys, halved).reshape(b * h, 2 * pairs, d), kernel_values, scale, self, self.kernel, generator)
@@ -378,7 +378,8 @@ def _merge_lightest(index: torch.Tensor, log_weights: torch.Tensor, generator: t
     first = torch.rand(pair_weights.shape[:-1], generator=generator, device=generator.device).to(index.device)
     keep_first = first < pair_weights.softmax(-1)[..., 0]
     kept = torch.where(keep_first, lightest[..., 0], lightest[..., 1]).unsqueeze(-1)
-    rest = first_true(torch.ones_like(log_weights, dtype=torch.bool).scatter(-1, lightest, False), log_weights.shape[-1] - 2)
+    rest = first_true(torch.ones_like(log_weights, dtype=torch.bool).scatter(-1, lightest, False), log_weights.shape[-1] - 2,
+                      exact=True)
     weights = torch.cat([log_weights.gather(-1, rest), pair_weights.logsumexp(-1, keepdim=True)], -1)
     return index.gather(-1, torch.cat([rest, kept], -1)), weights
 
