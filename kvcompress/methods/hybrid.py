@@ -201,7 +201,7 @@ class Hybrid(Method):
             kept_mask.scatter_(2, kept if rest_index is None else rest_index.gather(2, kept), True)
             n_kept += count
             if i + 1 < len(chosen):  # the tokens left, in their original order, with what the next method reads
-                rest_index = first_true(~kept_mask, tokens.length - n_kept)
+                rest_index = first_true(~kept_mask, tokens.length - n_kept, exact=True)  # each method kept `count` per head
                 rest = tokens.select(rest_index, chosen[i + 1][0].reads_keys_values)
         # the others first and the kept last, each in original order
         order = first_true(~kept_mask, tokens.length)
