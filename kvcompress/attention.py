@@ -365,23 +365,28 @@ def received_attention(
 TOTAL_LOG2_LIMIT = 100.0
 
 
-def exp_rows_(logits: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def exp_rows_(logits: torch.Tensor, shifted: bool, inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax rows of logits [..., r, n], unnormalised and in place: (exp(logits − shift), the
-    reciprocal of each row's total [..., r, 1], the largest |log2| of a total as a 0-d tensor).
+    reciprocal of each row's total [..., r, 1], written into `inverse` when given).
 
     shift is each row's max if `shifted` (every total then lies in [1, n]), else 0: one pass fewer,
-    exact while the totals stay within 2^±TOTAL_LOG2_LIMIT; `totals_in_range` tells the caller to
-    redo the rows shifted otherwise (an overflow gives inf, NaN inputs NaN: both out of range).
+    exact while the totals stay within 2^±TOTAL_LOG2_LIMIT; `totals_in_range` of the reciprocals
+    tells the caller to redo the rows shifted otherwise (an overflow gives inf, NaN inputs NaN: both
+    out of range).
     """
     if shifted:
         logits.sub_(logits.amax(-1, keepdim=True))
     probs = logits.exp_()
-    inverse = probs.sum(-1, keepdim=True).reciprocal_()
-    return probs, inverse, inverse.log2().abs_().amax()
+    return probs, torch.sum(probs, -1, keepdim=True, out=inverse).reciprocal_()
+
+
+def log2_range(inverse: torch.Tensor) -> torch.Tensor:
+    """The largest |log2| of the row totals whose reciprocals `exp_rows_` gave, as a 0-d tensor (inf or NaN when one left float32's range)."""
+    return inverse.log2().abs_().amax()
 
 
 def totals_in_range(total_range: torch.Tensor) -> bool:
-    """Whether the largest |log2| of a row total from `exp_rows_` (NaN included) allows the unshifted rows (one host read)."""
+    """Whether the largest |log2| of a row total (`log2_range`, NaN included) allows the unshifted rows (one host read)."""
     return bool(total_range < TOTAL_LOG2_LIMIT)
 
 

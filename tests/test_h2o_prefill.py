@@ -100,14 +100,14 @@ def test_rows_whose_every_exponential_underflows_are_redone_shifted(shifted_pass
 
 @pytest.mark.parametrize("key_scale", [1.0, 40.0])
 def test_worker_threads_give_the_one_thread_result_and_leave_the_thread_count_alone(key_scale):
-    """Chunks dealt to 3 worker threads, inside inference mode (per thread, so the workers must take it
-    on to write the caller's inference tensors): the same output and mass as one thread, and torch's
-    thread count, in this thread and for new ones, is what it was."""
+    """Chunks of 8 queries dealt to 3 worker threads, inside inference mode (per thread, so the workers must take
+    it on to write the caller's inference tensors): the same output and mass as the same chunks on one thread,
+    and torch's thread count, in this thread and for new ones, is what it was."""
     q, k, v = qkv(70, 90, key_scale=key_scale)
     threads = torch.get_num_threads()
     with torch.inference_mode():
-        out, mass = causal_attention_with_mass(q, k, v, 0.25, max_logits=1500, workers=1)
-        out3, mass3 = causal_attention_with_mass(q, k, v, 0.25, max_logits=1500, workers=3)
+        out, mass = causal_attention_with_mass(q, k, v, 0.25, query_chunk=8, workers=1)
+        out3, mass3 = causal_attention_with_mass(q, k, v, 0.25, query_chunk=8, workers=3)
     assert torch.allclose(out3, out, atol=1e-6) and torch.allclose(mass3, mass, atol=1e-5)
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(torch.get_num_threads).result() == threads

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import exp_rows_, totals_in_range
+from ..attention import exp_rows_, log2_range, totals_in_range
 from ..checks import as_count
 from ..saved_state import saved
 from ..summary import KVSummary, take_slots
@@ -126,9 +126,9 @@ def _chunk_column_sums(q: torch.Tensor, k: torch.Tensor, chunk_size: int, shifte
         rows = group * (hi - lo)
         logits = workspace[: b * hkv * rows * (hi - lo)].view(b, hkv, rows, hi - lo)
         torch.matmul(q[..., lo:hi, :].reshape(b, hkv, rows, d), k[..., lo:hi, :].transpose(-1, -2), out=logits)
-        probs, inverse, chunk_range = exp_rows_(logits, shifted)
+        probs, inverse = exp_rows_(logits, shifted)
         torch.matmul(inverse.transpose(-1, -2), probs, out=out[:, :, lo:hi].unsqueeze(2))
-        total_range = torch.maximum(total_range, chunk_range)
+        total_range = torch.maximum(total_range, log2_range(inverse))
     return out, total_range
 
 
