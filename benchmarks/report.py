@@ -588,7 +588,9 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "scored on the tuning contexts (`train-scorer`'s): Spearman's correlation with KVzip's scores, and the share of KVzip's "
      "top 25 % and top 10 % per head it also ranks there (what ratios 0.75 and 0.9 keep), means over the layers' KV heads. "
      "`training + extra text` adds every other standard-library module with prose docstrings (`EXTRA_MODULES`) to "
-     "`train-scorer`'s text; `neighbours' hidden states` reads the previous and next tokens' beside the token's own.",
+     "`train-scorer`'s text; `neighbours' hidden states` reads the previous and next tokens' beside the token's own; the last "
+     "three read, beside the token's hidden state, per KV head, the log norms of its key and value and the cosine of its key "
+     "with the mean key of its context up to it (what a stream can keep as it goes).",
      lambda rows: markdown_table(rows, ["variant", "training_tokens", "layers", "spearman_mean", "top_25_mean", "top_10_mean",
                                         "per_layer_spearman"])),
     ("benchmarks/results/refit_cost_log_weights_values.csv", "`kvzip_refit`'s refit",

@@ -312,13 +312,38 @@ def test_scorer_inputs_neighbours_and_top_share_on_hand_worked_cases():
     assert module.shifted(x, 1).tolist() == [[2, 3], [4, 5], [6, 7], [0, 0]]
     assert module.shifted(x, -1).tolist() == [[0, 0], [0, 1], [2, 3], [4, 5]]
     assert torch.equal(module.shifted(x, 0), x)
-    assert module.neighbours(x)[1].tolist() == [0, 1, 2, 3, 4, 5]
+    assert module.neighbours(x, 0, [4])[1].tolist() == [0, 1, 2, 3, 4, 5]
     target = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
     assert module.top_share(target, target, 0.5) == 1.0
     assert module.top_share(-target, target, 0.5) == 0.0
     # head 0 ranks {0, 2} where the target's top half is {0, 1}: one of two; head 1 gets both
     predicted = torch.tensor([[4.0, 1.0, 3.0, 2.0], [0.0, 0.0, 5.0, 6.0]])
     assert module.top_share(predicted, target, 0.5) == 0.75
+
+
+def test_scorer_inputs_context_features_restart_with_each_context():
+    """benchmarks/tuning/scorer_inputs.py's context features on a one-head layer whose key and value projections are the
+    identity: log norms, and the cosine of each key with its context's running mean key (1 for a context's first token)."""
+    import importlib.util
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("scorer_inputs", REPO / "benchmarks" / "tuning" / "scorer_inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    identity = torch.nn.Linear(2, 2, bias=False)
+    identity.weight.data = torch.eye(2)
+    layer = SimpleNamespace(self_attn=SimpleNamespace(k_proj=identity, v_proj=identity))
+    model = SimpleNamespace(model=SimpleNamespace(layers=[layer]), config=SimpleNamespace(num_key_value_heads=1))
+    hidden = torch.tensor([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]])  # contexts of 2 and 1 tokens
+    out = module.context_features(model, hidden, 0, [2, 1], ("norms", "cosine"))
+    assert out.shape == (3, 2 + 3) and torch.equal(out[:, :2], hidden)
+    assert torch.allclose(out[:, 2], torch.tensor([math.log(5.0), 0.0, 0.0])) and torch.equal(out[:, 2], out[:, 3])
+    # token 1's running mean key is (1.5, 2.5): cosine 2.5 / sqrt(8.5); each context's first token has cosine 1
+    assert torch.allclose(out[:, 4], torch.tensor([1.0, 2.5 / math.sqrt(8.5), 1.0]))
+    assert module.context_features(model, hidden, 0, [2, 1], ()).shape == (3, 2)
 
 
 def test_needle_keep_spans_and_summary_on_hand_worked_cases(tmp_path):

@@ -1,5 +1,6 @@
-"""What would make KVzap's surrogate predict KVzip's scores better: more training text, a ridge, an MLP, or the hidden
-states of the neighbouring tokens beside the token's own (tuning, on the default model).
+"""What would make KVzap's surrogate predict KVzip's scores better: more training text, a ridge, an MLP, the hidden
+states of the neighbouring tokens beside the token's own, or what the token's key and value say about it within its
+context (tuning, on the default model).
 
 KVzip's exact scores (`integration.scorer_training.scoring_pairs`) are computed once for three texts: the tuning
 contexts (`eval.capture.DOCSTRING_MODULES`, what `kvcompress train-scorer` reports its fit on), the training text
@@ -7,7 +8,9 @@ contexts (`eval.capture.DOCSTRING_MODULES`, what `kvcompress train-scorer` repor
 prose docstrings, none of the tuning, training or held-out lists). Each variant is fitted on the training pairs of
 `--layers` and scored on the tuning contexts: Spearman's correlation with KVzip's scores, and the share of KVzip's top
 25 % and top 10 % per head that the surrogate also ranks there (what ratios 0.75 and 0.9 keep), means over the layers'
-heads. `--cache DIR` keeps the scored pairs (`pairs_<text>.pt`), so a rerun only fits.
+heads. The context's features, beside the hidden state, per KV head: the log norms of the token's (pre-RoPE) key and
+value, and the cosine of its key with the mean key of its context up to it (what a stream can keep as it goes, as
+KeyDiff's score does). `--cache DIR` keeps the scored pairs (`pairs_<text>.pt`), so a rerun only fits.
 
     .venv/bin/python benchmarks/tuning/scorer_inputs.py --cache /tmp/scorer_pairs --threads 2 \\
         --out benchmarks/results/tuning/scorer_inputs.csv
@@ -58,7 +61,7 @@ def shifted(x: torch.Tensor, offset: int) -> torch.Tensor:
     return out
 
 
-def neighbours(x: torch.Tensor) -> torch.Tensor:
+def neighbours(x: torch.Tensor, layer: int, lengths: list[int]) -> torch.Tensor:
     """[N, 3d]: each token's hidden state beside its predecessor's and its successor's."""
     return torch.cat([shifted(x, -1), x, shifted(x, 1)], 1)
 
@@ -71,18 +74,48 @@ def top_share(predicted: torch.Tensor, target: torch.Tensor, keep: float) -> flo
     return ((mine & theirs).sum(-1).float() / k).mean().item()
 
 
+SINK = 4  # the leading tokens `scoring_pairs` leaves out of each context
+
+
 def scored_text(model, tokenizer, name: str, paragraphs: list[str], contexts: int, cache: Path | None) -> dict:
-    """{"hidden": {layer: [N, d]}, "targets": {layer: [H, N]}, "contexts": n} of `paragraphs` (cached by name)."""
+    """{"hidden": {layer: [N, d]}, "targets": {layer: [H, N]}, "lengths": the rows of each context} of `paragraphs`
+    (the pairs cached by name; the contexts' lengths re-tokenised, which is cheap)."""
+    ids = text_contexts(tokenizer, paragraphs, 2048, contexts, seed=0)
+    lengths = [i.shape[1] - SINK for i in ids]
     path = cache / f"pairs_{name}.pt" if cache is not None else None
     if path is not None and path.is_file():
-        return torch.load(path)
-    ids = text_contexts(tokenizer, paragraphs, 2048, contexts, seed=0)
-    pairs = scoring_pairs(model, tokenizer, ids, progress=print)
-    out = {"hidden": pairs.hidden, "targets": pairs.targets, "contexts": len(ids)}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(out, path)
-    return out
+        out = torch.load(path)
+    else:
+        pairs = scoring_pairs(model, tokenizer, ids, sink=SINK, progress=print)
+        out = {"hidden": pairs.hidden, "targets": pairs.targets}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(out, path)
+    rows = next(iter(out["hidden"].values())).shape[0]
+    if rows != sum(lengths):
+        raise ValueError(f"{name}: {rows} scored tokens, but its contexts hold {sum(lengths)}")
+    return out | {"lengths": lengths}
+
+
+@torch.no_grad()
+def context_features(model, hidden: torch.Tensor, layer: int, lengths: list[int], which: tuple[str, ...]) -> torch.Tensor:
+    """[N, d + f]: each token's hidden state and, per KV head, the features named in `which` ("norms": log ‖k‖, log ‖v‖
+    of its pre-RoPE key and value; "cosine": the cosine of its key with the mean key of its context up to it), the
+    contexts (`lengths` rows each) taken apart."""
+    attention = model.model.layers[layer].self_attn
+    heads = model.config.num_key_value_heads
+    parts = []
+    for h in hidden.split(lengths):
+        h = h.float()
+        keys = attention.k_proj(h).unflatten(-1, (heads, -1))
+        features = [h]
+        if "norms" in which:
+            features += [keys.norm(dim=-1).log(), attention.v_proj(h).unflatten(-1, (heads, -1)).norm(dim=-1).log()]
+        if "cosine" in which:
+            running = keys.cumsum(0) / torch.arange(1, len(h) + 1)[:, None, None]
+            features.append(torch.nn.functional.cosine_similarity(keys, running, dim=-1))
+        parts.append(torch.cat(features, 1))
+    return torch.cat(parts)
 
 
 def main() -> None:
@@ -103,11 +136,18 @@ def main() -> None:
     training = scored_text(model, tokenizer, "training", training_text, 100, args.cache)
     extra = scored_text(model, tokenizer, "extra", extra_text, 100, args.cache)
     layers = [int(x) for x in args.layers.split(",")]
-    half = training["hidden"][layers[0]].shape[0] // 2
+    half_lengths = training["lengths"][: len(training["lengths"]) // 2]  # the first half of the training contexts
+    half = sum(half_lengths)
     both = {"hidden": {i: torch.cat([training["hidden"][i], extra["hidden"][i]]) for i in layers},
-            "targets": {i: torch.cat([training["targets"][i], extra["targets"][i]], 1) for i in layers}}
-    first_half = {"hidden": {i: training["hidden"][i][:half] for i in layers}, "targets": {i: training["targets"][i][:, :half] for i in layers}}
-    identity = lambda x: x  # noqa: E731
+            "targets": {i: torch.cat([training["targets"][i], extra["targets"][i]], 1) for i in layers},
+            "lengths": training["lengths"] + extra["lengths"]}
+    first_half = {"hidden": {i: training["hidden"][i][:half] for i in layers}, "targets": {i: training["targets"][i][:, :half] for i in layers},
+                  "lengths": half_lengths}
+    identity = lambda x, layer, lengths: x  # noqa: E731
+
+    def context(*which):
+        return lambda x, layer, lengths: context_features(model, x, layer, lengths, which)
+
     # name -> (training pairs, input of a token, kind, fit options)
     variants = {
         "linear, half the training text": (first_half, identity, "linear", {}),
@@ -117,15 +157,19 @@ def main() -> None:
         "linear, training + extra text, ridge 1e-1": (both, identity, "linear", {"ridge": 1e-1}),
         "linear, training + extra text, neighbours' hidden states": (both, neighbours, "linear", {}),
         "mlp (16 units, 300 steps), training + extra text": (both, identity, "mlp", {}),
+        "linear, the training text, + key and value norms": (training, context("norms"), "linear", {}),
+        "linear, the training text, + the key's cosine with the context's mean key": (training, context("cosine"), "linear", {}),
+        "linear, the training text, + both": (training, context("norms", "cosine"), "linear", {}),
     }
     rows = []
     for name, (pairs, inputs, kind, options) in variants.items():
         start = time.perf_counter()
-        surrogate = fit_surrogate({i: inputs(pairs["hidden"][i]) for i in layers}, {i: pairs["targets"][i] for i in layers}, kind, **options)
+        surrogate = fit_surrogate({i: inputs(pairs["hidden"][i], i, pairs["lengths"]) for i in layers},
+                                  {i: pairs["targets"][i] for i in layers}, kind, **options)
         seconds = time.perf_counter() - start
         fidelity = {"spearman": [], "top_25": [], "top_10": []}
         for layer in layers:
-            x, target = inputs(tuning["hidden"][layer]), tuning["targets"][layer]
+            x, target = inputs(tuning["hidden"][layer], layer, tuning["lengths"]), tuning["targets"][layer]
             predicted = surrogate.predict(x[None, None].expand(1, surrogate.kv_heads, -1, -1), layer)[0]
             fidelity["spearman"].append(spearman(predicted, target))
             fidelity["top_25"].append(top_share(predicted, target, 0.25))
