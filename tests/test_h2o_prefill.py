@@ -244,3 +244,10 @@ def test_recorded_prefill_carries_the_mass_to_h2o_only(monkeypatch):
     knorm = generate_ids(model, ctx, question, method="knorm", compression_ratio=0.6, max_new_tokens=6, stop_at_eos=False, prefill=captured)
     assert knorm.token_ids == generate_ids(model, ctx, question, method="knorm", compression_ratio=0.6, max_new_tokens=6,
                                            stop_at_eos=False, prefill=plain).token_ids
+
+
+@pytest.mark.parametrize("query_chunk", [0, 2.5, True])
+def test_a_query_chunk_that_is_not_a_positive_count_is_refused_by_name(query_chunk):
+    q, k, v = qkv(8, 8)
+    with pytest.raises(ValueError, match=r"query_chunk must be an integer >= 1, got"):
+        causal_attention_with_mass(q, k, v, 0.25, query_chunk=query_chunk)

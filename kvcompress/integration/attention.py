@@ -93,7 +93,7 @@ _MAX_WORKERS = 4
 
 
 def causal_attention_with_mass(
-    query, key, value, scale: float | None, query_chunk: int = 32, max_logits: int = 1 << 24, workers: int | None = None
+    query, key, value, scale: float | None, query_chunk: int | None = None, max_logits: int = 1 << 24, workers: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention and, as a by-product, the attention mass every key receives.
 
@@ -102,8 +102,8 @@ def causal_attention_with_mass(
     (out [B,H_q,q,d_v] in the query's dtype, mass [B,H_kv,n] float32): mass[j] = Σ_i
     softmax_i(s<q_i,k>)[j] summed over the queries and averaged over each GQA group, exactly what
     `methods.tokens.attention_mass` returns for these queries on these keys. An explicit softmax in
-    float32 (any input dtype), `query_chunk` queries at a time (fewer if the workers' scores would
-    exceed `max_logits`, 64 MiB), future keys never multiplied. Every query sees at least its own key,
+    float32 (any input dtype), `query_chunk` queries at a time (default 32 on the CPU, 64 elsewhere;
+    fewer if the workers' scores would exceed `max_logits`, 64 MiB), future keys never multiplied. Every query sees at least its own key,
     so no row is empty. The logits are exponentiated without a max shift first (a model's logits lie
     far inside float32's range); if a row's total left the range `attention.exp_rows_` trusts (an
     exponential or the total overflowed, or the total underflowed), the whole call is redone with
@@ -138,6 +138,7 @@ def causal_attention_with_mass(
     if workers is None:
         workers = min(torch.get_num_threads(), _MAX_WORKERS) if on_cpu else 1
     workers = as_count("workers", workers, 1)
+    query_chunk = as_count("query_chunk", (32 if on_cpu else 64) if query_chunk is None else query_chunk, 1)
     chunk = max(1, min(query_chunk, max_logits // max(1, workers * heads_per_block * group * n)))
     starts = range(0, nq, chunk)
     workers = min(workers, len(starts))
