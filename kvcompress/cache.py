@@ -213,7 +213,10 @@ class CompressedLayer(CacheLayerMixin):
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
-            self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
+            # a stream holds its latest block's queries until the next one: only for a method that reads them
+            reads_queries = options.compressor.requirements.needs("queries")
+            self.front.update(keys, values, queries if reads_queries else None, None, positions, self.layer_idx,
+                              self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return
         else:
@@ -378,12 +381,13 @@ class CompressedLayer(CacheLayerMixin):
         self.tail = select_rows(self.tail, beam_idx) if self.tail is not None else None
 
     def snapshot(self):
-        """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live stream) copied."""
-        return _frozen(self.front), self.tail, self.seen
+        """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live
+        stream) copied, the cache's own objects it holds (`CompressedCache.stream_links`) left shared, not copied."""
+        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen
 
     def restore(self, state) -> None:
         front, self.tail, self.seen = state
-        self.front = _frozen(front)
+        self.front = _frozen(front, self.cache.stream_links())
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
@@ -478,10 +482,13 @@ _SAVED_STREAM = Instance(Stream)
 _SAVED_SUMMARY = Instance(KVSummary, QuantizedSummary, RaggedSummary)
 
 
-def _frozen(front):
+def _frozen(front, shared: dict):
     """front itself if it is an immutable KVSummary, QuantizedSummary or RaggedSummary (or None), else a deep copy (a stream or
-    buffer that grows in place)."""
-    return front if front is None or isinstance(front, (KVSummary, QuantizedSummary, RaggedSummary)) else copy.deepcopy(front)
+    buffer that grows in place) in which the objects of `shared` stay themselves: a restored stream still refers to the
+    cache's own method and rotary inverse, as a saved one must (`CompressedCache.save` writes them as links)."""
+    if front is None or isinstance(front, (KVSummary, QuantizedSummary, RaggedSummary)):
+        return front
+    return copy.deepcopy(front, {id(obj): obj for obj in shared.values()})
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):

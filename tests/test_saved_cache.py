@@ -86,6 +86,37 @@ def test_every_method_round_trips_through_a_fresh_process(tiny_checkpoint, tmp_p
         assert got["kv_bytes"] <= want["kv_bytes"] and (got["kv_bytes"] == want["kv_bytes"] or "chunked-None" in name), name
 
 
+@pytest.mark.parametrize("method", ["keydiff", "hybrid", "compactor", "express"])
+def test_a_decode_mode_cache_that_has_answered_saves_and_answers_on(tiny_checkpoint, tmp_path, method):
+    """Answering rolls a live stream back to its context by a copy of it; the copy still refers to the cache's own method
+    (its parts) and rotary inverse, so the cache saves after answering (it was a SchemaError), and the loaded cache answers
+    the next question as the one saved does."""
+    model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
+    cache = compress_context_ids(model, _ids(300, 1), **_options(method, "decode", None))
+    first, second = _ids(8, 2), _ids(8, 3)
+    answer_from_cache_ids(model, cache, [first], max_new_tokens=NEW, stop_at_eos=False)
+    assert cache.layers[0].front.method is cache.options.compressor
+    cache.save(tmp_path / "answered.kvc")
+    (here,) = answer_from_cache_ids(model, cache, [second], max_new_tokens=NEW, stop_at_eos=False)
+    (loaded,) = answer_from_cache_ids(model, kvc.load_cache(tmp_path / "answered.kvc", model), [second], max_new_tokens=NEW,
+                                      stop_at_eos=False)
+    assert loaded.token_ids == here.token_ids and loaded.slots_per_layer == here.slots_per_layer
+
+
+@pytest.mark.parametrize("method, reads_queries", [("keydiff", False), ("kvzap", False), ("snapkv", True), ("compactor", True)])
+def test_a_stream_holds_queries_only_for_a_method_that_reads_them(tiny_checkpoint, tiny_default_scorer, tmp_path, method,
+                                                                   reads_queries):
+    """A decode-mode stream keeps its latest block (window and pending tokens) between updates; the block's queries are
+    handed to it only when the method's requirements name them, so a stream of KeyDiff or KVzap holds (and saves) none."""
+    model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
+    cache = compress_context_ids(model, _ids(300, 1), **_options(method, "decode", None))
+    for layer in cache.layers:
+        assert (layer.front.recent.queries is not None) == reads_queries, method
+    cache.save(tmp_path / "s.kvc")
+    (res,) = answer_from_cache_ids(model, kvc.load_cache(tmp_path / "s.kvc", model), [_ids(8, 2)], max_new_tokens=NEW, stop_at_eos=False)
+    assert len(res.token_ids) == NEW
+
+
 def test_text_in_text_out_from_a_saved_document(tiny_checkpoint, tmp_path):
     """kvc.compress_context + save, then kvc.generate(cache=path, questions=...) answers as kvc.generate on the context."""
     model, tokenizer = kvc.load_model(tiny_checkpoint, device="cpu")
