@@ -73,21 +73,18 @@ class CachePlan:
     pre_rope_keys: the method reads pre-RoPE keys, which the cache computes from the keys (`RotaryInverse`).
     hidden_states: the method reads each layer's input hidden states, which the model's attention modules keep for the
     attention function (`model_support.keep_hidden_states`).
-    queries: the method reads the layer's queries; a stream is handed none otherwise (it would hold its latest block's
-    between updates, and save them).
     """
 
     ragged: bool
     joint: bool
     pre_rope_keys: bool
     hidden_states: bool
-    queries: bool
 
     @classmethod
     def of(cls, method) -> "CachePlan":
         needs = method.requirements
         return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"),
-                   hidden_states=needs.needs("hidden_states"), queries=needs.needs("queries"))
+                   hidden_states=needs.needs("hidden_states"))
 
 
 @dataclass
@@ -216,8 +213,7 @@ class CompressedLayer(CacheLayerMixin):
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
-            self.front.update(keys, values, queries if self.cache.plan.queries else None, None, positions, self.layer_idx,
-                              self.cache.num_layers, hidden_states)
+            self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return
         else:

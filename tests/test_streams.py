@@ -284,3 +284,16 @@ def test_weighted_blockwise_streams_keep_their_weights(method):
     s = st.summary()
     assert s.num_slots <= 40 and bool((s.log_weights > 0).any())
     assert torch.allclose(s.total_weight(), torch.full((1, 2), 400.0, dtype=torch.float64), rtol=1e-5)
+
+
+def test_a_stream_keeps_its_blocks_queries_only_for_a_method_that_reads_them():
+    """Stream.update drops the queries of a method whose requirements do not name them (KeyDiff), so its window and
+    buffer never hold them; SnapKV, which scores with them, keeps its latest block's."""
+    from kvcompress.methods.registry import build_method
+    from kvcompress.methods.stream import Stream
+
+    keys, values, queries = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 4, 40, 8)
+    for name, holds in (("keydiff", False), ("snapkv", True)):
+        stream = Stream(build_method(name), 16, 2, 4, make_generator(0))
+        stream.update(keys, values, queries)
+        assert (stream.recent.queries is not None) == holds, name

@@ -103,11 +103,12 @@ def causal_attention_with_mass(
     softmax_i(s<q_i,k>)[j] summed over the queries and averaged over each GQA group, exactly what
     `methods.tokens.attention_mass` returns for these queries on these keys. An explicit softmax in
     float32 (any input dtype), `query_chunk` queries at a time (default 32 on the CPU, 64 elsewhere;
-    fewer if the workers' scores would exceed `max_logits`, 64 MiB), future keys never multiplied. Every query sees at least its own key,
-    so no row is empty. The logits are exponentiated without a max shift first (a model's logits lie
-    far inside float32's range); if a row's total left the range `attention.exp_rows_` trusts (an
-    exponential or the total overflowed, or the total underflowed), the whole call is redone with
-    every row max-shifted (`totals_in_range`, one host read per call, at the end).
+    fewer if the workers' scores would exceed `max_logits`, 64 MiB), future keys never multiplied.
+    Every query sees at least its own key, so no row is empty. The logits are exponentiated without a
+    max shift first (a model's logits lie far inside float32's range); if a row's total left the
+    range `attention.exp_rows_` trusts (an exponential or the total overflowed, or the total
+    underflowed), the whole call is redone with every row max-shifted (`totals_in_range`, one host
+    read per call, at the end).
 
     Head blocks: on the CPU a chunk's scores are formed one KV head (of one sequence) at a time, in
     one reused workspace per worker of chunk x group x n scores (0.4 MiB per 1k keys for 32 queries
@@ -183,9 +184,9 @@ def _attend_chunks(starts, q, k, v, out, inverse, chunk: int, heads_per_block: i
     for start in starts:
         stop = min(nq, start + chunk)
         c, seen = stop - start, offset + stop
+        rows = c * group
         for lo in range(0, heads, heads_per_block):
             hi = min(heads, lo + heads_per_block)
-            rows = c * group
             logits = workspace[: (hi - lo) * rows * seen].view(hi - lo, rows, seen)
             torch.matmul(q[lo:hi, start:stop].view(hi - lo, rows, d), k[lo:hi, :seen].transpose(-1, -2), out=logits)
             logits[..., offset + start :].unflatten(1, (c, group)).masked_fill_(hidden[:c, :, :c], float("-inf"))

@@ -108,13 +108,16 @@ class Stream(Saveable):
 
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None,
                hidden_states=None) -> None:
-        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d]; positions [b] or [B,H_kv,b] (default: running count);
+        """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d] (dropped unless the method's requirements name
+        them); positions [b] or [B,H_kv,b] (default: running count);
         hidden_states [B,H_kv,b,d_model] or None (`Tokens.hidden_states`: held with the tokens, window and buffer alike).
 
         Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
         inf is a ValueError on the CPU and a device-side assertion elsewhere (no host sync per block).
         """
         check_kv(keys, values, queries, pre_rope_keys, sync=False)
+        if not self.method.requirements.needs("queries"):
+            queries = None  # held with the latest block until the next one (and saved with it): only for a method that reads them
         b, h, n, d = keys.shape
         layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
         if self.layout is None:
