@@ -22,6 +22,13 @@ from .summary import KVSummary
 _MAX_LOGITS = 1 << 25
 
 
+# Logits exponentiated outside SDPA (`exp_rows_`, `received_attention`) are scaled by this factor
+# beforehand, folded into the attention scale so it costs no extra pass: exp(x) = 2^(x·log2 e), and on
+# the CPU torch's base-2 exponential runs several times faster than its natural one (0.12 against
+# 0.56 ns per float32 on one AVX-512 core), with the same accuracy (within 1e-7 relative).
+LOG2_E = math.log2(math.e)
+
+
 def visible_slots(positions: torch.Tensor, query_positions: torch.Tensor | None) -> int:
     """Number of leading slots to keep: every slot after the last one visible to some query is dropped.
 
@@ -317,8 +324,8 @@ def received_attention(
     given (keys at `positions` [B,H_kv,n], ascending). average: "group" means over the query heads
     of each KV head (GQA group); "layer" means over every query head of the layer, the same score
     for each KV head. Queries go in chunks of at most `max_logits` scores at the scale `scale` (one
-    exponential per score, no softmax tensor beyond one chunk; the max shift is skipped when every
-    logit is bounded well inside float32's exponent range).
+    base-2 exponential per score, no softmax tensor beyond one chunk; the max shift is skipped when
+    every logit is bounded well inside float32's exponent range).
     """
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
@@ -330,14 +337,14 @@ def received_attention(
     keys = keys.float()
     exact_pos = exact_positions if exact_keys is not None else positions[:, :, :0]
     exact_keys = exact_keys.float() if exact_keys is not None else keys.new_zeros(b, hkv, 0, d)
-    q = (queries.float() * scale).reshape(b, hkv, group, nq, d).transpose(2, 3)  # [B, H_kv, n_q, group, d]
+    q = (queries.float() * (scale * LOG2_E)).reshape(b, hkv, group, nq, d).transpose(2, 3)  # [B, H_kv, n_q, group, d], base-2 logits
     mass = torch.zeros(b, hkv, n_keys, device=keys.device)
     # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80, and below 88 - ln(keys) so that a row's total of
-    # n exponentials cannot overflow either, every exp stays finite and non-zero in float32 and the
-    # per-query max shift can be skipped.
+    # n exponentials cannot overflow either (natural units; the logits here are base 2, `LOG2_E`), every
+    # exp stays finite and non-zero in float32 and the per-query max shift can be skipped.
     norms = [k.norm(dim=-1).amax() for k in (keys, exact_keys) if k.shape[2]]  # no copy of the keys
     key_norm = torch.stack(norms).amax() if norms else keys.new_zeros(())
-    bounded = float(q.norm(dim=-1).amax() * key_norm) < min(80.0, 88.0 - math.log(max(1, n_keys + exact_keys.shape[2])))
+    bounded = float(q.norm(dim=-1).amax() * key_norm) < min(80.0, 88.0 - math.log(max(1, n_keys + exact_keys.shape[2]))) * LOG2_E
     chunk = max(1, max_logits // max(1, b * hq * (n_keys + exact_keys.shape[2])))
     for start in range(0, nq, chunk):
         qc = q[:, :, start : start + chunk]
@@ -351,7 +358,7 @@ def received_attention(
             top = torch.maximum(_row_max(logits), _row_max(exact_logits)).clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)
             logits.sub_(top)
             exact_logits.sub_(top)
-        total = logits.exp_().sum(-1) + exact_logits.exp_().sum(-1)
+        total = logits.exp2_().sum(-1) + exact_logits.exp2_().sum(-1)
         inverse = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
         mass[:, :, :n] += torch.matmul(inverse.unsqueeze(-2), logits).squeeze(-2)
     mass /= group
@@ -361,13 +368,14 @@ def received_attention(
 
 
 # Unshifted exponentials are trusted while every row's total lies within [2^-limit, 2^limit]; a
-# model's logits lie far inside float32's range (within ±40 on the default model at 4k tokens).
+# model's logits lie far inside float32's range (within ±40, ±58 in base 2, on the default model at 4k tokens).
 TOTAL_LOG2_LIMIT = 100.0
 
 
 def exp_rows_(logits: torch.Tensor, shifted: bool, inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax rows of logits [..., r, n], unnormalised and in place: (exp(logits − shift), the
-    reciprocal of each row's total [..., r, 1], written into `inverse` when given).
+    """Softmax rows of base-2 logits [..., r, n] (natural logits times `LOG2_E`), unnormalised and
+    in place: (2^(logits − shift), the reciprocal of each row's total [..., r, 1], written into
+    `inverse` when given).
 
     shift is each row's max if `shifted` (every total then lies in [1, n]), else 0: one pass fewer,
     exact while the totals stay within 2^±TOTAL_LOG2_LIMIT; `totals_in_range` of the reciprocals
@@ -376,7 +384,7 @@ def exp_rows_(logits: torch.Tensor, shifted: bool, inverse: torch.Tensor | None 
     """
     if shifted:
         logits.sub_(logits.amax(-1, keepdim=True))
-    probs = logits.exp_()
+    probs = logits.exp2_()
     return probs, torch.sum(probs, -1, keepdim=True, out=inverse).reciprocal_()
 
 

@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ..attention import exp_rows_, log2_range, packed_then_causal_attention, totals_in_range, weighted_attention
+from ..attention import LOG2_E, exp_rows_, log2_range, packed_then_causal_attention, totals_in_range, weighted_attention
 from ..checks import as_count
 from ..model_support import ATTENTION_NAME, HIDDEN_STATES_ATTRIBUTE, attention_modules, has_padding, keep_hidden_states
 from ..model_support import release_hidden_states
@@ -132,7 +132,7 @@ def causal_attention_with_mass(
     scale = d**-0.5 if scale is None else scale
     work = torch.promote_types(query.dtype, torch.float32)
     # query-major rows: a chunk's queries of one KV head are one contiguous [c·group, d] matrix
-    q = (query.to(work) * scale).reshape(b * hkv, group, nq, d).transpose(1, 2).contiguous()  # [B·H_kv, q, group, d]
+    q = (query.to(work) * (scale * LOG2_E)).reshape(b * hkv, group, nq, d).transpose(1, 2).contiguous()  # [B·H_kv, q, group, d]
     k, v = key.to(work).flatten(0, 1), value.to(work).flatten(0, 1)  # [B·H_kv, n, d | d_v]
     on_cpu = query.device.type == "cpu"
     heads_per_block = 1 if on_cpu else b * hkv

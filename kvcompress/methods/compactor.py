@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import exp_rows_, log2_range, totals_in_range
+from ..attention import LOG2_E, exp_rows_, log2_range, totals_in_range
 from ..checks import as_count
 from ..saved_state import saved
 from ..summary import KVSummary, take_slots
@@ -105,7 +105,7 @@ def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale
     group = hq // hkv
     chunk_size = min(chunk_size, n)  # fewer tokens than a chunk: one chunk of n
     q = queries.float().unflatten(1, (hkv, group))  # [B, H_kv, group, n, d]
-    k = keys.float() * scale  # [B, H_kv, n, d]: one key head for its group
+    k = keys.float() * (scale * LOG2_E)  # [B, H_kv, n, d]: one key head for its group, base-2 logits (`exp_rows_`)
     sums, total_range = _chunk_column_sums(q, k, chunk_size, shifted=False)
     if not totals_in_range(total_range):
         sums, _ = _chunk_column_sums(q, k, chunk_size, shifted=True)
