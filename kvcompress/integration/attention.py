@@ -102,8 +102,9 @@ def causal_attention_with_mass(
     (out [B,H_q,q,d_v] in the query's dtype, mass [B,H_kv,n] float32): mass[j] = Σ_i
     softmax_i(s<q_i,k>)[j] summed over the queries and averaged over each GQA group, exactly what
     `methods.tokens.attention_mass` returns for these queries on these keys. An explicit softmax in
-    float32 (any input dtype), `query_chunk` queries at a time (default 32 on the CPU, 64 elsewhere;
-    fewer if the workers' scores would exceed `max_logits`, 64 MiB), future keys never multiplied.
+    float32 (any input dtype; base-2 exponentials, `attention.LOG2_E` folded into the scale),
+    `query_chunk` queries at a time (default 32 on the CPU, 64 elsewhere; fewer if the workers'
+    scores would exceed `max_logits`, 64 MiB), future keys never multiplied.
     Every query sees at least its own key, so no row is empty. The logits are exponentiated without a
     max shift first (a model's logits lie far inside float32's range); if a row's total left the
     range `attention.exp_rows_` trusts (an exponential or the total overflowed, or the total
@@ -113,8 +114,9 @@ def causal_attention_with_mass(
     Head blocks: on the CPU a chunk's scores are formed one KV head (of one sequence) at a time, in
     one reused workspace per worker of chunk x group x n scores (0.4 MiB per 1k keys for 32 queries
     and 3 query heads per KV head), so the passes after the product (mask, exponentials, totals,
-    mass, values) find them in the core's cache: on the default model's 4k-token q/k/v, one thread,
-    its time over SDPA's summed over the layers fell by 6-10 % against every head at once. On other
+    mass, values) find them in the core's cache (on the default model's 4k-token q/k/v, one thread,
+    its time over SDPA's summed over the layers fell by 6-10 % against every head at once; with the
+    base-2 exponentials it runs as fast as SDPA there, bench/prefill's `fused_extra_s`). On other
     devices every head of the chunk is one batched product (fewer, larger kernels). The outputs are
     scaled by their rows' reciprocal totals once, at the end.
 
