@@ -62,7 +62,9 @@ def shifted(x: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def neighbours(x: torch.Tensor, layer: int, lengths: list[int]) -> torch.Tensor:
-    """[N, 3d]: each token's hidden state beside its predecessor's and its successor's."""
+    """[N, 3d]: each token's hidden state beside its predecessor's and its successor's, over the contexts laid end to end
+    (the committed record was measured so: a context's last token sees the next context's first, 2 tokens in each
+    ~2,000). `layer` and `lengths` are read by the other inputs (`context_features`), not by this one."""
     return torch.cat([shifted(x, -1), x, shifted(x, 1)], 1)
 
 
