@@ -22,6 +22,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose, score
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT
 
 # name -> (method, method_params, exact sink/window, stream slack and chunk_size settings, modes)
 VARIANTS = {
@@ -86,6 +87,51 @@ def tuning_seeds(text: str) -> list[int]:
     if not set(seeds) <= set(TUNING_SEEDS):
         raise SystemExit(f"--seeds must be tuning seeds ({TUNING_SEEDS})")
     return seeds
+
+
+def needle_run_parser(doc: str, variants: str) -> argparse.ArgumentParser:
+    """The arguments every prefill-mode needle run of the tuning scripts shares (ratio 0.9, one thread, 30 seeds by
+    default; `variants` the default of --variants); a script adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--lengths", default="2048")
+    p.add_argument("--seeds", default="1000-1029")
+    p.add_argument("--ratio", type=float, default=0.9)
+    p.add_argument("--variants", default=variants)
+    p.add_argument("--threads", type=int, default=1)
+    return p
+
+
+def chosen_variants(text: str, accepted: tuple[str, ...]) -> list[str]:
+    """The comma-separated variants of `text`, refused unless each is `accepted`."""
+    names = text.split(",")
+    if not set(names) <= set(accepted):
+        raise SystemExit(f"--variants takes a comma-separated list among {', '.join(accepted)}; got {text!r}")
+    return names
+
+
+def answer_prefill_needle(model, tokenizer, sample, args, variant: str, seed: int, length: int, ratio: float, settings: dict,
+                          **fields) -> None:
+    """Answer `sample` in prefill mode in the library's prompt layout with kvc.generate's method `settings` (args: the
+    run's --out, --threads and --new-tokens), append its row to args.out (`fields` added to it) and print it."""
+    start = time.perf_counter()
+    res = kvc.generate(model, tokenizer, sample.context, sample.question, mode="prefill", max_new_tokens=args.new_tokens,
+                       progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
+    row = {"variant": variant, "mode": "prefill", "seed": seed, "length": length, "ratio": ratio, "hit": score(sample, res.text),
+           "seconds": round(time.perf_counter() - start, 3), "text": res.text, "answers": sample.answers, **fields,
+           "threads": args.threads, "prompt_layout": DEFAULT_PROMPT_LAYOUT, "date": time.strftime("%Y-%m-%d")}
+    append_row(args.out, row)
+    print(json.dumps({k: row[k] for k in ("variant", "seed", "ratio", "hit", "text")}), flush=True)
+
+
+def answered_variants_run(doc: str, variants: tuple[str, ...]) -> tuple[argparse.Namespace, list[int], list[str]]:
+    """(arguments, seeds, variants) of a run that answers needles with `variants` (`needle_run_parser`'s arguments and
+    --new-tokens, 24 by default), its torch threads set."""
+    p = needle_run_parser(doc, ",".join(variants))
+    p.add_argument("--new-tokens", type=int, default=24)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    return args, tuning_seeds(args.seeds), chosen_variants(args.variants, variants)
 
 
 def recorded(path: Path, fields: tuple[str, ...]) -> set[tuple]:

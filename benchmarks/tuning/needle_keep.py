@@ -14,7 +14,6 @@ same variant scored on the same needles in a `kvzap_default.py` record:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -26,7 +25,7 @@ import kvcompress as kvc
 from kvcompress.integration import build_prompt
 from kvcompress.integration.generation import compress_context_ids
 from kvcompress.names import DEFAULT_PROMPT_LAYOUT
-from kvzap_default import VARIANTS, append_row, recorded, tuning_needle, tuning_seeds
+from kvzap_default import VARIANTS, append_row, needle_run_parser, recorded, tuning_needle, tuning_seeds
 
 
 def kept_share(cache, n: int) -> torch.Tensor:
@@ -63,13 +62,7 @@ def tuning_context(length: int, seed: int, tokenizer, layout: str):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--lengths", default="2048")
-    p.add_argument("--seeds", default="1000-1029")
-    p.add_argument("--ratio", type=float, default=0.9)
-    p.add_argument("--variants", default="adakv_kvzap_model,adakv_kvzip_model", help="prefill-mode variants of kvzap_default.py")
-    p.add_argument("--threads", type=int, default=1)
+    p = needle_run_parser(__doc__, "adakv_kvzap_model,adakv_kvzip_model")  # prefill-mode variants of kvzap_default.py
     p.add_argument("--prompt-layout", default=DEFAULT_PROMPT_LAYOUT)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -19,21 +19,16 @@ what is there), so its `summary_rows` reads it:
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 import kvcompress as kvc
-from kvcompress.eval.tasks import score
 from kvcompress.methods.kvzap import KVzap
 from kvcompress.methods.registry import register
 from kvcompress.names import DEFAULT_PROMPT_LAYOUT
 from kvcompress.options import DEFAULT_METHODS
-from kvzap_default import append_row, recorded, summarise, tuning_seeds
+from kvzap_default import answer_prefill_needle, answered_variants_run, recorded, summarise
 from needle_keep import tuning_context
 
 FORCED_SCORE = 1e4  # above every log-score the surrogate predicts, and finite, so sums over scores stay finite
@@ -64,20 +59,7 @@ def forced_positions(variant: str, answer: range, fact: range) -> tuple[int, ...
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--lengths", default="2048")
-    p.add_argument("--seeds", default="1000-1029")
-    p.add_argument("--ratio", type=float, default=0.9)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--new-tokens", type=int, default=24)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    seeds = tuning_seeds(args.seeds)
-    names = args.variants.split(",")
-    if not set(names) <= set(VARIANTS):
-        raise SystemExit(f"--variants takes a comma-separated list among {', '.join(VARIANTS)}; got {args.variants!r}")
+    args, seeds, names = answered_variants_run(__doc__, VARIANTS)
     register(ForcedKVzap)
     model, tokenizer = kvc.load_model()
     done = recorded(args.out, ("variant", "seed", "length", "ratio"))
@@ -93,15 +75,7 @@ def main() -> None:
                 settings = {"method": None} if name == "full" else dict(
                     method=method, compression_ratio=ratio, **exact,
                     method_params={**params, "scorer": ForcedKVzap.name, "scorer_params": {"forced": forced}})
-                start = time.perf_counter()
-                res = kvc.generate(model, tokenizer, sample.context, sample.question, mode="prefill", max_new_tokens=args.new_tokens,
-                                   progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
-                row = {"variant": name, "mode": "prefill", "seed": seed, "length": length, "ratio": ratio, "hit": score(sample, res.text),
-                       "seconds": round(time.perf_counter() - start, 3), "text": res.text, "answers": sample.answers,
-                       "forced_tokens": len(forced),
-                       "threads": args.threads, "prompt_layout": DEFAULT_PROMPT_LAYOUT, "date": time.strftime("%Y-%m-%d")}
-                append_row(args.out, row)
-                print(json.dumps({k: row[k] for k in ("variant", "seed", "ratio", "hit", "text")}), flush=True)
+                answer_prefill_needle(model, tokenizer, sample, args, name, seed, length, ratio, settings, forced_tokens=len(forced))
     summarise(args.out)
 
 

@@ -1,0 +1,145 @@
+"""Can the prefill default be refitted without KVzip's second forward? Attention matching against the prompt's own
+queries, on tuning needles at ratio 0.9.
+
+`kvzip_refit` keeps the most of the full cache's answers at ratio 0.9 because, after its top-k, it refits the kept
+slots' log-weights and values to the whole middle's attention for KVzip's reconstruction queries
+(`methods.attention_matching`); those queries cost a second forward over the context. The prefill default (AdaKV over
+KVzap's scores, one budget over every layer's heads) has no such queries, but a prefill computes the context's own
+queries anyway. This asks whether they can stand in. Variants, each the prefill default's allocation with:
+- `full`: nothing, the full cache (ratio 0); `default`: no refit, the default itself;
+- `own_log_weights`: the kept slots' log-weights fitted for every query of the context (as many as
+  `attention_matching.REFERENCE_QUERIES` per KV head, evenly spaced), each taken over the whole middle as a
+  reconstruction query is;
+- `own_log_weights_values`: the same queries, log-weights and values fitted;
+- `window_log_weights_values`: log-weights and values fitted for the exact window's queries alone (the last 64 of the
+  prompt, the only ones that follow every middle token);
+- `window_scalar`: one log-weight per KV head, shared by its kept slots: the mean over the window's queries of the log
+  of the whole middle's attention mass over the kept slots' (the least a refit can fit: the middle's share of the
+  softmax put back, nothing else);
+- `shifted_log_weights`, `shifted_log_weights_values`: every query of the context rotated on by the prompt's length
+  (RoPE composes, so query i then sits at position i + n, as its token's copy does when KVzip's reconstruction repeats
+  the context after it: it follows every middle token at the distances the reconstruction's queries see), then fitted
+  as `own_*` are.
+
+The scorer and methods these variants use (`KVzapWithQueries`, `WindowRefitAdaKV`, `WindowScalarAdaKV`,
+`ShiftedRefitAdaKV`) are
+registered by `main` only, so importing this module leaves the library's methods as they are. Each variant answers the
+tuning needles of `kvzap_default.py` (`tuning_needle`, 24 answer tokens) in the library's prompt layout, one JSON line
+per (variant, seed, length, ratio) to OUT in `kvzap_default.py`'s format (a rerun skips what is there):
+
+    .venv/bin/python benchmarks/tuning/own_query_refit.py --out benchmarks/results/tuning/own_query_refit.jsonl \\
+        --lengths 2048 --seeds 1000-1029 --ratio 0.9 --threads 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.adakv import AdaKV
+from kvcompress.methods.kvzap import KVzap
+from kvcompress.methods.registry import register
+from kvcompress.methods.requirements import Requirements
+from kvcompress.options import DEFAULT_METHODS
+from kvcompress.summary import KVSummary
+from kvzap_default import answer_prefill_needle, answered_variants_run, recorded, summarise, tuning_needle
+
+WINDOW_QUERIES = 64  # the exact window's queries: the prompt's last 64, the default's window
+VARIANTS = ("full", "default", "own_log_weights", "own_log_weights_values", "window_log_weights_values", "window_scalar",
+            "shifted_log_weights", "shifted_log_weights_values")
+
+
+@dataclass
+class KVzapWithQueries(KVzap):
+    """KVzap's scores, the method also handed the context's queries, which a refit fits to."""
+
+    name = "kvzap_with_queries"
+
+    @property
+    def requirements(self) -> Requirements:
+        return Requirements(inputs={"hidden_states", "queries"})
+
+
+@dataclass
+class WindowRefitAdaKV(AdaKV):
+    """AdaKV whose refit fits the kept slots to the last `WINDOW_QUERIES` queries alone."""
+
+    name = "adakv_window_refit"
+
+    def summary(self, tokens, kept, middle_lse=None) -> KVSummary:
+        return super().summary(replace(tokens, queries=tokens.queries[:, :, -WINDOW_QUERIES:]), kept, None)
+
+
+@dataclass
+class WindowScalarAdaKV(AdaKV):
+    """AdaKV whose kept slots of each KV head share one log-weight, the mean over the last `WINDOW_QUERIES` queries of
+    log(the whole middle's attention mass / the kept slots' mass); the values stay the tokens' own."""
+
+    name = "adakv_window_scalar"
+
+    def summary(self, tokens, kept, middle_lse=None) -> KVSummary:
+        summary = super().summary(tokens, kept)
+        b, hq, _, d = tokens.queries.shape
+        hkv = tokens.keys.shape[1]
+        queries = tokens.queries[:, :, -WINDOW_QUERIES:].float().reshape(b, hkv, -1, d) * tokens.scale
+        middle = (queries @ tokens.keys.float().transpose(-1, -2)).logsumexp(-1)
+        real = summary.log_weights > float("-inf")
+        kept_logits = (queries @ summary.keys.float().transpose(-1, -2)).masked_fill(~real.unsqueeze(2), float("-inf"))
+        shared = (middle - kept_logits.logsumexp(-1)).mean(-1, keepdim=True)
+        log_weights = torch.where(real, shared.expand(real.shape), summary.log_weights)
+        return KVSummary(summary.keys, summary.values, log_weights, summary.positions)
+
+
+@dataclass
+class ShiftedRefitAdaKV(AdaKV):
+    """AdaKV whose refit fits the kept slots to the context's queries rotated on by the prompt's length (`rotary`: the
+    model's rotary embedding, set by `main`)."""
+
+    name = "adakv_shifted_refit"
+    rotary = None
+
+    def summary(self, tokens, kept, middle_lse=None) -> KVSummary:
+        queries = tokens.queries
+        shift = torch.full((1, 1), queries.shape[2], dtype=torch.long, device=queries.device)
+        cos, sin = (t.to(queries.dtype) for t in ShiftedRefitAdaKV.rotary(queries, shift))
+        half = queries.shape[-1] // 2
+        rotated_half = torch.cat([-queries[..., half:], queries[..., :half]], -1)
+        return super().summary(replace(tokens, queries=queries * cos + rotated_half * sin), kept, None)
+
+
+def variant_settings(name: str, ratio: float) -> dict:
+    """kvc.generate's method settings for `name`."""
+    if name == "full":
+        return {"method": None}
+    method, params, exact = DEFAULT_METHODS["prefill"]
+    if name == "default":
+        return dict(method=method, method_params=params, compression_ratio=ratio, **exact)
+    refit = {"own_log_weights": "log_weights", "shifted_log_weights": "log_weights", "window_scalar": "none"}.get(name, "log_weights_values")
+    method = {"window_log_weights_values": WindowRefitAdaKV.name, "window_scalar": WindowScalarAdaKV.name,
+              "shifted_log_weights": ShiftedRefitAdaKV.name, "shifted_log_weights_values": ShiftedRefitAdaKV.name}.get(name, method)
+    return dict(method=method, method_params={**params, "scorer": KVzapWithQueries.name, "refit": refit}, compression_ratio=ratio,
+                **exact)
+
+
+def main() -> None:
+    args, seeds, names = answered_variants_run(__doc__, VARIANTS)
+    for method in (KVzapWithQueries, WindowRefitAdaKV, WindowScalarAdaKV, ShiftedRefitAdaKV):
+        register(method)
+    model, tokenizer = kvc.load_model()
+    ShiftedRefitAdaKV.rotary = model.model.rotary_emb
+    done = recorded(args.out, ("variant", "seed", "length", "ratio"))
+    for length in map(int, args.lengths.split(",")):
+        for seed in seeds:
+            sample = tuning_needle(length, seed, tokenizer)
+            for name in names:
+                ratio = 0.0 if name == "full" else args.ratio
+                if (name, seed, length, ratio) in done:
+                    continue
+                answer_prefill_needle(model, tokenizer, sample, args, name, seed, length, ratio, variant_settings(name, ratio))
+    summarise(args.out)
+
+
+if __name__ == "__main__":
+    main()
