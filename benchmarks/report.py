@@ -801,6 +801,17 @@ PAIRED_NEEDLE_TABLES = [
      "name a wrong place or drift into the documentation around the needle, as the default's do.",
      ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
      lambda variant: None if variant in ("full", "default") else "default"),
+    ("benchmarks/results/tuning/reconstruction_query_share.jsonl", "`kvzip_refit`'s refit on a share of the reconstruction",
+     "`kvzip_refit` with its refit fitted to every reconstruction query (the named setting), to every 20th one "
+     "(`strided_20`), or to every 20th block of 128 consecutive ones (`blocks_20`: the copies of one contiguous span of "
+     "the context in 20, what reconstructing one chunk in 20 would give); the scores and the kept slots are "
+     "`kvzip_refit`'s own in all three (`benchmarks/tuning/reconstruction_query_share.py`). It asks whether a refit "
+     "could make do with a cheap, partial reconstruction. On 30 tuning needles at 2k tokens in the default prompt layout "
+     "at ratio 0.9; nothing was chosen on it. Paired per needle against `kvzip_refit`: won / lost, Newcombe's 95% interval "
+     "of the difference in % found, sign test. The seeds ran as two processes side by side, so the times are only "
+     "indicative; each variant still runs the whole reconstruction forward, which is most of its time.",
+     ["variant", "ratio"], "paired vs kvzip_refit (won / lost; diff; p)",
+     lambda variant: None if variant in ("full", "kvzip_refit") else "kvzip_refit"),
     ("benchmarks/results/tuning/evicted_slots.jsonl", "The prefill default with its evicted tokens summarised",
      "The prefill default (`adakv_kvzap_model`) and the same with each head's evicted tokens not dropped but summarised "
      "in 8 or 32 slots within its budget (AdaKV's `evicted_slots`: runs of equal count in position order, each slot the "

@@ -134,6 +134,21 @@ def answered_variants_run(doc: str, variants: tuple[str, ...]) -> tuple[argparse
     return args, tuning_seeds(args.seeds), chosen_variants(args.variants, variants)
 
 
+def answer_prefill_variants(model, tokenizer, args, seeds: list[int], names: list[str], settings) -> None:
+    """Every tuning needle of `seeds` at each of args.lengths answered by each variant of `names` (`answer_prefill_needle`;
+    settings(name, ratio): its kvc.generate settings; "full" at ratio 0, the others at args.ratio), skipping what args.out
+    holds, then the record's summary printed."""
+    done = recorded(args.out, ("variant", "seed", "length", "ratio"))
+    for length in map(int, args.lengths.split(",")):
+        for seed in seeds:
+            sample = tuning_needle(length, seed, tokenizer)
+            for name in names:
+                ratio = 0.0 if name == "full" else args.ratio
+                if (name, seed, length, ratio) not in done:
+                    answer_prefill_needle(model, tokenizer, sample, args, name, seed, length, ratio, settings(name, ratio))
+    summarise(args.out)
+
+
 def recorded(path: Path, fields: tuple[str, ...]) -> set[tuple]:
     """The `fields` of every row of the JSON-lines record at `path` (none when it does not exist yet), for a rerun to skip
     what is there; the record's folder is created."""

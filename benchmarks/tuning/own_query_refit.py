@@ -44,7 +44,7 @@ from kvcompress.methods.registry import register
 from kvcompress.methods.requirements import Requirements
 from kvcompress.options import DEFAULT_METHODS
 from kvcompress.summary import KVSummary
-from kvzap_default import answer_prefill_needle, answered_variants_run, recorded, summarise, tuning_needle
+from kvzap_default import answer_prefill_variants, answered_variants_run
 
 WINDOW_QUERIES = 64  # the exact window's queries: the prompt's last 64, the default's window
 VARIANTS = ("full", "default", "own_log_weights", "own_log_weights_values", "window_log_weights_values", "window_scalar",
@@ -129,16 +129,7 @@ def main() -> None:
         register(method)
     model, tokenizer = kvc.load_model()
     ShiftedRefitAdaKV.rotary = model.model.rotary_emb
-    done = recorded(args.out, ("variant", "seed", "length", "ratio"))
-    for length in map(int, args.lengths.split(",")):
-        for seed in seeds:
-            sample = tuning_needle(length, seed, tokenizer)
-            for name in names:
-                ratio = 0.0 if name == "full" else args.ratio
-                if (name, seed, length, ratio) in done:
-                    continue
-                answer_prefill_needle(model, tokenizer, sample, args, name, seed, length, ratio, variant_settings(name, ratio))
-    summarise(args.out)
+    answer_prefill_variants(model, tokenizer, args, seeds, names, variant_settings)
 
 
 if __name__ == "__main__":
