@@ -796,7 +796,7 @@ PAIRED_NEEDLE_TABLES = [
      "default keeps the fewest of the full cache's answers; nothing was chosen on it. Paired per needle against the "
      "default (no refit): won / lost, Newcombe's 95% interval of the difference in % found, sign test. The seeds ran as two "
      "processes side by side, so the times are only indicative (none of these refits was made fast). Read the answers in "
-     "the record: about half of `own_log_weights_values`'s and `window_scalar`'s answers are repetition loops (\"The "
+     "the record: two in five or more of `own_log_weights_values`'s and `window_scalar`'s answers are repetition loops (\"The "
      "answer is:\\n\\nThe answer is: …\"), none of the default's or the shifted queries' are; the shifted queries' misses "
      "name a wrong place or drift into the documentation around the needle, as the default's do.",
      ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
