@@ -102,14 +102,6 @@ def needle_run_parser(doc: str, variants: str) -> argparse.ArgumentParser:
     return p
 
 
-def chosen_variants(text: str, accepted: tuple[str, ...]) -> list[str]:
-    """The comma-separated variants of `text`, refused unless each is `accepted`."""
-    names = text.split(",")
-    if not set(names) <= set(accepted):
-        raise SystemExit(f"--variants takes a comma-separated list among {', '.join(accepted)}; got {text!r}")
-    return names
-
-
 def answer_prefill_needle(model, tokenizer, sample, args, variant: str, seed: int, length: int, ratio: float, settings: dict,
                           **fields) -> None:
     """Answer `sample` in prefill mode in the library's prompt layout with kvc.generate's method `settings` (args: the
@@ -130,8 +122,11 @@ def answered_variants_run(doc: str, variants: tuple[str, ...]) -> tuple[argparse
     p = needle_run_parser(doc, ",".join(variants))
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args()
+    names = args.variants.split(",")
+    if not set(names) <= set(variants):
+        raise SystemExit(f"--variants takes a comma-separated list among {', '.join(variants)}; got {args.variants!r}")
     torch.set_num_threads(args.threads)
-    return args, tuning_seeds(args.seeds), chosen_variants(args.variants, variants)
+    return args, tuning_seeds(args.seeds), names
 
 
 def answer_prefill_variants(model, tokenizer, args, seeds: list[int], names: list[str], settings) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 import kvcompress as kvc
 from kvcompress.methods.adakv import AdaKV
@@ -47,8 +48,6 @@ from kvcompress.summary import KVSummary
 from kvzap_default import answer_prefill_variants, answered_variants_run
 
 WINDOW_QUERIES = 64  # the exact window's queries: the prompt's last 64, the default's window
-VARIANTS = ("full", "default", "own_log_weights", "own_log_weights_values", "window_log_weights_values", "window_scalar",
-            "shifted_log_weights", "shifted_log_weights_values")
 
 
 @dataclass
@@ -81,7 +80,7 @@ class WindowScalarAdaKV(AdaKV):
 
     def summary(self, tokens, kept, middle_lse=None) -> KVSummary:
         summary = super().summary(tokens, kept)
-        b, hq, _, d = tokens.queries.shape
+        b, _, _, d = tokens.queries.shape
         hkv = tokens.keys.shape[1]
         queries = tokens.queries[:, :, -WINDOW_QUERIES:].float().reshape(b, hkv, -1, d) * tokens.scale
         middle = (queries @ tokens.keys.float().transpose(-1, -2)).logsumexp(-1)
@@ -104,9 +103,20 @@ class ShiftedRefitAdaKV(AdaKV):
         queries = tokens.queries
         shift = torch.full((1, 1), queries.shape[2], dtype=torch.long, device=queries.device)
         cos, sin = (t.to(queries.dtype) for t in ShiftedRefitAdaKV.rotary(queries, shift))
-        half = queries.shape[-1] // 2
-        rotated_half = torch.cat([-queries[..., half:], queries[..., :half]], -1)
-        return super().summary(replace(tokens, queries=queries * cos + rotated_half * sin), kept, None)
+        return super().summary(replace(tokens, queries=queries * cos + rotate_half(queries) * sin), kept, None)
+
+
+# variant -> (the method it runs, registered name, with the default's parameters; its refit); "full" is the full cache,
+# "default" the prefill default
+REFIT_VARIANTS = {
+    "own_log_weights": (DEFAULT_METHODS["prefill"][0], "log_weights"),
+    "own_log_weights_values": (DEFAULT_METHODS["prefill"][0], "log_weights_values"),
+    "window_log_weights_values": (WindowRefitAdaKV.name, "log_weights_values"),
+    "window_scalar": (WindowScalarAdaKV.name, "none"),
+    "shifted_log_weights": (ShiftedRefitAdaKV.name, "log_weights"),
+    "shifted_log_weights_values": (ShiftedRefitAdaKV.name, "log_weights_values"),
+}
+VARIANTS = ("full", "default", *REFIT_VARIANTS)
 
 
 def variant_settings(name: str, ratio: float) -> dict:
@@ -116,9 +126,7 @@ def variant_settings(name: str, ratio: float) -> dict:
     method, params, exact = DEFAULT_METHODS["prefill"]
     if name == "default":
         return dict(method=method, method_params=params, compression_ratio=ratio, **exact)
-    refit = {"own_log_weights": "log_weights", "shifted_log_weights": "log_weights", "window_scalar": "none"}.get(name, "log_weights_values")
-    method = {"window_log_weights_values": WindowRefitAdaKV.name, "window_scalar": WindowScalarAdaKV.name,
-              "shifted_log_weights": ShiftedRefitAdaKV.name, "shifted_log_weights_values": ShiftedRefitAdaKV.name}.get(name, method)
+    method, refit = REFIT_VARIANTS[name]
     return dict(method=method, method_params={**params, "scorer": KVzapWithQueries.name, "refit": refit}, compression_ratio=ratio,
                 **exact)
 
