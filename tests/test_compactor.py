@@ -84,6 +84,19 @@ def test_sketch_is_reproducible_from_the_generator():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_leverage_of_full_row_rank_keys_ranks_nothing():
+    # 14 tokens, head dimension 16: every exact leverage score is 1; the sketch's come out 1 ± rounding, which must not
+    # be standardised into a ranking that changes with the sketch drawn.
+    keys = torch.randn(1, 2, 14, 16, generator=torch.Generator().manual_seed(0)) * 3
+    for seed in (5, 6):
+        lev = cm.leverage_scores(keys, "sketch", "gaussian", 64, make_generator(seed))
+        assert (lev - 1).abs().max() < 1e-5 and lev.std(-1).max() > 0  # rounding only, and not exactly 1
+        assert torch.equal(cm.standardise(lev), torch.zeros_like(lev))
+    spread = torch.tensor([[1.0, 1.0 + 2e-3, 1.0 - 2e-3]])  # above rounding: still standardised
+    assert torch.allclose(cm.standardise(spread), torch.tensor([[0.0, 1.2247, -1.2247]]), atol=1e-3)
+    assert torch.equal(cm.standardise(torch.zeros(1, 3)), torch.zeros(1, 3))
+
+
 def _dense_block_noncausal(queries, keys, scale, chunk):
     """Reference: the full n x n non-causal matrix with a block-diagonal chunk mask, column sums, GQA mean."""
     b, hq, n, d = queries.shape

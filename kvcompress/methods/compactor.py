@@ -132,11 +132,19 @@ def _chunk_column_sums(q: torch.Tensor, k: torch.Tensor, chunk_size: int, shifte
     return out, total_range
 
 
+# A spread this small beside a row's largest magnitude is float32 rounding, not a ranking: the leverage scores of keys
+# of full row rank (no more tokens than the head dimension) are all 1 in exact arithmetic and come out 1 ± 1e-6, and
+# standardising that noise would rank tokens by it (differently for each sketch drawn).
+CONSTANT_SPREAD = 1e-4
+
+
 def standardise(x: torch.Tensor) -> torch.Tensor:
-    """(x - mean) / std along the token axis, per head; a constant row maps to 0."""
+    """(x - mean) / std along the token axis, per head; a row constant up to rounding (std at most `CONSTANT_SPREAD` of its
+    largest |x|) maps to 0."""
     x = x.float()
     std = x.std(dim=-1, keepdim=True, unbiased=False)
-    return (x - x.mean(dim=-1, keepdim=True)) / std.clamp_min(1e-12)
+    constant = std <= CONSTANT_SPREAD * x.abs().amax(dim=-1, keepdim=True)
+    return torch.where(constant, 0.0, (x - x.mean(dim=-1, keepdim=True)) / std.clamp_min(1e-12))
 
 
 DEFAULT_LEVERAGE_WEIGHT = 0.3  # the paper's lambda
