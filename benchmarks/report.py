@@ -812,6 +812,20 @@ PAIRED_NEEDLE_TABLES = [
      "indicative; each variant still runs the whole reconstruction forward, which is most of its time.",
      ["variant", "ratio"], "paired vs kvzip_refit (won / lost; diff; p)",
      lambda variant: None if variant in ("full", "kvzip_refit") else "kvzip_refit"),
+    ("benchmarks/results/tuning/evicted_merge.jsonl", "The prefill default with its evicted tokens merged into the kept slots",
+     "A refit with no queries to fit: each evicted token of a KV head merged into the kept slot of that head whose key is "
+     "most like its own (cosine), the slot taking on its attention mass as log-weight log(1 + Σ mass) and, but for the "
+     "`_log_weights` variants, its value averaged by mass (`benchmarks/tuning/evicted_merge.py`); each evicted token's "
+     "mass counts as its slot's (`merge_count*`) or is its attention mass over the slot's for the exact window's 64 "
+     "queries (`merge_window*`). On tuning needles at 2k tokens in the default prompt layout at ratio 0.9; nothing was "
+     "chosen on it. Stopped after 8 needles (10 for `merge_count`): no variant found any of the full cache's answers on "
+     "them, where the default found one of the four (two of five on `merge_count`'s ten). Read the answers in the record: five of `merge_count`'s eight are empty, "
+     "the log-weight-only merges' are mostly repetition loops, `merge_window`'s are fluent but name nothing from the "
+     "context. Paired per needle against the default (no merge, its rows and the full cache's those of the own-query "
+     "table above): won / lost, Newcombe's 95% interval of the difference in % found, sign test. The seeds ran as two "
+     "processes side by side beside test runs, so the times are only indicative.",
+     ["variant", "ratio"], "paired vs the default (won / lost; diff; p)",
+     lambda variant: "default" if variant.startswith("merge") else None),
     ("benchmarks/results/tuning/evicted_slots.jsonl", "The prefill default with its evicted tokens summarised",
      "The prefill default (`adakv_kvzap_model`) and the same with each head's evicted tokens not dropped but summarised "
      "in 8 or 32 slots within its budget (AdaKV's `evicted_slots`: runs of equal count in position order, each slot the "

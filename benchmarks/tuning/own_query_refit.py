@@ -119,16 +119,25 @@ REFIT_VARIANTS = {
 VARIANTS = ("full", "default", *REFIT_VARIANTS)
 
 
-def variant_settings(name: str, ratio: float) -> dict:
-    """kvc.generate's method settings for `name`."""
+def queried_default_settings(name: str, ratio: float, method: str | None = None, **params) -> dict:
+    """kvc.generate's method settings for variant `name`: "full" the full cache, "default" the prefill default, any other
+    the registered `method` with the prefill default's parameters, its scorer handed the queries (`KVzapWithQueries`),
+    and `params` over them."""
     if name == "full":
         return {"method": None}
-    method, params, exact = DEFAULT_METHODS["prefill"]
+    default, defaults, exact = DEFAULT_METHODS["prefill"]
     if name == "default":
-        return dict(method=method, method_params=params, compression_ratio=ratio, **exact)
-    method, refit = REFIT_VARIANTS[name]
-    return dict(method=method, method_params={**params, "scorer": KVzapWithQueries.name, "refit": refit}, compression_ratio=ratio,
+        return dict(method=default, method_params=defaults, compression_ratio=ratio, **exact)
+    return dict(method=method, method_params={**defaults, "scorer": KVzapWithQueries.name, **params}, compression_ratio=ratio,
                 **exact)
+
+
+def variant_settings(name: str, ratio: float) -> dict:
+    """kvc.generate's method settings for `name`."""
+    if name in REFIT_VARIANTS:
+        method, refit = REFIT_VARIANTS[name]
+        return queried_default_settings(name, ratio, method, refit=refit)
+    return queried_default_settings(name, ratio)
 
 
 def main() -> None:
