@@ -16,7 +16,8 @@ import kvcompress as kvc
 from registered import SHARED
 from kvcompress.cli import build_parser, main
 from kvcompress.eval import bench
-from kvcompress.eval.tables import read_csv
+from kvcompress.eval.bench.report import markdown
+from kvcompress.eval.tables import read_csv, write_csv
 
 TINY = bench.Shape("tiny", 1, 2, 8)
 QUIET = {"log": lambda s: None}
@@ -167,6 +168,24 @@ def test_cli_runs_and_writes_tables_and_plots(tmp_path):
     assert read_csv(out / "overhead.csv")[0]["n"] == 32
 
 
+def test_cli_synthetic_sections_run_every_method_on_the_default_shapes(tmp_path):
+    # docs/bench.md's command, small: every registered method on both default shapes. KVzap's shipped scorer fits the
+    # default model's shape only, so on llama8b it is reported as not measured, as KVzip's throughput (it has no stream),
+    # and the run goes on.
+    out = tmp_path / "bench"
+    assert main(["bench", "--sections", "overhead,throughput", "--sizes", "32", "--repeats", "1", "--stream", "all", "--block", "16",
+                 "--throughput-tokens", "64", "--throughput-repeats", "1", "--out", str(out)]) == 0
+    overhead = read_csv(out / "overhead.csv")
+    assert {r["method"] for r in overhead} == {"exact", *kvc.methods()}
+    assert all("min_s" in r for r in overhead if r["shape"] == "smollm2")
+    unmeasured = {(r["shape"], r["method"]) for r in overhead if "min_s" not in r}
+    assert unmeasured == {("llama8b", "kvzap")}
+    throughput = {r["method"]: r for r in read_csv(out / "throughput.csv")}
+    assert set(throughput) == set(kvc.methods()) and all("min_s" in r for m, r in throughput.items() if m not in ("kvzap", "kvzip"))
+    assert throughput["kvzip"]["skipped"] == "it has no stream (mode 'prefill' only)" and "min_s" not in throughput["kvzap"]
+    assert "- n/a, kvzap: its scorer, trained on SmolLM2-135M-Instruct" in (out / "bench.md").read_text()
+
+
 def test_report_needs_csvs(tmp_path):
     with pytest.raises(ValueError, match="no bench CSV"):
         bench.report(tmp_path)
@@ -225,6 +244,27 @@ def test_cli_bench_runs_on_the_requested_device_and_dtype(tmp_path, device):
     machine = (out / "machine.txt").read_text()
     assert f"device {device}" in machine and "bfloat16" in machine
     assert {r["method"] for r in read_csv(out / "overhead.csv")} == {"exact", "knorm", "subgen"}
+
+
+def test_a_method_that_cannot_run_on_a_shape_is_reported_with_its_reason(tmp_path):
+    # The shipped KVzap scorer reads the default model's hidden states: it fits the smollm2 shape and no other.
+    assert bench.unfit_reason("kvzap", bench.SHAPES["smollm2"]) is None and bench.unfit_reason("knorm", TINY) is None
+    reason = bench.unfit_reason("kvzap", TINY)
+    assert "SmolLM2" in reason and "width 576 for 3 KV heads" in reason and "shape tiny has width 16 and 1 KV heads" in reason
+    rows = bench.overhead_rows(config(methods=["kvzap", "knorm"], shapes=[TINY], sizes=[32, 64], repeats=1, stream="all", block=16), **QUIET)
+    skipped = [r for r in rows if r["method"] == "kvzap"]
+    assert [(r["n"], r["kind"]) for r in skipped] == [(32, "compress"), (32, "stream"), (64, "compress"), (64, "stream")]
+    assert all(r["skipped"] == reason and "min_s" not in r for r in skipped)
+    assert all("min_s" in r for r in rows if r["method"] != "kvzap")
+    assert {e["method"] for e in bench.exponent_rows(rows)} == {"exact", "knorm"}
+    throughput = bench.throughput_rows(config(methods=["kvzap", "knorm"], throughput_shape=TINY, throughput_tokens=64, block=16,
+                                              throughput_repeats=1), **QUIET)
+    assert [r["method"] for r in throughput] == ["keydiff", "kvzap", "knorm"]
+    assert throughput[1]["skipped"] == reason and "min_s" not in throughput[1] and throughput[2]["runs"] == 1
+    write_csv(tmp_path / "overhead.csv", rows)  # the reason survives the CSV the report is written from
+    page = markdown(read_csv(tmp_path / "overhead.csv"), throughput=throughput)
+    assert "| kvzap | n/a | n/a |" in page and f"- n/a, kvzap: {reason}" in page
+    assert f"| kvzap | native |  |  |  |  |  | {reason} |" in page
 
 
 def test_throughput_rows_put_keydiff_first_as_the_reference():

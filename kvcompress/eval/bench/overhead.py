@@ -43,6 +43,19 @@ def method_inputs(method: str, layer: dict[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
+def unfit_reason(method: str, shape: Shape) -> str | None:
+    """Why `method` cannot run on a synthetic layer of `shape`, or None when it can. A learned scorer (KVzap's) reads
+    the hidden states of the model it was trained on, so the shipped one runs on that model's shape only."""
+    from ...methods.registry import build_method
+
+    surrogate = getattr(build_method(method), "surrogate", None)
+    width = shape.query_heads * shape.head_dim
+    if surrogate is None or (surrogate.kv_heads, surrogate.input_width) == (shape.kv_heads, width):
+        return None
+    return (f"its scorer, trained on {surrogate.model}, reads hidden states of width {surrogate.input_width} for "
+            f"{surrogate.kv_heads} KV heads; shape {shape.name} has width {width} and {shape.kv_heads} KV heads")
+
+
 def kept_budget(n: int, compression_ratio: float) -> int:
     """Slots kept per head when `compression_ratio` of n tokens is removed (at least 1)."""
     return max(1, math.ceil((1.0 - compression_ratio) * n - 1e-9))
@@ -94,7 +107,7 @@ def _timing_row(shape: Shape, n: int, method: str, kind: str, times: list[float]
     return row
 
 
-def _streams(method: str) -> bool:
+def has_stream(method: str) -> bool:
     """Whether the method has a stream (a prefill-only method, KVzip, has none)."""
     from ...methods.registry import build_method
 
@@ -111,16 +124,21 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
     (block-wise replay included), "none" skips streaming. Repeats of one measurement stop once
     they have taken max_seconds; a measurement whose single call took longer than max_seconds
     is not run at larger n (a row with skipped=True and no times records it), and neither is
-    anything of a shape whose exact pass did. The synthetic tensors are created on config's device in its dtype.
+    anything of a shape whose exact pass did. A method that cannot run on a shape (`unfit_reason`) gets a row
+    with skipped set to the reason, at every n. The synthetic tensors are created on config's device in its dtype.
     """
     jobs = []
     for method in config.methods:
         jobs.append((method, "compress"))
-        if (config.stream == "all" and _streams(method)) or (config.stream == "native" and natively_streaming(method)):
+        if (config.stream == "all" and has_stream(method)) or (config.stream == "native" and natively_streaming(method)):
             jobs.append((method, "stream"))
     rows: list[dict] = []
     for shape in config.shapes:
         too_slow: set[tuple[str, str]] = set()
+        unfit = {method: unfit_reason(method, shape) for method in config.methods}
+        for method, reason in unfit.items():
+            if reason is not None:
+                log(f"{shape.name}: {method} not measured: {reason}")
         for n in sorted(config.sizes):
             if ("exact", "exact") in too_slow:
                 too_slow.update(jobs)
@@ -131,6 +149,9 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
             add_row(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
             for method, kind in jobs:
+                if unfit[method] is not None:
+                    add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": unfit[method]})
+                    continue
                 if (method, kind) in too_slow:
                     add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
                     continue
@@ -168,13 +189,20 @@ def exponent_rows(rows: Sequence[dict]) -> list[dict]:
 
 
 def overhead_pivot(rows: Sequence[dict], shape: str, kind: str) -> list[dict]:
-    """{method, ratio at each n} for one shape and kind (compress/stream): min-of-repeats ratios to exact attention."""
+    """{method, ratio at each n} for one shape and kind (compress/stream): min-of-repeats ratios to exact attention;
+    "skipped" past the per-call limit, "n/a" where the method cannot run on the shape (`unfit_reasons`)."""
     table: dict[str, dict] = {}
     for r in rows:
         if r["shape"] == shape and r["kind"] == kind:
-            cell = "skipped" if r.get("skipped") else f"{r['ratio_min']:.3g}"
+            skipped = r.get("skipped")
+            cell = f"{r['ratio_min']:.3g}" if not skipped else "skipped" if skipped is True else "n/a"
             table.setdefault(r["method"], {"method": r["method"]})[f"n={r['n']}"] = cell
     return list(table.values())
+
+
+def unfit_reasons(rows: Sequence[dict], shape: str) -> dict[str, str]:
+    """{method: why it cannot run on `shape`} for the rows skipped for that reason (`unfit_reason`)."""
+    return {r["method"]: r["skipped"] for r in rows if r["shape"] == shape and isinstance(r.get("skipped"), str)}
 
 
 def plot_overhead(rows: Sequence[dict], path: Path) -> None:

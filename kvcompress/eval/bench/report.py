@@ -13,7 +13,7 @@ from .common import machine_description
 from .config import SECTIONS, BenchConfig
 from .decode import attention_step_rows, decode_rows, plot_decode
 from .memory import memory_rows, plot_memory
-from .overhead import exponent_rows, overhead_pivot, overhead_rows, plot_overhead
+from .overhead import exponent_rows, overhead_pivot, overhead_rows, plot_overhead, unfit_reasons
 from .prefill import prefill_rows
 from .throughput import throughput_rows
 
@@ -32,7 +32,8 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
         out += ["## Compression overhead", "",
                 "Time of each method over one exact causal attention pass (SDPA) over the same n tokens "
                 "(min of repeats, synthetic tensors of the shape, 50% removed unless stated). "
-                "`skipped`: a smaller n already took longer than the per-call limit.", ""]
+                "`skipped`: a smaller n already took longer than the per-call limit; `n/a`: the method cannot run on the "
+                "shape (why follows the shape's tables).", ""]
         for shape in dict.fromkeys(r["shape"] for r in overhead):
             exact = [r for r in overhead if r["shape"] == shape and r["method"] == "exact"]
             out += [f"### {shape}: exact attention seconds", "",
@@ -41,6 +42,8 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
                 table = overhead_pivot(overhead, shape, kind)
                 if table:
                     out += [f"### {shape}: {kind} time / exact attention", "", markdown_table(table), ""]
+            unfit = unfit_reasons(overhead, shape)
+            out += [*(f"- n/a, {method}: {reason}" for method, reason in unfit.items()), ""] if unfit else []
     if exponents:
         out += ["### Growth exponents (time ≈ c·n^a; ratio ≈ c·n^b)", "",
                 markdown_table(exponents, ["shape", "method", "kind", "n_min", "n_max", "time_exponent", "ratio_exponent"]), ""]
@@ -57,7 +60,8 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
         out += ["## Streaming throughput vs KeyDiff", "",
                 f"{throughput[0]['shape']} shape, {throughput[0]['tokens']} tokens in blocks of {throughput[0]['block']}, half kept, no sink or window; "
                 "tokens/s from the min of the runs.", "",
-                markdown_table(throughput, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff"]), ""]
+                markdown_table(throughput, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff",
+                                            *(["skipped"] if any("skipped" in r for r in throughput) else [])]), ""]
     if decode:
         out += ["## Decode speed", "", markdown_table(decode, ["method", "kept", "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
     if step:
