@@ -182,7 +182,8 @@ def test_cli_synthetic_sections_run_every_method_on_the_default_shapes(tmp_path)
     assert unmeasured == {("llama8b", "kvzap")}
     throughput = {r["method"]: r for r in read_csv(out / "throughput.csv")}
     assert set(throughput) == set(kvc.methods()) and all("min_s" in r for m, r in throughput.items() if m not in ("kvzap", "kvzip"))
-    assert throughput["kvzip"]["skipped"] == "it has no stream (mode 'prefill' only)" and "min_s" not in throughput["kvzap"]
+    assert throughput["kvzip"]["skipped"] == "it has no stream (mode 'prefill' only)" and throughput["kvzip"]["stream"] == "none"
+    assert "min_s" not in throughput["kvzap"]
     assert "- n/a, kvzap: its scorer, trained on SmolLM2-135M-Instruct" in (out / "bench.md").read_text()
 
 

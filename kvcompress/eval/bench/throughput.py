@@ -15,7 +15,7 @@ REFERENCE = "keydiff"
 
 
 def throughput_rows(config: BenchConfig, log: Callable[[str], None] = print) -> list[dict]:
-    """Rows {shape, method, stream (native|block-wise), tokens, budget, block, runs, min_s, median_s, tokens_per_s, over_keydiff}, KeyDiff first.
+    """Rows {shape, method, stream (native|block-wise|none), tokens, budget, block, runs, min_s, median_s, tokens_per_s, over_keydiff}, KeyDiff first.
 
     Synthetic tensors of config.throughput_shape: throughput_tokens tokens fed in blocks of `block`
     (each block with its own queries and pre-RoPE keys), half of them kept (no sink or window), then
@@ -40,8 +40,9 @@ def throughput_rows(config: BenchConfig, log: Callable[[str], None] = print) -> 
     reference = tokens / min(times[REFERENCE])
 
     def row(method: str) -> dict:
-        common = {"shape": shape.name, "method": method, "stream": "native" if natively_streaming(method) else "block-wise",
-                  "tokens": tokens, "budget": kept_budget(tokens, 0.5), "block": block}
+        stream = "native" if natively_streaming(method) else "block-wise" if has_stream(method) else "none"
+        common = {"shape": shape.name, "method": method, "stream": stream, "tokens": tokens, "budget": kept_budget(tokens, 0.5),
+                  "block": block}
         if method not in times:
             return {**common, "skipped": unfit[method]}
         t = times[method]
