@@ -71,8 +71,8 @@ SUMMARY_ROWS = [
     ("SnapKV: the attention of the context's last tokens", "snapkv"),
 ]
 COST_BENCH = "benchmarks/results/bench/cost"
-# The end-to-end prefill of every method, measured again on its own (one thread): the summary's cost column
-PREFILL_BENCH = "benchmarks/results/bench/prefill"
+# The end-to-end prefill of every method at one thread: the summary's cost column
+PREFILL_BENCH = f"{COST_BENCH}/threads-1"
 # The second held-out set's rows at 2k, first in the summary: (use, library, cell, mode) on SUMMARY_HELDOUT (see
 # heldout_section): the last check of the defaults as they are, kvzip_refit's cells included
 SUMMARY_HELDOUT = "results/heldout2_2048"
@@ -319,7 +319,7 @@ SUMMARY_NOTE = (
     "ratio means much), where the compressed cells compress a recorded prefill and `kvzip_refit` also runs KVzip's "
     "reconstruction forward and its refits. "
     "Cost bench: a `generate` prefill of 4k tokens with 75% removed ÷ a plain transformers prefill, by the compression's "
-    "share of it (`benchmarks/results/bench/prefill/`; `kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
+    "share of it at one thread (`benchmarks/results/bench/cost/threads-1/`; `kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
     "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The first rows are the "
     "second held-out set at 2k tokens (\"The second held-out needle set\": another text, fixed in writing before it ran once, "
     "with the defaults as they are; its 4k cells and the first held-out set are in that section), where the default (no "
@@ -517,13 +517,6 @@ def cost_section() -> list[str]:
         page = bench_markdown(overhead=overhead, exponents=exponent_rows(overhead), prefill=read_csv(sub / "prefill.csv"),
                                      throughput=read_csv(sub / "throughput.csv"))
         lines += [demote(page, 3), ""]
-    folder = PREFILL_BENCH
-    lines += ["### End-to-end prefill, every method, measured again", "",
-              "`kvcompress bench --sections prefill`: the 4k-token `generate` prefill above, each method with 75% removed against "
-              "a plain transformers prefill in the same run, at one thread, with nothing else running (the load average at "
-              "its start is that of a test run that had just ended).", ""]
-    lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
-    lines += ["\n".join(bench_markdown(prefill=read_csv(ROOT / folder / "prefill.csv")).splitlines()[2:]).strip(), ""]
     folder = "benchmarks/results/bench/kvzap_overhead"
     lines += ["### The default's compression step, 2k to 16k tokens", "",
               "`kvcompress bench --sections overhead`: KVzap's compression of one layer (its surrogate's scores from the hidden "

@@ -115,8 +115,8 @@ def causal_attention_with_mass(
     one reused workspace per worker of chunk x group x n scores (0.4 MiB per 1k keys for 32 queries
     and 3 query heads per KV head), so the passes after the product (mask, exponentials, totals,
     mass, values) find them in the core's cache (on the default model's 4k-token q/k/v, one thread,
-    its time over SDPA's summed over the layers fell by 6-10 % against every head at once; with the
-    base-2 exponentials it runs as fast as SDPA there, bench/prefill's `fused_extra_s`). On other
+    its time over SDPA's summed over the layers fell by 6-10 % against every head at once; its time beyond
+    SDPA's in a whole prefill is the cost bench's `fused_extra_s`, docs/results.md). On other
     devices every head of the chunk is one batched product (fewer, larger kernels). The outputs are
     scaled by their rows' reciprocal totals once, at the end.
 
