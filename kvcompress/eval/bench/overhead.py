@@ -135,8 +135,8 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
     rows: list[dict] = []
     for shape in config.shapes:
         too_slow: set[tuple[str, str]] = set()
-        unfit = {method: unfit_reason(method, shape) for method in config.methods}
-        for method, reason in unfit.items():
+        reasons = {method: unfit_reason(method, shape) for method in config.methods}  # None: measured
+        for method, reason in reasons.items():
             if reason is not None:
                 log(f"{shape.name}: {method} not measured: {reason}")
         for n in sorted(config.sizes):
@@ -149,8 +149,8 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
             add_row(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
             for method, kind in jobs:
-                if unfit[method] is not None:
-                    add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": unfit[method]})
+                if reasons[method] is not None:
+                    add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": reasons[method]})
                     continue
                 if (method, kind) in too_slow:
                     add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})

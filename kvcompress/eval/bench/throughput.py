@@ -25,12 +25,13 @@ def throughput_rows(config: BenchConfig, log: Callable[[str], None] = print) -> 
     shape (`unfit_reason`) gets a row with `skipped`, the reason, and no times.
     """
     shape, tokens, block, seed = config.throughput_shape, config.throughput_tokens, config.block, config.seed
-    unfit = {m: unfit_reason(m, shape) if has_stream(m) else "it has no stream (mode 'prefill' only)"
-             for m in config.methods if m != REFERENCE}
-    for method, reason in unfit.items():
+    # every method but the reference -> why it is not measured, or None
+    reasons = {m: unfit_reason(m, shape) if has_stream(m) else "it has no stream (mode 'prefill' only)"
+               for m in config.methods if m != REFERENCE}
+    for method, reason in reasons.items():
         if reason is not None:
             log(f"throughput {shape.name}: {method} not measured: {reason}")
-    order = [REFERENCE, *[m for m, reason in unfit.items() if reason is None]]
+    order = [REFERENCE, *[m for m, reason in reasons.items() if reason is None]]
     layer = synthetic_layer(shape, tokens, torch.Generator().manual_seed(seed), config.dtype, config.device)
     times: dict[str, list[float]] = {m: [] for m in order}
     for i in range(config.throughput_repeats):
@@ -44,9 +45,9 @@ def throughput_rows(config: BenchConfig, log: Callable[[str], None] = print) -> 
         common = {"shape": shape.name, "method": method, "stream": stream, "tokens": tokens, "budget": kept_budget(tokens, 0.5),
                   "block": block}
         if method not in times:
-            return {**common, "skipped": unfit[method]}
+            return {**common, "skipped": reasons[method]}
         t = times[method]
         return {**common, "runs": len(t), "min_s": min(t), "median_s": statistics.median(t), "tokens_per_s": tokens / min(t),
                 "over_keydiff": tokens / min(t) / reference}
 
-    return [row(m) for m in [REFERENCE, *unfit]]
+    return [row(m) for m in [REFERENCE, *reasons]]
