@@ -279,20 +279,21 @@ def needle(args) -> None:
             prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
             scores[cell].append(score(sample, prediction))
             answers[cell].append(prediction)
-        write_needle_results(args, needle_rows(grid, scores, fraction), answers, expected,
+        write_needle_results(args, needle_rows(grid, scores, fraction, FULL_BITS[args.dtype]), answers, expected,
                              time.perf_counter() - started)
         print(f"sample {index + 1}/{args.samples} done, {time.perf_counter() - started:.0f}s", flush=True)
     print(Path(args.out).with_suffix(".md").read_text())
 
 
-def needle_rows(grid, scores: dict, fraction: dict) -> list[dict]:
-    """One row per cell: accuracy (Wilson interval) and its paired difference to the same method and ratio at full precision."""
+def needle_rows(grid, scores: dict, fraction: dict, full_bits: int) -> list[dict]:
+    """One row per cell: accuracy (Wilson interval) and its paired difference to the same method and ratio at full precision
+    (`full_bits`, the run's dtype's)."""
     rows = []
     for cell in grid:
         method, ratio, b = cell
         hits, n = sum(scores[cell]), len(scores[cell])
         low, high = wilson(hits, n)
-        diff, dlow, dhigh = paired_difference_interval(scores[cell], scores[(method, ratio, FULL_BITS[args.dtype])])
+        diff, dlow, dhigh = paired_difference_interval(scores[cell], scores[(method, ratio, full_bits)])
         rows.append({
             "method": "full context" if ratio == 0 else method, "ratio": ratio, "bits": b, "samples": n,
             "stored_fraction": round(statistics.mean(fraction[cell]), 4), "accuracy": round(hits / n, 4),

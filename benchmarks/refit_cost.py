@@ -56,7 +56,7 @@ def layer_tokens(length: int, kv_heads: int, group: int, dim: int, seed: int) ->
 
 
 def measure(layers: list[Tokens], ratio: float, repeat: int, refit: str) -> dict:
-    method = AdaKV(**(KVZIP_REFIT | {"refit": refit}))
+    method = AdaKV.from_params(KVZIP_REFIT | {"refit": refit})
     budget = round((1 - ratio) * layers[0].length)
     start = time.perf_counter()
     kept, middle_lse = method.allocate_layers(layers, budget, [torch.Generator() for _ in layers])
