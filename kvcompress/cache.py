@@ -681,7 +681,8 @@ class CompressedCache(Cache):
         """A prefill-mode cache built from one recorded full prefill of the context.
 
         captured: {layer: (queries, keys, values)} for every layer, post-RoPE (as
-        `kvcompress.eval.capture.capture_qkv` returns them), optionally with a fourth tensor, the
+        `kvcompress.eval.capture.capture_qkv` returns them; queries None for a method that reads none), optionally
+        with a fourth tensor, the
         attention mass [B,H_kv,n] the capture's prefill computed, handed on to the method (a method
         that does not score with it, `Requirements.inputs`, ignores it). One prefill then serves any number of methods and
         ratios: each gets its own compressed copy. The tensors are moved to the model's device
@@ -694,7 +695,8 @@ class CompressedCache(Cache):
         device = next(model.parameters()).device
         for layer, (queries, keys, values, *mass) in captured.items():
             mass = mass[0].to(device) if mass else None
-            cache.layers[layer].load_prefill(queries.to(device), keys.to(device), values.to(device), scales[layer], mass)
+            queries = queries.to(device) if queries is not None else None
+            cache.layers[layer].load_prefill(queries, keys.to(device), values.to(device), scales[layer], mass)
         return cache
 
     def save(self, path: str | os.PathLike, token_ids: torch.Tensor | None = None) -> None:

@@ -300,3 +300,20 @@ def test_cuda_load_model_defaults_to_bfloat16_on_gpu():
     model, _ = kvc.load_model()
     p = next(model.parameters())
     assert p.device.type == "cuda" and p.dtype == torch.bfloat16
+
+
+def test_recorded_prefill_without_queries_serves_a_query_free_method():
+    """A recorded prefill may leave the queries out (None) for a method that reads none: the cache is the one built with
+    them; a method that scores with queries refuses such a prefill, naming them."""
+    from kvcompress.eval.capture import capture_qkv
+
+    model = tiny_model(torch.float32, "cpu")
+    ctx = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(9))
+    captured = capture_qkv(model, ctx)
+    without_queries = {layer: (None, keys, values) for layer, (_, keys, values, *_) in captured.items()}
+    options = CompressionOptions(method="knorm", compression_ratio=0.5)
+    a = CompressedCache.from_prefill(model, options, captured).layers[0].stored()
+    b = CompressedCache.from_prefill(model, options, without_queries).layers[0].stored()
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
+    with pytest.raises(ValueError, match="queries"):
+        CompressedCache.from_prefill(model, CompressionOptions(method="snapkv", compression_ratio=0.5), without_queries)
