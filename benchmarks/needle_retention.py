@@ -31,6 +31,7 @@ import kvpress_side_by_side as harness  # noqa: E402  (the dumped samples, the c
 
 from kvcompress.cache import CompressedCache  # noqa: E402
 from kvcompress.integration.capture import capture_qkv  # noqa: E402
+from kvcompress.integration.generation import compress_context_ids  # noqa: E402
 from kvcompress.integration.reconstruction import load_reconstruction, shared_reconstruction, with_repeat_prompt  # noqa: E402
 from kvcompress.options import CompressionOptions  # noqa: E402
 
@@ -63,8 +64,12 @@ def held(cache: CompressedCache, span: list[int]) -> list[torch.Tensor]:
 
 def compressed(model, tokenizer, options: CompressionOptions, context_ids: torch.Tensor, recorded: dict) -> CompressedCache:
     """The context compressed as the harness's kvcompress step does: from one recorded reconstruction for a method
-    scored by it, else from one recorded prefill (both kept in `recorded` for the sample's other ratios)."""
-    if options.compressor.requirements.needs("reconstruction"):
+    scored by it, by its own forward for a method that reads the layers' hidden states (KVzap, which a recording does
+    not keep), else from one recorded prefill (the recordings kept in `recorded` for the sample's other ratios)."""
+    needs = options.compressor.requirements
+    if not needs.needs("reconstruction") and not needs.compresses_a_recorded_prefill:
+        return compress_context_ids(model, context_ids, options)
+    if needs.needs("reconstruction"):
         options = with_repeat_prompt(options, tokenizer)
         cache = CompressedCache(model, options)
         reconstructions = recorded.setdefault("reconstructions", {})
