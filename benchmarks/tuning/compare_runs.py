@@ -1,6 +1,6 @@
 """Before/after tables of two runs of the same `kvcompress eval` command (e.g. two kvcompress trees).
 
-`tasks`: two `kvcompress eval` output folders (results.jsonl). Each method @ ratio (and mode) is
+`tasks`: two `kvcompress eval` output folders (results.jsonl, or results.jsonl.gz as committed). Each method @ ratio (and mode) is
 paired on the samples both runs answered: scores before and after (%, 95% Wilson intervals), the
 pairs where each run scored higher, and the exact sign test (McNemar's for 0/1 scores).
 
@@ -26,8 +26,11 @@ from kvcompress.eval.stats import SAMPLE_KEY, Z95, sign_test, wilson
 
 def _scores(folder: Path) -> dict[tuple, dict[tuple, float]]:
     """{(method, ratio, mode): {sample key: score}} of a run's answered cells."""
+    found = [path for path in (folder / "results.jsonl", folder / "results.jsonl.gz") if path.is_file()]
+    if not found:
+        raise SystemExit(f"{folder} holds no kvcompress eval records (results.jsonl, or results.jsonl.gz as committed)")
     cells: dict[tuple, dict[tuple, float]] = defaultdict(dict)
-    for r in read_results(folder / "results.jsonl"):
+    for r in read_results(found[0]):
         if r.get("error") is None and r.get("score") is not None and not r.get("grid"):
             cells[(r["method"], r["ratio"], r["mode"])][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]
     return cells
