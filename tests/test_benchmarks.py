@@ -493,3 +493,48 @@ def test_default_cost_measures_each_cell_in_a_fresh_process_by_default(tmp_path)
     assert [r["mode"] for r in rows] == ["generate", "prefill", "decode"]
     assert all(r["pairing"] == "process" for r in rows)
     assert float(rows[0]["plain_s"]) == pytest.approx(statistics.median(float(r["plain_s"]) for r in rows[1:]), abs=1e-3)
+
+
+def _script(relative: str):
+    """The benchmark script at `relative` (under benchmarks/) imported as a module, its folder on the path meanwhile."""
+    import importlib.util
+    import sys
+
+    path = REPO / "benchmarks" / relative
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_refit_cost_times_kvzip_refits_on_small_synthetic_layers():
+    """benchmarks/refit_cost.py builds `kvzip_refit`'s AdaKV from its named settings (a scorer by name) and times one
+    allocation and both ways of forming the refit's normalisers."""
+    refit_cost = _script("refit_cost.py")
+    layers = [refit_cost.layer_tokens(96, 2, 2, 16, seed) for seed in range(2)]
+    row = refit_cost.measure(layers, 0.75, 0, "log_weights")
+    assert row["scoring_s"] >= 0 and row["refit_handed_s"] > 0 and row["refit_formed_s"] > 0
+
+
+def test_quantized_storage_needle_rows_pair_each_cell_with_full_precision():
+    """benchmarks/quantized_storage.py --task needle: each cell's accuracy, paired with the same method and ratio at the
+    run's full precision."""
+    quantized_storage = _script("quantized_storage.py")
+    grid = [("keydiff", 0.5, 32), ("keydiff", 0.5, 4)]
+    scores = {grid[0]: [1.0, 1.0, 0.0, 1.0], grid[1]: [1.0, 0.0, 0.0, 1.0]}
+    rows = quantized_storage.needle_rows(grid, scores, {cell: [0.5] * 4 for cell in grid}, 32)
+    assert [(r["bits"], r["accuracy"], r["vs_full_precision"]) for r in rows] == [(32, 0.75, 0.0), (4, 0.5, -0.25)]
+
+
+def test_compare_runs_reads_committed_folders_and_refuses_empty_ones(tmp_path):
+    """benchmarks/tuning/compare_runs.py tasks: a committed eval folder (results.jsonl.gz) against itself pairs every
+    answered cell with no change; a folder with no records is an error naming it, not an empty table."""
+    compare_runs = _script("tuning/compare_runs.py")
+    table = compare_runs.tasks_table(REPO / "results" / "sweep_2k", REPO / "results" / "sweep_2k")
+    assert "| balancekv @ 0.5 (prefill) | 60 | 50 (38–62) | 50 (38–62) | 0 | 0 | 1.00 |" in table
+    with pytest.raises(SystemExit, match="holds no kvcompress eval records"):
+        compare_runs.tasks_table(tmp_path, REPO / "results" / "sweep_2k")
