@@ -67,14 +67,14 @@ def compressed(model, tokenizer, options: CompressionOptions, context_ids: torch
     scored by it, by its own forward for a method that reads the layers' hidden states (KVzap, which a recording does
     not keep), else from one recorded prefill (the recordings kept in `recorded` for the sample's other ratios)."""
     needs = options.compressor.requirements
-    if not needs.needs("reconstruction") and not needs.compresses_a_recorded_prefill:
-        return compress_context_ids(model, context_ids, options)
     if needs.needs("reconstruction"):
         options = with_repeat_prompt(options, tokenizer)
         cache = CompressedCache(model, options)
         reconstructions = recorded.setdefault("reconstructions", {})
         load_reconstruction(model, cache, shared_reconstruction(model, options, context_ids, reconstructions))
         return cache
+    if not needs.compresses_a_recorded_prefill:
+        return compress_context_ids(model, context_ids, options)
     if "prefill" not in recorded:
         recorded["prefill"] = capture_qkv(model, context_ids)
     return CompressedCache.from_prefill(model, options, recorded["prefill"])

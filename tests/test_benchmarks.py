@@ -257,6 +257,23 @@ REPO = Path(__file__).resolve().parent.parent
 CITED_PATH = re.compile(r"(?:(?<=\.\./)|(?<![\w/.-]))((?:benchmarks|results)/[\w.{},*/-]*)")
 
 
+def _script(relative: str):
+    """The benchmark script at `relative` (under benchmarks/) imported as a module of its own name (in sys.modules, where a
+    dataclass reads its module), its folder on the path while it imports its neighbours."""
+    import importlib.util
+    import sys
+
+    path = REPO / "benchmarks" / relative
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
 def _expand_braces(path: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", path)
     if not match:
@@ -301,13 +318,9 @@ def test_every_benchmark_script_is_documented_in_bench_md_and_compiles():
 def test_scorer_inputs_neighbours_and_top_share_on_hand_worked_cases():
     """benchmarks/tuning/scorer_inputs.py: a token's neighbours' rows, and the share of the target's top-k the prediction
     ranks there too."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("scorer_inputs", REPO / "benchmarks" / "tuning" / "scorer_inputs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("tuning/scorer_inputs.py")
     x = torch.arange(8.0).reshape(4, 2)
     assert module.shifted(x, 1).tolist() == [[2, 3], [4, 5], [6, 7], [0, 0]]
     assert module.shifted(x, -1).tolist() == [[0, 0], [0, 1], [2, 3], [4, 5]]
@@ -324,15 +337,12 @@ def test_scorer_inputs_neighbours_and_top_share_on_hand_worked_cases():
 def test_scorer_inputs_context_features_restart_with_each_context():
     """benchmarks/tuning/scorer_inputs.py's context features on a one-head layer whose key and value projections are the
     identity: log norms, and the cosine of each key with its context's running mean key (1 for a context's first token)."""
-    import importlib.util
     import math
     from types import SimpleNamespace
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("scorer_inputs", REPO / "benchmarks" / "tuning" / "scorer_inputs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("tuning/scorer_inputs.py")
     identity = torch.nn.Linear(2, 2, bias=False)
     identity.weight.data = torch.eye(2)
     layer = SimpleNamespace(self_attn=SimpleNamespace(k_proj=identity, v_proj=identity))
@@ -349,17 +359,9 @@ def test_scorer_inputs_context_features_restart_with_each_context():
 def test_needle_keep_spans_and_summary_on_hand_worked_cases(tmp_path):
     """benchmarks/tuning/needle_keep.py: the answer's tokens and the fact's words before it (back to the last full stop),
     and the summary's split of the full cache's hits by whether the variant found them."""
-    import importlib.util
     import json
-    import sys
 
-    sys.path.insert(0, str(REPO / "benchmarks" / "tuning"))
-    try:
-        spec = importlib.util.spec_from_file_location("needle_keep", REPO / "benchmarks" / "tuning" / "needle_keep.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks" / "tuning"))
+    module = _script("tuning/needle_keep.py")
 
     class Words:  # one token per word; a word's text is its own
         vocab = ["It", "rained.", "The", "key", "was", "near", "Ludlow", "Castle", "today."]
@@ -392,22 +394,13 @@ def test_needle_keep_spans_and_summary_on_hand_worked_cases(tmp_path):
 def test_needle_oracle_forces_the_chosen_positions_above_every_score_and_registers_nothing_on_import():
     """benchmarks/tuning/needle_oracle.py: each variant's forced positions, and ForcedKVzap's scores: the surrogate's, with
     the forced positions raised to FORCED_SCORE in every head; importing the script registers no method."""
-    import importlib.util
-    import sys
-
     import torch
 
     import kvcompress as kvc
     from kvcompress.methods.tokens import Tokens
     from test_kvzap import _surrogate
 
-    sys.path.insert(0, str(REPO / "benchmarks" / "tuning"))
-    try:
-        spec = importlib.util.spec_from_file_location("needle_oracle", REPO / "benchmarks" / "tuning" / "needle_oracle.py")
-        module = sys.modules["needle_oracle"] = importlib.util.module_from_spec(spec)  # a dataclass reads its module there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks" / "tuning"))
+    module = _script("tuning/needle_oracle.py")
     assert module.ForcedKVzap.name not in kvc.methods()
     answer, fact = range(6, 8), range(2, 6)
     assert module.forced_positions("forced_none", answer, fact) == ()
@@ -493,22 +486,6 @@ def test_default_cost_measures_each_cell_in_a_fresh_process_by_default(tmp_path)
     assert [r["mode"] for r in rows] == ["generate", "prefill", "decode"]
     assert all(r["pairing"] == "process" for r in rows)
     assert float(rows[0]["plain_s"]) == pytest.approx(statistics.median(float(r["plain_s"]) for r in rows[1:]), abs=1e-3)
-
-
-def _script(relative: str):
-    """The benchmark script at `relative` (under benchmarks/) imported as a module, its folder on the path meanwhile."""
-    import importlib.util
-    import sys
-
-    path = REPO / "benchmarks" / relative
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
 
 
 def test_refit_cost_times_kvzip_refits_on_small_synthetic_layers():

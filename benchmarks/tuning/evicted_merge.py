@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.adakv import AdaKV, kept_summary, padded_index
+from kvcompress.methods.adakv import AdaKV, kept_summary
 from kvcompress.methods.registry import register
 from kvcompress.summary import KVSummary
 from kvzap_default import answer_prefill_variants, answered_variants_run
@@ -47,7 +47,7 @@ def merged_summary(tokens, kept: torch.Tensor, window_mass: bool, merge_values: 
     are nearest its own (cosine) merged into it: masses 1 each (`window_mass` False) or their attention mass over the
     slot's for the last `WINDOW_QUERIES` queries; log-weight log(1 + Σ mass); values averaged by mass (`merge_values`)."""
     summary = kept_summary(tokens, kept)
-    _, real = padded_index(kept)
+    real = summary.log_weights > -math.inf  # [B, H_kv, m]: the slots that hold a kept token, not padding
     keys = tokens.keys.float()
     similarity = torch.nn.functional.normalize(keys, dim=-1) @ torch.nn.functional.normalize(summary.keys.float(), dim=-1).transpose(-1, -2)
     nearest = similarity.masked_fill(~real.unsqueeze(2), -math.inf).argmax(-1)  # [B, H_kv, n]: a kept slot's index

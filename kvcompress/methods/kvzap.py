@@ -109,10 +109,15 @@ class Surrogate:
                                  f"layer=(layer_idx, num_layers)); for another model train a scorer with `{TRAIN_COMMAND}`")
         return self.layers.index(layer_idx)
 
+    def reads(self, kv_heads: int, input_width: int) -> bool:
+        """Whether these surrogates read hidden states of `input_width` for `kv_heads` KV heads (the model they were trained
+        on has that shape)."""
+        return (kv_heads, input_width) == (self.kv_heads, self.input_width)
+
     def predict(self, inputs: torch.Tensor, layer_idx: int | None) -> torch.Tensor:
         """[B, H_kv, n] float32: predicted KVzip log-scores at layer `layer_idx` of inputs [B, H_kv, n, d_in] (any float dtype;
         head h's rows are what head h's surrogate reads)."""
-        if inputs.shape[1] != self.kv_heads or inputs.shape[-1] != self.input_width:
+        if not self.reads(inputs.shape[1], inputs.shape[-1]):
             raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) reads hidden states of width {self.input_width} "
                                  f"for {self.kv_heads} KV heads, got {inputs.shape[1]} heads of width {inputs.shape[-1]}: it "
                                  f"belongs to another model. The default method (AdaKV over KVzap) needs one for this model: "

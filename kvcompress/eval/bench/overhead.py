@@ -50,7 +50,7 @@ def unfit_reason(method: str, shape: Shape) -> str | None:
 
     surrogate = getattr(build_method(method), "surrogate", None)
     width = shape.query_heads * shape.head_dim
-    if surrogate is None or (surrogate.kv_heads, surrogate.input_width) == (shape.kv_heads, width):
+    if surrogate is None or surrogate.reads(shape.kv_heads, width):
         return None
     return (f"its scorer, trained on {surrogate.model}, reads hidden states of width {surrogate.input_width} for "
             f"{surrogate.kv_heads} KV heads; shape {shape.name} has width {width} and {shape.kv_heads} KV heads")
