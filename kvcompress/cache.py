@@ -194,10 +194,12 @@ class CompressedLayer(CacheLayerMixin):
         model integration captured them for a method that reads them, the hidden states [B, n, d_model] the layer's
         attention received for the block: `Tokens.hidden_states`). What is handed over goes to the method as it is."""
         keys, values, positions = self.pending
-        hidden_states = per_head(hidden_states, keys.shape[1])
+        options = self.cache.options
+        # the model keeps hidden states while any cache of a method that reads them lives (`keep_hidden_states`): another
+        # cache's method takes none
+        hidden_states = per_head(hidden_states, keys.shape[1]) if options.compressor.requirements.needs("hidden_states") else None
         real = self.pending_real
         self.pending, self.pending_real, self.view, self.view_packed = None, None, None, []
-        options = self.cache.options
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
             options.compressor.check_context(reconstructed=False)  # a plain forward's queries: refused by KVzip

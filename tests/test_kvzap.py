@@ -377,6 +377,30 @@ def test_a_compressed_cache_of_kvzap_runs_inside_model_generate_and_leaves_no_ho
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
+def test_a_live_kvzap_cache_leaves_other_caches_as_they_are(tiny_checkpoint, tiny_scorer):
+    """While a KVzap cache lives, the model keeps every attention module's input hidden states (its hooks); another
+    cache whose method reads none takes none: a chunked Compactor answer stores what it stores alone, and a stream
+    survives the KVzap cache going (its hooks removed) between two of its blocks."""
+    import gc
+
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    context = "Hidden states belong to the cache whose method reads them, and to no other. " * 4
+    settings = dict(method="compactor", compression_ratio=0.5, mode="chunked", chunk_size=32, max_new_tokens=4, progress=False,
+                    stop_at_eos=False)
+    alone = kvc.generate(model, tokenizer, context, "what?", **settings)
+    kvzap_cache = kvc.CompressedCache(model, "kvzap", budget=24, method_params={"scorer": str(tiny_scorer)})
+    beside = kvc.generate(model, tokenizer, context, "what?", **settings)
+    assert (beside.token_ids, beside.kv_bytes, beside.peak_kv_bytes) == (alone.token_ids, alone.kv_bytes, alone.peak_kv_bytes)
+    ids = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(4))
+    stream = kvc.CompressedCache(model, "compactor", compression_ratio=0.5, mode="chunked", stream_length=64)
+    with torch.no_grad():
+        model(ids[:, :32], past_key_values=stream)
+        del kvzap_cache
+        gc.collect()
+        model(ids[:, 32:], past_key_values=stream)
+    assert stream.get_seq_length() == 64
+
+
 def test_scope_model_streams_of_a_model_take_each_layers_share_and_stay_within_it(tiny_checkpoint, tiny_scorer, tmp_path):
     """AdaKV(scope="model") over KVzap in a decode-mode cache inside `model.generate`: each layer's stream is built with
     its share of the model's budget (`AdaKV.layer_budget`), the shares differ, sum to at most L·budget, and no stream
