@@ -55,6 +55,7 @@ from .methods.stream import Stream
 from .methods.tokens import Tokens, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
 from .model_support import select_compressed_attention
+from .names import DEFAULT_METHOD
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, concat_parts, has_empty_slots, occupied_slots
@@ -197,7 +198,7 @@ class CompressedLayer(CacheLayerMixin):
         options = self.cache.options
         # the model keeps hidden states while any cache of a method that reads them lives (`keep_hidden_states`): another
         # cache's method takes none
-        hidden_states = per_head(hidden_states, keys.shape[1]) if options.compressor.requirements.needs("hidden_states") else None
+        hidden_states = per_head(hidden_states, keys.shape[1]) if self.cache.plan.hidden_states else None
         real = self.pending_real
         self.pending, self.pending_real, self.view, self.view_packed = None, None, None, []
         start = time.perf_counter()
@@ -588,7 +589,8 @@ class CompressedCache(Cache):
         cache = CompressedCache(model, "snapkv", compression_ratio=0.5)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 
-    method: a registered method name, with the rest of `CompressionOptions` as keyword settings
+    method: a registered method name or a named setting ("default", the default; "kvzip_refit"), with the rest of
+    `CompressionOptions` as keyword settings
     (budget or compression_ratio, mode, sink, window, seed, slack, and the method's own
     parameters), or a ready `CompressionOptions` (then no settings). Sliding-window layers (Gemma
     2/3, Phi-3 with a window) keep their window exact.
@@ -616,7 +618,7 @@ class CompressedCache(Cache):
     (`kvc.load_cache`): docs/design.md, "Saved caches".
     """
 
-    def __init__(self, model, method: "str | CompressionOptions", *, stream_length: int | None = None, **settings):
+    def __init__(self, model, method: "str | CompressionOptions" = DEFAULT_METHOD, *, stream_length: int | None = None, **settings):
         layer_types = check_supported(model)
         if isinstance(method, CompressionOptions):
             options = CompressionOptions.build(method, **settings)

@@ -46,6 +46,8 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: d
     metadata = {"format": FORMAT, "version": str(VERSION), "kvcompress": text, "sha256": _digest(text, tensors)}
     data = safetensors.torch.save(tensors, metadata)
     path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -24,14 +24,18 @@ def build_parser() -> ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).add_cli(subparsers)
+    parser.subcommands = subparsers.choices  # name -> the subcommand's parser, which reports its own usage errors
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status; a usage error, or a bad input found when the command runs (ValueError,
     or a file that cannot be read/written), is 2 with one line on stderr."""
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # argparse would report them as the top-level command's: they are the subcommand's
+            parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
         return exit_.code
     try:

@@ -24,6 +24,8 @@ def check_supported(model) -> list[tuple[str, int | None]]:
     Raises a clear error for a model kvcompress does not support. A sliding window at least as long
     as the model's positions never slides, so such a layer counts as full attention.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"model must be a transformers model (e.g. kvc.load_model()'s first result), got {type(model).__name__}")
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", False):

@@ -14,7 +14,7 @@ from typing import Any
 
 from .calibration import check_quality, load_calibration
 from .checks import as_count
-from .methods.base import Method
+from .methods.base import Method, UnknownParameters
 from .quantization import check_storage
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
@@ -163,7 +163,8 @@ class CompressionOptions:
                 raise ValueError(f"method=None is the full cache: it takes no {', '.join([*given, *self.method_params])}")
             return
         if not isinstance(self.method, str) or self.method not in method_names():
-            raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
+            raise ValueError(f"unknown method {self.method!r}; choose None (the full cache), one of the named settings "
+                             f"{', '.join(map(repr, NAMED_SETTINGS))}, or a registered method: {', '.join(method_names())}")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
         self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
         self._check_model_steps()
@@ -229,8 +230,9 @@ class CompressionOptions:
         its parameters and its sink, window and slack where none are given."""
         name, params, exact = resolve_method(self.method, self.mode)
         if self.method_params:
-            raise ValueError(f"method parameters {sorted(self.method_params)} need a registered method: {self.method!r} in mode "
-                             f"{self.mode!r} is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the parameters you want")
+            raise UnknownParameters(f"method parameters {sorted(self.method_params)} need a registered method: {self.method!r} in mode "
+                                    f"{self.mode!r} is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the "
+                                    "parameters you want", sorted(self.method_params))
         object.__setattr__(self, "method", name)
         object.__setattr__(self, "method_params", dict(params))
         for key, value in exact.items():
@@ -257,7 +259,16 @@ class CompressionOptions:
         known = {k: v for k, v in settings.items() if k in names}
         if params and known.get("method_params"):
             raise ValueError(f"pass method parameters either in method_params or as keywords, not both (got {sorted(params)})")
-        return cls(**known, **({"method_params": params} if params else {}))
+        if params and known.get("method", DEFAULT) is None and known.get("calibration") is None:
+            raise ValueError(f"unknown setting(s) {sorted(params)}: not an option ({', '.join(sorted(names))}), and method=None "
+                             "(the full cache) takes no parameters")
+        try:
+            return cls(**known, **({"method_params": params} if params else {}))
+        except UnknownParameters as err:
+            if not set(err.names) <= set(params):  # not a keyword of this call's (a scorer's own parameters)
+                raise
+            # a misspelt option would otherwise be reported as a method parameter alone
+            raise ValueError(f"unknown setting(s) {err.names}: not an option ({', '.join(sorted(names))}), and {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by field name (what `CompressionOptions(**d)` builds again), e.g. to save with a cache."""

@@ -179,3 +179,10 @@ def test_an_edited_or_damaged_file_loads_and_answers_or_is_a_cache_file_error(mo
             run(f"{name} reshaped to {list(reshaped.shape)}")
     assert cases > 100
     assert not failures, f"{len(failures)} of {cases} cases escaped:\n" + "\n".join(failures[:25])
+
+
+def test_writing_into_a_folder_that_does_not_exist_names_the_path(tmp_path):
+    """The error named the hidden temporary file the atomic write makes beside the target, not the path asked for."""
+    path = tmp_path / "no" / "doc.kvc"
+    with pytest.raises(FileNotFoundError, match=f"cannot write '{path}': its folder '{path.parent}' does not exist"):
+        cache_file.write(path, {"x": torch.zeros(1)}, {})

@@ -133,6 +133,12 @@ CASES = {
     # the command itself
     "unknown subcommand": (["compress"], "compress"),
     "unknown flag": ([*GEN, "--budget", "8", "--temperature", "0.5"], "--temperature"),
+    # a flag the subcommand lacks is its error, not the top-level command's
+    "demo unknown flag": (["demo", "--threads", "1"], "kvcompress demo: error: unrecognized arguments: --threads 1"),
+    "compress question flag": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/c.kvc", "--budget", "8", "--compress-question"],
+                               "kvcompress compress: error: unrecognized arguments: --compress-question"),
+    "compress out folder missing": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/no/c.kvc", "--budget", "8"],
+                                    "--out '{tmp}/no/c.kvc': its folder '{tmp}/no' does not exist"),
     "no subcommand": ([], "command"),
 }
 
@@ -141,6 +147,7 @@ CASES = {
 def test_bad_command_lines_exit_2_with_one_line(name, tmp_path, context_file, capsys):
     template, expected = CASES[name]
     argv = [arg.format(tmp=tmp_path, ctx=context_file) for arg in template]
+    expected = expected.replace("{tmp}", str(tmp_path))
     try:
         status = main(argv)
     except SystemExit as exit_:

@@ -18,6 +18,7 @@ from kvcompress.integration import generate, generate_ids
 from kvcompress.checks import check_kv
 from kvcompress.methods.budget import DEFAULT_SLACK, resolve_budget, stream_split
 from kvcompress.methods.registry import build_method
+from kvcompress.options import CompressionOptions
 
 
 def _kv(b=1, h=2, n=40, d=8, seed=0):
@@ -402,3 +403,45 @@ def test_generate_refuses_a_context_or_question_that_is_not_text(tiny_generate, 
     model, tokenizer = tiny_generate
     with pytest.raises(ValueError, match=match):
         kvc.generate(model, tokenizer, context, question, method="knorm", budget=8, max_new_tokens=2, progress=False)
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    ({"method": "knorm", "budget": 8, "max_new_token": 2}, r"unknown setting\(s\) \['max_new_token'\]: not an option \(.*compression_ratio.*\), "
+                                                           r"and method 'knorm' has no parameter"),
+    ({"compresion_ratio": 0.5}, r"unknown setting\(s\) \['compresion_ratio'\]: not an option .*, and method parameters "
+                                r"\['compresion_ratio'\] need a registered method: 'default' in mode 'prefill' is 'adakv'"),
+    ({"method": None, "anchor": "mean"}, r"unknown setting\(s\) \['anchor'\]: .*method=None \(the full cache\) takes no parameters"),
+])
+def test_a_misspelt_setting_is_named_as_neither_an_option_nor_a_method_parameter(tiny_generate, settings, match):
+    """A keyword that is no option was reported as a parameter of the method alone (or, for the default, as a parameter
+    that needs a registered method), with no word of the options."""
+    model, tokenizer = tiny_generate
+    with pytest.raises(ValueError, match=match):
+        kvc.generate(model, tokenizer, "some context " * 8, "a question?", max_new_tokens=2, progress=False, **settings)
+
+
+def test_a_scorers_own_unknown_parameter_is_named_as_the_scorers():
+    with pytest.raises(ValueError, match=r"^method 'snapkv' has no parameter\(s\) \['foo'\]"):
+        CompressionOptions.build(method="adakv", compression_ratio=0.5, scorer="snapkv", scorer_params={"foo": 1})
+
+
+def test_an_unknown_method_lists_the_named_settings_too():
+    with pytest.raises(ValueError, match=r"unknown method 'zip'; choose None \(the full cache\), one of the named settings 'default', "
+                                         r"'kvzip_refit', or a registered method: adakv, "):
+        CompressionOptions(method="zip", compression_ratio=0.5)
+
+
+def test_arguments_of_the_wrong_kind_are_named(tiny_generate):
+    """Each once failed deep inside (an embedding of a str, a str's missing config, os.fspath of an int)."""
+    model, tokenizer = tiny_generate
+    with pytest.raises(ValueError, match=r"model must be a transformers model \(e\.g\. kvc\.load_model\(\)'s first result\), got"):
+        kvc.generate(tokenizer, model, "some context " * 8, "a question?", method="knorm", budget=8, progress=False)
+    with pytest.raises(ValueError, match=r"tokenizer must be a transformers tokenizer .* got LlamaForCausalLM"):
+        kvc.generate(model, model, "some context " * 8, "a question?", method="knorm", budget=8, progress=False)
+    with pytest.raises(ValueError, match=r"model must be a transformers model .* got str"):
+        kvc.CompressedCache("smollm", compression_ratio=0.5)
+    with pytest.raises(ValueError, match=r"path must be a local checkpoint directory or a \.gguf file \(a str or path\), or None .* got int 3"):
+        kvc.load_model(3)
+    with pytest.raises(ValueError, match=r"prompt_layout must be one of .* got 'nope'"):
+        kvc.generate(model, tokenizer, "some context " * 8, "a question?", method="knorm", budget=8, progress=False, prompt_layout="nope")
+

@@ -325,13 +325,14 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
     from test_integration import _prompt, tiny
 
     prefill = CompressionOptions(compression_ratio=0.5)
+    assert kvc.CompressedCache(tiny(), compression_ratio=0.5).options == prefill  # a cache with no method named
     assert (prefill.method, prefill.method_params, prefill.sink, prefill.window) == (
         "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, 4, 64)
     assert prefill.compressor.requirements.needs("hidden_states") and prefill.compressor.requirements.budget_scope == "model"
     assert not prefill.compressor.requirements.needs("reconstruction")
     assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options
     assert CompressionOptions(compression_ratio=0.5, window=16).window == 16  # a window given replaces the default's
-    with pytest.raises(ValueError, match=r"method parameters \['scorer'\] need a registered method: 'default' in mode 'prefill' is 'adakv'"):
+    with pytest.raises(ValueError, match=r"and method parameters \['scorer'\] need a registered method: 'default' in mode 'prefill' is 'adakv'"):
         CompressionOptions.build(compression_ratio=0.5, scorer="snapkv")
     model = tiny()
     ctx, question = _prompt(n=200)

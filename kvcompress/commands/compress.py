@@ -12,7 +12,7 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("compress", help="compress a context file once and save the cache, for `generate --cache`")
     p.add_argument("--context-file", required=True, type=Path, help="text file holding the context")
     p.add_argument("--out", required=True, type=Path, metavar="FILE", help="where the compressed cache is written (one safetensors file)")
-    add_run_args(p, _run)
+    add_run_args(p, _run, compress_question=False)  # the cache is made before any question: it has none to compress
 
 
 def _run(args) -> int:
@@ -23,6 +23,8 @@ def _run(args) -> int:
         raise ValueError("--method full keeps every token: there is nothing to compress; name a method")
     if args.out.is_dir():
         raise ValueError(f"--out {str(args.out)!r} is a directory: pass a file path, e.g. doc.kvc")
+    if not args.out.parent.is_dir():  # checked before the context is compressed, not after
+        raise ValueError(f"--out {str(args.out)!r}: its folder {str(args.out.parent)!r} does not exist")
     context = read_context(args.context_file)
     set_threads(args.threads)
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))

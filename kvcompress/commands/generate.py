@@ -21,17 +21,19 @@ def add_cli(subparsers) -> None:
     add_run_args(p, _run)
 
 
-def add_run_args(p, run) -> None:
-    """What `generate` and `compress` both take: the compression flags, threads, model and device; `run` handles the command."""
-    add_compression_args(p)
+def add_run_args(p, run, compress_question: bool = True) -> None:
+    """What `generate` and `compress` both take: the compression flags (--compress-question where `compress_question`),
+    threads, model and device; `run` handles the command."""
+    add_compression_args(p, compress_question)
     add_threads_arg(p)
     add_model_arg(p)
     add_device_args(p)
     p.set_defaults(func=run)
 
 
-def add_compression_args(p) -> None:
-    """The flags of a `CompressionOptions` (read back by `options_of`), shared by `generate` and `compress`."""
+def add_compression_args(p, compress_question: bool = True) -> None:
+    """The flags of a `CompressionOptions` (read back by `options_of`), shared by `generate` and `compress`; a command
+    whose context is compressed without a question leaves out --compress-question (`compress_question` False)."""
     p.add_argument("--method", type=one_of((FULL, DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None, metavar="NAME",
                    help=f"registered method name, '{FULL}' for the uncompressed cache, '{DEFAULT_METHOD}' (the default): the best "
                         "measured method for the mode within a plain generate's cost (adakv over KVzap's learned KVzip scores, ranked "
@@ -55,7 +57,10 @@ def add_compression_args(p) -> None:
     p.add_argument("--slack", type=float, default=None,
                    help="chunked/decode mode: the room a re-compressing stream fills before it compresses again, as a fraction of what it "
                         "compresses back to, both within the budget (default 0.5: back to 2/3 of the budget; 0: one slot of room)")
-    p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
+    if compress_question:
+        p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
+    else:
+        p.set_defaults(compress_question=False)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "

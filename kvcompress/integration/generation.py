@@ -33,6 +33,7 @@ from .attention import feeding_hidden_states  # the module registers the kvcompr
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
 from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
+from .model import prompt_layout as as_prompt_layout
 
 # Prompts longer than this show a progress bar while they are processed.
 PROGRESS_MIN_TOKENS = 1024
@@ -643,12 +644,14 @@ def generate(
         raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
     if question is not None and (not isinstance(question, str) or not question.strip()):
         raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
+    prompt_layout = as_prompt_layout(prompt_layout, parameter="prompt_layout")
     if cache is not None:
         if context is not None or options is not None or settings or (questions is not None and question is not None):
             raise ValueError(
                 "cache=... answers from a compressed context with its own settings: pass question or questions, and no context, "
                 f"options or settings (got context={'given' if context is not None else None}, options={options!r}, settings={sorted(settings)})"
             )
+        _check_model_and_tokenizer(model, tokenizer)
         asked = questions if questions is not None else [question]
         questions_ids = [build_prompt(tokenizer, "", q, layout=prompt_layout)[1] for q in asked]  # the question's ids do not depend on the context
         results = answer_from_cache_ids(model, cache, questions_ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
@@ -666,6 +669,7 @@ def generate(
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
     if questions is not None and (question is not None or isinstance(context, list)):
         raise ValueError("questions=[...] asks many questions about one context: pass one context string and no question")
+    _check_model_and_tokenizer(model, tokenizer)
     options = with_repeat_prompt(CompressionOptions.build(options, **settings), tokenizer)
     run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
     if questions is not None:
@@ -681,3 +685,10 @@ def generate(
     for res in results:
         res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
     return results if (questions is not None or isinstance(context, list)) else results[0]
+
+
+def _check_model_and_tokenizer(model, tokenizer) -> None:
+    """`generate`'s model and tokenizer, each named when it is not what `kvc.load_model` returns (e.g. the two swapped)."""
+    check_supported(model)
+    if not callable(getattr(tokenizer, "apply_chat_template", None)):
+        raise ValueError(f"tokenizer must be a transformers tokenizer (e.g. kvc.load_model()'s second result), got {type(tokenizer).__name__}")

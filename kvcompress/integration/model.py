@@ -147,6 +147,9 @@ def load_model(path: str | os.PathLike | None = None, device: str | torch.device
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a local checkpoint directory or a .gguf file (a str or path), or None for the default model, "
+                         f"got {type(path).__name__} {path!r}")
     device = parse_device(device)
     dtype = parse_dtype(dtype, device)
     if path is None:

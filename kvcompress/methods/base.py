@@ -213,13 +213,21 @@ class Method:
                              "keeps none)")
 
 
+class UnknownParameters(ValueError):
+    """Method parameters that are not taken (`names`, sorted), with the reason as the message."""
+
+    def __init__(self, message: str, names: list[str]):
+        super().__init__(message)
+        self.names = names
+
+
 def check_params(cls: type[Method], params: dict[str, Any]) -> None:
-    """ValueError unless every name in `params` is a field of method class `cls`, and every bool field is given a bool,
-    naming the parameter."""
+    """`UnknownParameters` unless every name in `params` is a field of method class `cls`; ValueError unless every bool
+    field is given a bool, naming the parameter."""
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(params) - known)
     if unknown:
-        raise ValueError(f"method {cls.name!r} has no parameter(s) {unknown}; its parameters are {sorted(known)}")
+        raise UnknownParameters(f"method {cls.name!r} has no parameter(s) {unknown}; its parameters are {sorted(known)}", unknown)
     for f in fields(cls):
         if f.type in ("bool", bool) and f.name in params and not isinstance(params[f.name], bool):
             raise ValueError(
