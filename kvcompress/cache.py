@@ -188,12 +188,15 @@ class CompressedLayer(CacheLayerMixin):
         log_weights = torch.cat([view.log_weights[..., :stored], view.log_weights[..., stored:].masked_fill(hidden, float("-inf"))], -1)
         self.view = KVSummary(view.keys, view.values, log_weights, view.positions, view.normalizer)  # a new summary: its weights are not all 0
 
+    @torch.no_grad()
     def commit(self, queries: torch.Tensor, scale: float, attention_mass: torch.Tensor | None = None,
                hidden_states: torch.Tensor | None = None) -> None:
         """Absorb the pending block, now that its queries [B, H_q, n, d] are known (and, from the
         attention that computed it, the mass [B, H_kv, n] each token received: `Tokens.attention_mass`; and, when the
         model integration captured them for a method that reads them, the hidden states [B, n, d_model] the layer's
-        attention received for the block: `Tokens.hidden_states`). What is handed over goes to the method as it is."""
+        attention received for the block: `Tokens.hidden_states`). What is handed over goes to the method as it is.
+        Without gradients: compression selects and summarises, and a forward run with gradients on (a plain
+        `model(...)` call outside `torch.no_grad`) attends and differentiates as usual."""
         keys, values, positions = self.pending
         options = self.cache.options
         # the model keeps hidden states while any cache of a method that reads them lives (`keep_hidden_states`): another

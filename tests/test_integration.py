@@ -15,6 +15,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.model_support import RotaryInverse
 from kvcompress.options import CompressionOptions
@@ -273,3 +274,24 @@ def test_answer_log_probs_feed_the_answer_through_the_cache_generate_builds(meth
         answer_log_probs_ids(model, ctx, question, answer[:, :0], method=method, **settings)
     with pytest.raises(ValueError, match="compress_question=True"):
         answer_log_probs_ids(model, ctx, question, answer, method="knorm", budget=30, compress_question=True)
+
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+@pytest.mark.parametrize("method", sorted(set(kvc.methods()) - {"kvzip", "kvzap"}))  # KVzip: a reconstruction; KVzap: a scorer
+def test_a_forward_with_gradients_on_runs_through_a_compressed_cache(method, mode):
+    """A plain `model(...)` outside torch.no_grad: compression runs without gradients and the attention with them, so
+    the logits are the ones a no-grad forward gives and can be differentiated. Five methods' tensor code (out= products)
+    and H2O's prefill attention, which computes the attention mass as it attends, once failed under autograd."""
+    model = tiny()
+    ids = _prompt(n=96)[0]
+    logits = []
+    for grad in (False, True):
+        cache = CompressedCache(model, method, budget=16, mode=mode, **({} if mode == "prefill" else {"stream_length": 96}))
+        with torch.set_grad_enabled(grad):
+            model(ids[:, :64], past_key_values=cache)
+            logits.append(model(ids[:, 64:], past_key_values=cache).logits)
+    assert logits[1].requires_grad and not logits[0].requires_grad
+    torch.testing.assert_close(logits[1].detach(), logits[0], rtol=1e-4, atol=1e-5)
+    logits[1].sum().backward()
+    assert next(model.parameters()).grad is not None
