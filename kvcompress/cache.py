@@ -610,7 +610,8 @@ class CompressedCache(Cache):
     layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
     without the cache; for a method that reads the layers' hidden states (KVzap, and AdaKV over its
     scores) it also hooks the model's attention modules to keep their inputs for the attention
-    function, until the cache is garbage collected (`model_support.keep_hidden_states`). Built from
+    function, until the cache is garbage collected (`model_support.keep_hidden_states`); a cache of another method takes
+    none of them. Built from
     a CompressionOptions (library use) it leaves the model as is: run it under
     `use_compressed_attention(model)` (and `integration.attention.feeding_hidden_states(model)` for
     such a method), which restore the model on exit.
