@@ -89,7 +89,9 @@ class CompressionOptions:
     it compresses back to, both within the budget (`methods.budget.stream_split`: 0.5 compresses to
     2/3 of the budget; None: the method's default); chunked and decode modes only, and an error for
     a method whose stream never re-compresses (Express, SubGen).
-    chunk_size: block size of the chunked and decode modes' prompt (and of an approximate prefill).
+    chunk_size: block size of the chunked and decode modes' prompt (and of an approximate prefill); in
+    mode "prefill" without prefill_approx the context goes in one forward, and another chunk_size than the
+    default is an error rather than ignored.
     compress_question: the question goes through compression with the context (default: it is
     appended exactly afterwards, as kvpress does).
     quality + calibration (a `kvcompress.calibration.Calibration` or its JSON path, loaded when the
@@ -147,6 +149,9 @@ class CompressionOptions:
         object.__setattr__(self, "method_params", dict(self.method_params))
         object.__setattr__(self, "seed", as_count("seed", self.seed, 0))
         object.__setattr__(self, "chunk_size", as_count("chunk_size", self.chunk_size, 1))
+        if self.chunk_size != DEFAULT_CHUNK_SIZE and self.mode == "prefill" and self.prefill_approx is None:
+            raise ValueError(f"chunk_size={self.chunk_size} is the prompt's block size in mode 'chunked' or 'decode' (or an approximate "
+                             "prefill's, prefill_approx): mode 'prefill' prefills the context in one forward, so leave it unset")
         self._check_storage()
         if self.quality is not None:
             check_quality(self.quality)

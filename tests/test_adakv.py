@@ -19,7 +19,7 @@ from kvcompress.quantization import QuantizedSummary
 from kvcompress.ragged import RaggedSummary, concat_parts, has_empty_slots
 from kvcompress.summary import KVSummary, Normalizer, concat
 
-from test_integration import _prompt, tiny
+from test_integration import _prompt, blocks, tiny
 
 NEW = 8
 
@@ -229,7 +229,7 @@ def test_concat_parts_joins_packed_parts_as_the_summaries_they_pack(weighted):
 
 
 def _compressed_cache(model, ctx, mode, **kw):
-    options = dict(method="adakv", budget=24, sink=2, window=8, mode=mode, chunk_size=32, **kw)
+    options = dict(method="adakv", budget=24, sink=2, window=8, mode=mode, **blocks(mode), **kw)
     return compress_context_ids(model, ctx, **options), options
 
 

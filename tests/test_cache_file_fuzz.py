@@ -18,7 +18,7 @@ from kvcompress import cache_file
 from kvcompress.cache_file import CacheFileError
 from kvcompress.integration import answer_from_cache_ids, compress_context_ids
 
-from test_integration import tiny
+from test_integration import blocks, tiny
 
 FILES = [
     dict(method="snapkv", mode="prefill"),
@@ -44,7 +44,7 @@ def model():
 def _save(model, tmp_path, settings: dict):
     ids = torch.randint(0, 96, (1, 90), generator=torch.Generator().manual_seed(11))
     path = tmp_path / ("-".join(str(v) for v in settings.values()) + ".kvc")
-    compress_context_ids(model, ids, budget=12, sink=2, window=4, chunk_size=16, **settings).save(path)
+    compress_context_ids(model, ids, budget=12, sink=2, window=4, **blocks(settings["mode"], 16), **settings).save(path)
     return path
 
 

@@ -11,7 +11,7 @@ from kvcompress.integration.reconstruction import reconstruct_context
 from kvcompress.methods.registry import build_method
 from kvcompress.options import DEFAULT, CompressionOptions
 
-from test_integration import ARCHS, _prompt, _reference, tiny
+from test_integration import ARCHS, _prompt, _reference, blocks, tiny
 
 METHODS = SHARED
 MODES = ["prefill", "chunked", "decode"]
@@ -42,7 +42,7 @@ def test_ratio_zero_is_the_full_cache_and_never_stores_more(method, mode):
     model = tiny("llama")
     ctx, question = _prompt()
     ref = _reference(model, ctx, question, NEW)
-    res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
+    res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False, **blocks(mode))
     assert res.token_ids == ref
     assert res.slots_per_layer == [ctx.shape[1] + question.shape[1] + NEW - 1] * 2
     _within_full(res)
@@ -55,7 +55,7 @@ def test_a_budget_above_the_prompt_is_the_full_cache(method, mode):
         return
     model = tiny("llama")
     ctx, question = _prompt()
-    res = generate_ids(model, ctx, question, method=method, mode=mode, budget=1000, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
+    res = generate_ids(model, ctx, question, method=method, mode=mode, budget=1000, max_new_tokens=NEW, stop_at_eos=False, **blocks(mode))
     assert res.token_ids == _reference(model, ctx, question, NEW)
     _within_full(res)
 
@@ -67,7 +67,7 @@ def test_every_family_holds_the_full_cache_at_ratio_zero(arch, mode):
     ctx, question = _prompt()
     ref = _reference(model, ctx, question, NEW)
     for method in ("balancekv", "express", "subgen", "hybrid", "compactor"):
-        res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False, chunk_size=32)
+        res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW, stop_at_eos=False, **blocks(mode))
         assert res.token_ids == ref, (arch, mode, method)
         _within_full(res)
 
@@ -82,7 +82,7 @@ def test_compressed_caches_never_store_more_than_the_full_cache(method, mode, bu
     ctx, question = _prompt(n=300)
     window = 0 if method == "compactor" else 8  # Compactor's attention term streams with no window (its queries come per block)
     res = generate_ids(model, ctx, question, method=method, mode=mode, budget=budget, sink=2, window=window, max_new_tokens=NEW,
-                       stop_at_eos=False, chunk_size=32)
+                       stop_at_eos=False, **blocks(mode))
     _within_full(res)
     assert max(res.slots_per_layer) < ctx.shape[1]
 

@@ -19,6 +19,7 @@ from kvcompress.checks import check_kv
 from kvcompress.methods.budget import DEFAULT_SLACK, resolve_budget, stream_split
 from kvcompress.methods.registry import build_method
 from kvcompress.options import CompressionOptions
+from test_integration import blocks
 
 
 def _kv(b=1, h=2, n=40, d=8, seed=0):
@@ -69,7 +70,7 @@ def test_generate_refuses_a_ratio_it_cannot_honour_instead_of_storing_more_than_
 def test_generate_reports_the_realised_compression_ratio(mode):
     model = _tiny_model()
     res = generate_ids(model, _ids(200), None, method="knorm", compression_ratio=0.5, sink=4, window=16, mode=mode,
-                       max_new_tokens=1, chunk_size=32)
+                       max_new_tokens=1, **blocks(mode))
     total = 200
     expected = 1 - sum(res.slots_per_layer) / len(res.slots_per_layer) / total
     assert res.realised_compression_ratio == pytest.approx(expected)
@@ -445,3 +446,12 @@ def test_arguments_of_the_wrong_kind_are_named(tiny_generate):
     with pytest.raises(ValueError, match=r"prompt_layout must be one of .* got 'nope'"):
         kvc.generate(model, tokenizer, "some context " * 8, "a question?", method="knorm", budget=8, progress=False, prompt_layout="nope")
 
+
+
+def test_a_chunk_size_in_prefill_mode_is_refused_not_ignored():
+    """chunk_size is the streaming modes' (and an approximate prefill's) block size; a prefill took it and changed nothing."""
+    with pytest.raises(ValueError, match=r"chunk_size=32 is the prompt's block size in mode 'chunked' or 'decode' .* mode 'prefill' "
+                                         r"prefills the context in one forward, so leave it unset"):
+        CompressionOptions(method="keydiff", compression_ratio=0.5, chunk_size=32)
+    assert CompressionOptions(method="keydiff", compression_ratio=0.5, mode="chunked", chunk_size=32).chunk_size == 32
+    assert CompressionOptions(method="keydiff", compression_ratio=0.5, prefill_approx="express", chunk_size=32).chunk_size == 32

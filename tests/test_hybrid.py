@@ -15,6 +15,7 @@ from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.hybrid import Hybrid
 from kvcompress.summary import take_slots
+from test_integration import blocks
 
 
 def _kv(n=300, h=2, d=16, seed=0):
@@ -243,7 +244,7 @@ def test_default_hybrid_generates_through_a_model_in_every_mode(mode):
     model = LlamaForCausalLM(config).eval()
     g = torch.Generator().manual_seed(1)
     ctx, question = torch.randint(0, 96, (1, 120), generator=g), torch.randint(0, 96, (1, 6), generator=g)
-    res = generate_ids(model, ctx, question, method="hybrid", budget=40, mode=mode, chunk_size=32, max_new_tokens=4, stop_at_eos=False)
+    res = generate_ids(model, ctx, question, method="hybrid", budget=40, mode=mode, **blocks(mode), max_new_tokens=4, stop_at_eos=False)
     assert len(res.token_ids) == 4
     # at the end: the summary + (prefill) the question and the answer tokens appended exactly, or (streamed) a block in progress
     assert max(res.slots_per_layer) <= (40 + 6 + 4 if mode == "prefill" else 40 + 32 + 6 + 4)

@@ -37,6 +37,11 @@ def tiny(arch="llama", seed=0):
     return model_cls(config_cls(**SMALL, **extra)).eval()
 
 
+def blocks(mode: str, size: int = 32) -> dict:
+    """chunk_size=size for a streaming mode, nothing in mode "prefill" (which prefills in one forward and takes none)."""
+    return {} if mode == "prefill" else {"chunk_size": size}
+
+
 def _prompt(n=150, m=8, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 96, (1, n), generator=g), torch.randint(0, 96, (1, m), generator=g)
@@ -55,7 +60,7 @@ def test_no_compression_reproduces_plain_generate(arch, mode):
     ref = _reference(model, ctx, question)
     for method in ["snapkv", "knorm"]:
         size = {"compression_ratio": 0.0} if mode == "prefill" else {"budget": 10_000}
-        res = generate_ids(model, ctx, question, method=method, mode=mode, max_new_tokens=12, stop_at_eos=False, chunk_size=32, **size)
+        res = generate_ids(model, ctx, question, method=method, mode=mode, max_new_tokens=12, stop_at_eos=False, **blocks(mode), **size)
         assert res.token_ids == ref, (arch, mode, method)
 
 

@@ -17,6 +17,7 @@ from kvcompress.methods.registry import build_method
 from kvcompress.methods.stream import Stream
 from kvcompress.methods.tokens import Tokens
 from test_requirements import _attention_inputs
+from test_integration import blocks
 
 
 def _surrogate(kind="linear", layers=(0, 1), heads=2, width=8, hidden=4) -> Surrogate:
@@ -183,7 +184,7 @@ def test_train_scorer_refuses_a_missing_directory(tmp_path, capsys):
 def test_kvzap_runs_in_every_mode_within_budget_and_is_the_full_cache_at_ratio_zero(tiny_checkpoint, tiny_scorer, mode):
     model, tokenizer = kvc.load_model(tiny_checkpoint)
     context = "A token is scored once, when it enters the cache, from its hidden state. " * 6
-    common = dict(mode=mode, chunk_size=32, max_new_tokens=6, progress=False, stop_at_eos=False)
+    common = dict(mode=mode, **blocks(mode), max_new_tokens=6, progress=False, stop_at_eos=False)
     full = kvc.generate(model, tokenizer, context, "what?", method=None, **common)
     exact = kvc.generate(model, tokenizer, context, "what?", method="kvzap", method_params={"scorer": str(tiny_scorer)},
                          compression_ratio=0.0, **common)
@@ -300,7 +301,7 @@ def test_a_threshold_decides_alone_at_ratio_zero_in_every_mode(tiny_checkpoint, 
     realised ratio rises with the threshold; with kv_bits the kept slots are stored quantized."""
     model, tokenizer = kvc.load_model(tiny_checkpoint)
     context = "A token is scored once, when it enters the cache, from its hidden state. " * 6
-    common = dict(mode=mode, chunk_size=32, max_new_tokens=6, progress=False, stop_at_eos=False, sink=4, window=8)
+    common = dict(mode=mode, **blocks(mode), max_new_tokens=6, progress=False, stop_at_eos=False, sink=4, window=8)
     full = kvc.generate(model, tokenizer, context, "what?", method=None, **{k: v for k, v in common.items() if k not in ("sink", "window")})
 
     def run(threshold, ratio, **more):

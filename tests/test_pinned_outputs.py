@@ -17,7 +17,7 @@ import kvcompress as kvc
 from registered import SHARED
 from kvcompress.integration import generate_ids
 
-from test_integration import _prompt, tiny
+from test_integration import _prompt, blocks, tiny
 
 FIXTURE = Path(__file__).parent / "fixtures" / "pinned_outputs.json"
 MODES = ["prefill", "chunked", "decode"]
@@ -40,7 +40,7 @@ def _generation(method: str, mode: str) -> dict:
     ctx, question = _prompt(n=300)
     window = 0 if method == "compactor" else 8
     res = generate_ids(tiny("llama"), ctx, question, method=method, mode=mode, budget=24, sink=2, window=window,
-                       max_new_tokens=12, stop_at_eos=False, chunk_size=32)
+                       max_new_tokens=12, stop_at_eos=False, **blocks(mode))
     return {"tokens": res.token_ids, "slots": res.slots_per_layer, "kv_bytes": res.kv_bytes, "peak_kv_bytes": res.peak_kv_bytes}
 
 

@@ -16,7 +16,7 @@ from kvcompress.methods.registry import build_method
 from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedSummary, _pack, _unpack, quantize
 from kvcompress.summary import KVSummary, Normalizer, take_slots
 
-from test_integration import _prompt, tiny
+from test_integration import _prompt, blocks, tiny
 
 BITS = [8, 4, 2]
 
@@ -163,7 +163,7 @@ def test_storage_options_are_checked_when_built():
 
 
 def _reference_budget(model, ctx, question, **kw):
-    return generate_ids(model, ctx, question, max_new_tokens=8, stop_at_eos=False, chunk_size=32, **kw)
+    return generate_ids(model, ctx, question, max_new_tokens=8, stop_at_eos=False, **blocks(kw.get("mode", "prefill")), **kw)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
@@ -172,7 +172,7 @@ def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact
     token at full precision; nbytes counts exactly that."""
     model = tiny()
     ctx, question = _prompt(n=300)
-    options = CompressionOptions(method="keydiff", budget=40, sink=4, window=16, mode=mode, chunk_size=32, kv_bits=4)
+    options = CompressionOptions(method="keydiff", budget=40, sink=4, window=16, mode=mode, kv_bits=4, **blocks(mode))
     cache = CompressedCache(model, options)
     with torch.inference_mode(), kvc.integration.use_compressed_attention(model):
         for block in (ctx.split(32, 1) if mode == "chunked" else [ctx]):
@@ -233,7 +233,7 @@ def _answers_alike(model, ctx, question, full: list[int], quantized: list[int], 
     if quantized == full:
         return
     at = next(i for i, (a, b) in enumerate(zip(full, quantized)) if a != b)
-    log_probs = answer_log_probs_ids(model, ctx, question, torch.tensor([full[: at + 1]]), chunk_size=32, **kw)[at]
+    log_probs = answer_log_probs_ids(model, ctx, question, torch.tensor([full[: at + 1]]), **blocks(kw["mode"]), **kw)[at]
     gap = float(log_probs[full[at]] - log_probs[quantized[at]])
     assert abs(gap) <= tie, (kw["method"], kw["mode"], full, quantized, at, gap)
 

@@ -21,6 +21,7 @@ from kvcompress.methods.kvzip import KVzip
 from kvcompress.methods.requirements import Requirements
 from kvcompress.methods.snapkv import SnapKV
 from kvcompress.methods.tokens import Tokens
+from test_integration import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +113,7 @@ def test_a_method_that_reads_hidden_states_gets_the_real_ones_in_every_mode(hidd
     on compressed attention); and it compresses (keeps fewer tokens than it saw)."""
     model, tokenizer = kvc.load_model(tiny_checkpoint)
     context = "the hidden states of every token reach the method. " * 4
-    res = kvc.generate(model, tokenizer, context, "what?", method="hidden_norm", compression_ratio=0.5, mode=mode, chunk_size=32,
+    res = kvc.generate(model, tokenizer, context, "what?", method="hidden_norm", compression_ratio=0.5, mode=mode, **blocks(mode),
                        max_new_tokens=6, progress=False, stop_at_eos=False)
     assert hidden_norm.seen and res.budget is not None and max(res.slots_per_layer) < res.prompt_tokens
     ids, _ = kvc.integration.build_prompt(tokenizer, context, "what?")

@@ -21,7 +21,7 @@ from kvcompress.methods.registry import build_method
 from kvcompress.quantization import QuantizedSummary
 
 from test_hf import tiny as tiny_family
-from test_integration import tiny
+from test_integration import blocks, tiny
 
 NEW = 8
 CASES = [(method, mode, bits) for method in SHARED for mode in ("prefill", "chunked", "decode") for bits in (None, 4)
@@ -46,7 +46,7 @@ print(json.dumps(out))
 
 
 def _options(method: str, mode: str, bits: int | None) -> dict:
-    return dict(method=method, mode=mode, budget=24, sink=2, window=0 if method == "compactor" else 8, chunk_size=32, kv_bits=bits)
+    return dict(method=method, mode=mode, budget=24, sink=2, window=0 if method == "compactor" else 8, kv_bits=bits, **blocks(mode))
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:

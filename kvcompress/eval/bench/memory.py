@@ -49,7 +49,8 @@ def memory_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
         for n in sorted(config.memory_sizes):
             ids = context_ids(tokenizer, n)
             res, peak, before = peak_process_memory(
-                lambda: generate_ids(model, ids, None, method=method, budget=budget, mode=mode, max_new_tokens=1, chunk_size=config.chunk_size)
+                lambda: generate_ids(model, ids, None, method=method, budget=budget, mode=mode, max_new_tokens=1,
+                                     **({} if mode == "prefill" else {"chunk_size": config.chunk_size}))
             )
             add_row(rows, on_row, {"mode": mode, "method": method, "n": ids.shape[1], "budget": budget, "peak_kv_bytes": res.peak_kv_bytes,
                          "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full, "peak_rss_bytes": peak,
