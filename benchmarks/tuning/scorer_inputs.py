@@ -79,10 +79,10 @@ def top_share(predicted: torch.Tensor, target: torch.Tensor, keep: float) -> flo
 SINK = 4  # the leading tokens `scoring_pairs` leaves out of each context
 
 
-def scored_text(model, tokenizer, name: str, paragraphs: list[str], contexts: int, cache: Path | None) -> dict:
-    """{"hidden": {layer: [N, d]}, "targets": {layer: [H, N]}, "lengths": the rows of each context} of `paragraphs`
-    (the pairs cached by name; the contexts' lengths re-tokenised, which is cheap)."""
-    ids = text_contexts(tokenizer, paragraphs, 2048, contexts, seed=0)
+def scored_text(model, tokenizer, name: str, paragraphs: list[str], contexts: int, cache: Path | None, tokens: int = 2048) -> dict:
+    """{"hidden": {layer: [N, d]}, "targets": {layer: [H, N]}, "lengths": the rows of each context} of `paragraphs` in at
+    most `contexts` contexts of `tokens` tokens (the pairs cached by name; the contexts' lengths re-tokenised, which is cheap)."""
+    ids = text_contexts(tokenizer, paragraphs, tokens, contexts, seed=0)
     lengths = [i.shape[1] - SINK for i in ids]
     path = cache / f"pairs_{name}.pt" if cache is not None else None
     if path is not None and path.is_file():
@@ -126,6 +126,9 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=None, help="folder keeping the scored pairs between runs")
     p.add_argument("--layers", default="0,10,20,29", help="the layers fitted and scored (default 0,10,20,29)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per context (default 2048)")
+    p.add_argument("--contexts", type=int, default=100,
+                   help="at most this many contexts of the training and the extra text, and at most 3 of the tuning text (default 100: all)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
@@ -134,9 +137,9 @@ def main() -> None:
     training_text = [t for t in docstring_paragraphs(SCORER_TRAINING_MODULES) if t not in held_apart]
     held_apart |= set(training_text)
     extra_text = [t for t in docstring_paragraphs(EXTRA_MODULES) if t not in held_apart]
-    tuning = scored_text(model, tokenizer, "tuning", tuning_text, 3, args.cache)
-    training = scored_text(model, tokenizer, "training", training_text, 100, args.cache)
-    extra = scored_text(model, tokenizer, "extra", extra_text, 100, args.cache)
+    tuning = scored_text(model, tokenizer, "tuning", tuning_text, min(3, args.contexts), args.cache, args.tokens)
+    training = scored_text(model, tokenizer, "training", training_text, args.contexts, args.cache, args.tokens)
+    extra = scored_text(model, tokenizer, "extra", extra_text, args.contexts, args.cache, args.tokens)
     layers = [int(x) for x in args.layers.split(",")]
     half_lengths = training["lengths"][: len(training["lengths"]) // 2]  # the first half of the training contexts
     half = sum(half_lengths)
