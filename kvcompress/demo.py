@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from .commands.common import method_list
+from .commands.common import add_threads_arg, method_list, set_threads
 
 DEFAULT_METHODS = ("snapkv", "keydiff", "kvzip")
 
@@ -73,4 +73,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="which sample of the prose needle task (default 0)")
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)")
-    p.set_defaults(func=lambda a: run_demo(a.methods, a.compression_ratio, a.tokens, a.depth, a.seed, a.model) and 0)
+    add_threads_arg(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    set_threads(args.threads)
+    run_demo(args.methods, args.compression_ratio, args.tokens, args.depth, args.seed, args.model)
+    return 0

@@ -134,7 +134,9 @@ CASES = {
     "unknown subcommand": (["compress"], "compress"),
     "unknown flag": ([*GEN, "--budget", "8", "--temperature", "0.5"], "--temperature"),
     # a flag the subcommand lacks is its error, not the top-level command's
-    "demo unknown flag": (["demo", "--threads", "1"], "kvcompress demo: error: unrecognized arguments: --threads 1"),
+    "demo unknown flag": (["demo", "--temperature", "1"], "kvcompress demo: error: unrecognized arguments: --temperature 1"),
+    "demo zero threads": (["demo", "--threads", "0"], "kvcompress demo: error: argument --threads"),
+    "calibrate zero threads": ([*CAL, "--threads", "0"], "kvcompress calibrate: error: argument --threads"),
     "compress question flag": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/c.kvc", "--budget", "8", "--compress-question"],
                                "kvcompress compress: error: unrecognized arguments: --compress-question"),
     "compress out folder missing": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/no/c.kvc", "--budget", "8"],

@@ -312,7 +312,7 @@ def test_cli_train_scorer_then_generate_with_it(cli, doc, tmp_path):
 def test_cli_demo_at_a_short_context(cli):
     """`kvcompress demo` (what `make demo` runs), at 256 tokens with one method named: the needle, and the table with the
     full cache's row (which finds it) and the method's."""
-    out = cli("demo", "--tokens", 256, "--methods", "keydiff", "--compression-ratio", "0.5")
+    out = cli("demo", "--tokens", 256, "--methods", "keydiff", "--compression-ratio", "0.5", "--threads", torch.get_num_threads())  # as it is: the flag parses and applies
     assert re.search(r"^context: \d+ tokens.*needle at depth \d+%", out, re.M), out
     assert re.search(r"^full\s+yes\s", out, re.M) and re.search(r"^keydiff\s+(yes|no)\s.*\d+%", out, re.M), out
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..eval.tasks import TASKS
-from .common import add_device_args, add_model_arg, count, float_list, list_of, method_name, resolve_device
+from .common import add_device_args, add_model_arg, add_threads_arg, count, float_list, list_of, method_name, resolve_device, set_threads
 from ..names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
@@ -31,6 +31,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
     add_model_arg(p)
     add_device_args(p)
+    add_threads_arg(p)
     p.set_defaults(func=_run)
 
 
@@ -48,6 +49,7 @@ def _run(args) -> int:
     for flag, path in (("--out", args.out), ("--triples", args.triples)):
         if path is not None and not path.parent.is_dir():
             raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    set_threads(args.threads)
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     samples = offline_samples(tokenizer, args.tasks, args.samples, args.tokens, args.seed)
     triples: list[dict] = []
