@@ -455,3 +455,8 @@ def test_a_chunk_size_in_prefill_mode_is_refused_not_ignored():
         CompressionOptions(method="keydiff", compression_ratio=0.5, chunk_size=32)
     assert CompressionOptions(method="keydiff", compression_ratio=0.5, mode="chunked", chunk_size=32).chunk_size == 32
     assert CompressionOptions(method="keydiff", compression_ratio=0.5, prefill_approx="express", chunk_size=32).chunk_size == 32
+
+
+def test_adakvs_unknown_parameter_lists_scorer_params_among_its_parameters():
+    with pytest.raises(ValueError, match=r"method 'adakv' has no parameter\(s\) \['foo'\]; its parameters are \[.*'scorer', 'scorer_params'"):
+        build_method("adakv", foo=1)

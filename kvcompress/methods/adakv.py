@@ -185,9 +185,9 @@ class AdaKV(Method):
     def from_params(cls, params: dict[str, Any]) -> "AdaKV":
         """AdaKV from plain values: scorer, the name of a registered score method, and scorer_params, its parameters (a
         dict, None for its defaults), build the scorer instance; the other parameters are AdaKV's own."""
+        check_params(cls, params, also=("scorer_params",))
         params = dict(params)
         scorer, scorer_params = params.pop("scorer", SnapKV.name), params.pop("scorer_params", None)
-        check_params(cls, params)
         accepted = score_method_names()
         if not isinstance(scorer, str) or scorer not in accepted:
             raise ValueError(f"scorer must be the name of a registered score method (one with a score to rank tokens by): one of "

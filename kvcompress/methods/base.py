@@ -221,10 +221,10 @@ class UnknownParameters(ValueError):
         self.names = names
 
 
-def check_params(cls: type[Method], params: dict[str, Any]) -> None:
-    """`UnknownParameters` unless every name in `params` is a field of method class `cls`; ValueError unless every bool
-    field is given a bool, naming the parameter."""
-    known = {f.name for f in fields(cls)}
+def check_params(cls: type[Method], params: dict[str, Any], also: tuple[str, ...] = ()) -> None:
+    """`UnknownParameters` unless every name in `params` is a field of method class `cls` (or one of `also`, which its
+    `from_params` takes besides them); ValueError unless every bool field is given a bool, naming the parameter."""
+    known = {f.name for f in fields(cls)} | set(also)
     unknown = sorted(set(params) - known)
     if unknown:
         raise UnknownParameters(f"method {cls.name!r} has no parameter(s) {unknown}; its parameters are {sorted(known)}", unknown)
