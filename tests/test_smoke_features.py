@@ -255,18 +255,23 @@ def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(defaul
 
 @pytest.mark.smoke
 def test_model_generate_with_the_default_method_in_a_compressed_cache(default_model):
-    """`kvc.CompressedCache(model, "default", ...)` inside a plain `model.generate`: the default (AdaKV over KVzap) reads
-    each layer's hidden states, which the cache has the model keep while it lives; it finds the needle at half the
-    cache, and once the cache is gone the model carries no hook of it."""
+    """`kvc.CompressedCache(model, compression_ratio=...)` (no method named: the default) inside a plain
+    `model.generate`: the default (AdaKV over KVzap) reads each layer's hidden states, which the cache has the model
+    keep while it lives; it finds the needle at half the cache, another method's answer beside it stores what it
+    stores alone, and once the cache is gone the model carries no hook of it."""
     import gc
 
     model, tokenizer = default_model
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": CONTEXT + "\n\n" + QUESTION}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
     n = inputs["input_ids"].shape[1]
-    cache = kvc.CompressedCache(model, "default", compression_ratio=0.5)
+    other = dict(method="compactor", mode="chunked", compression_ratio=0.5, max_new_tokens=2, progress=False)
+    alone = kvc.generate(model, tokenizer, CONTEXT, QUESTION, **other)
+    cache = kvc.CompressedCache(model, compression_ratio=0.5)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
     assert NEEDLE in tokenizer.decode(out[0, n:], skip_special_tokens=True) and max(cache.slots_per_layer()) < n
+    beside = kvc.generate(model, tokenizer, CONTEXT, QUESTION, **other)
+    assert (beside.token_ids, beside.kv_bytes, beside.peak_kv_bytes) == (alone.token_ids, alone.kv_bytes, alone.peak_kv_bytes)
     del cache, out
     gc.collect()
     assert not any(m._forward_pre_hooks for m in model.modules())
