@@ -277,6 +277,22 @@ def test_model_generate_with_the_default_method_in_a_compressed_cache(default_mo
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
+@pytest.mark.smoke
+@pytest.mark.parametrize("method", ["default", "compactor"])
+def test_a_forward_with_gradients_on_through_a_compressed_cache(default_model, method):
+    """A plain `model(...)` outside torch.no_grad through a compressed cache of the default model: the logits are a
+    no-grad forward's and carry gradients (Compactor's tensor code once failed under autograd)."""
+    model, tokenizer = default_model
+    ids = tokenizer(CONTEXT, return_tensors="pt")["input_ids"]
+    logits = []
+    for grad in (False, True):
+        cache = kvc.CompressedCache(model, method, compression_ratio=0.5)
+        with torch.set_grad_enabled(grad):
+            logits.append(model(ids, past_key_values=cache).logits[:, -1])
+    assert logits[1].requires_grad
+    torch.testing.assert_close(logits[1].detach(), logits[0], rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The other commands, at their smallest settings
 
