@@ -24,6 +24,13 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"  # the prefill default, as benchmarks/kvpress_side_by_side.py names it
 DUMP = "runthrough/dump"  # a one-sample dump of benchmarks/kvpress_side_by_side.py, made in the copy (SETUP_RUNS)
 
+
+def tuning_needle_run(name: str, *extra: str) -> tuple[str, ...]:
+    """A tuning needle script's arguments: tuning seed 1000 alone at 1024 tokens and ratio 0.9 (it keeps too few of 512
+    for the exact window), one thread, its record at runthrough/NAME.jsonl."""
+    return ("--out", f"runthrough/{name}.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9", *extra, "--threads", "1")
+
+
 # script (relative to the repository root) -> its arguments; relative paths are the copy's (the run's working directory)
 SCRIPT_RUNS: dict[str, tuple[str, ...]] = {
     "benchmarks/answer_margin.py": (
@@ -77,26 +84,18 @@ SCRIPT_RUNS: dict[str, tuple[str, ...]] = {
     "benchmarks/tuning/coreset_quality.py": (
         "--tokens", "512", "--seeds", "2", "--sink", "64", "--window", "64", "--block", "64", "--layers", "1", "--ratios", "0.75",
         "--threads", "1"),
-    # the tuning needle scripts: tuning seed 1000 alone, at 1024 tokens (ratio 0.9 keeps too few of 512 for the exact window)
-    "benchmarks/tuning/evicted_merge.py": (
-        "--out", "runthrough/evicted_merge.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9", "--threads", "1"),
+    "benchmarks/tuning/evicted_merge.py": tuning_needle_run("evicted_merge"),
     # the candidate the paired tables compare with; its task samples are 2048 tokens, whatever the arguments
     "benchmarks/tuning/hybrid_tuning.py": (
         "--samples", "1", "--candidates", "tova .1 + leverage .3, express", "--tasks", "niah_single", "--threads", "1",
         "--csv", "runthrough/hybrid_tuning.csv"),
-    "benchmarks/tuning/kvzap_default.py": (
-        "--out", "runthrough/kvzap_default.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9",
-        "--variants", "full,adakv_kvzap_model", "--threads", "1"),
-    "benchmarks/tuning/needle_keep.py": (
-        "--out", "runthrough/needle_keep.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9", "--threads", "1"),
-    "benchmarks/tuning/needle_oracle.py": (
-        "--out", "runthrough/needle_oracle.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9", "--threads", "1"),
-    "benchmarks/tuning/own_query_refit.py": (
-        "--out", "runthrough/own_query_refit.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9", "--threads", "1"),
+    "benchmarks/tuning/kvzap_default.py": tuning_needle_run("kvzap_default", "--variants", "full,adakv_kvzap_model"),
+    "benchmarks/tuning/needle_keep.py": tuning_needle_run("needle_keep"),
+    "benchmarks/tuning/needle_oracle.py": tuning_needle_run("needle_oracle"),
+    "benchmarks/tuning/own_query_refit.py": tuning_needle_run("own_query_refit"),
     "benchmarks/tuning/prompt_layout.py": (
         "--split", "tuning", "--length", "512", "--samples", "1", "--threads", "1", "--out", "runthrough/prompt_layout"),
-    "benchmarks/tuning/reconstruction_query_share.py": (
-        "--out", "runthrough/reconstruction_query_share.jsonl", "--lengths", "1024", "--seeds", "1000", "--ratio", "0.9", "--threads", "1"),
+    "benchmarks/tuning/reconstruction_query_share.py": tuning_needle_run("reconstruction_query_share"),
     # two contexts of 512 tokens per text: the first half of the training text is one context
     "benchmarks/tuning/scorer_inputs.py": (
         "--out", "runthrough/scorer_inputs.csv", "--layers", "0,29", "--tokens", "512", "--contexts", "2", "--threads", "1"),
