@@ -52,6 +52,12 @@ NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, float]]
 }
 
 
+def block_settings(mode: str, chunk_size: int) -> dict[str, int]:
+    """{"chunk_size": chunk_size} for a streaming mode, nothing for mode "prefill", which prefills in one forward and refuses
+    another chunk_size than the default: what a caller that runs several modes with one block size passes."""
+    return {} if mode == "prefill" else {"chunk_size": chunk_size}
+
+
 def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, float]]:
     """(registered name, method parameters, cache settings: sink, window, slack) that `method` stands for in `mode`: a name of
     `NAMED_SETTINGS` (DEFAULT: the mode's default, `DEFAULT_METHODS`; KVZIP_REFIT) its entry for the mode, any other
@@ -164,8 +170,11 @@ class CompressionOptions:
                                        ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits),
                                        ("repeat_prompt_ids", self.repeat_prompt_ids), ("prefill_approx", self.prefill_approx)) if v is not None}
             given.update({k: v for k, v in (("quality", self.quality), ("calibration", self.calibration)) if v is not None})
-            if given or self.method_params:
-                raise ValueError(f"method=None is the full cache: it takes no {', '.join([*given, *self.method_params])}")
+            if given:
+                raise ValueError(f"method=None is the full cache: it takes no {', '.join(given)}")
+            if self.method_params:
+                raise UnknownParameters(f"method=None is the full cache: it takes no parameters {sorted(self.method_params)}",
+                                        sorted(self.method_params))
             return
         if not isinstance(self.method, str) or self.method not in method_names():
             raise ValueError(f"unknown method {self.method!r}; choose None (the full cache), one of the named settings "
@@ -264,9 +273,6 @@ class CompressionOptions:
         known = {k: v for k, v in settings.items() if k in names}
         if params and known.get("method_params"):
             raise ValueError(f"pass method parameters either in method_params or as keywords, not both (got {sorted(params)})")
-        if params and known.get("method", DEFAULT) is None and known.get("calibration") is None:
-            raise ValueError(f"unknown setting(s) {sorted(params)}: not an option ({', '.join(sorted(names))}), and method=None "
-                             "(the full cache) takes no parameters")
         try:
             return cls(**known, **({"method_params": params} if params else {}))
         except UnknownParameters as err:

@@ -182,7 +182,7 @@ def test_an_edited_or_damaged_file_loads_and_answers_or_is_a_cache_file_error(mo
 
 
 def test_writing_into_a_folder_that_does_not_exist_names_the_path(tmp_path):
-    """The error named the hidden temporary file the atomic write makes beside the target, not the path asked for."""
+    """The error names the path asked for, not the hidden temporary file the atomic write makes beside it."""
     path = tmp_path / "no" / "doc.kvc"
     with pytest.raises(FileNotFoundError, match=f"cannot write '{path}': its folder '{path.parent}' does not exist"):
         cache_file.write(path, {"x": torch.zeros(1)}, {})

@@ -140,7 +140,7 @@ CASES = {
     "compress question flag": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/c.kvc", "--budget", "8", "--compress-question"],
                                "kvcompress compress: error: unrecognized arguments: --compress-question"),
     "compress out folder missing": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/no/c.kvc", "--budget", "8"],
-                                    "--out '{tmp}/no/c.kvc': its folder '{tmp}/no' does not exist"),
+                                    "--out '{tmp}/no/c.kvc': directory '{tmp}/no' does not exist"),
     "no subcommand": ([], "command"),
 }
 

@@ -411,11 +411,11 @@ def test_generate_refuses_a_context_or_question_that_is_not_text(tiny_generate, 
                                                            r"and method 'knorm' has no parameter"),
     ({"compresion_ratio": 0.5}, r"unknown setting\(s\) \['compresion_ratio'\]: not an option .*, and method parameters "
                                 r"\['compresion_ratio'\] need a registered method: 'default' in mode 'prefill' is 'adakv'"),
-    ({"method": None, "anchor": "mean"}, r"unknown setting\(s\) \['anchor'\]: .*method=None \(the full cache\) takes no parameters"),
+    ({"method": None, "anchor": "mean"}, r"unknown setting\(s\) \['anchor'\]: .*, and method=None is the full cache: it takes no parameters \['anchor'\]"),
 ])
 def test_a_misspelt_setting_is_named_as_neither_an_option_nor_a_method_parameter(tiny_generate, settings, match):
-    """A keyword that is no option was reported as a parameter of the method alone (or, for the default, as a parameter
-    that needs a registered method), with no word of the options."""
+    """A keyword that is no option is reported as neither an option (the options listed) nor a parameter of the method,
+    with the method's own reason."""
     model, tokenizer = tiny_generate
     with pytest.raises(ValueError, match=match):
         kvc.generate(model, tokenizer, "some context " * 8, "a question?", max_new_tokens=2, progress=False, **settings)
@@ -433,7 +433,7 @@ def test_an_unknown_method_lists_the_named_settings_too():
 
 
 def test_arguments_of_the_wrong_kind_are_named(tiny_generate):
-    """Each once failed deep inside (an embedding of a str, a str's missing config, os.fspath of an int)."""
+    """Each is named at the call, not left to fail deep inside (an embedding of a str, a str's config, os.fspath of an int)."""
     model, tokenizer = tiny_generate
     with pytest.raises(ValueError, match=r"model must be a transformers model \(e\.g\. kvc\.load_model\(\)'s first result\), got"):
         kvc.generate(tokenizer, model, "some context " * 8, "a question?", method="knorm", budget=8, progress=False)
@@ -449,7 +449,8 @@ def test_arguments_of_the_wrong_kind_are_named(tiny_generate):
 
 
 def test_a_chunk_size_in_prefill_mode_is_refused_not_ignored():
-    """chunk_size is the streaming modes' (and an approximate prefill's) block size; a prefill took it and changed nothing."""
+    """chunk_size is the streaming modes' (and an approximate prefill's) block size; a prefill, which would change nothing
+    by it, refuses it."""
     with pytest.raises(ValueError, match=r"chunk_size=32 is the prompt's block size in mode 'chunked' or 'decode' .* mode 'prefill' "
                                          r"prefills the context in one forward, so leave it unset"):
         CompressionOptions(method="keydiff", compression_ratio=0.5, chunk_size=32)

@@ -18,7 +18,7 @@ from transformers import (
 import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.model_support import RotaryInverse
-from kvcompress.options import CompressionOptions
+from kvcompress.options import CompressionOptions, block_settings
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 
@@ -38,8 +38,8 @@ def tiny(arch="llama", seed=0):
 
 
 def blocks(mode: str, size: int = 32) -> dict:
-    """chunk_size=size for a streaming mode, nothing in mode "prefill" (which prefills in one forward and takes none)."""
-    return {} if mode == "prefill" else {"chunk_size": size}
+    """The tests' prompt blocks of `size` tokens in a streaming mode (`options.block_settings`)."""
+    return block_settings(mode, size)
 
 
 def _prompt(n=150, m=8, seed=1):
@@ -286,8 +286,9 @@ def test_answer_log_probs_feed_the_answer_through_the_cache_generate_builds(meth
 @pytest.mark.parametrize("method", sorted(set(kvc.methods()) - {"kvzip", "kvzap"}))  # KVzip: a reconstruction; KVzap: a scorer
 def test_a_forward_with_gradients_on_runs_through_a_compressed_cache(method, mode):
     """A plain `model(...)` outside torch.no_grad: compression runs without gradients and the attention with them, so
-    the logits are the ones a no-grad forward gives and can be differentiated. Five methods' tensor code (out= products)
-    and H2O's prefill attention, which computes the attention mass as it attends, once failed under autograd."""
+    the logits are the ones a no-grad forward gives and can be differentiated, including for methods whose tensor code
+    writes into preallocated outputs (out= products) and H2O's prefill attention, which computes the attention mass as
+    it attends."""
     model = tiny()
     ids = _prompt(n=96)[0]
     logits = []

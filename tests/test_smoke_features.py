@@ -281,7 +281,7 @@ def test_model_generate_with_the_default_method_in_a_compressed_cache(default_mo
 @pytest.mark.parametrize("method", ["default", "compactor"])
 def test_a_forward_with_gradients_on_through_a_compressed_cache(default_model, method):
     """A plain `model(...)` outside torch.no_grad through a compressed cache of the default model: the logits are a
-    no-grad forward's and carry gradients (Compactor's tensor code once failed under autograd)."""
+    no-grad forward's and carry gradients (Compactor's tensor code writes into preallocated outputs)."""
     model, tokenizer = default_model
     ids = tokenizer(CONTEXT, return_tensors="pt")["input_ids"]
     logits = []

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from ..eval.tasks import TASKS
-from .common import add_device_args, add_model_arg, add_threads_arg, count, float_list, list_of, method_name, resolve_device, set_threads
+from .common import (add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, float_list, list_of, method_name,
+                     resolve_device, set_threads)
 from ..names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
@@ -46,9 +47,9 @@ def _run(args) -> int:
         raise ValueError(f"--asymmetry must be >= 1, got {args.asymmetry}")
     if args.triples is not None and args.triples.resolve() == args.out.resolve():
         raise ValueError(f"--triples and --out name the same file {str(args.out)!r}; the triples would overwrite the calibration")
-    for flag, path in (("--out", args.out), ("--triples", args.triples)):
-        if path is not None and not path.parent.is_dir():
-            raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    check_out_folder("--out", args.out)
+    if args.triples is not None:
+        check_out_folder("--triples", args.triples)
     set_threads(args.threads)
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     samples = offline_samples(tokenizer, args.tasks, args.samples, args.tokens, args.seed)

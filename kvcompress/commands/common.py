@@ -117,6 +117,12 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
 
 
+def check_out_folder(flag: str, path) -> None:
+    """ValueError naming `flag` unless the folder `path` is to be written in exists: checked before the work, not after."""
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+
+
 def set_threads(threads: int | None) -> None:
     """torch.set_num_threads(--threads) when the flag was given (`add_threads_arg` checked it)."""
     if threads is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import resolve_device, set_threads
+from .common import check_out_folder, resolve_device, set_threads
 from .generate import add_run_args, options_of, read_context
 
 
@@ -23,8 +23,7 @@ def _run(args) -> int:
         raise ValueError("--method full keeps every token: there is nothing to compress; name a method")
     if args.out.is_dir():
         raise ValueError(f"--out {str(args.out)!r} is a directory: pass a file path, e.g. doc.kvc")
-    if not args.out.parent.is_dir():  # checked before the context is compressed, not after
-        raise ValueError(f"--out {str(args.out)!r}: its folder {str(args.out.parent)!r} does not exist")
+    check_out_folder("--out", args.out)
     context = read_context(args.context_file)
     set_threads(args.threads)
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, count, resolve_device
+from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, resolve_device, set_threads
 
 
 def add_cli(subparsers) -> None:
@@ -42,10 +42,8 @@ def _run(args) -> int:
     from ..integration.scorer_training import fidelity, scoring_pairs, text_contexts
     from ..methods.kvzap import fit_surrogate
 
-    if not args.out.parent.is_dir():
-        raise ValueError(f"--out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    check_out_folder("--out", args.out)
+    set_threads(args.threads)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     tuning_text = docstring_paragraphs(DOCSTRING_MODULES)

@@ -53,7 +53,7 @@ from ..names import DEFAULT_CHUNK_SIZE
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
-from ..options import DEFAULT, KVZIP_REFIT, MODES, CompressionOptions, resolve_method
+from ..options import DEFAULT, KVZIP_REFIT, MODES, CompressionOptions, block_settings, resolve_method
 from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
@@ -302,8 +302,7 @@ def _answer(model, cell: Cell, context_ids, question_ids, captured, config: Swee
         return generate_ids(model, context_ids, question_ids, method=method, compression_ratio=ratio, prefill=captured,
                             max_new_tokens=max_new, stop_token_ids=stop_ids)
     size = {"compression_ratio": cell.ratio} if cell.mode == "prefill" else {"budget": stream_budget(cell.method, cell.ratio, context_ids.shape[1])}
-    blocks = {} if cell.mode == "prefill" else {"chunk_size": config.chunk_size}  # a prefill takes the context in one forward
-    options = CompressionOptions(method=cell.method, mode=cell.mode, seed=config.seed, **blocks, **size)
+    options = CompressionOptions(method=cell.method, mode=cell.mode, seed=config.seed, **block_settings(cell.mode, config.chunk_size), **size)
     if options.compressor.requirements.needs("reconstruction"):  # KVzip: the context's prefill and reconstruction forward
         options = with_repeat_prompt(options, tokenizer)
         recorded = None if reconstructions is None else shared_reconstruction(model, options, context_ids, reconstructions)

@@ -39,13 +39,13 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     view, packed = layer.view, layer.view_packed
     progress = layer.cache.progress
     mass = None
-    if softcap is None and _compresses_with_attention_mass(layer) and query.requires_grad:
-        # a forward with gradients on: the output from the differentiable path, the mass (for compression only) without
-        out = weighted_attention(query, view, scaling, causal_tail=True)
-        with torch.no_grad():
-            mass = causal_attention_with_mass(query, view.keys, view.values, scaling)[1]
-    elif softcap is None and _compresses_with_attention_mass(layer):
-        out, mass = causal_attention_with_mass(query, view.keys, view.values, scaling)
+    if softcap is None and _compresses_with_attention_mass(layer):
+        if query.requires_grad:  # a forward with gradients on: the output by the differentiable path, the mass without
+            out = weighted_attention(query, view, scaling, causal_tail=True)
+            with torch.no_grad():
+                mass = causal_attention_with_mass(query, view.keys, view.values, scaling)[1]
+        else:
+            out, mass = causal_attention_with_mass(query, view.keys, view.values, scaling)
     elif softcap is None and packed:
         out = packed_then_causal_attention(query, packed, view, scaling)
     elif softcap is None:

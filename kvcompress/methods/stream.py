@@ -118,8 +118,6 @@ class Stream(Saveable):
         check_kv(keys, values, queries, pre_rope_keys, sync=False)
         if not self.method.requirements.needs("queries"):
             queries = None  # held with the latest block until the next one (and saved with it): only for a method that reads them
-        if not self.method.requirements.needs("hidden_states"):
-            hidden_states = None  # held with the tokens: only for a method that reads them
         b, h, n, d = keys.shape
         layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
         if self.layout is None:

@@ -40,6 +40,7 @@ def memory_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
     one warm-up forward, so paging in the weights does not count).
     """
     from ...integration import generate_ids
+    from ...options import block_settings
 
     # Warm-up: the first forward pages in the (memory-mapped) weights, which is not prefill memory.
     generate_ids(model, context_ids(tokenizer, 16), None, method=None, max_new_tokens=1)
@@ -50,7 +51,7 @@ def memory_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
             ids = context_ids(tokenizer, n)
             res, peak, before = peak_process_memory(
                 lambda: generate_ids(model, ids, None, method=method, budget=budget, mode=mode, max_new_tokens=1,
-                                     **({} if mode == "prefill" else {"chunk_size": config.chunk_size}))
+                                     **block_settings(mode, config.chunk_size))
             )
             add_row(rows, on_row, {"mode": mode, "method": method, "n": ids.shape[1], "budget": budget, "peak_kv_bytes": res.peak_kv_bytes,
                          "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full, "peak_rss_bytes": peak,
