@@ -402,7 +402,9 @@ class QuantizedSlots(Saveable):
 
     def known(self) -> list[tuple[torch.Tensor, QuantizedTensor]]:
         """(dequantized keys, their codes) and (dequantized values, their codes) of the slots held, as `quantize_rows`
-        takes them: a stream handing these slots on keeps their codes."""
+        takes them: a stream handing these slots on keeps their codes. None held (an empty buffer): []."""
+        if self.dims is None or self.length == 0:
+            return []
         raw = self.raw.view()
         pairs = []
         for i in range(2):

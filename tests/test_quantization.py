@@ -407,6 +407,23 @@ def test_a_tensor_level_stream_stores_quantized_slots():
         kvc.stream("knorm", budget=20, kv_group_size=8)
 
 
+@pytest.mark.parametrize("method", ["express", "subgen", "clustergen", "balancekv", "knorm"])
+def test_a_quantized_stream_takes_a_first_block_longer_than_its_budget(method):
+    """kvc.stream(kv_bits=4) given one first block longer than sink + budget + window (a prompt chunk in decode mode):
+    nothing was held exactly yet, so the whole block goes to the method's state, and its middle is each kept token
+    quantized once per slot, within the budget."""
+    keys, values = _x((1, 2, 200, 16), seed=3), _x((1, 2, 200, 16), seed=4)
+    s = kvc.stream(method, budget=24, sink=2, window=4, kv_bits=4, kv_group_size=8, seed=0)
+    s.update(keys, values)
+    summary = s.summary()
+    middle = summary.positions[:, :, 2:-4]
+    real = middle >= 0
+    assert 0 < int(real.sum(-1).max()) <= 24
+    for got, original in ((summary.keys, keys), (summary.values, values)):
+        expected = quantize(take_slots(original, middle.clamp_min(0)), 4, 8, "token").dequantize()
+        assert torch.equal(torch.where(real[..., None], got[:, :, 2:-4], 0), torch.where(real[..., None], expected, 0)), method
+
+
 @pytest.mark.cuda
 def test_native_quantized_streams_and_a_saved_stream_run_on_cuda():
     """QuantizedState's row matching (torch.unique on bit patterns) and a saved stream's reload run unchanged on CUDA:

@@ -222,6 +222,17 @@ def test_kv_bits_store_the_compressed_context_in_fewer_bytes(default_model):
 
 
 @pytest.mark.smoke
+def test_kv_bits_on_a_native_stream_in_decode_mode(default_model):
+    """`kv_bits=4` with a method whose stream is its own (the hybrid's Express coreset) in decode mode, the prompt arriving
+    as one block longer than the budget: the answer runs, in fewer bytes than at full precision."""
+    model, tokenizer = default_model
+    runs = {bits: kvc.generate(model, tokenizer, CONTEXT, QUESTION, method="hybrid", mode="decode", budget=64, kv_bits=bits,
+                               max_new_tokens=NEW, progress=False) for bits in (None, 4)}
+    assert runs[4].kv_bits == 4 and runs[4].kv_bytes < runs[None].kv_bytes, (runs[None].report(), runs[4].report())
+    assert runs[4].text.strip(), runs[4].text
+
+
+@pytest.mark.smoke
 def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(default_model):
     """'model.generate(**inputs, past_key_values=cache, ...)   # sampling, eos, streamers as usual'; 'beam search
     run[s] in prefill mode': a streamer sees the answer generate returns; beams find the needle."""
