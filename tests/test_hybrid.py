@@ -171,7 +171,7 @@ def test_mixed_score_streams_within_its_budget():
         ({"score_params": [1]}, "score_params"),
         ({"score": ["keydiff", "knorm"], "exact_fraction": 0.5}, "one fraction per score method"),
         ({"score": ["keydiff", "knorm"], "exact_fraction": [0.5, 0.6]}, "add up to less than 1"),
-        ({"score": "keydiff", "exact_fraction": 0.5}, "score_params=None keeps every method's defaults"),
+        ({"score": ["keydiff", "knorm"], "exact_fraction": [0.2, 0.2], "score_params": [None]}, "score_params=None keeps every method's defaults"),
         ({"score": ["keydiff", "knorm"], "exact_fraction": [0.2, 0.2], "score_params": {}}, "one dict \\(or None\\) per score method"),
         ({"score": [], "exact_fraction": []}, "at least one method"),
         ({"span": 4}, "span must be an odd integer"),
@@ -256,6 +256,16 @@ def test_span_default_belongs_to_the_default_composition():
     assert Hybrid(score="keydiff", score_params=None, exact_fraction=0.5).spans == [1]
     assert Hybrid(score=["knorm", "keydiff"], score_params=None, exact_fraction=[0.2, 0.2]).spans == [1, 1]
     assert Hybrid(score=["knorm", "compactor"], score_params=None, exact_fraction=[0.2, 0.2], span=[1, 5]).spans == [1, 5]
+
+
+def test_score_params_default_belongs_to_the_default_composition():
+    """score_params=None: Compactor's leverage score alone (attention=False) in the default composition; with any other
+    `score`, each method's own defaults (no parameter of the default composition reaches a method the user chose)."""
+    assert Hybrid().score_methods[1].attention is False
+    assert [m.name for m in Hybrid(score="keydiff", exact_fraction=0.5).score_methods] == ["keydiff"]
+    assert [m.name for m in Hybrid(score=["tova", "keydiff"], exact_fraction=[0.1, 0.3]).score_methods] == ["tova", "keydiff"]
+    assert Hybrid(score=["keydiff", "compactor"], exact_fraction=[0.1, 0.3]).score_methods[1].attention is True
+    assert Hybrid(score_params=[None, {"attention": True}]).score_methods[1].attention is True
 
 
 def test_an_express_coreset_halves_in_groups_of_32_unless_coreset_params_sets_it():

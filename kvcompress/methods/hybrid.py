@@ -51,6 +51,7 @@ from .tokens import Tokens
 
 _COMPOSED_PARAMS = ("sink", "window")
 _DEFAULT_SCORE = ("tova", "compactor")
+_DEFAULT_SCORE_PARAMS = (None, {"attention": False})  # Compactor's leverage score alone
 _DEFAULT_SPAN = (1, 7)  # tuned on training cases by benchmarks/tuning/hybrid_tuning.py
 # Express as the coreset halves in groups of 32 (smaller than Express's own default of 128): the kernels
 # cost O(n·max_group) and the hybrid's compression is bound by the number of tensor ops, while the
@@ -91,8 +92,10 @@ class Hybrid(Method):
     number in [0, 1) per score method (n_i = round(f_i · budget)); their sum stays below 1 and the
     coreset gets at least one slot, so the weights always cover every token. coreset: any
     registered method whose weights add up to the tokens it covers, e.g. "express", "balancekv".
-    score_params (one dict, or None, per score method; None overall: every method's defaults) /
-    coreset_params: parameters of the composed methods, checked by their own constructors; an
+    score_params (one dict, or None, per score method) / coreset_params: parameters of the composed
+    methods, checked by their own constructors; score_params None (default): the default
+    composition's (None, {"attention": False}) when `score` is left at its default, else every
+    score method's defaults; an
     Express coreset halves in groups of `max_group` = 32 unless coreset_params sets it.
     span: odd number of neighbouring tokens each score method's score is max-pooled over before its
     top-k (SnapKV pools its scores, ChunkKV keeps chunks), so its exact picks come as contiguous
@@ -117,7 +120,7 @@ class Hybrid(Method):
     score: str | tuple[str, ...] = _DEFAULT_SCORE
     coreset: str = "express"
     exact_fraction: float | tuple[float, ...] = (0.1, 0.3)
-    score_params: dict | tuple[dict | None, ...] | None = (None, {"attention": False})
+    score_params: dict | tuple[dict | None, ...] | None = None
     coreset_params: dict | None = None
     span: int | tuple[int, ...] | None = None
 
@@ -135,7 +138,11 @@ class Hybrid(Method):
         for role, value in [("score", s) for s in scores] + [("coreset", self.coreset)]:
             if not isinstance(value, str) or value == self.name:
                 raise ValueError(f"{role} must be the name of another registered method, got {value!r}")
-        score_params = [None] * len(scores) if self.score_params is None else _as_list(self.score_params)
+        default_score = list(scores) == list(_DEFAULT_SCORE)
+        if self.score_params is None:
+            score_params = list(_DEFAULT_SCORE_PARAMS) if default_score else [None] * len(scores)
+        else:
+            score_params = _as_list(self.score_params)
         if len(score_params) != len(scores):
             raise ValueError(f"score_params must give one dict (or None) per score method ({len(scores)}), got {self.score_params!r}; "
                              "score_params=None keeps every method's defaults")
@@ -145,7 +152,7 @@ class Hybrid(Method):
             bad = sorted(set(params or {}) & set(_COMPOSED_PARAMS))
             if bad:
                 raise ValueError(f"{role} cannot set {bad}: sink and window belong to the hybrid call")
-        span = (_DEFAULT_SPAN if list(scores) == list(_DEFAULT_SCORE) else 1) if self.span is None else self.span
+        span = (_DEFAULT_SPAN if default_score else 1) if self.span is None else self.span
         spans = list(span) if isinstance(span, (list, tuple)) else [span] * len(scores)
         if len(spans) != len(scores) or not all(is_pool_span(w) for w in spans):
             raise ValueError(f"span must be an odd integer >= 1, or one per score method ({len(scores)}), got {self.span!r}")
