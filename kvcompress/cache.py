@@ -146,6 +146,8 @@ class CompressedLayer(CacheLayerMixin):
                 "with the 'kvcompress' attention implementation (kvcompress.integration.use_compressed_attention)"
             )
         n = key_states.shape[2]
+        if n == 1 and self.front is not None and self.cache.prompt_ends_at_first_step and self.cache.absorbing:
+            self.cache.absorbing = False  # model.generate's first step: the prompt has ended, the answer stays exact
         positions = torch.arange(self.seen, self.seen + n, device=key_states.device)
         self.pending = (key_states, value_states, positions)
         self.pending_real = None
@@ -586,6 +588,26 @@ def stack_rows(rows: list[KVSummary]) -> KVSummary:
     return out
 
 
+# `kvc.generate`'s settings for how it feeds a prompt, which a cache built by name (for `model.generate`) cannot honour
+_FEEDING_SETTINGS = {
+    "chunk_size": "model.generate(..., prefill_chunk_size=N) feeds the prompt in blocks of N (transformers' chunked prefill); "
+                  "kvc.generate(..., mode='chunked', chunk_size=N) does too",
+    "compress_question": "under model.generate the whole prompt, question included, goes through compression; "
+                         "kvc.generate(..., compress_question=...) keeps the question out or compresses it",
+    "prefill_approx": "kvc.generate(..., prefill_approx='express') runs the approximate prefill",
+}
+
+
+def refuse_feeding_settings(settings: dict) -> None:
+    """ValueError for a setting of how `kvc.generate` feeds a prompt, given to a cache built by name: the cache stores the
+    blocks its caller's forwards give it and feeds nothing itself."""
+    given = sorted(set(settings) & set(_FEEDING_SETTINGS))
+    if given:
+        name = given[0]
+        raise ValueError(f"CompressedCache(..., {name}={settings[name]!r}): a cache stores the blocks its caller's forwards give it "
+                         f"and feeds nothing itself; {_FEEDING_SETTINGS[name]}")
+
+
 class CompressedCache(Cache):
     """A transformers `Cache` whose full-attention layers store compressed KV; pass it as `past_key_values`.
 
@@ -597,6 +619,13 @@ class CompressedCache(Cache):
     (budget or compression_ratio, mode, sink, window, seed, slack, and the method's own
     parameters), or a ready `CompressionOptions` (then no settings). Sliding-window layers (Gemma
     2/3, Phi-3 with a window) keep their window exact.
+
+    The cache stores the blocks its caller's forwards give it: `model.generate` gives the prompt in one
+    forward, or in blocks of N with `model.generate(..., prefill_chunk_size=N)`; kvc.generate's settings
+    for feeding a prompt (chunk_size, compress_question, prefill_approx) are refused here. In mode
+    "chunked" the prompt ends (`absorbing` set False: the streams compacted, later tokens exact) when
+    the caller says so or, in a cache built by name, at the first one-token forward: `model.generate`'s
+    first step, after the prompt, so the answer stays exact.
 
     stream_length: in chunked and decode modes, the number of tokens the streams will take (prompt,
     and in decode mode the answer too): needed with a compression_ratio, which is resolved against
@@ -627,6 +656,7 @@ class CompressedCache(Cache):
         if isinstance(method, CompressionOptions):
             options = CompressionOptions.build(method, **settings)
         elif isinstance(method, str):
+            refuse_feeding_settings(settings)
             options = CompressionOptions.build(method=method, **settings)
         else:
             raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionOptions, got {method!r}")
@@ -641,6 +671,8 @@ class CompressedCache(Cache):
             raise ValueError(f"stream_length={stream_length!r} is the tokens a stream will take; mode={options.mode!r} streams "
                              "nothing and takes none")
         self.options, self.stream_length = options, stream_length
+        # built by name (the `model.generate` route), a chunked prompt ends at the first one-token forward (the first step)
+        self.prompt_ends_at_first_step = isinstance(method, str) and options.mode == "chunked"
         self.token_ids: torch.Tensor | None = None
         self._model = weakref.ref(model)  # for the fingerprint save() writes; the cache does not keep the model alive
         config = model.config.get_text_config(decoder=True)

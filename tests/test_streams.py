@@ -237,6 +237,39 @@ def test_chunked_cache_holds_the_slack_while_absorbing_and_compacts_at_the_end()
         assert cache.peak_bytes() >= cache.nbytes()
 
 
+def test_a_chunked_cache_under_model_generate_streams_the_prompt_and_keeps_the_answer_exact():
+    """A chunked cache built by name under `model.generate(..., prefill_chunk_size=N)`: the prompt streams in blocks of N
+    and ends at the first step (the answer's tokens stay exact, as when the caller ends the prompt itself before
+    its first step), with the peak of a block, not of the prompt; the same tokens as feeding the blocks by hand."""
+    model = tiny()
+    ctx, _ = _prompt(n=200)
+    new = 6
+    settings = dict(budget=24, sink=2, window=4, mode="chunked")
+    cache = CompressedCache(model, "knorm", **settings)
+    out = model.generate(ctx, attention_mask=torch.ones_like(ctx), past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, prefill_chunk_size=32)
+    assert not cache.absorbing and all(layer.tail.num_slots == new - 1 for layer in cache.layers)
+    one_forward = CompressedCache(model, "knorm", **settings)
+    model.generate(ctx, attention_mask=torch.ones_like(ctx), past_key_values=one_forward, max_new_tokens=2, do_sample=False)
+    assert cache.peak_bytes() < one_forward.peak_bytes() / 3
+    by_hand = CompressedCache(model, "knorm", **settings)
+    ids = []
+    with use_compressed_attention(model), torch.no_grad():
+        for start in range(0, 200, 32):
+            logits = model(ctx[:, start : start + 32], past_key_values=by_hand).logits
+        by_hand.absorbing = False
+        for _ in range(new):
+            ids.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([ids[-1:]]), past_key_values=by_hand).logits
+    assert out[0, 200:].tolist() == ids
+
+
+@pytest.mark.parametrize("name, value", [("chunk_size", 64), ("compress_question", True), ("prefill_approx", "express")])
+def test_a_cache_refuses_the_settings_of_how_kvc_generate_feeds_a_prompt(name, value):
+    with pytest.raises(ValueError, match=rf"CompressedCache\(\.\.\., {name}=.*feeds nothing itself"):
+        CompressedCache(tiny(), "knorm", budget=24, mode="chunked", **{name: value})
+
+
 def test_a_layers_slots_are_counted_part_by_part_as_its_unpacked_state_counts_them():
     """`slots` reads each stored part (a stream's packed kept tokens, its buffer, the sink and window) without unpacking:
     the same count as the finite log-weights of the whole `stored()` summary, per row and over the batch."""
