@@ -258,6 +258,16 @@ def test_span_default_belongs_to_the_default_composition():
     assert Hybrid(score=["knorm", "compactor"], score_params=None, exact_fraction=[0.2, 0.2], span=[1, 5]).spans == [1, 5]
 
 
+def test_a_stream_too_small_for_its_coreset_names_the_hybrids_budget_and_the_smallest_it_takes():
+    k = torch.randn(1, 2, 64, 16)
+    with pytest.raises(ValueError, match=r"hybrid stream budget=8: its express coreset gets 3 .*the smallest budget the hybrid "
+                                         r"streams with is 11"):
+        kvc.stream("hybrid", budget=8)
+    stream = kvc.stream("hybrid", budget=11)
+    stream.update(k, k, pre_rope_keys=k, queries=k)
+    assert stream.summary().num_slots <= 11 + Hybrid.default_sink + Hybrid.default_window
+
+
 def test_score_params_default_belongs_to_the_default_composition():
     """score_params=None: Compactor's leverage score alone (attention=False) in the default composition; with any other
     `score`, each method's own defaults (no parameter of the default composition reaches a method the user chose)."""

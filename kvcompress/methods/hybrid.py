@@ -43,7 +43,7 @@ from ..names import MODES
 from ..quantization import QuantizedSlots
 from ..saved_state import Count, Instance, Sequence, saved
 from ..summary import KVSummary, concat, take_slots
-from .base import BlockwiseState, Method, StreamState, first_true, is_pool_span, max_pool_scores, top_index
+from .base import BlockwiseState, Method, StreamState, first_true, is_pool_span, make_generator, max_pool_scores, top_index
 from .budget import stream_split
 from .registry import build_method, register
 from .requirements import Requirements
@@ -247,8 +247,27 @@ class HybridState(BlockwiseState):
         target, room = stream_split(budget, slack)
         self.counts, self.coreset_slots = method.split_budget(target)
         super().__init__(method, sum(self.counts) + room, generator, slack, split=(sum(self.counts), room))
+        try:
+            self.coreset = self.coreset_stream(method, self.coreset_slots, generator, slack)
+        except ValueError as error:
+            smallest = next((b for b in range(budget + 1, 64 * budget + 64) if self.accepts(method, b, slack)), None)
+            raise ValueError(f"hybrid stream budget={budget}: its {method.coreset_method.name} coreset gets {self.coreset_slots} of the "
+                             f"slots (the rest hold the exact tokens and the stream's room), too few ({error}); the smallest budget "
+                             f"the hybrid streams with is {smallest}") from error
+
+    @staticmethod
+    def coreset_stream(method: Hybrid, slots: int, generator: torch.Generator, slack: float) -> StreamState:
         coreset = method.coreset_method
-        self.coreset = coreset.new_stream(self.coreset_slots, generator, slack if coreset.stream_recompresses else None)
+        return coreset.new_stream(slots, generator, slack if coreset.stream_recompresses else None)
+
+    @classmethod
+    def accepts(cls, method: Hybrid, budget: int, slack: float) -> bool:
+        """Whether a stream of `budget` gives the coreset a budget its stream takes."""
+        try:
+            cls.coreset_stream(method, method.split_budget(stream_split(budget, slack)[0])[1], make_generator(0), slack)
+        except ValueError:
+            return False
+        return True
 
     saved_fields = {
         **BlockwiseState.saved_fields, "counts": Sequence(Count()), "coreset_slots": Count(1),
