@@ -277,6 +277,23 @@ def test_another_model_is_refused(saved):
         kvc.load_cache(path, tiny("qwen2"))
 
 
+def test_a_cache_extended_since_it_was_compressed_is_refused_until_rolled_back():
+    """answer_from_cache_ids (`kvc.generate(cache=...)`) appends each question right after the context's token_ids: a
+    cache that later forwards extended (model.generate on it) is refused, and answers again once restored."""
+    model = tiny()
+    ctx, question = _ids(100, 9) % 96, _ids(6, 10) % 96
+    cache = compress_context_ids(model, ctx, method="snapkv", budget=16)
+    snapshot = cache.snapshot()
+    (before,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=3, stop_at_eos=False)
+    with torch.inference_mode(), kvc.integration.use_compressed_attention(model):
+        model(question, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cache holds 106 tokens, but its token_ids are the context's 100: .*cache.restore"):
+        answer_from_cache_ids(model, cache, [question], max_new_tokens=3, stop_at_eos=False)
+    cache.restore(snapshot)
+    (after,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=3, stop_at_eos=False)
+    assert after.token_ids == before.token_ids
+
+
 def test_what_cannot_be_saved_is_refused(tmp_path):
     model = tiny()
     ctx = _ids(100, 9) % 96

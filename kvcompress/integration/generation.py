@@ -515,6 +515,10 @@ def answer_from_cache_ids(
     if not isinstance(cache, CompressedCache) or cache.token_ids is None:
         raise ValueError(f"cache must be a CompressedCache holding a compressed context with its token_ids (kvc.compress_context, "
                          f"kvc.load_cache) or the path of a saved one, got {cache!r}")
+    if cache.get_seq_length() != cache.token_ids.shape[1]:
+        raise ValueError(f"cache holds {cache.get_seq_length()} tokens, but its token_ids are the context's {cache.token_ids.shape[1]}: "
+                         "later tokens were added since it was compressed (e.g. by model.generate); roll it back with "
+                         "cache.restore(cache.snapshot() taken right after compressing), or compress the context again")
     if not questions_ids:
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
     as_count("max_new_tokens", max_new_tokens, 1)
