@@ -109,6 +109,8 @@ class CompressedLayer(CacheLayerMixin):
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
+        # the RoPE positions [B or 1, n] the model rotated the pending block's keys at, when its attention was told them
+        self.pending_rope_positions: torch.Tensor | None = None
         # what the pending block's attention reads: `view` (the stored slots and the block last, one summary) beside the
         # packed parts of what is stored (`view_packed`, RaggedSummary, attended where they are)
         self.view: KVSummary | None = None
@@ -166,14 +168,18 @@ class CompressedLayer(CacheLayerMixin):
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
         return keys, view.values
 
-    def mask_padding(self, attention_mask: torch.Tensor | None) -> None:
-        """Take the padding of the pending block from the model's 4D boolean mask [B, 1, q, seen] (None: no padding).
+    def mask_padding(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> None:
+        """Take the padding of the pending block from the model's 4D boolean mask [B, 1, q, seen] (None: no padding),
+        and the RoPE positions its keys were rotated at (position_ids [B or 1, q], None: unknown, then the slots'
+        positions): transformers counts a left-padded row's positions from its first real token, which a padded row's
+        pre-RoPE keys are un-rotated by (`_keep_rows`).
 
         The mask's columns are original positions 0..seen-1 (see get_mask_sizes); a column hidden from
         the block's last query is padding (left padding: the last query is a real token and sees
         every real token of its row). Padding slots of the view get log-weight -inf (never
         attended), and commit() leaves them out of what is stored.
         """
+        self.pending_rope_positions = position_ids
         if attention_mask is None:
             return
         if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[-1] != self.seen:
@@ -204,15 +210,15 @@ class CompressedLayer(CacheLayerMixin):
         # the model keeps hidden states while any cache of a method that reads them lives (`keep_hidden_states`): another
         # cache's method takes none
         hidden_states = per_head(hidden_states, keys.shape[1]) if self.cache.plan.hidden_states else None
-        real = self.pending_real
-        self.pending, self.pending_real, self.view, self.view_packed = None, None, None, []
+        real, rope_positions = self.pending_real, self.pending_rope_positions
+        self.pending, self.pending_real, self.pending_rope_positions, self.view, self.view_packed = None, None, None, None, []
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
             options.compressor.check_context(reconstructed=False)  # a plain forward's queries: refused by KVzip
             if not has_padding(real):  # decode then appends in place, no copy of the state per step
                 self._compress_context(keys, values, positions, queries, scale, attention_mass, hidden_states=hidden_states)
             else:
-                self._keep_rows(keys, values, positions, queries, scale, real, hidden_states)
+                self._keep_rows(keys, values, positions, queries, scale, real, hidden_states, rope_positions)
         elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
@@ -272,8 +278,9 @@ class CompressedLayer(CacheLayerMixin):
         options = self.cache.options
         return n - max(min(options.sink, n), n - options.window)
 
-    def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None) -> None:
-        """A padded batch: each row's real tokens compressed alone (with the generator of a solo run), stacked with -inf
+    def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None, rope_positions=None) -> None:
+        """A padded batch: each row's real tokens compressed alone (with the generator of a solo run; pre-RoPE keys
+        un-rotated at the row's RoPE positions, `rope_positions` [B or 1, n] when known), stacked with -inf
         padding slots; with kv_bits the stacked fronts quantized, with heads that keep different numbers of slots
         (`CachePlan.ragged`, AdaKV) at full precision packed (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
         if self.cache.plan.joint:
@@ -284,9 +291,10 @@ class CompressedLayer(CacheLayerMixin):
             index = real[b].nonzero().squeeze(-1)
             lengths.append(index.numel())
             hidden = hidden_states[b : b + 1, :, index] if hidden_states is not None else None
+            rope = None if rope_positions is None else rope_positions[min(b, rope_positions.shape[0] - 1), index]
             rows.append(self._compress_once(
                 keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale,
-                hidden_states=hidden,
+                hidden_states=hidden, rope_positions=rope,
             ))
         options = self.cache.options
         if options.kv_bits is None and not self.cache.plan.ragged:
@@ -297,21 +305,23 @@ class CompressedLayer(CacheLayerMixin):
         self.front = RaggedSummary.of(front) if options.kv_bits is None else QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
         self.tail = stack_rows([window for _, window in parts])
 
-    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None) -> KVSummary:
+    def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None,
+                       rope_positions=None) -> KVSummary:
         options = self.cache.options
-        tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states)
+        tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states, rope_positions)
         budget = options.budget_for(tokens.length)
         self.budgets += [budget] * tokens.keys.shape[0]
         summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
-    def _tokens(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None) -> Tokens:
+    def _tokens(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None,
+                rope_positions=None) -> Tokens:
         """The layer's context as the method sees it: keys/values [B,H_kv,n,d] at positions [n] (hidden states
-        [B,H_kv,n,d_model] or None)."""
+        [B,H_kv,n,d_model] or None); pre-RoPE keys un-rotated at rope_positions [n] (None: `positions`)."""
         b, h, n, _ = keys.shape
         pos = positions.expand(b, h, n)
         return Tokens(
-            keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions), scale,
+            keys, values, pos, queries, self.cache.pre_rope_keys(keys, positions if rope_positions is None else rope_positions), scale,
             self.layer_idx, self.cache.num_layers, query_positions_for(queries, pos), attention_mass=attention_mass, extra_lse=extra_lse,
             hidden_states=hidden_states,
         )

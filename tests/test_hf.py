@@ -126,6 +126,25 @@ def test_left_padded_batch_rows_equal_solo_runs(method, ratio):
         assert (kept == cache.layers[0].slots(row)).all()
 
 
+def test_a_padded_rows_pre_rope_keys_are_unrotated_at_the_positions_rope_used(monkeypatch):
+    """model.generate counts a left-padded row's RoPE positions from its first real token (position_ids from the mask):
+    the cache un-rotates that row's keys at those positions, so a method scoring pre-RoPE keys (Compactor) reads the
+    row's solo pre-RoPE keys, not keys turned by the padding's length."""
+    from kvcompress.methods.compactor import Compactor
+
+    seen = []
+    blend = Compactor.blend
+    monkeypatch.setattr(Compactor, "blend", lambda self, attention, keys, generator: seen.append(keys) or blend(self, attention, keys, generator))
+    model = tiny("llama")
+    prompts = [_ids(150, 1), _ids(90, 2)]
+    ids, mask = _left_padded(prompts)
+    _greedy(model, ids, CompressedCache(model, "compactor", compression_ratio=0.5, sink=2, window=8), new=1, attention_mask=mask)
+    padded = seen[1]  # layer 0, row 1 (60 padding tokens)
+    seen.clear()
+    _greedy(model, prompts[1], CompressedCache(model, "compactor", compression_ratio=0.5, sink=2, window=8), new=1)
+    torch.testing.assert_close(padded, seen[0], rtol=1e-4, atol=1e-4)
+
+
 def test_left_padded_batch_through_kvc_generate_ids_and_gemma():
     for family in ["llama", "gemma2"]:
         model = tiny(family)

@@ -35,7 +35,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     hidden_states = vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)  # kept by `keep_hidden_states`, for this forward only
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
-    layer.mask_padding(attention_mask)
+    layer.mask_padding(attention_mask, kwargs.get("position_ids"))
     view, packed = layer.view, layer.view_packed
     progress = layer.cache.progress
     mass = None
