@@ -518,8 +518,9 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
         return keys, values
 
-    def load_prefill(self, queries, keys, values, scale) -> None:
-        """Take a recorded prefill of the context: the window keeps its last tokens."""
+    def load_prefill(self, queries, keys, values, scale, attention_mass=None) -> None:
+        """Take a recorded prefill of the context: the window keeps its last tokens (the queries and the attention mass,
+        which a compressed layer's method may read, have no use here)."""
         self.update(keys, values)
 
     def nbytes(self) -> int:

@@ -6,12 +6,15 @@ the way a user loads any GGUF file: `kvc.load_model(path)`, dequantised once and
 `$KVCOMPRESS_CACHE`. The model is too weak to answer questions about its context well, so the checks are of the
 library, not of quality: at ratio 0 every mode answers token for token as the full cache; at 0.75 the compressed
 layers store less while the sliding-window layers keep their window; a saved and reloaded compressed context answers
-as the one saved; the default refuses a model it has no scorer for, naming the command that trains one; and a scorer
+as the one saved; an eval sweep (one recorded prefill per context) runs; the default refuses a model it has no
+scorer for, naming the command that trains one; and a scorer
 trained on this model with that command runs the default's allocation in every mode. One test, so that the model is
 loaded (and on a fresh machine dequantised, about a minute) by one worker only.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -71,6 +74,12 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     scorer = tmp_path / "gemma3-kvzap.safetensors"
     assert main(["train-scorer", "--model", str(gguf), "--tokens", "256", "--contexts", "2", "--tuning-contexts", "1",
                  "--out", str(scorer)]) == 0
+    # an eval sweep compresses one recorded prefill per context (`CompressedCache.from_prefill`), sliding layers included
+    out = tmp_path / "sweep"
+    assert main(["eval", "--model", str(gguf), "--tasks", "niah_single", "--lengths", "600", "--samples", "1", "--methods", "knorm",
+                 "--ratios", "0.5", "--no-progress", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in records} == {"full", "knorm"} and all(r["error"] is None for r in records), records
     default_allocation = dict(method="adakv", scorer="kvzap", scope="model", alpha_safeguard=0.05, scorer_params={"scorer": str(scorer)})
     for mode in MODES:
         assert generate(compression_ratio=0.0, mode=mode, **default_allocation).token_ids == full.token_ids, mode
