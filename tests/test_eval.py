@@ -105,6 +105,24 @@ def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeyp
     assert calls == []
 
 
+def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path):
+    """Cells are keyed by task, length, sample, method, ratio and mode: a rerun into the same folder with another seed,
+    haystack, answer length, ... (or another model) would find its cells done and report the old run's answers, so it
+    is refused, naming each setting and the folder's value; the same settings continue the run."""
+    model, tokenizer = tiny
+    config = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm"])
+    run_sweep(model, tokenizer, config, tmp_path, progress=False, model_name="tiny")
+    for change, match in [({"seed": 7}, r"seed \(--seed\) 7, there 0"), ({"haystack": "prose"}, r"haystack \(--haystack\) 'prose'"),
+                          ({"max_new_tokens": 3}, r"max_new_tokens \(--max-new-tokens\) 3, there 2")]:
+        with pytest.raises(ValueError, match=rf"holds the results of another run: {match}"):
+            run_sweep(model, tokenizer, small_config(**{**dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm"]),
+                                                        **change}), tmp_path, progress=False, model_name="tiny")
+    with pytest.raises(ValueError, match=r"model \(--model\) 'other', there 'tiny'"):
+        run_sweep(model, tokenizer, config, tmp_path, progress=False, model_name="other")
+    grown = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm", "random"])
+    assert {r["method"] for r in run_sweep(model, tokenizer, grown, tmp_path, progress=False, model_name="tiny")} >= {"knorm", "random"}
+
+
 def test_prefill_reuse_matches_reprefilling(tiny, tmp_path):
     model, tokenizer = tiny
     config = dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"], include_full=False, max_new_tokens=6)

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -118,6 +119,9 @@ def test_run_records_summary_leaderboard_and_resume(checkpoint_model, tmp_path):
     before = (tmp_path / RESULTS_FILE).read_text()
     assert run_perplexity(model, tokenizer, config, tmp_path, progress=False) == records  # every cell recorded: nothing rerun
     assert (tmp_path / RESULTS_FILE).read_text() == before
+    # another setting of the scored tokens would be summarised with these documents as if it were the same run: refused
+    with pytest.raises(ValueError, match=r"holds the results of another run: block \(--block\) 8, there 32"):
+        run_perplexity(model, tokenizer, replace(config, block=8), tmp_path, progress=False)
 
 
 def _records(full_nll, method_nll):

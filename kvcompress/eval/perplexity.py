@@ -88,7 +88,7 @@ from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
 from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
-from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, read_results, stream_budget
+from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, check_same_run, read_results, stream_budget
 from .stats import t_interval
 from . import tables
 
@@ -344,6 +344,8 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     results = ResultsFile(out / RESULTS_FILE)
     done = results.keys()
+    check_same_run(out / "config.json", {name: getattr(config, name) for name in ("seed", "context_fraction", "block", "chunk_size")},
+                   model_name)
     meta = {"task": PERPLEXITY, "config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
             "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / "config.json").write_text(json.dumps(meta, indent=1))

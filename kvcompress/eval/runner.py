@@ -72,6 +72,8 @@ FULL_CACHE_BAR = 0.9
 _SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
 RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
+# What changes every cell's answer but not its key: a results folder holds one value of each (`check_same_run`).
+_RUN_SETTINGS = ("seed", "haystack", "kind", "max_new_tokens", "chunk_size", "task_params", "benchmark", "data")
 # The layout of every run made before layouts were recorded: a blank line, and the task's answer prefix.
 UNRECORDED_PROMPT_LAYOUT = "blank_line_primed"
 
@@ -429,6 +431,7 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
     results = ResultsFile(out / RESULTS_FILE)
     done = results.keys()
     _check_prompt_layout(out / "config.json", config.prompt_layout)
+    check_same_run(out / "config.json", {name: getattr(config, name) for name in _RUN_SETTINGS}, model_name)
     meta = {"config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
             "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / "config.json").write_text(json.dumps(meta, indent=1))
@@ -437,6 +440,23 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
         specs = specs[shard[0]::shard[1]]
     todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
     return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def check_same_run(path: Path, settings: dict, model_name: str = "") -> None:
+    """Refuse to add records to a results folder whose earlier run (its `config.json`, `path`) recorded other values of
+    `settings` (those that change every cell's answer, which the cells' keys leave out: a cell recorded under the old
+    value would not run again) or another model; settings the earlier run did not record are not compared."""
+    if not path.is_file():
+        return
+    meta = json.loads(path.read_text())
+    earlier = meta.get("config", {})
+    changed = [f"{name} (--{name.replace('_', '-')}) {value!r}, there {earlier[name]!r}"
+               for name, value in json.loads(json.dumps(settings)).items() if name in earlier and earlier[name] != value]
+    if model_name and meta.get("model") and meta["model"] != model_name:
+        changed.append(f"model (--model) {model_name!r}, there {meta['model']!r}")
+    if changed:
+        raise ValueError(f"{path.parent} holds the results of another run: {'; '.join(changed)}. Rerun with that run's settings to "
+                         "continue it, or write to a new folder")
 
 
 def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
