@@ -123,6 +123,20 @@ def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path):
     assert {r["method"] for r in run_sweep(model, tokenizer, grown, tmp_path, progress=False, model_name="tiny")} >= {"knorm", "random"}
 
 
+def test_a_sweep_whose_every_cell_errored_still_reports(tiny, tmp_path, monkeypatch):
+    """Every cell recorded with its error (e.g. a setting no method takes): the summary and the plots are written, the
+    plots' panels empty, rather than the report failing."""
+    model, tokenizer = tiny
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(runner, "_answer", refused)
+    records = run_sweep(model, tokenizer, small_config(grid_lengths=[], grid_depths=[]), tmp_path, progress=False)
+    assert records and all(r["error"] == "ValueError: refused" for r in records)
+    assert [p.name for p in plot_sweep(records, tmp_path)] == ["accuracy_vs_ratio_prefill.png"]
+
+
 def test_prefill_reuse_matches_reprefilling(tiny, tmp_path):
     model, tokenizer = tiny
     config = dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"], include_full=False, max_new_tokens=6)

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -84,13 +84,13 @@ def add_cli(subparsers) -> None:
                         f"or {PERPLEXITY} alone: language modelling under compression (see above)")
     t.add_argument("--lengths", type=int_list, default=None, help=f"comma-separated context lengths in tokens (default: {','.join(map(str, SWEEP_LENGTHS))}; not with --benchmark); "
                    f"with --tasks {PERPLEXITY}: document lengths (default 2048)")
-    t.add_argument("--samples", type=int, default=None, help=f"samples per task and length (default {SWEEP_SAMPLES}); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
+    t.add_argument("--samples", type=count(1), default=None, help=f"samples per task and length (default {SWEEP_SAMPLES}); depth tasks put sample i at depth 0.5, 0.118, 0.736, 0.354, ... (golden-ratio steps), so raising --samples on a finished run adds samples. "
                    "With --benchmark: the first N samples of each task (default: all). "
                    f"With --tasks {PERPLEXITY}: documents per length (default {PERPLEXITY_DOCUMENTS}); document i is the same in every run of a --seed")
     t.add_argument("--modes", type=list_of(MODES, "mode"), default=None, help=f"comma-separated modes among {','.join(MODES)} (default: prefill; "
                    f"with --tasks {PERPLEXITY}: prefill,decode); chunked/decode get the middle budget the ratio gives in prefill mode "
                    f"({PERPLEXITY}, decode mode: the ratio of the whole document)")
-    t.add_argument("--seed", type=int, default=0, help="base seed of the task generators and of randomised methods (default 0)")
+    t.add_argument("--seed", type=count(0), default=0, help="base seed of the task generators and of randomised methods (default 0)")
     t.add_argument("--haystack", default=None, choices=HAYSTACKS, help="needle haystack: repeated filler or real prose (default filler)")
     t.add_argument("--kind", default=None, choices=NEEDLE_KINDS, help="needle values (default numbers)")
     t.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",
@@ -102,8 +102,8 @@ def add_cli(subparsers) -> None:
     t.add_argument("--grid-task", default="niah_single", help="needle task of the heat-map (default niah_single)")
     t.add_argument("--no-full", action="store_true", help="skip the full-cache reference cells")
     t.add_argument("--no-reuse-prefill", action="store_true", help="re-prefill the context for every method (to measure what prefill reuse saves)")
-    t.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: per task, enough for its answers)")
-    t.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"prompt block size in chunked/decode modes (default {DEFAULT_CHUNK_SIZE})")
+    t.add_argument("--max-new-tokens", type=count(1), default=None, help="answer tokens (default: per task, enough for its answers)")
+    t.add_argument("--chunk-size", type=count(1), default=DEFAULT_CHUNK_SIZE, help=f"prompt block size in chunked/decode modes (default {DEFAULT_CHUNK_SIZE})")
     t.add_argument("--prompt-layout", default=DEFAULT_PROMPT_LAYOUT, choices=PROMPT_LAYOUTS,
                    help=f"how each prompt joins context and question (docs/prompt_layout.md): blank_line / newline separator, "
                         f"_primed: the task's answer prefix starts the answer (default {DEFAULT_PROMPT_LAYOUT}); recorded in every "
@@ -111,7 +111,7 @@ def add_cli(subparsers) -> None:
     lm = p.add_argument_group(f"language modelling under compression (kvcompress eval --tasks {PERPLEXITY})")
     lm.add_argument("--context-fraction", type=float, default=None,
                     help=f"share of each document given as context; the rest is scored (default {PERPLEXITY_CONTEXT_FRACTION})")
-    lm.add_argument("--block", type=int, default=None,
+    lm.add_argument("--block", type=count(1), default=None,
                     help=f"continuation tokens fed (teacher-forced) per forward in prefill/chunked modes and for the full cache (default {PERPLEXITY_BLOCK})")
     b = p.add_argument_group("standard benchmarks and scale-out (kvcompress eval [tasks])")
     b.add_argument("--benchmark", default=None, choices=BENCHMARKS, help="evaluate on a standard benchmark's local files instead of the generated tasks")
@@ -119,15 +119,15 @@ def add_cli(subparsers) -> None:
     b.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="run only the I-th of N disjoint slices of the samples (0 <= I < N)")
     b.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run samples as Ray tasks on the cluster at ADDRESS (e.g. auto) or, without ADDRESS, on a local one")
-    b.add_argument("--ray-cpus", type=int, default=1, help="CPUs (and torch threads) per Ray task when the cluster has no GPU (default 1); with GPUs a task holds 1 GPU")
-    b.add_argument("--ray-retries", type=int, default=3, help="retries of a Ray task whose worker crashed or was pre-empted (default 3)")
+    b.add_argument("--ray-cpus", type=count(1), default=1, help="CPUs (and torch threads) per Ray task when the cluster has no GPU (default 1); with GPUs a task holds 1 GPU")
+    b.add_argument("--ray-retries", type=count(0), default=3, help="retries of a Ray task whose worker crashed or was pre-empted (default 3)")
     a = p.add_argument_group("approx (kvcompress eval approx)")
     a.add_argument("--layers", type=int_list, default=list(APPROX_LAYERS), help=f"comma-separated layers (default {','.join(map(str, APPROX_LAYERS))})")
-    a.add_argument("--tokens", type=int, default=2048, help="tokens of real prose captured (default 2048)")
-    a.add_argument("--queries", type=int, default=256, help="last queries whose attention is approximated; they are the exact window (default 256)")
-    a.add_argument("--sink", type=int, default=256, help="first tokens kept exactly (default 256, the seed's)")
-    a.add_argument("--seeds", type=int, default=10, help="seeds per method, ratio and layer for the error bars (default 10)")
-    a.add_argument("--text-seed", type=int, default=0, help="shuffle of the prose paragraphs (default 0)")
+    a.add_argument("--tokens", type=count(1), default=2048, help="tokens of real prose captured (default 2048)")
+    a.add_argument("--queries", type=count(1), default=256, help="last queries whose attention is approximated; they are the exact window (default 256)")
+    a.add_argument("--sink", type=count(0), default=256, help="first tokens kept exactly (default 256, the seed's)")
+    a.add_argument("--seeds", type=count(1), default=10, help="seeds per method, ratio and layer for the error bars (default 10)")
+    a.add_argument("--text-seed", type=count(0), default=0, help="shuffle of the prose paragraphs (default 0)")
     p.set_defaults(func=run_cli)
 
 

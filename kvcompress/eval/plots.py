@@ -69,7 +69,8 @@ def _finish_panels(fig, axes, n_panels: int, ylabel: str, title: str, path) -> P
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    if labels:  # none when every cell errored: the panels are empty
+        fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(path, dpi=110)
