@@ -29,7 +29,8 @@ def tiny():
 
 def small_config(**kw):
     base = dict(methods=["knorm", "random"], ratios=[0.5], tasks=["niah_single", "common_words"], lengths=[200],
-                samples=2, grid_lengths=[150, 220], grid_depths=[0.0, 1.0], grid_ratios=[0.5], max_new_tokens=2)
+                samples=2, grid_lengths=[150, 220], grid_depths=[0.0, 1.0], grid_ratios=[0.5], max_new_tokens=2,
+                task_params={"common_words": {"n_common": 3, "common_freq": 4, "rare_freq": 1}})  # fits 200 tokens
     return SweepConfig(**(base | kw))
 
 

@@ -71,6 +71,12 @@ def _resolve(assign, name):
     return assign[name]
 
 
+def test_common_words_refuse_a_length_shorter_than_the_common_words_alone():
+    with pytest.raises(ValueError, match=r"target_tokens=512 is shorter than the common words alone: n_common=10 words × common_freq=30"):
+        T.common_words(512)
+    assert T.common_words(512, n_common=5, common_freq=8).n_tokens <= 600
+
+
 def test_common_words_are_most_common():
     s = T.common_words(1500, seed=2, n_common=5, common_freq=20, rare_freq=2)
     words = re.findall(r"\d+\. (\w+)", s.context)

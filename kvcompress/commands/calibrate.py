@@ -10,7 +10,7 @@ from .common import (add_device_args, add_model_arg, add_threads_arg, check_out_
                      resolve_device, set_threads)
 from ..names import CALIBRATION_RETENTIONS
 
-DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words")
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "frequent_words")  # each honours a short --tokens
 
 
 def add_cli(subparsers) -> None:

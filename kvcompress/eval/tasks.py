@@ -289,7 +289,8 @@ def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, hay
 def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common_freq=30, rare_freq=3) -> Sample:
     """RULER CWE: n_common words appear common_freq times each, filler words rare_freq times each.
 
-    The rare words fill the rest of the length (estimated per word), shuffled with the common ones.
+    The rare words fill the rest of the length (estimated per word), shuffled with the common ones; a length shorter
+    than the common words alone is an error (with the defaults, about 1,700 tokens of the default model's tokenizer).
     """
     rng, count = _start(target_tokens, seed, tokenizer)
     _check("n_common", n_common, 1)
@@ -299,6 +300,11 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
     rng.shuffle(vocab)
     common, rare_pool = vocab[:n_common], vocab[n_common:]
     per_word = sum(count([f" {i + 100}. {w}" for i, w in enumerate(vocab[:50])])) / 50
+    floor = n_common * common_freq * per_word
+    if floor > target_tokens:
+        raise ValueError(f"target_tokens={target_tokens} is shorter than the common words alone: n_common={n_common} words "
+                         f"× common_freq={common_freq} take about {round(floor)} tokens; lower them (a task parameter, "
+                         f"--task-param common_words.common_freq=...) or ask for a longer context")
     n_rare = max(0, (int(target_tokens / per_word) - n_common * common_freq) // rare_freq)
     if n_rare > len(rare_pool):
         raise ValueError(f"target_tokens too large for the vocabulary ({len(rare_pool)} rare words)")
