@@ -118,9 +118,12 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def check_out_folder(flag: str, path) -> None:
-    """ValueError naming `flag` unless the folder `path` is to be written in exists: checked before the work, not after."""
+    """ValueError naming `flag` unless `path` is a file that can be written: its folder exists and it is not itself a
+    folder. Checked before the work, not after."""
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; give the path of the file to write")
 
 
 def set_threads(threads: int | None) -> None:

@@ -21,8 +21,6 @@ def _run(args) -> int:
     options = options_of(args)  # every flag checked before the model loads
     if options.method is None:
         raise ValueError("--method full keeps every token: there is nothing to compress; name a method")
-    if args.out.is_dir():
-        raise ValueError(f"--out {str(args.out)!r} is a directory: pass a file path, e.g. doc.kvc")
     check_out_folder("--out", args.out)
     context = read_context(args.context_file)
     set_threads(args.threads)
