@@ -353,7 +353,8 @@ def test_the_default_on_a_model_without_a_scorer_is_an_error_naming_train_scorer
     from test_integration import _prompt, tiny
 
     ctx, question = _prompt(n=200)
-    with pytest.raises(SurrogateError, match=r"default method \(AdaKV over KVzap\).*kvcompress train-scorer.*another method"):
+    with pytest.raises(SurrogateError, match=r"the KVzap scorer '.*smollm2-135m-kvzap.safetensors' \(trained on model .*the default: "
+                                             r"AdaKV over them\).*kvcompress train-scorer.*another method"):
         generate_ids(tiny(), ctx, question, compression_ratio=0.5, max_new_tokens=2)
 
 

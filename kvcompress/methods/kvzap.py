@@ -92,6 +92,12 @@ class Surrogate:
     model: str = ""
     meta: dict = field(default_factory=dict)
     score_quantiles: torch.Tensor | None = None
+    source: str = field(default="", compare=False)  # the file it was loaded from ("" when built in memory), for messages
+
+    @property
+    def named(self) -> str:
+        """How errors name these weights: the KVzap scorer, its file and the model it was trained on."""
+        return f"the KVzap scorer{f' {self.source!r}' if self.source else ''} (trained on model {self.model!r})"
 
     @property
     def kv_heads(self) -> int:
@@ -104,7 +110,7 @@ class Surrogate:
     def row(self, layer_idx: int | None) -> int:
         """The stacks' row of model layer `layer_idx` (a clear error for a layer the file has no surrogate for)."""
         if layer_idx not in self.layers:
-            raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) has no surrogate for layer {layer_idx}: it "
+            raise SurrogateError(f"{self.named} has no surrogate for layer {layer_idx}: it "
                                  f"covers layers {list(self.layers)}; a cache passes each layer's index (kvc.compress takes "
                                  f"layer=(layer_idx, num_layers)); for another model train a scorer with `{TRAIN_COMMAND}`")
         return self.layers.index(layer_idx)
@@ -118,9 +124,10 @@ class Surrogate:
         """[B, H_kv, n] float32: predicted KVzip log-scores at layer `layer_idx` of inputs [B, H_kv, n, d_in] (any float dtype;
         head h's rows are what head h's surrogate reads)."""
         if not self.reads(inputs.shape[1], inputs.shape[-1]):
-            raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) reads hidden states of width {self.input_width} "
+            raise SurrogateError(f"{self.named} reads hidden states of width {self.input_width} "
                                  f"for {self.kv_heads} KV heads, got {inputs.shape[1]} heads of width {inputs.shape[-1]}: it "
-                                 f"belongs to another model. The default method (AdaKV over KVzap) needs one for this model: "
+                                 f"belongs to another model. KVzap's scores (method 'kvzap', and the default: AdaKV over them) "
+                                 f"need a scorer trained for this model: "
                                  f"train it with `{TRAIN_COMMAND}` and pass method='adakv', scorer='kvzap', scorer_params={{'scorer': FILE}}, or "
                                  f"name another method (e.g. method='snapkv')")
         i = self.row(layer_idx)
@@ -140,7 +147,7 @@ class Surrogate:
         import numpy as np
 
         if self.score_quantiles is None:
-            raise SurrogateError(f"the KVzap scorer (trained on model {self.model!r}) records no score quantiles, so it cannot share "
+            raise SurrogateError(f"{self.named} records no score quantiles, so it cannot share "
                                  f"a budget over the layers of a stream: train it again with `{TRAIN_COMMAND}`")
         if isinstance(kept_fraction, bool) or not isinstance(kept_fraction, (int, float)) or not 0.0 < kept_fraction <= 1.0:
             raise ValueError(f"kept_fraction must be a number in (0, 1] (the share of the tokens kept), got {kept_fraction!r}")
@@ -222,7 +229,7 @@ class Surrogate:
             fail(f"score_quantiles must be [{len(layers)} layers, >= 2 levels] finite and non-decreasing along each row, got "
                  f"{tuple(quantiles.shape)} {quantiles.dtype}")
         return cls(header["kind"], layers, w1.float(), b1.float(), tensors.get("second_weight"),
-                   tensors.get("second_bias"), header.get("model", ""), meta, None if quantiles is None else quantiles.float())
+                   tensors.get("second_bias"), header.get("model", ""), meta, None if quantiles is None else quantiles.float(), source)
 
 
 def shipped_path(name: str) -> Path:
