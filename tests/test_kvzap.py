@@ -167,10 +167,22 @@ def tiny_scorer(tiny_checkpoint, tmp_path_factory):
     return out
 
 
+def test_training_contexts_are_as_many_as_asked_or_an_error_says_how_many_fit(tiny_checkpoint):
+    from kvcompress.integration.scorer_training import text_contexts
+
+    _, tokenizer = kvc.load_model(tiny_checkpoint)
+    paragraphs = [f"Paragraph {i} says something about the weather." for i in range(12)]  # ~48 byte tokens each
+    assert len(text_contexts(tokenizer, paragraphs, 100, 4, seed=0)) == 4
+    with pytest.raises(ValueError, match=r"--contexts 9: the text \(12 paragraphs\) fills 4 contexts of 100 tokens; ask for at most 4"):
+        text_contexts(tokenizer, paragraphs, 100, 9, seed=0)
+    with pytest.raises(ValueError, match="fills no context of 10000 tokens"):
+        text_contexts(tokenizer, paragraphs, 10000, 1, seed=0, flag="--tuning-contexts")
+
+
 def test_train_scorer_runs_end_to_end_and_records_how(tiny_scorer, capsys):
     s = Surrogate.load(tiny_scorer)
     assert s.kind == "linear" and s.layers == (0, 1) and s.kv_heads == 2 and s.input_width == 64
-    assert s.meta["seed"] == 0 and s.meta["training_tokens"] > 100 and set(s.meta["tuning_spearman"]) == {"0", "1"}
+    assert s.meta["seed"] == 0 and s.meta["contexts"] == 2 and s.meta["training_tokens"] > 100 and set(s.meta["tuning_spearman"]) == {"0", "1"}
     assert all(-1 <= v <= 1 for v in s.meta["tuning_spearman"].values()) and s.meta["seconds"] > 0
     assert s.score_quantiles.shape == (2, kvzap.SCORE_QUANTILES) and sum(s.layer_shares(0.5).values()) == pytest.approx(2.0)
 

@@ -75,10 +75,10 @@ def record_scoring_pairs(model, tokenizer, context_ids: torch.Tensor, sink: int 
     return ScoringPairs(hidden, targets)
 
 
-def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, seed: int) -> list[torch.Tensor]:
-    """Up to `count` contexts [1, n] (`context_ids_of`) of about `tokens` tokens each: `paragraphs` shuffled by `seed`,
-    then joined by blank lines, a context closing at the first paragraph that takes it to `tokens` tokens; each
-    paragraph is used once. ValueError when the paragraphs fill none."""
+def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, seed: int, flag: str = "--contexts") -> list[torch.Tensor]:
+    """`count` contexts [1, n] (`context_ids_of`) of about `tokens` tokens each: `paragraphs` shuffled by `seed`, then
+    joined by blank lines, a context closing at the first paragraph that takes it to `tokens` tokens; each paragraph is
+    used once. ValueError when the paragraphs fill fewer, naming `flag` (the option that set `count`) and how many fit."""
     import random
 
     order = list(paragraphs)
@@ -91,10 +91,10 @@ def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, see
             contexts.append(context_ids_of(tokenizer, "\n\n".join(part)))
             part, length = [], 0
             if len(contexts) == count:
-                break
-    if not contexts:
-        raise ValueError(f"the training text ({len(paragraphs)} paragraphs) fills no context of {tokens} tokens: use fewer tokens")
-    return contexts
+                return contexts
+    raise ValueError(f"{flag} {count}: the text ({len(paragraphs)} paragraphs) fills {len(contexts)} contexts of {tokens} tokens; "
+                     f"ask for at most {len(contexts)} or fewer tokens per context" if contexts else
+                     f"the text ({len(paragraphs)} paragraphs) fills no context of {tokens} tokens: use fewer tokens")
 
 
 def scoring_pairs(model, tokenizer, contexts: list[torch.Tensor], sink: int = 4, progress=None) -> ScoringPairs:
