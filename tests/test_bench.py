@@ -152,16 +152,17 @@ def test_peak_process_memory_sees_an_allocation():
 def test_cli_runs_and_writes_tables_and_plots(tmp_path):
     out = tmp_path / "bench"
     argv = ["bench", "--sections", "overhead,attention", "--methods", "knorm,subgen", "--shapes", "smollm2", "--sizes", "32,64", "--repeats", "1",
-            "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "2", "--out", str(out)]
+            "--compression-ratio", "0.9", "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "2", "--out", str(out)]
     assert main(argv) == 0
     for name in ("overhead.csv", "exponents.csv", "attention.csv", "bench.md", "overhead.png", "decode.png"):
         assert (out / name).stat().st_size > 0
     with open(out / "overhead.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["method"], r["kind"]) for r in rows} == {("exact", "exact"), ("knorm", "compress"), ("subgen", "compress"), ("subgen", "stream")}
+    assert {r["ratio_removed"] for r in rows} == {"0.9"}
     assert (out / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
-    assert "Machine:" in md and "torch threads" in md and "| knorm |" in md and "| subgen |" in md
+    assert "Machine:" in md and "torch threads" in md and "| knorm |" in md and "| subgen |" in md and "90% of them removed" in md
     (out / "bench.md").unlink()
     assert main(["bench", "--report-only", "--out", str(out)]) == 0
     assert (out / "bench.md").read_text() == md

@@ -115,8 +115,8 @@ def has_stream(method: str) -> bool:
 
 
 def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median}
-    for config's methods, shapes and sizes.
+    """Rows {shape, n, method, kind (exact|compress|stream), repeats, min_s, median_s, ratio_min, ratio_median,
+    ratio_removed} for config's methods, shapes and sizes.
 
     Every method gets the same job: keep ceil((1 - compression_ratio)·n) of the n tokens per
     head, with no exact sink or window (so the time is the method's own work on all n tokens).
@@ -133,6 +133,10 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
         if (config.stream == "all" and has_stream(method)) or (config.stream == "native" and natively_streaming(method)):
             jobs.append((method, "stream"))
     rows: list[dict] = []
+
+    def add(row: dict) -> None:  # every row records the share removed
+        add_row(rows, on_row, {**row, "ratio_removed": config.compression_ratio})
+
     for shape in config.shapes:
         too_slow: set[tuple[str, str]] = set()
         reasons = {method: unfit_reason(method, shape) for method in config.methods}  # None: measured
@@ -142,25 +146,26 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
         for n in sorted(config.sizes):
             if ("exact", "exact") in too_slow:
                 too_slow.update(jobs)
-                rows += [{"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True} for m, k in (("exact", "exact"), *jobs)]
+                for m, k in (("exact", "exact"), *jobs):
+                    add({"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True})
                 continue
             layer = synthetic_layer(shape, n, torch.Generator().manual_seed(config.seed + n), config.dtype, config.device)
             exact = time_calls(lambda: exact_attention_pass(layer), config.repeats, config.max_seconds, config.device)
-            add_row(rows, on_row, _timing_row(shape, n, "exact", "exact", exact, None))
+            add(_timing_row(shape, n, "exact", "exact", exact, None))
             log(f"{shape.name} n={n}: exact attention {min(exact):.3f}s")
             for method, kind in jobs:
                 if reasons[method] is not None:
-                    add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": reasons[method]})
+                    add({"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": reasons[method]})
                     continue
                 if (method, kind) in too_slow:
-                    add_row(rows, on_row, {"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
+                    add({"shape": shape.name, "n": n, "method": method, "kind": kind, "skipped": True})
                     continue
                 if kind == "compress":
                     fn = one_shot(method, layer, config.compression_ratio, config.seed)
                 else:
                     fn = streamed(method, layer, config.compression_ratio, config.block, config.seed)
                 times = time_calls(fn, config.repeats, config.max_seconds, config.device)
-                add_row(rows, on_row, _timing_row(shape, n, method, kind, times, exact))
+                add(_timing_row(shape, n, method, kind, times, exact))
                 log(f"{shape.name} n={n}: {method} {kind} {min(times):.3f}s = {rows[-1]['ratio_min']:.3f}x exact")
                 if min(times) > config.max_seconds:
                     too_slow.add((method, kind))

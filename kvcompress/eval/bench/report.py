@@ -29,9 +29,10 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
     """The sections of a bench page for the rows given (each section a `##` heading), without its title and machine line."""
     out = []
     if overhead:
+        removed = sorted({float(r["ratio_removed"]) for r in overhead if r.get("ratio_removed") not in (None, "")}) or [0.5]  # 0.5: rows before the column
         out += ["## Compression overhead", "",
                 "Time of each method over one exact causal attention pass (SDPA) over the same n tokens "
-                "(min of repeats, synthetic tensors of the shape, 50% removed unless stated). "
+                f"(min of repeats, synthetic tensors of the shape, {' and '.join(f'{x:.0%}' for x in removed)} of them removed). "
                 "`skipped`: a smaller n already took longer than the per-call limit; `n/a`: the method cannot run on the "
                 "shape (why follows the shape's tables).", ""]
         for shape in dict.fromkeys(r["shape"] for r in overhead):
