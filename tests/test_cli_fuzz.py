@@ -92,6 +92,10 @@ CASES = {
     "eval grid lengths without depths": (["eval", "--grid-lengths", "1024", "--out", "{tmp}/e"], "grid_depths"),
     "eval malformed task parameter": (["eval", "--task-param", "n_keys=4", "--out", "{tmp}/e"], "--task-param"),
     "eval approx sink beyond tokens": (["eval", "approx", "--tokens", "100", "--sink", "256"], "tokens"),
+    "eval approx with sweep flags": (["eval", "approx", "--tasks", "niah_single", "--chunk-size", "64"],
+                                     "`eval approx` takes none of the task sweep's and perplexity's flags; got --tasks, --chunk-size"),
+    "eval sweep with approx flags": (["eval", "--layers", "3", "--queries", "5", "--out", "{tmp}/e"],
+                                     "the task sweep and perplexity take none of `eval approx`'s flags; got --layers, --queries"),
     "eval missing model directory": (["eval", "--model", "{tmp}/no-model", "--out", "{tmp}/e"], "checkpoint"),
     "eval perplexity with other tasks": (["eval", "--tasks", "perplexity,niah_single", "--out", "{tmp}/e"], "runs alone"),
     "eval perplexity unknown method": (["eval", "--tasks", "perplexity", "--methods", "zip", "--out", "{tmp}/e"], "zip"),
@@ -149,6 +153,8 @@ CASES = {
                                  "--out '{tmp}' is a directory; give the path of the file to write"),
     "calibrate out is a folder": (["calibrate", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
     "train-scorer out is a folder": (["train-scorer", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
+    "train-scorer linear with mlp flags": (["train-scorer", "--steps", "10", "--out", "{tmp}/s.safetensors"],
+                                           "--mlp-width and --steps set the MLP of --kind mlp; --kind linear (ridge regression) takes neither"),
     "no subcommand": ([], "command"),
 }
 

@@ -128,7 +128,13 @@ def add_cli(subparsers) -> None:
     a.add_argument("--sink", type=count(0), default=256, help="first tokens kept exactly (default 256, the seed's)")
     a.add_argument("--seeds", type=count(1), default=10, help="seeds per method, ratio and layer for the error bars (default 10)")
     a.add_argument("--text-seed", type=count(0), default=0, help="shuffle of the prose paragraphs (default 0)")
-    p.set_defaults(func=run_cli)
+    # each evaluation's own flags, so that another one's given to it is refused rather than ignored
+    p.set_defaults(func=run_cli, sweep_flags=[*t._group_actions, *lm._group_actions, *b._group_actions], approx_flags=a._group_actions)
+
+
+def _given(args, actions) -> list[str]:
+    """The flags among `actions` (argparse actions) given a value other than their default."""
+    return [action.option_strings[0] for action in actions if getattr(args, action.dest) != action.default]
 
 
 def run_cli(args) -> int:
@@ -136,9 +142,13 @@ def run_cli(args) -> int:
     if args.ray is None and (args.ray_cpus != 1 or args.ray_retries != 3):
         raise ValueError("--ray-cpus and --ray-retries go with --ray")
     if args.bench == "approx":
-        if args.benchmark or args.shard or args.ray is not None:
-            raise ValueError("--benchmark, --shard and --ray apply to the task sweep, not to `eval approx`")
+        given = _given(args, args.sweep_flags)
+        if given:
+            raise ValueError(f"`eval approx` takes none of the task sweep's and perplexity's flags; got {', '.join(given)}")
         return _run_approx(args)
+    given = _given(args, args.approx_flags)
+    if given:
+        raise ValueError(f"the task sweep and perplexity take none of `eval approx`'s flags; got {', '.join(given)}")
     if args.tasks and PERPLEXITY in args.tasks:
         return _run_perplexity(args)
     if args.context_fraction is not None or args.block is not None:

@@ -9,6 +9,9 @@ from pathlib import Path
 from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, resolve_device, set_threads
 
 
+MLP_WIDTH, MLP_STEPS = 16, 300  # --kind mlp's defaults
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "train-scorer", help="fit KVzap's learned KVzip scores for a model (arXiv 2601.07891)",
@@ -23,8 +26,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--contexts", type=count(1), default=6, help="training contexts, >= 1 (default 6: the shipped scorer's; the "
                    "text holds 9 of the default 2048 tokens)")
     p.add_argument("--tuning-contexts", type=count(1), default=1, help="tuning contexts the fit is reported on (default 1)")
-    p.add_argument("--mlp-width", type=count(1), default=16, help="hidden units per head of --kind mlp (default 16)")
-    p.add_argument("--steps", type=count(1), default=300, help="Adam steps of --kind mlp (default 300)")
+    p.add_argument("--mlp-width", type=count(1), default=None, help=f"hidden units per head of --kind mlp (default {MLP_WIDTH})")
+    p.add_argument("--steps", type=count(1), default=None, help=f"Adam steps of --kind mlp (default {MLP_STEPS})")
     p.add_argument("--seed", type=int, default=0, help="order of the training paragraphs and the MLP's initialisation")
     p.add_argument("--out", type=Path, required=True, help="where to write the scorer (safetensors)")
     add_model_arg(p)
@@ -44,6 +47,9 @@ def _run(args) -> int:
     from ..methods.kvzap import fit_surrogate
 
     check_out_folder("--out", args.out)
+    if args.kind == "linear" and (args.mlp_width is not None or args.steps is not None):
+        raise ValueError("--mlp-width and --steps set the MLP of --kind mlp; --kind linear (ridge regression) takes neither")
+    mlp_width, steps = args.mlp_width or MLP_WIDTH, args.steps or MLP_STEPS
     set_threads(args.threads)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
@@ -55,7 +61,7 @@ def _run(args) -> int:
     tuning = scoring_pairs(model, tokenizer, text_contexts(tokenizer, tuning_text, args.tokens, args.tuning_contexts, args.seed,
                                                               "--tuning-contexts"))
     name = getattr(model.config, "_name_or_path", "") or ""
-    surrogate = fit_surrogate(train.hidden, train.targets, args.kind, mlp_width=args.mlp_width, steps=args.steps, seed=args.seed,
+    surrogate = fit_surrogate(train.hidden, train.targets, args.kind, mlp_width=mlp_width, steps=steps, seed=args.seed,
                               model=Path(name).name if name else "")
     per_layer = {layer: sum(heads) / len(heads) for layer, heads in fidelity(surrogate, tuning).items()}
     seconds = time.perf_counter() - start
@@ -63,8 +69,8 @@ def _run(args) -> int:
             "training_text": "eval.capture.SCORER_TRAINING_MODULES", "tuning_text": "eval.capture.DOCSTRING_MODULES",
             "tuning_tokens": int(tuning.hidden[surrogate.layers[0]].shape[0]),
             "tuning_spearman": {str(k): round(v, 4) for k, v in per_layer.items()}, "seconds": round(seconds, 1),
-            "threads": torch.get_num_threads(), "mlp_width": args.mlp_width if args.kind == "mlp" else None,
-            "steps": args.steps if args.kind == "mlp" else None}
+            "threads": torch.get_num_threads(), "mlp_width": mlp_width if args.kind == "mlp" else None,
+            "steps": steps if args.kind == "mlp" else None}
     surrogate = replace(surrogate, meta=meta)
     surrogate.save(args.out)
     values = list(per_layer.values())
