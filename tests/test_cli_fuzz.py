@@ -125,6 +125,8 @@ CASES = {
     "bench unknown dtype": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--dtype", "float8"], "--dtype"),
     "bench unknown device": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--device", "tpu"], "--device"),
     "bench report without csvs": (["bench", "--report-only", "--out", "{tmp}/empty"], "no bench CSV"),
+    "bench flag of a section not run": (["bench", "--sections", "overhead", "--kept", "0.5", "--step-repeats", "2", "--out", "{tmp}/b"],
+                                        "--kept, --step-repeats set sections not run (--sections overhead)"),
     "bench report-only with measurement flags": (["bench", "--report-only", "--out", "{tmp}/b", "--sizes", "64"], "--report-only"),
     # calibrate
     "calibrate missing out flag": (["calibrate"], "--out"),

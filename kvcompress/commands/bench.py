@@ -24,37 +24,39 @@ def add_cli(subparsers) -> None:
                         "with one combined bench.md (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite bench.md and the plots from the CSVs already in --out")
-    g = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")
+    groups = {}  # section -> its argument group, whose flags a run without the section refuses
+    g = groups["overhead"] = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")
     g.add_argument("--shapes", type=list_of(BENCH_SHAPES, "shape"), default=list(BENCH_SHAPES),
                    help=f"layer shapes, among {','.join(BENCH_SHAPES)} (default {','.join(BENCH_SHAPES)})")
     g.add_argument("--sizes", type=int_list, default=list(BENCH_SIZES),
                    help=f"comma-separated token counts n (default {','.join(map(str, BENCH_SIZES))})")
     g.add_argument("--compression-ratio", type=float, default=0.5, help="fraction of the n tokens removed, in [0, 1) (default 0.5)")
     g.add_argument("--repeats", type=int, default=3, help="timed calls per measurement; min and median are reported (default 3)")
-    g.add_argument("--block", type=int, default=128, help="tokens per stream update (default 128)")
+    block = g.add_argument("--block", type=int, default=128, help="tokens per stream update (default 128)")
     g.add_argument("--max-seconds", type=float, default=30.0,
                    help="per measurement: repeats stop after this many seconds, and a call slower than this is not run at larger n (default 30)")
     g.add_argument("--stream", choices=["native", "all", "none"], default="native",
                    help="time stream updates of natively streaming methods, of all methods (block-wise replay), or none (default native)")
-    g = p.add_argument_group("prefill: `generate` prefill with compression over a plain transformers prefill, on the model")
+    g = groups["prefill"] = p.add_argument_group("prefill: `generate` prefill with compression over a plain transformers prefill, on the model")
     g.add_argument("--prefill-tokens", type=int, default=4096, help="context tokens of real prose (default 4096)")
     g.add_argument("--prefill-ratio", type=float, default=0.75, help="fraction of the context removed, in [0, 1) (default 0.75)")
     g.add_argument("--prefill-repeats", type=int, default=2, help="prefills per method (default 2)")
     g.add_argument("--plain-every", type=int, default=4, help="a plain prefill before every this many methods (default 4)")
     g.add_argument("--kernel-repeats", type=int, default=3,
                    help="interleaved SDPA / fused attention-mass kernel calls per layer, for methods that need the mass (default 3)")
-    g = p.add_argument_group("throughput: tokens/s a stream absorbs, every method against KeyDiff (--block tokens per update)")
+    g = groups["throughput"] = p.add_argument_group("throughput: tokens/s a stream absorbs, every method against KeyDiff (--block tokens per update)")
     g.add_argument("--throughput-shape", type=shape, default="llama8b", help=f"layer shape, among {','.join(BENCH_SHAPES)} (default llama8b)")
     g.add_argument("--throughput-tokens", type=int, default=8192, help="tokens streamed, half of them kept (default 8192)")
     g.add_argument("--throughput-repeats", type=int, default=3, help="runs per method, min reported (default 3)")
-    g = p.add_argument_group("decode: greedy tokens/s on the model, and the attention-only decode step")
+    g = groups["decode"] = p.add_argument_group("decode: greedy tokens/s on the model")
     g.add_argument("--decode-context", type=int, default=8192, help="context tokens of the decode run (default 8192)")
     g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
     g.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per run (default 32)")
+    g = groups["attention"] = p.add_argument_group("attention: the attention-only decode step")
     g.add_argument("--step-shape", type=shape, default="llama8b", help=f"shape of the attention-only step, among {','.join(BENCH_SHAPES)} (default llama8b)")
     g.add_argument("--step-contexts", type=int_list, default=[8192, 32768], help="context lengths of the attention-only step (default 8192,32768)")
     g.add_argument("--step-repeats", type=int, default=50, help="timed steps per case (default 50)")
-    g = p.add_argument_group("memory: peak KV bytes and peak process memory, prefill vs chunked mode")
+    g = groups["memory"] = p.add_argument_group("memory: peak KV bytes and peak process memory, prefill vs chunked mode")
     g.add_argument("--memory-method", type=method_name, default="keydiff", help="method of the memory runs (default keydiff)")
     g.add_argument("--memory-sizes", type=int_list, default=[2048, 4096, 8192, 16384], help="prompt lengths (default 2048,4096,8192,16384)")
     g.add_argument("--memory-budget", type=int, default=1024, help="middle budget (slots per KV head) of the memory runs (default 1024)")
@@ -62,7 +64,9 @@ def add_cli(subparsers) -> None:
     g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"prompt block size in chunked mode (default {DEFAULT_CHUNK_SIZE})")
     add_model_arg(p)
     add_device_args(p)
-    p.set_defaults(func=_run, measurement_defaults={a.dest: a.default for a in p._actions if a.dest not in ("help", "out", "report_only")})
+    section_flags = {section: [*group._group_actions, *([block] if section == "throughput" else [])] for section, group in groups.items()}
+    p.set_defaults(func=_run, measurement_defaults={a.dest: a.default for a in p._actions if a.dest not in ("help", "out", "report_only")},
+                   section_flags=section_flags)
 
 
 def _run(args) -> int:
@@ -74,6 +78,11 @@ def _run(args) -> int:
             raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {['--' + g.replace('_', '-') for g in given]}")
         bench.report(args.out)
         return 0
+    used = {action.dest for section in args.sections for action in args.section_flags[section]}
+    unused = sorted({action.option_strings[0] for actions in args.section_flags.values() for action in actions
+                     if action.dest not in used and getattr(args, action.dest) != action.default})
+    if unused:
+        raise ValueError(f"{', '.join(unused)} set sections not run (--sections {','.join(args.sections)}); add their sections or leave them out")
     # every measurement flag is the BenchConfig field of its name; shape names become Shapes, --device/--dtype torch objects
     options = {name: getattr(args, name) for name in args.measurement_defaults}
     device, dtype = resolve_device(args.device, args.dtype)
