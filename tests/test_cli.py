@@ -139,3 +139,14 @@ def test_compress_saves_a_cache_that_generate_answers_from(tiny_checkpoint, tmp_
     assert main(["generate", "--cache", str(tmp_path / "missing.kvc"), *ask]) == 2
     assert main(["compress", "--context-file", str(doc), "--out", str(tmp_path), *flags]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_eval_checks_its_results_folder_before_loading_the_model(tmp_path, capsys):
+    """A results folder holding another run is refused before the model loads (here the model does not even exist)."""
+    import json
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"config": {"seed": 0}, "model": "SmolLM2-135M-Instruct"}))
+    assert main(["eval", "--seed", "3", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 2
+    assert "holds the results of another run: seed (--seed) 3, there 0" in capsys.readouterr().err

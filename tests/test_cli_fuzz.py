@@ -139,6 +139,8 @@ CASES = {
     "calibrate retentions not numbers": ([*CAL, "--retentions", "most"], "--retentions"),
     "calibrate zero samples": ([*CAL, "--samples", "0"], "argument --samples: expected an integer >= 1, got '0'"),
     "calibrate asymmetry below one": ([*CAL, "--asymmetry", "0.5"], "--asymmetry"),
+    "calibrate one measurement": ([*CAL, "--tasks", "niah_single", "--samples", "1", "--retentions", "0.5"],
+                                  "the fit needs at least 2 measurements: --tasks (1) x --samples (1) x --retentions (1) give 1"),
     "calibrate triples and out the same file": ([*CAL, "--triples", "{tmp}/cal.json"], "--triples"),
     "calibrate missing model directory": ([*CAL, "--model", "{tmp}/no-model"], "checkpoint"),
     # the command itself

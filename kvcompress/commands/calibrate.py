@@ -43,6 +43,9 @@ def _run(args) -> int:
     bad = [r for r in args.retentions if not 0 < r <= 1]
     if bad:
         raise ValueError(f"--retentions takes fractions kept in (0, 1], got {bad}")
+    if len(args.tasks) * args.samples * len(args.retentions) < 2:
+        raise ValueError(f"the fit needs at least 2 measurements: --tasks ({len(args.tasks)}) x --samples ({args.samples}) x "
+                         f"--retentions ({len(args.retentions)}) give {len(args.tasks) * args.samples * len(args.retentions)}")
     if not args.asymmetry >= 1:
         raise ValueError(f"--asymmetry must be >= 1, got {args.asymmetry}")
     if args.triples is not None and args.triples.resolve() == args.out.resolve():

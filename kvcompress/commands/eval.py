@@ -220,10 +220,11 @@ def _run_sweep(args) -> int:
 
     from ..integration import load_model
     from ..integration.model import DEFAULT_NAME
-    from ..eval.runner import run_sweep, sample_specs
+    from ..eval.runner import check_results_folder, run_sweep, sample_specs
 
     config = _sweep_config(args)
     model_name = args.model or DEFAULT_NAME
+    check_results_folder(config, args.out, model_name)  # before the model loads
     if args.benchmark:
         sample_specs(config)  # a missing or malformed data file fails here, before the model loads
     start = time.perf_counter()

@@ -430,8 +430,7 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
     out.mkdir(parents=True, exist_ok=True)
     results = ResultsFile(out / RESULTS_FILE)
     done = results.keys()
-    _check_prompt_layout(out / "config.json", config.prompt_layout)
-    check_same_run(out / "config.json", {name: getattr(config, name) for name in _RUN_SETTINGS}, model_name)
+    check_results_folder(config, out, model_name)
     meta = {"config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
             "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / "config.json").write_text(json.dumps(meta, indent=1))
@@ -440,6 +439,14 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
         specs = specs[shard[0]::shard[1]]
     todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
     return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "") -> None:
+    """Refuse to add this sweep's records to `out_dir` when the run already there used another prompt layout, setting
+    (`check_same_run`) or model; a folder with no run yet takes any. The command line checks this before loading the model."""
+    path = Path(out_dir) / "config.json"
+    _check_prompt_layout(path, config.prompt_layout)
+    check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS}, model_name)
 
 
 def check_same_run(path: Path, settings: dict, model_name: str = "") -> None:

@@ -247,7 +247,7 @@ def load_surrogate(scorer: str) -> Surrogate:
     wrote. Loaded once per file version (a file rewritten in place is read again)."""
     path = shipped_path(scorer) if scorer in SHIPPED else Path(scorer)
     if not path.is_file():
-        raise SurrogateError(f"KVzap scorer file {str(path)!r} does not exist: scorer takes {sorted(SHIPPED)} (the weights shipped "
+        raise SurrogateError(f"KVzap scorer file {str(path)!r} {'is a directory' if path.is_dir() else 'does not exist'}: scorer takes {sorted(SHIPPED)} (the weights shipped "
                              f"for the default model) or the path of a file written by `{TRAIN_COMMAND}`")
     return _load_cached(str(path.resolve()), path.stat().st_mtime_ns)
 
