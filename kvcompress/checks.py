@@ -97,6 +97,10 @@ def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True) 
     if keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"keys and values must agree on [B, H_kv, n]; got keys {describe(keys)} and values {describe(values)}")
     check_same_device("values", values, "keys", keys)
+    if values.dtype != keys.dtype:
+        raise ValueError(f"values must have the keys' dtype {keys.dtype}, got {describe(values)}")
+    if keys.shape[0] == 0 or keys.shape[1] == 0:
+        raise ValueError(f"keys must hold at least one batch row and one KV head, got {describe(keys)}")
     if keys.shape[2] == 0:
         raise ValueError(f"empty context: keys have no tokens (n = 0), got {describe(keys)}")
     if queries is not None:

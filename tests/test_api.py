@@ -144,6 +144,10 @@ def test_bad_tensors_are_named():
         kvc.compress("knorm", bad, v, budget=3)
     with pytest.raises(ValueError, match="empty context"):
         kvc.compress("knorm", k[:, :, :0], v[:, :, :0], budget=3)
+    with pytest.raises(ValueError, match="keys must hold at least one batch row and one KV head"):
+        kvc.compress("knorm", k[:0], v[:0], budget=3)
+    with pytest.raises(ValueError, match="values must have the keys' dtype torch.float32, got tensor .* float16"):
+        kvc.compress("knorm", k, v.half(), budget=3)
     with pytest.raises(ValueError, match=r"scores tokens with queries: pass queries"):
         kvc.compress("snapkv", k, v, budget=3)
     with pytest.raises(ValueError, match="multiple of KV heads"):
