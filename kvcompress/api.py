@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import methods as _methods  # noqa: F401  (registers every method)
-from .checks import check_kv, check_positions, check_scale
+from .checks import check_kv, check_layer, check_positions, check_scale
 from .methods.base import compress_tokens, make_generator
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
@@ -54,7 +54,7 @@ def compress(
     size = {name: settings.pop(name, None) for name in SIZE_SETTINGS}
     m = build_method(method, **settings)
     sink, window = check_sink_window(*default_sink_window(method, size["sink"], size["window"]))
-    check_kv(keys, values, queries, pre_rope_keys)
+    check_kv(keys, values, queries, pre_rope_keys, hidden_states=hidden_states)
     b, h, n, d = keys.shape
     middle_budget = resolve_budget(n, size["budget"], size["compression_ratio"], sink, window)
     if positions is None:
@@ -68,15 +68,6 @@ def compress(
     tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions),
                     hidden_states=hidden_states)
     return compress_tokens(m, tokens, middle_budget, sink, window, generator)
-
-
-def check_layer(layer) -> tuple[int | None, int | None]:
-    """(layer_idx, num_layers) from `layer`: None, or a pair with 0 <= layer_idx < num_layers."""
-    if layer is None:
-        return None, None
-    if not isinstance(layer, tuple) or len(layer) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in layer) or not 0 <= layer[0] < layer[1]:
-        raise ValueError(f"layer must be (layer_idx, num_layers) with 0 <= layer_idx < num_layers, or None, got {layer!r}")
-    return layer
 
 
 def stream(

@@ -87,7 +87,16 @@ def as_fraction(name: str, value, what: str) -> float:
     return float(value)
 
 
-def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True) -> None:
+def check_layer(layer) -> tuple[int | None, int | None]:
+    """(layer_idx, num_layers) from `layer`: None, or a pair with 0 <= layer_idx < num_layers."""
+    if layer is None:
+        return None, None
+    if not isinstance(layer, tuple) or len(layer) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in layer) or not 0 <= layer[0] < layer[1]:
+        raise ValueError(f"layer must be (layer_idx, num_layers) with 0 <= layer_idx < num_layers, or None, got {layer!r}")
+    return layer
+
+
+def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True, hidden_states=None) -> None:
     """Shape, dtype, device and finiteness checks of one layer's inputs, with errors that name the argument.
 
     sync=False: the finiteness check forces no host synchronisation off the CPU (see `check_finite`).
@@ -110,7 +119,12 @@ def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True) 
         if pre_rope_keys.shape != keys.shape:
             raise ValueError(f"pre_rope_keys must have the keys' shape {list(keys.shape)}, got {describe(pre_rope_keys)}")
         check_same_device("pre_rope_keys", pre_rope_keys, "keys", keys)
-    for name, t in (("keys", keys), ("values", values), ("queries", queries), ("pre_rope_keys", pre_rope_keys)):
+    if hidden_states is not None:
+        check_tensor("hidden_states", hidden_states, "[B, H_kv, n, d_model]", 4)
+        if hidden_states.shape[:3] != keys.shape[:3]:
+            raise ValueError(f"hidden_states must agree with the keys on [B, H_kv, n] = {list(keys.shape[:3])}, got {describe(hidden_states)}")
+        check_same_device("hidden_states", hidden_states, "keys", keys)
+    for name, t in (("keys", keys), ("values", values), ("queries", queries), ("pre_rope_keys", pre_rope_keys), ("hidden_states", hidden_states)):
         if t is not None:
             check_finite(name, t, sync)
 

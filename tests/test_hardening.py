@@ -241,6 +241,36 @@ def test_bad_keys_and_values_are_named(bad, expected):
         kvc.compress("knorm", args["keys"], args["values"], budget=8)
 
 
+def test_hidden_states_are_checked_against_the_keys():
+    """KVzap's hidden_states [B, H_kv, n, d_model]: another token count, batch or a NaN is refused by name, in
+    kvc.compress and in a stream's update, as the other inputs are."""
+    keys, values = _kv(h=3, n=60)
+    hidden = torch.randn(1, 3, 60, 576)
+    for bad, match in [(hidden[:, :, :10], r"hidden_states must agree with the keys on \[B, H_kv, n\] = \[1, 3, 60\]"),
+                       (hidden.expand(2, -1, -1, -1), "hidden_states must agree"), (hidden[0], "hidden_states must be a 4-D tensor"),
+                       (hidden.clone().fill_(float("nan")), "hidden_states contain NaN")]:
+        with pytest.raises(ValueError, match=match):
+            kvc.compress("kvzap", keys, values, budget=8, hidden_states=bad)
+        with pytest.raises(ValueError, match=match):
+            kvc.stream("kvzap", budget=8).update(keys, values, hidden_states=bad)
+
+
+def test_a_streams_layer_is_checked_as_kvc_compress_checks_it():
+    keys, values = _kv()
+    for layer in [(-1, 4), (7, 4), (0, 0)]:
+        with pytest.raises(ValueError, match=r"layer must be \(layer_idx, num_layers\) with 0 <= layer_idx < num_layers"):
+            kvc.stream("knorm", budget=8).update(keys, values, layer_idx=layer[0], num_layers=layer[1])
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+@pytest.mark.parametrize("params, match", [({"observation_window": 0}, "observation_window must be an integer >= 1, got 0"),
+                                           ({"kernel_size": 2}, r"kernel_size must be odd \(pooling centred on each token\), got 2"),
+                                           ({"kernel_size": 1.5}, "kernel_size must be an integer >= 1, got 1.5")])
+def test_observation_window_and_pooling_kernel_are_checked(method, params, match):
+    with pytest.raises(ValueError, match=match):
+        build_method(method, **params)
+
+
 def test_generate_names_float_context_ids_and_batched_question_ids():
     model = _tiny_model()
     with pytest.raises(ValueError, match="context_ids must be an integer tensor"):

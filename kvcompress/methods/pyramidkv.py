@@ -11,7 +11,7 @@ from ..summary import KVSummary
 from .base import ScoreMethod
 from .registry import register
 from .requirements import Requirements
-from .snapkv import pooled_observation_scores
+from .snapkv import check_observation, pooled_observation_scores
 from .tokens import Tokens
 
 
@@ -53,6 +53,7 @@ class PyramidKV(ScoreMethod):
     def __post_init__(self):
         if not self.beta >= 1.0:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
+        self.observation_window, self.kernel_size = check_observation(self.observation_window, self.kernel_size)
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)

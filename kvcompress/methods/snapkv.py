@@ -8,10 +8,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..checks import as_count
 from .base import ScoreMethod
 from .registry import register
 from .requirements import Requirements
 from .tokens import Tokens, attention_mass
+
+
+def check_observation(observation_window, kernel_size) -> tuple[int, int]:
+    """(observation_window, kernel_size) checked: counts >= 1, the kernel odd (pooling centred on each token)."""
+    window, kernel = as_count("observation_window", observation_window, 1), as_count("kernel_size", kernel_size, 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel_size must be odd (pooling centred on each token), got {kernel}")
+    return window, kernel
 
 
 def pooled_observation_scores(tokens: Tokens, observation_window: int, kernel_size: int) -> torch.Tensor:
@@ -37,6 +46,9 @@ class SnapKV(ScoreMethod):
     requirements = Requirements(inputs={"queries"})
     observation_window: int = 32
     kernel_size: int = 7
+
+    def __post_init__(self):
+        self.observation_window, self.kernel_size = check_observation(self.observation_window, self.kernel_size)
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)

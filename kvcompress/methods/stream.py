@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ..checks import as_count, check_kv, check_positions, check_scale, describe
+from ..checks import as_count, check_kv, check_layer, check_positions, check_scale, describe
 from ..quantization import QuantizedSlots
 from ..saved_state import Count, Device, DType, Generator, Instance, Linked, Maybe, Real, Record, Saveable, saved
 from ..ragged import concat_parts
@@ -115,7 +115,9 @@ class Stream(Saveable):
         Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
         inf is a ValueError on the CPU and a device-side assertion elsewhere (no host sync per block).
         """
-        check_kv(keys, values, queries, pre_rope_keys, sync=False)
+        check_kv(keys, values, queries, pre_rope_keys, sync=False, hidden_states=hidden_states)
+        if layer_idx is not None or num_layers is not None:
+            check_layer((layer_idx, num_layers))
         if not self.method.requirements.needs("queries"):
             queries = None  # held with the latest block until the next one (and saved with it): only for a method that reads them
         b, h, n, d = keys.shape
