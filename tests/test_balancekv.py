@@ -460,3 +460,15 @@ def test_a_saved_stream_without_room_beside_its_target_is_refused():
     st.slack_slots = 0
     with pytest.raises(ValueError, match="slack_slots"):
         st.check_saved()
+
+
+def test_a_stream_with_weighted_false_keeps_plain_tokens_as_one_shot_does():
+    """weighted=False: every kept slot log-weight 0 (plain eviction), in the stream as in one-shot compression."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
+    for weighted in (True, False):
+        stream = kvc.stream("balancekv", budget=32, weighted=weighted)
+        for start in range(0, 300, 50):
+            stream.update(keys[:, :, start : start + 50], values[:, :, start : start + 50])
+        finite = stream.summary().log_weights[torch.isfinite(stream.summary().log_weights)]
+        assert (finite == 0).all() if not weighted else (finite > 0).any()

@@ -815,7 +815,15 @@ class BalanceKVStream(StreamState):
         return KVSummary(*_gather(order, both.keys, both.values, both.log_weights, both.positions))
 
     def _stack(self) -> tuple[torch.Tensor, ...]:
-        """The slots as [B, H, m, ·] tensors in position order; padding has log-weight -inf and position -1."""
+        """The slots as [B, H, m, ·] tensors in position order; padding has log-weight -inf and position -1; with the method's
+        weighted=False every kept slot log-weight 0 (plain eviction, as one-shot)."""
+        keys, values, log_weights, positions = self._stack_weighted()
+        if not self.method.weighted:
+            log_weights = torch.where(torch.isfinite(log_weights), 0.0, log_weights)
+        return keys, values, log_weights, positions
+
+    def _stack_weighted(self) -> tuple[torch.Tensor, ...]:
+        """`_stack` with each slot's log-weight (number of halvings)·log 2."""
         b, h = self.shape
         pool = self.pool
         order = torch.argsort(pool["row"] * (1 << 40) + pool["positions"])
