@@ -36,6 +36,13 @@ def has_empty_slots(summary: KVSummary) -> bool:
     return bool(torch.isneginf(summary.log_weights).any())
 
 
+def int32_positions(positions: torch.Tensor) -> torch.Tensor:
+    """positions as the int32 a ragged summary stores; a ValueError for a position that does not fit (a host sync)."""
+    if positions.numel() and int(positions.max()) > torch.iinfo(torch.int32).max:
+        raise ValueError(f"positions up to {int(positions.max())} do not fit the int32 a ragged summary stores them in")
+    return positions.to(torch.int32)
+
+
 @saved("ragged_summary")
 @dataclass(frozen=True)
 class RaggedSummary(Saveable):
@@ -81,10 +88,8 @@ class RaggedSummary(Saveable):
         real = torch.isfinite(summary.log_weights)
         weights = summary.log_weights[real].float()
         log_weights = None if bool((weights == 0).all()) else weights
-        positions = summary.positions[real]
-        if positions.numel() and int(positions.max()) > torch.iinfo(torch.int32).max:
-            raise ValueError(f"positions up to {int(positions.max())} do not fit the int32 a ragged summary stores them in")
-        return cls(summary.keys[real], summary.values[real], log_weights, positions.to(torch.int32), real.sum(-1).to(torch.int32))
+        return cls(summary.keys[real], summary.values[real], log_weights, int32_positions(summary.positions[real]),
+                   real.sum(-1).to(torch.int32))
 
     @cached_property
     def num_slots(self) -> int:

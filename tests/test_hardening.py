@@ -491,3 +491,16 @@ def test_a_chunk_size_in_prefill_mode_is_refused_not_ignored():
 def test_adakvs_unknown_parameter_lists_scorer_params_among_its_parameters():
     with pytest.raises(ValueError, match=r"method 'adakv' has no parameter\(s\) \['foo'\]; its parameters are \[.*'scorer', 'scorer_params'"):
         build_method("adakv", foo=1)
+
+
+def test_positions_beyond_int32_and_float32_are_exact_or_refused():
+    """StreamingLLM ranks by position exactly at any int64 offset (float32 rounds above 2^24); AdaKV's stream, which packs
+    positions as int32, refuses one that does not fit rather than wrapping it."""
+    keys, values = _kv(n=200)
+    for offset in (0, 2**40):
+        summary = kvc.compress("streamingllm", keys, values, budget=20, sink=4, window=16, positions=torch.arange(200) + offset)
+        assert (summary.positions[0, 0, 4:24] - offset).tolist() == list(range(164, 184))
+    stream = kvc.stream("adakv", budget=16, scorer="knorm")
+    with pytest.raises(ValueError, match="do not fit the int32 a ragged summary stores them in"):
+        for start in range(0, 200, 50):
+            stream.update(keys[:, :, start : start + 50], values[:, :, start : start + 50], positions=torch.arange(start, start + 50) + 2**31)

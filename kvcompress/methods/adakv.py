@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..checks import as_count
-from ..ragged import RaggedSummary, concat_parts
+from ..ragged import RaggedSummary, concat_parts, int32_positions
 from ..saved_state import Instance, Maybe, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, take_slots
 from .attention_matching import refit_kept
@@ -582,7 +582,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
         new_source = self.kept.keys.shape[0] + head * (width - old_width) + column_index - old_width
         source = torch.where(column_index < old_width, old_source, new_source)  # into [packed kept slots; buffer rows]
         old = (self.kept.keys, self.kept.values, self.kept.positions, *self.kept_extra)
-        fresh = (new[0], new[1], new[2].to(torch.int32), *new[3:])
+        fresh = (new[0], new[1], int32_positions(new[2]), *new[3:])
         self._store([torch.cat([o, f.flatten(0, 2)]).index_select(0, source) for o, f in zip(old, fresh)], kept)
 
     def _allocate(self, scores: torch.Tensor, fixed: bool) -> torch.Tensor:
@@ -596,7 +596,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
     def _store(self, packed: list[torch.Tensor], kept: torch.Tensor) -> None:
         """Keep the packed columns [T, ...] of the tokens `kept` [B, H, n] chose (keys, values, positions, then the
         extra ones); the buffer starts empty again."""
-        self.kept = RaggedSummary(packed[0], packed[1], None, packed[2].to(torch.int32), kept.sum(-1).to(torch.int32))
+        self.kept = RaggedSummary(packed[0], packed[1], None, int32_positions(packed[2]), kept.sum(-1).to(torch.int32))
         self.kept_extra = tuple(packed[3:])
         self.slots = _GrowingSlots()  # the room is allocated with the next token
         self.limit = self.target

@@ -287,8 +287,10 @@ def first_true(mask: torch.Tensor, count: int, exact: bool = False) -> torch.Ten
 
 
 def top_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """[B,H,budget]: the indices of the `budget` highest scores [B,H,n] per head, in ascending (original) order."""
-    return scores.float().topk(budget, dim=-1).indices.sort(dim=-1).values
+    """[B,H,budget]: the indices of the `budget` highest scores [B,H,n] per head, in ascending (original) order (half-precision
+    scores ranked in float32; float64 ones, e.g. positions, as they are)."""
+    ranked = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    return ranked.topk(budget, dim=-1).indices.sort(dim=-1).values
 
 
 def is_pool_span(span) -> bool:
