@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checks import check_queries
+from .checks import check_kv, check_queries, check_scale, describe
 from .ragged import RaggedSummary, concat_parts
 from .summary import KVSummary
 
@@ -120,10 +120,16 @@ def weighted_attention(
     A normalizer is folded into the same call (see `_with_normalizer`); only the per-query
     ratio is formed in float32.
     """
+    if not isinstance(summary, KVSummary):
+        raise ValueError(f"summary must be a KVSummary (kvc.compress returns one), got {type(summary).__name__}")
     check_queries(queries, summary.keys, "the summary's keys")
     b, hq, nq, d = queries.shape
+    scale = check_scale(scale)
     if query_positions is not None and causal_tail:
         raise ValueError("pass query_positions or causal_tail=True, not both")
+    if query_positions is not None and (not isinstance(query_positions, torch.Tensor) or query_positions.is_floating_point()
+                                        or tuple(query_positions.shape) not in ((nq,), (b, nq))):
+        raise ValueError(f"query_positions must be an integer tensor [q] = [{nq}] or [B, q] = [{b}, {nq}], got {describe(query_positions)}")
     if causal_tail and summary.num_slots < nq:
         raise ValueError(f"causal_tail=True needs the queries' own {nq} tokens as the last slots; the summary has {summary.num_slots}")
     if scale is None:
@@ -289,6 +295,9 @@ def exact_attention(
     queries [B,H_q,q,d], keys/values [B,H_kv,n,d]. causal_offset: position of the first query
     relative to the first key (query i sees keys <= causal_offset + i); None for non-causal.
     """
+    check_kv(keys, values, queries)
+    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
+        raise ValueError(f"causal_offset must be an integer (the first query's position less the first key's) or None, got {causal_offset!r}")
     n, nq = keys.shape[2], queries.shape[2]
     summary = KVSummary.exact(keys, values, torch.arange(n, device=keys.device))
     if causal_offset is None or causal_offset == n - nq:
@@ -299,6 +308,8 @@ def exact_attention(
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     """‖approx − exact‖_F / ‖exact‖_F, in float64."""
+    if not isinstance(approx, torch.Tensor) or not isinstance(exact, torch.Tensor) or approx.shape != exact.shape:
+        raise ValueError(f"approx and exact must be tensors of one shape, got {describe(approx)} and {describe(exact)}")
     return float((approx.double() - exact.double()).norm() / exact.double().norm())
 
 

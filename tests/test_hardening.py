@@ -128,6 +128,24 @@ def test_weighted_attention_refuses_a_query_batch_that_differs_from_the_summary(
         kvc.weighted_attention(torch.randn(2, 2, 3, 8), s)
 
 
+def test_the_attention_helpers_name_a_bad_argument():
+    keys, values = _kv()
+    s = kvc.compress("knorm", keys, values, budget=8, sink=0, window=0)
+    q = torch.randn(1, 2, 3, 8)
+    for scale in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="scale .* must be a finite number > 0"):
+            kvc.weighted_attention(q, s, scale=scale)
+    for positions in (torch.tensor([1.5, 2.5, 3.5]), torch.arange(7)):
+        with pytest.raises(ValueError, match=r"query_positions must be an integer tensor \[q\] = \[3\]"):
+            kvc.weighted_attention(q, s, query_positions=positions)
+    with pytest.raises(ValueError, match="summary must be a KVSummary"):
+        kvc.weighted_attention(q, (s.keys, s.values))
+    with pytest.raises(ValueError, match="causal_offset must be an integer"):
+        kvc.exact_attention(q, keys, values, causal_offset=1.5)
+    with pytest.raises(ValueError, match="approx and exact must be tensors of one shape"):
+        kvc.relative_error(q, q[:, :1])
+
+
 def test_a_query_head_dim_mismatch_is_named_not_a_matmul_error():
     keys, values = _kv()
     s = kvc.compress("knorm", keys, values, budget=8, sink=0, window=0)
