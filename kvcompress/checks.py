@@ -52,6 +52,8 @@ def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tens
 def check_queries(queries, keys: torch.Tensor, keys_name: str = "keys") -> None:
     """queries [B, H_q, n_q, d] against keys [B, H_kv, n, d]: same batch (no broadcasting), same head dim, H_q a multiple of H_kv, same device."""
     check_tensor("queries", queries, "[B, H_q, n_q, d]", 4)
+    if queries.shape[2] == 0:
+        raise ValueError(f"queries hold no tokens (n_q = 0), got {describe(queries)}; pass at least one query or None")
     b, hkv, _, d = keys.shape
     if queries.shape[0] != b:
         raise ValueError(f"queries must have the batch size of {keys_name} ({b}); got batch {queries.shape[0]} ({describe(queries)}); no broadcasting")
@@ -132,7 +134,8 @@ def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True, 
 def check_positions(positions, keys: torch.Tensor, ordered: bool = True) -> None:
     """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]; `ordered`: also strictly increasing along the tokens (a device sync)."""
     b, h, n, _ = keys.shape
-    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or tuple(positions.shape) not in ((n,), (b, h, n)):
+    if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool
+            or tuple(positions.shape) not in ((n,), (b, h, n))):
         raise ValueError(f"positions must be an integer tensor [n] = [{n}] or [B, H_kv, n] = [{b}, {h}, {n}], got {describe(positions)}")
     if ordered and n > 1 and not bool((positions.diff(dim=-1) > 0).all()):
         raise ValueError("positions must be strictly increasing along the tokens (the original index of each token, in order)")

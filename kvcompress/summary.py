@@ -70,6 +70,8 @@ class KVSummary(Saveable):
     def __post_init__(self):
         if self.eviction_only and self.normalizer is not None:
             raise ValueError("eviction_only=True needs normalizer=None: a normalizer reweights the denominator")
+        if self.keys.ndim != 4 or self.values.ndim != 4:
+            raise ValueError(f"keys and values must be 4-D [B, H_kv, n, d], got keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)}")
         b, h, n, _ = self.keys.shape
         if self.values.shape[:3] != (b, h, n):
             raise ValueError(f"values shape {tuple(self.values.shape)} does not match keys {tuple(self.keys.shape)}")

@@ -146,6 +146,18 @@ def test_the_attention_helpers_name_a_bad_argument():
         kvc.relative_error(q, q[:, :1])
 
 
+def test_empty_queries_a_huge_seed_bool_positions_and_3d_summary_keys_are_named():
+    keys, values = _kv()
+    with pytest.raises(ValueError, match=r"queries hold no tokens \(n_q = 0\)"):
+        kvc.compress("snapkv", keys, values, queries=torch.randn(1, 2, 0, 8), budget=8)
+    with pytest.raises(ValueError, match="seed must be below 2\\*\\*64"):
+        kvc.compress("random", keys, values, budget=8, seed=2**70)
+    with pytest.raises(ValueError, match="positions must be an integer tensor .* got tensor \\[40\\] bool"):
+        kvc.compress("knorm", keys, values, budget=8, positions=torch.ones(40, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"keys and values must be 4-D \[B, H_kv, n, d\]"):
+        kvc.KVSummary(keys[0], values[0], torch.zeros(2, 40), torch.arange(40).expand(2, 40))
+
+
 def test_a_query_head_dim_mismatch_is_named_not_a_matmul_error():
     keys, values = _kv()
     s = kvc.compress("knorm", keys, values, budget=8, sink=0, window=0)

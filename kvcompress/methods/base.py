@@ -619,7 +619,10 @@ def make_generator(seed: int | torch.Generator | None, device: torch.device | st
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(as_count("seed", seed, 0))
+        seed = as_count("seed", seed, 0)
+        if seed >= 2**64:
+            raise ValueError(f"seed must be below 2**64 (a torch generator's seed), got {seed}")
+        gen.manual_seed(seed)
     return gen
 
 
