@@ -45,11 +45,15 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
 
     full = generate(method=None)
     n = full.context_tokens
+    # the full cache's bytes are what transformers stores: 15 sliding layers of 511 tokens, 3 full layers of every token;
+    # compressing the 3 full layers to a quarter saves about 15% of it (hence the 0.9 below)
+    per_token_layer = full.kv_bytes_full // (15 * 511 + 3 * (full.prompt_tokens + NEW - 1))
+    assert full.kv_bytes_full == per_token_layer * (15 * 511 + 3 * (full.prompt_tokens + NEW - 1))
     assert n > 600 and set(full.slots_per_layer) == {full.prompt_tokens + NEW - 1}
     for mode in MODES:
         assert generate(method="keydiff", compression_ratio=0.0, mode=mode).token_ids == full.token_ids, mode
         res = generate(method="keydiff", compression_ratio=0.75, mode=mode)
-        assert len(res.token_ids) == NEW and res.kv_bytes < 0.7 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
+        assert len(res.token_ids) == NEW and res.kv_bytes < 0.9 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
         for layer, slots in enumerate(res.slots_per_layer):
             if layer in full_layers:  # the budget, plus the exact sink and window, plus the question and answer
                 assert slots <= res.budget + 4 + 64 + (res.prompt_tokens - n) + NEW, (mode, layer, slots)
@@ -84,4 +88,4 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     for mode in MODES:
         assert generate(compression_ratio=0.0, mode=mode, **default_allocation).token_ids == full.token_ids, mode
         res = generate(compression_ratio=0.75, mode=mode, **default_allocation)
-        assert len(res.token_ids) == NEW and res.kv_bytes < 0.7 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
+        assert len(res.token_ids) == NEW and res.kv_bytes < 0.9 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)

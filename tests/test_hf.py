@@ -4,6 +4,7 @@ left-padded batches, the pipeline, Phi-3 and Gemma 2/3, on tiny randomly initial
 import pytest
 import torch
 from transformers import (
+    DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -25,6 +26,7 @@ from kvcompress.cache import CompressedCache, SlidingWindowLayer
 from kvcompress.model_support import SUPPORTED_MODEL_TYPES, check_supported
 from kvcompress.options import CompressionOptions
 from kvcompress.integration import answer_questions_ids, generate_batch_ids, generate_ids
+from kvcompress.integration.generation import full_kv_bytes
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0)
 # Gemma layers slide over 32 tokens, so prompts of 100+ tokens really slide.
@@ -377,3 +379,17 @@ def test_sliding_window_checkpoints_keep_the_window_exact(family):
     torch.manual_seed(0)
     unbounded = model_cls(config_cls(**{**SMALL, "sliding_window": SMALL["max_position_embeddings"]})).eval()
     assert all(kind == "full_attention" for kind, _ in check_supported(unbounded))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_the_full_caches_bytes_are_what_a_plain_transformers_cache_stores(family):
+    """kv_bytes_full, the reference of every 'saved' figure, is what transformers' own cache stores for the same tokens:
+    a sliding-window layer holds its last window - 1 tokens, not every token."""
+    model = tiny(family)
+    ids = _ids(120)
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=plain, use_cache=True)
+    stored = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in plain.layers)
+    assert full_kv_bytes(model, 120, torch.float32) == stored
+    assert generate_ids(model, ids[:, :100], ids[:, 100:], method=None, max_new_tokens=1, stop_at_eos=False).kv_bytes_full == stored

@@ -89,11 +89,13 @@ def _mib(n: int) -> str:
 
 
 def full_kv_bytes(model, n_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes a full (uncompressed) cache stores for n_tokens: keys + values of every layer."""
-    cfg = model.config
+    """Bytes a full (uncompressed) transformers cache stores for n_tokens: keys + values of every layer, a sliding-window
+    layer's for the last window - 1 tokens it keeps (transformers' `DynamicSlidingWindowLayer`, as kvcompress's)."""
+    cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * n_kv * head_dim * n_tokens * torch.empty(0, dtype=dtype).element_size()
+    tokens = sum(n_tokens if kind == "full_attention" else min(n_tokens, window - 1) for kind, window in check_supported(model))
+    return 2 * n_kv * head_dim * tokens * torch.empty(0, dtype=dtype).element_size()
 
 
 def _eos_ids(model) -> set[int]:
