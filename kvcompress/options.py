@@ -150,6 +150,9 @@ class CompressionOptions:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.compress_question, bool):
             raise ValueError(f"compress_question must be True or False, got {self.compress_question!r}")
+        if self.compress_question and self.mode == "decode":
+            raise ValueError("compress_question=True changes nothing in mode='decode', which streams the question (and the answer) "
+                             "through compression anyway; leave it out")
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict of the method's parameters, got {self.method_params!r}")
         object.__setattr__(self, "method_params", dict(self.method_params))

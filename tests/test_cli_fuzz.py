@@ -115,7 +115,8 @@ CASES = {
     "bench unknown memory method": ([*BENCH, "--memory-method", "zip"], "argument --memory-method: unknown method 'zip'"),
     "bench unknown shape": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--shapes", "gpt"], "argument --shapes: unknown shape(s) ['gpt']"),
     "bench unknown step shape": ([*BENCH, "--step-shape", "gpt"], "argument --step-shape: unknown shape 'gpt'; known shapes: smollm2, llama8b"),
-    "bench zero repeats": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--repeats", "0"], "repeats must be an integer >= 1, got 0"),
+    "bench zero repeats": (["bench", "--out", "{tmp}/bench", "--sections", "overhead", "--methods", "knorm", "--sizes", "32", "--repeats", "0"],
+                           "repeats must be an integer >= 1, got 0"),
     "bench kept above one": (["bench", "--out", "{tmp}/bench", "--sections", "decode", "--kept", "0.5,2"],
                              "kept must hold fractions of the context kept, in (0, 1], got [2.0]"),
     "bench repeated thread counts": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--threads", "1,1"], "threads must not repeat a count"),
@@ -160,6 +161,13 @@ CASES = {
     "train-scorer out is a folder": (["train-scorer", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
     "train-scorer linear with mlp flags": (["train-scorer", "--steps", "10", "--out", "{tmp}/s.safetensors"],
                                            "--mlp-width and --steps set the MLP of --kind mlp; --kind linear (ridge regression) takes neither"),
+    "generate meta device": ([*GEN, "--budget", "8", "--device", "meta"], "--device: device must be 'cpu' or a CUDA device"),
+    "generate mps device": ([*GEN, "--budget", "8", "--device", "mps"], "--device: device must be 'cpu' or a CUDA device"),
+    "generate question twice": ([*GEN, "--budget", "8", "--question", "One?", "--question", "Another?"], "--question given more than once; give each once"),
+    "generate param twice": ([*GEN, "--method", "snapkv", "--budget", "8", "--param", "kernel_size=3", "--param", "kernel_size=5"],
+                             "'kernel_size' is given more than once"),
+    "generate compress question in decode mode": ([*GEN, "--budget", "8", "--mode", "decode", "--compress-question"],
+                                                  "compress_question=True changes nothing in mode='decode'"),
     "no subcommand": ([], "command"),
 }
 

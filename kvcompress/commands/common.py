@@ -163,6 +163,8 @@ def parse_params(items: list[str], flag: str = "--param") -> dict:
                 raise ValueError(f"{flag} {item!r}: {key!r} is given both as a value and as parameters")
         if isinstance(target.get(name), dict):
             raise ValueError(f"{flag} {item!r}: {name!r} is given both as a value and as parameters")
+        if name in target:
+            raise ValueError(f"{flag} {item!r}: {name!r} is given more than once")
         target[name] = _param_value(text)
     return params
 

@@ -137,7 +137,7 @@ def options_of(args):
 def read_context(path: Path) -> str:
     if path.is_dir():
         raise ValueError(f"--context-file {str(path)!r} is a directory: pass a text file")
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"--context-file {str(path)!r} does not exist")
     try:
         return path.read_text(encoding="utf-8")

@@ -118,6 +118,8 @@ def parse_device(device: str | torch.device | None) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device must be a torch device name such as 'cpu', 'cuda' or 'cuda:0', got {device!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA device ('cuda', 'cuda:0', ...), the devices kvcompress runs on; got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r} was asked for but CUDA is not available here; use device='cpu'")
     return device
