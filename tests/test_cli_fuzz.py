@@ -195,3 +195,8 @@ def test_a_context_file_that_is_not_utf8_names_the_flag_the_file_and_a_fix(tmp_p
     assert main(["generate", "--context-file", str(path), "--budget", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--context-file" in err[0] and "latin1.txt" in err[0] and "not UTF-8" in err[0] and "iconv" in err[0]
+
+
+def test_compress_without_a_size_does_not_suggest_the_method_it_refuses(context_file, tmp_path, capsys):
+    assert main(["compress", "--context-file", str(context_file), "--out", str(tmp_path / "c.kvc")]) == 2
+    assert capsys.readouterr().err.strip() == "kvcompress compress: error: pass --compression-ratio, --budget or --calibration with --quality"

@@ -18,7 +18,7 @@ def add_cli(subparsers) -> None:
 def _run(args) -> int:
     from ..integration import compress_context, load_model
 
-    options = options_of(args)  # every flag checked before the model loads
+    options = options_of(args, full=False)  # every flag checked before the model loads
     if options.method is None:
         raise ValueError("--method full keeps every token: there is nothing to compress; name a method")
     check_out_folder("--out", args.out)

@@ -107,8 +107,9 @@ def _check_no_compression_flags(args) -> None:
         raise ValueError(f"--cache answers with the settings the cache was compressed with: it takes no {', '.join(given)}")
 
 
-def options_of(args):
-    """The `CompressionOptions` of the flags (which checks them), after the checks that concern the flags themselves."""
+def options_of(args, full: bool = True):
+    """The `CompressionOptions` of the flags (which checks them), after the checks that concern the flags themselves.
+    full: whether the command takes --method full (compress does not: there is nothing to compress)."""
     from ..options import CompressionOptions
 
     params = parse_params(args.param)
@@ -126,7 +127,7 @@ def options_of(args):
     if args.calibration is None and args.quality is not None:
         raise ValueError(f"--quality {args.quality:g} goes with --calibration FILE (a file written by `kvcompress calibrate`)")
     if args.calibration is None and args.budget is None and args.compression_ratio is None:
-        raise ValueError(f"pass --compression-ratio, --budget or --calibration with --quality (or --method {FULL})")
+        raise ValueError("pass --compression-ratio, --budget or --calibration with --quality" + (f" (or --method {FULL})" if full else ""))
     # with --calibration and no --method, the options run the method the file was fitted for (and refuse another)
     return CompressionOptions(method=args.method or DEFAULT_METHOD, method_params=params, budget=args.budget,
                               compression_ratio=args.compression_ratio, mode=args.mode, sink=args.sink, window=args.window, seed=args.seed,
