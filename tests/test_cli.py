@@ -107,6 +107,16 @@ def test_generate_refuses_a_calibration_of_another_method_with_the_error_python_
     assert capsys.readouterr().err.strip() == f"kvcompress generate: error: {python.value}"
 
 
+def test_generate_refuses_a_calibration_fitted_on_another_model(context_file, tmp_path, capsys):
+    """A curve predicts the quality of the model it was fitted on: a file recording another model is refused, naming both,
+    before the model loads; one recording no model (written by a library call without model_name) is taken as it is."""
+    path = tmp_path / "knorm.json"
+    Calibration("knorm", alpha=0.0, beta=-3.0, model="SmolLM2-135M-Instruct").save(path)
+    assert main(["generate", "--model", str(tmp_path / "gemma.gguf"), "--calibration", str(path), "--quality", "0.9",
+                 "--context-file", str(context_file)]) == 2
+    assert "was fitted on model 'SmolLM2-135M-Instruct', this run's is 'gemma.gguf'" in capsys.readouterr().err
+
+
 def test_a_file_written_by_kvcompress_calibrate_drives_generate(tiny_checkpoint, context_file, tmp_path, capsys):
     path = tmp_path / "knorm.json"
     assert main(["calibrate", "--model", str(tiny_checkpoint), "--method", "knorm", "--tasks", "niah_single", "--samples", "2",

@@ -110,6 +110,7 @@ def _check_no_compression_flags(args) -> None:
 def options_of(args, full: bool = True):
     """The `CompressionOptions` of the flags (which checks them), after the checks that concern the flags themselves.
     full: whether the command takes --method full (compress does not: there is nothing to compress)."""
+    from ..integration.model import DEFAULT_NAME
     from ..options import CompressionOptions
 
     params = parse_params(args.param)
@@ -129,10 +130,15 @@ def options_of(args, full: bool = True):
     if args.calibration is None and args.budget is None and args.compression_ratio is None:
         raise ValueError("pass --compression-ratio, --budget or --calibration with --quality" + (f" (or --method {FULL})" if full else ""))
     # with --calibration and no --method, the options run the method the file was fitted for (and refuse another)
-    return CompressionOptions(method=args.method or DEFAULT_METHOD, method_params=params, budget=args.budget,
-                              compression_ratio=args.compression_ratio, mode=args.mode, sink=args.sink, window=args.window, seed=args.seed,
-                              slack=args.slack, chunk_size=args.chunk_size, compress_question=args.compress_question, quality=args.quality,
-                              calibration=args.calibration, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+    options = CompressionOptions(method=args.method or DEFAULT_METHOD, method_params=params, budget=args.budget,
+                                 compression_ratio=args.compression_ratio, mode=args.mode, sink=args.sink, window=args.window,
+                                 seed=args.seed, slack=args.slack, chunk_size=args.chunk_size, compress_question=args.compress_question,
+                                 quality=args.quality, calibration=args.calibration, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+    fitted_on, model = options.calibration and options.calibration.model, Path(args.model or DEFAULT_NAME).name
+    if fitted_on and Path(fitted_on).name != model:  # a curve predicts the quality of the model it was fitted on
+        raise ValueError(f"--calibration {str(args.calibration)!r} was fitted on model {Path(fitted_on).name!r}, this run's is {model!r}: "
+                         f"fit one for it with `kvcompress calibrate --model {args.model or DEFAULT_NAME} ...`")
+    return options
 
 
 def read_context(path: Path) -> str:
