@@ -37,8 +37,10 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
         raise ValueError(f"--compression-ratio (fraction of the context removed) must be in [0, 1), got {compression_ratio}")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"--depth (needle depth) must be in [0, 1], got {depth}")
-    if tokens < 64 or max_new_tokens < 1:
-        raise ValueError(f"--tokens must be >= 64 and max_new_tokens >= 1, got {tokens} and {max_new_tokens}")
+    if tokens < 64:
+        raise ValueError(f"--tokens (the context's length) must be >= 64, got {tokens}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model, tokenizer = load_model(model_path)
     sample = niah_prose(target_tokens=tokens, depth=depth, seed=seed, tokenizer=tokenizer)
     name, params, exact = DEFAULTS["prefill"]

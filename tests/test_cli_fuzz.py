@@ -150,6 +150,7 @@ CASES = {
     # a flag the subcommand lacks is its error, not the top-level command's
     "demo unknown flag": (["demo", "--temperature", "1"], "kvcompress demo: error: unrecognized arguments: --temperature 1"),
     "demo zero threads": (["demo", "--threads", "0"], "kvcompress demo: error: argument --threads"),
+    "demo short context": (["demo", "--tokens", "10"], "kvcompress demo: error: --tokens (the context's length) must be >= 64, got 10"),
     "calibrate zero threads": ([*CAL, "--threads", "0"], "kvcompress calibrate: error: argument --threads"),
     "compress question flag": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/c.kvc", "--budget", "8", "--compress-question"],
                                "kvcompress compress: error: unrecognized arguments: --compress-question"),
