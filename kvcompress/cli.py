@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections import Counter
 
 from .commands.common import ArgumentParser
 
@@ -33,10 +34,7 @@ def _repeated_options(subparser: argparse.ArgumentParser, argv: list[str]) -> li
     """The options of `subparser` that take one value and appear more than once in argv (as --flag or --flag=value)."""
     single = {option: action for action in subparser._actions if isinstance(action, argparse._StoreAction)
               for option in action.option_strings}
-    seen = [arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in single]
-    counts: dict[argparse.Action, int] = {}
-    for option in seen:
-        counts[single[option]] = counts.get(single[option], 0) + 1
+    counts = Counter(single[option] for option in (arg.split("=", 1)[0] for arg in argv) if option in single)
     return [action.option_strings[0] for action, count in counts.items() if count > 1]
 
 

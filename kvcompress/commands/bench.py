@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, count_list, float_list, int_list, list_of, method_list, method_name, one_of, resolve_device
+from .common import (add_device_args, add_model_arg, count_list, float_list, given_flags, int_list, list_of, method_list, method_name,
+                     one_of, resolve_device)
 from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, DEFAULT_CHUNK_SIZE, MODES
 
 
@@ -65,7 +66,7 @@ def add_cli(subparsers) -> None:
     add_model_arg(p)
     add_device_args(p)
     section_flags = {section: [*group._group_actions, *([block] if section == "throughput" else [])] for section, group in groups.items()}
-    p.set_defaults(func=_run, measurement_defaults={a.dest: a.default for a in p._actions if a.dest not in ("help", "out", "report_only")},
+    p.set_defaults(func=_run, measurement_flags=[a for a in p._actions if a.dest not in ("help", "out", "report_only")],
                    section_flags=section_flags)
 
 
@@ -73,18 +74,17 @@ def _run(args) -> int:
     from ..eval import bench
 
     if args.report_only:
-        given = sorted(name for name, default in args.measurement_defaults.items() if getattr(args, name) != default)
+        given = given_flags(args, args.measurement_flags)
         if given:
-            raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {['--' + g.replace('_', '-') for g in given]}")
+            raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {given}")
         bench.report(args.out)
         return 0
     used = {action.dest for section in args.sections for action in args.section_flags[section]}
-    unused = sorted({action.option_strings[0] for actions in args.section_flags.values() for action in actions
-                     if action.dest not in used and getattr(args, action.dest) != action.default})
+    unused = given_flags(args, dict.fromkeys(a for actions in args.section_flags.values() for a in actions if a.dest not in used))
     if unused:
         raise ValueError(f"{', '.join(unused)} set sections not run (--sections {','.join(args.sections)}); add their sections or leave them out")
     # every measurement flag is the BenchConfig field of its name; shape names become Shapes, --device/--dtype torch objects
-    options = {name: getattr(args, name) for name in args.measurement_defaults}
+    options = {action.dest: getattr(args, action.dest) for action in args.measurement_flags}
     device, dtype = resolve_device(args.device, args.dtype)
     options |= {"shapes": [bench.SHAPES[s] for s in args.shapes], "throughput_shape": bench.SHAPES[args.throughput_shape],
                 "step_shape": bench.SHAPES[args.step_shape], "device": device, "dtype": dtype}

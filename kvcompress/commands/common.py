@@ -117,6 +117,11 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
 
 
+def given_flags(args, actions) -> list[str]:
+    """The flags among `actions` (argparse actions, in their order) that `args` holds another value than their default for."""
+    return [action.option_strings[0] for action in actions if getattr(args, action.dest) != action.default]
+
+
 def check_out_folder(flag: str, path) -> None:
     """ValueError naming `flag` unless `path` is a file that can be written: its folder exists and it is not itself a
     folder. Checked before the work, not after."""

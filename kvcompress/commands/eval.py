@@ -9,7 +9,7 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, count, float_list, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -132,21 +132,16 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run_cli, sweep_flags=[*t._group_actions, *lm._group_actions, *b._group_actions], approx_flags=a._group_actions)
 
 
-def _given(args, actions) -> list[str]:
-    """The flags among `actions` (argparse actions) given a value other than their default."""
-    return [action.option_strings[0] for action in actions if getattr(args, action.dest) != action.default]
-
-
 def run_cli(args) -> int:
     set_threads(args.threads)
     if args.ray is None and (args.ray_cpus != 1 or args.ray_retries != 3):
         raise ValueError("--ray-cpus and --ray-retries go with --ray")
     if args.bench == "approx":
-        given = _given(args, args.sweep_flags)
+        given = given_flags(args, args.sweep_flags)
         if given:
             raise ValueError(f"`eval approx` takes none of the task sweep's and perplexity's flags; got {', '.join(given)}")
         return _run_approx(args)
-    given = _given(args, args.approx_flags)
+    given = given_flags(args, args.approx_flags)
     if given:
         raise ValueError(f"the task sweep and perplexity take none of `eval approx`'s flags; got {', '.join(given)}")
     if args.tasks and PERPLEXITY in args.tasks:
