@@ -13,7 +13,8 @@ import kvcompress as kvc
 from registered import SHARED
 from kvcompress.cache import CompressedCache
 from kvcompress.options import CompressionOptions
-from kvcompress.integration import generate_ids, use_compressed_attention
+from kvcompress.integration import (answer_from_cache_ids, answer_questions_ids, compress_context_ids, generate_ids,
+                                    use_compressed_attention)
 from kvcompress.integration.model import check_context_length, parse_device, parse_dtype
 from kvcompress.integration.reconstruction import reconstruct_context
 from kvcompress.summary import KVSummary, Normalizer, SlotBuffer, concat
@@ -226,6 +227,25 @@ def test_prompt_longer_than_max_positions_is_refused_before_any_work():
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
         generate_ids(model, torch.zeros(1, 600, dtype=torch.long), method="snapkv", compression_ratio=0.5)
     check_context_length(model, 512)
+
+
+def test_answer_past_max_positions_is_refused_before_any_work():
+    """The answer's positions count too: 500 prompt tokens and 14 new tokens reach position 513 of the tiny model's 512,
+    on every path that answers (one prompt, many questions over one context, a saved cache)."""
+    model = tiny_model()
+    check_context_length(model, 500, 13)  # 500 + 12 fed answer tokens = 512 positions
+    with pytest.raises(ValueError, match=r"max_new_tokens=14: the answer would reach position 513 .*max_position_embeddings=512; lower max_new_tokens to 13"):
+        generate_ids(model, torch.zeros(1, 490, dtype=torch.long), torch.zeros(1, 10, dtype=torch.long), method="snapkv",
+                     compression_ratio=0.5, max_new_tokens=14)
+    cache = compress_context_ids(model, torch.zeros(1, 490, dtype=torch.long), method="snapkv", compression_ratio=0.5)
+    for answer in (lambda q: answer_from_cache_ids(model, cache, [q], max_new_tokens=14),
+                   lambda q: answer_questions_ids(model, torch.zeros(1, 490, dtype=torch.long), [q], method="snapkv",
+                                                  compression_ratio=0.5, max_new_tokens=14)):
+        with pytest.raises(ValueError, match="position 513"):
+            answer(torch.zeros(1, 10, dtype=torch.long))
+        for bad in (torch.zeros(1, 0, dtype=torch.long), torch.zeros(10, dtype=torch.long), [3, 4], torch.zeros(1, 3)):
+            with pytest.raises(ValueError, match=r"questions_ids\[0\] must be an integer tensor \[1, m\] with m >= 1"):
+                answer(bad)
 
 
 def test_device_and_dtype_parsing():

@@ -169,7 +169,7 @@ class _Session:
         self.question_ids = question_ids.to(self.device) if question_ids is not None and question_ids.shape[1] > 0 else None
         n_context = context_ids.shape[1]
         n_prompt = n_context + (self.question_ids.shape[1] if self.question_ids is not None else 0)
-        check_context_length(model, n_prompt)
+        check_context_length(model, n_prompt, max_new_tokens)
         self.n_context, self.n_prompt, self.method_name = n_context, n_prompt, options.method
         self.compress_question = options.compress_question
         self.chosen = None
@@ -445,9 +445,19 @@ def answer_questions_ids(
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
+    _check_questions(model, session.n_context, questions_ids, max_new_tokens)
     with _running(model, options):
         _, prefill_seconds = session.run_context(progress)
         return _answer_each(session, questions_ids, prefill_seconds, max_new_tokens, stop_at_eos)
+
+
+def _check_questions(model, n_context: int, questions_ids: list[torch.Tensor], max_new_tokens: int) -> None:
+    """Raise before any work when a question is not an integer tensor [1, m] with m >= 1, or when the context, the longest
+    question and its answer need more positions than the model has."""
+    for i, q in enumerate(questions_ids):
+        if not isinstance(q, torch.Tensor) or q.ndim != 2 or q.shape[0] != 1 or q.shape[1] == 0 or q.is_floating_point():
+            raise ValueError(f"questions_ids[{i}] must be an integer tensor [1, m] with m >= 1, got {describe(q)}")
+    check_context_length(model, n_context + max(q.shape[1] for q in questions_ids), max_new_tokens)
 
 
 def _answer_each(session: _Session, questions_ids: list[torch.Tensor], prefill_seconds: float, max_new_tokens: int,
@@ -525,6 +535,7 @@ def answer_from_cache_ids(
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
     as_count("max_new_tokens", max_new_tokens, 1)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
+    _check_questions(model, session.n_context, questions_ids, max_new_tokens)
     session.adopt(cache)
     with _running(model, cache.options):
         return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)

@@ -172,14 +172,23 @@ def load_model(path: str | os.PathLike | None = None, device: str | torch.device
     return model, tokenizer
 
 
-def check_context_length(model, n_tokens: int) -> None:
-    """Raise before any work when a prompt of n_tokens exceeds the model's `max_position_embeddings`."""
+def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:
+    """Raise before any work when a prompt of n_tokens, followed by an answer of max_new_tokens (the last of which is
+    never fed back), needs more positions than the model's `max_position_embeddings`."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and n_tokens > limit:
+    positions = n_tokens + max(max_new_tokens - 1, 0)
+    if limit is None or positions <= limit:
+        return
+    if positions == n_tokens:
         raise ValueError(
             f"the prompt has {n_tokens} tokens but the model takes at most max_position_embeddings={limit}; "
             f"shorten the context to {limit} tokens or fewer"
         )
+    raise ValueError(
+        f"the prompt has {n_tokens} tokens and max_new_tokens={max_new_tokens}: the answer would reach position {positions} "
+        f"but the model takes at most max_position_embeddings={limit}; lower max_new_tokens to {max(limit - n_tokens + 1, 1)} "
+        f"or fewer, or shorten the prompt"
+    )
 
 
 _QUESTION_MARK = "\x00KVC_QUESTION\x00"
