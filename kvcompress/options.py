@@ -188,6 +188,8 @@ class CompressionOptions:
         sink, window = check_sink_window(*default_sink_window(self.method, self.sink, self.window))
         object.__setattr__(self, "sink", sink)
         object.__setattr__(self, "window", window)
+        if self.streams:
+            self.compressor.check_stream_window(window)
         if self.quality is not None or self.calibration is not None:
             if self.quality is None or self.calibration is None or self.budget is not None or self.compression_ratio is not None:
                 raise ValueError(

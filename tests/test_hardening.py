@@ -534,3 +534,22 @@ def test_positions_beyond_int32_and_float32_are_exact_or_refused():
     with pytest.raises(ValueError, match="do not fit the int32 a ragged summary stores them in"):
         for start in range(0, 200, 50):
             stream.update(keys[:, :, start : start + 50], values[:, :, start : start + 50], positions=torch.arange(start, start + 50) + 2**31)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: kvc.stream("compactor", budget=32, window=16),
+    lambda: kvc.stream("hybrid", budget=32, window=16, score=["compactor"], score_params=[{"attention": True}], exact_fraction=[0.3]),
+    lambda: CompressionOptions.build(None, method="compactor", mode="chunked", compression_ratio=0.5, window=16),
+    lambda: CompressionOptions.build(None, method="compactor", mode="decode", compression_ratio=0.5, window=1),
+])
+def test_a_stream_whose_window_would_lose_compactors_queries_is_refused_when_built(build):
+    """Compactor's attention term reads each token's own query, which a stream hands only with the token's block: a
+    window > 0 is refused when the stream or the streaming options are built, before any token."""
+    with pytest.raises(ValueError, match=r"window=(16|1): method 'compactor' scores each token with its own query.*use window=0, or attention=False"):
+        build()
+
+
+def test_compactor_takes_a_window_in_prefill_mode_and_without_its_attention_term():
+    CompressionOptions.build(None, method="compactor", mode="prefill", compression_ratio=0.5, window=16)
+    kvc.stream("compactor", budget=32, window=16, attention=False)
+    kvc.stream("compactor", budget=32, window=0)

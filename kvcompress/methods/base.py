@@ -189,6 +189,10 @@ class Method:
         if mode not in modes:
             raise ValueError(f"method {self.name!r} runs in mode {' or '.join(map(repr, modes))} only, got mode={mode!r}")
 
+    def check_stream_window(self, window: int) -> None:
+        """Raise a clear error when the method cannot stream with an exact window of `window` tokens (checked when a
+        stream or a streaming cache is built, before any token): every window works by default."""
+
     def check_context(self, reconstructed: bool) -> None:
         """Raise a clear error when a prefill-mode cache is about to compress a context with queries other than those the
         method scores with: a method that needs a reconstruction forward (KVzip) takes that forward's queries

@@ -212,6 +212,14 @@ class Compactor(Method):
             raise ValueError(f"leverage_weight must be a finite number >= 0, got {self.leverage_weight!r}")
         self.reads_keys_values = self.attention  # without the attention term the score reads pre-RoPE keys only
 
+    def check_stream_window(self, window: int) -> None:
+        """The attention term scores a token with its own query, which a stream hands only with the token's block:
+        a token that waits in the exact window has lost it by the time it is compressed."""
+        if self.attention and window > 0:
+            raise ValueError(f"window={window}: method 'compactor' scores each token with its own query, which a stream (mode "
+                             "'chunked' or 'decode', kvc.stream) hands only with the token's block, so its exact window must be 0; "
+                             "use window=0, or attention=False")
+
     def check_inputs(self, tokens: Tokens) -> None:
         if self.attention and tokens.queries is None:
             raise ValueError("method 'compactor' scores tokens with their own queries: pass queries=[B, H_q, n, d] (or attention=False)")
@@ -262,8 +270,7 @@ def own_queries(tokens: Tokens) -> torch.Tensor:
                 return tokens.queries[:, :, index]
     raise ValueError(
         "compactor's attention term needs the query of every token it compresses (queries aligned with the "
-        f"keys' positions {pos[0].item()}..{pos[-1].item()}); pass queries for all of them, or use attention=False. "
-        "In a stream the exact window must be 0 (the stream hands a block's queries only with that block)."
+        f"keys' positions {pos[0].item()}..{pos[-1].item()}); pass queries for all of them, or use attention=False"
     )
 
 

@@ -187,6 +187,10 @@ class Hybrid(Method):
             left -= counts[-1]
         return counts, budget - sum(counts)
 
+    def check_stream_window(self, window: int) -> None:
+        for method in [*self.score_methods, self.coreset_method]:
+            method.check_stream_window(window)
+
     def check_inputs(self, tokens: Tokens) -> None:
         for method in [*self.score_methods, self.coreset_method]:
             method.check_inputs(tokens)

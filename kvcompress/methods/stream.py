@@ -61,6 +61,7 @@ class Stream(Saveable):
                  kv_bits: int | None = None, kv_group_size: int | None = None):
         sink, window = check_sink_window(sink, window)
         budget = as_count("budget", budget, 1)
+        method.check_stream_window(window)
         self.method, self.budget, self.sink, self.window = method, budget, sink, window
         self.generator, self.scale = generator, check_scale(scale)
         self.state = method.new_stream(budget, generator, slack)
