@@ -48,14 +48,22 @@ def stream_split(budget: int, slack: float, workspace: int = 0) -> tuple[int, in
     of the budget and lets the last third fill. `workspace`: slots the stream needs beside its slack whatever the slack
     (a native stream's batch or run in progress). The room is at least 1 slot (a block-wise stream takes a block in
     pieces that fit it), so slack 0 compresses back to budget - 1 - workspace; a budget below workspace + 2 leaves no
-    room for the stream to work in and is a ValueError naming it."""
+    room for the stream to work in and is a ValueError naming it, as is a slack so large that less than one slot would
+    be kept (above budget - workspace - 1)."""
     if budget < workspace + 2:
         raise ValueError(
             f"a re-compressing stream needs a middle budget >= {workspace + 2} per KV head (at least 1 slot kept, 1 for the "
             f"next token{f' and {workspace} of workspace' if workspace else ''}, all within the budget), got budget={budget}; "
             "use a larger budget or a lower compression_ratio"
         )
-    target = min(budget - 1 - workspace, max(1, math.floor((budget - workspace) / (1.0 + slack) + 1e-9)))
+    kept = math.floor((budget - workspace) / (1.0 + slack) + 1e-9)
+    if kept < 1:
+        raise ValueError(
+            f"slack={slack!r} leaves less than one slot to compress back to in a middle budget of {budget} per KV head (a stream "
+            f"keeps {f'(budget - {workspace}) / (1 + slack)' if workspace else 'budget / (1 + slack)'} slots at a re-compression); "
+            f"use slack <= {budget - workspace - 1}, or a larger budget"
+        )
+    target = min(budget - 1 - workspace, kept)
     return target, budget - target
 
 
