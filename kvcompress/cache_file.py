@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import safetensors
@@ -48,7 +48,8 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: d
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent or ".")
+    tmp = path.parent / f".{path.name}-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as any file the user writes
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -186,3 +186,22 @@ def test_writing_into_a_folder_that_does_not_exist_names_the_path(tmp_path):
     path = tmp_path / "no" / "doc.kvc"
     with pytest.raises(FileNotFoundError, match=f"cannot write '{path}': its folder '{path.parent}' does not exist"):
         cache_file.write(path, {"x": torch.zeros(1)}, {})
+
+
+def test_saved_files_take_the_umasks_permissions(tmp_path):
+    """A saved cache and a scorer file are readable as the user's umask says, as any file they write (safetensors'
+    save_file and a temporary file make them private to the owner)."""
+    import os
+
+    from test_kvzap import _surrogate
+
+    old = os.umask(0o022)
+    try:
+        cache_file.write(tmp_path / "doc.kvc", {"x": torch.zeros(1)}, {})
+        _surrogate().save(tmp_path / "scorer.safetensors")
+        os.umask(0o077)
+        cache_file.write(tmp_path / "private.kvc", {"x": torch.zeros(1)}, {})
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {"doc.kvc": 0o644, "scorer.safetensors": 0o644,
+                                                                             "private.kvc": 0o600}

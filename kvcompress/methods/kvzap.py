@@ -163,7 +163,7 @@ class Surrogate:
     def save(self, path: str | Path) -> None:
         """Write the weights (and score quantiles) as safetensors, with their format, kind, layers, model and meta in its
         metadata."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         tensors = {"first_weight": self.first_weight, "first_bias": self.first_bias}
         if self.kind == "mlp":
@@ -172,7 +172,8 @@ class Surrogate:
             tensors["score_quantiles"] = self.score_quantiles
         header = {"format": SURROGATE_FORMAT, "version": str(SURROGATE_VERSION), "kind": self.kind,
                   "layers": json.dumps(list(self.layers)), "model": self.model, "meta": json.dumps(self.meta, sort_keys=True)}
-        save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(path), metadata=header)
+        # written by Python, so with the umask's permissions (safetensors' save_file makes the file private to its owner)
+        Path(path).write_bytes(save({k: v.float().contiguous() for k, v in tensors.items()}, metadata=header))
 
     @classmethod
     def load(cls, path: str | Path) -> "Surrogate":
