@@ -38,7 +38,7 @@ import needle_keep  # noqa: E402
 import refit_cost  # noqa: E402
 
 from kvcompress.eval import perplexity, runner  # noqa: E402
-from kvcompress.eval.bench.report import markdown as bench_markdown  # noqa: E402
+from kvcompress.eval.bench.report import markdown as bench_markdown, read_machines  # noqa: E402
 from kvcompress.eval.bench.overhead import exponent_rows  # noqa: E402
 from kvcompress.eval.stats import paired_difference_interval, sign_test, wilson  # noqa: E402
 from kvcompress.eval.tables import markdown_table, read_csv  # noqa: E402
@@ -492,10 +492,11 @@ def prompt_layout_section() -> list[str]:
 
 
 def bench_known(folder: Path) -> dict:
-    """machine, threads and date of a `kvcompress bench` run, from its machine.txt."""
-    machine = (folder / "machine.txt").read_text().strip()
-    date = next(part for part in machine.split(", ") if part[:2] == "20" and part[4:5] == "-")
-    return {"machine": machine, "threads": machine.split("torch threads ")[1].split(",")[0], "date": date}
+    """machine, threads and date of the `kvcompress bench` runs whose sections are in folder, from its machine.txt."""
+    machines = sorted(set(read_machines(folder).values()))
+    dates = [next(part for part in line.split(", ") if part[:2] == "20" and part[4:5] == "-") for line in machines]
+    threads = sorted({line.split("torch threads ")[1].split(",")[0] for line in machines})
+    return {"machine": "; ".join(machines), "threads": ", ".join(threads), "date": _span(dates)}
 
 
 def cost_section() -> list[str]:

@@ -354,3 +354,30 @@ print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["svg", "False"]
     assert (tmp_path / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sections_kept_from_an_earlier_run_keep_that_runs_machine_line(tmp_path):
+    """A run into a folder that holds another run's sections keeps them, each under the machine line of the run that measured
+    it: the page names one machine only when one run measured every section shown."""
+    out = tmp_path / "bench"
+    overhead = ["bench", "--sections", "overhead", "--methods", "knorm", "--shapes", "smollm2", "--sizes", "32", "--repeats", "1", "--out", str(out)]
+    throughput = ["bench", "--sections", "throughput", "--methods", "knorm", "--throughput-shape", "smollm2", "--throughput-tokens", "64",
+                  "--throughput-repeats", "1", "--block", "16", "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert main(overhead + ["--threads", "1"]) == 0
+        assert main(throughput + ["--threads", "2"]) == 0
+        machines = bench.read_machines(out)
+        assert list(machines) == ["overhead", "throughput"]
+        assert "torch threads 1," in machines["overhead"] and "torch threads 2," in machines["throughput"]
+        page = (out / "bench.md").read_text()
+        assert "Machines (the sections were measured by different runs):" in page
+        assert f"- overhead: {machines['overhead']}." in page and f"- throughput: {machines['throughput']}." in page
+        both = ["overhead,throughput" if a == "overhead" else a for a in overhead] + throughput[5:-2] + ["--threads", "1"]
+        assert main(both) == 0  # one run measures both
+    finally:
+        torch.set_num_threads(threads)
+    page = (out / "bench.md").read_text()
+    assert "Machines (" not in page and f"Machine: {bench.read_machines(out)['overhead']}." in page
+    (out / "machine.txt").write_text("one line naming no section\n")  # a folder written before sections had their own lines
+    assert bench.read_machines(out) == dict.fromkeys(bench.SECTIONS, "one line naming no section")

@@ -43,7 +43,7 @@ from .overhead import (
     unfit_reason,
 )
 from .prefill import fused_attention_cost, prefill_rows, prefill_seconds
-from .report import report, run, write_markdown
+from .report import read_machines, report, run, write_markdown
 from .throughput import throughput_rows
 
 __all__ = [
@@ -51,5 +51,5 @@ __all__ = [
     "exponent_rows", "fit_exponent", "kept_budget", "machine_description", "memory_rows", "method_inputs",
     "natively_streaming", "one_shot", "overhead_pivot", "overhead_rows", "peak_process_memory", "plot_decode", "plot_memory",
     "plot_overhead", "prefill_rows", "prefill_seconds", "fused_attention_cost", "report", "run", "streamed",
-    "synthetic_layer", "throughput_rows", "time_calls", "unfit_reason", "write_markdown", "write_table",
+    "synthetic_layer", "throughput_rows", "time_calls", "unfit_reason", "write_markdown", "write_table", "read_machines",
 ]

@@ -18,10 +18,35 @@ from .prefill import prefill_rows
 from .throughput import throughput_rows
 
 
-def write_markdown(path: Path, machine: str, overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(), throughput=()) -> None:
-    """One Markdown page with every section that was run."""
+def read_machines(out_dir: Path) -> dict[str, str]:
+    """{section: the machine line of the run that measured it} from out_dir's machine.txt (one `section: line` per line; a
+    line naming no section, as a folder written before sections had their own lines, is every section's)."""
+    path = Path(out_dir) / "machine.txt"
+    machines: dict[str, str] = {}
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        section, named, rest = line.partition(": ")
+        if named and section in SECTIONS:
+            machines[section] = rest.strip()
+        elif line.strip():
+            machines.update(dict.fromkeys(SECTIONS, line.strip()))
+    return machines
+
+
+def machine_heading(machines: dict[str, str], sections) -> list[str]:
+    """The page's machine paragraph for `sections`: one line when one run measured them all, else one line per section."""
+    lines = {section: machines.get(section, "not recorded") for section in sections}
+    if len(set(lines.values())) <= 1:
+        return [f"Machine: {next(iter(lines.values()), 'not recorded')}."]
+    return ["Machines (the sections were measured by different runs):", "", *(f"- {s}: {line}." for s, line in lines.items())]
+
+
+def write_markdown(path: Path, machines: dict[str, str], overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(),
+                   throughput=()) -> None:
+    """One Markdown page with every section that was run; `machines` as `read_machines` gives them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(["# kvcompress bench", "", f"Machine: {machine}.", "",
+    present = [name for name, rows in zip(("overhead", "decode", "attention", "memory", "prefill", "throughput"),
+                                          (overhead, decode, step, memory, prefill, throughput)) if rows]
+    path.write_text("\n".join(["# kvcompress bench", "", *machine_heading(machines, present), "",
                                markdown(overhead, exponents, decode, step, memory, prefill, throughput)]))
 
 
@@ -74,7 +99,7 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
 
 
 def report(out_dir: Path) -> dict[str, list[dict]]:
-    """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt) a run left there."""
+    """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt, each section's machine) runs left there."""
     out_dir = Path(out_dir)
     results = {name: read_csv(out_dir / f"{name}.csv") for name in SECTIONS if (out_dir / f"{name}.csv").is_file()}
     if not results:
@@ -87,8 +112,7 @@ def report(out_dir: Path) -> dict[str, list[dict]]:
         plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
     if "memory" in results:
         plot_memory(results["memory"], out_dir / "memory.png")
-    machine = (out_dir / "machine.txt").read_text().strip() if (out_dir / "machine.txt").is_file() else "not recorded"
-    write_markdown(out_dir / "bench.md", machine, results.get("overhead", ()), results.get("exponents", ()),
+    write_markdown(out_dir / "bench.md", read_machines(out_dir), results.get("overhead", ()), results.get("exponents", ()),
                    results.get("decode", ()), results.get("attention", ()), results.get("memory", ()),
                    results.get("prefill", ()), results.get("throughput", ()))
     return results
@@ -99,7 +123,8 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
 
     Synthetic tensors are created on config.device in config.dtype, and the model of the
     prefill/decode/memory sections is loaded in that dtype and moved to that device. Sections
-    already in out_dir from an earlier run stay in the report (rerun a section to replace it).
+    already in out_dir from an earlier run stay in the report (rerun a section to replace it), each
+    with the machine line of the run that measured it (machine.txt: one `section: line` each).
     With several config.threads, everything runs once per torch thread count, each into
     out_dir/threads-<count>/ (its own CSVs, plots and bench.md), then out_dir/bench.md holds every
     count's page in turn; the result is then {count: that run's rows}.
@@ -117,7 +142,9 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
         return lambda rows: write_csv(out_dir / f"{name}.csv", rows)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "machine.txt").write_text(machine + "\n")
+    kept = {section: line for section, line in read_machines(out_dir).items() if (out_dir / f"{section}.csv").is_file()}
+    machines = kept | dict.fromkeys(config.sections, machine)
+    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()))
     sections = set(config.sections)
     if "overhead" in sections:
         results["overhead"] = overhead_rows(config, log, saver("overhead"))
