@@ -6,8 +6,10 @@ can run without a host synchronisation on an accelerator (sync=False), for the d
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
+from types import ModuleType
 
 import torch
 
@@ -148,3 +150,15 @@ def check_scale(scale) -> float | None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale (the attention scale s) must be a finite number > 0 or None for 1/sqrt(d), got {scale!r}")
     return float(scale)
+
+
+class MissingPackage(ImportError):
+    """An optional package a feature needs is not installed; the message names the feature, the package and how to install it."""
+
+
+def require_package(module: str, extra: str, feature: str) -> ModuleType:
+    """The module `module`, or `MissingPackage` naming `feature` and `pip install kvcompress[<extra>]`."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingPackage(f"{feature} needs the `{module}` package, which is not installed: pip install kvcompress[{extra}]") from err

@@ -40,7 +40,7 @@ def _repeated_options(subparser: argparse.ArgumentParser, argv: list[str]) -> li
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status; a usage error, or a bad input found when the command runs (ValueError,
-    or a file that cannot be read/written), is 2 with one line on stderr."""
+    or a file that cannot be read/written, or an optional package not installed), is 2 with one line on stderr."""
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as err:
+        print(f"kvcompress {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        from .checks import MissingPackage  # here, not at the top: the parser runs without torch
+
+        if not isinstance(err, MissingPackage):
+            raise
         print(f"kvcompress {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -5,6 +5,7 @@ describes every script."""
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -515,3 +516,51 @@ def test_compare_runs_reads_committed_folders_and_refuses_empty_ones(tmp_path):
     assert "| balancekv @ 0.5 (prefill) | 60 | 50 (38–62) | 50 (38–62) | 0 | 0 | 1.00 |" in table
     with pytest.raises(SystemExit, match="holds no kvcompress eval records"):
         compare_runs.tasks_table(tmp_path, REPO / "results" / "sweep_2k")
+
+
+def test_code_run_scores_any_last_word_without_raising():
+    """InfiniteBench's code_run reads the last word as an integer: a word int() refuses scores 0 (its script's failed
+    int()), one it takes ('+5') is compared by value."""
+    for prediction, score in (("The return value is --5", 0.0), ("The return value is 5²", 0.0), ("It is ⑤", 0.0),
+                              ("The return value is +5", 1.0), ("value: -5", 0.0), ("", 0.0)):
+        assert metrics.last_word_integer(prediction, ["5"]) == score, prediction
+    assert metrics.last_word_integer("value: -5", ["-5"]) == 1.0
+
+
+@pytest.mark.parametrize(("benchmark", "file", "row", "field", "problem"), [
+    ("longbench", "passage_retrieval_en.jsonl", {"context": "c", "input": "q", "answers": ["Para 3"], "length": 2,
+                                                "dataset": "passage_retrieval_en", "all_classes": None}, "answers", "must name its paragraph as"),
+    ("infinitebench", "math_find.jsonl", {"context": "c", "input": "q", "answer": "abc"}, "answer", "must be a number, got 'abc'"),
+    ("infinitebench", "code_run.jsonl", {"context": "c", "input": "q", "answer": "x"}, "answer", "must be an integer, got 'x'"),
+    ("infinitebench", "math_calc.jsonl", {"context": "c", "input": "q", "answer": [1.5, 2]}, "answer", "must be an integer, got '1.5'"),
+    ("ruler", "niah_a.jsonl", {"input": "context\nquestion?", "outputs": [""], "length": 5}, "outputs", "must not hold an empty answer"),
+])
+def test_answers_the_metric_cannot_score_against_are_refused_when_read(tmp_path, benchmark, file, row, field, problem):
+    """An answer its metric reads as a number or a paragraph id that is none would crash scoring after the model ran; an
+    empty one matches every prediction: each stops the read, naming the file, the row and the field."""
+    path = write_rows(tmp_path / file, [row])
+    with pytest.raises(ValueError, match=rf"{file}: row 0: field '{field}' {problem}"):
+        load_benchmark(benchmark, path)
+
+
+def test_a_directory_of_parquet_files_is_read_for_every_benchmark(tmp_path):
+    import datasets
+
+    rows = [json.loads(line) for line in (FIXTURES / "longbench/hotpotqa.jsonl").read_text().splitlines()]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "hotpotqa.parquet"))
+    (tmp_path / "dataset_info.json").write_text("{}")  # a stray JSON file beside the data is not read as rows
+    assert [i.answers for i in load_benchmark("longbench", tmp_path)] == [i.answers for i in load_benchmark("longbench", FIXTURES / "longbench/hotpotqa.jsonl")]
+
+
+def test_a_missing_optional_package_is_one_line_naming_its_install(tmp_path, capsys, monkeypatch):
+    from kvcompress.checks import MissingPackage
+    from kvcompress.eval.ray_sweep import run_sweep_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(MissingPackage, match=r"running a sweep as Ray tasks needs the `ray` package, which is not installed: pip install kvcompress\[ray\]"):
+        run_sweep_ray(None, None, tmp_path)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    assert main(["eval", "--benchmark", "ruler", "--data", str(FIXTURES / "ruler"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvcompress eval: error: reading benchmark files needs the `datasets` package, which is not installed: "
+                   "pip install kvcompress[bench]")

@@ -316,3 +316,21 @@ def test_attention_mass_methods_get_their_own_recorded_prefill(tiny, tmp_path, m
     streamed = [r for r in mixed if r["mode"] == "chunked"]
     assert streamed and all(r["capture_s"] == 0 for r in streamed)
     assert all(r["capture_s"] > 0 for r in mixed if r["mode"] != "chunked")
+
+
+def test_needle_heatmap_panels_name_their_mode_when_the_sweep_has_several(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from kvcompress.eval.plots import plot_needle_heatmaps
+
+    def records(modes):
+        cells = [("full", None, "-", 1.0)] + [("snapkv", 0.75, mode, score) for mode, score in modes]
+        return [dict(grid=True, method=m, ratio=r, mode=mode, task="niah_single", length=n, depth=d, index=0, score=s, error=None, wall_s=1.0)
+                for m, r, mode, s in cells for n in (256, 512) for d in (0.0, 1.0)]
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_needle_heatmaps(records([("prefill", 1.0), ("chunked", 0.0)]), tmp_path / "two.png")
+    plot_needle_heatmaps(records([("prefill", 1.0)]), tmp_path / "one.png")
+    titles = [[ax.get_title() for ax in fig.axes if ax.get_title()] for fig in saved]
+    assert titles == [["full cache", "snapkv @ 0.75 (chunked)", "snapkv @ 0.75 (prefill)"], ["full cache", "snapkv @ 0.75"]]

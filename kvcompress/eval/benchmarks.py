@@ -30,7 +30,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .metrics import METRICS
+from ..checks import require_package
+from .metrics import METRICS, answer_problem
 from .tasks import Sample, token_counter
 
 BENCHMARKS = ("ruler", "longbench", "longbench-e", "infinitebench", "kvpress")
@@ -169,6 +170,9 @@ def load_benchmark(name: str, path: str | Path, tasks: list[str] | None = None, 
     for file, rows in _tables(root, name):
         for row_number, row in enumerate(rows):
             item = _PARSERS[name](_Row(file, row_number, row))
+            problem = answer_problem(item.metric, item.answers)
+            if problem is not None:
+                raise _Row(file, row_number).error(_ANSWER_FIELDS[name], problem)
             if tasks is not None and item.task not in tasks:
                 continue
             if limit is not None and per_task.get(item.task, 0) >= limit:
@@ -189,7 +193,7 @@ def _tables(root: Path, name: str):
     """(file, rows) for every data file of the benchmark under root, files sorted."""
     if root.is_dir() and (root / "state.json").is_file():
         return [(root, _load_from_disk(root))]
-    suffixes = (".parquet",) if name == "kvpress" else (".jsonl", ".json")
+    suffixes = (".jsonl", ".parquet")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes)
     if name == "longbench":
         files = [f for f in files if not f.stem.endswith("_e")]
@@ -211,10 +215,7 @@ def _load_from_disk(root: Path) -> list[dict]:
 
 def _read(file: Path) -> list[dict]:
     """Rows of a jsonl or parquet file, read with `datasets` (offline); a malformed file names its bad row."""
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError("reading benchmark files needs the `datasets` package: pip install kvcompress[bench]") from err
+    datasets = require_package("datasets", "bench", "reading benchmark files")
 
     datasets.disable_progress_bars()
     builder = "parquet" if file.suffix == ".parquet" else "json"
@@ -377,4 +378,5 @@ _PARSERS = {
     "infinitebench": _parse_infinitebench,
     "kvpress": _parse_kvpress,
 }
+_ANSWER_FIELDS = {"ruler": "outputs", "longbench": "answers", "longbench-e": "answers", "infinitebench": "answer", "kvpress": "answer"}
 

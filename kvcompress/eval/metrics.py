@@ -206,10 +206,14 @@ def first_number_match(prediction: str, answers: Sequence[str], **_) -> float:
     return float(found is not None and float(found.group(0)) == float(answers[0]))
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
 def last_word_integer(prediction: str, answers: Sequence[str], **_) -> float:
-    """InfiniteBench code_run: the prediction's last word (split at spaces and .`'\":) is the answer's integer."""
+    """InfiniteBench code_run: the prediction's last word (split at spaces and .`'\":) is the answer's integer (a word
+    that is no integer, such as '--5' or '5²', scores 0, as InfiniteBench's failed int() does)."""
     words = re.sub(r"[\n.`'\":]", " ", prediction.strip()).split()
-    return float(bool(words) and words[-1].lstrip("-").isdigit() and int(words[-1]) == int(answers[0]))
+    return float(bool(words) and _INTEGER.fullmatch(words[-1]) is not None and int(words[-1]) == int(answers[0]))
 
 
 def number_prefix(prediction: str, answers: Sequence[str], **_) -> float:
@@ -240,6 +244,51 @@ def option_choice(prediction: str, answers: Sequence[str], options: Sequence[str
     if chosen:
         return float(chosen[-1] == right)
     return float(pred.startswith(answers[0]))
+
+
+def _integers(answers: Sequence[str]) -> None:
+    for a in answers:
+        if _INTEGER.fullmatch(a.strip()) is None:
+            raise ValueError(f"must be an integer, got {a!r}")
+
+
+def _number(answers: Sequence[str]) -> None:
+    try:
+        float(answers[0])
+    except ValueError:
+        raise ValueError(f"must be a number, got {answers[0]!r}") from None
+
+
+def _paragraphs(pattern: str) -> Callable[[Sequence[str]], None]:
+    def check(answers: Sequence[str]) -> None:
+        for a in answers:
+            if re.search(pattern, a) is None:
+                raise ValueError(f"must name its paragraph as {pattern!r} does, got {a!r}")
+
+    return check
+
+
+# metric -> a check that raises ValueError(what is wrong) for answers the metric cannot score against
+_ANSWER_CHECKS: dict[str, Callable[[Sequence[str]], None]] = {
+    "retrieval": _paragraphs(r"Paragraph (\d+)"),
+    "retrieval_zh": _paragraphs(r"段落(\d+)"),
+    "first_number_match": _number,
+    "last_word_integer": lambda answers: _integers(answers[:1]),
+    "number_prefix": _integers,
+}
+
+
+def answer_problem(metric: str, answers: Sequence[str]) -> str | None:
+    """What is wrong with `answers` for `metric` (an empty answer, which any prediction contains; an answer the metric
+    reads as a number or a paragraph id that is none), or None: checked when the data is read, so that scoring a
+    prediction never fails."""
+    if any(not a.strip() for a in answers):
+        return f"must not hold an empty answer (every prediction would match it), got {list(answers)!r}"
+    try:
+        _ANSWER_CHECKS.get(metric, lambda _: None)(answers)
+    except ValueError as err:
+        return f"{err} (metric {metric})"
+    return None
 
 
 METRICS: dict[str, Callable[..., float]] = {

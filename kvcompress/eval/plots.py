@@ -95,7 +95,9 @@ def plot_needle_heatmaps(records: list[dict], path: str | Path) -> Path | None:
             if (a["method"], a["ratio"], a["mode"]) == (method, ratio, mode):
                 grid[lengths.index(a["length"])][depths.index(a["depth"])] = a["score"]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-        ax.set_title("full cache" if method == FULL else f"{method} @ {ratio:g}", fontsize=9)
+        modes = {m for name, _, m in panels if name != FULL}
+        title = "full cache" if method == FULL else f"{method} @ {ratio:g}" + (f" ({mode})" if len(modes) > 1 else "")
+        ax.set_title(title, fontsize=9)
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
     for ax in axes.flat[len(panels):]:

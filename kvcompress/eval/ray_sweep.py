@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import require_package
 from .runner import SweepConfig, pending_samples, read_results, run_sample
 
 # This worker process's model: {"sweep": id, "model": ..., "tokenizer": ...}.
@@ -52,7 +53,7 @@ def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, addr
     joins the cluster Ray is already initialised with). Returns (every record of the file, one
     message per sample whose task failed after its retries).
     """
-    import ray
+    ray = require_package("ray", "ray", "running a sweep as Ray tasks")
     from ray.exceptions import RayError
 
     if cpus_per_task < 1:
