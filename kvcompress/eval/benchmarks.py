@@ -30,7 +30,6 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..checks import require_package
 from .metrics import METRICS, answer_problem
 from .tasks import Sample, token_counter
 
@@ -215,6 +214,8 @@ def _load_from_disk(root: Path) -> list[dict]:
 
 def _read(file: Path) -> list[dict]:
     """Rows of a jsonl or parquet file, read with `datasets` (offline); a malformed file names its bad row."""
+    from ..checks import require_package  # here: the command line's parser imports this module, and checks imports torch
+
     datasets = require_package("datasets", "bench", "reading benchmark files")
 
     datasets.disable_progress_bars()
