@@ -215,13 +215,17 @@ class CompressedLayer(CacheLayerMixin):
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
             options.compressor.check_context(reconstructed=False)  # a plain forward's queries: refused by KVzip
-            if not has_padding(real):  # decode then appends in place, no copy of the state per step
-                self._compress_context(keys, values, positions, queries, scale, attention_mass, hidden_states=hidden_states)
-            else:
+            if has_padding(real) or self._draws_per_row(keys.shape[0]):
                 self._keep_rows(keys, values, positions, queries, scale, real, hidden_states, rope_positions)
+            else:  # decode then appends in place, no copy of the state per step
+                self._compress_context(keys, values, positions, queries, scale, attention_mass, hidden_states=hidden_states)
         elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
+            if self.front is None and self._draws_per_row(keys.shape[0]):
+                raise ValueError(f"method {options.method!r} draws random numbers, and a stream of a batch of {keys.shape[0]} rows would draw "
+                                 f"them for every row at once, unlike each row alone: in mode={options.mode!r} run one row at a time "
+                                 "(kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:
                 self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
@@ -278,17 +282,24 @@ class CompressedLayer(CacheLayerMixin):
         options = self.cache.options
         return n - max(min(options.sink, n), n - options.window)
 
+    def _draws_per_row(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows must be compressed row by row to give each row its solo summary: a randomized
+        method draws from the layer's generator in shapes that depend on the batch, so one call for every row (beams,
+        `num_return_sequences`, equal-length contexts) would give each row other draws than it gets alone."""
+        return rows > 1 and self.cache.options.compressor.randomized
+
     def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None, rope_positions=None) -> None:
-        """A padded batch: each row's real tokens compressed alone (with the generator of a solo run; pre-RoPE keys
+        """A padded batch, or a randomized method's batch (`_draws_per_row`; real None: no padding): each row's real tokens compressed alone (with the generator of a solo run; pre-RoPE keys
         un-rotated at the row's RoPE positions, `rope_positions` [B or 1, n] when known), stacked with -inf
         padding slots; with kv_bits the stacked fronts quantized, with heads that keep different numbers of slots
         (`CachePlan.ragged`, AdaKV) at full precision packed (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
         if self.cache.plan.joint:
             raise ValueError(f"method {self.cache.options.method!r} with one budget over every layer compresses one context at a "
-                             "time: a padded batch is not supported; run the contexts one by one")
+                             "time: a batch whose rows must be compressed apart (padded, or a randomized scorer's) is not supported; "
+                             "run the contexts one by one")
         rows, lengths = [], []
         for b in range(keys.shape[0]):
-            index = real[b].nonzero().squeeze(-1)
+            index = real[b].nonzero().squeeze(-1) if real is not None else torch.arange(keys.shape[2], device=keys.device)
             lengths.append(index.numel())
             hidden = hidden_states[b : b + 1, :, index] if hidden_states is not None else None
             rope = None if rope_positions is None else rope_positions[min(b, rope_positions.shape[0] - 1), index]

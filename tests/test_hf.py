@@ -393,3 +393,34 @@ def test_the_full_caches_bytes_are_what_a_plain_transformers_cache_stores(family
     stored = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in plain.layers)
     assert full_kv_bytes(model, 120, torch.float32) == stored
     assert generate_ids(model, ids[:, :100], ids[:, 100:], method=None, max_new_tokens=1, stop_at_eos=False).kv_bytes_full == stored
+
+
+@pytest.mark.parametrize("method", ["hybrid", "express", "balancekv", "subgen", "random"])
+def test_a_randomized_methods_batch_of_equal_rows_gives_each_row_its_solo_summary(method):
+    """Beams, num_return_sequences and equal-length contexts are one unpadded batch: a randomized method compresses
+    each row alone with the solo run's generator, so every row keeps what it keeps alone (drawn for all rows at once, no
+    row did)."""
+    model = tiny("llama")
+    prompts = [_ids(150, 1), _ids(150, 1), _ids(150, 2)]
+    cache = CompressedCache(model, method, compression_ratio=0.5, sink=2, window=8)
+    batch = _greedy(model, torch.cat(prompts), cache)
+    for row, prompt in enumerate(prompts):
+        solo_cache = CompressedCache(model, method, compression_ratio=0.5, sink=2, window=8)
+        solo = _greedy(model, prompt, solo_cache)
+        assert torch.equal(batch[row], solo[0]), (method, row)
+        for layer, alone in zip(cache.layers, solo_cache.layers):
+            mine, theirs = layer.stored(), alone.stored()
+            kept = torch.isfinite(mine.log_weights[row])
+            assert torch.equal(mine.positions[row][kept], theirs.positions[0][torch.isfinite(theirs.log_weights[0])]), (method, row)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+def test_a_randomized_methods_stream_refuses_a_batch_and_kvc_generate_runs_its_rows_alone(mode):
+    model = tiny("llama")
+    ids = torch.cat([_ids(150, 1), _ids(150, 2)])
+    with pytest.raises(ValueError, match=rf"method 'express' draws random numbers.*mode='{mode}' run one row at a time"):
+        _greedy(model, ids, CompressedCache(model, "express", mode=mode, budget=64, sink=2, window=8))
+    _greedy(model, ids, CompressedCache(model, "keydiff", mode=mode, budget=64, sink=2, window=8))  # draws nothing
+    results = generate_batch_ids(model, [ids[:1], ids[1:]], ids[:1, :5], method="express", mode=mode, compression_ratio=0.5,
+                                 max_new_tokens=3, stop_at_eos=False)
+    assert [r.extra["batch_run"] for r in results] == ["one_by_one"] * 2
