@@ -169,6 +169,16 @@ CASES = {
                              "'kernel_size' is given more than once"),
     "generate compress question in decode mode": ([*GEN, "--budget", "8", "--mode", "decode", "--compress-question"],
                                                   "compress_question=True changes nothing in mode='decode'"),
+    # a flag is refused when given, whatever its value: its default included
+    "generate cache with flags at their defaults": (["generate", "--cache", "{tmp}/c.kvc", "--question", "Q?", "--mode", "prefill", "--seed", "0",
+                                                     "--chunk-size", "256"], "it takes no --mode, --seed, --chunk-size"),
+    "generate chunk size in prefill mode": ([*GEN, "--budget", "8", "--chunk-size", "256"],
+                                            "--chunk-size 256 is the prompt's block size in --mode chunked or decode"),
+    "generate abbreviated flag": ([*GEN, "--budget", "8", "--max-new", "4"], "unrecognized arguments: --max-new 4"),
+    "compress full cache": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/c.kvc", "--method", "full"],
+                            "argument --method: unknown method 'full'"),
+    "eval approx with a sweep flag at its default": (["eval", "approx", "--out", "{tmp}/o", "--samples", "1"],
+                                                     "`eval approx` takes none of the task sweep's and perplexity's flags; got --samples"),
     "no subcommand": ([], "command"),
 }
 

@@ -9,13 +9,28 @@ come before any library import; the library checks everything else when the comm
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from ..names import DTYPES, METHODS
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (`kvcompress <command>: error: ...`) and exit status 2."""
+    """argparse, but a usage error is one line (`kvcompress <command>: error: ...`) and exit status 2, an option is
+    taken only by its full name (no abbreviations), and the parsed namespace's `given` holds the destinations of the
+    options given on the command line, whatever their values (`given_flags`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        parsed, extras = super().parse_known_args(argv, namespace)
+        end = argv.index("--") if "--" in argv else len(argv)
+        named = {arg.split("=", 1)[0] for arg in argv[:end]}  # --flag or --flag=value
+        parsed.given = getattr(parsed, "given", set()) | {a.dest for a in self._actions if named.intersection(a.option_strings)}
+        return parsed, extras
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -118,8 +133,9 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def given_flags(args, actions) -> list[str]:
-    """The flags among `actions` (argparse actions, in their order) that `args` holds another value than their default for."""
-    return [action.option_strings[0] for action in actions if getattr(args, action.dest) != action.default]
+    """The flags among `actions` (argparse actions, in their order) given on the command line (`ArgumentParser`'s
+    `args.given`), at their default value or not."""
+    return [action.option_strings[0] for action in actions if action.dest in args.given]
 
 
 def check_out_folder(flag: str, path) -> None:

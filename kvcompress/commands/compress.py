@@ -12,15 +12,13 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("compress", help="compress a context file once and save the cache, for `generate --cache`")
     p.add_argument("--context-file", required=True, type=Path, help="text file holding the context")
     p.add_argument("--out", required=True, type=Path, metavar="FILE", help="where the compressed cache is written (one safetensors file)")
-    add_run_args(p, _run, compress_question=False)  # the cache is made before any question: it has none to compress
+    add_run_args(p, _run, later_questions=True)
 
 
 def _run(args) -> int:
     from ..integration import compress_context, load_model
 
     options = options_of(args, full=False)  # every flag checked before the model loads
-    if options.method is None:
-        raise ValueError("--method full keeps every token: there is nothing to compress; name a method")
     check_out_folder("--out", args.out)
     context = read_context(args.context_file)
     set_threads(args.threads)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, count, one_of, parse_params, resolve_device, set_threads
+from .common import add_device_args, add_model_arg, add_threads_arg, count, given_flags, one_of, parse_params, resolve_device, set_threads
 from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
 FULL = "full"
@@ -21,21 +21,26 @@ def add_cli(subparsers) -> None:
     add_run_args(p, _run)
 
 
-def add_run_args(p, run, compress_question: bool = True) -> None:
-    """What `generate` and `compress` both take: the compression flags (--compress-question where `compress_question`),
-    threads, model and device; `run` handles the command."""
-    add_compression_args(p, compress_question)
+def add_run_args(p, run, later_questions: bool = False) -> None:
+    """What `generate` and `compress` both take: the compression flags, threads, model and device; `run` handles the
+    command. later_questions: the command compresses a context for questions asked later (`compress`), so it takes
+    neither --compress-question nor --method full."""
+    add_compression_args(p, compress_question=not later_questions, full=not later_questions)
     add_threads_arg(p)
     add_model_arg(p)
     add_device_args(p)
     p.set_defaults(func=run)
 
 
-def add_compression_args(p, compress_question: bool = True) -> None:
+def add_compression_args(p, compress_question: bool = True, full: bool = True) -> None:
     """The flags of a `CompressionOptions` (read back by `options_of`), shared by `generate` and `compress`; a command
-    whose context is compressed without a question leaves out --compress-question (`compress_question` False)."""
-    p.add_argument("--method", type=one_of((FULL, DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None, metavar="NAME",
-                   help=f"registered method name, '{FULL}' for the uncompressed cache, '{DEFAULT_METHOD}' (the default): the best "
+    whose context is compressed without a question leaves out --compress-question (`compress_question` False), one that
+    must compress leaves out --method full (`full` False). The
+    parser's `compression_flags` default lists them, for `generate --cache`, which refuses every one."""
+    first = len(p._actions)
+    p.add_argument("--method", type=one_of(((FULL,) if full else ()) + (DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
+                   metavar="NAME",
+                   help="registered method name, " + (f"'{FULL}' for the uncompressed cache, " if full else "") + f"'{DEFAULT_METHOD}' (the default): the best "
                         "measured method for the mode within a plain generate's cost (adakv over KVzap's learned KVzip scores, ranked "
                         "across layers in prefill mode, within each layer when streaming; see docs/design.md), or "
                         f"'{KVZIP_REFIT}' (prefill only: the slow default before KVzap, KVzip's exact scores and a refit); with "
@@ -66,6 +71,7 @@ def add_compression_args(p, compress_question: bool = True) -> None:
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
                         "the stream's slots, keys and values per slot; default: full precision)")
     p.add_argument("--kv-group-size", type=count(1), default=None, metavar="N", help="with --kv-bits: values per quantization group (default 32)")
+    p.set_defaults(compression_flags=p._actions[first:])
 
 
 def _run(args) -> int:
@@ -99,10 +105,7 @@ def _run(args) -> int:
 
 def _check_no_compression_flags(args) -> None:
     """--cache answers with the saved cache's own settings: any compression flag given is an error naming it."""
-    defaults = {"method": None, "compression_ratio": None, "budget": None, "calibration": None, "quality": None, "mode": "prefill",
-                "seed": 0, "sink": None, "window": None, "chunk_size": DEFAULT_CHUNK_SIZE, "slack": None, "compress_question": False,
-                "param": [], "kv_bits": None, "kv_group_size": None}
-    given = ["--" + name.replace("_", "-") for name, default in defaults.items() if getattr(args, name) != default]
+    given = given_flags(args, args.compression_flags)
     if given:
         raise ValueError(f"--cache answers with the settings the cache was compressed with: it takes no {', '.join(given)}")
 
@@ -113,6 +116,9 @@ def options_of(args, full: bool = True):
     from ..integration.model import DEFAULT_NAME
     from ..options import CompressionOptions
 
+    if args.mode == "prefill" and "chunk_size" in args.given:
+        raise ValueError(f"--chunk-size {args.chunk_size} is the prompt's block size in --mode chunked or decode; --mode prefill prefills "
+                         "the context in one forward, so leave it out")
     params = parse_params(args.param)
     if args.method == FULL:
         given = [flag for flag, value in (("--budget", args.budget), ("--compression-ratio", args.compression_ratio), ("--slack", args.slack),
