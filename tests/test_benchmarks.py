@@ -564,3 +564,11 @@ def test_a_missing_optional_package_is_one_line_naming_its_install(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert err == ("kvcompress eval: error: reading benchmark files needs the `datasets` package, which is not installed: "
                    "pip install kvcompress[bench]")
+
+
+def test_cli_methods_full_runs_the_full_cache_cells_alone(tiny_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    args = ["eval", "--tasks", "niah_single", "--lengths", "128", "--samples", "2", "--model", str(tiny_checkpoint), "--methods", "full",
+            "--max-new-tokens", "2", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    assert [(r["method"], r["index"]) for r in read_results(out / "results.jsonl")] == [(FULL, 0), (FULL, 1)]

@@ -179,6 +179,10 @@ CASES = {
                             "argument --method: unknown method 'full'"),
     "eval approx with a sweep flag at its default": (["eval", "approx", "--out", "{tmp}/o", "--samples", "1"],
                                                      "`eval approx` takes none of the task sweep's and perplexity's flags; got --samples"),
+    "eval unknown task": (["eval", "--tasks", "bogus", "--out", "{tmp}/o"], "--tasks: unknown task(s) ['bogus']; known tasks: niah_single"),
+    "eval full with another method": (["eval", "--methods", "full,knorm", "--out", "{tmp}/o"], "--methods full runs the task sweep's full-cache cells alone"),
+    "eval full without the full cache": (["eval", "--methods", "full", "--no-full", "--out", "{tmp}/o"], "got --methods full"),
+    "eval ray cpus at the default without ray": (["eval", "--ray-cpus", "1", "--out", "{tmp}/o"], "--ray-cpus and --ray-retries go with --ray"),
     "no subcommand": ([], "command"),
 }
 

@@ -11,6 +11,7 @@ from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
     add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
 )
+from .generate import FULL
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
 )
@@ -68,9 +69,10 @@ def add_cli(subparsers) -> None:
     add_model_arg(p)
     add_device_args(p)
     p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
-    p.add_argument("--methods", type=list_of((DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
+    p.add_argument("--methods", type=list_of((FULL, DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
                    help=f"comma-separated method names; '{DEFAULT_METHOD}' (task sweep and perplexity) and '{KVZIP_REFIT}' (task "
-                        "sweep only) are the library's default for each mode and the slow prefill default before KVzap "
+                        "sweep only) are the library's default for each mode and the slow prefill default before KVzap; "
+                        f"'{FULL}' alone runs the task sweep's full-cache cells only, which every sweep has unless --no-full "
                         f"(default: the task sweep runs '{DEFAULT_METHOD}' and every registered method, approx and perplexity "
                         "every registered method)")
     p.add_argument("--ratios", type=float_list, default=None,
@@ -134,8 +136,19 @@ def add_cli(subparsers) -> None:
 
 def run_cli(args) -> int:
     set_threads(args.threads)
-    if args.ray is None and (args.ray_cpus != 1 or args.ray_retries != 3):
+    if args.ray is None and {"ray_cpus", "ray_retries"} & args.given:
         raise ValueError("--ray-cpus and --ray-retries go with --ray")
+    if args.methods and FULL in args.methods:
+        if args.methods != [FULL] or args.bench == "approx" or (args.tasks and PERPLEXITY in args.tasks) or args.no_full:
+            raise ValueError(f"--methods {FULL} runs the task sweep's full-cache cells alone (every sweep has them unless --no-full, and "
+                             f"perplexity's are each ratio's reference): give it alone, without --no-full, --tasks {PERPLEXITY} or "
+                             f"approx; got --methods {','.join(args.methods)}")
+        args.methods = []
+    if args.tasks and not args.benchmark:
+        unknown = [t for t in args.tasks if t not in TASKS and t != PERPLEXITY]
+        if unknown:
+            raise ValueError(f"--tasks: unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}, or {PERPLEXITY} alone "
+                             "(a benchmark's own task names go with --benchmark)")
     if args.bench == "approx":
         given = given_flags(args, args.sweep_flags)
         if given:
