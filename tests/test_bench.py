@@ -295,6 +295,10 @@ def test_cli_runs_every_thread_count_into_its_own_directory(tmp_path):
         assert {r["method"] for r in read_csv(out / f"threads-{count}" / "overhead.csv")} == {"exact", "knorm"}
     page = (out / "bench.md").read_text()
     assert "## 1 thread\n" in page and "## 2 threads\n" in page and page.count("### Streaming throughput vs KeyDiff") == 2
+    for written in [out / "bench.md", *out.glob("threads-*/bench.md")]:
+        written.unlink()
+    assert main(["bench", "--report-only", "--out", str(out)]) == 0  # each count's page and the page of both, from the CSVs
+    assert (out / "bench.md").read_text() == page and all((out / f"threads-{count}" / "bench.md").is_file() for count in (1, 2))
 
 
 @pytest.mark.smoke

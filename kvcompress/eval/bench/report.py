@@ -98,12 +98,19 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
     return "\n".join(out)
 
 
-def report(out_dir: Path) -> dict[str, list[dict]]:
-    """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt, each section's machine) runs left there."""
+def report(out_dir: Path) -> dict:
+    """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt, each section's machine) runs left there;
+    for a run of several thread counts (out_dir/threads-<count>/ folders and no CSV of its own), each count's and then
+    the page of them all. Returns the rows of every CSV, or {count: those rows} for several counts."""
     out_dir = Path(out_dir)
     results = {name: read_csv(out_dir / f"{name}.csv") for name in SECTIONS if (out_dir / f"{name}.csv").is_file()}
+    counts = sorted(int(p.name.removeprefix("threads-")) for p in out_dir.glob("threads-*") if p.name.removeprefix("threads-").isdigit())
+    if not results and counts:
+        by_count = {count: report(out_dir / f"threads-{count}") for count in counts}
+        _write_thread_counts_page(out_dir, counts)
+        return by_count
     if not results:
-        raise ValueError(f"out_dir {str(out_dir)!r} holds no bench CSV ({', '.join(SECTIONS)})")
+        raise ValueError(f"out_dir {str(out_dir)!r} holds no bench CSV ({', '.join(SECTIONS)}) and no threads-<count>/ folder of one")
     if "overhead" in results:
         results["exponents"] = exponent_rows(results["overhead"])
         plot_overhead(results["overhead"], out_dir / "overhead.png")
@@ -172,11 +179,16 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
 def _run_thread_counts(out_dir: Path, config: BenchConfig, log: Callable[[str], None]) -> dict[int, dict[str, list[dict]]]:
     """`run` once per count of config.threads, each into out_dir/threads-<count>/, then out_dir/bench.md with every count's page."""
     results = {count: run(out_dir / f"threads-{count}", replace(config, threads=(count,)), log) for count in config.threads}
-    page = [f"# kvcompress bench at {', '.join(map(str, config.threads))} torch threads", "",
+    _write_thread_counts_page(out_dir, config.threads)
+    return results
+
+
+def _write_thread_counts_page(out_dir: Path, counts) -> None:
+    """out_dir/bench.md: the page of each thread count's run (out_dir/threads-<count>/bench.md), in turn."""
+    page = [f"# kvcompress bench at {', '.join(map(str, counts))} torch threads", "",
             "One run per thread count, in turn, in one process; each count's CSVs and plots are in threads-<count>/.", ""]
-    for count in config.threads:
+    for count in counts:
         text = (out_dir / f"threads-{count}" / "bench.md").read_text().splitlines()
         page += [f"## {count} thread{'s' if count > 1 else ''}", ""]
         page += ["#" + line if line.startswith("#") else line for line in text[1:]]
     (out_dir / "bench.md").write_text("\n".join(page) + "\n")
-    return results
