@@ -49,7 +49,7 @@ def test_a_missing_or_wrong_scorer_file_is_a_clear_error(tmp_path):
         build_method("kvzap", scorer=str(tmp_path / "none.safetensors"))
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    with pytest.raises(SurrogateError, match="not a readable safetensors file"):
+    with pytest.raises(SurrogateError, match=r"not a readable safetensors file .*train one with `kvcompress train-scorer"):
         Surrogate.load(bad)
     from safetensors.torch import save_file
 
@@ -59,7 +59,7 @@ def test_a_missing_or_wrong_scorer_file_is_a_clear_error(tmp_path):
     for edit, match in (({"format": "x"}, "format 'x'"), ({"version": "9"}, "version '9'"), ({"kind": "tree"}, "kind 'tree'"),
                         ({"layers": "[0]"}, "do not fit 1 layers"), ({"layers": "[0, 0]"}, "distinct layer indices")):
         save_file(tensors, str(bad), metadata={**header, **edit})
-        with pytest.raises(SurrogateError, match=match):
+        with pytest.raises(SurrogateError, match=rf"{match}.*train one with `kvcompress train-scorer"):
             Surrogate.load(bad)
     save_file({**tensors, "first_bias": torch.full_like(s.first_bias, float("nan"))}, str(bad), metadata=header)
     with pytest.raises(SurrogateError, match="finite"):

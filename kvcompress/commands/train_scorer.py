@@ -1,5 +1,5 @@
 """`kvcompress train-scorer`: fit KVzap's surrogates (`methods.kvzap`) to the project's own KVzip scores on text the
-standard library ships, and save them as a scorer file for `--method kvzap --method-params scorer=FILE`."""
+standard library ships, and save them as a scorer file for `--method kvzap --param scorer=FILE`."""
 
 from __future__ import annotations
 

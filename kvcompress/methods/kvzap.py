@@ -188,14 +188,15 @@ class Surrogate:
                 header = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as error:  # safetensors raises its own types for a damaged file
-            raise SurrogateError(f"KVzap scorer file {str(path)!r} is not a readable safetensors file ({error})") from None
+            raise SurrogateError(f"KVzap scorer file {str(path)!r} is not a readable safetensors file ({error}); train one with "
+                                 f"`{TRAIN_COMMAND}`") from None
         return cls.from_parts(header, tensors, str(path))
 
     @classmethod
     def from_parts(cls, header: dict, tensors: dict, source: str) -> "Surrogate":
         """Check a file's metadata and tensors against the format, then build (`load`)."""
         def fail(what):
-            raise SurrogateError(f"KVzap scorer file {source!r}: {what}")
+            raise SurrogateError(f"KVzap scorer file {source!r}: {what}; train one with `{TRAIN_COMMAND}`")
 
         if header.get("format") != SURROGATE_FORMAT:
             fail(f"format {header.get('format')!r}, expected {SURROGATE_FORMAT!r} (written by `kvcompress train-scorer`)")
