@@ -406,6 +406,21 @@ class CompressedLayer(CacheLayerMixin):
             self.front = select_rows(front, beam_idx) if front is not None else None
         self.tail = select_rows(self.tail, beam_idx) if self.tail is not None else None
 
+    def crop(self, max_length: int) -> None:
+        """Refused: what compression dropped cannot be rolled back to a length (assisted generation, prompt lookup)."""
+        raise ValueError(f"a CompressedCache cannot crop to {max_length} tokens: compression has dropped tokens, so there is no length to "
+                         "roll back to (assisted generation and prompt_lookup_num_tokens crop the cache); generate without them, or "
+                         "roll back with cache.restore(cache.snapshot() taken earlier)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused: the rows of a compressed cache are only reordered (`reorder_cache`), never repeated."""
+        raise ValueError(f"a CompressedCache cannot repeat its batch rows ({repeats}×, a decoding strategy that expands the cache after "
+                         "the prompt): expand the prompt's rows before it is compressed, as beam search and num_return_sequences do")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Beam search's row selection (`reorder_cache`), under the name some decoding strategies use."""
+        self.reorder_cache(indices)
+
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live
         stream) copied, the cache's own objects it holds (`CompressedCache.stream_links`) left shared, not copied."""
@@ -675,6 +690,9 @@ class CompressedCache(Cache):
 
     def __init__(self, model, method: "str | CompressionOptions" = DEFAULT_METHOD, *, stream_length: int | None = None, **settings):
         layer_types = check_supported(model)
+        if method is None or method == "full" or (isinstance(method, CompressionOptions) and method.method is None):
+            raise ValueError(f"method={method!r}: a CompressedCache compresses, and the full cache is transformers' own DynamicCache (what "
+                             "model.generate uses when no past_key_values is passed); name a method: 'default' or one of kvcompress.methods()")
         if isinstance(method, CompressionOptions):
             options = CompressionOptions.build(method, **settings)
         elif isinstance(method, str):
@@ -715,10 +733,29 @@ class CompressedCache(Cache):
             for i, (kind, window) in enumerate(layer_types)
         ]
         super().__init__(layers=layers)
+        # built by name, a cache of a method that reads the layers' inputs (KVzap) has the model keep them while it lives
+        self.keeps_hidden_states = isinstance(method, str) and self.plan.hidden_states
         if isinstance(method, str):
             select_compressed_attention(model)
-            if self.plan.hidden_states:  # KVzap: the layers' inputs, kept while this cache lives
+            if self.keeps_hidden_states:
                 weakref.finalize(self, release_hidden_states, keep_hidden_states(model))
+
+    def __deepcopy__(self, memo) -> "CompressedCache":
+        """A copy of every state; one that keeps the model's hidden states (`keeps_hidden_states`) keeps them while it
+        lives, as the original does while it lives."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        model = self._model()
+        if self.keeps_hidden_states and model is not None:
+            weakref.finalize(copied, release_hidden_states, keep_hidden_states(model))
+        return copied
+
+    def reset(self) -> None:
+        """Empty every layer and start a new prompt: a chunked cache absorbs the next prompt into its streams again."""
+        super().reset()
+        self._absorbing, self._waiting, self.token_ids = True, {}, None
 
     @property
     def absorbing(self) -> bool:

@@ -313,8 +313,14 @@ def test_pipeline_answers_like_kvc_generate():
     assert model.config._attn_implementation == "sdpa"  # library use: the model is left as is
     with pytest.raises(ValueError, match="not both"):
         pipe(context, question="w1", questions=["w2"], **options)
-    with pytest.raises(ValueError, match="empty context"):
+    with pytest.raises(ValueError, match="context must be a non-empty string, got ' '"):
         pipe(" ", question="w1", **options)
+    listed = pipe([context, context], question=questions[1], **options)  # a list of contexts: one after the other
+    assert [o["answer"] for o in listed] == [direct[1].text] * 2
+    for batched in (lambda: pipe([context, context], question="w1", batch_size=2, **options),
+                    lambda: pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, batch_size=2)(context, question="w1", **options)):
+        with pytest.raises(ValueError, match="batch_size=2: the kvcompress pipeline compresses one context per call"):
+            batched()
     short = " ".join(f"w{i}" for i in range(3, 43))  # long enough for ratio 0.5 beyond sink + window
     batch = kvc.generate(model, tokenizer, [context, short], "w6", progress=False, **options)
     assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, short)]
@@ -424,3 +430,32 @@ def test_a_randomized_methods_stream_refuses_a_batch_and_kvc_generate_runs_its_r
     results = generate_batch_ids(model, [ids[:1], ids[1:]], ids[:1, :5], method="express", mode=mode, compression_ratio=0.5,
                                  max_new_tokens=3, stop_at_eos=False)
     assert [r.extra["batch_run"] for r in results] == ["one_by_one"] * 2
+
+
+def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
+    """crop (assisted generation, prompt lookup) and batch_repeat_interleave are refused naming why; batch_select_indices
+    selects rows as beam search's reorder does; reset starts a new prompt, which a chunked cache compresses again."""
+    model, ids = tiny("llama"), torch.cat([_ids(150, 1), _ids(150, 2)])
+    cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
+    _greedy(model, ids, cache, new=2)
+    with pytest.raises(ValueError, match="a CompressedCache cannot crop to 5 tokens: compression has dropped tokens"):
+        cache.crop(5)
+    with pytest.raises(ValueError, match="cannot repeat its batch rows"):
+        cache.batch_repeat_interleave(2)
+    before = cache.layers[0].stored()
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
+    with pytest.raises(ValueError, match=r"cannot crop.*prompt_lookup_num_tokens"):
+        model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8),
+                       max_new_tokens=4, prompt_lookup_num_tokens=2)
+    chunked = CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8)
+    fresh = [CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8) for _ in range(2)]
+    first = model.generate(ids[:1], past_key_values=chunked, max_new_tokens=3, do_sample=False, prefill_chunk_size=64)
+    assert torch.equal(first, model.generate(ids[:1], past_key_values=fresh[0], max_new_tokens=3, do_sample=False, prefill_chunk_size=64))
+    chunked.reset()
+    again = model.generate(ids[1:], past_key_values=chunked, max_new_tokens=3, do_sample=False, prefill_chunk_size=64)
+    assert torch.equal(again, model.generate(ids[1:], past_key_values=fresh[1], max_new_tokens=3, do_sample=False, prefill_chunk_size=64))
+    assert chunked.slots_per_layer() == fresh[1].slots_per_layer()
+    for method in (None, "full", CompressionOptions(method=None)):
+        with pytest.raises(ValueError, match="a CompressedCache compresses, and the full cache is transformers' own DynamicCache"):
+            CompressedCache(model, method)

@@ -3,6 +3,7 @@ tiny model, and the method in every mode scoring each token once, from the hidde
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 
@@ -388,6 +389,12 @@ def test_a_compressed_cache_of_kvzap_runs_inside_model_generate_and_leaves_no_ho
     want = generate_ids(model, ctx, question, method="kvzap", max_new_tokens=4, stop_at_eos=False, **settings)
     assert out[0, 166:].tolist() == want.token_ids
     del cache
+    gc.collect()
+    copied = copy.deepcopy(kvc.CompressedCache(model, "kvzap", **settings))  # its original goes at once: the copy keeps the hooks
+    gc.collect()
+    again = model.generate(torch.cat([ctx, question], 1), past_key_values=copied, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert torch.equal(again, out)
+    del copied
     gc.collect()
     assert not any(m._forward_pre_hooks for m in model.modules())
 

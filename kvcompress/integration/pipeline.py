@@ -36,6 +36,15 @@ class CompressedTextGenerationPipeline(Pipeline):
     _load_tokenizer = True
     _pipeline_calls_generate = True
 
+    def __call__(self, inputs, *args, batch_size=None, **kwargs):
+        """One context, or a list of contexts run one after the other (each compressed alone); a `batch_size` above 1, here
+        or when the pipeline was built, is refused: transformers would collate several contexts into one call."""
+        size = batch_size if batch_size is not None else self._batch_size
+        if size not in (None, 1):
+            raise ValueError(f"batch_size={size}: the kvcompress pipeline compresses one context per call (a list of contexts runs them "
+                             "one after the other); for one forward over several contexts use kvc.generate with a list of contexts")
+        return super().__call__(inputs, *args, **kwargs)
+
     def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", prompt_layout=DEFAULT_PROMPT_LAYOUT, **options):
         if question is not None and questions is not None:
             raise ValueError("pass question (one) or questions (a list), not both")
@@ -46,7 +55,7 @@ class CompressedTextGenerationPipeline(Pipeline):
 
     def preprocess(self, context, question=None, questions=None, answer_prefix="", layout=DEFAULT_PROMPT_LAYOUT):
         if not isinstance(context, str) or not context.strip():
-            raise ValueError("empty context: pass a non-empty context string")
+            raise ValueError(f"context must be a non-empty string, got {context!r:.80}")
         asked = questions if questions is not None else [question]
         context_ids, _ = build_prompt(self.tokenizer, context, asked[0], answer_prefix, layout)
         return {"context_ids": context_ids, "questions_ids": [build_prompt(self.tokenizer, context, q, answer_prefix, layout)[1] for q in asked]}
