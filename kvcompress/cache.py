@@ -65,7 +65,8 @@ from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
 @dataclass(frozen=True)
 class CachePlan:
     """How a cache compresses and stores its method's contexts: read once, when the cache is built, from what the
-    method declares it needs (`Method.requirements`); the cache reads nothing else of its method.
+    method declares it needs (`Method.requirements`) and whether it draws random numbers (`Method.randomized`); the
+    cache reads nothing else of its method.
 
     ragged: the heads of a layer keep different numbers of slots (budget scope "layer" or "model", AdaKV), so a
     compressed context is stored packed (`RaggedSummary`) rather than in one rectangular buffer.
@@ -74,18 +75,21 @@ class CachePlan:
     pre_rope_keys: the method reads pre-RoPE keys, which the cache computes from the keys (`RotaryInverse`).
     hidden_states: the method reads each layer's input hidden states, which the model's attention modules keep for the
     attention function (`model_support.keep_hidden_states`).
+    randomized: the method draws from its generator in shapes that depend on the batch, so an unpadded batch is
+    compressed row by row to give each row its solo draws (`CompressedLayer._draws_per_row`).
     """
 
     ragged: bool
     joint: bool
     pre_rope_keys: bool
     hidden_states: bool
+    randomized: bool
 
     @classmethod
     def of(cls, method) -> "CachePlan":
         needs = method.requirements
         return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"),
-                   hidden_states=needs.needs("hidden_states"))
+                   hidden_states=needs.needs("hidden_states"), randomized=method.randomized)
 
 
 @dataclass
@@ -286,7 +290,7 @@ class CompressedLayer(CacheLayerMixin):
         """Whether a batch of `rows` rows must be compressed row by row to give each row its solo summary: a randomized
         method draws from the layer's generator in shapes that depend on the batch, so one call for every row (beams,
         `num_return_sequences`, equal-length contexts) would give each row other draws than it gets alone."""
-        return rows > 1 and self.cache.options.compressor.randomized
+        return rows > 1 and self.cache.plan.randomized
 
     def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None, rope_positions=None) -> None:
         """A padded batch, or a randomized method's batch (`_draws_per_row`; real None: no padding): each row's real tokens compressed alone (with the generator of a solo run; pre-RoPE keys
