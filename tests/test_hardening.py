@@ -563,3 +563,16 @@ def test_a_slack_that_would_keep_less_than_one_slot_is_refused_not_clamped():
         stream_split(10, 9.5)
     with pytest.raises(ValueError, match=r"slack=1000000000.0 leaves less than one slot"):
         kvc.stream("snapkv", budget=32, slack=1e9)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+@pytest.mark.parametrize("method", ["keydiff", "express"])
+def test_ratio_zero_streams_a_prompt_shorter_than_sink_and_window_exactly(mode, method):
+    """compression_ratio=0 removes nothing: a 30-token prompt, inside the default sink 4 + window 64, streams with the
+    smallest budget the stream takes and answers as the full cache (the middle budget of -38 was refused)."""
+    model = _tiny_model()
+    ids, question = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(1)), torch.tensor([[5, 6, 7]])
+    full = generate_ids(model, ids, question, method=None, mode=mode, max_new_tokens=4, stop_at_eos=False)
+    res = generate_ids(model, ids, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=4, stop_at_eos=False)
+    assert res.token_ids == full.token_ids
+    assert resolve_budget(30, None, 0.0, 4, 64, build_method(method), streaming=True) >= 2

@@ -126,7 +126,8 @@ def resolve_budget(
                 f"compression_ratio={ratio} keeps {kept} of n={n} tokens, which does not leave room beyond sink={sink} + window={window} "
                 f"(always kept exactly), so the ratio cannot be honoured; use " + ", or ".join(fixes)
             )
-        middle = max(middle, 1)
+        if kept >= n:  # nothing removed (ratio 0, or every token within sink + window): the smallest budget keeps them all
+            middle = max(middle, smallest_stream_budget(method) if streaming and method is not None else 1)
     if streaming and method is not None:
         smallest = smallest_stream_budget(method)
         if middle < smallest:
