@@ -437,9 +437,10 @@ class CompressedLayer(CacheLayerMixin):
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
         a live stream (decode mode) as the whole state it continues from, a quantized or ragged front and its exact tail
-        apart, anything else as the one summary `stored()` reads; each written by its schema (`saved_state`)."""
+        apart, anything else (a chunked stream among them: a loaded chunked cache's prompt has ended) as the one summary
+        `stored()` reads; each written by its schema (`saved_state`)."""
         meta = {"kind": "compressed", "seen": self.seen, "budgets": self.budgets}
-        if isinstance(self.front, Stream):
+        if isinstance(self.front, Stream) and self.cache.options.mode == "decode":
             tensors, described = cache_file.state_tensors(f"{prefix}.stream", _SAVED_STREAM, self.front, self.cache.stream_links())
             return tensors, {**meta, "stream": described, "dtype": str(self.dtype).removeprefix("torch.")}
         if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
@@ -461,8 +462,8 @@ class CompressedLayer(CacheLayerMixin):
         another `dtype` is refused. Everything is checked against the schema and this cache's settings first
         (CacheFileError naming the file, the layer and the field)."""
         where, options = f"layers.{self.layer_idx}", self.cache.options
-        # a decode-mode cache holds live streams; a chunked one its compacted streams, or what `compact` stored apart
-        streams = options.mode == "decode" or options.mode == "chunked" and "stream" in meta
+        # a decode-mode cache holds live streams; any other what it stores, as one summary or a packed front and its tail
+        streams = options.mode == "decode"
         keys = {"kind", "seen", "budgets", *(("stream", "dtype") if streams else ("parts",))}
         if set(meta) != keys or not is_count(meta["seen"], 1):
             raise cache_file.CacheFileError(f"{str(path)!r}: {where} must hold {sorted(keys)} with seen a positive count for a "
@@ -476,7 +477,7 @@ class CompressedLayer(CacheLayerMixin):
         if streams:
             if meta["dtype"] != str(dtype).removeprefix("torch."):
                 raise cache_file.CacheFileError(
-                    f"this cache holds live decode-mode streams in {meta['dtype']}, which go on absorbing every token in the dtype "
+                    f"{str(path)!r}: this cache holds live decode-mode streams in {meta['dtype']}, which go on absorbing every token in the dtype "
                     f"they were saved in: load it with the model in {meta['dtype']}, not {str(dtype).removeprefix('torch.')}")
             stream = cache_file.state_from(tensors, _SAVED_STREAM, meta["stream"], links=self.cache.stream_links(), where=f"{where}.stream", **read)
             settings = (stream.budget, stream.sink, stream.window, stream.seen)

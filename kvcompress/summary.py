@@ -260,6 +260,11 @@ class _GrowingSlots(Saveable):
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.length = 0
 
+    def saved_values(self) -> dict:
+        """The filled slots only: the room beyond them holds whatever memory it was allocated with, which a file must not
+        carry (the same state then saves to the same bytes); a loaded state grows its room at its next append."""
+        return {"tensors": self.view(), "length": self.length}
+
     def check_saved(self) -> None:
         if self.tensors and self.length > self.tensors[0].shape[2]:
             raise ValueError(f"length {self.length} is more than the {self.tensors[0].shape[2]} slots allocated")

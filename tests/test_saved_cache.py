@@ -163,8 +163,30 @@ def test_a_cache_moves_to_the_models_dtype(tiny_checkpoint, tmp_path):
         assert len(res.token_ids) == 4
     # live decode-mode streams go on in the dtype they were saved in
     compress_context_ids(model32, _ids(200, 5), method="keydiff", budget=24, mode="decode").save(tmp_path / "d.kvc")
-    with pytest.raises(CacheFileError, match="live decode-mode streams in float32.*load it with the model in float32, not bfloat16"):
+    with pytest.raises(CacheFileError, match="d.kvc': this cache holds live decode-mode streams in float32.*in float32, not bfloat16"):
         kvc.load_cache(tmp_path / "d.kvc", model16)
+    # a chunked cache's prompt has ended: its streams' summaries are saved and cast like any summary
+    for method in ("keydiff", "express"):
+        chunked = compress_context_ids(model32, _ids(200, 5), method=method, budget=24, mode="chunked", chunk_size=64)
+        chunked.save(tmp_path / "ch.kvc")
+        loaded = kvc.load_cache(tmp_path / "ch.kvc", model16)
+        torch.testing.assert_close(loaded.layers[0].stored().keys, chunked.layers[0].stored().keys.bfloat16())
+        (res,) = answer_from_cache_ids(model16, loaded, [_ids(5, 6)], max_new_tokens=4, stop_at_eos=False)
+        assert len(res.token_ids) == 4
+
+
+def test_the_same_state_saves_to_the_same_tensors(tiny_checkpoint, tmp_path, monkeypatch):
+    """A decode-mode stream's buffers have room beyond their slots, allocated uninitialised: only the filled slots are
+    written, so two caches of the same context save the same tensors and metadata (safetensors orders the metadata's
+    keys as it likes, so the bytes may differ)."""
+    model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
+    for name in ("a.kvc", "b.kvc"):
+        compress_context_ids(model, _ids(400, 5), method="keydiff", budget=150, mode="decode", chunk_size=48).save(tmp_path / name)
+        # the second cache's uninitialised memory holds 7s: what it held must not reach the file
+        monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *size, **kwargs: self.new_full(tuple(size[0]) if len(size) == 1 and
+                                                                                               not isinstance(size[0], int) else size, 7))
+    (a, about_a), (b, about_b) = (cache_file.read(tmp_path / name) for name in ("a.kvc", "b.kvc"))
+    assert about_a == about_b and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_saved_stream_builds_only_registered_classes_and_keeps_what_it_shares():
