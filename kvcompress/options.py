@@ -89,7 +89,7 @@ class CompressionOptions:
     resolved by each layer against the tokens it compresses (`budget_for`).
     mode: "prefill" (compress the first forward once), "chunked" (stream the prompt in blocks of
     `chunk_size`), "decode" (stream every token, the answer's included).
-    sink / window: exact tokens at the start and end; None is the method's paper default.
+    sink / window: exact tokens at the start and end; None is the method's own default (`default_sink`, `default_window`).
     seed: the seed of randomised methods (each layer draws from its own generator).
     slack: the room a re-compressing stream fills before it compresses again, as a fraction of what
     it compresses back to, both within the budget (`methods.budget.stream_split`: 0.5 compresses to

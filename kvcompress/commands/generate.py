@@ -41,8 +41,9 @@ def add_compression_args(p, compress_question: bool = True, full: bool = True) -
     p.add_argument("--method", type=one_of(((FULL,) if full else ()) + (DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
                    metavar="NAME",
                    help="registered method name, " + (f"'{FULL}' for the uncompressed cache, " if full else "") + f"'{DEFAULT_METHOD}' (the default): the best "
-                        "measured method for the mode within a plain generate's cost (adakv over KVzap's learned KVzip scores, ranked "
-                        "across layers in prefill mode, within each layer when streaming; see docs/design.md), or "
+                        "measured method for the mode within a plain generate's cost (adakv over KVzap's learned KVzip scores, one "
+                        "budget over every layer: ranked across layers in prefill mode, each layer's stream its learned share when "
+                        "streaming; see docs/design.md), or "
                         f"'{KVZIP_REFIT}' (prefill only: the slow default before KVzap, KVzip's exact scores and a refit); with "
                         "--calibration, the method it was fitted for")
     size = p.add_mutually_exclusive_group()
@@ -55,8 +56,8 @@ def add_compression_args(p, compress_question: bool = True, full: bool = True) -
                    help="with --calibration: the predicted NLL ratio of the answer to keep (the quality budget gamma), in (0, 1]")
     p.add_argument("--mode", default="prefill", choices=MODES, help="when compression happens (default prefill)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomised methods (default 0)")
-    p.add_argument("--sink", type=int, default=None, help="first tokens kept exactly (default: the method's paper default)")
-    p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's paper default)")
+    p.add_argument("--sink", type=int, default=None, help="first tokens kept exactly (default: the method's own, docs/design.md)")
+    p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's own, docs/design.md)")
     p.add_argument("--chunk-size", type=count(1), default=DEFAULT_CHUNK_SIZE,
                    help=f"prompt block size in chunked/decode mode (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--slack", type=float, default=None,

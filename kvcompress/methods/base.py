@@ -99,7 +99,8 @@ class Method:
     attribute, or a property where it depends on the parameters (AdaKV's on its scorer). The cache and the model
     integration read it and nothing else of the method. The other class attributes say how the method behaves,
     for the methods layer and the tests: `randomized`, `reads_keys_values`, `stream_recompresses`,
-    `keeps_a_layer_share`, `drops_within_budget`, and the paper's `default_sink` / `default_window`.
+    `keeps_a_layer_share`, `drops_within_budget`, and `default_sink` / `default_window` (the paper's where it sets them,
+    else a StreamingLLM sink of 4 and a recent window of 64).
     """
 
     name: ClassVar[str] = ""

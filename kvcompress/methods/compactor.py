@@ -95,7 +95,7 @@ def chunked_noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, scale
 
     queries [B,H_q,n,d] are the queries of the same n tokens as keys [B,H_kv,n,d]; scores are
     averaged over the query heads of each KV group. One chunk at a time, its H_q x C x C logits in
-    one reused workspace (2.4 MiB for 9 heads and C = 256): memory never grows like n^2, and no
+    one reused workspace (2.25 MiB for 9 query heads and C = 256): memory never grows like n^2, and no
     copy of the queries is made (float32 queries are read in place). The rows are exponentiated
     unshifted and the call redone shifted if a row's total leaves float32's safe range
     (`exp_rows_`, one host read per call).

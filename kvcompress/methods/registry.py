@@ -1,4 +1,4 @@
-"""The method registry: every method is registered under its name, with its paper's sink and window defaults."""
+"""The method registry: every method is registered under its name, with its own sink and window defaults."""
 
 from __future__ import annotations
 
@@ -38,6 +38,6 @@ def build_method(name: str, **params) -> "Method":
 
 
 def default_sink_window(method: str, sink: int | None, window: int | None) -> tuple[int, int]:
-    """(sink, window): the given ones, the method's paper defaults where None."""
+    """(sink, window): the given ones, the method's own defaults (`default_sink`, `default_window`) where None."""
     cls = get_method_class(method)
     return (cls.default_sink if sink is None else sink, cls.default_window if window is None else window)

@@ -337,8 +337,8 @@ class SubGen(Method):
     slots, so the output is a convex combination of values: finite for any key scale.
 
     Parameters (defaults tuned on real layers of the default model, on other text than the
-    reported bench's; the ‖v‖² part gets the smallest share because it helped least): `s` ‖v‖² samples (default budget // 24),
-    `max_clusters` cap on clusters (default min(16, budget // 8)), `delta` initial radius in raw
+    reported bench's; the ‖v‖² part gets the smallest share because it helped least): `s` ‖v‖² samples (default max(1, budget // 24)),
+    `max_clusters` cap on clusters (default max(1, min(16, budget // 8))), `delta` initial radius in raw
     key space (default 0.0: every distinct key opens a cluster until the cap, the cap rule then
     sets δ from the data and doubles it at later cap hits), `cluster_weight` in (0, 1) (default
     0.95); the uniform reservoir takes
