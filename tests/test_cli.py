@@ -57,6 +57,8 @@ def test_subcommands_do_not_import_the_module_that_loads_them(path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             assert node.module != "cli" and not (node.module or "").endswith(".cli"), f"{path.name}:{node.lineno} imports kvcompress.cli"
+            package = node.module is None or node.module == "kvcompress"  # from .. import cli, from kvcompress import cli
+            assert not (package and any(a.name == "cli" for a in node.names)), f"{path.name}:{node.lineno} imports kvcompress.cli"
         elif isinstance(node, ast.Import):
             assert all(a.name != "kvcompress.cli" for a in node.names), f"{path.name}:{node.lineno} imports kvcompress.cli"
 

@@ -145,7 +145,8 @@ CASES = {
     "calibrate triples and out the same file": ([*CAL, "--triples", "{tmp}/cal.json"], "--triples"),
     "calibrate missing model directory": ([*CAL, "--model", "{tmp}/no-model"], "checkpoint"),
     # the command itself
-    "unknown subcommand": (["compress"], "compress"),
+    "unknown subcommand": (["bogus"], "argument command: invalid choice: 'bogus'"),
+    "compress without its required flags": (["compress"], "the following arguments are required: --context-file, --out"),
     "unknown flag": ([*GEN, "--budget", "8", "--temperature", "0.5"], "--temperature"),
     # a flag the subcommand lacks is its error, not the top-level command's
     "demo unknown flag": (["demo", "--temperature", "1"], "kvcompress demo: error: unrecognized arguments: --temperature 1"),

@@ -550,9 +550,12 @@ def test_a_stream_whose_window_would_lose_compactors_queries_is_refused_when_bui
 
 
 def test_compactor_takes_a_window_in_prefill_mode_and_without_its_attention_term():
-    CompressionOptions.build(None, method="compactor", mode="prefill", compression_ratio=0.5, window=16)
-    kvc.stream("compactor", budget=32, window=16, attention=False)
-    kvc.stream("compactor", budget=32, window=0)
+    assert CompressionOptions.build(None, method="compactor", mode="prefill", compression_ratio=0.5, window=16).window == 16
+    stream = kvc.stream("compactor", budget=32, window=16, attention=False)
+    keys = torch.randn(1, 2, 80, 8)
+    stream.update(keys, keys, pre_rope_keys=keys)
+    assert stream.window == 16 and torch.equal(stream.summary().keys[:, :, -16:], keys[:, :, -16:])  # the last 16 exact
+    assert kvc.stream("compactor", budget=32, window=0).window == 0
 
 
 def test_a_slack_that_would_keep_less_than_one_slot_is_refused_not_clamped():

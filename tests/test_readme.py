@@ -386,14 +386,21 @@ def test_every_kvcompress_command_in_the_readme_parses_with_todays_cli():
         assert callable(args.func), command
 
 
-def test_every_benchmark_script_the_readme_names_exists_and_takes_its_flags():
-    """`[python] benchmarks/x.py --flag ...` in the README: the script exists and defines each flag."""
-    runs = re.findall(r"(benchmarks/[\w/]+\.py)((?:\s+--[\w-]+(?:\s+[^\s`-][^\s`]*)*)*)", TEXT.replace("\n", " "))
-    assert runs
+def test_every_benchmark_script_the_docs_name_exists_and_takes_its_flags():
+    """`[python] benchmarks/x.py --flag ...` in the README or docs/: the script exists and defines each flag."""
+    text = " ".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]).replace("\\\n", " ")
+    runs = re.findall(r"(benchmarks/[\w/]+\.py)((?:\s+--[a-z][\w-]*(?:\s+[^\s`-][^\s`]*)*)*)", text.replace("\n", " "))
+    flags_checked = 0
     for script, flags in runs:
-        source = (REPO / script).read_text()
-        for flag in re.findall(r"--[\w-]+", flags):
+        path = REPO / script
+        source = path.read_text()
+        for module in re.findall(r"^(?:from|import) (\w+)", source, re.M):  # a sibling script whose parser it shares
+            sibling = [p for p in (path.parent / f"{module}.py", REPO / "benchmarks" / f"{module}.py") if p.is_file()]
+            source += "".join(p.read_text() for p in sibling[:1])
+        for flag in set(re.findall(r"--[a-z][\w-]*", flags)) - {"--help"}:  # argparse's own
             assert f'"{flag}"' in source, f"{script} has no {flag}"
+            flags_checked += 1
+    assert flags_checked > 20  # the docs' commands are read, flags and all"
 
 
 def test_every_results_path_the_readme_cites_exists():
