@@ -410,11 +410,14 @@ class CompressedLayer(CacheLayerMixin):
             self.front = select_rows(front, beam_idx) if front is not None else None
         self.tail = select_rows(self.tail, beam_idx) if self.tail is not None else None
 
-    def crop(self, max_length: int) -> None:
-        """Refused: what compression dropped cannot be rolled back to a length (assisted generation, prompt lookup)."""
-        raise ValueError(f"a CompressedCache cannot crop to {max_length} tokens: compression has dropped tokens, so there is no length to "
-                         "roll back to (assisted generation and prompt_lookup_num_tokens crop the cache); generate without them, or "
-                         "roll back with cache.restore(cache.snapshot() taken earlier)")
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' `Cache.crop(-n)`, removing the last n tokens: refused for n > 0, because what compression dropped
+        cannot be told apart from what came after it (assisted generation, prompt lookup); crop(0) changes nothing."""
+        if tokens_to_remove == 0:
+            return
+        raise ValueError(f"a CompressedCache cannot remove its last {abs(tokens_to_remove)} tokens (crop({tokens_to_remove})): compression "
+                         "has dropped tokens, so it cannot roll back by a count (assisted generation and prompt_lookup_num_tokens crop "
+                         "the cache); generate without them, or roll back with cache.restore(cache.snapshot() taken earlier)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Refused: the rows of a compressed cache are only reordered (`reorder_cache`), never repeated."""
@@ -462,8 +465,9 @@ class CompressedLayer(CacheLayerMixin):
         another `dtype` is refused. Everything is checked against the schema and this cache's settings first
         (CacheFileError naming the file, the layer and the field)."""
         where, options = f"layers.{self.layer_idx}", self.cache.options
-        # a decode-mode cache holds live streams; any other what it stores, as one summary or a packed front and its tail
-        streams = options.mode == "decode"
+        # a decode-mode cache holds live streams; any other what it stores, as one summary or a packed front and its tail (a
+        # chunked cache saved by an earlier version holds its compacted streams, whose summaries it keeps)
+        streams = options.mode == "decode" or options.mode == "chunked" and "stream" in meta
         keys = {"kind", "seen", "budgets", *(("stream", "dtype") if streams else ("parts",))}
         if set(meta) != keys or not is_count(meta["seen"], 1):
             raise cache_file.CacheFileError(f"{str(path)!r}: {where} must hold {sorted(keys)} with seen a positive count for a "
@@ -475,7 +479,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen, self.budgets = meta["seen"], list(budgets)
         read = dict(dims=dims, device=device, path=path)
         if streams:
-            if meta["dtype"] != str(dtype).removeprefix("torch."):
+            if options.mode == "decode" and meta["dtype"] != str(dtype).removeprefix("torch."):
                 raise cache_file.CacheFileError(
                     f"{str(path)!r}: this cache holds live decode-mode streams in {meta['dtype']}, which go on absorbing every token in the dtype "
                     f"they were saved in: load it with the model in {meta['dtype']}, not {str(dtype).removeprefix('torch.')}")
@@ -485,7 +489,8 @@ class CompressedLayer(CacheLayerMixin):
                 raise cache_file.CacheFileError(
                     f"{str(path)!r}: {where}.stream has budget, sink, window and tokens seen {settings}, the cache's settings say "
                     f"{(self._stream_budget(), options.sink, options.window, self.seen)}")
-            self.front, self.tail = stream, None
+            self.front = stream if options.mode == "decode" else stream.summary().to(device=device, dtype=dtype)
+            self.tail = None
         else:
             parts = meta["parts"]
             if not isinstance(parts, dict) or set(parts) not in ({"stored"}, {"front"}, {"front", "tail"}):

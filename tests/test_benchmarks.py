@@ -534,6 +534,7 @@ def test_code_run_scores_any_last_word_without_raising():
     ("infinitebench", "code_run.jsonl", {"context": "c", "input": "q", "answer": "x"}, "answer", "must be an integer, got 'x'"),
     ("infinitebench", "math_calc.jsonl", {"context": "c", "input": "q", "answer": [1.5, 2]}, "answer", "must be an integer, got '1.5'"),
     ("ruler", "niah_a.jsonl", {"input": "context\nquestion?", "outputs": [""], "length": 5}, "outputs", "must not hold an empty answer"),
+    ("infinitebench", "passkey.jsonl", {"context": "c", "input": "q", "answer": " "}, "answer", "must not hold an empty answer"),
 ])
 def test_answers_the_metric_cannot_score_against_are_refused_when_read(tmp_path, benchmark, file, row, field, problem):
     """An answer its metric reads as a number or a paragraph id that is none would crash scoring after the model ran; an
@@ -572,3 +573,10 @@ def test_cli_methods_full_runs_the_full_cache_cells_alone(tiny_checkpoint, tmp_p
             "--max-new-tokens", "2", "--out", str(out), "--no-progress"]
     assert main(args) == 0
     assert [(r["method"], r["index"]) for r in read_results(out / "results.jsonl")] == [(FULL, 0), (FULL, 1)]
+
+
+def test_an_empty_answer_loads_where_its_metric_gives_it_no_marks(tmp_path):
+    """QA F1 scores an empty gold answer 0 for any prediction: such a row loads (only the substring metrics refuse one)."""
+    row = {"context": "c", "input": "q", "answers": ["", "Paris"], "length": 2, "dataset": "hotpotqa", "all_classes": None}
+    (item,) = load_benchmark("longbench", write_rows(tmp_path / "hotpotqa.jsonl", [row]))
+    assert item.score("Paris") == 1.0 and item.score("Rome") == 0.0

@@ -183,6 +183,7 @@ CASES = {
     "eval unknown task": (["eval", "--tasks", "bogus", "--out", "{tmp}/o"], "--tasks: unknown task(s) ['bogus']; known tasks: niah_single"),
     "eval full with another method": (["eval", "--methods", "full,knorm", "--out", "{tmp}/o"], "--methods full runs the task sweep's full-cache cells alone"),
     "eval full without the full cache": (["eval", "--methods", "full", "--no-full", "--out", "{tmp}/o"], "got --methods full"),
+    "eval full with ratios": (["eval", "--methods", "full", "--ratios", "0.5", "--out", "{tmp}/o"], "got --methods full with --ratios"),
     "eval ray cpus at the default without ray": (["eval", "--ray-cpus", "1", "--out", "{tmp}/o"], "--ray-cpus and --ray-retries go with --ray"),
     "no subcommand": ([], "command"),
 }

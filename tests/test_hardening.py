@@ -562,7 +562,7 @@ def test_a_slack_that_would_keep_less_than_one_slot_is_refused_not_clamped():
     """slack s keeps floor(budget / (1 + s)) slots at a re-compression: past budget - 1 that is 0, which was clamped to 1 slot
     (a stream asked for ratio 0.5 then stored about a fifth); it is refused, naming the largest slack the budget takes."""
     assert stream_split(10, 9.0) == (1, 9)
-    with pytest.raises(ValueError, match=r"slack=9.5 leaves less than one slot .* budget of 10 per KV head .*use slack <= 9"):
+    with pytest.raises(ValueError, match=r"slack=9.5 leaves less than one slot .* middle budget of 10 per KV head .*use slack <= 9"):
         stream_split(10, 9.5)
     with pytest.raises(ValueError, match=r"slack=1000000000.0 leaves less than one slot"):
         kvc.stream("snapkv", budget=32, slack=1e9)

@@ -432,20 +432,35 @@ def test_a_randomized_methods_stream_refuses_a_batch_and_kvc_generate_runs_its_r
     assert [r.extra["batch_run"] for r in results] == ["one_by_one"] * 2
 
 
+@pytest.mark.parametrize("settings", [dict(method="adakv", method_params={"scorer": "random", "scope": "model"}),
+                                      dict(method="random", prefill_approx="express")])
+def test_kvc_generate_runs_alone_the_batches_one_forward_would_draw_for_together(settings):
+    """A randomized scorer with one budget over every layer, and an approximate prefill (Express streams the batch),
+    cannot draw row by row in one forward: kvc.generate answers each context alone, as it answers it alone."""
+    model = tiny("llama")
+    contexts, question = [_ids(150, 1), _ids(150, 2)], _ids(5, 3)
+    results = generate_batch_ids(model, contexts, question, compression_ratio=0.5, max_new_tokens=3, stop_at_eos=False, **settings)
+    assert [r.extra["batch_run"] for r in results] == ["one_by_one"] * 2
+    for context, res in zip(contexts, results):
+        assert res.token_ids == generate_ids(model, context, question, compression_ratio=0.5, max_new_tokens=3, stop_at_eos=False,
+                                             **settings).token_ids
+
+
 def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     """crop (assisted generation, prompt lookup) and batch_repeat_interleave are refused naming why; batch_select_indices
     selects rows as beam search's reorder does; reset starts a new prompt, which a chunked cache compresses again."""
     model, ids = tiny("llama"), torch.cat([_ids(150, 1), _ids(150, 2)])
     cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
     _greedy(model, ids, cache, new=2)
-    with pytest.raises(ValueError, match="a CompressedCache cannot crop to 5 tokens: compression has dropped tokens"):
-        cache.crop(5)
+    cache.crop(0)  # transformers' no-op
+    with pytest.raises(ValueError, match=r"a CompressedCache cannot remove its last 5 tokens \(crop\(-5\)\): compression has dropped"):
+        cache.crop(-5)
     with pytest.raises(ValueError, match="cannot repeat its batch rows"):
         cache.batch_repeat_interleave(2)
     before = cache.layers[0].stored()
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
-    with pytest.raises(ValueError, match=r"cannot crop.*prompt_lookup_num_tokens"):
+    with pytest.raises(ValueError, match=r"cannot remove its last \d+ tokens.*prompt_lookup_num_tokens"):
         model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8),
                        max_new_tokens=4, prompt_lookup_num_tokens=2)
     chunked = CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8)

@@ -175,6 +175,30 @@ def test_a_cache_moves_to_the_models_dtype(tiny_checkpoint, tmp_path):
         assert len(res.token_ids) == 4
 
 
+def test_a_chunked_cache_saved_with_its_streams_loads_as_their_summaries(tiny_checkpoint, tmp_path, monkeypatch):
+    """A chunked cache file that holds its compacted streams (as an earlier version of the format wrote them, and a
+    version-2 file still may) loads in any dtype as the streams' summaries."""
+    from kvcompress import cache as cache_module
+    from kvcompress.methods.stream import Stream
+
+    model32, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
+    chunked = compress_context_ids(model32, _ids(200, 5), method="express", budget=24, mode="chunked", chunk_size=64)
+    assert isinstance(chunked.layers[0].front, Stream)
+
+    def with_streams(layer, prefix):
+        tensors, described = cache_file.state_tensors(f"{prefix}.stream", cache_module._SAVED_STREAM, layer.front, layer.cache.stream_links())
+        return tensors, {"kind": "compressed", "seen": layer.seen, "budgets": layer.budgets, "stream": described, "dtype": "float32"}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_module.CompressedLayer, "export_state", with_streams)
+        chunked.save(tmp_path / "streams.kvc")
+    model16, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="bfloat16")
+    loaded = kvc.load_cache(tmp_path / "streams.kvc", model16)
+    torch.testing.assert_close(loaded.layers[0].stored().keys, chunked.layers[0].stored().keys.bfloat16())
+    (res,) = answer_from_cache_ids(model16, loaded, [_ids(5, 6)], max_new_tokens=4, stop_at_eos=False)
+    assert len(res.token_ids) == 4
+
+
 def test_the_same_state_saves_to_the_same_tensors(tiny_checkpoint, tmp_path, monkeypatch):
     """A decode-mode stream's buffers have room beyond their slots, allocated uninitialised: only the filled slots are
     written, so two caches of the same context save the same tensors and metadata (safetensors orders the metadata's

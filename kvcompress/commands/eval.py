@@ -139,10 +139,12 @@ def run_cli(args) -> int:
     if args.ray is None and {"ray_cpus", "ray_retries"} & args.given:
         raise ValueError("--ray-cpus and --ray-retries go with --ray")
     if args.methods and FULL in args.methods:
-        if args.methods != [FULL] or args.bench == "approx" or (args.tasks and PERPLEXITY in args.tasks) or args.no_full:
+        compressing = sorted({"--ratios", "--modes", "--grid-ratios"} & {f"--{d.replace('_', '-')}" for d in args.given})
+        if args.methods != [FULL] or args.bench == "approx" or (args.tasks and PERPLEXITY in args.tasks) or args.no_full or compressing:
             raise ValueError(f"--methods {FULL} runs the task sweep's full-cache cells alone (every sweep has them unless --no-full, and "
-                             f"perplexity's are each ratio's reference): give it alone, without --no-full, --tasks {PERPLEXITY} or "
-                             f"approx; got --methods {','.join(args.methods)}")
+                             f"perplexity's are each ratio's reference): give it alone, without --no-full, --tasks {PERPLEXITY}, approx "
+                             f"or the compressed cells' --ratios, --modes, --grid-ratios; got --methods {','.join(args.methods)}"
+                             + (f" with {', '.join(compressing)}" if compressing else ""))
         args.methods = []
     if args.tasks and not args.benchmark:
         unknown = [t for t in args.tasks if t not in TASKS and t != PERPLEXITY]

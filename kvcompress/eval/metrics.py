@@ -278,11 +278,15 @@ _ANSWER_CHECKS: dict[str, Callable[[Sequence[str]], None]] = {
 }
 
 
+# metrics an empty answer gives every prediction full marks under (a substring of anything; a number-free prediction's '')
+_EMPTY_MATCHES_ALL = {"string_match_all", "string_match_part", "contains_upper", "first_integer_match"}
+
+
 def answer_problem(metric: str, answers: Sequence[str]) -> str | None:
-    """What is wrong with `answers` for `metric` (an empty answer, which any prediction contains; an answer the metric
-    reads as a number or a paragraph id that is none), or None: checked when the data is read, so that scoring a
-    prediction never fails."""
-    if any(not a.strip() for a in answers):
+    """What is wrong with `answers` for `metric` (an empty answer where the metric would give any prediction full marks
+    for it; an answer the metric reads as a number or a paragraph id that is none), or None: checked when the data is
+    read, so that scoring a prediction never fails."""
+    if metric in _EMPTY_MATCHES_ALL and any(not a.strip() for a in answers):
         return f"must not hold an empty answer (every prediction would match it), got {list(answers)!r}"
     try:
         _ANSWER_CHECKS.get(metric, lambda _: None)(answers)

@@ -553,8 +553,8 @@ def generate_batch_ids(
     (for the whole batch); `slots_per_layer` is the row's own; extra["batch_run"] is "one_forward". Where one forward
     cannot compress its rows apart (`_runs_one_by_one`), each context is compressed and answered as its own context
     through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
-    'decode' (a stream takes no padding), any batch there of a randomized method (a stream draws for all its rows at
-    once), or a padded batch with a method scored by its own reconstruction forward (KVzip) or with
+    'decode' (a stream takes no padding), any batch of a randomized method there or with one budget over every layer (it
+    draws for all the rows at once), any batch with an approximate prefill (prefill_approx), or a padded batch with a method scored by its own reconstruction forward (KVzip) or with
     one budget over every layer (budget scope "model": AdaKV with scope='model', the default); and any batch with context-calibrated compression (quality +
     calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
     its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
@@ -593,16 +593,18 @@ def generate_batch_ids(
 
 def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
     """Whether `generate_batch_ids` runs each context alone rather than the batch in one forward: with
-    context-calibrated compression (a ratio per context), for a stream of a randomized method, or for a padded batch that a
-    stream would take (padding and all) or whose method compresses the rows of one forward together (its own reconstruction forward, one
+    context-calibrated compression (a ratio per context), with an approximate prefill, for a randomized method streamed or
+    with one budget over every layer, or for a padded batch that a stream would take (padding and all) or whose method compresses the rows of one forward together (its own reconstruction forward, one
     budget over every layer)."""
     if options.quality is not None:
         return True
-    if options.streams and options.method is not None and options.compressor.randomized:
-        return True  # a stream draws for every row of a batch at once (`CompressedLayer._draws_per_row`)
+    if options.prefill_approx is not None:
+        return True  # the approximate prefill streams the batch (Express, which draws for every row at once)
+    needs = options.compressor.requirements if options.method is not None else None
+    if needs is not None and options.compressor.randomized and (options.streams or needs.budget_scope == "model"):
+        return True  # drawn row by row (`CompressedLayer._draws_per_row`), which neither a stream nor one budget over layers does
     if not padded or options.streams:
         return padded
-    needs = options.compressor.requirements if options.method is not None else None
     return needs is not None and (needs.needs("reconstruction") or needs.budget_scope == "model")
 
 

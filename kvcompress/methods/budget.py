@@ -59,7 +59,8 @@ def stream_split(budget: int, slack: float, workspace: int = 0) -> tuple[int, in
     kept = math.floor((budget - workspace) / (1.0 + slack) + 1e-9)
     if kept < 1:
         raise ValueError(
-            f"slack={slack!r} leaves less than one slot to compress back to in a middle budget of {budget} per KV head (a stream "
+            f"slack={slack!r} leaves less than one slot to compress back to in a stream's middle budget of {budget} per KV head (a layer's "
+            f"share where the method shares one budget over the layers; a stream "
             f"keeps {f'(budget - {workspace}) / (1 + slack)' if workspace else 'budget / (1 + slack)'} slots at a re-compression); "
             f"use slack <= {budget - workspace - 1}, or a larger budget"
         )

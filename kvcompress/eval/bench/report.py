@@ -101,7 +101,7 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
 def report(out_dir: Path) -> dict:
     """Rewrite bench.md and the PNGs of out_dir from the CSVs (and machine.txt, each section's machine) runs left there;
     for a run of several thread counts (out_dir/threads-<count>/ folders and no CSV of its own), each count's and then
-    the page of them all. Returns the rows of every CSV, or {count: those rows} for several counts."""
+    the page of them all, the counts in increasing order. Returns the rows of every CSV, or {count: those rows} for several counts."""
     out_dir = Path(out_dir)
     results = {name: read_csv(out_dir / f"{name}.csv") for name in SECTIONS if (out_dir / f"{name}.csv").is_file()}
     counts = sorted(int(p.name.removeprefix("threads-")) for p in out_dir.glob("threads-*") if p.name.removeprefix("threads-").isdigit())
