@@ -859,6 +859,17 @@ PAIRED_NEEDLE_TABLES = [
      "side, so the times are only indicative; the cost is measured apart, under \"What one answer costs\".",
      ["variant", "mode"], "paired vs a room at a time (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model_slack_0.1_admission_chunk_256" if variant.endswith("_block_then_room") else None),
+    ("benchmarks/results/tuning/decode_window.jsonl", "The streams with a longer exact window",
+     "The stream default (`adakv_kvzap_model_slack_0.1_block_then_room`, an exact window of 64 tokens) against the same "
+     "with a window of 96, 128 or 192 (`_window_N`), its slots out of the same budget (equal memory): in decode mode the "
+     "question and the answer enter the window and push the context's last tokens out of it. "
+     "`benchmarks/tuning/kvzap_default.py` at 2k tokens in the default prompt layout at ratio 0.75, on the tuning needles "
+     "1000-1029 that the full cache finds (its rows and the default's those of the table above) and on needles 1030-1059 "
+     "for the default and the window of 128 in decode mode. Paired per needle against the default in the same mode: won / "
+     "lost, Newcombe's 95% interval of the difference in % found, sign test. Not adopted: no window differs from the "
+     "default's by more than noise. The runs went two processes side by side, so the times are only indicative.",
+     ["variant", "mode"], "paired vs the default (won / lost; diff; p)",
+     lambda variant: "adakv_kvzap_model_slack_0.1_block_then_room" if "_window_" in variant else None),
 ]
 
 

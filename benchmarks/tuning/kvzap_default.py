@@ -53,6 +53,14 @@ VARIANTS = {
     # re-compressing each time the room was full
     "adakv_kvzap_model_slack_0.1_block_then_room": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
                                                     {"slack": 0.1, "chunk_size": 256}, ("chunked", "decode")),
+    # the stream default with a longer exact window in decode mode, where the question and the answer enter the window and
+    # push the context's last tokens out of it; the window's slots come out of the same budget (equal memory)
+    "adakv_kvzap_model_slack_0.1_window_96": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                              {"slack": 0.1, "chunk_size": 256, "window": 96}, ("decode",)),
+    "adakv_kvzap_model_slack_0.1_window_128": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                               {"slack": 0.1, "chunk_size": 256, "window": 128}, ("chunked", "decode")),
+    "adakv_kvzap_model_slack_0.1_window_192": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                               {"slack": 0.1, "chunk_size": 256, "window": 192}, ("decode",)),
     # the prefill default with each head's evicted tokens summarised in 8 or 32 slots within its budget (runs of equal
     # count, each a mean key and value of log-weight log(count): AdaKV's evicted_slots), not dropped
     "adakv_kvzap_model_evicted_8": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "evicted_slots": 8},
