@@ -26,9 +26,9 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
     train-scorer`), which the default's scores then come from."""
     import kvcompress as kvc
     from .eval.tasks import niah_prose, score
-    from .integration import load_model
+    from .integration import build_prompt, load_model
     from .methods.kvzap import SurrogateError
-    from .options import DEFAULT, DEFAULT_METHODS as DEFAULTS
+    from .options import DEFAULT, DEFAULT_METHODS as DEFAULTS, CompressionOptions
 
     unknown = [m for m in methods if m not in kvc.methods()]
     if unknown:
@@ -47,6 +47,14 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
     settings = ", ".join(f"{k}={v}" for k, v in {**params, **exact}.items())
     # the default, or with another model's scorer the same method and parameters over it
     default = {"method": DEFAULT} if scorer is None else {"method": name, **params, **exact, "scorer_params": {"scorer": str(scorer)}}
+    n_context = build_prompt(tokenizer, sample.context, sample.question)[0].shape[1]
+    for method in (DEFAULT, *methods):  # every budget before the first line is printed
+        try:
+            CompressionOptions.build(**(default if method == DEFAULT else {"method": method}),
+                                     compression_ratio=compression_ratio).budget_for(n_context)
+        except ValueError as error:
+            raise ValueError(f"--tokens {tokens} ({n_context} tokens with the chat template) is too short for --compression-ratio "
+                             f"{compression_ratio} with {method}: {error}") from None
     print(f"context: {sample.n_tokens} tokens of real prose, needle at depth {sample.depths[0]:.0%}: {sample.needles[0]!r}")
     print(f"question: {sample.question}")
     print(f"compression ratio {compression_ratio} ({compression_ratio:.0%} of the context removed); "

@@ -350,6 +350,20 @@ def test_cli_demo_at_a_short_context(cli):
 
 
 @pytest.mark.smoke
+@pytest.mark.usefixtures("cli")  # the default model, not reloaded
+def test_cli_demo_refuses_a_context_too_short_for_the_ratio_before_its_table(capsys):
+    """At 100 tokens the default ratio leaves no room beyond the exact sink and window: one line naming --tokens and
+    --compression-ratio, before the demo prints anything."""
+    from kvcompress.cli import main
+
+    capsys.readouterr()
+    assert main(["demo", "--tokens", "100"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvcompress demo: error: --tokens 100 (101 tokens with the chat template) is too short for "
+                                        "--compression-ratio 0.75 with default: compression_ratio=0.75 keeps 26 of n=101"), (out, err)
+
+
+@pytest.mark.smoke
 def test_cli_eval_task_sweep_with_the_default_method(cli, tmp_path):
     """`kvcompress eval` task sweep with `--methods default,keydiff` (docs/cli.md "eval"): the record names what `default`
     ran (in prefill mode AdaKV over KVzap's scores), summary.md says it; the full cache finds the needle."""
