@@ -55,7 +55,7 @@ from .methods.stream import Stream
 from .methods.tokens import Tokens, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
 from .model_support import select_compressed_attention
-from .names import DEFAULT_METHOD
+from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
 from .quantization import QuantizedSummary
 from .ragged import RaggedSummary, concat_parts, has_empty_slots, occupied_slots
@@ -293,8 +293,8 @@ class CompressedLayer(CacheLayerMixin):
         return rows > 1 and self.cache.plan.randomized
 
     def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None, rope_positions=None) -> None:
-        """A padded batch, or a randomized method's batch (`_draws_per_row`; real None: no padding): each row's real tokens compressed alone (with the generator of a solo run; pre-RoPE keys
-        un-rotated at the row's RoPE positions, `rope_positions` [B or 1, n] when known), stacked with -inf
+        """A padded batch, or a randomized method's batch (`_draws_per_row`; real None: no padding): each row's real
+        tokens compressed alone (with the generator of a solo run; pre-RoPE keys un-rotated at the row's RoPE positions, `rope_positions` [B or 1, n] when known), stacked with -inf
         padding slots; with kv_bits the stacked fronts quantized, with heads that keep different numbers of slots
         (`CachePlan.ragged`, AdaKV) at full precision packed (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
         if self.cache.plan.joint:
@@ -302,8 +302,9 @@ class CompressedLayer(CacheLayerMixin):
                              "time: a batch whose rows must be compressed apart (padded, or a randomized scorer's) is not supported; "
                              "run the contexts one by one")
         rows, lengths = [], []
+        every = torch.arange(keys.shape[2], device=keys.device)
         for b in range(keys.shape[0]):
-            index = real[b].nonzero().squeeze(-1) if real is not None else torch.arange(keys.shape[2], device=keys.device)
+            index = real[b].nonzero().squeeze(-1) if real is not None else every
             lengths.append(index.numel())
             hidden = hidden_states[b : b + 1, :, index] if hidden_states is not None else None
             rope = None if rope_positions is None else rope_positions[min(b, rope_positions.shape[0] - 1), index]
@@ -700,7 +701,7 @@ class CompressedCache(Cache):
 
     def __init__(self, model, method: "str | CompressionOptions" = DEFAULT_METHOD, *, stream_length: int | None = None, **settings):
         layer_types = check_supported(model)
-        if method is None or method == "full" or (isinstance(method, CompressionOptions) and method.method is None):
+        if method is None or method == FULL or (isinstance(method, CompressionOptions) and method.method is None):
             raise ValueError(f"method={method!r}: a CompressedCache compresses, and the full cache is transformers' own DynamicCache (what "
                              "model.generate uses when no past_key_values is passed); name a method: 'default' or one of kvcompress.methods()")
         if isinstance(method, CompressionOptions):
@@ -747,8 +748,13 @@ class CompressedCache(Cache):
         self.keeps_hidden_states = isinstance(method, str) and self.plan.hidden_states
         if isinstance(method, str):
             select_compressed_attention(model)
-            if self.keeps_hidden_states:
-                weakref.finalize(self, release_hidden_states, keep_hidden_states(model))
+        self._hold_hidden_states()
+
+    def _hold_hidden_states(self) -> None:
+        """While this cache lives, the model keeps its layers' input hidden states, when `keeps_hidden_states`."""
+        model = self._model()
+        if self.keeps_hidden_states and model is not None:
+            weakref.finalize(self, release_hidden_states, keep_hidden_states(model))
 
     def __deepcopy__(self, memo) -> "CompressedCache":
         """A copy of every state; one that keeps the model's hidden states (`keeps_hidden_states`) keeps them while it
@@ -757,9 +763,7 @@ class CompressedCache(Cache):
         memo[id(self)] = copied
         for name, value in self.__dict__.items():
             setattr(copied, name, copy.deepcopy(value, memo))
-        model = self._model()
-        if self.keeps_hidden_states and model is not None:
-            weakref.finalize(copied, release_hidden_states, keep_hidden_states(model))
+        copied._hold_hidden_states()
         return copied
 
     def reset(self) -> None:

@@ -9,10 +9,8 @@ argument errors answer at once. No library module imports from here.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
-from collections import Counter
 
 from .commands.common import ArgumentParser
 
@@ -30,14 +28,6 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _repeated_options(subparser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """The options of `subparser` that take one value and appear more than once in argv (as --flag or --flag=value)."""
-    single = {option: action for action in subparser._actions if isinstance(action, argparse._StoreAction)
-              for option in action.option_strings}
-    counts = Counter(single[option] for option in (arg.split("=", 1)[0] for arg in argv) if option in single)
-    return [action.option_strings[0] for action, count in counts.items() if count > 1]
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status; a usage error, or a bad input found when the command runs (ValueError,
     or a file that cannot be read/written, or an optional package not installed), is 2 with one line on stderr."""
@@ -46,9 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # argparse would report them as the top-level command's: they are the subcommand's
             parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-        repeated = _repeated_options(parser.subcommands[args.command], sys.argv[1:] if argv is None else argv)
-        if repeated:  # argparse keeps the last value of a single-valued option, silently
-            parser.subcommands[args.command].error(f"{', '.join(repeated)} given more than once; give each once")
     except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
         return exit_.code
     try:

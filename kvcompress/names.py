@@ -14,6 +14,7 @@ METHODS = ("adakv", "balancekv", "clustergen", "compactor", "expected_attention"
            "kvzap", "kvzip", "pyramidkv", "random", "snapkv", "streamingllm", "subgen", "tova")
 DEFAULT_METHOD = "default"  # kvcompress.options.DEFAULT
 KVZIP_REFIT = "kvzip_refit"  # kvcompress.options.KVZIP_REFIT: the prefill default before KVzap, by name
+FULL = "full"  # the uncompressed cache, by name: the command line's --method full and the sweeps' records
 MODES = ("prefill", "chunked", "decode")  # kvcompress.options.MODES
 DEFAULT_CHUNK_SIZE = 256  # kvcompress.options.DEFAULT_CHUNK_SIZE
 PREFILL_APPROXIMATIONS = ("express",)  # kvcompress.integration.prefill_approx: how a context's prefill may be approximated

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from ..names import DTYPES, METHODS
@@ -17,8 +18,9 @@ from ..names import DTYPES, METHODS
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (`kvcompress <command>: error: ...`) and exit status 2, an option is
-    taken only by its full name (no abbreviations), and the parsed namespace's `given` holds the destinations of the
-    options given on the command line, whatever their values (`given_flags`)."""
+    taken only by its full name (no abbreviations), an option that takes one value is refused when given twice (argparse
+    would keep the last value silently), and the parsed namespace's `given` holds the destinations of the options given
+    on the command line, whatever their values (`given_flags`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -28,8 +30,12 @@ class ArgumentParser(argparse.ArgumentParser):
         argv = sys.argv[1:] if args is None else list(args)
         parsed, extras = super().parse_known_args(argv, namespace)
         end = argv.index("--") if "--" in argv else len(argv)
-        named = {arg.split("=", 1)[0] for arg in argv[:end]}  # --flag or --flag=value
-        parsed.given = getattr(parsed, "given", set()) | {a.dest for a in self._actions if named.intersection(a.option_strings)}
+        named = Counter(arg.split("=", 1)[0] for arg in argv[:end])  # --flag or --flag=value
+        given = {a: sum(named[o] for o in a.option_strings) for a in self._actions if a.option_strings}
+        repeated = [a.option_strings[0] for a, count in given.items() if count > 1 and isinstance(a, argparse._StoreAction)]
+        if repeated:
+            self.error(f"{', '.join(repeated)} given more than once; give each once")
+        parsed.given = getattr(parsed, "given", set()) | {a.dest for a, count in given.items() if count}
         return parsed, extras
 
     def error(self, message: str):

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, add_threads_arg, count, given_flags, one_of, parse_params, resolve_device, set_threads
-from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, KV_BITS, KVZIP_REFIT, METHODS, MODES
+from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
-FULL = "full"
 
 
 def add_cli(subparsers) -> None:
@@ -25,21 +24,20 @@ def add_run_args(p, run, later_questions: bool = False) -> None:
     """What `generate` and `compress` both take: the compression flags, threads, model and device; `run` handles the
     command. later_questions: the command compresses a context for questions asked later (`compress`), so it takes
     neither --compress-question nor --method full."""
-    add_compression_args(p, compress_question=not later_questions, full=not later_questions)
+    add_compression_args(p, later_questions)
     add_threads_arg(p)
     add_model_arg(p)
     add_device_args(p)
     p.set_defaults(func=run)
 
 
-def add_compression_args(p, compress_question: bool = True, full: bool = True) -> None:
+def add_compression_args(p, later_questions: bool = False) -> None:
     """The flags of a `CompressionOptions` (read back by `options_of`), shared by `generate` and `compress`; a command
-    whose context is compressed without a question leaves out --compress-question (`compress_question` False), one that
-    must compress leaves out --method full (`full` False). The
-    parser's `compression_flags` default lists them, for `generate --cache`, which refuses every one."""
+    that compresses a context for questions asked later (`later_questions`) leaves out --compress-question and --method
+    full. The parser's `compression_flags` default lists them, for `generate --cache`, which refuses every one."""
     first = len(p._actions)
-    p.add_argument("--method", type=one_of(((FULL,) if full else ()) + (DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
-                   metavar="NAME",
+    full = () if later_questions else (FULL,)
+    p.add_argument("--method", type=one_of((*full, DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None, metavar="NAME",
                    help="registered method name, " + (f"'{FULL}' for the uncompressed cache, " if full else "") + f"'{DEFAULT_METHOD}' (the default): the best "
                         "measured method for the mode within a plain generate's cost (adakv over KVzap's learned KVzip scores, one "
                         "budget over every layer: ranked across layers in prefill mode, each layer's stream its learned share when "
@@ -63,7 +61,7 @@ def add_compression_args(p, compress_question: bool = True, full: bool = True) -
     p.add_argument("--slack", type=float, default=None,
                    help="chunked/decode mode: the room a re-compressing stream fills before it compresses again, as a fraction of what it "
                         "compresses back to, both within the budget (default 0.5: back to 2/3 of the budget; 0: one slot of room)")
-    if compress_question:
+    if not later_questions:
         p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     else:
         p.set_defaults(compress_question=False)

@@ -132,18 +132,21 @@ def _number_share(prediction: str, wanted: str) -> float:
 
 def retrieval(prediction: str, answer: str, **_) -> float:
     """LongBench passage retrieval (en): share of the prediction's numbers that name the right 'Paragraph N'."""
-    return _number_share(prediction, _paragraph_id(answer, r"Paragraph (\d+)"))
+    return _number_share(prediction, _paragraph_id(answer, _PARAGRAPH))
 
 
 def retrieval_zh(prediction: str, answer: str, **_) -> float:
     """LongBench passage retrieval (zh): as `retrieval`, for answers '段落N'."""
-    return _number_share(prediction, _paragraph_id(answer, r"段落(\d+)"))
+    return _number_share(prediction, _paragraph_id(answer, _PARAGRAPH_ZH))
+
+
+_PARAGRAPH, _PARAGRAPH_ZH = r"Paragraph (\d+)", r"段落(\d+)"  # how a retrieval answer names its paragraph
 
 
 def _paragraph_id(answer: str, pattern: str) -> str:
     found = re.search(pattern, answer)
     if found is None:
-        raise ValueError(f"a retrieval answer must match {pattern!r}, got {answer!r}")
+        raise ValueError(f"must name its paragraph as {pattern!r} does, got {answer!r}")
     return found.group(1)
 
 
@@ -262,16 +265,15 @@ def _number(answers: Sequence[str]) -> None:
 def _paragraphs(pattern: str) -> Callable[[Sequence[str]], None]:
     def check(answers: Sequence[str]) -> None:
         for a in answers:
-            if re.search(pattern, a) is None:
-                raise ValueError(f"must name its paragraph as {pattern!r} does, got {a!r}")
+            _paragraph_id(a, pattern)
 
     return check
 
 
 # metric -> a check that raises ValueError(what is wrong) for answers the metric cannot score against
 _ANSWER_CHECKS: dict[str, Callable[[Sequence[str]], None]] = {
-    "retrieval": _paragraphs(r"Paragraph (\d+)"),
-    "retrieval_zh": _paragraphs(r"段落(\d+)"),
+    "retrieval": _paragraphs(_PARAGRAPH),
+    "retrieval_zh": _paragraphs(_PARAGRAPH_ZH),
     "first_number_match": _number,
     "last_word_integer": lambda answers: _integers(answers[:1]),
     "number_prefix": _integers,

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
-from ..names import DEFAULT_CHUNK_SIZE
+from ..names import DEFAULT_CHUNK_SIZE, FULL
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
@@ -62,7 +62,6 @@ from .stats import paired_comparisons, wilson
 from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score, task_parameters
 
-FULL = "full"
 # Methods built from other methods (the library's default is AdaKV over another method's scores): compared with the best
 # single method, never chosen as it.
 COMPOSED = ("hybrid", DEFAULT, KVZIP_REFIT)

@@ -554,8 +554,8 @@ def generate_batch_ids(
     cannot compress its rows apart (`_runs_one_by_one`), each context is compressed and answered as its own context
     through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
     'decode' (a stream takes no padding), any batch of a randomized method there or with one budget over every layer (it
-    draws for all the rows at once), any batch with an approximate prefill (prefill_approx), or a padded batch with a method scored by its own reconstruction forward (KVzip) or with
-    one budget over every layer (budget scope "model": AdaKV with scope='model', the default); and any batch with context-calibrated compression (quality +
+    draws for all the rows at once), any batch with an approximate prefill (prefill_approx), or a padded batch with a
+    method scored by its own reconstruction forward (KVzip) or with one budget over every layer (budget scope "model": AdaKV with scope='model', the default); and any batch with context-calibrated compression (quality +
     calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
     its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
     number of contexts. (A padded batch through one `CompressedCache`, as `model.generate` runs it, is always one
@@ -594,8 +594,8 @@ def generate_batch_ids(
 def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
     """Whether `generate_batch_ids` runs each context alone rather than the batch in one forward: with
     context-calibrated compression (a ratio per context), with an approximate prefill, for a randomized method streamed or
-    with one budget over every layer, or for a padded batch that a stream would take (padding and all) or whose method compresses the rows of one forward together (its own reconstruction forward, one
-    budget over every layer)."""
+    with one budget over every layer, or for a padded batch that a stream would take (padding and all) or whose method
+    compresses the rows of one forward together (its own reconstruction forward, one budget over every layer)."""
     if options.quality is not None:
         return True
     if options.prefill_approx is not None:

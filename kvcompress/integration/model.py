@@ -179,7 +179,7 @@ def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:
     positions = n_tokens + max(max_new_tokens - 1, 0)
     if limit is None or positions <= limit:
         return
-    if n_tokens > limit or positions == n_tokens:
+    if n_tokens > limit:  # the prompt alone: fewer answer tokens would not help
         raise ValueError(
             f"the prompt has {n_tokens} tokens but the model takes at most max_position_embeddings={limit}; "
             f"shorten the context to {limit} tokens or fewer"
