@@ -127,8 +127,10 @@ def weighted_attention(
     scale = check_scale(scale)
     if query_positions is not None and causal_tail:
         raise ValueError("pass query_positions or causal_tail=True, not both")
+    if not isinstance(causal_tail, bool):
+        raise ValueError(f"causal_tail must be True or False, got {causal_tail!r}")
     if query_positions is not None and (not isinstance(query_positions, torch.Tensor) or query_positions.is_floating_point()
-                                        or tuple(query_positions.shape) not in ((nq,), (b, nq))):
+                                        or query_positions.dtype == torch.bool or tuple(query_positions.shape) not in ((nq,), (b, nq))):
         raise ValueError(f"query_positions must be an integer tensor [q] = [{nq}] or [B, q] = [{b}, {nq}], got {describe(query_positions)}")
     if causal_tail and summary.num_slots < nq:
         raise ValueError(f"causal_tail=True needs the queries' own {nq} tokens as the last slots; the summary has {summary.num_slots}")
@@ -164,7 +166,7 @@ def _causal_tail_attention(queries, keys, values, log_weights, scale, causal_tai
     nq, n = queries.shape[2], keys.shape[2]
     if not causal_tail or nq == 1:
         return _attend(queries, keys, values, _slot_mask(log_weights, None, queries.dtype), scale, split)
-    if split is None and _FLASH_WITH_LOGSUMEXP is not None and queries.device.type == "cpu":
+    if split is None and _flash_fits(queries, values):
         return _held_then_block_attention(queries, keys, values, log_weights, scale)
     # slot j holds tail token j - first[j], where first[j] is where its part's tail starts
     slot = torch.arange(n, device=keys.device)
@@ -183,6 +185,14 @@ def _causal_tail_attention(queries, keys, values, log_weights, scale, causal_tai
 
 # The CPU flash-attention kernel, which also returns each query's log-sum-exp (torch >= 2.3); None where absent.
 _FLASH_WITH_LOGSUMEXP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash_fits(queries: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `_FLASH_WITH_LOGSUMEXP` serves these queries: it exists, they are on the CPU, the values' head dim is the
+    keys' (the kernel takes one head size), and the dtype is one whose parts `_merge_parts` merges without losing
+    precision (float64 takes the masked path, all in float64)."""
+    return (_FLASH_WITH_LOGSUMEXP is not None and queries.device.type == "cpu" and values.shape[-1] == queries.shape[-1]
+            and queries.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
 def _held_then_block_attention(queries, keys, values, log_weights, scale):
@@ -277,7 +287,8 @@ def packed_then_causal_attention(queries: torch.Tensor, packed: list[RaggedSumma
     check_queries(queries, summary.keys, "the summary's keys")
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    if _FLASH_WITH_LOGSUMEXP is None or queries.device.type != "cpu" or summary.normalizer is not None:
+    if not _flash_fits(queries, summary.values) or summary.normalizer is not None or any(
+            p.values.shape[-1] != queries.shape[-1] for p in packed):
         return weighted_attention(queries, concat_parts([*packed, summary]), scale, causal_tail=True)
     if summary.num_slots < queries.shape[2]:
         raise ValueError(f"the summary must end with the queries' own {queries.shape[2]} tokens; it has {summary.num_slots} slots")

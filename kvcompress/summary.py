@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .checks import check_positions, describe
 from .saved_state import Count, Flag, Instance, Maybe, Saveable, Sequence, Tensor, saved
 
 
@@ -80,6 +81,16 @@ class KVSummary(Saveable):
                 f"log_weights {tuple(self.log_weights.shape)} and positions {tuple(self.positions.shape)} "
                 f"must both be {(b, h, n)}"
             )
+        if self.normalizer is not None:
+            norm = self.normalizer
+            m = norm.keys.shape[2] if norm.keys.ndim == 4 else None
+            if (norm.keys.ndim != 4 or norm.keys.shape[:2] != (b, h) or norm.keys.shape[3] != self.keys.shape[3]
+                    or norm.log_weights.shape != (b, h, m) or norm.positions.shape != (b, h, m)):
+                raise ValueError(
+                    f"normalizer keys {tuple(norm.keys.shape)}, log_weights {tuple(norm.log_weights.shape)} and positions "
+                    f"{tuple(norm.positions.shape)} must be [B, H_kv, m, d], [B, H_kv, m] and [B, H_kv, m] with the "
+                    f"summary's B, H_kv and d {(b, h, self.keys.shape[3])}"
+                )
 
     @classmethod
     def exact(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "KVSummary":
@@ -90,6 +101,7 @@ class KVSummary(Saveable):
         these); build a new summary to reweight.
         """
         b, h, n, _ = keys.shape
+        check_positions(positions, keys, ordered=False)
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         log_weights = torch.zeros(1, dtype=torch.float32, device=keys.device).expand(b, h, n)
         return cls(keys, values, log_weights, positions, eviction_only=True)
@@ -165,6 +177,16 @@ def concat(parts: list[KVSummary]) -> KVSummary:
         raise ValueError("concat needs at least one summary")
     if len(parts) == 1:
         return parts[0]
+    first = parts[0]
+    for i, p in enumerate(parts[1:], 1):
+        if (p.keys.shape[:2], p.keys.shape[3], p.values.shape[3], p.keys.dtype, p.values.dtype, p.keys.device) != (
+                first.keys.shape[:2], first.keys.shape[3], first.values.shape[3], first.keys.dtype, first.values.dtype,
+                first.keys.device):
+            raise ValueError(
+                f"concat's parts must share batch, KV heads, head dims, dtype and device: part 0 has keys "
+                f"{describe(first.keys)} and values {describe(first.values)}, part {i} keys {describe(p.keys)} and "
+                f"values {describe(p.values)}"
+            )
     out = KVSummary(
         torch.cat([p.keys for p in parts], 2),
         torch.cat([p.values for p in parts], 2),

@@ -131,6 +131,42 @@ def test_packed_slots_are_attended_where_they_are_stored(nq, weighted, dtype):
     assert got.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_causal_tail_with_other_value_dims_and_float64(dtype):
+    """Causal-tail attention takes values of another head dim than the keys' (the CPU flash kernel cannot: the masked
+    path serves them) and keeps float64 at float64 accuracy, as the same causality given by positions does."""
+    q, k, _ = _qkv(nq=3, n=10, seed=7, dtype=dtype)
+    v = torch.randn(2, 3, 10, 5, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    log_weights = torch.rand(2, 3, 10, generator=torch.Generator().manual_seed(9), dtype=torch.float64).log1p().float()
+    for s in (KVSummary.exact(k, v, torch.arange(10)), KVSummary(k, v, log_weights, torch.arange(10).expand(2, 3, 10))):
+        tail = kvc.weighted_attention(q, s, causal_tail=True)
+        ref = kvc.weighted_attention(q, s, query_positions=torch.arange(7, 10))
+        assert tail.shape == (2, 6, 3, 5) and tail.dtype == dtype
+        torch.testing.assert_close(tail, ref, atol=1e-12 if dtype == torch.float64 else 1e-5, rtol=0)
+    exact = kvc.exact_attention(q, k, v, causal_offset=7)
+    torch.testing.assert_close(exact, kvc.weighted_attention(q, KVSummary.exact(k, v, torch.arange(10)), query_positions=torch.arange(7, 10)))
+
+
+def test_bad_causality_and_summary_parts_are_refused():
+    q, k, v = _qkv(nq=2, n=6)
+    s = KVSummary.exact(k, v, torch.arange(6))
+    with pytest.raises(ValueError, match="query_positions must be an integer tensor .* got tensor \\[2\\] bool"):
+        kvc.weighted_attention(q, s, query_positions=torch.tensor([True, True]))
+    with pytest.raises(ValueError, match="causal_tail must be True or False, got 'no'"):
+        kvc.weighted_attention(q, s, causal_tail="no")
+    lw, pos = torch.zeros(2, 3, 6), torch.arange(6).expand(2, 3, 6)
+    with pytest.raises(ValueError, match="normalizer keys \\(2, 3, 6, 4\\)"):
+        KVSummary(k, v, lw, pos, Normalizer(torch.randn(2, 3, 6, 4), lw, pos))
+    with pytest.raises(ValueError, match="normalizer keys .* log_weights \\(2, 3, 3\\)"):
+        KVSummary(k, v, lw, pos, Normalizer(k, lw[:, :, :3], pos))
+    with pytest.raises(ValueError, match="positions must be an integer tensor \\[n\\] = \\[6\\]"):
+        KVSummary.exact(k, v, torch.arange(7))
+    with pytest.raises(ValueError, match="concat's parts must share .* part 1 keys tensor \\[2, 3, 6, 8\\] float16"):
+        concat([s, s.to(torch.float16)])
+    with pytest.raises(ValueError, match="concat's parts must share"):
+        concat([s, KVSummary.exact(k[:, :2], v[:, :2], torch.arange(6))])
+
+
 def test_query_chunking_matches_unchunked(monkeypatch):
     import kvcompress.attention as attention
 
