@@ -21,11 +21,11 @@ def describe(t) -> str:
     return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}"
 
 
-def check_tensor(name: str, t, layout: str, ndim: int, floating: bool = True) -> None:
-    """t must be a torch.Tensor with `ndim` dimensions (described by `layout`, e.g. "[B, H_kv, n, d]"), floating if asked."""
+def check_tensor(name: str, t, layout: str, ndim: int) -> None:
+    """t must be a floating-point torch.Tensor with `ndim` dimensions (described by `layout`, e.g. "[B, H_kv, n, d]")."""
     if not isinstance(t, torch.Tensor) or t.ndim != ndim:
         raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got {describe(t)}")
-    if floating and not t.is_floating_point():
+    if not t.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor (float32, float16, bfloat16, ...), got {describe(t)}")
 
 

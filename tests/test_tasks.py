@@ -142,14 +142,6 @@ def test_token_length_calibrated_with_tokenizer_counter():
     assert len(w.context) > len(s.context)
 
 
-def test_needle_grid():
-    grid = T.needle_grid([400, 800], [0.0, 0.5, 1.0], seed=10)
-    assert len(grid) == 6
-    assert [g.target_tokens for g in grid] == [400] * 3 + [800] * 3
-    assert [round(g.depth, 1) for g in grid] == [0.0, 0.5, 1.0] * 2
-    assert len({g.answers[0] for g in grid}) == 6
-
-
 def test_bad_parameters():
     with pytest.raises(ValueError, match="depth"):
         T.niah_single(500, 1.5)

@@ -30,7 +30,7 @@ continuation, whose tokens are scored teacher-forced:
   of `block`.
 - decode: every token, context and continuation, goes through a `mode="decode"` cache in blocks
   of `chunk_size`, with the middle budget the ratio gives on the whole document
-  (`methods.base.resolve_budget` of n tokens with the method's sink and window).
+  (`methods.budget.resolve_budget` of n tokens with the method's sink and window).
 - full cache (method "full"): a plain transformers `DynamicCache`, the context in one forward,
   the continuation in blocks of `block` — the reference, on the same tokens.
 The NLL of continuation token t_j is -log softmax(logits)[t_j] in float32, the logits being those

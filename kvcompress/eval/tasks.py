@@ -49,6 +49,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .metrics import first_integer
+
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
@@ -655,35 +657,17 @@ def generate_sample(task: str, **kwargs) -> Sample:
     return GENERATORS[task](**kwargs)
 
 
-def string_match_all(answers: Sequence[str], prediction: str) -> float:
-    """Fraction of expected answers found in the prediction (case-insensitive, whole words)."""
+def whole_words_found(answers: Sequence[str], prediction: str) -> float:
+    """Fraction of expected answers found in the prediction as whole words (case-insensitive): the synthetic tasks'
+    score, stricter than RULER's `metrics.string_match_all`, which counts any substring."""
     pred = prediction.lower()
     found = sum(bool(re.search(rf"(?<![\w-]){re.escape(a.lower())}(?![\w-])", pred)) for a in answers)
     return found / len(answers)
 
 
-def first_number(prediction: str) -> str | None:
-    """The first integer in a prediction (LongEval's scoring extracts it), or None."""
-    m = re.search(r"\d+", prediction)
-    return m.group(0) if m else None
-
-
 def score(sample: Sample, prediction: str) -> float:
-    """Task score in [0, 1]: string_match_all, or for line_retrieval whether the first number matches."""
+    """Task score in [0, 1]: the share of the answers found as whole words (`whole_words_found`), or for
+    line_retrieval whether the prediction's first integer is the answer (LongEval's scoring)."""
     if sample.task == "line_retrieval":
-        return float(first_number(prediction) == sample.answers[0])
-    return string_match_all(sample.answers, prediction)
-
-
-def needle_grid(lengths: Sequence[int], depths: Sequence[float], seed=0, task="niah_single", **kwargs) -> list[Sample]:
-    """Samples for a needle heat-map: every (length, depth) pair, row-major over lengths.
-
-    The sample at grid cell (i, j) uses seed `seed + i * len(depths) + j`.
-    """
-    if not lengths or not depths:
-        raise ValueError("lengths and depths must be non-empty")
-    return [
-        generate_sample(task, target_tokens=n, depth=d, seed=seed + i * len(depths) + j, **kwargs)
-        for i, n in enumerate(lengths)
-        for j, d in enumerate(depths)
-    ]
+        return float(first_integer(prediction) == sample.answers[0])
+    return whole_words_found(sample.answers, prediction)

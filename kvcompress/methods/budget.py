@@ -40,31 +40,27 @@ def check_slack(slack) -> float:
     return float(slack)
 
 
-def stream_split(budget: int, slack: float, workspace: int = 0) -> tuple[int, int]:
+def stream_split(budget: int, slack: float) -> tuple[int, int]:
     """(target, room) of a re-compressing stream whose stored slots per head never pass `budget` (the middle budget the
     user's budget or compression ratio gives): it compresses back to `target` slots and lets `room` = budget - target
-    more in (its slack and the block being absorbed) before it compresses again. target = floor((budget - workspace) /
-    (1 + slack)), room the rest, so the slack comes out of the budget, not on top of it: slack 0.5 compresses to 2/3
-    of the budget and lets the last third fill. `workspace`: slots the stream needs beside its slack whatever the slack
-    (a native stream's batch or run in progress). The room is at least 1 slot (a block-wise stream takes a block in
-    pieces that fit it), so slack 0 compresses back to budget - 1 - workspace; a budget below workspace + 2 leaves no
-    room for the stream to work in and is a ValueError naming it, as is a slack so large that less than one slot would
-    be kept (above budget - workspace - 1)."""
-    if budget < workspace + 2:
+    more in (its slack and the block being absorbed) before it compresses again. target = floor(budget / (1 + slack)),
+    room the rest, so the slack comes out of the budget, not on top of it: slack 0.5 compresses to 2/3 of the budget
+    and lets the last third fill. The room is at least 1 slot (a block-wise stream takes a block in pieces that fit
+    it), so slack 0 compresses back to budget - 1; a budget below 2 leaves no room for the stream to work in and is a
+    ValueError naming it, as is a slack so large that less than one slot would be kept (above budget - 1)."""
+    if budget < 2:
         raise ValueError(
-            f"a re-compressing stream needs a middle budget >= {workspace + 2} per KV head (at least 1 slot kept, 1 for the "
-            f"next token{f' and {workspace} of workspace' if workspace else ''}, all within the budget), got budget={budget}; "
-            "use a larger budget or a lower compression_ratio"
+            f"a re-compressing stream needs a middle budget >= 2 per KV head (at least 1 slot kept and 1 for the next "
+            f"token, both within the budget), got budget={budget}; use a larger budget or a lower compression_ratio"
         )
-    kept = math.floor((budget - workspace) / (1.0 + slack) + 1e-9)
+    kept = math.floor(budget / (1.0 + slack) + 1e-9)
     if kept < 1:
         raise ValueError(
-            f"slack={slack!r} leaves less than one slot to compress back to in a stream's middle budget of {budget} per KV head (a layer's "
-            f"share where the method shares one budget over the layers; a stream "
-            f"keeps {f'(budget - {workspace}) / (1 + slack)' if workspace else 'budget / (1 + slack)'} slots at a re-compression); "
-            f"use slack <= {budget - workspace - 1}, or a larger budget"
+            f"slack={slack!r} leaves less than one slot to compress back to in a stream's middle budget of {budget} per KV "
+            f"head (a layer's share where the method shares one budget over the layers; a stream keeps budget / (1 + slack) "
+            f"slots at a re-compression); use slack <= {budget - 1}, or a larger budget"
         )
-    target = min(budget - 1 - workspace, kept)
+    target = min(budget - 1, kept)
     return target, budget - target
 
 
