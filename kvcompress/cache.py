@@ -94,6 +94,9 @@ class CachePlan:
 
 @dataclass
 class LayerStats:
+    """What one layer's compression cost: seconds spent compressing (and re-compressing), and the most KV bytes it
+    stored at any step."""
+
     compress_seconds: float = 0.0
     peak_bytes: int = 0
 

@@ -69,14 +69,14 @@ def check_quality(quality: float) -> None:
 class Calibration:
     """A fitted curve for one method (and model): k = alpha·NLL(c) + beta."""
 
-    method: str
-    alpha: float
-    beta: float
-    asymmetry: float = 4.0
-    model: str | None = None
-    method_params: dict = field(default_factory=dict)
-    n_triples: int = 0
-    loss: float = float("nan")
+    method: str  # the registered method the curve was measured for
+    alpha: float  # k's slope in the context's NLL
+    beta: float  # k's intercept
+    asymmetry: float = 4.0  # the weight the fit gave residuals where the curve promised more quality than measured
+    model: str | None = None  # the model it was measured on (a file loaded for another is refused)
+    method_params: dict = field(default_factory=dict)  # the method's parameters in the measurement, applied with it
+    n_triples: int = 0  # how many (retention, NLL(c), NLL ratio) triples the fit saw
+    loss: float = float("nan")  # the fit's weighted mean squared residual
 
     def kappa(self, nll_context: float) -> float:
         return self.alpha * float(nll_context) + self.beta

@@ -308,7 +308,7 @@ class Sequence(Spec):
 
     def check(self, v, ctx, scope, path):
         _expect(isinstance(v, list) and (self.size is None or len(v) == self.size), path,
-                f"a list" + (f" of {self.size}" if self.size is not None else ""), v)
+                "a list" + (f" of {self.size}" if self.size is not None else ""), v)
         for i, item in enumerate(v):
             self.item.check(item, ctx, scope, f"{path}[{i}]")
 

@@ -52,15 +52,31 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> list
             if node.level:
                 base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
                 target = ".".join([*base, node.module] if node.module else base)
-                names = [target] if node.module else [f"{target}.{a.name}".strip(".") for a in node.names]
-            elif node.module and node.module.startswith("kvcompress"):
-                names = [node.module.removeprefix("kvcompress").lstrip(".")]
+            elif node.module and (node.module == "kvcompress" or node.module.startswith("kvcompress.")):
+                target = node.module.removeprefix("kvcompress").lstrip(".")
             else:
                 continue
+            if target:
+                names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            else:  # names taken from the package root: the modules its lazy exports load
+                names = [_root_export(a.name) for a in node.names]
             out += [(node.lineno, n) for n in names if n]
         elif isinstance(node, ast.Import):
-            out += [(node.lineno, a.name.removeprefix("kvcompress").lstrip(".")) for a in node.names if a.name.startswith("kvcompress.")]
+            for a in node.names:
+                if a.name.startswith("kvcompress."):
+                    out.append((node.lineno, a.name.removeprefix("kvcompress.")))
+                elif a.name == "kvcompress":  # the root: what each `alias.name` use of it loads
+                    alias = a.asname or a.name
+                    out += [(use.lineno, _root_export(use.attr)) for use in ast.walk(tree) if isinstance(use, ast.Attribute)
+                            and isinstance(use.value, ast.Name) and use.value.id == alias]
     return out
+
+
+def _root_export(name: str) -> str:
+    """The kvcompress-relative module that `kvcompress.<name>` loads (the root's lazy `_EXPORTS`), or a submodule's name."""
+    import kvcompress
+
+    return kvcompress._EXPORTS.get(name, f"kvcompress.{name}").removeprefix("kvcompress").lstrip(".")
 
 
 def _is_type_checking_block(node) -> bool:
@@ -114,6 +130,10 @@ def test_the_checker_sees_lazy_relative_and_absolute_upward_imports():
     source = "import torch\nfrom ..summary import KVSummary\n\ndef f():\n    from ..integration import generate\n    from kvcompress.cli import main\n    from . import base\n"
     assert upward_imports(source, "methods.probe") == ["integration", "cli"]
     assert upward_imports("from .. import cli\n", "eval.probe") == ["cli"]
+    assert upward_imports("from kvcompress import generate, summary\n", "methods.probe") == ["integration"]
+    assert upward_imports("from .. import load_model\n", "methods.probe") == ["integration"]
+    assert upward_imports("import kvcompress as kvc\n\ndef f():\n    return kvc.compress, kvc.load_model()\n", "summary") \
+        == ["api", "integration"]
     assert upward_imports("from ...api import compress\n", "eval.bench.probe") == []
     assert upward_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cli import main\n", "methods.probe") == []
 

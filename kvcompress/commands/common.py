@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from ..eval.tables import parse_scalar
 from ..names import DTYPES, METHODS
 
 
@@ -192,18 +193,5 @@ def parse_params(items: list[str], flag: str = "--param") -> dict:
             raise ValueError(f"{flag} {item!r}: {name!r} is given both as a value and as parameters")
         if name in target:
             raise ValueError(f"{flag} {item!r}: {name!r} is given more than once")
-        target[name] = _param_value(text)
+        target[name] = parse_scalar(text)
     return params
-
-
-def _param_value(text: str):
-    """A --param value: true/false, an int, a float, else the text itself."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            continue
-    return text

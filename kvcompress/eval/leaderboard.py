@@ -31,7 +31,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from .benchmarks import LONGBENCH_E_BUCKETS
-from .runner import FULL
+from .runner import FULL, cell_label
 from .stats import Z95, t_interval, wilson
 from .tables import markdown_table
 
@@ -154,13 +154,6 @@ def _combine(stats: list[dict], expected: int) -> dict | None:
     return mean_of_tasks(ran) | {"errors": errors}
 
 
-def _label(entry: tuple, modes: set[str]) -> str:
-    method, ratio, mode = entry
-    if method == FULL:
-        return "full cache"
-    return f"{method} @ {ratio:g}" + (f" ({mode})" if len(modes) > 1 else "")
-
-
 def _text(cell: dict | None) -> str:
     if cell is None:
         return ""
@@ -177,7 +170,7 @@ def _table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     columns, entries, cells = leaderboard(records)
     modes = {e[2] for e in entries if e[0] != FULL}
     head = ["method @ ratio", *columns]
-    rows = [[_label(e, modes), *(_text(cells.get((e, c))) for c in columns)] for e in entries]
+    rows = [[cell_label(*e, modes), *(_text(cells.get((e, c))) for c in columns)] for e in entries]
     return head, rows
 
 

@@ -59,15 +59,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
-import platform
 import random
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -88,7 +85,7 @@ from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
 from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
-from .runner import DEFAULT_RATIOS, FULL, RESULTS_FILE, ResultsFile, check_same_run, read_results, stream_budget
+from .runner import DEFAULT_RATIOS, FULL, check_same_run, open_run, read_results, stream_budget, write_run_config
 from .stats import t_interval
 from . import tables
 
@@ -336,19 +333,13 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
 
     Writes `out_dir/config.json` (the config, model name, host, shard, start time).
     """
-    if shard is not None and not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
-        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
     for n in config.lengths:
         check_context_length(model, n)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results = ResultsFile(out / RESULTS_FILE)
+    out, results = open_run(out_dir, shard)
     done = results.keys()
     check_same_run(out / "config.json", {name: getattr(config, name) for name in ("seed", "context_fraction", "block", "chunk_size")},
                    model_name)
-    meta = {"task": PERPLEXITY, "config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
-            "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (out / "config.json").write_text(json.dumps(meta, indent=1))
+    write_run_config(out, config, model_name, shard, task=PERPLEXITY)
     documents = [(length, i) for i in range(config.documents) for length in config.lengths]
     if shard is not None:
         documents = documents[shard[0] :: shard[1]]

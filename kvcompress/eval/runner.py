@@ -80,7 +80,13 @@ UNRECORDED_PROMPT_LAYOUT = "blank_line_primed"
 @dataclass
 class SweepConfig:
     """What a sweep runs. methods: registered names, DEFAULT (the library's default for each mode) and KVZIP_REFIT (the
-    prefill default before KVzap); None means DEFAULT and every registered method. lengths are context tokens.
+    prefill default before KVzap); None means DEFAULT and every registered method. ratios: the compression ratios
+    each method runs at; modes: "prefill", "chunked", "decode", each method in each. lengths are context tokens.
+    seed: sample i of a generated task is generated with seed `seed + i`, and randomised methods take `seed`.
+    haystack and kind: the generated needles' text ("filler" or "prose") and answers ("numbers", "words", "uuids").
+    include_full: also answer with the full cache (the reference every comparison pairs with). reuse_prefill: compress
+    one recorded prefill per sample in every prefill-mode cell (False: every cell runs its own forwards, to measure
+    the saving). chunk_size: the block size of the streaming modes.
 
     samples: samples per (task, length); tasks that take a depth place sample i at
     `sample_depth(i)`. grid_lengths × grid_depths: the needle heat-map (task `grid_task`, one
@@ -423,21 +429,32 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
     samples (with all their cells) without overlap. Writes `out_dir/config.json` (the config,
     model name, host, shard, start time).
     """
-    if shard is not None and not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
-        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results = ResultsFile(out / RESULTS_FILE)
+    out, results = open_run(out_dir, shard)
     done = results.keys()
     check_results_folder(config, out, model_name)
-    meta = {"config": asdict(config), "model": model_name, "host": platform.node(), "threads": torch.get_num_threads(),
-            "shard": shard, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (out / "config.json").write_text(json.dumps(meta, indent=1))
+    write_run_config(out, config, model_name, shard)
     specs = sample_specs(config)
     if shard is not None:
         specs = specs[shard[0]::shard[1]]
     todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
     return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def open_run(out_dir: str | Path, shard: tuple[int, int] | None) -> tuple[Path, ResultsFile]:
+    """(the results folder, created if missing; its results file) of a run, or of its shard (i, n), checked."""
+    if shard is not None and not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
+        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, ResultsFile(out / RESULTS_FILE)
+
+
+def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] | None, **extra) -> None:
+    """`out/config.json`: `extra`, the run's config (a dataclass), model name, host, threads, shard and start time."""
+    meta = extra | {"config": asdict(config), "model": model_name, "host": platform.node(),
+                    "threads": torch.get_num_threads(), "shard": shard,
+                    "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    (out / "config.json").write_text(json.dumps(meta, indent=1))
 
 
 def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "") -> None:
@@ -599,7 +616,8 @@ def _fmt(row: dict | None) -> str:
     return f"{100 * row['score']:.0f} ({100 * row['ci_low']:.0f}–{100 * row['ci_high']:.0f})" + ("*" if row["errors"] else "")
 
 
-def _label(method: str, ratio, mode: str, modes: list[str]) -> str:
+def cell_label(method: str, ratio, mode: str, modes) -> str:
+    """A cell's name in tables: 'full cache', or 'method @ ratio', with its mode where the run has several."""
     if method == FULL:
         return "full cache"
     label = f"{method} @ {ratio:g}"
@@ -633,7 +651,7 @@ def score_table(records: list[dict]) -> str:
     for a in aggregate(records, by=("method", "ratio", "mode")):
         k = (a["method"], a["ratio"], a["mode"])
         cells = [_fmt(by_task.get(k + (t,))) for t in tasks] + [_fmt(by_len.get(k + (n,))) for n in lengths] + [_fmt(overall.get(k))]
-        table.append(dict(zip(head, [_label(*k, modes)] + cells)))
+        table.append(dict(zip(head, [cell_label(*k, modes)] + cells)))
     lines = [tables.markdown_table(table, head)]
     if hard:
         lines += ["", f"† full cache below {FULL_CACHE_BAR:.0%}: the task is beyond this model, so it is not a compression "
@@ -649,7 +667,7 @@ def paired_table(records: list[dict]) -> str:
         return ""
     modes = sorted({r["mode"] for r in rows})
     table = [{
-        "method @ ratio": _label(r["method"], r["ratio"], r["mode"], modes), "task": r["task"], "best single method": r["baseline"],
+        "method @ ratio": cell_label(r["method"], r["ratio"], r["mode"], modes), "task": r["task"], "best single method": r["baseline"],
         "pairs": r["n_pairs"], "method %": f"{100 * r['method_score']:.0f}", "best %": f"{100 * r['baseline_score']:.0f}",
         "wins": r["wins"], "losses": r["losses"], "p (sign test)": f"{r['p']:.3g}",
     } for r in sorted(rows, key=lambda r: (r["ratio"], r["mode"], TASKS.index(r["task"]), r["method"] not in COMPOSED, r["method"]))]
@@ -685,7 +703,7 @@ def heatmap_table(records: list[dict]) -> str:
     for a in agg:
         table[(a["method"], a["ratio"], a["mode"], a["length"])][a["depth"]] = a
     head = ["method @ ratio", "tokens"] + [f"depth {d:g}" for d in depths]
-    rows = [dict(zip(head, [_label(method, ratio, mode, modes), length] + [_fmt(row.get(d)) for d in depths]))
+    rows = [dict(zip(head, [cell_label(method, ratio, mode, modes), length] + [_fmt(row.get(d)) for d in depths]))
             for (method, ratio, mode, length), row in table.items()]
     return tables.markdown_table(rows, head)
 

@@ -21,21 +21,23 @@ def write_csv(path: str | Path, rows: Sequence[dict]) -> None:
         writer.writerows(rows)
 
 
+def parse_scalar(text: str):
+    """A value written as text: true/false (any case) as a bool, else an int, else a float, else the text itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def read_csv(path: str | Path) -> list[dict]:
-    """Rows written by write_csv, numbers parsed back (int, float or bool), empty cells dropped."""
-
-    def parse(v: str):
-        if v in ("True", "False"):
-            return v == "True"
-        for kind in (int, float):
-            try:
-                return kind(v)
-            except ValueError:
-                pass
-        return v
-
+    """Rows written by write_csv, numbers parsed back (int, float or bool: `parse_scalar`), empty cells dropped."""
     with open(path, newline="") as f:
-        return [{k: parse(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+        return [{k: parse_scalar(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
 
 
 def _cell(v) -> str:

@@ -75,11 +75,14 @@ HELDOUT2_SEEDS = range(3000, 4000)
 class Sample:
     """One task instance.
 
-    answers: every expected answer string; `depths`: for each inserted item (needle, assignment,
-    target line) the fraction of context tokens before it, in insertion order (the asked one first
-    where one is asked). n_tokens: the context's measured (or estimated) length. answer_prefix:
+    task: the generator's name (`TASKS`); context: the text to compress; question: what is asked about it;
+    answers: every expected answer string; target_tokens: the context length asked of the generator;
+    `depths`: for each inserted item (needle, assignment, target line) the fraction of context tokens
+    before it, in insertion order (the asked one first where one is asked); needles: the inserted
+    sentences, in the same order. n_tokens: the context's measured (or estimated) length. answer_prefix:
     text that starts the answer in a primed prompt layout (`integration.model.PromptLayout`); the
-    prediction scored is what the model writes after the prompt.
+    prediction scored is what the model writes after the prompt. max_new_tokens: the answer's limit;
+    stop: strings that end the answer where they appear.
     """
 
     task: str

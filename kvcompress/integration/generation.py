@@ -41,23 +41,24 @@ PROGRESS_MIN_TOKENS = 1024
 
 @dataclass
 class GenerationResult:
-    """What `generate` returns: the answer and the costs users compare methods by."""
+    """What `generate` returns: the answer and the costs users compare methods by. Bytes count keys and values (and
+    any normalizer keys), not log-weights or positions (docs/design.md, "Memory")."""
 
-    text: str
-    token_ids: list[int]
-    method: str
-    mode: str
-    context_tokens: int
-    prompt_tokens: int
-    budget: int | None
-    slots_per_layer: list[int]
-    kv_bytes_full: int
-    kv_bytes: int
-    peak_kv_bytes: int
-    prefill_seconds: float
-    compress_seconds: float
-    decode_seconds: float
-    extra: dict = field(default_factory=dict)
+    text: str  # the answer, decoded (the `*_ids` functions leave it "" and return token_ids only)
+    token_ids: list[int]  # the answer's tokens, up to and including the stop token when one ended it
+    method: str  # the method that ran, by its registered name ("default" resolved), or "full"
+    mode: str  # "prefill", "chunked" or "decode"
+    context_tokens: int  # the context's tokens (the part that is compressed; the question is not, unless asked)
+    prompt_tokens: int  # the tokens fed before the answer: context and question
+    budget: int | None  # the middle budget per KV head the first compressed layer used (None: the full cache)
+    slots_per_layer: list[int]  # occupied slots per KV head after the answer, in each layer (sink, summary and window)
+    kv_bytes_full: int  # what a full cache of the same tokens (prompt and answer but its last token) stores
+    kv_bytes: int  # what the cache stores after the answer
+    peak_kv_bytes: int  # the most the cache stored at any step (per layer, summed over the layers)
+    prefill_seconds: float  # the prompt's forward passes, compression included (and the question's, except in `answer_questions`)
+    compress_seconds: float  # of which compression (and re-compression during the answer in decode mode)
+    decode_seconds: float  # generating the answer after the prompt (in `answer_questions`, the question's forward too)
+    extra: dict = field(default_factory=dict)  # what only some runs have: "question_seconds", "calibration", "reconstruction", "batch_run", "batch_size"
     realised_compression_ratio: float = 0.0  # fraction of the tokens seen that the cache does not hold (mean over layers)
     kv_bits: int | None = None  # bits per element the compressed context is stored in (None: full precision)
 

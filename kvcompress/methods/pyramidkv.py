@@ -41,7 +41,8 @@ class PyramidKV(ScoreMethod):
     (`Tokens.layer_idx`, `Tokens.num_layers`): a cache gives it, `kvc.compress` takes it as
     `layer=(layer_idx, num_layers)`, and without it PyramidKV refuses to run (it would be SnapKV).
     Lower layers may therefore hold more than `budget` slots; the total over layers is L * budget
-    (up to rounding)."""
+    (up to rounding). Scores are SnapKV's (`pooled_observation_scores`): observation_window is how many of the
+    last queries vote, kernel_size the width of the pooling over their attention."""
 
     name = "pyramidkv"
     requirements = Requirements(inputs={"queries"})
