@@ -987,9 +987,10 @@ def defaults_section() -> list[str]:
     peak = {"method": "peak slots ÷ budget (keydiff)"} | {f"slack {r['slack']:g}": f"{r['peak_over_budget']:.3g}"
                                                            for r in rows if r["n"] == at and r["method"] == "keydiff"}
     lines += ["### Streams: the re-compression slack, 0.5", "",
-              "A block-wise stream re-compresses to its budget once its buffer passes budget + ⌈slack·budget⌉ slots "
-              f"(`kvcompress.cache.DEFAULT_SLACK`). Stream time ÷ one exact attention pass over the same {at} tokens, and the "
-              "most slots held ÷ the budget (`benchmarks/tuning/stream_slack.py`).", ""]
+              "A block-wise stream fills its budget, then re-compresses back to budget ÷ (1 + slack) slots: the slack and "
+              "the block being absorbed come out of the budget (`kvcompress.methods.budget.stream_split`; the library's slack "
+              f"is `kvcompress.methods.budget.DEFAULT_SLACK`). Stream time ÷ one exact attention pass over the same {at} tokens, "
+              "and the most slots held ÷ the budget (`benchmarks/tuning/stream_slack.py`).", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **bench_known(ROOT / folder))
     lines += [markdown_table(list(pivot.values()) + [peak]), ""]
     lines += hybrid_defaults()

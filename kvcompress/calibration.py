@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+from .checks import as_count, as_real
 
 
 # |k| below this is treated as 0 (f(r) = r); the error of doing so is below 1e-7.
@@ -78,6 +81,20 @@ class Calibration:
     n_triples: int = 0  # how many (retention, NLL(c), NLL ratio) triples the fit saw
     loss: float = float("nan")  # the fit's weighted mean squared residual
 
+    def __post_init__(self):
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"method must be a method's name, got {self.method!r}")
+        self.alpha = as_real("alpha", self.alpha, "the curve's slope in the context's NLL")
+        self.beta = as_real("beta", self.beta, "the curve's intercept")
+        self.asymmetry = as_real("asymmetry", self.asymmetry, "the weight of over-compressing residuals", minimum=1.0)
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a model's name or None, got {self.model!r}")
+        if not isinstance(self.method_params, dict):
+            raise ValueError(f"method_params must be a dict of the method's parameters, got {self.method_params!r}")
+        self.n_triples = as_count("n_triples", self.n_triples, 0)
+        if isinstance(self.loss, bool) or not isinstance(self.loss, numbers.Real):
+            raise ValueError(f"loss must be a number, got {self.loss!r}")
+
     def kappa(self, nll_context: float) -> float:
         return self.alpha * float(nll_context) + self.beta
 
@@ -101,7 +118,10 @@ class Calibration:
         unknown = set(data) - {f.name for f in fields(cls)}
         if missing or unknown:
             raise ValueError(f"{path}: not a calibration file (missing {sorted(missing)}, unknown {sorted(unknown)})")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as err:
+            raise ValueError(f"{path}: not a calibration file ({err})") from None
 
 
 def load_calibration(calibration: Calibration | str | os.PathLike) -> Calibration:
@@ -140,8 +160,7 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
     than measured, i.e. would over-compress) and 1 elsewhere. Levenberg-Marquardt in float64 from
     a few starting points (k = 0, -3, +3); the best one is kept.
     """
-    if not isinstance(asymmetry, (int, float)) or not asymmetry >= 1.0:
-        raise ValueError(f"asymmetry must be >= 1 (weight of over-compressing residuals), got {asymmetry!r}")
+    asymmetry = as_real("asymmetry", asymmetry, "the weight of over-compressing residuals", minimum=1.0)
     rows = [(t["retention"], t["nll_context"], t["nll_ratio"]) if isinstance(t, dict) else tuple(t) for t in triples]
     if len(rows) < 2:
         raise ValueError(f"fit needs at least 2 triples, got {len(rows)}")
@@ -163,7 +182,7 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
         if math.isfinite(loss) and (best is None or loss < best[0]):
             best = (loss, params)
     loss, (alpha, beta) = best[0], best[1].tolist()
-    return Calibration(method, alpha, beta, float(asymmetry), model, dict(method_params or {}), len(rows), loss)
+    return Calibration(method, alpha, beta, asymmetry, model, dict(method_params or {}), len(rows), loss)
 
 
 def levenberg_marquardt(residuals, params: torch.Tensor, iterations: int = 200, h: float = 1e-6) -> torch.Tensor:

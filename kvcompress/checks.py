@@ -91,6 +91,16 @@ def as_fraction(name: str, value, what: str) -> float:
     return float(value)
 
 
+def as_real(name: str, value, what: str, minimum: float | None = None) -> float:
+    """A finite real number (Python or NumPy, not a bool), at least `minimum` if given, as a Python float; `what` says
+    what it means."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or (minimum is not None and value < minimum)):
+        bound = f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound} ({what}), got {value!r}")
+    return float(value)
+
+
 def check_layer(layer) -> tuple[int | None, int | None]:
     """(layer_idx, num_layers) from `layer`: None, or a pair with 0 <= layer_idx < num_layers."""
     if layer is None:

@@ -9,7 +9,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.methods.base import first_true
-from kvcompress.methods.registry import get_method_class
+from kvcompress.methods.registry import build_method, get_method_class
 from kvcompress.methods.tokens import attention_mass, Tokens
 from kvcompress.methods.pyramidkv import layer_budget
 
@@ -177,7 +177,9 @@ def test_expected_attention_per_query_head_with_gqa_and_exact_keys(use_covarianc
 @pytest.mark.parametrize("params, match", [
     ({"n_future_positions": 0}, "n_future_positions must be an integer >= 1"),
     ({"use_covariance": 1}, "use_covariance must be True or False"),
-    ({"epsilon": -1.0}, "epsilon must be a number >= 0"),
+    ({"epsilon": -1.0}, "epsilon must be a finite number >= 0"),
+    ({"epsilon": float("inf")}, "epsilon must be a finite number >= 0"),
+    ({"epsilon": 5.0, "use_vnorm": False}, "epsilon=5.0 is added to the scores before the value-norm scaling, which use_vnorm=False leaves out"),
 ])
 def test_expected_attention_rejects_bad_parameters(params, match):
     k, v, q = layer(n=50)
@@ -190,6 +192,18 @@ def test_expected_attention_through_the_api_keeps_budget_and_sink():
     s = kvc.compress("expected_attention", k, v, queries=q, budget=50, sink=4, window=8)
     assert s.num_slots == 62 and s.positions[0, 0, :4].tolist() == [0, 1, 2, 3]
     assert "expected_attention" in kvc.methods()
+
+
+@pytest.mark.parametrize("beta", ["x", [1], True, 0.5, float("nan")])
+def test_pyramidkv_refuses_a_beta_that_is_not_a_finite_number_from_one(beta):
+    with pytest.raises(ValueError, match=r"beta must be a finite number >= 1 \(the ratio of the first layer's budget to the last's\), got"):
+        build_method("pyramidkv", beta=beta)
+
+
+def test_keydiff_pairwise_refuses_an_anchor_it_does_not_build():
+    with pytest.raises(ValueError, match="normalize_anchor=False builds an anchor vector from the raw keys, which anchor='pairwise'"):
+        build_method("keydiff", anchor="pairwise", normalize_anchor=False)
+    assert build_method("keydiff", anchor="median", normalize_anchor=False).normalize_anchor is False
 
 
 def test_pyramidkv_without_its_layer_is_an_error_not_snapkv():

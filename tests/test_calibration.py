@@ -1,6 +1,8 @@
 """Context-calibrated compression (the Compactor paper, Sec. 3.5): the curve, its inverse, the fit, the JSON file."""
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -89,6 +91,23 @@ def test_json_round_trip_and_choose_ratio(tmp_path):
     (tmp_path / "bad.json").write_text('{"alpha": 1}')
     with pytest.raises(ValueError, match="not a calibration file"):
         cal.Calibration.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("alpha", "x", "alpha must be a finite number"), ("alpha", None, "alpha must be a finite number"),
+    ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a finite number >= 1"),
+    ("method", "", "method must be a method's name"), ("method_params", [1], "method_params must be a dict"),
+    ("n_triples", -1, "n_triples must be"),
+])
+def test_a_calibration_file_with_a_bad_value_is_refused_when_loaded(tmp_path, field, value, match):
+    """A file that loads must give a ratio: a NaN slope had turned compression off (r* = 1), a text one failed after
+    the model's prefill."""
+    path = tmp_path / "cal.json"
+    cal.Calibration("snapkv", alpha=1.5, beta=-7.0).save(path)
+    data = json.loads(path.read_text()) | {field: value}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"calibration {re.escape(str(path))}: not a calibration file \\({match}"):
+        cal.load_calibration(path)
 
 
 def test_fit_rejects_bad_input():

@@ -1,6 +1,7 @@
 """Compactor (the Compactor paper): leverage routes, chunked non-causal attention, blend, streaming, errors."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -352,3 +353,15 @@ def test_leverage_weight_without_the_attention_term_is_refused_not_ignored():
     assert build_method("compactor", leverage_weight=0.5).leverage_weight == 0.5
     with pytest.raises(ValueError, match="leverage_weight must be a finite number >= 0"):
         build_method("compactor", leverage_weight=-1.0)
+
+
+@pytest.mark.parametrize("params, unused", [
+    ({"attention": False, "chunk_size": 7}, "chunk_size=7"),
+    ({"attention": False, "kernel_size": 31}, "kernel_size=31"),
+    ({"leverage": "exact", "sketch": "srht"}, "sketch='srht'"),
+    ({"leverage": "exact", "sketch_dim": 3}, "sketch_dim=3"),
+])
+def test_settings_that_cannot_act_are_refused_not_ignored(params, unused):
+    with pytest.raises(ValueError, match=f"{re.escape(unused)} cannot act with attention="):
+        build_method("compactor", **params)
+    build_method("compactor", **{k: v for k, v in params.items() if k in ("attention", "leverage")})

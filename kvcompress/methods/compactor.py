@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import LOG2_E, exp_rows_, log2_range, totals_in_range
-from ..checks import as_count
+from ..checks import as_count, as_real
 from ..saved_state import saved
 from ..summary import KVSummary, take_slots
 from .base import BlockwiseState, Method, StreamState, keep_top, top_index
@@ -160,7 +160,8 @@ class Compactor(Method):
     chunk of `chunk_size` = 256 tokens (column sums, GQA-averaged), mean-pooled over
     `kernel_size` = 7 tokens as SnapKV does, times ||v|| (the paper's Sec. 3.3). `attention=False` is the
     paper's "no a" ablation (s = z(o), no queries needed); it takes no `leverage_weight`, which
-    would only rescale z(o) and so change nothing (an error rather than a silently ignored value).
+    would only rescale z(o) and so change nothing (an error rather than a silently ignored value), nor a
+    `chunk_size` or `kernel_size` other than the defaults; `leverage="exact"` takes no `sketch` or `sketch_dim`.
     Defaults follow the paper: lambda 0.3 (None means that, with the attention term), k 64, C 256,
     and every token is scored (sink = window = 0).
 
@@ -177,7 +178,7 @@ class Compactor(Method):
     """
 
     name = "compactor"
-    randomized = True  # the Gaussian/SRHT sketch (exact leverage, seed-independent, when head_dim <= sketch size)
+    randomized = True  # the Gaussian/SRHT sketch (leverage="exact" uses none, and is seed-independent)
     requirements = Requirements(inputs={"queries", "pre_rope_keys"})
     default_sink = 0
     default_window = 0
@@ -208,8 +209,15 @@ class Compactor(Method):
             )
         if self.leverage_weight is None:
             self.leverage_weight = DEFAULT_LEVERAGE_WEIGHT
-        if isinstance(self.leverage_weight, bool) or not isinstance(self.leverage_weight, (int, float)) or not math.isfinite(self.leverage_weight) or self.leverage_weight < 0:
-            raise ValueError(f"leverage_weight must be a finite number >= 0, got {self.leverage_weight!r}")
+        self.leverage_weight = as_real("leverage_weight", self.leverage_weight, "the weight of the leverage term", minimum=0.0)
+        unused = [f"{name}={getattr(self, name)!r}" for name, used in (
+            ("chunk_size", self.attention), ("kernel_size", self.attention),
+            ("sketch", self.leverage != "exact"), ("sketch_dim", self.leverage != "exact"))
+            if not used and getattr(self, name) != Compactor.__dataclass_fields__[name].default]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} cannot act with attention={self.attention!r}, leverage={self.leverage!r} "
+                             "(chunk_size and kernel_size shape the attention term; sketch and sketch_dim the sketched "
+                             "leverage, which leverage='exact' does not use): drop them")
         self.reads_keys_values = self.attention  # without the attention term the score reads pre-RoPE keys only
 
     def check_stream_window(self, window: int) -> None:

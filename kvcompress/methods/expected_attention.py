@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import as_count
+from ..checks import as_count, as_real
 from .base import ScoreMethod
 from .registry import register
 from .requirements import Requirements
@@ -46,8 +46,11 @@ class ExpectedAttention(ScoreMethod):
         for field in ("use_covariance", "use_vnorm"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
-            raise ValueError(f"epsilon must be a number >= 0, got {self.epsilon!r}")
+        self.epsilon = as_real("epsilon", self.epsilon, "added to each score before it is scaled by the value norm", minimum=0.0)
+        if self.epsilon and not self.use_vnorm:
+            raise ValueError(f"epsilon={self.epsilon!r} is added to the scores before the value-norm scaling, which "
+                             "use_vnorm=False leaves out (a constant added to every score changes no ranking): drop epsilon, "
+                             "or use use_vnorm=True")
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         queries = tokens.queries[:, :, -self.n_future_positions :].float()

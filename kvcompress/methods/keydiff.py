@@ -124,6 +124,9 @@ class KeyDiff(ScoreMethod):
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
         if not isinstance(self.normalize_anchor, bool):
             raise ValueError(f"normalize_anchor must be True or False, got {self.normalize_anchor!r}")
+        if self.anchor == "pairwise" and not self.normalize_anchor:
+            raise ValueError("normalize_anchor=False builds an anchor vector from the raw keys, which anchor='pairwise' (every "
+                             "token against every other, no anchor vector) does not use: use anchor='mean' or 'median' with it")
         self.block_size = as_count("block_size", self.block_size, 1, optional=True)
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import as_real
 from ..ragged import RaggedSummary
 from ..saved_state import Count, Instance, Linked, Maybe, Tensor, saved
 from ..summary import KVSummary
@@ -277,9 +278,7 @@ class KVzap(ScoreMethod):
             raise ValueError(f"scorer must be {sorted(SHIPPED)} or the path of a KVzap scorer file, got {self.scorer!r}")
         self.scorer = str(self.scorer)
         if self.threshold is not None:
-            if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
-                raise ValueError(f"threshold must be a finite log-score (e.g. -6.0) or None, got {self.threshold!r}")
-            self.threshold = float(self.threshold)
+            self.threshold = as_real("threshold", self.threshold, "a log-score, e.g. -6.0, or None")
         self.surrogate = load_surrogate(self.scorer)
         # every layer's stream of a cache asks for the shares at the same kept fraction: computed once per fraction
         self._layer_shares = functools.lru_cache(maxsize=16)(self.surrogate.layer_shares)

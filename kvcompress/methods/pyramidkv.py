@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import as_real
 from ..summary import KVSummary
 from .base import ScoreMethod
 from .registry import register
@@ -52,8 +53,7 @@ class PyramidKV(ScoreMethod):
     kernel_size: int = 7
 
     def __post_init__(self):
-        if not self.beta >= 1.0:
-            raise ValueError(f"beta must be >= 1, got {self.beta}")
+        self.beta = as_real("beta", self.beta, "the ratio of the first layer's budget to the last's", minimum=1.0)
         self.observation_window, self.kernel_size = check_observation(self.observation_window, self.kernel_size)
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:

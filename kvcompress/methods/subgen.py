@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import as_count
+from ..checks import as_count, as_real
 from ..saved_state import Count, Generator, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary, take_slots
 from .base import Method, StreamState
@@ -363,8 +363,7 @@ class SubGen(Method):
     def __post_init__(self):
         self.s = as_count("s", self.s, 1, optional=True)
         self.max_clusters = as_count("max_clusters", self.max_clusters, 1, optional=True)
-        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not (0.0 <= self.delta < math.inf):
-            raise ValueError(f"delta must be a finite number >= 0, got {self.delta!r}")
+        self.delta = as_real("delta", self.delta, "the clustering radius", minimum=0.0)
         if isinstance(self.cluster_weight, bool) or not isinstance(self.cluster_weight, (int, float)) or not (0.0 < self.cluster_weight < 1.0):
             raise ValueError(f"cluster_weight must be a number in (0, 1), got {self.cluster_weight!r}")
 
