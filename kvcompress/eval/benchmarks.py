@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .metrics import METRICS, answer_problem
+from .metrics import METRICS, answer_problem, require_metric_packages
 from .tasks import Sample, token_counter
 
 BENCHMARKS = ("ruler", "longbench", "longbench-e", "infinitebench", "kvpress")
@@ -185,6 +185,8 @@ def load_benchmark(name: str, path: str | Path, tasks: list[str] | None = None, 
             raise ValueError(f"tasks {missing} have no samples in {str(root)!r} ({name}); found {sorted(per_task)}")
     if not items:
         raise ValueError(f"no {name} samples found in {str(root)!r}")
+    for metric in sorted({item.metric for item in items}):
+        require_metric_packages(metric)
     return items
 
 

@@ -284,6 +284,20 @@ _ANSWER_CHECKS: dict[str, Callable[[Sequence[str]], None]] = {
 _EMPTY_MATCHES_ALL = {"string_match_all", "string_match_part", "contains_upper", "first_integer_match"}
 
 
+# the optional packages (of kvcompress[bench]) each metric scores with
+METRIC_PACKAGES = {"qa_f1_zh": ("jieba",), "rouge_l": ("rouge_score",), "rouge_l_zh": ("jieba", "rouge_score"),
+                   "rouge_lsum": ("rouge_score",), "code_similarity": ("rapidfuzz",)}
+
+
+def require_metric_packages(metric: str) -> None:
+    """`checks.MissingPackage` naming the metric and `pip install kvcompress[bench]` when a package `metric` scores with
+    is not installed: checked when the data is read, before the model answers."""
+    from ..checks import require_package  # here: the command line's parser imports this module, and checks imports torch
+
+    for module in METRIC_PACKAGES.get(metric, ()):
+        require_package(module, "bench", f"the metric {metric!r}")
+
+
 def answer_problem(metric: str, answers: Sequence[str]) -> str | None:
     """What is wrong with `answers` for `metric` (an empty answer where the metric would give any prediction full marks
     for it; an answer the metric reads as a number or a paragraph id that is none), or None: checked when the data is

