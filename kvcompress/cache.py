@@ -747,6 +747,8 @@ class CompressedCache(Cache):
             for i, (kind, window) in enumerate(layer_types)
         ]
         super().__init__(layers=layers)
+        options.compressor.check_model(tuple(i for i, (kind, _) in enumerate(layer_types) if kind == "full_attention"),
+                                       self.saved_dims["H"])
         # built by name, a cache of a method that reads the layers' inputs (KVzap) has the model keep them while it lives
         self.keeps_hidden_states = isinstance(method, str) and self.plan.hidden_states
         if isinstance(method, str):
@@ -858,7 +860,8 @@ class CompressedCache(Cache):
             layer_tensors, meta = layer.export_state(f"layers.{i}")
             tensors.update(layer_tensors)
             layers.append(meta)
-        document = {"options": options, "stream_length": self.stream_length, "model": cache_file.model_fingerprint(model), "layers": layers}
+        document = {"options": options, "stream_length": self.stream_length, "model": cache_file.model_fingerprint(model), "layers": layers,
+                    "method_files": self.options.compressor.file_digests()}
         cache_file.write(path, tensors, document)
 
     @classmethod
@@ -880,6 +883,14 @@ class CompressedCache(Cache):
         except (TypeError, ValueError) as err:
             raise cache_file.CacheFileError(f"{where} holds settings this kvcompress does not accept ({err}): options {options!r}, "
                                             f"stream_length {document['stream_length']!r}") from None
+        # a decode-mode cache goes on scoring every later token: with the weights it was made with (files before the
+        # record are taken as they are); the other modes only read what they store
+        recorded, current = document.get("method_files"), cache.options.compressor.file_digests()
+        if cache.options.mode == "decode" and recorded is not None and recorded != current:
+            raise cache_file.CacheFileError(
+                f"{where} was compressed by {options['method']!r} with weights of checksums {recorded}; the files its settings name "
+                f"now hold {current} (a scorer file replaced or trained again at the same path): the cache would go on with other "
+                "weights than it was made with; compress the context again")
         layers, ids = document["layers"], tensors.get("token_ids")
         if not isinstance(layers, list) or len(layers) != len(cache.layers) or not all(isinstance(m, dict) for m in layers):
             raise cache_file.CacheFileError(f"{where} must describe the model's {len(cache.layers)} layers, one object each")
@@ -935,7 +946,7 @@ class CompressedCache(Cache):
         return {"method": method, **method.parts(), "unrotate": self._unrotate}
 
     def generator(self, layer_idx: int) -> torch.Generator:
-        return make_generator(self.options.seed * 100003 + layer_idx)
+        return make_generator((self.options.seed * 100003 + layer_idx) % 2**64)
 
     def pre_rope_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Pre-RoPE keys of post-RoPE keys [B,H,n,d] at positions [n] or [B,H,n] (`RotaryInverse`); None when the method needs none."""

@@ -50,8 +50,12 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
     n_context = build_prompt(tokenizer, sample.context, sample.question)[0].shape[1]
     for method in (DEFAULT, *methods):  # every budget before the first line is printed
         try:
-            CompressionOptions.build(**(default if method == DEFAULT else {"method": method}),
-                                     compression_ratio=compression_ratio).budget_for(n_context)
+            options = CompressionOptions.build(**(default if method == DEFAULT else {"method": method}),
+                                               compression_ratio=compression_ratio)
+        except ValueError as error:  # the method itself (with --scorer, its scorer file), not the length
+            raise ValueError(f"{'--scorer ' + repr(str(scorer)) if method == DEFAULT and scorer is not None else method}: {error}") from None
+        try:
+            options.budget_for(n_context)
         except ValueError as error:
             raise ValueError(f"--tokens {tokens} ({n_context} tokens with the chat template) is too short for --compression-ratio "
                              f"{compression_ratio} with {method}: {error}") from None

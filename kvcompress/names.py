@@ -54,3 +54,6 @@ BENCH_SHAPES = {
     "llama8b": (8, 32, 128),  # Llama-3-8B-like: 8 KV heads x 128, 32 query heads
 }
 BENCH_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)  # kvcompress.eval.bench.DEFAULT_SIZES
+# The largest seed the library takes (`CompressionOptions.seed`, every --seed): seeds derived from it (a task's samples, a
+# bench size's tensors) stay within a torch generator's 64 bits.
+MAX_SEED = 2**63 - 1

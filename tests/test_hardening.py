@@ -238,6 +238,20 @@ def test_a_bad_seed_is_named():
         kvc.compress("random", keys, values, budget=8, seed=0.5)
 
 
+def test_a_cache_takes_every_seed_up_to_its_bound():
+    """A cache's layer l draws from seed·100003 + l, which passed a generator's 64 bits from seed 2**64 / 100003 on: the
+    first compression failed naming a seed the caller never gave. It wraps at 2**64; seeds past 2**63 - 1 are refused."""
+    from kvcompress.options import CompressionOptions
+    from test_integration import _prompt, tiny
+    from kvcompress.integration import generate_ids
+
+    ctx, question = _prompt(n=60)
+    for seed in (0, 2**62 + 7, 2**63 - 1):
+        generate_ids(tiny(), ctx, question, method="random", budget=8, seed=seed, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"seed must be at most 2\*\*63 - 1, got 9223372036854775808"):
+        CompressionOptions(method="random", budget=8, seed=2**63)
+
+
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "0.1"])
 def test_a_bad_attention_scale_is_named(scale):
     keys, values = _kv()

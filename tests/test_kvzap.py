@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -55,7 +56,7 @@ def test_a_missing_or_wrong_scorer_file_is_a_clear_error(tmp_path):
     from safetensors.torch import save_file
 
     s = _surrogate()
-    header = {"format": kvzap.SURROGATE_FORMAT, "version": "1", "kind": "linear", "layers": "[0, 1]", "model": "m", "meta": "{}"}
+    header = {"format": kvzap.SURROGATE_FORMAT, "version": str(kvzap.SURROGATE_VERSION), "kind": "linear", "layers": "[0, 1]", "model": "m", "meta": "{}"}
     tensors = {"first_weight": s.first_weight, "first_bias": s.first_bias}
     for edit, match in (({"format": "x"}, "format 'x'"), ({"version": "9"}, "version '9'"), ({"kind": "tree"}, "kind 'tree'"),
                         ({"layers": "[0]"}, "do not fit 1 layers"), ({"layers": "[0, 0]"}, "distinct layer indices")):
@@ -125,7 +126,7 @@ def test_a_files_score_quantiles_round_trip_and_are_checked(tmp_path):
     s = _with_quantiles([[0, 1, 2], [1, 2, 3]])
     s.save(tmp_path / "s.safetensors")
     assert torch.equal(Surrogate.load(tmp_path / "s.safetensors").score_quantiles, s.score_quantiles)
-    header = {"format": kvzap.SURROGATE_FORMAT, "version": "1", "kind": "linear", "layers": "[0, 1]", "model": "m", "meta": "{}"}
+    header = {"format": kvzap.SURROGATE_FORMAT, "version": str(kvzap.SURROGATE_VERSION), "kind": "linear", "layers": "[0, 1]", "model": "m", "meta": "{}"}
     tensors = {"first_weight": s.first_weight, "first_bias": s.first_bias}
     for quantiles in (torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]]), torch.zeros(3, 4), torch.tensor([[0.0, float("inf")]] * 2)):
         save_file({**tensors, "score_quantiles": quantiles}, str(tmp_path / "bad.safetensors"), metadata=header)
@@ -176,7 +177,7 @@ def test_training_contexts_are_as_many_as_asked_or_an_error_says_how_many_fit(ti
     assert len(text_contexts(tokenizer, paragraphs, 100, 4, seed=0)) == 4
     with pytest.raises(ValueError, match=r"--contexts 9: the text \(12 paragraphs\) fills 4 contexts of 100 tokens; ask for at most 4"):
         text_contexts(tokenizer, paragraphs, 100, 9, seed=0)
-    with pytest.raises(ValueError, match="fills no context of 10000 tokens"):
+    with pytest.raises(ValueError, match=r"--tokens 10000: the text \(12 paragraphs\) fills no context of 10000 tokens \(it holds about \d+ tokens\)"):
         text_contexts(tokenizer, paragraphs, 10000, 1, seed=0, flag="--tuning-contexts")
 
 
@@ -360,8 +361,8 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
 
 
 def test_the_default_on_a_model_without_a_scorer_is_an_error_naming_train_scorer():
-    """The shipped scorer fits the default model only: the default method on another model's shapes is refused at its
-    first forward, naming the command that trains a scorer and how to name another method."""
+    """The shipped scorer fits the default model only: the default method on another model's shapes is refused when its
+    cache is built, naming the command that trains a scorer and how to name another method."""
     from kvcompress.integration import generate_ids
     from test_integration import _prompt, tiny
 
@@ -600,3 +601,84 @@ def test_a_learned_layer_split_keeps_each_layers_share_in_one_shot_and_is_refuse
     _surrogate().save(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match="needs scope='model' and a scorer with layer shares"):
         AdaKV(scorer=KVzap(scorer=str(tmp_path / "plain.safetensors")), scope="model", layer_split="learned")
+
+
+def test_a_damaged_scorer_file_is_refused_by_its_checksum(tmp_path):
+    """A flipped bit that leaves every weight finite loaded, and scored with it (a weight of -2e38 made a layer's
+    scores infinite): the file records a SHA-256 of its tensors."""
+    path = tmp_path / "s.safetensors"
+    _surrogate().save(path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # a mantissa bit of the last stored value: still a finite float
+    path.write_bytes(bytes(data))
+    with pytest.raises(SurrogateError, match=r"its tensors do not match the checksum it records \(sha256\): the file is damaged"):
+        Surrogate.load(path)
+
+
+def _with_layers(s: Surrogate, layers: tuple[int, ...]) -> Surrogate:
+    """`s` with its first layer's surrogate for each of `layers`."""
+    def rows(t):
+        return None if t is None else t[:1].expand(len(layers), *t.shape[1:]).clone()
+
+    return replace(s, layers=layers, first_weight=rows(s.first_weight), first_bias=rows(s.first_bias),
+                   second_weight=rows(s.second_weight), second_bias=rows(s.second_bias), score_quantiles=rows(s.score_quantiles))
+
+
+def test_a_scorer_for_other_layers_is_refused_when_the_cache_is_built(tiny_checkpoint, tiny_scorer, tmp_path):
+    """A file of the model's width and heads but of other layers was taken: its shares of one budget were normalised
+    over layers the model does not have, so a stream kept less than the ratio asked."""
+    model, _ = kvc.load_model(tiny_checkpoint)
+    s = Surrogate.load(tiny_scorer)
+    n = len(s.layers)
+    assert s.layers == tuple(range(n))
+    kvc.CompressedCache(model, "kvzap", method_params={"scorer": str(tiny_scorer)}, budget=16)
+    for layers in ((*s.layers, n, n + 1), s.layers[:-1]):
+        path = tmp_path / f"layers{len(layers)}.safetensors"
+        _with_layers(s, layers).save(path)
+        for method, params in (("kvzap", {"scorer": str(path)}), ("adakv", {"scorer": "kvzap", "scorer_params": {"scorer": str(path)}})):
+            with pytest.raises(SurrogateError, match=rf"covers layers {re.escape(str(list(layers)))} with {s.kv_heads} KV heads; this model "
+                                                     rf"compresses layers {re.escape(str(list(range(n))))} with {s.kv_heads}: it belongs to another model"):
+                kvc.CompressedCache(model, method, budget=16, method_params=params)
+
+
+def test_a_decode_cache_goes_on_with_the_scorer_it_was_made_with(tiny_checkpoint, tiny_scorer, tmp_path, monkeypatch):
+    """A decode-mode cache, whose streams score every later token, is refused once the file its settings name holds other
+    weights: trained again at the same path, or another file at the same relative path from another working directory
+    (it answered with them, silently). A prefill-mode cache reads only what it stores and still loads."""
+    import shutil
+
+    from kvcompress.cache_file import CacheFileError
+    from kvcompress.integration import compress_context_ids
+
+    model, _ = kvc.load_model(tiny_checkpoint)
+    shutil.copy(tiny_scorer, tmp_path / "scorer.safetensors")
+    monkeypatch.chdir(tmp_path)
+    ctx = torch.randint(0, 200, (1, 120), generator=torch.Generator().manual_seed(5))
+    for mode in ("prefill", "decode"):
+        cache = compress_context_ids(model, ctx, method="kvzap", method_params={"scorer": "scorer.safetensors"}, budget=24, mode=mode,
+                                     **({"chunk_size": 32} if mode == "decode" else {}))
+        cache.save(tmp_path / f"{mode}.kvc")
+    assert kvc.load_cache(tmp_path / "decode.kvc", model).get_seq_length() == 120
+    s = Surrogate.load(tmp_path / "scorer.safetensors")
+    (tmp_path / "elsewhere").mkdir()
+    replace(s, first_bias=s.first_bias + 1.0).save(tmp_path / "elsewhere" / "scorer.safetensors")
+    replace(s, first_bias=s.first_bias - 1.0).save(tmp_path / "scorer.safetensors")  # trained again at the same path
+    for where in (tmp_path, tmp_path / "elsewhere"):
+        monkeypatch.chdir(where)
+        assert kvc.load_cache(tmp_path / "prefill.kvc", model).get_seq_length() == 120
+        with pytest.raises(CacheFileError, match=r"was compressed by 'kvzap' with weights of checksums \{'scorer': '[0-9a-f]{64}'\}; the "
+                                                 r"files its settings name now hold \{'scorer': '[0-9a-f]{64}'\}"):
+            kvc.load_cache(tmp_path / "decode.kvc", model)
+
+
+def test_train_scorer_refuses_a_tuning_count_the_text_cannot_fill_before_scoring(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """The tuning contexts were cut after the training contexts' KVzip scoring (about ten minutes at the defaults)."""
+    from kvcompress.integration import scorer_training
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scored before the contexts were checked")
+
+    monkeypatch.setattr(scorer_training, "scoring_pairs", no_scoring)
+    assert main(["train-scorer", "--model", str(tiny_checkpoint), "--tokens", "96", "--contexts", "1", "--tuning-contexts", "5000",
+                 "--out", str(tmp_path / "s.safetensors")]) == 2
+    assert "--tuning-contexts 5000: the text" in capsys.readouterr().err

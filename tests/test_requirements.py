@@ -57,7 +57,7 @@ def test_adakv_holds_its_scorer_and_needs_what_it_needs():
 
 def test_the_cache_reads_no_method_flag_and_the_public_ids_functions_take_no_model_step_inputs():
     cache = (ROOT / "kvcompress" / "cache.py").read_text(encoding="utf-8")
-    assert set(re.findall(r"compressor\.(\w+)", cache)) == {"check_context", "layer_budget"}  # calls into the method, no flag
+    assert set(re.findall(r"compressor\.(\w+)", cache)) == {"check_context", "check_model", "file_digests", "layer_budget"}  # calls into the method, no flag
     assert re.findall(r"\bmethod\.requirements\b", cache) == ["method.requirements"]  # read once, by CachePlan.of
     for name in ("generate_ids", "answer_log_probs_ids", "answer_questions_ids", "compress_context_ids", "generate_batch_ids"):
         parameters = inspect.signature(getattr(generation, name)).parameters

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (add_device_args, add_model_arg, count_list, float_list, given_flags, int_list, list_of, method_list, method_name,
-                     one_of, resolve_device)
+                     one_of, resolve_device, seed)
 from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, DEFAULT_CHUNK_SIZE, MODES
 
 
@@ -23,7 +23,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--threads", type=count_list, default=[],
                    help="torch CPU threads, or a comma-separated list to run everything once per count, into --out/threads-<count>/ "
                         "with one combined bench.md (default: torch's own choice)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the synthetic tensors and of randomised methods (default 0)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite bench.md and the plots from the CSVs already in --out")
     groups = {}  # section -> its argument group, whose flags a run without the section refuses
     g = groups["overhead"] = p.add_argument_group("overhead: compress / stream time over one exact causal attention pass")

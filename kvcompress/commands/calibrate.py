@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..eval.tasks import TASKS
 from .common import (add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, float_list, list_of, method_name,
-                     resolve_device, set_threads)
+                     resolve_device, seed, set_threads)
 from ..names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "frequent_words")  # each honours a short --tokens
@@ -27,7 +27,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--retentions", type=float_list, default=list(CALIBRATION_RETENTIONS),
                    help=f"fractions of the context kept, in (0, 1] (default {','.join(map(str, CALIBRATION_RETENTIONS))})")
     p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises, >= 1 (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="first task seed and the method's seed")
+    p.add_argument("--seed", type=seed, default=0, help="first task seed and the method's seed")
     p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
     p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
     add_model_arg(p)

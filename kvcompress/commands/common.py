@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from ..eval.tables import parse_scalar
-from ..names import DTYPES, METHODS
+from ..names import DTYPES, MAX_SEED, METHODS
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -88,6 +88,17 @@ def count(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def seed(text: str) -> int:
+    """argparse type: a seed, an integer from 0 to 2**63 - 1 (`names.MAX_SEED`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63 - 1, got {text!r}")
+    return value
 
 
 def count_list(text: str) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, int_list, list_of, name_list, parse_params, resolve_device, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, int_list, list_of, name_list, parse_params, resolve_device, seed, set_threads,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -91,7 +91,7 @@ def add_cli(subparsers) -> None:
     t.add_argument("--modes", type=list_of(MODES, "mode"), default=None, help=f"comma-separated modes among {','.join(MODES)} (default: prefill; "
                    f"with --tasks {PERPLEXITY}: prefill,decode); chunked/decode get the middle budget the ratio gives in prefill mode "
                    f"({PERPLEXITY}, decode mode: the ratio of the whole document)")
-    t.add_argument("--seed", type=count(0), default=0, help="base seed of the task generators and of randomised methods (default 0)")
+    t.add_argument("--seed", type=seed, default=0, help="base seed of the task generators and of randomised methods (default 0)")
     t.add_argument("--haystack", default=None, choices=HAYSTACKS, help="needle haystack: repeated filler or real prose (default filler)")
     t.add_argument("--kind", default=None, choices=NEEDLE_KINDS, help="needle values (default numbers)")
     t.add_argument("--task-param", action="append", default=[], metavar="TASK.NAME=VALUE",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, count, given_flags, one_of, parse_params, resolve_device, set_threads
+from .common import add_device_args, add_model_arg, add_threads_arg, count, given_flags, one_of, parse_params, resolve_device, seed, set_threads
 from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
 
@@ -53,7 +53,7 @@ def add_compression_args(p, later_questions: bool = False) -> None:
     p.add_argument("--quality", type=float, default=None, metavar="Q",
                    help="with --calibration: the predicted NLL ratio of the answer to keep (the quality budget gamma), in (0, 1]")
     p.add_argument("--mode", default="prefill", choices=MODES, help="when compression happens (default prefill)")
-    p.add_argument("--seed", type=int, default=0, help="seed of randomised methods (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of randomised methods (default 0)")
     p.add_argument("--sink", type=int, default=None, help="first tokens kept exactly (default: the method's own, docs/design.md)")
     p.add_argument("--window", type=int, default=None, help="last tokens kept exactly (default: the method's own, docs/design.md)")
     p.add_argument("--chunk-size", type=count(1), default=DEFAULT_CHUNK_SIZE,

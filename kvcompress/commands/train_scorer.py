@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, resolve_device, set_threads
+from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, resolve_device, seed, set_threads
 
 
 MLP_WIDTH, MLP_STEPS = 16, 300  # --kind mlp's defaults
@@ -28,7 +28,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--tuning-contexts", type=count(1), default=1, help="tuning contexts the fit is reported on (default 1)")
     p.add_argument("--mlp-width", type=count(1), default=None, help=f"hidden units per head of --kind mlp (default {MLP_WIDTH})")
     p.add_argument("--steps", type=count(1), default=None, help=f"Adam steps of --kind mlp (default {MLP_STEPS})")
-    p.add_argument("--seed", type=int, default=0, help="order of the training paragraphs and the MLP's initialisation")
+    p.add_argument("--seed", type=seed, default=0, help="order of the training paragraphs and the MLP's initialisation")
     p.add_argument("--out", type=Path, required=True, help="where to write the scorer (safetensors)")
     add_model_arg(p)
     add_device_args(p)
@@ -56,10 +56,11 @@ def _run(args) -> int:
     tuning_text = docstring_paragraphs(DOCSTRING_MODULES)
     held_apart = set(tuning_text)
     training_text = [p for p in docstring_paragraphs(SCORER_TRAINING_MODULES) if p not in held_apart]
-    train = scoring_pairs(model, tokenizer, text_contexts(tokenizer, training_text, args.tokens, args.contexts, args.seed),
-                          progress=print)
-    tuning = scoring_pairs(model, tokenizer, text_contexts(tokenizer, tuning_text, args.tokens, args.tuning_contexts, args.seed,
-                                                              "--tuning-contexts"))
+    # every context is cut before any is scored: a count the text cannot fill is refused before the scoring's minutes
+    training_contexts = text_contexts(tokenizer, training_text, args.tokens, args.contexts, args.seed)
+    tuning_contexts = text_contexts(tokenizer, tuning_text, args.tokens, args.tuning_contexts, args.seed, "--tuning-contexts")
+    train = scoring_pairs(model, tokenizer, training_contexts, progress=print)
+    tuning = scoring_pairs(model, tokenizer, tuning_contexts)
     name = getattr(model.config, "_name_or_path", "") or ""
     surrogate = fit_surrogate(train.hidden, train.targets, args.kind, mlp_width=mlp_width, steps=steps, seed=args.seed,
                               model=Path(name).name if name else "")

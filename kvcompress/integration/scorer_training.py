@@ -83,10 +83,11 @@ def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, see
 
     order = list(paragraphs)
     random.Random(seed).shuffle(order)
-    contexts, part, length = [], [], 0
+    contexts, part, length, total = [], [], 0, 0
     for paragraph in order:
         part.append(paragraph)
-        length += len(tokenizer(paragraph + "\n\n", add_special_tokens=False)["input_ids"])
+        added = len(tokenizer(paragraph + "\n\n", add_special_tokens=False)["input_ids"])
+        length, total = length + added, total + added
         if length >= tokens:
             contexts.append(context_ids_of(tokenizer, "\n\n".join(part)))
             part, length = [], 0
@@ -94,7 +95,8 @@ def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, see
                 return contexts
     raise ValueError(f"{flag} {count}: the text ({len(paragraphs)} paragraphs) fills {len(contexts)} contexts of {tokens} tokens; "
                      f"ask for at most {len(contexts)} or fewer tokens per context" if contexts else
-                     f"the text ({len(paragraphs)} paragraphs) fills no context of {tokens} tokens: use fewer tokens")
+                     f"--tokens {tokens}: the text ({len(paragraphs)} paragraphs) fills no context of {tokens} tokens "
+                     f"(it holds about {total} tokens); use fewer tokens per context")
 
 
 def scoring_pairs(model, tokenizer, contexts: list[torch.Tensor], sink: int = 4, progress=None) -> ScoringPairs:

@@ -261,6 +261,12 @@ class AdaKV(Method):
             return (f"refit={self.refit!r}", "its fit uses the queries of the whole context at once", "refit='none'")
         return None
 
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
+        self.scorer.check_model(compressed_layers, kv_heads)
+
+    def file_digests(self) -> dict[str, str]:
+        return self.scorer.file_digests()
+
     def check_mode(self, mode: str) -> None:
         whole = self.whole_context()
         if whole is not None and mode != "prefill":

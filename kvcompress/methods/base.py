@@ -194,6 +194,16 @@ class Method:
         """Raise a clear error when the method cannot stream with an exact window of `window` tokens (checked when a
         stream or a streaming cache is built, before any token): every window works by default."""
 
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
+        """Raise a clear error when the method cannot compress a model whose compressed (full-attention) layers are
+        `compressed_layers`, with `kv_heads` KV heads each (checked when a cache is built): weights trained for one
+        model (KVzap's scorer) fit no other; every model fits by default."""
+
+    def file_digests(self) -> dict[str, str]:
+        """{name: checksum} of the files the method reads its weights from (KVzap's scorer), which a saved cache records
+        and checks when it is loaded, so that it goes on with the same weights; none by default."""
+        return {}
+
     def check_context(self, reconstructed: bool) -> None:
         """Raise a clear error when a prefill-mode cache is about to compress a context with queries other than those the
         method scores with: a method that needs a reconstruction forward (KVzip) takes that forward's queries

@@ -39,6 +39,7 @@ package (`SHIPPED`), any other model's load from a path (`scorer=`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -59,11 +60,14 @@ from .requirements import Requirements
 from .tokens import Tokens
 
 SURROGATE_FORMAT = "kvcompress-kvzap-surrogate"
-SURROGATE_VERSION = 1
+SURROGATE_VERSION = 2  # 2: the tensors' checksum in the metadata
 KINDS = ("linear", "mlp")
 # scorer="default": the weights shipped for the default model, in the package's `scorers` folder
 SHIPPED = {"default": "smollm2-135m-kvzap.safetensors"}
 TRAIN_COMMAND = "kvcompress train-scorer --out FILE"
+ANOTHER_MODEL = ("it belongs to another model. KVzap's scores (method 'kvzap', and the default: AdaKV over them) need a scorer "
+                 f"trained for this model: train it with `{TRAIN_COMMAND}` and pass method='adakv', scorer='kvzap', "
+                 "scorer_params={'scorer': FILE}, or name another method (e.g. method='snapkv')")
 # quantile levels 0, 1/(Q-1), ..., 1 of each layer's predicted scores on the training text (`Surrogate.score_quantiles`)
 SCORE_QUANTILES = 257
 
@@ -96,6 +100,28 @@ class Surrogate:
     source: str = field(default="", compare=False)  # the file it was loaded from ("" when built in memory), for messages
 
     @property
+    def digest(self) -> str:
+        """SHA-256 of the weights and score quantiles (`tensors_digest`): what a file records and a saved cache checks."""
+        return tensors_digest(self.tensors())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a file holds, by name, float32."""
+        tensors = {"first_weight": self.first_weight, "first_bias": self.first_bias}
+        if self.kind == "mlp":
+            tensors |= {"second_weight": self.second_weight, "second_bias": self.second_bias}
+        if self.score_quantiles is not None:
+            tensors["score_quantiles"] = self.score_quantiles
+        return {k: v.float().contiguous() for k, v in tensors.items()}
+
+    def check_fits(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
+        """A SurrogateError unless these surrogates cover exactly a model's compressed (full-attention) layers
+        `compressed_layers`, for its `kv_heads` KV heads: a file trained for another model would score layers it never
+        saw, or share a budget over layers the model does not have."""
+        if tuple(sorted(self.layers)) != tuple(compressed_layers) or kv_heads != self.kv_heads:
+            raise SurrogateError(f"{self.named} covers layers {list(self.layers)} with {self.kv_heads} KV heads; this model "
+                                 f"compresses layers {list(compressed_layers)} with {kv_heads}: {ANOTHER_MODEL}")
+
+    @property
     def named(self) -> str:
         """How errors name these weights: the KVzap scorer, its file and the model it was trained on."""
         return f"the KVzap scorer{f' {self.source!r}' if self.source else ''} (trained on model {self.model!r})"
@@ -126,11 +152,8 @@ class Surrogate:
         head h's rows are what head h's surrogate reads)."""
         if not self.reads(inputs.shape[1], inputs.shape[-1]):
             raise SurrogateError(f"{self.named} reads hidden states of width {self.input_width} "
-                                 f"for {self.kv_heads} KV heads, got {inputs.shape[1]} heads of width {inputs.shape[-1]}: it "
-                                 f"belongs to another model. KVzap's scores (method 'kvzap', and the default: AdaKV over them) "
-                                 f"need a scorer trained for this model: "
-                                 f"train it with `{TRAIN_COMMAND}` and pass method='adakv', scorer='kvzap', scorer_params={{'scorer': FILE}}, or "
-                                 f"name another method (e.g. method='snapkv')")
+                                 f"for {self.kv_heads} KV heads, got {inputs.shape[1]} heads of width {inputs.shape[-1]}: "
+                                 f"{ANOTHER_MODEL}")
         i = self.row(layer_idx)
         device = inputs.device
         out = torch.matmul(inputs.float(), self.first_weight[i].to(device)) + self.first_bias[i].to(device).unsqueeze(1)
@@ -166,15 +189,12 @@ class Surrogate:
         metadata."""
         from safetensors.torch import save
 
-        tensors = {"first_weight": self.first_weight, "first_bias": self.first_bias}
-        if self.kind == "mlp":
-            tensors |= {"second_weight": self.second_weight, "second_bias": self.second_bias}
-        if self.score_quantiles is not None:
-            tensors["score_quantiles"] = self.score_quantiles
+        tensors = self.tensors()
         header = {"format": SURROGATE_FORMAT, "version": str(SURROGATE_VERSION), "kind": self.kind,
-                  "layers": json.dumps(list(self.layers)), "model": self.model, "meta": json.dumps(self.meta, sort_keys=True)}
+                  "layers": json.dumps(list(self.layers)), "model": self.model, "meta": json.dumps(self.meta, sort_keys=True),
+                  "sha256": tensors_digest(tensors)}
         # written by Python, so with the umask's permissions (safetensors' save_file makes the file private to its owner)
-        Path(path).write_bytes(save({k: v.float().contiguous() for k, v in tensors.items()}, metadata=header))
+        Path(path).write_bytes(save(tensors, metadata=header))
 
     @classmethod
     def load(cls, path: str | Path) -> "Surrogate":
@@ -231,8 +251,20 @@ class Surrogate:
                                           and bool((quantiles.diff(dim=1) >= 0).all())):
             fail(f"score_quantiles must be [{len(layers)} layers, >= 2 levels] finite and non-decreasing along each row, got "
                  f"{tuple(quantiles.shape)} {quantiles.dtype}")
+        if header.get("sha256") != tensors_digest({**tensors, **({} if quantiles is None else {"score_quantiles": quantiles})}):
+            fail("its tensors do not match the checksum it records (sha256): the file is damaged")
         return cls(header["kind"], layers, w1.float(), b1.float(), tensors.get("second_weight"),
                    tensors.get("second_bias"), header.get("model", ""), meta, None if quantiles is None else quantiles.float(), source)
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors' names, shapes and float32 bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].float().contiguous()
+        digest.update(f"{name}{tuple(t.shape)}".encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def shipped_path(name: str) -> Path:
@@ -311,6 +343,13 @@ class KVzap(ScoreMethod):
     def check_inputs(self, tokens: Tokens) -> None:
         if tokens.entry_scores is None:
             super().check_inputs(tokens)
+
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
+        self.surrogate.check_fits(compressed_layers, kv_heads)
+
+    def file_digests(self) -> dict[str, str]:
+        """{"scorer": the scorer's checksum}: the weights a saved stream goes on scoring with."""
+        return {"scorer": self.surrogate.digest}
 
     def on_entry(self, tokens: Tokens) -> Tokens:
         """The block with its scores (`Tokens.entry_scores`) in place of its hidden states, which a stream never keeps."""
