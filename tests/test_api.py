@@ -160,6 +160,8 @@ def test_cli_method_parameters_are_parsed():
     assert parse_params(["anchor=median", "block_size=128", "beta=2.5", "weighted=true"]) == {
         "anchor": "median", "block_size": 128, "beta": 2.5, "weighted": True,
     }
+    # None, where a parameter's documented setting is None (ClusterGen's block_size, BalanceKV's step); "none" stays text
+    assert parse_params(["block_size=None", "refit=none"]) == {"block_size": None, "refit": "none"}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_params(["anchor"])
     # a dotted name sets a parameter's own parameters (AdaKV's scorer's)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 from kvcompress.methods.balancekv import _MAX_LOG_GAIN, BalanceKV, balance_kernel, balancing_walk, halve
 
@@ -410,7 +411,7 @@ PINNED_STREAMS = [
 # (b, h, n, d, budget, parameters, data seed, digest)
 PINNED_ONE_SHOT = [
     (1, 2, 300, 16, 100, {"block_size": 256}, 10, "71c6b8fa8d059463"),  # the default b until it became 128
-    (1, 2, 513, 8, 40, {"block_size": 32, "kernel": "joint"}, 11, "17017b989a2d3f02"),
+    (1, 2, 513, 8, 40, {"block_size": 32, "kernel": "joint"}, 11, "eb188c7c5e5f7ffd"),  # re-pinned once "joint" stopped counting r_v twice
     (2, 1, 200, 8, 5, {"block_size": 16, "kernel": "key", "augment": 0.0}, 12, "1c5071e635396cb8"),
     (2, 2, 1100, 32, 275, {}, 13, "9775dea7ab29a6bf"),  # the defaults: exact outliers, whole-level rounds, a selecting round
     (1, 3, 900, 64, 100, {"weighted": False}, 14, "a170b6fb737def44"),
@@ -472,3 +473,27 @@ def test_a_stream_with_weighted_false_keeps_plain_tokens_as_one_shot_does():
             stream.update(keys[:, :, start : start + 50], values[:, :, start : start + 50])
         finite = stream.summary().log_weights[torch.isfinite(stream.summary().log_weights)]
         assert (finite == 0).all() if not weighted else (finite > 0).any()
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"delta": "abc"}, "delta must be a number in \\(0, 1\\), got 'abc'"), ({"delta": True}, "delta must be a number in"),
+    ({"augment": "lots"}, "augment must be in \\[0, 1\\)"), ({"step": True}, "step must be None or a positive finite number"),
+])
+def test_bad_parameter_types_are_named(params, match):
+    """A text delta or augment was a TypeError from a comparison, naming nothing; a bool step was taken as 1."""
+    with pytest.raises(ValueError, match=match):
+        build_method("balancekv", **params)
+
+
+def test_the_joint_kernels_walk_does_not_see_the_values_scale():
+    """"joint" balances [v/r_v, 1]: its kernel is scaled by r_v already, so its log R² must not add log r_v² again
+    (with step set, the walk kept other tokens when the values were scaled)."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 16, 8, generator=g), torch.randn(3, 16, 8, generator=g)
+    kernel, log_r2 = balance_kernel(keys, values, None, 0.35, "joint")
+    scaled, scaled_log_r2 = balance_kernel(keys, values * 0.05, None, 0.35, "joint")
+    torch.testing.assert_close(kernel, scaled)
+    torch.testing.assert_close(log_r2, scaled_log_r2)
+    _, key_log_r2 = balance_kernel(keys, values, None, 0.35, "key")
+    torch.testing.assert_close(log_r2, key_log_r2)
+

@@ -186,7 +186,8 @@ def resolve_device(device: str | None, dtype: str | None):
 
 
 def parse_params(items: list[str], flag: str = "--param") -> dict:
-    """["name=value", ...] -> {name: value} with ints, floats and true/false converted (`flag`: the option named in errors).
+    """["name=value", ...] -> {name: value} with ints, floats and true/false converted, and None for the value `None`
+    (a parameter whose documented setting is None: `--param block_size=None`) (`flag`: the option named in errors).
     A dotted name sets a parameter of a parameter: "scorer_params.scorer=FILE" -> {"scorer_params": {"scorer": FILE}}
     (AdaKV's scorer's own parameters)."""
     params = {}
@@ -204,5 +205,5 @@ def parse_params(items: list[str], flag: str = "--param") -> dict:
             raise ValueError(f"{flag} {item!r}: {name!r} is given both as a value and as parameters")
         if name in target:
             raise ValueError(f"{flag} {item!r}: {name!r} is given more than once")
-        target[name] = parse_scalar(text)
+        target[name] = None if text == "None" else parse_scalar(text)
     return params

@@ -65,7 +65,7 @@ def add_compression_args(p, later_questions: bool = False) -> None:
         p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     else:
         p.set_defaults(compress_question=False)
-    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median (repeatable)")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median; numbers, true/false and None are converted (repeatable)")
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
                         "the stream's slots, keys and values per slot; default: full precision)")

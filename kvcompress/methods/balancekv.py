@@ -14,11 +14,12 @@ Theory", arXiv:2502.07861. The stream's departures from it: docs/design.md, "Bal
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..checks import as_count
+from ..checks import as_count, as_fraction
 from ..saved_state import Choice, Count, Generator, Instance, Linked, Mapping, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary, concat, take_slots
 from .base import Method, StreamState, first_true
@@ -57,7 +58,8 @@ def balance_kernel(
     the paper's App. B.5). K_ij = exp(s<k̄_i,k̄_j>)·κ(v_i,v_j) with κ = <v_i,v_j> ("value", Alg. 2),
     κ = 1 ("key": v ≡ 1) or κ = (<v_i,v_j>/r_v² + 1)/2 ("joint": the walk on
     [v/r_v, 1], balancing numerator and denominator together). R² = exp(s·r_key²)·r_value² with the
-    block's largest centred key norm and value norm (Alg. 2 line 2), applied in log space.
+    block's largest centred key norm and value norm (Alg. 2 line 2), applied in log space; exp(s·r_key²)
+    for "key" and "joint", whose κ is at most 1.
     out: a contiguous float32 [N, b, b] to write K / R² into (None: a new tensor).
     Returns (K / R² [N, b, b] float32 with zero rows and columns for padding, log R² [N]).
     """
@@ -80,9 +82,11 @@ def balance_kernel(
         vgram = torch.bmm(v, v.transpose(1, 2))
         r_value = vgram.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
         vgram.div_(r_value[:, None, None])
-        factor = vgram if kernel == "value" else vgram.add_(1.0).div_(2.0)
-        out.mul_(factor)
-        log_r2 = log_r2 + r_value.log()
+        if kernel == "value":
+            out.mul_(vgram)
+            log_r2 = log_r2 + r_value.log()
+        else:  # "joint": kappa <= 1 already, so R² is the keys' factor alone and the walk does not see the values' scale
+            out.mul_(vgram.add_(1.0).div_(2.0))
     if valid is not None:
         out.masked_fill_(~valid[:, :, None], 0.0).masked_fill_(~valid[:, None, :], 0.0)
     return out, log_r2
@@ -230,7 +234,8 @@ class BalanceKV(Method):
     (False; the paper's App. B does not say which). kernel: "value" (the Alg. 2 kernel), "key"
     (v ≡ 1) or "joint" (see `balance_kernel`); one-shot only, the stream uses "value" per bucket as in
     the paper's Alg. 1. augment: fraction of the budget kept exactly for the
-    keys most anti-correlated with the rest (the paper's Sec. 4.3; one-shot only), 0 turns it off. levels: T of
+    keys most anti-correlated with the rest (the paper's Sec. 4.3; the stream keeps them too, docs/design.md,
+    "Streamed augmentation"), 0 turns it off. levels: T of
     MergeAndReduce (stream only), None lets the counter grow as deep as the stream (the paper's
     T = log(n/t)). batch: t, the tokens per MergeAndReduce halving (stream only; None means
     stream_block); a batch larger than stream_block is balanced as parallel blocks (the paper's App. B
@@ -274,14 +279,14 @@ class BalanceKV(Method):
     def __post_init__(self):
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2 or self.block_size % 2:
             raise ValueError(f"block_size must be an even integer >= 2, got {self.block_size!r}")
-        if not (0.0 < self.delta < 1.0):
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-        if self.step is not None and not (isinstance(self.step, (int, float)) and 0.0 < self.step < math.inf):
+        if isinstance(self.delta, bool) or not isinstance(self.delta, numbers.Real) or not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must be a number in (0, 1), got {self.delta!r}")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, numbers.Real)
+                                      or not 0.0 < self.step < math.inf):
             raise ValueError(f"step must be None or a positive finite number, got {self.step!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if not (0.0 <= self.augment < 1.0):
-            raise ValueError(f"augment must be in [0, 1), got {self.augment!r}")
+        self.augment = as_fraction("augment", self.augment, "the share of the budget kept exactly")
         self.levels = as_count("levels", self.levels, 1, optional=True)
         if isinstance(self.stream_block, bool) or not isinstance(self.stream_block, int) or self.stream_block < 2 or self.stream_block % 2:
             raise ValueError(f"stream_block must be an even integer >= 2, got {self.stream_block!r}")

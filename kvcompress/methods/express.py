@@ -571,7 +571,7 @@ class Express(Method):
             raise ValueError(f"g (Compress2 oversampling) must be an integer in [0, 8], got {self.g!r}")
         if self.halving not in ("greedy", "self-balancing"):
             raise ValueError(f"halving must be 'greedy' or 'self-balancing', got {self.halving!r}")
-        if not isinstance(self.delta, (int, float)) or not 0.0 < self.delta <= 1.0:
+        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0.0 < self.delta <= 1.0:
             raise ValueError(f"delta (Halve failure probability) must be in (0, 1], got {self.delta!r}")
         if isinstance(self.max_group, bool) or not isinstance(self.max_group, int) or self.max_group < 4 or self.max_group % 2:
             raise ValueError(f"max_group (largest Halve input) must be an even integer >= 4, got {self.max_group!r}")

@@ -324,17 +324,20 @@ class SubGen(Method):
     samples M with weight (1 − cluster_weight)·μ / (s‖v‖²) (the paper's numerator estimator), and
     the uniform samples R post-stratified by cluster, weight cluster_weight·n_i / c_i (c_i: samples
     that fell in cluster i; a cluster with none is represented by its centre, weight
-    cluster_weight·n_i). Each part alone is an unbiased estimate of the middle's numerator and
-    partition function; their mixture is too.
+    cluster_weight·n_i). The ‖v‖² part is an unbiased estimate of the middle's numerator and partition
+    function. The uniform part is unbiased for every cluster that holds a sample; a cluster that
+    holds none (chance P0_i) stands in with its centre, a fixed token rather than a random one, so the
+    part's expectation is Σ_i n_i·[(1 − P0_i)·mean_i + P0_i·f(centre_i)]: biased towards the centres of
+    the clusters the reservoir misses (the small ones), the price of keeping every cluster in the
+    summary within the budget.
 
     Departures from the paper, and why: the paper estimates the denominator from t samples per
     cluster (weight n_i / t) and the numerator from M alone. A fixed t per cluster puts a few
     high-weight samples in big clusters, and with the two estimates from different samples the
     ratio is unbounded, so on real layers that estimator's attention error exceeds uniform
     sampling's and grows with the key scale. Here the denominator's samples are allocated to
-    clusters in proportion to their size (post-stratification of one uniform reservoir, never
-    worse than uniform sampling in expectation), and numerator and denominator share their
-    slots, so the output is a convex combination of values: finite for any key scale.
+    clusters in proportion to their size (post-stratification of one uniform reservoir), and numerator and
+    denominator share their slots, so the output is a convex combination of values: finite for any key scale.
 
     Parameters (defaults tuned on real layers of the default model, on other text than the
     reported bench's; the ‖v‖² part gets the smallest share because it helped least): `s` ‖v‖² samples (default max(1, budget // 24)),
