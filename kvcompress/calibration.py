@@ -1,4 +1,4 @@
-"""Context-calibrated compression, for any method.
+"""Context-calibrated compression, for any method that compresses a recorded prefill (not KVzip, KVzap or the default).
 
 Chari & Van Durme, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
 Leverage Scores", arXiv:2507.08143, Sec. 3.5; docs/design.md, "Context-calibrated compression".
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .checks import as_count, as_real
+from .methods.registry import method_names
 
 
 # |k| below this is treated as 0 (f(r) = r); the error of doing so is below 1e-7.
@@ -76,14 +77,14 @@ class Calibration:
     alpha: float  # k's slope in the context's NLL
     beta: float  # k's intercept
     asymmetry: float = 4.0  # the weight the fit gave residuals where the curve promised more quality than measured
-    model: str | None = None  # the model it was measured on (a file loaded for another is refused)
+    model: str | None = None  # the model it was measured on (`kvcompress generate` refuses a file fitted on another)
     method_params: dict = field(default_factory=dict)  # the method's parameters in the measurement, applied with it
     n_triples: int = 0  # how many (retention, NLL(c), NLL ratio) triples the fit saw
     loss: float = float("nan")  # the fit's weighted mean squared residual
 
     def __post_init__(self):
-        if not isinstance(self.method, str) or not self.method:
-            raise ValueError(f"method must be a method's name, got {self.method!r}")
+        if not isinstance(self.method, str) or self.method not in method_names():
+            raise ValueError(f"method must be a registered method's name (one of {', '.join(method_names())}), got {self.method!r}")
         self.alpha = as_real("alpha", self.alpha, "the curve's slope in the context's NLL")
         self.beta = as_real("beta", self.beta, "the curve's intercept")
         self.asymmetry = as_real("asymmetry", self.asymmetry, "the weight of over-compressing residuals", minimum=1.0)

@@ -96,7 +96,7 @@ def test_json_round_trip_and_choose_ratio(tmp_path):
 @pytest.mark.parametrize("field, value, match", [
     ("alpha", "x", "alpha must be a finite number"), ("alpha", None, "alpha must be a finite number"),
     ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a finite number >= 1"),
-    ("method", "", "method must be a method's name"), ("method_params", [1], "method_params must be a dict"),
+    ("method", "", "method must be a registered method's name"), ("method", "nosuch", "method must be a registered method's name .* got 'nosuch'"), ("method_params", [1], "method_params must be a dict"),
     ("n_triples", -1, "n_triples must be"),
 ])
 def test_a_calibration_file_with_a_bad_value_is_refused_when_loaded(tmp_path, field, value, match):
@@ -190,3 +190,18 @@ def test_a_batch_with_a_calibration_runs_each_context_alone_at_its_own_ratio(tmp
         assert res.token_ids == alone.token_ids and res.extra["calibration"] == alone.extra["calibration"]
         assert res.method == "knorm" and res.extra["batch_run"] == "one_by_one" and res.extra["batch_size"] == 2
     assert batch[0].extra["calibration"]["compression_ratio"] != batch[1].extra["calibration"]["compression_ratio"]
+
+
+def test_calibrate_refuses_settings_that_are_not_the_methods_and_methods_it_cannot_measure():
+    """sink and window were taken by the shared prefill and recorded as the method's parameters, which no later run
+    accepted; KVzap's and KVzip's scores need what a recorded prefill keeps no copy of: each is refused before any
+    measurement (no model is touched)."""
+    from kvcompress.integration.calibrate_model import calibrate
+
+    sample = [("context", "question", "answer")]
+    with pytest.raises(ValueError, match=r"method 'snapkv' has no parameter\(s\) \['sink', 'window'\]"):
+        calibrate(None, None, sample, "snapkv", sink=2, window=8)
+    with pytest.raises(ValueError, match="method 'kvzap' scores the context with the layers' hidden states"):
+        calibrate(None, None, sample, "kvzap")
+    with pytest.raises(ValueError, match="method 'adakv' scores the context with the layers' hidden states"):
+        calibrate(None, None, sample, "adakv", scorer="kvzap")

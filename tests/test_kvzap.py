@@ -682,3 +682,23 @@ def test_train_scorer_refuses_a_tuning_count_the_text_cannot_fill_before_scoring
     assert main(["train-scorer", "--model", str(tiny_checkpoint), "--tokens", "96", "--contexts", "1", "--tuning-contexts", "5000",
                  "--out", str(tmp_path / "s.safetensors")]) == 2
     assert "--tuning-contexts 5000: the text" in capsys.readouterr().err
+
+
+def test_a_saved_decode_cache_of_the_default_admits_as_the_live_one(tiny_checkpoint, tiny_scorer, tmp_path):
+    """The default's decode stream turns away tokens it could never keep (`AdaptiveBlockwiseState.admission`); a loaded
+    stream had lost that rule, admitted what the live one turned away, re-compressed at other steps and answered
+    otherwise. The rule is saved with the stream: the loaded cache holds and answers as the live one does."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, _ = kvc.load_model(tiny_checkpoint)
+    g = torch.Generator().manual_seed(11)
+    ctx, question = torch.randint(0, 200, (1, 400), generator=g), torch.randint(0, 200, (1, 6), generator=g)
+    settings = dict(method="adakv", method_params={"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05,
+                                                   "scorer_params": {"scorer": str(tiny_scorer)}}, budget=24, mode="decode",
+                    chunk_size=32, slack=0.1)
+    cache = compress_context_ids(model, ctx, **settings)
+    assert all(layer.front.state.admission is not None for layer in cache.layers)
+    cache.save(tmp_path / "c.kvc")
+    (live,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=40, stop_at_eos=False)
+    (loaded,) = answer_from_cache_ids(model, tmp_path / "c.kvc", [question], max_new_tokens=40, stop_at_eos=False)
+    assert loaded.token_ids == live.token_ids and loaded.slots_per_layer == live.slots_per_layer

@@ -400,7 +400,7 @@ def test_the_fingerprint_samples_exact_indices_of_any_size(numel):
 # The saved format: every registered class, its version and its fields. A change here is a change of the file format:
 # bump the class's version (`saved(name, version)`) and, for a change old files cannot be read with, cache_file.VERSION.
 SAVED_FORMAT = {
-    "adaptive_blockwise_state": (2, ['budget', 'generator', 'kept', 'kept_extra', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "adaptive_blockwise_state": (3, ['admission', 'budget', 'generator', 'kept', 'kept_extra', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
     "balancekv_stream": (2, ['budget', 'events', 'exact_count', 'fail_events', 'free', 'generator', 'held', 'key_count', 'key_sum', 'keys', 'method', 'outliers', 'pool', 'references', 'scale', 'shape', 'slack_slots', 'stored_rows', 'template', 'values']),
     "blockwise_state": (2, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
     "clustergen_state": (2, ['block_size', 'budget', 'ends', 'pending', 'runs', 'seen', 'slack_slots', 'waiting']),

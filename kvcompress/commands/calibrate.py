@@ -23,7 +23,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--tasks", type=list_of(TASKS, "task"), default=list(DEFAULT_TASKS),
                    help=f"comma-separated offline task names, among {','.join(TASKS)} (default {','.join(DEFAULT_TASKS)})")
     p.add_argument("--samples", type=count(1), default=2, help="samples per task (default 2)")
-    p.add_argument("--tokens", type=count(16), default=512, help="context length target in tokens, >= 16 (default 512)")
+    p.add_argument("--tokens", type=count(64), default=512, help="context length target in tokens, >= 64 (default 512)")
     p.add_argument("--retentions", type=float_list, default=list(CALIBRATION_RETENTIONS),
                    help=f"fractions of the context kept, in (0, 1] (default {','.join(map(str, CALIBRATION_RETENTIONS))})")
     p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises, >= 1 (default 4)")
@@ -39,6 +39,7 @@ def add_cli(subparsers) -> None:
 def _run(args) -> int:
     from ..eval.calibration_samples import offline_samples
     from ..integration import calibrate, load_model
+    from ..integration.calibrate_model import check_calibratable
 
     bad = [r for r in args.retentions if not 0 < r <= 1]
     if bad:
@@ -50,6 +51,7 @@ def _run(args) -> int:
         raise ValueError(f"--asymmetry must be >= 1, got {args.asymmetry}")
     if args.triples is not None and args.triples.resolve() == args.out.resolve():
         raise ValueError(f"--triples and --out name the same file {str(args.out)!r}; the triples would overwrite the calibration")
+    check_calibratable(args.method)
     check_out_folder("--out", args.out)
     if args.triples is not None:
         check_out_folder("--triples", args.triples)

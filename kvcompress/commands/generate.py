@@ -142,7 +142,7 @@ def options_of(args, full: bool = True):
     fitted_on, model = options.calibration and options.calibration.model, Path(args.model or DEFAULT_NAME).name
     if fitted_on and Path(fitted_on).name != model:  # a curve predicts the quality of the model it was fitted on
         raise ValueError(f"--calibration {str(args.calibration)!r} was fitted on model {Path(fitted_on).name!r}, this run's is {model!r}: "
-                         f"fit one for it with `kvcompress calibrate --model {args.model or DEFAULT_NAME} ...`")
+                         f"fit one for it with `kvcompress calibrate{f' --model {args.model}' if args.model else ''} ...`")
     return options
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..calibration import Calibration, context_nll, fit, mean_nll
-from ..methods.registry import get_method_class
+from ..methods.registry import build_method
 from ..names import CALIBRATION_RETENTIONS as DEFAULT_RETENTIONS
 from .model import build_prompt
 from .prefill import SharedPrefill, continuation_logits
@@ -73,6 +73,17 @@ def _unpack(sample, i: int) -> tuple[str, str, str, str | None]:
     return context, question, answer, task
 
 
+def check_calibratable(method: str, **method_params) -> None:
+    """A ValueError unless `method` with `method_params` (its own parameters: not sink, window or other settings) can
+    be calibrated: it compresses the recorded prefill every retention shares, so a method scored by a reconstruction
+    forward (KVzip) or by the layers' hidden states (KVzap, the default) cannot."""
+    needs = build_method(method, **method_params).requirements
+    source = "its reconstruction forward" if needs.needs("reconstruction") else "the layers' hidden states"
+    if needs.needs("hidden_states") or needs.needs("reconstruction"):
+        raise ValueError(f"method {method!r} scores the context with {source}, which the recorded prefill calibration "
+                         "compresses does not keep: calibrate another method")
+
+
 def calibrate(
     model,
     tokenizer,
@@ -89,10 +100,12 @@ def calibrate(
 
     samples: (context, question, answer) tuples or dicts with those keys (offline ones:
     `kvcompress.eval.calibration_samples.offline_samples`). retentions: fractions of the context
-    kept, each in (0, 1]. progress(triple) is called after each measured triple. Save the result
+    kept, each in (0, 1]. method_params: the method's own parameters (recorded with the curve); a method scored
+    by a reconstruction forward (KVzip) or by the layers' hidden states (KVzap, the default) cannot be calibrated:
+    the recorded prefill every retention compresses keeps neither. progress(triple) is called after each measured triple. Save the result
     with `.save(path)` and pass it (or the path) to `generate(quality=..., calibration=...)`.
     """
-    get_method_class(method)
+    check_calibratable(method, **method_params)
     samples = list(samples)
     if not samples:
         raise ValueError("samples must hold at least one (context, question, answer); got none")

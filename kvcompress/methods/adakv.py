@@ -419,7 +419,7 @@ def evicted_summary(tokens: Tokens, evicted: torch.Tensor, slots: int) -> KVSumm
     return KVSummary(keys, values, log_weights, positions)
 
 
-@saved("adaptive_blockwise_state", 2)
+@saved("adaptive_blockwise_state", 3)
 class AdaptiveBlockwiseState(BlockwiseState):
     """`BlockwiseState` for head-adaptive budgets, stored ragged: a re-compression keeps H_kv·target tokens per batch
     row (`AdaKV.allocate`'s rule, `head_allocation`), each head as many as it wins, packed head after head
@@ -455,10 +455,11 @@ class AdaptiveBlockwiseState(BlockwiseState):
     room comes on top of m; that buffer's slots can pass the budget (its bytes are kv_bits/16 of full precision's).
     """
 
-    saved_fields = {**BlockwiseState.saved_fields, "kept": Maybe(Instance("ragged_summary")), "kept_extra": Sequence(Tensor("* ..."), kind="tuple")}
+    saved_fields = {**BlockwiseState.saved_fields, "kept": Maybe(Instance("ragged_summary")), "kept_extra": Sequence(Tensor("* ..."), kind="tuple"),
+                    "admission": Maybe(Sequence(Tensor("* ..."), kind="tuple", size=2))}
 
-    # (floors [B, H], cutoffs [B]) of the last re-compression over entry scores, or None (none yet, scores that are not
-    # fixed on entry, or a stream loaded from a file: recomputed at its next re-compression); the class docstring
+    # (floors [B, H], cutoffs [B]) of the last re-compression over entry scores, or None (none yet, or scores that are
+    # not fixed on entry); saved with the stream, which admits later tokens by it (the class docstring)
     admission: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, method: Method, budget: int, generator: torch.Generator, slack: float):
@@ -516,6 +517,11 @@ class AdaptiveBlockwiseState(BlockwiseState):
                 raise ValueError(f"{int(self.kept.counts.sum())} packed slots for {b}x{h} heads of target {self.target}")
             if any(t.shape[0] != self.kept.keys.shape[0] for t in self.kept_extra):
                 raise ValueError("the packed extra columns do not match the packed slots")
+        if self.admission is not None:
+            floors, cutoffs = self.admission
+            if self.kept is None or floors.shape != self.kept.counts.shape or cutoffs.shape != floors.shape[:1]:
+                raise ValueError(f"admission floors {list(floors.shape)} and cutoffs {list(cutoffs.shape)} must be [B, H] and [B] "
+                                 "of a stream that has re-compressed")
 
     def _ragged(self) -> bool:
         return isinstance(self.slots, _GrowingSlots)
