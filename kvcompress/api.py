@@ -47,7 +47,8 @@ def compress(
     defaults); any other name is a parameter of the method. queries [B, H_q, n_q, d] post-RoPE
     for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid;
     hidden_states [B, H_kv, n, d_model] (each token's hidden state at the layer's input) for KVzap.
-    positions [n] or [B, H_kv, n] default to 0..n-1. layer: (layer_idx, num_layers), for a
+    positions [n] or [B, H_kv, n] (>= 0, increasing; the same in every row and head for a method that reads queries)
+    default to 0..n-1. layer: (layer_idx, num_layers), for a
     method that depends on the layer (PyramidKV). seed: an int (reproducible), a
     torch.Generator, or None for fresh randomness (a different draw each call).
     """
@@ -65,6 +66,8 @@ def compress(
     s = 1.0 / math.sqrt(d) if scale is None else scale
     layer_idx, num_layers = check_layer(layer)
     generator = make_generator(seed, keys.device)
+    if not m.requirements.needs("queries"):
+        queries = None  # a method that does not read them takes none (and no causal mask over positions)
     tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions),
                     hidden_states=hidden_states)
     return compress_tokens(m, tokens, middle_budget, sink, window, generator)

@@ -151,6 +151,8 @@ def check_positions(positions, keys: torch.Tensor, ordered: bool = True) -> None
         raise ValueError(f"positions must be an integer tensor [n] = [{n}] or [B, H_kv, n] = [{b}, {h}, {n}], got {describe(positions)}")
     if ordered and n > 1 and not bool((positions.diff(dim=-1) > 0).all()):
         raise ValueError("positions must be strictly increasing along the tokens (the original index of each token, in order)")
+    if ordered and n and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0 (the original index of each token; -1 marks an empty slot), got {int(positions.min())}")
 
 
 def check_scale(scale) -> float | None:

@@ -170,3 +170,32 @@ def test_cli_method_parameters_are_parsed():
     for bad in (["a.=1"], [".a=1"], ["a=1", "a.b=2"], ["a.b=2", "a=1"]):
         with pytest.raises(ValueError, match="NAME=VALUE|both as a value and as parameters"):
             parse_params(bad)
+
+
+def test_positions_that_queries_cannot_take_are_refused():
+    """Per-row positions [B, H_kv, n] placed every row's queries at row 0's positions: a query-aware method kept other
+    tokens for a shifted row than for the same row alone. Negative positions read as empty slots (SubGen)."""
+    g = torch.Generator().manual_seed(0)
+    k, v, q = torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    shifted = torch.stack([torch.arange(40), torch.arange(1000, 1040)])[:, None].expand(2, 2, 40)
+    with pytest.raises(ValueError, match="positions differ between batch rows or KV heads"):
+        kvc.compress("snapkv", k, v, queries=q, budget=6, positions=shifted)
+    same = torch.arange(40).expand(2, 2, 40).clone()  # given whole, but one set of positions: accepted
+    assert torch.equal(kvc.compress("snapkv", k, v, queries=q, budget=6, positions=same).positions,
+                       kvc.compress("snapkv", k, v, queries=q, budget=6).positions)
+    kvc.compress("keydiff", k, v, queries=q, budget=6, positions=shifted)  # reads no queries: any positions
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        kvc.compress("subgen", k, v, budget=8, positions=torch.arange(-20, 20))
+
+
+def test_a_refused_stream_update_leaves_the_stream_as_it_was():
+    g = torch.Generator().manual_seed(1)
+    k, v, q = torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
+    st = kvc.stream("snapkv", budget=4, sink=0, window=3)
+    st.update(k[:, :, :3], v[:, :, :3], q[:, :, :3])
+    with pytest.raises(ValueError, match="scores tokens with queries"):
+        st.update(k[:, :, 3:], v[:, :, 3:])  # tokens leave the window without their queries
+    assert st.seen == 3 and st.summary().positions[0, 0].tolist() == [0, 1, 2]
+    st.update(k[:, :, 3:], v[:, :, 3:], q[:, :, 3:])
+    assert st.seen == 10 and st.summary().num_slots <= 4 + 3
+

@@ -29,7 +29,7 @@ from .tokens import (
 class Stream(Saveable):
     """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
 
-    update() takes the next block of tokens (any size); tokens leaving the window are absorbed by
+    update() takes the next block of tokens (any size >= 1; a refused block changes nothing); tokens leaving the window are absorbed by
     the method's state, which stores at most `budget` slots per head at every step, the block being
     absorbed included (`methods.budget.stream_split`; PyramidKV's lower layers, which keep more,
     aside: `BlockwiseState`). A natively streaming method (Express, SubGen) holds at most `budget`
@@ -140,27 +140,30 @@ class Stream(Saveable):
         block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos, unrotate=self.unrotate,
                        hidden_states=hidden_states)
         block = self.method.on_entry(block)
-        self.seen += n
-        have = self.head.length if self.head is not None else 0
-        take = min(self.sink - have, n)
+        # the block's place is worked out first and kept only once the method has accepted what leaves the window: a
+        # refused block leaves the stream as it was
+        head, recent = self.head, self.recent
+        take = min(self.sink - (head.length if head is not None else 0), n)
         if take > 0:
             part = block.slice(0, take)
-            self.head = part if self.head is None else cat_tokens([self.head, part])
+            head = part if head is None else cat_tokens([head, part])
             block = block.slice(take, n)
-        if block.length == 0:
-            return
-        self.recent = block if self.recent is None or self.recent.length == 0 else cat_tokens([self.recent, block])
-        overflow = self.recent.length - self.window
-        if overflow > 0:
-            staying = self.recent.slice(overflow, self.recent.length)
-            exact = [p for p in (self.head, staying) if p is not None]
-            leaving = replace(
-                self.recent.slice(0, overflow), queries=queries, query_positions=qpos,
-                exact_keys=torch.cat([p.keys for p in exact], 2), exact_positions=torch.cat([p.positions for p in exact], 2),
-            )
-            self.method.check_inputs(leaving)
+        leaving = None
+        if block.length:
+            recent = block if recent is None or recent.length == 0 else cat_tokens([recent, block])
+            overflow = recent.length - self.window
+            if overflow > 0:
+                staying = recent.slice(overflow, recent.length)
+                exact = [p for p in (head, staying) if p is not None]
+                leaving = replace(
+                    recent.slice(0, overflow), queries=queries, query_positions=qpos,
+                    exact_keys=torch.cat([p.keys for p in exact], 2), exact_positions=torch.cat([p.positions for p in exact], 2),
+                )
+                self.method.check_inputs(leaving)
+                recent = staying
+        self.seen, self.head, self.recent = self.seen + n, head, recent
+        if leaving is not None:
             self._absorb(leaving)
-            self.recent = staying
 
     def _absorb(self, leaving: Tokens) -> None:
         """Hold `leaving` exactly while at most `budget` tokens have left the window; past that, hand

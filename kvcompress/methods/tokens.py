@@ -195,9 +195,17 @@ def tokens_from_columns(last: Tokens, columns: tuple[torch.Tensor, ...]) -> Toke
 
 
 def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
-    """Positions of queries that came with tokens at `positions` [B,H,n]: the last n_q of them (None if n_q > n)."""
+    """Positions [n_q] of queries that came with tokens at `positions` [B,H,n]: the last n_q of them (None if n_q > n).
+    Queries take one set of positions, so tokens placed differently in different rows or heads (positions given as
+    [B, H_kv, n] that differ) are a ValueError: such rows are compressed one at a time. Positions expanded from [n]
+    are not read (no host sync)."""
     if queries is None or queries.shape[2] > positions.shape[2]:
         return None
+    b, h, _ = positions.shape
+    if ((b > 1 and positions.stride(0)) or (h > 1 and positions.stride(1))) and \
+            not torch.equal(positions, positions[:1, :1].expand_as(positions)):
+        raise ValueError("positions differ between batch rows or KV heads, and the queries a method scores with take one set of "
+                         "positions (their causal mask): give positions [n], or compress rows with other positions one at a time")
     return positions[0, 0, positions.shape[2] - queries.shape[2] :]
 
 
