@@ -111,7 +111,7 @@ def test_overhead_skips_larger_sizes_after_the_limit():
     ({"kept": [0.5, 0.0]}, r"kept must hold fractions of the context kept, in \(0, 1\], got \[0.0\]"),
     ({"max_seconds": -1}, "max_seconds must be a number of seconds >= 0, got -1"),
     ({"threads": [0]}, "threads must be an integer >= 1, got 0"),
-    ({"threads": [2, 2]}, r"threads must not repeat a count, got \[2, 2\]"),
+    ({"threads": [2, 2]}, r"threads must not repeat a value, got \[2, 2\]"),
     ({"seed": -1}, "seed must be an integer >= 0, got -1"),
     ({"model": 3}, "model must be a checkpoint directory"),
     ({"device": "cpu"}, "device must be a torch.device, got 'cpu'"),
@@ -258,6 +258,9 @@ def test_a_method_that_cannot_run_on_a_shape_is_reported_with_its_reason(tmp_pat
     assert [(r["n"], r["kind"]) for r in skipped] == [(32, "compress"), (32, "stream"), (64, "compress"), (64, "stream")]
     assert all(r["skipped"] == reason and "min_s" not in r for r in skipped)
     assert all("min_s" in r for r in rows if r["method"] != "kvzap")
+    # once the exact pass is too slow for larger n, the rest are skipped, but such a method keeps its reason
+    slow = bench.overhead_rows(config(methods=["kvzap", "knorm"], shapes=[TINY], sizes=[32, 64], repeats=1, max_seconds=0.0), **QUIET)
+    assert {(r["method"], r["skipped"]) for r in slow if r["n"] == 64} == {("exact", True), ("kvzap", reason), ("knorm", True)}
     assert {e["method"] for e in bench.exponent_rows(rows)} == {"exact", "knorm"}
     throughput = bench.throughput_rows(config(methods=["kvzap", "knorm"], throughput_shape=TINY, throughput_tokens=64, block=16,
                                               throughput_repeats=1), **QUIET)

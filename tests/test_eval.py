@@ -334,3 +334,21 @@ def test_needle_heatmap_panels_name_their_mode_when_the_sweep_has_several(tmp_pa
     plot_needle_heatmaps(records([("prefill", 1.0)]), tmp_path / "one.png")
     titles = [[ax.get_title() for ax in fig.axes if ax.get_title()] for fig in saved]
     assert titles == [["full cache", "snapkv @ 0.75 (chunked)", "snapkv @ 0.75 (prefill)"], ["full cache", "snapkv @ 0.75"]]
+
+
+def test_the_figure_legend_names_every_line_and_flags_partial_points():
+    """The legend was read from the first panel only: a method with no answered cell there was drawn but not named.
+    A point whose cells did not all run gets a hollow marker, the tables' *."""
+    from matplotlib.figure import Figure
+
+    from kvcompress.eval.plots import ERRORED_LABEL, figure_legend, mark_errored
+
+    fig = Figure()
+    axes = fig.subplots(1, 2, squeeze=False)
+    axes[0, 0].plot([0.5], [1.0], label="keydiff")
+    axes[0, 1].plot([0.5], [0.2], label="snapkv")
+    mark_errored(axes[0, 1], [0.5, 0.75], [0.2, 0.1], [True, False], "red")
+    figure_legend(fig, axes)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["keydiff", "snapkv", ERRORED_LABEL]
+    hollow = [line for line in axes[0, 1].get_lines() if line.get_label() == ERRORED_LABEL]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [0.5] and hollow[0].get_markerfacecolor() == "white"

@@ -44,7 +44,7 @@ Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PA
                            (resumable), OUT/summary.csv, OUT/summary.md and
                            OUT/leaderboard_perplexity.md/.html/.png. It runs alone (not with other tasks).
   kvcompress eval approx   relative error of attention over each method's summary of real q/k/v
-                           (seed 000 App. B.1): sinks and the last --queries tokens exact, the middle
+                           (the BalanceKV paper's App. B.1): sinks and the last --queries tokens exact, the middle
                            compressed; writes OUT/approx.csv, OUT/approx.md and OUT/approx.png.
 """
 
@@ -126,7 +126,7 @@ def add_cli(subparsers) -> None:
     a.add_argument("--layers", type=int_list, default=list(APPROX_LAYERS), help=f"comma-separated layers (default {','.join(map(str, APPROX_LAYERS))})")
     a.add_argument("--tokens", type=count(1), default=2048, help="tokens of real prose captured (default 2048)")
     a.add_argument("--queries", type=count(1), default=256, help="last queries whose attention is approximated; they are the exact window (default 256)")
-    a.add_argument("--sink", type=count(0), default=256, help="first tokens kept exactly (default 256, the seed's)")
+    a.add_argument("--sink", type=count(0), default=256, help="first tokens kept exactly (default 256, the BalanceKV paper's)")
     a.add_argument("--seeds", type=count(1), default=10, help="seeds per method, ratio and layer for the error bars (default 10)")
     a.add_argument("--text-seed", type=count(0), default=0, help="shuffle of the prose paragraphs (default 0)")
     # each evaluation's own flags, so that another one's given to it is refused rather than ignored
@@ -190,11 +190,8 @@ def _perplexity_config(args):
     if others:
         raise ValueError(f"--tasks {PERPLEXITY} runs alone (its records and summary differ from the question-answering tasks'), "
                          f"got it with {others}; run those with another --out")
-    given = [f for f, v in (("--benchmark", args.benchmark), ("--data", args.data), ("--haystack", args.haystack), ("--kind", args.kind),
-                            ("--task-param", args.task_param), ("--grid-lengths", args.grid_lengths), ("--grid-depths", args.grid_depths),
-                            ("--grid-ratios", args.grid_ratios != [0.75]), ("--grid-task", args.grid_task != "niah_single"),
-                            ("--max-new-tokens", args.max_new_tokens), ("--no-reuse-prefill", args.no_reuse_prefill),
-                            ("--ray", args.ray is not None)) if v]
+    given = _given(args, "benchmark", "data", "haystack", "kind", "task_param", "grid_lengths", "grid_depths", "grid_ratios",
+                   "grid_task", "max_new_tokens", "no_reuse_prefill", "ray", "prompt_layout")
     if given:
         raise ValueError(f"{', '.join(given)} do not apply to --tasks {PERPLEXITY} (it scores a document's own continuation, no questions)")
     if args.samples is not None and args.samples < 1:
@@ -271,14 +268,16 @@ def _sweep_config(args):
     from ..eval.runner import SweepConfig, check_task_settings
 
     if args.benchmark:
-        given = [f for f, v in (("--lengths", args.lengths), ("--haystack", args.haystack), ("--kind", args.kind),
-                                ("--task-param", args.task_param), ("--grid-lengths", args.grid_lengths), ("--grid-depths", args.grid_depths)) if v]
+        given = _given(args, "lengths", "haystack", "kind", "task_param", "grid_lengths", "grid_depths", "grid_ratios", "grid_task")
         if given:
             raise ValueError(f"{', '.join(given)} belong to the generated tasks and do not apply with --benchmark {args.benchmark}")
         if args.data is None:
             raise ValueError(f"--benchmark {args.benchmark} needs --data PATH (the benchmark's local files)")
     elif args.data is not None:
         raise ValueError("--data goes with --benchmark")
+    elif not args.grid_lengths and _given(args, "grid_depths", "grid_ratios", "grid_task"):
+        raise ValueError(f"{', '.join(_given(args, 'grid_depths', 'grid_ratios', 'grid_task'))} set the needle heat map, which "
+                         "--grid-lengths asks for: give --grid-lengths too")
     config = SweepConfig(
         methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
         lengths=args.lengths or list(SWEEP_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else SWEEP_SAMPLES), seed=args.seed,
@@ -291,6 +290,11 @@ def _sweep_config(args):
     if not args.benchmark:
         check_task_settings(config.tasks + ([config.grid_task] if config.grid_lengths else []), haystack=args.haystack, kind=args.kind)
     return config
+
+
+def _given(args, *dests: str) -> list[str]:
+    """The flags of `dests` given on the command line (`args.given`), whatever their value."""
+    return [f"--{dest.replace('_', '-')}" for dest in dests if dest in args.given]
 
 
 def _task_params(items: list[str]) -> dict[str, dict]:

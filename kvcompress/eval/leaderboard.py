@@ -31,6 +31,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from .benchmarks import LONGBENCH_E_BUCKETS
+from .plots import figure_legend, mark_errored
 from .runner import FULL, cell_label
 from .stats import Z95, t_interval, wilson
 from .tables import markdown_table
@@ -230,6 +231,7 @@ def plot_leaderboard(benchmark: str, records: list[dict], path: str | Path) -> P
                 err = [[scale * (p[1]["mean"] - p[1]["low"]) for p in pts], [scale * (p[1]["high"] - p[1]["mean"]) for p in pts]]
                 ax.errorbar(x, y, yerr=err, marker="o", ms=3, lw=1.2, capsize=2, color=colors(i),
                             label=f"{method} ({mode})" if several_modes else method)
+                mark_errored(ax, x, y, [bool(p[1]["errors"]) for p in pts], colors(i))
         full = [cells[(e, panel)] for e in entries if e[0] == FULL and cells.get((e, panel)) and cells[(e, panel)]["n"]]
         if full:
             ax.axhline(scale * full[0]["mean"], color="black", ls="--", lw=1, label="full cache")
@@ -240,9 +242,7 @@ def plot_leaderboard(benchmark: str, records: list[dict], path: str | Path) -> P
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel(what)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8)
+    figure_legend(fig, axes)
     fig.suptitle(f"{benchmark}: {what} vs compression ratio (95% intervals)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     fig.savefig(path, dpi=110)

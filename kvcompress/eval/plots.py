@@ -13,6 +13,33 @@ from .tasks import TASKS
 
 # Horizontal offset between methods' points at one ratio (in ratio units), so error bars do not overlap.
 _NUDGE = 0.004
+# The legend entry of the hollow markers `mark_errored` draws
+ERRORED_LABEL = "hollow: some of the point's cells errored (* in the tables)"
+
+
+def mark_errored(ax, x, y, errored, color) -> None:
+    """Hollow markers over the points (x, y) whose cells did not all run (`errored`, one flag per point): the tables'
+    `*`, so that a mean over what ran is not read as a mean over everything."""
+    points = [(a, b) for a, b, e in zip(x, y, errored) if e]
+    if points:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, "o", ms=7, mfc="white", mec=color, mew=1.2, ls="none", zorder=3, label=ERRORED_LABEL)
+
+
+def figure_legend(fig, axes, **kwargs) -> None:
+    """One legend below the panels, of every line any panel draws (a method with no point in the first panel
+    included), first seen first; the hollow-marker entry in black."""
+    from matplotlib.lines import Line2D
+
+    entries: dict[str, object] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if ERRORED_LABEL in entries:
+        entries[ERRORED_LABEL] = Line2D([], [], marker="o", ms=7, mfc="white", mec="black", ls="none")
+        entries[ERRORED_LABEL] = entries.pop(ERRORED_LABEL)  # last
+    if entries:  # none when every cell errored: the panels are empty
+        fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=min(7, len(entries)), fontsize=8, **kwargs)
 
 
 def _grid_of(n: int, cols: int = 4) -> tuple[int, int]:
@@ -44,12 +71,14 @@ def plot_accuracy_vs_ratio(records: list[dict], path: str | Path, mode: str = "p
     for ax, panel in zip(axes.flat, panels):
         data = [a for a in by_task + overall if a["task"] == panel and a["n"] > 0]
         for i, method in enumerate(methods):
-            pts = sorted((a["ratio"], a["score"], a["ci_low"], a["ci_high"]) for a in data if a["method"] == method)
+            pts = sorted((a["ratio"], a["score"], a["ci_low"], a["ci_high"], a["errors"] > 0) for a in data if a["method"] == method)
             if pts:
-                x, y, low, high = zip(*pts)
+                x, y, low, high, errored = zip(*pts)
                 nudge = (i - (len(methods) - 1) / 2) * _NUDGE
-                ax.errorbar([v + nudge for v in x], y, yerr=[[m - lo for m, lo in zip(y, low)], [hi - m for m, hi in zip(y, high)]],
+                x = [v + nudge for v in x]
+                ax.errorbar(x, y, yerr=[[m - lo for m, lo in zip(y, low)], [hi - m for m, hi in zip(y, high)]],
                             marker="o", ms=3, lw=1.2, elinewidth=0.8, capsize=1.5, color=colors(i), label=method)
+                mark_errored(ax, x, y, errored, colors(i))
         full = [a for a in data if a["method"] == FULL]
         if full:
             ax.axhline(full[0]["score"], color="black", ls="--", lw=1, label="full cache")
@@ -68,9 +97,7 @@ def _finish_panels(fig, axes, n_panels: int, ylabel: str, title: str, path) -> P
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if labels:  # none when every cell errored: the panels are empty
-        fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    figure_legend(fig, axes, bbox_to_anchor=(0.5, -0.02))
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(path, dpi=110)

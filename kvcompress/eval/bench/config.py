@@ -104,8 +104,9 @@ class BenchConfig:
                 object.__setattr__(self, name, tuple(as_count(name, v, minimum) for v in value))
             else:
                 object.__setattr__(self, name, as_count(name, value, minimum))
-        if len(set(self.threads)) != len(self.threads):
-            raise ValueError(f"threads must not repeat a count, got {list(self.threads)}")
+        for name in ("threads", "sizes", "memory_sizes", "step_contexts"):  # a repeat would measure a point twice
+            if len(set(getattr(self, name))) != len(getattr(self, name)):
+                raise ValueError(f"{name} must not repeat a value, got {list(getattr(self, name))}")
         object.__setattr__(self, "compression_ratio", as_fraction("compression_ratio", self.compression_ratio, "the fraction of the n tokens removed"))
         object.__setattr__(self, "prefill_ratio", as_fraction("prefill_ratio", self.prefill_ratio, "the fraction of the context removed"))
         bad = [k for k in self.kept if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0.0 < k <= 1.0]

@@ -16,7 +16,8 @@ from .config import BenchConfig
 
 def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None] = print,
                 on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Rows {method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full} for config's methods at each kept fraction.
+    """Rows {model, method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full} for config's
+    methods at each kept fraction (model: the checkpoint's folder or file name).
 
     The context (real prose, config.decode_context tokens plus the chat template) is prefilled once
     and every method compresses its own copy (prefill mode, question appended exactly); then
@@ -34,18 +35,19 @@ def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
     common = {"max_new_tokens": new_tokens, "stop_at_eos": False, "seed": config.seed}
     full = generate_ids(model, ctx, question, method=None, **common)
     rows: list[dict] = []
-    add_row(rows, on_row, _decode_row(full, 1.0, full))
+    name = Path(getattr(model.config, "_name_or_path", "") or "").name
+    add_row(rows, on_row, _decode_row(full, 1.0, full, name))
     log(f"decode full: {full.decode_tokens_per_second:.2f} tokens/s")
     for method in config.methods:
         for k in config.kept:
             res = generate_ids(model, ctx, question, method=method, compression_ratio=1.0 - k, prefill=prefill, **common)
-            add_row(rows, on_row, _decode_row(res, k, full))
+            add_row(rows, on_row, _decode_row(res, k, full, name))
             log(f"decode {method} kept={k}: {res.decode_tokens_per_second:.2f} tokens/s = {rows[-1]['speedup']:.2f}x full")
     return rows
 
 
-def _decode_row(res, kept: float, full) -> dict:
-    return {"method": res.method, "kept": kept, "context_tokens": res.context_tokens, "new_tokens": len(res.token_ids),
+def _decode_row(res, kept: float, full, model_name: str) -> dict:
+    return {"model": model_name, "method": res.method, "kept": kept, "context_tokens": res.context_tokens, "new_tokens": len(res.token_ids),
             "decode_s": res.decode_seconds, "tokens_per_s": res.decode_tokens_per_second,
             "speedup": res.decode_tokens_per_second / full.decode_tokens_per_second,
             "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full}
@@ -81,6 +83,11 @@ def attention_step_rows(config: BenchConfig, log: Callable[[str], None] = print)
     return rows
 
 
+def _tokens(n: int) -> str:
+    """A context length for a label: 4k for 4096, 1536 for 1536."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> None:
     """A panel of decode tokens/s over the full cache's per method and kept fraction, and one of attention-step speed-ups (those with rows)."""
     panels = [(kind, rows) for kind, rows in (("decode", decode), ("step", step)) if rows]
@@ -95,10 +102,11 @@ def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> Non
                 ax.bar(np.arange(len(methods)) + i * width, [vals.get(m, np.nan) for m in methods], width, label=f"{k:.0%} kept")
             ax.set_xticks(np.arange(len(methods)) + width * (len(kept) - 1) / 2, methods, rotation=45, ha="right")
             ax.set_ylabel("decode tokens/s / full cache")
-            ax.set_title(f"greedy decoding, default model, {rows[0]['context_tokens']}-token context")
+            model = f"{rows[0]['model']}, " if rows[0].get("model") else ""  # records written before the column: unnamed
+            ax.set_title(f"greedy decoding, {model}{rows[0]['context_tokens']}-token context")
             ax.legend()
         else:
-            labels = [f"{r['context'] // 1024}k {r['path']} {r['kept']:.0%}" for r in rows]
+            labels = [f"{_tokens(r['context'])} {r['path']} {r['kept']:.0%}" for r in rows]
             ax.bar(np.arange(len(rows)), [r["speedup"] for r in rows])
             ax.set_xticks(np.arange(len(rows)), labels, rotation=45, ha="right")
             ax.set_ylabel("full-cache SDPA step time / step time")

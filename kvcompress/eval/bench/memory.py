@@ -72,5 +72,5 @@ def plot_memory(rows: Sequence[dict], path: Path) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"prefill vs chunked, {rows[0]['method']}, middle budget {rows[0]['budget']}")
+    fig.suptitle(f"{' vs '.join(dict.fromkeys(r['mode'] for r in rows))}, {rows[0]['method']}, middle budget {rows[0]['budget']}")
     save_figure(fig, path)

@@ -146,8 +146,8 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
         for n in sorted(config.sizes):
             if ("exact", "exact") in too_slow:
                 too_slow.update(jobs)
-                for m, k in (("exact", "exact"), *jobs):
-                    add({"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": True})
+                for m, k in (("exact", "exact"), *jobs):  # a method that cannot run on the shape keeps its reason
+                    add({"shape": shape.name, "n": n, "method": m, "kind": k, "skipped": reasons.get(m) or True})
                 continue
             layer = synthetic_layer(shape, n, torch.Generator().manual_seed(config.seed + n), config.dtype, config.device)
             exact = time_calls(lambda: exact_attention_pass(layer), config.repeats, config.max_seconds, config.device)

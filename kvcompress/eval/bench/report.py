@@ -89,11 +89,11 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
                 markdown_table(throughput, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff",
                                             *(["skipped"] if any("skipped" in r for r in throughput) else [])]), ""]
     if decode:
-        out += ["## Decode speed", "", markdown_table(decode, ["method", "kept", "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
+        out += ["## Decode speed", "", markdown_table(decode, [*(["model"] if any("model" in r for r in decode) else []), "method", "kept", "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
     if step:
         out += ["## Attention-only decode step", "", markdown_table(step), ""]
     if memory:
-        out += ["## Memory: prefill vs chunked", "",
+        out += [f"## Memory: {' vs '.join(dict.fromkeys(r['mode'] for r in memory))}", "",
                 markdown_table(memory, ["mode", "method", "n", "budget", "peak_kv_bytes", "kv_bytes_full", "peak_rss_growth_bytes", "prompt_s"]), ""]
     return "\n".join(out)
 
@@ -179,7 +179,7 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
 def _run_thread_counts(out_dir: Path, config: BenchConfig, log: Callable[[str], None]) -> dict[int, dict[str, list[dict]]]:
     """`run` once per count of config.threads, each into out_dir/threads-<count>/, then out_dir/bench.md with every count's page."""
     results = {count: run(out_dir / f"threads-{count}", replace(config, threads=(count,)), log) for count in config.threads}
-    _write_thread_counts_page(out_dir, config.threads)
+    _write_thread_counts_page(out_dir, sorted(config.threads))  # the order `report` rebuilds it in
     return results
 
 
