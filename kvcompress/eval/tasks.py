@@ -36,6 +36,9 @@ kept for a final check that runs once, after every choice is made (`benchmarks/h
 `niah_prose(split="heldout2")`, seeds from `HELDOUT2_SEEDS` (3000–3999), is a fourth set of pools shared with none of
 them, for a second final check (`benchmarks/heldout/PLAN2.md`): CPython's licence and IDLE's plain-text notes and news as
 the prose (`capture.notes_paragraphs`), `HELDOUT2_PROSE_FACTS`, `HELDOUT2_FIRST_NAMES`, ...
+
+The module imports the standard library only: kvpress's side of the side-by-side comparison loads it by path
+(`benchmarks/kvpress_side_by_side.py`, in an environment without kvcompress).
 """
 
 from __future__ import annotations
@@ -48,8 +51,6 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from .metrics import first_integer
 
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -671,6 +672,7 @@ def whole_words_found(answers: Sequence[str], prediction: str) -> float:
 def score(sample: Sample, prediction: str) -> float:
     """Task score in [0, 1]: the share of the answers found as whole words (`whole_words_found`), or for
     line_retrieval whether the prediction's first integer is the answer (LongEval's scoring)."""
-    if sample.task == "line_retrieval":
-        return float(first_integer(prediction) == sample.answers[0])
+    if sample.task == "line_retrieval":  # LongEval's scoring: the prediction's first integer
+        found = re.search(r"\d+", prediction)
+        return float(found is not None and found.group(0) == sample.answers[0])
     return whole_words_found(sample.answers, prediction)
