@@ -281,6 +281,20 @@ def test_answer_log_probs_feed_the_answer_through_the_cache_generate_builds(meth
         answer_log_probs_ids(model, ctx, question, answer, method="knorm", budget=30, compress_question=True)
 
 
+@pytest.mark.parametrize("method", ["keydiff", "express"])
+def test_answer_log_probs_in_decode_mode_follow_the_streams_token_by_token(method):
+    """In decode mode every answer token passes through the streams, which re-compress between tokens: the answer fed
+    in one forward gave other rows than the answer generate_ids decoded a token at a time."""
+    from kvcompress.integration import answer_log_probs_ids
+
+    model = tiny()
+    ctx, question = _prompt(n=120)
+    settings = {"method": method, "budget": 12, "sink": 2, "window": 4, "mode": "decode", "chunk_size": 16}
+    res = generate_ids(model, ctx, question, max_new_tokens=16, stop_at_eos=False, **settings)
+    log_probs = answer_log_probs_ids(model, ctx, question, torch.tensor([res.token_ids]), **settings)
+    assert log_probs.argmax(-1).tolist() == res.token_ids
+
+
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
 @pytest.mark.parametrize("method", sorted(set(kvc.methods()) - {"kvzip", "kvzap"}))  # KVzip: a reconstruction; KVzap: a scorer

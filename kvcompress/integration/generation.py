@@ -409,8 +409,9 @@ def answer_log_probs_ids(
 
     The cache is the one `generate_ids` builds from the same context_ids [1, n], question_ids [1, m], options (or
     settings; method=None: the full cache) and prefill; the question stays out of compression
-    (compress_question=True is refused) and the answer is fed in one forward after it. With the answer
-    `generate_ids` gave, each row's argmax is that answer's token.
+    (compress_question=True is refused) and the answer is fed in one forward after it; in decode mode, where every
+    token passes through the streams, a token at a time, as `generate_ids` feeds it. With the answer `generate_ids`
+    gave, each row's argmax is that answer's token.
     """
     options = CompressionOptions.build(options, **settings)
     if options.compress_question:
@@ -421,8 +422,14 @@ def answer_log_probs_ids(
     session = _Session(model, _Prompt(context_ids, question_ids), options, answer_ids.shape[1], prefill)
     with _running(model, options):
         session.run_context(False)
-        ids = torch.cat([session.question_ids, answer_ids[:, :-1].to(session.device)], 1)
-        logits = model(ids, past_key_values=session.cache, use_cache=True, logits_to_keep=answer_ids.shape[1]).logits[0]
+        answer = answer_ids[:, :-1].to(session.device)
+        if options.mode == "decode":  # the streams may re-compress between any two answer tokens
+            steps = [model(session.question_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=1).logits[0]]
+            steps += [model(answer[:, i : i + 1], past_key_values=session.cache, use_cache=True).logits[0] for i in range(answer.shape[1])]
+            logits = torch.cat(steps)
+        else:
+            ids = torch.cat([session.question_ids, answer], 1)
+            logits = model(ids, past_key_values=session.cache, use_cache=True, logits_to_keep=answer_ids.shape[1]).logits[0]
     return logits.float().log_softmax(-1)
 
 
@@ -437,7 +444,9 @@ def answer_questions_ids(
     no re-prefill, no re-compression. Every result carries the shared `prefill_seconds` (context
     prefill + compression, paid once) and its own `decode_seconds` (question forward + answer;
     `extra["question_seconds"]` is the question forward). Takes generate_ids' options except
-    compress_question (a compressed question would change the compressed context).
+    compress_question (a compressed question would change the compressed context). In decode mode a
+    compression_ratio is resolved against the context, the longest question and max_new_tokens, as generate_ids
+    resolves it for one question (ratio 0 compresses nothing).
     """
     options = CompressionOptions.build(options, **settings)
     if not questions_ids:
@@ -447,6 +456,8 @@ def answer_questions_ids(
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
     _check_questions(model, session.n_context, questions_ids, max_new_tokens)
+    if session.mode == "decode":  # every question and answer streams too: a ratio is of the context, the longest question and answer
+        session.stream_length += max(q.shape[1] for q in questions_ids)
     with _running(model, options):
         _, prefill_seconds = session.run_context(progress)
         return _answer_each(session, questions_ids, prefill_seconds, max_new_tokens, stop_at_eos)
