@@ -93,6 +93,17 @@ class CachePlan:
 
 
 @dataclass
+class CacheSnapshot:
+    """What `CompressedCache.snapshot` keeps: each layer's state, whether the prompt was still streaming (`absorbing`),
+    the contexts waiting for a joint compression, and the token ids the cache stood for."""
+
+    layers: list
+    absorbing: bool
+    waiting: dict
+    token_ids: torch.Tensor | None
+
+
+@dataclass
 class LayerStats:
     """What one layer's compression cost: seconds spent compressing (and re-compressing), and the most KV bytes it
     stored at any step."""
@@ -930,14 +941,19 @@ class CompressedCache(Cache):
             item.budgets += [budget] * tokens.keys.shape[0]
             item._keep(summary.to(item.dtype).checked_eviction(), item._window_slots(n))
 
-    def snapshot(self) -> list:
-        """Every layer's state (cheap: stored tensors are shared), for restore(): e.g. right after a context is compressed."""
-        return [layer.snapshot() for layer in self.layers]
+    def snapshot(self) -> "CacheSnapshot":
+        """Every layer's state (cheap: stored tensors are shared) and where the prompt stands, for restore(): e.g. right
+        after a context is compressed."""
+        return CacheSnapshot([layer.snapshot() for layer in self.layers], self._absorbing, dict(self._waiting), self.token_ids)
 
-    def restore(self, snapshot: list) -> None:
-        """Roll every layer back to a snapshot(): later tokens are forgotten, the compressed context is reused as is."""
-        for layer, state in zip(self.layers, snapshot):
+    def restore(self, snapshot: "CacheSnapshot") -> None:
+        """Roll the cache back to a snapshot(): later tokens are forgotten, the compressed context is reused as is, and a
+        chunked prompt that was still streaming when the snapshot was taken streams again."""
+        if not isinstance(snapshot, CacheSnapshot):
+            raise ValueError(f"snapshot must be what cache.snapshot() returned, got {type(snapshot).__name__}")
+        for layer, state in zip(self.layers, snapshot.layers):
             layer.restore(state)
+        self._absorbing, self._waiting, self.token_ids = snapshot.absorbing, dict(snapshot.waiting), snapshot.token_ids
 
     def stream_links(self) -> dict:
         """What a live stream holds of the cache itself (its method and the methods it is made of, its rotary inverse),

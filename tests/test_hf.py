@@ -245,6 +245,28 @@ def test_transformers_internals_we_rely_on_have_not_moved():
     assert types == ["sliding_attention", "full_attention"] and kwargs[0] == {"sliding_window": 32}
 
 
+@pytest.mark.parametrize("taken", ["before the prompt", "after the prompt's forward"])
+def test_restore_brings_a_chunked_prompt_back_to_streaming(taken):
+    """restore() brought back the layers but not `absorbing`: a chunked cache whose prompt had ended stayed ended, so
+    the next prompt (or question) went in whole beside the streams, stored the full cache and answered otherwise."""
+    model = tiny("llama")
+    ids = _ids(120, 3)
+    cache = CompressedCache(model, "keydiff", compression_ratio=0.75, mode="chunked", stream_length=130)
+    if taken != "before the prompt":
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        ids = torch.cat([ids, _ids(6, 4)], 1)  # model.generate takes the whole sequence, the cached part included
+    snap = cache.snapshot()
+    first = model.generate(ids, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    stored = cache.nbytes()
+    cache.restore(snap)
+    assert cache.absorbing
+    again = model.generate(ids, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert torch.equal(first, again) and cache.nbytes() == stored
+    with pytest.raises(ValueError, match="snapshot must be what cache.snapshot\\(\\) returned, got list"):
+        cache.restore([])
+
+
 def test_layer_snapshot_restore_and_sliding_window_state():
     model = tiny("gemma2")
     cache = CompressedCache(model, "knorm", budget=16, sink=2, window=4)
