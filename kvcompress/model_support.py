@@ -62,8 +62,15 @@ def attention_scales(model) -> dict[int, float]:
 HIDDEN_STATES_ATTRIBUTE = "_kvcompress_hidden_states"
 
 
-def _keep(module, args, kwargs) -> None:
-    setattr(module, HIDDEN_STATES_ATTRIBUTE, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+def _keep(module, args, kwargs=None) -> None:
+    """The pre-hook of `keep_hidden_states`. A hook removed while a forward runs (`release_hidden_states` from another
+    cache's finalizer) may still be called by torch in that forward, without its kwargs: then it keeps the positional
+    hidden states, or nothing."""
+    kwargs = kwargs or {}
+    if "hidden_states" in kwargs:
+        setattr(module, HIDDEN_STATES_ATTRIBUTE, kwargs["hidden_states"])
+    elif args:
+        setattr(module, HIDDEN_STATES_ATTRIBUTE, args[0])
 
 
 def keep_hidden_states(model) -> list:

@@ -702,3 +702,21 @@ def test_a_saved_decode_cache_of_the_default_admits_as_the_live_one(tiny_checkpo
     (live,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=40, stop_at_eos=False)
     (loaded,) = answer_from_cache_ids(model, tmp_path / "c.kvc", [question], max_new_tokens=40, stop_at_eos=False)
     assert loaded.token_ids == live.token_ids and loaded.slots_per_layer == live.slots_per_layer
+
+
+def test_hidden_state_hooks_removed_during_a_forward_do_not_break_it(tiny_checkpoint):
+    """A dropped default cache's finalizer removes its hooks whenever the garbage collector runs, possibly inside another
+    forward; torch then still calls a removed hook, without its kwargs (a TypeError out of model.generate, now and then)."""
+    from kvcompress.model_support import attention_modules, keep_hidden_states, release_hidden_states
+
+    model, _ = kvc.load_model(tiny_checkpoint)
+    module = attention_modules(model)[0]
+    handles = []
+    remover = module.register_forward_pre_hook(lambda *_: release_hidden_states(handles), with_kwargs=True)
+    handles += keep_hidden_states(model)  # registered after the remover: removed by it within the same forward
+    try:
+        with torch.no_grad():
+            model(torch.arange(8)[None])
+    finally:
+        remover.remove()
+    assert not any(m._forward_pre_hooks for m in attention_modules(model))
