@@ -158,6 +158,11 @@ class CompressedLayer(CacheLayerMixin):
         return front + ([self.tail] if self.tail is not None else [])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        dims = self.cache.saved_dims
+        if key_states.shape[1] != dims["H"] or key_states.shape[3] != dims["D"]:
+            raise ValueError(f"layer {self.layer_idx} got keys {describe(key_states)}: this cache was built for a model of "
+                             f"{self.cache.num_layers} layers of {dims['H']} KV heads of dim {dims['D']}; build a CompressedCache "
+                             "for the model it runs with")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending is not None:

@@ -501,3 +501,18 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     for method in (None, "full", CompressionOptions(method=None)):
         with pytest.raises(ValueError, match="a CompressedCache compresses, and the full cache is transformers' own DynamicCache"):
             CompressedCache(model, method)
+
+
+def test_a_cache_refuses_the_blocks_of_another_model():
+    """A cache built on one model and run by another of other shapes stored their blocks anyway (or failed inside a
+    method): it now names the model it was built for."""
+    config_cls, model_cls, extra = FAMILIES["llama"]
+    built_for = tiny("llama")
+    torch.manual_seed(0)
+    other = model_cls(config_cls(**{**SMALL, "num_key_value_heads": 1}, **extra)).eval()
+    assert other.config.num_key_value_heads != built_for.config.num_key_value_heads
+    cache = CompressedCache(built_for, "keydiff", budget=16)
+    with pytest.raises(ValueError, match="this cache was built for a model of .* layers of .* KV heads of dim .*; build a "
+                                         "CompressedCache for the model it runs with"):
+        with torch.no_grad():
+            other(_ids(20), past_key_values=cache)
