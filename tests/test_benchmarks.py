@@ -107,6 +107,14 @@ def test_longbench_qa_f1_on_punctuation_and_articles():
     assert f1("Anthem", ["anthem"]) == 1.0  # "an" is removed only as a whole word
     assert f1("U.S.A.", ["USA"]) == 1.0
     assert f1("the", ["a"]) == 0.0  # both normalise to nothing
+    assert f1("new york new york", ["new york new york"]) == 1.0  # overlap counts repeated words (a multiset), not a set
+    assert f1("york york", ["new york"]) == pytest.approx(0.5)  # one "york" in common: P 1/2, R 1/2
+
+
+def test_ruler_substring_metrics_ignore_case():
+    assert metrics.METRICS["string_match_all"]("The words are APPLE and Pear.", ["apple", "pear"]) == 1.0
+    assert metrics.METRICS["string_match_all"]("apple only", ["Apple", "pear"]) == 0.5
+    assert metrics.METRICS["string_match_part"]("PARIS", ["paris", "lyon"]) == 1.0
     assert metrics.normalize_answer("  The  cat's   hat.  ") == "cats hat"
 
 

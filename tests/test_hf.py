@@ -516,3 +516,35 @@ def test_a_cache_refuses_the_blocks_of_another_model():
                                          "CompressedCache for the model it runs with"):
         with torch.no_grad():
             other(_ids(20), past_key_values=cache)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_ratio_zero_matches_a_plain_forward_in_logits_and_bytes(family):
+    """At ratio 0 the logits are a plain forward's to float32 rounding (greedy tokens alone hid a wrong head mapping in
+    Gemma 2's soft-capped path), and the bytes stored are the full cache's, sliding-window layers' windows included."""
+    from kvcompress.integration import generate_ids
+
+    model = tiny(family)
+    ids = _ids(80)
+    with torch.no_grad():
+        plain = model(ids).logits
+        cache = CompressedCache(model, "knorm", compression_ratio=0.0)
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, plain, atol=1e-5, rtol=1e-5)
+    res = generate_ids(model, ids[:, :70], ids[:, 70:], method="knorm", compression_ratio=0.0, max_new_tokens=4, stop_at_eos=False)
+    assert res.kv_bytes == res.kv_bytes_full and res.realised_compression_ratio == 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_padded_rows_statistics_are_its_own(family):
+    """A short row of a padded batch reported the batch's width: its realised ratio counted the padding as tokens not
+    kept, and a sliding-window layer's slots counted the padding its window holds; the batch's bytes were compared with
+    one row's full cache. Each row's slots and realised ratio now equal its solo run's, and the bytes are the batch's."""
+    model = tiny(family)
+    contexts, question = [_ids(90, 5), _ids(50, 6)], _ids(5, 7)
+    kw = dict(method="knorm", budget=12, sink=2, window=4, max_new_tokens=3, stop_at_eos=False)
+    batch = generate_batch_ids(model, contexts, question, **kw)
+    assert all(res.extra["batch_run"] == "one_forward" for res in batch)
+    for ctx, res in zip(contexts, batch):
+        solo = generate_ids(model, ctx, question, **kw)
+        assert (res.slots_per_layer, res.realised_compression_ratio) == (solo.slots_per_layer, pytest.approx(solo.realised_compression_ratio))
+        assert res.kv_bytes <= res.kv_bytes_full == sum(generate_ids(model, c, question, **kw).kv_bytes_full for c in contexts)

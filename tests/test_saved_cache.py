@@ -313,6 +313,17 @@ def test_another_model_is_refused(saved):
     _, path = saved
     with pytest.raises(CacheFileError, match=r"its weights differ from this model's \(model.embed_tokens.weight"):
         kvc.load_cache(path, tiny(seed=1))  # same architecture and config, other weights
+    nudged = tiny()  # the same checkpoint moved by 2% (a fine-tune, say): refused; by a bfloat16 rounding: the same model
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.mul_(1.02)
+    with pytest.raises(CacheFileError, match="its weights differ from this model's"):
+        kvc.load_cache(path, nudged)
+    rounded = tiny()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    kvc.load_cache(path, rounded)
     from test_integration import SMALL
 
     torch.manual_seed(0)

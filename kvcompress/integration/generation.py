@@ -53,13 +53,13 @@ class GenerationResult:
     budget: int | None  # the middle budget per KV head the first compressed layer used (None: the full cache)
     slots_per_layer: list[int]  # occupied slots per KV head after the answer, in each layer (sink, summary and window)
     kv_bytes_full: int  # what a full cache of the same tokens (prompt and answer but its last token) stores
-    kv_bytes: int  # what the cache stores after the answer
+    kv_bytes: int  # what the cache stores after the answer (the three byte counts are the whole batch's in a batch run in one forward)
     peak_kv_bytes: int  # the most the cache stored at any step (per layer, summed over the layers)
     prefill_seconds: float  # the prompt's forward passes, compression included (and the question's, except in `answer_questions`)
     compress_seconds: float  # of which compression (and re-compression during the answer in decode mode)
     decode_seconds: float  # generating the answer after the prompt (in `answer_questions`, the question's forward too)
     extra: dict = field(default_factory=dict)  # what only some runs have: "question_seconds", "calibration", "reconstruction", "batch_run", "batch_size"
-    realised_compression_ratio: float = 0.0  # fraction of the tokens seen that the cache does not hold (mean over layers)
+    realised_compression_ratio: float = 0.0  # fraction of the tokens seen that the cache does not hold (mean over the compressed layers)
     kv_bits: int | None = None  # bits per element the compressed context is stored in (None: full precision)
 
     @property
@@ -321,14 +321,19 @@ class _Session:
 
     def result(self, tokens: list[int], prefill_seconds: float, decode_seconds: float, row: int, extra: dict) -> GenerationResult:
         dtype = next(self.model.parameters()).dtype
-        total = self.n_prompt + max(len(tokens) - 1, 0)
+        padding = 0 if self.context_mask is None else int((self.context_mask[row] == 0).sum())
+        total = self.n_prompt - padding + max(len(tokens) - 1, 0)  # the row's own tokens: its padding is not counted
         full = full_kv_bytes(self.model, total, dtype)
         if self.method_name is not None:
             kv_bytes, peak, compress_seconds = self.cache.nbytes(), self.cache.peak_bytes(), self.cache.compress_seconds()
-            slots, budget = self.cache.slots_per_layer(row), self.cache.middle_budget(row)
+            budget, compressed = self.cache.middle_budget(row), [isinstance(layer, CompressedLayer) for layer in self.cache.layers]
+            # a sliding-window layer stores a padded row's window as wide as the batch's: the row's own tokens in it
+            slots = [s if c else min(s, total) for s, c in zip(self.cache.slots_per_layer(row), compressed)]
+            kept = [s for s, c in zip(slots, compressed) if c]
+            realised = 1.0 - sum(kept) / len(kept) / total
         else:
             kv_bytes, peak, slots, compress_seconds = full, full, [total] * self.model.config.num_hidden_layers, 0.0
-            budget = None
+            budget, realised = None, 0.0
         if self.chosen is not None:
             extra = {**extra, "calibration": self.chosen}
         if self.reconstruction is not None:
@@ -338,7 +343,7 @@ class _Session:
             context_tokens=self.n_context, prompt_tokens=self.n_prompt, budget=budget,
             slots_per_layer=slots, kv_bytes_full=full, kv_bytes=kv_bytes, peak_kv_bytes=peak,
             prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
-            realised_compression_ratio=1.0 - sum(slots) / len(slots) / total, kv_bits=self.options.kv_bits,
+            realised_compression_ratio=realised, kv_bits=self.options.kv_bits,
         )
 
 
@@ -600,6 +605,9 @@ def generate_batch_ids(
         res.context_tokens = contexts_ids[row].shape[1]
         res.prompt_tokens = session.n_prompt - width + res.context_tokens
         results.append(res)
+    batch_full = sum(res.kv_bytes_full for res in results)  # the cache's bytes are the batch's: so is what they compare with
+    for res in results:
+        res.kv_bytes_full = batch_full
     return results
 
 
