@@ -38,6 +38,9 @@ from .saved_state import Choice, Count, Instance, Maybe, Record, Saveable, Tenso
 from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
 
 DEFAULT_GROUP_SIZE = 32
+# The smallest group: 8-bit codes in groups of 8 with a bfloat16 scale and zero point take 1.5 bytes a value, against 2
+# at full precision (groups of 4 would take 2, and the last, partial group of a run more)
+MIN_GROUP_SIZE = 8
 _AXES = ("channel", "token")
 
 
@@ -57,7 +60,11 @@ def check_storage(bits, group_size) -> tuple[int | None, int | None]:
         if group_size is not None:
             raise ValueError(f"kv_group_size={group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
         return None, None
-    return bits, as_count("kv_group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size, 1)
+    group_size = as_count("kv_group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size, 1)
+    if group_size < MIN_GROUP_SIZE:
+        raise ValueError(f"kv_group_size must be >= {MIN_GROUP_SIZE}, got {group_size}: each group stores a scale and a zero point "
+                         "in the model's dtype beside its codes, and smaller groups can take more bytes than full precision")
+    return bits, group_size
 
 
 def check_quantized_shapes(packed: torch.Size, scale: torch.Size, bits: int, group_size: int, axis: str, dim: int) -> None:

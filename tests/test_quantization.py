@@ -156,6 +156,9 @@ def test_storage_options_are_checked_when_built():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="kv_group_size"):
             CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4, kv_group_size=bad)
+    for small in (1, 2, 7):  # a scale and a zero point per group: such groups stored more bytes than the full cache
+        with pytest.raises(ValueError, match=f"kv_group_size must be >= 8, got {small}: each group stores a scale and a zero point"):
+            CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=8, kv_group_size=small)
     for method in ("snapkv", "express", "subgen", "clustergen", "balancekv", "hybrid"):  # block-wise and native streams
         assert CompressionOptions(method=method, budget=8, mode="decode", kv_bits=4).kv_bits == 4
     with pytest.raises(ValueError, match="method=None is the full cache: it takes no kv_bits"):

@@ -69,7 +69,7 @@ def add_compression_args(p, later_questions: bool = False) -> None:
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
                         "the stream's slots, keys and values per slot; default: full precision)")
-    p.add_argument("--kv-group-size", type=count(1), default=None, metavar="N", help="with --kv-bits: values per quantization group (default 32)")
+    p.add_argument("--kv-group-size", type=count(8), default=None, metavar="N", help="with --kv-bits: values per quantization group, >= 8 (default 32)")
     p.set_defaults(compression_flags=p._actions[first:])
 
 

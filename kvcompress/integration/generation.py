@@ -50,7 +50,7 @@ class GenerationResult:
     mode: str  # "prefill", "chunked" or "decode"
     context_tokens: int  # the context's tokens (the part that is compressed; the question is not, unless asked)
     prompt_tokens: int  # the tokens fed before the answer: context and question
-    budget: int | None  # the middle budget per KV head the first compressed layer used (None: the full cache)
+    budget: int | None  # the middle budget per KV head the options resolved (the mean over layers where they share it; None: the full cache)
     slots_per_layer: list[int]  # occupied slots per KV head after the answer, in each layer (sink, summary and window)
     kv_bytes_full: int  # what a full cache of the same tokens (prompt and answer but its last token) stores
     kv_bytes: int  # what the cache stores after the answer (the three byte counts are the whole batch's in a batch run in one forward)
