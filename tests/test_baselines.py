@@ -230,3 +230,20 @@ def test_first_true_gives_the_first_trues_in_order_by_sort_and_by_nonzero_when_t
     assert torch.equal(first_true(mask, count), expected)
     if kept == count:
         assert torch.equal(first_true(mask, count, exact=True), expected)
+
+
+def test_pyramidkv_streams_lower_layers_give_back_what_they_hold_past_the_budget_at_compact():
+    """A lower layer keeps its larger share while it streams; compact() (the end of a chunked prompt) compresses it back
+    to its layer budget: the branch no other test reached."""
+    from kvcompress.methods.registry import get_method_class
+
+    g = torch.Generator().manual_seed(0)
+    state = get_method_class("pyramidkv")().new_stream(32, torch.Generator().manual_seed(0))
+    for start in range(0, 300, 25):
+        k, v, q = torch.randn(1, 2, 25, 16, generator=g), torch.randn(1, 2, 25, 16, generator=g), torch.randn(1, 4, 25, 16, generator=g)
+        state.absorb(Tokens(keys=k, values=v, positions=torch.arange(start, start + 25).expand(1, 2, 25), queries=q, scale=0.25,
+                            query_positions=torch.arange(start, start + 25), layer_idx=0, num_layers=12))
+    held = state.slots.length
+    assert held > state.budget and held > state.limit  # its share (limit) and the room beside it
+    state.compact()
+    assert state.slots.length == state.limit < held and state.summary().num_slots == state.limit
