@@ -764,7 +764,7 @@ class CompressedCache(Cache):
         ]
         super().__init__(layers=layers)
         options.compressor.check_model(tuple(i for i, (kind, _) in enumerate(layer_types) if kind == "full_attention"),
-                                       self.saved_dims["H"])
+                                       self.saved_dims["H"], self.saved_dims["M"])
         # built by name, a cache of a method that reads the layers' inputs (KVzap) has the model keep them while it lives
         self.keeps_hidden_states = isinstance(method, str) and self.plan.hidden_states
         if isinstance(method, str):

@@ -184,6 +184,7 @@ def test_positions_that_queries_cannot_take_are_refused():
     assert torch.equal(kvc.compress("snapkv", k, v, queries=q, budget=6, positions=same).positions,
                        kvc.compress("snapkv", k, v, queries=q, budget=6).positions)
     kvc.compress("keydiff", k, v, queries=q, budget=6, positions=shifted)  # reads no queries: any positions
+    kvc.compress("compactor", k, v, queries=q, pre_rope_keys=k, budget=6, positions=shifted, attention=False)  # nor this
     with pytest.raises(ValueError, match="positions must be >= 0"):
         kvc.compress("subgen", k, v, budget=8, positions=torch.arange(-20, 20))
 

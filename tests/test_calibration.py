@@ -205,3 +205,5 @@ def test_calibrate_refuses_settings_that_are_not_the_methods_and_methods_it_cann
         calibrate(None, None, sample, "kvzap")
     with pytest.raises(ValueError, match="method 'adakv' scores the context with the layers' hidden states"):
         calibrate(None, None, sample, "adakv", scorer="kvzap")
+    with pytest.raises(ValueError, match="asymmetry must be a finite number >= 1"):
+        calibrate(None, None, sample, "snapkv", asymmetry=float("inf"))

@@ -126,6 +126,8 @@ CASES = {
                              "kept must hold fractions of the context kept, in (0, 1], got [2.0]"),
     "bench repeated thread counts": ([*BENCH, "--methods", "knorm", "--sizes", "32", "--threads", "1,1"], "threads must not repeat a value"),
     "bench repeated sizes": ([*BENCH, "--methods", "knorm", "--sizes", "32,32,64"], "sizes must not repeat a value, got [32, 32, 64]"),
+    "bench repeated methods": ([*BENCH, "--methods", "knorm,knorm", "--sizes", "32"], "methods must not repeat a value, got ['knorm', 'knorm']"),
+    "calibrate infinite asymmetry": ([*CAL, "--asymmetry", "inf"], "--asymmetry must be a finite number >= 1, got inf"),
     "eval perplexity with a prompt layout": (["eval", "--tasks", "perplexity", "--prompt-layout", "newline", "--out", "{tmp}/p"],
                                              "--prompt-layout do not apply to --tasks perplexity"),
     "eval perplexity with the grid task at its default": (["eval", "--tasks", "perplexity", "--grid-task", "niah_single", "--out", "{tmp}/p"],

@@ -547,4 +547,8 @@ def test_a_padded_rows_statistics_are_its_own(family):
     for ctx, res in zip(contexts, batch):
         solo = generate_ids(model, ctx, question, **kw)
         assert (res.slots_per_layer, res.realised_compression_ratio) == (solo.slots_per_layer, pytest.approx(solo.realised_compression_ratio))
-        assert res.kv_bytes <= res.kv_bytes_full == sum(generate_ids(model, c, question, **kw).kv_bytes_full for c in contexts)
+        assert res.kv_bytes <= res.kv_bytes_full
+    full = generate_batch_ids(model, contexts, question, **{**kw, "method": None, "budget": None, "sink": None, "window": None})
+    assert all(res.kv_bytes == res.peak_kv_bytes == res.kv_bytes_full for res in full)  # the full cache saves nothing
+    for ctx, res in zip(contexts, full):
+        assert res.slots_per_layer == generate_ids(model, ctx, question, method=None, max_new_tokens=3, stop_at_eos=False).slots_per_layer

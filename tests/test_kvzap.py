@@ -635,9 +635,11 @@ def test_a_scorer_for_other_layers_is_refused_when_the_cache_is_built(tiny_check
     for layers in ((*s.layers, n, n + 1), s.layers[:-1]):
         path = tmp_path / f"layers{len(layers)}.safetensors"
         _with_layers(s, layers).save(path)
-        for method, params in (("kvzap", {"scorer": str(path)}), ("adakv", {"scorer": "kvzap", "scorer_params": {"scorer": str(path)}})):
-            with pytest.raises(SurrogateError, match=rf"covers layers {re.escape(str(list(layers)))} with {s.kv_heads} KV heads; this model "
-                                                     rf"compresses layers {re.escape(str(list(range(n))))} with {s.kv_heads}: it belongs to another model"):
+        for method, params in (("kvzap", {"scorer": str(path)}), ("adakv", {"scorer": "kvzap", "scorer_params": {"scorer": str(path)}}),
+                               ("hybrid", {"score": ["tova", "kvzap"], "score_params": [None, {"scorer": str(path)}]})):
+            with pytest.raises(SurrogateError, match=rf"covers layers {re.escape(str(list(layers)))} with {s.kv_heads} KV heads of width "
+                                                     rf"{s.input_width}; this model compresses layers {re.escape(str(list(range(n))))} with "
+                                                     rf"{s.kv_heads} of width {s.input_width}: it belongs to another model"):
                 kvc.CompressedCache(model, method, budget=16, method_params=params)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..eval.tasks import TASKS
@@ -47,8 +48,8 @@ def _run(args) -> int:
     if len(args.tasks) * args.samples * len(args.retentions) < 2:
         raise ValueError(f"the fit needs at least 2 measurements: --tasks ({len(args.tasks)}) x --samples ({args.samples}) x "
                          f"--retentions ({len(args.retentions)}) give {len(args.tasks) * args.samples * len(args.retentions)}")
-    if not args.asymmetry >= 1:
-        raise ValueError(f"--asymmetry must be >= 1, got {args.asymmetry}")
+    if not 1 <= args.asymmetry < math.inf:
+        raise ValueError(f"--asymmetry must be a finite number >= 1, got {args.asymmetry}")
     if args.triples is not None and args.triples.resolve() == args.out.resolve():
         raise ValueError(f"--triples and --out name the same file {str(args.out)!r}; the triples would overwrite the calibration")
     check_calibratable(args.method)

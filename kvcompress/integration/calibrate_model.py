@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..calibration import Calibration, context_nll, fit, mean_nll
+from ..checks import as_real
 from ..methods.registry import build_method
 from ..names import CALIBRATION_RETENTIONS as DEFAULT_RETENTIONS
 from .model import build_prompt
@@ -106,6 +107,7 @@ def calibrate(
     with `.save(path)` and pass it (or the path) to `generate(quality=..., calibration=...)`.
     """
     check_calibratable(method, **method_params)
+    as_real("asymmetry", asymmetry, "the weight of over-compressing residuals", minimum=1.0)  # before the measurements, not after
     samples = list(samples)
     if not samples:
         raise ValueError("samples must hold at least one (context, question, answer); got none")

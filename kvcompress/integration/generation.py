@@ -53,7 +53,8 @@ class GenerationResult:
     budget: int | None  # the middle budget per KV head the options resolved (the mean over layers where they share it; None: the full cache)
     slots_per_layer: list[int]  # occupied slots per KV head after the answer, in each layer (sink, summary and window)
     kv_bytes_full: int  # what a full cache of the same tokens (prompt and answer but its last token) stores
-    kv_bytes: int  # what the cache stores after the answer (the three byte counts are the whole batch's in a batch run in one forward)
+    kv_bytes: int  # what the cache stores after the answer (in a batch run in one forward the three byte counts are the whole
+    # batch's, against a full cache of the same padded batch)
     peak_kv_bytes: int  # the most the cache stored at any step (per layer, summed over the layers)
     prefill_seconds: float  # the prompt's forward passes, compression included (and the question's, except in `answer_questions`)
     compress_seconds: float  # of which compression (and re-compression during the answer in decode mode)
@@ -331,9 +332,9 @@ class _Session:
             slots = [s if c else min(s, total) for s, c in zip(self.cache.slots_per_layer(row), compressed)]
             kept = [s for s, c in zip(slots, compressed) if c]
             realised = 1.0 - sum(kept) / len(kept) / total
-        else:
-            kv_bytes, peak, slots, compress_seconds = full, full, [total] * self.model.config.num_hidden_layers, 0.0
-            budget, realised = None, 0.0
+        else:  # the full cache: every token, a sliding-window layer its window's
+            slots = [total if kind == "full_attention" else min(total, window - 1) for kind, window in check_supported(self.model)]
+            kv_bytes, peak, compress_seconds, budget, realised = full, full, 0.0, None, 0.0
         if self.chosen is not None:
             extra = {**extra, "calibration": self.chosen}
         if self.reconstruction is not None:
@@ -605,9 +606,14 @@ def generate_batch_ids(
         res.context_tokens = contexts_ids[row].shape[1]
         res.prompt_tokens = session.n_prompt - width + res.context_tokens
         results.append(res)
-    batch_full = sum(res.kv_bytes_full for res in results)  # the cache's bytes are the batch's: so is what they compare with
+    # the cache's bytes are the batch's: so is what they compare with, a full cache of the same padded batch (every row
+    # its padded prompt and as many answer steps as the longest answer took)
+    steps = max(len(tokens) for tokens in answers)
+    batch_full = len(answers) * full_kv_bytes(model, session.n_prompt + max(steps - 1, 0), next(model.parameters()).dtype)
     for res in results:
         res.kv_bytes_full = batch_full
+        if options.method is None:
+            res.kv_bytes = res.peak_kv_bytes = batch_full
     return results
 
 

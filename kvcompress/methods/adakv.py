@@ -261,8 +261,8 @@ class AdaKV(Method):
             return (f"refit={self.refit!r}", "its fit uses the queries of the whole context at once", "refit='none'")
         return None
 
-    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
-        self.scorer.check_model(compressed_layers, kv_heads)
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int, hidden_size: int) -> None:
+        self.scorer.check_model(compressed_layers, kv_heads, hidden_size)
 
     def file_digests(self) -> dict[str, str]:
         return self.scorer.file_digests()

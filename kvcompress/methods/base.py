@@ -194,10 +194,10 @@ class Method:
         """Raise a clear error when the method cannot stream with an exact window of `window` tokens (checked when a
         stream or a streaming cache is built, before any token): every window works by default."""
 
-    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int, hidden_size: int) -> None:
         """Raise a clear error when the method cannot compress a model whose compressed (full-attention) layers are
-        `compressed_layers`, with `kv_heads` KV heads each (checked when a cache is built): weights trained for one
-        model (KVzap's scorer) fit no other; every model fits by default."""
+        `compressed_layers`, with `kv_heads` KV heads each and hidden states of width `hidden_size` (checked when a cache
+        is built): weights trained for one model (KVzap's scorer) fit no other; every model fits by default."""
 
     def file_digests(self) -> dict[str, str]:
         """{name: checksum} of the files the method reads its weights from (KVzap's scorer), which a saved cache records

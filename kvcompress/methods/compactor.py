@@ -179,7 +179,7 @@ class Compactor(Method):
 
     name = "compactor"
     randomized = True  # the Gaussian/SRHT sketch (leverage="exact" uses none, and is seed-independent)
-    requirements = Requirements(inputs={"queries", "pre_rope_keys"})
+
     default_sink = 0
     default_window = 0
     leverage_weight: float | None = None
@@ -189,6 +189,11 @@ class Compactor(Method):
     chunk_size: int = 256
     kernel_size: int = 7
     attention: bool = True
+
+    @property
+    def requirements(self) -> Requirements:
+        """Pre-RoPE keys, and the tokens' own queries for the attention term (none with attention=False)."""
+        return Requirements(inputs={"queries", "pre_rope_keys"} if self.attention else {"pre_rope_keys"})
 
     def __post_init__(self):
         if self.leverage not in LEVERAGE_ROUTES:
@@ -231,6 +236,8 @@ class Compactor(Method):
     def check_inputs(self, tokens: Tokens) -> None:
         if self.attention and tokens.queries is None:
             raise ValueError("method 'compactor' scores tokens with their own queries: pass queries=[B, H_q, n, d] (or attention=False)")
+        if self.attention:
+            own_queries(tokens)  # every token's own query, checked before a stream takes the block in
         if tokens.pre_rope_keys is None and tokens.unrotate is None:
             raise ValueError("method 'compactor' scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
 

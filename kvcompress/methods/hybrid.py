@@ -191,6 +191,14 @@ class Hybrid(Method):
         for method in [*self.score_methods, self.coreset_method]:
             method.check_stream_window(window)
 
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int, hidden_size: int) -> None:
+        for method in [*self.score_methods, self.coreset_method]:
+            method.check_model(compressed_layers, kv_heads, hidden_size)
+
+    def file_digests(self) -> dict[str, str]:
+        return {f"{i}.{name}": digest for i, method in enumerate([*self.score_methods, self.coreset_method])
+                for name, digest in method.file_digests().items()}
+
     def check_inputs(self, tokens: Tokens) -> None:
         for method in [*self.score_methods, self.coreset_method]:
             method.check_inputs(tokens)

@@ -113,13 +113,14 @@ class Surrogate:
             tensors["score_quantiles"] = self.score_quantiles
         return {k: v.float().contiguous() for k, v in tensors.items()}
 
-    def check_fits(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
+    def check_fits(self, compressed_layers: tuple[int, ...], kv_heads: int, hidden_size: int) -> None:
         """A SurrogateError unless these surrogates cover exactly a model's compressed (full-attention) layers
-        `compressed_layers`, for its `kv_heads` KV heads: a file trained for another model would score layers it never
-        saw, or share a budget over layers the model does not have."""
-        if tuple(sorted(self.layers)) != tuple(compressed_layers) or kv_heads != self.kv_heads:
-            raise SurrogateError(f"{self.named} covers layers {list(self.layers)} with {self.kv_heads} KV heads; this model "
-                                 f"compresses layers {list(compressed_layers)} with {kv_heads}: {ANOTHER_MODEL}")
+        `compressed_layers`, for its `kv_heads` KV heads and hidden states of width `hidden_size`: a file trained for
+        another model would score layers it never saw, or share a budget over layers the model does not have."""
+        if tuple(sorted(self.layers)) != tuple(compressed_layers) or (kv_heads, hidden_size) != (self.kv_heads, self.input_width):
+            raise SurrogateError(f"{self.named} covers layers {list(self.layers)} with {self.kv_heads} KV heads of width "
+                                 f"{self.input_width}; this model compresses layers {list(compressed_layers)} with {kv_heads} of "
+                                 f"width {hidden_size}: {ANOTHER_MODEL}")
 
     @property
     def named(self) -> str:
@@ -344,8 +345,8 @@ class KVzap(ScoreMethod):
         if tokens.entry_scores is None:
             super().check_inputs(tokens)
 
-    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int) -> None:
-        self.surrogate.check_fits(compressed_layers, kv_heads)
+    def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int, hidden_size: int) -> None:
+        self.surrogate.check_fits(compressed_layers, kv_heads, hidden_size)
 
     def file_digests(self) -> dict[str, str]:
         """{"scorer": the scorer's checksum}: the weights a saved stream goes on scoring with."""

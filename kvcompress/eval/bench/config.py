@@ -10,7 +10,7 @@ import torch
 from ...checks import as_count, as_fraction
 from ...methods.registry import method_names
 from ...names import BENCH_SECTIONS as SECTIONS
-from ...names import DEFAULT_CHUNK_SIZE
+from ...names import DEFAULT_CHUNK_SIZE, MAX_SEED
 from ...options import MODES
 from .common import DEFAULT_SIZES, SHAPES, Shape
 
@@ -104,9 +104,12 @@ class BenchConfig:
                 object.__setattr__(self, name, tuple(as_count(name, v, minimum) for v in value))
             else:
                 object.__setattr__(self, name, as_count(name, value, minimum))
-        for name in ("threads", "sizes", "memory_sizes", "step_contexts"):  # a repeat would measure a point twice
-            if len(set(getattr(self, name))) != len(getattr(self, name)):
-                raise ValueError(f"{name} must not repeat a value, got {list(getattr(self, name))}")
+        for name in _SEQUENCES:  # a repeat would measure a point twice
+            values = [getattr(v, "name", v) for v in getattr(self, name)]  # shapes by name
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} must not repeat a value, got {values}")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be at most 2**63 - 1, got {self.seed}")
         object.__setattr__(self, "compression_ratio", as_fraction("compression_ratio", self.compression_ratio, "the fraction of the n tokens removed"))
         object.__setattr__(self, "prefill_ratio", as_fraction("prefill_ratio", self.prefill_ratio, "the fraction of the context removed"))
         bad = [k for k in self.kept if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0.0 < k <= 1.0]
