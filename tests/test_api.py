@@ -199,4 +199,10 @@ def test_a_refused_stream_update_leaves_the_stream_as_it_was():
     assert st.seen == 3 and st.summary().positions[0, 0].tolist() == [0, 1, 2]
     st.update(k[:, :, 3:], v[:, :, 3:], q[:, :, 3:])
     assert st.seen == 10 and st.summary().num_slots <= 4 + 3
+    # Compactor finds a missing query of a token it compresses only when it scores: checked before the block is taken
+    st = kvc.stream("compactor", budget=4, sink=0, window=0)
+    st.update(k[:, :, :3], v[:, :, :3], q[:, :, :3], pre_rope_keys=k[:, :, :3])
+    with pytest.raises(ValueError, match="compactor's attention term needs the query of every token"):
+        st.update(k[:, :, 3:], v[:, :, 3:], q[:, :, 8:], pre_rope_keys=k[:, :, 3:])
+    assert st.seen == 3
 
