@@ -486,7 +486,7 @@ class CompressedLayer(CacheLayerMixin):
         (CacheFileError naming the file, the layer and the field)."""
         where, options = f"layers.{self.layer_idx}", self.cache.options
         # a decode-mode cache holds live streams; any other what it stores, as one summary or a packed front and its tail (a
-        # chunked cache saved by an earlier version holds its compacted streams, whose summaries it keeps)
+        # chunked cache whose file holds its streams keeps their summaries)
         streams = options.mode == "decode" or options.mode == "chunked" and "stream" in meta
         keys = {"kind", "seen", "budgets", *(("stream", "dtype") if streams else ("parts",))}
         if set(meta) != keys or not is_count(meta["seen"], 1):

@@ -13,6 +13,8 @@ from types import ModuleType
 
 import torch
 
+from .names import MAX_SEED
+
 
 def describe(t) -> str:
     """'tensor [1, 2, 40, 8] float32 on cpu', or the type of a non-tensor."""
@@ -82,6 +84,14 @@ def as_count(name: str, value, minimum: int, optional: bool = False) -> int | No
     if value < minimum:
         raise ValueError(f"{name} must be {accepted}, got {value}")
     return value
+
+
+def as_seed(value) -> int:
+    """A seed: an integer from 0 to `names.MAX_SEED` (the seeds derived from it stay within a generator's 64 bits)."""
+    seed = as_count("seed", value, 0)
+    if seed > MAX_SEED:
+        raise ValueError(f"seed must be at most 2**63 - 1, got {seed}")
+    return seed
 
 
 def as_fraction(name: str, value, what: str) -> float:

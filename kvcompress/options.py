@@ -13,12 +13,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .calibration import check_quality, load_calibration
-from .checks import as_count
+from .checks import as_count, as_seed
 from .methods.base import Method, UnknownParameters
 from .quantization import check_storage
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
-from .names import DEFAULT_CHUNK_SIZE, MAX_SEED, MODES, PREFILL_APPROXIMATIONS
+from .names import DEFAULT_CHUNK_SIZE, MODES, PREFILL_APPROXIMATIONS
 from .names import DEFAULT_METHOD as DEFAULT
 from .names import KVZIP_REFIT
 
@@ -156,9 +156,7 @@ class CompressionOptions:
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict of the method's parameters, got {self.method_params!r}")
         object.__setattr__(self, "method_params", dict(self.method_params))
-        object.__setattr__(self, "seed", as_count("seed", self.seed, 0))
-        if self.seed > MAX_SEED:
-            raise ValueError(f"seed must be at most 2**63 - 1, got {self.seed}")
+        object.__setattr__(self, "seed", as_seed(self.seed))
         object.__setattr__(self, "chunk_size", as_count("chunk_size", self.chunk_size, 1))
         if self.chunk_size != DEFAULT_CHUNK_SIZE and self.mode == "prefill" and self.prefill_approx is None:
             raise ValueError(f"chunk_size={self.chunk_size} is the prompt's block size in mode 'chunked' or 'decode' (or an approximate "

@@ -186,7 +186,7 @@ def test_many_questions_compress_once_and_match_single_runs():
     for q, res in zip(questions, full):
         assert res.token_ids == generate_ids(model, ctx, q, method=None, max_new_tokens=7, stop_at_eos=False).token_ids
     # decode mode at ratio 0: the ratio is of the context, the longest question and the answer, so nothing is compressed
-    # (it was resolved against the context and the answer alone, and the questions were compressed)
+    # (the questions are streamed, so they count in the length a ratio is of)
     for res, full_res in zip(answer_questions_ids(model, ctx, questions, method="snapkv", compression_ratio=0.0, mode="decode",
                                                   chunk_size=32, max_new_tokens=7, stop_at_eos=False, window=8), full):
         assert res.realised_compression_ratio == 0.0 and res.token_ids == full_res.token_ids

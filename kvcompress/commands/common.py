@@ -156,6 +156,11 @@ def given_flags(args, actions) -> list[str]:
     return [action.option_strings[0] for action in actions if action.dest in args.given]
 
 
+def given_options(args, *dests: str) -> list[str]:
+    """`given_flags` by destination: the flags of `dests` (each `--` and its dashed name) given on the command line."""
+    return [f"--{dest.replace('_', '-')}" for dest in dests if dest in args.given]
+
+
 def check_out_folder(flag: str, path) -> None:
     """ValueError naming `flag` unless `path` is a file that can be written: its folder exists and it is not itself a
     folder. Checked before the work, not after."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, int_list, list_of, name_list, parse_params, resolve_device, seed, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, name_list, parse_params, resolve_device, seed, set_threads,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -190,7 +190,7 @@ def _perplexity_config(args):
     if others:
         raise ValueError(f"--tasks {PERPLEXITY} runs alone (its records and summary differ from the question-answering tasks'), "
                          f"got it with {others}; run those with another --out")
-    given = _given(args, "benchmark", "data", "haystack", "kind", "task_param", "grid_lengths", "grid_depths", "grid_ratios",
+    given = given_options(args, "benchmark", "data", "haystack", "kind", "task_param", "grid_lengths", "grid_depths", "grid_ratios",
                    "grid_task", "max_new_tokens", "no_reuse_prefill", "ray", "prompt_layout")
     if given:
         raise ValueError(f"{', '.join(given)} do not apply to --tasks {PERPLEXITY} (it scores a document's own continuation, no questions)")
@@ -268,15 +268,15 @@ def _sweep_config(args):
     from ..eval.runner import SweepConfig, check_task_settings
 
     if args.benchmark:
-        given = _given(args, "lengths", "haystack", "kind", "task_param", "grid_lengths", "grid_depths", "grid_ratios", "grid_task")
+        given = given_options(args, "lengths", "haystack", "kind", "task_param", "grid_lengths", "grid_depths", "grid_ratios", "grid_task")
         if given:
             raise ValueError(f"{', '.join(given)} belong to the generated tasks and do not apply with --benchmark {args.benchmark}")
         if args.data is None:
             raise ValueError(f"--benchmark {args.benchmark} needs --data PATH (the benchmark's local files)")
     elif args.data is not None:
         raise ValueError("--data goes with --benchmark")
-    elif not args.grid_lengths and _given(args, "grid_depths", "grid_ratios", "grid_task"):
-        raise ValueError(f"{', '.join(_given(args, 'grid_depths', 'grid_ratios', 'grid_task'))} set the needle heat map, which "
+    elif not args.grid_lengths and given_options(args, "grid_depths", "grid_ratios", "grid_task"):
+        raise ValueError(f"{', '.join(given_options(args, 'grid_depths', 'grid_ratios', 'grid_task'))} set the needle heat map, which "
                          "--grid-lengths asks for: give --grid-lengths too")
     config = SweepConfig(
         methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
@@ -290,11 +290,6 @@ def _sweep_config(args):
     if not args.benchmark:
         check_task_settings(config.tasks + ([config.grid_task] if config.grid_lengths else []), haystack=args.haystack, kind=args.kind)
     return config
-
-
-def _given(args, *dests: str) -> list[str]:
-    """The flags of `dests` given on the command line (`args.given`), whatever their value."""
-    return [f"--{dest.replace('_', '-')}" for dest in dests if dest in args.given]
 
 
 def _task_params(items: list[str]) -> dict[str, dict]:

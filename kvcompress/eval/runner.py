@@ -46,10 +46,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import as_seed
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
-from ..names import DEFAULT_CHUNK_SIZE, FULL, MAX_SEED
+from ..names import DEFAULT_CHUNK_SIZE, FULL
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
@@ -125,8 +126,7 @@ class SweepConfig:
 
     def __post_init__(self):
         self.prompt_layout = prompt_layout(self.prompt_layout, parameter="prompt_layout")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be an integer from 0 to 2**63 - 1, got {self.seed!r}")
+        self.seed = as_seed(self.seed)
         if self.methods is None:
             self.methods = [DEFAULT, *method_names()]
         if self.benchmark is not None:

@@ -164,15 +164,19 @@ class Hybrid(Method):
                 raise ValueError(f"span={span} pools a score, but score method {method.name!r} exposes none; use span=1 for it")
         coreset_defaults = _EXPRESS_CORESET_PARAMS if self.coreset == "express" else {}
         self.coreset_method = build_method(self.coreset, **{**coreset_defaults, **(self.coreset_params or {})})
-        parts = [*self.score_methods, self.coreset_method]
-        for method in parts:
+        for method in self.components:
             if method.requirements.needs("reconstruction"):  # its queries come from a forward only the model integration runs for it alone
                 raise ValueError(f"method {method.name!r} scores with its own reconstruction forward: it cannot be a part of the hybrid")
 
     @property
+    def components(self) -> list[Method]:
+        """Every method the hybrid runs: its score methods, then its coreset method."""
+        return [*self.score_methods, self.coreset_method]
+
+    @property
     def requirements(self) -> Requirements:
         """Every part's inputs, a budget per head, and the modes every part runs in."""
-        parts = [*self.score_methods, self.coreset_method]
+        parts = self.components
         return Requirements(inputs=frozenset().union(*(m.requirements.inputs for m in parts)),
                             modes=tuple(mode for mode in MODES if all(mode in m.requirements.modes for m in parts)))
 
@@ -188,19 +192,19 @@ class Hybrid(Method):
         return counts, budget - sum(counts)
 
     def check_stream_window(self, window: int) -> None:
-        for method in [*self.score_methods, self.coreset_method]:
+        for method in self.components:
             method.check_stream_window(window)
 
     def check_model(self, compressed_layers: tuple[int, ...], kv_heads: int, hidden_size: int) -> None:
-        for method in [*self.score_methods, self.coreset_method]:
+        for method in self.components:
             method.check_model(compressed_layers, kv_heads, hidden_size)
 
     def file_digests(self) -> dict[str, str]:
-        return {f"{i}.{name}": digest for i, method in enumerate([*self.score_methods, self.coreset_method])
+        return {f"{i}.{name}": digest for i, method in enumerate(self.components)
                 for name, digest in method.file_digests().items()}
 
     def check_inputs(self, tokens: Tokens) -> None:
-        for method in [*self.score_methods, self.coreset_method]:
+        for method in self.components:
             method.check_inputs(tokens)
 
     def top(self, tokens: Tokens, counts: list[int], generator: torch.Generator) -> tuple[Tokens, Tokens]:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checks import as_count, as_fraction
+from ...checks import as_count, as_fraction, as_seed
 from ...methods.registry import method_names
 from ...names import BENCH_SECTIONS as SECTIONS
-from ...names import DEFAULT_CHUNK_SIZE, MAX_SEED
+from ...names import DEFAULT_CHUNK_SIZE
 from ...options import MODES
 from .common import DEFAULT_SIZES, SHAPES, Shape
 
@@ -21,7 +21,7 @@ _SEQUENCES = ("sections", "methods", "shapes", "sizes", "kept", "step_contexts",
 _COUNTS = {
     "sizes": 2, "repeats": 1, "block": 1, "prefill_tokens": 2, "prefill_repeats": 1, "plain_every": 1, "kernel_repeats": 1,
     "throughput_tokens": 2, "throughput_repeats": 1, "decode_context": 1, "decode_tokens": 2, "step_contexts": 1, "step_repeats": 1,
-    "memory_sizes": 1, "memory_budget": 1, "chunk_size": 1, "threads": 1, "seed": 0,
+    "memory_sizes": 1, "memory_budget": 1, "chunk_size": 1, "threads": 1,
 }
 
 
@@ -108,8 +108,7 @@ class BenchConfig:
             values = [getattr(v, "name", v) for v in getattr(self, name)]  # shapes by name
             if len(set(values)) != len(values):
                 raise ValueError(f"{name} must not repeat a value, got {values}")
-        if self.seed > MAX_SEED:
-            raise ValueError(f"seed must be at most 2**63 - 1, got {self.seed}")
+        object.__setattr__(self, "seed", as_seed(self.seed))
         object.__setattr__(self, "compression_ratio", as_fraction("compression_ratio", self.compression_ratio, "the fraction of the n tokens removed"))
         object.__setattr__(self, "prefill_ratio", as_fraction("prefill_ratio", self.prefill_ratio, "the fraction of the context removed"))
         bad = [k for k in self.kept if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0.0 < k <= 1.0]

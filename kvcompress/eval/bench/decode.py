@@ -102,7 +102,7 @@ def plot_decode(decode: Sequence[dict], step: Sequence[dict], path: Path) -> Non
                 ax.bar(np.arange(len(methods)) + i * width, [vals.get(m, np.nan) for m in methods], width, label=f"{k:.0%} kept")
             ax.set_xticks(np.arange(len(methods)) + width * (len(kept) - 1) / 2, methods, rotation=45, ha="right")
             ax.set_ylabel("decode tokens/s / full cache")
-            model = f"{rows[0]['model']}, " if rows[0].get("model") else ""  # records written before the column: unnamed
+            model = f"{rows[0]['model']}, " if rows[0].get("model") else ""  # a record without the column: no name
             ax.set_title(f"greedy decoding, {model}{rows[0]['context_tokens']}-token context")
             ax.legend()
         else:
