@@ -30,8 +30,9 @@ compression); `reorder_cache` serves beam search.
 With `kv_bits` (docs/design.md, "Quantized storage"), a compressed context is stored as a
 `QuantizedSummary` front (sink and summary) with its window as the start of the exact tail: in
 prefill mode once the first forward is compressed, in chunked mode when the prompt ends. A compressed
-context whose heads keep different numbers of slots (AdaKV) is stored the same way at full precision,
-as a `RaggedSummary` front (only the kept slots, packed head after head; docs/design.md, "Memory").
+context whose heads keep different numbers of slots (AdaKV) is stored the same way with its front
+packed (only the kept slots, head after head; docs/design.md, "Memory"): a `RaggedSummary` at full
+precision, a `QuantizedRaggedSummary` with `kv_bits`.
 `save()` / `CompressedCache.load()` write and read a compressed context with its token ids
 (docs/design.md, "Saved caches"; the file: `cache_file`).
 """
@@ -57,7 +58,7 @@ from .model_support import RotaryInverse, attention_scales, check_supported, has
 from .model_support import select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
-from .quantization import QuantizedSummary
+from .quantization import QuantizedRaggedSummary, QuantizedSummary
 from .ragged import RaggedSummary, concat_parts, has_empty_slots, occupied_slots
 from .saved_state import Instance, is_count
 from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
@@ -151,6 +152,8 @@ class CompressedLayer(CacheLayerMixin):
         are stored)."""
         if isinstance(self.front, Stream):
             front = self.front.summary_parts()
+        elif isinstance(self.front, QuantizedRaggedSummary):
+            front = [self.front.ragged()]
         elif isinstance(self.front, (SlotBuffer, QuantizedSummary)):
             front = [self.front.summary()]
         else:
@@ -291,14 +294,24 @@ class CompressedLayer(CacheLayerMixin):
         precision: in a buffer allocated at the compressed size (room for later tokens comes with the first of them), or,
         when its heads keep different numbers of slots (`CachePlan.ragged`, AdaKV: empty slots), packed
         without its empty slots (`RaggedSummary`) but for the window, which starts the exact tail. With kv_bits: quantized
-        (`QuantizedSummary`, empty slots included: they set no group's range) but for the window, likewise."""
+        but for the window, likewise (`_stored_front`)."""
         options = self.cache.options
-        ragged = options.kv_bits is None and self.cache.plan.ragged and has_empty_slots(summary)
-        if options.kv_bits is None and not ragged:
+        if options.kv_bits is None and not (self.cache.plan.ragged and has_empty_slots(summary)):
             self.front = SlotBuffer(summary, most=summary.num_slots)
             return
         front, self.tail = split_window(summary, window)
-        self.front = RaggedSummary.of(front) if ragged else QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
+        self.front = self._stored_front(front)
+
+    def _stored_front(self, front: KVSummary) -> QuantizedSummary | QuantizedRaggedSummary | RaggedSummary:
+        """A compressed context's front as stored: at full precision packed without its empty slots (`RaggedSummary`);
+        with kv_bits quantized, and packed as well where it has empty slots and no normalizer (`QuantizedRaggedSummary`),
+        else with its empty slots (`QuantizedSummary`: they cost their codes but set no group's range)."""
+        options = self.cache.options
+        if options.kv_bits is None:
+            return RaggedSummary.of(front)
+        if front.normalizer is None and has_empty_slots(front):
+            return QuantizedRaggedSummary.of(front, options.kv_bits, options.kv_group_size)
+        return QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
 
     def _window_slots(self, n: int) -> int:
         """The slots of the exact window that ends a compressed context of n tokens (`methods.tokens.split_exact`)."""
@@ -314,8 +327,8 @@ class CompressedLayer(CacheLayerMixin):
     def _keep_rows(self, keys, values, positions, queries, scale, real, hidden_states=None, rope_positions=None) -> None:
         """A padded batch, or a randomized method's batch (`_draws_per_row`; real None: no padding): each row's real
         tokens compressed alone (with the generator of a solo run; pre-RoPE keys un-rotated at the row's RoPE positions, `rope_positions` [B or 1, n] when known), stacked with -inf
-        padding slots; with kv_bits the stacked fronts quantized, with heads that keep different numbers of slots
-        (`CachePlan.ragged`, AdaKV) at full precision packed (`RaggedSummary`), the stacked windows the exact tail (as `_keep`)."""
+        padding slots; with kv_bits, or with heads that keep different numbers of slots (`CachePlan.ragged`, AdaKV), the
+        stacked fronts stored as `_stored_front` stores them and the stacked windows the exact tail (as `_keep`)."""
         if self.cache.plan.joint:
             raise ValueError(f"method {self.cache.options.method!r} with one budget over every layer compresses one context at a "
                              "time: a batch whose rows must be compressed apart (padded, or a randomized scorer's) is not supported; "
@@ -337,7 +350,7 @@ class CompressedLayer(CacheLayerMixin):
             return
         parts = [split_window(row, self._window_slots(n)) for row, n in zip(rows, lengths)]
         front = stack_rows([front for front, _ in parts])
-        self.front = RaggedSummary.of(front) if options.kv_bits is None else QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
+        self.front = self._stored_front(front)
         self.tail = stack_rows([window for _, window in parts])
 
     def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None,
@@ -423,7 +436,7 @@ class CompressedLayer(CacheLayerMixin):
         """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
         if isinstance(self.front, Stream):
             raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
-        if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
+        if isinstance(self.front, _STORED_FRONTS):
             self.front = self.front.select_rows(beam_idx)
         else:
             front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
@@ -466,7 +479,7 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(self.front, Stream) and self.cache.options.mode == "decode":
             tensors, described = cache_file.state_tensors(f"{prefix}.stream", _SAVED_STREAM, self.front, self.cache.stream_links())
             return tensors, {**meta, "stream": described, "dtype": str(self.dtype).removeprefix("torch.")}
-        if isinstance(self.front, (QuantizedSummary, RaggedSummary)):
+        if isinstance(self.front, _STORED_FRONTS):
             parts = {"front": self.front, "tail": self.tail}
         else:
             parts = {"stored": self.stored()}
@@ -525,7 +538,7 @@ class CompressedLayer(CacheLayerMixin):
                 self.front = SlotBuffer(stored, most=stored.num_slots) if options.mode == "prefill" else stored
                 self.tail = None
             else:
-                if isinstance(built["front"], KVSummary) or isinstance(built.get("tail"), (QuantizedSummary, RaggedSummary)):
+                if isinstance(built["front"], KVSummary) or isinstance(built.get("tail"), _STORED_FRONTS):
                     raise cache_file.CacheFileError(f"{str(path)!r}: {where}.front must be a quantized or ragged summary and its "
                                                     "tail a kv_summary")
                 self.front, self.tail = built["front"], built.get("tail")
@@ -550,14 +563,15 @@ class CompressedLayer(CacheLayerMixin):
 
 
 _SAVED_STREAM = Instance(Stream)
-_SAVED_SUMMARY = Instance(KVSummary, QuantizedSummary, RaggedSummary)
+_STORED_FRONTS = (QuantizedSummary, QuantizedRaggedSummary, RaggedSummary)
+_SAVED_SUMMARY = Instance(KVSummary, *_STORED_FRONTS)
 
 
 def _frozen(front, shared: dict):
     """front itself if it is an immutable KVSummary, QuantizedSummary or RaggedSummary (or None), else a deep copy (a stream or
     buffer that grows in place) in which the objects of `shared` stay themselves: a restored stream still refers to the
     cache's own method and rotary inverse, as a saved one must (`CompressedCache.save` writes them as links)."""
-    if front is None or isinstance(front, (KVSummary, QuantizedSummary, RaggedSummary)):
+    if front is None or isinstance(front, (KVSummary, *_STORED_FRONTS)):
         return front
     return copy.deepcopy(front, {id(obj): obj for obj in shared.values()})
 

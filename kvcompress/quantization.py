@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .checks import as_count
 from .names import KV_BITS
+from .ragged import RaggedSummary, packed_heads, row_elements
 from .saved_state import Choice, Count, Instance, Maybe, Record, Saveable, Tensor, saved
 from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
 
@@ -145,7 +146,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, valid: torc
     if valid is not None and axis != "channel":
         raise ValueError("valid slots set the ranges of per-channel (key) groups; values are grouped per slot")
     b, h, n, d = x.shape
-    levels = (1 << bits) - 1
     work = x.float()
     low, high = work, work
     if valid is not None:
@@ -161,16 +161,28 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, valid: torc
         pad = (0, groups * group_size - d)
         low = F.pad(low, pad, value=math.inf).view(b, h, n, groups, group_size).amin(4)
         high = F.pad(high, pad, value=-math.inf).view(b, h, n, groups, group_size).amax(4)
+    if axis == "channel":
+        def spread(t):
+            return t.repeat_interleave(group_size, dim=2)[:, :, :n]
+    else:
+        def spread(t):
+            return t.repeat_interleave(group_size, dim=3)[..., :d]
+    packed, scale, zero = _encode(work, low, high, spread, bits, x.dtype)
+    return QuantizedTensor(packed, scale, zero, bits, group_size, axis, d)
+
+
+def _encode(work: torch.Tensor, low: torch.Tensor, high: torch.Tensor, spread, bits: int, dtype: torch.dtype):
+    """(packed codes, scale, zero point) of `work` (float32) from its groups' ranges low / high (+inf / -inf: a group
+    with no member, given scale 0 and zero point 0); spread(t) maps a per-group tensor onto work's elements. Scales and
+    zero points are rounded to `dtype` first and the codes rounded against them."""
+    levels = (1 << bits) - 1
     empty = torch.isinf(low)
     low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
-    zero, scale = low.to(x.dtype), ((high - low) / levels).to(x.dtype)
-    if axis == "channel":
-        at_zero, at_scale = (t.float().repeat_interleave(group_size, dim=2)[:, :, :n] for t in (zero, scale))
-    else:
-        at_zero, at_scale = (t.float().repeat_interleave(group_size, dim=3)[..., :d] for t in (zero, scale))
+    zero, scale = low.to(dtype), ((high - low) / levels).to(dtype)
+    at_zero, at_scale = spread(zero.float()), spread(scale.float())
     steps = torch.where(at_scale > 0, at_scale, torch.ones_like(at_scale))
     codes = ((work - at_zero) / steps).round_().clamp_(0, levels).to(torch.uint8)
-    return QuantizedTensor(_pack(codes, bits), scale, zero, bits, group_size, axis, d)
+    return _pack(codes, bits), scale, zero
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -290,6 +302,131 @@ class QuantizedSummary(Saveable):
             norm = (norm[0].to(device, dtype), norm[1].to(device), norm[2].to(device))
         log_weights = self.log_weights.to(device) if self.log_weights is not None else None
         return QuantizedSummary(self.keys.to(device, dtype), self.values.to(device, dtype), log_weights, self.positions.to(device), norm)
+
+
+@saved("quantized_ragged_summary")
+@dataclass(frozen=True)
+class QuantizedRaggedSummary(Saveable):
+    """A summary whose heads keep different numbers of slots (AdaKV's empty slots) stored packed as `RaggedSummary`
+    stores it (the real slots only, head after head) and quantized as `QuantizedSummary` is (keys per channel over
+    groups of `group_size` consecutive slots of one head's run, values per slot); immutable.
+
+    key_codes uint8 [T, ceil(d·bits/8)] with key_scale / key_zero [Tg, d]: the groups of every head, ceil(count/G)
+    each, packed head after head as the slots are (slot i of a head's run is in that head's group i // G). values: a
+    `QuantizedTensor` [1, 1, T, d_v] (axis "token"). log_weights [T] float32 or None (every real slot of weight 0),
+    positions [T] int32, counts [B, H] int32. So a head stores only what it keeps, quantized, and the groups of its
+    run: no code or scale for an empty slot.
+    """
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    values: QuantizedTensor
+    log_weights: torch.Tensor | None
+    positions: torch.Tensor
+    counts: torch.Tensor
+    bits: int
+    group_size: int
+
+    saved_fields = {"key_codes": Tensor("T P", ("uint8",)), "key_scale": Tensor("G D"), "key_zero": Tensor("G D"),
+                    "values": Instance("quantized_tensor"), "log_weights": Maybe(Tensor("T")), "positions": Tensor("T", ("int32",)),
+                    "counts": Tensor("B H", ("int32",)), "bits": Count(1), "group_size": Count(1)}
+
+    @classmethod
+    def from_saved(cls, values):
+        return cls(**values)
+
+    def check_saved(self) -> None:
+        check_kv_bits(self.bits)
+        total, groups = self.positions.shape[0], self.key_scale.shape[0]
+        if bool((self.counts < 0).any()) or int(self.counts.sum()) != total:
+            raise ValueError(f"per-head counts must be non-negative and add up to the {total} packed slots")
+        if int(self._group_counts().sum()) != groups or self.key_zero.shape != self.key_scale.shape:
+            raise ValueError(f"keys: {groups} groups of scales {list(self.key_scale.shape)} and zero points {list(self.key_zero.shape)}, "
+                             f"expected {int(self._group_counts().sum())} (ceil(count / {self.group_size}) per head) of one shape")
+        if self.key_codes.shape != (total, -(-self.key_scale.shape[1] * self.bits // 8)):
+            raise ValueError(f"key codes {list(self.key_codes.shape)} do not hold {total} slots of {self.key_scale.shape[1]} {self.bits}-bit codes")
+        if tuple(self.values.packed.shape[:3]) != (1, 1, total) or self.values.axis != "token":
+            raise ValueError(f"values: codes {list(self.values.packed.shape)} on axis {self.values.axis!r}, expected [1, 1, {total}, ...] on axis 'token'")
+
+    @classmethod
+    def of(cls, summary: KVSummary, bits: int, group_size: int) -> "QuantizedRaggedSummary":
+        """`summary` (no normalizer) packed without its empty slots (`RaggedSummary.of`), then quantized."""
+        bits = check_kv_bits(bits)
+        packed = RaggedSummary.of(summary)
+        work = packed.keys.float()
+        group = cls._slot_groups(packed.counts, group_size)
+        groups = int(cls._group_counts_of(packed.counts, group_size).sum())
+        at = group[:, None].expand_as(work)
+        low = work.new_full((groups, work.shape[1]), math.inf).scatter_reduce_(0, at, work, "amin")
+        high = work.new_full((groups, work.shape[1]), -math.inf).scatter_reduce_(0, at, work, "amax")
+        codes, scale, zero = _encode(work, low, high, lambda t: t.index_select(0, group), bits, packed.keys.dtype)
+        values = quantize(packed.values[None, None], bits, group_size, "token")
+        return cls(codes, scale, zero, values, packed.log_weights, packed.positions, packed.counts, bits, group_size)
+
+    @staticmethod
+    def _group_counts_of(counts: torch.Tensor, group_size: int) -> torch.Tensor:
+        """[B, H] int64: the key groups of each head's run of `counts` slots."""
+        return (counts.long() + group_size - 1) // group_size
+
+    def _group_counts(self) -> torch.Tensor:
+        return self._group_counts_of(self.counts, self.group_size)
+
+    @classmethod
+    def _slot_groups(cls, counts: torch.Tensor, group_size: int) -> torch.Tensor:
+        """[T] int64: the packed key group of each packed slot (its head's first group, then one every group_size slots)."""
+        head, within = packed_heads(counts)
+        per_head = cls._group_counts_of(counts, group_size).flatten()
+        return (per_head.cumsum(0) - per_head)[head] + within // group_size
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per head of the unpacked summary: the most any head keeps."""
+        return int(self.counts.max()) if self.counts.numel() else 0
+
+    @property
+    def eviction_only(self) -> bool:
+        return self.log_weights is None and bool((self.counts == self.num_slots).all())
+
+    def ragged(self) -> RaggedSummary:
+        """The dequantized slots, still packed (attention reads them where they are, as a `RaggedSummary`'s), keys and
+        values in the stored scales' dtype."""
+        group = self._slot_groups(self.counts, self.group_size)
+        codes = _unpack(self.key_codes, self.bits, self.key_scale.shape[1]).float()
+        keys = torch.addcmul(self.key_zero.float().index_select(0, group), codes, self.key_scale.float().index_select(0, group))
+        return RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
+
+    def summary(self) -> KVSummary:
+        """The dequantized padded summary (`RaggedSummary.summary` of `ragged()`)."""
+        return self.ragged().summary()
+
+    def nbytes(self) -> int:
+        """KV bytes stored: key codes, scales and zero points, the values' (`QuantizedTensor.nbytes`), and the per-head counts."""
+        return self.values.nbytes() + sum(t.numel() * t.element_size() for t in (self.key_codes, self.key_scale, self.key_zero, self.counts))
+
+    def index_nbytes(self) -> int:
+        """Bytes of the packed positions and log-weights (none when every weight is 0)."""
+        return sum(t.numel() * t.element_size() for t in (self.positions, self.log_weights) if t is not None)
+
+    def select_rows(self, index: torch.Tensor) -> "QuantizedRaggedSummary":
+        """The batch rows `index` [k] (beam search), each row's packed slots and key groups copied."""
+        index = index.to(self.counts.device).long()
+        slots, groups = row_elements(self.counts, index), row_elements(self._group_counts(), index)
+
+        def pick(t, at):
+            return t.index_select(0, at) if t is not None else None
+
+        values = replace(self.values, **{k: getattr(self.values, k).index_select(2, slots) for k in ("packed", "scale", "zero")})
+        return QuantizedRaggedSummary(pick(self.key_codes, slots), pick(self.key_scale, groups), pick(self.key_zero, groups), values,
+                                      pick(self.log_weights, slots), pick(self.positions, slots), self.counts.index_select(0, index),
+                                      self.bits, self.group_size)
+
+    def to(self, device, dtype: torch.dtype) -> "QuantizedRaggedSummary":
+        """Every tensor moved to `device`, scales and zero points cast to `dtype` (codes, log-weights, positions and counts unchanged)."""
+        log_weights = self.log_weights.to(device) if self.log_weights is not None else None
+        return QuantizedRaggedSummary(self.key_codes.to(device), self.key_scale.to(device, dtype), self.key_zero.to(device, dtype),
+                                      self.values.to(device, dtype), log_weights, self.positions.to(device), self.counts.to(device),
+                                      self.bits, self.group_size)
 
 
 def _int32(positions: torch.Tensor) -> torch.Tensor:

@@ -108,11 +108,8 @@ class RaggedSummary(Saveable):
 
     def _slots(self) -> torch.Tensor:
         """[T]: where each packed slot goes in the unpacked [B·H·num_slots] slot axis (its head's run, from the start)."""
-        counts = self.counts.flatten().long()
-        total = self.keys.shape[0]
-        head = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
-        starts = counts.cumsum(0) - counts
-        return head * self.num_slots + torch.arange(total, device=counts.device) - starts[head]
+        head, within = packed_heads(self.counts)
+        return head * self.num_slots + within
 
     def padded(self, *packed: torch.Tensor, fill: float = 0.0) -> tuple[torch.Tensor, ...]:
         """(keys [B, H, m, d], values [B, H, m, d_v], positions [B, H, m] int64, then each of `packed` [T, ...] as
@@ -150,13 +147,7 @@ class RaggedSummary(Saveable):
     def select_rows(self, index: torch.Tensor) -> "RaggedSummary":
         """The batch rows `index` [k] (beam search), each row's packed run copied."""
         index = index.to(self.counts.device).long()
-        per_row = self.counts.long().sum(-1)
-        starts = per_row.cumsum(0) - per_row
-        lengths = per_row.index_select(0, index)
-        total = int(lengths.sum())
-        row = torch.repeat_interleave(torch.arange(index.numel(), device=index.device), lengths, output_size=total)
-        within = torch.arange(total, device=index.device) - (lengths.cumsum(0) - lengths)[row]
-        elements = starts.index_select(0, index)[row] + within
+        elements = row_elements(self.counts, index)
 
         def pick(t):
             return t.index_select(0, elements) if t is not None else None
@@ -169,6 +160,26 @@ class RaggedSummary(Saveable):
         log_weights = self.log_weights.to(device) if self.log_weights is not None else None
         return RaggedSummary(self.keys.to(device, dtype), self.values.to(device, dtype), log_weights, self.positions.to(device),
                              self.counts.to(device))
+
+
+def packed_heads(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head [T], within [T]) int64 for slots packed head after head by `counts` [B, H] (T: their sum): each packed
+    slot's (batch row, head) as a flat index b·H + h, and its place in that head's run."""
+    counts = counts.flatten().long()
+    total = int(counts.sum())
+    head = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
+    return head, torch.arange(total, device=counts.device) - (counts.cumsum(0) - counts)[head]
+
+
+def row_elements(counts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[k]: the packed elements of batch rows `index` (int64, on counts' device) of a packing by `counts` [B, H], row
+    after row in the order of `index` (a row may repeat), each row's run as it is packed."""
+    per_row = counts.long().sum(-1)
+    lengths = per_row.index_select(0, index)
+    total = int(lengths.sum())
+    row = torch.repeat_interleave(torch.arange(index.numel(), device=index.device), lengths, output_size=total)
+    within = torch.arange(total, device=index.device) - (lengths.cumsum(0) - lengths)[row]
+    return (per_row.cumsum(0) - per_row).index_select(0, index)[row] + within
 
 
 def occupied_slots(part: KVSummary | RaggedSummary) -> torch.Tensor:

@@ -15,7 +15,7 @@ from kvcompress.methods.base import max_pool_scores
 from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
-from kvcompress.quantization import QuantizedSummary
+from kvcompress.quantization import QuantizedRaggedSummary
 from kvcompress.ragged import RaggedSummary, concat_parts, has_empty_slots
 from kvcompress.summary import KVSummary, Normalizer, concat
 
@@ -284,14 +284,14 @@ def test_save_and_load_answer_as_the_live_cache(tmp_path, mode):
     assert here.token_ids == there.token_ids == reference.token_ids
 
 
-def test_quantized_storage_quantizes_the_padded_front():
-    """With kv_bits the front is a QuantizedSummary of the padded summary (empty slots set no group's range), the
-    window the exact tail: nothing is lost, and the answer at 8 bits starts as at full precision."""
+def test_quantized_storage_packs_the_front():
+    """With kv_bits the front is quantized and packed without its empty slots (`QuantizedRaggedSummary`), the window the
+    exact tail: nothing is lost, and the answer at 8 bits starts as at full precision."""
     model = tiny()
     ctx, question = _prompt(n=300)
     cache, options = _compressed_cache(model, ctx, "prefill", kv_bits=8)
     layer = cache.layers[0]
-    assert isinstance(layer.front, QuantizedSummary)
+    assert isinstance(layer.front, QuantizedRaggedSummary)
     assert int(torch.isfinite(layer.front.summary().log_weights).sum()) == 2 * (2 + 24)
     full = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **{**options, "kv_bits": None})
     quantized = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)

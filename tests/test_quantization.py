@@ -13,7 +13,8 @@ from kvcompress.integration import generate_batch_ids, generate_ids
 from kvcompress.options import CompressionOptions
 from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 from kvcompress.methods.registry import build_method
-from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedSummary, _pack, _unpack, quantize
+from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedRaggedSummary, QuantizedSummary, _pack, _unpack, quantize
+from kvcompress.ragged import RaggedSummary
 from kvcompress.summary import KVSummary, Normalizer, take_slots
 
 from test_integration import _prompt, blocks, tiny
@@ -140,6 +141,51 @@ def test_rows_of_a_quantized_summary_are_selected_as_stored():
     picked = q.select_rows(torch.tensor([2, 0]))
     assert torch.equal(picked.summary().keys, q.summary().keys[[2, 0]])
     assert torch.equal(picked.summary().values, q.summary().values[[2, 0]])
+
+
+def _ragged_summary(rows=2, heads=3, n=90, d=16, weighted=True, dtype=torch.float32):
+    """A summary whose heads keep 90, 41, 7, ... slots, with empty slots scattered through each head (as AdaKV leaves them)."""
+    g = torch.Generator().manual_seed(11)
+    keep = torch.rand(rows, heads, n, generator=g) < torch.tensor([1.0, 0.45, 0.08])[:heads, None]
+    log_weights = torch.rand(rows, heads, n, generator=g).log1p() if weighted else torch.zeros(rows, heads, n)
+    positions = torch.arange(n).expand(rows, heads, n).masked_fill(~keep, -1)
+    return KVSummary(_x((rows, heads, n, d), dtype=dtype), _x((rows, heads, n, d + 4), seed=1, dtype=dtype),
+                     log_weights.masked_fill(~keep, -math.inf), positions)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_a_ragged_quantized_summary_stores_only_the_kept_slots_as_a_padded_one_would_quantize_them(bits, weighted):
+    """Packed (no code or scale for an empty slot), quantized exactly as a padded summary with each head's slots first:
+    key groups of 32 consecutive slots of one head's run, values per slot."""
+    s = _ragged_summary(weighted=weighted)
+    q = QuantizedRaggedSummary.of(s, bits, 32)
+    reference = QuantizedSummary.of(RaggedSummary.of(s).summary(), bits, 32).summary()
+    back = q.summary()
+    real = torch.isfinite(reference.log_weights)
+    assert torch.equal(back.log_weights, reference.log_weights) and torch.equal(back.positions, reference.positions)
+    assert torch.equal(back.keys[real], reference.keys[real]) and torch.equal(back.values[real], reference.values[real])
+    counts = torch.isfinite(s.log_weights).sum(-1)
+    assert torch.equal(q.counts, counts.int()) and q.num_slots == int(counts.max())
+    # bytes: each kept slot's codes, key scales per 32 slots of a head's run, value scales per 32 channels of a slot
+    kept, key_groups = int(counts.sum()), int(((counts + 31) // 32).sum())
+    codes = kept * (math.ceil(16 * bits / 8) + math.ceil(20 * bits / 8))
+    scales = 2 * 4 * (key_groups * 16 + kept * 1)
+    assert q.nbytes() == codes + scales + counts.numel() * 4
+    assert q.nbytes() < 0.6 * QuantizedSummary.of(s, bits, 32).nbytes()  # 276 of 540 slots: padded, every head takes the longest's size
+    assert q.index_nbytes() == kept * 4 + (kept * 4 if weighted else 0)
+    picked = q.select_rows(torch.tensor([1, 1, 0]))
+    for name in ("keys", "values", "log_weights", "positions"):
+        assert torch.equal(getattr(picked.summary(), name), getattr(back, name)[[1, 1, 0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_ragged_quantized_summary_keeps_half_precision_scales_and_moves(dtype):
+    q = QuantizedRaggedSummary.of(_ragged_summary(dtype=dtype), 4, 32)
+    assert q.key_scale.dtype == q.values.scale.dtype == dtype and q.summary().keys.dtype == dtype
+    moved = q.to("cpu", torch.float32)
+    assert moved.key_scale.dtype == torch.float32 and torch.equal(moved.key_codes, q.key_codes)
+    assert torch.equal(moved.summary().keys.to(dtype), q.summary().keys)  # computed in float32 either way, rounded once here
 
 
 @pytest.mark.parametrize("bad", [3, 16, 1, 0, True, "4", 4.0])
@@ -326,22 +372,45 @@ def test_rows_known_before_keep_their_codes():
         assert torch.equal(getattr(got, name)[:, :, 200:], getattr(quantize_rows(new, 8, 32), name))
 
 
-def test_a_padded_batch_quantized_answers_as_each_row_alone():
+@pytest.mark.parametrize("method", ["snapkv", "adakv"])  # adakv: each row's heads packed (`QuantizedRaggedSummary`)
+def test_a_padded_batch_quantized_answers_as_each_row_alone(method):
     model = tiny("qwen2")
     contexts = [_prompt(n=n, seed=s)[0] for n, s in ((180, 1), (120, 2))]
     _, question = _prompt(n=10)
-    kw = dict(method="snapkv", budget=30, sink=2, window=8, kv_bits=4, max_new_tokens=8, stop_at_eos=False)
+    kw = dict(method=method, budget=30, sink=2, window=8, kv_bits=4, max_new_tokens=8, stop_at_eos=False)
     batch = generate_batch_ids(model, contexts, question, **kw)
     for ctx, res in zip(contexts, batch):
         assert res.token_ids == generate_ids(model, ctx, question, **kw).token_ids
 
 
-def test_beam_search_reorders_a_quantized_cache():
-    model = tiny()
-    ctx, _ = _prompt(n=120)
-    cache = CompressedCache(model, "snapkv", budget=30, sink=2, window=8, kv_bits=4)
+# adakv: beams are rows of one context; layer 1's heads keep different numbers of slots (packed), layer 0's the same
+@pytest.mark.parametrize("method,fronts", [("snapkv", [QuantizedSummary] * 2), ("adakv", [QuantizedSummary, QuantizedRaggedSummary])])
+def test_beam_search_reorders_a_quantized_cache(method, fronts):
+    model = tiny("qwen2")
+    ctx, _ = _prompt(n=180, seed=1)
+    cache = CompressedCache(model, method, budget=30, sink=2, window=8, kv_bits=4)
     out = model.generate(ctx, past_key_values=cache, max_new_tokens=6, num_beams=3, do_sample=False)
-    assert out.shape == (1, 126) and isinstance(cache.layers[0].front, QuantizedSummary)
+    assert out.shape == (1, 186) and [type(layer.front) for layer in cache.layers] == fronts
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+def test_adakv_quantized_stores_each_head_packed_and_answers_as_generate(mode):
+    """AdaKV's heads keep different numbers of slots: quantized, each stores only its own (`QuantizedRaggedSummary`),
+    and the stored cache answers as one generate; beam search and a padded batch select and stack its rows."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    kw = dict(method="adakv", budget=40, sink=4, window=16, mode=mode, kv_bits=4, **blocks(mode))
+    cache = compress_context_ids(model, ctx, **kw)
+    for layer in cache.layers:
+        assert isinstance(layer.front, QuantizedRaggedSummary), type(layer.front)
+        assert layer.nbytes() == layer.front.nbytes() + layer.tail.nbytes()
+    counts = torch.stack([layer.front.counts for layer in cache.layers])
+    assert counts.max() > counts.min()  # some heads keep more than others: padded, they would store the longest's size
+    reference = generate_ids(model, ctx, question, max_new_tokens=8, stop_at_eos=False, **kw)
+    (here,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=8, stop_at_eos=False)
+    assert here.token_ids == reference.token_ids
 
 
 def test_ten_times_smaller_at_4_bits_and_ratio_075_on_4k_tokens(tmp_path):

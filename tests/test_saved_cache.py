@@ -425,6 +425,7 @@ SAVED_FORMAT = {
     "normalizer": (1, ['keys', 'log_weights', 'positions']),
     "quantized_slots": (1, ['bits', 'dims', 'group_size', 'raw']),
     "quantized_state": (1, ['bits', 'exact_within_budget', 'group_size', 'other_bytes', 'shapes', 'state', 'stored']),
+    "quantized_ragged_summary": (1, ['bits', 'counts', 'group_size', 'key_codes', 'key_scale', 'key_zero', 'log_weights', 'positions', 'values']),
     "quantized_summary": (1, ['keys', 'log_weights', 'normalizer', 'positions', 'values']),
     "quantized_tensor": (1, ['axis', 'bits', 'dim', 'group_size', 'packed', 'scale', 'zero']),
     "ragged_summary": (1, ['counts', 'keys', 'log_weights', 'positions', 'values']),
