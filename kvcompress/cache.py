@@ -122,9 +122,9 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, cache: "CompressedCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        # KVSummary: a padded batch's stacked rows; QuantizedSummary: a compressed context stored with kv_bits;
-        # RaggedSummary: a compressed context whose heads keep different numbers of slots (`_keep`)
-        self.front: SlotBuffer | KVSummary | QuantizedSummary | RaggedSummary | Stream | None = None
+        # KVSummary: a padded batch's stacked rows; RaggedSummary: a compressed context whose heads keep different numbers
+        # of slots; QuantizedSummary / QuantizedRaggedSummary: a compressed context stored with kv_bits (`_stored_front`)
+        self.front: SlotBuffer | KVSummary | QuantizedSummary | QuantizedRaggedSummary | RaggedSummary | Stream | None = None
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
@@ -568,7 +568,7 @@ _SAVED_SUMMARY = Instance(KVSummary, *_STORED_FRONTS)
 
 
 def _frozen(front, shared: dict):
-    """front itself if it is an immutable KVSummary, QuantizedSummary or RaggedSummary (or None), else a deep copy (a stream or
+    """front itself if it is an immutable summary (KVSummary or one of _STORED_FRONTS) or None, else a deep copy (a stream or
     buffer that grows in place) in which the objects of `shared` stay themselves: a restored stream still refers to the
     cache's own method and rotary inverse, as a saved one must (`CompressedCache.save` writes them as links)."""
     if front is None or isinstance(front, (KVSummary, *_STORED_FRONTS)):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -352,7 +353,9 @@ class QuantizedRaggedSummary(Saveable):
     @classmethod
     def of(cls, summary: KVSummary, bits: int, group_size: int) -> "QuantizedRaggedSummary":
         """`summary` (no normalizer) packed without its empty slots (`RaggedSummary.of`), then quantized."""
-        bits = check_kv_bits(bits)
+        bits, group_size = check_kv_bits(bits), as_count("group_size", group_size, 1)
+        if bits is None:
+            raise ValueError("QuantizedRaggedSummary needs bits, one of " + ", ".join(map(str, KV_BITS)))
         packed = RaggedSummary.of(summary)
         work = packed.keys.float()
         group = cls._slot_groups(packed.counts, group_size)
@@ -379,22 +382,32 @@ class QuantizedRaggedSummary(Saveable):
         per_head = cls._group_counts_of(counts, group_size).flatten()
         return (per_head.cumsum(0) - per_head)[head] + within // group_size
 
-    @property
+    @cached_property
     def num_slots(self) -> int:
         """Slots per head of the unpacked summary: the most any head keeps."""
         return int(self.counts.max()) if self.counts.numel() else 0
 
+    @cached_property
+    def _uniform(self) -> bool:
+        """Every head keeps the same number of slots."""
+        return bool((self.counts == self.num_slots).all())
+
+    @cached_property
+    def _groups(self) -> torch.Tensor:
+        """`_slot_groups` of the stored packing (read at every `ragged()`, computed once)."""
+        return self._slot_groups(self.counts, self.group_size)
+
     @property
     def eviction_only(self) -> bool:
-        return self.log_weights is None and bool((self.counts == self.num_slots).all())
+        return self.log_weights is None and self._uniform
 
     def ragged(self) -> RaggedSummary:
         """The dequantized slots, still packed (attention reads them where they are, as a `RaggedSummary`'s), keys and
-        values in the stored scales' dtype."""
-        group = self._slot_groups(self.counts, self.group_size)
+        values in the stored scales' dtype; its layout from this summary's, read from the device once."""
         codes = _unpack(self.key_codes, self.bits, self.key_scale.shape[1]).float()
-        keys = torch.addcmul(self.key_zero.float().index_select(0, group), codes, self.key_scale.float().index_select(0, group))
-        return RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
+        keys = torch.addcmul(self.key_zero.float().index_select(0, self._groups), codes, self.key_scale.float().index_select(0, self._groups))
+        packed = RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
+        return packed.with_layout(self.num_slots, self._uniform)
 
     def summary(self) -> KVSummary:
         """The dequantized padded summary (`RaggedSummary.summary` of `ragged()`)."""

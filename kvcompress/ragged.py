@@ -136,6 +136,13 @@ class RaggedSummary(Saveable):
         keys, values, positions, log_weights = self.padded(weights, fill=float("-inf"))
         return KVSummary(keys, values, log_weights, positions)
 
+    def with_layout(self, num_slots: int, uniform: bool) -> "RaggedSummary":
+        """self, told its longest head's count and whether every head keeps that many (what `num_slots` and `_uniform`
+        would read from the device): for a packing rebuilt at each read from one that knows them
+        (`QuantizedRaggedSummary.ragged`), so no read waits on the device for them."""
+        self.__dict__.update(num_slots=num_slots, _uniform=uniform)
+        return self
+
     def nbytes(self) -> int:
         """KV bytes stored: the packed keys and values, and the per-head counts that locate them (4 bytes per head)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.counts))
@@ -172,8 +179,9 @@ def packed_heads(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def row_elements(counts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[k]: the packed elements of batch rows `index` (int64, on counts' device) of a packing by `counts` [B, H], row
-    after row in the order of `index` (a row may repeat), each row's run as it is packed."""
+    """The packed elements (int64, as many as the rows' counts add up to) of batch rows `index` (int64, on counts'
+    device) of a packing by `counts` [B, H], row after row in the order of `index` (a row may repeat), each row's run as
+    it is packed."""
     per_row = counts.long().sum(-1)
     lengths = per_row.index_select(0, index)
     total = int(lengths.sum())

@@ -394,9 +394,9 @@ def test_beam_search_reorders_a_quantized_cache(method, fronts):
 
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
-def test_adakv_quantized_stores_each_head_packed_and_answers_as_generate(mode):
+def test_adakv_quantized_stores_each_head_packed_and_answers_as_generate(mode, tmp_path):
     """AdaKV's heads keep different numbers of slots: quantized, each stores only its own (`QuantizedRaggedSummary`),
-    and the stored cache answers as one generate; beam search and a padded batch select and stack its rows."""
+    and the stored cache answers as one generate, and so does the cache saved and loaded."""
     from kvcompress.integration import answer_from_cache_ids, compress_context_ids
 
     model = tiny()
@@ -411,6 +411,34 @@ def test_adakv_quantized_stores_each_head_packed_and_answers_as_generate(mode):
     reference = generate_ids(model, ctx, question, max_new_tokens=8, stop_at_eos=False, **kw)
     (here,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=8, stop_at_eos=False)
     assert here.token_ids == reference.token_ids
+    cache.save(tmp_path / "c.kvc")
+    loaded = kvc.load_cache(tmp_path / "c.kvc", model)
+    for mine, theirs in zip(cache.layers, loaded.layers):
+        assert isinstance(theirs.front, QuantizedRaggedSummary) and theirs.nbytes() == mine.nbytes()
+        for name in ("key_codes", "key_scale", "key_zero", "positions", "counts"):
+            assert torch.equal(getattr(theirs.front, name), getattr(mine.front, name)), name
+    (there,) = answer_from_cache_ids(model, loaded, [question], max_new_tokens=8, stop_at_eos=False)
+    assert there.token_ids == reference.token_ids
+
+
+def test_a_ragged_quantized_summary_whose_fields_disagree_is_refused_when_read():
+    """What a damaged file could hold: counts that do not add up to the slots, a key group missing, codes too narrow
+    for the bits, values of another length (`check_saved`); and bad arguments to `of`."""
+    from dataclasses import replace
+
+    q = QuantizedRaggedSummary.of(_ragged_summary(), 4, 32)
+    q.check_saved()
+    counts = q.counts.clone()
+    counts[0, 0] += 1
+    values = q.values
+    for bad, message in [(replace(q, counts=counts), "add up"), (replace(q, key_scale=q.key_scale[1:], key_zero=q.key_zero[1:]), "groups"),
+                         (replace(q, key_zero=q.key_zero[1:]), "groups"), (replace(q, bits=8), "codes"),
+                         (replace(q, values=replace(values, **{k: getattr(values, k)[:, :, 1:] for k in ("packed", "scale", "zero")})), "values")]:
+        with pytest.raises(ValueError, match=message):
+            bad.check_saved()
+    for bits, group_size, message in [(None, 32, "needs bits"), (3, 32, "kv_bits"), (4, 0, "group_size"), (4, 2.5, "group_size")]:
+        with pytest.raises(ValueError, match=message):
+            QuantizedRaggedSummary.of(_ragged_summary(), bits, group_size)
 
 
 def test_ten_times_smaller_at_4_bits_and_ratio_075_on_4k_tokens(tmp_path):
