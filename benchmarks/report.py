@@ -870,6 +870,20 @@ PAIRED_NEEDLE_TABLES = [
      "default's by more than noise. The runs went two processes side by side, so the times are only indicative.",
      ["variant", "mode"], "paired vs the default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model_slack_0.1_block_then_room" if "_window_" in variant else None),
+    *[(f"benchmarks/results/tuning/equal_memory{suffix}.jsonl", f"Fewer tokens or fewer bits, at equal memory ({length} tokens)",
+       "The default at full precision (`default_0.9`, `default_0.75`) against the same method and settings storing what it "
+       "keeps in 4 bits (`kv_bits=4`, each head's slots packed) at a lower compression ratio (`q4_R`: ratio R), so that both "
+       "store about the same bytes: `q4_0.6` and `q4_0.55` about the default's at 0.9, `q4_0` and `q4_0.4` less than its "
+       "at 0.75 (`median_kv_over_full`: the median over the answers of the bytes stored once the answer is written ÷ the "
+       "full cache's for the same tokens). "
+       f"`benchmarks/tuning/equal_memory.py` on the 30 tuning needles at {length} tokens in the default prompt layout. Paired "
+       "per needle against the default at the ratio whose memory the variant matches, in the same mode: won / lost, "
+       "Newcombe's 95% interval of the difference in % found, sign test. The runs went two processes side by side, so "
+       "the times are only indicative; the cost is measured apart, under \"What one answer costs\".",
+       ["variant", "mode", "ratio", "median_kv_over_full"], "paired vs the default at equal memory (won / lost; diff; p)",
+       lambda variant: {"q4_0.55": ("default_0.9", None, 0.9), "q4_0.6": ("default_0.9", None, 0.9),
+                        "q4_0": ("default_0.75", None, 0.75), "q4_0.4": ("default_0.75", None, 0.75)}.get(variant))
+      for suffix, length in (("", "2k"), ("_4k", "4k"))],
 ]
 
 
@@ -877,16 +891,18 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
                           reference: Callable[[str], str | tuple[str, str] | None]) -> list[str]:
     """One of PAIRED_NEEDLE_TABLES: the record's `summary_rows` (their `columns`, then hits), each paired per needle (column
     `label`) against the variant `reference(variant)` names at the same ratio, in the same mode or, named as (variant,
-    mode), in that mode ("–" where it names none)."""
+    mode), in that mode, or, named as (variant, mode, ratio), at that ratio (mode None: the same mode; "–" where it
+    names none)."""
     by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in map(json.loads, (ROOT / path).read_text().splitlines()):
         by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
     table = []
     for row in kvzap_default.summary_rows(ROOT / path):
         other = reference(row["variant"])
-        other_variant, other_mode = other if isinstance(other, tuple) else (other, row["mode"])
+        other_variant, other_mode, other_ratio = (*(other if isinstance(other, tuple) else (other, None)), row["ratio"])[:3]
+        other_mode = other_mode or row["mode"]
         paired = "–" if other is None else paired_cell(by_cell[(row["variant"], row["mode"], row["ratio"])],
-                                                       by_cell.get((other_variant, other_mode, row["ratio"]), {}))
+                                                       by_cell.get((other_variant, other_mode, other_ratio), {}))
         table.append({k: row[k] for k in [*columns, "needles", "full_cache_hits", "hits_kept"]} |
                      {label: paired, "median_time_over_full": row["median_time_over_full"]})
     return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), ""]

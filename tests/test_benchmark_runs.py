@@ -84,6 +84,8 @@ SCRIPT_RUNS: dict[str, tuple[str, ...]] = {
     "benchmarks/tuning/coreset_quality.py": (
         "--tokens", "512", "--seeds", "2", "--sink", "64", "--window", "64", "--block", "64", "--layers", "1", "--ratios", "0.75",
         "--threads", "1"),
+    "benchmarks/tuning/equal_memory.py": (
+        "--out", "runthrough/equal_memory.jsonl", "--lengths", "1024", "--seeds", "1000", "--variants", "full,q4_0.55", "--threads", "1"),
     "benchmarks/tuning/evicted_merge.py": tuning_needle_run("evicted_merge"),
     # the candidate the paired tables compare with; its task samples are 2048 tokens, whatever the arguments
     "benchmarks/tuning/hybrid_tuning.py": (
@@ -143,6 +145,7 @@ EXPECTED_OUTPUTS: dict[str, tuple[str, ...]] = {
     "benchmarks/tuning/balancekv_cascade_rounds.py": ("benchmarks/results/balancekv_cascade_rounds.md",),
     "benchmarks/tuning/balancekv_needle.py": ("benchmarks/results/balancekv_needle_tuning.md",),
     "benchmarks/tuning/coreset_quality.py": ("benchmarks/results/coreset_quality.md",),
+    "benchmarks/tuning/equal_memory.py": ("runthrough/equal_memory.jsonl",),
     "benchmarks/tuning/evicted_merge.py": ("runthrough/evicted_merge.jsonl",),
     "benchmarks/tuning/hybrid_tuning.py": ("runthrough/hybrid_tuning.csv", "benchmarks/results/hybrid_tuning.md"),
     "benchmarks/tuning/kvzap_default.py": ("runthrough/kvzap_default.jsonl",),

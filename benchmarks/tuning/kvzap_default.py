@@ -129,6 +129,12 @@ def answered_variants_run(doc: str, variants: tuple[str, ...]) -> tuple[argparse
     --new-tokens, 24 by default), its torch threads set."""
     p = needle_run_parser(doc, ",".join(variants))
     p.add_argument("--new-tokens", type=int, default=24)
+    return parsed_variants_run(p, variants)
+
+
+def parsed_variants_run(p: argparse.ArgumentParser, variants) -> tuple[argparse.Namespace, list[int], list[str]]:
+    """(arguments, seeds, variants) of `p` (with --variants, --seeds and --threads): --variants checked against `variants`,
+    --seeds against the tuning seeds, torch threads set."""
     args = p.parse_args()
     names = args.variants.split(",")
     if not set(names) <= set(variants):
@@ -225,8 +231,9 @@ def with_scorer(method: str, params: dict, scorer: str) -> dict:
 
 
 def summary_rows(path: Path) -> list[dict]:
-    """Per (variant, mode, ratio): the needles the full cache finds that it also finds (paired per needle), and the median
-    of its time per answer ÷ the full cache's on the same needle."""
+    """Per (variant, mode, ratio): the needles the full cache finds that it also finds (paired per needle), the median
+    of its time per answer ÷ the full cache's on the same needle, and the median of its stored KV bytes ÷ the full
+    cache's ("–" where the rows do not record them)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     full = {(r["seed"], r["length"]): r for r in rows if r["variant"] == "full"}
     found = {k for k, r in full.items() if r["hit"] >= 1}
@@ -235,10 +242,19 @@ def summary_rows(path: Path) -> list[dict]:
         mine = {(r["seed"], r["length"]): r for r in rows if (r["variant"], r["mode"], r["ratio"]) == (variant, mode, ratio)}
         paired = [k for k in found if k in mine]
         over_full = [mine[k]["seconds"] / full[k]["seconds"] for k in mine if k in full]
+        stored = [stored_over_full(r) for r in mine.values()]
         out.append({"variant": variant, "mode": mode, "ratio": ratio, "needles": len(mine), "full_cache_hits": len(paired),
                     "hits_kept": sum(1 for k in paired if mine[k]["hit"] >= 1),
-                    "median_time_over_full": round(statistics.median(over_full), 2) if over_full else "–"})
+                    "median_time_over_full": round(statistics.median(over_full), 2) if over_full else "–",
+                    "median_kv_over_full": round(statistics.median(stored), 4) if None not in stored else "–"})
     return out
+
+
+def stored_over_full(row: dict) -> float | None:
+    """A row's stored KV bytes ÷ the full cache's (`kv_over_full`, or its `kv_bytes` ÷ `kv_bytes_full`), None if it has neither."""
+    if "kv_over_full" in row:
+        return row["kv_over_full"]
+    return row["kv_bytes"] / row["kv_bytes_full"] if "kv_bytes" in row else None
 
 
 def summarise(path: Path) -> None:

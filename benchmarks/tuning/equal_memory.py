@@ -1,0 +1,86 @@
+"""Dropped tokens or fewer bits, at equal memory: the default against the same method storing what it keeps in 4 bits
+(`kv_bits=4`, packed per head) at a lower compression ratio, so that both store about the same bytes, on tuning needles.
+
+Each variant answers the tuning needles of `kvzap_default.py` (`tuning_needle`, 24 answer tokens, the library's prompt
+layout) with the default's method and settings for its mode (`options.DEFAULT_METHODS`), at the compression ratio and
+storage it names; `memory` names the default's ratio whose bytes it matches (the stored bytes ÷ the full cache's of
+every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so the match is read, not assumed):
+- `full`: the full cache (ratio 0);
+- `default_0.9`, `default_0.75`: the default at full precision;
+- `q4_0.55`, `q4_0.6`: 4 bits at ratio 0.55 and 0.6, which store about the default's bytes at 0.9 (2k and 4k tokens);
+- `q4_0`: 4 bits at ratio 0, every token kept: below the default's bytes at 0.75;
+- `q4_0.4`: 4 bits at ratio 0.4, below the default's bytes at 0.75 with fewer slots to read at each step.
+
+One JSON line per (variant, mode, seed, length) goes to OUT in `kvzap_default.py`'s format (a rerun skips what is
+there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, and
+its median time per answer ÷ the full cache's) is printed:
+
+    .venv/bin/python benchmarks/tuning/equal_memory.py --out benchmarks/results/tuning/equal_memory.jsonl \\
+        --lengths 2048 --seeds 1000-1029 --variants full,default_0.9,q4_0.55,q4_0.6,q4_0 --modes prefill --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import kvcompress as kvc
+from kvcompress.eval.tasks import score
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT
+from kvcompress.options import DEFAULT_METHODS
+from kvzap_default import append_row, parsed_variants_run, recorded, summarise, tuning_needle
+
+# name -> (compression ratio, kv_bits, the default's ratio whose memory it matches)
+VARIANTS = {
+    "full": (0.0, None, None),
+    "default_0.9": (0.9, None, 0.9),
+    "default_0.75": (0.75, None, 0.75),
+    "q4_0.55": (0.55, 4, 0.9),
+    "q4_0.6": (0.6, 4, 0.9),
+    "q4_0": (0.0, 4, 0.75),
+    "q4_0.4": (0.4, 4, 0.75),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--lengths", default="2048")
+    p.add_argument("--seeds", default="1000-1029")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--modes", default="prefill", help="comma-separated among prefill, chunked, decode (the full cache runs in prefill mode)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=24)
+    args, seeds, names = parsed_variants_run(p, VARIANTS)
+    model, tokenizer = kvc.load_model()
+    done = recorded(args.out, ("variant", "mode", "seed", "length"))
+    for length in map(int, args.lengths.split(",")):
+        for seed in seeds:
+            sample = tuning_needle(length, seed, tokenizer)
+            for name in names:
+                ratio, bits, memory = VARIANTS[name]
+                for mode in ("prefill",) if name == "full" else args.modes.split(","):
+                    if (name, mode, seed, length) in done:
+                        continue
+                    if name == "full":
+                        settings = {"method": None}
+                    else:
+                        method, params, exact = DEFAULT_METHODS[mode]
+                        settings = dict(method=method, method_params=params, compression_ratio=ratio, kv_bits=bits, **exact)
+                    start = time.perf_counter()
+                    res = kvc.generate(model, tokenizer, sample.context, sample.question, mode=mode, max_new_tokens=args.new_tokens,
+                                       progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
+                    row = {"variant": name, "mode": mode, "seed": seed, "length": length, "ratio": ratio, "kv_bits": bits,
+                           "memory_of_ratio": memory, "hit": score(sample, res.text), "seconds": round(time.perf_counter() - start, 3),
+                           "text": res.text, "answers": sample.answers, "kv_over_full": round(res.kv_bytes / res.kv_bytes_full, 4),
+                           "peak_over_full": round(res.peak_kv_bytes / res.kv_bytes_full, 4), "threads": args.threads,
+                           "prompt_layout": DEFAULT_PROMPT_LAYOUT, "date": time.strftime("%Y-%m-%d")}
+                    append_row(args.out, row)
+                    print(json.dumps({k: row[k] for k in ("variant", "mode", "seed", "hit", "kv_over_full", "text")}), flush=True)
+    summarise(args.out)
+
+
+if __name__ == "__main__":
+    main()
