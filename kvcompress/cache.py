@@ -135,6 +135,7 @@ class CompressedLayer(CacheLayerMixin):
         self.view: KVSummary | None = None
         self.view_packed: list[RaggedSummary] = []
         self.seen = 0
+        self.rows: int | None = None  # the batch rows of what is stored (None before the first block)
         self.budgets: list[int] = []  # the middle budget each batch row was compressed to
         self.stats = LayerStats()
 
@@ -168,6 +169,11 @@ class CompressedLayer(CacheLayerMixin):
                              "for the model it runs with")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.rows is not None and key_states.shape[0] != self.rows:
+            raise ValueError(f"layer {self.layer_idx} holds {self.rows} batch row(s) and got a block of {key_states.shape[0]}: a "
+                             "compressed cache answers for the rows it was filled with (beam search reorders them); give it "
+                             f"{self.rows} row(s), or compress each context into a cache of its own")
+        self.rows = key_states.shape[0]
         if self.pending is not None:
             raise RuntimeError(
                 "a CompressedCache layer got a new block before the previous one was committed: the model must run "
@@ -397,7 +403,7 @@ class CompressedLayer(CacheLayerMixin):
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
-        self.seen = keys.shape[2]
+        self.seen, self.rows = keys.shape[2], keys.shape[0]
         self._compress_context(keys, values, positions, queries, scale, attention_mass, extra_lse)
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
@@ -427,7 +433,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.front = self.tail = self.pending = self.pending_real = None
+        self.front = self.tail = self.pending = self.pending_real = self.rows = None
         self.seen = 0
         self.budgets = []
         self.stats = LayerStats()
@@ -442,6 +448,7 @@ class CompressedLayer(CacheLayerMixin):
             front = self.front.summary() if isinstance(self.front, SlotBuffer) else self.front
             self.front = select_rows(front, beam_idx) if front is not None else None
         self.tail = select_rows(self.tail, beam_idx) if self.tail is not None else None
+        self.rows = beam_idx.shape[0] if self.rows is not None else None
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' `Cache.crop(-n)`, removing the last n tokens: refused for n > 0, because what compression dropped
@@ -464,10 +471,10 @@ class CompressedLayer(CacheLayerMixin):
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live
         stream) copied, the cache's own objects it holds (`CompressedCache.stream_links`) left shared, not copied."""
-        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen
+        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen, self.rows
 
     def restore(self, state) -> None:
-        front, self.tail, self.seen = state
+        front, self.tail, self.seen, self.rows = state
         self.front = _frozen(front, self.cache.stream_links())
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -543,6 +550,7 @@ class CompressedLayer(CacheLayerMixin):
                                                     "tail a kv_summary")
                 self.front, self.tail = built["front"], built.get("tail")
         self._check_loaded(path, dims)
+        self.rows = 1 if self.seen else None
         self.stats.peak_bytes = self.nbytes()
 
     def _check_loaded(self, path, dims: dict[str, int]) -> None:

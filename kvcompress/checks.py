@@ -29,6 +29,9 @@ def check_tensor(name: str, t, layout: str, ndim: int) -> None:
         raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got {describe(t)}")
     if not t.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor (float32, float16, bfloat16, ...), got {describe(t)}")
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds shapes but no values: compress tensors on the CPU or a "
+                         f"GPU, got {describe(t)}")
 
 
 def check_finite(name: str, t: torch.Tensor, sync: bool = True) -> None:

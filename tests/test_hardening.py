@@ -277,6 +277,7 @@ def test_positions_out_of_order_are_refused():
     ({"keys": torch.randint(0, 5, (1, 2, 40, 8))}, "keys must be a floating-point tensor"),
     ({"values": torch.randn(1, 2, 39, 8)}, "keys and values must agree on"),
     ({"keys": [[1.0]]}, "keys must be a 4-D tensor .* got a list"),
+    ({"keys": torch.randn(1, 2, 40, 8, device="meta")}, "keys is on the meta device, which holds shapes but no values"),
 ])
 def test_bad_keys_and_values_are_named(bad, expected):
     keys, values = _kv()

@@ -487,6 +487,12 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     before = cache.layers[0].stored()
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
+    # the cache now holds one row: two rows would each read that row's context (broadcast), so they are refused
+    snapshot = cache.snapshot()
+    with pytest.raises(ValueError, match=r"layer 0 holds 1 batch row\(s\) and got a block of 2: a compressed cache answers for the rows"):
+        _greedy(model, ids, cache, new=1)
+    cache.restore(snapshot)
+    _greedy(model, ids[1:], cache, new=1)
     with pytest.raises(ValueError, match=r"cannot remove its last \d+ tokens.*prompt_lookup_num_tokens"):
         model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8),
                        max_new_tokens=4, prompt_lookup_num_tokens=2)
