@@ -42,6 +42,7 @@ QUESTION = "What is the main subject of the text above? Answer in one sentence."
 VARIANTS = {
     "default": ("default", {}, {}),
     "default_chunk_128": ("default", {}, {"chunk_size": 128}),  # the streams' prompt in blocks of 128 tokens (the library's 256)
+    "default_4bit": ("default", {}, {"kv_bits": 4}),  # what the default keeps stored in 4 bits (at a lower ratio: equal memory)
     "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
