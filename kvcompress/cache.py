@@ -135,7 +135,7 @@ class CompressedLayer(CacheLayerMixin):
         self.view: KVSummary | None = None
         self.view_packed: list[RaggedSummary] = []
         self.seen = 0
-        self.rows: int | None = None  # the batch rows of what is stored (None before the first block)
+        self.rows: int | None = None  # the batch rows of what is stored (None before the first block; 1: shared by any rows)
         self.budgets: list[int] = []  # the middle budget each batch row was compressed to
         self.stats = LayerStats()
 
@@ -169,11 +169,15 @@ class CompressedLayer(CacheLayerMixin):
                              "for the model it runs with")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.rows is not None and key_states.shape[0] != self.rows:
-            raise ValueError(f"layer {self.layer_idx} holds {self.rows} batch row(s) and got a block of {key_states.shape[0]}: a "
-                             "compressed cache answers for the rows it was filled with (beam search reorders them); give it "
-                             f"{self.rows} row(s), or compress each context into a cache of its own")
-        self.rows = key_states.shape[0]
+        rows = key_states.shape[0]
+        if self.rows is not None and rows != self.rows and (self.rows > 1 or isinstance(self.front, Stream)):
+            # one stored row is a context every row of a later block shares (beams, num_return_sequences); several rows,
+            # or a live stream's, are each row's own
+            raise ValueError(f"layer {self.layer_idx} holds {self.rows} batch row{'s' * (self.rows > 1)} and got a block of {rows}: "
+                             + ("a live stream (mode chunked or decode) goes on with the rows it started with"
+                                if isinstance(self.front, Stream) else "each row goes on from its own stored context")
+                             + f"; give it {self.rows} rows (beam search reorders them), or compress each context into a cache of its own")
+        self.rows = rows
         if self.pending is not None:
             raise RuntimeError(
                 "a CompressedCache layer got a new block before the previous one was committed: the model must run "

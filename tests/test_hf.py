@@ -484,15 +484,14 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
         cache.crop(-5)
     with pytest.raises(ValueError, match="cannot repeat its batch rows"):
         cache.batch_repeat_interleave(2)
+    # two stored rows are each row's own context: one row would read both (broadcast), so it is refused
+    snapshot = cache.snapshot()
+    with pytest.raises(ValueError, match=r"layer 0 holds 2 batch rows and got a block of 1: each row goes on from its own stored context"):
+        _greedy(model, ids[:1], cache, new=1)
+    cache.restore(snapshot)
     before = cache.layers[0].stored()
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
-    # the cache now holds one row: two rows would each read that row's context (broadcast), so they are refused
-    snapshot = cache.snapshot()
-    with pytest.raises(ValueError, match=r"layer 0 holds 1 batch row\(s\) and got a block of 2: a compressed cache answers for the rows"):
-        _greedy(model, ids, cache, new=1)
-    cache.restore(snapshot)
-    _greedy(model, ids[1:], cache, new=1)
     with pytest.raises(ValueError, match=r"cannot remove its last \d+ tokens.*prompt_lookup_num_tokens"):
         model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8),
                        max_new_tokens=4, prompt_lookup_num_tokens=2)
@@ -507,6 +506,28 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     for method in (None, "full", CompressionOptions(method=None)):
         with pytest.raises(ValueError, match="a CompressedCache compresses, and the full cache is transformers' own DynamicCache"):
             CompressedCache(model, method)
+
+
+def test_beams_and_samples_from_a_compressed_context_share_its_one_row():
+    """A one-row compressed context is shared by every row transformers expands the prompt to (beam search,
+    num_return_sequences): the same tokens as the cache expanded to those rows first. A live stream's rows are its own:
+    another count is refused."""
+    from kvcompress.integration import compress_context_ids
+
+    model, ids = tiny("llama"), _ids(120)
+    prompt = torch.cat([ids, _ids(6, 2)], 1)
+    settings = dict(method="keydiff", compression_ratio=0.5, sink=2, window=8)
+    for k, kwargs in ((3, dict(num_beams=3, do_sample=False)), (2, dict(num_return_sequences=2, do_sample=True))):
+        expanded = compress_context_ids(model, ids, **settings)
+        expanded.batch_select_indices(torch.zeros(k, dtype=torch.long))
+        torch.manual_seed(0)
+        reference = model.generate(prompt, past_key_values=expanded, max_new_tokens=5, **kwargs)
+        torch.manual_seed(0)
+        shared = model.generate(prompt, past_key_values=compress_context_ids(model, ids, **settings), max_new_tokens=5, **kwargs)
+        assert torch.equal(shared, reference)
+    stream = compress_context_ids(model, ids, mode="decode", **settings)
+    with pytest.raises(ValueError, match="holds 1 batch row and got a block of 2: a live stream .* goes on with the rows it started with"):
+        _greedy(model, torch.cat([prompt, prompt]), stream, new=1)
 
 
 def test_a_cache_refuses_the_blocks_of_another_model():

@@ -12,8 +12,8 @@ every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so 
 - `q4_0.4`: 4 bits at ratio 0.4, below the default's bytes at 0.75 with fewer slots to read at each step.
 
 One JSON line per (variant, mode, seed, length) goes to OUT in `kvzap_default.py`'s format (a rerun skips what is
-there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, and
-its median time per answer ÷ the full cache's) is printed:
+there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, its
+median time per answer ÷ the full cache's and its median stored bytes ÷ the full cache's) is printed:
 
     .venv/bin/python benchmarks/tuning/equal_memory.py --out benchmarks/results/tuning/equal_memory.jsonl \\
         --lengths 2048 --seeds 1000-1029 --variants full,default_0.9,q4_0.55,q4_0.6,q4_0 --modes prefill --threads 1

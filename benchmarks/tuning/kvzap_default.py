@@ -254,7 +254,7 @@ def stored_over_full(row: dict) -> float | None:
     """A row's stored KV bytes ÷ the full cache's (`kv_over_full`, or its `kv_bytes` ÷ `kv_bytes_full`), None if it has neither."""
     if "kv_over_full" in row:
         return row["kv_over_full"]
-    return row["kv_bytes"] / row["kv_bytes_full"] if "kv_bytes" in row else None
+    return row["kv_bytes"] / row["kv_bytes_full"] if "kv_bytes" in row and "kv_bytes_full" in row else None
 
 
 def summarise(path: Path) -> None:
