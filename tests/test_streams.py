@@ -330,3 +330,18 @@ def test_a_stream_keeps_its_blocks_queries_only_for_a_method_that_reads_them():
         stream = Stream(build_method(name), 16, 2, 4, make_generator(0))
         stream.update(keys, values, queries)
         assert (stream.recent.queries is not None) == holds, name
+
+
+@pytest.mark.parametrize("method", ["snapkv", "keydiff"])
+def test_the_sink_keeps_its_tokens_not_the_first_blocks_storage_or_queries(method):
+    """The sink is copied out of the first block without the block's queries: a view held the whole block's keys and
+    values, and its queries were held (and saved with a decode-mode cache) for as long as the stream lived."""
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    st = kvc.stream(method, budget=32, sink=4, window=8)
+    st.update(keys, values, queries)
+    assert st.head.queries is None and st.head.query_positions is None
+    for name in ("keys", "values"):
+        kept = getattr(st.head, name)
+        assert torch.equal(kept, {"keys": keys, "values": values}[name][:, :, :4])
+        assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()  # its own 4 tokens, not the block's 256

@@ -145,7 +145,12 @@ class Stream(Saveable):
         head, recent = self.head, self.recent
         take = min(self.sink - (head.length if head is not None else 0), n)
         if take > 0:
+            # the sink keeps its tokens, copied out of the block, and not the block's queries: a view would hold the whole
+            # block's storage, and the queries (every query of the block) are read only while the block is absorbed
             part = block.slice(0, take)
+            part = replace(part, queries=None, query_positions=None, keys=part.keys.clone(), values=part.values.clone(),
+                           positions=part.positions.clone(),
+                           pre_rope_keys=part.pre_rope_keys.clone() if part.pre_rope_keys is not None else None)
             head = part if head is None else cat_tokens([head, part])
             block = block.slice(take, n)
         leaving = None
