@@ -62,10 +62,11 @@ def check_storage(bits, group_size) -> tuple[int | None, int | None]:
         if group_size is not None:
             raise ValueError(f"kv_group_size={group_size!r} groups quantized storage: it takes kv_bits (8, 4 or 2), got kv_bits=None")
         return None, None
-    group_size = as_count("kv_group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size, 1)
-    if group_size < MIN_GROUP_SIZE:
-        raise ValueError(f"kv_group_size must be >= {MIN_GROUP_SIZE}, got {group_size}: each group stores a scale and a zero point "
-                         "in the model's dtype beside its codes, and smaller groups can take more bytes than full precision")
+    try:
+        group_size = as_count("kv_group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size, MIN_GROUP_SIZE)
+    except ValueError as err:
+        raise ValueError(f"{err}: each group stores a scale and a zero point in the model's dtype beside its codes, and "
+                         "smaller groups can take more bytes than full precision") from None
     return bits, group_size
 
 
