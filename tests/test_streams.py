@@ -345,3 +345,21 @@ def test_the_sink_keeps_its_tokens_not_the_first_blocks_storage_or_queries(metho
         kept = getattr(st.head, name)
         assert torch.equal(kept, {"keys": keys, "values": values}[name][:, :, :4])
         assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()  # its own 4 tokens, not the block's 256
+
+
+@pytest.mark.parametrize("method", ["snapkv", "adakv", "compactor"])
+def test_a_blockwise_state_keeps_its_latest_blocks_queries_not_its_tokens(method):
+    """The latest block is kept to score what is held at the next re-compression: its queries and exact neighbours.
+    Its keys and values are in the state's slots; kept again with the block they doubled what a decode-mode cache held
+    and saved, uncounted."""
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    window = 0 if method == "compactor" else 8  # Compactor scores each token with its own query: no exact window
+    st = kvc.stream(method, budget=32, sink=4, window=window)
+    pre_rope = (lambda n: {"pre_rope_keys": keys[:, :, :n]}) if method == "compactor" else (lambda n: {})
+    st.update(keys, values, queries, **pre_rope(256))
+    last = st.state.last
+    assert last.length == 0 and last.queries is not None
+    assert last.keys.untyped_storage().nbytes() == 0 and last.values.untyped_storage().nbytes() == 0
+    st.update(keys[:, :, :3], values[:, :, :3], queries[:, :, :3], **pre_rope(3))  # and it goes on
+    assert st.summary().num_slots <= 4 + 32 + window

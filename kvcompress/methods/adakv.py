@@ -484,7 +484,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
             if self.kept is not None:  # one re-compression over what is held and the rest of the block but its last room
                 tail = min(rest.length, self.slack_slots)
                 self.seen += rest.length - tail
-                self.last = tokens
+                self.last = tokens.scoring_context()
                 self._recompress_by_entry_scores(rest.slice(0, rest.length - tail) if tail < rest.length else None)
                 rest = self._admitted(rest.slice(rest.length - tail, rest.length))
                 continue

@@ -431,7 +431,7 @@ class BlockwiseState(StreamState):
             append_columns(self.slots, piece, reserve=full, most=min(full, self.most_slots()), **known)
             if self.log_weights is not None:
                 self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(piece[2].shape)], -1)
-            self.last = tokens
+            self.last = tokens.scoring_context()
             self.peak_slots = max(self.peak_slots, self.held_slots())
             start = stop
 

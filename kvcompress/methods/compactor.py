@@ -242,7 +242,10 @@ class Compactor(Method):
             raise ValueError("method 'compactor' scores pre-RoPE keys: pass pre_rope_keys=[B, H_kv, n, d]")
 
     def attention_scores(self, tokens: Tokens) -> torch.Tensor:
-        """[B,H_kv,n]: pooled, value-norm-scaled non-causal chunk attention of the tokens (their own queries)."""
+        """[B,H_kv,n]: pooled, value-norm-scaled non-causal chunk attention of the tokens (their own queries); empty for
+        no tokens (a stream state's kept scoring context, `Tokens.scoring_context`)."""
+        if tokens.length == 0:
+            return tokens.keys.new_zeros(tokens.keys.shape[:3], dtype=torch.float32)
         a = chunked_noncausal_attention(own_queries(tokens), tokens.keys, tokens.scale, self.chunk_size)
         b, h, n = a.shape
         pooled = F.avg_pool1d(a.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=self.kernel_size // 2, count_include_pad=False)

@@ -112,6 +112,18 @@ class Tokens(Saveable):
     def exact(self) -> KVSummary:
         return KVSummary.exact(self.keys, self.values, self.positions)
 
+    def scoring_context(self) -> "Tokens":
+        """What a stream state keeps of its latest block to score the tokens it holds (`tokens_from_columns`): the
+        block's queries, exact neighbours and settings, its per-token columns emptied (0 tokens, fresh storage, their
+        other dimensions kept, so which columns a block stores is still known): the block's keys and values are held
+        in the state's slots, not a second time here."""
+        def emptied(t):
+            return t[:, :, :0].clone() if t is not None else None
+
+        return replace(self, keys=emptied(self.keys), values=emptied(self.values), positions=emptied(self.positions),
+                       pre_rope_keys=emptied(self.pre_rope_keys), hidden_states=emptied(self.hidden_states),
+                       entry_scores=emptied(self.entry_scores))
+
     def select(self, index: torch.Tensor, keys_values: bool = True) -> "Tokens":
         """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
         over all the tokens, so a later score method computes the subset's own. keys_values=False (for a
