@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .checks import as_count
 from .names import KV_BITS
-from .ragged import RaggedSummary, packed_heads, row_elements
+from .ragged import PackedByHead, RaggedSummary, packed_heads, row_elements
 from .saved_state import Choice, Count, Instance, Maybe, Record, Saveable, Tensor, saved
 from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
 
@@ -308,7 +308,7 @@ class QuantizedSummary(Saveable):
 
 @saved("quantized_ragged_summary")
 @dataclass(frozen=True)
-class QuantizedRaggedSummary(Saveable):
+class QuantizedRaggedSummary(PackedByHead, Saveable):
     """A summary whose heads keep different numbers of slots (AdaKV's empty slots) stored packed as `RaggedSummary`
     stores it (the real slots only, head after head) and quantized as `QuantizedSummary` is (keys per channel over
     groups of `group_size` consecutive slots of one head's run, values per slot); immutable.
@@ -343,9 +343,9 @@ class QuantizedRaggedSummary(Saveable):
         total, groups = self.positions.shape[0], self.key_scale.shape[0]
         if bool((self.counts < 0).any()) or int(self.counts.sum()) != total:
             raise ValueError(f"per-head counts must be non-negative and add up to the {total} packed slots")
-        if int(self._group_counts().sum()) != groups or self.key_zero.shape != self.key_scale.shape:
+        if int(self._group_counts.sum()) != groups or self.key_zero.shape != self.key_scale.shape:
             raise ValueError(f"keys: {groups} groups of scales {list(self.key_scale.shape)} and zero points {list(self.key_zero.shape)}, "
-                             f"expected {int(self._group_counts().sum())} (ceil(count / {self.group_size}) per head) of one shape")
+                             f"expected {int(self._group_counts.sum())} (ceil(count / {self.group_size}) per head) of one shape")
         if self.key_codes.shape != (total, -(-self.key_scale.shape[1] * self.bits // 8)):
             raise ValueError(f"key codes {list(self.key_codes.shape)} do not hold {total} slots of {self.key_scale.shape[1]} {self.bits}-bit codes")
         if tuple(self.values.packed.shape[:3]) != (1, 1, total) or self.values.axis != "token":
@@ -373,7 +373,9 @@ class QuantizedRaggedSummary(Saveable):
         """[B, H] int64: the key groups of each head's run of `counts` slots."""
         return (counts.long() + group_size - 1) // group_size
 
+    @cached_property
     def _group_counts(self) -> torch.Tensor:
+        """[B, H] int64: the key groups of each head's run (`_group_counts_of`)."""
         return self._group_counts_of(self.counts, self.group_size)
 
     @classmethod
@@ -384,23 +386,9 @@ class QuantizedRaggedSummary(Saveable):
         return (per_head.cumsum(0) - per_head)[head] + within // group_size
 
     @cached_property
-    def num_slots(self) -> int:
-        """Slots per head of the unpacked summary: the most any head keeps."""
-        return int(self.counts.max()) if self.counts.numel() else 0
-
-    @cached_property
-    def _uniform(self) -> bool:
-        """Every head keeps the same number of slots."""
-        return bool((self.counts == self.num_slots).all())
-
-    @cached_property
     def _groups(self) -> torch.Tensor:
         """`_slot_groups` of the stored packing (read at every `ragged()`, computed once)."""
         return self._slot_groups(self.counts, self.group_size)
-
-    @property
-    def eviction_only(self) -> bool:
-        return self.log_weights is None and self._uniform
 
     def ragged(self) -> RaggedSummary:
         """The dequantized slots, still packed (attention reads them where they are, as a `RaggedSummary`'s), keys and
@@ -408,7 +396,7 @@ class QuantizedRaggedSummary(Saveable):
         codes = _unpack(self.key_codes, self.bits, self.key_scale.shape[1]).float()
         keys = torch.addcmul(self.key_zero.float().index_select(0, self._groups), codes, self.key_scale.float().index_select(0, self._groups))
         packed = RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
-        return packed.with_layout(self.num_slots, self._uniform)
+        return packed.with_layout_of(self)
 
     def summary(self) -> KVSummary:
         """The dequantized padded summary (`RaggedSummary.summary` of `ragged()`)."""
@@ -425,7 +413,7 @@ class QuantizedRaggedSummary(Saveable):
     def select_rows(self, index: torch.Tensor) -> "QuantizedRaggedSummary":
         """The batch rows `index` [k] (beam search), each row's packed slots and key groups copied."""
         index = index.to(self.counts.device).long()
-        slots, groups = row_elements(self.counts, index), row_elements(self._group_counts(), index)
+        slots, groups = row_elements(self.counts, index), row_elements(self._group_counts, index)
 
         def pick(t, at):
             return t.index_select(0, at) if t is not None else None

@@ -43,9 +43,35 @@ def int32_positions(positions: torch.Tensor) -> torch.Tensor:
     return positions.to(torch.int32)
 
 
+class PackedByHead:
+    """What slots packed head after head tell of their layout, from the class's `counts` [B, H] (slots per head) and
+    `log_weights` (None: every weight 0), each read from the device once: `RaggedSummary` and its quantized form."""
+
+    @cached_property
+    def num_slots(self) -> int:
+        """Slots per head of the unpacked summary: the most any head keeps."""
+        return int(self.counts.max()) if self.counts.numel() else 0
+
+    @cached_property
+    def _uniform(self) -> bool:
+        """Every head keeps the same number of slots (the unpacked summary has no empty slot)."""
+        return bool((self.counts == self.num_slots).all())
+
+    @property
+    def eviction_only(self) -> bool:
+        """Whether the unpacked summary is eviction-only: every weight 0 and no empty slot."""
+        return self.log_weights is None and self._uniform
+
+    def with_layout_of(self, other: "PackedByHead"):
+        """self, given the layout `other` (of the same counts) has read already: for a packing rebuilt at each read from
+        a stored one (`QuantizedRaggedSummary.ragged`), so no read waits on the device for it."""
+        self.__dict__.update(num_slots=other.num_slots, _uniform=other._uniform)
+        return self
+
+
 @saved("ragged_summary")
 @dataclass(frozen=True)
-class RaggedSummary(Saveable):
+class RaggedSummary(PackedByHead, Saveable):
     """A `KVSummary` without its empty slots, packed head after head (see the module docstring); immutable.
 
     keys [T, d], values [T, d_v] (T: the real slots of every batch row and head), log_weights [T]
@@ -91,21 +117,6 @@ class RaggedSummary(Saveable):
         return cls(summary.keys[real], summary.values[real], log_weights, int32_positions(summary.positions[real]),
                    real.sum(-1).to(torch.int32))
 
-    @cached_property
-    def num_slots(self) -> int:
-        """Slots per head of the unpacked summary: the most any head keeps."""
-        return int(self.counts.max()) if self.counts.numel() else 0
-
-    @cached_property
-    def _uniform(self) -> bool:
-        """Every head keeps the same number of slots (the unpacked summary has no empty slot)."""
-        return bool((self.counts == self.num_slots).all())
-
-    @property
-    def eviction_only(self) -> bool:
-        """Whether the unpacked summary is eviction-only: every weight 0 and no empty slot."""
-        return self.log_weights is None and self._uniform
-
     def _slots(self) -> torch.Tensor:
         """[T]: where each packed slot goes in the unpacked [B·H·num_slots] slot axis (its head's run, from the start)."""
         head, within = packed_heads(self.counts)
@@ -135,13 +146,6 @@ class RaggedSummary(Saveable):
         weights = self.log_weights if self.log_weights is not None else torch.zeros(self.keys.shape[0], device=self.keys.device)
         keys, values, positions, log_weights = self.padded(weights, fill=float("-inf"))
         return KVSummary(keys, values, log_weights, positions)
-
-    def with_layout(self, num_slots: int, uniform: bool) -> "RaggedSummary":
-        """self, told its longest head's count and whether every head keeps that many (what `num_slots` and `_uniform`
-        would read from the device): for a packing rebuilt at each read from one that knows them
-        (`QuantizedRaggedSummary.ragged`), so no read waits on the device for them."""
-        self.__dict__.update(num_slots=num_slots, _uniform=uniform)
-        return self
 
     def nbytes(self) -> int:
         """KV bytes stored: the packed keys and values, and the per-head counts that locate them (4 bytes per head)."""
