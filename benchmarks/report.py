@@ -33,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "
 import kvpress_side_by_side as harness  # noqa: E402
 import prompt_layout  # noqa: E402
 import quantized_storage  # noqa: E402
+import equal_memory  # noqa: E402
 import kvzap_default  # noqa: E402
 import needle_keep  # noqa: E402
 import refit_cost  # noqa: E402
@@ -887,8 +888,7 @@ PAIRED_NEEDLE_TABLES = [
        "Newcombe's 95% interval of the difference in % found, sign test. The runs went two processes side by side, so "
        "the times are only indicative; the cost is measured apart, under \"What one answer costs\".",
        ["variant", "mode", "ratio", "median_kv_over_full"], "paired vs the default at equal memory (won / lost; diff; p)",
-       lambda variant: {"q4_0.55": ("default_0.9", None, 0.9), "q4_0.6": ("default_0.9", None, 0.9),
-                        "q4_0": ("default_0.75", None, 0.75), "q4_0.4": ("default_0.75", None, 0.75)}.get(variant))
+       equal_memory.default_of_equal_memory)
       for suffix, length in (("", "2k"), ("_4k", "4k"))],
 ]
 

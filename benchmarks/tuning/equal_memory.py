@@ -44,6 +44,13 @@ VARIANTS = {
 }
 
 
+def default_of_equal_memory(variant: str) -> tuple[str, None, float] | None:
+    """The default's variant whose memory `variant` matches, as `report.paired_needle_section` pairs it (in the same mode,
+    at that ratio); None for the default and the full cache."""
+    ratio, bits, memory = VARIANTS[variant]
+    return None if bits is None else (f"default_{memory:g}", None, memory)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
