@@ -16,8 +16,8 @@ Modes:
   feeds the prompt in blocks of B tokens: each stream stores at most its budget per head beside
   sink and window, its slack and the block it absorbs included, `methods.budget.stream_split`;
   the block of B tokens is held beside it only during its own forward); setting `absorbing` False
-  compacts each stream once (the room it reserves for later tokens given back), and later tokens
-  stay exact.
+  stores what each stream keeps as a compressed context, as prefill mode stores one (the stream and
+  its workspace let go), and later tokens stay exact.
 - "decode": every token, prompt and generated, goes through the stream.
 
 Padded batches (left padding, prefill mode): the model's boolean mask tells each layer which
@@ -287,16 +287,14 @@ class CompressedLayer(CacheLayerMixin):
         return options.compressor.layer_budget(self.budgets[0], self.layer_idx, middle)
 
     def compact(self) -> None:
-        """Compact a live stream now (`Stream.compact`: the room it reserves for later tokens given back; timed as
-        compression); with kv_bits, or when its heads keep different numbers of slots (empty slots: AdaKV), store what
-        it keeps as `_keep` does."""
+        """End a live stream's prompt (chunked mode): the stream compacted (`Stream.compact`), what it keeps is stored as
+        a compressed context, as `_keep` stores one (timed as compression), and the stream goes with its workspace (the
+        room it reserved for later tokens, the latest block's queries), which nothing reads once the prompt has ended."""
         if isinstance(self.front, Stream):
             start = time.perf_counter()
             self.front.compact()
-            if self.cache.options.kv_bits is not None or self.cache.plan.ragged:
-                summary, recent = self.front.summary(), self.front.recent
-                if self.cache.options.kv_bits is not None or has_empty_slots(summary):
-                    self._keep(summary, recent.length if recent is not None else 0)
+            recent = self.front.recent
+            self._keep(self.front.summary(), recent.length if recent is not None else 0)
             self.stats.compress_seconds += time.perf_counter() - start
 
     def _keep(self, summary: KVSummary, window: int) -> None:
@@ -825,10 +823,11 @@ class CompressedCache(Cache):
 
     @absorbing.setter
     def absorbing(self, value: bool) -> None:
-        """Setting it False ends the prompt: every stream is compacted once (the room it reserves for later tokens given
-        back; with kv_bits, stored quantized). The prompt cannot start again: setting it True afterwards is an error."""
+        """Setting it False ends the prompt: what every stream keeps is stored as a compressed context
+        (`CompressedLayer.compact`; with kv_bits, quantized). The prompt cannot start again: setting it True afterwards
+        is an error."""
         if value and not self._absorbing:
-            raise ValueError("the prompt has ended (absorbing was set False): the streams are compacted and later tokens stay exact, "
+            raise ValueError("the prompt has ended (absorbing was set False): the streams are stored and later tokens stay exact, "
                              "so absorbing cannot be set True again; build a new cache for a new prompt")
         if self._absorbing and not value:
             for layer in self.layers:

@@ -250,9 +250,9 @@ class QuantizedSummary(Saveable):
         values = quantize(summary.values, bits, group_size, "token")
         norm = summary.normalizer
         if norm is not None:
-            norm = (quantize(norm.keys, bits, group_size, "channel", torch.isfinite(norm.log_weights)), norm.log_weights.float(),
+            norm = (quantize(norm.keys, bits, group_size, "channel", torch.isfinite(norm.log_weights)), norm.log_weights.to(torch.float32, copy=True),
                     _int32(norm.positions))
-        log_weights = None if summary.eviction_only else summary.log_weights.float()
+        log_weights = None if summary.eviction_only else summary.log_weights.to(torch.float32, copy=True)  # not a view of the summary's
         return cls(keys, values, log_weights, _int32(summary.positions), norm)
 
     @property

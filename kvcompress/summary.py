@@ -156,6 +156,15 @@ class KVSummary(Saveable):
         plain = self.normalizer is None and bool((self.log_weights == 0).all())
         return replace(self, eviction_only=plain)
 
+    def clone(self) -> "KVSummary":
+        """This summary in storage of its own (normalizer included): what is kept of a slice of a larger summary, which
+        a view would keep alive whole."""
+        norm = self.normalizer
+        if norm is not None:
+            norm = Normalizer(norm.keys.clone(), norm.log_weights.clone(), norm.positions.clone())
+        return replace(self, keys=self.keys.clone(), values=self.values.clone(), log_weights=self.log_weights.clone(),
+                       positions=self.positions.clone(), normalizer=norm)
+
     def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> "KVSummary":
         """Keys/values (and normalizer keys) cast to dtype, every tensor moved to device (if given);
         weights stay float32, positions int64."""
@@ -210,13 +219,15 @@ def split_window(summary: KVSummary, window: int) -> tuple[KVSummary, KVSummary]
     The window's slots must be exact tokens (log-weight 0) that end the normalizer too, as
     `concat` leaves a window concatenated last; the window comes back without a normalizer and
     eviction-only, and `concat([front, window])` is the summary again. Anything else is an error.
+    The front is a view of the summary's tensors (the caller stores it packed or quantized); the window is a copy,
+    since it is kept as it is, and a view would keep the whole summary's storage alive beside it.
     """
     at = summary.num_slots - window
     if not 0 <= at <= summary.num_slots:
         raise ValueError(f"window must be in [0, {summary.num_slots}] slots, got {window}")
     front = KVSummary(*(t[:, :, :at] for t in (summary.keys, summary.values, summary.log_weights, summary.positions)),
                       eviction_only=summary.eviction_only)
-    tail = KVSummary(*(t[:, :, at:] for t in (summary.keys, summary.values, summary.log_weights, summary.positions)))
+    tail = KVSummary(*(t[:, :, at:] for t in (summary.keys, summary.values, summary.log_weights, summary.positions))).clone()
     exact = bool((tail.log_weights == 0).all())
     norm = summary.normalizer
     if norm is not None:

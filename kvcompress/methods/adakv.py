@@ -87,7 +87,7 @@ def allocation_priority(scores: torch.Tensor, guaranteed: int) -> tuple[torch.Te
         return priority, priority.new_full(priority.shape[:2], math.inf)
     top = priority.topk(guaranteed, dim=-1)
     priority = priority.scatter(-1, top.indices, torch.where(torch.isfinite(top.values), math.inf, top.values))
-    return priority, top.values[..., -1]
+    return priority, top.values[..., -1].clone()  # not a view of every head's top scores
 
 
 def joint_top(priority: torch.Tensor, budget: int) -> torch.Tensor:

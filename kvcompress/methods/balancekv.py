@@ -571,7 +571,7 @@ class BalanceKVStream(StreamState):
         score = (candidates.keys.float() * (self.key_sum / self.key_count)[:, :, None]).sum(-1)
         order = score.argsort(dim=-1, stable=True)
         kept, leaving = order[..., : self.exact_count].sort(-1).values, order[..., self.exact_count :].sort(-1).values
-        self.outliers = candidates.select(kept)
+        self.outliers = candidates.select(kept).stored()
         return candidates.select(leaving)
 
     def compact(self) -> None:

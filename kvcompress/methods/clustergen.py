@@ -236,7 +236,7 @@ class ClusterGenState(StreamState):
         while start < tokens.length:
             have = self.pending.length if self.pending is not None else 0
             stop = min(tokens.length, start + self.block_size - have)
-            part = tokens.slice(start, stop)
+            part = tokens.slice(start, stop).stored()
             self.pending = part if self.pending is None else cat_tokens([self.pending, part])
             self.seen += part.length
             start = stop

@@ -360,7 +360,7 @@ class ExpressState(StreamState):
         self.count = 0 if last_count == s else last_count
         self.candidate = None
         if complete < strata:
-            self.candidate = _take(picked, complete, strata)
+            self.candidate = _take(picked, complete, strata).clone()  # a view would hold every stratum picked
             self.candidate.log_weights[:] = math.log(last_count)
         return _take(picked, 0, complete) if complete else None
 
@@ -479,7 +479,7 @@ def _select(s: KVSummary, index: torch.Tensor) -> KVSummary:
 
 @saved("express_buffer")
 class _Buffer(Saveable):
-    """Slots waiting for a full group, kept as a list of parts so that adding one costs no copy."""
+    """Slots waiting for a full group, kept as a list of parts so that adding one copies only that part."""
 
     saved_fields = {"parts": Sequence(Instance("kv_summary")), "slots": Count()}
 
@@ -494,13 +494,13 @@ class _Buffer(Saveable):
     def push(self, part: KVSummary | None, group: int) -> KVSummary | None:
         """Add `part`; once whole groups are there, return them (a multiple of `group` slots) and keep the rest."""
         if part is not None and part.num_slots:
-            self.parts.append(part)
+            self.parts.append(part.clone())  # a view would hold the whole tensor it came from while the part waits
             self.slots += part.num_slots
         if self.slots < group:
             return None
         buffer = concat(self.parts)
         full = self.slots // group * group
-        rest = _take(buffer, full, self.slots)
+        rest = _take(buffer, full, self.slots).clone()
         self.parts = [rest] if rest.num_slots else []
         self.slots = rest.num_slots
         return _take(buffer, 0, full)

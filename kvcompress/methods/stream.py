@@ -145,12 +145,7 @@ class Stream(Saveable):
         head, recent = self.head, self.recent
         take = min(self.sink - (head.length if head is not None else 0), n)
         if take > 0:
-            # the sink keeps its tokens, copied out of the block, and not the block's queries: a view would hold the whole
-            # block's storage, and the queries (every query of the block) are read only while the block is absorbed
-            part = block.slice(0, take)
-            part = replace(part, queries=None, query_positions=None, keys=part.keys.clone(), values=part.values.clone(),
-                           positions=part.positions.clone(),
-                           pre_rope_keys=part.pre_rope_keys.clone() if part.pre_rope_keys is not None else None)
+            part = block.slice(0, take).stored()
             head = part if head is None else cat_tokens([head, part])
             block = block.slice(take, n)
         leaving = None
@@ -159,13 +154,14 @@ class Stream(Saveable):
             overflow = recent.length - self.window
             if overflow > 0:
                 staying = recent.slice(overflow, recent.length)
-                exact = [p for p in (head, staying) if p is not None]
-                leaving = replace(
-                    recent.slice(0, overflow), queries=queries, query_positions=qpos,
-                    exact_keys=torch.cat([p.keys for p in exact], 2), exact_positions=torch.cat([p.positions for p in exact], 2),
-                )
+                leaving = replace(recent.slice(0, overflow), queries=queries, query_positions=qpos)
+                if queries is not None:  # the exact neighbours share the queries' softmax: only a method that reads them
+                    exact = [p for p in (head, staying) if p is not None]
+                    leaving = replace(leaving, exact_keys=torch.cat([p.keys for p in exact], 2),
+                                      exact_positions=torch.cat([p.positions for p in exact], 2))
                 self.method.check_inputs(leaving)
                 recent = staying
+            recent = recent.stored()
         self.seen, self.head, self.recent = self.seen + n, head, recent
         if leaving is not None:
             self._absorb(leaving)
@@ -178,10 +174,10 @@ class Stream(Saveable):
             return
         if self.exact.length + leaving.length <= self.budget:
             append_columns(self.exact, token_columns(leaving), most=self.exact.length + leaving.length)
-            self.exact_last = leaving
+            self.exact_last = leaving.scoring_context()  # its keys and values are in the buffer
             return
         # past the budget: what is held and the block go to the state together (the buffer never holds more than budget)
-        slots, self.exact = self.exact, None
+        slots, self.exact, self.exact_last = self.exact, None, None
         held = cat_tokens([tokens_from_columns(leaving, slots.view()), leaving]) if slots.length else leaving
         if isinstance(slots, QuantizedSlots):  # the held tokens keep the codes they were stored with
             self.state.absorb(held, codes=slots)

@@ -112,6 +112,18 @@ class Tokens(Saveable):
     def exact(self) -> KVSummary:
         return KVSummary.exact(self.keys, self.values, self.positions)
 
+    def stored(self) -> "Tokens":
+        """These tokens as a stream keeps them between updates (its sink and window, a state's waiting tokens): each
+        per-token tensor in storage of its own, since a view would hold the whole block it came from, and neither the
+        queries nor the exact neighbours, which score only the block being absorbed."""
+        def owned(t):
+            return t.clone() if t is not None else None
+
+        return replace(self, keys=owned(self.keys), values=owned(self.values), positions=owned(self.positions),
+                       pre_rope_keys=owned(self.pre_rope_keys), attention_mass=owned(self.attention_mass),
+                       hidden_states=owned(self.hidden_states), entry_scores=owned(self.entry_scores), queries=None,
+                       query_positions=None, exact_keys=None, exact_positions=None)
+
     def scoring_context(self) -> "Tokens":
         """What a stream state keeps of its latest block to score the tokens it holds (`tokens_from_columns`): the
         block's queries, exact neighbours and settings, its per-token columns emptied (0 tokens, fresh storage, their
