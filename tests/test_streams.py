@@ -369,3 +369,39 @@ def test_a_blockwise_state_keeps_its_latest_blocks_queries_not_its_tokens(method
     assert last.keys.untyped_storage().nbytes() == 0 and last.values.untyped_storage().nbytes() == 0
     st.update(keys[:, :, :3], values[:, :, :3], queries[:, :, :3], **pre_rope(3))  # and it goes on
     assert st.summary().num_slots <= 4 + 32 + window
+
+
+@pytest.mark.parametrize("method, read", [("snapkv", 32), ("pyramidkv", 32), ("tova", 1), ("adakv", 32), ("expected_attention", 512),
+                                          ("h2o", None), ("compactor", None)])
+def test_a_stream_keeps_only_the_queries_its_method_reads(method, read, monkeypatch):
+    """Between blocks a stream state keeps the latest block's queries to score what it holds: only the last
+    `Method.queries_read` of them (SnapKV's observation window, TOVA's last query), copied, and the summaries are the
+    ones a stream keeping every query gives."""
+    from kvcompress.methods.base import Method
+
+    g = torch.Generator().manual_seed(0)
+    n = 900
+    keys, values, pre = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    queries = torch.randn(1, 4, n, 16, generator=g)
+    window = 0 if method == "compactor" else 8
+
+    def run() -> "Stream":
+        st = kvc.stream(method, budget=40, sink=2, window=window, seed=0)
+        for start in range(0, n, 100):
+            block = slice(start, start + 100)
+            st.update(keys[:, :, block], values[:, :, block], queries[:, :, block], layer_idx=1, num_layers=4,
+                      **({"pre_rope_keys": pre[:, :, block]} if method == "compactor" else {}))
+        return st
+
+    kept = run()
+    assert kept.state.method.queries_read == read
+    held = kept.state.last.queries
+    assert held.shape[2] == min(100, read or 100)
+    if read is not None and read < 100:  # copied, not a view of the block's queries
+        assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+    for cls in {type(kept.state.method), Method}:
+        monkeypatch.setattr(cls, "queries_read", property(lambda self: None))
+    every = run()
+    assert every.state.last.queries.shape[2] == 100
+    a, b = kept.summary(), every.summary()
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys) and torch.equal(a.log_weights, b.log_weights)

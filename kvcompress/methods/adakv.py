@@ -239,6 +239,11 @@ class AdaKV(Method):
         return Requirements(inputs=needs.inputs, budget_scope=self.scope, modes=modes)
 
     @property
+    def queries_read(self) -> int | None:
+        """The scorer's (a refit reads every query, in mode "prefill" only)."""
+        return self.scorer.queries_read if self.refit == "none" else None
+
+    @property
     def randomized(self) -> bool:
         """The scorer's: AdaKV itself draws nothing."""
         return self.scorer.randomized
@@ -484,7 +489,7 @@ class AdaptiveBlockwiseState(BlockwiseState):
             if self.kept is not None:  # one re-compression over what is held and the rest of the block but its last room
                 tail = min(rest.length, self.slack_slots)
                 self.seen += rest.length - tail
-                self.last = tokens.scoring_context()
+                self.last = tokens.scoring_context(self.method.queries_read)
                 self._recompress_by_entry_scores(rest.slice(0, rest.length - tail) if tail < rest.length else None)
                 rest = self._admitted(rest.slice(rest.length - tail, rest.length))
                 continue

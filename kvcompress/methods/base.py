@@ -127,6 +127,13 @@ class Method:
         check_params(cls, params)
         return cls(**params)
 
+    @property
+    def queries_read(self) -> int | None:
+        """How many of a block's latest queries the method's scores read (None: any number, every query given). A
+        stream keeps only those of its latest block to score what it holds at its next re-compression
+        (`Tokens.scoring_context`)."""
+        return None
+
     def on_entry(self, tokens: Tokens) -> Tokens:
         """What a stream keeps of a block as it enters (before the sink, window and state see it): the block as it
         is. A method that scores each token from an input too large to keep (KVzap, from the hidden states) returns
@@ -431,7 +438,7 @@ class BlockwiseState(StreamState):
             append_columns(self.slots, piece, reserve=full, most=min(full, self.most_slots()), **known)
             if self.log_weights is not None:
                 self.log_weights = torch.cat([self.log_weights, self.log_weights.new_zeros(piece[2].shape)], -1)
-            self.last = tokens.scoring_context()
+            self.last = tokens.scoring_context(self.method.queries_read)
             self.peak_slots = max(self.peak_slots, self.held_slots())
             start = stop
 

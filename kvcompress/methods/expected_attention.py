@@ -52,6 +52,10 @@ class ExpectedAttention(ScoreMethod):
                              "use_vnorm=False leaves out (a constant added to every score changes no ranking): drop epsilon, "
                              "or use use_vnorm=True")
 
+    @property
+    def queries_read(self) -> int:
+        return self.n_future_positions
+
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         queries = tokens.queries[:, :, -self.n_future_positions :].float()
         b, hq, m, d = queries.shape

@@ -180,6 +180,12 @@ class Hybrid(Method):
         return Requirements(inputs=frozenset().union(*(m.requirements.inputs for m in parts)),
                             modes=tuple(mode for mode in MODES if all(mode in m.requirements.modes for m in parts)))
 
+    @property
+    def queries_read(self) -> int | None:
+        """The most any part reads (None when one reads every query)."""
+        read = [m.queries_read for m in self.components if m.requirements.needs("queries")]
+        return None if not read or None in read else max(read)
+
     def parts(self) -> dict[str, Method]:
         return {"coreset_method": self.coreset_method}
 

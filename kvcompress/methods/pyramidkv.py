@@ -59,6 +59,10 @@ class PyramidKV(ScoreMethod):
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)
 
+    @property
+    def queries_read(self) -> int:
+        return self.observation_window
+
     def check_inputs(self, tokens: Tokens) -> None:
         super().check_inputs(tokens)
         if tokens.layer_idx is None or tokens.num_layers is None:

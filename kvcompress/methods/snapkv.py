@@ -50,5 +50,9 @@ class SnapKV(ScoreMethod):
     def __post_init__(self):
         self.observation_window, self.kernel_size = check_observation(self.observation_window, self.kernel_size)
 
+    @property
+    def queries_read(self) -> int:
+        return self.observation_window
+
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return pooled_observation_scores(tokens, self.observation_window, self.kernel_size)

@@ -174,7 +174,7 @@ class Stream(Saveable):
             return
         if self.exact.length + leaving.length <= self.budget:
             append_columns(self.exact, token_columns(leaving), most=self.exact.length + leaving.length)
-            self.exact_last = leaving.scoring_context()  # its keys and values are in the buffer
+            self.exact_last = leaving.scoring_context(self.method.queries_read)  # its keys and values are in the buffer
             return
         # past the budget: what is held and the block go to the state together (the buffer never holds more than budget)
         slots, self.exact, self.exact_last = self.exact, None, None

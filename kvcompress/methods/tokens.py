@@ -124,17 +124,22 @@ class Tokens(Saveable):
                        hidden_states=owned(self.hidden_states), entry_scores=owned(self.entry_scores), queries=None,
                        query_positions=None, exact_keys=None, exact_positions=None)
 
-    def scoring_context(self) -> "Tokens":
+    def scoring_context(self, queries_read: int | None = None) -> "Tokens":
         """What a stream state keeps of its latest block to score the tokens it holds (`tokens_from_columns`): the
-        block's queries, exact neighbours and settings, its per-token columns emptied (0 tokens, fresh storage, their
-        other dimensions kept, so which columns a block stores is still known): the block's keys and values are held
-        in the state's slots, not a second time here."""
+        block's queries (only the last `queries_read`, copied, when the method reads no more: `Method.queries_read`),
+        exact neighbours and settings, its per-token columns emptied (0 tokens, fresh storage, their other dimensions
+        kept, so which columns a block stores is still known): the block's keys and values are held in the state's
+        slots, not a second time here."""
         def emptied(t):
             return t[:, :, :0].clone() if t is not None else None
 
+        queries, query_positions = self.queries, self.query_positions
+        if queries is not None and queries_read is not None and queries_read < queries.shape[2]:
+            queries = queries[:, :, -queries_read:].clone()
+            query_positions = query_positions[-queries_read:].clone() if query_positions is not None else None
         return replace(self, keys=emptied(self.keys), values=emptied(self.values), positions=emptied(self.positions),
                        pre_rope_keys=emptied(self.pre_rope_keys), hidden_states=emptied(self.hidden_states),
-                       entry_scores=emptied(self.entry_scores))
+                       entry_scores=emptied(self.entry_scores), queries=queries, query_positions=query_positions)
 
     def select(self, index: torch.Tensor, keys_values: bool = True) -> "Tokens":
         """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised

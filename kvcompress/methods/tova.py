@@ -41,3 +41,7 @@ class TOVA(ScoreMethod):
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
         return attention_mass(tokens, last=1, average=self.average)
+
+    @property
+    def queries_read(self) -> int:
+        return 1
