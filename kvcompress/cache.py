@@ -24,6 +24,9 @@ Padded batches (left padding, prefill mode): the model's boolean mask tells each
 tokens of a block are padding; they get log-weight -inf (never attended) and each padded row is
 compressed alone, so no padding is kept and every row equals its solo run. Sliding-window
 layers (Gemma 2/3, Phi-3/Mistral with a window) are transformers' exact sliding-window layers.
+A compressed context of one row is shared by every row of a later block (beam search,
+num_return_sequences): each row goes on from a copy of it, however it is stored, sliding windows
+included; several rows, or a live stream's, refuse another count before any layer takes the block.
 `snapshot()`/`restore()` roll the cache back to a compressed context (many questions, one
 compression); `reorder_cache` serves beam search.
 
@@ -170,13 +173,9 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows = key_states.shape[0]
-        if self.rows is not None and rows != self.rows and (self.rows > 1 or isinstance(self.front, Stream)):
-            # one stored row is a context every row of a later block shares (beams, num_return_sequences); several rows,
-            # or a live stream's, are each row's own
-            raise ValueError(f"layer {self.layer_idx} holds {self.rows} batch row{'s' * (self.rows > 1)} and got a block of {rows}: "
-                             + ("a live stream (mode chunked or decode) goes on with the rows it started with"
-                                if isinstance(self.front, Stream) else "each row goes on from its own stored context")
-                             + f"; give it {self.rows} rows (beam search reorders them), or compress each context into a cache of its own")
+        self.check_rows(rows)
+        if self.rows == 1 and rows > 1 and self.front is not None:  # a shared context: each row goes on from a copy of it
+            self.reorder_cache(torch.zeros(rows, dtype=torch.long, device=key_states.device))
         self.rows = rows
         if self.pending is not None:
             raise RuntimeError(
@@ -203,6 +202,16 @@ class CompressedLayer(CacheLayerMixin):
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
         return keys, view.values
+
+    def check_rows(self, rows: int) -> None:
+        """A ValueError unless a block of `rows` batch rows can follow what the layer holds: one stored row is a context
+        every row of a later block shares (beams, num_return_sequences); several rows, or a live stream's, are each
+        row's own."""
+        if self.rows is not None and rows != self.rows and (self.rows > 1 or isinstance(self.front, Stream)):
+            raise ValueError(f"layer {self.layer_idx} holds {self.rows} batch row{'s' * (self.rows > 1)} and got a block of {rows}: "
+                             + ("a live stream (mode chunked or decode) goes on with the rows it started with"
+                                if isinstance(self.front, Stream) else "each row goes on from its own stored context")
+                             + f"; give it {self.rows} rows (beam search reorders them), or compress each context into a cache of its own")
 
     def mask_padding(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> None:
         """Take the padding of the pending block from the model's 4D boolean mask [B, 1, q, seen] (None: no padding),
@@ -594,7 +603,19 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         self.stats = LayerStats()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' sliding-window update, after two things it does not do: one stored row (a compressed context)
+        is shared by every row of a later block (beams, num_return_sequences), as a compressed layer's is, while
+        several stored rows refuse another count; and after a block of several tokens the window is kept in storage of
+        its own, not as a view of the whole block's keys and values."""
+        rows = key_states.shape[0]
+        if self.is_initialized and self.keys.shape[0] != rows:
+            if self.keys.shape[0] != 1:
+                raise ValueError(f"a sliding-window layer holds {self.keys.shape[0]} batch rows and got a block of {rows}: each "
+                                 f"row goes on from its own window; give it {self.keys.shape[0]} rows, or a cache of its own")
+            self.keys, self.values = (t.expand(rows, *t.shape[1:]) for t in (self.keys, self.values))
         keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if key_states.shape[2] > 1:
+            self.keys, self.values = self.keys.clone(), self.values.clone()
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
         return keys, values
 
@@ -984,6 +1005,15 @@ class CompressedCache(Cache):
         for layer, state in zip(self.layers, snapshot.layers):
             layer.restore(state)
         self._absorbing, self._waiting, self.token_ids = snapshot.absorbing, dict(snapshot.waiting), snapshot.token_ids
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """`Cache.update`; the first layer's block first checks that every compressed layer can take its batch rows
+        (`CompressedLayer.check_rows`), so a refused block changes no layer, sliding-window layers included."""
+        if layer_idx == 0:
+            for layer in self.layers:
+                if isinstance(layer, CompressedLayer):
+                    layer.check_rows(key_states.shape[0])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def stream_links(self) -> dict:
         """What a live stream holds of the cache itself (its method and the methods it is made of, its rotary inverse),

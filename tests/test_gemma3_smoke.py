@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import kvcompress as kvc
 from kvcompress.cli import main
 from kvcompress.methods.kvzap import SurrogateError
+
+from test_held_memory import assert_holds_what_it_reports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smoke]
 
@@ -67,6 +70,13 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     (loaded,) = kvc.generate(model, tokenizer, cache=tmp_path / "doc.kvc", questions=[QUESTION], max_new_tokens=NEW,
                              progress=False, stop_at_eos=False)
     assert loaded.token_ids == direct.token_ids and loaded.kv_bits == 4
+    # what the compressed context holds is what it reports, sliding-window layers' windows included; beams from it share
+    # its one row in every layer, sliding ones too
+    assert_holds_what_it_reports(cache, "prefill", "gemma3 snapkv kv_bits=4")
+    question = tokenizer(QUESTION, add_special_tokens=False, return_tensors="pt").input_ids
+    beams = model.generate(torch.cat([cache.token_ids, question], 1), past_key_values=cache, max_new_tokens=4, num_beams=2,
+                           do_sample=False)
+    assert beams.shape == (1, cache.token_ids.shape[1] + question.shape[1] + 4)
 
     # the default has no scorer for this model: refused, naming the command that trains one
     with pytest.raises(SurrogateError, match="kvcompress train-scorer"):

@@ -97,6 +97,19 @@ def test_a_cache_holds_what_it_reports(tiny_checkpoint, tiny_default_scorer, met
     assert_holds_what_it_reports(cache, mode, f"{method} {mode} kv_bits={bits}")
 
 
+@pytest.mark.parametrize("mode", ["prefill", "chunked"])
+def test_a_sliding_window_layer_holds_its_window_not_the_prompt(mode):
+    """Gemma 3's sliding-window layers keep the last window - 1 tokens of a prompt block in storage of their own, as
+    what they report."""
+    from test_hf import _ids as token_ids, tiny
+
+    model = tiny("gemma3")
+    cache = compress_context_ids(model, token_ids(300), method="keydiff", compression_ratio=0.5, mode=mode,
+                                 **({"chunk_size": 128} if mode == "chunked" else {}))
+    assert any(type(layer).__name__ == "SlidingWindowLayer" for layer in cache.layers)
+    assert_holds_what_it_reports(cache, mode, f"gemma3 keydiff {mode}")
+
+
 @pytest.mark.e2e
 @pytest.mark.smoke
 @pytest.mark.parametrize("mode, bits", [("prefill", None), ("chunked", None), ("decode", None), ("prefill", 4)])

@@ -508,15 +508,18 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
             CompressedCache(model, method)
 
 
-def test_beams_and_samples_from_a_compressed_context_share_its_one_row():
+@pytest.mark.parametrize("family, method, bits", [("llama", "keydiff", None), ("gemma2", "keydiff", None), ("gemma3", "keydiff", None),
+                                                  ("llama", "adakv", None), ("llama", "snapkv", 4), ("llama", "adakv", 4)])
+def test_beams_and_samples_from_a_compressed_context_share_its_one_row(family, method, bits):
     """A one-row compressed context is shared by every row transformers expands the prompt to (beam search,
-    num_return_sequences): the same tokens as the cache expanded to those rows first. A live stream's rows are its own:
-    another count is refused."""
+    num_return_sequences), however it is stored (a buffer, packed heads, quantized) and sliding-window layers' windows
+    too: the same tokens as the cache expanded to those rows first. A live stream's rows are its own: another count is
+    refused, before any layer takes the block."""
     from kvcompress.integration import compress_context_ids
 
-    model, ids = tiny("llama"), _ids(120)
+    model, ids = tiny(family), _ids(120)
     prompt = torch.cat([ids, _ids(6, 2)], 1)
-    settings = dict(method="keydiff", compression_ratio=0.5, sink=2, window=8)
+    settings = dict(method=method, compression_ratio=0.5, sink=2, window=8, kv_bits=bits)
     for k, kwargs in ((3, dict(num_beams=3, do_sample=False)), (2, dict(num_return_sequences=2, do_sample=True))):
         expanded = compress_context_ids(model, ids, **settings)
         expanded.batch_select_indices(torch.zeros(k, dtype=torch.long))
@@ -526,8 +529,11 @@ def test_beams_and_samples_from_a_compressed_context_share_its_one_row():
         shared = model.generate(prompt, past_key_values=compress_context_ids(model, ids, **settings), max_new_tokens=5, **kwargs)
         assert torch.equal(shared, reference)
     stream = compress_context_ids(model, ids, mode="decode", **settings)
+    before = [layer.nbytes() for layer in stream.layers]
     with pytest.raises(ValueError, match="holds 1 batch row and got a block of 2: a live stream .* goes on with the rows it started with"):
         _greedy(model, torch.cat([prompt, prompt]), stream, new=1)
+    assert [layer.nbytes() for layer in stream.layers] == before
+    assert _greedy(model, prompt, stream, new=1).shape == (1, 1)  # and it goes on with its one row
 
 
 def test_a_cache_refuses_the_blocks_of_another_model():
@@ -579,3 +585,21 @@ def test_a_padded_rows_statistics_are_its_own(family):
     assert all(res.kv_bytes == res.peak_kv_bytes == res.kv_bytes_full for res in full)  # the full cache saves nothing
     for ctx, res in zip(contexts, full):
         assert res.slots_per_layer == generate_ids(model, ctx, question, method=None, max_new_tokens=3, stop_at_eos=False).slots_per_layer
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_a_compressed_context_goes_on_under_model_generate(mode):
+    """A cache from `compress_context_ids` (and after `answer_from_cache_ids` answered from it) goes on under a plain
+    `model.generate`: a decode-mode cache's streams write in place into buffers built under inference mode, which
+    torch refuses outside it; the tokens are those of the same cache answering the same question."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, ids, question = tiny("llama"), _ids(120), _ids(6, 2)
+    settings = dict(method="keydiff", compression_ratio=0.5, sink=2, window=8, mode=mode)
+    (answer,) = answer_from_cache_ids(model, compress_context_ids(model, ids, **settings), [question], max_new_tokens=4,
+                                      stop_at_eos=False)
+    cache = compress_context_ids(model, ids, **settings)
+    assert _greedy(model, torch.cat([ids, question], 1), cache, new=4)[0].tolist() == answer.token_ids
+    answered = compress_context_ids(model, ids, **settings)
+    answer_from_cache_ids(model, answered, [question], max_new_tokens=4, stop_at_eos=False)
+    assert _greedy(model, torch.cat([ids, question], 1), answered, new=4)[0].tolist() == answer.token_ids

@@ -498,7 +498,7 @@ def _answer_each(session: _Session, questions_ids: list[torch.Tensor], prefill_s
     return results
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: the cache it returns goes on under model.generate, whose in-place writes inference tensors refuse
 def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionOptions | None = None, *, progress: bool = False,
                          **settings) -> CompressedCache:
     """The context [1, n] prefilled and compressed once, as `answer_questions_ids` does before its questions: the cache,
@@ -527,7 +527,7 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     return session.cache
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: the cache it answers from lives on, and goes on under model.generate
 def answer_from_cache_ids(
     model, cache: "CompressedCache | str | os.PathLike", questions_ids: list[torch.Tensor], *, max_new_tokens: int = 64,
     stop_at_eos: bool = True,
