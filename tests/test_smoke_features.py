@@ -265,6 +265,20 @@ def test_model_generate_with_a_compressed_cache_streams_and_beam_searches(defaul
 
 
 @pytest.mark.smoke
+@pytest.mark.parametrize("bits", [None, 4])
+def test_beams_from_a_compressed_context_of_the_default(default_model, bits):
+    """`kvc.compress_context` with the default (packed heads; with kv_bits, quantized), then a plain `model.generate`
+    with beam search from it: every beam goes on from a copy of the context's one row."""
+    model, tokenizer = default_model
+    cache = kvc.compress_context(model, tokenizer, CONTEXT, compression_ratio=0.5, kv_bits=bits, progress=False)
+    question = tokenizer("\n" + QUESTION, add_special_tokens=False, return_tensors="pt").input_ids
+    prompt = torch.cat([cache.token_ids, question], 1)
+    beams = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=2,
+                           do_sample=False)
+    assert beams.shape == (1, prompt.shape[1] + NEW)
+
+
+@pytest.mark.smoke
 def test_model_generate_with_the_default_method_in_a_compressed_cache(default_model):
     """`kvc.CompressedCache(model, compression_ratio=...)` (no method named: the default) inside a plain
     `model.generate`: the default (AdaKV over KVzap) reads each layer's hidden states, which the cache has the model
