@@ -81,6 +81,8 @@ class CachePlan:
     attention function (`model_support.keep_hidden_states`).
     randomized: the method draws from its generator in shapes that depend on the batch, so an unpadded batch is
     compressed row by row to give each row its solo draws (`CompressedLayer._draws_per_row`).
+    stream_rows_apart: a stream of a batch scores each row as that row alone (`Method.stream_rows_apart`); else a
+    stream takes one row only.
     """
 
     ragged: bool
@@ -88,12 +90,14 @@ class CachePlan:
     pre_rope_keys: bool
     hidden_states: bool
     randomized: bool
+    stream_rows_apart: bool
 
     @classmethod
     def of(cls, method) -> "CachePlan":
         needs = method.requirements
         return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"),
-                   hidden_states=needs.needs("hidden_states"), randomized=method.randomized)
+                   hidden_states=needs.needs("hidden_states"), randomized=method.randomized,
+                   stream_rows_apart=method.stream_rows_apart)
 
 
 @dataclass
@@ -271,6 +275,11 @@ class CompressedLayer(CacheLayerMixin):
                 raise ValueError(f"method {options.method!r} draws random numbers, and a stream of a batch of {keys.shape[0]} rows would draw "
                                  f"them for every row at once, unlike each row alone: in mode={options.mode!r} run one row at a time "
                                  "(kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
+            if self.front is None and keys.shape[0] > 1 and not self.cache.plan.stream_rows_apart:
+                raise ValueError(f"method {options.method!r} streams a batch's rows together, each head padded to the longest head of "
+                                 f"the batch, and its scores read every key of a head, so a row of a batch of {keys.shape[0]} would keep "
+                                 f"other tokens than it keeps alone: in mode={options.mode!r} run one row at a time (kvc.generate "
+                                 "does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:
                 self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
@@ -482,11 +491,12 @@ class CompressedLayer(CacheLayerMixin):
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live
         stream) copied, the cache's own objects it holds (`CompressedCache.stream_links`) left shared, not copied."""
-        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen, self.rows
+        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen, self.rows, list(self.budgets)
 
     def restore(self, state) -> None:
-        front, self.tail, self.seen, self.rows = state
-        self.front = _frozen(front, self.cache.stream_links())
+        """Take back a `snapshot()`: what is stored, the tokens seen, the rows and the budgets it was compressed to."""
+        front, self.tail, self.seen, self.rows, budgets = state
+        self.front, self.budgets = _frozen(front, self.cache.stream_links()), list(budgets)
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
@@ -638,6 +648,7 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
             self.is_initialized, self.keys, self.values, self.cumulative_length = False, None, None, 0
         else:
             self.keys, self.values, self.cumulative_length = state
+            self.is_initialized = True
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of the window held, for `import_state`."""

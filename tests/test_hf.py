@@ -603,3 +603,58 @@ def test_a_compressed_context_goes_on_under_model_generate(mode):
     answered = compress_context_ids(model, ids, **settings)
     answer_from_cache_ids(model, answered, [question], max_new_tokens=4, stop_at_eos=False)
     assert _greedy(model, torch.cat([ids, question], 1), answered, new=4)[0].tolist() == answer.token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_snapshot_restores_into_a_reset_or_a_fresh_cache(family, tmp_path):
+    """`reset()` then `restore(snapshot)`, or a snapshot restored into a fresh cache, answers as the cache it was taken
+    from, sliding-window layers included (their window was dropped as uninitialised), and keeps the budgets it was
+    compressed to: the file it saves loads (it held the budgets of every compression since, or none)."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, ctx, question = tiny(family), _ids(150), _ids(8, 2)
+    cache = compress_context_ids(model, ctx, method="keydiff", compression_ratio=0.5)
+    snapshot = cache.snapshot()
+    (reference,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=6, stop_at_eos=False)
+    fresh = CompressedCache(model, cache.options)
+    cache.reset()
+    for target in (cache, fresh):
+        target.restore(snapshot)
+        (again,) = answer_from_cache_ids(model, target, [question], max_new_tokens=6, stop_at_eos=False)
+        assert again.token_ids == reference.token_ids and again.budget == reference.budget
+        target.save(tmp_path / "again.kvc")
+        assert kvc.load_cache(tmp_path / "again.kvc", model).middle_budget() == cache.middle_budget()
+    # restored to before its first context, a cache compresses the next one to that one's budget alone
+    restored, alone = (CompressedCache(model, "keydiff", compression_ratio=0.5) for _ in range(2))
+    before = restored.snapshot()
+    with torch.no_grad():
+        model(ctx, past_key_values=restored)
+        restored.restore(before)
+        model(ctx[:, :100], past_key_values=restored)
+        model(ctx[:, :100], past_key_values=alone)
+    assert [getattr(layer, "budgets", None) for layer in restored.layers] == [getattr(layer, "budgets", None) for layer in alone.layers]
+    restored.save(tmp_path / "restored.kvc", token_ids=ctx[:, :100])
+    assert kvc.load_cache(tmp_path / "restored.kvc", model).middle_budget() == alone.middle_budget()
+
+
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+def test_a_stream_that_scores_rows_together_takes_one_row(mode):
+    """AdaKV over SnapKV pads each head of a stream's batch to the longest head of the batch, and SnapKV's softmax and
+    pooling read every key of a head: a cache refuses such a batch in a stream, naming what to do, and `kvc.generate`
+    runs its contexts one at a time, each as it runs alone. Over KVzap's scores (the default's), fixed on entry, a
+    batch streams in one forward."""
+    from kvcompress.integration import use_compressed_attention
+    from kvcompress.methods.registry import build_method
+    from test_integration import blocks
+
+    model, question = tiny("llama"), _ids(6, 2)
+    contexts = [_ids(150, 1), _ids(150, 7)]
+    cache = CompressedCache(model, "adakv", compression_ratio=0.5, mode=mode, stream_length=150)
+    with pytest.raises(ValueError, match="streams a batch's rows together.*run one row at a time"):
+        with torch.no_grad(), use_compressed_attention(model):
+            model(torch.cat(contexts), past_key_values=cache)
+    settings = dict(method="adakv", compression_ratio=0.5, mode=mode, max_new_tokens=5, stop_at_eos=False, **blocks(mode))
+    batch = generate_batch_ids(model, contexts, question, **settings)
+    assert [r.extra["batch_run"] for r in batch] == ["one_by_one"] * 2
+    assert [r.token_ids for r in batch] == [generate_ids(model, c, question, **settings).token_ids for c in contexts]
+    assert build_method("adakv", scorer="kvzap").stream_rows_apart and not build_method("adakv").stream_rows_apart

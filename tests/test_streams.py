@@ -276,12 +276,13 @@ def test_a_cache_refuses_the_settings_of_how_kvc_generate_feeds_a_prompt(name, v
         CompressedCache(tiny(), "knorm", budget=24, mode="chunked", **{name: value})
 
 
-def test_a_layers_slots_are_counted_part_by_part_as_its_unpacked_state_counts_them():
+def test_a_layers_slots_are_counted_part_by_part_as_its_unpacked_state_counts_them(tiny_default_scorer):
     """`slots` reads each stored part (a stream's packed kept tokens, its buffer, the sink and window) without unpacking:
-    the same count as the finite log-weights of the whole `stored()` summary, per row and over the batch."""
+    the same count as the finite log-weights of the whole `stored()` summary, per row and over the batch (AdaKV over
+    KVzap's scores, which stream a batch's rows apart)."""
     model = tiny()
     ctx = torch.cat([_prompt(n=200, seed=2)[0], _prompt(n=200, seed=3)[0]])
-    cache = CompressedCache(model, "adakv", budget=24, sink=2, window=4, mode="chunked", slack=0.5)
+    cache = CompressedCache(model, "adakv", method_params={"scorer": "kvzap"}, budget=24, sink=2, window=4, mode="chunked", slack=0.5)
     with use_compressed_attention(model), torch.no_grad():
         for start in range(0, 200, 32):
             model(ctx[:, start : start + 32], past_key_values=cache)

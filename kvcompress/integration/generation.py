@@ -629,6 +629,8 @@ def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
     needs = options.compressor.requirements if options.method is not None else None
     if needs is not None and options.compressor.randomized and (options.streams or needs.budget_scope == "model"):
         return True  # drawn row by row (`CompressedLayer._draws_per_row`), which neither a stream nor one budget over layers does
+    if needs is not None and options.streams and not options.compressor.stream_rows_apart:
+        return True  # a stream that scores a batch's rows together (`Method.stream_rows_apart`)
     if not padded or options.streams:
         return padded
     return needs is not None and (needs.needs("reconstruction") or needs.budget_scope == "model")

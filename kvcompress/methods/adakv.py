@@ -288,6 +288,12 @@ class AdaKV(Method):
         `ENTRY_SCORE_ROOM` slots of room."""
         return self.scorer.scores_on_entry and self.normalize == "none" and self.span == 1
 
+    @property
+    def stream_rows_apart(self) -> bool:
+        """A stream pads every head of a batch's held tokens to the longest head of the batch (`AdaptiveBlockwiseState`):
+        scores fixed on entry do not see the padding, a scorer's softmax or pooling over a head's keys does."""
+        return self.ranks_by_entry_score
+
     def layer_budget(self, budget: int, layer_idx: int, middle_length: int | None) -> int:
         """scope "model" (in a stream, or in prefill mode with layer_split "learned"): layer `layer_idx`'s share of the
         model's budget, `budget` per head on average over the layers. Its share s is alpha_safeguard + (1 - alpha_safeguard)·(the scorer's `layer_shares` at the kept
@@ -438,7 +444,9 @@ class AdaptiveBlockwiseState(BlockwiseState):
     longest head with empty slots (zero keys and values, position -1), then its new tokens; the empty slots' scores
     are set to -inf before the joint top-k, so they are never kept. A scorer that reads every key of a head (SnapKV's
     softmax, KeyDiff's mean key) sees the zero keys beside the real ones: a departure from scoring the held tokens
-    alone (KeyDiff's scores do not change: a zero key moves the mean's length, not its direction).
+    alone (KeyDiff's scores do not change: a zero key moves the mean's length, not its direction). In a batch the
+    padding runs to the longest head of any row, so a row would be scored beside the others: such a stream takes one
+    row (`AdaKV.stream_rows_apart`).
 
     Scores fixed when a token enters (`Tokens.entry_scores`: KVzap's, ranked as they are, `AdaKV.ranks_by_entry_score`)
     let the stream turn tokens away as they enter. After a re-compression, a head's floor (the lowest of its own top
