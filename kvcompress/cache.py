@@ -793,6 +793,8 @@ class CompressedCache(Cache):
             )
         if options.streams and stream_length is not None:
             options.budget_for(as_count("stream_length", stream_length, 1))
+        elif options.streams and options.budget is not None:  # a method whose layers' shares need the stream's length refuses now
+            options.compressor.layer_budget(options.budget, 0, None)
         elif stream_length is not None:
             raise ValueError(f"stream_length={stream_length!r} is the tokens a stream will take; mode={options.mode!r} streams "
                              "nothing and takes none")

@@ -406,3 +406,17 @@ def test_a_stream_keeps_only_the_queries_its_method_reads(method, read, monkeypa
     assert every.state.last.queries.shape[2] == 100
     a, b = kept.summary(), every.summary()
     assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys) and torch.equal(a.log_weights, b.log_weights)
+
+
+def test_a_stream_whose_layer_shares_need_its_length_is_refused_when_the_cache_is_built(tiny_default_scorer):
+    """The default (AdaKV over KVzap, one budget over the model) shares a stream's budget among the layers by the
+    fraction of the stream kept: built with a budget and no stream_length, the cache is refused there, not in the
+    middle of its first forward; with stream_length, or a layer scope, it streams."""
+    model = tiny()
+    with pytest.raises(ValueError, match=r"give the cache the stream's length \(CompressedCache\(\.\.\., stream_length=N\)\)"):
+        CompressedCache(model, "default", mode="chunked", budget=40)
+    for cache in (CompressedCache(model, "default", mode="chunked", budget=40, stream_length=200),
+                  CompressedCache(model, "adakv", method_params={"scorer": "kvzap", "scope": "layer"}, mode="chunked", budget=40)):
+        with use_compressed_attention(model), torch.no_grad():
+            model(_prompt(n=64)[0], past_key_values=cache)
+        assert cache.layers[0].seen == 64
