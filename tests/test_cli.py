@@ -162,3 +162,14 @@ def test_eval_checks_its_results_folder_before_loading_the_model(tmp_path, capsy
     (out / "config.json").write_text(json.dumps({"config": {"seed": 0}, "model": "SmolLM2-135M-Instruct"}))
     assert main(["eval", "--seed", "3", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 2
     assert "holds the results of another run: seed (--seed) 3, there 0" in capsys.readouterr().err
+
+
+def test_the_slack_help_states_the_defaults_the_library_uses():
+    """`--slack`'s help gives the default method's slack and any other method's (`DEFAULT_SLACK`), as the library sets them."""
+    from kvcompress.cli import build_parser
+    from kvcompress.methods.budget import DEFAULT_SLACK
+    from kvcompress.options import DEFAULT_METHODS
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    text = " ".join(next(a.help for a in generate._actions if "--slack" in a.option_strings).split())
+    assert f"the default method's {DEFAULT_METHODS['chunked'][2]['slack']}, any other method's {DEFAULT_SLACK}" in text
