@@ -178,7 +178,7 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         rows = key_states.shape[0]
         self.check_rows(rows)
-        if self.rows == 1 and rows > 1 and self.front is not None:  # a shared context: each row goes on from a copy of it
+        if self.rows == 1 and rows > 1:  # a shared context: each row goes on from a copy of it
             self.reorder_cache(torch.zeros(rows, dtype=torch.long, device=key_states.device))
         self.rows = rows
         if self.pending is not None:
@@ -305,14 +305,19 @@ class CompressedLayer(CacheLayerMixin):
         return options.compressor.layer_budget(self.budgets[0], self.layer_idx, middle)
 
     def compact(self) -> None:
-        """End a live stream's prompt (chunked mode): the stream compacted (`Stream.compact`), what it keeps is stored as
-        a compressed context, as `_keep` stores one (timed as compression), and the stream goes with its workspace (the
-        room it reserved for later tokens, the latest block's queries), which nothing reads once the prompt has ended."""
+        """End a live stream's prompt (chunked mode): the stream compacted (`Stream.compact`) and what it keeps stored as a
+        compressed context (timed as compression): with kv_bits, or with heads that keep different numbers of slots, as
+        `_keep` stores one; else its summary in storage of its own, later tokens joining the exact tail (as a loaded
+        chunked cache stores it). The stream goes with its workspace (the latest block's queries), which nothing reads
+        once the prompt has ended."""
         if isinstance(self.front, Stream):
             start = time.perf_counter()
             self.front.compact()
-            recent = self.front.recent
-            self._keep(self.front.summary(), recent.length if recent is not None else 0)
+            summary, recent = self.front.summary(), self.front.recent
+            if self.cache.options.kv_bits is not None or (self.cache.plan.ragged and has_empty_slots(summary)):
+                self._keep(summary, recent.length if recent is not None else 0)
+            else:
+                self.front = summary.clone()
             self.stats.compress_seconds += time.perf_counter() - start
 
     def _keep(self, summary: KVSummary, window: int) -> None:
@@ -459,7 +464,8 @@ class CompressedLayer(CacheLayerMixin):
         self.stats = LayerStats()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Beam search: keep the batch rows `beam_idx` [B] (prefill mode; a live stream cannot be reordered)."""
+        """Beam search: keep the batch rows `beam_idx` [B] (a live stream, decode mode or a chunked prompt, cannot be
+        reordered)."""
         if isinstance(self.front, Stream):
             raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
         if isinstance(self.front, _STORED_FRONTS):
@@ -497,6 +503,9 @@ class CompressedLayer(CacheLayerMixin):
         """Take back a `snapshot()`: what is stored, the tokens seen, the rows and the budgets it was compressed to."""
         front, self.tail, self.seen, self.rows, budgets = state
         self.front, self.budgets = _frozen(front, self.cache.stream_links()), list(budgets)
+        if self.seen and not self.is_initialized:  # restored into a fresh cache: its dtype and device are the state's
+            parts = self._stored_parts()
+            self.lazy_initialization(parts[0].keys, parts[0].values)
 
     def export_state(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors named under `prefix`, description) of what the layer stores, for `import_state` (`CompressedCache.save`):
@@ -746,7 +755,7 @@ class CompressedCache(Cache):
     The cache stores the blocks its caller's forwards give it: `model.generate` gives the prompt in one
     forward, or in blocks of N with `model.generate(..., prefill_chunk_size=N)`; kvc.generate's settings
     for feeding a prompt (chunk_size, compress_question, prefill_approx) are refused here. In mode
-    "chunked" the prompt ends (`absorbing` set False: the streams compacted, later tokens exact) when
+    "chunked" the prompt ends (`absorbing` set False: what the streams keep stored, later tokens exact) when
     the caller says so or, in a cache built by name, at the first one-token forward: `model.generate`'s
     first step, after the prompt, so the answer stays exact.
 
@@ -909,7 +918,7 @@ class CompressedCache(Cache):
         if self.options.mode == "chunked" and self.absorbing:
             raise ValueError(
                 "this mode='chunked' cache holds live streams that keep absorbing its prompt: it can be saved once the prompt has "
-                "ended (cache.absorbing = False compacts it, as kvc.compress_context does)"
+                "ended (cache.absorbing = False stores what its streams keep, as kvc.compress_context does)"
             )
         seen = self.get_seq_length()
         if seen == 0:

@@ -658,3 +658,28 @@ def test_a_stream_that_scores_rows_together_takes_one_row(mode):
     assert [r.extra["batch_run"] for r in batch] == ["one_by_one"] * 2
     assert [r.token_ids for r in batch] == [generate_ids(model, c, question, **settings).token_ids for c in contexts]
     assert build_method("adakv", scorer="kvzap").stream_rows_apart and not build_method("adakv").stream_rows_apart
+
+
+def test_a_context_held_only_exactly_is_shared_by_beams_and_a_restored_snapshot_saves_at_once(tmp_path):
+    """A chunked cache whose prompt ended before its first token holds its context only in the exact tail: beams share
+    it too. A decode-mode snapshot restored into a fresh cache saves at once (it took its dtype and device from the
+    state, not from a forward) and loads to answer as the cache it was taken from."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, ids = tiny("llama"), _ids(40)
+    cache = CompressedCache(model, "keydiff", budget=24, mode="chunked")
+    cache.absorbing = False
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert cache.layers[0].front is None
+    prompt = torch.cat([ids, _ids(4, 2)], 1)
+    assert model.generate(prompt, past_key_values=cache, max_new_tokens=3, min_new_tokens=3, num_beams=2, do_sample=False).shape == (1, 47)
+
+    stream = compress_context_ids(model, _ids(150), method="keydiff", compression_ratio=0.5, mode="decode")
+    fresh = CompressedCache(model, stream.options, stream_length=150)
+    fresh.restore(stream.snapshot())
+    fresh.save(tmp_path / "fresh.kvc")
+    (here,) = answer_from_cache_ids(model, stream, [_ids(6, 3)], max_new_tokens=4, stop_at_eos=False)
+    (loaded,) = answer_from_cache_ids(model, kvc.load_cache(tmp_path / "fresh.kvc", model), [_ids(6, 3)], max_new_tokens=4,
+                                      stop_at_eos=False)
+    assert loaded.token_ids == here.token_ids

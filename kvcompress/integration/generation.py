@@ -504,7 +504,7 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     """The context [1, n] prefilled and compressed once, as `answer_questions_ids` does before its questions: the cache,
     its `token_ids` the context's, ready to `save` or to answer from (`answer_from_cache_ids`, `generate(cache=...)`).
 
-    Takes `generate_ids`' options. A chunked cache's prompt is ended (its streams compacted, and with
+    Takes `generate_ids`' options. A chunked cache's prompt is ended (what its streams keep stored, with
     kv_bits quantized); a decode-mode cache's streams stay live, so every later token (question,
     answer) goes through them, and its compression_ratio is resolved against the context alone
     (the questions to come are not known). The full cache (method=None) and compress_question (no

@@ -122,7 +122,7 @@ class Tokens(Saveable):
         return replace(self, keys=owned(self.keys), values=owned(self.values), positions=owned(self.positions),
                        pre_rope_keys=owned(self.pre_rope_keys), attention_mass=owned(self.attention_mass),
                        hidden_states=owned(self.hidden_states), entry_scores=owned(self.entry_scores), queries=None,
-                       query_positions=None, exact_keys=None, exact_positions=None)
+                       query_positions=None, exact_keys=None, exact_positions=None, extra_lse=None)
 
     def scoring_context(self, queries_read: int | None = None) -> "Tokens":
         """What a stream state keeps of its latest block to score the tokens it holds (`tokens_from_columns`): the
@@ -133,13 +133,15 @@ class Tokens(Saveable):
         def emptied(t):
             return t[:, :, :0].clone() if t is not None else None
 
-        queries, query_positions = self.queries, self.query_positions
+        queries, query_positions, extra_lse = self.queries, self.query_positions, self.extra_lse
         if queries is not None and queries_read is not None and queries_read < queries.shape[2]:
             queries = queries[:, :, -queries_read:].clone()
             query_positions = query_positions[-queries_read:].clone() if query_positions is not None else None
+            extra_lse = extra_lse[:, :, -queries_read:].clone() if extra_lse is not None else None
         return replace(self, keys=emptied(self.keys), values=emptied(self.values), positions=emptied(self.positions),
                        pre_rope_keys=emptied(self.pre_rope_keys), hidden_states=emptied(self.hidden_states),
-                       entry_scores=emptied(self.entry_scores), queries=queries, query_positions=query_positions)
+                       entry_scores=emptied(self.entry_scores), queries=queries, query_positions=query_positions,
+                       extra_lse=extra_lse)
 
     def select(self, index: torch.Tensor, keys_values: bool = True) -> "Tokens":
         """The tokens at `index` [B,H,k] of each head. A given attention mass is dropped: it was normalised
