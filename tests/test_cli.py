@@ -172,4 +172,5 @@ def test_the_slack_help_states_the_defaults_the_library_uses():
 
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     text = " ".join(next(a.help for a in generate._actions if "--slack" in a.option_strings).split())
-    assert f"the default method's {DEFAULT_METHODS['chunked'][2]['slack']}, any other method's {DEFAULT_SLACK}" in text
+    assert f"the default method's {DEFAULT_METHODS['chunked'][2]['slack']}, back to 10/11" in text
+    assert f"any other method's {DEFAULT_SLACK}, back to 2/3" in text

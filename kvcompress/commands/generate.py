@@ -60,8 +60,8 @@ def add_compression_args(p, later_questions: bool = False) -> None:
                    help=f"prompt block size in chunked/decode mode (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--slack", type=float, default=None,
                    help="chunked/decode mode: the room a re-compressing stream fills before it compresses again, as a fraction of what it "
-                        "compresses back to, both within the budget (default: the default method's 0.1, any other method's 0.5, "
-                        "back to 2/3 of the budget; 0: one slot of room)")
+                        "compresses back to, both within the budget (default: the default method's 0.1, back to 10/11 of the "
+                        "budget; any other method's 0.5, back to 2/3; 0: one slot of room)")
     if not later_questions:
         p.add_argument("--compress-question", action="store_true", help="compress the question together with the context")
     else:
