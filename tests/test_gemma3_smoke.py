@@ -74,9 +74,11 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     # its one row in every layer, sliding ones too
     assert_holds_what_it_reports(cache, "prefill", "gemma3 snapkv kv_bits=4")
     question = tokenizer(QUESTION, add_special_tokens=False, return_tensors="pt").input_ids
-    beams = model.generate(torch.cat([cache.token_ids, question], 1), past_key_values=cache, max_new_tokens=4, num_beams=2,
-                           do_sample=False)
-    assert beams.shape == (1, cache.token_ids.shape[1] + question.shape[1] + 4)
+    expanded = kvc.compress_context(model, tokenizer, CONTEXT, method="snapkv", compression_ratio=0.75, kv_bits=4, progress=False)
+    expanded.batch_select_indices(torch.zeros(2, dtype=torch.long))  # the context copied to both beams by hand
+    beams = [model.generate(torch.cat([cache.token_ids, question], 1), past_key_values=c, max_new_tokens=4, min_new_tokens=4,
+                            num_beams=2, do_sample=False) for c in (cache, expanded)]
+    assert beams[0].shape == (1, cache.token_ids.shape[1] + question.shape[1] + 4) and torch.equal(beams[0], beams[1])
 
     # the default has no scorer for this model: refused, naming the command that trains one
     with pytest.raises(SurrogateError, match="kvcompress train-scorer"):

@@ -270,12 +270,14 @@ def test_beams_from_a_compressed_context_of_the_default(default_model, bits):
     """`kvc.compress_context` with the default (packed heads; with kv_bits, quantized), then a plain `model.generate`
     with beam search from it: every beam goes on from a copy of the context's one row."""
     model, tokenizer = default_model
-    cache = kvc.compress_context(model, tokenizer, CONTEXT, compression_ratio=0.5, kv_bits=bits, progress=False)
+    shared, expanded = (kvc.compress_context(model, tokenizer, CONTEXT, compression_ratio=0.5, kv_bits=bits, progress=False)
+                        for _ in range(2))
+    expanded.batch_select_indices(torch.zeros(2, dtype=torch.long))  # the context copied to both beams by hand
     question = tokenizer("\n" + QUESTION, add_special_tokens=False, return_tensors="pt").input_ids
-    prompt = torch.cat([cache.token_ids, question], 1)
-    beams = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=2,
-                           do_sample=False)
-    assert beams.shape == (1, prompt.shape[1] + NEW)
+    prompt = torch.cat([shared.token_ids, question], 1)
+    beams = [model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=NEW,
+                            min_new_tokens=NEW, num_beams=2, do_sample=False) for cache in (shared, expanded)]
+    assert beams[0].shape == (1, prompt.shape[1] + NEW) and torch.equal(beams[0], beams[1])
 
 
 @pytest.mark.smoke
