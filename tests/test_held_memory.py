@@ -51,33 +51,42 @@ def storage_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
 
 
 def viewed_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
-    """Bytes the tensors themselves span (distinct views counted once)."""
-    views = {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()): t.numel() * t.element_size()
-             for _, t in tensors if t.numel()}
-    return sum(views.values())
+    """Bytes of each storage under `tensors` that some tensor spans: from the lowest element any of them starts at to
+    the highest any reaches (so a small view beside a large one on the same storage shows as the gap between them)."""
+    extents: dict[int, tuple[int, int]] = {}
+    for _, t in tensors:
+        if not t.numel():
+            continue
+        start = t.storage_offset() * t.element_size()
+        end = start + (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+        ptr = t.untyped_storage().data_ptr()
+        low, high = extents.get(ptr, (start, end))
+        extents[ptr] = (min(low, start), max(high, end))
+    return sum(high - low for low, high in extents.values())
 
 
-def _bookkeeping(tensors: list[tuple[str, torch.Tensor]], head_dim: int) -> int:
-    """Bytes `nbytes()` leaves out as bookkeeping: integer tensors but codes (positions, counts, indices), float tensors
+def is_bookkeeping(t: torch.Tensor, head_dim: int) -> bool:
+    """What `nbytes()` leaves out as bookkeeping: integer tensors but codes (positions, counts, indices), float tensors
     with no feature axis (log-weights and scores [B, H, n] or packed [T], per-head statistics [B, H]; packed keys and
     values are [T, head_dim]) and expanded placeholders (a zero stride)."""
-    def kept(t: torch.Tensor) -> bool:
-        if not t.is_floating_point():
-            return t.dtype != torch.uint8
-        return t.ndim in (1, 3) or (t.ndim == 2 and t.shape[-1] != head_dim) or 0 in t.stride()
-
-    return storage_bytes([(p, t) for p, t in tensors if kept(t)])
+    if not t.is_floating_point():
+        return t.dtype != torch.uint8
+    return t.ndim in (1, 3) or (t.ndim == 2 and t.shape[-1] != head_dim) or 0 in t.stride()
 
 
 def assert_holds_what_it_reports(cache: CompressedCache, mode: str, where: str) -> None:
-    """No view keeps a larger tensor alive; workspace only in decode mode, for a method that scores with the queries
+    """No view of keys, values or codes keeps a larger tensor alive (small integer bookkeeping views aside); workspace
+    only in decode mode, for a method that scores with the queries
     (the latest block's queries and exact neighbours); what is held beyond it is `nbytes()` plus bookkeeping."""
     tensors = [(p, t) for p, t in held_tensors(cache) if t.numel()]
-    assert storage_bytes(tensors) <= viewed_bytes(tensors), (where, _pinning(tensors))
+    head_dim = cache.saved_dims["D"]
+    kv = [(p, t) for p, t in tensors if not is_bookkeeping(t, head_dim)]
+    assert storage_bytes(kv) <= viewed_bytes(kv), (where, _pinning(kv))
     stored = [(p, t) for p, t in tensors if not any(f".{w}." in p for w in WORKSPACE)]
     workspace = mode == "decode" and cache.options.compressor.requirements.needs("queries")
     assert workspace or len(stored) == len(tensors), f"{where}: workspace held: {_names(tensors, stored)}"
-    assert storage_bytes(stored) <= cache.nbytes() + _bookkeeping(stored, cache.saved_dims["D"]), where
+    bookkeeping = storage_bytes([(p, t) for p, t in stored if is_bookkeeping(t, head_dim)])
+    assert storage_bytes(stored) <= cache.nbytes() + bookkeeping, where
 
 
 def _pinning(tensors) -> list[str]:
