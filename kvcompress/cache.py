@@ -176,8 +176,7 @@ class CompressedLayer(CacheLayerMixin):
                              "for the model it runs with")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        rows = key_states.shape[0]
-        self.check_rows(rows)
+        rows = key_states.shape[0]  # checked against what every layer holds by `CompressedCache.update`
         if self.rows == 1 and rows > 1:  # a shared context: each row goes on from a copy of it
             self.reorder_cache(torch.zeros(rows, dtype=torch.long, device=key_states.device))
         self.rows = rows
@@ -271,15 +270,14 @@ class CompressedLayer(CacheLayerMixin):
         elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
-            if self.front is None and self._draws_per_row(keys.shape[0]):
-                raise ValueError(f"method {options.method!r} draws random numbers, and a stream of a batch of {keys.shape[0]} rows would draw "
-                                 f"them for every row at once, unlike each row alone: in mode={options.mode!r} run one row at a time "
-                                 "(kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
-            if self.front is None and keys.shape[0] > 1 and not self.cache.plan.stream_rows_apart:
-                raise ValueError(f"method {options.method!r} streams a batch's rows together, each head padded to the longest head of "
-                                 f"the batch, and its scores read every key of a head, so a row of a batch of {keys.shape[0]} would keep "
-                                 f"other tokens than it keeps alone: in mode={options.mode!r} run one row at a time (kvc.generate "
-                                 "does, for a list of contexts), or use mode='prefill', which compresses each row alone")
+            rows = keys.shape[0]
+            if self.front is None and rows > 1 and (self.cache.plan.randomized or not self.cache.plan.stream_rows_apart):
+                why = (f"draws random numbers, and a stream of a batch of {rows} rows would draw them for every row at once"
+                       if self.cache.plan.randomized else
+                       f"streams a batch's rows together, each head padded to the longest head of the batch, and its scores read "
+                       f"every key of a head, so a row of a batch of {rows} would keep other tokens")
+                raise ValueError(f"method {options.method!r} {why}, unlike each row alone: in mode={options.mode!r} run one row at a "
+                                 "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:
                 self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
                 bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
