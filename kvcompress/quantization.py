@@ -523,9 +523,9 @@ class QuantizedSlots(Saveable):
         """Columns stored, as `view()` returns them (keys and values count one each)."""
         return self.raw.width - 4
 
-    def append(self, columns: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None,
-               known: list[tuple[torch.Tensor, QuantizedTensor]] = ()) -> None:
-        """Append slots [B, H, n, ...] per column; known: rows that keep their codes (`quantize_rows`)."""
+    def encode(self, columns: tuple[torch.Tensor, ...], known: list[tuple[torch.Tensor, QuantizedTensor]] = ()) -> tuple[torch.Tensor, ...]:
+        """Slots [B, H, n, ...] per column (keys, values, positions, extra columns) as this buffer stores them (`stored()`),
+        not stored yet: keys and values quantized; known: rows that keep their codes (`quantize_rows`)."""
         keys, values, *rest = columns
         if self.dims is None:
             self.dims = (keys.shape[-1], values.shape[-1])
@@ -533,16 +533,31 @@ class QuantizedSlots(Saveable):
         for x in (keys, values):
             q = quantize_rows(x, self.bits, self.group_size, known)
             parts += [t.view(*x.shape[:3], t.shape[-1]) for t in (q.packed, q.scale, q.zero)]
-        self.raw.append((*parts, *rest), reserve=reserve, most=most)
+        return (*parts, *rest)
+
+    def append(self, columns: tuple[torch.Tensor, ...], reserve: int = 0, most: int | None = None,
+               known: list[tuple[torch.Tensor, QuantizedTensor]] = ()) -> None:
+        """Append slots [B, H, n, ...] per column; known: rows that keep their codes (`quantize_rows`)."""
+        self.raw.append(self.encode(columns, known), reserve=reserve, most=most)
 
     def view(self) -> tuple[torch.Tensor, ...]:
         (keys, _), (values, _) = self.known()
         return (keys, values, *self.raw.view()[6:])
 
-    def take(self, index: torch.Tensor, reserve: int = 0, most: int | None = None) -> "QuantizedSlots":
-        """A new buffer holding the slots `index` [B, H, k] (ascending per head) of this one, their codes as stored."""
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The columns as stored [B, H, n, ...]: key codes, scales and zero points, the values' three, then the other
+        columns (positions first)."""
+        return self.raw.view()
+
+    def emptied(self) -> "QuantizedSlots":
+        """An empty buffer of the same bits, group size and dims."""
         out = QuantizedSlots(self.bits, self.group_size)
         out.dims = self.dims
+        return out
+
+    def take(self, index: torch.Tensor, reserve: int = 0, most: int | None = None) -> "QuantizedSlots":
+        """A new buffer holding the slots `index` [B, H, k] (ascending per head) of this one, their codes as stored."""
+        out = self.emptied()
         out.raw.append(tuple(take_slots(t, index) for t in self.raw.view()), reserve=reserve, most=most)
         return out
 
@@ -562,3 +577,60 @@ class QuantizedSlots(Saveable):
         """Bytes allocated (room included) for the codes, scales and zero points of keys and values, and for any
         other per-slot vector column [B,H,capacity,d] (stored pre-RoPE keys); per-slot scalars are bookkeeping."""
         return sum(t.numel() * t.element_size() for i, t in enumerate(self.raw.tensors) if i < 6 or t.ndim == 4)
+
+
+@saved("quantized_ragged_slots")
+@dataclass(frozen=True)
+class QuantizedRaggedSlots(PackedByHead, Saveable):
+    """Slots packed head after head as `RaggedSummary` packs them, each quantized on its own as `QuantizedSlots` stores a
+    stream's slots (keys and values per slot, over groups of `group_size` consecutive channels): what a head-adaptive
+    stream keeps between re-compressions (`methods.adakv.AdaptiveBlockwiseState`). A re-compression selects stored
+    codes (`stored_columns`, `of_stored`), so a slot is quantized once, when it enters the stream; immutable.
+
+    keys [1, 1, T, d] and values [1, 1, T, d_v]: `QuantizedTensor`s on axis "token" (T: the slots of every batch row and
+    head); positions [T] int32; counts [B, H] int32 (slots per head; they sum to T). Every slot has weight 0.
+    """
+
+    keys: QuantizedTensor
+    values: QuantizedTensor
+    positions: torch.Tensor
+    counts: torch.Tensor
+    log_weights = None  # every slot of weight 0 (`PackedByHead`)
+
+    saved_fields = {"keys": Instance("quantized_tensor"), "values": Instance("quantized_tensor"), "positions": Tensor("T", ("int32",)),
+                    "counts": Tensor("B H", ("int32",))}
+
+    @classmethod
+    def from_saved(cls, values):
+        return cls(**values)
+
+    def check_saved(self) -> None:
+        total = self.positions.shape[0]
+        if bool((self.counts < 0).any()) or int(self.counts.sum()) != total:
+            raise ValueError(f"per-head counts must be non-negative and add up to the {total} packed slots")
+        for name, q in (("keys", self.keys), ("values", self.values)):
+            if tuple(q.packed.shape[:3]) != (1, 1, total) or q.axis != "token" or (q.bits, q.group_size) != (self.keys.bits, self.keys.group_size):
+                raise ValueError(f"{name}: codes {list(q.packed.shape)} on axis {q.axis!r} in {q.bits} bits, expected [1, 1, {total}, ...] "
+                                 f"on axis 'token' in the keys' {self.keys.bits} bits and groups of {self.keys.group_size}")
+
+    @classmethod
+    def of_stored(cls, columns: list[torch.Tensor], counts: torch.Tensor, slots: QuantizedSlots) -> "QuantizedRaggedSlots":
+        """From packed columns [T, ...] in the order `slots` (a `QuantizedSlots` of the same bits, group size and dims)
+        stores them: key codes, scales and zero points, the values' three, positions."""
+        keys, values = (QuantizedTensor(*(c[None, None] for c in columns[3 * i : 3 * i + 3]), slots.bits, slots.group_size, "token",
+                                        slots.dims[i]) for i in range(2))
+        return cls(keys, values, _int32(columns[6]), counts.to(torch.int32))
+
+    def stored_columns(self) -> tuple[torch.Tensor, ...]:
+        """The packed columns [T, ...] in `QuantizedSlots`'s order (`of_stored`); positions int32."""
+        return (*(t[0, 0] for q in (self.keys, self.values) for t in (q.packed, q.scale, q.zero)), self.positions)
+
+    def ragged(self) -> RaggedSummary:
+        """The dequantized slots, still packed (attention reads them where they are), keys and values in the scales'
+        dtype; its layout from this packing's, read from the device once."""
+        packed = RaggedSummary(self.keys.dequantize()[0, 0], self.values.dequantize()[0, 0], None, self.positions, self.counts)
+        return packed.with_layout_of(self)
+
+    def nbytes(self) -> int:
+        """KV bytes stored: codes, scales and zero points of keys and values, and the per-head counts."""
+        return self.keys.nbytes() + self.values.nbytes() + self.counts.numel() * self.counts.element_size()

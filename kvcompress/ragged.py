@@ -62,6 +62,19 @@ class PackedByHead:
         """Whether the unpacked summary is eviction-only: every weight 0 and no empty slot."""
         return self.log_weights is None and self._uniform
 
+    def _slots(self) -> torch.Tensor:
+        """[T]: where each packed slot goes in the unpacked [B·H·num_slots] slot axis (its head's run, from the start)."""
+        head, within = packed_heads(self.counts)
+        return head * self.num_slots + within
+
+    def unpacked(self, column: torch.Tensor, fill: float, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """A packed column [T, ...] as [B, H, m, ...]: each head's slots first, then `fill` up to the longest head m.
+        slots: `_slots()`, when the caller has it already."""
+        b, h = self.counts.shape
+        out = column.new_full((b * h * self.num_slots, *column.shape[1:]), fill)
+        out.index_copy_(0, self._slots() if slots is None else slots, column)
+        return out.view(b, h, self.num_slots, *column.shape[1:])
+
     def with_layout_of(self, other: "PackedByHead"):
         """self, given the layout `other` (of the same counts) has read already: for a packing rebuilt at each read from
         a stored one (`QuantizedRaggedSummary.ragged`), so no read waits on the device for it."""
@@ -117,11 +130,6 @@ class RaggedSummary(PackedByHead, Saveable):
         return cls(summary.keys[real], summary.values[real], log_weights, int32_positions(summary.positions[real]),
                    real.sum(-1).to(torch.int32))
 
-    def _slots(self) -> torch.Tensor:
-        """[T]: where each packed slot goes in the unpacked [B·H·num_slots] slot axis (its head's run, from the start)."""
-        head, within = packed_heads(self.counts)
-        return head * self.num_slots + within
-
     def padded(self, *packed: torch.Tensor, fill: float = 0.0) -> tuple[torch.Tensor, ...]:
         """(keys [B, H, m, d], values [B, H, m, d_v], positions [B, H, m] int64, then each of `packed` [T, ...] as
         [B, H, m, ...]): each head's slots first, then empty ones up to the longest head m, with zero keys and values,
@@ -129,14 +137,6 @@ class RaggedSummary(PackedByHead, Saveable):
         slots = self._slots()
         columns = ((self.keys, 0), (self.values, 0), (self.positions.long(), -1), *((c, fill) for c in packed))
         return tuple(self.unpacked(column, value, slots) for column, value in columns)
-
-    def unpacked(self, column: torch.Tensor, fill: float, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """A packed column [T, ...] as [B, H, m, ...]: each head's slots first, then `fill` up to the longest head m.
-        slots: `_slots()`, when the caller has it already."""
-        b, h = self.counts.shape
-        out = column.new_full((b * h * self.num_slots, *column.shape[1:]), fill)
-        out.index_copy_(0, self._slots() if slots is None else slots, column)
-        return out.view(b, h, self.num_slots, *column.shape[1:])
 
     def summary(self) -> KVSummary:
         """The padded summary: each head's slots first, then empty ones (log-weight -inf, position -1, zero keys and

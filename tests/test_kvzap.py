@@ -470,11 +470,12 @@ def test_a_recorded_prefill_is_refused_by_name_for_kvzap(tiny_checkpoint, tiny_s
     assert CompressionOptions(method="snapkv", budget=16).compressor.requirements.compresses_a_recorded_prefill
 
 
-@pytest.mark.parametrize("pre_rope", [False, True])
-def test_a_recompression_by_entry_scores_keeps_what_one_over_every_held_column_keeps(tmp_path, pre_rope):
+@pytest.mark.parametrize("pre_rope,bits", [(False, None), (True, None), (True, 4)])
+def test_a_recompression_by_entry_scores_keeps_what_one_over_every_held_column_keeps(tmp_path, pre_rope, bits):
     """`AdaptiveBlockwiseState._recompress_by_entry_scores` (the kept tokens' columns gathered from the packed slots and
     the buffer, only the scores unpacked) leaves the state `_recompress_held` (every column unpacked to one rectangle)
-    leaves: the same packed keys, values, positions, extra columns, per-head counts and admission rule."""
+    leaves: the same packed keys, values (with kv_bits, their codes, scales and zero points), positions, extra columns,
+    per-head counts and admission rule."""
     import copy
 
     from kvcompress.methods.adakv import AdaKV
@@ -483,10 +484,12 @@ def test_a_recompression_by_entry_scores_keeps_what_one_over_every_held_column_k
     method = AdaKV(scorer=KVzap(scorer=str(tmp_path / "s.safetensors")), alpha_safeguard=0.2)
     g = torch.Generator().manual_seed(7)
     b, h, n, budget = 2, 3, 400, 40
-    keys, values = torch.randn(b, h, n, 4, generator=g), torch.randn(b, h, n, 4, generator=g)
+    keys, values = torch.randn(b, h, n, 8, generator=g), torch.randn(b, h, n, 8, generator=g)
     scores = torch.randn(b, h, n, generator=g) + torch.linspace(0, 2, h)[:, None]
-    pre = torch.randn(b, h, n, 4, generator=g)
+    pre = torch.randn(b, h, n, 8, generator=g)
     state = method.new_stream(budget, torch.Generator(), 0.1)
+    if bits is not None:
+        state = state.quantized(bits, 4)
     checked = 0
     for start in range(0, n, 9):
         stop = min(n, start + 9)
@@ -496,13 +499,63 @@ def test_a_recompression_by_entry_scores_keeps_what_one_over_every_held_column_k
             gathered, unpacked = copy.deepcopy(state), copy.deepcopy(state)
             gathered._recompress_by_entry_scores()
             unpacked._recompress_held(fixed=True)
-            for name in ("keys", "values", "positions", "counts"):
-                assert torch.equal(getattr(gathered.kept, name), getattr(unpacked.kept, name)), name
+            assert all(torch.equal(x, y) for x, y in zip(gathered._stored_kept(), unpacked._stored_kept(), strict=True))
+            assert len(gathered._stored_kept()) == (7 if bits else 3) + 1 + pre_rope
+            assert torch.equal(gathered.kept.counts, unpacked.kept.counts)
             assert len(gathered.kept_extra) == 1 + pre_rope
             assert all(torch.equal(x, y) for x, y in zip(gathered.kept_extra, unpacked.kept_extra, strict=True))
             assert all(torch.equal(x, y) for x, y in zip(gathered.admission, unpacked.admission, strict=True))
             checked += 1
     assert checked >= 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_kv_bits_a_stream_over_entry_scores_keeps_the_same_tokens_each_quantized_once_and_packed(tmp_path, dtype):
+    """AdaKV over entry scores (the default's streams) with kv_bits: the same tokens are kept as at full precision, at every
+    step (positions, per-head counts, admission rule, the buffer's length), each kept slot is its key and value quantized once
+    on entry (`quantize` per slot over groups of channels), and the kept slots are stored packed
+    (`QuantizedRaggedSlots`), so the state stores each kept slot's codes, scales and zero points and the buffer's: a
+    layer row holds at most H_kv·budget slots, as at full precision."""
+    from kvcompress.methods.adakv import AdaKV
+    from kvcompress.quantization import QuantizedRaggedSlots, quantize
+    from kvcompress.summary import take_slots
+
+    _surrogate(width=4).save(tmp_path / "s.safetensors")
+    method = AdaKV(scorer=KVzap(scorer=str(tmp_path / "s.safetensors")), alpha_safeguard=0.2)
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d, budget, group = 2, 3, 600, 16, 40, 8
+    keys, values = (torch.randn(b, h, n, d, generator=g).to(dtype) for _ in range(2))
+    scores = torch.randn(b, h, n, generator=g) + torch.linspace(0, 2, h)[:, None]
+    full = method.new_stream(budget, torch.Generator(), 0.1)
+    quantized = method.new_stream(budget, torch.Generator(), 0.1).quantized(4, group)
+    per_slot = 2 * (d * 4 // 8 + 2 * (d // group) * keys.element_size())  # a key and a value: codes, a scale and a zero per group
+    checked = 0
+    for start in range(0, n, 37):  # blocks larger than the room (16) and smaller
+        stop = min(n, start + 37)
+        for state in (full, quantized):
+            state.absorb(Tokens(keys[:, :, start:stop], values[:, :, start:stop], torch.arange(start, stop).expand(b, h, -1),
+                                entry_scores=scores[:, :, start:stop]))
+        assert quantized.slots.length == full.slots.length and quantized.seen == full.seen
+        if full.kept is None:
+            continue
+        assert isinstance(quantized.kept, QuantizedRaggedSlots)
+        assert torch.equal(quantized.kept.positions, full.kept.positions) and torch.equal(quantized.kept.counts, full.kept.counts)
+        assert all(torch.equal(x, y) for x, y in zip(quantized.admission, full.admission, strict=True))
+        stored = quantized.kept.ragged()
+        index = full.kept.positions.long()  # the packed slots' tokens, head after head
+        head = torch.repeat_interleave(torch.arange(b * h), full.kept.counts.flatten().long())
+        for got, original in ((stored.keys, keys), (stored.values, values)):
+            expected = quantize(original.flatten(0, 1)[head, index][None, None], 4, group, "token").dequantize()[0, 0]
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        new = quantized.slots.view()
+        if quantized.slots.length:
+            positions = new[2]
+            torch.testing.assert_close(new[0], quantize(take_slots(keys, positions), 4, group, "token").dequantize(), rtol=0, atol=0)
+        assert quantized.nbytes() == (full.kept.positions.numel() + b * h * quantized.slots.tensors[0].shape[2]) * per_slot + \
+            full.kept.counts.numel() * 4
+        assert quantized.nbytes() <= b * h * budget * per_slot + full.kept.counts.numel() * 4
+        checked += 1
+    assert checked >= 10
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])

@@ -415,7 +415,7 @@ def test_the_fingerprint_samples_exact_indices_of_any_size(numel):
 # The saved format: every registered class, its version and its fields. A change here is a change of the file format:
 # bump the class's version (`saved(name, version)`) and, for a change old files cannot be read with, cache_file.VERSION.
 SAVED_FORMAT = {
-    "adaptive_blockwise_state": (3, ['admission', 'budget', 'generator', 'kept', 'kept_extra', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
+    "adaptive_blockwise_state": (4, ['admission', 'budget', 'generator', 'kept', 'kept_extra', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
     "balancekv_stream": (2, ['budget', 'events', 'exact_count', 'fail_events', 'free', 'generator', 'held', 'key_count', 'key_sum', 'keys', 'method', 'outliers', 'pool', 'references', 'scale', 'shape', 'slack_slots', 'stored_rows', 'template', 'values']),
     "blockwise_state": (2, ['budget', 'generator', 'last', 'limit', 'log_weights', 'method', 'peak_slots', 'seen', 'slack_slots', 'slots']),
     "clustergen_state": (2, ['block_size', 'budget', 'ends', 'pending', 'runs', 'seen', 'slack_slots', 'waiting']),
@@ -429,6 +429,7 @@ SAVED_FORMAT = {
     "normalizer": (1, ['keys', 'log_weights', 'positions']),
     "quantized_slots": (1, ['bits', 'dims', 'group_size', 'raw']),
     "quantized_state": (1, ['bits', 'exact_within_budget', 'group_size', 'other_bytes', 'shapes', 'state', 'stored']),
+    "quantized_ragged_slots": (1, ['counts', 'keys', 'positions', 'values']),
     "quantized_ragged_summary": (1, ['bits', 'counts', 'group_size', 'key_codes', 'key_scale', 'key_zero', 'log_weights', 'positions', 'values']),
     "quantized_summary": (1, ['keys', 'log_weights', 'normalizer', 'positions', 'values']),
     "quantized_tensor": (1, ['axis', 'bits', 'dim', 'group_size', 'packed', 'scale', 'zero']),

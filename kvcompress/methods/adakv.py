@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..checks import as_count
+from ..quantization import QuantizedRaggedSlots, QuantizedSlots
 from ..ragged import RaggedSummary, concat_parts, int32_positions
 from ..saved_state import Instance, Maybe, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, take_slots
@@ -99,19 +100,14 @@ def joint_top(priority: torch.Tensor, budget: int) -> torch.Tensor:
     return kept.scatter_(-1, chosen, True).view(b, h, n)
 
 
-def padded_index(kept: torch.Tensor, priority: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_index(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [B, H, m], real [B, H, m]) with m the most tokens any head keeps: the kept tokens of each head in
-    ascending order, then (real False) the fill-up to m. priority None: the fill-up is whichever tokens come
-    first; else the rest of the m slots go to the head's highest `priority`, and everything is in ascending order."""
+    ascending order, then (real False) the fill-up to m, whichever tokens come first."""
     counts = kept.sum(-1)
     width = int(counts.max()) if counts.numel() else 0
-    if priority is None:
-        index = first_true(kept, width)
-        real = torch.arange(width, device=kept.device) < counts.unsqueeze(-1)
-        return index, real
-    ranked = torch.where(kept, math.inf, priority.float().nan_to_num(nan=-math.inf))
-    index = ranked.topk(width, dim=-1).indices.sort(dim=-1).values
-    return index, kept.gather(-1, index)
+    index = first_true(kept, width)
+    real = torch.arange(width, device=kept.device) < counts.unsqueeze(-1)
+    return index, real
 
 
 @register
@@ -164,11 +160,10 @@ class AdaKV(Method):
     stay exact around it, as for every method. A cache stores such a summary ragged
     (`kvcompress.ragged.RaggedSummary`: only the kept slots) in prefill mode and once a chunked prompt ends.
 
-    Streams (chunked and decode modes, `kvc.stream`) run block-wise (`BlockwiseState`) over a rectangular buffer:
-    after a re-compression each head holds m slots, its kept tokens plus, for a head that keeps fewer than m, its
-    next-best tokens filling the rest. Those are not attended (log-weight -inf) and stay candidates at the next
-    re-compression. So a live stream stores m slots per head (never more than the tokens it has taken in), not
-    the ragged total; a decode-mode cache holds its stream to the end.
+    Streams (chunked and decode modes, `kvc.stream`) run block-wise (`AdaptiveBlockwiseState`): after a
+    re-compression each head's kept tokens are stored packed as well, at full precision or with kv_bits, and the
+    tokens taken in since then wait in a rectangular buffer within the room the budget leaves; a decode-mode cache
+    holds its stream to the end.
     """
 
     name = "adakv"
@@ -430,7 +425,7 @@ def evicted_summary(tokens: Tokens, evicted: torch.Tensor, slots: int) -> KVSumm
     return KVSummary(keys, values, log_weights, positions)
 
 
-@saved("adaptive_blockwise_state", 3)
+@saved("adaptive_blockwise_state", 4)
 class AdaptiveBlockwiseState(BlockwiseState):
     """`BlockwiseState` for head-adaptive budgets, stored ragged: a re-compression keeps H_kv·target tokens per batch
     row (`AdaKV.allocate`'s rule, `head_allocation`), each head as many as it wins, packed head after head
@@ -462,13 +457,13 @@ class AdaptiveBlockwiseState(BlockwiseState):
     `ENTRY_SCORE_ROOM` slots (up to half the budget), so that a small budget (a layer with a small share of the
     model's) does not re-compress at nearly every admitted token of decode mode's answer.
 
-    With kv_bits the buffer is stored quantized (`QuantizedSlots`), which has no packed form: a re-compression keeps
-    a rectangle of m slots per head, m the most any head keeps, a head that keeps fewer filling its m slots with its
-    next-best tokens (held with log-weight -inf: not attended, candidates again at the next re-compression), and the
-    room comes on top of m; that buffer's slots can pass the budget (its bytes are kv_bits/16 of full precision's).
+    With kv_bits every slot is stored quantized, each on its own (`QuantizedSlots`: keys and values per slot over groups
+    of channels) once, when it enters: the new tokens wait in a quantized buffer, and a re-compression keeps the stored
+    codes of the tokens it keeps, packed as they are at full precision (`QuantizedRaggedSlots`). So everything above
+    holds in kv_bits bits: the same slots, each dequantized as it was quantized on entry.
     """
 
-    saved_fields = {**BlockwiseState.saved_fields, "kept": Maybe(Instance("ragged_summary")), "kept_extra": Sequence(Tensor("* ..."), kind="tuple"),
+    saved_fields = {**BlockwiseState.saved_fields, "kept": Maybe(Instance("ragged_summary", "quantized_ragged_slots")), "kept_extra": Sequence(Tensor("* ..."), kind="tuple"),
                     "admission": Maybe(Sequence(Tensor("* ..."), kind="tuple", size=2))}
 
     # (floors [B, H], cutoffs [B]) of the last re-compression over entry scores, or None (none yet, or scores that are
@@ -480,14 +475,15 @@ class AdaptiveBlockwiseState(BlockwiseState):
         if method.ranks_by_entry_score:
             room = max(room, min(ENTRY_SCORE_ROOM, budget // 2))
         super().__init__(method, budget, generator, slack, split=(budget - room, room))
-        self.kept: RaggedSummary | None = None  # the tokens the last re-compression kept, packed (None before the first)
+        # the tokens the last re-compression kept, packed (None before the first); quantized with kv_bits
+        self.kept: RaggedSummary | QuantizedRaggedSlots | None = None
         self.kept_extra: tuple[torch.Tensor, ...] = ()  # their other stored columns (pre-RoPE keys), packed as `kept`
 
     def absorb(self, tokens: Tokens, codes=None) -> None:
         """`BlockwiseState.absorb`; with scores fixed on entry, only of the tokens a later re-compression could still
         keep (`admission`, checked again after each re-compression the block causes); the others count as seen and are
         not stored."""
-        if codes is not None or not self._ragged() or tokens.entry_scores is None or not self.method.ranks_by_entry_score:
+        if codes is not None or tokens.entry_scores is None or not self.method.ranks_by_entry_score:
             return super().absorb(tokens, codes)
         rest = self._admitted(tokens)
         while rest is not None:
@@ -536,34 +532,50 @@ class AdaptiveBlockwiseState(BlockwiseState):
                 raise ValueError(f"admission floors {list(floors.shape)} and cutoffs {list(cutoffs.shape)} must be [B, H] and [B] "
                                  "of a stream that has re-compressed")
 
-    def _ragged(self) -> bool:
-        return isinstance(self.slots, _GrowingSlots)
-
     def held_slots(self) -> int:
         return self.slots.length + (self.target if self.kept is not None else 0)
 
     def most_slots(self) -> int:
         return self.seen - (self.target if self.kept is not None else 0)
 
-    def _held_columns(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    def _quantized(self) -> bool:
+        return isinstance(self.slots, QuantizedSlots)
+
+    def _stored_new(self) -> tuple[torch.Tensor, ...]:
+        """The buffer's columns [B, H, r, ...] as stored (`_stored_kept`'s order: with kv_bits, codes, scales and zero
+        points for keys and values)."""
+        return self.slots.stored() if self._quantized() else self.slots.view()
+
+    def _stored_kept(self) -> tuple[torch.Tensor, ...]:
+        """The kept tokens' packed columns [T, ...] as stored: keys and values (with kv_bits, their codes, scales and
+        zero points), positions, then the extra columns."""
+        kept = self.kept.stored_columns() if self._quantized() else (self.kept.keys, self.kept.values, self.kept.positions)
+        return (*kept, *self.kept_extra)
+
+    def _held_columns(self, stored: bool = False) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """(every held column [B, H, m + r, ...]: the kept tokens unpacked to a rectangle (`RaggedSummary.padded`) then
-        the new tokens; empty [B, H, m + r] bool, the padding's slots, or None before the first re-compression)."""
-        new = self.slots.view()
+        the new tokens; empty [B, H, m + r] bool, the padding's slots, or None before the first re-compression).
+        stored: the columns as stored (`_stored_new`; the padding's are zeros, its positions -1), not keys and values."""
+        new = self._stored_new() if stored else self.slots.view()
         if self.kept is None:
             return new, None
-        kept = self.kept.padded(*self.kept_extra)
+        if stored:
+            place, at = self.kept._slots(), self._positions_column()
+            kept = tuple(self.kept.unpacked(c, -1 if i == at else 0, place) for i, c in enumerate(self._stored_kept()))
+        else:
+            kept = (self.kept.ragged() if self._quantized() else self.kept).padded(*self.kept_extra)
         columns = tuple(torch.cat([k, n], 2) for k, n in zip(kept, new)) if new else kept
-        return columns, columns[2] < 0  # an empty slot's position is -1, every token's at least 0
+        return columns, columns[self._positions_column() if stored else 2] < 0  # an empty slot's position is -1, every token's at least 0
+
+    def _positions_column(self) -> int:
+        """Where the positions are among the stored columns (after keys and values, or their codes, scales and zero points)."""
+        return 6 if self._quantized() else 2
 
     def held(self) -> Tokens:
-        if not self._ragged():
-            return super().held()
         held = tokens_from_columns(self.last, self._held_columns()[0])
         return replace(held, pre_rope_keys=held.pre_rope()) if self.method.requirements.needs("pre_rope_keys") else held
 
     def recompress(self, room: int) -> None:
-        if not self._ragged():
-            return super().recompress(room)
         if self.held_slots() <= self.target:
             return
         fixed = self.last.entry_scores is not None and self.method.ranks_by_entry_score
@@ -584,7 +596,8 @@ class AdaptiveBlockwiseState(BlockwiseState):
             scores = scores.masked_fill(empty, -math.inf)
         kept = self._allocate(scores, fixed)
         slots = kept.flatten().nonzero().squeeze(1)  # the kept slots of the [B·H·n] rectangle, head after head: packed order
-        self._store([column.flatten(0, 2).index_select(0, slots) for column in columns], kept)
+        stored = self._held_columns(stored=True)[0] if self._quantized() else columns
+        self._store([column.flatten(0, 2).index_select(0, slots) for column in stored], kept)
 
     def _recompress_by_entry_scores(self, block: Tokens | None = None) -> None:
         """`recompress` when the ranks are the entry scores (`AdaKV.ranks_by_entry_score`) and a re-compression kept
@@ -593,9 +606,11 @@ class AdaptiveBlockwiseState(BlockwiseState):
         tokens: the same scores `head_scores` would give); each stored column of the tokens kept is then gathered at
         once from the packed slots and the buffer, never unpacked. block: tokens arriving now that take part without
         being buffered first (the new tokens are the buffer's then theirs): only those kept are stored."""
-        new = self.slots.view()
+        new = self._stored_new()
         if block is not None:
             arriving = self.columns(block)
+            if self._quantized():
+                arriving = self.slots.encode(arriving)
             new = tuple(torch.cat([n, a], 2) for n, a in zip(new, arriving)) if new else arriving
         kept_scores = self.kept.unpacked(self.kept_extra[-1], -math.inf)  # the entry scores are the last column
         kept = self._allocate(torch.cat([kept_scores, new[-1].float()], 2), fixed=True)
@@ -604,11 +619,11 @@ class AdaptiveBlockwiseState(BlockwiseState):
         head, column_index = slots.div(width, rounding_mode="floor"), slots.remainder(width)
         counts = self.kept.counts.flatten().long()
         old_source = (counts.cumsum(0) - counts)[head] + column_index
-        new_source = self.kept.keys.shape[0] + head * (width - old_width) + column_index - old_width
+        new_source = self.kept.positions.shape[0] + head * (width - old_width) + column_index - old_width
         source = torch.where(column_index < old_width, old_source, new_source)  # into [packed kept slots; buffer rows]
-        old = (self.kept.keys, self.kept.values, self.kept.positions, *self.kept_extra)
-        fresh = (new[0], new[1], int32_positions(new[2]), *new[3:])
-        self._store([torch.cat([o, f.flatten(0, 2)]).index_select(0, source) for o, f in zip(old, fresh)], kept)
+        at = self._positions_column()
+        fresh = (*new[:at], int32_positions(new[at]), *new[at + 1 :])
+        self._store([torch.cat([o, f.flatten(0, 2)]).index_select(0, source) for o, f in zip(self._stored_kept(), fresh)], kept)
 
     def _allocate(self, scores: torch.Tensor, fixed: bool) -> torch.Tensor:
         """kept [B, H, n]: the re-compression's `head_allocation` of the held tokens' scores [B, H, n] (empty slots
@@ -619,45 +634,35 @@ class AdaptiveBlockwiseState(BlockwiseState):
         return kept
 
     def _store(self, packed: list[torch.Tensor], kept: torch.Tensor) -> None:
-        """Keep the packed columns [T, ...] of the tokens `kept` [B, H, n] chose (keys, values, positions, then the
-        extra ones); the buffer starts empty again."""
-        self.kept = RaggedSummary(packed[0], packed[1], None, int32_positions(packed[2]), kept.sum(-1).to(torch.int32))
-        self.kept_extra = tuple(packed[3:])
-        self.slots = _GrowingSlots()  # the room is allocated with the next token
+        """Keep the packed columns [T, ...] of the tokens `kept` [B, H, n] chose, as stored (`_stored_kept`'s order);
+        the buffer starts empty again (the room is allocated with the next token)."""
+        at, counts = self._positions_column(), kept.sum(-1).to(torch.int32)
+        if self._quantized():
+            self.kept = QuantizedRaggedSlots.of_stored(packed[: at + 1], counts, self.slots)
+            self.slots = self.slots.emptied()
+        else:
+            self.kept = RaggedSummary(packed[0], packed[1], None, int32_positions(packed[2]), counts)
+            self.slots = _GrowingSlots()
+        self.kept_extra = tuple(packed[at + 1 :])
         self.limit = self.target
 
-    def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
-        """The quantized buffer's rectangle (see the class docstring)."""
-        kept, scores, _ = self.method.allocate(held, self.target, self.generator)
-        index, real = padded_index(kept, scores)
-        self.log_weights = torch.zeros(real.shape, device=held.keys.device).masked_fill(~real, float("-inf"))
-        return tuple(take_slots(column, index) for column in self.slots.view())
-
     def compact(self) -> None:
-        if not self._ragged():
-            return super().compact()
         if self.slots.tensors:
             held = self.slots.view()
             self._refill(held, held[2], held[0].shape[2])
 
     def summary_parts(self) -> list[KVSummary | RaggedSummary]:
         """The kept tokens, packed (a `RaggedSummary`: attention reads it where it is stored), then the new ones."""
-        if not self._ragged() or self.kept is None:
+        if self.kept is None:
             return super().summary_parts()
-        parts = [self.kept]
+        parts = [self.kept.ragged() if self._quantized() else self.kept]
         if self.slots.length:
             keys, values, positions, *_ = self.slots.view()
             parts.append(KVSummary.exact(keys, values, positions))
         return parts
 
     def summary(self) -> KVSummary | None:
-        if self._ragged():
-            return super().summary() if self.kept is None else concat_parts(self.summary_parts())
-        summary = super().summary()
-        if summary is None or self.log_weights is None:
-            return summary
-        empty = torch.isneginf(summary.log_weights)
-        return KVSummary(summary.keys, summary.values, summary.log_weights, summary.positions.masked_fill(empty, -1))
+        return super().summary() if self.kept is None else concat_parts(self.summary_parts())
 
     def nbytes(self) -> int:
         """KV bytes: the packed kept slots (with their per-head counts and any packed pre-RoPE keys) and the buffer of
