@@ -2,6 +2,7 @@
 token as the cache that was saved, for every method in every mode (a decode-mode cache with its live streams), at full
 precision and quantized, in float32 and bfloat16; and a clear error for every file or model that cannot be used."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -84,6 +85,48 @@ def test_every_method_round_trips_through_a_fresh_process(tiny_checkpoint, tmp_p
         assert (got["tokens"], got["slots"]) == (want["tokens"], want["slots"]), name
         # the same bytes, or fewer: a chunked stream's workspace (a method's state beyond its summary) is not saved
         assert got["kv_bytes"] <= want["kv_bytes"] and (got["kv_bytes"] == want["kv_bytes"] or "chunked-None" in name), name
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_the_default_method_round_trips_in_every_mode(tiny_checkpoint, tiny_default_scorer, tmp_path, mode, bits):
+    """The default (AdaKV over KVzap's entry scores, its streams packed, quantized with kv_bits) saved and loaded answers as
+    generating from the context does, with the same slots; a stream's packed slots load checked against its buffer
+    (quantized slots with a quantized buffer of the same bits, group size and dims)."""
+    model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
+    ctx, question = _ids(300, 1), _ids(8, 2)
+    options = dict(method="default", mode=mode, budget=24, sink=2, window=8, kv_bits=bits, **blocks(mode))
+    reference = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
+    cache = compress_context_ids(model, ctx, **options)
+    cache.save(tmp_path / "default.kvc")
+    (loaded,) = answer_from_cache_ids(model, kvc.load_cache(tmp_path / "default.kvc", model), [question], max_new_tokens=NEW,
+                                      stop_at_eos=False)
+    assert (loaded.token_ids, loaded.slots_per_layer) == (reference.token_ids, reference.slots_per_layer)
+    # the same bytes, or fewer in decode mode: a loaded stream's buffer allocates its room with the next token it admits
+    assert loaded.kv_bytes == reference.kv_bytes or (mode == "decode" and loaded.kv_bytes < reference.kv_bytes)
+
+
+def test_a_stream_whose_kept_slots_do_not_match_its_buffer_is_refused():
+    """AdaKV's stream state read from a file: kept slots at full precision beside a quantized buffer, or quantized in
+    other bits than the buffer's, are refused by name instead of failing at the next step."""
+    from kvcompress.methods.adakv import AdaKV
+    from kvcompress.methods.tokens import Tokens
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 120, 16, generator=g), torch.randn(1, 2, 120, 16, generator=g)
+    states = {}
+    for bits in (None, 4, 8):
+        state = AdaKV(scorer=build_method("knorm")).new_stream(24, torch.Generator(), 0.5)
+        state = state.quantized(bits, 8) if bits else state
+        for start in range(0, 120, 20):
+            state.absorb(Tokens(keys[:, :, start : start + 20], values[:, :, start : start + 20], torch.arange(start, start + 20).expand(1, 2, -1)))
+        state.check_saved()
+        states[bits] = state
+    for into, source, why in ((4, None, "at full precision"), (None, 4, "expected a ragged_summary"), (4, 8, r"\(8, 8")):
+        state = copy.copy(states[into])
+        state.kept = states[source].kept
+        with pytest.raises(ValueError, match=why):
+            state.check_saved()
 
 
 @pytest.mark.parametrize("method", ["keydiff", "hybrid", "compactor", "express"])

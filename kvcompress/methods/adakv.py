@@ -429,7 +429,7 @@ def evicted_summary(tokens: Tokens, evicted: torch.Tensor, slots: int) -> KVSumm
 class AdaptiveBlockwiseState(BlockwiseState):
     """`BlockwiseState` for head-adaptive budgets, stored ragged: a re-compression keeps H_kv·target tokens per batch
     row (`AdaKV.allocate`'s rule, `head_allocation`), each head as many as it wins, packed head after head
-    (`kept`, a `RaggedSummary`: only the kept slots are stored, as a cache stores a compressed context); the tokens
+    (`kept`, a `RaggedSummary`, with kv_bits a `QuantizedRaggedSlots`: only the kept slots are stored); the tokens
     absorbed since then wait in the rectangular buffer (`slots`: every head takes every token) until it holds
     `slack_slots` (the room `budget.stream_split` leaves) per head, when everything held is re-allocated again. So
     a layer row stores at most H_kv·budget slots at any time, the block being absorbed included, as the other
@@ -524,8 +524,17 @@ class AdaptiveBlockwiseState(BlockwiseState):
             b, h = self.kept.counts.shape
             if int(self.kept.counts.sum()) != b * h * self.target or self.log_weights is not None or self.limit != self.target:
                 raise ValueError(f"{int(self.kept.counts.sum())} packed slots for {b}x{h} heads of target {self.target}")
-            if any(t.shape[0] != self.kept.keys.shape[0] for t in self.kept_extra):
+            if any(t.shape[0] != self.kept.positions.shape[0] for t in self.kept_extra):
                 raise ValueError("the packed extra columns do not match the packed slots")
+            if self._quantized():
+                layout = (self.slots.bits, self.slots.group_size, self.slots.dims)
+                kept = (self.kept.keys.bits, self.kept.keys.group_size, (self.kept.keys.dim, self.kept.values.dim)) \
+                    if isinstance(self.kept, QuantizedRaggedSlots) else None
+                if kept != layout:
+                    raise ValueError(f"a quantized buffer of (bits, group size, dims) {layout} holds kept slots "
+                                     f"{'of ' + str(kept) if kept else 'at full precision'}: expected quantized_ragged_slots of the same")
+            elif not isinstance(self.kept, RaggedSummary):
+                raise ValueError(f"a full-precision buffer holds kept slots stored as {type(self.kept).saved_name}: expected a ragged_summary")
         if self.admission is not None:
             floors, cutoffs = self.admission
             if self.kept is None or floors.shape != self.kept.counts.shape or cutoffs.shape != floors.shape[:1]:
