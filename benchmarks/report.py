@@ -574,7 +574,8 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "The default at ratio 0.9 (`default`) and the default storing what it keeps in 4 bits (`default_4bit`: `kv_bits=4`) at "
      "ratio 0.6, which in prefill mode stores about as many bytes (the tuning table \"Fewer tokens or fewer bits, at equal "
      "memory\"), in prefill and decode modes, each cell in a fresh process as above; two runs, one per method, each with "
-     "its `plain` row. In decode mode the 4-bit streams cost more and store more than the default at 0.9.",
+     "its `plain` row. In decode mode too the 4-bit streams (their kept slots packed, each slot quantized once) store about the "
+     "default's bytes at 0.9.",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens), each round a plain generate and then the answer (`--pairing round`).",
