@@ -466,13 +466,38 @@ def quantize_rows(x: torch.Tensor, bits: int, group_size: int, known: list[tuple
 
 
 def _find_rows(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """For each row of rows [N, d], the index of a row of pool [P, d] with the same bits, or -1 ([N] int64)."""
-    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()]
-    both = torch.cat([pool, rows]).contiguous().view(as_int)
-    unique, inverse = torch.unique(both, dim=0, return_inverse=True)
-    first = torch.full((unique.shape[0],), -1, dtype=torch.long, device=rows.device)
-    first.scatter_(0, inverse[: pool.shape[0]], torch.arange(pool.shape[0], device=rows.device))
-    return first[inverse[pool.shape[0] :]]
+    """For each row of rows [N, d], the index of a row of pool [P, d] with the same bits, or -1 ([N] int64).
+
+    Each row's bits, read as int16 words, are reduced to one int64 key by a fixed random linear map (words below 2^15,
+    weights below 2^31, at most 2^16 words: the sum is exact); a row whose key is found among the pool's is then
+    compared word for word. Equal rows have equal keys, so no match is missed; two different rows with one key (one in
+    about 2^31 pairs) send the lookup to `torch.unique` over whole rows, which is exact and slower."""
+    words = torch.cat([pool, rows]).contiguous().view(torch.int16)
+    if words.shape[1] > 2**16:
+        return _find_rows_exactly(words, pool.shape[0])
+    keys = _row_keys(words)
+    pool_keys, order = keys[: pool.shape[0]].sort()
+    at = torch.searchsorted(pool_keys, keys[pool.shape[0] :]).clamp_(max=max(pool.shape[0] - 1, 0))
+    found = pool_keys[at] == keys[pool.shape[0] :] if pool.shape[0] else torch.zeros_like(keys[pool.shape[0] :], dtype=torch.bool)
+    match = torch.where(found, order[at] if pool.shape[0] else at, -1)
+    same = (words[match.clamp_min(0)] == words[pool.shape[0] :]).all(-1) if pool.shape[0] else found
+    if bool((found & ~same).any()):
+        return _find_rows_exactly(words, pool.shape[0])
+    return match
+
+
+def _row_keys(words: torch.Tensor) -> torch.Tensor:
+    """[n] int64: each row of words [n, w] (int16, w ≤ 2^16) under a fixed random linear map, exact in int64."""
+    weights = torch.randint(1, 2**31, (words.shape[1],), generator=torch.Generator().manual_seed(0)).to(words.device)
+    return (words.long() * weights).sum(-1)
+
+
+def _find_rows_exactly(words: torch.Tensor, pool_size: int) -> torch.Tensor:
+    """`_find_rows` over the pool's then the rows' words [P + N, w], by `torch.unique` over whole rows."""
+    unique, inverse = torch.unique(words, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), -1, dtype=torch.long, device=words.device)
+    first.scatter_(0, inverse[:pool_size], torch.arange(pool_size, device=words.device))
+    return first[inverse[pool_size:]]
 
 
 @saved("quantized_slots")

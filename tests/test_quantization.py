@@ -560,3 +560,23 @@ def test_native_quantized_streams_and_a_saved_stream_run_on_cuda():
     for stream, device in ((s, "cpu"), (back, "cuda")):
         stream.update(keys[:, :, 200:].to(device), values[:, :, 200:].to(device))
     assert back.summary().keys.device.type == "cuda" and torch.equal(back.summary().positions.cpu(), s.summary().positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("colliding", [False, True])
+def test_rows_are_found_by_their_bits(dtype, colliding, monkeypatch):
+    """`_find_rows`: each row's index among the pool's rows of the same bits, -1 for a row the pool lacks (another bit
+    pattern of the same value, -0.0 for 0.0, counts as another row); rows whose keys collide (every key equal here) fall
+    back to comparing whole rows and find the same."""
+    from kvcompress import quantization
+
+    if colliding:
+        monkeypatch.setattr(quantization, "_row_keys", lambda words: torch.zeros(words.shape[0], dtype=torch.long))
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(40, 16, generator=g).to(dtype)
+    pool[7] = pool[3]  # a repeated row: either index is right
+    pool[9] = 0.0
+    rows = torch.cat([pool[[5, 3, 0, 39, 9]], torch.randn(3, 16, generator=g).to(dtype), -pool[9:10]])
+    match = quantization._find_rows(rows, pool)
+    assert match.dtype == torch.long and match[[0, 2, 3, 4]].tolist() == [5, 0, 39, 9] and int(match[1]) in (3, 7)
+    assert match[5:].tolist() == [-1, -1, -1, -1]
