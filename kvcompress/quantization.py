@@ -340,9 +340,8 @@ class QuantizedRaggedSummary(PackedByHead, Saveable):
 
     def check_saved(self) -> None:
         check_kv_bits(self.bits)
+        self.check_counts()
         total, groups = self.positions.shape[0], self.key_scale.shape[0]
-        if bool((self.counts < 0).any()) or int(self.counts.sum()) != total:
-            raise ValueError(f"per-head counts must be non-negative and add up to the {total} packed slots")
         if int(self._group_counts.sum()) != groups or self.key_zero.shape != self.key_scale.shape:
             raise ValueError(f"keys: {groups} groups of scales {list(self.key_scale.shape)} and zero points {list(self.key_zero.shape)}, "
                              f"expected {int(self._group_counts.sum())} (ceil(count / {self.group_size}) per head) of one shape")
@@ -466,23 +465,23 @@ def quantize_rows(x: torch.Tensor, bits: int, group_size: int, known: list[tuple
 
 
 def _find_rows(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """For each row of rows [N, d], the index of a row of pool [P, d] with the same bits, or -1 ([N] int64).
+    """For each row of rows [N, d], the index of a row of pool [P ≥ 1, d] with the same bits, or -1 ([N] int64).
 
     Each row's bits, read as int16 words, are reduced to one int64 key by a fixed random linear map (words below 2^15,
     weights below 2^31, at most 2^16 words: the sum is exact); a row whose key is found among the pool's is then
     compared word for word. Equal rows have equal keys, so no match is missed; two different rows with one key (one in
     about 2^31 pairs) send the lookup to `torch.unique` over whole rows, which is exact and slower."""
     words = torch.cat([pool, rows]).contiguous().view(torch.int16)
+    size = pool.shape[0]
     if words.shape[1] > 2**16:
-        return _find_rows_exactly(words, pool.shape[0])
+        return _find_rows_exactly(words, size)
     keys = _row_keys(words)
-    pool_keys, order = keys[: pool.shape[0]].sort()
-    at = torch.searchsorted(pool_keys, keys[pool.shape[0] :]).clamp_(max=max(pool.shape[0] - 1, 0))
-    found = pool_keys[at] == keys[pool.shape[0] :] if pool.shape[0] else torch.zeros_like(keys[pool.shape[0] :], dtype=torch.bool)
-    match = torch.where(found, order[at] if pool.shape[0] else at, -1)
-    same = (words[match.clamp_min(0)] == words[pool.shape[0] :]).all(-1) if pool.shape[0] else found
-    if bool((found & ~same).any()):
-        return _find_rows_exactly(words, pool.shape[0])
+    pool_keys, order = keys[:size].sort()
+    at = torch.searchsorted(pool_keys, keys[size:]).clamp_(max=size - 1)
+    found = pool_keys[at] == keys[size:]
+    match = torch.where(found, order[at], -1)
+    if bool((found & ~(words[order[at]] == words[size:]).all(-1)).any()):
+        return _find_rows_exactly(words, size)
     return match
 
 
@@ -566,8 +565,17 @@ class QuantizedSlots(Saveable):
         self.raw.append(self.encode(columns, known), reserve=reserve, most=most)
 
     def view(self) -> tuple[torch.Tensor, ...]:
-        (keys, _), (values, _) = self.known()
-        return (keys, values, *self.raw.view()[6:])
+        return self.decoded(self.raw.view())
+
+    def decoded(self, columns: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Columns [..., n, ...] as this buffer stores them (`stored()`) with keys and values dequantized (in the scales'
+        dtype): keys, values, then the other columns as they are."""
+        keys, values = self._tensors(columns)
+        return (keys.dequantize(), values.dequantize(), *columns[6:])
+
+    def _tensors(self, columns: tuple[torch.Tensor, ...]) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """The keys' and the values' `QuantizedTensor` [B, H, n, d] of columns [B, H, n, ...] as stored."""
+        return tuple(QuantizedTensor(*columns[3 * i : 3 * i + 3], self.bits, self.group_size, "token", self.dims[i]) for i in range(2))
 
     def stored(self) -> tuple[torch.Tensor, ...]:
         """The columns as stored [B, H, n, ...]: key codes, scales and zero points, the values' three, then the other
@@ -591,12 +599,7 @@ class QuantizedSlots(Saveable):
         takes them: a stream handing these slots on keeps their codes. None held (an empty buffer): []."""
         if self.dims is None or self.length == 0:
             return []
-        raw = self.raw.view()
-        pairs = []
-        for i in range(2):
-            q = QuantizedTensor(*raw[3 * i : 3 * i + 3], self.bits, self.group_size, "token", self.dims[i])
-            pairs.append((q.dequantize(), q))
-        return pairs
+        return [(q.dequantize(), q) for q in self._tensors(self.raw.view())]
 
     def kv_bytes(self) -> int:
         """Bytes allocated (room included) for the codes, scales and zero points of keys and values, and for any
@@ -630,9 +633,8 @@ class QuantizedRaggedSlots(PackedByHead, Saveable):
         return cls(**values)
 
     def check_saved(self) -> None:
+        self.check_counts()
         total = self.positions.shape[0]
-        if bool((self.counts < 0).any()) or int(self.counts.sum()) != total:
-            raise ValueError(f"per-head counts must be non-negative and add up to the {total} packed slots")
         for name, q in (("keys", self.keys), ("values", self.values)):
             if tuple(q.packed.shape[:3]) != (1, 1, total) or q.axis != "token" or (q.bits, q.group_size) != (self.keys.bits, self.keys.group_size):
                 raise ValueError(f"{name}: codes {list(q.packed.shape)} on axis {q.axis!r} in {q.bits} bits, expected [1, 1, {total}, ...] "
@@ -642,8 +644,7 @@ class QuantizedRaggedSlots(PackedByHead, Saveable):
     def of_stored(cls, columns: list[torch.Tensor], counts: torch.Tensor, slots: QuantizedSlots) -> "QuantizedRaggedSlots":
         """From packed columns [T, ...] in the order `slots` (a `QuantizedSlots` of the same bits, group size and dims)
         stores them: key codes, scales and zero points, the values' three, positions."""
-        keys, values = (QuantizedTensor(*(c[None, None] for c in columns[3 * i : 3 * i + 3]), slots.bits, slots.group_size, "token",
-                                        slots.dims[i]) for i in range(2))
+        keys, values = slots._tensors([c[None, None] for c in columns[:6]])
         return cls(keys, values, _int32(columns[6]), counts.to(torch.int32))
 
     def stored_columns(self) -> tuple[torch.Tensor, ...]:

@@ -75,6 +75,12 @@ class PackedByHead:
         out.index_copy_(0, self._slots() if slots is None else slots, column)
         return out.view(b, h, self.num_slots, *column.shape[1:])
 
+    def check_counts(self) -> None:
+        """A ValueError unless the per-head counts are non-negative and add up to the packed slots (the positions')."""
+        total = self.positions.shape[0]
+        if bool((self.counts < 0).any()) or int(self.counts.sum()) != total:
+            raise ValueError(f"per-head counts must be non-negative and add up to the {total} packed slots")
+
     def with_layout_of(self, other: "PackedByHead"):
         """self, given the layout `other` (of the same counts) has read already: for a packing rebuilt at each read from
         a stored one (`QuantizedRaggedSummary.ragged`), so no read waits on the device for it."""
@@ -106,8 +112,7 @@ class RaggedSummary(PackedByHead, Saveable):
         return cls(**values)
 
     def check_saved(self) -> None:
-        if bool((self.counts < 0).any()) or int(self.counts.sum()) != self.keys.shape[0]:
-            raise ValueError(f"per-head counts must be non-negative and add up to the {self.keys.shape[0]} packed slots")
+        self.check_counts()
 
     def __post_init__(self):
         total = self.keys.shape[0]

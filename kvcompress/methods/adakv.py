@@ -561,28 +561,31 @@ class AdaptiveBlockwiseState(BlockwiseState):
         kept = self.kept.stored_columns() if self._quantized() else (self.kept.keys, self.kept.values, self.kept.positions)
         return (*kept, *self.kept_extra)
 
-    def _held_columns(self, stored: bool = False) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """(every held column [B, H, m + r, ...]: the kept tokens unpacked to a rectangle (`RaggedSummary.padded`) then
-        the new tokens; empty [B, H, m + r] bool, the padding's slots, or None before the first re-compression).
-        stored: the columns as stored (`_stored_new`; the padding's are zeros, its positions -1), not keys and values."""
-        new = self._stored_new() if stored else self.slots.view()
+    def _held_columns(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """(every held column [B, H, m + r, ...] as stored (`_stored_kept`'s order): the kept tokens unpacked to a
+        rectangle, the padding's columns zeros and its positions -1, then the new tokens; empty [B, H, m + r] bool, the
+        padding's slots, or None before the first re-compression)."""
+        new = self._stored_new()
         if self.kept is None:
             return new, None
-        if stored:
-            place, at = self.kept._slots(), self._positions_column()
-            kept = tuple(self.kept.unpacked(c, -1 if i == at else 0, place) for i, c in enumerate(self._stored_kept()))
-        else:
-            kept = (self.kept.ragged() if self._quantized() else self.kept).padded(*self.kept_extra)
+        place, at = self.kept._slots(), self._positions_column()
+        kept = tuple(self.kept.unpacked(c.long(), -1, place) if i == at else self.kept.unpacked(c, 0, place)
+                     for i, c in enumerate(self._stored_kept()))
         columns = tuple(torch.cat([k, n], 2) for k, n in zip(kept, new)) if new else kept
-        return columns, columns[self._positions_column() if stored else 2] < 0  # an empty slot's position is -1, every token's at least 0
+        return columns, columns[at] < 0  # an empty slot's position is -1, every token's at least 0
 
     def _positions_column(self) -> int:
         """Where the positions are among the stored columns (after keys and values, or their codes, scales and zero points)."""
         return 6 if self._quantized() else 2
 
-    def held(self) -> Tokens:
-        held = tokens_from_columns(self.last, self._held_columns()[0])
+    def _held_tokens(self, columns: tuple[torch.Tensor, ...]) -> Tokens:
+        """The tokens of held columns as stored (`_held_columns`; with kv_bits their keys and values dequantized), with the
+        latest block's queries and exact neighbours, and pre-RoPE keys for a method that reads them."""
+        held = tokens_from_columns(self.last, self.slots.decoded(columns) if self._quantized() else columns)
         return replace(held, pre_rope_keys=held.pre_rope()) if self.method.requirements.needs("pre_rope_keys") else held
+
+    def held(self) -> Tokens:
+        return self._held_tokens(self._held_columns()[0])
 
     def recompress(self, room: int) -> None:
         if self.held_slots() <= self.target:
@@ -597,16 +600,12 @@ class AdaptiveBlockwiseState(BlockwiseState):
         """`recompress` in general: every held column unpacked to one rectangle (`_held_columns`), scored by the method
         (the empty slots -inf), the kept tokens' columns gathered from it. fixed: the scores are the entry scores."""
         columns, empty = self._held_columns()
-        held = tokens_from_columns(self.last, columns)
-        if self.method.requirements.needs("pre_rope_keys"):
-            held = replace(held, pre_rope_keys=held.pre_rope())
-        scores, _ = self.method.head_scores(held, self.generator)
+        scores, _ = self.method.head_scores(self._held_tokens(columns), self.generator)
         if empty is not None:
             scores = scores.masked_fill(empty, -math.inf)
         kept = self._allocate(scores, fixed)
         slots = kept.flatten().nonzero().squeeze(1)  # the kept slots of the [B·H·n] rectangle, head after head: packed order
-        stored = self._held_columns(stored=True)[0] if self._quantized() else columns
-        self._store([column.flatten(0, 2).index_select(0, slots) for column in stored], kept)
+        self._store([column.flatten(0, 2).index_select(0, slots) for column in columns], kept)
 
     def _recompress_by_entry_scores(self, block: Tokens | None = None) -> None:
         """`recompress` when the ranks are the entry scores (`AdaKV.ranks_by_entry_score`) and a re-compression kept
