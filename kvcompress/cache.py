@@ -31,8 +31,8 @@ included; several rows, or a live stream's, refuse another count before any laye
 compression); `reorder_cache` serves beam search.
 
 With `kv_bits` (docs/design.md, "Quantized storage"), a compressed context is stored as a
-`QuantizedSummary` front (sink and summary) with its window as the start of the exact tail: in
-prefill mode once the first forward is compressed, in chunked mode when the prompt ends. A compressed
+`QuantizedSummary` front (the method's summary) with its sink and window as the start of the exact
+tail (sink keys are outliers a key group should not be scaled to): in prefill mode once the first forward is compressed, in chunked mode when the prompt ends. A compressed
 context whose heads keep different numbers of slots (AdaKV) is stored the same way with its front
 packed (only the kept slots, head after head; docs/design.md, "Memory"): a `RaggedSummary` at full
 precision, a `QuantizedRaggedSummary` with `kv_bits`.
@@ -64,7 +64,7 @@ from .options import CompressionOptions
 from .quantization import QuantizedRaggedSummary, QuantizedSummary
 from .ragged import RaggedSummary, concat_parts, has_empty_slots, occupied_slots
 from .saved_state import Instance, is_count
-from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_window
+from .summary import KVSummary, Normalizer, SlotBuffer, concat, split_exact_ends
 
 @dataclass(frozen=True)
 class CachePlan:
@@ -311,24 +311,26 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(self.front, Stream):
             start = time.perf_counter()
             self.front.compact()
-            summary, recent = self.front.summary(), self.front.recent
+            summary, head, recent = self.front.summary(), self.front.head, self.front.recent
             if self.cache.options.kv_bits is not None or (self.cache.plan.ragged and has_empty_slots(summary)):
-                self._keep(summary, recent.length if recent is not None else 0)
+                self._keep(summary, (head.length if head is not None else 0, recent.length if recent is not None else 0))
             else:
                 self.front = summary.clone()
             self.stats.compress_seconds += time.perf_counter() - start
 
-    def _keep(self, summary: KVSummary, window: int) -> None:
-        """Store the compressed context `summary` (the front), whose last `window` slots are its exact window. At full
-        precision: in a buffer allocated at the compressed size (room for later tokens comes with the first of them), or,
-        when its heads keep different numbers of slots (`CachePlan.ragged`, AdaKV: empty slots), packed
-        without its empty slots (`RaggedSummary`) but for the window, which starts the exact tail. With kv_bits: quantized
-        but for the window, likewise (`_stored_front`)."""
+    def _keep(self, summary: KVSummary, exact: tuple[int, int]) -> None:
+        """Store the compressed context `summary` (the front), whose first and last slots, `exact` = (sink, window) of
+        them, are its exact sink and window. At full precision: in a buffer allocated at the compressed size (room for later
+        tokens comes with the first of them), or, when its heads keep different numbers of slots (`CachePlan.ragged`,
+        AdaKV: empty slots), packed without its empty slots (`RaggedSummary`) but for the sink and the window, which start
+        the exact tail. With kv_bits: quantized but for the sink and the window, likewise (`_stored_front`): the sink's
+        keys (attention sinks) stay exact rather than set the range of a key group, and its values, which most queries
+        attend to, stay exact as well."""
         options = self.cache.options
         if options.kv_bits is None and not (self.cache.plan.ragged and has_empty_slots(summary)):
             self.front = SlotBuffer(summary, most=summary.num_slots)
             return
-        front, self.tail = split_window(summary, window)
+        front, self.tail = split_exact_ends(summary, *exact)
         self.front = self._stored_front(front)
 
     def _stored_front(self, front: KVSummary) -> QuantizedSummary | QuantizedRaggedSummary | RaggedSummary:
@@ -342,10 +344,11 @@ class CompressedLayer(CacheLayerMixin):
             return QuantizedRaggedSummary.of(front, options.kv_bits, options.kv_group_size)
         return QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
 
-    def _window_slots(self, n: int) -> int:
-        """The slots of the exact window that ends a compressed context of n tokens (`methods.tokens.split_exact`)."""
+    def _exact_slots(self, n: int) -> tuple[int, int]:
+        """(sink, window): the exact slots that start and end a compressed context of n tokens (`methods.tokens.split_exact`)."""
         options = self.cache.options
-        return n - max(min(options.sink, n), n - options.window)
+        sink = min(options.sink, n)
+        return sink, n - max(sink, n - options.window)
 
     def _draws_per_row(self, rows: int) -> bool:
         """Whether a batch of `rows` rows must be compressed row by row to give each row its solo summary: a randomized
@@ -357,7 +360,7 @@ class CompressedLayer(CacheLayerMixin):
         """A padded batch, or a randomized method's batch (`_draws_per_row`; real None: no padding): each row's real
         tokens compressed alone (with the generator of a solo run; pre-RoPE keys un-rotated at the row's RoPE positions, `rope_positions` [B or 1, n] when known), stacked with -inf
         padding slots; with kv_bits, or with heads that keep different numbers of slots (`CachePlan.ragged`, AdaKV), the
-        stacked fronts stored as `_stored_front` stores them and the stacked windows the exact tail (as `_keep`)."""
+        stacked fronts stored as `_stored_front` stores them and the stacked sinks and windows the exact tail (as `_keep`)."""
         if self.cache.plan.joint:
             raise ValueError(f"method {self.cache.options.method!r} with one budget over every layer compresses one context at a "
                              "time: a batch whose rows must be compressed apart (padded, or a randomized scorer's) is not supported; "
@@ -377,10 +380,10 @@ class CompressedLayer(CacheLayerMixin):
         if options.kv_bits is None and not self.cache.plan.ragged:
             self.front = stack_rows(rows)
             return
-        parts = [split_window(row, self._window_slots(n)) for row, n in zip(rows, lengths)]
+        parts = [split_exact_ends(row, *self._exact_slots(n)) for row, n in zip(rows, lengths)]
         front = stack_rows([front for front, _ in parts])
         self.front = self._stored_front(front)
-        self.tail = stack_rows([window for _, window in parts])
+        self.tail = stack_rows([exact for _, exact in parts])
 
     def _compress_once(self, keys, values, positions, queries, scale, attention_mass=None, extra_lse=None, hidden_states=None,
                        rope_positions=None) -> KVSummary:
@@ -411,7 +414,7 @@ class CompressedLayer(CacheLayerMixin):
             self.cache._share_budget(self, self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states))
             return
         summary = self._compress_once(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states)
-        self._keep(summary, self._window_slots(keys.shape[2]))
+        self._keep(summary, self._exact_slots(keys.shape[2]))
 
     def load_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, attention_mass=None,
                      extra_lse=None) -> None:
@@ -1010,7 +1013,7 @@ class CompressedCache(Cache):
                                     options.window, [self.generator(item.layer_idx) for item in compressed])
         for item, summary in zip(compressed, summaries):
             item.budgets += [budget] * tokens.keys.shape[0]
-            item._keep(summary.to(item.dtype).checked_eviction(), item._window_slots(n))
+            item._keep(summary.to(item.dtype).checked_eviction(), item._exact_slots(n))
 
     def snapshot(self) -> "CacheSnapshot":
         """Every layer's state (cheap: stored tensors are shared) and where the prompt stands, for restore(): e.g. right

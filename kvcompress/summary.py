@@ -213,30 +213,35 @@ def concat(parts: list[KVSummary]) -> KVSummary:
     return out
 
 
-def split_window(summary: KVSummary, window: int) -> tuple[KVSummary, KVSummary]:
-    """(the slots before the last `window`, the last `window` slots): a compressed summary's exact window split off.
+def split_exact_ends(summary: KVSummary, sink: int, window: int) -> tuple[KVSummary, KVSummary]:
+    """(the slots between the first `sink` and the last `window`, those `sink` then `window` slots): a compressed
+    summary's exact sink and window split off, for a store that keeps its compressed slots apart (packed or quantized)
+    and the exact ones as they are.
 
-    The window's slots must be exact tokens (log-weight 0) that end the normalizer too, as
-    `concat` leaves a window concatenated last; the window comes back without a normalizer and
-    eviction-only, and `concat([front, window])` is the summary again. Anything else is an error.
-    The front is a view of the summary's tensors (the caller stores it packed or quantized); the window is a copy,
-    since it is kept as it is, and a view would keep the whole summary's storage alive beside it.
+    The sink's and the window's slots must be exact tokens (log-weight 0) that start and end the normalizer too, as
+    `concat` leaves a sink concatenated first and a window last; the exact slots come back without a normalizer and
+    eviction-only. Anything else is an error. The front is a view of the summary's tensors (the caller stores it
+    packed or quantized); the exact slots are a copy, since they are kept as they are, and a view would keep the whole
+    summary's storage alive beside them.
     """
-    at = summary.num_slots - window
-    if not 0 <= at <= summary.num_slots:
-        raise ValueError(f"window must be in [0, {summary.num_slots}] slots, got {window}")
-    front = KVSummary(*(t[:, :, :at] for t in (summary.keys, summary.values, summary.log_weights, summary.positions)),
-                      eviction_only=summary.eviction_only)
-    tail = KVSummary(*(t[:, :, at:] for t in (summary.keys, summary.values, summary.log_weights, summary.positions))).clone()
-    exact = bool((tail.log_weights == 0).all())
+    n = summary.num_slots
+    if not (0 <= sink and 0 <= window and sink + window <= n):
+        raise ValueError(f"sink and window must be counts of at most {n} slots together, got sink={sink}, window={window}")
+    columns = (summary.keys, summary.values, summary.log_weights, summary.positions)
+    front = KVSummary(*(t[:, :, sink : n - window] for t in columns), eviction_only=summary.eviction_only)
+    exact = KVSummary(*(torch.cat([t[:, :, :sink], t[:, :, n - window :]], 2) for t in columns))
+    ok = bool((exact.log_weights == 0).all())
     norm = summary.normalizer
     if norm is not None:
-        m = norm.keys.shape[2] - window
-        exact = exact and torch.equal(norm.positions[:, :, m:], tail.positions) and bool((norm.log_weights[:, :, m:] == 0).all())
-        front.normalizer = Normalizer(norm.keys[:, :, :m], norm.log_weights[:, :, :m], norm.positions[:, :, :m])
-    if not exact:
-        raise ValueError("the last window slots of this summary are not exact tokens that end its normalizer: no exact window to split off")
-    return front, replace(tail, eviction_only=True)
+        m = norm.keys.shape[2]
+        ends = torch.cat([norm.positions[:, :, :sink], norm.positions[:, :, m - window :]], 2)
+        ok = ok and m >= sink + window and torch.equal(ends, exact.positions)
+        ok = ok and bool((norm.log_weights[:, :, :sink] == 0).all()) and bool((norm.log_weights[:, :, m - window :] == 0).all())
+        front.normalizer = Normalizer(*(t[:, :, sink : m - window] for t in (norm.keys, norm.log_weights, norm.positions)))
+    if not ok:
+        raise ValueError("the first sink and last window slots of this summary are not exact tokens that start and end its "
+                         "normalizer: no exact sink and window to split off")
+    return front, replace(exact, eviction_only=True)
 
 
 def take_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -235,8 +235,8 @@ def _compressed_cache(model, ctx, mode, **kw):
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
 def test_a_cache_stores_only_the_slots_each_head_keeps(mode):
-    """Stored bytes = (sink + kept middle slots, summed over heads) x bytes per slot + 4 bytes per head (the counts),
-    plus the exact window; strictly less than the longest head times the heads; and the layer keeps H_kv·budget."""
+    """Stored bytes = (kept middle slots, summed over heads) x bytes per slot + 4 bytes per head (the counts), plus the
+    exact sink and window; strictly less than the longest head times the heads; and the layer keeps H_kv·budget."""
     model = tiny()
     ctx, _ = _prompt(n=300)
     cache, _ = _compressed_cache(model, ctx, mode)
@@ -254,10 +254,11 @@ def test_a_cache_stores_only_the_slots_each_head_keeps(mode):
             continue
         ragged += 1
         front, tail = layer.front, layer.tail
-        assert isinstance(front, RaggedSummary) and torch.equal(front.counts[0], counts.int())
-        assert front.nbytes() == int(counts.sum()) * slot_bytes + counts.numel() * 4
-        assert front.nbytes() < int(counts.max()) * counts.numel() * slot_bytes
-        assert tail.num_slots == 8 and tail.nbytes() == 2 * 8 * slot_bytes
+        middle = counts - 2  # the sink starts the exact tail
+        assert isinstance(front, RaggedSummary) and torch.equal(front.counts[0], middle.int())
+        assert front.nbytes() == int(middle.sum()) * slot_bytes + counts.numel() * 4
+        assert front.nbytes() < int(middle.max()) * counts.numel() * slot_bytes
+        assert tail.num_slots == 2 + 8 and tail.nbytes() == 2 * (2 + 8) * slot_bytes
         assert layer.nbytes() == front.nbytes() + tail.nbytes()
     assert ragged and cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
 
@@ -285,14 +286,15 @@ def test_save_and_load_answer_as_the_live_cache(tmp_path, mode):
 
 
 def test_quantized_storage_packs_the_front():
-    """With kv_bits the front is quantized and packed without its empty slots (`QuantizedRaggedSummary`), the window the
-    exact tail: nothing is lost, and the answer at 8 bits starts as at full precision."""
+    """With kv_bits the front is quantized and packed without its empty slots (`QuantizedRaggedSummary`), the sink and the
+    window the exact tail: nothing is lost, and the answer at 8 bits starts as at full precision."""
     model = tiny()
     ctx, question = _prompt(n=300)
     cache, options = _compressed_cache(model, ctx, "prefill", kv_bits=8)
     layer = cache.layers[0]
     assert isinstance(layer.front, QuantizedRaggedSummary)
-    assert int(torch.isfinite(layer.front.summary().log_weights).sum()) == 2 * (2 + 24)
+    assert int(torch.isfinite(layer.front.summary().log_weights).sum()) == 2 * 24
+    assert layer.tail.positions[0, 0, :2].tolist() == [0, 1] and layer.tail.num_slots == 2 + 8
     full = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **{**options, "kv_bits": None})
     quantized = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
     assert quantized.token_ids[:4] == full.token_ids[:4] and quantized.kv_bytes < full.kv_bytes
@@ -342,8 +344,8 @@ def test_a_padded_batch_is_stored_ragged_and_answers_as_each_row_alone():
     with torch.inference_mode():
         model(ids, attention_mask=mask, past_key_values=cache)
     front = cache.layers[0].front
-    assert isinstance(front, RaggedSummary) and (front.counts.sum(-1) == 2 * (2 + 30)).all()
-    assert cache.layers[0].tail.num_slots == 8
+    assert isinstance(front, RaggedSummary) and (front.counts.sum(-1) == 2 * 30).all()  # the sink starts the exact tail
+    assert cache.layers[0].tail.num_slots == 2 + 8
 
 
 # ---------------------------------------------------------------- scope "model": one budget over every layer

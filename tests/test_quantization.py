@@ -15,7 +15,7 @@ from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 from kvcompress.methods.registry import build_method
 from kvcompress.quantization import DEFAULT_GROUP_SIZE, QuantizedRaggedSummary, QuantizedSummary, _pack, _unpack, quantize
 from kvcompress.ragged import RaggedSummary
-from kvcompress.summary import KVSummary, Normalizer, take_slots
+from kvcompress.summary import KVSummary, Normalizer, concat, split_exact_ends, take_slots
 
 from test_integration import _prompt, blocks, tiny
 
@@ -216,10 +216,46 @@ def _reference_budget(model, ctx, question, **kw):
     return generate_ids(model, ctx, question, max_new_tokens=8, stop_at_eos=False, **blocks(kw.get("mode", "prefill")), **kw)
 
 
+def _exact_tokens(positions: list[int], d: int = 4) -> KVSummary:
+    n = len(positions)
+    pos = torch.tensor(positions)[None, None]
+    return KVSummary(torch.randn(1, 1, n, d), torch.randn(1, 1, n, d), torch.zeros(1, 1, n), pos)
+
+
+def test_the_exact_sink_and_window_split_off_a_summary_with_a_normalizer():
+    """split_exact_ends undoes concat([sink, middle, window]): the middle comes back with its own normalizer, the sink then the
+    window as exact, eviction-only slots that own their storage; concat of the two is the summary again, slots reordered."""
+    torch.manual_seed(0)
+    sink, window = _exact_tokens([0, 1]), _exact_tokens([9, 10, 11])
+    middle = KVSummary(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.tensor([[[0.5, -0.2, 1.0]]]), torch.tensor([[[3, 5, 7]]]))
+    middle.normalizer = Normalizer(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5), torch.tensor([[[2, 3, 4, 5, 7]]]))
+    whole = concat([sink, middle, window])
+    front, exact = split_exact_ends(whole, 2, 3)
+    assert torch.equal(front.keys, middle.keys) and torch.equal(front.log_weights, middle.log_weights)
+    assert torch.equal(front.normalizer.keys, middle.normalizer.keys) and torch.equal(front.normalizer.positions, middle.normalizer.positions)
+    assert exact.normalizer is None and exact.eviction_only and exact.positions.tolist() == [[[0, 1, 9, 10, 11]]]
+    assert torch.equal(exact.keys, torch.cat([sink.keys, window.keys], 2))
+    whole_storage = whole.keys.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != whole_storage for t in (exact.keys, exact.values))
+    for s, w in ((0, 3), (2, 0), (0, 0)):
+        front, exact = split_exact_ends(whole, s, w)
+        assert front.num_slots == 8 - s - w and exact.num_slots == s + w
+
+
+def test_splitting_off_slots_that_are_not_exact_is_an_error():
+    """A weighted slot where the sink or the window should be, or counts beyond the summary, are refused."""
+    weighted = KVSummary(torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.tensor([[[0.3, 0.0, 0.0, 0.0]]]), torch.arange(4)[None, None])
+    with pytest.raises(ValueError, match="not exact tokens"):
+        split_exact_ends(weighted, 1, 1)
+    assert split_exact_ends(weighted, 0, 3)[1].num_slots == 3
+    with pytest.raises(ValueError, match="at most 4 slots together, got sink=3, window=2"):
+        split_exact_ends(weighted, 3, 2)
+
+
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
-def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact(mode):
-    """What is stored after the context: the compressed front quantized (sink + middle), the window and every later
-    token at full precision; nbytes counts exactly that."""
+def test_a_quantized_cache_stores_its_front_packed_and_its_sink_window_and_tail_exact(mode):
+    """What is stored after the context: the compressed front (the method's summary) quantized, the sink, the window and
+    every later token at full precision; nbytes counts exactly that."""
     model = tiny()
     ctx, question = _prompt(n=300)
     options = CompressionOptions(method="keydiff", budget=40, sink=4, window=16, mode=mode, kv_bits=4, **blocks(mode))
@@ -231,13 +267,16 @@ def test_a_quantized_cache_stores_its_front_packed_and_its_window_and_tail_exact
         layer = cache.layers[0]
         # prefill keeps the budget; a compacted stream holds between its target and the budget (`stream_split`)
         middle = range(40, 41) if mode == "prefill" else range(stream_split(40, DEFAULT_SLACK)[0], 41)
-        assert isinstance(layer.front, QuantizedSummary) and layer.front.num_slots - 4 in middle, layer.front.num_slots
-        assert layer.front.positions[0, 0, :4].tolist() == [0, 1, 2, 3]  # the sink leads the front
-        assert layer.tail.num_slots == 16 and torch.equal(layer.tail.positions[0, 0], torch.arange(284, 300))
+        assert isinstance(layer.front, QuantizedSummary) and layer.front.num_slots in middle, layer.front.num_slots
+        assert int(layer.front.positions.min()) >= 4  # the sink leads the exact tail, then the window
+        exact = torch.cat([torch.arange(4), torch.arange(284, 300)])
+        assert layer.tail.num_slots == 20 and torch.equal(layer.tail.positions[0, 0], exact)
+        sink_keys = layer.tail.keys[:, :, :4].clone()
         model(question, past_key_values=cache, use_cache=True)
-    assert layer.tail.num_slots == 16 + question.shape[1] and layer.tail.keys.dtype == torch.float32
+    assert layer.tail.num_slots == 20 + question.shape[1] and layer.tail.keys.dtype == torch.float32
+    assert torch.equal(layer.tail.keys[:, :, :4], sink_keys)
     assert layer.nbytes() == layer.front.nbytes() + layer.tail.nbytes()
-    kept = layer.front.num_slots  # sink + middle
+    kept = layer.front.num_slots  # the middle
     per_head_codes = kept * 16 * 4 // 8
     # keys: ceil(kept / 32) slot groups x 16 channels; values: 1 channel group per slot (a scale and a zero point each)
     scales = 2 * (math.ceil(kept / 32) * 16) * 4 + 2 * (kept * 1) * 4

@@ -8,6 +8,8 @@ every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so 
 - `full`: the full cache (ratio 0);
 - `default_0.9`, `default_0.75`: the default at full precision;
 - `q4_0.55`, `q4_0.6`: 4 bits at ratio 0.55 and 0.6, which store about the default's bytes at 0.9 (2k and 4k tokens);
+- `q4_0.5`: 4 bits at ratio 0.5, within the bytes the ratio 0.9 allows at 4k tokens (0.1 of the full cache's plus the
+  exact sink and window);
 - `q4_0`: 4 bits at ratio 0, every token kept: below the default's bytes at 0.75;
 - `q4_0.4`: 4 bits at ratio 0.4, below the default's bytes at 0.75 with fewer slots to read at each step.
 
@@ -39,6 +41,7 @@ VARIANTS = {
     "default_0.75": (0.75, None, 0.75),
     "q4_0.55": (0.55, 4, 0.9),
     "q4_0.6": (0.6, 4, 0.9),
+    "q4_0.5": (0.5, 4, 0.9),
     "q4_0": (0.0, 4, 0.75),
     "q4_0.4": (0.4, 4, 0.75),
 }
