@@ -112,7 +112,7 @@ class CompressionOptions:
     channel and values per slot in groups of `kv_group_size` (default 32), KIVI's scheme
     (`kvcompress.quantization`). What is quantized is what compression keeps, once it is done: in
     prefill mode the compressed first forward, in chunked mode the stream when the prompt ends. Its
-    exact window, and every later token (question, answer), stay at full precision. In mode="decode"
+    exact sink and window, and every later token (question, answer), stay at full precision. In mode="decode"
     the stream itself stores its slots quantized, keys and values each per slot (a slot is quantized
     once, as it enters the stream): a block-wise stream's buffer (`quantization.QuantizedSlots`) and a
     native stream's state (`methods.base.QuantizedState`) alike.

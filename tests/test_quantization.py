@@ -507,16 +507,16 @@ def test_ten_times_smaller_at_4_bits_and_ratio_075_on_4k_tokens(tmp_path):
     path = tmp_path / "doc.kvc"
     cache.save(path)
     assert path.stat().st_size <= full / 10, (path.stat().st_size, full)
-    # the same arithmetic per KV head and layer: the quantized front (sink + middle), the bfloat16 window, the positions
+    # the same arithmetic per KV head and layer: the quantized front (the middle), the bfloat16 sink and window, the positions
     # (int32 in the front; int64 and float32 log-weights in the exact tail)
     layer = cache.layers[0]
-    front, window, d = layer.front.num_slots, layer.tail.num_slots, 64
-    assert front + window == 1024  # ceil(0.25 * 4096) kept
+    front, sink_and_window, d = layer.front.num_slots, layer.tail.num_slots, 64
+    assert front + sink_and_window == 1024 and sink_and_window == 4 + 64  # ceil(0.25 * 4096) kept
     codes = front * d * 4 // 8 * 2
     scales = (math.ceil(front / 32) * d + front * math.ceil(d / 32)) * 2 * 2  # a scale and a zero point, bfloat16
-    exact = window * d * 2 * 2
+    exact = sink_and_window * d * 2 * 2
     assert layer.nbytes() == 2 * (codes + scales + exact)  # 2 KV heads
-    per_head = codes + scales + exact + front * 4 + window * 12
+    per_head = codes + scales + exact + front * 4 + sink_and_window * 12
     assert layer.front.index_nbytes() + layer.tail.index_nbytes() == 2 * (per_head - codes - scales - exact)
     smollm2_full, smollm2_stored = 30 * 3 * (4096 * d * 2 * 2), 30 * 3 * per_head
     assert smollm2_stored / smollm2_full < 0.095, smollm2_stored / smollm2_full
