@@ -756,6 +756,17 @@ def gpu_section() -> list[str]:
 # Paired-needle tables of `kvzap_default.py` records, under "Why the defaults are what they are": (record, title, what it
 # measures, the summary columns shown before the hits, the paired column's label, the variant each variant is paired
 # against (None: not paired))
+# The equal-memory tables' prefill rows in 4 bits before and from commit cb48e26, which keeps a quantized context's sink
+# exact (decode mode's streams always kept it exact)
+_SINK_QUANTIZED = (" Its 4-bit prefill rows ran with the sink quantized with the compressed context, as before commit cb48e26; "
+                   "the tables with the sink exact rerun them as the library now stores it.")
+_SINK_EXACT = (" The 4-bit rows ran from commit cb48e26 on, which keeps the sink exact (in the exact tail beside the window) "
+               "instead of quantizing it with the compressed context. The full cache's rows, and the default's at full "
+               "precision but for those at 0.75 at 4k tokens, are those of the table at the same length with the sink "
+               "quantized, for the needles not rerun here: the full cache compresses nothing, and the default's answers "
+               "rerun on the first needles are the same text.")
+
+
 PAIRED_NEEDLE_TABLES = [
     ("benchmarks/results/tuning/kvzap_vs_kvzip.jsonl", "KVzap's surrogate against KVzip's exact scores, on needles",
      "The default's allocation (AdaKV over every layer's heads, per-head floor 5 %, exact window 64) ranking tokens by the "
@@ -878,19 +889,22 @@ PAIRED_NEEDLE_TABLES = [
      "default's by more than noise. The runs went two processes side by side, so the times are only indicative.",
      ["variant", "mode"], "paired vs the default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model_slack_0.1_block_then_room" if "_window_" in variant else None),
-    *[(f"benchmarks/results/tuning/equal_memory{suffix}.jsonl", f"Fewer tokens or fewer bits, at equal memory ({length} tokens)",
+    *[(f"benchmarks/results/tuning/equal_memory{suffix}.jsonl", f"Fewer tokens or fewer bits, at equal memory ({length} tokens{title})",
        "The default at full precision (`default_0.9`, `default_0.75`) against the same method and settings storing what it "
        "keeps in 4 bits (`kv_bits=4`, each head's slots packed) at a lower compression ratio (`q4_R`: ratio R), so that both "
-       "store about the same bytes: `q4_0.6` and `q4_0.55` about the default's at 0.9, `q4_0` and `q4_0.4` less than its "
+       "store about the same bytes: `q4_0.6` and `q4_0.55` about the default's at 0.9 (`q4_0.5` a little more at 4k tokens, "
+       "within the 0.1 of the full cache's plus the exact sink and window that ratio allows), `q4_0` and `q4_0.4` less than its "
        "at 0.75 (`median_kv_over_full`: the median over the answers of the bytes stored once the answer is written ÷ the "
        "full cache's for the same tokens). "
        f"`benchmarks/tuning/equal_memory.py` on the 30 tuning needles at {length} tokens in the default prompt layout. Paired "
        "per needle against the default at the ratio whose memory the variant matches, in the same mode: won / lost, "
        "Newcombe's 95% interval of the difference in % found, sign test. The runs went two processes side by side, so "
-       "the times are only indicative; the cost is measured apart, under \"What one answer costs\".",
+       "the times are only indicative; the cost is measured apart, under \"What one answer costs\"." + sink,
        ["variant", "mode", "ratio", "median_kv_over_full"], "paired vs the default at equal memory (won / lost; diff; p)",
        equal_memory.default_of_equal_memory)
-      for suffix, length in (("", "2k"), ("_4k", "4k"))],
+      for suffix, length, title, sink in (
+          ("", "2k", "", _SINK_QUANTIZED), ("_4k", "4k", "", _SINK_QUANTIZED),
+          ("_exact_sink", "2k", ", the sink exact", _SINK_EXACT), ("_exact_sink_4k", "4k", ", the sink exact", _SINK_EXACT))],
 ]
 
 
@@ -918,7 +932,8 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
 def needle_keep_section() -> list[str]:
     """Which of a needle's tokens the default and KVzip's exact scores keep, beside whether they found the needle."""
     path, hits = "benchmarks/results/tuning/needle_keep.jsonl", "benchmarks/results/tuning/kvzap_vs_kvzip.jsonl"
-    note = ("The variants of the table above, on its 30 tuning needles, their contexts compressed again to read which tokens "
+    note = ("The variants of the table \"KVzap's surrogate against KVzip's exact scores, on needles\", on its 30 tuning "
+            "needles, their contexts compressed again to read which tokens "
             "each keeps (`benchmarks/tuning/needle_keep.py`): for the needles the full cache finds, split by whether the "
             "variant found them in that table's run, the needles whose answer lies in the exact window apart, then the median "
             "over the others of the share of the model's (layer, KV head) pairs that keep the least kept of the answer's "
