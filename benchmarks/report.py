@@ -550,6 +550,21 @@ def cost_table(rows: list[dict]) -> str:
     return markdown_table(rows, [c for c in COST_COLUMNS if any(c in row for row in rows)])
 
 
+# Records of quantized storage measured before commit cb48e26, which keeps a quantized context's sink exact
+_SINK_BEFORE = (" Measured before commit cb48e26: in prefill and chunked modes the sink was quantized with the compressed "
+                "context (it now stays exact beside the window, 4 slots per KV head at full precision; decode mode's streams "
+                "always kept it exact).")
+# The equal-memory tables' prefill rows in 4 bits before and from commit cb48e26, which keeps a quantized context's sink
+# exact (decode mode's streams always kept it exact)
+_SINK_QUANTIZED = (" Its 4-bit prefill rows ran with the sink quantized with the compressed context, as before commit cb48e26; "
+                   "the tables with the sink exact rerun them as the library now stores it.")
+_SINK_EXACT = (" The 4-bit rows ran from commit cb48e26 on, which keeps the sink exact (in the exact tail beside the window) "
+               "instead of quantizing it with the compressed context. The full cache's rows, and the default's at full "
+               "precision but for those at 0.75 at 4k tokens, are those of the table at the same length with the sink "
+               "quantized, for the needles not rerun here: the full cache compresses nothing, and the default's answers "
+               "rerun on the first needles are the same text.")
+
+
 CSV_TABLES = [  # (record, title, what it measures, its table from the record's rows)
     ("benchmarks/results/default_cost.csv", "What one answer costs: the default against a plain generate",
      "`benchmarks/default_cost.py`: one answer of 8 tokens with `kvc.generate` and no method named (the default, in each mode "
@@ -575,7 +590,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "ratio 0.6, which in prefill mode stores about as many bytes (the tuning table \"Fewer tokens or fewer bits, at equal "
      "memory\"), in prefill and decode modes, each cell in a fresh process as above; two runs, one per method, each with "
      "its `plain` row. In decode mode too the 4-bit streams (their kept slots packed, each slot quantized once) store about the "
-     "default's bytes at 0.9.",
+     "default's bytes at 0.9." + _SINK_BEFORE,
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens), each round a plain generate and then the answer (`--pairing round`).",
@@ -614,11 +629,11 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
     ("benchmarks/results/quantized_storage.csv", "Quantized storage: perplexity",
      "`benchmarks/quantized_storage.py`: the compressed context stored at 32, 8, 4 or 2 bits (`kv_bits`, groups of 32); "
      "perplexity of the continuation over prose documents and its paired ratio to the full context at 32 bits (95% t intervals "
-     "over documents), stored bytes ÷ the full cache's, decode tokens/s on one document.",
+     "over documents), stored bytes ÷ the full cache's, decode tokens/s on one document." + _SINK_BEFORE,
      quantized_storage.perplexity_table),
     ("benchmarks/results/quantized_storage_needle.csv", "Quantized storage: a needle at 4k tokens",
      "The same storage on needles in 4k tokens of filler: accuracy with its 95% Wilson interval, and the difference to the "
-     "same method and ratio at full precision with Newcombe's paired 95% interval.",
+     "same method and ratio at full precision with Newcombe's paired 95% interval." + _SINK_BEFORE,
      quantized_storage.needle_table),
 ]
 
@@ -756,17 +771,6 @@ def gpu_section() -> list[str]:
 # Paired-needle tables of `kvzap_default.py` records, under "Why the defaults are what they are": (record, title, what it
 # measures, the summary columns shown before the hits, the paired column's label, the variant each variant is paired
 # against (None: not paired))
-# The equal-memory tables' prefill rows in 4 bits before and from commit cb48e26, which keeps a quantized context's sink
-# exact (decode mode's streams always kept it exact)
-_SINK_QUANTIZED = (" Its 4-bit prefill rows ran with the sink quantized with the compressed context, as before commit cb48e26; "
-                   "the tables with the sink exact rerun them as the library now stores it.")
-_SINK_EXACT = (" The 4-bit rows ran from commit cb48e26 on, which keeps the sink exact (in the exact tail beside the window) "
-               "instead of quantizing it with the compressed context. The full cache's rows, and the default's at full "
-               "precision but for those at 0.75 at 4k tokens, are those of the table at the same length with the sink "
-               "quantized, for the needles not rerun here: the full cache compresses nothing, and the default's answers "
-               "rerun on the first needles are the same text.")
-
-
 PAIRED_NEEDLE_TABLES = [
     ("benchmarks/results/tuning/kvzap_vs_kvzip.jsonl", "KVzap's surrogate against KVzip's exact scores, on needles",
      "The default's allocation (AdaKV over every layer's heads, per-head floor 5 %, exact window 64) ranking tokens by the "
