@@ -550,10 +550,6 @@ def cost_table(rows: list[dict]) -> str:
     return markdown_table(rows, [c for c in COST_COLUMNS if any(c in row for row in rows)])
 
 
-# Records of quantized storage measured before commit cb48e26, which keeps a quantized context's sink exact
-_SINK_BEFORE = (" Measured before commit cb48e26: in prefill and chunked modes the sink was quantized with the compressed "
-                "context (it now stays exact beside the window, 4 slots per KV head at full precision; decode mode's streams "
-                "always kept it exact).")
 # The equal-memory tables' prefill rows in 4 bits before and from commit cb48e26, which keeps a quantized context's sink
 # exact (decode mode's streams always kept it exact)
 _SINK_QUANTIZED = (" Its 4-bit prefill rows ran with the sink quantized with the compressed context, as before commit cb48e26; "
@@ -590,7 +586,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "ratio 0.6, which in prefill mode stores about as many bytes (the tuning table \"Fewer tokens or fewer bits, at equal "
      "memory\"), in prefill and decode modes, each cell in a fresh process as above; two runs, one per method, each with "
      "its `plain` row. In decode mode too the 4-bit streams (their kept slots packed, each slot quantized once) store about the "
-     "default's bytes at 0.9." + _SINK_BEFORE,
+     "default's bytes at 0.9. The 4-bit run is from commit cb48e26 on (the sink exact).",
      cost_table),
     ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens), each round a plain generate and then the answer (`--pairing round`).",
