@@ -32,7 +32,8 @@ compression); `reorder_cache` serves beam search.
 
 With `kv_bits` (docs/design.md, "Quantized storage"), a compressed context is stored as a
 `QuantizedSummary` front (the method's summary) with its sink and window as the start of the exact
-tail (sink keys are outliers a key group should not be scaled to): in prefill mode once the first forward is compressed, in chunked mode when the prompt ends. A compressed
+tail (sink keys are outliers a key group should not be scaled to): in prefill mode once the first
+forward is compressed, in chunked mode when the prompt ends. A compressed
 context whose heads keep different numbers of slots (AdaKV) is stored the same way with its front
 packed (only the kept slots, head after head; docs/design.md, "Memory"): a `RaggedSummary` at full
 precision, a `QuantizedRaggedSummary` with `kv_bits`.
