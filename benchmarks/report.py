@@ -552,8 +552,8 @@ def cost_table(rows: list[dict]) -> str:
 
 # The equal-memory tables' prefill rows in 4 bits before and from commit cb48e26, which keeps a quantized context's sink
 # exact (decode mode's streams always kept it exact)
-_SINK_QUANTIZED = (" Its 4-bit prefill rows ran with the sink quantized with the compressed context, as before commit cb48e26; "
-                   "the tables with the sink exact rerun them as the library now stores it.")
+_SINK_QUANTIZED = (" Its 4-bit prefill rows ran with the sink quantized with the compressed context (the code before commit "
+                   "cb48e26); the tables with the sink exact rerun them as the library stores it.")
 _SINK_EXACT = (" The 4-bit rows ran from commit cb48e26 on, which keeps the sink exact (in the exact tail beside the window) "
                "instead of quantizing it with the compressed context. The full cache's rows, and the default's at full "
                "precision but for those at 0.75 at 4k tokens, are those of the table at the same length with the sink "
@@ -626,15 +626,13 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "`benchmarks/quantized_storage.py`: the compressed context stored at 32, 8, 4 or 2 bits (`kv_bits`, groups of 32); "
      "perplexity of the continuation over prose documents and its paired ratio to the full context at 32 bits (95% t intervals "
      "over documents), stored bytes ÷ the full cache's, decode tokens/s on one document. KeyDiff and BalanceKV keep no "
-     "sink by default (their window is 0 too), so the exact sink changes only SnapKV's and the full context's rows: at 2 "
-     "bits the full context's perplexity was 1.125× the full cache's with the sink quantized (2026-11-25), SnapKV's at "
-     "0.75 1.229×.",
+     "sink by default (their window is 0 too), so only SnapKV's and the full context's rows keep an exact sink.",
      quantized_storage.perplexity_table),
     ("benchmarks/results/quantized_storage_needle.csv", "Quantized storage: a needle at 4k tokens",
      "The same storage on needles in 4k tokens of filler: accuracy with its 95% Wilson interval, and the difference to the "
      "same method and ratio at full precision with Newcombe's paired 95% interval. Its full context is KeyDiff's at ratio 0; "
      "KeyDiff and the hybrid keep no sink by default, so keeping a quantized context's sink exact (commit cb48e26, after "
-     "this run) stores every cell here as before.",
+     "this run) stores every cell here the same way.",
      quantized_storage.needle_table),
 ]
 

@@ -57,7 +57,7 @@ from . import cache_file
 from .checks import as_count, describe
 from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream
-from .methods.tokens import Tokens, per_head, query_positions_for
+from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
 from .model_support import select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
@@ -346,10 +346,8 @@ class CompressedLayer(CacheLayerMixin):
         return QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
 
     def _exact_slots(self, n: int) -> tuple[int, int]:
-        """(sink, window): the exact slots that start and end a compressed context of n tokens (`methods.tokens.split_exact`)."""
-        options = self.cache.options
-        sink = min(options.sink, n)
-        return sink, n - max(sink, n - options.window)
+        """(sink, window): the exact slots that start and end a compressed context of n tokens (`methods.tokens.exact_ends`)."""
+        return exact_ends(n, self.cache.options.sink, self.cache.options.window)
 
     def _draws_per_row(self, rows: int) -> bool:
         """Whether a batch of `rows` rows must be compressed row by row to give each row its solo summary: a randomized

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -487,8 +487,13 @@ def _find_rows(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
 
 def _row_keys(words: torch.Tensor) -> torch.Tensor:
     """[n] int64: each row of words [n, w] (int16, w ≤ 2^16) under a fixed random linear map, exact in int64."""
-    weights = torch.randint(1, 2**31, (words.shape[1],), generator=torch.Generator().manual_seed(0)).to(words.device)
-    return (words.long() * weights).sum(-1)
+    return (words.long() * _key_weights(words.shape[1], words.device)).sum(-1)
+
+
+@lru_cache(maxsize=16)
+def _key_weights(width: int, device: torch.device) -> torch.Tensor:
+    """[width] int64 in [1, 2^31): `_row_keys`' map, drawn once per row width and device (seed 0)."""
+    return torch.randint(1, 2**31, (width,), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def _find_rows_exactly(words: torch.Tensor, pool_size: int) -> torch.Tensor:

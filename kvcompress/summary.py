@@ -227,17 +227,19 @@ def split_exact_ends(summary: KVSummary, sink: int, window: int) -> tuple[KVSumm
     n = summary.num_slots
     if not (0 <= sink and 0 <= window and sink + window <= n):
         raise ValueError(f"sink and window must be counts of at most {n} slots together, got sink={sink}, window={window}")
+
+    def ends(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, :, :sink], t[:, :, t.shape[2] - window :]], 2)
+
     columns = (summary.keys, summary.values, summary.log_weights, summary.positions)
     front = KVSummary(*(t[:, :, sink : n - window] for t in columns), eviction_only=summary.eviction_only)
-    exact = KVSummary(*(torch.cat([t[:, :, :sink], t[:, :, n - window :]], 2) for t in columns))
+    exact = KVSummary(*map(ends, columns))
     ok = bool((exact.log_weights == 0).all())
     norm = summary.normalizer
     if norm is not None:
-        m = norm.keys.shape[2]
-        ends = torch.cat([norm.positions[:, :, :sink], norm.positions[:, :, m - window :]], 2)
-        ok = ok and m >= sink + window and torch.equal(ends, exact.positions)
-        ok = ok and bool((norm.log_weights[:, :, :sink] == 0).all()) and bool((norm.log_weights[:, :, m - window :] == 0).all())
-        front.normalizer = Normalizer(*(t[:, :, sink : m - window] for t in (norm.keys, norm.log_weights, norm.positions)))
+        m, denominator = norm.keys.shape[2], (norm.keys, norm.log_weights, norm.positions)
+        ok = ok and m >= sink + window and torch.equal(ends(norm.positions), exact.positions) and bool((ends(norm.log_weights) == 0).all())
+        front.normalizer = Normalizer(*(t[:, :, sink : m - window] for t in denominator))
     if not ok:
         raise ValueError("the first sink and last window slots of this summary are not exact tokens that start and end its "
                          "normalizer: no exact sink and window to split off")

@@ -240,12 +240,17 @@ def query_positions_for(queries: torch.Tensor | None, positions: torch.Tensor) -
     return positions[0, 0, positions.shape[2] - queries.shape[2] :]
 
 
-def split_exact(tokens: Tokens, sink: int, window: int) -> tuple[Tokens, Tokens, Tokens]:
-    """(sink tokens, middle, window tokens) of a token bundle."""
-    n = tokens.length
+def exact_ends(n: int, sink: int, window: int) -> tuple[int, int]:
+    """(sink, window): how many of n tokens the exact sink and the exact window take (the sink first; together at most n)."""
     head = min(sink, n)
-    tail_start = max(head, n - window)
-    return tokens.slice(0, head), tokens.slice(head, tail_start), tokens.slice(tail_start, n)
+    return head, n - max(head, n - window)
+
+
+def split_exact(tokens: Tokens, sink: int, window: int) -> tuple[Tokens, Tokens, Tokens]:
+    """(sink tokens, middle, window tokens) of a token bundle (`exact_ends`)."""
+    n = tokens.length
+    head, tail = exact_ends(n, sink, window)
+    return tokens.slice(0, head), tokens.slice(head, n - tail), tokens.slice(n - tail, n)
 
 
 def positions_index(all_positions: torch.Tensor, kept_positions: torch.Tensor) -> torch.Tensor:
