@@ -133,8 +133,11 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": (
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights_values"}),
-    # KVzap's learned KVzip scores shared by AdaKV over every layer's heads (the library's default in prefill mode)
+    # KVzap's learned KVzip scores shared by AdaKV over every layer's heads, at full precision
     "adakv[scorer=kvzap,scope=model,alpha=0.05]": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}),
+    # the same in 4 bits, the ratio read as memory (the library's default in prefill mode)
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]": (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "kv_bits": 4, "budget_unit": "memory"}),
     # the library's default in chunked and decode modes: the same, each layer's stream taking its learned share of the
     # model's budget, re-compressed at slack 0.1
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": (
@@ -158,7 +161,7 @@ DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapk
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
                       "adakv[scorer=kvzip]"]
 # kvcompress's default method in prefill mode (`options.DEFAULT_METHODS["prefill"]`), as a cell
-DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"
+DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"
 # the prefill default before KVzap, by name `kvzip_refit` (`options.NAMED_SETTINGS`), as a cell
 KVZIP_REFIT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]"
 
@@ -207,6 +210,7 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
@@ -561,6 +565,7 @@ def run_kvcompress(args) -> None:
                     token_ids=tokens, prediction=prediction,
                     score=float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction)),
                     kept_tokens_mean=None if method is None else sum(slots) / len(slots) - max(len(tokens) - 1, 0) - sample["question_tokens"],
+                    kv_over_full=res.kv_bytes / res.kv_bytes_full, kv_bits=res.kv_bits,
                     prefill_s=res.prefill_seconds + _shared_seconds(res, label, capture_s),
                     decode_s=res.decode_seconds,
                 )

@@ -145,6 +145,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = 0
         self.rows: int | None = None  # the batch rows of what is stored (None before the first block; 1: shared by any rows)
         self.budgets: list[int] = []  # the middle budget each batch row was compressed to
+        self.kv_bits: int | None = None  # the bits the compressed context is stored in (`CompressionOptions.bits_for`)
         self.stats = LayerStats()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -280,8 +281,9 @@ class CompressedLayer(CacheLayerMixin):
                 raise ValueError(f"method {options.method!r} {why}, unlike each row alone: in mode={options.mode!r} run one row at a "
                                  "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:
-                self.budgets = [options.budget_for(self.cache.stream_length)] * keys.shape[0]
-                bits = options.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
+                self.budgets = [options.budget_for(self.cache.stream_length, keys.shape[-1], self.dtype)] * keys.shape[0]
+                self.kv_bits = options.bits_for(self.cache.stream_length)
+                bits = self.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
@@ -313,7 +315,7 @@ class CompressedLayer(CacheLayerMixin):
             start = time.perf_counter()
             self.front.compact()
             summary, head, recent = self.front.summary(), self.front.head, self.front.recent
-            if self.cache.options.kv_bits is not None or (self.cache.plan.ragged and has_empty_slots(summary)):
+            if self.kv_bits is not None or (self.cache.plan.ragged and has_empty_slots(summary)):
                 self._keep(summary, (head.length if head is not None else 0, recent.length if recent is not None else 0))
             else:
                 self.front = summary.clone()
@@ -327,8 +329,7 @@ class CompressedLayer(CacheLayerMixin):
         the exact tail. With kv_bits: quantized but for the sink and the window, likewise (`_stored_front`): the sink's
         keys (attention sinks) stay exact rather than set the range of a key group, and its values, which most queries
         attend to, stay exact as well."""
-        options = self.cache.options
-        if options.kv_bits is None and not (self.cache.plan.ragged and has_empty_slots(summary)):
+        if self.kv_bits is None and not (self.cache.plan.ragged and has_empty_slots(summary)):
             self.front = SlotBuffer(summary, most=summary.num_slots)
             return
         front, self.tail = split_exact_ends(summary, *exact)
@@ -338,12 +339,12 @@ class CompressedLayer(CacheLayerMixin):
         """A compressed context's front as stored: at full precision packed without its empty slots (`RaggedSummary`);
         with kv_bits quantized, and packed as well where it has empty slots and no normalizer (`QuantizedRaggedSummary`),
         else with its empty slots (`QuantizedSummary`: they cost their codes but set no group's range)."""
-        options = self.cache.options
-        if options.kv_bits is None:
+        if self.kv_bits is None:
             return RaggedSummary.of(front)
+        group_size = self.cache.options.kv_group_size
         if front.normalizer is None and has_empty_slots(front):
-            return QuantizedRaggedSummary.of(front, options.kv_bits, options.kv_group_size)
-        return QuantizedSummary.of(front, options.kv_bits, options.kv_group_size)
+            return QuantizedRaggedSummary.of(front, self.kv_bits, group_size)
+        return QuantizedSummary.of(front, self.kv_bits, group_size)
 
     def _exact_slots(self, n: int) -> tuple[int, int]:
         """(sink, window): the exact slots that start and end a compressed context of n tokens (`methods.tokens.exact_ends`)."""
@@ -376,7 +377,8 @@ class CompressedLayer(CacheLayerMixin):
                 hidden_states=hidden, rope_positions=rope,
             ))
         options = self.cache.options
-        if options.kv_bits is None and not self.cache.plan.ragged:
+        self.kv_bits = options.kv_bits if any(options.bits_for(n) is not None for n in lengths) else None
+        if self.kv_bits is None and not self.cache.plan.ragged:
             self.front = stack_rows(rows)
             return
         parts = [split_exact_ends(row, *self._exact_slots(n)) for row, n in zip(rows, lengths)]
@@ -388,8 +390,9 @@ class CompressedLayer(CacheLayerMixin):
                        rope_positions=None) -> KVSummary:
         options = self.cache.options
         tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states, rope_positions)
-        budget = options.budget_for(tokens.length)
+        budget = options.budget_for(tokens.length, tokens.keys.shape[-1], self.dtype)
         self.budgets += [budget] * tokens.keys.shape[0]
+        self.kv_bits = options.bits_for(tokens.length)
         summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
@@ -460,7 +463,7 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.front = self.tail = self.pending = self.pending_real = self.rows = None
         self.seen = 0
-        self.budgets = []
+        self.budgets, self.kv_bits = [], None
         self.stats = LayerStats()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -580,8 +583,20 @@ class CompressedLayer(CacheLayerMixin):
                                                     "tail a kv_summary")
                 self.front, self.tail = built["front"], built.get("tail")
         self._check_loaded(path, dims)
+        self.kv_bits = self._loaded_bits()
         self.rows = 1 if self.seen else None
         self.stats.peak_bytes = self.nbytes()
+
+    def _loaded_bits(self) -> int | None:
+        """The bits a loaded state is stored in: a quantized front's, read from it; a decode stream's, from the settings."""
+        front = self.front
+        if isinstance(front, QuantizedRaggedSummary):
+            return front.bits
+        if isinstance(front, QuantizedSummary):
+            return front.keys.bits
+        if isinstance(front, Stream):  # as the stream was built (`update`)
+            return self.cache.options.bits_for(self.cache.stream_length)
+        return None
 
     def _check_loaded(self, path, dims: dict[str, int]) -> None:
         """CacheFileError unless what the layer now stores is a summary attention can read: one row of the model's KV heads
@@ -801,7 +816,7 @@ class CompressedCache(Cache):
                 "streams will take) to resolve the ratio against, or a budget"
             )
         if options.streams and stream_length is not None:
-            options.budget_for(as_count("stream_length", stream_length, 1))
+            options.token_budget_for(as_count("stream_length", stream_length, 1))
         elif options.streams and options.budget is not None:  # a method whose layers' shares need the stream's length refuses now
             options.compressor.layer_budget(options.budget, 0, None)
         elif stream_length is not None:
@@ -1007,11 +1022,12 @@ class CompressedCache(Cache):
             return
         waiting, self._waiting = self._waiting, {}
         options, n = self.options, tokens.length
-        budget = options.budget_for(n)
+        budget = options.budget_for(n, tokens.keys.shape[-1], tokens.keys.dtype)
         summaries = compress_layers(options.compressor, [waiting[item.layer_idx] for item in compressed], budget, options.sink,
                                     options.window, [self.generator(item.layer_idx) for item in compressed])
         for item, summary in zip(compressed, summaries):
             item.budgets += [budget] * tokens.keys.shape[0]
+            item.kv_bits = options.bits_for(n)
             item._keep(summary.to(item.dtype).checked_eviction(), item._exact_slots(n))
 
     def snapshot(self) -> "CacheSnapshot":

@@ -55,7 +55,7 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
         except ValueError as error:  # the method itself (with --scorer, its scorer file), not the length
             raise ValueError(f"{'--scorer ' + repr(str(scorer)) if method == DEFAULT and scorer is not None else method}: {error}") from None
         try:
-            options.budget_for(n_context)
+            options.token_budget_for(n_context)
         except ValueError as error:
             raise ValueError(f"--tokens {tokens} ({n_context} tokens with the chat template) is too short for --compression-ratio "
                              f"{compression_ratio} with {method}: {error}") from None

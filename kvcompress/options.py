@@ -12,13 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import torch
+
 from .calibration import check_quality, load_calibration
 from .checks import as_count, as_seed
 from .methods.base import Method, UnknownParameters
-from .quantization import check_storage
+from .quantization import check_storage, slots_in_memory_of
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
-from .names import DEFAULT_CHUNK_SIZE, MODES, PREFILL_APPROXIMATIONS
+from .names import BUDGET_UNITS, DEFAULT_CHUNK_SIZE, MODES, PREFILL_APPROXIMATIONS
 from .names import DEFAULT_METHOD as DEFAULT
 from .names import KVZIP_REFIT
 
@@ -30,11 +32,16 @@ from .names import KVZIP_REFIT
 # AdaKV over every layer's heads (scope "model") with a small per-head floor (each head keeps its own top 5 % of the
 # budget). In prefill mode every layer's heads are ranked together; a stream gives each layer the share of the model's
 # budget the scorer learned on its training text (`AdaKV.layer_budget`) and re-compresses to 10/11 of it (slack 0.1),
-# so that it holds nearly its whole budget after each re-compression. It needs a KVzap scorer for the model: the
+# so that it holds nearly its whole budget after each re-compression. In prefill mode the compressed context is stored in
+# 4 bits (kv_bits=4) and the ratio or budget is read as memory (budget_unit="memory"): the method keeps as many 4-bit slots as
+# fit in the bytes (1 - ratio) of the context at full precision would take, every token at 0.75 and about 0.4 of them at
+# 0.9 on the default model in float32; on tuning needles at equal memory 4-bit slots kept more of the full cache's
+# answers than fewer tokens at full precision. The streams keep full precision (decode mode gained nothing measurable
+# from bits, and a chunked stream holds its slots at full precision until the prompt ends). It needs a KVzap scorer for the model: the
 # package ships the default model's; for another model `kvcompress train-scorer` writes one (AdaKV over KVzap,
 # scorer=its path), or name another method.
-DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
-    "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),
+DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"kv_bits": 4, "budget_unit": "memory"}),
     "chunked": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
     "decode": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
 }
@@ -45,7 +52,7 @@ DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
 # answer costs a second forward over the context plus the refits: 7.1x a plain `model.generate` at 2k tokens (one
 # thread, 2026-12-02, `benchmarks/default_cost.py`, docs/results.md), 12.7x at 4k when measured on 2026-11-29, growing
 # with the length. KVzip needs the whole context: mode "prefill" only.
-NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, float]]]] = {
+NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, Any]]]] = {
     DEFAULT: DEFAULT_METHODS,
     KVZIP_REFIT: {"prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
                               {"window": 0})},
@@ -58,10 +65,10 @@ def block_settings(mode: str, chunk_size: int) -> dict[str, int]:
     return {} if mode == "prefill" else {"chunk_size": chunk_size}
 
 
-def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, float]]:
-    """(registered name, method parameters, cache settings: sink, window, slack) that `method` stands for in `mode`: a name of
-    `NAMED_SETTINGS` (DEFAULT: the mode's default, `DEFAULT_METHODS`; KVZIP_REFIT) its entry for the mode, any other
-    name itself, with no parameters or settings."""
+def resolve_method(method: str, mode: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(registered name, method parameters, cache settings: sink, window, slack, kv_bits, budget_unit) that `method` stands
+    for in `mode`: a name of `NAMED_SETTINGS` (DEFAULT: the mode's default, `DEFAULT_METHODS`; KVZIP_REFIT) its entry
+    for the mode, any other name itself, with no parameters or settings."""
     if method not in NAMED_SETTINGS:
         return method, {}, {}
     if mode not in MODES:
@@ -85,8 +92,8 @@ class CompressionOptions:
     parameters). method_params: the method's own parameters (its dataclass fields), checked by
     building it (`compressor`); the default method takes none (name the method to set them).
     budget / compression_ratio: exactly one for a method. budget is the middle budget per KV head
-    (sink and window come on top); compression_ratio is the fraction of the tokens removed,
-    resolved by each layer against the tokens it compresses (`budget_for`).
+    (sink and window come on top); compression_ratio is the fraction of the tokens removed (both
+    measured in memory with budget_unit "memory"), resolved by each layer against the tokens it compresses (`budget_for`).
     mode: "prefill" (compress the first forward once), "chunked" (stream the prompt in blocks of
     `chunk_size`), "decode" (stream every token, the answer's included).
     sink / window: exact tokens at the start and end; None is the method's own default (`default_sink`, `default_window`).
@@ -121,6 +128,13 @@ class CompressionOptions:
     "Repeat the previous context exactly." through the tokenizer's chat template when none is given:
     `integration.reconstruction.with_repeat_prompt`); None repeats the context with no instruction. A method
     without a reconstruction forward takes none.
+    budget_unit: what budget and compression_ratio measure: "tokens" (slots per head, and the fraction of the tokens
+    removed, kvpress's convention) or "memory" (the KV bytes of that many tokens at full precision). With kv_bits,
+    "memory" keeps as many quantized slots as fit in the bytes the budget or ratio gives the middle at full precision
+    (`quantization.slots_in_memory_of`), at most every middle token; without kv_bits the two are the same. None:
+    "memory" for the default in prefill mode, "tokens" otherwise. A calibration (its curve fitted in tokens) and mode
+    "chunked" with kv_bits (its stream holds the kept slots at full precision until the prompt ends, more bytes than
+    asked for) refuse "memory".
     prefill_approx: None (the context's prefill is exact) or "express": the context's keys and values come from a
     chunked forward with Thinformer Express attention, which the method then compresses (`integration.prefill_approx`);
     mode "prefill" with the question kept out of compression only.
@@ -143,6 +157,7 @@ class CompressionOptions:
     kv_group_size: int | None = None
     repeat_prompt_ids: tuple[int, ...] | None = None
     prefill_approx: str | None = None
+    budget_unit: str | None = None
     compressor: Method | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
@@ -162,6 +177,7 @@ class CompressionOptions:
             raise ValueError(f"chunk_size={self.chunk_size} is the prompt's block size in mode 'chunked' or 'decode' (or an approximate "
                              "prefill's, prefill_approx): mode 'prefill' prefills the context in one forward, so leave it unset")
         self._check_storage()
+        self._check_budget_unit()
         if self.quality is not None:
             check_quality(self.quality)
         if self.calibration is not None and self.method is not None:
@@ -171,7 +187,8 @@ class CompressionOptions:
         if self.method is None:
             given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
                                        ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits),
-                                       ("repeat_prompt_ids", self.repeat_prompt_ids), ("prefill_approx", self.prefill_approx)) if v is not None}
+                                       ("repeat_prompt_ids", self.repeat_prompt_ids), ("prefill_approx", self.prefill_approx),
+                                       ("budget_unit", self.budget_unit)) if v is not None}
             given.update({k: v for k, v in (("quality", self.quality), ("calibration", self.calibration)) if v is not None})
             if given:
                 raise ValueError(f"method=None is the full cache: it takes no {', '.join(given)}")
@@ -182,6 +199,12 @@ class CompressionOptions:
         if not isinstance(self.method, str) or self.method not in method_names():
             raise ValueError(f"unknown method {self.method!r}; choose None (the full cache), one of the named settings "
                              f"{', '.join(map(repr, NAMED_SETTINGS))}, or a registered method: {', '.join(method_names())}")
+        if self.budget_unit is None:
+            object.__setattr__(self, "budget_unit", "tokens")
+        if self.budget_unit == "memory" and self.kv_bits is not None and self.mode == "chunked":
+            raise ValueError("budget_unit='memory' with kv_bits in mode 'chunked': its stream holds the kept slots at full precision "
+                             "until the prompt ends, so it would hold more than the memory the ratio asks for; use mode 'prefill' "
+                             "or 'decode', or budget_unit='tokens'")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
         self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
         self._check_model_steps()
@@ -246,7 +269,7 @@ class CompressionOptions:
 
     def _resolve_named(self) -> None:
         """A name of `NAMED_SETTINGS` (DEFAULT, KVZIP_REFIT) becomes the registered method it stands for in this mode, with
-        its parameters and its sink, window and slack where none are given."""
+        its parameters and its cache settings (sink, window, slack, kv_bits, budget_unit) where none are given."""
         name, params, exact = resolve_method(self.method, self.mode)
         if self.method_params:
             raise UnknownParameters(f"method parameters {sorted(self.method_params)} need a registered method: {self.method!r} in mode "
@@ -257,6 +280,16 @@ class CompressionOptions:
         for key, value in exact.items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
+        self._check_storage()  # a group size for the kv_bits a named setting sets
+
+    def _check_budget_unit(self) -> None:
+        """budget_unit None or one of BUDGET_UNITS, and not "memory" beside a calibration."""
+        if self.budget_unit is not None and self.budget_unit not in BUDGET_UNITS:
+            raise ValueError(f"budget_unit must be one of {BUDGET_UNITS} (what budget and compression_ratio measure) or None, "
+                             f"got {self.budget_unit!r}")
+        if self.budget_unit == "memory" and self.calibration is not None:
+            raise ValueError("budget_unit='memory' with a calibration: its curve predicts quality from the fraction of tokens kept; "
+                             "leave budget_unit unset")
 
     def _check_storage(self) -> None:
         """kv_bits and kv_group_size checked, kv_group_size resolved when kv_bits is set (`quantization.check_storage`)."""
@@ -299,6 +332,39 @@ class CompressionOptions:
         """These options with the ratio a calibration chose in place of quality and calibration."""
         return replace(self, quality=None, calibration=None, compression_ratio=compression_ratio)
 
-    def budget_for(self, length: int) -> int:
-        """The middle budget per KV head for a layer that compresses `length` tokens (a stream: all the tokens it will take)."""
+    @property
+    def reads_memory(self) -> bool:
+        """Whether the budget depends on the stored slots' size: budget or compression_ratio read as memory with kv_bits."""
+        return self.budget_unit == "memory" and self.kv_bits is not None
+
+    def token_budget_for(self, length: int) -> int:
+        """The middle budget per KV head in full-precision tokens for `length` tokens, before any memory reading
+        (`budget_for`): what a check reads before the layers' shapes are known (the reading raises no other error)."""
         return resolve_budget(length, self.budget, self.compression_ratio, self.sink, self.window, self.compressor, streaming=self.streams)
+
+    def _holds_every_token(self, middle: int, length: int | None) -> bool:
+        """Whether a middle budget keeps every middle token of `length` (None: a stream of unknown length, never)."""
+        return length is not None and middle >= length - self.sink - self.window
+
+    def bits_for(self, length: int | None) -> int | None:
+        """The bits a layer that compresses `length` tokens (None: a stream given a budget, its length unknown) stores them
+        in: kv_bits, or None (full precision) where the budget is read as memory and its full-precision tokens keep every
+        middle token already (compression_ratio 0, or a budget of every token): the memory asked for holds the context as
+        it is."""
+        if self.reads_memory and self._holds_every_token(self.token_budget_for(length), length):
+            return None
+        return self.kv_bits
+
+    def budget_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> int:
+        """The middle budget per KV head for a layer that compresses `length` tokens (a stream: all the tokens it will take;
+        None with a budget: not known). With the budget or ratio read as memory in kv_bits storage (`reads_memory`), the
+        layer's head_dim and dtype give the slots that fit, at most every middle token
+        (`quantization.slots_in_memory_of`); otherwise they are not read."""
+        middle = self.token_budget_for(length)
+        if not self.reads_memory or self._holds_every_token(middle, length):
+            return middle
+        if head_dim is None or dtype is None:
+            raise ValueError("a budget read as memory with kv_bits needs the layer's head_dim and dtype to resolve a budget")
+        keys_axis = "token" if self.mode == "decode" else "channel"
+        fit = slots_in_memory_of(middle, self.kv_bits, self.kv_group_size, head_dim, torch.empty(0, dtype=dtype).element_size(), keys_axis)
+        return fit if length is None else max(middle, min(fit, length - self.sink - self.window))

@@ -70,6 +70,29 @@ def check_storage(bits, group_size) -> tuple[int | None, int | None]:
     return bits, group_size
 
 
+def slots_in_memory_of(full_slots: int, bits: int, group_size: int, head_dim: int, itemsize: int, keys_axis: str) -> int:
+    """The most slots per KV head that `bits`-bit storage holds in the KV bytes of `full_slots` slots at full precision
+    (`itemsize` bytes an element, head_dim d), at least 1. A stored slot takes its key's and value's codes and its
+    share of the scales and zero points (`itemsize` bytes each): values per slot in groups of `group_size` channels;
+    keys per channel over groups of `group_size` slots (keys_axis "channel": a compressed context, `QuantizedSummary`,
+    `QuantizedRaggedSummary`), one full-precision slot's bytes set aside for a head's last, partial key group, or per
+    slot as values (keys_axis "token": a decode-mode stream, `QuantizedSlots`). Integer arithmetic throughout."""
+    full_slots, head_dim = as_count("full_slots", full_slots, 1), as_count("head_dim", head_dim, 1)
+    bits, group_size = check_storage(bits, group_size)
+    if bits is None:
+        raise ValueError("slots_in_memory_of needs bits, one of " + ", ".join(map(str, KV_BITS)))
+    if keys_axis not in _AXES:
+        raise ValueError(f"keys_axis must be one of {_AXES}, got {keys_axis!r}")
+    full = 2 * head_dim * itemsize
+    codes = -(-head_dim * bits // 8)
+    slot_groups = 2 * itemsize * -(-head_dim // group_size)  # a scale and a zero point per group of one slot's channels
+    if keys_axis == "token":
+        return max(1, full_slots * full // (2 * (codes + slot_groups)))
+    # group_size × a slot's bytes: its codes and value groups, and 1/group_size of its channels' key groups
+    per_slot = group_size * (2 * codes + slot_groups) + 2 * itemsize * head_dim
+    return max(1, group_size * (full_slots - 1) * full // per_slot)
+
+
 def check_quantized_shapes(packed: torch.Size, scale: torch.Size, bits: int, group_size: int, axis: str, dim: int) -> None:
     """ValueError unless codes [B, H, n, ceil(dim·bits/8)] and scales of these shapes are what `quantize` writes."""
     check_kv_bits(bits)

@@ -92,22 +92,27 @@ def test_tuning_samples_share_no_text_wording_or_answer_with_the_reported_ones()
 def test_the_tuning_split_takes_only_tuning_seeds():
     with pytest.raises(ValueError, match=r"split='tuning' takes seeds from TUNING_SEEDS \(1000..1999\), got seed=3"):
         T.niah_prose(500, seed=3, split="tuning")
-    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2'\), got 'train'"):
+    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2', 'heldout3'\), got 'train'"):
         T.niah_prose(500, seed=1000, split="train")
     with pytest.raises(ValueError, match=r"split='heldout' takes seeds from HELDOUT_SEEDS \(2000..2999\), got seed=1000"):
         T.niah_prose(500, seed=1000, split="heldout")
     with pytest.raises(ValueError, match=r"split='heldout2' takes seeds from HELDOUT2_SEEDS \(3000..3999\), got seed=2000"):
         T.niah_prose(500, seed=2000, split="heldout2")
+    for seed in (3999, 5000, 0):
+        with pytest.raises(ValueError, match=rf"split='heldout3' takes seeds from HELDOUT3_SEEDS \(4000..4999\), got seed={seed}"):
+            T.niah_prose(500, seed=seed, split="heldout3")
+    assert T.HELDOUT3_SEEDS == range(4000, 5000) and T.SPLIT_SEEDS["heldout3"] is T.HELDOUT3_SEEDS
 
 
 @pytest.mark.parametrize("split, earlier, seeds", [
     ("heldout", ("reported", "tuning"), (2000, 2029)),
     ("heldout2", ("reported", "tuning", "heldout"), (3000, 3029)),
+    ("heldout3", ("reported", "tuning", "heldout", "heldout2"), (4000, 4029)),
 ])
 def test_a_heldout_split_shares_no_text_name_town_or_wording_with_the_splits_before_it(split, earlier, seeds):
-    """split="heldout" (IDLE's user manual) and "heldout2" (CPython's licence and IDLE's notes): a text and pools of
-    names, towns and fact wordings that no split before it uses; seeds from the split's own range; a sample is fixed by
-    its seed."""
+    """split="heldout" (IDLE's user manual), "heldout2" (CPython's licence and IDLE's notes) and "heldout3" (IDLE's 2.x
+    news and IDLEfork's change log): a text and pools of names, towns and fact wordings that no split before it uses;
+    seeds from the split's own range; a sample is fixed by its seed."""
     heldout = set(T._prose_sentences(split))
     assert len(heldout) > 150 and not heldout & set().union(*(T._prose_sentences(e) for e in earlier))
     first_names, surnames, towns, facts = T.PROSE_POOLS[split]
@@ -132,3 +137,54 @@ def test_the_second_heldout_text_is_the_licence_and_idles_notes_without_news_tag
     paragraphs = notes_paragraphs()
     assert paragraphs[0].startswith("Python was created in the early 1990s by Guido van Rossum")
     assert len(paragraphs) > 200 and not any(p.startswith(("gh-", "bpo-")) for p in paragraphs)
+
+
+def test_the_third_heldout_text_is_idles_old_news_and_change_log_without_bullets_files_or_tags():
+    from kvcompress.eval.capture import HELDOUT_MODULES, SCORER_TRAINING_MODULES, changelog_paragraphs, docstring_paragraphs
+
+    paragraphs = changelog_paragraphs()
+    assert paragraphs[0].startswith("idle.py modified and simplified to better support developing experimental versions")
+    assert "Add new command, \"Open module\". You select or type a module name, and it opens the source." in paragraphs
+    assert len(paragraphs) > 250 and not any(re.match(r"[-+*] |(Issue|Bug|Patch) ?#?\d+:|\w+\.py: ", p) for p in paragraphs)
+    sentences = set(T._prose_sentences("heldout3"))
+    assert len(sentences) > 400
+    # nor KVzap's training text (`kvcompress train-scorer`) nor the text its fidelity is reported on
+    for modules in (SCORER_TRAINING_MODULES, HELDOUT_MODULES):
+        assert not sentences & {s for p in docstring_paragraphs(modules) for s in re.split(r"(?<=[.!?])\s+", p)}
+    # no answer of the split is a word of its own text
+    first_names, surnames, towns, _ = T.PROSE_POOLS["heldout3"]
+    text = " ".join(sentences)
+    assert not [w for w in first_names + surnames + towns if re.search(rf"\b{w}\b", text, re.IGNORECASE)]
+
+
+def _haystack_sentences(sample):
+    (needle,) = sample.needles
+    before, after = sample.context.split(needle)
+    return [s for part in (before, after) for s in re.split(r"(?<=[.!?])\s+", part.strip()) if s]
+
+
+@pytest.mark.parametrize("split, seeds", [("heldout2", (3000, 3001, 3517)), ("heldout3", (4000, 4001, 4517))])
+@pytest.mark.parametrize("length", [2048, 4096])
+def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(split, seeds, length):
+    """At 2048 and 4096 (estimated) tokens a sample's haystack is its split's sentences, no more of them than the text
+    holds: the text is not read round twice."""
+    sentences = T._prose_sentences(split)
+    for seed in seeds:
+        s = T.niah_prose(length, 0.5, seed=seed, split=split)
+        assert length - 60 <= s.n_tokens <= length
+        haystack = _haystack_sentences(s)
+        assert set(haystack) <= set(sentences) and len(haystack) <= len(sentences)
+
+
+@pytest.mark.e2e
+def test_the_third_heldout_split_fills_4096_tokens_of_the_default_models_tokenizer_without_repeating(default_model):
+    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3" hold no sentence twice."""
+    _, tokenizer = default_model
+    sentences = T._prose_sentences("heldout3")
+    assert len(set(sentences)) == len(sentences)
+    for length in (2048, 4096):
+        for seed in (4000, 4001, 4517):
+            s = T.niah_prose(length, 0.5, seed=seed, tokenizer=tokenizer, split="heldout3")
+            assert length - 60 <= s.n_tokens <= length
+            haystack = _haystack_sentences(s)
+            assert set(haystack) <= set(sentences) and len(set(haystack)) == len(haystack)

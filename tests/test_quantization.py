@@ -619,3 +619,92 @@ def test_rows_are_found_by_their_bits(dtype, colliding, monkeypatch):
     match = quantization._find_rows(rows, pool)
     assert match.dtype == torch.long and match[[0, 2, 3, 4]].tolist() == [5, 0, 39, 9] and int(match[1]) in (3, 7)
     assert match[5:].tolist() == [-1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 48])
+def test_slots_in_memory_of_fill_the_bytes_of_full_precision_slots(bits, dtype, d):
+    """`slots_in_memory_of`: m quantized slots per head, stored as a compressed context (keys per channel, values per
+    slot) or a decode stream (both per slot), take at most the bytes of the full-precision slots they stand for, and
+    leave less than two full-precision slots of them unused; split unevenly over a ragged front's heads (each head its
+    own last, partial key group) they still fit the heads' bytes together."""
+    from kvcompress.quantization import slots_in_memory_of
+
+    size = torch.empty(0, dtype=dtype).element_size()
+
+    def stored(count):
+        x = _x((1, 1, count, d), dtype=dtype)
+        return quantize(x, bits, 32, "channel").nbytes() + quantize(x, bits, 32, "token").nbytes()
+
+    for full_slots in (2, 40, 137, 500):
+        budget = full_slots * 2 * d * size
+        m = slots_in_memory_of(full_slots, bits, 32, d, size, "channel")
+        assert stored(m) <= budget < stored(m) + 2 * (2 * d * size), (full_slots, m, stored(m), budget)
+        heads = [3 * m - 2 * (m // 3), m // 3, m // 3]  # three heads' runs, 3m slots in all
+        assert sum(stored(c) for c in heads if c) <= 3 * budget
+        m_slot = slots_in_memory_of(full_slots, bits, 32, d, size, "token")
+        slot = quantize(_x((1, 1, m_slot, d), dtype=dtype), bits, 32, "token").nbytes()
+        assert slot * 2 <= budget < (slot // m_slot) * 2 * (m_slot + 1)
+    assert slots_in_memory_of(1, 4, 32, 64, 4, "channel") == 1  # at least one slot
+    with pytest.raises(ValueError, match="keys_axis must be one of"):
+        slots_in_memory_of(10, 4, 32, 64, 4, "rows")
+    with pytest.raises(ValueError, match="needs bits"):
+        slots_in_memory_of(10, None, None, 64, 4, "channel")
+
+
+def test_the_budget_read_as_memory_is_checked_and_resolves_with_the_layers_shapes():
+    """budget_unit: "tokens" or "memory"; with kv_bits and "memory" a layer's budget is the quantized slots that fit the
+    full-precision middle's bytes (`slots_in_memory_of`, keys per channel in prefill mode, per slot in decode mode), at
+    most every middle token; a ratio of 0 or a budget of every token keeps full precision (`bits_for`). Without kv_bits
+    the two units resolve alike."""
+    from kvcompress.quantization import slots_in_memory_of
+
+    tokens = CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4)
+    memory = CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory")
+    assert tokens.budget_unit == "tokens" and CompressionOptions(**memory.to_dict()) == memory
+    middle = tokens.budget_for(2048)
+    assert memory.token_budget_for(2048) == middle == math.ceil(0.1 * 2048) - memory.sink - memory.window
+    assert memory.budget_for(2048, 64, torch.float32) == slots_in_memory_of(middle, 4, 32, 64, 4, "channel") > 3 * middle
+    assert memory.budget_for(2048, 64, torch.bfloat16) < memory.budget_for(2048, 64, torch.float32)
+    decode = CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory", mode="decode")
+    assert decode.budget_for(2048, 64, torch.float32) == slots_in_memory_of(middle, 4, 32, 64, 4, "token")
+    every = 2048 - memory.sink - memory.window
+    assert CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4, budget_unit="memory").budget_for(2048, 64, torch.float32) == every
+    assert CompressionOptions(method="snapkv", budget=100, kv_bits=4, budget_unit="memory").budget_for(2048, 64, torch.float32) == \
+        slots_in_memory_of(100, 4, 32, 64, 4, "channel")
+    assert CompressionOptions(method="snapkv", compression_ratio=0.9, budget_unit="memory").budget_for(2048) == middle  # no kv_bits
+    assert memory.bits_for(2048) == 4 and tokens.bits_for(2048) == 4
+    assert CompressionOptions(method="snapkv", compression_ratio=0.0, kv_bits=4, budget_unit="memory").bits_for(2048) is None
+    assert CompressionOptions(method="snapkv", compression_ratio=0.0, kv_bits=4).bits_for(2048) == 4  # tokens: bits as asked
+    with pytest.raises(ValueError, match="needs the layer's head_dim and dtype"):
+        memory.budget_for(2048)
+    with pytest.raises(ValueError, match=r"budget_unit must be one of \('tokens', 'memory'\).*got 'bytes'"):
+        CompressionOptions(method="snapkv", compression_ratio=0.9, budget_unit="bytes")
+    with pytest.raises(ValueError, match="budget_unit='memory' with kv_bits in mode 'chunked'"):
+        CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory", mode="chunked")
+    with pytest.raises(ValueError, match="method=None is the full cache: it takes no budget_unit"):
+        CompressionOptions(method=None, budget_unit="tokens")
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_cache_read_as_memory_stores_within_the_bytes_the_ratio_leaves(mode):
+    """On the tiny model (head_dim 16, float32) with kv_bits=4 and budget_unit "memory": each layer keeps the quantized
+    slots `budget_for` resolves from its shapes, more tokens than the ratio in tokens keeps, in at most the bytes that
+    ratio leaves the middle at full precision; at ratio 0 it is the full cache, token for token."""
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    settings = dict(method="snapkv", compression_ratio=0.75, kv_bits=4, budget_unit="memory", mode=mode, **blocks(mode))
+    res = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, **settings)
+    by_tokens = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, **{**settings, "budget_unit": "tokens"})
+    options = CompressionOptions(**settings)
+    streamed = ctx.shape[1] + question.shape[1] + 4 if mode == "decode" else ctx.shape[1]
+    assert res.budget == options.budget_for(streamed, 16, torch.float32) > by_tokens.budget == options.token_budget_for(streamed)
+    assert res.kv_bits == 4 and res.realised_compression_ratio < by_tokens.realised_compression_ratio
+    settings.pop("kv_bits"), settings.pop("budget_unit")
+    at_full_precision = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, **settings)
+    assert by_tokens.kv_bytes < res.kv_bytes <= at_full_precision.kv_bytes < res.kv_bytes_full
+    exact = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False,
+                         **{**settings, "compression_ratio": 0.0, "kv_bits": 4, "budget_unit": "memory"})
+    plain = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, method=None)
+    assert exact.kv_bits is None and exact.token_ids == plain.token_ids and exact.kv_bytes == plain.kv_bytes

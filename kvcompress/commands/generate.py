@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_device_args, add_model_arg, add_threads_arg, count, given_flags, one_of, parse_params, resolve_device, seed, set_threads
-from ..names import DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
+from ..names import BUDGET_UNITS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
 
 
@@ -69,8 +69,12 @@ def add_compression_args(p, later_questions: bool = False) -> None:
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median; numbers, true/false and None are converted (repeatable)")
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
-                        "the stream's slots, keys and values per slot; default: full precision)")
+                        "the stream's slots, keys and values per slot; default: full precision, but 4 for the default method in --mode prefill)")
     p.add_argument("--kv-group-size", type=count(8), default=None, metavar="N", help="with --kv-bits: values per quantization group, >= 8 (default 32)")
+    p.add_argument("--budget-unit", default=None, choices=BUDGET_UNITS,
+                   help="what --budget and --compression-ratio measure: tokens, or memory (with --kv-bits, as many quantized slots as fit "
+                        "the bytes of that many tokens at full precision; default: memory for the default method in --mode prefill, "
+                        "else tokens)")
     p.set_defaults(compression_flags=p._actions[first:])
 
 
@@ -126,8 +130,8 @@ def options_of(args, full: bool = True):
                                           ("--calibration", args.calibration), ("--quality", args.quality)) if value not in (None, [])]
         if given:
             raise ValueError(f"--method {FULL} keeps every token: it takes no {', '.join(given)}")
-        if args.kv_bits is not None or args.kv_group_size is not None:
-            raise ValueError(f"--method {FULL} keeps every token at full precision: it takes no --kv-bits or --kv-group-size")
+        if args.kv_bits is not None or args.kv_group_size is not None or args.budget_unit is not None:
+            raise ValueError(f"--method {FULL} keeps every token at full precision: it takes no --kv-bits, --kv-group-size or --budget-unit")
         return CompressionOptions(method=None, mode=args.mode, seed=args.seed, chunk_size=args.chunk_size, compress_question=args.compress_question)
     if args.calibration is not None and args.quality is None:
         raise ValueError(f"--calibration {str(args.calibration)!r} needs --quality Q: the predicted NLL ratio of the answer to keep, in (0, 1]")
@@ -139,7 +143,8 @@ def options_of(args, full: bool = True):
     options = CompressionOptions(method=args.method or DEFAULT_METHOD, method_params=params, budget=args.budget,
                                  compression_ratio=args.compression_ratio, mode=args.mode, sink=args.sink, window=args.window,
                                  seed=args.seed, slack=args.slack, chunk_size=args.chunk_size, compress_question=args.compress_question,
-                                 quality=args.quality, calibration=args.calibration, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+                                 quality=args.quality, calibration=args.calibration, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                                 budget_unit=args.budget_unit)
     fitted_on, model = options.calibration and options.calibration.model, Path(args.model or DEFAULT_NAME).name
     if fitted_on and Path(fitted_on).name != model:  # a curve predicts the quality of the model it was fitted on
         raise ValueError(f"--calibration {str(args.calibration)!r} was fitted on model {Path(fitted_on).name!r}, this run's is {model!r}: "

@@ -12,8 +12,8 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["capture_qkv", "docstring_paragraphs", "manual_paragraphs", "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES",
-           "SCORER_TRAINING_MODULES"]
+__all__ = ["capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "manual_paragraphs", "notes_paragraphs", "prose_paragraphs",
+           "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
 
 # The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
 DOCSTRING_MODULES = (
@@ -128,15 +128,7 @@ def notes_paragraphs() -> list[str]:
     shipped with CPython beside the standard library), in that order, each news entry without its issue tag: the second
     held-out needle set's text (`eval.tasks`, split "heldout2"), which no tuning, training, reported or first held-out
     sample uses. Paragraphs are chosen as `prose_paragraphs` chooses them; a Python without these files is a clear error."""
-    import sysconfig
-    from pathlib import Path
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    missing = [name for name in NOTES_FILES if not (root / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"the second held-out set's prose is CPython's licence and IDLE's notes ({', '.join(NOTES_FILES)} "
-                                f"under {root}); this Python does not ship {', '.join(missing)} (some distributions package "
-                                "idlelib apart: install it, e.g. the idle-python3 package)")
+    root = _shipped(NOTES_FILES, "the second held-out set's prose is CPython's licence and IDLE's notes")
     out: dict[str, None] = {}
     for name in NOTES_FILES:
         for block in re.split(r"\n\s*\n", (root / name).read_text(encoding="utf-8")):
@@ -144,6 +136,44 @@ def notes_paragraphs() -> list[str]:
             if _is_prose(block) and not block.rstrip().endswith(":") and paragraph:
                 out.setdefault(paragraph)
     return list(out)
+
+
+# The third held-out needle set's text (`changelog_paragraphs`): IDLE's news of its 2.x releases, then IDLEfork's CVS
+# change log, in this order.
+CHANGELOG_FILES = ("idlelib/NEWS2x.txt", "idlelib/ChangeLog")
+# What an entry of these files starts with, dropped from its paragraph: a list bullet ("- ", "+ "), or "* " and the files
+# a change log entry names ("* PyShell.py, idle: "), then an issue tag ("Issue #4455: ", "Bug #813342: ", "Patch #1362975: ").
+_ENTRY_LEAD = re.compile(r"^(?:[-+]\s+|\*\s+(?:[\w.,/ -]+:\s+)?)?(?:(?:Issue|Bug|Patch)\s*#?\d+:\s*)?")
+
+
+def changelog_paragraphs() -> list[str]:
+    """Prose paragraphs of IDLE's news of its 2.x releases and of IDLEfork's change log (`CHANGELOG_FILES`, shipped with
+    CPython beside the standard library), in that order, each entry without its bullet, file names and issue tag: the third
+    held-out needle set's text (`eval.tasks`, split "heldout3"), which no tuning, training, reported or earlier held-out
+    sample uses. A paragraph is kept as `prose_paragraphs` keeps one, judged on its text once the lead is dropped; a Python
+    without these files is a clear error."""
+    root = _shipped(CHANGELOG_FILES, "the third held-out set's prose is IDLE's 2.x news and IDLEfork's change log")
+    out: dict[str, None] = {}
+    for name in CHANGELOG_FILES:
+        for block in re.split(r"\n\s*\n", (root / name).read_text(encoding="utf-8")):
+            paragraph = _ENTRY_LEAD.sub("", " ".join(block.split()), count=1)
+            if _is_prose(paragraph) and not paragraph.endswith(":"):
+                out.setdefault(paragraph)
+    return list(out)
+
+
+def _shipped(names: tuple[str, ...], what: str):
+    """The standard library's folder (`sysconfig`'s "stdlib" path), once every file of `names` is found under it;
+    FileNotFoundError naming the missing ones, after `what` (the text they make), otherwise."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    missing = [name for name in names if not (root / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{what} ({', '.join(names)} under {root}); this Python does not ship {', '.join(missing)} "
+                                "(some distributions package idlelib apart: install it, e.g. the idle-python3 package)")
+    return root
 
 
 def manual_paragraphs() -> list[str]:

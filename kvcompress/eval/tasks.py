@@ -36,6 +36,9 @@ kept for a final check that runs once, after every choice is made (`benchmarks/h
 `niah_prose(split="heldout2")`, seeds from `HELDOUT2_SEEDS` (3000–3999), is a fourth set of pools shared with none of
 them, for a second final check (`benchmarks/heldout/PLAN2.md`): CPython's licence and IDLE's plain-text notes and news as
 the prose (`capture.notes_paragraphs`), `HELDOUT2_PROSE_FACTS`, `HELDOUT2_FIRST_NAMES`, ...
+`niah_prose(split="heldout3")`, seeds from `HELDOUT3_SEEDS` (4000–4999), is a fifth set of pools shared with none of
+them, for a third final check: IDLE's 2.x news and IDLEfork's change log as the prose (`capture.changelog_paragraphs`),
+`HELDOUT3_PROSE_FACTS`, `HELDOUT3_FIRST_NAMES`, ...
 
 The module imports the standard library only: kvpress's side of the side-by-side comparison loads it by path
 (`benchmarks/kvpress_side_by_side.py`, in an environment without kvcompress).
@@ -70,6 +73,8 @@ TUNING_SEEDS = range(1000, 2000)
 HELDOUT_SEEDS = range(2000, 3000)
 # Seeds of the second held-out needle set (niah_prose(split="heldout2")), fixed before the first run on it.
 HELDOUT2_SEEDS = range(3000, 4000)
+# Seeds of the third held-out needle set (niah_prose(split="heldout3")), fixed before the first run on it.
+HELDOUT3_SEEDS = range(4000, 5000)
 
 
 @dataclass
@@ -128,8 +133,9 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     """The sentences of the real-prose haystack: the Python language reference (`capture.prose_paragraphs`) for reported
     samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), for held-out samples
     IDLE's user manual (`capture.manual_paragraphs`), for the second held-out set CPython's licence and IDLE's notes
-    (`capture.notes_paragraphs`), each less any sentence an earlier source has, so no two share a sentence."""
-    from .capture import docstring_paragraphs, manual_paragraphs, notes_paragraphs, prose_paragraphs
+    (`capture.notes_paragraphs`), for the third IDLE's 2.x news and IDLEfork's change log (`capture.changelog_paragraphs`),
+    each less any sentence an earlier source has, so no two share a sentence."""
+    from .capture import changelog_paragraphs, docstring_paragraphs, manual_paragraphs, notes_paragraphs, prose_paragraphs
 
     def sentences(paragraphs):
         return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
@@ -143,7 +149,10 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     if split == "heldout":
         return tuple(s for s in sentences(manual_paragraphs()) if s not in earlier)
     earlier |= set(_prose_sentences("heldout"))
-    return tuple(s for s in sentences(notes_paragraphs()) if s not in earlier)
+    if split == "heldout2":
+        return tuple(s for s in sentences(notes_paragraphs()) if s not in earlier)
+    earlier |= set(_prose_sentences("heldout2"))
+    return tuple(s for s in sentences(changelog_paragraphs()) if s not in earlier)
 
 
 @functools.lru_cache(maxsize=1)
@@ -585,15 +594,64 @@ HELDOUT2_PROSE_FACTS = {
          "The largest clock tower of the coast stands in"),
     ),
 }
+# The third held-out set's own pools (niah_prose(split="heldout3")): no name, town or fact wording of the four sets above.
+HELDOUT3_FIRST_NAMES = (
+    "Alessandra", "Bartosz", "Celestine", "Dagmar", "Eamon", "Filippa", "Gaspard", "Henrietta", "Ilario", "Jadwiga",
+    "Konstantin", "Lucasta", "Maximilian", "Nerys", "Octavian", "Paloma", "Rupert", "Sunniva", "Tancredi", "Una",
+    "Vasilisa", "Wendeline", "Yolande", "Zebedee", "Augustin", "Brunhilde", "Crispin", "Domenica", "Ezekiel", "Fionnuala",
+)
+HELDOUT3_SURNAMES = (
+    "Ackroyd", "Blenkinsop", "Cartwright", "Dewhurst", "Entwistle", "Fairweather", "Greenhalgh", "Hetherington",
+    "Illingworth", "Jevons", "Kettlewell", "Merriweather", "Nettleship", "Oakenshaw", "Penhaligon", "Quarrie", "Rushworth",
+    "Sowerby", "Tillotson", "Urquhart", "Vickery", "Wainwright", "Yelland", "Zarnecki", "Amberley", "Cropper", "Dinwiddie",
+    "Lowther", "Mortimer", "Thistlethwaite",
+)
+HELDOUT3_TOWNS = (
+    "Alston", "Bampton", "Cawdor", "Dulverton", "Edzell", "Fortrose", "Glossop", "Hathersage", "Irvine", "Jarrow",
+    "Lynmouth", "Masham", "Narberth", "Olney", "Porlock", "Ravenglass", "Sheringham", "Tetbury", "Uig", "Wirksworth",
+    "Yoxford", "Alford", "Brampton", "Callander", "Ellon", "Findhorn", "Hornsea", "Inverurie", "Kinloss", "Leyburn",
+    "Marazion", "Nevern", "Portsoy", "Sedgefield", "Tarbert", "Wadebridge", "Beccles", "Clovelly", "Dalbeattie", "Helston",
+)
+HELDOUT3_PROSE_FACTS = {
+    "names": (
+        ("The clockmaker who mended the market hall clock was {}.", "Who mended the market hall clock?",
+         "The market hall clock was mended by"),
+        ("The poet who wrote the harvest ode was {}.", "Who wrote the harvest ode?", "The harvest ode was written by"),
+        ("The stonecutter who carved the bridge parapet was {}.", "Who carved the bridge parapet?",
+         "The bridge parapet was carved by"),
+        ("The brewer who revived the abbey ale was {}.", "Who revived the abbey ale?", "The abbey ale was revived by"),
+        ("The photographer who recorded the island lighthouses was {}.", "Who recorded the island lighthouses?",
+         "The island lighthouses were recorded by"),
+        ("The miller who rebuilt the tidal mill was {}.", "Who rebuilt the tidal mill?", "The tidal mill was rebuilt by"),
+        ("The bellfounder who cast the minster bells was {}.", "Who cast the minster bells?", "The minster bells were cast by"),
+        ("The organist who restored the chapel organ was {}.", "Who restored the chapel organ?",
+         "The chapel organ was restored by"),
+    ),
+    "places": (
+        ("The winter sheep sale is held in {}.", "Where is the winter sheep sale held?", "The winter sheep sale is held in"),
+        ("The oldest packhorse bridge of the dale stands in {}.", "Where does the oldest packhorse bridge of the dale stand?",
+         "The oldest packhorse bridge of the dale stands in"),
+        ("The dairy cooperative opened its first creamery in {}.", "Where did the dairy cooperative open its first creamery?",
+         "The dairy cooperative opened its first creamery in"),
+        ("The hoard of Roman coins was uncovered near {}.", "Near which town was the hoard of Roman coins uncovered?",
+         "The hoard of Roman coins was uncovered near"),
+        ("The accord between the rival ferry companies was reached in {}.",
+         "Where was the accord between the rival ferry companies reached?",
+         "The accord between the rival ferry companies was reached in"),
+        ("The finest boatyard of the firth is in {}.", "Where is the finest boatyard of the firth?",
+         "The finest boatyard of the firth is in"),
+    ),
+}
 # split -> (first names, surnames, towns, facts) of niah_prose
 PROSE_POOLS = {
     "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
     "tuning": (TUNING_FIRST_NAMES, TUNING_SURNAMES, TUNING_TOWNS, TUNING_PROSE_FACTS),
     "heldout": (HELDOUT_FIRST_NAMES, HELDOUT_SURNAMES, HELDOUT_TOWNS, HELDOUT_PROSE_FACTS),
     "heldout2": (HELDOUT2_FIRST_NAMES, HELDOUT2_SURNAMES, HELDOUT2_TOWNS, HELDOUT2_PROSE_FACTS),
+    "heldout3": (HELDOUT3_FIRST_NAMES, HELDOUT3_SURNAMES, HELDOUT3_TOWNS, HELDOUT3_PROSE_FACTS),
 }
 # split -> the seeds it takes (the reported split: any seed; reported runs use seeds below TUNING_SEEDS.start)
-SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS}
+SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS}
 
 
 def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
@@ -613,6 +671,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     split "heldout2", for a second final check, draws from a fourth set shared with none of them: CPython's licence and
     IDLE's plain-text notes, `HELDOUT2_PROSE_FACTS`, `HELDOUT2_FIRST_NAMES`, `HELDOUT2_SURNAMES`, `HELDOUT2_TOWNS`; seeds
     from `HELDOUT2_SEEDS` only.
+    split "heldout3", for a third final check, draws from a fifth set shared with none of them: IDLE's 2.x news and
+    IDLEfork's change log, `HELDOUT3_PROSE_FACTS`, `HELDOUT3_FIRST_NAMES`, `HELDOUT3_SURNAMES`, `HELDOUT3_TOWNS`; seeds
+    from `HELDOUT3_SEEDS` only.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)

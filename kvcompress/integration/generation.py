@@ -320,6 +320,13 @@ class _Session:
             answers.append(row[: stop + 1])
         return answers, question_seconds, decode_seconds
 
+    def _stored_bits(self) -> int | None:
+        """The bits the compressed context is stored in (`CompressedLayer.kv_bits`; None: full precision, as a memory
+        budget that holds every token leaves it)."""
+        if self.options is None:
+            return None
+        return next((layer.kv_bits for layer in self.cache.layers if isinstance(layer, CompressedLayer) and layer.kv_bits is not None), None)
+
     def result(self, tokens: list[int], prefill_seconds: float, decode_seconds: float, row: int, extra: dict) -> GenerationResult:
         dtype = next(self.model.parameters()).dtype
         padding = 0 if self.context_mask is None else int((self.context_mask[row] == 0).sum())
@@ -344,7 +351,7 @@ class _Session:
             context_tokens=self.n_context, prompt_tokens=self.n_prompt, budget=budget,
             slots_per_layer=slots, kv_bytes_full=full, kv_bytes=kv_bytes, peak_kv_bytes=peak,
             prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
-            realised_compression_ratio=realised, kv_bits=self.options.kv_bits,
+            realised_compression_ratio=realised, kv_bits=self._stored_bits(),
         )
 
 
