@@ -42,11 +42,13 @@ QUESTION = "What is the main subject of the text above? Answer in one sentence."
 VARIANTS = {
     "default": ("default", {}, {}),
     "default_chunk_128": ("default", {}, {"chunk_size": 128}),  # the streams' prompt in blocks of 128 tokens (the library's 256)
-    "default_4bit": ("default", {}, {"kv_bits": 4}),  # what the default keeps stored in 4 bits (at a lower ratio: equal memory)
+    # the default storing what it keeps in 4 bits, its ratio in tokens (a lower ratio for equal memory)
+    "default_4bit": ("default", {}, {"kv_bits": 4, "budget_unit": "tokens"}),
     "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
-    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),  # the default at slack 0.5
+    # the default's method at full precision, its ratio in tokens (in the streams at the library's slack, 0.5)
+    "adakv_kvzap_model": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {}),
     "snapkv": ("snapkv", {}, {}),
 }
 

@@ -282,7 +282,7 @@ class CompressedLayer(CacheLayerMixin):
                                  "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:
                 self.budgets = [options.budget_for(self.cache.stream_length, keys.shape[-1], self.dtype)] * keys.shape[0]
-                self.kv_bits = options.bits_for(self.cache.stream_length)
+                self.kv_bits = options.bits_for(self.cache.stream_length, keys.shape[-1], self.dtype)
                 bits = self.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
@@ -377,7 +377,12 @@ class CompressedLayer(CacheLayerMixin):
                 hidden_states=hidden, rope_positions=rope,
             ))
         options = self.cache.options
-        self.kv_bits = options.kv_bits if any(options.bits_for(n) is not None for n in lengths) else None
+        bits = {options.bits_for(n, keys.shape[-1], self.dtype) for n in lengths}
+        if len(bits) > 1:
+            raise ValueError(f"the rows of this batch store their contexts in different bits ({sorted(bits, key=str)}): a budget read "
+                             "as memory holds some rows at full precision and not others; compress them one at a time (kvc.generate "
+                             "does, for a list of contexts)")
+        (self.kv_bits,) = bits
         if self.kv_bits is None and not self.cache.plan.ragged:
             self.front = stack_rows(rows)
             return
@@ -392,7 +397,7 @@ class CompressedLayer(CacheLayerMixin):
         tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states, rope_positions)
         budget = options.budget_for(tokens.length, tokens.keys.shape[-1], self.dtype)
         self.budgets += [budget] * tokens.keys.shape[0]
-        self.kv_bits = options.bits_for(tokens.length)
+        self.kv_bits = options.bits_for(tokens.length, tokens.keys.shape[-1], self.dtype)
         summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
@@ -500,11 +505,12 @@ class CompressedLayer(CacheLayerMixin):
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live
         stream) copied, the cache's own objects it holds (`CompressedCache.stream_links`) left shared, not copied."""
-        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen, self.rows, list(self.budgets)
+        return _frozen(self.front, self.cache.stream_links()), self.tail, self.seen, self.rows, list(self.budgets), self.kv_bits
 
     def restore(self, state) -> None:
-        """Take back a `snapshot()`: what is stored, the tokens seen, the rows and the budgets it was compressed to."""
-        front, self.tail, self.seen, self.rows, budgets = state
+        """Take back a `snapshot()`: what is stored, the tokens seen, the rows, the budgets it was compressed to and the
+        bits it stores them in."""
+        front, self.tail, self.seen, self.rows, budgets, self.kv_bits = state
         self.front, self.budgets = _frozen(front, self.cache.stream_links()), list(budgets)
         if self.seen and not self.is_initialized:  # restored into a fresh cache: its dtype and device are the state's
             parts = self._stored_parts()
@@ -595,7 +601,7 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(front, QuantizedSummary):
             return front.keys.bits
         if isinstance(front, Stream):  # as the stream was built (`update`)
-            return self.cache.options.bits_for(self.cache.stream_length)
+            return self.cache.options.bits_for(self.cache.stream_length, self.cache.saved_dims["D"], self.dtype)
         return None
 
     def _check_loaded(self, path, dims: dict[str, int]) -> None:
@@ -1027,8 +1033,14 @@ class CompressedCache(Cache):
                                     options.window, [self.generator(item.layer_idx) for item in compressed])
         for item, summary in zip(compressed, summaries):
             item.budgets += [budget] * tokens.keys.shape[0]
-            item.kv_bits = options.bits_for(n)
+            item.kv_bits = options.bits_for(n, tokens.keys.shape[-1], tokens.keys.dtype)
             item._keep(summary.to(item.dtype).checked_eviction(), item._exact_slots(n))
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The bits the compressed context is stored in (`CompressedLayer.kv_bits`; None: full precision, as a budget read
+        as memory that holds the context at full precision leaves it)."""
+        return next((layer.kv_bits for layer in self.layers if isinstance(layer, CompressedLayer) and layer.kv_bits is not None), None)
 
     def snapshot(self) -> "CacheSnapshot":
         """Every layer's state (cheap: stored tensors are shared) and where the prompt stands, for restore(): e.g. right

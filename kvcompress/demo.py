@@ -61,7 +61,7 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
                              f"{compression_ratio} with {method}: {error}") from None
     print(f"context: {sample.n_tokens} tokens of real prose, needle at depth {sample.depths[0]:.0%}: {sample.needles[0]!r}")
     print(f"question: {sample.question}")
-    print(f"compression ratio {compression_ratio} ({compression_ratio:.0%} of the context removed); "
+    print(f"compression ratio {compression_ratio} ({compression_ratio:.0%} of the context's KV bytes removed); "
           f"default = {name}({settings})\n")
     print(f"{'method':<10}{'correct':<9}{'KV stored':>12}{'saved':>7}{'time':>8}  answer")
     rows = []

@@ -32,14 +32,14 @@ from .names import KVZIP_REFIT
 # AdaKV over every layer's heads (scope "model") with a small per-head floor (each head keeps its own top 5 % of the
 # budget). In prefill mode every layer's heads are ranked together; a stream gives each layer the share of the model's
 # budget the scorer learned on its training text (`AdaKV.layer_budget`) and re-compresses to 10/11 of it (slack 0.1),
-# so that it holds nearly its whole budget after each re-compression. In prefill mode the compressed context is stored in
-# 4 bits (kv_bits=4) and the ratio or budget is read as memory (budget_unit="memory"): the method keeps as many 4-bit slots as
-# fit in the bytes (1 - ratio) of the context at full precision would take, every token at 0.75 and about 0.4 of them at
-# 0.9 on the default model in float32; on tuning needles at equal memory 4-bit slots kept more of the full cache's
-# answers than fewer tokens at full precision. The streams keep full precision (decode mode gained nothing measurable
-# from bits, and a chunked stream holds its slots at full precision until the prompt ends). It needs a KVzap scorer for the model: the
-# package ships the default model's; for another model `kvcompress train-scorer` writes one (AdaKV over KVzap,
-# scorer=its path), or name another method.
+# so that it holds nearly its whole budget after each re-compression. In prefill mode the compressed context is stored
+# in 4 bits (kv_bits=4) and the ratio or budget is read as memory (budget_unit="memory"): the method keeps as many 4-bit
+# slots as fit in the bytes (1 - ratio) of the context at full precision would take, every token at 0.75 and about 0.4
+# of them at 0.9 on the default model in float32; on tuning needles at equal memory 4-bit slots kept more of the full
+# cache's answers than fewer tokens at full precision. The streams keep full precision (decode mode gained nothing
+# measurable from bits, and a chunked stream holds its slots at full precision until the prompt ends). It needs a KVzap
+# scorer for the model: the package ships the default model's; for another model `kvcompress train-scorer` writes one
+# (AdaKV over KVzap, scorer=its path), or name another method.
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"kv_bits": 4, "budget_unit": "memory"}),
     "chunked": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
@@ -57,6 +57,12 @@ NAMED_SETTINGS: dict[str, dict[str, tuple[str, dict[str, Any], dict[str, Any]]]]
     KVZIP_REFIT: {"prefill": ("adakv", {"scorer": "kvzip", "scope": "model", "alpha_safeguard": 0.05, "refit": "log_weights_values"},
                               {"window": 0})},
 }
+
+
+def without_storage(settings: dict[str, Any]) -> dict[str, Any]:
+    """A named setting's cache settings (`NAMED_SETTINGS`) less its storage, kv_bits and budget_unit: the same method at
+    full precision, its budget in tokens (what the tuning runs that chose the defaults compare against)."""
+    return {k: v for k, v in settings.items() if k not in ("kv_bits", "budget_unit")}
 
 
 def block_settings(mode: str, chunk_size: int) -> dict[str, int]:
@@ -93,7 +99,8 @@ class CompressionOptions:
     building it (`compressor`); the default method takes none (name the method to set them).
     budget / compression_ratio: exactly one for a method. budget is the middle budget per KV head
     (sink and window come on top); compression_ratio is the fraction of the tokens removed (both
-    measured in memory with budget_unit "memory"), resolved by each layer against the tokens it compresses (`budget_for`).
+    measured in memory with budget_unit "memory"), resolved by each layer against the tokens it
+    compresses (`budget_for`).
     mode: "prefill" (compress the first forward once), "chunked" (stream the prompt in blocks of
     `chunk_size`), "decode" (stream every token, the answer's included).
     sink / window: exact tokens at the start and end; None is the method's own default (`default_sink`, `default_window`).
@@ -176,7 +183,6 @@ class CompressionOptions:
         if self.chunk_size != DEFAULT_CHUNK_SIZE and self.mode == "prefill" and self.prefill_approx is None:
             raise ValueError(f"chunk_size={self.chunk_size} is the prompt's block size in mode 'chunked' or 'decode' (or an approximate "
                              "prefill's, prefill_approx): mode 'prefill' prefills the context in one forward, so leave it unset")
-        self._check_storage()
         self._check_budget_unit()
         if self.quality is not None:
             check_quality(self.quality)
@@ -184,6 +190,7 @@ class CompressionOptions:
             self._resolve_calibration()
         if self.method in NAMED_SETTINGS:
             self._resolve_named()
+        self._check_storage()  # after the named settings, which may set kv_bits
         if self.method is None:
             given = {k: v for k, v in (("budget", self.budget), ("compression_ratio", self.compression_ratio), ("slack", self.slack),
                                        ("sink", self.sink), ("window", self.window), ("kv_bits", self.kv_bits),
@@ -280,7 +287,6 @@ class CompressionOptions:
         for key, value in exact.items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
-        self._check_storage()  # a group size for the kv_bits a named setting sets
 
     def _check_budget_unit(self) -> None:
         """budget_unit None or one of BUDGET_UNITS, and not "memory" beside a calibration."""
@@ -342,29 +348,39 @@ class CompressionOptions:
         (`budget_for`): what a check reads before the layers' shapes are known (the reading raises no other error)."""
         return resolve_budget(length, self.budget, self.compression_ratio, self.sink, self.window, self.compressor, streaming=self.streams)
 
-    def _holds_every_token(self, middle: int, length: int | None) -> bool:
-        """Whether a middle budget keeps every middle token of `length` (None: a stream of unknown length, never)."""
-        return length is not None and middle >= length - self.sink - self.window
+    def _quantized_budget(self, length: int | None, head_dim: int | None, dtype: torch.dtype | None) -> int | None:
+        """With the budget read as memory in kv_bits storage (`reads_memory`): the quantized slots that fit the bytes of the
+        full-precision middle budget, at most every middle token (`quantization.slots_in_memory_of`); None where
+        quantizing buys no slot (the full-precision budget keeps every middle token of `length` already, or fits no more
+        slots quantized), so the layer keeps the full-precision budget at full precision. None when the budget is not
+        read as memory."""
+        if not self.reads_memory:
+            return None
+        middle = self.token_budget_for(length)
+        every = None if length is None else length - self.sink - self.window  # None: a stream of unknown length
+        if every is not None and middle >= every:
+            return None
+        if head_dim is None or dtype is None:
+            raise ValueError("a budget read as memory with kv_bits needs the layer's head_dim and dtype to resolve a budget")
+        keys_axis = "token" if self.mode == "decode" else "channel"
+        fit = slots_in_memory_of(middle, self.kv_bits, self.kv_group_size, head_dim, torch.empty(0, dtype=dtype).element_size(), keys_axis)
+        if every is not None:
+            fit = min(fit, every)
+        return fit if fit > middle else None
 
-    def bits_for(self, length: int | None) -> int | None:
-        """The bits a layer that compresses `length` tokens (None: a stream given a budget, its length unknown) stores them
-        in: kv_bits, or None (full precision) where the budget is read as memory and its full-precision tokens keep every
-        middle token already (compression_ratio 0, or a budget of every token): the memory asked for holds the context as
-        it is."""
-        if self.reads_memory and self._holds_every_token(self.token_budget_for(length), length):
+    def bits_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> int | None:
+        """The bits a layer that compresses `length` tokens (None: a stream given a budget, its length unknown) of
+        `head_dim` in `dtype` stores them in: kv_bits, or None (full precision) where the budget is read as memory and
+        quantizing buys no slot (`_quantized_budget`: a ratio of 0, a budget of every token, a budget too small for a key
+        group's scales): the memory asked for then holds the full-precision budget as it is."""
+        if self.reads_memory and self._quantized_budget(length, head_dim, dtype) is None:
             return None
         return self.kv_bits
 
     def budget_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> int:
         """The middle budget per KV head for a layer that compresses `length` tokens (a stream: all the tokens it will take;
         None with a budget: not known). With the budget or ratio read as memory in kv_bits storage (`reads_memory`), the
-        layer's head_dim and dtype give the slots that fit, at most every middle token
-        (`quantization.slots_in_memory_of`); otherwise they are not read."""
-        middle = self.token_budget_for(length)
-        if not self.reads_memory or self._holds_every_token(middle, length):
-            return middle
-        if head_dim is None or dtype is None:
-            raise ValueError("a budget read as memory with kv_bits needs the layer's head_dim and dtype to resolve a budget")
-        keys_axis = "token" if self.mode == "decode" else "channel"
-        fit = slots_in_memory_of(middle, self.kv_bits, self.kv_group_size, head_dim, torch.empty(0, dtype=dtype).element_size(), keys_axis)
-        return fit if length is None else max(middle, min(fit, length - self.sink - self.window))
+        layer's head_dim and dtype give the quantized slots that fit its bytes (`_quantized_budget`); otherwise they are
+        not read."""
+        quantized = self._quantized_budget(length, head_dim, dtype)
+        return self.token_budget_for(length) if quantized is None else quantized

@@ -345,6 +345,9 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
     assert (prefill.method, prefill.method_params, prefill.sink, prefill.window, prefill.kv_bits, prefill.kv_group_size,
             prefill.budget_unit) == ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, 4, 64, 4, 32, "memory")
     assert CompressionOptions(compression_ratio=0.5, kv_bits=8).kv_bits == 8  # bits given replace the default's
+    assert CompressionOptions(compression_ratio=0.5, kv_group_size=16).kv_group_size == 16  # groups for the default's bits
+    with pytest.raises(ValueError, match="kv_group_size=16 groups quantized storage: it takes kv_bits"):
+        CompressionOptions(compression_ratio=0.5, kv_group_size=16, mode="chunked")  # the streams keep full precision
     assert prefill.compressor.requirements.needs("hidden_states") and prefill.compressor.requirements.budget_scope == "model"
     assert not prefill.compressor.requirements.needs("reconstruction")
     assert CompressionOptions(**prefill.to_dict()) == prefill  # what a saved cache records builds the same options

@@ -674,7 +674,7 @@ def test_the_budget_read_as_memory_is_checked_and_resolves_with_the_layers_shape
     assert CompressionOptions(method="snapkv", budget=100, kv_bits=4, budget_unit="memory").budget_for(2048, 64, torch.float32) == \
         slots_in_memory_of(100, 4, 32, 64, 4, "channel")
     assert CompressionOptions(method="snapkv", compression_ratio=0.9, budget_unit="memory").budget_for(2048) == middle  # no kv_bits
-    assert memory.bits_for(2048) == 4 and tokens.bits_for(2048) == 4
+    assert memory.bits_for(2048, 64, torch.float32) == 4 and tokens.bits_for(2048) == 4
     assert CompressionOptions(method="snapkv", compression_ratio=0.0, kv_bits=4, budget_unit="memory").bits_for(2048) is None
     assert CompressionOptions(method="snapkv", compression_ratio=0.0, kv_bits=4).bits_for(2048) == 4  # tokens: bits as asked
     with pytest.raises(ValueError, match="needs the layer's head_dim and dtype"):
@@ -708,3 +708,53 @@ def test_a_cache_read_as_memory_stores_within_the_bytes_the_ratio_leaves(mode):
                          **{**settings, "compression_ratio": 0.0, "kv_bits": 4, "budget_unit": "memory"})
     plain = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, method=None)
     assert exact.kv_bits is None and exact.token_ids == plain.token_ids and exact.kv_bytes == plain.kv_bytes
+
+
+def test_a_snapshot_restored_into_a_fresh_cache_keeps_its_storage():
+    """A chunked stream's snapshot taken mid-prompt and restored into a fresh cache stores the compressed context in the
+    bits the options ask for when the prompt ends, as the cache it came from does (`CompressedLayer.kv_bits` travels with
+    the snapshot)."""
+    model = tiny()
+    ctx, _ = _prompt(n=400)
+
+    def run(fresh: bool):
+        cache = CompressedCache(model, "keydiff", compression_ratio=0.5, mode="chunked", stream_length=400, kv_bits=4)
+        with torch.no_grad(), kvc.integration.use_compressed_attention(model):
+            for block in ctx[:, :200].split(32, 1):
+                model(block, past_key_values=cache)
+            if fresh:
+                snapshot = cache.snapshot()
+                cache = CompressedCache(model, cache.options, stream_length=400)
+                cache.restore(snapshot)
+            for block in ctx[:, 200:].split(32, 1):
+                model(block, past_key_values=cache)
+            cache.absorbing = False
+        return type(cache.layers[0].front), cache.nbytes(), cache.kv_bits
+
+    assert run(True) == run(False) == (QuantizedSummary, run(False)[1], 4)
+
+
+def test_smallest_memory_budgets_and_mixed_rows_keep_within_the_memory_asked_for():
+    """A budget read as memory that fits no more slots quantized than at full precision (one slot: its key group's scales
+    alone outweigh it) stays at full precision rather than take more bytes; a padded batch whose rows would store other
+    bits runs each row alone under `generate_batch_ids` (each row its solo answer) and is refused by one cache, naming
+    the cause."""
+    from kvcompress.integration import use_compressed_attention
+
+    model = tiny().to(torch.bfloat16)
+    ctx, question = _prompt(n=300)
+    settings = dict(method="keydiff", budget=1, kv_bits=8, budget_unit="memory")
+    res = generate_ids(model, ctx, question, max_new_tokens=2, stop_at_eos=False, **settings)
+    plain = generate_ids(model, ctx, question, max_new_tokens=2, stop_at_eos=False, method="keydiff", budget=1)
+    assert res.kv_bits is None and (res.budget, res.kv_bytes, res.token_ids) == (plain.budget, plain.kv_bytes, plain.token_ids)
+    short = ctx[:, :180]
+    batch = dict(method="snapkv", budget=150, kv_bits=2, budget_unit="memory")
+    rows = generate_batch_ids(model, [ctx, short], question, max_new_tokens=4, stop_at_eos=False, **batch)
+    alone = [generate_ids(model, c, question, max_new_tokens=4, stop_at_eos=False, **batch) for c in (ctx, short)]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in alone] and [r.kv_bits for r in alone] == [2, None]
+    assert all(r.extra["batch_run"] == "one_by_one" for r in rows)
+    padded = torch.cat([torch.full((1, 120), 0, dtype=ctx.dtype), short], 1)
+    mask = torch.cat([torch.zeros(1, 120, dtype=torch.long), torch.ones(1, 180, dtype=torch.long)], 1)
+    cache = CompressedCache(model, **batch)
+    with torch.no_grad(), use_compressed_attention(model), pytest.raises(ValueError, match="store their contexts in different bits"):
+        model(torch.cat([ctx, padded]), attention_mask=torch.cat([torch.ones(1, 300, dtype=torch.long), mask]), past_key_values=cache)

@@ -331,6 +331,21 @@ def test_a_forward_with_gradients_on_through_a_compressed_cache(default_model, m
 
 
 @pytest.mark.smoke
+def test_cli_generate_reads_the_ratio_as_memory(cli, doc):
+    """docs/cli.md's `--budget-unit memory` with `--kv-bits 4`: SnapKV keeps more tokens, in 4 bits, than at the same
+    ratio in tokens; the default in prefill mode stores 4 bits with neither flag, and finds the needle."""
+    import re
+
+    ask = ["--context-file", doc, "--question", QUESTION, "--max-new-tokens", NEW, "--compression-ratio", "0.5"]
+    memory = cli("generate", *ask, "--method", "snapkv", "--kv-bits", 4, "--budget-unit", "memory")
+    tokens = cli("generate", *ask, "--method", "snapkv", "--kv-bits", 4)
+    kept = [int(re.search(r"\(mean (\d+)\)", answer_and_kept(out)[1]).group(1)) for out in (memory, tokens)]
+    assert "4-bit storage" in memory and kept[0] > kept[1], (memory, tokens)
+    default = cli("generate", *ask)
+    assert "4-bit storage" in default and NEEDLE in answer_and_kept(default)[0], default
+
+
+@pytest.mark.smoke
 def test_cli_calibrate_then_generate_with_calibration(cli, doc, tmp_path):
     """docs/cli.md: `kvcompress calibrate --method compactor --out compactor.json`, then `kvcompress generate --calibration
     compactor.json --quality 0.9 ...` (one sample of 128 tokens, two retentions here)."""

@@ -2,8 +2,8 @@
 (`kv_bits=4`, packed per head) at a lower compression ratio, so that both store about the same bytes, on tuning needles.
 
 Each variant answers the tuning needles of `kvzap_default.py` (`tuning_needle`, 24 answer tokens, the library's prompt
-layout) with the default's method and settings for its mode (`options.DEFAULT_METHODS`), at the compression ratio and
-storage it names; `memory` names the default's ratio whose bytes it matches (the stored bytes ÷ the full cache's of
+layout) with the default's method and settings for its mode (`options.DEFAULT_METHODS`, less its storage:
+`options.without_storage`), at the compression ratio, in tokens, and storage it names; `memory` names the default's ratio whose bytes it matches (the stored bytes ÷ the full cache's of
 every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so the match is read, not assumed):
 - `full`: the full cache (ratio 0);
 - `default_0.9`, `default_0.75`: the default at full precision;
@@ -31,7 +31,7 @@ from pathlib import Path
 import kvcompress as kvc
 from kvcompress.eval.tasks import score
 from kvcompress.names import DEFAULT_PROMPT_LAYOUT
-from kvcompress.options import DEFAULT_METHODS
+from kvcompress.options import DEFAULT_METHODS, without_storage
 from kvzap_default import append_row, parsed_variants_run, recorded, summarise, tuning_needle
 
 # name -> (compression ratio, kv_bits, the default's ratio whose memory it matches)
@@ -78,7 +78,7 @@ def main() -> None:
                         settings = {"method": None}
                     else:
                         method, params, exact = DEFAULT_METHODS[mode]
-                        settings = dict(method=method, method_params=params, compression_ratio=ratio, kv_bits=bits, **exact)
+                        settings = dict(method=method, method_params=params, compression_ratio=ratio, kv_bits=bits, **without_storage(exact))
                     start = time.perf_counter()
                     res = kvc.generate(model, tokenizer, sample.context, sample.question, mode=mode, max_new_tokens=args.new_tokens,
                                        progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)

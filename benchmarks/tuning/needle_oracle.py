@@ -27,7 +27,7 @@ import kvcompress as kvc
 from kvcompress.methods.kvzap import KVzap
 from kvcompress.methods.registry import register
 from kvcompress.names import DEFAULT_PROMPT_LAYOUT
-from kvcompress.options import DEFAULT_METHODS
+from kvcompress.options import DEFAULT_METHODS, without_storage
 from kvzap_default import answer_prefill_needle, answered_variants_run, recorded, summarise
 from needle_keep import tuning_context
 
@@ -63,7 +63,8 @@ def main() -> None:
     register(ForcedKVzap)
     model, tokenizer = kvc.load_model()
     done = recorded(args.out, ("variant", "seed", "length", "ratio"))
-    method, params, exact = DEFAULT_METHODS["prefill"]  # the prefill default, its scorer swapped for the forced one
+    method, params, exact = DEFAULT_METHODS["prefill"]  # the prefill default at full precision, its scorer swapped for the forced one
+    exact = without_storage(exact)
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
             sample, _, answer, fact = tuning_context(length, seed, tokenizer, DEFAULT_PROMPT_LAYOUT)

@@ -43,7 +43,7 @@ from kvcompress.methods.adakv import AdaKV
 from kvcompress.methods.kvzap import KVzap
 from kvcompress.methods.registry import register
 from kvcompress.methods.requirements import Requirements
-from kvcompress.options import DEFAULT_METHODS
+from kvcompress.options import DEFAULT_METHODS, without_storage
 from kvcompress.summary import KVSummary
 from kvzap_default import answer_prefill_variants, answered_variants_run
 
@@ -120,12 +120,13 @@ VARIANTS = ("full", "default", *REFIT_VARIANTS)
 
 
 def queried_default_settings(name: str, ratio: float, method: str | None = None, **params) -> dict:
-    """kvc.generate's method settings for variant `name`: "full" the full cache, "default" the prefill default, any other
-    the registered `method` with the prefill default's parameters, its scorer handed the queries (`KVzapWithQueries`),
-    and `params` over them."""
+    """kvc.generate's method settings for variant `name`: "full" the full cache, "default" the prefill default at full
+    precision (`options.without_storage`), any other the registered `method` with the prefill default's parameters, its
+    scorer handed the queries (`KVzapWithQueries`), and `params` over them."""
     if name == "full":
         return {"method": None}
     default, defaults, exact = DEFAULT_METHODS["prefill"]
+    exact = without_storage(exact)  # at full precision, as these variants were measured
     if name == "default":
         return dict(method=default, method_params=defaults, compression_ratio=ratio, **exact)
     return dict(method=method, method_params={**defaults, "scorer": KVzapWithQueries.name, **params}, compression_ratio=ratio,

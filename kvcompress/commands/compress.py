@@ -27,5 +27,5 @@ def _run(args) -> int:
     cache.save(args.out)
     slots = cache.slots_per_layer()
     print(f"saved {args.out}: {cache.nbytes() / 2**20:.2f} MiB of KV, {sum(slots) / len(slots):.0f} slots per layer and KV head "
-          f"(method {options.method}{'' if options.kv_bits is None else f', {options.kv_bits}-bit'})")
+          f"(method {options.method}{'' if cache.kv_bits is None else f', {cache.kv_bits}-bit'})")
     return 0

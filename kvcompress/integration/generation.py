@@ -320,13 +320,6 @@ class _Session:
             answers.append(row[: stop + 1])
         return answers, question_seconds, decode_seconds
 
-    def _stored_bits(self) -> int | None:
-        """The bits the compressed context is stored in (`CompressedLayer.kv_bits`; None: full precision, as a memory
-        budget that holds every token leaves it)."""
-        if self.options is None:
-            return None
-        return next((layer.kv_bits for layer in self.cache.layers if isinstance(layer, CompressedLayer) and layer.kv_bits is not None), None)
-
     def result(self, tokens: list[int], prefill_seconds: float, decode_seconds: float, row: int, extra: dict) -> GenerationResult:
         dtype = next(self.model.parameters()).dtype
         padding = 0 if self.context_mask is None else int((self.context_mask[row] == 0).sum())
@@ -351,7 +344,7 @@ class _Session:
             context_tokens=self.n_context, prompt_tokens=self.n_prompt, budget=budget,
             slots_per_layer=slots, kv_bytes_full=full, kv_bytes=kv_bytes, peak_kv_bytes=peak,
             prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
-            realised_compression_ratio=realised, kv_bits=self._stored_bits(),
+            realised_compression_ratio=realised, kv_bits=self.cache.kv_bits if isinstance(self.cache, CompressedCache) else None,
         )
 
 
@@ -580,7 +573,7 @@ def generate_batch_ids(
     through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
     'decode' (a stream takes no padding), any batch of a randomized method there or with one budget over every layer (it
     draws for all the rows at once), any batch with an approximate prefill (prefill_approx), or a padded batch with a
-    method scored by its own reconstruction forward (KVzip) or with one budget over every layer (budget scope "model": AdaKV with scope='model', the default); and any batch with context-calibrated compression (quality +
+    method scored by its own reconstruction forward (KVzip), with one budget over every layer (budget scope "model": AdaKV with scope='model', the default) or with its budget read as memory in quantized storage; and any batch with context-calibrated compression (quality +
     calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
     its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
     number of contexts. (A padded batch through one `CompressedCache`, as `model.generate` runs it, is always one
@@ -628,7 +621,8 @@ def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
     """Whether `generate_batch_ids` runs each context alone rather than the batch in one forward: with
     context-calibrated compression (a ratio per context), with an approximate prefill, for a randomized method streamed or
     with one budget over every layer, or for a padded batch that a stream would take (padding and all) or whose method
-    compresses the rows of one forward together (its own reconstruction forward, one budget over every layer)."""
+    compresses the rows of one forward together (its own reconstruction forward, one budget over every layer) or whose
+    budget is read as memory in quantized storage (a row may then store other bits than another)."""
     if options.quality is not None:
         return True
     if options.prefill_approx is not None:
@@ -640,6 +634,8 @@ def _runs_one_by_one(options: CompressionOptions, padded: bool) -> bool:
         return True  # a stream that scores a batch's rows together (`Method.stream_rows_apart`)
     if not padded or options.streams:
         return padded
+    if options.reads_memory:
+        return True  # rows of other lengths may hold their budgets in other bits (`CompressionOptions.bits_for`)
     return needs is not None and (needs.needs("reconstruction") or needs.budget_scope == "model")
 
 
