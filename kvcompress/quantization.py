@@ -139,11 +139,15 @@ class QuantizedTensor(Saveable):
         """The stored tensor [B, H, n, d] in the scales' dtype (computed in float32, rounded once)."""
         codes = _unpack(self.packed, self.bits, self.dim).float()
         n, g = self.packed.shape[2], self.group_size
-        if self.axis == "channel":
-            scale, zero = (t.float().repeat_interleave(g, dim=2)[:, :, :n] for t in (self.scale, self.zero))
+        scale, zero = self.scale.float(), self.zero.float()
+        axis = 2 if self.axis == "channel" else 3  # the axis a group runs along
+        if codes.shape[axis] % g == 0:  # whole groups: each group's scale and zero point broadcast over its members
+            at = axis + 1  # the groups' members
+            out = torch.addcmul(zero.unsqueeze(at), codes.unflatten(axis, (-1, g)), scale.unsqueeze(at)).flatten(axis, at)
         else:
-            scale, zero = (t.float().repeat_interleave(g, dim=3)[..., : self.dim] for t in (self.scale, self.zero))
-        return torch.addcmul(zero, codes, scale).to(self.dtype)
+            scale, zero = (t.repeat_interleave(g, dim=axis).narrow(axis, 0, codes.shape[axis]) for t in (scale, zero))
+            out = torch.addcmul(zero, codes, scale)
+        return out.to(self.dtype)
 
     def nbytes(self) -> int:
         """Bytes stored: the packed codes, the scales and the zero points."""
@@ -217,8 +221,10 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.contiguous()
     d = codes.shape[-1]
     codes = F.pad(codes, (0, -(-d // per) * per - d)).unflatten(-1, (-1, per))
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes << shifts).sum(-1, dtype=torch.uint8)
+    packed = codes[..., 0].clone()
+    for i in range(1, per):  # one elementwise op per code of a byte
+        packed |= codes[..., i] << (bits * i)
+    return packed
 
 
 def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
@@ -226,8 +232,8 @@ def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :d]
+    mask = (1 << bits) - 1  # one elementwise op per code of a byte (read at every step of attention over stored codes)
+    return torch.stack([(packed >> (bits * i)) & mask for i in range(per)], -1).flatten(-2)[..., :d]
 
 
 @saved("quantized_summary")
