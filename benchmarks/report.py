@@ -74,11 +74,19 @@ SUMMARY_ROWS = [
 COST_BENCH = "benchmarks/results/bench/cost"
 # The end-to-end prefill of every method at one thread: the summary's cost column
 PREFILL_BENCH = f"{COST_BENCH}/threads-1"
-# The second held-out set's rows at 2k, first in the summary: (use, library, cell, mode) on SUMMARY_HELDOUT (see
-# heldout_section): the last check of the defaults as they are, kvzip_refit's cells included
+# The held-out sets' rows at 2k, first in the summary: (use, library, cell, mode) on each folder (see heldout_section):
+# the third set's check of the prefill default in 4 bits, then the second set's of the streams, kvzip_refit's cells
+# included
+SUMMARY_HELDOUT3 = "results/heldout3_2048"
+DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"  # the prefill default, as a cell
+SUMMARY_HELDOUT3_ROWS = [
+    ("**the default** (no method named): AdaKV over KVzap's learned scores, 4-bit slots in the memory the ratio leaves", "kvcompress", DEFAULT_CELL, "prefill"),
+    ("no compression: the reference", "kvcompress", "full", "prefill"),
+    ("kvpress's KVzip, for comparison", "kvpress", "KVzip", "prefill"),
+]
 SUMMARY_HELDOUT = "results/heldout2_2048"
 SUMMARY_HELDOUT_ROWS = [
-    ("**the default** (no method named): AdaKV over KVzap's learned scores", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05]", "prefill"),
+    ("the default's method at full precision: AdaKV over KVzap's learned scores (the default stores 4 bits in prefill mode)", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05]", "prefill"),
     ("the default, streamed in blocks", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]", "chunked"),
     ("the default, every token streamed", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]", "decode"),
     ("no compression: the reference", "kvcompress", "full", "prefill"),
@@ -301,8 +309,9 @@ def summary_rows() -> list[dict]:
         out[column] = f"{bench[cell]['implied_overhead']:.3f}" if cell in bench else "–"
         return out
 
-    if (ROOT / SUMMARY_HELDOUT / "manifest.json").is_file():
-        rows += [row(use, SUMMARY_HELDOUT, cell, mode, False, library) for use, library, cell, mode in SUMMARY_HELDOUT_ROWS]
+    for folder, held_out_rows in ((SUMMARY_HELDOUT3, SUMMARY_HELDOUT3_ROWS), (SUMMARY_HELDOUT, SUMMARY_HELDOUT_ROWS)):
+        if (ROOT / folder / "manifest.json").is_file() and harness_run(folder)[2]:
+            rows += [row(use, folder, cell, mode, False, library) for use, library, cell, mode in held_out_rows]
     for use, cell in SUMMARY_ROWS:
         rows.append(row(use, SUMMARY_SET, cell, "prefill", True))
     rows.insert(rows.index(next(r for r in rows if r["needle set"].startswith("niah_prose, 4096"))) + 2, row("AdaKV over KeyDiff's scores, streamed", NUMERIC[0], KEYDIFF_STREAM_CELL, "chunked", False))
@@ -322,17 +331,22 @@ SUMMARY_NOTE = (
     "Cost bench: a `generate` prefill of 4k tokens with 75% removed ÷ a plain transformers prefill, by the compression's "
     "share of it at one thread (`benchmarks/results/bench/cost/threads-1/`; `kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
     "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The first rows are the "
-    "second held-out set at 2k tokens (\"The second held-out needle set\": another text, fixed in writing before it ran once, "
-    "with the defaults as they are; its 4k cells and the first held-out set are in that section), where the default (no "
-    "method named, AdaKV over KVzap's learned scores) ran beside the full cache, `kvzip_refit` and kvpress's KVzip on the "
-    "same prompt tokens, its times not shown (several runs shared the CPU); its cost against a plain `model.generate` is "
+    "third held-out set at 2k tokens (\"The third held-out needle set\": a text no other set used, fixed in writing before "
+    "it ran once), where the default in prefill mode ran beside the full cache and kvpress's KVzip on the same prompt "
+    "tokens; the next are the "
+    "second held-out set at 2k tokens (\"The second held-out needle set\": another text, fixed in writing before it ran once; "
+    "its 4k cells and the first held-out set are in that section), where AdaKV over KVzap's learned scores at full "
+    "precision, the default's method in every mode, ran beside the full cache, `kvzip_refit` and kvpress's KVzip on the "
+    "same prompt tokens (in prefill mode the default now stores 4 bits, its ratio read as memory: the third held-out set "
+    "checks it, `benchmarks/heldout/PLAN3.md`), its times not shown (several runs shared the CPU); its cost against a plain `model.generate` is "
     "under \"What one answer costs\".")
 
 
 def summary_section() -> list[str]:
     lines = ["## Summary: which method to pick", "",
              "Ratio 0.75 and 0.9 remove 75% and 90% of the context's tokens from the cache; every method stores the same "
-             "number of slots per head at a ratio. The records, commands and machines of each row are in the sections "
+             "number of slots per head at a ratio, but the default in prefill mode, which removes that share of the "
+             "context's bytes and keeps 4-bit slots in the rest. The records, commands and machines of each row are in the sections "
              "below: the side by side with kvpress (the rows' needle sets) and the cost bench.", "",
              summary_table(), "", SUMMARY_NOTE, ""]
     return lines
@@ -430,10 +444,17 @@ def sweeps_section() -> list[str]:
               "× full cache: the paired ratio of perplexities with its 95% t interval over documents (1 = no loss).", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
     lines += perplexity_lines(records)
+    folder = "results/perplexity_default_prefill_1k"
+    lines += ["### Language modelling under compression: the default in prefill mode", "",
+              "The same protocol for the default in prefill mode (AdaKV over KVzap's scores, one budget over every layer, "
+              "4-bit slots in the memory the ratio leaves: every context token at 0.5 and 0.75).", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
+    lines += perplexity_lines(eval_records(folder))
     folder = "results/perplexity_default_1k"
-    lines += ["### Language modelling under compression: the default", "",
-              "The same protocol for the default (AdaKV over KVzap's scores, one budget over every layer) in every mode, "
-              "chunked mode streaming the context in blocks and keeping the continuation exact.", ""]
+    lines += ["### Language modelling under compression: the default's method at full precision, every mode", "",
+              "The same protocol for AdaKV over KVzap's scores at full precision, one budget over every layer, in every "
+              "mode (the default in chunked and decode modes; in prefill mode the default stores 4 bits, above), chunked "
+              "mode streaming the context in blocks and keeping the continuation exact.", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
     lines += perplexity_lines(eval_records(folder))
     return lines
@@ -569,7 +590,13 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "pair, then pairs of a plain generate and the cell; what a process ran before can move a call's time by a tenth or more): "
      "the median seconds per answer, the median of its plain generates (`plain_s`), the ratio of the two (`over_plain`; "
      "the `plain` row's `plain_s` is the median over the cells), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
-     "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens).",
+     "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens). The prefill rows are the "
+     "default's method at full precision, its ratio in tokens (`adakv_kvzap_model`); the default in prefill mode stores 4 "
+     "bits (\"What one answer costs: the default in prefill mode\", below).",
+     cost_table),
+    ("benchmarks/results/default_cost_prefill.csv", "What one answer costs: the default in prefill mode",
+     "The default in prefill mode as it is (4-bit slots in the memory the ratio leaves: every context token at 0.5 and "
+     "0.75) at 2k, 4k and 8k tokens (8000 context tokens), each cell in a fresh process as above, alone on the machine.",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
      "The default's chunked and decode modes with the prompt fed in blocks of 256 tokens (`default`, the library's "
@@ -579,10 +606,11 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in a run of its own.",
+     "ratio 0.75, in a run of its own (the prefill row: the default's method at full precision, `adakv_kvzap_model`).",
      cost_table),
     ("benchmarks/results/default_cost_4bit.csv", "What one answer costs: the default in 4 bits at equal memory",
-     "The default at ratio 0.9 (`default`) and the default storing what it keeps in 4 bits (`default_4bit`: `kv_bits=4`) at "
+     "The default's method at full precision at ratio 0.9 (`adakv_kvzap_model` in prefill mode, `default` in decode mode) "
+     "and the default storing what it keeps in 4 bits (`default_4bit`: `kv_bits=4`, the ratio in tokens) at "
      "ratio 0.6, which in prefill mode stores about as many bytes (the tuning table \"Fewer tokens or fewer bits, at equal "
      "memory\"), in prefill and decode modes, each cell in a fresh process as above; two runs, one per method, each with "
      "its `plain` row. In decode mode too the 4-bit streams (their kept slots packed, each slot quantized once) store about the "
@@ -641,20 +669,28 @@ HELDOUT_PLAN = "benchmarks/heldout/PLAN.md"
 HELDOUT2_PLAN = "benchmarks/heldout/PLAN2.md"
 HELDOUT_LENGTHS = (2048, 4096)
 HELDOUT_LAYOUT = "blank_line_primed"  # the compressed cells' layout (the plan's); the full cache runs under every layout
-DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"
+KVZAP_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"  # the default's method at full precision, its ratio in tokens
 # (label, library, cell, ratios) in the plan's order
 HELDOUT_CELLS = [
-    ("the default, prefill", "kvcompress", DEFAULT_CELL, (0.75, 0.9)),
+    ("AdaKV over KVzap at full precision, prefill", "kvcompress", KVZAP_CELL, (0.75, 0.9)),
     ("the default, chunked", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]", (0.75,)),
     ("the default, decode", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]", (0.75,)),
     ("`kvzip_refit`, prefill", "kvcompress", KVZIP_REFIT_CELL, (0.75, 0.9)),
     ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
 ]
 HELDOUT_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("`kvzip_refit`", "kvcompress", KVZIP_REFIT_CELL)]
+HELDOUT3_PLAN = "benchmarks/heldout/PLAN3.md"
+HELDOUT3_CELLS = [
+    ("the default, prefill", "kvcompress", DEFAULT_CELL, (0.75, 0.9)),
+    ("AdaKV over KVzap at full precision, prefill", "kvcompress", KVZAP_CELL, (0.75, 0.9)),
+    ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
+]
+HELDOUT3_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("the same method at full precision", "kvcompress", KVZAP_CELL)]
 
 
 def heldout_folder(length: int, layout: str = HELDOUT_LAYOUT, name: str = "heldout") -> str:
-    """The records of one length and prompt layout of the held-out set `name` ("heldout": PLAN.md's; "heldout2": PLAN2.md's)."""
+    """The records of one length and prompt layout of the held-out set `name` ("heldout": PLAN.md's; "heldout2": PLAN2.md's;
+    "heldout3": PLAN3.md's)."""
     return f"results/{name}_{length}" + ("" if layout == HELDOUT_LAYOUT else f"_{layout}")
 
 
@@ -670,9 +706,12 @@ def paired_cell(mine: dict[str, float], theirs: dict[str, float]) -> str:
     return f"{won} / {lost}; {100 * diff:+.0f} ({100 * low:+.0f} to {100 * high:+.0f}); p {sign_test(won, lost):.2g}"
 
 
-def heldout_length(length: int, held_out_set: str = "heldout") -> list[str]:
-    """One length of the held-out set `held_out_set` (`heldout_folder`'s name): every cell of the plan (not run yet where
-    it has no record), the full cache under each layout, and the answers of the default's misses."""
+def heldout_length(length: int, held_out_set: str = "heldout", cells: list = HELDOUT_CELLS, baselines: list = HELDOUT_BASELINES,
+                   default_cells: int = 3) -> list[str]:
+    """One length of the held-out set `held_out_set` (`heldout_folder`'s name): every cell of its plan, `cells` (not run
+    yet where it has no record; paired against each of `baselines`; the median stored bytes ÷ the full cache's where
+    the records carry them), the full cache under each layout, and the answers of the misses of the first
+    `default_cells` cells (the default's)."""
     layouts = [HELDOUT_LAYOUT] + [layout for layout in PROMPT_LAYOUTS if layout != HELDOUT_LAYOUT]
     # a layout's folder counts once it holds answers (a dump alone, before any answer, is a run not started)
     folders = [heldout_folder(length, layout, held_out_set) for layout in layouts
@@ -684,7 +723,11 @@ def heldout_length(length: int, held_out_set: str = "heldout") -> list[str]:
     scores = scores_by_cell(records)
     lines = [f"### {length} tokens", ""] + harness_block(folders)
     rows = []
-    for label, library, cell, ratios in HELDOUT_CELLS:
+    stored = defaultdict(list)
+    for r in records:
+        if r.get("kv_over_full") is not None:
+            stored[(r["library"], r["cell"], r["ratio"])].append(r["kv_over_full"])
+    for label, library, cell, ratios in cells:
         for ratio in ratios:
             got = scores.get((library, cell, ratio), {})
             row = {"cell": label, "method": f"`{cell}`", "ratio": f"{ratio:g}", "n": len(got)}
@@ -694,9 +737,12 @@ def heldout_length(length: int, held_out_set: str = "heldout") -> list[str]:
             kept, hits = hits_kept(scores, cell, ratio, library)
             row["found % (95%)"] = pct_interval(sum(got.values()), len(got))
             row["its library's full cache's hits kept, % (95%)"] = f"{kept} of {hits}: " + pct_interval(kept, hits) if hits else "–"
-            for name, base_library, base_cell in HELDOUT_BASELINES:
+            for name, base_library, base_cell in baselines:
                 column = f"against {name}: won / lost; difference in % (95%); p"
                 row[column] = "–" if (library, cell) == (base_library, base_cell) else paired_cell(got, scores.get((base_library, base_cell, ratio), {}))
+            if stored:
+                bytes_kept = stored.get((library, cell, ratio))
+                row["stored ÷ full cache (median)"] = f"{statistics.median(bytes_kept):.3f}" if bytes_kept else "–"
             rows.append(row)
     for library in ("kvcompress", "kvpress"):
         got = scores.get((library, harness.FULL, None), {})
@@ -715,7 +761,7 @@ def heldout_length(length: int, held_out_set: str = "heldout") -> list[str]:
     text = {(r["library"], r["cell"], r["ratio"], r["sample"]): r["prediction"] for r in records}
     found = scores.get(("kvcompress", harness.FULL, None), {})
     misses = []
-    for label, library, cell, ratios in HELDOUT_CELLS[:3]:
+    for label, library, cell, ratios in cells[:default_cells]:
         for ratio in ratios:
             for sample, score in sorted(scores.get((library, cell, ratio), {}).items()):
                 if score == 0 and found.get(sample) == 1.0:
@@ -749,6 +795,17 @@ def heldout_section() -> list[str]:
               "the rest of the set.", ""]
     for length in HELDOUT_LENGTHS:
         lines += heldout_length(length, "heldout2")
+    lines += ["## The third held-out needle set", "",
+              f"The first two held-out sets have been run. This third set checks the prefill default in 4 bits, its ratio "
+              f"read as memory, fixed in writing before any run on it ([{HELDOUT3_PLAN}](../{HELDOUT3_PLAN})): 30 needles "
+              "(seeds 4000–4029) in another text the project used nowhere else (IDLE's news of its 2.x releases and "
+              "IDLEfork's change log), with fact wordings, names and towns of their own, at 2048 and 4096 tokens, beside "
+              "the same method at full precision with its ratio in tokens, the full cache under each layout and kvpress's "
+              "KVzip on the same prompt tokens. The streams, unchanged since the second set, and `kvzip_refit` (about 7× a "
+              "plain generate) are not in it. Each length runs once and is reported as it came out; nothing was chosen "
+              "on it.", ""]
+    for length in HELDOUT_LENGTHS:
+        lines += heldout_length(length, "heldout3", HELDOUT3_CELLS, HELDOUT3_BASELINES, default_cells=1)
     return lines
 
 
