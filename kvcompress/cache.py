@@ -281,8 +281,8 @@ class CompressedLayer(CacheLayerMixin):
                 raise ValueError(f"method {options.method!r} {why}, unlike each row alone: in mode={options.mode!r} run one row at a "
                                  "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:
-                self.budgets = [options.budget_for(self.cache.stream_length, keys.shape[-1], self.dtype)] * keys.shape[0]
-                self.kv_bits = options.bits_for(self.cache.stream_length, keys.shape[-1], self.dtype)
+                budget, self.kv_bits = options.storage_for(self.cache.stream_length, keys.shape[-1], self.dtype)
+                self.budgets = [budget] * keys.shape[0]
                 bits = self.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, bits, options.kv_group_size)
@@ -365,7 +365,7 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(f"method {self.cache.options.method!r} with one budget over every layer compresses one context at a "
                              "time: a batch whose rows must be compressed apart (padded, or a randomized scorer's) is not supported; "
                              "run the contexts one by one")
-        rows, lengths = [], []
+        rows, lengths, bits = [], [], set()
         every = torch.arange(keys.shape[2], device=keys.device)
         for b in range(keys.shape[0]):
             index = real[b].nonzero().squeeze(-1) if real is not None else every
@@ -376,8 +376,7 @@ class CompressedLayer(CacheLayerMixin):
                 keys[b : b + 1, :, index], values[b : b + 1, :, index], positions[index], queries[b : b + 1, :, index], scale,
                 hidden_states=hidden, rope_positions=rope,
             ))
-        options = self.cache.options
-        bits = {options.bits_for(n, keys.shape[-1], self.dtype) for n in lengths}
+            bits.add(self.kv_bits)  # the row's, as `_compress_once` resolved them
         if len(bits) > 1:
             raise ValueError(f"the rows of this batch store their contexts in different bits ({sorted(bits, key=str)}): a budget read "
                              "as memory holds some rows at full precision and not others; compress them one at a time (kvc.generate "
@@ -395,9 +394,8 @@ class CompressedLayer(CacheLayerMixin):
                        rope_positions=None) -> KVSummary:
         options = self.cache.options
         tokens = self._tokens(keys, values, positions, queries, scale, attention_mass, extra_lse, hidden_states, rope_positions)
-        budget = options.budget_for(tokens.length, tokens.keys.shape[-1], self.dtype)
+        budget, self.kv_bits = options.storage_for(tokens.length, tokens.keys.shape[-1], self.dtype)
         self.budgets += [budget] * tokens.keys.shape[0]
-        self.kv_bits = options.bits_for(tokens.length, tokens.keys.shape[-1], self.dtype)
         summary = compress_tokens(options.compressor, tokens, budget, options.sink, options.window, self.cache.generator(self.layer_idx))
         return summary.to(self.dtype).checked_eviction()  # model's dtype; eviction_only read once
 
@@ -1028,12 +1026,12 @@ class CompressedCache(Cache):
             return
         waiting, self._waiting = self._waiting, {}
         options, n = self.options, tokens.length
-        budget = options.budget_for(n, tokens.keys.shape[-1], tokens.keys.dtype)
+        budget, bits = options.storage_for(n, tokens.keys.shape[-1], tokens.keys.dtype)
         summaries = compress_layers(options.compressor, [waiting[item.layer_idx] for item in compressed], budget, options.sink,
                                     options.window, [self.generator(item.layer_idx) for item in compressed])
         for item, summary in zip(compressed, summaries):
             item.budgets += [budget] * tokens.keys.shape[0]
-            item.kv_bits = options.bits_for(n, tokens.keys.shape[-1], tokens.keys.dtype)
+            item.kv_bits = bits
             item._keep(summary.to(item.dtype).checked_eviction(), item._exact_slots(n))
 
     @property

@@ -368,19 +368,22 @@ class CompressionOptions:
             fit = min(fit, every)
         return fit if fit > middle else None
 
+    def storage_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> tuple[int, int | None]:
+        """(middle budget per KV head, bits it is stored in) for a layer that compresses `length` tokens (a stream: all the
+        tokens it will take; None with a budget: not known) of `head_dim` in `dtype`. With the budget or ratio read as
+        memory in kv_bits storage (`reads_memory`), the quantized slots that fit its bytes (`_quantized_budget`), or,
+        where quantizing buys no slot (a ratio of 0, a budget of every token, a budget too small for a key group's
+        scales), the full-precision budget at full precision; otherwise the budget in tokens, in kv_bits (head_dim and
+        dtype not read)."""
+        quantized = self._quantized_budget(length, head_dim, dtype)
+        if quantized is not None:
+            return quantized, self.kv_bits
+        return self.token_budget_for(length), None if self.reads_memory else self.kv_bits
+
     def bits_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> int | None:
-        """The bits a layer that compresses `length` tokens (None: a stream given a budget, its length unknown) of
-        `head_dim` in `dtype` stores them in: kv_bits, or None (full precision) where the budget is read as memory and
-        quantizing buys no slot (`_quantized_budget`: a ratio of 0, a budget of every token, a budget too small for a key
-        group's scales): the memory asked for then holds the full-precision budget as it is."""
-        if self.reads_memory and self._quantized_budget(length, head_dim, dtype) is None:
-            return None
-        return self.kv_bits
+        """The bits of `storage_for`."""
+        return self.storage_for(length, head_dim, dtype)[1]
 
     def budget_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> int:
-        """The middle budget per KV head for a layer that compresses `length` tokens (a stream: all the tokens it will take;
-        None with a budget: not known). With the budget or ratio read as memory in kv_bits storage (`reads_memory`), the
-        layer's head_dim and dtype give the quantized slots that fit its bytes (`_quantized_budget`); otherwise they are
-        not read."""
-        quantized = self._quantized_budget(length, head_dim, dtype)
-        return self.token_budget_for(length) if quantized is None else quantized
+        """The middle budget of `storage_for`."""
+        return self.storage_for(length, head_dim, dtype)[0]
