@@ -199,6 +199,9 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
             self.view_packed = []
+        elif isinstance(self.front, QuantizedSummary):  # dequantized straight into the view, the exact tail and block after it
+            view = self.front.summary_then([p for p in (self.tail, new) if p is not None])
+            self.view_packed = []
         else:  # the packed parts stay where they are stored (`attention.packed_then_causal_attention`), the rest is copied once
             parts = [*self._stored_parts(), new]
             self.view_packed = [p for p in parts if isinstance(p, RaggedSummary)]

@@ -12,7 +12,8 @@ Unlike KIVI, which quantizes a full cache, the slots here come from a compressed
 with log-weight -inf (empty slots, head-wise budget padding) are left out of the key groups'
 ranges, and log-weights and positions (int32 here, int64 again when dequantized) stay exact.
 Plain torch ops, no kernel: `QuantizedSummary.summary()` dequantizes the whole summary into a
-`KVSummary` each time it is read.
+`KVSummary` each time it is read, and `summary_then` straight into the view that attention reads at each
+step, the exact slots after it.
 
 A live stream (mode "decode") keeps re-selecting which slots it holds, so a per-channel key group
 (G consecutive slots) would lose members at every re-compression and have to be quantized again,
@@ -33,11 +34,11 @@ from functools import cached_property, lru_cache
 import torch
 import torch.nn.functional as F
 
-from .checks import as_count
+from .checks import as_count, describe
 from .names import KV_BITS
 from .ragged import PackedByHead, RaggedSummary, packed_heads, row_elements
 from .saved_state import Choice, Count, Instance, Maybe, Record, Saveable, Tensor, saved
-from .summary import KVSummary, Normalizer, _GrowingSlots, take_slots
+from .summary import KVSummary, Normalizer, _GrowingSlots, check_joinable, concat, take_slots
 
 DEFAULT_GROUP_SIZE = 32
 # The smallest group: 8-bit codes in groups of 8 with a bfloat16 scale and zero point take 1.5 bytes a value, against 2
@@ -135,19 +136,33 @@ class QuantizedTensor(Saveable):
     def dtype(self) -> torch.dtype:
         return self.scale.dtype
 
-    def dequantize(self) -> torch.Tensor:
-        """The stored tensor [B, H, n, d] in the scales' dtype (computed in float32, rounded once)."""
-        codes = _unpack(self.packed, self.bits, self.dim).float()
-        n, g = self.packed.shape[2], self.group_size
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored tensor [B, H, n, d] in the scales' dtype (computed in float32, rounded once), written into `out`
+        when given ([B, H, n, d] in that dtype on the codes' device, e.g. the first slots of a longer tensor that other
+        slots follow) and returned."""
+        shape, device = (*self.packed.shape[:-1], self.dim), self.packed.device
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=device)
+        elif tuple(out.shape) != shape or out.dtype != self.dtype or out.device != device:
+            raise ValueError(f"out must be {list(shape)} {self.dtype} on {device} to take this tensor, got {describe(out)}")
+        work = out if out.dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=device)
+        _unpack_into(self.packed, self.bits, work)
         scale, zero = self.scale.float(), self.zero.float()
         axis = 2 if self.axis == "channel" else 3  # the axis a group runs along
-        if codes.shape[axis] % g == 0:  # whole groups: each group's scale and zero point broadcast over its members
-            at = axis + 1  # the groups' members
-            out = torch.addcmul(zero.unsqueeze(at), codes.unflatten(axis, (-1, g)), scale.unsqueeze(at)).flatten(axis, at)
-        else:
-            scale, zero = (t.repeat_interleave(g, dim=axis).narrow(axis, 0, codes.shape[axis]) for t in (scale, zero))
-            out = torch.addcmul(zero, codes, scale)
-        return out.to(self.dtype)
+        size, g = shape[axis], self.group_size
+        whole = size - size % g
+        # each group's scale and zero point broadcast over its members, in place (no copy of either per element)
+        if whole:
+            members = work.narrow(axis, 0, whole).unflatten(axis, (-1, g))
+            at = axis + 1
+            torch.addcmul(zero.narrow(axis, 0, whole // g).unsqueeze(at), members, scale.narrow(axis, 0, whole // g).unsqueeze(at),
+                          out=members)
+        if whole < size:  # the last group, partial
+            rest = work.narrow(axis, whole, size - whole)
+            torch.addcmul(zero.narrow(axis, -1, 1), rest, scale.narrow(axis, -1, 1), out=rest)
+        if work is not out:
+            out.copy_(work)
+        return out
 
     def nbytes(self) -> int:
         """Bytes stored: the packed codes, the scales and the zero points."""
@@ -229,11 +244,27 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """The inverse of `_pack`: uint8 codes [..., d]."""
-    per = 8 // bits
+    return _unpack_into(packed, bits, packed.new_empty(*packed.shape[:-1], d))
+
+
+def _unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """`_unpack(packed, bits, d)` written into `out` [..., d] (any dtype that holds the codes; its last axis contiguous)
+    and returned: each code of a byte is shifted out and written to its channels in one op (read at every step of
+    attention over stored codes), no uint8 copy of them all first."""
+    per, d = 8 // bits, out.shape[-1]
     if per == 1:
-        return packed
-    mask = (1 << bits) - 1  # one elementwise op per code of a byte (read at every step of attention over stored codes)
-    return torch.stack([(packed >> (bits * i)) & mask for i in range(per)], -1).flatten(-2)[..., :d]
+        return out.copy_(packed)
+    mask = (1 << bits) - 1
+    whole = d // per  # bytes whose every code is a channel (the last byte may hold fewer)
+    channels = out.narrow(-1, 0, whole * per).unflatten(-1, (whole, per))
+    for i in range(per):
+        code = packed.narrow(-1, 0, whole) >> (bits * i)
+        channels[..., i].copy_(code & mask if i < per - 1 else code)
+    if whole * per < d:
+        last = packed.narrow(-1, whole, 1)
+        for i in range(d - whole * per):
+            out.narrow(-1, whole * per + i, 1).copy_((last >> (bits * i)) & mask)
+    return out
 
 
 @saved("quantized_summary")
@@ -294,16 +325,49 @@ class QuantizedSummary(Saveable):
 
     def summary(self) -> KVSummary:
         """The dequantized summary (keys and values in the stored scales' dtype, positions int64)."""
-        positions = self.positions.long()
-        if self.log_weights is None:
-            log_weights = torch.zeros(1, dtype=torch.float32, device=positions.device).expand(positions.shape)
-        else:
-            log_weights = self.log_weights
+        log_weights, positions = self.summary_weights()
         norm = None
         if self.normalizer is not None:
             keys, norm_weights, norm_positions = self.normalizer
             norm = Normalizer(keys.dequantize(), norm_weights, norm_positions.long())
         return KVSummary(self.keys.dequantize(), self.values.dequantize(), log_weights, positions, norm, self.eviction_only)
+
+    def summary_then(self, rest: list[KVSummary]) -> KVSummary:
+        """`concat([self.summary(), *rest])`: the dequantized summary followed by the slots of `rest` (summaries of its
+        batch rows, KV heads, head dims, dtype and device), the dequantized keys and values written straight into the
+        joined tensors rather than copied there (attention over a quantized context and its exact tail reads this at
+        every step)."""
+        if not rest or self.normalizer is not None or any(p.normalizer is not None for p in rest):
+            return concat([self.summary(), *rest])
+        check_joinable(rest)
+        b, h, n = self.positions.shape
+        first = rest[0]
+        layout = (b, h, self.keys.dim, self.values.dim, self.keys.dtype, self.values.dtype, self.positions.device)
+        if layout != (*first.keys.shape[:2], first.keys.shape[3], first.values.shape[3], first.keys.dtype, first.values.dtype, first.keys.device):
+            raise ValueError(f"the slots after a quantized summary of {b} batch rows, {h} KV heads, key and value dims {self.keys.dim} "
+                             f"and {self.values.dim} in {self.keys.dtype} on {self.positions.device} must match it: got keys "
+                             f"{describe(first.keys)} and values {describe(first.values)}")
+        total = n + sum(p.num_slots for p in rest)
+        keys = self.keys.packed.new_empty(b, h, total, self.keys.dim, dtype=self.keys.dtype)
+        values = self.values.packed.new_empty(b, h, total, self.values.dim, dtype=self.values.dtype)
+        self.keys.dequantize(out=keys[:, :, :n])
+        self.values.dequantize(out=values[:, :, :n])
+        start = n
+        for p in rest:
+            keys[:, :, start : start + p.num_slots] = p.keys
+            values[:, :, start : start + p.num_slots] = p.values
+            start += p.num_slots
+        own = self.summary_weights()
+        return KVSummary(keys, values, torch.cat([own[0], *(p.log_weights for p in rest)], 2),
+                         torch.cat([own[1], *(p.positions for p in rest)], 2),
+                         eviction_only=self.eviction_only and all(p.eviction_only for p in rest))
+
+    def summary_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_weights float32 [B, H, n], 0 where eviction-only; positions int64 [B, H, n]) of `summary()`."""
+        positions = self.positions.long()
+        if self.log_weights is None:
+            return torch.zeros(1, dtype=torch.float32, device=positions.device).expand(positions.shape), positions
+        return self.log_weights, positions
 
     def nbytes(self) -> int:
         """KV bytes stored: packed keys and values (and normalizer keys) with their scales and zero points."""

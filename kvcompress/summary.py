@@ -175,6 +175,20 @@ class KVSummary(Saveable):
                        log_weights=self.log_weights.to(device), positions=self.positions.to(device), normalizer=norm)
 
 
+def check_joinable(parts: list[KVSummary]) -> None:
+    """A ValueError unless the summaries share batch rows, KV heads, head dims, dtype and device (what `concat` joins)."""
+    first = parts[0]
+    for i, p in enumerate(parts[1:], 1):
+        if (p.keys.shape[:2], p.keys.shape[3], p.values.shape[3], p.keys.dtype, p.values.dtype, p.keys.device) != (
+                first.keys.shape[:2], first.keys.shape[3], first.values.shape[3], first.keys.dtype, first.values.dtype,
+                first.keys.device):
+            raise ValueError(
+                f"concat's parts must share batch, KV heads, head dims, dtype and device: part 0 has keys "
+                f"{describe(first.keys)} and values {describe(first.values)}, part {i} keys {describe(p.keys)} and "
+                f"values {describe(p.values)}"
+            )
+
+
 def concat(parts: list[KVSummary]) -> KVSummary:
     """Concatenate summaries along the slot axis (e.g. sink + compressed middle + window).
 
@@ -186,16 +200,7 @@ def concat(parts: list[KVSummary]) -> KVSummary:
         raise ValueError("concat needs at least one summary")
     if len(parts) == 1:
         return parts[0]
-    first = parts[0]
-    for i, p in enumerate(parts[1:], 1):
-        if (p.keys.shape[:2], p.keys.shape[3], p.values.shape[3], p.keys.dtype, p.values.dtype, p.keys.device) != (
-                first.keys.shape[:2], first.keys.shape[3], first.values.shape[3], first.keys.dtype, first.values.dtype,
-                first.keys.device):
-            raise ValueError(
-                f"concat's parts must share batch, KV heads, head dims, dtype and device: part 0 has keys "
-                f"{describe(first.keys)} and values {describe(first.values)}, part {i} keys {describe(p.keys)} and "
-                f"values {describe(p.values)}"
-            )
+    check_joinable(parts)
     out = KVSummary(
         torch.cat([p.keys for p in parts], 2),
         torch.cat([p.values for p in parts], 2),

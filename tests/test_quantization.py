@@ -72,6 +72,54 @@ def test_half_precision_stores_scales_in_its_dtype_and_stays_accurate(dtype, bit
         assert rel < {8: 0.01, 4: 0.12, 2: 0.6}[bits], (axis, rel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_dequantizing_gives_code_times_scale_plus_zero_rounded_once_into_any_slice(dtype, bits, axis):
+    """Every element, of whole groups and of a last partial group (100 slots and 70 channels in groups of 32), is
+    code·scale + zero computed in float32 and rounded once to the dtype; dequantized into `out`, the first slots of a
+    longer tensor, the same values land there and the slots after them are untouched."""
+    x = _x((2, 3, 100, 70), dtype=dtype)
+    q = quantize(x, bits, 32, axis)
+    codes = _unpack(q.packed, bits, 70).float()
+    along = 2 if axis == "channel" else 3  # the axis a group runs along
+    scale, zero = (t.float().repeat_interleave(32, along).narrow(along, 0, codes.shape[along]) for t in (q.scale, q.zero))
+    want = torch.addcmul(zero, codes, scale).to(dtype)
+    assert torch.equal(q.dequantize(), want) and q.dequantize().dtype == dtype
+    longer = torch.full((2, 3, 104, 70), 7.0, dtype=dtype)
+    assert q.dequantize(out=longer[:, :, :100]).data_ptr() == longer.data_ptr()
+    assert torch.equal(longer[:, :, :100], want) and bool((longer[:, :, 100:] == 7).all())
+
+
+def test_dequantizing_into_a_tensor_of_another_shape_dtype_or_device_is_refused():
+    q = quantize(_x(), 4, 32, "channel")
+    for bad in (torch.empty(2, 3, 99, 64), torch.empty(2, 3, 100, 64, dtype=torch.float64), torch.empty(2, 3, 100, 64, device="meta")):
+        with pytest.raises(ValueError, match=r"out must be \[2, 3, 100, 64\] torch.float32 on cpu"):
+            q.dequantize(out=bad)
+
+
+@pytest.mark.parametrize("weighted,normalizer", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_summary_then_exact_slots_is_their_concatenation(weighted, normalizer, dtype):
+    """`summary_then` (attention's view of a quantized context, its exact tail and the new block) is
+    `concat([summary(), *rest])` bit for bit, whatever the weights, a normalizer or the dtype."""
+    s = _summary(weighted, normalizer).to(dtype=dtype)
+    q = QuantizedSummary.of(s, 4, 32)
+    tail = KVSummary.exact(_x((1, 2, 5, 16), seed=1, dtype=dtype), _x((1, 2, 5, 16), seed=2, dtype=dtype), torch.arange(50, 55))
+    block = KVSummary.exact(_x((1, 2, 1, 16), seed=3, dtype=dtype), _x((1, 2, 1, 16), seed=4, dtype=dtype), torch.arange(55, 56))
+    joined, want = q.summary_then([tail, block]), concat([q.summary(), tail, block])
+    for field in ("keys", "values", "log_weights", "positions"):
+        got, expected = getattr(joined, field), getattr(want, field)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), field
+    assert joined.eviction_only == want.eviction_only == (not weighted)
+    assert (joined.normalizer is None) == (not normalizer)
+    if normalizer:
+        assert torch.equal(joined.normalizer.keys, want.normalizer.keys)
+    wrong = KVSummary.exact(_x((1, 2, 5, 8), dtype=dtype), _x((1, 2, 5, 16), dtype=dtype), torch.arange(50, 55))
+    with pytest.raises(ValueError, match="must match it" if not normalizer else "must share batch"):
+        q.summary_then([wrong])
+
+
 def test_empty_slots_do_not_widen_the_key_ranges():
     """Slots with log-weight -inf (padding, head-wise budgets) are left out of the per-channel ranges: the real slots
     quantize as they would alone."""
