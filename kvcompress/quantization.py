@@ -485,7 +485,8 @@ class QuantizedRaggedSummary(PackedByHead, Saveable):
     def ragged(self) -> RaggedSummary:
         """The dequantized slots, still packed (attention reads them where they are, as a `RaggedSummary`'s), keys and
         values in the stored scales' dtype; its layout from this summary's, read from the device once."""
-        codes = _unpack(self.key_codes, self.bits, self.key_scale.shape[1]).float()
+        codes = _unpack_into(self.key_codes, self.bits, self.key_scale.new_empty(self.key_codes.shape[0], self.key_scale.shape[1],
+                                                                                 dtype=torch.float32))
         keys = torch.addcmul(self.key_zero.float().index_select(0, self._groups), codes, self.key_scale.float().index_select(0, self._groups))
         packed = RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
         return packed.with_layout_of(self)
