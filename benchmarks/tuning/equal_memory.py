@@ -11,7 +11,12 @@ every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so 
 - `q4_0.5`: 4 bits at ratio 0.5, within the bytes the ratio 0.9 allows at 4k tokens (0.1 of the full cache's plus the
   exact sink and window);
 - `q4_0`: 4 bits at ratio 0, every token kept: below the default's bytes at 0.75;
-- `q4_0.4`: 4 bits at ratio 0.4, below the default's bytes at 0.75 with fewer slots to read at each step.
+- `q4_0.4`: 4 bits at ratio 0.4, below the default's bytes at 0.75 with fewer slots to read at each step;
+- `q4m_0.9`: the default in prefill mode as it is at 0.9 (4 bits, groups of 32, the ratio read as memory:
+  `budget_unit="memory"`);
+- `q4g16_0`, `q4g16m_0.9`: `q4_0` and `q4m_0.9` with groups of 16 (`kv_group_size=16`): at 0.75 every token still fits
+  the ratio's bytes in float32 (4 bits and a float32 scale and zero point per 16 elements, 8 bits an element), at
+  0.9 fewer slots with finer scales.
 
 One JSON line per (variant, mode, seed, length) goes to OUT in `kvzap_default.py`'s format (a rerun skips what is
 there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, its
@@ -44,7 +49,13 @@ VARIANTS = {
     "q4_0.5": (0.5, 4, 0.9),
     "q4_0": (0.0, 4, 0.75),
     "q4_0.4": (0.4, 4, 0.75),
+    "q4m_0.9": (0.9, 4, 0.9),
+    "q4g16_0": (0.0, 4, 0.75),
+    "q4g16m_0.9": (0.9, 4, 0.9),
 }
+# the storage settings a variant adds to its bits (the default's group size and the ratio in tokens where it names none)
+STORAGE = {"q4m_0.9": {"budget_unit": "memory"}, "q4g16_0": {"kv_group_size": 16},
+           "q4g16m_0.9": {"kv_group_size": 16, "budget_unit": "memory"}}
 
 
 def default_of_equal_memory(variant: str) -> tuple[str, None, float] | None:
@@ -78,11 +89,12 @@ def main() -> None:
                         settings = {"method": None}
                     else:
                         method, params, exact = DEFAULT_METHODS[mode]
-                        settings = dict(method=method, method_params=params, compression_ratio=ratio, kv_bits=bits, **without_storage(exact))
+                        settings = dict(method=method, method_params=params, compression_ratio=ratio, kv_bits=bits, **without_storage(exact),
+                                        **STORAGE.get(name, {}))
                     start = time.perf_counter()
                     res = kvc.generate(model, tokenizer, sample.context, sample.question, mode=mode, max_new_tokens=args.new_tokens,
                                        progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
-                    row = {"variant": name, "mode": mode, "seed": seed, "length": length, "ratio": ratio, "kv_bits": bits,
+                    row = {"variant": name, "mode": mode, "seed": seed, "length": length, "ratio": ratio, "kv_bits": bits, **STORAGE.get(name, {}),
                            "memory_of_ratio": memory, "hit": score(sample, res.text), "seconds": round(time.perf_counter() - start, 3),
                            "text": res.text, "answers": sample.answers, "kv_over_full": round(res.kv_bytes / res.kv_bytes_full, 4),
                            "peak_over_full": round(res.peak_kv_bytes / res.kv_bytes_full, 4), "threads": args.threads,
