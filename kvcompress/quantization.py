@@ -149,17 +149,10 @@ class QuantizedTensor(Saveable):
         _unpack_into(self.packed, self.bits, work)
         scale, zero = self.scale.float(), self.zero.float()
         axis = 2 if self.axis == "channel" else 3  # the axis a group runs along
-        size, g = shape[axis], self.group_size
-        whole = size - size % g
         # each group's scale and zero point broadcast over its members, in place (no copy of either per element)
-        if whole:
-            members = work.narrow(axis, 0, whole).unflatten(axis, (-1, g))
-            at = axis + 1
-            torch.addcmul(zero.narrow(axis, 0, whole // g).unsqueeze(at), members, scale.narrow(axis, 0, whole // g).unsqueeze(at),
-                          out=members)
-        if whole < size:  # the last group, partial
-            rest = work.narrow(axis, whole, size - whole)
-            torch.addcmul(zero.narrow(axis, -1, 1), rest, scale.narrow(axis, -1, 1), out=rest)
+        for members, groups, at in _group_members(work, axis, self.group_size):
+            index = (slice(None),) * axis + (groups,)
+            torch.addcmul(zero[index].unsqueeze(at), members, scale[index].unsqueeze(at), out=members)
         if work is not out:
             out.copy_(work)
         return out
@@ -189,44 +182,52 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, valid: torc
         raise ValueError(f"axis must be one of {_AXES}, got {axis!r}")
     if valid is not None and axis != "channel":
         raise ValueError("valid slots set the ranges of per-channel (key) groups; values are grouped per slot")
-    b, h, n, d = x.shape
     work = x.float()
+    along = 2 if axis == "channel" else 3  # the axis a group runs along
     low, high = work, work
     if valid is not None:
         hidden = ~valid[..., None]
         low, high = work.masked_fill(hidden, math.inf), work.masked_fill(hidden, -math.inf)
-    if axis == "channel":
-        groups = -(-n // group_size)
-        pad = (0, 0, 0, groups * group_size - n)
-        low = F.pad(low, pad, value=math.inf).view(b, h, groups, group_size, d).amin(3)
-        high = F.pad(high, pad, value=-math.inf).view(b, h, groups, group_size, d).amax(3)
-    else:
-        groups = -(-d // group_size)
-        pad = (0, groups * group_size - d)
-        low = F.pad(low, pad, value=math.inf).view(b, h, n, groups, group_size).amin(4)
-        high = F.pad(high, pad, value=-math.inf).view(b, h, n, groups, group_size).amax(4)
-    if axis == "channel":
-        def spread(t):
-            return t.repeat_interleave(group_size, dim=2)[:, :, :n]
-    else:
-        def spread(t):
-            return t.repeat_interleave(group_size, dim=3)[..., :d]
-    packed, scale, zero = _encode(work, low, high, spread, bits, x.dtype)
-    return QuantizedTensor(packed, scale, zero, bits, group_size, axis, d)
+    low = torch.cat([members.amin(at) for members, _, at in _group_members(low, along, group_size)], along)
+    high = torch.cat([members.amax(at) for members, _, at in _group_members(high, along, group_size)], along)
+    scale, zero, float_zero, steps = _scales(low, high, bits, x.dtype)
+    codes = torch.empty(work.shape, dtype=torch.uint8, device=work.device)
+    for (members, groups, at), (out, _, _) in zip(_group_members(work, along, group_size), _group_members(codes, along, group_size)):
+        index = (slice(None),) * along + (groups,)
+        _codes_into(out, members, float_zero[index].unsqueeze(at), steps[index].unsqueeze(at), bits)
+    return QuantizedTensor(_pack(codes, bits), scale, zero, bits, group_size, axis, x.shape[3])
 
 
-def _encode(work: torch.Tensor, low: torch.Tensor, high: torch.Tensor, spread, bits: int, dtype: torch.dtype):
-    """(packed codes, scale, zero point) of `work` (float32) from its groups' ranges low / high (+inf / -inf: a group
-    with no member, given scale 0 and zero point 0); spread(t) maps a per-group tensor onto work's elements. Scales and
-    zero points are rounded to `dtype` first and the codes rounded against them."""
-    levels = (1 << bits) - 1
+def _group_members(t: torch.Tensor, along: int, group_size: int) -> list[tuple[torch.Tensor, slice, int]]:
+    """The members of t's groups of `group_size` consecutive elements along axis `along`: (the whole groups' members,
+    views of t with that axis unflattened into (groups, group_size), their groups, the members' axis), then, if the
+    axis does not divide, (the last group's members, a view with that axis of length 1 before them, its group, the
+    members' axis). A per-group tensor indexed by the groups and unsqueezed at the members' axis broadcasts over them."""
+    size = t.shape[along]
+    whole = size - size % group_size
+    parts = []
+    if whole:
+        parts.append((t.narrow(along, 0, whole).unflatten(along, (-1, group_size)), slice(0, whole // group_size), along + 1))
+    if whole < size:
+        parts.append((t.narrow(along, whole, size - whole).unsqueeze(along), slice(whole // group_size, whole // group_size + 1), along + 1))
+    return parts
+
+
+def _scales(low: torch.Tensor, high: torch.Tensor, bits: int, dtype: torch.dtype):
+    """(scale, zero point) in `dtype` of groups whose ranges are low / high (+inf / -inf: a group with no member, given
+    scale 0 and zero point 0), and the same in float32 as the codes are rounded against them: (the zero points, the
+    steps, 1 where the scale is 0)."""
     empty = torch.isinf(low)
     low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
-    zero, scale = low.to(dtype), ((high - low) / levels).to(dtype)
-    at_zero, at_scale = spread(zero.float()), spread(scale.float())
-    steps = torch.where(at_scale > 0, at_scale, torch.ones_like(at_scale))
-    codes = ((work - at_zero) / steps).round_().clamp_(0, levels).to(torch.uint8)
-    return _pack(codes, bits), scale, zero
+    zero, scale = low.to(dtype), ((high - low) / ((1 << bits) - 1)).to(dtype)
+    float_scale = scale.float()
+    return scale, zero, zero.float(), torch.where(float_scale > 0, float_scale, torch.ones_like(float_scale))
+
+
+def _codes_into(out: torch.Tensor, members: torch.Tensor, zero: torch.Tensor, steps: torch.Tensor, bits: int) -> None:
+    """Write into uint8 `out` the `bits`-bit codes of `members` (float32) against their groups' zero points and steps
+    (broadcast over them, `_scales`), rounded to the nearest level."""
+    out.copy_(((members - zero) / steps).round_().clamp_(0, (1 << bits) - 1))
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -456,7 +457,10 @@ class QuantizedRaggedSummary(PackedByHead, Saveable):
         at = group[:, None].expand_as(work)
         low = work.new_full((groups, work.shape[1]), math.inf).scatter_reduce_(0, at, work, "amin")
         high = work.new_full((groups, work.shape[1]), -math.inf).scatter_reduce_(0, at, work, "amax")
-        codes, scale, zero = _encode(work, low, high, lambda t: t.index_select(0, group), bits, packed.keys.dtype)
+        scale, zero, float_zero, steps = _scales(low, high, bits, packed.keys.dtype)
+        codes = torch.empty(work.shape, dtype=torch.uint8, device=work.device)
+        _codes_into(codes, work, float_zero.index_select(0, group), steps.index_select(0, group), bits)
+        codes = _pack(codes, bits)
         values = quantize(packed.values[None, None], bits, group_size, "token")
         return cls(codes, scale, zero, values, packed.log_weights, packed.positions, packed.counts, bits, group_size)
 
