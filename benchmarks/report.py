@@ -563,7 +563,7 @@ def cost_section() -> list[str]:
     return lines
 
 
-COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "plain_s", "over_plain", "kv_over_full"]
+COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "plain_s", "over_plain", "kv_over_full", "repeats", "new_tokens"]
 
 
 def cost_table(rows: list[dict]) -> str:
@@ -596,7 +596,14 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      cost_table),
     ("benchmarks/results/default_cost_prefill.csv", "What one answer costs: the default in prefill mode",
      "The default in prefill mode as it is (4-bit slots in the memory the ratio leaves: every context token at 0.5 and "
-     "0.75) at 2k, 4k and 8k tokens (8000 context tokens), each cell in a fresh process as above, alone on the machine.",
+     "0.75) at 2k, 4k and 8k tokens (8000 context tokens), each cell in a fresh process as above, alone on the machine; "
+     "at 2k two runs, of 3 and of 7 answers a cell (`repeats`), whose spread between 0.5 and 0.75, the same storage, "
+     "shows the noise of one cell. At every step attention reads the 4-bit context dequantized into its view "
+     "(`QuantizedSummary.summary_then`).",
+     cost_table),
+    ("benchmarks/results/default_cost_prefill_answer64.csv", "What one answer costs: the default in prefill mode, 64 answer tokens",
+     "The same at 4k tokens and ratio 0.75 (every context token in 4 bits) with an answer of 64 tokens rather than 8 "
+     "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often.",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
      "The default's chunked and decode modes with the prompt fed in blocks of 256 tokens (`default`, the library's "
