@@ -150,9 +150,8 @@ class QuantizedTensor(Saveable):
         scale, zero = self.scale.float(), self.zero.float()
         axis = 2 if self.axis == "channel" else 3  # the axis a group runs along
         # each group's scale and zero point broadcast over its members, in place (no copy of either per element)
-        for members, groups, at in _group_members(work, axis, self.group_size):
-            index = (slice(None),) * axis + (groups,)
-            torch.addcmul(zero[index].unsqueeze(at), members, scale[index].unsqueeze(at), out=members)
+        for members, groups in _group_members(work, axis, self.group_size):
+            torch.addcmul(_per_member(zero, groups, axis), members, _per_member(scale, groups, axis), out=members)
         if work is not out:
             out.copy_(work)
         return out
@@ -188,29 +187,34 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, valid: torc
     if valid is not None:
         hidden = ~valid[..., None]
         low, high = work.masked_fill(hidden, math.inf), work.masked_fill(hidden, -math.inf)
-    low = torch.cat([members.amin(at) for members, _, at in _group_members(low, along, group_size)], along)
-    high = torch.cat([members.amax(at) for members, _, at in _group_members(high, along, group_size)], along)
+    low = torch.cat([members.amin(along + 1) for members, _ in _group_members(low, along, group_size)], along)
+    high = torch.cat([members.amax(along + 1) for members, _ in _group_members(high, along, group_size)], along)
     scale, zero, float_zero, steps = _scales(low, high, bits, x.dtype)
     codes = torch.empty(work.shape, dtype=torch.uint8, device=work.device)
-    for (members, groups, at), (out, _, _) in zip(_group_members(work, along, group_size), _group_members(codes, along, group_size)):
-        index = (slice(None),) * along + (groups,)
-        _codes_into(out, members, float_zero[index].unsqueeze(at), steps[index].unsqueeze(at), bits)
+    for (members, groups), (out, _) in zip(_group_members(work, along, group_size), _group_members(codes, along, group_size)):
+        _codes_into(out, members, _per_member(float_zero, groups, along), _per_member(steps, groups, along), bits)
     return QuantizedTensor(_pack(codes, bits), scale, zero, bits, group_size, axis, x.shape[3])
 
 
-def _group_members(t: torch.Tensor, along: int, group_size: int) -> list[tuple[torch.Tensor, slice, int]]:
-    """The members of t's groups of `group_size` consecutive elements along axis `along`: (the whole groups' members,
-    views of t with that axis unflattened into (groups, group_size), their groups, the members' axis), then, if the
-    axis does not divide, (the last group's members, a view with that axis of length 1 before them, its group, the
-    members' axis). A per-group tensor indexed by the groups and unsqueezed at the members' axis broadcasts over them."""
+def _group_members(t: torch.Tensor, along: int, group_size: int) -> list[tuple[torch.Tensor, slice]]:
+    """The members of t's groups of `group_size` consecutive elements along axis `along`: (the whole groups' members, a
+    view of t with that axis unflattened into (groups, group_size), those groups), then, if the axis does not divide,
+    (the last group's members, a view with an axis of length 1 before them, that group). `_per_member` broadcasts a
+    per-group tensor over either."""
     size = t.shape[along]
     whole = size - size % group_size
     parts = []
     if whole:
-        parts.append((t.narrow(along, 0, whole).unflatten(along, (-1, group_size)), slice(0, whole // group_size), along + 1))
+        parts.append((t.narrow(along, 0, whole).unflatten(along, (-1, group_size)), slice(0, whole // group_size)))
     if whole < size:
-        parts.append((t.narrow(along, whole, size - whole).unsqueeze(along), slice(whole // group_size, whole // group_size + 1), along + 1))
+        parts.append((t.narrow(along, whole, size - whole).unsqueeze(along), slice(whole // group_size, whole // group_size + 1)))
     return parts
+
+
+def _per_member(per_group: torch.Tensor, groups: slice, along: int) -> torch.Tensor:
+    """`per_group` (one entry per group along axis `along`) restricted to `groups` and broadcastable over their members
+    as `_group_members` lays them out."""
+    return per_group.narrow(along, groups.start, groups.stop - groups.start).unsqueeze(along + 1)
 
 
 def _scales(low: torch.Tensor, high: torch.Tensor, bits: int, dtype: torch.dtype):
