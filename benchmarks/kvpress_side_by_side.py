@@ -135,7 +135,10 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
         "adakv", {"scorer": "kvzip", "scope": "model", "window": 0, "alpha_safeguard": 0.05, "refit": "log_weights_values"}),
     # KVzap's learned KVzip scores shared by AdaKV over every layer's heads, at full precision
     "adakv[scorer=kvzap,scope=model,alpha=0.05]": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}),
-    # the same in 4 bits, the ratio read as memory (the library's default in prefill mode)
+    # the same quantized, the ratio read as memory: bits picked from the bytes it leaves (the library's default in prefill
+    # mode: 8 bits where they hold half the context, else 4), and 4 bits throughout
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=auto,budget_unit=memory]": (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "kv_bits": "auto", "budget_unit": "memory"}),
     "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]": (
         "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "kv_bits": 4, "budget_unit": "memory"}),
     # the library's default in chunked and decode modes: the same, each layer's stream taking its learned share of the
@@ -161,7 +164,7 @@ DEFAULT_KVCOMPRESS = [FULL, "keydiff", "knorm", "knorm[sink=0,window=0]", "snapk
                       "expected_attention", "compactor", "kvzip", "adakv", "adakv[scorer=expected_attention]", "hybrid",
                       "adakv[scorer=kvzip]"]
 # kvcompress's default method in prefill mode (`options.DEFAULT_METHODS["prefill"]`), as a cell
-DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"
+DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=auto,budget_unit=memory]"
 # the prefill default before KVzap, by name `kvzip_refit` (`options.NAMED_SETTINGS`), as a cell
 KVZIP_REFIT_CELL = "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]"
 
@@ -210,6 +213,7 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,refit=log_weights_values]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=auto,budget_unit=memory]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]": "KVzip",

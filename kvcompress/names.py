@@ -30,6 +30,8 @@ PROMPT_LAYOUTS = {
 # the newline primed, and unprimed (a call without an answer prefix) the blank line did better.
 DEFAULT_PROMPT_LAYOUT = "blank_line_primed"
 KV_BITS = (8, 4, 2)  # kvcompress.quantization.KV_BITS
+# kvcompress.options.CompressionOptions.kv_bits: the bits picked per layer from the bytes the ratio leaves (AUTO_BITS)
+AUTO_KV_BITS = "auto"
 BUDGET_UNITS = ("tokens", "memory")  # kvcompress.options.CompressionOptions.budget_unit: what budget and compression_ratio measure
 DTYPES = ("float32", "bfloat16", "float16")  # kvcompress.integration.model.DTYPES: the names of its torch dtypes
 

@@ -17,10 +17,10 @@ import torch
 from .calibration import check_quality, load_calibration
 from .checks import as_count, as_seed
 from .methods.base import Method, UnknownParameters
-from .quantization import check_storage, slots_in_memory_of
+from .quantization import check_kv_bits, check_storage, slots_in_memory_of
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
-from .names import BUDGET_UNITS, DEFAULT_CHUNK_SIZE, MODES, PREFILL_APPROXIMATIONS
+from .names import AUTO_KV_BITS, BUDGET_UNITS, DEFAULT_CHUNK_SIZE, KV_BITS, MODES, PREFILL_APPROXIMATIONS
 from .names import DEFAULT_METHOD as DEFAULT
 from .names import KVZIP_REFIT
 
@@ -33,18 +33,26 @@ from .names import KVZIP_REFIT
 # budget). In prefill mode every layer's heads are ranked together; a stream gives each layer the share of the model's
 # budget the scorer learned on its training text (`AdaKV.layer_budget`) and re-compresses to 10/11 of it (slack 0.1),
 # so that it holds nearly its whole budget after each re-compression. In prefill mode the compressed context is stored
-# in 4 bits (kv_bits=4) and the ratio or budget is read as memory (budget_unit="memory"): the method keeps as many 4-bit
-# slots as fit in the bytes (1 - ratio) of the context at full precision would take, every token at 0.75 and about 0.4
-# of them at 0.9 on the default model in float32; on tuning needles at equal memory 4-bit slots kept more of the full
-# cache's answers than fewer tokens at full precision. The streams keep full precision (decode mode gained nothing
+# quantized and the ratio or budget is read as memory (kv_bits="auto", budget_unit="memory"): the method keeps as many
+# quantized slots as fit in the bytes (1 - ratio) of the context at full precision would take, in 8 bits where those
+# bytes hold at least half the context that way, else in 4 bits (`AUTO_BITS`, `AUTO_MIN_SHARE`); on the default model
+# in float32, every token in 8 bits at 0.5, about 3 in 4 in 8 bits at 0.75, about 4 in 10 in 4 bits at 0.9. On tuning
+# needles at equal memory, quantized slots kept more of the full cache's answers than fewer tokens at full precision;
+# 8-bit slots kept more than every token in 4 bits at 0.75, and fewer than 4-bit slots at 0.9, where 8 bits hold about 3
+# tokens in 10. The streams keep full precision (decode mode gained nothing
 # measurable from bits, and a chunked stream holds its slots at full precision until the prompt ends). It needs a KVzap
 # scorer for the model: the package ships the default model's; for another model `kvcompress train-scorer` writes one
 # (AdaKV over KVzap, scorer=its path), or name another method.
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"kv_bits": 4, "budget_unit": "memory"}),
+    "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"kv_bits": AUTO_KV_BITS, "budget_unit": "memory"}),
     "chunked": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
     "decode": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
 }
+# kv_bits AUTO_KV_BITS ("auto", budget_unit "memory", mode "prefill"): the most bits of AUTO_BITS at which the bytes the
+# ratio leaves hold at least AUTO_MIN_SHARE (a fraction, numerator and denominator) of the context's middle tokens, else
+# the fewest (`CompressionOptions._auto_bits`)
+AUTO_BITS = (8, 4)
+AUTO_MIN_SHARE = (1, 2)
 # KVZIP_REFIT: the prefill default before KVzap, kept by name. KVzip's exact reconstruction scores ranked across every
 # layer's heads (AdaKV, scope "model", per-head floor 5 %), every token ranked (no exact window), and the kept slots
 # refitted to carry the whole middle's attention mass (log-weights) and output (values) for KVzip's reconstruction
@@ -129,7 +137,9 @@ class CompressionOptions:
     exact sink and window, and every later token (question, answer), stay at full precision. In mode="decode"
     the stream itself stores its slots quantized, keys and values each per slot (a slot is quantized
     once, as it enters the stream): a block-wise stream's buffer (`quantization.QuantizedSlots`) and a
-    native stream's state (`methods.base.QuantizedState`) alike.
+    native stream's state (`methods.base.QuantizedState`) alike. "auto" (budget_unit "memory", mode "prefill",
+    the default's there): each layer picks its bits from the bytes the ratio leaves, 8 where 8-bit slots in them hold
+    at least half the context's middle tokens, else 4 (`AUTO_BITS`, `AUTO_MIN_SHARE`).
     repeat_prompt_ids: for a method scored by a reconstruction forward (KVzip, and AdaKV over its scores), the token
     ids of the repeat instruction placed before each repeated chunk of the context (`kvc.generate` renders
     "Repeat the previous context exactly." through the tokenizer's chat template when none is given:
@@ -208,6 +218,9 @@ class CompressionOptions:
                              f"{', '.join(map(repr, NAMED_SETTINGS))}, or a registered method: {', '.join(method_names())}")
         if self.budget_unit is None:
             object.__setattr__(self, "budget_unit", "tokens")
+        if self.kv_bits == AUTO_KV_BITS and (self.budget_unit != "memory" or self.mode != "prefill"):
+            raise ValueError(f"kv_bits={AUTO_KV_BITS!r} picks the bits from the bytes the ratio leaves a prefilled context: it takes "
+                             f"budget_unit='memory' in mode 'prefill', got budget_unit={self.budget_unit!r} in mode {self.mode!r}")
         if self.budget_unit == "memory" and self.kv_bits is not None and self.mode == "chunked":
             raise ValueError("budget_unit='memory' with kv_bits in mode 'chunked': its stream holds the kept slots at full precision "
                              "until the prompt ends, so it would hold more than the memory the ratio asks for; use mode 'prefill' "
@@ -298,9 +311,17 @@ class CompressionOptions:
                              "leave budget_unit unset")
 
     def _check_storage(self) -> None:
-        """kv_bits and kv_group_size checked, kv_group_size resolved when kv_bits is set (`quantization.check_storage`)."""
-        bits, group_size = check_storage(self.kv_bits, self.kv_group_size)
-        object.__setattr__(self, "kv_bits", bits)
+        """kv_bits and kv_group_size checked, kv_group_size resolved when kv_bits is set (`quantization.check_storage`);
+        kv_bits AUTO_KV_BITS ("auto") kept as given."""
+        auto = isinstance(self.kv_bits, str) and self.kv_bits == AUTO_KV_BITS
+        if not auto:
+            try:
+                check_kv_bits(self.kv_bits)
+            except ValueError:
+                raise ValueError(f"kv_bits must be None (full precision), one of {', '.join(map(str, KV_BITS))} (bits per stored key and "
+                                 f"value element) or {AUTO_KV_BITS!r} (the bits picked from the bytes the ratio leaves), got {self.kv_bits!r}") from None
+        bits, group_size = check_storage(AUTO_BITS[0] if auto else self.kv_bits, self.kv_group_size)
+        object.__setattr__(self, "kv_bits", AUTO_KV_BITS if auto else bits)
         object.__setattr__(self, "kv_group_size", group_size)
 
     @classmethod
@@ -348,12 +369,12 @@ class CompressionOptions:
         (`budget_for`): what a check reads before the layers' shapes are known (the reading raises no other error)."""
         return resolve_budget(length, self.budget, self.compression_ratio, self.sink, self.window, self.compressor, streaming=self.streams)
 
-    def _quantized_budget(self, length: int | None, head_dim: int | None, dtype: torch.dtype | None) -> int | None:
-        """With the budget read as memory in kv_bits storage (`reads_memory`): the quantized slots that fit the bytes of the
-        full-precision middle budget, at most every middle token (`quantization.slots_in_memory_of`); None where
-        quantizing buys no slot (the full-precision budget keeps every middle token of `length` already, or fits no more
-        slots quantized), so the layer keeps the full-precision budget at full precision. None when the budget is not
-        read as memory."""
+    def _quantized_budget(self, length: int | None, head_dim: int | None, dtype: torch.dtype | None) -> tuple[int, int] | None:
+        """With the budget read as memory in kv_bits storage (`reads_memory`): (the quantized slots that fit the bytes of the
+        full-precision middle budget, at most every middle token (`quantization.slots_in_memory_of`), their bits: kv_bits,
+        or with AUTO_KV_BITS those `_auto_bits` picks); None where quantizing buys no slot (the full-precision budget keeps
+        every middle token of `length` already, or fits no more slots quantized), so the layer keeps the full-precision
+        budget at full precision. None when the budget is not read as memory."""
         if not self.reads_memory:
             return None
         middle = self.token_budget_for(length)
@@ -363,21 +384,38 @@ class CompressionOptions:
         if head_dim is None or dtype is None:
             raise ValueError("a budget read as memory with kv_bits needs the layer's head_dim and dtype to resolve a budget")
         keys_axis = "token" if self.mode == "decode" else "channel"
-        fit = slots_in_memory_of(middle, self.kv_bits, self.kv_group_size, head_dim, torch.empty(0, dtype=dtype).element_size(), keys_axis)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if self.kv_bits == AUTO_KV_BITS:
+            if every is None:
+                raise ValueError(f"kv_bits={AUTO_KV_BITS!r} picks the bits from the context's length, which is not known here")
+            bits = self._auto_bits(middle, every, head_dim, itemsize)
+        else:
+            bits = self.kv_bits
+        fit = slots_in_memory_of(middle, bits, self.kv_group_size, head_dim, itemsize, keys_axis)
         if every is not None:
             fit = min(fit, every)
-        return fit if fit > middle else None
+        return (fit, bits) if fit > middle else None
+
+    def _auto_bits(self, middle: int, every: int, head_dim: int, itemsize: int) -> int:
+        """kv_bits AUTO_KV_BITS: the most bits of AUTO_BITS whose slots, in the bytes of `middle` full-precision slots of a
+        prefilled context (keys per channel), hold at least AUTO_MIN_SHARE of its `every` middle tokens; else the fewest.
+        Integer arithmetic."""
+        share_num, share_den = AUTO_MIN_SHARE
+        for bits in AUTO_BITS[:-1]:
+            if share_den * slots_in_memory_of(middle, bits, self.kv_group_size, head_dim, itemsize, "channel") >= share_num * every:
+                return bits
+        return AUTO_BITS[-1]
 
     def storage_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> tuple[int, int | None]:
         """(middle budget per KV head, bits it is stored in) for a layer that compresses `length` tokens (a stream: all the
         tokens it will take; None with a budget: not known) of `head_dim` in `dtype`. With the budget or ratio read as
-        memory in kv_bits storage (`reads_memory`), the quantized slots that fit its bytes (`_quantized_budget`), or,
-        where quantizing buys no slot (a ratio of 0, a budget of every token, a budget too small for a key group's
-        scales), the full-precision budget at full precision; otherwise the budget in tokens, in kv_bits (head_dim and
-        dtype not read)."""
+        memory in kv_bits storage (`reads_memory`), the quantized slots that fit its bytes and their bits
+        (`_quantized_budget`), or, where quantizing buys no slot (a ratio of 0, a budget of every token, a budget too
+        small for a key group's scales), the full-precision budget at full precision; otherwise the budget in tokens, in
+        kv_bits (head_dim and dtype not read)."""
         quantized = self._quantized_budget(length, head_dim, dtype)
         if quantized is not None:
-            return quantized, self.kv_bits
+            return quantized
         return self.token_budget_for(length), None if self.reads_memory else self.kv_bits
 
     def bits_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> int | None:

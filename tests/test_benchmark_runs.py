@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"  # the prefill default, as benchmarks/kvpress_side_by_side.py names it
+DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=auto,budget_unit=memory]"  # the prefill default, as benchmarks/kvpress_side_by_side.py names it
 DUMP = "runthrough/dump"  # a one-sample dump of benchmarks/kvpress_side_by_side.py, made in the copy (SETUP_RUNS)
 
 

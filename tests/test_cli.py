@@ -132,6 +132,25 @@ def test_a_file_written_by_kvcompress_calibrate_drives_generate(tiny_checkpoint,
     assert "method            knorm" in out and "calibration       NLL(context) " in out and "for quality 0.9" in out
 
 
+def test_compress_takes_kv_bits_auto_and_refuses_other_bits(tiny_checkpoint, tmp_path, capsys):
+    """`--kv-bits auto --budget-unit memory`: at ratio 0.5 the tiny model's context is stored in 8 bits, at 0.9 in 4
+    (`CompressionOptions.kv_bits`); a width that is not stored, or "auto" without the memory unit, is an error naming
+    what is accepted."""
+    from kvcompress.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The archivist was Margaret Okafor. " * 40)
+    flags = ["--context-file", str(doc), "--method", "knorm", "--sink", "2", "--window", "4", "--model", str(tiny_checkpoint)]
+    for ratio, bits in (("0.5", 8), ("0.9", 4)):
+        assert main(["compress", *flags, "--compression-ratio", ratio, "--kv-bits", "auto", "--budget-unit", "memory",
+                     "--out", str(tmp_path / "doc.kvc")]) == 0
+        assert f"{bits}-bit" in capsys.readouterr().out
+    assert main(["compress", *flags, "--compression-ratio", "0.5", "--kv-bits", "3", "--out", str(tmp_path / "x.kvc")]) != 0
+    assert "argument --kv-bits: expected one of 8, 4, 2 or auto, got '3'" in capsys.readouterr().err
+    assert main(["compress", *flags, "--compression-ratio", "0.5", "--kv-bits", "auto", "--out", str(tmp_path / "x.kvc")]) != 0
+    assert "kv_bits='auto' picks the bits from the bytes the ratio leaves a prefilled context" in capsys.readouterr().err
+
+
 def test_compress_saves_a_cache_that_generate_answers_from(tiny_checkpoint, tmp_path, capsys):
     """`kvcompress compress --out` then `generate --cache`: the same answer as `generate --context-file` with the same flags."""
     from kvcompress.cli import main

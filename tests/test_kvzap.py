@@ -334,8 +334,8 @@ def test_a_threshold_decides_alone_at_ratio_zero_in_every_mode(tiny_checkpoint, 
 def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_parameters(tiny_default_scorer):
     """method=DEFAULT (what no method gives) resolves, when the options are built, to the mode's DEFAULT_METHODS entry:
     AdaKV over KVzap's scores with a 5 % floor per head, one budget over every layer's heads (in the streaming modes each
-    layer's learned share of it, re-compressed at slack 0.1; in prefill mode stored in 4 bits, the ratio read as
-    memory); it runs in every mode with no reconstruction forward."""
+    layer's learned share of it, re-compressed at slack 0.1; in prefill mode stored quantized, its bits picked from the
+    bytes the ratio leaves, the ratio read as memory); it runs in every mode with no reconstruction forward."""
     from kvcompress.integration import generate_ids
     from kvcompress.options import DEFAULT, DEFAULT_METHODS, CompressionOptions
     from test_integration import _prompt, tiny
@@ -343,7 +343,7 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
     prefill = CompressionOptions(compression_ratio=0.5)
     assert kvc.CompressedCache(tiny(), compression_ratio=0.5).options == prefill  # a cache with no method named
     assert (prefill.method, prefill.method_params, prefill.sink, prefill.window, prefill.kv_bits, prefill.kv_group_size,
-            prefill.budget_unit) == ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, 4, 64, 4, 32, "memory")
+            prefill.budget_unit) == ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, 4, 64, "auto", 32, "memory")
     assert CompressionOptions(compression_ratio=0.5, kv_bits=8).kv_bits == 8  # bits given replace the default's
     assert CompressionOptions(compression_ratio=0.5, kv_group_size=16).kv_group_size == 16  # groups for the default's bits
     with pytest.raises(ValueError, match="kv_group_size=16 groups quantized storage: it takes kv_bits"):
@@ -361,10 +361,10 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
         assert (options.method, options.method_params) == DEFAULT_METHODS[mode][:2] and options.compressor.scope == "model"
         assert options.compressor.scorer.name == "kvzap" and mode in options.compressor.requirements.modes
         assert options.slack == (None if mode == "prefill" else 0.1)
-        assert (options.kv_bits, options.budget_unit) == ((4, "memory") if mode == "prefill" else (None, "tokens"))
+        assert (options.kv_bits, options.budget_unit) == (("auto", "memory") if mode == "prefill" else (None, "tokens"))
         res = generate_ids(model, ctx, question, compression_ratio=0.5, mode=mode, max_new_tokens=2, stop_at_eos=False)
         assert res.method == "adakv" and "reconstruction" not in res.extra
-        if mode == "prefill":  # more tokens in 4 bits, in at most the bytes the ratio keeps at full precision
+        if mode == "prefill":  # more tokens quantized, in at most the bytes the ratio keeps at full precision
             at_full_precision = generate_ids(model, ctx, question, method="adakv", method_params=DEFAULT_METHODS[mode][1],
                                              compression_ratio=0.5, max_new_tokens=2, stop_at_eos=False)
             assert res.realised_compression_ratio < at_full_precision.realised_compression_ratio

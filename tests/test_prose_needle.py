@@ -92,7 +92,8 @@ def test_tuning_samples_share_no_text_wording_or_answer_with_the_reported_ones()
 def test_the_tuning_split_takes_only_tuning_seeds():
     with pytest.raises(ValueError, match=r"split='tuning' takes seeds from TUNING_SEEDS \(1000..1999\), got seed=3"):
         T.niah_prose(500, seed=3, split="tuning")
-    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2', 'heldout3'\), got 'train'"):
+    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2', 'heldout3', 'heldout4'\), "
+                                         r"got 'train'"):
         T.niah_prose(500, seed=1000, split="train")
     with pytest.raises(ValueError, match=r"split='heldout' takes seeds from HELDOUT_SEEDS \(2000..2999\), got seed=1000"):
         T.niah_prose(500, seed=1000, split="heldout")
@@ -102,17 +103,23 @@ def test_the_tuning_split_takes_only_tuning_seeds():
         with pytest.raises(ValueError, match=rf"split='heldout3' takes seeds from HELDOUT3_SEEDS \(4000..4999\), got seed={seed}"):
             T.niah_prose(500, seed=seed, split="heldout3")
     assert T.HELDOUT3_SEEDS == range(4000, 5000) and T.SPLIT_SEEDS["heldout3"] is T.HELDOUT3_SEEDS
+    for seed in (4999, 6000, 0):
+        with pytest.raises(ValueError, match=rf"split='heldout4' takes seeds from HELDOUT4_SEEDS \(5000..5999\), got seed={seed}"):
+            T.niah_prose(500, seed=seed, split="heldout4")
+    assert T.HELDOUT4_SEEDS == range(5000, 6000) and T.SPLIT_SEEDS["heldout4"] is T.HELDOUT4_SEEDS
 
 
 @pytest.mark.parametrize("split, earlier, seeds", [
     ("heldout", ("reported", "tuning"), (2000, 2029)),
     ("heldout2", ("reported", "tuning", "heldout"), (3000, 3029)),
     ("heldout3", ("reported", "tuning", "heldout", "heldout2"), (4000, 4029)),
+    ("heldout4", ("reported", "tuning", "heldout", "heldout2", "heldout3"), (5000, 5029)),
 ])
 def test_a_heldout_split_shares_no_text_name_town_or_wording_with_the_splits_before_it(split, earlier, seeds):
-    """split="heldout" (IDLE's user manual), "heldout2" (CPython's licence and IDLE's notes) and "heldout3" (IDLE's 2.x
-    news and IDLEfork's change log): a text and pools of names, towns and fact wordings that no split before it uses;
-    seeds from the split's own range; a sample is fixed by its seed."""
+    """split="heldout" (IDLE's user manual), "heldout2" (CPython's licence and IDLE's notes), "heldout3" (IDLE's 2.x
+    news and IDLEfork's change log) and "heldout4" (the email package's architecture notes, IDLE's notes on its tests and
+    the email package's parsers' docstrings): a text and pools of names, towns and fact wordings that no split before it
+    uses; seeds from the split's own range; a sample is fixed by its seed."""
     heldout = set(T._prose_sentences(split))
     assert len(heldout) > 150 and not heldout & set().union(*(T._prose_sentences(e) for e in earlier))
     first_names, surnames, towns, facts = T.PROSE_POOLS[split]
@@ -157,13 +164,36 @@ def test_the_third_heldout_text_is_idles_old_news_and_change_log_without_bullets
     assert not [w for w in first_names + surnames + towns if re.search(rf"\b{w}\b", text, re.IGNORECASE)]
 
 
+def test_the_fourth_heldout_text_is_emails_architecture_idles_test_notes_and_emails_parser_docstrings_without_markup():
+    from kvcompress.eval.capture import (ARCHITECTURE_MODULES, DOCSTRING_MODULES, HELDOUT_MODULES, SCORER_TRAINING_MODULES,
+                                         architecture_paragraphs, docstring_paragraphs)
+
+    paragraphs = architecture_paragraphs()
+    assert paragraphs[0] == ("An object structure that represents an email message, and provides an API for creating, "
+                             "querying, and modifying a message.")  # a definition list's entry, without its term
+    assert "The tests are being run on Linux and X Windows is not available." in paragraphs  # a list item, without its bullet
+    assert "The message model is implemented by the Message class." in " ".join(paragraphs)  # a role, its target's name
+    docstrings = paragraphs.index("Header value parser implementing various email-related RFC parsing rules.")  # a module's
+    assert not any(re.search(r"`|:\w+:|^[-+*] ", p) for p in paragraphs[:docstrings])  # the files' markup is gone
+    # the modules are in no other list of docstrings: tuning's, KVzap's training text's, its fidelity's text's
+    assert not set(ARCHITECTURE_MODULES) & set(DOCSTRING_MODULES + SCORER_TRAINING_MODULES + HELDOUT_MODULES)
+    sentences = T._prose_sentences("heldout4")
+    assert len(sentences) > 250 and len(set(sentences)) == len(sentences)
+    for modules in (SCORER_TRAINING_MODULES, HELDOUT_MODULES):
+        assert not set(sentences) & {s for p in docstring_paragraphs(modules) for s in re.split(r"(?<=[.!?])\s+", p)}
+    first_names, surnames, towns, _ = T.PROSE_POOLS["heldout4"]
+    text = " ".join(sentences)
+    assert not [w for w in first_names + surnames + towns if re.search(rf"\b{w}\b", text, re.IGNORECASE)]
+
+
 def _haystack_sentences(sample):
     (needle,) = sample.needles
     before, after = sample.context.split(needle)
     return [s for part in (before, after) for s in re.split(r"(?<=[.!?])\s+", part.strip()) if s]
 
 
-@pytest.mark.parametrize("split, seeds", [("heldout2", (3000, 3001, 3517)), ("heldout3", (4000, 4001, 4517))])
+@pytest.mark.parametrize("split, seeds", [("heldout2", (3000, 3001, 3517)), ("heldout3", (4000, 4001, 4517)),
+                                          ("heldout4", (5000, 5001, 5517))])
 @pytest.mark.parametrize("length", [2048, 4096])
 def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(split, seeds, length):
     """At 2048 and 4096 (estimated) tokens a sample's haystack is its split's sentences, no more of them than the text
@@ -177,14 +207,16 @@ def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(spl
 
 
 @pytest.mark.e2e
-def test_the_third_heldout_split_fills_4096_tokens_of_the_default_models_tokenizer_without_repeating(default_model):
-    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3" hold no sentence twice."""
+@pytest.mark.parametrize("split, seeds", [("heldout3", (4000, 4001, 4517)), ("heldout4", (5000, 5001, 5517))])
+def test_the_third_and_fourth_heldout_splits_fill_4096_tokens_of_the_default_models_tokenizer_without_repeating(
+        default_model, split, seeds):
+    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3" or "heldout4" hold no sentence twice."""
     _, tokenizer = default_model
-    sentences = T._prose_sentences("heldout3")
+    sentences = T._prose_sentences(split)
     assert len(set(sentences)) == len(sentences)
     for length in (2048, 4096):
-        for seed in (4000, 4001, 4517):
-            s = T.niah_prose(length, 0.5, seed=seed, tokenizer=tokenizer, split="heldout3")
+        for seed in seeds:
+            s = T.niah_prose(length, 0.5, seed=seed, tokenizer=tokenizer, split=split)
             assert length - 60 <= s.n_tokens <= length
             haystack = _haystack_sentences(s)
             assert set(haystack) <= set(sentences) and len(set(haystack)) == len(haystack)

@@ -236,9 +236,9 @@ def test_a_ragged_quantized_summary_keeps_half_precision_scales_and_moves(dtype)
     assert torch.equal(moved.summary().keys.to(dtype), q.summary().keys)  # computed in float32 either way, rounded once here
 
 
-@pytest.mark.parametrize("bad", [3, 16, 1, 0, True, "4", 4.0])
-def test_kv_bits_outside_8_4_2_is_refused(bad):
-    with pytest.raises(ValueError, match=r"kv_bits must be None \(full precision\) or one of 8, 4, 2.*got"):
+@pytest.mark.parametrize("bad", [3, 16, 1, 0, True, "4", 4.0, "Auto"])
+def test_kv_bits_outside_8_4_2_and_auto_is_refused(bad):
+    with pytest.raises(ValueError, match=r"kv_bits must be None \(full precision\), one of 8, 4, 2 .* or 'auto' .*got"):
         CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=bad)
 
 
@@ -733,6 +733,52 @@ def test_the_budget_read_as_memory_is_checked_and_resolves_with_the_layers_shape
         CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory", mode="chunked")
     with pytest.raises(ValueError, match="method=None is the full cache: it takes no budget_unit"):
         CompressionOptions(method=None, budget_unit="tokens")
+
+
+def test_auto_bits_store_8_bits_where_they_hold_half_the_context_else_4():
+    """kv_bits="auto" (budget_unit "memory", mode "prefill"): each layer stores 8-bit slots where those that fit the bytes
+    the ratio leaves hold at least half the context's middle tokens, else 4-bit slots (`options.AUTO_BITS`,
+    `AUTO_MIN_SHARE`), as many as fit; the choice follows the bytes, so the dtype moves it. A saved cache's options build
+    again; "auto" elsewhere is refused, naming what it takes; an unknown value names every accepted one."""
+    from kvcompress.quantization import slots_in_memory_of
+
+    def auto(ratio, **settings):
+        return CompressionOptions(method="snapkv", compression_ratio=ratio, kv_bits="auto", **{"budget_unit": "memory", **settings})
+
+    every = 2048 - auto(0.5).sink - auto(0.5).window
+    for ratio, dtype, size in [(0.5, torch.float32, 4), (0.75, torch.float32, 4), (0.9, torch.float32, 4), (0.5, torch.bfloat16, 2),
+                               (0.75, torch.bfloat16, 2), (0.9, torch.bfloat16, 2)]:
+        options = auto(ratio)
+        middle = options.token_budget_for(2048)
+        in_8 = slots_in_memory_of(middle, 8, 32, 64, size, "channel")
+        bits = 8 if 2 * in_8 >= every else 4
+        assert options.storage_for(2048, 64, dtype) == (min(every, slots_in_memory_of(middle, bits, 32, 64, size, "channel")), bits)
+    assert [auto(r).bits_for(2048, 64, torch.float32) for r in (0.5, 0.75, 0.9)] == [8, 8, 4]  # on the default model's shapes
+    assert [auto(r).bits_for(2048, 64, torch.bfloat16) for r in (0.5, 0.75, 0.9)] == [8, 4, 4]
+    assert auto(0.0).storage_for(2048, 64, torch.float32) == (every, None)  # nothing to remove: the full cache
+    assert CompressionOptions(**auto(0.75).to_dict()) == auto(0.75) and auto(0.75, kv_group_size=16).kv_group_size == 16
+    for settings in ({"budget_unit": "tokens"}, {"mode": "decode"}):
+        with pytest.raises(ValueError, match=r"kv_bits='auto' picks the bits from the bytes the ratio leaves a prefilled context: it "
+                                             r"takes budget_unit='memory' in mode 'prefill', got budget_unit="):
+            auto(0.75, **settings)
+    with pytest.raises(ValueError, match=r"kv_bits must be None \(full precision\), one of 8, 4, 2 .* or 'auto' .*got 'eight'"):
+        CompressionOptions(method="snapkv", compression_ratio=0.75, kv_bits="eight", budget_unit="memory")
+    with pytest.raises(ValueError, match=r"kv_bits must be None .*got 3"):
+        CompressionOptions(method="snapkv", compression_ratio=0.75, kv_bits=3)
+
+
+def test_a_cache_with_auto_bits_stores_within_the_bytes_the_ratio_leaves():
+    """On the tiny model (head_dim 16, float32): kv_bits="auto" stores 8 bits at ratio 0.5 and 4 bits at 0.9, each within
+    the bytes the ratio leaves the middle at full precision, and reports the bits it stored."""
+    model = tiny()
+    ctx, question = _prompt(n=300)
+    for ratio, bits in ((0.5, 8), (0.9, 4)):
+        settings = dict(method="snapkv", compression_ratio=ratio, sink=2, window=8, max_new_tokens=4, stop_at_eos=False)
+        res = generate_ids(model, ctx, question, kv_bits="auto", budget_unit="memory", **settings)
+        at_full_precision = generate_ids(model, ctx, question, **settings)
+        assert res.kv_bits == bits and res.kv_bytes <= at_full_precision.kv_bytes, res.report()
+        assert res.budget == CompressionOptions(method="snapkv", compression_ratio=ratio, sink=2, window=8, kv_bits=bits,
+                                                budget_unit="memory").budget_for(ctx.shape[1], 16, torch.float32)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])

@@ -155,13 +155,13 @@ def test_python_compress_save_load_answers_as_generate_on_the_context(default_mo
 def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_cache(default_model, mode):
     """`kvc.generate` with no method named, in every mode: the default (AdaKV over KVzap's scores, one budget across every
     layer's heads) keeps the needle at compression_ratio=0.5: in the streaming modes half the tokens at full precision, in
-    prefill mode every token in 4 bits, within half the full cache's bytes."""
+    prefill mode every token in 8 bits (kv_bits="auto"), within half the full cache's bytes."""
     model, tokenizer = default_model
     res = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, mode=mode, max_new_tokens=NEW, progress=False)
     assert NEEDLE in res.text, res.report()
     assert res.method == "adakv" and res.mode == mode, res.report()
     if mode == "prefill":
-        assert res.kv_bits == 4 and res.realised_compression_ratio == 0.0 and res.kv_bytes < 0.5 * res.kv_bytes_full, res.report()
+        assert res.kv_bits == 8 and res.realised_compression_ratio == 0.0 and res.kv_bytes < 0.5 * res.kv_bytes_full, res.report()
     else:
         assert res.kv_bits is None and res.realised_compression_ratio > 0.3 and res.kv_bytes < res.kv_bytes_full, res.report()
 
@@ -288,7 +288,7 @@ def test_beams_from_a_compressed_context_of_the_default(default_model, bits):
 def test_model_generate_with_the_default_method_in_a_compressed_cache(default_model):
     """`kvc.CompressedCache(model, compression_ratio=...)` (no method named: the default) inside a plain
     `model.generate`: the default (AdaKV over KVzap) reads each layer's hidden states, which the cache has the model
-    keep while it lives; it finds the needle in half the cache's bytes (every token in 4 bits), another method's answer
+    keep while it lives; it finds the needle in half the cache's bytes (every token in 8 bits), another method's answer
     beside it stores what it stores alone, and once the cache is gone the model carries no hook of it."""
     import gc
 
@@ -333,7 +333,8 @@ def test_a_forward_with_gradients_on_through_a_compressed_cache(default_model, m
 @pytest.mark.smoke
 def test_cli_generate_reads_the_ratio_as_memory(cli, doc):
     """docs/cli.md's `--budget-unit memory` with `--kv-bits 4`: SnapKV keeps more tokens, in 4 bits, than at the same
-    ratio in tokens; the default in prefill mode stores 4 bits with neither flag, and finds the needle."""
+    ratio in tokens; the default in prefill mode stores 8 bits at 0.5 with neither flag (`--kv-bits auto`), and finds the
+    needle."""
     import re
 
     ask = ["--context-file", doc, "--question", QUESTION, "--max-new-tokens", NEW, "--compression-ratio", "0.5"]
@@ -342,7 +343,7 @@ def test_cli_generate_reads_the_ratio_as_memory(cli, doc):
     kept = [int(re.search(r"\(mean (\d+)\)", answer_and_kept(out)[1]).group(1)) for out in (memory, tokens)]
     assert "4-bit storage" in memory and kept[0] > kept[1], (memory, tokens)
     default = cli("generate", *ask)
-    assert "4-bit storage" in default and NEEDLE in answer_and_kept(default)[0], default
+    assert "8-bit storage" in default and NEEDLE in answer_and_kept(default)[0], default
 
 
 @pytest.mark.smoke

@@ -16,7 +16,9 @@ every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so 
   `budget_unit="memory"`);
 - `q4g16_0`, `q4g16m_0.9`: `q4_0` and `q4m_0.9` with groups of 16 (`kv_group_size=16`): at 0.75 every token still fits
   the ratio's bytes in float32 (4 bits and a float32 scale and zero point per 16 elements, 8 bits an element), at
-  0.9 fewer slots with finer scales.
+  0.9 fewer slots with finer scales;
+- `q8m_0.75`, `q8m_0.9`, `q2m_0.9`: the default in prefill mode with 8 bits (fewer slots, finer codes: about 8 in 10
+  middle tokens fit the bytes of 0.75 in float32) or 2 bits (more slots, coarser codes).
 
 One JSON line per (variant, mode, seed, length) goes to OUT in `kvzap_default.py`'s format (a rerun skips what is
 there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, its
@@ -52,10 +54,14 @@ VARIANTS = {
     "q4m_0.9": (0.9, 4, 0.9),
     "q4g16_0": (0.0, 4, 0.75),
     "q4g16m_0.9": (0.9, 4, 0.9),
+    "q8m_0.75": (0.75, 8, 0.75),
+    "q8m_0.9": (0.9, 8, 0.9),
+    "q2m_0.9": (0.9, 2, 0.9),
 }
 # the storage settings a variant adds to its bits (the default's group size and the ratio in tokens where it names none)
 STORAGE = {"q4m_0.9": {"budget_unit": "memory"}, "q4g16_0": {"kv_group_size": 16},
-           "q4g16m_0.9": {"kv_group_size": 16, "budget_unit": "memory"}}
+           "q4g16m_0.9": {"kv_group_size": 16, "budget_unit": "memory"}, "q8m_0.75": {"budget_unit": "memory"},
+           "q8m_0.9": {"budget_unit": "memory"}, "q2m_0.9": {"budget_unit": "memory"}}
 
 
 def default_of_equal_memory(variant: str) -> tuple[str, None, float] | None:

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from ..eval.tables import parse_scalar
-from ..names import DTYPES, MAX_SEED, METHODS
+from ..names import AUTO_KV_BITS, DTYPES, KV_BITS, MAX_SEED, METHODS
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -88,6 +88,15 @@ def count(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def kv_bits(text: str) -> int | str:
+    """argparse type: bits per stored element, one of `names.KV_BITS`, or `names.AUTO_KV_BITS` ("auto")."""
+    if text == AUTO_KV_BITS:
+        return text
+    if text not in map(str, KV_BITS):
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, KV_BITS))} or {AUTO_KV_BITS}, got {text!r}")
+    return int(text)
 
 
 def seed(text: str) -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, count, given_flags, one_of, parse_params, resolve_device, seed, set_threads
-from ..names import BUDGET_UNITS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
+from .common import (add_device_args, add_model_arg, add_threads_arg, count, given_flags, kv_bits, one_of, parse_params, resolve_device,
+                     seed, set_threads)
+from ..names import AUTO_KV_BITS, BUDGET_UNITS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
 
 
@@ -67,9 +68,11 @@ def add_compression_args(p, later_questions: bool = False) -> None:
     else:
         p.set_defaults(compress_question=False)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median; numbers, true/false and None are converted (repeatable)")
-    p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
+    p.add_argument("--kv-bits", type=kv_bits, default=None, metavar="{" + ",".join(map(str, KV_BITS)) + f",{AUTO_KV_BITS}}}",
                    help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
-                        "the stream's slots, keys and values per slot; default: full precision, but 4 for the default method in --mode prefill)")
+                        f"the stream's slots, keys and values per slot); {AUTO_KV_BITS}, with --budget-unit memory in --mode prefill: 8 "
+                        "where 8-bit slots in the ratio's bytes hold at least half the context, else 4 (default: full precision, but "
+                        f"{AUTO_KV_BITS} for the default method in --mode prefill)")
     p.add_argument("--kv-group-size", type=count(8), default=None, metavar="N", help="with --kv-bits: values per quantization group, >= 8 (default 32)")
     p.add_argument("--budget-unit", default=None, choices=BUDGET_UNITS,
                    help="what --budget and --compression-ratio measure: tokens, or memory (with --kv-bits, as many quantized slots as fit "

@@ -12,8 +12,8 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "manual_paragraphs", "notes_paragraphs", "prose_paragraphs",
-           "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
+__all__ = ["architecture_paragraphs", "capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "manual_paragraphs",
+           "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
 
 # The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
 DOCSTRING_MODULES = (
@@ -159,6 +159,60 @@ def changelog_paragraphs() -> list[str]:
             paragraph = _ENTRY_LEAD.sub("", " ".join(block.split()), count=1)
             if _is_prose(paragraph) and not paragraph.endswith(":"):
                 out.setdefault(paragraph)
+    return list(out)
+
+
+# The fourth held-out needle set's text (`architecture_paragraphs`): the email package's notes on its architecture, then
+# IDLE's notes on its tests, in this order, then the docstrings of ARCHITECTURE_MODULES.
+ARCHITECTURE_FILES = ("email/architecture.rst", "idlelib/idle_test/README.txt")
+# Standard-library modules in none of DOCSTRING_MODULES, SCORER_TRAINING_MODULES, HELDOUT_MODULES and
+# benchmarks/tuning/scorer_inputs.py's EXTRA_MODULES, with long prose docstrings: the two files alone hold about 2,700
+# tokens (the default model's tokenizer) of sentences, too few for a 4096-token sample that repeats none; with these, 6,268.
+ARCHITECTURE_MODULES = ("email._header_value_parser", "email._encoded_words", "email._parseaddr")
+# Where the two files' paragraphs part: a blank line, or the "---" line that fences a sample in IDLE's README.
+_FILE_BREAK = re.compile(r"\n\s*\n|\n---\n")
+# A definition list's term ("Model", "header_source_parse"): a word alone on the first line, its definition indented below.
+_DEFINITION_TERM = re.compile(r"^( *)\w+\n\1 +(?=\S)")
+# reStructuredText's inline markup, each with the text it leaves: an RFC role (":rfc:`5322`") "RFC" and the number; a role
+# marked "~" (":class:`~email.message.Message`") its target's last name, any other role its target; literals and
+# interpreted text (``cte_type=7bit``, `Message`) and emphasis (*primarily*) their text.
+_RST_INLINE = (
+    (re.compile(r":rfc:`+(\d+)`+"), r"RFC \1"),
+    (re.compile(r":\w+:`~(?:[\w.]*\.)?([^`.]+)`"), r"\1"),
+    (re.compile(r":\w+:`([^`]+)`"), r"\1"),
+    (re.compile(r"`+([^`]+)`+"), r"\1"),
+    (re.compile(r"\*(\w[^*]*)\*"), r"\1"),
+)
+
+
+def architecture_paragraphs() -> list[str]:
+    """Prose paragraphs of the email package's notes on its architecture and of IDLE's notes on its tests
+    (`ARCHITECTURE_FILES`, shipped with CPython in the standard library), then of the docstrings of `ARCHITECTURE_MODULES`
+    (the module's and every class's and function's in its source, in source order, read with `ast`: nothing is imported),
+    in that order: the fourth held-out needle set's text (`eval.tasks`, split "heldout4"), which no tuning, training,
+    reported or earlier held-out sample uses. A file's paragraph is kept without a definition list's term, a list bullet
+    or reStructuredText's inline markup, as `prose_paragraphs` keeps one, judged on its text once they are dropped; a
+    docstring's as `docstring_paragraphs` keeps one. A Python without these files is a clear error."""
+    import ast
+
+    modules = tuple(name.replace(".", "/") + ".py" for name in ARCHITECTURE_MODULES)
+    root = _shipped(ARCHITECTURE_FILES + modules, "the fourth held-out set's prose is the email package's architecture notes, "
+                    "IDLE's test notes and the email package's parsers' docstrings")
+    out: dict[str, None] = {}
+    for name in ARCHITECTURE_FILES:
+        for block in _FILE_BREAK.split((root / name).read_text(encoding="utf-8")):
+            paragraph = re.sub(r"^[-+*]\s+", "", " ".join(_DEFINITION_TERM.sub("", block, count=1).split()), count=1)
+            for markup, text in _RST_INLINE:
+                paragraph = markup.sub(text, paragraph)
+            if _is_prose(paragraph) and not paragraph.endswith(":"):
+                out.setdefault(paragraph)
+    for name in modules:
+        tree = ast.parse((root / name).read_text(encoding="utf-8"))
+        defined = (node for node in ast.walk(tree) if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+        for node in [tree] + sorted(defined, key=lambda node: node.lineno):
+            for block in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                if _is_prose(block) and not block.rstrip().endswith(":"):
+                    out.setdefault(" ".join(block.split()))
     return list(out)
 
 

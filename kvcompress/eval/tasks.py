@@ -39,6 +39,10 @@ the prose (`capture.notes_paragraphs`), `HELDOUT2_PROSE_FACTS`, `HELDOUT2_FIRST_
 `niah_prose(split="heldout3")`, seeds from `HELDOUT3_SEEDS` (4000–4999), is a fifth set of pools shared with none of
 them, for a third final check: IDLE's 2.x news and IDLEfork's change log as the prose (`capture.changelog_paragraphs`),
 `HELDOUT3_PROSE_FACTS`, `HELDOUT3_FIRST_NAMES`, ...
+`niah_prose(split="heldout4")`, seeds from `HELDOUT4_SEEDS` (5000–5999), is a sixth set of pools shared with none of
+them, for a fourth final check (`benchmarks/heldout/PLAN4.md`): the email package's architecture notes, IDLE's notes on its
+tests and the docstrings of the email package's parsers as the prose (`capture.architecture_paragraphs`),
+`HELDOUT4_PROSE_FACTS`, `HELDOUT4_FIRST_NAMES`, ...
 
 The module imports the standard library only: kvpress's side of the side-by-side comparison loads it by path
 (`benchmarks/kvpress_side_by_side.py`, in an environment without kvcompress).
@@ -75,6 +79,8 @@ HELDOUT_SEEDS = range(2000, 3000)
 HELDOUT2_SEEDS = range(3000, 4000)
 # Seeds of the third held-out needle set (niah_prose(split="heldout3")), fixed before the first run on it.
 HELDOUT3_SEEDS = range(4000, 5000)
+# Seeds of the fourth held-out needle set (niah_prose(split="heldout4")), fixed before the first run on it.
+HELDOUT4_SEEDS = range(5000, 6000)
 
 
 @dataclass
@@ -134,8 +140,11 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), for held-out samples
     IDLE's user manual (`capture.manual_paragraphs`), for the second held-out set CPython's licence and IDLE's notes
     (`capture.notes_paragraphs`), for the third IDLE's 2.x news and IDLEfork's change log (`capture.changelog_paragraphs`),
-    each less any sentence an earlier source has, so no two share a sentence."""
-    from .capture import changelog_paragraphs, docstring_paragraphs, manual_paragraphs, notes_paragraphs, prose_paragraphs
+    for the fourth the email package's architecture notes, IDLE's notes on its tests and the email package's parsers'
+    docstrings (`capture.architecture_paragraphs`, each sentence once), each less any sentence an earlier source has, so
+    no two share a sentence."""
+    from .capture import (architecture_paragraphs, changelog_paragraphs, docstring_paragraphs, manual_paragraphs,
+                          notes_paragraphs, prose_paragraphs)
 
     def sentences(paragraphs):
         return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
@@ -152,7 +161,10 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     if split == "heldout2":
         return tuple(s for s in sentences(notes_paragraphs()) if s not in earlier)
     earlier |= set(_prose_sentences("heldout2"))
-    return tuple(s for s in sentences(changelog_paragraphs()) if s not in earlier)
+    if split == "heldout3":
+        return tuple(s for s in sentences(changelog_paragraphs()) if s not in earlier)
+    earlier |= set(_prose_sentences("heldout3"))
+    return tuple(dict.fromkeys(s for s in sentences(architecture_paragraphs()) if s not in earlier))
 
 
 @functools.lru_cache(maxsize=1)
@@ -642,6 +654,55 @@ HELDOUT3_PROSE_FACTS = {
          "The finest boatyard of the firth is in"),
     ),
 }
+# The fourth held-out set's own pools (niah_prose(split="heldout4")): no name, town or fact wording of the five sets above.
+HELDOUT4_FIRST_NAMES = (
+    "Annelise", "Bronislaw", "Cordelia", "Dorian", "Eulalia", "Fabian", "Genevieve", "Horatio", "Iolanthe", "Jeremiah",
+    "Kerensa", "Lysander", "Magdalena", "Niamh", "Oswin", "Petronella", "Roderick", "Solveig", "Theodora", "Ulyana",
+    "Vincenzo", "Wilfred", "Yseult", "Zacharias", "Anastasia", "Bertrand", "Constance", "Dariusz", "Esmeralda", "Ferdinand",
+)
+HELDOUT4_SURNAMES = (
+    "Ashdown", "Bellingham", "Crabtree", "Dalrymple", "Edgeworth", "Farquharson", "Gillespie", "Huddleston", "Ingleby",
+    "Jarvis", "Kirkpatrick", "Lovelock", "Mottram", "Northcote", "Ormerod", "Pilkington", "Quayle", "Ravenscroft",
+    "Sutcliffe", "Treadwell", "Uttley", "Vanstone", "Whitworth", "Youngman", "Zwolinski", "Armitage", "Bickerstaff",
+    "Catterall", "Duckworth", "Lumsden",
+)
+HELDOUT4_TOWNS = (
+    "Arundel", "Brecon", "Crieff", "Dingle", "Ennis", "Faversham", "Gorey", "Harlech", "Innerleithen", "Kenmare",
+    "Llanidloes", "Montrose", "Neath", "Oldmeldrum", "Pembroke", "Rothesay", "Skibbereen", "Totnes", "Uttoxeter", "Westport",
+    "Youghal", "Alnmouth", "Bantry", "Clifden", "Dunblane", "Ledbury", "Kinsale", "Lewes", "Monmouth", "Nenagh",
+    "Pwllheli", "Sherborne", "Stonehaven", "Tregaron", "Wareham", "Ballater", "Criccieth", "Haworth", "Lismore", "Sligo",
+)
+HELDOUT4_PROSE_FACTS = {
+    "names": (
+        ("The glazier who fitted the rose window was {}.", "Who fitted the rose window?", "The rose window was fitted by"),
+        ("The thatcher who roofed the coaching inn was {}.", "Who roofed the coaching inn?", "The coaching inn was roofed by"),
+        ("The saddler who stitched the hunt saddles was {}.", "Who stitched the hunt saddles?",
+         "The hunt saddles were stitched by"),
+        ("The cooper who shaped the cider barrels was {}.", "Who shaped the cider barrels?", "The cider barrels were shaped by"),
+        ("The midwife who kept the parish birth register was {}.", "Who kept the parish birth register?",
+         "The parish birth register was kept by"),
+        ("The geologist who dated the cliff fossils was {}.", "Who dated the cliff fossils?", "The cliff fossils were dated by"),
+        ("The architect who planned the corn exchange was {}.", "Who planned the corn exchange?",
+         "The corn exchange was planned by"),
+        ("The fiddler who collected the shepherds' reels was {}.", "Who collected the shepherds' reels?",
+         "The shepherds' reels were collected by"),
+    ),
+    "places": (
+        ("The autumn ploughing match is held in {}.", "Where is the autumn ploughing match held?",
+         "The autumn ploughing match is held in"),
+        ("The oldest Celtic cross of the peninsula stands in {}.", "Where does the oldest Celtic cross of the peninsula stand?",
+         "The oldest Celtic cross of the peninsula stands in"),
+        ("The beekeepers' association opened its first apiary in {}.",
+         "Where did the beekeepers' association open its first apiary?",
+         "The beekeepers' association opened its first apiary in"),
+        ("The Viking sword was dug up near {}.", "Near which town was the Viking sword dug up?",
+         "The Viking sword was dug up near"),
+        ("The truce between the feuding drovers was struck in {}.", "Where was the truce between the feuding drovers struck?",
+         "The truce between the feuding drovers was struck in"),
+        ("The busiest tannery of the moorland is in {}.", "Where is the busiest tannery of the moorland?",
+         "The busiest tannery of the moorland is in"),
+    ),
+}
 # split -> (first names, surnames, towns, facts) of niah_prose
 PROSE_POOLS = {
     "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
@@ -649,9 +710,11 @@ PROSE_POOLS = {
     "heldout": (HELDOUT_FIRST_NAMES, HELDOUT_SURNAMES, HELDOUT_TOWNS, HELDOUT_PROSE_FACTS),
     "heldout2": (HELDOUT2_FIRST_NAMES, HELDOUT2_SURNAMES, HELDOUT2_TOWNS, HELDOUT2_PROSE_FACTS),
     "heldout3": (HELDOUT3_FIRST_NAMES, HELDOUT3_SURNAMES, HELDOUT3_TOWNS, HELDOUT3_PROSE_FACTS),
+    "heldout4": (HELDOUT4_FIRST_NAMES, HELDOUT4_SURNAMES, HELDOUT4_TOWNS, HELDOUT4_PROSE_FACTS),
 }
 # split -> the seeds it takes (the reported split: any seed; reported runs use seeds below TUNING_SEEDS.start)
-SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS}
+SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS,
+               "heldout4": HELDOUT4_SEEDS}
 
 
 def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
@@ -674,6 +737,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     split "heldout3", for a third final check, draws from a fifth set shared with none of them: IDLE's 2.x news and
     IDLEfork's change log, `HELDOUT3_PROSE_FACTS`, `HELDOUT3_FIRST_NAMES`, `HELDOUT3_SURNAMES`, `HELDOUT3_TOWNS`; seeds
     from `HELDOUT3_SEEDS` only.
+    split "heldout4", for a fourth final check (`benchmarks/heldout/PLAN4.md`), draws from a sixth set shared with none of
+    them: the email package's architecture notes, IDLE's notes on its tests and the email package's parsers' docstrings,
+    `HELDOUT4_PROSE_FACTS`, `HELDOUT4_FIRST_NAMES`, `HELDOUT4_SURNAMES`, `HELDOUT4_TOWNS`; seeds from `HELDOUT4_SEEDS` only.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
