@@ -382,8 +382,8 @@ class CompressedLayer(CacheLayerMixin):
             bits.add(self.kv_bits)  # the row's, as `_compress_once` resolved them
         if len(bits) > 1:
             raise ValueError(f"the rows of this batch store their contexts in different bits ({sorted(bits, key=str)}): a budget read "
-                             "as memory holds some rows at full precision and not others; compress them one at a time (kvc.generate "
-                             "does, for a list of contexts)")
+                             "as memory picks each row's storage from its own length (full precision where quantizing buys no slot; "
+                             "with kv_bits='auto', 8 or 4 bits); compress them one at a time (kvc.generate does, for a list of contexts)")
         (self.kv_bits,) = bits
         if self.kv_bits is None and not self.cache.plan.ragged:
             self.front = stack_rows(rows)

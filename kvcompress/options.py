@@ -170,7 +170,7 @@ class CompressionOptions:
     compress_question: bool = False
     quality: float | None = None
     calibration: Any = None
-    kv_bits: int | None = None
+    kv_bits: int | str | None = None
     kv_group_size: int | None = None
     repeat_prompt_ids: tuple[int, ...] | None = None
     prefill_approx: str | None = None
@@ -295,6 +295,11 @@ class CompressionOptions:
             raise UnknownParameters(f"method parameters {sorted(self.method_params)} need a registered method: {self.method!r} in mode "
                                     f"{self.mode!r} is {name!r} with {params or 'its own defaults'}; pass method={name!r} with the "
                                     "parameters you want", sorted(self.method_params))
+        if exact.get("kv_bits") == AUTO_KV_BITS and self.kv_bits is None and self.budget_unit == "tokens":
+            raise ValueError(f"budget_unit='tokens' with {self.method!r} in mode {self.mode!r}: its bits are picked from the memory the "
+                             f"ratio leaves (kv_bits={AUTO_KV_BITS!r}); pass kv_bits (8, 4 or 2) to store quantized slots at a "
+                             f"budget in tokens, name the method (method={name!r} with its parameters {params}) to keep full "
+                             "precision, or leave budget_unit unset")
         object.__setattr__(self, "method", name)
         object.__setattr__(self, "method_params", dict(params))
         for key, value in exact.items():

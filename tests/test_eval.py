@@ -44,6 +44,7 @@ def test_sweep_writes_results_summary_and_plots(tiny, tmp_path):
     assert {r["method"] for r in records} == {FULL, "knorm", "random"}
     compressed = [r for r in records if r["method"] != FULL]
     assert all(r["kv_bytes"] < r["kv_bytes_full"] for r in compressed)
+    assert all(r["kv_bits"] is None for r in records)  # the bits each answer's context was stored in: full precision here
     needles = [r for r in records if r["task"] == "niah_single" and not r["grid"]]
     assert sorted({r["depth"] for r in needles}) == [0.118, 0.5]
     assert all(r["depth"] is None for r in records if r["task"] == "common_words")

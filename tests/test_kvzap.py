@@ -345,6 +345,10 @@ def test_the_default_method_is_adakv_over_kvzap_in_every_mode_and_takes_no_param
     assert (prefill.method, prefill.method_params, prefill.sink, prefill.window, prefill.kv_bits, prefill.kv_group_size,
             prefill.budget_unit) == ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, 4, 64, "auto", 32, "memory")
     assert CompressionOptions(compression_ratio=0.5, kv_bits=8).kv_bits == 8  # bits given replace the default's
+    assert CompressionOptions(compression_ratio=0.5, kv_bits=4, budget_unit="tokens").storage_for(2048, 64, torch.float32)[1] == 4
+    with pytest.raises(ValueError, match=r"budget_unit='tokens' with 'default' in mode 'prefill': its bits are picked from the memory "
+                                         r"the ratio leaves \(kv_bits='auto'\); pass kv_bits \(8, 4 or 2\)"):
+        CompressionOptions(compression_ratio=0.5, budget_unit="tokens")  # a unit alone: the default's bits need memory
     assert CompressionOptions(compression_ratio=0.5, kv_group_size=16).kv_group_size == 16  # groups for the default's bits
     with pytest.raises(ValueError, match="kv_group_size=16 groups quantized storage: it takes kv_bits"):
         CompressionOptions(compression_ratio=0.5, kv_group_size=16, mode="chunked")  # the streams keep full precision

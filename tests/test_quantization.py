@@ -852,3 +852,11 @@ def test_smallest_memory_budgets_and_mixed_rows_keep_within_the_memory_asked_for
     cache = CompressedCache(model, **batch)
     with torch.no_grad(), use_compressed_attention(model), pytest.raises(ValueError, match="store their contexts in different bits"):
         model(torch.cat([ctx, padded]), attention_mask=torch.cat([torch.ones(1, 300, dtype=torch.long), mask]), past_key_values=cache)
+    # kv_bits="auto": rows of other lengths pick other bits, each at a quantized budget; one cache names that cause too
+    short = ctx[:, :100]
+    padded = torch.cat([torch.full((1, 200), 0, dtype=ctx.dtype), short], 1)
+    mask = torch.cat([torch.zeros(1, 200, dtype=torch.long), torch.ones(1, 100, dtype=torch.long)], 1)
+    cache = CompressedCache(model.float(), method="snapkv", compression_ratio=0.75, sink=2, window=8, kv_bits="auto", budget_unit="memory")
+    with torch.no_grad(), use_compressed_attention(model), pytest.raises(
+            ValueError, match=r"different bits \(\[4, 8\]\): a budget read as memory picks each row's storage from its own length"):
+        model(torch.cat([ctx, padded]), attention_mask=torch.cat([torch.ones(1, 300, dtype=torch.long), mask]), past_key_values=cache)

@@ -533,7 +533,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
             record.update(
                 prediction=prediction, score=spec.evaluate(sample, prediction), kv_bytes=res.kv_bytes, kv_bytes_full=res.kv_bytes_full,
                 prefill_s=res.prefill_seconds, compress_s=res.compress_seconds, decode_s=res.decode_seconds,
-                new_tokens=len(res.token_ids),
+                new_tokens=len(res.token_ids), kv_bits=res.kv_bits,
             )
         record["wall_s"] = time.perf_counter() - start
         yield record
