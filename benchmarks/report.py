@@ -449,8 +449,8 @@ def sweeps_section() -> list[str]:
     folder = "results/perplexity_default_prefill_1k"
     lines += ["### Language modelling under compression: the default in prefill mode", "",
               "The same protocol for the default in prefill mode (AdaKV over KVzap's scores, one budget over every layer, "
-              "4-bit slots in the memory the ratio leaves when it ran: every context token at 0.5 and 0.75; the default now "
-              "stores 8-bit slots at 0.5 and 0.75, not measured here).", ""]
+              "quantized slots in the memory the ratio leaves, `kv_bits=\"auto\"`: at these 1024 tokens 8 bits at 0.5 and "
+              "0.75, 4 bits at 0.9).", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
     lines += perplexity_lines(eval_records(folder))
     folder = "results/perplexity_default_1k"
