@@ -79,7 +79,7 @@ PREFILL_BENCH = f"{COST_BENCH}/threads-1"
 # of the streams, kvzip_refit's cells included
 SUMMARY_HELDOUT4 = "results/heldout4_2048"
 DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=auto,budget_unit=memory]"  # the prefill default, as a cell
-FOUR_BIT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"  # the third set's prefill default
+FOUR_BIT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"  # 4-bit slots, the ratio read as memory, as a cell
 SUMMARY_HELDOUT4_ROWS = [
     ("**the default** (no method named): AdaKV over KVzap's learned scores, quantized slots in the memory the ratio leaves (8 bits at 0.75, 4 at 0.9)", "kvcompress", DEFAULT_CELL, "prefill"),
     ("the same, every token in 4 bits at 0.75", "kvcompress", FOUR_BIT_CELL, "prefill"),
@@ -334,12 +334,12 @@ SUMMARY_NOTE = (
     "share of it at one thread (`benchmarks/results/bench/cost/threads-1/`; `kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
     "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The first rows are the "
     "fourth held-out set at 2k tokens (\"The fourth held-out needle set\": a text no other set used, fixed in writing before "
-    "it ran once), where the default in prefill mode ran beside every token in 4 bits (the default the third set checked), "
+    "it ran once), where the default in prefill mode ran beside every token in 4 bits (`kv_bits=4`), "
     "the full cache and kvpress's KVzip on the same prompt tokens; the next are the "
     "second held-out set at 2k tokens (\"The second held-out needle set\": another text, fixed in writing before it ran once; "
     "its 4k cells and the first held-out set are in that section), where AdaKV over KVzap's learned scores at full "
     "precision, the default's method in every mode, ran beside the full cache, `kvzip_refit` and kvpress's KVzip on the "
-    "same prompt tokens (in prefill mode the default now quantizes, its ratio read as memory: the fourth held-out set "
+    "same prompt tokens (in prefill mode the default quantizes, its ratio read as memory: the fourth held-out set "
     "checks it, `benchmarks/heldout/PLAN4.md`), its times not shown (several runs shared the CPU); its cost against a plain `model.generate` is "
     "under \"What one answer costs\".")
 
@@ -604,8 +604,8 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "reads the quantized context dequantized into its view (`QuantizedSummary.summary_then`).",
      cost_table),
     ("benchmarks/results/default_cost_prefill_answer64.csv", "What one answer costs: the default in prefill mode, 64 answer tokens",
-     "The default as it was at 4k tokens and ratio 0.75 (every context token in 4 bits; now 8-bit slots) with an answer "
-     "of 64 tokens rather than 8 "
+     "Every context token in 4 bits (`kv_bits=4`, the ratio read as memory; the default stores 8-bit slots there) at 4k "
+     "tokens and ratio 0.75, with an answer of 64 tokens rather than 8 "
      "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often.",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
@@ -691,7 +691,7 @@ HELDOUT_CELLS = [
 HELDOUT_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("`kvzip_refit`", "kvcompress", KVZIP_REFIT_CELL)]
 HELDOUT3_PLAN = "benchmarks/heldout/PLAN3.md"
 HELDOUT3_CELLS = [
-    ("4-bit slots (the default then), prefill", "kvcompress", FOUR_BIT_CELL, (0.75, 0.9)),
+    ("4-bit slots, prefill", "kvcompress", FOUR_BIT_CELL, (0.75, 0.9)),
     ("AdaKV over KVzap at full precision, prefill", "kvcompress", KVZAP_CELL, (0.75, 0.9)),
     ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
 ]
@@ -699,7 +699,7 @@ HELDOUT3_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("the same method
 HELDOUT4_PLAN = "benchmarks/heldout/PLAN4.md"
 HELDOUT4_CELLS = [
     ("the default, prefill", "kvcompress", DEFAULT_CELL, (0.75, 0.9)),
-    ("every token in 4 bits (the third set's default), prefill", "kvcompress", FOUR_BIT_CELL, (0.75,)),
+    ("every token in 4 bits, prefill", "kvcompress", FOUR_BIT_CELL, (0.75,)),
     ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
 ]
 HELDOUT4_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("every token in 4 bits", "kvcompress", FOUR_BIT_CELL)]
@@ -829,8 +829,7 @@ def heldout_section() -> list[str]:
               f"4-bit slots at 0.9), fixed in writing before any run on it ([{HELDOUT4_PLAN}](../{HELDOUT4_PLAN})): 30 needles "
               "(seeds 5000–5029) in another text the project used nowhere else (the email package's notes on its "
               "architecture, IDLE's notes on its tests and the docstrings of the email package's parsers), with fact "
-              "wordings, names and towns of their own, at 2048 and 4096 tokens, beside every token in 4 bits at 0.75 (the "
-              "third set's default; at 0.9 it is the default, slot for slot, so it did not run again and its paired column "
+              "wordings, names and towns of their own, at 2048 and 4096 tokens, beside every token in 4 bits at 0.75 (`kv_bits=4`; at 0.9 it is the default, slot for slot, so it did not run again and its paired column "
               "reads \"not run\" there), the full cache under each layout and kvpress's KVzip on the same prompt tokens. "
               "Each length runs once and is reported as it came out; nothing was chosen on it.", ""]
     for length in HELDOUT_LENGTHS:

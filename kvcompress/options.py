@@ -393,23 +393,23 @@ class CompressionOptions:
         if self.kv_bits == AUTO_KV_BITS:
             if every is None:
                 raise ValueError(f"kv_bits={AUTO_KV_BITS!r} picks the bits from the context's length, which is not known here")
-            bits = self._auto_bits(middle, every, head_dim, itemsize)
+            bits, fit = self._auto_bits(middle, every, head_dim, itemsize)
         else:
-            bits = self.kv_bits
-        fit = slots_in_memory_of(middle, bits, self.kv_group_size, head_dim, itemsize, keys_axis)
+            bits, fit = self.kv_bits, slots_in_memory_of(middle, self.kv_bits, self.kv_group_size, head_dim, itemsize, keys_axis)
         if every is not None:
             fit = min(fit, every)
         return (fit, bits) if fit > middle else None
 
-    def _auto_bits(self, middle: int, every: int, head_dim: int, itemsize: int) -> int:
-        """kv_bits AUTO_KV_BITS: the most bits of AUTO_BITS whose slots, in the bytes of `middle` full-precision slots of a
-        prefilled context (keys per channel), hold at least AUTO_MIN_SHARE of its `every` middle tokens; else the fewest.
-        Integer arithmetic."""
+    def _auto_bits(self, middle: int, every: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+        """kv_bits AUTO_KV_BITS: (bits, the slots that fit) for the most bits of AUTO_BITS whose slots, in the bytes of
+        `middle` full-precision slots of a prefilled context (keys per channel), hold at least AUTO_MIN_SHARE of its
+        `every` middle tokens; else for the fewest. Integer arithmetic."""
         share_num, share_den = AUTO_MIN_SHARE
-        for bits in AUTO_BITS[:-1]:
-            if share_den * slots_in_memory_of(middle, bits, self.kv_group_size, head_dim, itemsize, "channel") >= share_num * every:
-                return bits
-        return AUTO_BITS[-1]
+        for bits in AUTO_BITS:
+            fit = slots_in_memory_of(middle, bits, self.kv_group_size, head_dim, itemsize, "channel")
+            if share_den * fit >= share_num * every:
+                break
+        return bits, fit
 
     def storage_for(self, length: int | None, head_dim: int | None = None, dtype: torch.dtype | None = None) -> tuple[int, int | None]:
         """(middle budget per KV head, bits it is stored in) for a layer that compresses `length` tokens (a stream: all the
