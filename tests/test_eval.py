@@ -1,6 +1,8 @@
 """Evaluation suite on a tiny random Llama with a byte-level tokenizer: sweep outputs, resume, tables, approx bench, CLI."""
 
 import csv
+import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -256,7 +258,7 @@ def test_eval_help_documents_every_option(capsys):
     assert args.bench == "approx" and args.layers == [1, 2] and args.ratios == [0.5, 0.75]
 
 
-def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tmp_path, tiny_default_scorer):
+def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tmp_path, tiny_default_scorer, monkeypatch):
     """`default` is a sweep method (and in the sweep's default methods): in each mode it runs the mode's default method
     (`options.DEFAULT_METHODS`; on the tiny model a random scorer of its shapes stands for the shipped one), and each
     record names the method and parameters it stood for. KVzap reads the layers' hidden states, so a prefill cell runs
@@ -285,6 +287,15 @@ def test_sweep_runs_the_library_default_and_records_what_it_resolved_to(tiny, tm
     assert f"`default` is the library's default method, here: {'; '.join(shown)}." in md_path.read_text()
     with pytest.raises(ValueError, match="methods"):
         ApproxConfig(methods=[DEFAULT])
+    # the folder records what `default` stood for: a kvcompress whose default differs would key its cells by the same
+    # name, so it may not add to them (the same run continues; a run without `default` is not concerned)
+    assert json.loads((tmp_path / "config.json").read_text())["named_settings"] == json.loads(json.dumps({DEFAULT: DEFAULT_METHODS}))
+    assert run_sweep(model, tokenizer, config, tmp_path, progress=False) == records
+    monkeypatch.setitem(runner.NAMED_SETTINGS, DEFAULT, DEFAULT_METHODS | {"prefill": ("snapkv", {}, {})})
+    with pytest.raises(ValueError, match=r"holds the results of another run: method 'default' \(--methods\) stands for .*'snapkv'.* "
+                                         r"in this kvcompress, there for .*'kvzap'"):
+        run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    run_sweep(model, tokenizer, replace(config, methods=["knorm"]), tmp_path, progress=False)
 
 
 def test_attention_mass_methods_get_their_own_recorded_prefill(tiny, tmp_path, monkeypatch):

@@ -114,7 +114,8 @@ def test_run_records_summary_leaderboard_and_resume(checkpoint_model, tmp_path):
     assert "lower is better" in summary and "| full cache | 256 | 3 |" in summary and "| snapkv @ 0.5 (decode) | 256 | 3 |" in summary
     board = paths[2].read_text()
     assert "lower is better" in board and "| snapkv @ 0.5 (decode) |" in board
-    assert json.loads((tmp_path / "config.json").read_text())["task"] == PERPLEXITY
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["task"] == PERPLEXITY and meta["named_settings"] == {}  # no named setting among its methods (`check_same_run`)
 
     before = (tmp_path / RESULTS_FILE).read_text()
     assert run_perplexity(model, tokenizer, config, tmp_path, progress=False) == records  # every cell recorded: nothing rerun

@@ -338,7 +338,7 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
     out, results = open_run(out_dir, shard)
     done = results.keys()
     check_same_run(out / "config.json", {name: getattr(config, name) for name in ("seed", "context_fraction", "block", "chunk_size")},
-                   model_name)
+                   model_name, config.methods)
     write_run_config(out, config, model_name, shard, task=PERPLEXITY)
     documents = [(length, i) for i in range(config.documents) for length in config.lengths]
     if shard is not None:

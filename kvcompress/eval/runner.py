@@ -54,7 +54,7 @@ from ..names import DEFAULT_CHUNK_SIZE, FULL
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
-from ..options import DEFAULT, KVZIP_REFIT, MODES, CompressionOptions, block_settings, resolve_method
+from ..options import DEFAULT, KVZIP_REFIT, MODES, NAMED_SETTINGS, CompressionOptions, block_settings, resolve_method
 from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
@@ -451,9 +451,17 @@ def open_run(out_dir: str | Path, shard: tuple[int, int] | None) -> tuple[Path, 
     return out, ResultsFile(out / RESULTS_FILE)
 
 
+def named_settings_of(methods: list[str]) -> dict[str, dict]:
+    """What each name of `NAMED_SETTINGS` among `methods` (DEFAULT, KVZIP_REFIT) stands for in each mode, as JSON holds it:
+    a results folder keys such a cell by the name, so a run in which the name stands for another method or setting (another
+    version of kvcompress) must not add to its cells (`check_same_run`)."""
+    return json.loads(json.dumps({name: NAMED_SETTINGS[name] for name in methods if name in NAMED_SETTINGS}))
+
+
 def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] | None, **extra) -> None:
-    """`out/config.json`: `extra`, the run's config (a dataclass), model name, host, threads, shard and start time."""
-    meta = extra | {"config": asdict(config), "model": model_name, "host": platform.node(),
+    """`out/config.json`: `extra`, the run's config (a dataclass with `methods`), what the named settings among its methods
+    stand for (`named_settings_of`), model name, host, threads, shard and start time."""
+    meta = extra | {"config": asdict(config), "named_settings": named_settings_of(config.methods), "model": model_name, "host": platform.node(),
                     "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / "config.json").write_text(json.dumps(meta, indent=1))
@@ -464,19 +472,23 @@ def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: s
     (`check_same_run`) or model; a folder with no run yet takes any. The command line checks this before loading the model."""
     path = Path(out_dir) / "config.json"
     _check_prompt_layout(path, config.prompt_layout)
-    check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS}, model_name)
+    check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS}, model_name, config.methods)
 
 
-def check_same_run(path: Path, settings: dict, model_name: str = "") -> None:
+def check_same_run(path: Path, settings: dict, model_name: str = "", methods: list[str] = ()) -> None:
     """Refuse to add records to a results folder whose earlier run (its `config.json`, `path`) recorded other values of
     `settings` (those that change every cell's answer, which the cells' keys leave out: a cell recorded under the old
-    value would not run again) or another model; settings the earlier run did not record are not compared."""
+    value would not run again), another model, or another meaning of a named setting among `methods` (`named_settings_of`:
+    the library's default of another version); what the earlier run did not record is not compared."""
     if not path.is_file():
         return
     meta = json.loads(path.read_text())
     earlier = meta.get("config", {})
     changed = [f"{name} (--{name.replace('_', '-')}) {value!r}, there {earlier[name]!r}"
                for name, value in json.loads(json.dumps(settings)).items() if name in earlier and earlier[name] != value]
+    recorded = meta.get("named_settings", {})
+    changed += [f"method {name!r} (--methods) stands for {value!r} in this kvcompress, there for {recorded[name]!r}"
+                for name, value in named_settings_of(methods).items() if name in recorded and recorded[name] != value]
     if model_name and meta.get("model") and meta["model"] != model_name:
         changed.append(f"model (--model) {model_name!r}, there {meta['model']!r}")
     if changed:
