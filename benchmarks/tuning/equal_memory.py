@@ -17,8 +17,9 @@ every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so 
 - `q4g16_0`, `q4g16m_0.9`: `q4_0` and `q4m_0.9` with groups of 16 (`kv_group_size=16`): at 0.75 every token still fits
   the ratio's bytes in float32 (4 bits and a float32 scale and zero point per 16 elements, 8 bits an element), at
   0.9 fewer slots with finer scales;
-- `q8m_0.75`, `q8m_0.9`, `q2m_0.9`: the default in prefill mode with 8 bits (fewer slots, finer codes: about 8 in 10
-  middle tokens fit the bytes of 0.75 in float32) or 2 bits (more slots, coarser codes).
+- `q8m_0.75`, `q8m_0.9`, `q2m_0.9`: the default's method with 8 bits (fewer slots, finer codes: in prefill mode about
+  8 in 10 middle tokens fit the bytes of 0.75 in float32) or 2 bits (more slots, coarser codes), the ratio read as memory;
+  in decode mode the stream stores each slot quantized as it enters (keys per slot, `quantization.QuantizedSlots`).
 
 One JSON line per (variant, mode, seed, length) goes to OUT in `kvzap_default.py`'s format (a rerun skips what is
 there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, its
