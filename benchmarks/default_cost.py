@@ -44,6 +44,8 @@ VARIANTS = {
     "default_chunk_128": ("default", {}, {"chunk_size": 128}),  # the streams' prompt in blocks of 128 tokens (the library's 256)
     # the default storing what it keeps in 4 bits, its ratio in tokens (a lower ratio for equal memory)
     "default_4bit": ("default", {}, {"kv_bits": 4, "budget_unit": "tokens"}),
+    # the default storing what it keeps in 8 bits, its ratio read as memory (in decode mode: the tuning needles' `q8m_0.75`)
+    "default_8bit_memory": ("default", {}, {"kv_bits": 8, "budget_unit": "memory"}),
     "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),
