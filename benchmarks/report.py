@@ -672,8 +672,8 @@ KVZAP_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"  # the default's metho
 # (label, library, cell, ratios) in the plan's order
 HELDOUT_CELLS = [
     ("AdaKV over KVzap at full precision, prefill", "kvcompress", KVZAP_CELL, (0.75, 0.9)),
-    ("the default, chunked", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]", (0.75,)),
-    ("the default, decode", "kvcompress", "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]", (0.75,)),
+    ("the default, chunked", "kvcompress", CHUNKED_CELL, (0.75,)),
+    ("the default, decode", "kvcompress", DECODE_CELL, (0.75,)),
     ("`kvzip_refit`, prefill", "kvcompress", KVZIP_REFIT_CELL, (0.75, 0.9)),
     ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
 ]
