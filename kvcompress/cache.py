@@ -33,7 +33,8 @@ compression); `reorder_cache` serves beam search.
 With `kv_bits` (docs/design.md, "Quantized storage"), a compressed context is stored as a
 `QuantizedSummary` front (the method's summary) with its sink and window as the start of the exact
 tail (sink keys are outliers a key group should not be scaled to): in prefill mode once the first
-forward is compressed, in chunked mode when the prompt ends. A compressed
+forward is compressed, in chunked mode when the prompt ends (its stream held each slot quantized as it
+entered, keys per slot: `compact` stores them again with keys per channel). A compressed
 context whose heads keep different numbers of slots (AdaKV) is stored the same way with its front
 packed (only the kept slots, head after head; docs/design.md, "Memory"): a `RaggedSummary` at full
 precision, a `QuantizedRaggedSummary` with `kv_bits`.
@@ -286,9 +287,8 @@ class CompressedLayer(CacheLayerMixin):
             if self.front is None:
                 budget, self.kv_bits = options.storage_for(self.cache.stream_length, keys.shape[-1], self.dtype)
                 self.budgets = [budget] * keys.shape[0]
-                bits = self.kv_bits if options.mode == "decode" else None  # chunked: quantized once the prompt ends (`compact`)
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
-                                    options.slack, self.cache._unrotate, bits, options.kv_group_size)
+                                    options.slack, self.cache._unrotate, self.kv_bits, options.kv_group_size)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
             return
@@ -310,7 +310,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def compact(self) -> None:
         """End a live stream's prompt (chunked mode): the stream compacted (`Stream.compact`) and what it keeps stored as a
-        compressed context (timed as compression): with kv_bits, or with heads that keep different numbers of slots, as
+        compressed context (timed as compression): with kv_bits (the stream held its slots quantized, keys per slot; they
+        are dequantized and stored again with keys per channel), or with heads that keep different numbers of slots, as
         `_keep` stores one; else its summary in storage of its own, later tokens joining the exact tail (as a loaded
         chunked cache stores it). The stream goes with its workspace (the latest block's queries), which nothing reads
         once the prompt has ended."""

@@ -132,12 +132,13 @@ class CompressionOptions:
     fill the rest).
     kv_bits: None (full precision) or 8, 4, 2: the compressed context is stored quantized, keys per
     channel and values per slot in groups of `kv_group_size` (default 32), KIVI's scheme
-    (`kvcompress.quantization`). What is quantized is what compression keeps, once it is done: in
-    prefill mode the compressed first forward, in chunked mode the stream when the prompt ends. Its
-    exact sink and window, and every later token (question, answer), stay at full precision. In mode="decode"
-    the stream itself stores its slots quantized, keys and values each per slot (a slot is quantized
-    once, as it enters the stream): a block-wise stream's buffer (`quantization.QuantizedSlots`) and a
-    native stream's state (`methods.base.QuantizedState`) alike. "auto" (budget_unit "memory", mode "prefill",
+    (`kvcompress.quantization`). What is quantized is what compression keeps: in prefill mode the
+    compressed first forward, once it is done. Its exact sink and window, and in prefill and chunked modes every
+    later token (question, answer), stay at full precision. In chunked and decode modes the stream itself stores
+    its slots quantized, keys and values each per slot (a slot is quantized once, as it enters the stream): a
+    block-wise stream's buffer (`quantization.QuantizedSlots`) and a native stream's state
+    (`methods.base.QuantizedState`) alike; when a chunked prompt ends, what its stream keeps is stored as a
+    prefilled context is (keys per channel). "auto" (budget_unit "memory", mode "prefill",
     the default's there): each layer picks its bits from the bytes the ratio leaves, 8 where 8-bit slots in them hold
     at least half the context's middle tokens, else 4 (`AUTO_BITS`, `AUTO_MIN_SHARE`).
     repeat_prompt_ids: for a method scored by a reconstruction forward (KVzip, and AdaKV over its scores), the token
@@ -148,10 +149,9 @@ class CompressionOptions:
     budget_unit: what budget and compression_ratio measure: "tokens" (slots per head, and the fraction of the tokens
     removed, kvpress's convention) or "memory" (the KV bytes of that many tokens at full precision). With kv_bits,
     "memory" keeps as many quantized slots as fit in the bytes the budget or ratio gives the middle at full precision
-    (`quantization.slots_in_memory_of`), at most every middle token; without kv_bits the two are the same. None:
-    "memory" for the default in prefill mode, "tokens" otherwise. A calibration (its curve fitted in tokens) and mode
-    "chunked" with kv_bits (its stream holds the kept slots at full precision until the prompt ends, more bytes than
-    asked for) refuse "memory".
+    (`quantization.slots_in_memory_of`; a stream's slots as they enter it, keys per slot), at most every middle token;
+    without kv_bits the two are the same. None: "memory" for the default, "tokens" otherwise. A calibration (its
+    curve fitted in tokens) refuses "memory".
     prefill_approx: None (the context's prefill is exact) or "express": the context's keys and values come from a
     chunked forward with Thinformer Express attention, which the method then compresses (`integration.prefill_approx`);
     mode "prefill" with the question kept out of compression only.
@@ -221,10 +221,6 @@ class CompressionOptions:
         if self.kv_bits == AUTO_KV_BITS and (self.budget_unit != "memory" or self.mode != "prefill"):
             raise ValueError(f"kv_bits={AUTO_KV_BITS!r} picks the bits from the bytes the ratio leaves a prefilled context: it takes "
                              f"budget_unit='memory' in mode 'prefill', got budget_unit={self.budget_unit!r} in mode {self.mode!r}")
-        if self.budget_unit == "memory" and self.kv_bits is not None and self.mode == "chunked":
-            raise ValueError("budget_unit='memory' with kv_bits in mode 'chunked': its stream holds the kept slots at full precision "
-                             "until the prompt ends, so it would hold more than the memory the ratio asks for; use mode 'prefill' "
-                             "or 'decode', or budget_unit='tokens'")
         object.__setattr__(self, "compressor", build_method(self.method, **self.method_params))
         self.compressor.check_mode(self.mode)  # a prefill-only method (KVzip) refuses chunked and decode
         self._check_model_steps()
@@ -388,7 +384,7 @@ class CompressionOptions:
             return None
         if head_dim is None or dtype is None:
             raise ValueError("a budget read as memory with kv_bits needs the layer's head_dim and dtype to resolve a budget")
-        keys_axis = "token" if self.mode == "decode" else "channel"
+        keys_axis = "token" if self.streams else "channel"  # a stream quantizes each slot as it enters (`QuantizedSlots`)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if self.kv_bits == AUTO_KV_BITS:
             if every is None:

@@ -334,8 +334,8 @@ def test_a_quantized_cache_stores_its_front_packed_and_its_sink_window_and_tail_
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 @pytest.mark.parametrize("method", SHARED)
 def test_every_method_composes_with_quantized_storage(method, mode):
-    """At 8 bits every method answers as at full precision on the tiny model, and stores fewer bytes at 8, 4 and 2. In
-    decode mode every stream, block-wise or native, stores its slots quantized."""
+    """At 8 bits every method answers as at full precision on the tiny model in prefill mode, and stores fewer bytes at 8,
+    4 and 2 in every mode. In chunked and decode modes every stream, block-wise or native, stores its slots quantized."""
     if mode not in build_method(method).requirements.modes:  # KVzip runs in prefill mode only: refused when the options are built
         with pytest.raises(ValueError, match=f"got mode='{mode}'"):
             CompressionOptions(method=method, mode=mode, budget=24, kv_bits=4)
@@ -354,7 +354,7 @@ def test_every_method_composes_with_quantized_storage(method, mode):
             assert max(res.slots_per_layer) <= 2 + 24 + 8, res.slots_per_layer
         else:
             assert res.slots_per_layer == full.slots_per_layer, (bits, res.slots_per_layer, full.slots_per_layer)
-        if bits == 8 and mode != "decode":  # decode: the stream selects on stored keys (test_a_decode_stream_quantizes_...)
+        if bits == 8 and mode == "prefill":  # a stream selects on stored keys (test_a_decode_stream_quantizes_...)
             _answers_alike(model, ctx, question, full.token_ids[:4], res.token_ids[:4], kw)
         stored.append(res.kv_bytes)
     assert stored == sorted(stored, reverse=True) and stored[-1] < stored[0], stored
@@ -703,7 +703,7 @@ def test_slots_in_memory_of_fill_the_bytes_of_full_precision_slots(bits, dtype, 
 
 def test_the_budget_read_as_memory_is_checked_and_resolves_with_the_layers_shapes():
     """budget_unit: "tokens" or "memory"; with kv_bits and "memory" a layer's budget is the quantized slots that fit the
-    full-precision middle's bytes (`slots_in_memory_of`, keys per channel in prefill mode, per slot in decode mode), at
+    full-precision middle's bytes (`slots_in_memory_of`, keys per channel in prefill mode, per slot in the streams), at
     most every middle token; a ratio of 0 or a budget of every token keeps full precision (`bits_for`). Without kv_bits
     the two units resolve alike."""
     from kvcompress.quantization import slots_in_memory_of
@@ -715,8 +715,9 @@ def test_the_budget_read_as_memory_is_checked_and_resolves_with_the_layers_shape
     assert memory.token_budget_for(2048) == middle == math.ceil(0.1 * 2048) - memory.sink - memory.window
     assert memory.budget_for(2048, 64, torch.float32) == slots_in_memory_of(middle, 4, 32, 64, 4, "channel") > 3 * middle
     assert memory.budget_for(2048, 64, torch.bfloat16) < memory.budget_for(2048, 64, torch.float32)
-    decode = CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory", mode="decode")
-    assert decode.budget_for(2048, 64, torch.float32) == slots_in_memory_of(middle, 4, 32, 64, 4, "token")
+    for mode in ("chunked", "decode"):  # a stream quantizes each slot as it enters: keys per slot
+        stream = CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory", mode=mode)
+        assert stream.budget_for(2048, 64, torch.float32) == slots_in_memory_of(middle, 4, 32, 64, 4, "token")
     every = 2048 - memory.sink - memory.window
     assert CompressionOptions(method="snapkv", compression_ratio=0.5, kv_bits=4, budget_unit="memory").budget_for(2048, 64, torch.float32) == every
     assert CompressionOptions(method="snapkv", budget=100, kv_bits=4, budget_unit="memory").budget_for(2048, 64, torch.float32) == \
@@ -729,8 +730,6 @@ def test_the_budget_read_as_memory_is_checked_and_resolves_with_the_layers_shape
         memory.budget_for(2048)
     with pytest.raises(ValueError, match=r"budget_unit must be one of \('tokens', 'memory'\).*got 'bytes'"):
         CompressionOptions(method="snapkv", compression_ratio=0.9, budget_unit="bytes")
-    with pytest.raises(ValueError, match="budget_unit='memory' with kv_bits in mode 'chunked'"):
-        CompressionOptions(method="snapkv", compression_ratio=0.9, kv_bits=4, budget_unit="memory", mode="chunked")
     with pytest.raises(ValueError, match="method=None is the full cache: it takes no budget_unit"):
         CompressionOptions(method=None, budget_unit="tokens")
 
@@ -781,11 +780,12 @@ def test_a_cache_with_auto_bits_stores_within_the_bytes_the_ratio_leaves():
                                                 budget_unit="memory").budget_for(ctx.shape[1], 16, torch.float32)
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 def test_a_cache_read_as_memory_stores_within_the_bytes_the_ratio_leaves(mode):
     """On the tiny model (head_dim 16, float32) with kv_bits=4 and budget_unit "memory": each layer keeps the quantized
     slots `budget_for` resolves from its shapes, more tokens than the ratio in tokens keeps, in at most the bytes that
-    ratio leaves the middle at full precision; at ratio 0 it is the full cache, token for token."""
+    ratio leaves the middle at full precision, and a stream at most those bytes while it streams (its peak: the slots
+    quantized as they enter); at ratio 0 it is the full cache, token for token."""
     model = tiny()
     ctx, question = _prompt(n=300)
     settings = dict(method="snapkv", compression_ratio=0.75, kv_bits=4, budget_unit="memory", mode=mode, **blocks(mode))
@@ -798,6 +798,8 @@ def test_a_cache_read_as_memory_stores_within_the_bytes_the_ratio_leaves(mode):
     settings.pop("kv_bits"), settings.pop("budget_unit")
     at_full_precision = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, **settings)
     assert by_tokens.kv_bytes < res.kv_bytes <= at_full_precision.kv_bytes < res.kv_bytes_full
+    if mode != "prefill":  # a stream: the held slots quantized from the first, never more than full precision's peak
+        assert res.peak_kv_bytes <= at_full_precision.peak_kv_bytes, (res.peak_kv_bytes, at_full_precision.peak_kv_bytes)
     exact = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False,
                          **{**settings, "compression_ratio": 0.0, "kv_bits": 4, "budget_unit": "memory"})
     plain = generate_ids(model, ctx, question, max_new_tokens=4, stop_at_eos=False, method=None)
