@@ -1,11 +1,18 @@
 """The prose needle (`niah_prose`): a name or a town stated once in real prose, asked for by a question."""
 
+import gzip
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from kvcompress.eval import tasks as T
 from kvcompress.eval.runner import SweepConfig, sample_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+# The module whose EXTRA_MODULES list the extra text KVzap's inputs were tuned on (read as text: it imports torch).
+SCORER_INPUTS = ROOT / "benchmarks" / "tuning" / "scorer_inputs.py"
 
 
 @pytest.mark.parametrize("answer_kind", ["names", "places"])
@@ -92,21 +99,25 @@ def test_tuning_samples_share_no_text_wording_or_answer_with_the_reported_ones()
 def test_the_tuning_split_takes_only_tuning_seeds():
     with pytest.raises(ValueError, match=r"split='tuning' takes seeds from TUNING_SEEDS \(1000..1999\), got seed=3"):
         T.niah_prose(500, seed=3, split="tuning")
-    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2', 'heldout3', 'heldout4'\), "
-                                         r"got 'train'"):
+    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2', 'heldout3', 'heldout4', "
+                                         r"'heldout5'\), got 'train'"):
         T.niah_prose(500, seed=1000, split="train")
     with pytest.raises(ValueError, match=r"split='heldout' takes seeds from HELDOUT_SEEDS \(2000..2999\), got seed=1000"):
         T.niah_prose(500, seed=1000, split="heldout")
     with pytest.raises(ValueError, match=r"split='heldout2' takes seeds from HELDOUT2_SEEDS \(3000..3999\), got seed=2000"):
         T.niah_prose(500, seed=2000, split="heldout2")
-    for seed in (3999, 5000, 0):
-        with pytest.raises(ValueError, match=rf"split='heldout3' takes seeds from HELDOUT3_SEEDS \(4000..4999\), got seed={seed}"):
-            T.niah_prose(500, seed=seed, split="heldout3")
-    assert T.HELDOUT3_SEEDS == range(4000, 5000) and T.SPLIT_SEEDS["heldout3"] is T.HELDOUT3_SEEDS
-    for seed in (4999, 6000, 0):
-        with pytest.raises(ValueError, match=rf"split='heldout4' takes seeds from HELDOUT4_SEEDS \(5000..5999\), got seed={seed}"):
-            T.niah_prose(500, seed=seed, split="heldout4")
-    assert T.HELDOUT4_SEEDS == range(5000, 6000) and T.SPLIT_SEEDS["heldout4"] is T.HELDOUT4_SEEDS
+
+
+@pytest.mark.parametrize("split, name, seeds", [("heldout3", "HELDOUT3_SEEDS", range(4000, 5000)),
+                                                ("heldout4", "HELDOUT4_SEEDS", range(5000, 6000)),
+                                                ("heldout5", "HELDOUT5_SEEDS", range(6000, 7000))])
+def test_a_later_heldout_split_takes_only_its_own_seeds(split, name, seeds):
+    """A seed just below or just past the split's range, or a reported one, is refused, naming the range."""
+    for seed in (seeds.start - 1, seeds.stop, 0):
+        with pytest.raises(ValueError, match=rf"split='{split}' takes seeds from {name} \({seeds.start}..{seeds.stop - 1}\), "
+                                             rf"got seed={seed}"):
+            T.niah_prose(500, seed=seed, split=split)
+    assert getattr(T, name) == seeds and T.SPLIT_SEEDS[split] is getattr(T, name)
 
 
 @pytest.mark.parametrize("split, earlier, seeds", [
@@ -114,16 +125,19 @@ def test_the_tuning_split_takes_only_tuning_seeds():
     ("heldout2", ("reported", "tuning", "heldout"), (3000, 3029)),
     ("heldout3", ("reported", "tuning", "heldout", "heldout2"), (4000, 4029)),
     ("heldout4", ("reported", "tuning", "heldout", "heldout2", "heldout3"), (5000, 5029)),
+    ("heldout5", ("reported", "tuning", "heldout", "heldout2", "heldout3", "heldout4"), (6000, 6029)),
 ])
 def test_a_heldout_split_shares_no_text_name_town_or_wording_with_the_splits_before_it(split, earlier, seeds):
     """split="heldout" (IDLE's user manual), "heldout2" (CPython's licence and IDLE's notes), "heldout3" (IDLE's 2.x
-    news and IDLEfork's change log) and "heldout4" (the email package's architecture notes, IDLE's notes on its tests and
-    the email package's parsers' docstrings): a text and pools of names, towns and fact wordings that no split before it
-    uses; seeds from the split's own range; a sample is fixed by its seed."""
+    news and IDLEfork's change log), "heldout4" (the email package's architecture notes, IDLE's notes on its tests and
+    the email package's parsers' docstrings) and "heldout5" (the docstrings of IDLE's own modules): a text and pools of
+    names, towns and fact wordings that no split before it uses; seeds from the split's own range; a sample is fixed by
+    its seed."""
     heldout = set(T._prose_sentences(split))
     assert len(heldout) > 150 and not heldout & set().union(*(T._prose_sentences(e) for e in earlier))
     first_names, surnames, towns, facts = T.PROSE_POOLS[split]
     words = set(first_names) | set(surnames) | set(towns)
+    assert len(words) == len(first_names) + len(surnames) + len(towns)
     for pool in (T.PROSE_POOLS[e] for e in earlier):
         assert not words & (set(pool[0]) | set(pool[1]) | set(pool[2]))
         for kind in ("names", "places"):
@@ -147,26 +161,18 @@ def test_the_second_heldout_text_is_the_licence_and_idles_notes_without_news_tag
 
 
 def test_the_third_heldout_text_is_idles_old_news_and_change_log_without_bullets_files_or_tags():
-    from kvcompress.eval.capture import HELDOUT_MODULES, SCORER_TRAINING_MODULES, changelog_paragraphs, docstring_paragraphs
+    from kvcompress.eval.capture import changelog_paragraphs
 
     paragraphs = changelog_paragraphs()
     assert paragraphs[0].startswith("idle.py modified and simplified to better support developing experimental versions")
     assert "Add new command, \"Open module\". You select or type a module name, and it opens the source." in paragraphs
     assert len(paragraphs) > 250 and not any(re.match(r"[-+*] |(Issue|Bug|Patch) ?#?\d+:|\w+\.py: ", p) for p in paragraphs)
-    sentences = set(T._prose_sentences("heldout3"))
-    assert len(sentences) > 400
-    # nor KVzap's training text (`kvcompress train-scorer`) nor the text its fidelity is reported on
-    for modules in (SCORER_TRAINING_MODULES, HELDOUT_MODULES):
-        assert not sentences & {s for p in docstring_paragraphs(modules) for s in re.split(r"(?<=[.!?])\s+", p)}
-    # no answer of the split is a word of its own text
-    first_names, surnames, towns, _ = T.PROSE_POOLS["heldout3"]
-    text = " ".join(sentences)
-    assert not [w for w in first_names + surnames + towns if re.search(rf"\b{w}\b", text, re.IGNORECASE)]
+    assert len(set(T._prose_sentences("heldout3"))) > 400
 
 
 def test_the_fourth_heldout_text_is_emails_architecture_idles_test_notes_and_emails_parser_docstrings_without_markup():
     from kvcompress.eval.capture import (ARCHITECTURE_MODULES, DOCSTRING_MODULES, HELDOUT_MODULES, SCORER_TRAINING_MODULES,
-                                         architecture_paragraphs, docstring_paragraphs)
+                                         architecture_paragraphs)
 
     paragraphs = architecture_paragraphs()
     assert paragraphs[0] == ("An object structure that represents an email message, and provides an API for creating, "
@@ -179,9 +185,38 @@ def test_the_fourth_heldout_text_is_emails_architecture_idles_test_notes_and_ema
     assert not set(ARCHITECTURE_MODULES) & set(DOCSTRING_MODULES + SCORER_TRAINING_MODULES + HELDOUT_MODULES)
     sentences = T._prose_sentences("heldout4")
     assert len(sentences) > 250 and len(set(sentences)) == len(sentences)
-    for modules in (SCORER_TRAINING_MODULES, HELDOUT_MODULES):
-        assert not set(sentences) & {s for p in docstring_paragraphs(modules) for s in re.split(r"(?<=[.!?])\s+", p)}
-    first_names, surnames, towns, _ = T.PROSE_POOLS["heldout4"]
+
+
+def test_the_fifth_heldout_text_is_the_docstrings_of_idles_own_modules():
+    from kvcompress.eval.capture import (ARCHITECTURE_MODULES, DOCSTRING_MODULES, HELDOUT_MODULES, IDLE_SOURCE_MODULES,
+                                         SCORER_TRAINING_MODULES, architecture_paragraphs, idle_source_paragraphs)
+
+    paragraphs = idle_source_paragraphs()
+    assert paragraphs[0].startswith("Customize font faces, sizes, and colorization attributes.")  # configdialog's module's
+    assert "Count the number of lines in a given text." in paragraphs  # a method's (idlelib.squeezer.Squeezer.count_lines)
+    assert len(paragraphs) == len(set(paragraphs)) > 200
+    # the modules are in no other list of docstrings, and its text is as long as the fourth set's
+    assert not set(IDLE_SOURCE_MODULES) & set(DOCSTRING_MODULES + SCORER_TRAINING_MODULES + HELDOUT_MODULES + ARCHITECTURE_MODULES)
+    assert sum(map(len, paragraphs)) > sum(map(len, architecture_paragraphs()))
+    sentences = T._prose_sentences("heldout5")
+    assert len(sentences) > 400 and len(set(sentences)) == len(sentences)
+    # every sentence of the text is the split's: no earlier split has one
+    assert set(sentences) == {s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4}
+
+
+@pytest.mark.parametrize("split", ["heldout3", "heldout4", "heldout5"])
+def test_a_later_heldout_text_is_neither_kvzaps_text_nor_holds_an_answer_of_its_split(split):
+    """No sentence of the split's text is in KVzap's training text (`kvcompress train-scorer`), the text its fidelity is
+    reported on, or the extra text its inputs were tuned on (benchmarks/tuning/scorer_inputs.py); no answer of the split
+    is a word of its text."""
+    from kvcompress.eval.capture import HELDOUT_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
+
+    sentences = set(T._prose_sentences(split))
+    extra = tuple(re.search(r'EXTRA_MODULES = tuple\("""(.*?)"""', SCORER_INPUTS.read_text(encoding="utf-8"), re.S).group(1).split())
+    assert len(extra) > 100
+    for modules in (SCORER_TRAINING_MODULES, HELDOUT_MODULES, extra):
+        assert not sentences & {s for p in docstring_paragraphs(modules) for s in re.split(r"(?<=[.!?])\s+", p)}
+    first_names, surnames, towns, _ = T.PROSE_POOLS[split]
     text = " ".join(sentences)
     assert not [w for w in first_names + surnames + towns if re.search(rf"\b{w}\b", text, re.IGNORECASE)]
 
@@ -193,7 +228,7 @@ def _haystack_sentences(sample):
 
 
 @pytest.mark.parametrize("split, seeds", [("heldout2", (3000, 3001, 3517)), ("heldout3", (4000, 4001, 4517)),
-                                          ("heldout4", (5000, 5001, 5517))])
+                                          ("heldout4", (5000, 5001, 5517)), ("heldout5", (6000, 6001, 6517))])
 @pytest.mark.parametrize("length", [2048, 4096])
 def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(split, seeds, length):
     """At 2048 and 4096 (estimated) tokens a sample's haystack is its split's sentences, no more of them than the text
@@ -207,10 +242,11 @@ def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(spl
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("split, seeds", [("heldout3", (4000, 4001, 4517)), ("heldout4", (5000, 5001, 5517))])
-def test_the_third_and_fourth_heldout_splits_fill_4096_tokens_of_the_default_models_tokenizer_without_repeating(
-        default_model, split, seeds):
-    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3" or "heldout4" hold no sentence twice."""
+@pytest.mark.parametrize("split, seeds", [("heldout3", (4000, 4001, 4517)), ("heldout4", (5000, 5001, 5517)),
+                                          ("heldout5", (6000, 6001, 6517))])
+def test_the_later_heldout_splits_fill_4096_tokens_of_the_default_models_tokenizer_without_repeating(default_model, split, seeds):
+    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3", "heldout4" or "heldout5" hold no
+    sentence twice (samples are built and counted, never run)."""
     _, tokenizer = default_model
     sentences = T._prose_sentences(split)
     assert len(set(sentences)) == len(sentences)
@@ -220,3 +256,19 @@ def test_the_third_and_fourth_heldout_splits_fill_4096_tokens_of_the_default_mod
             assert length - 60 <= s.n_tokens <= length
             haystack = _haystack_sentences(s)
             assert set(haystack) <= set(sentences) and len(set(haystack)) == len(haystack)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("length", [2048, 4096])
+def test_the_fourth_heldout_split_still_builds_the_samples_its_records_hold(default_model, length):
+    """The fourth held-out set's committed samples (results/heldout4_{2048,4096}) are what the split builds now, with the
+    default model's tokenizer: the same needle, question and measured depth, and a context whose text the recorded prompt
+    holds (the text did not change when the fifth set's reading was factored out of it)."""
+    _, tokenizer = default_model
+    with gzip.open(ROOT / "results" / f"heldout4_{length}" / "samples.jsonl.gz", "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["seed"] for r in records] == list(range(5000, 5030))
+    for r in records[::7]:
+        s = T.niah_prose(length, r["depth"], seed=r["seed"], tokenizer=tokenizer, split="heldout4")
+        assert (s.needles, s.question, s.answers, s.depths) == (r["needles"], r["question"], r["answers"], [r["measured_depth"]])
+        assert s.context in tokenizer.decode(r["context_ids"])

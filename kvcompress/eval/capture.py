@@ -12,8 +12,8 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["architecture_paragraphs", "capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "manual_paragraphs",
-           "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
+__all__ = ["architecture_paragraphs", "capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "idle_source_paragraphs",
+           "manual_paragraphs", "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
 
 # The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
 DOCSTRING_MODULES = (
@@ -193,9 +193,7 @@ def architecture_paragraphs() -> list[str]:
     reported or earlier held-out sample uses. A file's paragraph is kept without a definition list's term, a list bullet
     or reStructuredText's inline markup, as `prose_paragraphs` keeps one, judged on its text once they are dropped; a
     docstring's as `docstring_paragraphs` keeps one. A Python without these files is a clear error."""
-    import ast
-
-    modules = tuple(name.replace(".", "/") + ".py" for name in ARCHITECTURE_MODULES)
+    modules = _source_files(ARCHITECTURE_MODULES)
     root = _shipped(ARCHITECTURE_FILES + modules, "the fourth held-out set's prose is the email package's architecture notes, "
                     "IDLE's test notes and the email package's parsers' docstrings")
     out: dict[str, None] = {}
@@ -206,14 +204,48 @@ def architecture_paragraphs() -> list[str]:
                 paragraph = markup.sub(text, paragraph)
             if _is_prose(paragraph) and not paragraph.endswith(":"):
                 out.setdefault(paragraph)
-    for name in modules:
+    for paragraph in _source_docstring_paragraphs(root, modules):
+        out.setdefault(paragraph)
+    return list(out)
+
+
+# The fifth held-out needle set's text (`idle_source_paragraphs`): the docstrings of IDLE's own modules, in this order.
+# Modules in none of DOCSTRING_MODULES, SCORER_TRAINING_MODULES, HELDOUT_MODULES, ARCHITECTURE_MODULES and
+# benchmarks/tuning/scorer_inputs.py's EXTRA_MODULES, among the unread modules with the longest prose docstrings, no
+# sentence of which another text has: 7,579 tokens (the default model's tokenizer) of sentences, the fourth set's 6,268.
+IDLE_SOURCE_MODULES = ("idlelib.configdialog", "idlelib.config", "idlelib.redirector", "idlelib.codecontext",
+                       "idlelib.squeezer", "idlelib.format", "idlelib.multicall")
+
+
+def idle_source_paragraphs() -> list[str]:
+    """Prose paragraphs of the docstrings of IDLE's own modules (`IDLE_SOURCE_MODULES`, shipped with CPython in the
+    standard library: the module's and every class's and function's in its source, in source order, read with `ast`:
+    nothing is imported), in that order: the fifth held-out needle set's text (`eval.tasks`, split "heldout5"), which no
+    tuning, training, reported or earlier held-out sample uses. A paragraph is kept as `docstring_paragraphs` keeps one,
+    and once; a Python without these files is a clear error."""
+    modules = _source_files(IDLE_SOURCE_MODULES)
+    root = _shipped(modules, "the fifth held-out set's prose is the docstrings of IDLE's modules")
+    return list(dict.fromkeys(_source_docstring_paragraphs(root, modules)))
+
+
+def _source_files(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Each module's source file under the standard library's folder ("email._parseaddr" -> "email/_parseaddr.py")."""
+    return tuple(name.replace(".", "/") + ".py" for name in modules)
+
+
+def _source_docstring_paragraphs(root, files: tuple[str, ...]):
+    """The prose paragraphs of the docstrings in the source files `files` (paths under `root`), in order: each file's
+    module's, then every class's and function's in source order, read with `ast` (nothing is imported); a paragraph is
+    yielded, its whitespace collapsed, where `docstring_paragraphs` keeps one (repeats too: the caller drops them)."""
+    import ast
+
+    for name in files:
         tree = ast.parse((root / name).read_text(encoding="utf-8"))
         defined = (node for node in ast.walk(tree) if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
         for node in [tree] + sorted(defined, key=lambda node: node.lineno):
             for block in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
                 if _is_prose(block) and not block.rstrip().endswith(":"):
-                    out.setdefault(" ".join(block.split()))
-    return list(out)
+                    yield " ".join(block.split())
 
 
 def _shipped(names: tuple[str, ...], what: str):

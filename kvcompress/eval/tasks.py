@@ -43,6 +43,9 @@ them, for a third final check: IDLE's 2.x news and IDLEfork's change log as the 
 them, for a fourth final check (`benchmarks/heldout/PLAN4.md`): the email package's architecture notes, IDLE's notes on its
 tests and the docstrings of the email package's parsers as the prose (`capture.architecture_paragraphs`),
 `HELDOUT4_PROSE_FACTS`, `HELDOUT4_FIRST_NAMES`, ...
+`niah_prose(split="heldout5")`, seeds from `HELDOUT5_SEEDS` (6000–6999), is a seventh set of pools shared with none of
+them, for a fifth final check (`benchmarks/heldout/PLAN5.md`): the docstrings of IDLE's own modules as the prose
+(`capture.idle_source_paragraphs`), `HELDOUT5_PROSE_FACTS`, `HELDOUT5_FIRST_NAMES`, ...
 
 The module imports the standard library only: kvpress's side of the side-by-side comparison loads it by path
 (`benchmarks/kvpress_side_by_side.py`, in an environment without kvcompress).
@@ -81,6 +84,8 @@ HELDOUT2_SEEDS = range(3000, 4000)
 HELDOUT3_SEEDS = range(4000, 5000)
 # Seeds of the fourth held-out needle set (niah_prose(split="heldout4")), fixed before the first run on it.
 HELDOUT4_SEEDS = range(5000, 6000)
+# Seeds of the fifth held-out needle set (niah_prose(split="heldout5")), fixed before the first run on it.
+HELDOUT5_SEEDS = range(6000, 7000)
 
 
 @dataclass
@@ -141,10 +146,11 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     IDLE's user manual (`capture.manual_paragraphs`), for the second held-out set CPython's licence and IDLE's notes
     (`capture.notes_paragraphs`), for the third IDLE's 2.x news and IDLEfork's change log (`capture.changelog_paragraphs`),
     for the fourth the email package's architecture notes, IDLE's notes on its tests and the email package's parsers'
-    docstrings (`capture.architecture_paragraphs`, each sentence once), each less any sentence an earlier source has, so
-    no two share a sentence."""
-    from .capture import (architecture_paragraphs, changelog_paragraphs, docstring_paragraphs, manual_paragraphs,
-                          notes_paragraphs, prose_paragraphs)
+    docstrings (`capture.architecture_paragraphs`, each sentence once), for the fifth the docstrings of IDLE's own modules
+    (`capture.idle_source_paragraphs`, each sentence once), each less any sentence an earlier source has, so no two share
+    a sentence."""
+    from .capture import (architecture_paragraphs, changelog_paragraphs, docstring_paragraphs, idle_source_paragraphs,
+                          manual_paragraphs, notes_paragraphs, prose_paragraphs)
 
     def sentences(paragraphs):
         return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
@@ -164,7 +170,10 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     if split == "heldout3":
         return tuple(s for s in sentences(changelog_paragraphs()) if s not in earlier)
     earlier |= set(_prose_sentences("heldout3"))
-    return tuple(dict.fromkeys(s for s in sentences(architecture_paragraphs()) if s not in earlier))
+    if split == "heldout4":
+        return tuple(dict.fromkeys(s for s in sentences(architecture_paragraphs()) if s not in earlier))
+    earlier |= set(_prose_sentences("heldout4"))
+    return tuple(dict.fromkeys(s for s in sentences(idle_source_paragraphs()) if s not in earlier))
 
 
 @functools.lru_cache(maxsize=1)
@@ -703,6 +712,57 @@ HELDOUT4_PROSE_FACTS = {
          "The busiest tannery of the moorland is in"),
     ),
 }
+# The fifth held-out set's own pools (niah_prose(split="heldout5")): no name, town or fact wording of the six sets above.
+HELDOUT5_FIRST_NAMES = (
+    "Adelheid", "Benedetta", "Cornelius", "Dominika", "Edmund", "Felicity", "Gregor", "Hildegard", "Ignacio", "Juliana",
+    "Klaus", "Leonie", "Malcolm", "Nadia", "Orla", "Piotr", "Rosamund", "Sebastian", "Tamsin", "Umberto",
+    "Verity", "Wolfgang", "Yvette", "Zuzana", "Aldous", "Bernadette", "Casper", "Edwina", "Frederik", "Harriet",
+)
+HELDOUT5_SURNAMES = (
+    "Aldridge", "Blackmore", "Chadwick", "Eastwood", "Gresham", "Hawthorne", "Ironside", "Jennings", "Kingsley", "Langford",
+    "Marchbanks", "Newcombe", "Oglethorpe", "Pennington", "Quincey", "Rutherford", "Saltonstall", "Tunstall", "Underwood",
+    "Vernon", "Westbrook", "Yeoman", "Zajac", "Attwood", "Birtwistle", "Cresswell", "Dobson", "Fairclough", "Garside",
+    "Holroyd",
+)
+HELDOUT5_TOWNS = (
+    "Ashburton", "Bridport", "Dartmouth", "Hadleigh", "Lavenham", "Shaftesbury", "Swanage", "Tewkesbury", "Woodstock",
+    "Aylsham", "Burford", "Holmfirth", "Marlborough", "Sidmouth", "Beaminster", "Axminster", "Whitstable", "Banchory",
+    "Comrie", "Dufftown", "Huntly", "Kingussie", "Lochinver", "Portpatrick", "Tomintoul", "Brechin", "Lanark",
+    "Crickhowell", "Llandovery", "Llangollen", "Beddgelert", "Adare", "Ballina", "Cahir", "Dungarvan", "Listowel", "Tramore",
+    "Carlingford", "Kilkee", "Stamford",
+)
+HELDOUT5_PROSE_FACTS = {
+    "names": (
+        ("The wheelwright who built the carnival wagons was {}.", "Who built the carnival wagons?",
+         "The carnival wagons were built by"),
+        ("The embroiderer who sewed the regimental colours was {}.", "Who sewed the regimental colours?",
+         "The regimental colours were sewn by"),
+        ("The jeweller who set the mayor's chain was {}.", "Who set the mayor's chain?", "The mayor's chain was set by"),
+        ("The engraver who cut the borough seal was {}.", "Who cut the borough seal?", "The borough seal was cut by"),
+        ("The vintner who laid out the hillside vineyard was {}.", "Who laid out the hillside vineyard?",
+         "The hillside vineyard was laid out by"),
+        ("The naturalist who surveyed the puffin colony was {}.", "Who surveyed the puffin colony?",
+         "The puffin colony was surveyed by"),
+        ("The editor who founded the weekly gazette was {}.", "Who founded the weekly gazette?",
+         "The weekly gazette was founded by"),
+        ("The falconer who trained the castle hawks was {}.", "Who trained the castle hawks?", "The castle hawks were trained by"),
+    ),
+    "places": (
+        ("The spring sheepdog trials are held in {}.", "Where are the spring sheepdog trials held?",
+         "The spring sheepdog trials are held in"),
+        ("The tallest spire of the diocese rises in {}.", "Where does the tallest spire of the diocese rise?",
+         "The tallest spire of the diocese rises in"),
+        ("The rowing club built its first boathouse in {}.", "Where did the rowing club build its first boathouse?",
+         "The rowing club built its first boathouse in"),
+        ("The gold torc of the chieftain was turned up near {}.", "Near which town was the gold torc of the chieftain turned up?",
+         "The gold torc of the chieftain was turned up near"),
+        ("The agreement between the neighbouring estates was concluded in {}.",
+         "Where was the agreement between the neighbouring estates concluded?",
+         "The agreement between the neighbouring estates was concluded in"),
+        ("The busiest salmon fishery of the river is in {}.", "Where is the busiest salmon fishery of the river?",
+         "The busiest salmon fishery of the river is in"),
+    ),
+}
 # split -> (first names, surnames, towns, facts) of niah_prose
 PROSE_POOLS = {
     "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
@@ -711,10 +771,11 @@ PROSE_POOLS = {
     "heldout2": (HELDOUT2_FIRST_NAMES, HELDOUT2_SURNAMES, HELDOUT2_TOWNS, HELDOUT2_PROSE_FACTS),
     "heldout3": (HELDOUT3_FIRST_NAMES, HELDOUT3_SURNAMES, HELDOUT3_TOWNS, HELDOUT3_PROSE_FACTS),
     "heldout4": (HELDOUT4_FIRST_NAMES, HELDOUT4_SURNAMES, HELDOUT4_TOWNS, HELDOUT4_PROSE_FACTS),
+    "heldout5": (HELDOUT5_FIRST_NAMES, HELDOUT5_SURNAMES, HELDOUT5_TOWNS, HELDOUT5_PROSE_FACTS),
 }
 # split -> the seeds it takes (the reported split: any seed; reported runs use seeds below TUNING_SEEDS.start)
 SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS,
-               "heldout4": HELDOUT4_SEEDS}
+               "heldout4": HELDOUT4_SEEDS, "heldout5": HELDOUT5_SEEDS}
 
 
 def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
@@ -740,6 +801,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     split "heldout4", for a fourth final check (`benchmarks/heldout/PLAN4.md`), draws from a sixth set shared with none of
     them: the email package's architecture notes, IDLE's notes on its tests and the email package's parsers' docstrings,
     `HELDOUT4_PROSE_FACTS`, `HELDOUT4_FIRST_NAMES`, `HELDOUT4_SURNAMES`, `HELDOUT4_TOWNS`; seeds from `HELDOUT4_SEEDS` only.
+    split "heldout5", for a fifth final check (`benchmarks/heldout/PLAN5.md`), draws from a seventh set shared with none of
+    them: the docstrings of IDLE's own modules, `HELDOUT5_PROSE_FACTS`, `HELDOUT5_FIRST_NAMES`, `HELDOUT5_SURNAMES`,
+    `HELDOUT5_TOWNS`; seeds from `HELDOUT5_SEEDS` only.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
