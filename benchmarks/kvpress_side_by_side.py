@@ -141,12 +141,20 @@ KVCOMPRESS_CELLS: dict[str, tuple[str | None, dict]] = {
         "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "kv_bits": "auto", "budget_unit": "memory"}),
     "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]": (
         "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "kv_bits": 4, "budget_unit": "memory"}),
-    # the library's default in chunked and decode modes: the same, each layer's stream taking its learned share of the
-    # model's budget, re-compressed at slack 0.1
+    # the streams at full precision: the same, each layer's stream taking its learned share of the model's budget,
+    # re-compressed at slack 0.1
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": (
         "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "slack": 0.1, "mode": "chunked"}),
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]": (
         "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "slack": 0.1, "mode": "decode"}),
+    # the same streams with each slot stored in 8 bits as it enters, the ratio read as memory (the library's default in
+    # chunked and decode modes)
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,kv_bits=8,budget_unit=memory,mode=chunked]": (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "slack": 0.1, "kv_bits": 8, "budget_unit": "memory",
+                  "mode": "chunked"}),
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,kv_bits=8,budget_unit=memory,mode=decode]": (
+        "adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05, "slack": 0.1, "kv_bits": 8, "budget_unit": "memory",
+                  "mode": "decode"}),
     # KVzip's chunked scoring as its paper (and kvpress) does it: each reconstruction chunk scores only the tokens it repeats
     "kvzip[scoring=chunk]": ("kvzip", {"scoring": "chunk"}),
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": (
@@ -217,6 +225,8 @@ COUNTERPARTS: dict[str, str] = {
     "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]": "KVzip",
     "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,kv_bits=8,budget_unit=memory,mode=chunked]": "KVzip",
+    "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,kv_bits=8,budget_unit=memory,mode=decode]": "KVzip",
     "kvzip[scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0,scoring=chunk]": "KVzip",
     "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05,scoring=chunk]": "KVzip",
