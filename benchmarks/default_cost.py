@@ -41,11 +41,13 @@ QUESTION = "What is the main subject of the text above? Answer in one sentence."
 # name -> (method, method_params, exact sink/window and chunk_size settings)
 VARIANTS = {
     "default": ("default", {}, {}),
-    "default_chunk_128": ("default", {}, {"chunk_size": 128}),  # the streams' prompt in blocks of 128 tokens (the library's 256)
     # the default storing what it keeps in 4 bits, its ratio in tokens (a lower ratio for equal memory)
     "default_4bit": ("default", {}, {"kv_bits": 4, "budget_unit": "tokens"}),
-    # the default storing what it keeps in 8 bits, its ratio read as memory (in decode mode: the tuning needles' `q8m_0.75`)
-    "default_8bit_memory": ("default", {}, {"kv_bits": 8, "budget_unit": "memory"}),
+    # the streams' method and slack at full precision, its ratio in tokens (the default in chunked and decode modes stores
+    # 8-bit slots, the ratio read as memory); and the same with the prompt in blocks of 128 tokens (the library's 256)
+    "streams_full_precision": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
+    "streams_full_precision_chunk_128": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05},
+                                         {"slack": 0.1, "chunk_size": 128}),
     "kvzip_refit": ("kvzip_refit", {}, {}),
     "kvzap": ("kvzap", {}, {}),
     "adakv_kvzap": ("adakv", {"scorer": "kvzap", "alpha_safeguard": 0.05}, {}),

@@ -575,16 +575,21 @@ _SINK_EXACT = (" The 4-bit rows ran from commit cb48e26 on, which keeps the sink
 
 
 CSV_TABLES = [  # (record, title, what it measures, its table from the record's rows)
-    ("benchmarks/results/default_cost.csv", "What one answer costs: the default against a plain generate",
-     "`benchmarks/default_cost.py`: one answer of 8 tokens with `kvc.generate` and no method named (the default, in each mode "
-     "and at each compression ratio) against a plain greedy `model.generate` of the same prompt tokens (`plain`), on real "
-     "prose, at one thread, each cell in a fresh process beside plain generates of its own (`--pairing process`: an untimed "
-     "pair, then pairs of a plain generate and the cell; what a process ran before can move a call's time by a tenth or more): "
-     "the median seconds per answer, the median of its plain generates (`plain_s`), the ratio of the two (`over_plain`; "
-     "the `plain` row's `plain_s` is the median over the cells), and the KV bytes the answer's cache stored at its peak ÷ the full cache's for the same "
-     "tokens (`kv_over_full`; the bound is 1 − ratio plus the exact sink and window, 68 tokens). The prefill rows are the "
-     "default's method at full precision, its ratio in tokens (`adakv_kvzap_model`); the default in prefill mode quantizes "
-     "(\"What one answer costs: the default in prefill mode\", below).",
+    ("benchmarks/results/default_cost.csv", "What one answer costs: the default's method at full precision",
+     "`benchmarks/default_cost.py`: one answer of 8 tokens with `kvc.generate` and the default's method at full precision, "
+     "its ratio in tokens (`adakv_kvzap_model` in prefill mode; `streams_full_precision` in chunked and decode modes, at the "
+     "default's slack), in each mode and at each compression ratio, against a plain greedy `model.generate` of the same "
+     "prompt tokens (`plain`), on real prose, at one thread, each cell in a fresh process beside plain generates of its own "
+     "(`--pairing process`: an untimed pair, then pairs of a plain generate and the cell; what a process ran before can move "
+     "a call's time by a tenth or more): the median seconds per answer, the median of its plain generates (`plain_s`), the "
+     "ratio of the two (`over_plain`; the `plain` row's `plain_s` is the median over the cells), and the KV bytes the "
+     "answer's cache stored at its peak ÷ the full cache's for the same tokens (`kv_over_full`; the bound is 1 − ratio plus "
+     "the exact sink and window, 68 tokens). The default itself quantizes in every mode (the two tables below).",
+     cost_table),
+    ("benchmarks/results/default_cost_streams.csv", "What one answer costs: the default in chunked and decode modes",
+     "The default in chunked and decode modes as it is (each slot stored in 8 bits as it enters the stream, the ratio read "
+     "as memory: about 3.5 times the slots full precision holds in float32) at 2k and 4k tokens and ratios 0.5, 0.75 and "
+     "0.9, and at 8k tokens (8000 context tokens) at 0.75, each cell in a fresh process as above.",
      cost_table),
     ("benchmarks/results/default_cost_prefill.csv", "What one answer costs: the default in prefill mode",
      "The default in prefill mode as it is (quantized slots in the memory the ratio leaves, `kv_bits=\"auto\"`: every "
@@ -598,17 +603,17 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often.",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
-     "The default's chunked and decode modes with the prompt fed in blocks of 256 tokens (`default`, the library's "
-     "`chunk_size`) and of 128 (`default_chunk_128`, the size before), at compression ratio 0.75, in a second process "
+     "The streams at full precision (`streams_full_precision`) with the prompt fed in blocks of 256 tokens (the library's "
+     "`chunk_size`) and of 128 (`streams_full_precision_chunk_128`), at compression ratio 0.75, in a second process "
      "beside the first, each on its own core, with every call in turn after one plain generate per round (`--pairing round`) "
      "and streams that took a block a room at a time.",
      cost_table),
     ("benchmarks/results/default_cost_8k.csv", "What one answer costs at 8k tokens (8000 context tokens)",
      "The same at 8000 context tokens (the model's 8192 positions must also hold the question and the answer) and compression "
-     "ratio 0.75, in a run of its own (the prefill row: the default's method at full precision, `adakv_kvzap_model`).",
+     "ratio 0.75, in a run of its own: the default's method at full precision (`adakv_kvzap_model`, `streams_full_precision`).",
      cost_table),
     ("benchmarks/results/default_cost_4bit.csv", "What one answer costs: the default in 4 bits at equal memory",
-     "The default's method at full precision at ratio 0.9 (`adakv_kvzap_model` in prefill mode, `default` in decode mode) "
+     "The default's method at full precision at ratio 0.9 (`adakv_kvzap_model` in prefill mode, `streams_full_precision` in decode mode) "
      "and the default storing what it keeps in 4 bits (`default_4bit`: `kv_bits=4`, the ratio in tokens) at "
      "ratio 0.6, which in prefill mode stores about as many bytes (the tuning table \"Fewer tokens or fewer bits, at equal "
      "memory\"), in prefill and decode modes, each cell in a fresh process as above; two runs, one per method, each with "

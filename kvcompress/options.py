@@ -32,21 +32,22 @@ from .names import KVZIP_REFIT
 # AdaKV over every layer's heads (scope "model") with a small per-head floor (each head keeps its own top 5 % of the
 # budget). In prefill mode every layer's heads are ranked together; a stream gives each layer the share of the model's
 # budget the scorer learned on its training text (`AdaKV.layer_budget`) and re-compresses to 10/11 of it (slack 0.1),
-# so that it holds nearly its whole budget after each re-compression. In prefill mode the compressed context is stored
-# quantized and the ratio or budget is read as memory (kv_bits="auto", budget_unit="memory"): the method keeps as many
-# quantized slots as fit in the bytes (1 - ratio) of the context at full precision would take, in 8 bits where those
-# bytes hold at least half the context that way, else in 4 bits (`AUTO_BITS`, `AUTO_MIN_SHARE`); on the default model
-# in float32, every token in 8 bits at 0.5, about 3 in 4 in 8 bits at 0.75, about 4 in 10 in 4 bits at 0.9. On tuning
-# needles at equal memory, quantized slots kept more of the full cache's answers than fewer tokens at full precision;
-# 8-bit slots kept more than every token in 4 bits at 0.75, and fewer than 4-bit slots at 0.9, where 8 bits hold about 3
-# tokens in 10. The streams keep full precision (decode mode gained nothing
-# measurable from bits, and a chunked stream holds its slots at full precision until the prompt ends). It needs a KVzap
-# scorer for the model: the package ships the default model's; for another model `kvcompress train-scorer` writes one
-# (AdaKV over KVzap, scorer=its path), or name another method.
+# so that it holds nearly its whole budget after each re-compression. What is kept is stored quantized and the ratio or
+# budget is read as memory (budget_unit="memory"): the method keeps as many quantized slots as fit in the bytes (1 -
+# ratio) of the context at full precision would take. In prefill mode in 8 bits where those bytes hold at least half the
+# context that way, else in 4 bits (kv_bits="auto": `AUTO_BITS`, `AUTO_MIN_SHARE`); on the default model in float32,
+# every token in 8 bits at 0.5, about 3 in 4 in 8 bits at 0.75, about 4 in 10 in 4 bits at 0.9. The streams store each
+# slot in 8 bits as it enters (kv_bits=8: a stream's length, which "auto" reads, is not known to a cache under
+# `model.generate`), about 3.5 times the slots full precision holds in float32. On tuning needles at equal memory,
+# quantized slots kept more of the full cache's answers than fewer tokens at full precision, in every mode; in prefill
+# mode 8-bit slots kept more than every token in 4 bits at 0.75, and fewer than 4-bit slots at 0.9, where 8 bits hold
+# about 3 tokens in 10; in decode mode 8-bit slots kept more than 4-bit ones at 0.75 and at 0.9. It needs a
+# KVzap scorer for the model: the package ships the default model's; for another model `kvcompress train-scorer` writes
+# one (AdaKV over KVzap, scorer=its path), or name another method.
 DEFAULT_METHODS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "prefill": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"kv_bits": AUTO_KV_BITS, "budget_unit": "memory"}),
-    "chunked": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
-    "decode": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1}),
+    "chunked": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1, "kv_bits": 8, "budget_unit": "memory"}),
+    "decode": ("adakv", {"scorer": "kvzap", "scope": "model", "alpha_safeguard": 0.05}, {"slack": 0.1, "kv_bits": 8, "budget_unit": "memory"}),
 }
 # kv_bits AUTO_KV_BITS ("auto", budget_unit "memory", mode "prefill"): the most bits of AUTO_BITS at which the bytes the
 # ratio leaves hold at least AUTO_MIN_SHARE (a fraction, numerator and denominator) of the context's middle tokens, else

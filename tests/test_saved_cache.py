@@ -96,9 +96,12 @@ def test_the_default_method_round_trips_in_every_mode(tiny_checkpoint, tiny_defa
     model, _ = kvc.load_model(tiny_checkpoint, device="cpu", dtype="float32")
     ctx, question = _ids(300, 1), _ids(8, 2)
     options = dict(method="default", mode=mode, budget=24, sink=2, window=8, kv_bits=bits, **blocks(mode))
-    reference = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
     cache = compress_context_ids(model, ctx, **options)
     cache.save(tmp_path / "default.kvc")
+    (reference,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=NEW, stop_at_eos=False)
+    if mode != "decode":  # decode: each layer's share of the budget follows the stream's length, here the context's alone
+        generated = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)
+        assert (generated.token_ids, generated.slots_per_layer) == (reference.token_ids, reference.slots_per_layer)
     (loaded,) = answer_from_cache_ids(model, kvc.load_cache(tmp_path / "default.kvc", model), [question], max_new_tokens=NEW,
                                       stop_at_eos=False)
     assert (loaded.token_ids, loaded.slots_per_layer) == (reference.token_ids, reference.slots_per_layer)

@@ -155,19 +155,20 @@ def test_python_compress_save_load_answers_as_generate_on_the_context(default_mo
 @pytest.mark.parametrize("mode", MODES)
 def test_python_generate_with_the_default_method_finds_the_needle_at_half_the_cache(default_model, mode):
     """`kvc.generate` with no method named, in every mode: the default (AdaKV over KVzap's scores, one budget across every
-    layer's heads) keeps the needle at compression_ratio=0.5: in the streaming modes half the tokens at full precision, in
-    prefill mode more tokens in 8 bits (kv_bits="auto"), within the bytes its method keeps at full precision."""
+    layer's heads) keeps the needle at compression_ratio=0.5: more tokens in 8 bits (in prefill mode kv_bits="auto") than
+    its method keeps at full precision, within the bytes it keeps in prefill mode."""
     model, tokenizer = default_model
     res = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, mode=mode, max_new_tokens=NEW, progress=False)
     assert NEEDLE in res.text, res.report()
     assert res.method == "adakv" and res.mode == mode, res.report()
-    if mode == "prefill":
-        at_full_precision = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, max_new_tokens=NEW, progress=False,
-                                         method="adakv", method_params=DEFAULT_METHODS["prefill"][1])
-        assert res.kv_bits == 8 and res.realised_compression_ratio < at_full_precision.realised_compression_ratio, res.report()
+    at_full_precision = kvc.generate(model, tokenizer, CONTEXT, QUESTION, compression_ratio=0.5, mode=mode, max_new_tokens=NEW,
+                                     progress=False, method="adakv", method_params=DEFAULT_METHODS[mode][1],
+                                     slack=DEFAULT_METHODS[mode][2].get("slack"))
+    assert res.kv_bits == 8 and res.realised_compression_ratio < at_full_precision.realised_compression_ratio, res.report()
+    if mode == "prefill":  # a stream compacted below its budget may keep fewer (test_kvzap.py's default test bounds the streams)
         assert res.kv_bytes <= at_full_precision.kv_bytes < res.kv_bytes_full, (res.report(), at_full_precision.report())
     else:
-        assert res.kv_bits is None and res.realised_compression_ratio > 0.3 and res.kv_bytes < res.kv_bytes_full, res.report()
+        assert res.kv_bytes < res.kv_bytes_full, res.report()
 
 
 @pytest.mark.smoke

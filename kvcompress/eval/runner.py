@@ -346,8 +346,9 @@ def _method_of(cell: Cell) -> Method:
 
 def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
     """Middle budget a streamed (chunked/decode) cache gets: what `ratio` keeps of n_tokens, less the method's
-    sink and window (the prefill-mode budget), refused when below what the method's stream accepts."""
-    return CompressionOptions(method=method, compression_ratio=ratio, mode="chunked").budget_for(n_tokens)
+    sink and window (the prefill-mode budget), refused when below what the method's stream accepts. In full-precision
+    tokens: a method whose budget is read as memory (the default) turns it into its quantized slots per layer."""
+    return CompressionOptions(method=method, compression_ratio=ratio, mode="chunked").token_budget_for(n_tokens)
 
 
 class ResultsFile:
