@@ -74,18 +74,20 @@ SUMMARY_ROWS = [
 COST_BENCH = "benchmarks/results/bench/cost"
 # The end-to-end prefill of every method at one thread: the summary's cost column
 PREFILL_BENCH = f"{COST_BENCH}/threads-1"
-# The fourth held-out set's rows at 2k, first in the summary: (use, library, cell, mode) (see heldout_section): the
-# default in every mode, every token in 4 bits, the full cache and kvpress's KVzip
-SUMMARY_HELDOUT4 = "results/heldout4_2048"
+# The fifth held-out set's rows at 2k, first in the summary: (use, library, cell, mode) (see heldout_section): the
+# default in every mode, the full cache and kvpress's KVzip
+SUMMARY_HELDOUT = "results/heldout5_2048"
 DEFAULT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=auto,budget_unit=memory]"  # the prefill default, as a cell
 FOUR_BIT_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,kv_bits=4,budget_unit=memory]"  # 4-bit slots, the ratio read as memory, as a cell
-CHUNKED_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]"  # the default in chunked mode, as a cell
-DECODE_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]"  # the default in decode mode, as a cell
-SUMMARY_HELDOUT4_ROWS = [
+CHUNKED_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,kv_bits=8,budget_unit=memory,mode=chunked]"  # the default in chunked mode
+DECODE_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,kv_bits=8,budget_unit=memory,mode=decode]"  # the default in decode mode
+# the same streams at full precision, their ratio in tokens
+CHUNKED_FULL_PRECISION_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=chunked]"
+DECODE_FULL_PRECISION_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05,slack=0.1,mode=decode]"
+SUMMARY_HELDOUT_ROWS = [
     ("**the default** (no method named): AdaKV over KVzap's learned scores, quantized slots in the memory the ratio leaves (8 bits at 0.75, 4 at 0.9)", "kvcompress", DEFAULT_CELL, "prefill"),
-    ("the default, streamed in blocks", "kvcompress", CHUNKED_CELL, "chunked"),
-    ("the default, every token streamed", "kvcompress", DECODE_CELL, "decode"),
-    ("the same, every token in 4 bits at 0.75", "kvcompress", FOUR_BIT_CELL, "prefill"),
+    ("the default, streamed in blocks (8-bit slots)", "kvcompress", CHUNKED_CELL, "chunked"),
+    ("the default, every token streamed (8-bit slots)", "kvcompress", DECODE_CELL, "decode"),
     ("no compression: the reference", "kvcompress", "full", "prefill"),
     ("kvpress's KVzip, for comparison", "kvpress", "KVzip", "prefill"),
 ]
@@ -305,8 +307,8 @@ def summary_rows() -> list[dict]:
         out[column] = f"{bench[cell]['implied_overhead']:.3f}" if cell in bench else "–"
         return out
 
-    if (ROOT / SUMMARY_HELDOUT4 / "manifest.json").is_file() and harness_run(SUMMARY_HELDOUT4)[2]:
-        rows += [row(use, SUMMARY_HELDOUT4, cell, mode, False, library) for use, library, cell, mode in SUMMARY_HELDOUT4_ROWS]
+    if (ROOT / SUMMARY_HELDOUT / "manifest.json").is_file() and harness_run(SUMMARY_HELDOUT)[2]:
+        rows += [row(use, SUMMARY_HELDOUT, cell, mode, False, library) for use, library, cell, mode in SUMMARY_HELDOUT_ROWS]
     for use, cell in SUMMARY_ROWS:
         rows.append(row(use, SUMMARY_SET, cell, "prefill", True))
     rows.insert(rows.index(next(r for r in rows if r["needle set"].startswith("niah_prose, 4096"))) + 2, row("AdaKV over KeyDiff's scores, streamed", NUMERIC[0], KEYDIFF_STREAM_CELL, "chunked", False))
@@ -326,11 +328,10 @@ SUMMARY_NOTE = (
     "Cost bench: a `generate` prefill of 4k tokens with 75% removed ÷ a plain transformers prefill, by the compression's "
     "share of it at one thread (`benchmarks/results/bench/cost/threads-1/`; `kvzip_refit` and the chunked row are not in it). The chunked row is another needle set "
     "(a 7-digit number in prose) and its times come from runs under other load, so none are shown. The first rows are the "
-    "fourth held-out set at 2k tokens (\"The fourth held-out needle set\": a text no other set used, fixed in writing before "
-    "it ran once; its 4k cells and the earlier sets are in that section and those before it), where the default in every "
-    "mode ran beside every token in 4 bits (`kv_bits=4`), the full cache and kvpress's KVzip on the same prompt tokens, "
-    "its times not shown (several runs shared the CPU); its cost against a plain `model.generate` is under \"What one "
-    "answer costs\".")
+    "fifth held-out set at 2k tokens (\"The fifth held-out needle set\": a text no other set used, fixed in writing before "
+    "it ran once; its 4k cells and the earlier sets are in that section and those after it), where the default in every "
+    "mode ran beside the full cache and kvpress's KVzip on the same prompt tokens, its times not shown (several runs "
+    "shared the CPU); its cost against a plain `model.generate` is under \"What one answer costs\".")
 
 
 def summary_section() -> list[str]:
@@ -445,8 +446,14 @@ def sweeps_section() -> list[str]:
     folder = "results/perplexity_default_1k"
     lines += ["### Language modelling under compression: the default's method at full precision, every mode", "",
               "The same protocol for AdaKV over KVzap's scores at full precision, one budget over every layer, in every "
-              "mode (the default in chunked and decode modes; in prefill mode the default quantizes, above), chunked "
-              "mode streaming the context in blocks and keeping the continuation exact.", ""]
+              "mode (the default quantizes in every mode: above and below), chunked mode streaming the context in blocks "
+              "and keeping the continuation exact, the streams at the default's slack.", ""]
+    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
+    lines += perplexity_lines(eval_records(folder))
+    folder = "results/perplexity_default_streams_1k"
+    lines += ["### Language modelling under compression: the default in chunked and decode modes", "",
+              "The same protocol for the default in the streams as it is: each slot stored in 8 bits as it enters, the ratio "
+              "read as memory (`kv_bits=8`, `budget_unit=\"memory\"`).", ""]
     lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
     lines += perplexity_lines(eval_records(folder))
     return lines
@@ -588,7 +595,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      cost_table),
     ("benchmarks/results/default_cost_streams.csv", "What one answer costs: the default in chunked and decode modes",
      "The default in chunked and decode modes as it is (each slot stored in 8 bits as it enters the stream, the ratio read "
-     "as memory: about 3.5 times the slots full precision holds in float32) at 2k and 4k tokens and ratios 0.5, 0.75 and "
+     "as memory: about 3.2 times the slots full precision holds in float32) at 2k and 4k tokens and ratios 0.5, 0.75 and "
      "0.9, and at 8k tokens (8000 context tokens) at 0.75, each cell in a fresh process as above.",
      cost_table),
     ("benchmarks/results/default_cost_prefill.csv", "What one answer costs: the default in prefill mode",
@@ -677,8 +684,8 @@ KVZAP_CELL = "adakv[scorer=kvzap,scope=model,alpha=0.05]"  # the default's metho
 # (label, library, cell, ratios) in the plan's order
 HELDOUT_CELLS = [
     ("AdaKV over KVzap at full precision, prefill", "kvcompress", KVZAP_CELL, (0.75, 0.9)),
-    ("the default, chunked", "kvcompress", CHUNKED_CELL, (0.75,)),
-    ("the default, decode", "kvcompress", DECODE_CELL, (0.75,)),
+    ("the same streamed at full precision, chunked", "kvcompress", CHUNKED_FULL_PRECISION_CELL, (0.75,)),
+    ("the same streamed at full precision, decode", "kvcompress", DECODE_FULL_PRECISION_CELL, (0.75,)),
     ("`kvzip_refit`, prefill", "kvcompress", KVZIP_REFIT_CELL, (0.75, 0.9)),
     ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
 ]
@@ -694,18 +701,26 @@ HELDOUT4_PLAN = "benchmarks/heldout/PLAN4.md"
 HELDOUT4_STREAMS_PLAN = "benchmarks/heldout/PLAN4_STREAMS.md"
 HELDOUT4_CELLS = [  # the default's cells first: their misses are shown as text
     ("the default, prefill", "kvcompress", DEFAULT_CELL, (0.75, 0.9)),
-    ("the default, chunked", "kvcompress", CHUNKED_CELL, (0.75,)),
-    ("the default, decode", "kvcompress", DECODE_CELL, (0.75,)),
+    ("the streams at full precision, chunked", "kvcompress", CHUNKED_FULL_PRECISION_CELL, (0.75,)),
+    ("the streams at full precision, decode", "kvcompress", DECODE_FULL_PRECISION_CELL, (0.75,)),
     ("every token in 4 bits, prefill", "kvcompress", FOUR_BIT_CELL, (0.75,)),
     ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
 ]
 HELDOUT4_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("the default in prefill mode", "kvcompress", DEFAULT_CELL),
                       ("every token in 4 bits", "kvcompress", FOUR_BIT_CELL)]
+HELDOUT5_PLAN = "benchmarks/heldout/PLAN5.md"
+HELDOUT5_CELLS = [  # the default's cells first: their misses are shown as text
+    ("the default, chunked", "kvcompress", CHUNKED_CELL, (0.75,)),
+    ("the default, decode", "kvcompress", DECODE_CELL, (0.75,)),
+    ("the default, prefill", "kvcompress", DEFAULT_CELL, (0.75, 0.9)),
+    ("kvpress's KVzip", "kvpress", "KVzip", (0.75, 0.9)),
+]
+HELDOUT5_BASELINES = [("kvpress's KVzip", "kvpress", "KVzip"), ("the default in prefill mode", "kvcompress", DEFAULT_CELL)]
 
 
 def heldout_folder(length: int, layout: str = HELDOUT_LAYOUT, name: str = "heldout") -> str:
     """The records of one length and prompt layout of the held-out set `name` ("heldout": PLAN.md's; "heldout2": PLAN2.md's;
-    "heldout3": PLAN3.md's; "heldout4": PLAN4.md's)."""
+    "heldout3": PLAN3.md's; "heldout4": PLAN4.md's; "heldout5": PLAN5.md's)."""
     return f"results/{name}_{length}" + ("" if layout == HELDOUT_LAYOUT else f"_{layout}")
 
 
@@ -788,18 +803,21 @@ def heldout_length(length: int, held_out_set: str = "heldout", cells: list = HEL
     return lines
 
 
+def held_out_set(title: str, intro: str, *args, **kwargs) -> list[str]:
+    """A held-out set's section: its heading, its introduction, then each length (`heldout_length(length, *args, **kwargs)`)."""
+    return [f"## {title}", "", intro, ""] + [line for length in HELDOUT_LENGTHS for line in heldout_length(length, *args, **kwargs)]
+
+
 def heldout_section() -> list[str]:
-    lines = ["## The held-out needle set", "",
+    lines = held_out_set("The held-out needle set",
              f"The final check of the default, fixed in writing before any run on it ([{HELDOUT_PLAN}](../{HELDOUT_PLAN})): "
              "30 needles (seeds 2000–2029) in a text the project used nowhere else (IDLE's user manual), with fact "
              "wordings, names and towns of their own, at 2048 and 4096 tokens. Each cell runs once and is reported as it "
              "came out; nothing was chosen on it. A needle is the unit of pairing, and the two lengths are reported apart. "
              "The chunked and decode cells fed the prompt through the streams in blocks of 128 tokens, the library's "
              "`chunk_size` when they ran; it is 256 now, checked on tuning needles (\"The streams' prompt blocks: 256 tokens "
-             "against 128\").", ""]
-    for length in HELDOUT_LENGTHS:
-        lines += heldout_length(length)
-    lines += ["## The second held-out needle set", "",
+             "against 128\").")
+    lines += held_out_set("The second held-out needle set",
               f"The first held-out set has been run, so no choice made since can be checked on it. This second set checks the "
               f"defaults as they are now, fixed in writing before any run on it ([{HELDOUT2_PLAN}](../{HELDOUT2_PLAN})): 30 "
               "needles (seeds 3000–3029) in another text the project used nowhere else (CPython's licence and IDLE's "
@@ -807,10 +825,8 @@ def heldout_section() -> list[str]:
               "streams feeding the prompt in blocks of 256 tokens with one re-compression per block. Each length runs "
               "once and is reported as it came out; nothing was chosen on it. The plan sent `kvzip_refit`'s 4k cells to a "
               "GPU for their cost alone; with none lent they ran on the CPU in float32 like every other cell, once, after "
-              "the rest of the set.", ""]
-    for length in HELDOUT_LENGTHS:
-        lines += heldout_length(length, "heldout2")
-    lines += ["## The third held-out needle set", "",
+              "the rest of the set.", "heldout2")
+    lines += held_out_set("The third held-out needle set",
               f"The first two held-out sets have been run. This third set checks the prefill default in 4 bits, its ratio "
               f"read as memory, fixed in writing before any run on it ([{HELDOUT3_PLAN}](../{HELDOUT3_PLAN})): 30 needles "
               "(seeds 4000–4029) in another text the project used nowhere else (IDLE's news of its 2.x releases and "
@@ -818,10 +834,8 @@ def heldout_section() -> list[str]:
               "the same method at full precision with its ratio in tokens, the full cache under each layout and kvpress's "
               "KVzip on the same prompt tokens. The streams, unchanged since the second set, and `kvzip_refit` (about 7× a "
               "plain generate) are not in it. Each length runs once and is reported as it came out; nothing was chosen "
-              "on it.", ""]
-    for length in HELDOUT_LENGTHS:
-        lines += heldout_length(length, "heldout3", HELDOUT3_CELLS, HELDOUT3_BASELINES, default_cells=1)
-    lines += ["## The fourth held-out needle set", "",
+              "on it.", "heldout3", HELDOUT3_CELLS, HELDOUT3_BASELINES, default_cells=1)
+    lines += held_out_set("The fourth held-out needle set",
               f"The first three held-out sets have been run. This fourth set checks the prefill default with its bits picked "
               f"from the bytes the ratio leaves (`kv_bits=\"auto\"`: on the default model in float32, 8-bit slots at 0.75, "
               f"4-bit slots at 0.9), fixed in writing before any run on it ([{HELDOUT4_PLAN}](../{HELDOUT4_PLAN})): 30 needles "
@@ -829,13 +843,23 @@ def heldout_section() -> list[str]:
               "architecture, IDLE's notes on its tests and the docstrings of the email package's parsers), with fact "
               "wordings, names and towns of their own, at 2048 and 4096 tokens, beside every token in 4 bits at 0.75 (`kv_bits=4`; at 0.9 it is the default, slot for slot, so it did not run again and its paired column "
               "reads \"not run\" there), the full cache under each layout and kvpress's KVzip on the same prompt tokens. "
-              f"The default in chunked and decode modes (unchanged since the second set, which had too few hits to check it "
-              f"against the bars) ran on the same samples afterwards, once, as an addendum fixed in writing before it ran "
+              f"The streams at full precision, then the default in chunked and decode modes (unchanged since the second "
+              f"set, which had too few hits to check them against the bars), ran on the same samples afterwards, once, as an "
+              f"addendum fixed in writing before it ran "
               f"([{HELDOUT4_STREAMS_PLAN}](../{HELDOUT4_STREAMS_PLAN})). "
-              "Each length runs once and is reported as it came out; nothing was chosen on it.", ""]
-    for length in HELDOUT_LENGTHS:
-        lines += heldout_length(length, "heldout4", HELDOUT4_CELLS, HELDOUT4_BASELINES, default_cells=3)
+              "Each length runs once and is reported as it came out; nothing was chosen on it.", "heldout4", HELDOUT4_CELLS, HELDOUT4_BASELINES, default_cells=3)
     return lines
+
+
+def heldout5_section() -> list[str]:
+    return held_out_set("The fifth held-out needle set",
+             f"The first four held-out sets have been run. This fifth set checks the default in every mode as it is, its "
+             f"streams storing each slot in 8 bits as it enters, the ratio read as memory (`kv_bits=8`, chosen on tuning "
+             f"needles after the fourth set), fixed in writing before any run on it ([{HELDOUT5_PLAN}](../{HELDOUT5_PLAN})): "
+             "30 needles (seeds 6000–6029) in another text the project used nowhere else (the docstrings of IDLE's own "
+             "modules), with fact wordings, names and towns of their own, at 2048 and 4096 tokens, beside the full cache "
+             "under each layout and kvpress's KVzip on the same prompt tokens. Each length runs once and is reported as it "
+             "came out; nothing was chosen on it.", "heldout5", HELDOUT5_CELLS, HELDOUT5_BASELINES, default_cells=3)
 
 
 def gpu_section() -> list[str]:
@@ -1169,7 +1193,7 @@ table states the command that made its records, the machine, torch threads, date
 
 
 def sections() -> list[list[str]]:
-    return [summary_section(), heldout_section(), side_by_side_section(), sweeps_section(), prompt_layout_section(), cost_section(),
+    return [summary_section(), heldout5_section(), heldout_section(), side_by_side_section(), sweeps_section(), prompt_layout_section(), cost_section(),
             gpu_section(), defaults_section()]
 
 

@@ -69,15 +69,14 @@ def add_compression_args(p, later_questions: bool = False) -> None:
         p.set_defaults(compress_question=False)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a method parameter, e.g. --param anchor=median; numbers, true/false and None are converted (repeatable)")
     p.add_argument("--kv-bits", type=kv_bits, default=None, metavar="{" + ",".join(map(str, KV_BITS)) + f",{AUTO_KV_BITS}}}",
-                   help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode decode "
-                        f"the stream's slots, keys and values per slot); {AUTO_KV_BITS}, with --budget-unit memory in --mode prefill: 8 "
-                        "where 8-bit slots in the ratio's bytes hold at least half the context, else 4 (default: full precision, but "
-                        f"{AUTO_KV_BITS} for the default method in --mode prefill)")
+                   help="store the compressed context quantized in this many bits (keys per channel, values per token; in --mode chunked "
+                        f"and decode the stream's slots as they enter, keys and values per slot); {AUTO_KV_BITS}, with --budget-unit memory "
+                        "in --mode prefill: 8 where 8-bit slots in the ratio's bytes hold at least half the context, else 4 (default: full "
+                        f"precision, but for the default method {AUTO_KV_BITS} in --mode prefill and 8 in the streams)")
     p.add_argument("--kv-group-size", type=count(8), default=None, metavar="N", help="with --kv-bits: values per quantization group, >= 8 (default 32)")
     p.add_argument("--budget-unit", default=None, choices=BUDGET_UNITS,
                    help="what --budget and --compression-ratio measure: tokens, or memory (with --kv-bits, as many quantized slots as fit "
-                        "the bytes of that many tokens at full precision; default: memory for the default method in --mode prefill, "
-                        "else tokens)")
+                        "the bytes of that many tokens at full precision; default: memory for the default method, else tokens)")
     p.set_defaults(compression_flags=p._actions[first:])
 
 
