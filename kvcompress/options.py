@@ -37,8 +37,8 @@ from .names import KVZIP_REFIT
 # ratio) of the context at full precision would take. In prefill mode in 8 bits where those bytes hold at least half the
 # context that way, else in 4 bits (kv_bits="auto": `AUTO_BITS`, `AUTO_MIN_SHARE`); on the default model in float32,
 # every token in 8 bits at 0.5, about 3 in 4 in 8 bits at 0.75, about 4 in 10 in 4 bits at 0.9. The streams store each
-# slot in 8 bits as it enters (kv_bits=8: a stream's length, which "auto" reads, is not known to a cache under
-# `model.generate`), about 3.2 times the slots full precision holds in float32. On tuning needles at equal memory,
+# slot in 8 bits as it enters (kv_bits=8 at every ratio: "auto" reads the context's length, which a stream knows only as
+# announced, `stream_length`), about 3.2 times the slots full precision holds in float32. On tuning needles at equal memory,
 # quantized slots kept more of the full cache's answers than fewer tokens at full precision, in every mode; in prefill
 # mode 8-bit slots kept more than every token in 4 bits at 0.75, and fewer than 4-bit slots at 0.9, where 8 bits hold
 # about 3 tokens in 10; in decode mode 8-bit slots kept more than 4-bit ones at 0.75 and at 0.9. It needs a
