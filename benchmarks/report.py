@@ -428,34 +428,23 @@ def sweeps_section() -> list[str]:
         resolved = runner._default_resolutions(records)
         if resolved:
             lines += [f"`default` in these records: {resolved}.", ""]
-    folder = "results/perplexity_1k"
-    records = eval_records(folder)
-    lines += ["### Language modelling under compression", "",
-              "The first 3/4 of each 1,024-token document of prose is the context; the rest is scored teacher-forced "
-              "(prefill mode: the context compressed once; decode mode: every token streamed through the cache). "
-              "× full cache: the paired ratio of perplexities with its 95% t interval over documents (1 = no loss).", ""]
-    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
-    lines += perplexity_lines(records)
-    folder = "results/perplexity_default_prefill_1k"
-    lines += ["### Language modelling under compression: the default in prefill mode", "",
-              "The same protocol for the default in prefill mode (AdaKV over KVzap's scores, one budget over every layer, "
-              "quantized slots in the memory the ratio leaves, `kv_bits=\"auto\"`: at these 1024 tokens 8 bits at 0.5 and "
-              "0.75, 4 bits at 0.9).", ""]
-    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
-    lines += perplexity_lines(eval_records(folder))
-    folder = "results/perplexity_default_1k"
-    lines += ["### Language modelling under compression: the default's method at full precision, every mode", "",
-              "The same protocol for AdaKV over KVzap's scores at full precision, one budget over every layer, in every "
-              "mode (the default quantizes in every mode: above and below), chunked mode streaming the context in blocks "
-              "and keeping the continuation exact, the streams at the default's slack.", ""]
-    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
-    lines += perplexity_lines(eval_records(folder))
-    folder = "results/perplexity_default_streams_1k"
-    lines += ["### Language modelling under compression: the default in chunked and decode modes", "",
-              "The same protocol for the default in the streams as it is: each slot stored in 8 bits as it enters, the ratio "
-              "read as memory (`kv_bits=8`, `budget_unit=\"memory\"`).", ""]
-    lines += meta_block(folder, records=[f"{folder}/"], **eval_known(folder))
-    lines += perplexity_lines(eval_records(folder))
+    lines += perplexity_section("results/perplexity_1k", "Language modelling under compression",
+                                "The first 3/4 of each 1,024-token document of prose is the context; the rest is scored teacher-forced "
+                                "(prefill mode: the context compressed once; decode mode: every token streamed through the cache). "
+                                "× full cache: the paired ratio of perplexities with its 95% t interval over documents (1 = no loss).")
+    lines += perplexity_section("results/perplexity_default_prefill_1k", "Language modelling under compression: the default in prefill mode",
+                                "The same protocol for the default in prefill mode (AdaKV over KVzap's scores, one budget over every layer, "
+                                "quantized slots in the memory the ratio leaves, `kv_bits=\"auto\"`: at these 1024 tokens 8 bits at 0.5 and "
+                                "0.75, 4 bits at 0.9).")
+    lines += perplexity_section("results/perplexity_default_1k",
+                                "Language modelling under compression: the default's method at full precision, every mode",
+                                "The same protocol for AdaKV over KVzap's scores at full precision, one budget over every layer, in every "
+                                "mode (the default quantizes in every mode: above and below), chunked mode streaming the context in blocks "
+                                "and keeping the continuation exact, the streams at the default's slack.")
+    lines += perplexity_section("results/perplexity_default_streams_1k",
+                                "Language modelling under compression: the default in chunked and decode modes",
+                                "The same protocol for the default in the streams as it is: each slot stored in 8 bits as it enters, the "
+                                "ratio read as memory (`kv_bits=8`, `budget_unit=\"memory\"`).")
     return lines
 
 
@@ -476,6 +465,12 @@ def sweep_table(records: list[dict]) -> str:
             if a["task"] == c[0] and (a["method"] == harness.FULL or (a["mode"], a["ratio"]) == c[1:]):
                 row[label[c]] = runner._fmt(a)
     return markdown_table(list(rows.values()), ["method", *label.values()])
+
+
+def perplexity_section(folder: str, title: str, intro: str) -> list[str]:
+    """One perplexity run's subsection: its heading, its introduction, its run block and its table (`perplexity_lines`)."""
+    return [f"### {title}", "", intro, ""] + meta_block(folder, records=[f"{folder}/"], **eval_known(folder)) + \
+        perplexity_lines(eval_records(folder))
 
 
 def perplexity_lines(records: list[dict]) -> list[str]:
