@@ -249,7 +249,7 @@ def _packed_parts(queries, packed: RaggedSummary, scale) -> list[tuple[torch.Ten
     lse = torch.full((b, hkv, group * nq), float("-inf"), device=queries.device)
     keys, values = packed.keys.to(queries.dtype), packed.values.to(queries.dtype)
     start = 0
-    for run, count in enumerate(packed.counts.flatten().tolist()):  # one host read of the counts
+    for run, count in enumerate(packed.run_counts):  # the counts, read from the device once per packing
         if count:
             row, head = divmod(run, hkv)
             rows = slice(start, start + count)

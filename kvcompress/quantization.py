@@ -146,12 +146,9 @@ class QuantizedTensor(Saveable):
         elif tuple(out.shape) != shape or out.dtype != self.dtype or out.device != device:
             raise ValueError(f"out must be {list(shape)} {self.dtype} on {device} to take this tensor, got {describe(out)}")
         work = out if out.dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=device)
-        _unpack_into(self.packed, self.bits, work)
-        scale, zero = self.scale.float(), self.zero.float()
-        axis = 2 if self.axis == "channel" else 3  # the axis a group runs along
-        # each group's scale and zero point broadcast over its members, in place (no copy of either per element)
-        for members, groups in _group_members(work, axis, self.group_size):
-            torch.addcmul(_per_member(zero, groups, axis), members, _per_member(scale, groups, axis), out=members)
+        along = 2 if self.axis == "channel" else 3  # the axis a group runs along
+        codes = _unpack_into(self.packed, self.bits, work if along == 2 else torch.empty(shape, dtype=torch.float32, device=device))
+        _dequantize_groups(codes, self.scale.float(), self.zero.float(), along, self.group_size, out=work)
         if work is not out:
             out.copy_(work)
         return out
@@ -209,6 +206,25 @@ def _group_members(t: torch.Tensor, along: int, group_size: int) -> list[tuple[t
     if whole < size:
         parts.append((t.narrow(along, whole, size - whole).unsqueeze(along), slice(whole // group_size, whole // group_size + 1)))
     return parts
+
+
+def _dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, along: int, group_size: int,
+                       out: torch.Tensor) -> torch.Tensor:
+    """Write into `out` (float32, `codes`' shape) zero point + code · scale, one fused multiply-add rounded once, from
+    float32 `codes`, the scale and zero point (float32, one entry per group of `group_size` consecutive elements along
+    axis `along`) of each group broadcast over its members, neither copied per element. Returns `out`.
+
+    `out` may be `codes` itself unless the groups run along the last axis (values): there the scales broadcast along
+    the innermost axis, where the CPU's `addcmul(out=)` takes a path several times slower, so the zero points are
+    written into `out` first and the product added to them in place (`addcmul_`)."""
+    innermost = along == codes.ndim - 1
+    for (members, groups), (dest, _) in zip(_group_members(codes, along, group_size), _group_members(out, along, group_size)):
+        scale_of, zero_of = _per_member(scale, groups, along), _per_member(zero, groups, along)
+        if innermost:
+            dest.copy_(zero_of.expand_as(dest)).addcmul_(members, scale_of)
+        else:
+            torch.addcmul(zero_of, members, scale_of, out=dest)
+    return out
 
 
 def _per_member(per_group: torch.Tensor, groups: slice, along: int) -> torch.Tensor:
@@ -486,16 +502,26 @@ class QuantizedRaggedSummary(PackedByHead, Saveable):
         return (per_head.cumsum(0) - per_head)[head] + within // group_size
 
     @cached_property
-    def _groups(self) -> torch.Tensor:
-        """`_slot_groups` of the stored packing (read at every `ragged()`, computed once)."""
-        return self._slot_groups(self.counts, self.group_size)
+    def _key_runs(self) -> list[tuple[slice, slice]]:
+        """(its packed slots, its key groups) of each head that keeps a slot, from the counts read once (every
+        `ragged()` dequantizes the keys run by run)."""
+        runs, slot, group = [], 0, 0
+        for count in self.run_counts:
+            groups = -(-count // self.group_size)
+            if count:
+                runs.append((slice(slot, slot + count), slice(group, group + groups)))
+            slot, group = slot + count, group + groups
+        return runs
 
     def ragged(self) -> RaggedSummary:
         """The dequantized slots, still packed (attention reads them where they are, as a `RaggedSummary`'s), keys and
-        values in the stored scales' dtype; its layout from this summary's, read from the device once."""
-        codes = _unpack_into(self.key_codes, self.bits, self.key_scale.new_empty(self.key_codes.shape[0], self.key_scale.shape[1],
-                                                                                 dtype=torch.float32))
-        keys = torch.addcmul(self.key_zero.float().index_select(0, self._groups), codes, self.key_scale.float().index_select(0, self._groups))
+        values in the stored scales' dtype; its layout from this summary's, read from the device once. The keys are
+        dequantized head run by head run, each run's groups broadcast over their slots (`_dequantize_groups`)."""
+        keys = _unpack_into(self.key_codes, self.bits, self.key_scale.new_empty(self.key_codes.shape[0], self.key_scale.shape[1],
+                                                                                dtype=torch.float32))
+        scale, zero = self.key_scale.float(), self.key_zero.float()
+        for slots, groups in self._key_runs:
+            _dequantize_groups(keys[slots], scale[groups], zero[groups], 0, self.group_size, out=keys[slots])
         packed = RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
         return packed.with_layout_of(self)
 

@@ -53,6 +53,11 @@ class PackedByHead:
         return int(self.counts.max()) if self.counts.numel() else 0
 
     @cached_property
+    def run_counts(self) -> list[int]:
+        """`counts` flattened into a list: the slots of each (batch row, head) run, in packed order."""
+        return self.counts.flatten().tolist()
+
+    @cached_property
     def _uniform(self) -> bool:
         """Every head keeps the same number of slots (the unpacked summary has no empty slot)."""
         return bool((self.counts == self.num_slots).all())
@@ -84,7 +89,7 @@ class PackedByHead:
     def with_layout_of(self, other: "PackedByHead"):
         """self, given the layout `other` (of the same counts) has read already: for a packing rebuilt at each read from
         a stored one (`QuantizedRaggedSummary.ragged`), so no read waits on the device for it."""
-        self.__dict__.update(num_slots=other.num_slots, _uniform=other._uniform)
+        self.__dict__.update(num_slots=other.num_slots, _uniform=other._uniform, run_counts=other.run_counts)
         return self
 
 

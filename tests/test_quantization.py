@@ -227,6 +227,23 @@ def test_a_ragged_quantized_summary_stores_only_the_kept_slots_as_a_padded_one_w
         assert torch.equal(getattr(picked.summary(), name), getattr(back, name)[[1, 1, 0]])
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_ragged_runs_of_every_length_dequantize_as_the_padded_summary_does(bits):
+    """Heads that keep no slot, fewer than a group, exactly one group, a group and one, and several groups: each head's
+    run is dequantized against its own key groups (`QuantizedRaggedSummary.ragged`), element for element as the padded
+    summary's keys and values are."""
+    counts = torch.tensor([[0, 5, 32], [33, 0, 96]])
+    n = int(counts.max())
+    keep = torch.arange(n)[None, None, :] < counts[..., None]
+    s = KVSummary(_x((2, 3, n, 16)), _x((2, 3, n, 24), seed=1), torch.zeros(2, 3, n).masked_fill(~keep, -math.inf),
+                  torch.arange(n).expand(2, 3, n).masked_fill(~keep, -1))
+    q = QuantizedRaggedSummary.of(s, bits, 32)
+    reference = QuantizedSummary.of(RaggedSummary.of(s).summary(), bits, 32).summary()
+    back = q.summary()
+    assert torch.equal(back.keys[keep], reference.keys[keep]) and torch.equal(back.values[keep], reference.values[keep])
+    assert torch.equal(q.counts, counts.int())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_ragged_quantized_summary_keeps_half_precision_scales_and_moves(dtype):
     q = QuantizedRaggedSummary.of(_ragged_summary(dtype=dtype), 4, 32)
