@@ -591,18 +591,28 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
     ("benchmarks/results/default_cost_streams.csv", "What one answer costs: the default in chunked and decode modes",
      "The default in chunked and decode modes as it is (each slot stored in 8 bits as it enters the stream, the ratio read "
      "as memory: about 3.2 times the slots full precision holds in float32) at 2k and 4k tokens and ratios 0.5, 0.75 and "
-     "0.9, and at 8k tokens (8000 context tokens) at 0.75, each cell in a fresh process as above.",
+     "0.9 (from commit e906e97 on, with another cost run on the other core), and at 8k tokens (8000 context tokens) at "
+     "0.75 (at commit f4c4c5f, before the faster dequantization, beside a held-out run), each cell in a fresh process as above.",
      cost_table),
     ("benchmarks/results/default_cost_prefill.csv", "What one answer costs: the default in prefill mode",
      "The default in prefill mode as it is (quantized slots in the memory the ratio leaves, `kv_bits=\"auto\"`: every "
      "context token in 8 bits at 0.5, about 3 in 4 in 8 bits at 0.75, about 4 in 10 in 4 bits at 0.9) at 2k, 4k and 8k "
      "tokens (8000 context tokens), each cell in a fresh process as above, alone on the machine. At every step attention "
-     "reads the quantized context dequantized into its view (`QuantizedSummary.summary_then`).",
+     "reads the quantized context dequantized (`QuantizedRaggedSummary.ragged`: AdaKV's heads keep different numbers of "
+     "slots, so the context is stored packed head after head).",
      cost_table),
     ("benchmarks/results/default_cost_prefill_answer64.csv", "What one answer costs: the default in prefill mode, 64 answer tokens",
      "The default as it is (`kv_bits=\"auto\"`: 8-bit slots at 0.75, 4-bit slots at 0.9) at 4k tokens and ratios 0.75 and "
      "0.9, with an answer of 64 tokens rather than 8 "
-     "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often.",
+     "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often. "
+     "From commit e906e97 on (a packed context's keys dequantized head run by head run, each group's scale and zero point "
+     "broadcast rather than gathered per slot, 8-bit codes read as stored; the record before it is in git), with another "
+     "cost run on the other core.",
+     cost_table),
+    ("benchmarks/results/default_cost_streams_answer64.csv", "What one answer costs: the default in chunked and decode modes, 64 answer tokens",
+     "The streams' default as it is (8-bit slots, the ratio read as memory) at 4k tokens and ratio 0.75 with an answer of "
+     "64 tokens, each cell in a fresh process as above, from commit e906e97 on (its first two minutes beside another cost "
+     "run on the other core, then alone).",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
      "The streams at full precision (`streams_full_precision`) with the prompt fed in blocks of 256 tokens (the library's "
