@@ -147,7 +147,10 @@ class QuantizedTensor(Saveable):
             raise ValueError(f"out must be {list(shape)} {self.dtype} on {device} to take this tensor, got {describe(out)}")
         work = out if out.dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=device)
         along = 2 if self.axis == "channel" else 3  # the axis a group runs along
-        codes = _codes(self.packed, self.bits, lambda: work if along == 2 else torch.empty(shape, dtype=torch.float32, device=device))
+        if self.bits == 8 and along == 3:  # values: the in-place multiply-add reads the stored bytes as they are (`_dequantize_groups`)
+            codes = self.packed
+        else:
+            codes = _unpack_into(self.packed, self.bits, work if along == 2 else torch.empty(shape, dtype=torch.float32, device=device))
         _dequantize_groups(codes, self.scale.float(), self.zero.float(), along, self.group_size, out=work)
         if work is not out:
             out.copy_(work)
@@ -208,23 +211,17 @@ def _group_members(t: torch.Tensor, along: int, group_size: int) -> list[tuple[t
     return parts
 
 
-def _codes(packed: torch.Tensor, bits: int, into) -> torch.Tensor:
-    """The codes of `packed` [..., ceil(d·bits/8)] as `_dequantize_groups` reads them: in 8 bits the stored bytes
-    themselves (one code a byte; the multiply-add reads them as it goes, no float copy of them all first), else
-    unpacked into the float32 tensor [..., d] that `into()` returns."""
-    return packed if bits == 8 else _unpack_into(packed, bits, into())
-
-
 def _dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, along: int, group_size: int,
                        out: torch.Tensor) -> torch.Tensor:
     """Write into `out` (float32, `codes`' shape) zero point + code · scale, one fused multiply-add rounded once, from
-    `codes` (float32, or uint8 as 8-bit codes are stored: `_codes`), the scale and zero point (float32, one entry per
-    group of `group_size` consecutive elements along axis `along`) of each group broadcast over its members, neither
-    copied per element. Returns `out`.
+    `codes`, the scale and zero point (float32, one entry per group of `group_size` consecutive elements along axis
+    `along`) of each group broadcast over its members, neither copied per element. Returns `out`.
 
-    `out` may be `codes` itself unless the groups run along the last axis (values): there the scales broadcast along
-    the innermost axis, where the CPU's `addcmul(out=)` takes a path several times slower, so the zero points are
-    written into `out` first and the product added to them in place (`addcmul_`)."""
+    Where the groups run along other axes (keys), `codes` are float32 and may be `out` itself: the CPU's fused
+    `addcmul(out=)` is fast there, but slow with a uint8 operand. Where they run along the last axis (values), the
+    scales broadcast along the innermost axis, where `addcmul(out=)` is several times slower, so the zero points are
+    written into `out` first and the product added to them in place (`addcmul_`), which reads 8-bit codes as stored
+    (uint8) at full speed; `out` must then be apart from `codes`."""
     innermost = along == codes.ndim - 1
     for (members, groups), (dest, _) in zip(_group_members(codes, along, group_size), _group_members(out, along, group_size)):
         scale_of, zero_of = _per_member(scale, groups, along), _per_member(zero, groups, along)
@@ -525,11 +522,11 @@ class QuantizedRaggedSummary(PackedByHead, Saveable):
         """The dequantized slots, still packed (attention reads them where they are, as a `RaggedSummary`'s), keys and
         values in the stored scales' dtype; its layout from this summary's, read from the device once. The keys are
         dequantized head run by head run, each run's groups broadcast over their slots (`_dequantize_groups`)."""
-        keys = self.key_scale.new_empty(self.key_codes.shape[0], self.key_scale.shape[1], dtype=torch.float32)
-        codes = _codes(self.key_codes, self.bits, lambda: keys)
+        keys = _unpack_into(self.key_codes, self.bits, self.key_scale.new_empty(self.key_codes.shape[0], self.key_scale.shape[1],
+                                                                                dtype=torch.float32))
         scale, zero = self.key_scale.float(), self.key_zero.float()
         for slots, groups in self._key_runs:
-            _dequantize_groups(codes[slots], scale[groups], zero[groups], 0, self.group_size, out=keys[slots])
+            _dequantize_groups(keys[slots], scale[groups], zero[groups], 0, self.group_size, out=keys[slots])
         packed = RaggedSummary(keys.to(self.key_scale.dtype), self.values.dequantize()[0, 0], self.log_weights, self.positions, self.counts)
         return packed.with_layout_of(self)
 
