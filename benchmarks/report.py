@@ -591,7 +591,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
     ("benchmarks/results/default_cost_streams.csv", "What one answer costs: the default in chunked and decode modes",
      "The default in chunked and decode modes as it is (each slot stored in 8 bits as it enters the stream, the ratio read "
      "as memory: about 3.2 times the slots full precision holds in float32) at 2k and 4k tokens and ratios 0.5, 0.75 and "
-     "0.9 (from commit e906e97 on, with another cost run on the other core), and at 8k tokens (8000 context tokens) at "
+     "0.9 (from commit 6a24db7 on, with another cost run on the other core), and at 8k tokens (8000 context tokens) at "
      "0.75 (at commit f4c4c5f, before the faster dequantization, beside a held-out run), each cell in a fresh process as above.",
      cost_table),
     ("benchmarks/results/default_cost_prefill.csv", "What one answer costs: the default in prefill mode",
@@ -605,13 +605,13 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "The default as it is (`kv_bits=\"auto\"`: 8-bit slots at 0.75, 4-bit slots at 0.9) at 4k tokens and ratios 0.75 and "
      "0.9, with an answer of 64 tokens rather than 8 "
      "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often. "
-     "From commit e906e97 on (a packed context's keys dequantized head run by head run, each group's scale and zero point "
-     "broadcast rather than gathered per slot, 8-bit codes read as stored; the record before it is in git), with another "
+     "From commit 6a24db7 on (a packed context's keys dequantized head run by head run, each group's scale and zero point "
+     "broadcast rather than gathered per slot, 8-bit values read as stored; the record before it is in git), with another "
      "cost run on the other core.",
      cost_table),
     ("benchmarks/results/default_cost_streams_answer64.csv", "What one answer costs: the default in chunked and decode modes, 64 answer tokens",
      "The streams' default as it is (8-bit slots, the ratio read as memory) at 4k tokens and ratio 0.75 with an answer of "
-     "64 tokens, each cell in a fresh process as above, from commit e906e97 on (its first two minutes beside another cost "
+     "64 tokens, each cell in a fresh process as above, from commit 6a24db7 on (its first two minutes beside another cost "
      "run on the other core, then alone).",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
