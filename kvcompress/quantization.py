@@ -511,8 +511,7 @@ class QuantizedRaggedSummary(PackedByHead, Saveable):
         """(its packed slots, its key groups) of each head that keeps a slot, from the counts read once (every
         `ragged()` dequantizes the keys run by run)."""
         runs, slot, group = [], 0, 0
-        for count in self.run_counts:
-            groups = -(-count // self.group_size)
+        for count, groups in zip(self.run_counts, self._group_counts.flatten().tolist()):
             if count:
                 runs.append((slice(slot, slot + count), slice(group, group + groups)))
             slot, group = slot + count, group + groups
