@@ -41,8 +41,9 @@ The harness is four steps with one file format between them (JSONL under one out
 
 Both halves write one JSON record per (cell, sample) as it finishes, and skip what their output files
 already hold (committed folders keep them merged and gzip-compressed, `<library>.jsonl.gz`, and the dump's
-`samples.jsonl.gz`: every step reads those too), so an interrupted run continues. `--sample-indices` answers only the samples of the indices named, and
-`--shard I/N` splits the samples among processes (each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
+`samples.jsonl.gz`: every step reads those too), so an interrupted run continues. `--sample-indices` answers only the samples of the indices named,
+`--full-cache-hits` only those kvcompress's full cache answered right (recorded there already: what a held-out set's
+share of hits kept needs), and `--shard I/N` splits the samples among processes (each writes its own file; `compare` reads them all). Commands (docs/kvpress.md):
 
     .venv/bin/python benchmarks/kvpress_side_by_side.py dump --out results/kvpress_side_by_side
     .venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/kvpress_side_by_side
@@ -365,6 +366,19 @@ def select_samples(samples: list[dict], indices: set[int] | None, shard: tuple[i
     return samples if shard is None else samples[shard[0]::shard[1]]
 
 
+def full_cache_hits(out: Path, samples: list[dict]) -> set[int]:
+    """The indices of the samples kvcompress's full cache answered right (its recorded score > 0) in `out`; SystemExit
+    naming the samples it has not answered yet (a hit set read before it is complete would skip needles unseen)."""
+    scores = {r["sample"]: r["score"] for r in read_records(out)
+              if r["library"] == "kvcompress" and r["cell"] == FULL and r.get("error") is None}
+    missing = [sample["id"] for sample in samples if sample["id"] not in scores]
+    if missing:
+        raise SystemExit(f"--full-cache-hits needs kvcompress's full cache's answer to every sample in {out}; it has none for "
+                         f"{len(missing)} of {len(samples)} ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): "
+                         "run `kvcompress --cells full` there first")
+    return {sample["index"] for sample in samples if scores[sample["id"]] > 0}
+
+
 def cell_key(library: str, label: str, ratio: float | None, sample_id: str) -> str:
     return f"{library}|{label}|{ratio}|{sample_id}"
 
@@ -381,8 +395,11 @@ def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
     checkpoint = Path(manifest["checkpoint"])
     check_checkpoint(manifest, checkpoint, args.skip_checkpoint_hash)
     shard = parse_shard(args.shard)
+    if args.full_cache_hits and args.sample_indices is not None:
+        raise SystemExit("--full-cache-hits and --sample-indices both choose the samples: give one of them")
+    indices = full_cache_hits(out, samples) if args.full_cache_hits else parse_sample_indices(args.sample_indices)
     return SimpleNamespace(
-        manifest=manifest, samples=select_samples(samples, parse_sample_indices(args.sample_indices), shard), device=torch.device(args.device),
+        manifest=manifest, samples=select_samples(samples, indices, shard), device=torch.device(args.device),
         model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).to(args.device).eval(),
         tokenizer=AutoTokenizer.from_pretrained(checkpoint, local_files_only=True),
         cells=parse_list(args.cells, known_cells),
@@ -1244,6 +1261,9 @@ def main(argv=None) -> None:
         s.add_argument("--sample-indices", default=None,
                        help="comma-separated sample indices to answer (default: every sample); "
                             "--shard then splits these")
+        s.add_argument("--full-cache-hits", action="store_true",
+                       help="answer only the samples kvcompress's full cache (cell full, recorded in --out for every sample) "
+                            "answered right; --shard then splits these")
         s.add_argument("--skip-checkpoint-hash", action="store_true", help="do not re-hash the checkpoint against the manifest")
         if name == "kvpress":
             s.add_argument("--protocol", choices=("shared", "pipeline"), default="shared",

@@ -136,6 +136,22 @@ def test_select_samples_takes_the_named_indices_then_the_shard():
         h.select_samples(samples, {1, 9}, None)
 
 
+def test_full_cache_hits_are_the_samples_the_recorded_full_cache_answered_and_need_every_sample_answered(tmp_path):
+    samples = [{"index": i, "id": f"s{i}"} for i in range(4)]
+    full = [{"key": f"kvcompress|full|None|s{i}", "library": "kvcompress", "cell": "full", "sample": f"s{i}", "error": None,
+             "score": score} for i, score in enumerate((1.0, 0.0, 1.0))]
+    other = [{"key": "kvcompress|knorm|0.5|s1", "library": "kvcompress", "cell": "knorm", "sample": "s1", "error": None, "score": 1.0},
+             {"key": "kvpress|full|None|s1", "library": "kvpress", "cell": "full", "sample": "s1", "error": None, "score": 1.0}]
+    for record in full + other:
+        h.append_jsonl(tmp_path / "kvcompress.jsonl" if record["library"] == "kvcompress" else tmp_path / "kvpress.jsonl", record)
+    with pytest.raises(SystemExit, match=r"--full-cache-hits .* none for 1 of 4 \(s3\)"):
+        h.full_cache_hits(tmp_path, samples)
+    h.append_jsonl(tmp_path / "kvcompress.shard1of2.jsonl", {"key": "kvcompress|full|None|s3", "library": "kvcompress", "cell": "full",
+                                                             "sample": "s3", "error": None, "score": 0.0})
+    assert h.full_cache_hits(tmp_path, samples) == {0, 2}
+    assert h.select_samples(samples, h.full_cache_hits(tmp_path, samples), (1, 2)) == [samples[2]]
+
+
 def test_every_kvcompress_cell_names_a_registered_method_and_a_counterpart():
     import kvcompress as kvc
 

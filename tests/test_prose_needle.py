@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCORER_INPUTS = ROOT / "benchmarks" / "tuning" / "scorer_inputs.py"
 
 
+def _extra_modules() -> tuple[str, ...]:
+    """benchmarks/tuning/scorer_inputs.py's EXTRA_MODULES."""
+    return tuple(re.search(r'EXTRA_MODULES = tuple\("""(.*?)"""', SCORER_INPUTS.read_text(encoding="utf-8"), re.S).group(1).split())
+
+
 @pytest.mark.parametrize("answer_kind", ["names", "places"])
 @pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
 def test_the_fact_sits_once_at_its_depth_in_real_prose(answer_kind, depth):
@@ -100,7 +105,7 @@ def test_the_tuning_split_takes_only_tuning_seeds():
     with pytest.raises(ValueError, match=r"split='tuning' takes seeds from TUNING_SEEDS \(1000..1999\), got seed=3"):
         T.niah_prose(500, seed=3, split="tuning")
     with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', 'heldout', 'heldout2', 'heldout3', 'heldout4', "
-                                         r"'heldout5'\), got 'train'"):
+                                         r"'heldout5', 'heldout6'\), got 'train'"):
         T.niah_prose(500, seed=1000, split="train")
     with pytest.raises(ValueError, match=r"split='heldout' takes seeds from HELDOUT_SEEDS \(2000..2999\), got seed=1000"):
         T.niah_prose(500, seed=1000, split="heldout")
@@ -110,7 +115,8 @@ def test_the_tuning_split_takes_only_tuning_seeds():
 
 @pytest.mark.parametrize("split, name, seeds", [("heldout3", "HELDOUT3_SEEDS", range(4000, 5000)),
                                                 ("heldout4", "HELDOUT4_SEEDS", range(5000, 6000)),
-                                                ("heldout5", "HELDOUT5_SEEDS", range(6000, 7000))])
+                                                ("heldout5", "HELDOUT5_SEEDS", range(6000, 7000)),
+                                                ("heldout6", "HELDOUT6_SEEDS", range(7000, 8000))])
 def test_a_later_heldout_split_takes_only_its_own_seeds(split, name, seeds):
     """A seed just below or just past the split's range, or a reported one, is refused, naming the range."""
     for seed in (seeds.start - 1, seeds.stop, 0):
@@ -126,13 +132,14 @@ def test_a_later_heldout_split_takes_only_its_own_seeds(split, name, seeds):
     ("heldout3", ("reported", "tuning", "heldout", "heldout2"), (4000, 4029)),
     ("heldout4", ("reported", "tuning", "heldout", "heldout2", "heldout3"), (5000, 5029)),
     ("heldout5", ("reported", "tuning", "heldout", "heldout2", "heldout3", "heldout4"), (6000, 6029)),
+    ("heldout6", ("reported", "tuning", "heldout", "heldout2", "heldout3", "heldout4", "heldout5"), (7000, 7029)),
 ])
 def test_a_heldout_split_shares_no_text_name_town_or_wording_with_the_splits_before_it(split, earlier, seeds):
     """split="heldout" (IDLE's user manual), "heldout2" (CPython's licence and IDLE's notes), "heldout3" (IDLE's 2.x
     news and IDLEfork's change log), "heldout4" (the email package's architecture notes, IDLE's notes on its tests and
-    the email package's parsers' docstrings) and "heldout5" (the docstrings of IDLE's own modules): a text and pools of
-    names, towns and fact wordings that no split before it uses; seeds from the split's own range; a sample is fixed by
-    its seed."""
+    the email package's parsers' docstrings), "heldout5" (the docstrings of IDLE's own modules) and "heldout6" (the
+    docstrings of the modules of IDLE's features): a text and pools of names, towns and fact wordings that no split before it
+    uses; seeds from the split's own range; a sample is fixed by its seed."""
     heldout = set(T._prose_sentences(split))
     assert len(heldout) > 150 and not heldout & set().union(*(T._prose_sentences(e) for e in earlier))
     first_names, surnames, towns, facts = T.PROSE_POOLS[split]
@@ -204,7 +211,28 @@ def test_the_fifth_heldout_text_is_the_docstrings_of_idles_own_modules():
     assert set(sentences) == {s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4}
 
 
-@pytest.mark.parametrize("split", ["heldout3", "heldout4", "heldout5"])
+def test_the_sixth_heldout_text_is_the_docstrings_of_the_modules_of_idles_features():
+    from kvcompress.eval.capture import (ARCHITECTURE_MODULES, DOCSTRING_MODULES, HELDOUT_MODULES, IDLE_FEATURE_MODULES,
+                                         IDLE_SOURCE_MODULES, SCORER_TRAINING_MODULES, idle_feature_paragraphs,
+                                         idle_source_paragraphs)
+
+    paragraphs = idle_feature_paragraphs()
+    assert paragraphs[0] == "Define SearchDialogBase used by Search, Replace, and Grep dialogs."  # searchbase's module's
+    assert "Return the new or existing singleton SearchDialog instance." in paragraphs  # a function's (idlelib.search._setup)
+    assert len(paragraphs) == len(set(paragraphs)) > 200
+    # the modules are in no other list of docstrings, the fifth set's and the extra text KVzap's inputs were tuned on too
+    assert not set(IDLE_FEATURE_MODULES) & set(DOCSTRING_MODULES + SCORER_TRAINING_MODULES + HELDOUT_MODULES
+                                               + ARCHITECTURE_MODULES + IDLE_SOURCE_MODULES + _extra_modules())
+    # its text is as long as the fifth set's
+    assert sum(map(len, paragraphs)) > sum(map(len, idle_source_paragraphs()))
+    sentences = T._prose_sentences("heldout6")
+    assert len(sentences) > 400 and len(set(sentences)) == len(sentences)
+    assert sum(map(len, sentences)) > sum(map(len, T._prose_sentences("heldout5")))
+    # every sentence of the text is the split's: no earlier split has one
+    assert set(sentences) == {s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4}
+
+
+@pytest.mark.parametrize("split", ["heldout3", "heldout4", "heldout5", "heldout6"])
 def test_a_later_heldout_text_is_neither_kvzaps_text_nor_holds_an_answer_of_its_split(split):
     """No sentence of the split's text is in KVzap's training text (`kvcompress train-scorer`), the text its fidelity is
     reported on, or the extra text its inputs were tuned on (benchmarks/tuning/scorer_inputs.py); no answer of the split
@@ -212,7 +240,7 @@ def test_a_later_heldout_text_is_neither_kvzaps_text_nor_holds_an_answer_of_its_
     from kvcompress.eval.capture import HELDOUT_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
 
     sentences = set(T._prose_sentences(split))
-    extra = tuple(re.search(r'EXTRA_MODULES = tuple\("""(.*?)"""', SCORER_INPUTS.read_text(encoding="utf-8"), re.S).group(1).split())
+    extra = _extra_modules()
     assert len(extra) > 100
     for modules in (SCORER_TRAINING_MODULES, HELDOUT_MODULES, extra):
         assert not sentences & {s for p in docstring_paragraphs(modules) for s in re.split(r"(?<=[.!?])\s+", p)}
@@ -228,7 +256,8 @@ def _haystack_sentences(sample):
 
 
 @pytest.mark.parametrize("split, seeds", [("heldout2", (3000, 3001, 3517)), ("heldout3", (4000, 4001, 4517)),
-                                          ("heldout4", (5000, 5001, 5517)), ("heldout5", (6000, 6001, 6517))])
+                                          ("heldout4", (5000, 5001, 5517)), ("heldout5", (6000, 6001, 6517)),
+                                          ("heldout6", (7000, 7001, 7517))])
 @pytest.mark.parametrize("length", [2048, 4096])
 def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(split, seeds, length):
     """At 2048 and 4096 (estimated) tokens a sample's haystack is its split's sentences, no more of them than the text
@@ -243,10 +272,10 @@ def test_a_heldout_split_fills_2048_and_4096_tokens_without_cycling_its_text(spl
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("split, seeds", [("heldout3", (4000, 4001, 4517)), ("heldout4", (5000, 5001, 5517)),
-                                          ("heldout5", (6000, 6001, 6517))])
+                                          ("heldout5", (6000, 6001, 6517)), ("heldout6", (7000, 7001, 7517))])
 def test_the_later_heldout_splits_fill_4096_tokens_of_the_default_models_tokenizer_without_repeating(default_model, split, seeds):
-    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3", "heldout4" or "heldout5" hold no
-    sentence twice (samples are built and counted, never run)."""
+    """With the default model's tokenizer, 2048 and 4096 tokens of split "heldout3", "heldout4", "heldout5" or "heldout6"
+    hold no sentence twice (samples are built and counted, never run)."""
     _, tokenizer = default_model
     sentences = T._prose_sentences(split)
     assert len(set(sentences)) == len(sentences)

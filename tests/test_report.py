@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RECORD_TREES = ("results", "benchmarks/results")
 RUN_METADATA = {"results/runs.json", "benchmarks/results/runs.json"}
-# the records stay few: five held-out sets at two lengths and four layouts take 130 of them
-MAX_RECORD_FILES = 264
+# the records stay few: five held-out sets at two lengths and four layouts take 130 of them, the sixth's two folders 6
+MAX_RECORD_FILES = 270
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,38 @@ def test_links_from_the_docs_into_the_report_land_on_a_heading(report, page):
     assert links
     broken = [link for link in links if link[1] not in anchors]
     assert not broken, broken
+
+
+def _record(cell, ratio, sample, score, threads=1):
+    return {"library": "kvcompress", "cell": cell, "ratio": ratio, "sample": sample, "score": score,
+            "env": {"threads": threads, "date": "2026-12-06T00:00:00"}}
+
+
+def test_a_cell_run_on_the_full_caches_hits_only_is_shown_with_its_flag_and_without_the_full_cache(report):
+    manifest = {"samples": {"task": "niah_prose", "length": 2048, "count": 4, "seed": 7000}}
+    records = [_record("full", None, f"s{i}", score) for i, score in enumerate((1.0, 0.0, 1.0, 1.0))]
+    records += [_record("knorm", r, f"s{i}", 1.0) for i in (0, 2) for r in (0.5, 0.75)]  # hits only, one not reached
+    records += [_record("snapkv", 0.5, f"s{i}", 0.0) for i in range(4)]  # every sample
+    commands = report.harness_commands("results/x", manifest, records)
+    assert commands[1:] == [
+        ".venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/x --threads 1 --ratios 0.5 --cells 'full,snapkv'",
+        ".venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/x --threads 1 --ratios 0.5,0.75 "
+        "--full-cache-hits --cells 'knorm'"]
+    alone = report.harness_commands("results/x", manifest, [r for r in records if r["cell"] != "snapkv"])
+    assert alone[1:] == [".venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/x --threads 1 --cells 'full'",
+                         ".venv/bin/python benchmarks/kvpress_side_by_side.py kvcompress --out results/x --threads 1 --ratios 0.5,0.75 "
+                         "--full-cache-hits --cells 'knorm'"]
+
+
+def test_quality_bars_say_shown_met_at_point_level_missed_or_not_run(report, monkeypatch):
+    hits = 60
+    records = [_record("full", None, f"s{i}", float(i < hits)) for i in range(100)]
+    kept = {(report.DEFAULT_CELL, 0.75): 60, (report.CHUNKED_CELL, 0.75): 52, (report.DECODE_CELL, 0.75): 50}  # prefill at 0.9 not run
+    for (cell, ratio), n in kept.items():
+        records += [_record(cell, ratio, f"s{i}", float(i < n)) for i in range(hits)]
+    monkeypatch.setattr(report, "harness_run", lambda folder: ({}, [], records))
+    table = "\n".join(report.quality_bars("results/x"))
+    assert "| the default, prefill | 0.75 | ≥ 90 % | 60 of 60: 100 (94–100) | shown |" in table
+    assert "| the default, chunked | 0.75 | ≥ 85 % | 52 of 60: 87 (76–93) | met at point level |" in table
+    assert "| the default, decode | 0.75 | ≥ 85 % | 50 of 60: 83 (72–91) | missed |" in table
+    assert "| the default, prefill | 0.9 | ≥ 85 % | not run | – |" in table

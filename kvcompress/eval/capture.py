@@ -12,8 +12,9 @@ import re
 
 from ..integration.capture import capture_qkv
 
-__all__ = ["architecture_paragraphs", "capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "idle_source_paragraphs",
-           "manual_paragraphs", "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES", "SCORER_TRAINING_MODULES"]
+__all__ = ["architecture_paragraphs", "capture_qkv", "changelog_paragraphs", "docstring_paragraphs", "idle_feature_paragraphs",
+           "idle_source_paragraphs", "manual_paragraphs", "notes_paragraphs", "prose_paragraphs", "prose_text", "HELDOUT_MODULES",
+           "SCORER_TRAINING_MODULES"]
 
 # The standard-library modules whose docstrings (and their public classes' and functions') make the second prose source.
 DOCSTRING_MODULES = (
@@ -223,9 +224,39 @@ def idle_source_paragraphs() -> list[str]:
     nothing is imported), in that order: the fifth held-out needle set's text (`eval.tasks`, split "heldout5"), which no
     tuning, training, reported or earlier held-out sample uses. A paragraph is kept as `docstring_paragraphs` keeps one,
     and once; a Python without these files is a clear error."""
-    modules = _source_files(IDLE_SOURCE_MODULES)
-    root = _shipped(modules, "the fifth held-out set's prose is the docstrings of IDLE's modules")
-    return list(dict.fromkeys(_source_docstring_paragraphs(root, modules)))
+    return _shipped_docstring_paragraphs(IDLE_SOURCE_MODULES,
+                                         "the fifth held-out set's prose is the docstrings of IDLE's modules")
+
+
+# The sixth held-out needle set's text (`idle_feature_paragraphs`): the docstrings of the modules of IDLE's features (its
+# search dialogs, shell, debugger, browsers, call tips, ...), in this order. Modules in none of DOCSTRING_MODULES,
+# SCORER_TRAINING_MODULES, HELDOUT_MODULES, ARCHITECTURE_MODULES, IDLE_SOURCE_MODULES and
+# benchmarks/tuning/scorer_inputs.py's EXTRA_MODULES, no sentence of which another text has (idlelib.editor repeats two of
+# idlelib.format's), the fewest of those with the longest prose docstrings that outweigh the fifth set's text: 7,748 tokens
+# (the default model's tokenizer) of sentences, the fifth set's 7,579.
+IDLE_FEATURE_MODULES = ("idlelib.searchbase", "idlelib.search", "idlelib.replace", "idlelib.grep", "idlelib.pyparse",
+                        "idlelib.rpc", "idlelib.colorizer", "idlelib.help", "idlelib.query", "idlelib.calltip",
+                        "idlelib.browser", "idlelib.pyshell", "idlelib.macosx", "idlelib.searchengine", "idlelib.outwin",
+                        "idlelib.run", "idlelib.autocomplete", "idlelib.sidebar", "idlelib.hyperparser",
+                        "idlelib.debugger_r", "idlelib.runscript", "idlelib.debugger", "idlelib.parenmatch",
+                        "idlelib.history", "idlelib.tree", "idlelib.textview")
+
+
+def idle_feature_paragraphs() -> list[str]:
+    """Prose paragraphs of the docstrings of the modules of IDLE's features (`IDLE_FEATURE_MODULES`: its search dialogs,
+    shell, debugger, browsers, call tips, ..., shipped with CPython in the standard library), read as
+    `idle_source_paragraphs` reads its modules', in that order: the sixth held-out needle set's text (`eval.tasks`, split
+    "heldout6"), which no tuning, training, reported or earlier held-out sample uses. A paragraph is kept as
+    `docstring_paragraphs` keeps one, and once; a Python without these files is a clear error."""
+    return _shipped_docstring_paragraphs(IDLE_FEATURE_MODULES, "the sixth held-out set's prose is the docstrings of the "
+                                         "modules of IDLE's features")
+
+
+def _shipped_docstring_paragraphs(modules: tuple[str, ...], what: str) -> list[str]:
+    """The prose paragraphs of the docstrings of the standard library's `modules` (`_source_docstring_paragraphs`), each
+    once, in order; FileNotFoundError (`_shipped`, naming `what`) where this Python lacks one of their files."""
+    files = _source_files(modules)
+    return list(dict.fromkeys(_source_docstring_paragraphs(_shipped(files, what), files)))
 
 
 def _source_files(modules: tuple[str, ...]) -> tuple[str, ...]:

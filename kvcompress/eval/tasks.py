@@ -46,6 +46,10 @@ tests and the docstrings of the email package's parsers as the prose (`capture.a
 `niah_prose(split="heldout5")`, seeds from `HELDOUT5_SEEDS` (6000–6999), is a seventh set of pools shared with none of
 them, for a fifth final check (`benchmarks/heldout/PLAN5.md`): the docstrings of IDLE's own modules as the prose
 (`capture.idle_source_paragraphs`), `HELDOUT5_PROSE_FACTS`, `HELDOUT5_FIRST_NAMES`, ...
+`niah_prose(split="heldout6")`, seeds from `HELDOUT6_SEEDS` (7000–7999), is an eighth set of pools shared with none of
+them, for a sixth final check (`benchmarks/heldout/PLAN6.md`): the docstrings of the modules of IDLE's features (its
+search dialogs, shell, debugger, ...) as the prose (`capture.idle_feature_paragraphs`), `HELDOUT6_PROSE_FACTS`,
+`HELDOUT6_FIRST_NAMES`, ...
 
 The module imports the standard library only: kvpress's side of the side-by-side comparison loads it by path
 (`benchmarks/kvpress_side_by_side.py`, in an environment without kvcompress).
@@ -86,6 +90,8 @@ HELDOUT3_SEEDS = range(4000, 5000)
 HELDOUT4_SEEDS = range(5000, 6000)
 # Seeds of the fifth held-out needle set (niah_prose(split="heldout5")), fixed before the first run on it.
 HELDOUT5_SEEDS = range(6000, 7000)
+# Seeds of the sixth held-out needle set (niah_prose(split="heldout6")), fixed before the first run on it.
+HELDOUT6_SEEDS = range(7000, 8000)
 
 
 @dataclass
@@ -147,10 +153,11 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     (`capture.notes_paragraphs`), for the third IDLE's 2.x news and IDLEfork's change log (`capture.changelog_paragraphs`),
     for the fourth the email package's architecture notes, IDLE's notes on its tests and the email package's parsers'
     docstrings (`capture.architecture_paragraphs`, each sentence once), for the fifth the docstrings of IDLE's own modules
-    (`capture.idle_source_paragraphs`, each sentence once), each less any sentence an earlier source has, so no two share
-    a sentence."""
-    from .capture import (architecture_paragraphs, changelog_paragraphs, docstring_paragraphs, idle_source_paragraphs,
-                          manual_paragraphs, notes_paragraphs, prose_paragraphs)
+    (`capture.idle_source_paragraphs`, each sentence once), for the sixth the docstrings of the modules of IDLE's
+    features (`capture.idle_feature_paragraphs`, each sentence once), each less any sentence an earlier source has, so no
+    two share a sentence."""
+    from .capture import (architecture_paragraphs, changelog_paragraphs, docstring_paragraphs, idle_feature_paragraphs,
+                          idle_source_paragraphs, manual_paragraphs, notes_paragraphs, prose_paragraphs)
 
     def sentences(paragraphs):
         return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
@@ -173,7 +180,10 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     if split == "heldout4":
         return tuple(dict.fromkeys(s for s in sentences(architecture_paragraphs()) if s not in earlier))
     earlier |= set(_prose_sentences("heldout4"))
-    return tuple(dict.fromkeys(s for s in sentences(idle_source_paragraphs()) if s not in earlier))
+    if split == "heldout5":
+        return tuple(dict.fromkeys(s for s in sentences(idle_source_paragraphs()) if s not in earlier))
+    earlier |= set(_prose_sentences("heldout5"))
+    return tuple(dict.fromkeys(s for s in sentences(idle_feature_paragraphs()) if s not in earlier))
 
 
 @functools.lru_cache(maxsize=1)
@@ -763,6 +773,55 @@ HELDOUT5_PROSE_FACTS = {
          "The busiest salmon fishery of the river is in"),
     ),
 }
+# The sixth held-out set's own pools (niah_prose(split="heldout6")): no name, town or fact wording of the seven sets above.
+HELDOUT6_FIRST_NAMES = (
+    "Agatha", "Bastian", "Clementine", "Declan", "Elspeth", "Fergus", "Gwilym", "Honoria", "Isidore", "Jessamy",
+    "Kasia", "Lorcan", "Marguerite", "Nathaniel", "Ottoline", "Perdita", "Rhiannon", "Silvester", "Tabitha", "Wenceslas",
+    "Xanthe", "Yorick", "Zinnia", "Alasdair", "Cressida", "Evangeline", "Godfrey", "Mirabel", "Torquil", "Percival",
+)
+HELDOUT6_SURNAMES = (
+    "Ackerley", "Braithwaite", "Cottingham", "Davenport", "Eversley", "Gilchrist", "Hesketh", "Horsfall", "Jardine",
+    "Kershaw", "Lockwood", "Mansergh", "Nuttall", "Openshaw", "Ogden", "Rawlinson", "Ramsden", "Thwaites", "Venables",
+    "Whittaker", "Crowther", "Broadbent", "Culshaw", "Kenyon", "Greenwood", "Haslam", "Marsden", "Walmsley", "Tattersall",
+    "Wrigley",
+)
+HELDOUT6_TOWNS = (
+    "Thame", "Bridgnorth", "Malmesbury", "Pershore", "Tadcaster", "Wantage", "Lostwithiel", "Appledore", "Hawkshead",
+    "Corbridge", "Matlock", "Pocklington", "Middleham", "Guisborough", "Aberlour", "Forfar", "Carnoustie", "Alyth", "Aboyne",
+    "Plockton", "Braemar", "Killin", "Anstruther", "Banff", "Cowbridge", "Denbigh", "Penarth", "Barmouth", "Tywyn",
+    "Talgarth", "Knighton", "Kidwelly", "Athy", "Cobh", "Cashel", "Birr", "Ardara", "Lahinch", "Tuam", "Kells",
+)
+HELDOUT6_PROSE_FACTS = {
+    "names": (
+        ("The locksmith who made the treasury keys was {}.", "Who made the treasury keys?", "The treasury keys were made by"),
+        ("The tailor who cut the judges' robes was {}.", "Who cut the judges' robes?", "The judges' robes were cut by"),
+        ("The shepherd who bred the hardy mountain ewes was {}.", "Who bred the hardy mountain ewes?",
+         "The hardy mountain ewes were bred by"),
+        ("The printer who published the county almanac was {}.", "Who published the county almanac?",
+         "The county almanac was published by"),
+        ("The lacemaker who trimmed the bridal veil was {}.", "Who trimmed the bridal veil?", "The bridal veil was trimmed by"),
+        ("The quarryman who cut the granite for the pier was {}.", "Who cut the granite for the pier?",
+         "The granite for the pier was cut by"),
+        ("The ranger who guarded the ancient forest was {}.", "Who guarded the ancient forest?",
+         "The ancient forest was guarded by"),
+        ("The historian who wrote the town chronicle was {}.", "Who wrote the town chronicle?",
+         "The town chronicle was written by"),
+    ),
+    "places": (
+        ("The summer regatta is held in {}.", "Where is the summer regatta held?", "The summer regatta is held in"),
+        ("The oldest holy well of the valley lies in {}.", "Where does the oldest holy well of the valley lie?",
+         "The oldest holy well of the valley lies in"),
+        ("The choral society gave its first concert in {}.", "Where did the choral society give its first concert?",
+         "The choral society gave its first concert in"),
+        ("The carved whalebone comb was dredged up near {}.", "Near which town was the carved whalebone comb dredged up?",
+         "The carved whalebone comb was dredged up near"),
+        ("The pact between the quarrelling parishes was made in {}.",
+         "Where was the pact between the quarrelling parishes made?",
+         "The pact between the quarrelling parishes was made in"),
+        ("The busiest slate quarry of the district is in {}.", "Where is the busiest slate quarry of the district?",
+         "The busiest slate quarry of the district is in"),
+    ),
+}
 # split -> (first names, surnames, towns, facts) of niah_prose
 PROSE_POOLS = {
     "reported": (FIRST_NAMES, SURNAMES, TOWNS, PROSE_FACTS),
@@ -772,10 +831,11 @@ PROSE_POOLS = {
     "heldout3": (HELDOUT3_FIRST_NAMES, HELDOUT3_SURNAMES, HELDOUT3_TOWNS, HELDOUT3_PROSE_FACTS),
     "heldout4": (HELDOUT4_FIRST_NAMES, HELDOUT4_SURNAMES, HELDOUT4_TOWNS, HELDOUT4_PROSE_FACTS),
     "heldout5": (HELDOUT5_FIRST_NAMES, HELDOUT5_SURNAMES, HELDOUT5_TOWNS, HELDOUT5_PROSE_FACTS),
+    "heldout6": (HELDOUT6_FIRST_NAMES, HELDOUT6_SURNAMES, HELDOUT6_TOWNS, HELDOUT6_PROSE_FACTS),
 }
 # split -> the seeds it takes (the reported split: any seed; reported runs use seeds below TUNING_SEEDS.start)
 SPLIT_SEEDS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS,
-               "heldout4": HELDOUT4_SEEDS, "heldout5": HELDOUT5_SEEDS}
+               "heldout4": HELDOUT4_SEEDS, "heldout5": HELDOUT5_SEEDS, "heldout6": HELDOUT6_SEEDS}
 
 
 def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kind="mixed", split="reported") -> Sample:
@@ -804,6 +864,9 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     split "heldout5", for a fifth final check (`benchmarks/heldout/PLAN5.md`), draws from a seventh set shared with none of
     them: the docstrings of IDLE's own modules, `HELDOUT5_PROSE_FACTS`, `HELDOUT5_FIRST_NAMES`, `HELDOUT5_SURNAMES`,
     `HELDOUT5_TOWNS`; seeds from `HELDOUT5_SEEDS` only.
+    split "heldout6", for a sixth final check (`benchmarks/heldout/PLAN6.md`), draws from an eighth set shared with none
+    of them: the docstrings of the modules of IDLE's features (its search dialogs, shell, debugger, ...), `HELDOUT6_PROSE_FACTS`,
+    `HELDOUT6_FIRST_NAMES`, `HELDOUT6_SURNAMES`, `HELDOUT6_TOWNS`; seeds from `HELDOUT6_SEEDS` only.
     """
     _check("target_tokens", target_tokens, 64)
     _check("depth", depth, 0.0, 1.0)
