@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     if harness.FULL in cells:
         parser.error("--cells takes compressed cells: the full cache is what they are measured against")
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else []
-    args.cells, args.ratios, args.device, args.shard, args.skip_checkpoint_hash = harness.FULL, None, "cpu", None, False
-    args.full_cache_hits = False  # the samples are --sample-indices'
+    args.cells, args.ratios, args.device, args.shard, args.skip_checkpoint_hash, args.full_cache_hits = (
+        harness.FULL, None, "cpu", None, False, False)  # what open_run reads: the samples are --sample-indices
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
     records = {r["key"]: r for r in harness.read_records(Path(args.out))}
     out_path = Path(args.out) / "margin.jsonl"

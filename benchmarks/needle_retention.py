@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--cell must be a compressing prefill cell of the harness, got {args.cell!r}")
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    args.cells, args.device, args.shard, args.skip_checkpoint_hash = args.cell, "cpu", None, False  # what open_run reads
-    args.full_cache_hits = False  # the samples are --sample-indices'
+    # what open_run reads: the samples are --sample-indices
+    args.cells, args.device, args.shard, args.skip_checkpoint_hash, args.full_cache_hits = args.cell, "cpu", None, False, False
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)
     answers = {r["key"]: r for r in harness.read_records(Path(args.out))}
     method, params = harness.KVCOMPRESS_CELLS[args.cell]

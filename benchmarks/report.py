@@ -175,12 +175,11 @@ def harness_commands(folder: str, manifest: dict, records: list[dict]) -> list[s
         ratios_of[(r["library"], "cuda" if r["env"].get("gpu") else "cpu", r["env"]["threads"], r["cell"])].add(r["ratio"])
         answered[(r["library"], r["cell"])].add(r["sample"])
     full_hits = {r["sample"] for r in records if r["library"] == "kvcompress" and r["cell"] == harness.FULL and r["score"] > 0}
-    hits_only = {cell for (library, cell), done in answered.items()
-                 if cell != harness.FULL and done <= full_hits and len(done) < s["count"]}
+    hits_only = {key for key, done in answered.items() if key[1] != harness.FULL and done <= full_hits and len(done) < s["count"]}
     groups: dict[tuple, list[str]] = defaultdict(list)
     for (*run, cell), ratios in sorted(ratios_of.items(), key=str):
         if cell != harness.FULL:
-            groups[(*run, tuple(sorted(ratios)), cell in hits_only)].append(cell)
+            groups[(*run, tuple(sorted(ratios)), (run[0], cell) in hits_only)].append(cell)
     for (*run, cell) in sorted(ratios_of, key=str):
         if cell == harness.FULL:
             mine = [key for key in groups if list(key[:3]) == run and not key[4]]
@@ -749,11 +748,11 @@ def paired_cell(mine: dict[str, float], theirs: dict[str, float]) -> str:
 
 
 def heldout_length(length: int, held_out_set: str = "heldout", cells: list = HELDOUT_CELLS, baselines: list = HELDOUT_BASELINES,
-                   default_cells: int = 3) -> list[str]:
+                   default_cells: int = 3, bars: bool = False) -> list[str]:
     """One length of the held-out set `held_out_set` (`heldout_folder`'s name): every cell of its plan, `cells` (not run
     yet where it has no record; paired against each of `baselines`; the median stored bytes ÷ the full cache's where
-    the records carry them), the full cache under each layout, and the answers of the misses of the first
-    `default_cells` cells (the default's)."""
+    the records carry them), with `bars` the issue's quality bars (`quality_bars`), the full cache under each layout, and
+    the answers of the misses of the first `default_cells` cells (the default's)."""
     layouts = [HELDOUT_LAYOUT] + [layout for layout in PROMPT_LAYOUTS if layout != HELDOUT_LAYOUT]
     # a layout's folder counts once it holds answers (a dump alone, before any answer, is a run not started)
     folders = [heldout_folder(length, layout, held_out_set) for layout in layouts
@@ -792,6 +791,7 @@ def heldout_length(length: int, held_out_set: str = "heldout", cells: list = HEL
                     "found % (95%)": pct_interval(sum(got.values()), len(got)) if got else "not run"})
     lines += [f"Every cell of the plan, on the layout `{HELDOUT_LAYOUT}`; the paired columns count needles (won: this "
               "cell finds the needle and the other misses it):", "", markdown_table(rows), ""]
+    lines += quality_bars(scores) if bars else []
     full = {layout: scores_by_cell(harness_run(heldout_folder(length, layout, held_out_set))[2]).get(("kvcompress", harness.FULL, None), {})
             for layout in layouts if heldout_folder(length, layout, held_out_set) in folders}
     layout_rows = [{"layout": f"`{layout}`", "n": len(got), "found % (95%)": pct_interval(sum(got.values()), len(got)) if got else "not run",
@@ -883,10 +883,10 @@ QUALITY_BARS = [("the default, prefill", DEFAULT_CELL, 0.75, 0.90), ("the defaul
                 ("the default, decode", DECODE_CELL, 0.75, 0.85), ("the default, prefill", DEFAULT_CELL, 0.9, 0.85)]
 
 
-def quality_bars(folder: str) -> list[str]:
-    """The issue's quality bars on one length of a held-out set: each cell's share of the full cache's hits kept with its
-    95% Wilson interval, and per bar "shown" (the interval's low end at or above it), "met at point level" or "missed"."""
-    scores = scores_by_cell(harness_run(folder)[2])
+def quality_bars(scores: dict[tuple, dict[str, float]]) -> list[str]:
+    """The issue's quality bars on one length of a held-out set (`scores_by_cell` of its records): each cell's share of
+    the full cache's hits kept with its 95% Wilson interval, and per bar "shown" (the interval's low end at or above
+    it), "met at point level" or "missed"."""
     rows = []
     for label, cell, ratio, bar in QUALITY_BARS:
         kept, hits = hits_kept(scores, cell, ratio)
@@ -901,7 +901,7 @@ def quality_bars(folder: str) -> list[str]:
 
 
 def heldout6_section() -> list[str]:
-    lines = held_out_set("The sixth held-out needle set",
+    return held_out_set("The sixth held-out needle set",
               f"The first five held-out sets have been run, each with too few of the full cache's hits (14–19 per length) for "
               f"a 95% interval to reach the issue's bars. This sixth set, sized for that and fixed in writing before any run "
               f"on it ([{HELDOUT6_PLAN}](../{HELDOUT6_PLAN})), checks the default in every mode as the fifth set did on 100 "
@@ -913,14 +913,7 @@ def heldout6_section() -> list[str]:
               f"([{HELDOUT6_KVZIP_PLAN}](../{HELDOUT6_KVZIP_PLAN})); the other prompt layouts are not in the set (the fifth "
               "set has them and KVzip at both lengths). Each length runs once and is reported as it came out; nothing was "
               "chosen on it.",
-              "heldout6", HELDOUT6_CELLS, HELDOUT6_BASELINES, default_cells=3)
-    out = []
-    for line in lines:  # each length's bars before its full-cache layout table
-        if line == "The full cache (kvcompress) under each prompt layout:":
-            length = int(next(l for l in reversed(out) if l.startswith("### ")).split()[1])
-            out += quality_bars(heldout_folder(length, name="heldout6"))
-        out.append(line)
-    return out
+              "heldout6", HELDOUT6_CELLS, HELDOUT6_BASELINES, default_cells=3, bars=True)
 
 
 def gpu_section() -> list[str]:

@@ -123,14 +123,13 @@ def test_a_cell_run_on_the_full_caches_hits_only_is_shown_with_its_flag_and_with
                          "--full-cache-hits --cells 'knorm'"]
 
 
-def test_quality_bars_say_shown_met_at_point_level_missed_or_not_run(report, monkeypatch):
+def test_quality_bars_say_shown_met_at_point_level_missed_or_not_run(report):
     hits = 60
     records = [_record("full", None, f"s{i}", float(i < hits)) for i in range(100)]
     kept = {(report.DEFAULT_CELL, 0.75): 60, (report.CHUNKED_CELL, 0.75): 52, (report.DECODE_CELL, 0.75): 50}  # prefill at 0.9 not run
     for (cell, ratio), n in kept.items():
         records += [_record(cell, ratio, f"s{i}", float(i < n)) for i in range(hits)]
-    monkeypatch.setattr(report, "harness_run", lambda folder: ({}, [], records))
-    table = "\n".join(report.quality_bars("results/x"))
+    table = "\n".join(report.quality_bars(report.scores_by_cell(records)))
     assert "| the default, prefill | 0.75 | ≥ 90 % | 60 of 60: 100 (94–100) | shown |" in table
     assert "| the default, chunked | 0.75 | ≥ 85 % | 52 of 60: 87 (76–93) | met at point level |" in table
     assert "| the default, decode | 0.75 | ≥ 85 % | 50 of 60: 83 (72–91) | missed |" in table
