@@ -113,6 +113,14 @@ def test_the_tuning_split_takes_only_tuning_seeds():
         T.niah_prose(500, seed=2000, split="heldout2")
 
 
+def test_every_split_reads_one_prose_source_in_the_order_the_splits_were_made():
+    """Each split of niah_prose has its text's source in `_PROSE_SOURCES`, in the order of `PROSE_POOLS` (a split's
+    sentences are its source's less every earlier split's), and a split that has none is an error naming them."""
+    assert [split for split, _, _ in T._PROSE_SOURCES] == list(T.PROSE_POOLS)
+    with pytest.raises(ValueError, match=r"split must be one of \('reported', 'tuning', .*'heldout6'\), got 'train'"):
+        T._prose_sentences("train")
+
+
 @pytest.mark.parametrize("split, name, seeds", [("heldout3", "HELDOUT3_SEEDS", range(4000, 5000)),
                                                 ("heldout4", "HELDOUT4_SEEDS", range(5000, 6000)),
                                                 ("heldout5", "HELDOUT5_SEEDS", range(6000, 7000)),

@@ -145,45 +145,39 @@ def _start(target_tokens, seed, tokenizer) -> tuple[random.Random, Callable[[Seq
     return random.Random(seed), token_counter(tokenizer)
 
 
+# The real-prose haystack's source per split of niah_prose, in the order the splits were made: (split, the function of
+# `capture` that gives its paragraphs, whether a sentence the source repeats is kept once). Each split's sentences are
+# its source's less every sentence an earlier split's source has, so no two splits share a sentence; a new split goes
+# last, which leaves every earlier split's sentences, and so its samples, as they were.
+_PROSE_SOURCES = (
+    ("reported", "prose_paragraphs", False),  # the Python language reference
+    ("tuning", "docstring_paragraphs", False),  # the standard library's docstrings
+    ("heldout", "manual_paragraphs", False),  # IDLE's user manual
+    ("heldout2", "notes_paragraphs", False),  # CPython's licence and IDLE's notes
+    ("heldout3", "changelog_paragraphs", False),  # IDLE's 2.x news and IDLEfork's change log
+    ("heldout4", "architecture_paragraphs", True),  # the email package's architecture notes, IDLE's notes on its tests, ...
+    ("heldout5", "idle_source_paragraphs", True),  # the docstrings of IDLE's own modules
+    ("heldout6", "idle_feature_paragraphs", True),  # the docstrings of the modules of IDLE's features
+)
+
+
 @functools.lru_cache(maxsize=None)
 def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
-    """The sentences of the real-prose haystack: the Python language reference (`capture.prose_paragraphs`) for reported
-    samples; for tuning samples the standard library's docstrings (`capture.docstring_paragraphs`), for held-out samples
-    IDLE's user manual (`capture.manual_paragraphs`), for the second held-out set CPython's licence and IDLE's notes
-    (`capture.notes_paragraphs`), for the third IDLE's 2.x news and IDLEfork's change log (`capture.changelog_paragraphs`),
-    for the fourth the email package's architecture notes, IDLE's notes on its tests and the email package's parsers'
-    docstrings (`capture.architecture_paragraphs`, each sentence once), for the fifth the docstrings of IDLE's own modules
-    (`capture.idle_source_paragraphs`, each sentence once), for the sixth the docstrings of the modules of IDLE's
-    features (`capture.idle_feature_paragraphs`, each sentence once), each less any sentence an earlier source has, so no
-    two share a sentence."""
-    from .capture import (architecture_paragraphs, changelog_paragraphs, docstring_paragraphs, idle_feature_paragraphs,
-                          idle_source_paragraphs, manual_paragraphs, notes_paragraphs, prose_paragraphs)
+    """The sentences of the real-prose haystack of `split` (`_PROSE_SOURCES`): its source's sentences of at least four
+    words, less any sentence an earlier split's source has, in order (each once where the source is so marked). Only
+    the sources up to `split`'s are read. ValueError for a split not in `_PROSE_SOURCES`."""
+    from . import capture
 
-    def sentences(paragraphs):
-        return tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4)
-
-    if split == "reported":
-        return sentences(prose_paragraphs())
-    earlier = set(_prose_sentences("reported"))
-    if split == "tuning":
-        return tuple(s for s in sentences(docstring_paragraphs()) if s not in earlier)
-    earlier |= set(_prose_sentences("tuning"))
-    if split == "heldout":
-        return tuple(s for s in sentences(manual_paragraphs()) if s not in earlier)
-    earlier |= set(_prose_sentences("heldout"))
-    if split == "heldout2":
-        return tuple(s for s in sentences(notes_paragraphs()) if s not in earlier)
-    earlier |= set(_prose_sentences("heldout2"))
-    if split == "heldout3":
-        return tuple(s for s in sentences(changelog_paragraphs()) if s not in earlier)
-    earlier |= set(_prose_sentences("heldout3"))
-    if split == "heldout4":
-        return tuple(dict.fromkeys(s for s in sentences(architecture_paragraphs()) if s not in earlier))
-    earlier |= set(_prose_sentences("heldout4"))
-    if split == "heldout5":
-        return tuple(dict.fromkeys(s for s in sentences(idle_source_paragraphs()) if s not in earlier))
-    earlier |= set(_prose_sentences("heldout5"))
-    return tuple(dict.fromkeys(s for s in sentences(idle_feature_paragraphs()) if s not in earlier))
+    earlier: set[str] = set()
+    for name, source, once in _PROSE_SOURCES:
+        paragraphs = getattr(capture, source)()
+        own = tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4 and s not in earlier)
+        if once:
+            own = tuple(dict.fromkeys(own))
+        if name == split:
+            return own
+        earlier.update(own)
+    raise ValueError(f"split must be one of {tuple(name for name, _, _ in _PROSE_SOURCES)}, got {split!r}")
 
 
 @functools.lru_cache(maxsize=1)
