@@ -1082,6 +1082,27 @@ PAIRED_NEEDLE_TABLES = [
       for suffix, length, title, sink in (
           ("", "2k", "", _SINK_QUANTIZED), ("_4k", "4k", "", _SINK_QUANTIZED),
           ("_exact_sink", "2k", ", the sink exact", _SINK_EXACT), ("_exact_sink_4k", "4k", ", the sink exact", _SINK_EXACT))],
+    *[(f"benchmarks/results/tuning/prefill_0.9_storage{suffix}.jsonl", f"The prefill default at 0.9: more slots in the same bytes ({length} tokens)",
+     "The default in prefill mode as it is at 0.9 (`q4m_0.9`: 4-bit slots in the bytes the ratio leaves, groups of 32, an "
+     "exact sink of 4 and window of 64 at full precision within those bytes) against the same with more, or differently "
+     "chosen, slots in the same bytes: no exact window or one of 16 tokens (`_window_0`, `_window_16`: at 2k tokens the "
+     "window's 64 full-precision slots take about a third of the bytes at 0.9; without it 4-bit slots hold about half the "
+     "context instead of 4 tokens in 10), groups of 64 (`q4g64m_0.9`, coarser scales), each score max-pooled over the 3 "
+     "tokens centred on it (`_span_3`, AdaKV's `span`: a kept token keeps its neighbours; at 2k only), each layer its "
+     "learned share of the budget (`_learned_split`, as the streams share it), and KVzip's exact scores from its "
+     "reconstruction forward in place of the surrogate's (`_kvzip`: what a perfect surrogate would keep, at several "
+     "times the cost). The default's rows reproduce, answer for answer, its rows in the tables at equal memory. "
+     f"`benchmarks/tuning/equal_memory.py` at {length} tokens in the default prompt layout on the tuning needles 1000-1029 "
+     "that the full cache finds (its rows are those of the tables at equal memory with the sink exact). Paired per needle "
+     "against `q4m_0.9`: won / lost, Newcombe's 95% interval of the difference in % found, sign test. Not adopted: "
+     "none keeps more than one needle more than the default at 2k or at 4k tokens, KVzip's exact scores included. Most "
+     "variants lose the default's misses too (needles 1003 and 1016 at 2k five and six of the eight, 1002 at 4k all six), "
+     "and every token kept in 4 bits at ratio 0 (`q4_0` in the tables at equal memory, the sink exact) loses 1016 at 2k "
+     "and 1002 at 4k as well: hits of the full cache that quantizing alone undoes. The runs went two or three processes side by "
+     "side on two cores, so the times are only indicative.",
+     ["variant", "mode", "ratio", "median_kv_over_full"], "paired vs the default at 0.9 (won / lost; diff; p)",
+     lambda variant: None if variant in ("full", "q4m_0.9") else "q4m_0.9")
+      for suffix, length in (("", "2k"), ("_4k", "4k"))],
 ]
 
 

@@ -19,7 +19,17 @@ every answer are in its row, `kv_over_full`, and the peak, `peak_over_full`, so 
   0.9 fewer slots with finer scales;
 - `q8m_0.75`, `q8m_0.9`, `q2m_0.9`: the default's method with 8 bits (fewer slots, finer codes: in prefill mode about
   8 in 10 middle tokens fit the bytes of 0.75 in float32) or 2 bits (more slots, coarser codes), the ratio read as memory;
-  in decode mode the stream stores each slot quantized as it enters (keys per slot, `quantization.QuantizedSlots`).
+  in decode mode the stream stores each slot quantized as it enters (keys per slot, `quantization.QuantizedSlots`);
+- `q4m_0.9_window_0`, `q4m_0.9_window_16`: `q4m_0.9` with no exact window or one of 16 tokens (the default's is 64, at
+  full precision within the ratio's bytes: about a third of them at 0.9 and 2k tokens), so that the bytes hold more
+  quantized slots, every token ranked by its score;
+- `q4g64m_0.9`: `q4m_0.9` with groups of 64 (coarser scales, more slots);
+- `q4m_0.9_span_3`, `q4m_0.9_window_0_span_3`: `q4m_0.9` and `q4m_0.9_window_0` with each score max-pooled over the 3
+  tokens centred on it before the ranking (AdaKV's `span`), so that a kept token keeps its neighbours;
+- `q4m_0.9_learned_split`: `q4m_0.9` with each layer given the share of the budget the scorer learned on its training
+  text, one ranking per layer (AdaKV's `layer_split="learned"`, as the streams share it), not one over every layer;
+- `q4m_0.9_kvzip`: `q4m_0.9` ranking by KVzip's exact scores (its reconstruction forward, about twice the prefill) in
+  place of the surrogate's: what a perfect surrogate would keep in the same bytes.
 
 One JSON line per (variant, mode, seed, length) goes to OUT in `kvzap_default.py`'s format (a rerun skips what is
 there), and the summary (`kvzap_default.summary_rows`: the full cache's hits each variant keeps, paired per needle, its
@@ -58,11 +68,25 @@ VARIANTS = {
     "q8m_0.75": (0.75, 8, 0.75),
     "q8m_0.9": (0.9, 8, 0.9),
     "q2m_0.9": (0.9, 2, 0.9),
+    "q4m_0.9_window_0": (0.9, 4, 0.9),
+    "q4m_0.9_window_16": (0.9, 4, 0.9),
+    "q4g64m_0.9": (0.9, 4, 0.9),
+    "q4m_0.9_span_3": (0.9, 4, 0.9),
+    "q4m_0.9_window_0_span_3": (0.9, 4, 0.9),
+    "q4m_0.9_learned_split": (0.9, 4, 0.9),
+    "q4m_0.9_kvzip": (0.9, 4, 0.9),
 }
 # the storage settings a variant adds to its bits (the default's group size and the ratio in tokens where it names none)
 STORAGE = {"q4m_0.9": {"budget_unit": "memory"}, "q4g16_0": {"kv_group_size": 16},
            "q4g16m_0.9": {"kv_group_size": 16, "budget_unit": "memory"}, "q8m_0.75": {"budget_unit": "memory"},
-           "q8m_0.9": {"budget_unit": "memory"}, "q2m_0.9": {"budget_unit": "memory"}}
+           "q8m_0.9": {"budget_unit": "memory"}, "q2m_0.9": {"budget_unit": "memory"},
+           "q4m_0.9_window_0": {"budget_unit": "memory", "window": 0}, "q4m_0.9_window_16": {"budget_unit": "memory", "window": 16},
+           "q4g64m_0.9": {"kv_group_size": 64, "budget_unit": "memory"},
+           "q4m_0.9_span_3": {"budget_unit": "memory"}, "q4m_0.9_window_0_span_3": {"budget_unit": "memory", "window": 0},
+           "q4m_0.9_learned_split": {"budget_unit": "memory"}, "q4m_0.9_kvzip": {"budget_unit": "memory"}}
+# the method parameters a variant adds to the default's
+METHOD_PARAMS = {"q4m_0.9_span_3": {"span": 3}, "q4m_0.9_window_0_span_3": {"span": 3},
+                 "q4m_0.9_learned_split": {"layer_split": "learned"}, "q4m_0.9_kvzip": {"scorer": "kvzip"}}
 
 
 def default_of_equal_memory(variant: str) -> tuple[str, None, float] | None:
@@ -96,12 +120,13 @@ def main() -> None:
                         settings = {"method": None}
                     else:
                         method, params, exact = DEFAULT_METHODS[mode]
-                        settings = dict(method=method, method_params=params, compression_ratio=ratio, kv_bits=bits, **without_storage(exact),
+                        settings = dict(method=method, method_params=params | METHOD_PARAMS.get(name, {}), compression_ratio=ratio, kv_bits=bits, **without_storage(exact),
                                         **STORAGE.get(name, {}))
                     start = time.perf_counter()
                     res = kvc.generate(model, tokenizer, sample.context, sample.question, mode=mode, max_new_tokens=args.new_tokens,
                                        progress=False, prompt_layout=DEFAULT_PROMPT_LAYOUT, **settings)
                     row = {"variant": name, "mode": mode, "seed": seed, "length": length, "ratio": ratio, "kv_bits": bits, **STORAGE.get(name, {}),
+                           **METHOD_PARAMS.get(name, {}),
                            "memory_of_ratio": memory, "hit": score(sample, res.text), "seconds": round(time.perf_counter() - start, 3),
                            "text": res.text, "answers": sample.answers, "kv_over_full": round(res.kv_bytes / res.kv_bytes_full, 4),
                            "peak_over_full": round(res.peak_kv_bytes / res.kv_bytes_full, 4), "threads": args.threads,
