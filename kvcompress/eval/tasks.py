@@ -165,19 +165,17 @@ _PROSE_SOURCES = (
 def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     """The sentences of the real-prose haystack of `split` (`_PROSE_SOURCES`): its source's sentences of at least four
     words, less any sentence an earlier split's source has, in order (each once where the source is so marked). Only
-    the sources up to `split`'s are read. ValueError for a split not in `_PROSE_SOURCES`."""
+    the sources up to `split`'s are read, each once (the earlier splits' sentences are this function's, cached).
+    ValueError for a split not in `_PROSE_SOURCES`."""
     from . import capture
 
-    earlier: set[str] = set()
-    for name, source, once in _PROSE_SOURCES:
-        paragraphs = getattr(capture, source)()
-        own = tuple(s for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4 and s not in earlier)
-        if once:
-            own = tuple(dict.fromkeys(own))
-        if name == split:
-            return own
-        earlier.update(own)
-    raise ValueError(f"split must be one of {tuple(name for name, _, _ in _PROSE_SOURCES)}, got {split!r}")
+    names = [name for name, _, _ in _PROSE_SOURCES]
+    if split not in names:
+        raise ValueError(f"split must be one of {tuple(names)}, got {split!r}")
+    _, source, once = _PROSE_SOURCES[names.index(split)]
+    earlier = set().union(*(_prose_sentences(name) for name in names[: names.index(split)]))
+    own = tuple(s for p in getattr(capture, source)() for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4 and s not in earlier)
+    return tuple(dict.fromkeys(own)) if once else own
 
 
 @functools.lru_cache(maxsize=1)
