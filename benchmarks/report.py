@@ -1070,9 +1070,9 @@ PAIRED_NEEDLE_TABLES = [
        + (" Also, at 4k: `q4m_0.9`, the default in prefill mode as it is at 0.9 (4 bits, the ratio read as memory), and "
           "`q4g16_0` and `q4g16m_0.9`, `q4_0` and `q4m_0.9` with groups of 16 (`kv_group_size=16`), paired against the "
           "default at full precision; against groups of 32, needle by needle, 1 won and 2 lost at 0.75's bytes, 1 won "
-          "and 0 lost at 0.9's. And the streams at 0.9's bytes at 4k, on the full cache's 17 hits only: `q8m_0.9` (the "
-          "streams' default there, 8-bit slots) keeps 14 in chunked and 14 in decode mode, `q4m_0.9` (4-bit slots) 12 and "
-          "14; the default at full precision did not run in those modes at 4k, so their paired column reads \"not run\"."
+          "and 0 lost at 0.9's. And `q8m_0.9` (the streams' default at 0.9, 8-bit slots) and `q4m_0.9` (4-bit slots) in "
+          "chunked and decode mode, on the full cache's 17 hits only; the default at full precision did not run in those "
+          "modes at 4k, so their paired column reads \"not run\"."
           if suffix == "_exact_sink_4k" else "")
        + (" Also: `q4m_0.9` (at 2k), `q8m_0.75` and `q8m_0.9`, the default in prefill mode at that ratio in 4 or 8 bits, the "
           "ratio read as memory (8-bit slots hold about 3 tokens in 4 at 0.75 and 3 in 10 at 0.9), and at 4k `q2m_0.9` in 2 "
@@ -1098,23 +1098,23 @@ PAIRED_NEEDLE_TABLES = [
      f"`benchmarks/tuning/equal_memory.py` at {length} tokens in the default prompt layout on the tuning needles 1000-1029 "
      "that the full cache finds (its rows are those of the tables at equal memory with the sink exact). Paired per needle "
      "against `q4m_0.9`: won / lost, Newcombe's 95% interval of the difference in % found, sign test. Not adopted: "
-     "none keeps more than one needle more than the default at 2k or at 4k tokens, KVzip's exact scores included. Most "
-     "variants lose the default's misses too (needles 1003 and 1016 at 2k five and six of the eight, 1002 at 4k all six), "
-     "and every token kept in 4 bits at ratio 0 (`q4_0` in the tables at equal memory, the sink exact) loses 1016 at 2k "
-     "and 1002 at 4k as well: hits of the full cache that quantizing alone undoes. The runs went two or three processes side by "
+     "none keeps more than one needle more than the default at 2k or at 4k tokens, KVzip's exact scores included; most "
+     "lose the default's misses too (below the table), as does every token kept in 4 bits at ratio 0 for some of them "
+     "(`q4_0` in the tables at equal memory, the sink exact): hits of the full cache that quantizing alone undoes. The runs went two or three processes side by "
      "side on two cores, so the times are only indicative.",
      ["variant", "mode", "ratio", "median_kv_over_full"], "paired vs the default at 0.9 (won / lost; diff; p)",
-     lambda variant: None if variant in ("full", "q4m_0.9") else "q4m_0.9")
+     lambda variant: None if variant in ("full", "q4m_0.9") else "q4m_0.9", "q4m_0.9")
       for suffix, length in (("", "2k"), ("_4k", "4k"))],
 ]
 
 
 def paired_needle_section(path: str, title: str, note: str, columns: list[str], label: str,
-                          reference: Callable[[str], str | tuple[str, str] | None]) -> list[str]:
+                          reference: Callable[[str], str | tuple[str, str] | None], misses_of: str | None = None) -> list[str]:
     """One of PAIRED_NEEDLE_TABLES: the record's `summary_rows` (their `columns`, then hits), each paired per needle (column
     `label`) against the variant `reference(variant)` names at the same ratio, in the same mode or, named as (variant,
     mode), in that mode, or, named as (variant, mode, ratio), at that ratio (mode None: the same mode; "–" where it
-    names none)."""
+    names none); with `misses_of`, a variant of the record, the full cache's hits it misses and the other variants that
+    miss each too (`shared_misses`)."""
     by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in map(json.loads, (ROOT / path).read_text().splitlines()):
         by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
@@ -1127,7 +1127,21 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
                                                        by_cell.get((other_variant, other_mode, other_ratio), {}))
         table.append({k: row[k] for k in [*columns, "needles", "full_cache_hits", "hits_kept"]} |
                      {label: paired, "median_time_over_full": row["median_time_over_full"]})
-    return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), ""]
+    shared = [] if misses_of is None else [shared_misses(by_cell, misses_of), ""]
+    return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), "", *shared]
+
+
+def shared_misses(by_cell: dict[tuple, dict[str, float]], variant: str) -> str:
+    """A sentence: the needles the full cache finds that `variant` misses (every one of its rows, any mode and ratio), and
+    for each the other variants that answered it and miss it too. `by_cell`: (variant, mode, ratio) -> {seed: hit}."""
+    found = {seed for (name, _, _), hits in by_cell.items() if name == "full" for seed, hit in hits.items() if hit >= 1}
+    missed = sorted({seed for (name, _, _), hits in by_cell.items() if name == variant
+                     for seed, hit in hits.items() if seed in found and hit < 1})
+    others = {cell: hits for cell, hits in by_cell.items() if cell[0] not in ("full", variant)}
+    parts = [f"{seed} ({sum(hits[seed] < 1 for hits in others.values() if seed in hits)} of "
+             f"{sum(seed in hits for hits in others.values())})" for seed in missed]
+    return (f"The full cache's hits `{variant}` misses, each with how many of the other variants that answered it miss it "
+            f"too: {', '.join(parts) if parts else 'none'}.")
 
 
 def needle_keep_section() -> list[str]:

@@ -13,7 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RECORD_TREES = ("results", "benchmarks/results")
 RUN_METADATA = {"results/runs.json", "benchmarks/results/runs.json"}
-# the records stay few: five held-out sets at two lengths and four layouts take 130 of them, the sixth's two folders 7
+# the records stay few: five held-out sets at two lengths and four layouts take 130 of them, the sixth's two folders 7,
+# the tuning records at 0.9's bytes 2
 MAX_RECORD_FILES = 273
 
 
@@ -134,3 +135,13 @@ def test_quality_bars_say_shown_met_at_point_level_missed_or_not_run(report):
     assert "| the default, chunked | 0.75 | ≥ 85 % | 52 of 60: 87 (76–93) | met at point level |" in table
     assert "| the default, decode | 0.75 | ≥ 85 % | 50 of 60: 83 (72–91) | missed |" in table
     assert "| the default, prefill | 0.9 | ≥ 85 % | not run | – |" in table
+
+
+def test_shared_misses_names_the_full_caches_hits_a_variant_misses_and_who_else_misses_them(report):
+    by_cell = {("full", "prefill", 0.0): {"1": 1.0, "2": 1.0, "3": 0.0, "4": 1.0},
+               ("base", "prefill", 0.9): {"1": 0.0, "2": 1.0, "3": 0.0, "4": 0.0},  # 3 is no hit of the full cache
+               ("wide", "prefill", 0.9): {"1": 0.0, "2": 0.0, "4": 1.0},
+               ("pooled", "prefill", 0.9): {"1": 1.0}}  # answered needle 1 only
+    assert report.shared_misses(by_cell, "base") == ("The full cache's hits `base` misses, each with how many of the other "
+                                                     "variants that answered it miss it too: 1 (1 of 2), 4 (0 of 1).")
+    assert report.shared_misses(by_cell, "pooled").endswith("miss it too: none.")

@@ -172,8 +172,9 @@ def _prose_sentences(split: str = "reported") -> tuple[str, ...]:
     names = [name for name, _, _ in _PROSE_SOURCES]
     if split not in names:
         raise ValueError(f"split must be one of {tuple(names)}, got {split!r}")
-    _, source, once = _PROSE_SOURCES[names.index(split)]
-    earlier = set().union(*(_prose_sentences(name) for name in names[: names.index(split)]))
+    index = names.index(split)
+    _, source, once = _PROSE_SOURCES[index]
+    earlier = set().union(*(_prose_sentences(name) for name in names[:index]))
     own = tuple(s for p in getattr(capture, source)() for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 4 and s not in earlier)
     return tuple(dict.fromkeys(own)) if once else own
 
