@@ -59,6 +59,13 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
         except ValueError as error:
             raise ValueError(f"--tokens {tokens} ({n_context} tokens with the chat template) is too short for --compression-ratio "
                              f"{compression_ratio} with {method}: {error}") from None
+        try:
+            kvc.CompressedCache(model, options)  # weights for another model (the default's scorer) are refused here, not mid-table
+        except SurrogateError as error:
+            if scorer is not None:
+                raise ValueError(f"--scorer {str(scorer)!r}: {error}") from None
+            raise ValueError(f"the default needs a KVzap scorer for this model: write one with `kvcompress train-scorer --model "
+                             f"... --out FILE` and pass --scorer FILE ({error})") from None
     print(f"context: {sample.n_tokens} tokens of real prose, needle at depth {sample.depths[0]:.0%}: {sample.needles[0]!r}")
     print(f"question: {sample.question}")
     print(f"compression ratio {compression_ratio} ({compression_ratio:.0%} of the context's KV bytes removed); "
@@ -69,12 +76,8 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
         size = {} if method is None else {"compression_ratio": compression_ratio}
         chosen = default if method == DEFAULT else {"method": method}
         start = time.perf_counter()
-        try:
-            res = kvc.generate(model, tokenizer, sample.context, sample.question, max_new_tokens=max_new_tokens, progress=False,
-                               **chosen, **size)
-        except SurrogateError as error:
-            raise ValueError(f"the default needs a KVzap scorer for this model: write one with `kvcompress train-scorer --model "
-                             f"... --out FILE` and pass --scorer FILE ({error})") from None
+        res = kvc.generate(model, tokenizer, sample.context, sample.question, max_new_tokens=max_new_tokens, progress=False,
+                           **chosen, **size)
         seconds = time.perf_counter() - start
         answer = res.text.strip()
         correct = score(sample, answer) == 1.0

@@ -480,17 +480,30 @@ def test_default_cost_divides_each_cell_by_plain_generates_of_its_own(default_mo
 
 @pytest.mark.e2e
 @pytest.mark.smoke
-def test_default_cost_measures_each_cell_in_a_fresh_process_by_default(tmp_path):
-    """benchmarks/default_cost.py's default `--pairing process`: one fresh process per cell, each row that cell's, and the
-    `plain` row the median of the cells' plain medians."""
+def test_default_cost_measures_each_cell_in_a_fresh_process_by_default(default_model, tmp_path, monkeypatch):
+    """benchmarks/default_cost.py's default `--pairing process`: one command line of this script per cell (`--pairing
+    cell`, that cell alone), each row that cell's, and the `plain` row the median of the cells' plain medians. The
+    children's command lines run here, in this process (a fresh process each costs some 6 s of imports and loading)."""
     import csv
     import statistics
-    import subprocess
     import sys
 
+    default_cost = _script("default_cost.py")
+    children = []
+
+    def child(argv, check):  # what the fresh process runs: this script's main() on its command line
+        assert argv[:2] == [sys.executable, default_cost.__file__] and check
+        children.append(argv[argv.index("--modes") + 1])
+        monkeypatch.setattr(sys, "argv", ["default_cost.py", *argv[2:]])
+        default_cost.main()
+
+    monkeypatch.setattr(default_cost.subprocess, "run", child)
+    monkeypatch.setattr(default_cost.kvc, "load_model", lambda: default_model)
     out = tmp_path / "cost.csv"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "default_cost.py"), "--lengths", "160", "--modes", "prefill,decode",
-                    "--ratios", "0.5", "--repeats", "1", "--warmup", "0", "--new-tokens", "2", "--out", str(out)], check=True, cwd=REPO)
+    monkeypatch.setattr(sys, "argv", ["default_cost.py", "--lengths", "160", "--modes", "prefill,decode", "--ratios", "0.5",
+                                      "--repeats", "1", "--warmup", "0", "--new-tokens", "2", "--out", str(out)])
+    default_cost.main()
+    assert children == ["prefill", "decode"]
     rows = list(csv.DictReader(out.open()))
     assert [r["mode"] for r in rows] == ["generate", "prefill", "decode"]
     assert all(r["pairing"] == "process" for r in rows)

