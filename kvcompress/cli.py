@@ -10,6 +10,7 @@ argument errors answer at once. No library module imports from here.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 from .commands.common import ArgumentParser
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as err:
-        print(f"kvcompress {args.command}: error: {err}", file=sys.stderr)
+        print(f"kvcompress {args.command}: error: {as_flag(str(err), parser.subcommands[args.command])}", file=sys.stderr)
         return 2
     except ImportError as err:
         from .checks import MissingPackage  # here, not at the top: the parser runs without torch
@@ -50,6 +51,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvcompress {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def as_flag(message: str, subparser: ArgumentParser) -> str:
+    """A library error that starts with the Python name of a parameter the command has a flag for, with that flag in its
+    place: "compression_ratio must be in [0, 1), got 1.5" -> "--compression-ratio must be in [0, 1), got 1.5". Any
+    other message is returned as it is."""
+    leading = re.match(r"([a-z][a-z0-9_]*)(?=[ (:])", message)
+    if leading is None:
+        return message
+    flags = {action.dest: action.option_strings[-1] for action in subparser._actions
+             if action.option_strings and action.option_strings[-1].startswith("--")}
+    flag = flags.get(leading.group(1))
+    return message if flag is None else flag + message[leading.end():]
 
 
 if __name__ == "__main__":

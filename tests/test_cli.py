@@ -96,7 +96,8 @@ def test_generate_compresses_at_the_ratio_a_calibration_file_chooses(tiny_checkp
 
 
 def test_generate_refuses_a_calibration_of_another_method_with_the_error_python_gives(context_file, tmp_path, capsys):
-    """One check, in CompressionOptions, for the command line and Python alike; refused before a model loads."""
+    """One check, in CompressionOptions, for the command line and Python alike; refused before a model loads, the command
+    line's message naming the flag."""
     from kvcompress.options import CompressionOptions
 
     path = tmp_path / "compactor.json"
@@ -106,7 +107,8 @@ def test_generate_refuses_a_calibration_of_another_method_with_the_error_python_
     assert "fitted for method 'compactor', got method='keydiff'" in str(python.value)
     assert main(["generate", "--model", str(tmp_path / "no-model"), "--method", "keydiff", "--calibration", str(path), "--quality", "0.9",
                  "--context-file", str(context_file)]) == 2
-    assert capsys.readouterr().err.strip() == f"kvcompress generate: error: {python.value}"
+    # the same words, the parameter named by its flag (`cli.as_flag`)
+    assert capsys.readouterr().err.strip() == f"kvcompress generate: error: --{python.value}"
 
 
 def test_generate_refuses_a_calibration_fitted_on_another_model(context_file, tmp_path, capsys):
@@ -193,3 +195,17 @@ def test_the_slack_help_states_the_defaults_the_library_uses():
     text = " ".join(next(a.help for a in generate._actions if "--slack" in a.option_strings).split())
     assert f"the default method's {DEFAULT_METHODS['chunked'][2]['slack']}, back to 10/11" in text
     assert f"any other method's {DEFAULT_SLACK}, back to 2/3" in text
+
+
+def test_a_library_error_names_the_flag_of_the_parameter_it_starts_with():
+    """`cli.as_flag`: a message that starts with a parameter's Python name followed by a space, "(" or ":" names the
+    subcommand's flag instead; a name given with its value (`kv_bits='auto'`), a word no flag has and a flag of another
+    subcommand are left as they are."""
+    from kvcompress.cli import as_flag, build_parser
+
+    generate = build_parser().subcommands["generate"]
+    assert as_flag("compression_ratio must be in [0, 1), got 1.5", generate) == "--compression-ratio must be in [0, 1), got 1.5"
+    assert as_flag("budget must be an integer >= 1, got 0", generate) == "--budget must be an integer >= 1, got 0"
+    assert as_flag("quality (the NLL-ratio budget gamma) must be in (0, 1]", generate) == "--quality (the NLL-ratio budget gamma) must be in (0, 1]"
+    for unchanged in ("kv_bits='auto' picks the bits", "the context is empty", "context_fraction must be in (0, 1)", ""):
+        assert as_flag(unchanged, generate) == unchanged
