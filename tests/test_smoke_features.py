@@ -384,10 +384,16 @@ def test_cli_train_scorer_then_generate_with_it(cli, doc, tmp_path):
 
 
 @pytest.mark.smoke
-def test_cli_demo_at_a_short_context(cli):
+def test_cli_demo_at_a_short_context(cli, monkeypatch):
     """`kvcompress demo` (what `make demo` runs), at 256 tokens with one method named: the needle, and the table with the
-    full cache's row (which finds it) and the method's."""
+    full cache's row (which finds it) and the method's; the rows answer after one untimed answer of the full cache."""
+    import kvcompress as kvc
+
+    calls, generate = [], kvc.generate
+    monkeypatch.setattr(kvc, "generate", lambda *args, **kwargs: calls.append((kwargs.get("method", "default"), kwargs["max_new_tokens"]))
+                        or generate(*args, **kwargs))
     out = cli("demo", "--tokens", 256, "--methods", "keydiff", "--compression-ratio", "0.5", "--threads", torch.get_num_threads())  # as it is: the flag parses and applies
+    assert calls == [(None, 1), ("default", 16), (None, 16), ("keydiff", 16)], calls
     assert re.search(r"^context: \d+ tokens.*needle at depth \d+%", out, re.M), out
     assert re.search(r"^full\s+yes\s", out, re.M) and re.search(r"^keydiff\s+(yes|no)\s.*\d+%", out, re.M), out
 
