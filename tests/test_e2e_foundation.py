@@ -49,7 +49,7 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert main(["generate", "--method", "nope", "--budget", "8", "--context-file", str(context)]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
     assert main(["generate", "--method", "knorm", "--compression-ratio", "1.2", "--context-file", str(context)]) == 2
-    assert "compression_ratio must be in [0, 1)" in capsys.readouterr().err
+    assert "error: --compression-ratio must be in [0, 1)" in capsys.readouterr().err
     assert main(["generate", "--method", "knorm", "--budget", "8", "--context-file", str(tmp_path / "missing.txt")]) == 2
 
 
