@@ -50,23 +50,20 @@ def run_demo(methods=DEFAULT_METHODS, compression_ratio=0.75, tokens=700, depth=
     default = {"method": DEFAULT} if scorer is None else {"method": name, **params, **exact, "scorer_params": {"scorer": str(scorer)}}
     n_context = build_prompt(tokenizer, sample.context, sample.question)[0].shape[1]
     for method in (DEFAULT, *methods):  # every budget before the first line is printed
-        try:
+        try:  # the method itself (with --scorer, its scorer file; weights for another model refused with the cache), not the length
             options = CompressionOptions.build(**(default if method == DEFAULT else {"method": method}),
                                                compression_ratio=compression_ratio)
-        except ValueError as error:  # the method itself (with --scorer, its scorer file), not the length
+            kvc.CompressedCache(model, options)
+        except ValueError as error:
+            if method == DEFAULT and scorer is None and isinstance(error, SurrogateError):
+                raise ValueError(f"the default needs a KVzap scorer for this model: write one with `kvcompress train-scorer --model "
+                                 f"... --out FILE` and pass --scorer FILE ({error})") from None
             raise ValueError(f"{'--scorer ' + repr(str(scorer)) if method == DEFAULT and scorer is not None else method}: {error}") from None
         try:
             options.token_budget_for(n_context)
         except ValueError as error:
             raise ValueError(f"--tokens {tokens} ({n_context} tokens with the chat template) is too short for --compression-ratio "
                              f"{compression_ratio} with {method}: {error}") from None
-        try:
-            kvc.CompressedCache(model, options)  # weights for another model (the default's scorer) are refused here, not mid-table
-        except SurrogateError as error:
-            if scorer is not None:
-                raise ValueError(f"--scorer {str(scorer)!r}: {error}") from None
-            raise ValueError(f"the default needs a KVzap scorer for this model: write one with `kvcompress train-scorer --model "
-                             f"... --out FILE` and pass --scorer FILE ({error})") from None
     print(f"context: {sample.n_tokens} tokens of real prose, needle at depth {sample.depths[0]:.0%}: {sample.needles[0]!r}")
     print(f"question: {sample.question}")
     print(f"compression ratio {compression_ratio} ({compression_ratio:.0%} of the context's KV bytes removed); "
