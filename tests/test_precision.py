@@ -234,7 +234,8 @@ def test_answer_past_max_positions_is_refused_before_any_work():
     on every path that answers (one prompt, many questions over one context, a saved cache)."""
     model = tiny_model()
     check_context_length(model, 500, 13)  # 500 + 12 fed answer tokens = 512 positions
-    with pytest.raises(ValueError, match="the prompt has 600 tokens but the model takes at most max_position_embeddings=512; shorten"):
+    with pytest.raises(ValueError, match="the prompt has 600 tokens but the model takes at most max_position_embeddings=512; shorten the context by at least 103 tokens "
+                                         r"\(the prompt and the 15 answer tokens fed back must fit 512 positions\)"):
         check_context_length(model, 600, 16)  # the prompt alone is too long: fewer new tokens would not help
     with pytest.raises(ValueError, match=r"max_new_tokens=14: the answer would reach position 513 .*max_position_embeddings=512; lower max_new_tokens to 13"):
         generate_ids(model, torch.zeros(1, 490, dtype=torch.long), torch.zeros(1, 10, dtype=torch.long), method="snapkv",

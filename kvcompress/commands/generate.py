@@ -46,7 +46,8 @@ def add_compression_args(p, later_questions: bool = False) -> None:
                         f"'{KVZIP_REFIT}' (prefill only: the slow default before KVzap, KVzip's exact scores and a refit); with "
                         "--calibration, the method it was fitted for")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context's tokens removed, in [0, 1)")
+    size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context removed, in [0, 1): of its tokens, or of its KV bytes with --budget-unit "
+                      "memory (the default method's)")
     size.add_argument("--budget", type=int, default=None, help="tokens kept per KV head besides the exact sink and window (>= 1)")
     size.add_argument("--calibration", type=Path, default=None, metavar="FILE",
                       help="a calibration file written by `kvcompress calibrate`: the compression ratio is chosen for this context "

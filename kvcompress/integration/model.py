@@ -183,7 +183,8 @@ def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:
     if n_tokens > limit:  # the prompt alone: fewer answer tokens would not help
         raise ValueError(
             f"the prompt has {n_tokens} tokens but the model takes at most max_position_embeddings={limit}; "
-            f"shorten the context to {limit} tokens or fewer"
+            f"shorten the context by at least {positions - limit} tokens (the prompt and the "
+            f"{max(max_new_tokens - 1, 0)} answer tokens fed back must fit {limit} positions)"
         )
     raise ValueError(
         f"the prompt has {n_tokens} tokens and max_new_tokens={max_new_tokens}: the answer would reach position {positions} "
