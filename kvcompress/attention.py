@@ -211,10 +211,13 @@ def _held_then_block_parts(queries, keys, values, log_weights, scale) -> list[tu
     one bias row per head broadcast over the queries: a view, the [B,H_kv,group·q,n] mask of the one-call form is
     never written; left out when nothing is held), then over their own block, causal. A head with no finite
     log-weight among its held slots contributes nothing (the kernel returns 0 and a log-sum-exp of 0 for such a row,
-    so its log-sum-exp is set to -inf here), as does a block slot of log-weight -inf."""
+    so its log-sum-exp is set to -inf here), as does a block slot of log-weight -inf. A decode step (q = 1) sees every
+    slot, its own included: one call over all n, one part."""
     b, hq, nq, d = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
     group, held = hq // hkv, n - nq
+    if nq == 1:
+        return [_every_slot_part(queries, keys, values, log_weights, scale)]
     own_keys, own_values = (t[:, :, held:].repeat_interleave(group, 1) for t in (keys, values))
     own_weights = None if log_weights is None else log_weights[:, :, held:]
     if own_weights is None or bool((own_weights == 0).all()):  # the block's own tokens, exact (one host read per block)
@@ -227,13 +230,25 @@ def _held_then_block_parts(queries, keys, values, log_weights, scale) -> list[tu
         own_lse = own_lse.masked_fill(unseen.repeat_interleave(group, 1), float("-inf"))
     if held == 0:
         return [(own, own_lse)]
+    held_part = _every_slot_part(queries, keys[:, :, :held], values[:, :, :held],
+                                 None if log_weights is None else log_weights[:, :, :held], scale)
+    return [held_part, (own, own_lse)]
+
+
+def _every_slot_part(queries, keys, values, log_weights, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [B,H_q,q,d_v], log-sum-exp [B,H_q,q] float32) of the queries over keys/values [B,H_kv,n,*], every slot
+    visible to every query: one flash-attention call, the GQA group folded into the query axis, the log-weights
+    [B,H_kv,n] (or None) one bias row per head broadcast over the queries (a view). A head with no finite log-weight
+    contributes nothing (log-sum-exp -inf)."""
+    b, hq, nq, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group = hq // hkv
     folded = queries.reshape(b, hkv, group * nq, d)
-    bias = None if log_weights is None else log_weights[:, :, None, :held].to(queries.dtype).expand(b, hkv, group * nq, held)
-    out, lse = _FLASH_WITH_LOGSUMEXP(folded, keys[:, :, :held], values[:, :, :held], 0.0, False, attn_mask=bias, scale=scale)
-    lse = lse.reshape(b, hkv, group, nq)
+    bias = None if log_weights is None else log_weights[:, :, None, :].to(queries.dtype).expand(b, hkv, group * nq, n)
+    out, lse = _FLASH_WITH_LOGSUMEXP(folded, keys, values, 0.0, False, attn_mask=bias, scale=scale)
     if log_weights is not None:
-        lse = lse.masked_fill(~torch.isfinite(log_weights[:, :, :held]).any(-1)[:, :, None, None], float("-inf"))
-    return [(out.reshape(b, hq, nq, -1), lse.reshape(b, hq, nq)), (own, own_lse)]
+        lse = lse.masked_fill(~torch.isfinite(log_weights).any(-1)[:, :, None], float("-inf"))
+    return out.reshape(b, hq, nq, -1), lse.reshape(b, hq, nq)
 
 
 def _packed_parts(queries, packed: RaggedSummary, scale) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -143,6 +143,7 @@ class CompressedLayer(CacheLayerMixin):
         # packed parts of what is stored (`view_packed`, RaggedSummary, attended where they are)
         self.view: KVSummary | None = None
         self.view_packed: list[RaggedSummary] = []
+        self.view_is_tail = False  # the view is the exact tail then the block, all of it: commit() keeps it as the tail
         self.seen = 0
         self.rows: int | None = None  # the batch rows of what is stored (None before the first block; 1: shared by any rows)
         self.budgets: list[int] = []  # the middle budget each batch row was compressed to
@@ -197,6 +198,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += n
         new = KVSummary.exact(key_states, value_states, positions)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes() + new.nbytes())
+        self.view_is_tail = False
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
             self.view_packed = []
@@ -206,7 +208,9 @@ class CompressedLayer(CacheLayerMixin):
         else:  # the packed parts stay where they are stored (`attention.packed_then_causal_attention`), the rest is copied once
             parts = [*self._stored_parts(), new]
             self.view_packed = [p for p in parts if isinstance(p, RaggedSummary)]
-            view = concat([p for p in parts if not isinstance(p, RaggedSummary)])
+            exact = [p for p in parts if not isinstance(p, RaggedSummary)]
+            view = concat(exact)
+            self.view_is_tail = not isinstance(self.front, Stream) and all(p is self.tail or p is new for p in exact)
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
@@ -265,7 +269,9 @@ class CompressedLayer(CacheLayerMixin):
         # cache's method takes none
         hidden_states = per_head(hidden_states, keys.shape[1]) if self.cache.plan.hidden_states else None
         real, rope_positions = self.pending_real, self.pending_rope_positions
+        view = self.view if self.view_is_tail else None  # the tail and the block, padding slots -inf (`mask_padding`)
         self.pending, self.pending_real, self.pending_rope_positions, self.view, self.view_packed = None, None, None, None, []
+        self.view_is_tail = False
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
             options.compressor.check_context(reconstructed=False)  # a plain forward's queries: refused by KVzip
@@ -291,6 +297,10 @@ class CompressedLayer(CacheLayerMixin):
                                     options.slack, self.cache._unrotate, self.kv_bits, options.kv_group_size)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
+            return
+        elif view is not None:  # `update` joined the tail and the block already
+            del view.keys.kvcompress_layer
+            self.tail = view
             return
         else:
             block = KVSummary.exact(keys, values, positions)

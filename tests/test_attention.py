@@ -112,7 +112,8 @@ def test_causal_tail_equals_query_positions_with_weights_and_empty_slots(held, d
 def test_packed_slots_are_attended_where_they_are_stored(nq, weighted, dtype):
     """`packed_then_causal_attention` (each packed head's run attended as stored, the parts merged by log-sum-exp) is
     the causal-tail attention over the packed slots unpacked before the summary: heads that keep different numbers of
-    slots, one that keeps none, weighted packed slots, and a summary of held slots before the block included."""
+    slots, one that keeps none, weighted packed slots, and a summary of held slots before the block included (weighted:
+    one head's held slots there all empty, so that a decode step's query, q = 1, sees only its own slot of it)."""
     from kvcompress.attention import packed_then_causal_attention
     from kvcompress.ragged import RaggedSummary, concat_parts
 
@@ -124,6 +125,10 @@ def test_packed_slots_are_attended_where_they_are_stored(nq, weighted, dtype):
     packed = RaggedSummary.of(KVSummary(k[:, :, :30], v[:, :, :30], log_weights, torch.arange(30).expand(2, 3, 30)))
     assert (packed.log_weights is None) != weighted and int(packed.counts[1, 2]) == 0
     rest = KVSummary.exact(k[:, :, 30:], v[:, :, 30:], torch.arange(30, 34 + nq))
+    if weighted:
+        rest_weights = rest.log_weights.clone()
+        rest_weights[0, 1, :4] = float("-inf")
+        rest = KVSummary(rest.keys, rest.values, rest_weights, rest.positions)
     got = packed_then_causal_attention(q, [packed], rest)
     want = kvc.weighted_attention(q.float(), concat_parts([packed, rest]).to(torch.float32), causal_tail=True)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

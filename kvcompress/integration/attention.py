@@ -64,10 +64,10 @@ def _compresses_with_attention_mass(layer) -> bool:
     stored yet, no padding) and its method scores with the full attention mass
     (`Requirements.inputs` "attention_mass"): the attention then goes through `causal_attention_with_mass`."""
     options = layer.cache.options
-    return (
-        options.compressor.requirements.needs("attention_mass")
+    return (  # the cheap checks first: a decode step stops at the first
+        layer.front is None
         and options.mode == "prefill"
-        and layer.front is None
+        and options.compressor.requirements.needs("attention_mass")
         and not has_padding(layer.pending_real)
     )
 
