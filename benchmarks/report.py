@@ -611,14 +611,13 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "The default as it is (`kv_bits=\"auto\"`: 8-bit slots at 0.75, 4-bit slots at 0.9) at 4k tokens and ratios 0.75 and "
      "0.9, with an answer of 64 tokens rather than 8 "
      "(`--new-tokens 64`): each decode step dequantizes the whole context again, so a longer answer pays it more often. "
-     "From commit 6a24db7 on (a packed context's keys dequantized head run by head run, each group's scale and zero point "
-     "broadcast rather than gathered per slot, 8-bit values read as stored; the record before it is in git), with another "
-     "cost run on the other core.",
+     "From commit 407dcd2 on (a decode step attends the exact tail and its own token in one call, the tail copied once per "
+     "step; the records before it are in git), alone on the machine.",
      cost_table),
     ("benchmarks/results/default_cost_streams_answer64.csv", "What one answer costs: the default in chunked and decode modes, 64 answer tokens",
      "The streams' default as it is (8-bit slots, the ratio read as memory) at 4k tokens and ratio 0.75 with an answer of "
-     "64 tokens, each cell in a fresh process as above, from commit 6a24db7 on (its first two minutes beside another cost "
-     "run on the other core, then alone).",
+     "64 tokens, each cell in a fresh process as above, from commit 407dcd2 on, alone on the machine (the record before it "
+     "is in git).",
      cost_table),
     ("benchmarks/results/default_cost_chunk.csv", "What one answer costs: the streams' prompt in blocks of 256 tokens and of 128",
      "The streams at full precision (`streams_full_precision`) with the prompt fed in blocks of 256 tokens (the library's "

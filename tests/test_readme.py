@@ -26,6 +26,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -249,9 +250,10 @@ def argv(command: str) -> list[str]:
 
 
 def run_shell(command: str, cwd: Path, timeout: int = 600) -> str:
-    """Run one README command with bash in `cwd`, the venv's python and kvcompress first on PATH; its stdout."""
+    """Run one README command with bash in `cwd`, the venv's python and kvcompress first on PATH, at this test process's
+    torch threads (conftest.py's: one per xdist worker, so that a command does not crowd the other worker); its stdout."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": os.environ.get("KVCOMPRESS_TEST_THREADS", "2")}
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{command}\nexit {done.returncode}\n{done.stderr[-3000:]}"
     return done.stdout
