@@ -49,7 +49,7 @@ import json
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -296,11 +296,11 @@ class CompressedLayer(CacheLayerMixin):
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, self.kv_bits, options.kv_group_size)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
-        elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update()
+        elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update(), with gradients on if they were
+            self.front.detach_()
             return
-        elif view is not None:  # `update` joined the tail and the block already
-            del view.keys.kvcompress_layer
-            self.tail = view
+        elif view is not None:  # `update` joined the tail and the block already (with gradients on if they were)
+            self.tail = replace(view, keys=view.keys.detach(), values=view.values.detach())
             return
         else:
             block = KVSummary.exact(keys, values, positions)

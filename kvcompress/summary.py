@@ -330,6 +330,10 @@ class _GrowingSlots(Saveable):
             buffer[:, :, self.length : need] = part
         self.length = need
 
+    def detach_(self) -> None:
+        """Keep the tensors apart from any autograd graph an append under gradients tied them to (no copy)."""
+        self.tensors = tuple(t.detach() for t in self.tensors)
+
     @property
     def width(self) -> int:
         """Columns stored."""
@@ -376,6 +380,13 @@ class SlotBuffer:
             self.denominator.append((den.keys, den.log_weights, den.positions), most=most)
         self.eviction_only = self.eviction_only and part.eviction_only
         return self.summary()
+
+    def detach_(self) -> None:
+        """Keep the stored slots apart from the autograd graph of a forward with gradients on, whose block `append` wrote
+        in place (a stored state never holds a graph: a second backward would run through the first's)."""
+        self.slots.detach_()
+        if self.denominator is not None:
+            self.denominator.detach_()
 
     def summary(self) -> KVSummary:
         keys, values, log_weights, positions = self.slots.view()

@@ -302,16 +302,20 @@ def test_a_forward_with_gradients_on_runs_through_a_compressed_cache(method, mod
     """A plain `model(...)` outside torch.no_grad: compression runs without gradients and the attention with them, so
     the logits are the ones a no-grad forward gives and can be differentiated, including for methods whose tensor code
     writes into preallocated outputs (out= products) and H2O's prefill attention, which computes the attention mass as
-    it attends."""
+    it attends. What the cache stores never holds the graph (a block appended in place, a tail joined with the block), so
+    a later forward with gradients on runs its own backward."""
     model = tiny()
-    ids = _prompt(n=96)[0]
+    ids = _prompt(n=104)[0]
     logits = []
     for grad in (False, True):
-        cache = CompressedCache(model, method, budget=16, mode=mode, **({} if mode == "prefill" else {"stream_length": 96}))
+        cache = CompressedCache(model, method, budget=16, mode=mode, **({} if mode == "prefill" else {"stream_length": 104}))
         with torch.set_grad_enabled(grad):
             model(ids[:, :64], past_key_values=cache)
-            logits.append(model(ids[:, 64:], past_key_values=cache).logits)
+            logits.append(model(ids[:, 64:96], past_key_values=cache).logits)
     assert logits[1].requires_grad and not logits[0].requires_grad
     torch.testing.assert_close(logits[1].detach(), logits[0], rtol=1e-4, atol=1e-5)
     logits[1].sum().backward()
     assert next(model.parameters()).grad is not None
+    stored = [t for layer in cache.layers for part in layer._stored_parts() for t in (part.keys, part.values)]
+    assert stored and not any(t.requires_grad for t in stored)
+    model(ids[:, 96:], past_key_values=cache).logits.sum().backward()  # the next block's own graph
