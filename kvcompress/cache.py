@@ -270,8 +270,7 @@ class CompressedLayer(CacheLayerMixin):
         hidden_states = per_head(hidden_states, keys.shape[1]) if self.cache.plan.hidden_states else None
         real, rope_positions = self.pending_real, self.pending_rope_positions
         view = self.view if self.view_is_tail else None  # the tail and the block, padding slots -inf (`mask_padding`)
-        self.pending, self.pending_real, self.pending_rope_positions, self.view, self.view_packed = None, None, None, None, []
-        self.view_is_tail = False
+        self._forget_block()
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
             options.compressor.check_context(reconstructed=False)  # a plain forward's queries: refused by KVzip
@@ -477,8 +476,15 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def _forget_block(self) -> None:
+        """Drop the pending block and the view of it (committed, or left by a forward that stopped before its attention
+        committed it: `reset` and `restore` start over without it)."""
+        self.pending, self.pending_real, self.pending_rope_positions, self.view, self.view_packed = None, None, None, None, []
+        self.view_is_tail = False
+
     def reset(self) -> None:
-        self.front = self.tail = self.pending = self.pending_real = self.rows = None
+        self._forget_block()
+        self.front = self.tail = self.rows = None
         self.seen = 0
         self.budgets, self.kv_bits = [], None
         self.stats = LayerStats()
@@ -522,6 +528,7 @@ class CompressedLayer(CacheLayerMixin):
     def restore(self, state) -> None:
         """Take back a `snapshot()`: what is stored, the tokens seen, the rows, the budgets it was compressed to and the
         bits it stores them in."""
+        self._forget_block()
         front, self.tail, self.seen, self.rows, budgets, self.kv_bits = state
         self.front, self.budgets = _frozen(front, self.cache.stream_links()), list(budgets)
         if self.seen and not self.is_initialized:  # restored into a fresh cache: its dtype and device are the state's

@@ -637,6 +637,34 @@ def test_a_snapshot_restores_into_a_reset_or_a_fresh_cache(family, tmp_path):
     assert kvc.load_cache(tmp_path / "restored.kvc", model).middle_budget() == alone.middle_budget()
 
 
+@pytest.mark.parametrize("method", ["keydiff", "adakv"])  # a block appended in place; a packed context and its tail
+def test_a_forward_stopped_before_its_commit_is_forgotten_by_restore_and_reset(method):
+    """A forward that stops between a layer's update and its commit (an error in the model, Ctrl-C) leaves that layer's
+    block pending; `restore(snapshot)` and `reset()` then restore start over without it, so the cache answers again as
+    it did."""
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, ctx, question = tiny("llama"), _ids(150), _ids(8, 2)
+    cache = compress_context_ids(model, ctx, method=method, compression_ratio=0.5)
+    snapshot = cache.snapshot()
+    (reference,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=6, stop_at_eos=False)
+
+    def stopped(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    for start_over in (lambda: cache.restore(snapshot), lambda: (cache.reset(), cache.restore(snapshot))):
+        cache.restore(snapshot)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(CompressedLayer, "commit", stopped)
+            with pytest.raises(KeyboardInterrupt), torch.no_grad():
+                model(question, past_key_values=cache)
+        assert any(layer.pending is not None for layer in cache.layers if isinstance(layer, CompressedLayer))
+        start_over()
+        (again,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=6, stop_at_eos=False)
+        assert again.token_ids == reference.token_ids
+
+
 @pytest.mark.parametrize("mode", ["chunked", "decode"])
 def test_a_stream_that_scores_rows_together_takes_one_row(mode):
     """AdaKV over SnapKV pads each head of a stream's batch to the longest head of the batch, and SnapKV's softmax and
