@@ -186,8 +186,10 @@ class CompressedLayer(CacheLayerMixin):
         self.rows = rows
         if self.pending is not None:
             raise RuntimeError(
-                "a CompressedCache layer got a new block before the previous one was committed: the model must run "
-                "with the 'kvcompress' attention implementation (kvcompress.integration.use_compressed_attention)"
+                f"layer {self.layer_idx} of a CompressedCache got a new block before the previous one was committed: either the "
+                "model runs without the 'kvcompress' attention implementation (kvcompress.integration.use_compressed_attention), "
+                "or an earlier forward stopped before this layer's attention ran (an error, an interrupt), leaving the cache's "
+                "layers at different tokens; roll it back with cache.restore(snapshot) or start over with cache.reset()"
             )
         n = key_states.shape[2]
         if n == 1 and self.front is not None and self.cache.prompt_ends_at_first_step and self.cache.absorbing:

@@ -660,6 +660,9 @@ def test_a_forward_stopped_before_its_commit_is_forgotten_by_restore_and_reset(m
             with pytest.raises(KeyboardInterrupt), torch.no_grad():
                 model(question, past_key_values=cache)
         assert any(layer.pending is not None for layer in cache.layers if isinstance(layer, CompressedLayer))
+        with pytest.raises(RuntimeError, match=r"an earlier forward stopped .* cache\.restore\(snapshot\) or start over with cache\.reset\(\)"):
+            with torch.no_grad():
+                model(question, past_key_values=cache)
         start_over()
         (again,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=6, stop_at_eos=False)
         assert again.token_ids == reference.token_ids
