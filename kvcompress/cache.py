@@ -144,6 +144,8 @@ class CompressedLayer(CacheLayerMixin):
         self.view: KVSummary | None = None
         self.view_packed: list[RaggedSummary] = []
         self.view_is_tail = False  # the view is the exact tail then the block, all of it: commit() keeps it as the tail
+        # whether what is stored may hold tensors made under torch.inference_mode, which refuse in-place writes outside it
+        self.holds_inference_tensors = False
         self.seen = 0
         self.rows: int | None = None  # the batch rows of what is stored (None before the first block; 1: shared by any rows)
         self.budgets: list[int] = []  # the middle budget each batch row was compressed to
@@ -180,6 +182,7 @@ class CompressedLayer(CacheLayerMixin):
                              "for the model it runs with")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._leave_inference_tensors()
         rows = key_states.shape[0]  # checked against what every layer holds by `CompressedCache.update`
         if self.rows == 1 and rows > 1:  # a shared context: each row goes on from a copy of it
             self.reorder_cache(torch.zeros(rows, dtype=torch.long, device=key_states.device))
@@ -478,6 +481,17 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def _leave_inference_tensors(self) -> None:
+        """Before a block is stored: under torch.inference_mode, note that the state may now hold inference tensors;
+        outside it, copy a state that may (a stream or buffer written in place: `_frozen`; immutable summaries are
+        never written in place) into normal tensors once, since an inference tensor refuses an in-place write outside
+        inference mode (a context compressed under it, answered by `model.generate`, which runs under no_grad)."""
+        if torch.is_inference_mode_enabled():
+            self.holds_inference_tensors = True
+        elif self.holds_inference_tensors:
+            self.front = _frozen(self.front, self.cache.stream_links())
+            self.holds_inference_tensors = False
+
     def _forget_block(self) -> None:
         """Drop the pending block and the view of it (committed, or left by a forward that stopped before its attention
         committed it: `reset` and `restore` start over without it)."""
@@ -533,6 +547,7 @@ class CompressedLayer(CacheLayerMixin):
         self._forget_block()
         front, self.tail, self.seen, self.rows, budgets, self.kv_bits = state
         self.front, self.budgets = _frozen(front, self.cache.stream_links()), list(budgets)
+        self.holds_inference_tensors = torch.is_inference_mode_enabled()
         if self.seen and not self.is_initialized:  # restored into a fresh cache: its dtype and device are the state's
             parts = self._stored_parts()
             self.lazy_initialization(parts[0].keys, parts[0].values)
@@ -613,6 +628,7 @@ class CompressedLayer(CacheLayerMixin):
         self.kv_bits = self._loaded_bits()
         self.rows = 1 if self.seen else None
         self.stats.peak_bytes = self.nbytes()
+        self.holds_inference_tensors = torch.is_inference_mode_enabled()
 
     def _loaded_bits(self) -> int | None:
         """The bits a loaded state is stored in: a quantized front's, read from it; a decode stream's, from the settings."""

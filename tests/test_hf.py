@@ -637,6 +637,40 @@ def test_a_snapshot_restores_into_a_reset_or_a_fresh_cache(family, tmp_path):
     assert kvc.load_cache(tmp_path / "restored.kvc", model).middle_budget() == alone.middle_budget()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("method, mode", [("keydiff", "prefill"), ("keydiff", "chunked"), ("tova", "decode"),
+                                          ("balancekv", "decode"), ("subgen", "chunked"), ("adakv", "decode")])
+def test_a_context_compressed_under_inference_mode_answers_outside_it(family, method, mode, tmp_path):
+    """torch.inference_mode makes inference tensors, which refuse in-place writes outside it: a context compressed under
+    it (a stream's buffers, a block appended in place) answers through `model.generate` (which runs under no_grad) as
+    the same context compressed under no_grad does, and so does one loaded from a file under it, and a snapshot
+    restored under it, answered twice outside it."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, ctx, question = tiny(family), _ids(150), _ids(8, 2)
+    settings = dict(compression_ratio=0.5, mode=mode, **({"stream_length": 158} if mode != "prefill" else {}))
+    answers = []
+    for grad_mode in (torch.no_grad, torch.inference_mode):
+        cache = CompressedCache(model, method, **settings)
+        with grad_mode():
+            model(ctx, past_key_values=cache)
+        answers.append(model.generate(torch.cat([ctx, question], 1), past_key_values=cache, max_new_tokens=4, do_sample=False))
+    assert torch.equal(answers[0], answers[1])
+    settings.pop("stream_length", None)
+    cache = compress_context_ids(model, ctx, method=method, **settings)
+    (reference,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=4, stop_at_eos=False)
+    with torch.inference_mode():
+        cache.save(tmp_path / "doc.kvc")
+        loaded = kvc.load_cache(tmp_path / "doc.kvc", model)
+        snapshot = loaded.snapshot()
+        restored = kvc.load_cache(tmp_path / "doc.kvc", model)
+        restored.reset()
+        restored.restore(snapshot)
+    for held in (loaded, restored, restored):
+        (again,) = answer_from_cache_ids(model, held, [question], max_new_tokens=4, stop_at_eos=False)
+        assert again.token_ids == reference.token_ids
+
+
 @pytest.mark.parametrize("method", ["keydiff", "adakv"])  # a block appended in place; a packed context and its tail
 def test_a_forward_stopped_before_its_commit_is_forgotten_by_restore_and_reset(method):
     """A forward that stops between a layer's update and its commit (an error in the model, Ctrl-C) leaves that layer's
