@@ -48,6 +48,7 @@ import copy
 import json
 import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 
@@ -299,6 +300,13 @@ class CompressedLayer(CacheLayerMixin):
                 self.budgets = [budget] * keys.shape[0]
                 self.front = Stream(options.compressor, self._stream_budget(), options.sink, options.window, self.cache.generator(self.layer_idx), scale,
                                     options.slack, self.cache._unrotate, self.kv_bits, options.kv_group_size)
+            if self.cache.warns_past_stream_length and self.seen > self.cache.stream_length:
+                self.cache.warns_past_stream_length = False
+                warnings.warn(
+                    f"the streams have taken {self.seen} tokens, more than stream_length={self.cache.stream_length}, which "
+                    f"compression_ratio={options.compression_ratio} was resolved against: they stay within the budget it gave, so "
+                    "they now keep less than the ratio says (at ratio 0 they compress too); pass the tokens they will take as "
+                    "stream_length (the prompt's and, in decode mode, the answer's)", stacklevel=2)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update(), with gradients on if they were
             self.front.detach_()
@@ -868,6 +876,8 @@ class CompressedCache(Cache):
         self.options, self.stream_length = options, stream_length
         # built by name (the `model.generate` route), a chunked prompt ends at the first one-token forward (the first step)
         self.prompt_ends_at_first_step = isinstance(method, str) and options.mode == "chunked"
+        # ... and streams that take more tokens than the stream_length their ratio was resolved against say so, once
+        self.warns_past_stream_length = isinstance(method, str) and options.streams and options.compression_ratio is not None
         self.token_ids: torch.Tensor | None = None
         self._model = weakref.ref(model)  # for the fingerprint save() writes; the cache does not keep the model alive
         config = model.config.get_text_config(decoder=True)

@@ -637,6 +637,24 @@ def test_a_snapshot_restores_into_a_reset_or_a_fresh_cache(family, tmp_path):
     assert kvc.load_cache(tmp_path / "restored.kvc", model).middle_budget() == alone.middle_budget()
 
 
+def test_a_stream_past_its_stream_length_warns_once():
+    """A cache built by name resolves its compression_ratio against stream_length; a stream that takes more tokens stays
+    within the budget that gave, keeping less than the ratio says (at ratio 0 it compresses), and warns once, naming
+    stream_length. Within it, ratio 0 answers as transformers' DynamicCache, without the warning."""
+    import warnings
+
+    model, ids = tiny("llama"), _ids(200)
+    reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=10, do_sample=False)
+    for mode, length, warns in (("decode", 209, False), ("chunked", 200, False), ("decode", 200, True), ("chunked", 100, True)):
+        cache = CompressedCache(model, "keydiff", compression_ratio=0.0, mode=mode, stream_length=length)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+        said = [str(w.message) for w in caught if "stream_length" in str(w.message)]
+        assert len(said) == warns and all(f"more than stream_length={length}" in m for m in said), (mode, length, said)
+        assert torch.equal(out, reference) or warns, (mode, length)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("method, mode", [("keydiff", "prefill"), ("keydiff", "chunked"), ("tova", "decode"),
                                           ("balancekv", "decode"), ("subgen", "chunked"), ("adakv", "decode")])
@@ -648,7 +666,7 @@ def test_a_context_compressed_under_inference_mode_answers_outside_it(family, me
     from kvcompress.integration import answer_from_cache_ids, compress_context_ids
 
     model, ctx, question = tiny(family), _ids(150), _ids(8, 2)
-    settings = dict(compression_ratio=0.5, mode=mode, **({"stream_length": 158} if mode != "prefill" else {}))
+    settings = dict(compression_ratio=0.5, mode=mode, **({"stream_length": 161} if mode != "prefill" else {}))  # + 3 answer tokens fed
     answers = []
     for grad_mode in (torch.no_grad, torch.inference_mode):
         cache = CompressedCache(model, method, **settings)
