@@ -187,8 +187,11 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, valid: torc
     if valid is not None:
         hidden = ~valid[..., None]
         low, high = work.masked_fill(hidden, math.inf), work.masked_fill(hidden, -math.inf)
-    low = torch.cat([members.amin(along + 1) for members, _ in _group_members(low, along, group_size)], along)
-    high = torch.cat([members.amax(along + 1) for members, _ in _group_members(high, along, group_size)], along)
+    if work.shape[along] == 0:  # no slot (a layer that keeps none of its middle): no group either
+        low = high = work
+    else:
+        low = torch.cat([members.amin(along + 1) for members, _ in _group_members(low, along, group_size)], along)
+        high = torch.cat([members.amax(along + 1) for members, _ in _group_members(high, along, group_size)], along)
     scale, zero, float_zero, steps = _scales(low, high, bits, x.dtype)
     codes = torch.empty(work.shape, dtype=torch.uint8, device=work.device)
     for (members, groups), (out, _) in zip(_group_members(work, along, group_size), _group_members(codes, along, group_size)):

@@ -230,6 +230,22 @@ def test_a_context_file_that_is_not_utf8_names_the_flag_the_file_and_a_fix(tmp_p
     assert len(err) == 1 and "--context-file" in err[0] and "latin1.txt" in err[0] and "not UTF-8" in err[0] and "iconv" in err[0]
 
 
+def test_a_context_file_is_read_without_its_byte_order_mark_and_an_empty_one_is_refused(tmp_path, capsys):
+    """A UTF-8 file saved with a byte-order mark gives the same context as without it; an empty or white-space file is
+    refused naming --context-file and the file, before the model loads."""
+    from kvcompress.commands.generate import read_context
+
+    text = "The magic number is 42. Grass is green."
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_context(tmp_path / "bom.txt") == text
+    for name, content in (("empty.txt", ""), ("blank.txt", " \n\t\n")):
+        (tmp_path / name).write_text(content)
+        for command in (["generate", "--budget", "8"], ["compress", "--budget", "8", "--out", str(tmp_path / "c.kvc")]):
+            assert main([*command, "--context-file", str(tmp_path / name)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"--context-file {str(tmp_path / name)!r} is empty" in err[0], err
+
+
 def test_compress_without_a_size_does_not_suggest_the_method_it_refuses(context_file, tmp_path, capsys):
     assert main(["compress", "--context-file", str(context_file), "--out", str(tmp_path / "c.kvc")]) == 2
     assert capsys.readouterr().err.strip() == "kvcompress compress: error: pass --compression-ratio, --budget or --calibration with --quality"

@@ -879,3 +879,17 @@ def test_smallest_memory_budgets_and_mixed_rows_keep_within_the_memory_asked_for
     with torch.no_grad(), use_compressed_attention(model), pytest.raises(
             ValueError, match=r"different bits \(\[4, 8\]\): a budget read as memory picks each row's storage from its own length"):
         model(torch.cat([ctx, padded]), attention_mask=torch.cat([torch.ones(1, 300, dtype=torch.long), mask]), past_key_values=cache)
+
+
+def test_a_layer_that_keeps_none_of_its_middle_stores_it_quantized():
+    """One budget shared over every layer (AdaKV's scope "model") can leave a layer no middle slot at all: its empty
+    middle is quantized as no group (no codes, no scales), and the cache answers, saves and loads. Before, quantizing
+    zero slots failed in `torch.cat` of no groups (the default on a 140-token context at ratio 0.5)."""
+    for axis in ("channel", "token"):
+        empty = quantize(torch.zeros(1, 2, 0, 16), 4, DEFAULT_GROUP_SIZE, axis)
+        assert empty.dequantize().shape == (1, 2, 0, 16) and empty.nbytes() == 0
+    model = tiny()
+    ids, question = _prompt(n=120)[0], _prompt(n=6)[0]
+    settings = dict(method="adakv", method_params={"scope": "model"}, kv_bits=4, budget=1, max_new_tokens=4, stop_at_eos=False)
+    res = generate_ids(model, ids, question, **settings)
+    assert len(res.token_ids) == 4 and min(res.slots_per_layer) >= 4 + 8  # the exact sink and window, at least

@@ -161,7 +161,10 @@ def read_context(path: Path) -> str:
     if not path.exists():
         raise ValueError(f"--context-file {str(path)!r} does not exist")
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, if the file starts with one, is not context
     except UnicodeDecodeError as err:
         raise ValueError(f"--context-file {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}); "
                          "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise ValueError(f"--context-file {str(path)!r} is empty{' but for white space' if text else ''}: pass a file holding the context")
+    return text
