@@ -47,6 +47,12 @@ def test_a_ratio_that_sink_and_window_leave_no_room_for_is_refused_with_the_smal
     keys, values = _kv(n=137)
     s = kvc.compress("knorm", keys, values, compression_ratio=0.5, sink=4, window=64)
     assert s.num_slots == 69
+    # at 0.75, ceil(0.25·n) reaches 69 at n = 273 (not 275, where counting from ceil(69 / 0.25) - 1 started)
+    keys, values = _kv(n=272)
+    with pytest.raises(ValueError, match=r"keeps 68 of n=272 tokens.*a context of at least 273 tokens"):
+        kvc.compress(method, keys, values, compression_ratio=0.75, sink=4, window=64)
+    keys, values = _kv(n=273)
+    assert kvc.compress("knorm", keys, values, compression_ratio=0.75, sink=4, window=64).num_slots == 69
 
 
 def test_a_ratio_too_high_for_sink_and_window_names_the_largest_ratio_that_works():

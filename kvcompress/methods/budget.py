@@ -65,8 +65,9 @@ def stream_split(budget: int, slack: float) -> tuple[int, int]:
 
 
 def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
-    """Smallest n with ceil((1 - ratio)·n) >= kept_needed."""
-    n = max(1, math.ceil(kept_needed / (1.0 - compression_ratio)) - 1)
+    """Smallest n with ceil((1 - ratio)·n) >= kept_needed: counted up from floor((kept_needed - 1) / (1 - ratio)), which
+    is at most that (ceil reaches kept_needed as soon as (1 - ratio)·n passes kept_needed - 1)."""
+    n = max(1, math.floor((kept_needed - 1) / (1.0 - compression_ratio)))
     while math.ceil((1.0 - compression_ratio) * n - 1e-9) < kept_needed:
         n += 1
     return n
