@@ -144,7 +144,6 @@ class CompressedLayer(CacheLayerMixin):
         # packed parts of what is stored (`view_packed`, RaggedSummary, attended where they are)
         self.view: KVSummary | None = None
         self.view_packed: list[RaggedSummary] = []
-        self.view_is_tail = False  # the view is the exact tail then the block, all of it: commit() keeps it as the tail
         # whether what is stored may hold tensors made under torch.inference_mode, which refuse in-place writes outside it
         self.holds_inference_tensors = False
         self.seen = 0
@@ -204,7 +203,6 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += n
         new = KVSummary.exact(key_states, value_states, positions)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes() + new.nbytes())
-        self.view_is_tail = False
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
             self.view_packed = []
@@ -214,9 +212,7 @@ class CompressedLayer(CacheLayerMixin):
         else:  # the packed parts stay where they are stored (`attention.packed_then_causal_attention`), the rest is copied once
             parts = [*self._stored_parts(), new]
             self.view_packed = [p for p in parts if isinstance(p, RaggedSummary)]
-            exact = [p for p in parts if not isinstance(p, RaggedSummary)]
-            view = concat(exact)
-            self.view_is_tail = not isinstance(self.front, Stream) and all(p is self.tail or p is new for p in exact)
+            view = concat([p for p in parts if not isinstance(p, RaggedSummary)])
         self.view = view
         keys = view.keys
         keys.kvcompress_layer = self  # how the attention function finds this layer's view and commit()
@@ -275,7 +271,7 @@ class CompressedLayer(CacheLayerMixin):
         # cache's method takes none
         hidden_states = per_head(hidden_states, keys.shape[1]) if self.cache.plan.hidden_states else None
         real, rope_positions = self.pending_real, self.pending_rope_positions
-        view = self.view if self.view_is_tail else None  # the tail and the block, padding slots -inf (`mask_padding`)
+        view = self.view  # what the block's attention read (padding slots -inf, `mask_padding`)
         self._forget_block()
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
@@ -311,7 +307,7 @@ class CompressedLayer(CacheLayerMixin):
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update(), with gradients on if they were
             self.front.detach_()
             return
-        elif view is not None:  # `update` joined the tail and the block already (with gradients on if they were)
+        elif isinstance(self.front, _PACKED_FRONTS):  # the view `update` joined is the tail then the block (gradients on if they were)
             self.tail = replace(view, keys=view.keys.detach(), values=view.values.detach())
             return
         else:
@@ -504,7 +500,6 @@ class CompressedLayer(CacheLayerMixin):
         """Drop the pending block and the view of it (committed, or left by a forward that stopped before its attention
         committed it: `reset` and `restore` start over without it)."""
         self.pending, self.pending_real, self.pending_rope_positions, self.view, self.view_packed = None, None, None, None, []
-        self.view_is_tail = False
 
     def reset(self) -> None:
         self._forget_block()
@@ -668,6 +663,8 @@ class CompressedLayer(CacheLayerMixin):
 
 _SAVED_STREAM = Instance(Stream)
 _STORED_FRONTS = (QuantizedSummary, QuantizedRaggedSummary, RaggedSummary)
+# fronts attended where they are stored, whose view for a block is the exact tail then the block (`update`)
+_PACKED_FRONTS = (QuantizedRaggedSummary, RaggedSummary)
 _SAVED_SUMMARY = Instance(KVSummary, *_STORED_FRONTS)
 
 
