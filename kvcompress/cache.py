@@ -832,7 +832,7 @@ class CompressedCache(Cache):
     Built from a method name, the cache switches the model to the 'kvcompress' attention
     implementation (`model.set_attn_implementation("kvcompress")`), which attends over compressed
     layers and runs exact SDPA with the usual masks everywhere else, so the model keeps working
-    without the cache; for a method that reads the layers' hidden states (KVzap, and AdaKV over its
+    without the cache (without attention weights, as under SDPA: output_attentions=True warns); for a method that reads the layers' hidden states (KVzap, and AdaKV over its
     scores) it also hooks the model's attention modules to keep their inputs for the attention
     function, until the cache is garbage collected (`model_support.keep_hidden_states`); a cache of another method takes
     none of them. Built from
@@ -918,6 +918,21 @@ class CompressedCache(Cache):
             setattr(copied, name, copy.deepcopy(value, memo))
         copied._hold_hidden_states()
         return copied
+
+    def __reduce_ex__(self, protocol):
+        """Refused: the cache refers to its model, which is not part of it (pickle, copy.copy)."""
+        raise TypeError("a CompressedCache cannot be pickled or shallow-copied: it refers to its model, which it does not hold; "
+                        "cache.save(path) writes its state to a file that kvc.load_cache(path, model) reads back, and "
+                        "copy.deepcopy(cache) copies it in memory")
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True):
+        """Refused, as `prefetch` is: transformers' offloaded caches move layers between devices, which a compressed
+        cache, the smaller one already, does not do."""
+        raise NotImplementedError(f"layer_idx={layer_idx}: a CompressedCache keeps its layers on the model's device and does not "
+                                  "offload or prefetch them (transformers' offloaded caches do); cache.save(path) writes its state "
+                                  "to a file")
+
+    prefetch = offload
 
     def reset(self) -> None:
         """Empty every layer and start a new prompt: a chunked cache absorbs the next prompt into its streams again."""

@@ -4,7 +4,12 @@
 the import direction in test_layering.py.)
 """
 
+import copy
+import io
 import math
+import pickle
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -94,9 +99,16 @@ def test_generate_reports_the_realised_compression_ratio(mode):
 @pytest.mark.parametrize("method, smallest", [("express", 4)])
 def test_a_ratio_too_small_for_a_streaming_method_names_the_ratio_not_a_missing_budget(method, smallest):
     m = build_method(method)
-    with pytest.raises(ValueError, match=rf"compression_ratio=0.5 of n=10 tokens .*middle budget of 1\).*streaming {method} .*>= {smallest}"):
+    with pytest.raises(ValueError, match=rf"compression_ratio=0.5 keeps 5 of n=10 tokens \(the tokens the streams take.*the middle "
+                                         rf"budget of {smallest} per KV head that streaming {method} needs.*use compression_ratio <= 0.2, or "
+                                         rf"streams of at least 15 tokens"):
         resolve_budget(10, None, 0.5, 0, 4, m, streaming=True)
+    # each fix it names works: the largest ratio, and the shortest stream (ceil(0.5 * 15) = 8 = 4 + 4)
+    assert resolve_budget(10, None, 0.2, 0, 4, m, streaming=True) == smallest
+    assert resolve_budget(15, None, 0.5, 0, 4, m, streaming=True) == smallest
     assert resolve_budget(10, None, 0.5, 0, 4, m, streaming=False) == 1  # one-shot compress accepts it
+    with pytest.raises(ValueError, match=rf"budget=3: streaming {method} \(chunked/decode mode\) needs a middle budget >= {smallest}"):
+        resolve_budget(10, 3, None, 0, 4, m, streaming=True)
     with pytest.raises(ValueError, match="compression_ratio=0.5"):
         generate_ids(_tiny_model(), _ids(10), None, method=method, compression_ratio=0.5, sink=0, window=4, mode="chunked", max_new_tokens=1)
 
@@ -600,3 +612,69 @@ def test_ratio_zero_streams_a_prompt_shorter_than_sink_and_window_exactly(mode, 
     res = generate_ids(model, ids, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=4, stop_at_eos=False)
     assert res.token_ids == full.token_ids
     assert resolve_budget(30, None, 0.0, 4, 64, build_method(method), streaming=True) >= 2
+
+
+def test_a_cache_refuses_pickle_and_offloading_naming_what_works_and_deepcopy_still_copies():
+    model = _tiny_model()
+    cache = kvc.CompressedCache(model, "snapkv", compression_ratio=0.5, sink=4, window=8)
+    model(_ids(64), past_key_values=cache, use_cache=True)
+    for refused in (pickle.dumps, copy.copy):
+        with pytest.raises(TypeError, match=r"cannot be pickled or shallow-copied.*cache\.save\(path\).*copy\.deepcopy\(cache\)"):
+            refused(cache)
+    for refused in (cache.offload, cache.prefetch):
+        with pytest.raises(NotImplementedError, match=r"layer_idx=0: a CompressedCache .* does not offload or prefetch"):
+            refused(0)
+    copied = copy.deepcopy(cache)
+    assert copied.get_seq_length() == cache.get_seq_length() == 64
+    assert torch.equal(copied.layers[0].stored().keys, cache.layers[0].stored().keys)
+
+
+def test_output_attentions_under_the_kvcompress_attention_warns_that_no_weights_come_back():
+    model = _tiny_model()
+    kvc.CompressedCache(model, "snapkv", compression_ratio=0.5)  # switches the model to the 'kvcompress' attention
+    with pytest.warns(UserWarning, match=r"output_attentions=True: the 'kvcompress' attention returns no attention weights"):
+        out = model(_ids(16), output_attentions=True)
+    assert out.attentions == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(_ids(16))  # not asked for: no warning
+
+
+def test_the_prompt_progress_bar_shows_on_a_terminal_only(monkeypatch):
+    """A long prompt's bar (1,024 tokens and more) is for a terminal: a log (stderr not a TTY) gets none of its updates."""
+
+    class Stderr(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    model = _tiny_model()
+    for tty in (True, False):
+        stderr = Stderr(tty)
+        monkeypatch.setattr(sys, "stderr", stderr)
+        generate_ids(model, _ids(1100), _ids(3, 2), method="snapkv", mode="chunked", compression_ratio=0.5, chunk_size=256,
+                     max_new_tokens=1, progress=True)
+        monkeypatch.undo()
+        assert ("prefill (chunked)" in stderr.getvalue()) == tty
+
+
+@pytest.mark.parametrize("field", ["context", "question", "answer_prefix"])
+def test_a_prompt_holding_build_prompts_internal_marker_is_refused_naming_the_text(field):
+    from kvcompress.integration.model import _QUESTION_MARK, build_prompt
+
+    texts = {"context": "Some context.", "question": "What?", "answer_prefix": "It is"}
+    texts[field] = f"before {_QUESTION_MARK} after"
+    with pytest.raises(ValueError, match=rf"^{field} holds .*KVC_QUESTION.*remove it"):
+        build_prompt(_Tokenizer(), texts["context"], texts["question"], texts["answer_prefix"], layout="newline_primed")
+
+
+class _Tokenizer:
+    """A tokenizer without a chat template: one id per character."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        return {"input_ids": torch.tensor([[ord(c) % 96 for c in text]])}

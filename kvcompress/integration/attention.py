@@ -5,6 +5,7 @@ docs/design.md, "Model integration: three modes".
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -28,10 +29,13 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     Without one (a sliding-window layer, no cache, a plain forward) the keys are exact and
     the model's mask applies (`exact_attention_with_mask`). In the model's dtype; without soft-capping,
     causality comes from the view's layout (`causal_tail`: the block is its last slots), so a decode
-    step reads no tensor value on the host.
+    step reads no tensor value on the host. No attention weights are returned: output_attentions=True warns
+    (`NO_ATTENTION_WEIGHTS`).
     """
     layer = getattr(key, "kvcompress_layer", None)
     softcap = kwargs.pop("softcap", None)
+    if kwargs.pop("output_attentions", False):
+        warnings.warn(NO_ATTENTION_WEIGHTS, stacklevel=2)
     hidden_states = vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)  # kept by `keep_hidden_states`, for this forward only
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
@@ -57,6 +61,13 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if progress is not None:
         progress.update(1)
     return out.transpose(1, 2).contiguous(), None
+
+
+NO_ATTENTION_WEIGHTS = (
+    "output_attentions=True: the 'kvcompress' attention returns no attention weights (as SDPA returns none), so the "
+    "attentions come back empty; a CompressedCache built by name set the model to it. For the weights, run the model "
+    "without a CompressedCache after model.set_attn_implementation('eager')"
+)
 
 
 def _compresses_with_attention_mass(layer) -> bool:

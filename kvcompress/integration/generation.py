@@ -35,7 +35,7 @@ from .reconstruction import RecordedReconstruction, load_reconstruction, options
 from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
 from .model import prompt_layout as as_prompt_layout
 
-# Prompts longer than this show a progress bar while they are processed.
+# Prompts longer than this show a progress bar while they are processed, on a terminal (tqdm disable=None: not in a log).
 PROGRESS_MIN_TOKENS = 1024
 
 
@@ -253,7 +253,8 @@ class _Session:
         bar = None
         if progress and self.n_prompt >= PROGRESS_MIN_TOKENS:
             per_block = sum(isinstance(layer, CompressedLayer) for layer in self.cache.layers) if self.method_name is not None else 1
-            bar = tqdm(total=len(blocks) * per_block, desc=f"prefill ({self.mode})", unit="layer" if len(blocks) == 1 else "step", leave=False)
+            bar = tqdm(total=len(blocks) * per_block, desc=f"prefill ({self.mode})", unit="layer" if len(blocks) == 1 else "step", leave=False,
+                       disable=None)
         compressed = self.method_name is not None
         if compressed:
             self.cache.progress = bar

@@ -256,6 +256,10 @@ def build_prompt(
     The context_ids do not depend on the layout, so one compressed context serves every layout.
     """
     layout = prompt_layout(layout)
+    for name, text in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
+        if isinstance(text, str) and _QUESTION_MARK in text:
+            raise ValueError(f"{name} holds {_QUESTION_MARK!r}, the marker build_prompt splits the rendered prompt at; remove it "
+                             "from the text")
     tail = "" if question is None else layout.separator + question
     user = context + _QUESTION_MARK + tail
     if getattr(tokenizer, "chat_template", None):

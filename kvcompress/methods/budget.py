@@ -98,38 +98,38 @@ def resolve_budget(
 
     compression_ratio is the fraction of all n tokens removed (kvpress convention): the layer keeps
     ceil((1 - ratio) * n) tokens, of which sink + window are exact, the rest is the middle budget.
-    A ratio that would remove tokens but leaves no room beyond sink + window is an error naming
-    the largest ratio and the smallest context that work (never a silent "keep everything").
-    With `method` and streaming=True (chunked/decode generation), a middle budget below what the
-    method's stream accepts is an error that says where the budget came from.
+    A ratio that would remove tokens but leaves no room beyond sink + window (with `method` and streaming=True, for
+    the smallest budget the method's stream accepts, `smallest_stream_budget`) is an error naming the largest ratio
+    and the smallest n that work (never a silent "keep everything"); streaming, n is the tokens the streams take. A
+    budget below what the stream accepts is an error that says where the budget came from.
     """
     if (budget is None) == (compression_ratio is None):
         raise ValueError(
             f"pass exactly one of budget (tokens kept per head) or compression_ratio (fraction removed); got budget={budget!r}, compression_ratio={compression_ratio!r}"
         )
+    least = smallest_stream_budget(method) if streaming and method is not None else 1
     if budget is not None:
         middle = as_count("budget", budget, 1)
-        origin = f"budget={middle}"
-    else:
-        ratio = as_fraction("compression_ratio", compression_ratio, "the fraction of tokens removed")
-        kept = math.ceil((1.0 - ratio) * n - 1e-9)
-        middle = kept - sink - window
-        origin = f"compression_ratio={ratio} of n={n} tokens (keeps {kept}: sink={sink} + window={window} exact, a middle budget of {middle})"
-        if middle < 1 and kept < n:
-            needed = sink + window + 1
-            fixes = [f"a context of at least {_smallest_context(needed, ratio)} tokens", "a smaller sink/window"]
-            if n >= needed:
-                fixes.insert(0, f"compression_ratio <= {math.floor((1 - needed / n) * 1e4) / 1e4}")
-            raise ValueError(
-                f"compression_ratio={ratio} keeps {kept} of n={n} tokens, which does not leave room beyond sink={sink} + window={window} "
-                f"(always kept exactly), so the ratio cannot be honoured; use " + ", or ".join(fixes)
-            )
-        if kept >= n:  # nothing removed (ratio 0, or every token within sink + window): the smallest budget keeps them all
-            middle = max(middle, smallest_stream_budget(method) if streaming and method is not None else 1)
-    if streaming and method is not None:
-        smallest = smallest_stream_budget(method)
-        if middle < smallest:
-            raise ValueError(f"{origin}: streaming {method.name} (chunked/decode mode) needs a middle budget >= {smallest} per KV head")
+        if middle < least:
+            raise ValueError(f"budget={middle}: streaming {method.name} (chunked/decode mode) needs a middle budget >= {least} per KV head")
+        return middle
+    ratio = as_fraction("compression_ratio", compression_ratio, "the fraction of tokens removed")
+    kept = math.ceil((1.0 - ratio) * n - 1e-9)
+    middle = kept - sink - window
+    if kept >= n:  # nothing removed (ratio 0, or every token within sink + window): the smallest budget keeps them all
+        return max(middle, least)
+    if middle < least:
+        needed = sink + window + least
+        counted = " (the tokens the streams take: the prompt's, and in decode mode the answer's too)" if streaming else ""
+        longer = "streams of" if streaming else "a context of"
+        fixes = [f"{longer} at least {_smallest_context(needed, ratio)} tokens", "a smaller sink/window"]
+        if n >= needed:
+            fixes.insert(0, f"compression_ratio <= {(n - needed) * 10_000 // n / 10_000}")  # in integers: 1 - 8/10 is 0.1999… in floats
+        room = "room" if least == 1 else f"the middle budget of {least} per KV head that streaming {method.name} needs"
+        raise ValueError(
+            f"compression_ratio={ratio} keeps {kept} of n={n} tokens{counted}, which does not leave {room} beyond sink={sink} + "
+            f"window={window} (always kept exactly), so the ratio cannot be honoured; use " + ", or ".join(fixes)
+        )
     return middle
 
 
