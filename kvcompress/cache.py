@@ -1038,6 +1038,9 @@ class CompressedCache(Cache):
         same checkpoint in another dtype is the same model). Switches the model to the 'kvcompress'
         attention implementation, as a cache built from a method name does.
         """
+        if isinstance(path, torch.nn.Module):
+            raise ValueError(f"path must be the saved file's path, got a {type(path).__name__}: the path comes first, then the model")
+        check_supported(model)  # before the file is read against it (e.g. a tokenizer given for the model)
         tensors, document = cache_file.read(path)
         where = f"{str(path)!r}"
         cache_file.check_model(document["model"], model, path)

@@ -39,13 +39,22 @@ class CacheFileError(ValueError):
     """A saved cache that cannot be used: unreadable, foreign, of another version, corrupted, or from another model."""
 
 
+def as_path(path) -> Path:
+    """`path` (a str or os.PathLike) as a Path; anything else is refused, naming what was given."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a file's path (a str or os.PathLike), got {type(path).__name__}")
+    return Path(path)
+
+
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: dict) -> None:
     """Write `tensors` and the JSON `document` to `path` atomically (a complete file or none)."""
+    path = as_path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write {str(path)!r}: it is a folder; name a file in it, e.g. {str(path / 'context.kvc')!r}")
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     text = json.dumps(document, sort_keys=True)
     metadata = {"format": FORMAT, "version": str(VERSION), "kvcompress": text, "sha256": _digest(text, tensors)}
     data = safetensors.torch.save(tensors, metadata)
-    path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
     tmp = path.parent / f".{path.name}-{secrets.token_hex(8)}"
@@ -61,7 +70,7 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: d
 
 def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors on the CPU, the JSON document) of a file `write` wrote; CacheFileError for anything else."""
-    data = Path(path).read_bytes()
+    data = as_path(path).read_bytes()
     where = f"{str(path)!r}"
     if len(data) < 8:
         raise CacheFileError(f"{where} is not a kvcompress cache file: {len(data)} bytes, too short for a safetensors header (truncated?)")

@@ -97,16 +97,25 @@ def as_seed(value) -> int:
     return seed
 
 
+def _real_of(value):
+    """A 0-d floating or integer tensor's Python number (as `as_count` takes 0-d integer tensors); anything else as given."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool and not value.is_complex():
+        return value.item()
+    return value
+
+
 def as_fraction(name: str, value, what: str) -> float:
-    """A real number in [0, 1) (Python or NumPy) as a Python float; `what` says what it means."""
+    """A real number in [0, 1) (Python or NumPy, or a 0-d tensor) as a Python float; `what` says what it means."""
+    value = _real_of(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1) ({what}), got {value!r}")
     return float(value)
 
 
 def as_real(name: str, value, what: str, minimum: float | None = None) -> float:
-    """A finite real number (Python or NumPy, not a bool), at least `minimum` if given, as a Python float; `what` says
-    what it means."""
+    """A finite real number (Python or NumPy, or a 0-d tensor; not a bool), at least `minimum` if given, as a Python
+    float; `what` says what it means."""
+    value = _real_of(value)
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or (minimum is not None and value < minimum)):
         bound = f" >= {minimum:g}" if minimum is not None else ""

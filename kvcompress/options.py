@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .calibration import check_quality, load_calibration
-from .checks import as_count, as_seed
+from .checks import as_count, as_fraction, as_seed
 from .methods.base import Method, UnknownParameters
 from .quantization import check_kv_bits, check_storage, slots_in_memory_of
 from .methods.budget import check_sink_window, resolve_budget
@@ -131,7 +131,9 @@ class CompressionOptions:
     calibration's method and parameters are used; a method named must be the calibration's (another
     is an error naming both), and method parameters given must agree with the calibration's (theirs
     fill the rest).
-    kv_bits: None (full precision) or 8, 4, 2: the compressed context is stored quantized, keys per
+    kv_bits: None (full precision; for a named setting, unset: its own bits, the default's "auto" in prefill mode and
+    8 in the streams; the default at full precision is its method named with its parameters, `DEFAULT_METHODS`)
+    or 8, 4, 2: the compressed context is stored quantized, keys per
     channel and values per slot in groups of `kv_group_size` (default 32), KIVI's scheme
     (`kvcompress.quantization`). What is quantized is what compression keeps: in prefill mode the
     compressed first forward, once it is done. Its exact sink and window, and in prefill and chunked modes every
@@ -239,6 +241,12 @@ class CompressionOptions:
                 )
         else:
             resolve_budget(10**9, self.budget, self.compression_ratio, 0, 0)  # exactly one, each in range
+            # ... kept as Python numbers (a NumPy number or 0-d tensor given), as `to_dict` writes them
+            if self.budget is not None:
+                object.__setattr__(self, "budget", as_count("budget", self.budget, 1))
+            else:
+                object.__setattr__(self, "compression_ratio", as_fraction("compression_ratio", self.compression_ratio,
+                                                                          "the fraction of tokens removed"))
         if self.slack is not None:
             if self.mode == "prefill":
                 raise ValueError(f"slack={self.slack!r} sets how streams re-compress: it applies to mode 'chunked' or 'decode', not 'prefill'")

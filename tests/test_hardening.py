@@ -499,6 +499,105 @@ def test_generate_refuses_a_context_or_question_that_is_not_text(tiny_generate, 
         kvc.generate(model, tokenizer, context, question, method="knorm", budget=8, max_new_tokens=2, progress=False)
 
 
+@pytest.mark.parametrize(("asked", "match"), [
+    ({"questions": ["Who?", ""]}, r"questions must be a non-empty list of non-empty strings, got \['Who\?', ''\]"),
+    ({"questions": ["  "]}, r"questions must be a non-empty list of non-empty strings"),
+    ({"question": "Who?", "questions": ["When?"]}, r"^pass question \(one\) or questions \(a list\), not both$"),
+    ({"question": ["Who?"]}, r"question must be a non-empty str.*several questions about one context are questions=\[\.\.\.\]"),
+])
+def test_generate_and_the_pipeline_refuse_questions_that_are_not_text_alike(tiny_generate, tmp_path, asked, match):
+    """questions=[""] was answered where question="" was refused; a list given as question failed in the pipeline with
+    Python's own TypeError; question and questions together with cache= named the wrong arguments."""
+    from transformers import pipeline
+
+    model, tokenizer = tiny_generate
+    with pytest.raises(ValueError, match=match):
+        kvc.generate(model, tokenizer, "some context " * 8, method="knorm", budget=8, max_new_tokens=2, progress=False, **asked)
+    cache = kvc.compress_context(model, tokenizer, "some context " * 8, method="knorm", budget=8, progress=False)
+    with pytest.raises(ValueError, match=match):
+        kvc.generate(model, tokenizer, cache=cache, max_new_tokens=2, progress=False, **asked)
+    pipe = pipeline("kvcompress-text-generation", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=match):
+        pipe("some context " * 8, method="knorm", budget=8, max_new_tokens=2, **asked)
+
+
+@pytest.mark.parametrize("value", ["False", None, 0])
+def test_stop_at_eos_must_be_a_bool(tiny_generate, value):
+    """The string "False" was read as True (the answer still stopped at the end of text), None as False."""
+    model, tokenizer = tiny_generate
+    with pytest.raises(ValueError, match=rf"stop_at_eos must be True or False, got {value!r}"):
+        kvc.generate(model, tokenizer, "some context " * 8, "Who?", method="knorm", budget=8, max_new_tokens=2, stop_at_eos=value,
+                     progress=False)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+def test_the_full_cache_is_fed_in_blocks_in_the_streaming_modes(mode, monkeypatch):
+    """method=None with mode 'chunked' or 'decode' prefilled the context in one forward and reported the mode asked
+    for; it feeds the context in blocks of chunk_size, as the mode feeds a stream, and answers as one forward does."""
+    model = _tiny_model()
+    widths = []
+    forward = type(model).forward
+
+    def counting(self, input_ids=None, **kwargs):
+        widths.append(input_ids.shape[1])
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    ids, question = _ids(100), _ids(3, 2)
+    once = generate_ids(model, ids, question, method=None, max_new_tokens=3, stop_at_eos=False)
+    monkeypatch.setattr(type(model), "forward", counting)
+    res = generate_ids(model, ids, question, method=None, mode=mode, chunk_size=32, max_new_tokens=3, stop_at_eos=False)
+    assert widths[:5] == [32, 32, 32, 4, 3]  # the context's blocks, then the question
+    assert res.mode == mode and res.token_ids == once.token_ids
+
+
+def test_a_0d_tensor_or_numpy_ratio_is_taken_as_its_number_and_kept_as_a_python_float():
+    """compression_ratio=torch.tensor(0.5) was refused as if outside [0, 1) while budget=torch.tensor(8) was taken."""
+    keys, values = _kv(n=64)
+    assert kvc.compress("knorm", keys, values, compression_ratio=torch.tensor(0.5), sink=0, window=0).num_slots == 32
+    for ratio in (torch.tensor(0.5), np.float64(0.5), torch.tensor(0.5, dtype=torch.float16)):
+        options = CompressionOptions.build(method="snapkv", compression_ratio=ratio)
+        assert type(options.compression_ratio) is float and options.compression_ratio == 0.5
+    assert type(CompressionOptions.build(method="snapkv", budget=torch.tensor(8)).budget) is int
+    for bad in (torch.tensor([0.5]), torch.tensor(1.5), torch.tensor(True)):
+        with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\)"):
+            kvc.compress("knorm", keys, values, compression_ratio=bad)
+
+
+def test_decode_tokens_per_second_counts_the_tokens_decoding_made():
+    """The first answer token comes from the prompt's forward (prefill_seconds): one token over a tiny decode time was
+    thousands of tokens a second."""
+    model = _tiny_model()
+    res = generate_ids(model, _ids(40), _ids(3, 2), method="knorm", budget=8, max_new_tokens=5, stop_at_eos=False)
+    assert res.decode_tokens_per_second == pytest.approx(4 / res.decode_seconds)
+    one = generate_ids(model, _ids(40), _ids(3, 2), method="knorm", budget=8, max_new_tokens=1)
+    assert math.isnan(one.decode_tokens_per_second)
+
+
+def test_saving_and_loading_name_a_bad_path_or_model(tmp_path, tiny_generate):
+    model, tokenizer = tiny_generate
+    cache = kvc.compress_context(model, tokenizer, "some context " * 8, method="knorm", budget=8, progress=False)
+    with pytest.raises(ValueError, match=r"path must be a file's path \(a str or os.PathLike\), got int"):
+        cache.save(5)
+    with pytest.raises(IsADirectoryError, match=r"it is a folder; name a file in it, e\.g\. '.*context\.kvc'"):
+        cache.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+    cache.save(tmp_path / "doc.kvc")
+    with pytest.raises(ValueError, match=r"path must be the saved file's path, got a LlamaForCausalLM: the path comes first"):
+        kvc.load_cache(model, tmp_path / "doc.kvc")
+    with pytest.raises(ValueError, match=r"model must be a transformers model .* got "):
+        kvc.load_cache(tmp_path / "doc.kvc", tokenizer)
+
+
+def test_a_stream_refuses_negative_positions_on_the_cpu():
+    """-1 marks an empty slot: a stream took it as a token's position."""
+    stream = kvc.stream("keydiff", 64, sink=0, window=0)
+    keys = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"positions must be >= 0 .* got -1"):
+        stream.update(keys, keys, positions=torch.arange(8) - 1)
+    stream.update(keys, keys, positions=torch.arange(8))  # the refused block left the stream as it was
+    assert stream.summary().num_slots == 8
+
+
 @pytest.mark.parametrize(("settings", "match"), [
     ({"method": "knorm", "budget": 8, "max_new_token": 2}, r"unknown setting\(s\) \['max_new_token'\]: not an option \(.*compression_ratio.*\), "
                                                            r"and method 'knorm' has no parameter"),

@@ -32,7 +32,7 @@ from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
-from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length
+from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length, check_questions
 from .model import prompt_layout as as_prompt_layout
 
 # Prompts longer than this show a progress bar while they are processed, on a terminal (tqdm disable=None: not in a log).
@@ -65,7 +65,10 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+        """Answer tokens per second of decoding: those after the first, which the prompt's forward gives (its time is
+        `prefill_seconds`'), over `decode_seconds`; NaN for an answer of one token."""
+        steps = len(self.token_ids) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
 
     def report(self) -> str:
         """Human-readable stats block."""
@@ -246,7 +249,7 @@ class _Session:
             if self.question_ids is None:
                 raise ValueError("a recorded prefill needs question_ids: the question's forward gives the first answer token")
             blocks = []
-        elif self.mode == "prefill" or self.method_name is None:
+        elif self.mode == "prefill":
             blocks = [self.context_ids if absorbed is None else torch.cat([self.context_ids, absorbed.expand(rows, -1)], 1)]
         else:
             blocks = list(self.context_ids.split(self.options.chunk_size, dim=1)) + (list(absorbed.split(self.options.chunk_size, dim=1)) if absorbed is not None else [])
@@ -367,7 +370,8 @@ def generate_ids(
 
     options: a `CompressionOptions`, or its fields as keyword settings (method, budget or
     compression_ratio, mode, sink, window, seed, slack, chunk_size, compress_question, quality +
-    calibration, and the method's own parameters); `method=None` is the full cache. Modes:
+    calibration, and the method's own parameters); `method=None` is the full cache (transformers' `DynamicCache`, fed
+    as the mode feeds a stream: the context in one forward in prefill mode, in blocks of `chunk_size` otherwise). Modes:
     prefill: the context (and the question too with compress_question) is prefilled in one
     forward and compressed once; chunked: the context is fed in blocks of `chunk_size` through the
     method's stream; decode: as chunked, and every later token (question, answer) keeps going
@@ -385,7 +389,7 @@ def generate_ids(
     rest comes from greedy `model.generate` on the same cache.
     """
     options = CompressionOptions.build(options, **settings)
-    as_count("max_new_tokens", max_new_tokens, 1)
+    _check_answer_settings(max_new_tokens, stop_at_eos)
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
@@ -458,7 +462,7 @@ def answer_questions_ids(
     options = CompressionOptions.build(options, **settings)
     if not questions_ids:
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
-    as_count("max_new_tokens", max_new_tokens, 1)
+    _check_answer_settings(max_new_tokens, stop_at_eos)
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
@@ -552,7 +556,7 @@ def answer_from_cache_ids(
                          "cache.restore(cache.snapshot() taken right after compressing), or compress the context again")
     if not questions_ids:
         raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
-    as_count("max_new_tokens", max_new_tokens, 1)
+    _check_answer_settings(max_new_tokens, stop_at_eos)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
     _check_questions(model, session.n_context, questions_ids, max_new_tokens)
     session.adopt(cache)
@@ -583,7 +587,7 @@ def generate_batch_ids(
     options = CompressionOptions.build(options, **settings)
     if not contexts_ids:
         raise ValueError("contexts_ids must be a non-empty list of [1, n] token id tensors")
-    as_count("max_new_tokens", max_new_tokens, 1)
+    _check_answer_settings(max_new_tokens, stop_at_eos)
     width = max(c.shape[1] for c in contexts_ids)
     padded = any(c.shape[1] != width for c in contexts_ids)
     batch = {"batch_size": len(contexts_ids)}
@@ -694,13 +698,10 @@ def generate(
     prompt_layout: how the question follows the context (`build_prompt`, docs/prompt_layout.md).
     """
 
-    if questions is not None and (not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions)):
-        raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
-    if question is not None and (not isinstance(question, str) or not question.strip()):
-        raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}")
+    check_questions(question, questions)
     prompt_layout = as_prompt_layout(prompt_layout, parameter="prompt_layout")
     if cache is not None:
-        if context is not None or options is not None or settings or (questions is not None and question is not None):
+        if context is not None or options is not None or settings:
             raise ValueError(
                 "cache=... answers from a compressed context with its own settings: pass question or questions, and no context, "
                 f"options or settings (got context={'given' if context is not None else None}, options={options!r}, settings={sorted(settings)})"
@@ -721,8 +722,8 @@ def generate(
         raise ValueError(f"context must be a str, got {type(bad[0]).__name__}" + (" (decode bytes first, e.g. context.decode('utf-8'))" if isinstance(bad[0], bytes) else "") + "; a batch is a list of str")
     if not contexts or any(not c.strip() for c in contexts):
         raise ValueError("empty context: pass a non-empty context string (or a non-empty list of them)")
-    if questions is not None and (question is not None or isinstance(context, list)):
-        raise ValueError("questions=[...] asks many questions about one context: pass one context string and no question")
+    if questions is not None and isinstance(context, list):
+        raise ValueError("questions=[...] asks many questions about one context: pass one context string")
     _check_model_and_tokenizer(model, tokenizer)
     options = with_repeat_prompt(CompressionOptions.build(options, **settings), tokenizer)
     run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
@@ -739,6 +740,13 @@ def generate(
     for res in results:
         res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
     return results if (questions is not None or isinstance(context, list)) else results[0]
+
+
+def _check_answer_settings(max_new_tokens, stop_at_eos) -> None:
+    """Refuse a max_new_tokens below 1 or a stop_at_eos that is not a bool (a truthy string would be read as True)."""
+    as_count("max_new_tokens", max_new_tokens, 1)
+    if not isinstance(stop_at_eos, bool):
+        raise ValueError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
 
 
 def _check_model_and_tokenizer(model, tokenizer) -> None:

@@ -237,6 +237,19 @@ def prompt_layout(layout: str | PromptLayout, parameter: str = "layout") -> Prom
     raise ValueError(f"{parameter} must be one of {', '.join(PROMPT_LAYOUTS)} or a PromptLayout, got {layout!r}")
 
 
+def check_questions(question, questions) -> None:
+    """Refuse what is not one question or a list of them: question None or a non-empty str, questions None or a
+    non-empty list of non-empty strings, not both."""
+    if question is not None and questions is not None:
+        raise ValueError("pass question (one) or questions (a list), not both")
+    if question is not None and (not isinstance(question, str) or not question.strip()):
+        raise ValueError(f"question must be a non-empty str, or None for no question, got {question!r}"
+                         + ("; several questions about one context are questions=[...]" if isinstance(question, (list, tuple)) else ""))
+    if questions is not None and (not isinstance(questions, list) or not questions
+                                  or any(not isinstance(q, str) or not q.strip() for q in questions)):
+        raise ValueError(f"questions must be a non-empty list of non-empty strings, got {questions!r}")
+
+
 def build_prompt(
     tokenizer, context: str, question: str | None = None, answer_prefix: str = "",
     layout: str | PromptLayout = DEFAULT_PROMPT_LAYOUT,

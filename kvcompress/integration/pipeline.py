@@ -15,7 +15,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from .model import DEFAULT_PROMPT_LAYOUT, build_prompt
+from .model import DEFAULT_PROMPT_LAYOUT, build_prompt, check_questions
 from .model import prompt_layout as _layout
 
 TASK = "kvcompress-text-generation"
@@ -46,10 +46,7 @@ class CompressedTextGenerationPipeline(Pipeline):
         return super().__call__(inputs, *args, **kwargs)
 
     def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", prompt_layout=DEFAULT_PROMPT_LAYOUT, **options):
-        if question is not None and questions is not None:
-            raise ValueError("pass question (one) or questions (a list), not both")
-        if questions is not None and (not isinstance(questions, list) or not questions or any(not isinstance(q, str) for q in questions)):
-            raise ValueError(f"questions must be a non-empty list of strings, got {questions!r}")
+        check_questions(question, questions)
         layout = _layout(prompt_layout, parameter="prompt_layout")
         return {"question": question, "questions": questions, "answer_prefix": answer_prefix, "layout": layout}, options, {"single": questions is None}
 

@@ -110,7 +110,8 @@ class Stream(Saveable):
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None,
                hidden_states=None) -> None:
         """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d] (dropped unless the method's requirements name
-        them); positions [b] or [B,H_kv,b] (default: running count);
+        them); positions [b] or [B,H_kv,b], each >= 0 (default: the running count of tokens taken, seen .. seen + b - 1,
+        which does not continue from positions given before: give them to every update or to none);
         hidden_states [B,H_kv,b,d_model] or None (`Tokens.hidden_states`: held with the tokens, window and buffer alike).
 
         Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
@@ -133,7 +134,9 @@ class Stream(Saveable):
             )
         if positions is None:
             positions = torch.arange(self.seen, self.seen + n, device=keys.device)
-        check_positions(positions, keys, ordered=False)  # shape only: no sync per streamed block
+        check_positions(positions, keys, ordered=False)  # the shape: no sync per streamed block on a device ...
+        if positions.device.type == "cpu" and n and int(positions.min()) < 0:  # ... the values where reading them is cheap
+            raise ValueError(f"positions must be >= 0 (the original index of each token; -1 marks an empty slot), got {int(positions.min())}")
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)
