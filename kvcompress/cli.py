@@ -31,7 +31,8 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status; a usage error, or a bad input found when the command runs (ValueError,
-    or a file that cannot be read/written, or an optional package not installed), is 2 with one line on stderr."""
+    or a file that cannot be read/written, or an optional package not installed), is 2 with one line on stderr; Ctrl-C is
+    130 with one line."""
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback, and how to go on where the command can
+        hint = getattr(args, "on_interrupt", None)
+        print(f"kvcompress {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 130
     except (ValueError, OSError) as err:
         print(f"kvcompress {args.command}: error: {as_flag(str(err), parser.subcommands[args.command])}", file=sys.stderr)
         return 2

@@ -94,7 +94,7 @@ CASES = {
     "train-scorer seed past 64 bits": (["train-scorer", "--out", "{tmp}/s.safetensors", "--seed", str(2**64)],
                                        "argument --seed: expected an integer from 0 to 2**63 - 1"),
     "eval zero answer tokens": (["eval", "--max-new-tokens", "0", "--out", "{tmp}/e"], "argument --max-new-tokens: expected an integer >= 1"),
-    "eval grid lengths without depths": (["eval", "--grid-lengths", "1024", "--out", "{tmp}/e"], "grid_depths"),
+    "eval grid lengths without depths": (["eval", "--grid-lengths", "1024", "--out", "{tmp}/e"], "--grid-lengths and --grid-depths set the needle heat map together: give both"),
     "eval malformed task parameter": (["eval", "--task-param", "n_keys=4", "--out", "{tmp}/e"], "--task-param"),
     "eval approx sink beyond tokens": (["eval", "approx", "--tokens", "100", "--sink", "256"], "tokens"),
     "eval approx with sweep flags": (["eval", "approx", "--tasks", "niah_single", "--chunk-size", "64"],
@@ -198,7 +198,19 @@ CASES = {
                                                      "`eval approx` takes none of the task sweep's and perplexity's flags; got --samples"),
     "eval unknown task": (["eval", "--tasks", "bogus", "--out", "{tmp}/o"], "--tasks: unknown task(s) ['bogus']; known tasks: niah_single"),
     "eval full with another method": (["eval", "--methods", "full,knorm", "--out", "{tmp}/o"], "--methods full runs the task sweep's full-cache cells alone"),
-    "eval full without the full cache": (["eval", "--methods", "full", "--no-full", "--out", "{tmp}/o"], "got --methods full"),
+    "eval full without the full cache": (["eval", "--methods", "full", "--no-full", "--out", "{tmp}/o"], "got --methods full with --no-full"),
+    "eval empty out": (["eval", "--out", "", "--methods", "knorm"], "argument --out: takes a folder's path, got ''"),
+    "eval out is a file": (["eval", "--out", "{ctx}", "--methods", "knorm"], "argument --out: '{ctx}' is a file; give a folder"),
+    "eval chunk size with prefill only": (["eval", "--methods", "knorm", "--chunk-size", "64", "--out", "{tmp}/o"],
+                                          "--chunk-size 64 is the prompt's block size in --modes chunked or decode; this run has "
+                                          "--modes prefill only"),
+    "perplexity chunk size with prefill only": (["eval", "--tasks", "perplexity", "--modes", "prefill", "--methods", "knorm",
+                                                 "--chunk-size", "64", "--out", "{tmp}/o"], "--chunk-size 64 is the prompt's block size"),
+    "eval task parameter of a task not run": (["eval", "--tasks", "niah_single", "--task-param", "niah_multikey.n_keys=4", "--methods",
+                                               "knorm", "--out", "{tmp}/o"],
+                                              "--task-param names task(s) ['niah_multikey'] this run does not run (its tasks: niah_single)"),
+    "compress out under a file": (["compress", "--context-file", "{ctx}", "--out", "{ctx}/c.kvc", "--budget", "8"],
+                                  "--out '{ctx}/c.kvc': '{ctx}' is a file, not a directory"),
     "eval full with ratios": (["eval", "--methods", "full", "--ratios", "0.5", "--out", "{tmp}/o"], "got --methods full with --ratios"),
     "eval ray cpus at the default without ray": (["eval", "--ray-cpus", "1", "--out", "{tmp}/o"], "--ray-cpus and --ray-retries go with --ray"),
     "no subcommand": ([], "command"),
@@ -209,7 +221,7 @@ CASES = {
 def test_bad_command_lines_exit_2_with_one_line(name, tmp_path, context_file, capsys):
     template, expected = CASES[name]
     argv = [arg.format(tmp=tmp_path, ctx=context_file) for arg in template]
-    expected = expected.replace("{tmp}", str(tmp_path))
+    expected = expected.replace("{tmp}", str(tmp_path)).replace("{ctx}", str(context_file))
     try:
         status = main(argv)
     except SystemExit as exit_:
@@ -264,3 +276,65 @@ def test_demo_refuses_a_model_without_a_scorer_before_its_table(tiny_checkpoint,
     assert main(["demo", "--model", str(tiny_checkpoint), "--tokens", "400", "--scorer", another]) == 2
     out, err = capsys.readouterr()
     assert out == "" and f"kvcompress demo: error: --scorer {another!r}: " in err and "another model" in err, (out, err)
+
+
+@pytest.mark.parametrize("first, second", [("sweep", "perplexity"), ("perplexity", "sweep")])
+def test_a_results_folder_takes_one_kind_of_run_refused_before_the_model_loads(first, second, tmp_path, capsys, monkeypatch):
+    """A perplexity run into a task sweep's folder was taken: its records joined the sweep's, its summary replaced the
+    sweep's, and the next sweep into the folder failed in the middle ("wilson needs 0 <= successes <= n")."""
+    from kvcompress.eval.perplexity import PerplexityConfig, check_perplexity_folder
+    from kvcompress.eval.runner import SweepConfig, check_results_folder, write_run_config
+
+    kinds = {"sweep": (SweepConfig(methods=["knorm"], tasks=["niah_single"]), {}),
+             "perplexity": (PerplexityConfig(methods=["knorm"]), {"task": "perplexity"})}
+    config, extra = kinds[first]
+    write_run_config(tmp_path, config, "m", None, **extra)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # written whole: no partial file left
+    check = {"sweep": check_results_folder, "perplexity": check_perplexity_folder}
+    with pytest.raises(ValueError, match=r"holds the records of a .* which a .* must not add to .* write to another folder \(--out\)"):
+        check[second](kinds[second][0], tmp_path, "m")
+    check[first](config, tmp_path, "m")  # the same kind goes on
+    # ... and the command line refuses it before loading a model
+    monkeypatch.setattr("kvcompress.integration.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    argv = {"sweep": ["eval", "--methods", "knorm", "--tasks", "niah_single"],
+            "perplexity": ["eval", "--methods", "knorm", "--tasks", "perplexity"]}[second]
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert "must not add to" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_what_every_earlier_run_s_named_settings_stood_for(tmp_path):
+    """config.json is rewritten by each run into a folder: the named settings of a first run with `default` must stay, or a
+    third run whose `default` stands for another method would not be refused."""
+    import json
+
+    from kvcompress.eval.runner import SweepConfig, check_results_folder, write_run_config
+
+    write_run_config(tmp_path, SweepConfig(methods=["default"], tasks=["niah_single"]), "m", None)
+    write_run_config(tmp_path, SweepConfig(methods=["knorm"], tasks=["niah_single"]), "m", None)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["config"]["methods"] == ["knorm"] and "default" in meta["named_settings"]
+    meta["named_settings"]["default"] = {"prefill": ["snapkv", {}, {}]}  # as another version of kvcompress recorded it
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"method 'default' \(--methods\) stands for"):
+        check_results_folder(SweepConfig(methods=["default"], tasks=["niah_single"]), tmp_path, "m")
+
+
+def test_a_resumed_prefill_only_run_is_not_refused_for_the_streams_block_size(tmp_path):
+    from kvcompress.eval.runner import SweepConfig, check_results_folder, write_run_config
+
+    write_run_config(tmp_path, SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["chunked"], chunk_size=64), "m", None)
+    check_results_folder(SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["prefill"]), tmp_path, "m")
+    with pytest.raises(ValueError, match=r"chunk_size \(--chunk-size\) 256, there 64"):
+        check_results_folder(SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["decode"]), tmp_path, "m")
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_how_to_go_on(monkeypatch, tmp_path, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    import kvcompress.commands.eval as eval_command
+
+    monkeypatch.setattr(eval_command, "_run_sweep", interrupted)
+    assert main(["eval", "--methods", "knorm", "--tasks", "niah_single", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err == "kvcompress eval: interrupted; run the same command again to go on: the cells already recorded in --out are kept\n"

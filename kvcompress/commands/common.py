@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -173,10 +174,22 @@ def given_options(args, *dests: str) -> list[str]:
 def check_out_folder(flag: str, path) -> None:
     """ValueError naming `flag` unless `path` is a file that can be written: its folder exists and it is not itself a
     folder. Checked before the work, not after."""
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"{flag} {str(path)!r}: {str(path.parent)!r} is a file, not a directory")
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a directory; give the path of the file to write")
+
+
+def results_folder(text: str) -> Path:
+    """An --out folder of results (argparse type): a non-empty path, not an existing file (created when missing)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"takes a folder's path, got {text!r}")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder (a new one, or one holding an earlier run's results)")
+    return path
 
 
 def set_threads(threads: int | None) -> None:

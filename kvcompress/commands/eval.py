@@ -9,7 +9,8 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, name_list, parse_params, resolve_device, seed, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, name_list, parse_params, resolve_device,
+    results_folder, seed, set_threads,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -67,7 +68,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("bench", nargs="?", default="tasks", choices=["tasks", "approx"], help="which evaluation (default: tasks)")
     add_model_arg(p)
     add_device_args(p)
-    p.add_argument("--out", type=Path, default=Path("results/eval"), help="output directory (default: results/eval)")
+    p.add_argument("--out", type=results_folder, default=Path("results/eval"), help="output directory (default: results/eval)")
     p.add_argument("--methods", type=list_of((FULL, DEFAULT_METHOD, KVZIP_REFIT, *METHODS), "method"), default=None,
                    help=f"comma-separated method names; '{DEFAULT_METHOD}' (task sweep and perplexity) and '{KVZIP_REFIT}' (task "
                         "sweep only) are the library's default for each mode and the slow prefill default before KVzap; "
@@ -130,7 +131,8 @@ def add_cli(subparsers) -> None:
     a.add_argument("--seeds", type=count(1), default=10, help="seeds per method, ratio and layer for the error bars (default 10)")
     a.add_argument("--text-seed", type=count(0), default=0, help="shuffle of the prose paragraphs (default 0)")
     # each evaluation's own flags, so that another one's given to it is refused rather than ignored
-    p.set_defaults(func=run_cli, sweep_flags=[*t._group_actions, *lm._group_actions, *b._group_actions], approx_flags=a._group_actions)
+    p.set_defaults(func=run_cli, sweep_flags=[*t._group_actions, *lm._group_actions, *b._group_actions], approx_flags=a._group_actions,
+                   on_interrupt="run the same command again to go on: the cells already recorded in --out are kept")
 
 
 def run_cli(args) -> int:
@@ -143,7 +145,7 @@ def run_cli(args) -> int:
             raise ValueError(f"--methods {FULL} runs the task sweep's full-cache cells alone (every sweep has them unless --no-full, and "
                              f"perplexity's are each ratio's reference): give it alone, without --no-full, --tasks {PERPLEXITY}, approx "
                              f"or the compressed cells' --ratios, --modes, --grid-ratios; got --methods {','.join(args.methods)}"
-                             + (f" with {', '.join(compressing)}" if compressing else ""))
+                             + (f" with {', '.join(compressing + ['--no-full'] * args.no_full)}" if compressing or args.no_full else ""))
         args.methods = []
     if args.tasks and not args.benchmark:
         unknown = [t for t in args.tasks if t not in TASKS and t != PERPLEXITY]
@@ -169,9 +171,10 @@ def _run_perplexity(args) -> int:
     """Language modelling under compression (`eval.perplexity`), then its summary and leaderboard."""
     from ..integration import load_model
     from ..integration.model import DEFAULT_NAME
-    from ..eval.perplexity import run_perplexity, write_report
+    from ..eval.perplexity import check_perplexity_folder, run_perplexity, write_report
 
     config = _perplexity_config(args)
+    check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME)  # before the model loads
     model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
     start = time.perf_counter()
     records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
@@ -198,8 +201,17 @@ def _perplexity_config(args):
         raise ValueError(f"--samples (documents per length with --tasks {PERPLEXITY}) must be >= 1, got {args.samples}")
     options = {k: v for k, v in (("modes", args.modes), ("lengths", args.lengths), ("documents", args.samples),
                                  ("context_fraction", args.context_fraction), ("block", args.block)) if v is not None}
-    return PerplexityConfig(methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), seed=args.seed, chunk_size=args.chunk_size,
-                            include_full=not args.no_full, **options)
+    config = PerplexityConfig(methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), seed=args.seed, chunk_size=args.chunk_size,
+                              include_full=not args.no_full, **options)
+    _check_chunk_size(args, config.modes)
+    return config
+
+
+def _check_chunk_size(args, modes: list[str]) -> None:
+    """--chunk-size given to a run with no streaming mode is refused, as `generate` refuses it in --mode prefill."""
+    if "chunk_size" in args.given and all(mode == "prefill" for mode in modes):
+        raise ValueError(f"--chunk-size {args.chunk_size} is the prompt's block size in --modes chunked or decode; this run has "
+                         "--modes prefill only, which prefills each context in one forward: leave it out")
 
 
 def _run_approx(args) -> int:
@@ -275,6 +287,8 @@ def _sweep_config(args):
             raise ValueError(f"--benchmark {args.benchmark} needs --data PATH (the benchmark's local files)")
     elif args.data is not None:
         raise ValueError("--data goes with --benchmark")
+    elif args.grid_lengths and not args.grid_depths:
+        raise ValueError("--grid-lengths and --grid-depths set the needle heat map together: give both")
     elif not args.grid_lengths and given_options(args, "grid_depths", "grid_ratios", "grid_task"):
         raise ValueError(f"{', '.join(given_options(args, 'grid_depths', 'grid_ratios', 'grid_task'))} set the needle heat map, which "
                          "--grid-lengths asks for: give --grid-lengths too")
@@ -287,8 +301,13 @@ def _sweep_config(args):
         include_full=not args.no_full, reuse_prefill=not args.no_reuse_prefill, max_new_tokens=args.max_new_tokens,
         chunk_size=args.chunk_size, task_params=_task_params(args.task_param), prompt_layout=args.prompt_layout,
     )
+    _check_chunk_size(args, config.modes)
     if not args.benchmark:
-        check_task_settings(config.tasks + ([config.grid_task] if config.grid_lengths else []), haystack=args.haystack, kind=args.kind)
+        tasks = config.tasks + ([config.grid_task] if config.grid_lengths else [])
+        check_task_settings(tasks, haystack=args.haystack, kind=args.kind)
+        unused = sorted(set(config.task_params) - set(tasks))
+        if unused:
+            raise ValueError(f"--task-param names task(s) {unused} this run does not run (its tasks: {', '.join(tasks)})")
     return config
 
 

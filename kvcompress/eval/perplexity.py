@@ -326,6 +326,15 @@ def run_cell(model, document: Document, cell: PerplexityCell, config: Perplexity
     return record
 
 
+def check_perplexity_folder(config: PerplexityConfig, out_dir: str | Path, model_name: str = "") -> None:
+    """Refuse to add this run's records to `out_dir` when the run already there was a task sweep, or used another seed,
+    context fraction, block, block size of the streams (where this run streams) or model (`runner.check_same_run`). The
+    command line checks this before loading the model."""
+    settings = ("seed", "context_fraction", "block") + (("chunk_size",) if any(m != "prefill" for m in config.modes) else ())
+    check_same_run(Path(out_dir) / "config.json", {name: getattr(config, name) for name in settings}, model_name, config.methods,
+                   task=PERPLEXITY)
+
+
 def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Path, progress: bool = True, model_name: str = "",
                    shard: tuple[int, int] | None = None) -> list[dict]:
     """Run every cell not yet in `out_dir/results.jsonl` (of shard (i, n) only: the documents at positions p with
@@ -337,8 +346,7 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
         check_context_length(model, n)
     out, results = open_run(out_dir, shard)
     done = results.keys()
-    check_same_run(out / "config.json", {name: getattr(config, name) for name in ("seed", "context_fraction", "block", "chunk_size")},
-                   model_name, config.methods)
+    check_perplexity_folder(config, out, model_name)
     write_run_config(out, config, model_name, shard, task=PERPLEXITY)
     documents = [(length, i) for i in range(config.documents) for length in config.lengths]
     if shard is not None:

@@ -35,6 +35,7 @@ import fcntl
 import gzip
 import json
 import math
+import os
 import platform
 import time
 from collections import defaultdict
@@ -50,7 +51,7 @@ from ..checks import as_seed
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
-from ..names import DEFAULT_CHUNK_SIZE, FULL
+from ..names import DEFAULT_CHUNK_SIZE, FULL, PERPLEXITY
 from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
@@ -460,30 +461,45 @@ def named_settings_of(methods: list[str]) -> dict[str, dict]:
 
 
 def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] | None, **extra) -> None:
-    """`out/config.json`: `extra`, the run's config (a dataclass with `methods`), what the named settings among its methods
-    stand for (`named_settings_of`), model name, host, threads, shard and start time."""
-    meta = extra | {"config": asdict(config), "named_settings": named_settings_of(config.methods), "model": model_name, "host": platform.node(),
+    """`out/config.json`: `extra`, the latest run's config (a dataclass with `methods`), what the named settings among the
+    methods of every run into the folder stand for (`named_settings_of`, merged with those recorded before, so that a
+    later run is checked against each), model name, host, threads, shard and start time. Written whole or not at all
+    (a shard beside it may be reading it)."""
+    path = out / "config.json"
+    named = (json.loads(path.read_text()).get("named_settings", {}) if path.is_file() else {}) | named_settings_of(config.methods)
+    meta = extra | {"config": asdict(config), "named_settings": named, "model": model_name, "host": platform.node(),
                     "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (out / "config.json").write_text(json.dumps(meta, indent=1))
+    partial = out / f".config.json-{os.getpid()}"
+    partial.write_text(json.dumps(meta, indent=1))
+    os.replace(partial, path)
 
 
 def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "") -> None:
-    """Refuse to add this sweep's records to `out_dir` when the run already there used another prompt layout, setting
-    (`check_same_run`) or model; a folder with no run yet takes any. The command line checks this before loading the model."""
+    """Refuse to add this sweep's records to `out_dir` when the run already there was another kind of run (perplexity),
+    or used another prompt layout, setting (`check_same_run`; the block size only where this sweep streams) or model;
+    a folder with no run yet takes any. The command line checks this before loading the model."""
     path = Path(out_dir) / "config.json"
+    check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS
+                          if name != "chunk_size" or any(mode != "prefill" for mode in config.modes)}, model_name, config.methods)
     _check_prompt_layout(path, config.prompt_layout)
-    check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS}, model_name, config.methods)
 
 
-def check_same_run(path: Path, settings: dict, model_name: str = "", methods: list[str] = ()) -> None:
-    """Refuse to add records to a results folder whose earlier run (its `config.json`, `path`) recorded other values of
-    `settings` (those that change every cell's answer, which the cells' keys leave out: a cell recorded under the old
-    value would not run again), another model, or another meaning of a named setting among `methods` (`named_settings_of`:
-    the library's default of another version); what the earlier run did not record is not compared."""
+def check_same_run(path: Path, settings: dict, model_name: str = "", methods: list[str] = (), task: str | None = None) -> None:
+    """Refuse to add records to a results folder whose earlier run (its `config.json`, `path`) was of another kind (task:
+    None for the task sweep, PERPLEXITY for the perplexity run: their records and summaries differ) or recorded other
+    values of `settings` (those that change every cell's answer, which the cells' keys leave out: a cell recorded under
+    the old value would not run again), another model, or another meaning of a named setting among `methods`
+    (`named_settings_of`: the library's default of another version); what the earlier run did not record is not
+    compared."""
     if not path.is_file():
         return
     meta = json.loads(path.read_text())
+    if meta.get("task") != task:
+        kinds = {None: "task sweep", PERPLEXITY: "perplexity run (--tasks perplexity)"}
+        raise ValueError(f"{path.parent} holds the records of a {kinds.get(meta.get('task'), meta.get('task'))}, which a "
+                         f"{kinds.get(task, task)} must not add to (their records and summaries differ): write to another "
+                         "folder (--out)")
     earlier = meta.get("config", {})
     changed = [f"{name} (--{name.replace('_', '-')}) {value!r}, there {earlier[name]!r}"
                for name, value in json.loads(json.dumps(settings)).items() if name in earlier and earlier[name] != value]
@@ -505,7 +521,7 @@ def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
     earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
     if earlier != layout:
         raise ValueError(f"prompt_layout {layout.name!r} differs from {earlier.name!r}, the layout of the results already in "
-                         f"{path.parent}; pass prompt_layout={earlier.name!r} to continue that run, or write to a new folder")
+                         f"{path.parent}; give that layout ({earlier.name!r}) to continue that run, or write to a new folder")
 
 
 def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], log=print) -> Iterator[dict]:
