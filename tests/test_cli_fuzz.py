@@ -323,9 +323,12 @@ def test_a_resumed_prefill_only_run_is_not_refused_for_the_streams_block_size(tm
     from kvcompress.eval.runner import SweepConfig, check_results_folder, write_run_config
 
     write_run_config(tmp_path, SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["chunked"], chunk_size=64), "m", None)
-    check_results_folder(SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["prefill"]), tmp_path, "m")
+    prefill_only = SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["prefill"])
+    check_results_folder(prefill_only, tmp_path, "m")
+    write_run_config(tmp_path, prefill_only, "m", None)  # ... and its config.json keeps the streams' block size
     with pytest.raises(ValueError, match=r"chunk_size \(--chunk-size\) 256, there 64"):
         check_results_folder(SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["decode"]), tmp_path, "m")
+    check_results_folder(SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["decode"], chunk_size=64), tmp_path, "m")
 
 
 def test_ctrl_c_ends_a_command_with_one_line_and_how_to_go_on(monkeypatch, tmp_path, capsys):

@@ -461,13 +461,18 @@ def named_settings_of(methods: list[str]) -> dict[str, dict]:
 
 
 def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] | None, **extra) -> None:
-    """`out/config.json`: `extra`, the latest run's config (a dataclass with `methods`), what the named settings among the
+    """`out/config.json`: `extra`, the latest run's config (a dataclass with `methods` and `modes`; a run that streams
+    nothing keeps the block size recorded before, which it does not use), what the named settings among the
     methods of every run into the folder stand for (`named_settings_of`, merged with those recorded before, so that a
     later run is checked against each), model name, host, threads, shard and start time. Written whole or not at all
     (a shard beside it may be reading it)."""
     path = out / "config.json"
-    named = (json.loads(path.read_text()).get("named_settings", {}) if path.is_file() else {}) | named_settings_of(config.methods)
-    meta = extra | {"config": asdict(config), "named_settings": named, "model": model_name, "host": platform.node(),
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    settings = asdict(config)
+    if not any(mode != "prefill" for mode in config.modes) and "chunk_size" in earlier.get("config", {}):
+        settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
+    named = earlier.get("named_settings", {}) | named_settings_of(config.methods)
+    meta = extra | {"config": settings, "named_settings": named, "model": model_name, "host": platform.node(),
                     "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     partial = out / f".config.json-{os.getpid()}"
