@@ -65,8 +65,8 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Answer tokens per second of decoding: those after the first, which the prompt's forward gives (its time is
-        `prefill_seconds`'), over `decode_seconds`; NaN for an answer of one token."""
+        """Answer tokens per second of decoding: those after the first (which the prompt's forward gives, in
+        `prefill_seconds`) over `decode_seconds`; NaN for an answer of one token."""
         steps = len(self.token_ids) - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
 
