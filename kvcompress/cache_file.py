@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 from pathlib import Path
 
 import safetensors
@@ -25,7 +24,7 @@ import safetensors.torch
 import torch
 
 from .model_support import check_supported
-from .saved_state import SchemaError, Spec, decode, encode
+from .saved_state import SchemaError, Spec, decode, encode, write_whole
 
 FORMAT = "kvcompress-cache"
 VERSION = 2
@@ -54,18 +53,7 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: d
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     text = json.dumps(document, sort_keys=True)
     metadata = {"format": FORMAT, "version": str(VERSION), "kvcompress": text, "sha256": _digest(text, tensors)}
-    data = safetensors.torch.save(tensors, metadata)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
-    tmp = path.parent / f".{path.name}-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as any file the user writes
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_whole(path, safetensors.torch.save(tensors, metadata))
 
 
 def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:

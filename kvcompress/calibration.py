@@ -87,7 +87,7 @@ class Calibration:
             raise ValueError(f"method must be a registered method's name (one of {', '.join(method_names())}), got {self.method!r}")
         self.alpha = as_real("alpha", self.alpha, "the curve's slope in the context's NLL")
         self.beta = as_real("beta", self.beta, "the curve's intercept")
-        self.asymmetry = as_real("asymmetry", self.asymmetry, "the weight of over-compressing residuals", minimum=1.0)
+        self.asymmetry = as_asymmetry(self.asymmetry)
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a model's name or None, got {self.model!r}")
         if not isinstance(self.method_params, dict):
@@ -154,6 +154,17 @@ def choose_ratio(calibration: Calibration | str | os.PathLike, nll_context: floa
     return max(0.0, 1.0 - load_calibration(calibration).retention(nll_context, quality))
 
 
+MAX_ASYMMETRY = 1e6  # the fit weighs residuals by its square root: beyond a thousandfold it no longer fits the rest
+
+
+def as_asymmetry(value) -> float:
+    """The fit's `asymmetry` as a Python float: a number from 1 to `MAX_ASYMMETRY` (a float beyond it overflowed the fit)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1.0 <= value <= MAX_ASYMMETRY:
+        raise ValueError(f"asymmetry must be a number from 1 to {MAX_ASYMMETRY:g} (the weight of residuals where the curve promises "
+                         f"more quality than measured), got {value!r}")
+    return float(value)
+
+
 def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, method_params: dict | None = None) -> Calibration:
     """Fit alpha, beta to triples (dicts with "retention", "nll_context", "nll_ratio", or 3-tuples in that order).
 
@@ -161,7 +172,7 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
     than measured, i.e. would over-compress) and 1 elsewhere. Levenberg-Marquardt in float64 from
     a few starting points (k = 0, -3, +3); the best one is kept.
     """
-    asymmetry = as_real("asymmetry", asymmetry, "the weight of over-compressing residuals", minimum=1.0)
+    asymmetry = as_asymmetry(asymmetry)
     rows = [(t["retention"], t["nll_context"], t["nll_ratio"]) if isinstance(t, dict) else tuple(t) for t in triples]
     if len(rows) < 2:
         raise ValueError(f"fit needs at least 2 triples, got {len(rows)}")

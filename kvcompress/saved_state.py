@@ -17,11 +17,31 @@ several places is written once and referred to ({"ref": k}) after that, so what 
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+
+
+def write_whole(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all (a cache file, a scorer file): into a new file beside it, then renamed
+    over it, so that a failed write (a full disk, an interrupt) leaves what was there before. Its folder must exist."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
+    partial = path.parent / f".{path.name}-{secrets.token_hex(8)}"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as any file the user writes
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 class SchemaError(ValueError):

@@ -95,7 +95,7 @@ def test_json_round_trip_and_choose_ratio(tmp_path):
 
 @pytest.mark.parametrize("field, value, match", [
     ("alpha", "x", "alpha must be a finite number"), ("alpha", None, "alpha must be a finite number"),
-    ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a finite number >= 1"),
+    ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a number from 1 to 1e"), ("asymmetry", 1e308, r"asymmetry must be a number from 1 to 1e\+06"),
     ("method", "", "method must be a registered method's name"), ("method", "nosuch", "method must be a registered method's name .* got 'nosuch'"), ("method_params", [1], "method_params must be a dict"),
     ("n_triples", -1, "n_triples must be"),
 ])
@@ -205,5 +205,28 @@ def test_calibrate_refuses_settings_that_are_not_the_methods_and_methods_it_cann
         calibrate(None, None, sample, "kvzap")
     with pytest.raises(ValueError, match="method 'adakv' scores the context with the layers' hidden states"):
         calibrate(None, None, sample, "adakv", scorer="kvzap")
-    with pytest.raises(ValueError, match="asymmetry must be a finite number >= 1"):
+    with pytest.raises(ValueError, match="asymmetry must be a number from 1 to 1e"):
         calibrate(None, None, sample, "snapkv", asymmetry=float("inf"))
+    with pytest.raises(ValueError, match=r"retentions must be a list of fractions kept in \(0, 1\], e\.g\. \[0\.25, 0\.5\], got 0\.5"):
+        calibrate(None, None, sample, "snapkv", retentions=0.5)
+    with pytest.raises(ValueError, match=r"retentions must be a list of fractions .* got '0\.5'"):
+        calibrate(None, None, sample, "snapkv", retentions="0.5")
+    with pytest.raises(ValueError, match=r"samples must be a list of \(context, question, answer\) tuples or dicts, got NoneType"):
+        calibrate(None, None, None, "snapkv")
+
+
+def test_calibrate_refuses_a_retention_too_small_for_the_sink_and_window_before_measuring(tiny_checkpoint):
+    """`kvcompress calibrate --method snapkv` failed after loading, on its default retention 0.1, advising a compression
+    ratio and a context size the command has no flag for; the refusal names the retention that fits."""
+    import re
+
+    import kvcompress as kvc
+    from kvcompress.integration.calibrate_model import _check_retentions_fit, calibrate
+
+    model, tokenizer = kvc.load_model(str(tiny_checkpoint))
+    samples = [("The river runs past the mill. " * 12, "Where does the river run?", "past the mill")]
+    with pytest.raises(ValueError, match=r"^retentions: 0\.1 keeps too few of the \d+ context tokens of samples\[0\] for snapkv's exact "
+                                         r"sink \(4\) and window \(64\): use retentions of at least [\d.]+, or longer contexts") as refused:
+        calibrate(model, tokenizer, samples, "snapkv", retentions=[0.5, 0.1])
+    least = float(re.search(r"at least ([\d.]+)", str(refused.value)).group(1))
+    _check_retentions_fit(tokenizer, samples, "snapkv", [least, 0.5], {})  # the retention it names fits

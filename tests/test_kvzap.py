@@ -799,3 +799,31 @@ def test_hidden_state_hooks_removed_during_a_forward_do_not_break_it(tiny_checkp
     finally:
         remover.remove()
     assert not any(m._forward_pre_hooks for m in attention_modules(model))
+
+
+def test_adakv_refuses_kvzaps_threshold_which_its_allocation_would_not_apply(tiny_scorer):
+    """threshold in AdaKV's scorer_params was ignored: the same slots, bytes and answer at -3, 100 and none."""
+    with pytest.raises(ValueError, match=r"scorer 'kvzap' with a threshold drops tokens by its own rule, which AdaKV does not apply "
+                                         r".*run method='kvzap' for the threshold rule"):
+        build_method("adakv", scorer="kvzap", scorer_params={"scorer": str(tiny_scorer), "threshold": -3.0})
+    build_method("adakv", scorer="kvzap", scorer_params={"scorer": str(tiny_scorer)})
+    build_method("kvzap", scorer=str(tiny_scorer), threshold=-3.0)
+
+
+def test_a_scorer_file_is_written_whole_or_the_one_there_stays(tiny_scorer, tmp_path, monkeypatch):
+    """A failed write (a full disk, a file size limit) truncated the scorer file already at --out."""
+    import kvcompress.saved_state as saved_state
+
+    out = tmp_path / "scorer.safetensors"
+    surrogate = Surrogate.load(tiny_scorer)
+    surrogate.save(out)
+    before = out.read_bytes()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saved_state.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        surrogate.save(out)
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["scorer.safetensors"]
+    Surrogate.load(out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from ..eval.tasks import TASKS
@@ -27,7 +26,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--tokens", type=count(64), default=512, help="context length target in tokens, >= 64 (default 512)")
     p.add_argument("--retentions", type=float_list, default=list(CALIBRATION_RETENTIONS),
                    help=f"fractions of the context kept, in (0, 1] (default {','.join(map(str, CALIBRATION_RETENTIONS))})")
-    p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises, >= 1 (default 4)")
+    p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises, from 1 to 1e6 (default 4)")
     p.add_argument("--seed", type=seed, default=0, help="first task seed and the method's seed")
     p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
     p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
@@ -40,6 +39,7 @@ def add_cli(subparsers) -> None:
 def _run(args) -> int:
     from ..eval.calibration_samples import offline_samples
     from ..integration import calibrate, load_model
+    from ..calibration import as_asymmetry
     from ..integration.calibrate_model import check_calibratable
 
     bad = [r for r in args.retentions if not 0 < r <= 1]
@@ -48,11 +48,10 @@ def _run(args) -> int:
     if len(args.tasks) * args.samples * len(args.retentions) < 2:
         raise ValueError(f"the fit needs at least 2 measurements: --tasks ({len(args.tasks)}) x --samples ({args.samples}) x "
                          f"--retentions ({len(args.retentions)}) give {len(args.tasks) * args.samples * len(args.retentions)}")
-    if not 1 <= args.asymmetry < math.inf:
-        raise ValueError(f"--asymmetry must be a finite number >= 1, got {args.asymmetry}")
     if args.triples is not None and args.triples.resolve() == args.out.resolve():
         raise ValueError(f"--triples and --out name the same file {str(args.out)!r}; the triples would overwrite the calibration")
     check_calibratable(args.method)
+    as_asymmetry(args.asymmetry)
     check_out_folder("--out", args.out)
     if args.triples is not None:
         check_out_folder("--triples", args.triples)

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..calibration import Calibration, context_nll, fit, mean_nll
-from ..checks import as_real
+from ..calibration import Calibration, as_asymmetry, context_nll, fit, mean_nll
 from ..methods.registry import build_method
+from ..options import CompressionOptions
 from ..names import CALIBRATION_RETENTIONS as DEFAULT_RETENTIONS
 from .model import build_prompt
 from .prefill import SharedPrefill, continuation_logits
@@ -59,6 +59,23 @@ def make_triples(model, tokenizer, samples, method: str, retentions, seed: int =
             if progress is not None:
                 progress(triples[-1])
     return triples
+
+
+def _check_retentions_fit(tokenizer, samples, method: str, retentions, method_params: dict) -> None:
+    """Before any measurement: every retention must leave each sample's context room beyond the method's exact sink and
+    window (the budget `CompressionOptions.token_budget_for` resolves), else a ValueError naming the retention, the
+    sample and the smallest retention that fits (the budget's own advice speaks of ratios and sizes calibrate sets)."""
+    for i, sample in enumerate(samples):
+        n = encode_sample(tokenizer, *_unpack(sample, i)[:3])[0].shape[1]
+        for r in retentions:
+            options = CompressionOptions(method=method, method_params=method_params, compression_ratio=1.0 - r)
+            try:
+                options.token_budget_for(n)
+            except ValueError:
+                least = math.ceil((options.sink + options.window + 1) / n * 100) / 100  # a hundredth at or above what fits
+                raise ValueError(f"retentions: {r} keeps too few of the {n} context tokens of samples[{i}] for {method}'s exact sink "
+                                 f"({options.sink}) and window ({options.window}): use retentions of at least {least:g}, or longer "
+                                 "contexts (the command line's --tokens)") from None
 
 
 def _unpack(sample, i: int) -> tuple[str, str, str, str | None]:
@@ -107,7 +124,11 @@ def calibrate(
     with `.save(path)` and pass it (or the path) to `generate(quality=..., calibration=...)`.
     """
     check_calibratable(method, **method_params)
-    as_real("asymmetry", asymmetry, "the weight of over-compressing residuals", minimum=1.0)  # before the measurements, not after
+    as_asymmetry(asymmetry)  # before the measurements, not after
+    if isinstance(samples, (str, bytes, dict)) or not isinstance(samples, Iterable):
+        raise ValueError(f"samples must be a list of (context, question, answer) tuples or dicts, got {type(samples).__name__}")
+    if isinstance(retentions, (str, bytes)) or not isinstance(retentions, Iterable):
+        raise ValueError(f"retentions must be a list of fractions kept in (0, 1], e.g. [0.25, 0.5], got {retentions!r}")
     samples = list(samples)
     if not samples:
         raise ValueError("samples must hold at least one (context, question, answer); got none")
@@ -117,5 +138,6 @@ def calibrate(
     bad = [r for r in retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r <= 1) or math.isnan(r)]
     if not retentions or bad:
         raise ValueError(f"retentions must be fractions kept in (0, 1], got {retentions!r}")
+    _check_retentions_fit(tokenizer, samples, method, retentions, method_params)
     triples = make_triples(model, tokenizer, samples, method, retentions, seed=seed, progress=progress, **method_params)
     return fit(triples, method, asymmetry, model=model_name, method_params=method_params)

@@ -195,6 +195,10 @@ class AdaKV(Method):
         if not isinstance(self.scorer, ScoreMethod):
             raise ValueError(f"scorer must be a score method (a ScoreMethod instance, e.g. SnapKV() or KVzip(); by name through "
                              f"build_method or the command line: one of {', '.join(score_method_names())}), got {self.scorer!r}")
+        if self.scorer.drops_within_budget:  # KVzap's threshold: a rule of its own that AdaKV's allocation would not apply
+            raise ValueError(f"scorer {self.scorer.name!r} with a threshold drops tokens by its own rule, which AdaKV does not apply "
+                             f"(it shares the budget among heads by the scores): run method={self.scorer.name!r} for the threshold "
+                             "rule, or leave threshold out of scorer_params")
         alpha = self.alpha_safeguard
         if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha_safeguard must be a number in [0, 1] (the share of the budget every head keeps of its own), "

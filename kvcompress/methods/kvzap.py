@@ -51,7 +51,7 @@ import torch
 
 from ..checks import as_real
 from ..ragged import RaggedSummary
-from ..saved_state import Count, Instance, Linked, Maybe, Tensor, saved
+from ..saved_state import Count, Instance, Linked, Maybe, Tensor, saved, write_whole
 from ..summary import KVSummary
 from .adakv import kept_summary
 from .base import ScoreMethod, StreamState, top_index
@@ -194,8 +194,9 @@ class Surrogate:
         header = {"format": SURROGATE_FORMAT, "version": str(SURROGATE_VERSION), "kind": self.kind,
                   "layers": json.dumps(list(self.layers)), "model": self.model, "meta": json.dumps(self.meta, sort_keys=True),
                   "sha256": tensors_digest(tensors)}
-        # written by Python, so with the umask's permissions (safetensors' save_file makes the file private to its owner)
-        Path(path).write_bytes(save(tensors, metadata=header))
+        # written whole (a failed write leaves the file there before), with the umask's permissions (safetensors'
+        # save_file makes the file private to its owner)
+        write_whole(path, save(tensors, metadata=header))
 
     @classmethod
     def load(cls, path: str | Path) -> "Surrogate":
