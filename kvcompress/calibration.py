@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .checks import as_count, as_real
-from .methods.registry import method_names
+from .methods.registry import build_method, method_names
 
 
 # |k| below this is treated as 0 (f(r) = r); the error of doing so is below 1e-7.
@@ -92,6 +92,10 @@ class Calibration:
             raise ValueError(f"model must be a model's name or None, got {self.model!r}")
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict of the method's parameters, got {self.method_params!r}")
+        try:  # the parameters the curve was measured with are the method's own (an error here names the calibration, not a flag)
+            build_method(self.method, **self.method_params)
+        except ValueError as error:
+            raise ValueError(f"method_params {self.method_params} are not {self.method!r}'s ({error})") from None
         self.n_triples = as_count("n_triples", self.n_triples, 0)
         if isinstance(self.loss, bool) or not isinstance(self.loss, numbers.Real):
             raise ValueError(f"loss must be a number, got {self.loss!r}")

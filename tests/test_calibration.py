@@ -81,7 +81,7 @@ def test_asymmetric_loss_keeps_the_curve_below_the_data():
 
 
 def test_json_round_trip_and_choose_ratio(tmp_path):
-    c = cal.Calibration("snapkv", alpha=1.5, beta=-7.0, model="SmolLM2", method_params={"window": 32}, n_triples=10, loss=0.01)
+    c = cal.Calibration("snapkv", alpha=1.5, beta=-7.0, model="SmolLM2", method_params={"kernel_size": 5}, n_triples=10, loss=0.01)
     path = tmp_path / "cal.json"
     c.save(path)
     assert cal.Calibration.load(path) == c
@@ -97,6 +97,7 @@ def test_json_round_trip_and_choose_ratio(tmp_path):
     ("alpha", "x", "alpha must be a finite number"), ("alpha", None, "alpha must be a finite number"),
     ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a number from 1 to 1e"), ("asymmetry", 1e308, r"asymmetry must be a number from 1 to 1e\+06"),
     ("method", "", "method must be a registered method's name"), ("method", "nosuch", "method must be a registered method's name .* got 'nosuch'"), ("method_params", [1], "method_params must be a dict"),
+    ("method_params", {"bogus": 1}, r"method_params \{'bogus': 1\} are not 'snapkv''s \(method 'snapkv' has no parameter"),
     ("n_triples", -1, "n_triples must be"),
 ])
 def test_a_calibration_file_with_a_bad_value_is_refused_when_loaded(tmp_path, field, value, match):

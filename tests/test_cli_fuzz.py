@@ -17,12 +17,12 @@ def context_file(tmp_path):
     path.write_text("The magic number is 42. " * 20)
     path.with_name("not-json.json").write_text("alpha=1\n")
     path.with_name("not-calibration.json").write_text(json.dumps({"method": "knorm", "alpha": 1.0}))
-    Calibration("knorm", alpha=1.0, beta=-2.0, method_params={"anchor": "mean"}).save(path.with_name("knorm.json"))
+    Calibration("keydiff", alpha=1.0, beta=-2.0, method_params={"anchor": "mean"}).save(path.with_name("keydiff.json"))
     return path
 
 
 GEN = ["generate", "--context-file", "{ctx}"]
-CALIBRATED = [*GEN, "--calibration", "{tmp}/knorm.json", "--quality", "0.9"]
+CALIBRATED = [*GEN, "--calibration", "{tmp}/keydiff.json", "--quality", "0.9"]
 BENCH = ["bench", "--out", "{tmp}/bench", "--sections", "overhead", "--repeats", "1"]
 CAL = ["calibrate", "--out", "{tmp}/cal.json"]
 
@@ -60,13 +60,13 @@ CASES = {
     "generate calibration file not JSON": ([*GEN, "--calibration", "{tmp}/not-json.json", "--quality", "0.9"], "is not JSON text"),
     "generate calibration file without beta": ([*GEN, "--calibration", "{tmp}/not-calibration.json", "--quality", "0.9"],
                                                "not a calibration file (missing ['beta']"),
-    "generate calibration without quality": ([*GEN, "--calibration", "{tmp}/knorm.json"], "needs --quality"),
+    "generate calibration without quality": ([*GEN, "--calibration", "{tmp}/keydiff.json"], "needs --quality"),
     "generate quality without calibration": ([*GEN, "--quality", "0.9"], "--quality 0.9 goes with --calibration"),
     "generate quality with a budget": ([*GEN, "--budget", "8", "--quality", "0.9"], "--quality 0.9 goes with --calibration"),
-    "generate quality above one": ([*GEN, "--calibration", "{tmp}/knorm.json", "--quality", "1.5"], "quality (the NLL-ratio budget gamma) must be in (0, 1], got 1.5"),
+    "generate quality above one": ([*GEN, "--calibration", "{tmp}/keydiff.json", "--quality", "1.5"], "quality (the NLL-ratio budget gamma) must be in (0, 1], got 1.5"),
     "generate calibration and budget": ([*CALIBRATED, "--budget", "8"], "argument --budget: not allowed with argument --calibration"),
     "generate calibration and ratio": ([*CALIBRATED, "--compression-ratio", "0.5"], "not allowed with argument --calibration"),
-    "generate calibration of another method": ([*CALIBRATED, "--method", "snapkv"], "calibration was fitted for method 'knorm', got method='snapkv'"),
+    "generate calibration of another method": ([*CALIBRATED, "--method", "snapkv"], "calibration was fitted for method 'keydiff', got method='snapkv'"),
     "generate calibration and full cache": ([*CALIBRATED, "--method", "full"], "--method full keeps every token: it takes no --calibration, --quality"),
     "generate parameter unlike the calibration's": ([*CALIBRATED, "--param", "anchor=median"], "method parameters {'anchor': 'median'} differ from those the calibration"),
     # demo
