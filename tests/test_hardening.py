@@ -777,3 +777,14 @@ class _Tokenizer:
 
     def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
         return {"input_ids": torch.tensor([[ord(c) % 96 for c in text]])}
+
+
+def test_a_calibrated_ratio_that_cannot_be_honoured_is_refused_in_terms_of_the_quality():
+    """At quality 1e-12 the calibration chose a ratio of about 1, and the refusal advised a compression ratio, which a
+    calibrated run does not take."""
+    model = _tiny_model()
+    calibration = Calibration("knorm", alpha=0.0, beta=-3.0)
+    with pytest.raises(ValueError, match=r"^quality=1e-12 makes the calibration choose compression ratio [\d.]+ for this context, which "
+                                         r"cannot be honoured \(compression_ratio=.*\); ask for a higher quality$"):
+        generate_ids(model, _ids(200), _ids(3, 2), quality=1e-12, calibration=calibration, max_new_tokens=2)
+    generate_ids(model, _ids(200), _ids(3, 2), quality=0.9, calibration=calibration, max_new_tokens=2)

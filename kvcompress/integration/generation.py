@@ -187,6 +187,13 @@ class _Session:
             self.options = options.calibrated(self.chosen["compression_ratio"])
         # decode mode streams every token, the answer's included: a ratio is the fraction removed of all of them
         self.stream_length = n_prompt + max_new_tokens if options.mode == "decode" else n_prompt if options.compress_question else n_context
+        if self.chosen is not None:  # a ratio the user did not give: what cannot be honoured is said in terms of the quality
+            try:
+                self.options.token_budget_for(self.stream_length)
+            except ValueError as error:
+                raise ValueError(f"quality={options.quality} makes the calibration choose compression ratio "
+                                 f"{self.chosen['compression_ratio']:.6g} for this context, which cannot be honoured ({error}); "
+                                 "ask for a higher quality") from None
         if prefill is not None and (options.streams or options.compress_question or options.method is None):
             raise ValueError("a recorded prefill serves a method in mode='prefill' with the question kept out of compression")
         self.approximates = options.prefill_approx is not None
