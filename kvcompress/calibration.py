@@ -158,7 +158,7 @@ def choose_ratio(calibration: Calibration | str | os.PathLike, nll_context: floa
     return max(0.0, 1.0 - load_calibration(calibration).retention(nll_context, quality))
 
 
-MAX_ASYMMETRY = 1e6  # the fit weighs residuals by its square root: beyond a thousandfold it no longer fits the rest
+MAX_ASYMMETRY = 1e6  # the fit weighs residuals by its square root: past a thousandfold the other residuals hardly count
 
 
 def as_asymmetry(value) -> float:

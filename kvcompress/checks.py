@@ -165,15 +165,16 @@ def check_kv(keys, values, queries=None, pre_rope_keys=None, sync: bool = True, 
             check_finite(name, t, sync)
 
 
-def check_positions(positions, keys: torch.Tensor, ordered: bool = True) -> None:
-    """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]; `ordered`: also strictly increasing along the tokens (a device sync)."""
+def check_positions(positions, keys: torch.Tensor, ordered: bool = True, nonnegative: bool | None = None) -> None:
+    """positions: integer tensor [n] or [B, H_kv, n] matching keys [B, H_kv, n, d]; `ordered`: also strictly increasing along
+    the tokens; `nonnegative` (default: `ordered`): also >= 0. Each value check reads the tensor (a device sync)."""
     b, h, n, _ = keys.shape
     if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool
             or tuple(positions.shape) not in ((n,), (b, h, n))):
         raise ValueError(f"positions must be an integer tensor [n] = [{n}] or [B, H_kv, n] = [{b}, {h}, {n}], got {describe(positions)}")
     if ordered and n > 1 and not bool((positions.diff(dim=-1) > 0).all()):
         raise ValueError("positions must be strictly increasing along the tokens (the original index of each token, in order)")
-    if ordered and n and int(positions.min()) < 0:
+    if (ordered if nonnegative is None else nonnegative) and n and int(positions.min()) < 0:
         raise ValueError(f"positions must be >= 0 (the original index of each token; -1 marks an empty slot), got {int(positions.min())}")
 
 
