@@ -40,6 +40,21 @@ def test_express_holding_every_token_reproduces_the_exact_prefill():
         assert recipe.slots_per_layer == plain.slots_per_layer
 
 
+def test_capture_and_the_express_record_run_no_language_model_head():
+    """Both are kept for their attention inputs only: the head runs on no position (transformers' `logits_to_keep`, an
+    empty index) instead of building [n, vocabulary] logits that nothing reads."""
+    model = _tiny()
+    ctx, _ = _prompt(150)
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[1]))
+    try:
+        capture_qkv(model, ctx)
+        approximate_prefill(model, ctx, chunk_size=32)
+    finally:
+        hook.remove()
+    assert rows == [0] * (1 + 5), rows  # one forward for the capture, one per 32-token block for the record
+
+
 def test_express_attention_changes_later_layers_only():
     """With an Express cache of 8 middle slots over 400 tokens, layer 0's keys and values (computed before any
     attention) are the exact ones, layer 1's differ: its input went through approximate attention."""

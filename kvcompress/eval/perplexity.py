@@ -58,7 +58,6 @@ ratio leaving no room beyond the sink and window) is recorded with its error and
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import random
 import time
@@ -75,7 +74,7 @@ from ..options import MODES
 from ..checks import as_count, describe
 from ..integration import use_compressed_attention
 from ..integration.generation import full_kv_bytes
-from ..integration.model import check_context_length
+from ..integration.model import check_context_length, logits_to_keep
 from ..integration.reconstruction import reconstruct_context
 from ..methods.registry import method_names
 from ..names import DEFAULT_CHUNK_SIZE
@@ -262,7 +261,7 @@ def _continuation(model, ids, n_context, method, compression_ratio, budget, mode
 
 def _logits(model, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
     """Logits [1, b or 1, V] of a block fed through the cache (only the last position's when asked and the model allows it)."""
-    extra = {"logits_to_keep": 1} if last_only and "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    extra = logits_to_keep(model, last=True) if last_only else {}
     logits = model(ids, past_key_values=cache, use_cache=True, **extra).logits
     return logits[:, -1:] if last_only else logits
 

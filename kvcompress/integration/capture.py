@@ -38,6 +38,7 @@ def capture_qkv(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from .attention import causal_attention_with_mass
+    from .model import logits_to_keep
 
     if isinstance(tokenizer_or_ids, torch.Tensor):
         if text is not None:
@@ -80,7 +81,7 @@ def capture_qkv(
     model.set_attn_implementation(_CAPTURE_IMPL)
     try:
         with torch.no_grad():
-            model(input_ids=ids.to(model.device), use_cache=False)
+            model(input_ids=ids.to(model.device), use_cache=False, **logits_to_keep(model, last=False))
     finally:
         model.set_attn_implementation(previous)
     return dict(sorted(captured.items()))

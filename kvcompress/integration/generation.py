@@ -15,7 +15,6 @@ be compressed alone (`compress_context`), saved (`CompressedCache.save`) and ans
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from collections.abc import Collection
@@ -32,7 +31,7 @@ from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
-from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length, check_questions
+from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length, check_questions, logits_to_keep
 from .model import prompt_layout as as_prompt_layout
 
 # Prompts longer than this show a progress bar while they are processed, on a terminal (tqdm disable=None: not in a log).
@@ -165,8 +164,6 @@ class _Session:
         check_context_ids(context_ids)
         check_supported(model)
         self.model, self.options, self.mode = model, options, options.mode
-        # as model.generate does: only the last position's logits, not the full vocabulary at every position
-        self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
         self.context_ids = context_ids.to(self.device)
         self.context_mask = prompt.mask.to(self.device) if prompt.mask is not None else None
@@ -233,8 +230,7 @@ class _Session:
         extra = {}
         if self.context_mask is not None:  # a padded batch: the mask and the rows' own positions
             extra = {"attention_mask": self.mask, "position_ids": (self.mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]}
-        if self.last_logits_only:  # an empty index keeps no position's logits
-            extra["logits_to_keep"] = 1 if logits else torch.empty(0, dtype=torch.long, device=self.device)
+        extra.update(logits_to_keep(self.model, last=logits))  # as model.generate does: the last position's logits, or none
         out = self.model(ids, past_key_values=self.cache, use_cache=True, **extra)
         return out.logits[:, -1] if logits else None
 

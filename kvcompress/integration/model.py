@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import inspect
 import os
 import shutil
 import tempfile
@@ -171,6 +172,16 @@ def load_model(path: str | os.PathLike | None = None, device: str | torch.device
     tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     model.eval()
     return model, tokenizer
+
+
+def logits_to_keep(model, last: bool) -> dict:
+    """Keyword arguments for `model(...)` that run the language-model head only where the caller reads it: at the last
+    position (last=True) or nowhere (last=False, a forward kept for its cache or its attention inputs). A model whose
+    forward has no transformers `logits_to_keep` gets {} and computes every position's logits, as before; at thousands of
+    tokens those are a large share of a small model's forward ([n, vocabulary] floats)."""
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"logits_to_keep": 1 if last else torch.empty(0, dtype=torch.long, device=next(model.parameters()).device)}
 
 
 def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:

@@ -23,6 +23,7 @@ from ..checks import as_count
 from ..model_support import use_compressed_attention
 from ..names import PREFILL_APPROXIMATIONS
 from ..options import CompressionOptions
+from .model import logits_to_keep
 
 # The paper's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.
 EXPRESS_SINK, EXPRESS_WINDOW = 32, 32
@@ -67,7 +68,7 @@ def approximate_prefill(
     cache.layers = [_RecordingLayer(cache, i) for i in range(cache.num_layers)]
     with use_compressed_attention(model):
         for block in context_ids.split(options.chunk_size, dim=1):
-            model(block, past_key_values=cache, use_cache=True)
+            model(block, past_key_values=cache, use_cache=True, **logits_to_keep(model, last=False))
     return {
         i: tuple(torch.cat([blk[j] for blk in layer.blocks], dim=2) for j in range(3))
         for i, layer in enumerate(cache.layers)

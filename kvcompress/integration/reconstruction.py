@@ -33,7 +33,6 @@ by the caller (`kvc.generate`).
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, replace
 
@@ -45,7 +44,7 @@ from ..methods.kvzip import own_lse
 from ..model_support import attention_scales
 from ..options import CompressionOptions
 from .attention import exact_attention_with_mask
-from .model import build_prompt
+from .model import build_prompt, logits_to_keep
 
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 _RECONSTRUCT_IMPL = "kvcompress_reconstruct"
@@ -189,7 +188,6 @@ def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tens
     prefix = (prefix_ids if prefix_ids is not None else context_ids[:, :0]).to(device).expand(rows, -1)
     chunk_size = cache.options.compressor.reconstruction_chunk_size
     recorder = _Recorder(_compressed_layers(cache))
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     AttentionInterface.register(_RECONSTRUCT_IMPL, recorder)
     ALL_MASK_ATTENTION_FUNCTIONS.register(_RECONSTRUCT_IMPL, sdpa_mask)
     previous = model.config._attn_implementation
@@ -197,13 +195,13 @@ def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tens
     try:
         start = time.perf_counter()
         past = DynamicCache()
-        logits = model(context_ids, past_key_values=past, use_cache=True, **extra).logits[:, -1]
+        logits = model(context_ids, past_key_values=past, use_cache=True, **logits_to_keep(model, last=True)).logits[:, -1]
         context_kv = [(layer.keys, layer.values) for layer in past.layers]
         context_seconds = time.perf_counter() - start
         recorder.context, recorder.offset = n, prefix.shape[1]
         start, forwards, peak = time.perf_counter(), 0, _kv_bytes(past)
         for chunk in context_ids.split(chunk_size, dim=1):
-            model(torch.cat([prefix, chunk], 1), past_key_values=past, use_cache=True, **extra)
+            model(torch.cat([prefix, chunk], 1), past_key_values=past, use_cache=True, **logits_to_keep(model, last=False))  # for its attention only
             peak = max(peak, _kv_bytes(past))
             past.crop(n - past.get_seq_length())  # back to the context (a negative count removes the chunk's tokens)
             forwards += 1
