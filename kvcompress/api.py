@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import methods as _methods  # noqa: F401  (registers every method)
-from .checks import check_kv, check_layer, check_positions, check_scale
+from .checks import as_seed, check_kv, check_layer, check_positions, check_scale
 from .methods.base import compress_tokens, make_generator
 from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
@@ -49,8 +49,8 @@ def compress(
     hidden_states [B, H_kv, n, d_model] (each token's hidden state at the layer's input) for KVzap.
     positions [n] or [B, H_kv, n] (>= 0, increasing; the same in every row and head for a method that reads queries)
     default to 0..n-1. layer: (layer_idx, num_layers), for a
-    method that depends on the layer (PyramidKV). seed: an int (reproducible), a
-    torch.Generator, or None for fresh randomness (a different draw each call).
+    method that depends on the layer (PyramidKV). seed: an int from 0 to 2**63 - 1
+    (reproducible), a torch.Generator, or None for fresh randomness (a different draw each call).
     """
     size = {name: settings.pop(name, None) for name in SIZE_SETTINGS}
     m = build_method(method, **settings)
@@ -65,7 +65,7 @@ def compress(
     scale = check_scale(scale)
     s = 1.0 / math.sqrt(d) if scale is None else scale
     layer_idx, num_layers = check_layer(layer)
-    generator = make_generator(seed, keys.device)
+    generator = _generator(seed, keys.device)
     if not m.requirements.needs("queries"):
         queries = None  # a method that does not read them takes none (and no causal mask over positions)
     tokens = Tokens(keys, values, positions, queries, pre_rope_keys, s, layer_idx, num_layers, query_positions_for(queries, positions),
@@ -103,4 +103,9 @@ def stream(
     m = build_method(method, **method_params)
     sink, window = default_sink_window(method, sink, window)
     kv_bits, kv_group_size = check_storage(kv_bits, kv_group_size)
-    return Stream(m, budget, sink, window, make_generator(seed), scale, slack, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return Stream(m, budget, sink, window, _generator(seed), scale, slack, kv_bits=kv_bits, kv_group_size=kv_group_size)
+
+
+def _generator(seed: int | torch.Generator | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """`make_generator` of a caller's seed: an int from 0 to `names.MAX_SEED`, as every other entry point takes."""
+    return make_generator(seed if seed is None or isinstance(seed, torch.Generator) else as_seed(seed), device)

@@ -58,7 +58,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import cache_file
 from .checks import as_count, describe
 from .methods.base import compress_layers, compress_tokens, make_generator
-from .methods.stream import Stream
+from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
 from .model_support import select_compressed_attention
@@ -83,9 +83,8 @@ class CachePlan:
     hidden_states: the method reads each layer's input hidden states, which the model's attention modules keep for the
     attention function (`model_support.keep_hidden_states`).
     randomized: the method draws from its generator in shapes that depend on the batch, so an unpadded batch is
-    compressed row by row to give each row its solo draws (`CompressedLayer._draws_per_row`).
-    stream_rows_apart: a stream of a batch scores each row as that row alone (`Method.stream_rows_apart`); else a
-    stream takes one row only.
+    compressed row by row to give each row its solo draws (`CompressedLayer._draws_per_row`); a stream takes one row only
+    (`methods.stream.batch_coupling`, which also names a method whose stream scores a batch's rows together).
     """
 
     ragged: bool
@@ -93,14 +92,12 @@ class CachePlan:
     pre_rope_keys: bool
     hidden_states: bool
     randomized: bool
-    stream_rows_apart: bool
 
     @classmethod
     def of(cls, method) -> "CachePlan":
         needs = method.requirements
         return cls(ragged=needs.ragged, joint=needs.budget_scope == "model", pre_rope_keys=needs.needs("pre_rope_keys"),
-                   hidden_states=needs.needs("hidden_states"), randomized=method.randomized,
-                   stream_rows_apart=method.stream_rows_apart)
+                   hidden_states=needs.needs("hidden_states"), randomized=method.randomized)
 
 
 @dataclass
@@ -284,11 +281,8 @@ class CompressedLayer(CacheLayerMixin):
             if has_padding(real):
                 raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
             rows = keys.shape[0]
-            if self.front is None and rows > 1 and (self.cache.plan.randomized or not self.cache.plan.stream_rows_apart):
-                why = (f"draws random numbers, and a stream of a batch of {rows} rows would draw them for every row at once"
-                       if self.cache.plan.randomized else
-                       f"streams a batch's rows together, each head padded to the longest head of the batch, and its scores read "
-                       f"every key of a head, so a row of a batch of {rows} would keep other tokens")
+            why = batch_coupling(options.compressor, rows, solo_draws=True) if self.front is None else None
+            if why is not None:
                 raise ValueError(f"method {options.method!r} {why}, unlike each row alone: in mode={options.mode!r} run one row at a "
                                  "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
             if self.front is None:

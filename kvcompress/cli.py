@@ -59,16 +59,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def as_flag(message: str, subparser: ArgumentParser) -> str:
-    """A library error that starts with the Python name of a parameter the command has a flag for, with that flag in its
-    place: "compression_ratio must be in [0, 1), got 1.5" -> "--compression-ratio must be in [0, 1), got 1.5". Any
-    other message is returned as it is."""
-    leading = re.match(r"([a-z][a-z0-9_]*)(?=[ (:])", message)
-    if leading is None:
-        return message
+    """A library error with the Python names of the command's parameters replaced by their flags, as the user typed them:
+    a name that starts the message ("compression_ratio must be in [0, 1), got 1.5" -> "--compression-ratio must be in
+    [0, 1), got 1.5"), a name given with its value anywhere ("use kv_bits='auto'" -> "use --kv-bits auto"), and a name with
+    an underscore anywhere ("use compression_ratio <= 0.84" -> "use --compression-ratio <= 0.84") or before "unset". Words no flag of the
+    command has, and code in backticks, are left as they are."""
     flags = {action.dest: action.option_strings[-1] for action in subparser._actions
              if action.option_strings and action.option_strings[-1].startswith("--")}
-    flag = flags.get(leading.group(1))
-    return message if flag is None else flag + message[leading.end():]
+
+    def with_value(match: re.Match) -> str:
+        value = match.group(3) if match.group(3) is not None else match.group(2)
+        return flags[match.group(1)] if value == "True" else f"{flags[match.group(1)]} {value}"  # True: a switch given
+
+    def bare(match: re.Match) -> str:
+        name = match.group(1)
+        named = match.start() == 0 or "_" in name or match.string.startswith(" unset", match.end())  # "leave mode unset"
+        return flags[name] if name in flags and named else name
+
+    def prose(text: str) -> str:
+        text = re.sub(r"(?<![\w.'-])([a-z][a-z0-9_]*)=('([^'\s]*)'|[^\s,;)]+)",
+                      lambda m: with_value(m) if m.group(1) in flags else m.group(0), text)
+        return re.sub(r"(?<![\w.'-])([a-z][a-z0-9_]*)(?=[ (:<>,;.)]|$)", bare, text)
+
+    # code the message quotes in backticks (a Python call it advises) stays as it is
+    return "`".join(prose(part) if i % 2 == 0 else part for i, part in enumerate(message.split("`")))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from .commands.common import add_threads_arg, method_list, set_threads
+from .commands.common import add_threads_arg, method_list, seed, set_threads
 
 DEFAULT_METHODS = ("snapkv", "keydiff", "kvzip")
 
@@ -98,7 +98,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--compression-ratio", type=float, default=0.75, help="fraction of the context removed (default 0.75 = 4x)")
     p.add_argument("--tokens", type=int, default=700, help="context length in tokens (default 700)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="which sample of the prose needle task (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="which sample of the prose needle task (default 0)")
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--scorer", default=None, help="KVzap scorer file for a --model none ships for (written by `kvcompress train-scorer`): "
                    "the default's scores come from it")

@@ -29,8 +29,12 @@ import torch
 
 def write_whole(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` whole or not at all (a cache file, a scorer file): into a new file beside it, then renamed
-    over it, so that a failed write (a full disk, an interrupt) leaves what was there before. Its folder must exist."""
-    path = Path(path)
+    over it, so that a failed write (a full disk, an interrupt) leaves what was there before. Its folder must exist. A
+    symbolic link is written through (its target is the file written); a path that is not a regular file (a device, a
+    pipe) is refused, as renaming over it would replace it."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ValueError(f"cannot write {str(path)!r}: it is not a regular file (a device, a pipe or a socket); name a file")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
     partial = path.parent / f".{path.name}-{secrets.token_hex(8)}"

@@ -108,7 +108,7 @@ def test_generate_refuses_a_calibration_of_another_method_with_the_error_python_
     assert main(["generate", "--model", str(tmp_path / "no-model"), "--method", "keydiff", "--calibration", str(path), "--quality", "0.9",
                  "--context-file", str(context_file)]) == 2
     # the same words, the parameter named by its flag (`cli.as_flag`)
-    assert capsys.readouterr().err.strip() == f"kvcompress generate: error: --{python.value}"
+    assert capsys.readouterr().err.strip() == f"kvcompress generate: error: --{python.value}".replace("method='keydiff'", "--method keydiff")
 
 
 def test_generate_refuses_a_calibration_fitted_on_another_model(context_file, tmp_path, capsys):
@@ -150,7 +150,8 @@ def test_compress_takes_kv_bits_auto_and_refuses_other_bits(tiny_checkpoint, tmp
     assert main(["compress", *flags, "--compression-ratio", "0.5", "--kv-bits", "3", "--out", str(tmp_path / "x.kvc")]) != 0
     assert "argument --kv-bits: expected one of 8, 4, 2 or auto, got '3'" in capsys.readouterr().err
     assert main(["compress", *flags, "--compression-ratio", "0.5", "--kv-bits", "auto", "--out", str(tmp_path / "x.kvc")]) != 0
-    assert "kv_bits='auto' picks the bits from the bytes the ratio leaves a prefilled context" in capsys.readouterr().err
+    assert ("--kv-bits auto picks the bits from the bytes the ratio leaves a prefilled context: it takes --budget-unit memory"
+            in capsys.readouterr().err)
 
 
 def test_compress_saves_a_cache_that_generate_answers_from(tiny_checkpoint, tmp_path, capsys):
@@ -198,14 +199,21 @@ def test_the_slack_help_states_the_defaults_the_library_uses():
 
 
 def test_a_library_error_names_the_flag_of_the_parameter_it_starts_with():
-    """`cli.as_flag`: a message that starts with a parameter's Python name followed by a space, "(" or ":" names the
-    subcommand's flag instead; a name given with its value (`kv_bits='auto'`), a word no flag has and a flag of another
-    subcommand are left as they are."""
+    """`cli.as_flag`: a message that starts with a parameter's Python name names the subcommand's flag instead, and so
+    does a name given with its value anywhere, and a name with an underscore anywhere (they were left as Python names:
+    "use compression_ratio <= 0.8413"); a word no flag has, a plain word mid-sentence and a flag of another subcommand are
+    left as they are."""
     from kvcompress.cli import as_flag, build_parser
 
     generate = build_parser().subcommands["generate"]
     assert as_flag("compression_ratio must be in [0, 1), got 1.5", generate) == "--compression-ratio must be in [0, 1), got 1.5"
     assert as_flag("budget must be an integer >= 1, got 0", generate) == "--budget must be an integer >= 1, got 0"
     assert as_flag("quality (the NLL-ratio budget gamma) must be in (0, 1]", generate) == "--quality (the NLL-ratio budget gamma) must be in (0, 1]"
-    for unchanged in ("kv_bits='auto' picks the bits", "the context is empty", "context_fraction must be in (0, 1)", ""):
+    assert as_flag("kv_bits='auto' picks the bits", generate) == "--kv-bits auto picks the bits"
+    assert (as_flag("compression_ratio=0.9 keeps 44 of n=435 tokens beyond sink=4 + window=64; use compression_ratio <= 0.8413", generate)
+            == "--compression-ratio 0.9 keeps 44 of n=435 tokens beyond --sink 4 + --window 64; use --compression-ratio <= 0.8413")
+    assert (as_flag("compress_question=True changes nothing in mode='decode'; leave budget_unit unset", generate)
+            == "--compress-question changes nothing in --mode decode; leave --budget-unit unset")
+    for unchanged in ("the context is empty", "context_fraction must be in (0, 1)", "the method keeps a budget",
+                      "calibrate it (`kvc.calibrate(model, tokenizer, samples, method='snapkv')`)", ""):
         assert as_flag(unchanged, generate) == unchanged

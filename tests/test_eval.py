@@ -1,5 +1,6 @@
 """Evaluation suite on a tiny random Llama with a byte-level tokenizer: sweep outputs, resume, tables, approx bench, CLI."""
 
+import copy
 import csv
 import json
 from dataclasses import replace
@@ -109,7 +110,7 @@ def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeyp
     assert calls == []
 
 
-def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path):
+def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path, capsys):
     """Cells are keyed by task, length, sample, method, ratio and mode: a rerun into the same folder with another seed,
     haystack, answer length, ... (or another model) would find its cells done and report the old run's answers, so it
     is refused, naming each setting and the folder's value; the same settings continue the run."""
@@ -123,6 +124,15 @@ def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path):
                                                         **change}), tmp_path, progress=False, model_name="tiny")
     with pytest.raises(ValueError, match=r"model \(--model\) 'other', there 'tiny'"):
         run_sweep(model, tokenizer, config, tmp_path, progress=False, model_name="other")
+    # another dtype (--dtype) was taken, its cells beside the float32 ones (a full cache's bytes half of theirs)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    with pytest.raises(ValueError, match=r"dtype \(--dtype\) 'bfloat16', there 'float32'"):
+        run_sweep(copy.deepcopy(model).to(torch.bfloat16), tokenizer, config, tmp_path, progress=False, model_name="tiny")
+    from kvcompress.cli import main
+
+    assert main(["eval", "--model", str(tmp_path / "no-model"), "--tasks", "niah_single", "--methods", "knorm", "--dtype", "bfloat16",
+                 "--out", str(tmp_path)]) == 2  # refused before the model loads (which would fail on this path)
+    assert "dtype (--dtype) 'bfloat16', there 'float32'" in capsys.readouterr().err
     grown = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm", "random"])
     assert {r["method"] for r in run_sweep(model, tokenizer, grown, tmp_path, progress=False, model_name="tiny")} >= {"knorm", "random"}
 

@@ -41,3 +41,6 @@ def test_the_method_of_extending_md_registers_and_runs_one_shot_and_streamed(met
     assert printed(out) == shown(session.split("\n"))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         registry.build_method("mymethod", temperature=0.0)
+    for bad in ("2", True, float("inf"), None):  # were a TypeError, or taken (inf made every score 0)
+        with pytest.raises(ValueError, match=r"temperature must be a finite number \(the divisor of the key norms, > 0\), got"):
+            registry.build_method("mymethod", temperature=bad)

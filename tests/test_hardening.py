@@ -168,7 +168,7 @@ def test_empty_queries_a_huge_seed_bool_positions_and_3d_summary_keys_are_named(
     keys, values = _kv()
     with pytest.raises(ValueError, match=r"queries hold no tokens \(n_q = 0\)"):
         kvc.compress("snapkv", keys, values, queries=torch.randn(1, 2, 0, 8), budget=8)
-    with pytest.raises(ValueError, match="seed must be below 2\\*\\*64"):
+    with pytest.raises(ValueError, match=r"seed must be at most 2\*\*63 - 1"):
         kvc.compress("random", keys, values, budget=8, seed=2**70)
     with pytest.raises(ValueError, match="positions must be an integer tensor .* got tensor \\[40\\] bool"):
         kvc.compress("knorm", keys, values, budget=8, positions=torch.ones(40, dtype=torch.bool))
@@ -268,6 +268,11 @@ def test_a_cache_takes_every_seed_up_to_its_bound():
         generate_ids(tiny(), ctx, question, method="random", budget=8, seed=seed, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"seed must be at most 2\*\*63 - 1, got 9223372036854775808"):
         CompressionOptions(method="random", budget=8, seed=2**63)
+    keys = torch.randn(1, 2, 40, 8)  # the tensor-level entry points took seeds up to 2**64 - 1
+    for take in (lambda seed: kvc.compress("random", keys, keys, budget=8, seed=seed), lambda seed: kvc.stream("random", 8, seed=seed)):
+        take(2**63 - 1)
+        with pytest.raises(ValueError, match=r"seed must be at most 2\*\*63 - 1, got 9223372036854775808"):
+            take(2**63)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "0.1"])
@@ -598,6 +603,45 @@ def test_a_stream_refuses_negative_positions_on_the_cpu():
     assert stream.summary().num_slots == 8
 
 
+@pytest.mark.parametrize("window", [4, 0])
+def test_a_stream_refuses_positions_out_of_order_within_a_block_or_back_from_the_last(window):
+    """Positions given to every update are the tokens' places: repeated or out-of-order ones (a block restarting at 0)
+    were taken, and the stream then held unsorted positions, failed later with an index error, or left itself changed.
+    Refused, with the stream as it was. Where the stream holds its latest token exactly (its window, or its sink while
+    nothing passed it), a block must start past it."""
+    stream = kvc.stream("knorm", 12, sink=2, window=window)
+    keys = torch.randn(1, 2, 10, 8)
+    stream.update(keys, keys, positions=torch.arange(10))
+    with pytest.raises(ValueError, match=r"positions must be strictly increasing along the tokens"):
+        stream.update(keys, keys, positions=torch.arange(10).flip(0) + 10)
+    if window:
+        with pytest.raises(ValueError, match=r"positions must continue past the tokens the stream took before: this block starts at "
+                                             r"0, the stream holds position 9; give every update the positions that follow"):
+            stream.update(keys, keys, positions=torch.arange(10))
+    stream.update(keys, keys, positions=torch.arange(10, 20))  # the refused blocks left the stream as it was
+    assert stream.seen == 20 and bool((stream.summary().positions.diff(dim=-1) > 0).all())
+    sink_only = kvc.stream("knorm", 12, sink=4, window=0)
+    sink_only.update(keys[:, :, :3], keys[:, :, :3], positions=torch.arange(5, 8))
+    with pytest.raises(ValueError, match=r"starts at 2, the stream holds position 7"):
+        sink_only.update(keys[:, :, :3], keys[:, :, :3], positions=torch.arange(2, 5))
+
+
+def test_a_stream_refuses_a_batch_whose_rows_it_would_keep_together():
+    """AdaKV's stream pads every head of a batch to the longest head, and its scores read the padding: the cache refused
+    such a batch in its streaming modes, the tensor-level stream took it, and row 0's kept tokens changed with row 1's.
+    A method that scores each row apart still takes a batch."""
+    keys = torch.randn(2, 2, 10, 8)
+    stream = kvc.stream("adakv", 12, sink=2, window=4)
+    with pytest.raises(ValueError, match=r"method 'adakv' streams a batch's rows together, each head padded to the longest head of "
+                                         r"the batch, .* so a row of a batch of 2 would keep other tokens: stream one row at a time "
+                                         r".* or use kvc\.compress"):
+        stream.update(keys, keys, torch.randn(2, 4, 10, 8))
+    stream.update(keys[:1], keys[:1], torch.randn(1, 4, 10, 8))  # one row: taken
+    batch = kvc.stream("snapkv", 12, sink=2, window=4)
+    batch.update(keys, keys, torch.randn(2, 4, 10, 8))
+    assert batch.summary().keys.shape[0] == 2
+
+
 @pytest.mark.parametrize(("settings", "match"), [
     ({"method": "knorm", "budget": 8, "max_new_token": 2}, r"unknown setting\(s\) \['max_new_token'\]: not an option \(.*compression_ratio.*\), "
                                                            r"and method 'knorm' has no parameter"),
@@ -788,3 +832,41 @@ def test_a_calibrated_ratio_that_cannot_be_honoured_is_refused_in_terms_of_the_q
                                          r"cannot be honoured \(compression_ratio=.*\); ask for a higher quality$"):
         generate_ids(model, _ids(200), _ids(3, 2), quality=1e-12, calibration=calibration, max_new_tokens=2)
     generate_ids(model, _ids(200), _ids(3, 2), quality=0.9, calibration=calibration, max_new_tokens=2)
+
+
+def test_a_file_written_whole_goes_through_a_link_and_never_replaces_a_device_or_pipe(tmp_path):
+    """`saved_state.write_whole` renamed its new file over the path: a symbolic link was replaced by a file (its target
+    never written), and as root `kvcompress compress --out /dev/full` replaced the device with a regular file."""
+    import os
+
+    from kvcompress.saved_state import write_whole
+
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.kvc"
+    link.symlink_to(tmp_path / "real" / "target.kvc")
+    write_whole(link, b"data")
+    assert link.is_symlink() and (tmp_path / "real" / "target.kvc").read_bytes() == b"data"
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"cannot write '.*pipe': it is not a regular file \(a device, a pipe or a socket\)"):
+        write_whole(pipe, b"data")
+    assert not pipe.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["link.kvc", "pipe", "real"]
+
+
+def test_an_out_file_is_checked_writable_before_the_work(tmp_path):
+    """`--out` of compress, calibrate and train-scorer: a path that is not a regular file, or in a folder that takes no
+    file, was found only once the work was done (train-scorer: after scoring), with Python's error about a hidden
+    temporary file."""
+    import os
+    from pathlib import Path
+
+    from kvcompress.commands.common import check_out_folder
+
+    check_out_folder("--out", tmp_path / "new.kvc")
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ValueError, match=r"--out '.*pipe' is not a regular file \(a device, a pipe or a socket\)"):
+        check_out_folder("--out", tmp_path / "pipe")
+    if Path("/proc/self").is_dir():  # Linux: a folder no file can be created in, even as root
+        with pytest.raises(ValueError, match=r"--out '/proc/kvx\.safetensors': directory '/proc' takes no new file"):
+            check_out_folder("--out", Path("/proc/kvx.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]  # the check left nothing behind

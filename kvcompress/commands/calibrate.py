@@ -40,11 +40,9 @@ def _run(args) -> int:
     from ..eval.calibration_samples import offline_samples
     from ..integration import calibrate, load_model
     from ..calibration import as_asymmetry
-    from ..integration.calibrate_model import check_calibratable
+    from ..integration.calibrate_model import as_retentions, check_calibratable
 
-    bad = [r for r in args.retentions if not 0 < r <= 1]
-    if bad:
-        raise ValueError(f"--retentions takes fractions kept in (0, 1], got {bad}")
+    as_retentions(args.retentions)
     if len(args.tasks) * args.samples * len(args.retentions) < 2:
         raise ValueError(f"the fit needs at least 2 measurements: --tasks ({len(args.tasks)}) x --samples ({args.samples}) x "
                          f"--retentions ({len(args.retentions)}) give {len(args.tasks) * args.samples * len(args.retentions)}")

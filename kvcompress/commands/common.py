@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -172,14 +173,22 @@ def given_options(args, *dests: str) -> list[str]:
 
 
 def check_out_folder(flag: str, path) -> None:
-    """ValueError naming `flag` unless `path` is a file that can be written: its folder exists and it is not itself a
-    folder. Checked before the work, not after."""
+    """ValueError naming `flag` unless `path` is a file that can be written: its folder exists and takes a new file (tried
+    with an empty temporary file), and it is not itself a folder or another kind of file (a device, a pipe). Checked
+    before the work, not after."""
     if path.parent.exists() and not path.parent.is_dir():
         raise ValueError(f"{flag} {str(path)!r}: {str(path.parent)!r} is a file, not a directory")
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a directory; give the path of the file to write")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{flag} {str(path)!r} is not a regular file (a device, a pipe or a socket); give the path of a file to write")
+    try:
+        with tempfile.TemporaryFile(dir=path.resolve().parent):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {str(path)!r}: directory {str(path.resolve().parent)!r} takes no new file ({err.strerror or err})") from err
 
 
 def results_folder(text: str) -> Path:

@@ -172,10 +172,12 @@ def _run_perplexity(args) -> int:
     from ..integration import load_model
     from ..integration.model import DEFAULT_NAME
     from ..eval.perplexity import check_perplexity_folder, run_perplexity, write_report
+    from ..eval.runner import dtype_name
 
     config = _perplexity_config(args)
-    check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME)  # before the model loads
-    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    device, dtype = resolve_device(args.device, args.dtype)
+    check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME, dtype_name(dtype))  # before the model loads
+    model, tokenizer = load_model(args.model, device, dtype)
     start = time.perf_counter()
     records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
                              shard=args.shard)
@@ -238,11 +240,12 @@ def _run_sweep(args) -> int:
 
     from ..integration import load_model
     from ..integration.model import DEFAULT_NAME
-    from ..eval.runner import check_results_folder, run_sweep, sample_specs
+    from ..eval.runner import check_results_folder, dtype_name, run_sweep, sample_specs
 
     config = _sweep_config(args)
     model_name = args.model or DEFAULT_NAME
-    check_results_folder(config, args.out, model_name)  # before the model loads
+    device, dtype = resolve_device(args.device, args.dtype)
+    check_results_folder(config, args.out, model_name, dtype_name(dtype))  # before the model loads
     if args.benchmark:
         sample_specs(config)  # a missing or malformed data file fails here, before the model loads
     start = time.perf_counter()
@@ -252,11 +255,11 @@ def _run_sweep(args) -> int:
             raise ValueError("--shard and --ray exclude each other: Ray distributes the samples itself")
         from ..eval.ray_sweep import run_sweep_ray
 
-        records, failures = run_sweep_ray(functools.partial(load_model, args.model, *resolve_device(args.device, args.dtype)), config, args.out, address=args.ray or None,
+        records, failures = run_sweep_ray(functools.partial(load_model, args.model, device, dtype), config, args.out, address=args.ray or None,
                                           cpus_per_task=args.ray_cpus, max_retries=args.ray_retries,
-                                          progress=not args.no_progress, model_name=model_name)
+                                          progress=not args.no_progress, model_name=model_name, dtype=dtype_name(dtype))
     else:
-        model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+        model, tokenizer = load_model(args.model, device, dtype)
         records = run_sweep(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=model_name, shard=args.shard)
     if args.benchmark:
         from ..eval.leaderboard import write_leaderboard

@@ -84,7 +84,7 @@ from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
 from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
-from .runner import DEFAULT_RATIOS, FULL, check_same_run, open_run, read_results, stream_budget, write_run_config
+from .runner import DEFAULT_RATIOS, FULL, check_same_run, dtype_name, open_run, read_results, stream_budget, write_run_config
 from .stats import t_interval
 from . import tables
 
@@ -325,13 +325,13 @@ def run_cell(model, document: Document, cell: PerplexityCell, config: Perplexity
     return record
 
 
-def check_perplexity_folder(config: PerplexityConfig, out_dir: str | Path, model_name: str = "") -> None:
+def check_perplexity_folder(config: PerplexityConfig, out_dir: str | Path, model_name: str = "", dtype: str | None = None) -> None:
     """Refuse to add this run's records to `out_dir` when the run already there was a task sweep, or used another seed,
-    context fraction, block, block size of the streams (where this run streams) or model (`runner.check_same_run`). The
+    context fraction, block, block size of the streams (where this run streams), model or dtype (`runner.check_same_run`). The
     command line checks this before loading the model."""
     settings = ("seed", "context_fraction", "block") + (("chunk_size",) if any(m != "prefill" for m in config.modes) else ())
     check_same_run(Path(out_dir) / "config.json", {name: getattr(config, name) for name in settings}, model_name, config.methods,
-                   task=PERPLEXITY)
+                   task=PERPLEXITY, dtype=dtype)
 
 
 def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Path, progress: bool = True, model_name: str = "",
@@ -345,8 +345,9 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
         check_context_length(model, n)
     out, results = open_run(out_dir, shard)
     done = results.keys()
-    check_perplexity_folder(config, out, model_name)
-    write_run_config(out, config, model_name, shard, task=PERPLEXITY)
+    dtype = dtype_name(next(model.parameters()).dtype)
+    check_perplexity_folder(config, out, model_name, dtype)
+    write_run_config(out, config, model_name, shard, task=PERPLEXITY, dtype=dtype)
     documents = [(length, i) for i in range(config.documents) for length in config.lengths]
     if shard is not None:
         documents = documents[shard[0] :: shard[1]]

@@ -46,7 +46,7 @@ def _sample_task(load: Callable, sweep_id: str, config: SweepConfig, spec, cells
 
 def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, address: str | None = None,
                   cpus_per_task: int = 1, max_retries: int = 3, progress: bool = True,
-                  model_name: str = "") -> tuple[list[dict], list[str]]:
+                  model_name: str = "", dtype: str | None = None) -> tuple[list[dict], list[str]]:
     """Run every cell not yet in `out_dir/results.jsonl` as Ray tasks, one per sample.
 
     address: a running cluster ("auto", "ray://host:10001", ...); None starts a local one (or
@@ -60,7 +60,7 @@ def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, addr
         raise ValueError(f"cpus_per_task must be >= 1, got {cpus_per_task}")
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-    results, todo = pending_samples(config, out_dir, model_name=model_name)
+    results, todo = pending_samples(config, out_dir, model_name=model_name, dtype=dtype)
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=progress)
     gpus = ray.cluster_resources().get("GPU", 0)

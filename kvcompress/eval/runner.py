@@ -426,22 +426,27 @@ def _parse_lines(text: bytes, path: Path, first_line: int = 1) -> list[dict]:
 
 
 def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, int] | None = None,
-                    model_name: str = "") -> tuple[ResultsFile, list[tuple]]:
+                    model_name: str = "", dtype: str | None = None) -> tuple[ResultsFile, list[tuple]]:
     """The results file of `out_dir` and every (sample, cells not yet recorded) of the sweep (or of its shard).
 
     shard (i, n): only the samples at positions p with p % n == i, so n processes split the
     samples (with all their cells) without overlap. Writes `out_dir/config.json` (the config,
-    model name, host, shard, start time).
+    model name and dtype, host, shard, start time).
     """
     out, results = open_run(out_dir, shard)
     done = results.keys()
-    check_results_folder(config, out, model_name)
-    write_run_config(out, config, model_name, shard)
+    check_results_folder(config, out, model_name, dtype)
+    write_run_config(out, config, model_name, shard, dtype=dtype)
     specs = sample_specs(config)
     if shard is not None:
         specs = specs[shard[0]::shard[1]]
     todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
     return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A model's dtype as a results folder records it ("float32")."""
+    return str(dtype).removeprefix("torch.")
 
 
 def open_run(out_dir: str | Path, shard: tuple[int, int] | None) -> tuple[Path, ResultsFile]:
@@ -480,21 +485,24 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
     os.replace(partial, path)
 
 
-def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "") -> None:
+def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "", dtype: str | None = None) -> None:
     """Refuse to add this sweep's records to `out_dir` when the run already there was another kind of run (perplexity),
-    or used another prompt layout, setting (`check_same_run`; the block size only where this sweep streams) or model;
-    a folder with no run yet takes any. The command line checks this before loading the model."""
+    or used another prompt layout, setting (`check_same_run`; the block size only where this sweep streams), model or
+    dtype; a folder with no run yet takes any. The command line checks this before loading the model."""
     path = Path(out_dir) / "config.json"
     check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS
-                          if name != "chunk_size" or any(mode != "prefill" for mode in config.modes)}, model_name, config.methods)
+                          if name != "chunk_size" or any(mode != "prefill" for mode in config.modes)}, model_name, config.methods,
+                   dtype=dtype)
     _check_prompt_layout(path, config.prompt_layout)
 
 
-def check_same_run(path: Path, settings: dict, model_name: str = "", methods: list[str] = (), task: str | None = None) -> None:
+def check_same_run(path: Path, settings: dict, model_name: str = "", methods: list[str] = (), task: str | None = None,
+                   dtype: str | None = None) -> None:
     """Refuse to add records to a results folder whose earlier run (its `config.json`, `path`) was of another kind (task:
     None for the task sweep, PERPLEXITY for the perplexity run: their records and summaries differ) or recorded other
     values of `settings` (those that change every cell's answer, which the cells' keys leave out: a cell recorded under
-    the old value would not run again), another model, or another meaning of a named setting among `methods`
+    the old value would not run again), another model or dtype (its numbers differ: a float32 full cache's bytes are
+    twice a bfloat16 cell's), or another meaning of a named setting among `methods`
     (`named_settings_of`: the library's default of another version); what the earlier run did not record is not
     compared."""
     if not path.is_file():
@@ -513,6 +521,8 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
                 for name, value in named_settings_of(methods).items() if name in recorded and recorded[name] != value]
     if model_name and meta.get("model") and meta["model"] != model_name:
         changed.append(f"model (--model) {model_name!r}, there {meta['model']!r}")
+    if dtype and meta.get("dtype") and meta["dtype"] != dtype:
+        changed.append(f"dtype (--dtype) {dtype!r}, there {meta['dtype']!r}")
     if changed:
         raise ValueError(f"{path.parent} holds the results of another run: {'; '.join(changed)}. Rerun with that run's settings to "
                          "continue it, or write to a new folder")
@@ -577,7 +587,7 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
               shard: tuple[int, int] | None = None) -> list[dict]:
     """Run every cell not yet in `out_dir/results.jsonl` (of shard (i, n) only, if given), appending
     one record per cell as it finishes; return all records of the file."""
-    results, todo = pending_samples(config, out_dir, shard, model_name)
+    results, todo = pending_samples(config, out_dir, shard, model_name, dtype_name(next(model.parameters()).dtype))
     bar = tqdm(total=sum(len(cells) for _, cells in todo), desc="eval", unit="cell", disable=not progress)
     for spec, cells in todo:
         for record in run_sample(model, tokenizer, config, spec, cells, log=bar.write):

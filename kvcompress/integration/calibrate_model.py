@@ -102,6 +102,20 @@ def check_calibratable(method: str, **method_params) -> None:
                          "compresses does not keep: calibrate another method")
 
 
+def as_retentions(retentions) -> list[float]:
+    """The fractions of the context kept that a calibration measures: a list of different numbers in (0, 1]."""
+    if isinstance(retentions, (str, bytes)) or not isinstance(retentions, Iterable):
+        raise ValueError(f"retentions must be a list of fractions kept in (0, 1], e.g. [0.25, 0.5], got {retentions!r}")
+    retentions = list(retentions)
+    bad = [r for r in retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r <= 1) or math.isnan(r)]
+    if not retentions or bad:
+        raise ValueError(f"retentions must be fractions kept in (0, 1], got {retentions!r}")
+    repeated = sorted({r for r in retentions if retentions.count(r) > 1})
+    if repeated:  # the same measurement twice adds no point to the fit
+        raise ValueError(f"retentions must be different fractions, got {repeated} more than once in {retentions!r}")
+    return retentions
+
+
 def calibrate(
     model,
     tokenizer,
@@ -127,17 +141,12 @@ def calibrate(
     as_asymmetry(asymmetry)  # before the measurements, not after
     if isinstance(samples, (str, bytes, dict)) or not isinstance(samples, Iterable):
         raise ValueError(f"samples must be a list of (context, question, answer) tuples or dicts, got {type(samples).__name__}")
-    if isinstance(retentions, (str, bytes)) or not isinstance(retentions, Iterable):
-        raise ValueError(f"retentions must be a list of fractions kept in (0, 1], e.g. [0.25, 0.5], got {retentions!r}")
+    retentions = as_retentions(retentions)
     samples = list(samples)
     if not samples:
         raise ValueError("samples must hold at least one (context, question, answer); got none")
     for i, sample in enumerate(samples):
         _unpack(sample, i)
-    retentions = list(retentions)
-    bad = [r for r in retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r <= 1) or math.isnan(r)]
-    if not retentions or bad:
-        raise ValueError(f"retentions must be fractions kept in (0, 1], got {retentions!r}")
     _check_retentions_fit(tokenizer, samples, method, retentions, method_params)
     triples = make_triples(model, tokenizer, samples, method, retentions, seed=seed, progress=progress, **method_params)
     return fit(triples, method, asymmetry, model=model_name, method_params=method_params)

@@ -258,6 +258,9 @@ class BalanceKV(Method):
     log2(n / budget) slots), the two lightest slots are merged by weighted sampling (one kept with
     probability proportional to its weight, at their summed weight), so every budget >= 1 is reached.
     `failures` is the FAIL count of the last one-shot call, or of the stream so far (see `balancing_walk`).
+    A stream of a batch pools every row's slots and draws each round's signs for all of them at once, in an order that
+    depends on what every row holds: each row's summary is a BalanceKV summary of its tokens, reproducible for the same
+    batch and seed, but not the one that row streamed alone gets (a cache, whose rows answer as alone, streams one row).
     """
 
     name = "balancekv"

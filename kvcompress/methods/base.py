@@ -118,9 +118,9 @@ class Method:
     # True when the method drops tokens even within its budget (KVzap's threshold): it then runs on a middle that fits
     # its budget too (`compress_tokens`), and a stream hands it every token from the first (`Stream`)
     drops_within_budget: ClassVar[bool] = False
-    # False when a stream of a batch scores each row beside the others (AdaKV's state pads every head of every row to
-    # the longest head of the batch, and a scorer that reads every key of a head sees the padding): a cache then streams
-    # one row at a time only
+    # False when a stream of a batch lets one row change what another keeps (AdaKV's state pads every head of every row
+    # to the longest head of the batch, and a scorer that reads every key of a head sees the padding): a stream then
+    # takes one row at a time only (`methods.stream.batch_coupling`)
     stream_rows_apart: ClassVar[bool] = True
 
     @classmethod

@@ -25,6 +25,18 @@ from .tokens import (
 )
 
 
+def batch_coupling(method: Method, rows: int, solo_draws: bool = False) -> str | None:
+    """Why a stream of `method` over a batch of `rows` rows would let one row change what another keeps, or None when it
+    would not (one row; a method whose stream keeps each row apart, `Method.stream_rows_apart`). solo_draws: also name a
+    randomized method, whose draws for a batch are not a row's own (what a cache needs, whose rows answer as alone)."""
+    if rows <= 1 or (method.stream_rows_apart and not (solo_draws and method.randomized)):
+        return None
+    if method.randomized:
+        return f"draws random numbers, and a stream of a batch of {rows} rows would draw them for every row at once"
+    return (f"streams a batch's rows together, each head padded to the longest head of the batch, and its scores read "
+            f"every key of a head, so a row of a batch of {rows} would keep other tokens")
+
+
 @saved("stream")
 class Stream(Saveable):
     """A method run as a stream, with the first `sink` tokens and the last `window` tokens exact.
@@ -110,12 +122,16 @@ class Stream(Saveable):
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None,
                hidden_states=None) -> None:
         """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d] (dropped unless the method's requirements name
-        them); positions [b] or [B,H_kv,b], each >= 0 (default: the running count of tokens taken, seen .. seen + b - 1,
-        which does not continue from positions given before: give them to every update or to none);
-        hidden_states [B,H_kv,b,d_model] or None (`Tokens.hidden_states`: held with the tokens, window and buffer alike).
+        them); positions [b] or [B,H_kv,b], each >= 0 and strictly increasing, past the positions of earlier updates
+        (default: the running count of tokens taken, seen .. seen + b - 1, which does not continue from positions given
+        before: give them to every update or to none); hidden_states [B,H_kv,b,d_model] or None (`Tokens.hidden_states`:
+        held with the tokens, window and buffer alike).
 
-        Every update must have the first one's batch, KV heads, head dims, dtype and device. NaN or
-        inf is a ValueError on the CPU and a device-side assertion elsewhere (no host sync per block).
+        Every update must have the first one's batch, KV heads, head dims, dtype and device. A batch of several rows is
+        refused for a method whose stream would let one row change what another keeps (`batch_coupling`). NaN or inf is a
+        ValueError on the CPU and a device-side assertion elsewhere (no host sync per block); positions are checked on the
+        CPU only, against the earlier updates where the stream still holds their latest token exactly (in its window, or
+        its sink).
         """
         check_kv(keys, values, queries, pre_rope_keys, sync=False, hidden_states=hidden_states)
         if layer_idx is not None or num_layers is not None:
@@ -125,6 +141,10 @@ class Stream(Saveable):
         b, h, n, d = keys.shape
         layout = (b, h, d, values.shape[-1], keys.dtype, keys.device)
         if self.layout is None:
+            coupled = batch_coupling(self.method, b)
+            if coupled is not None:
+                raise ValueError(f"stream.update: method {self.method.name!r} {coupled}: stream one row at a time (keys [1, H_kv, b, d]), "
+                                 "or use kvc.compress, which compresses each row alone")
             self.layout = layout
         elif layout != self.layout:
             fb, fh, fd, fdv, fdtype, fdevice = self.layout
@@ -135,8 +155,14 @@ class Stream(Saveable):
         if positions is None:
             positions = torch.arange(self.seen, self.seen + n, device=keys.device)
         # values read on the CPU only: elsewhere that would be a device sync per streamed block
-        check_positions(positions, keys, ordered=False, nonnegative=isinstance(positions, torch.Tensor) and positions.device.type == "cpu")
+        on_cpu = isinstance(positions, torch.Tensor) and positions.device.type == "cpu"
+        check_positions(positions, keys, ordered=on_cpu, nonnegative=on_cpu)
         positions = positions.to(device=keys.device, dtype=torch.long).expand(b, h, n)
+        latest = self._latest_exact_positions() if on_cpu else None
+        if latest is not None and not bool((positions[..., 0] > latest).all()):
+            raise ValueError(f"positions must continue past the tokens the stream took before: this block starts at "
+                             f"{int(positions[..., 0].min())}, the stream holds position {int(latest.max())}; give every update the "
+                             f"positions that follow the last one's, or give none (the running count of tokens)")
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         qpos = query_positions_for(queries, positions)
         block = Tokens(keys, values, positions, queries, pre_rope_keys, scale, layer_idx, num_layers, qpos, unrotate=self.unrotate,
@@ -167,6 +193,15 @@ class Stream(Saveable):
         self.seen, self.head, self.recent = self.seen + n, head, recent
         if leaving is not None:
             self._absorb(leaving)
+
+    def _latest_exact_positions(self) -> torch.Tensor | None:
+        """Positions [B, H_kv] of the latest token the stream took, where it holds that token exactly (its window, or its sink
+        while nothing has passed it); None before the first update, or when the latest token went to the middle (window 0)."""
+        if self.recent is not None and self.recent.length:
+            return self.recent.positions[..., -1]
+        if self.head is not None and self.head.length == self.seen:
+            return self.head.positions[..., -1]
+        return None
 
     def _absorb(self, leaving: Tokens) -> None:
         """Hold `leaving` exactly while at most `budget` tokens have left the window; past that, hand
