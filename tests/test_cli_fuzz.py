@@ -73,6 +73,8 @@ CASES = {
     "demo unknown method": (["demo", "--methods", "zip"], "argument --methods: unknown method(s) ['zip']"),
     "demo comma-separated methods, one unknown": (["demo", "--methods", "keydiff,zip"], "unknown method(s) ['zip']"),
     "demo ratio not a number": (["demo", "--compression-ratio", "half"], "--compression-ratio"),
+    "eval kind twice": (["eval", "--tasks", "niah_single", "--kind", "words", "--task-param", "niah_single.kind=numbers"],
+                        "--kind words and --task-param niah_single.kind=numbers set the same thing: give one"),
     "demo negative seed": (["demo", "--seed", "-1"], "argument --seed: expected an integer from 0 to 2**63 - 1, got '-1'"),
     "demo ratio one": (["demo", "--compression-ratio", "1"], "compression-ratio"),
     "demo depth above one": (["demo", "--depth", "1.5"], "depth"),

@@ -311,6 +311,10 @@ def _sweep_config(args):
         unused = sorted(set(config.task_params) - set(tasks))
         if unused:
             raise ValueError(f"--task-param names task(s) {unused} this run does not run (its tasks: {', '.join(tasks)})")
+        for name in ("kind", "haystack"):  # one value each: the run's records and its config.json would disagree
+            both = [f"{task}.{name}={params[name]}" for task, params in config.task_params.items() if name in params]
+            if both and given_options(args, name):
+                raise ValueError(f"--{name} {getattr(args, name)} and --task-param {', '.join(both)} set the same thing: give one")
     return config
 
 
