@@ -47,6 +47,10 @@ def compress(
     defaults); any other name is a parameter of the method. queries [B, H_q, n_q, d] post-RoPE
     for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid;
     hidden_states [B, H_kv, n, d_model] (each token's hidden state at the layer's input) for KVzap.
+    Each input is checked (shapes, device, finite values) whether or not the method reads it; one it does not read
+    (`requirements.inputs`: queries for KnormPress, hidden states for SnapKV, `layer` for most) is then not used, so a
+    caller can hand every method the same inputs; one it reads and was not given is an error naming it (once there is
+    a middle to compress).
     positions [n] or [B, H_kv, n] (>= 0, increasing; the same in every row and head for a method that reads queries)
     default to 0..n-1. layer: (layer_idx, num_layers), for a
     method that depends on the layer (PyramidKV). seed: an int from 0 to 2**63 - 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..eval.tasks import TASKS
 from .common import (add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, float_list, list_of, method_name,
-                     resolve_device, seed, set_threads)
+                     load_cli_model, seed, set_threads)
 from ..names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "frequent_words")  # each honours a short --tokens
@@ -38,7 +38,7 @@ def add_cli(subparsers) -> None:
 
 def _run(args) -> int:
     from ..eval.calibration_samples import offline_samples
-    from ..integration import calibrate, load_model
+    from ..integration import calibrate
     from ..calibration import as_asymmetry
     from ..integration.calibrate_model import as_retentions, check_calibratable
 
@@ -54,7 +54,7 @@ def _run(args) -> int:
     if args.triples is not None:
         check_out_folder("--triples", args.triples)
     set_threads(args.threads)
-    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    model, tokenizer = load_cli_model(args)
     samples = offline_samples(tokenizer, args.tasks, args.samples, args.tokens, args.seed)
     triples: list[dict] = []
 

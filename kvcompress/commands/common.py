@@ -221,6 +221,21 @@ def resolve_device(device: str | None, dtype: str | None):
     return dev, parse_dtype(dtype, dev)
 
 
+def load_cli_model(args, device=None, dtype=None):
+    """(model, tokenizer) of --model on --device in --dtype (resolved here unless given); an error loading it (a path that
+    is no checkpoint, a GGUF file that is not one, transformers' refusal of a folder) names --model."""
+    from ..integration import load_model
+
+    if device is None:
+        device, dtype = resolve_device(args.device, args.dtype)
+    try:
+        return load_model(args.model, device, dtype)
+    except (ValueError, OSError) as err:
+        if args.model is None:  # the default model's own package: its message names what to install
+            raise
+        raise ValueError(f"--model {str(args.model)!r}: {err}") from err
+
+
 def parse_params(items: list[str], flag: str = "--param") -> dict:
     """["name=value", ...] -> {name: value} with ints, floats and true/false converted, and None for the value `None`
     (a parameter whose documented setting is None: `--param block_size=None`) (`flag`: the option named in errors).

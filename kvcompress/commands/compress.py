@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import check_out_folder, resolve_device, set_threads
+from .common import check_out_folder, load_cli_model, set_threads
 from .generate import add_run_args, options_of, read_context
 
 
@@ -16,13 +16,13 @@ def add_cli(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from ..integration import compress_context, load_model
+    from ..integration import compress_context
 
     options = options_of(args, full=False)  # every flag checked before the model loads
     check_out_folder("--out", args.out)
     context = read_context(args.context_file)
     set_threads(args.threads)
-    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    model, tokenizer = load_cli_model(args)
     cache = compress_context(model, tokenizer, context, options)
     cache.save(args.out)
     slots = cache.slots_per_layer()

@@ -9,8 +9,8 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, name_list, parse_params, resolve_device,
-    results_folder, seed, set_threads,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, load_cli_model, name_list, parse_params,
+    resolve_device, results_folder, seed, set_threads,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -169,7 +169,6 @@ def run_cli(args) -> int:
 
 def _run_perplexity(args) -> int:
     """Language modelling under compression (`eval.perplexity`), then its summary and leaderboard."""
-    from ..integration import load_model
     from ..integration.model import DEFAULT_NAME
     from ..eval.perplexity import check_perplexity_folder, run_perplexity, write_report
     from ..eval.runner import dtype_name
@@ -177,7 +176,7 @@ def _run_perplexity(args) -> int:
     config = _perplexity_config(args)
     device, dtype = resolve_device(args.device, args.dtype)
     check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME, dtype_name(dtype))  # before the model loads
-    model, tokenizer = load_model(args.model, device, dtype)
+    model, tokenizer = load_cli_model(args, device, dtype)
     start = time.perf_counter()
     records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
                              shard=args.shard)
@@ -217,12 +216,11 @@ def _check_chunk_size(args, modes: list[str]) -> None:
 
 
 def _run_approx(args) -> int:
-    from ..integration import load_model
     from ..eval.approx import run_approx, write_approx
     from ..eval.plots import plot_approx
 
     config = _approx_config(args)
-    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    model, tokenizer = load_cli_model(args)
     start = time.perf_counter()
     rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
     outputs = [*write_approx(rows, args.out), plot_approx(rows, args.out / "approx.png")]
@@ -259,7 +257,7 @@ def _run_sweep(args) -> int:
                                           cpus_per_task=args.ray_cpus, max_retries=args.ray_retries,
                                           progress=not args.no_progress, model_name=model_name, dtype=dtype_name(dtype))
     else:
-        model, tokenizer = load_model(args.model, device, dtype)
+        model, tokenizer = load_cli_model(args, device, dtype)
         records = run_sweep(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=model_name, shard=args.shard)
     if args.benchmark:
         from ..eval.leaderboard import write_leaderboard

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (add_device_args, add_model_arg, add_threads_arg, count, given_flags, kv_bits, one_of, parse_params, resolve_device,
+from .common import (add_device_args, add_model_arg, add_threads_arg, count, given_flags, kv_bits, load_cli_model, one_of, parse_params,
                      seed, set_threads)
 from ..names import AUTO_KV_BITS, BUDGET_UNITS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
@@ -82,15 +82,25 @@ def add_compression_args(p, later_questions: bool = False) -> None:
 
 
 def _run(args) -> int:
-    from ..integration import generate, load_model
+    from .. import cache_file
+    from ..cache import load_cache
+    from ..integration import generate
 
     if args.cache is not None:
         _check_no_compression_flags(args)
         if not args.cache.is_file():
             raise ValueError(f"--cache {str(args.cache)!r} is not a file: pass one written by `kvcompress compress --out FILE`")
+        try:
+            cache_file.read(args.cache)  # a file that is no cache (or a damaged one) is refused before the model loads
+        except (ValueError, OSError) as err:
+            raise ValueError(f"--cache {str(args.cache)!r}: {err}") from err
         set_threads(args.threads)
-        model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
-        res = generate(model, tokenizer, question=args.question, cache=args.cache, max_new_tokens=args.max_new_tokens)
+        model, tokenizer = load_cli_model(args)
+        try:
+            cache = load_cache(args.cache, model)
+        except (ValueError, OSError) as err:  # saved for another model, or settings this version refuses
+            raise ValueError(f"--cache {str(args.cache)!r}: {err}") from err
+        res = generate(model, tokenizer, question=args.question, cache=cache, max_new_tokens=args.max_new_tokens)
         print(res.text)
         print()
         print(res.report())
@@ -98,7 +108,7 @@ def _run(args) -> int:
     options = options_of(args)  # every flag checked before the model loads
     context = read_context(args.context_file)
     set_threads(args.threads)
-    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    model, tokenizer = load_cli_model(args)
     res = generate(model, tokenizer, context, args.question, options, max_new_tokens=args.max_new_tokens)
     print(res.text)
     print()

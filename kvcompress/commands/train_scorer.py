@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, resolve_device, seed, set_threads
+from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, load_cli_model, seed, set_threads
 
 
 MLP_WIDTH, MLP_STEPS = 16, 300  # --kind mlp's defaults
@@ -42,7 +42,6 @@ def _run(args) -> int:
     import torch
 
     from ..eval.capture import DOCSTRING_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
-    from ..integration import load_model
     from ..integration.scorer_training import fidelity, scoring_pairs, text_contexts
     from ..methods.kvzap import fit_surrogate
 
@@ -52,7 +51,7 @@ def _run(args) -> int:
     mlp_width, steps = args.mlp_width or MLP_WIDTH, args.steps or MLP_STEPS
     set_threads(args.threads)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, *resolve_device(args.device, args.dtype))
+    model, tokenizer = load_cli_model(args)
     tuning_text = docstring_paragraphs(DOCSTRING_MODULES)
     held_apart = set(tuning_text)
     training_text = [p for p in docstring_paragraphs(SCORER_TRAINING_MODULES) if p not in held_apart]
