@@ -111,7 +111,9 @@ def weighted_attention(
       are the normalizer's last q, when there is one), every other slot precedes them. This is
       how a cache hands over its state plus the new block: decided from shapes, so decoding needs
       no host synchronisation.
-    A query with no visible slot gets 0. Returns [B, H_q, q, d_v].
+    A query with no visible slot gets 0. Returns [B, H_q, q, d_v]. Shapes and dtypes are checked, values are not (this
+    is the decode path, where reading them is a device sync per layer and step): a summary holding NaN or +inf (which
+    no method of the library builds) gives an undefined result, where `exact_attention` refuses such inputs.
 
     An eviction-only summary (`summary.eviction_only`) needs no bias: a decode step (q = 1) or a
     non-causal call is one plain SDPA call with no mask, a prefill (all slots are the queries')

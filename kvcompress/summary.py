@@ -81,6 +81,12 @@ class KVSummary(Saveable):
                 f"log_weights {tuple(self.log_weights.shape)} and positions {tuple(self.positions.shape)} "
                 f"must both be {(b, h, n)}"
             )
+        # dtypes only (no value is read: summaries are built on the decode path, where a read is a device sync)
+        if not self.keys.is_floating_point() or self.values.dtype != self.keys.dtype or not self.log_weights.is_floating_point():
+            raise ValueError(f"keys and values must share one floating dtype and log_weights be floating, got keys {self.keys.dtype}, "
+                             f"values {self.values.dtype}, log_weights {self.log_weights.dtype}")
+        if self.positions.dtype != torch.long:
+            raise ValueError(f"positions must be int64 (each slot's token index, -1 for an empty slot), got {self.positions.dtype}")
         if self.normalizer is not None:
             norm = self.normalizer
             m = norm.keys.shape[2] if norm.keys.ndim == 4 else None

@@ -870,3 +870,18 @@ def test_an_out_file_is_checked_writable_before_the_work(tmp_path):
         with pytest.raises(ValueError, match=r"--out '/proc/kvx\.safetensors': directory '/proc' takes no new file"):
             check_out_folder("--out", Path("/proc/kvx.safetensors"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]  # the check left nothing behind
+
+
+def test_a_summary_refuses_integer_keys_mixed_dtypes_and_float_positions():
+    """`KVSummary` took float positions, integer keys and values of another dtype than its keys, which attention then
+    read as they were (a probe of the tensor API); its dtypes are checked when it is built (no value is read)."""
+    from kvcompress.summary import KVSummary
+
+    keys, log_weights, positions = torch.randn(1, 2, 5, 8), torch.zeros(1, 2, 5), torch.arange(5).expand(1, 2, 5)
+    KVSummary(keys, keys.clone(), log_weights, positions)
+    for bad, match in [((keys.long(), keys.long(), log_weights, positions), r"keys and values must share one floating dtype"),
+                       ((keys, keys.half(), log_weights, positions), r"got keys torch.float32, values torch.float16"),
+                       ((keys, keys, log_weights.long(), positions), r"log_weights be floating"),
+                       ((keys, keys, log_weights, positions.float()), r"positions must be int64 .* got torch.float32")]:
+        with pytest.raises(ValueError, match=match):
+            KVSummary(*bad)
