@@ -245,9 +245,10 @@ def test_approx_bench_rows_error_bars_and_exactness(tiny, tmp_path):
             assert 0.0 < cell[(method, 0.75, layer)]["error_mean"] < 2.0
         assert cell[("knorm", 0.75, layer)]["error_std"] == 0.0  # deterministic
         assert cell[("random", 0.75, layer)]["error_std"] > 0.0  # seeds differ
-    csv_path, md_path = write_approx(rows, tmp_path)
+    csv_path, md_path = write_approx(rows, tmp_path, config)
     assert len(list(csv.DictReader(csv_path.open()))) == len(rows)
-    table = md_path.read_text().splitlines()
+    settings, _, *table = md_path.read_text().splitlines()  # the settings were not recorded (--text-seed, --sink, --queries)
+    assert settings == "Text seed 0, 240 tokens, the last 32 as queries, a sink of 16, 3 seeds per cell."
     assert table[0] == "| method | ratio | layer 0 | layer 1 | mean over layers |"
     knorm = [cell[("knorm", 0.75, layer)]["error_mean"] for layer in (0, 1)]
     assert table[-1].endswith(f"| {(knorm[0] + knorm[1]) / 2:.3f} |")

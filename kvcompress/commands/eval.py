@@ -223,7 +223,7 @@ def _run_approx(args) -> int:
     model, tokenizer = load_cli_model(args)
     start = time.perf_counter()
     rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
-    outputs = [*write_approx(rows, args.out), plot_approx(rows, args.out / "approx.png")]
+    outputs = [*write_approx(rows, args.out, config), plot_approx(rows, args.out / "approx.png")]
     _done(start, outputs)
     return 0
 

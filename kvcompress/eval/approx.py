@@ -130,9 +130,11 @@ def run_approx(model, tokenizer, config: ApproxConfig, progress: bool = True) ->
 APPROX_FIELDS = ["method", "ratio", "layer", "tokens", "seeds", "error_mean", "error_std", "seconds"]
 
 
-def write_approx(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
+def write_approx(rows: list[dict], out_dir: str | Path, config: ApproxConfig | None = None) -> tuple[Path, Path]:
     """`approx.csv` (every row) and `approx.md` (mean ± std per method × ratio, one column per layer, and
-    with several layers a last column: the mean over the layers, each method's error at that memory)."""
+    with several layers a last column: the mean over the layers, each method's error at that memory), after a line of
+    the run's settings when `config` is given (the prose, its length, the queries, the sink, the seeds). Both replace
+    an earlier run's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out / "approx.csv", out / "approx.md"
@@ -149,5 +151,7 @@ def write_approx(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
         vals = [cells.get((method, ratio, layer)) for layer in layers]
         mean = [f"{sum(c['error_mean'] for c in vals) / len(vals):.3f}" if all(vals) else ""] if with_mean else []
         table.append(dict(zip(head, [method, f"{ratio:g}"] + [f"{c['error_mean']:.3f} ± {c['error_std']:.3f}" if c else "" for c in vals] + mean)))
-    md_path.write_text(markdown_table(table, head) + "\n")
+    settings = "" if config is None else (f"Text seed {config.text_seed}, {config.tokens} tokens, the last {config.n_queries} "
+                                          f"as queries, a sink of {config.sink}, {config.seeds} seeds per cell.\n\n")
+    md_path.write_text(settings + markdown_table(table, head) + "\n")
     return csv_path, md_path
