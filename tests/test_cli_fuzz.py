@@ -222,6 +222,11 @@ CASES = {
                                   "--out '{ctx}/c.kvc': '{ctx}' is a file, not a directory"),
     "eval full with ratios": (["eval", "--methods", "full", "--ratios", "0.5", "--out", "{tmp}/o"], "got --methods full with --ratios"),
     "eval ray cpus at the default without ray": (["eval", "--ray-cpus", "1", "--out", "{tmp}/o"], "--ray-cpus and --ray-retries go with --ray"),
+    "eval out under a file": (["eval", "--tasks", "niah_single", "--methods", "knorm", "--out", "{ctx}/sweep"],
+                              "--out '{ctx}/sweep': the folder cannot be created (Not a directory)"),
+    "bench out under a file": (["bench", "--out", "{ctx}/bench", "--sections", "overhead", "--repeats", "1"],
+                               "--out '{ctx}/bench': the folder cannot be created (Not a directory)"),
+    "bench report of an empty folder": (["bench", "--report-only", "--out", "{tmp}"], "--out: the folder '{tmp}' holds no bench CSV"),
     "no subcommand": ([], "command"),
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (add_device_args, add_model_arg, count_list, float_list, given_flags, int_list, list_of, method_list, method_name,
-                     one_of, resolve_device, seed)
+                     make_out_folder, one_of, resolve_device, seed)
 from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, DEFAULT_CHUNK_SIZE, MODES
 
 
@@ -77,7 +77,10 @@ def _run(args) -> int:
         given = given_flags(args, args.measurement_flags)
         if given:
             raise ValueError(f"--report-only measures nothing and takes only --out; got measurement options {given}")
-        bench.report(args.out)
+        try:
+            bench.report(args.out)
+        except ValueError as err:
+            raise ValueError(f"--out: {err}") from err
         return 0
     used = {action.dest for section in args.sections for action in args.section_flags[section]}
     unused = given_flags(args, dict.fromkeys(a for actions in args.section_flags.values() for a in actions if a.dest not in used))
@@ -88,5 +91,7 @@ def _run(args) -> int:
     device, dtype = resolve_device(args.device, args.dtype)
     options |= {"shapes": [bench.SHAPES[s] for s in args.shapes], "throughput_shape": bench.SHAPES[args.throughput_shape],
                 "step_shape": bench.SHAPES[args.step_shape], "device": device, "dtype": dtype}
-    bench.run(args.out, bench.BenchConfig(**options))
+    config = bench.BenchConfig(**options)
+    make_out_folder(args.out)
+    bench.run(args.out, config)
     return 0

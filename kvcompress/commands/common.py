@@ -191,6 +191,14 @@ def check_out_folder(flag: str, path) -> None:
         raise ValueError(f"{flag} {str(path)!r}: directory {str(path.resolve().parent)!r} takes no new file ({err.strerror or err})") from err
 
 
+def make_out_folder(path: Path) -> None:
+    """Create the results folder --out names (and its parents) before the work; an error names --out."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {str(path)!r}: the folder cannot be created ({err.strerror or err})") from err
+
+
 def results_folder(text: str) -> Path:
     """An --out folder of results (argparse type): a non-empty path, not an existing file (created when missing)."""
     if not text.strip():

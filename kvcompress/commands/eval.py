@@ -9,7 +9,7 @@ from pathlib import Path
 from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
-    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, load_cli_model, name_list, parse_params,
+    add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, load_cli_model, make_out_folder, name_list, parse_params,
     resolve_device, results_folder, seed, set_threads,
 )
 from ..names import (
@@ -176,6 +176,7 @@ def _run_perplexity(args) -> int:
     config = _perplexity_config(args)
     device, dtype = resolve_device(args.device, args.dtype)
     check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME, dtype_name(dtype))  # before the model loads
+    make_out_folder(args.out)
     model, tokenizer = load_cli_model(args, device, dtype)
     start = time.perf_counter()
     records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
@@ -220,6 +221,7 @@ def _run_approx(args) -> int:
     from ..eval.plots import plot_approx
 
     config = _approx_config(args)
+    make_out_folder(args.out)
     model, tokenizer = load_cli_model(args)
     start = time.perf_counter()
     rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
@@ -246,6 +248,7 @@ def _run_sweep(args) -> int:
     check_results_folder(config, args.out, model_name, dtype_name(dtype))  # before the model loads
     if args.benchmark:
         sample_specs(config)  # a missing or malformed data file fails here, before the model loads
+    make_out_folder(args.out)
     start = time.perf_counter()
     failures: list[str] = []
     if args.ray is not None:

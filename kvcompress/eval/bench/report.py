@@ -110,7 +110,7 @@ def report(out_dir: Path) -> dict:
         _write_thread_counts_page(out_dir, counts)
         return by_count
     if not results:
-        raise ValueError(f"out_dir {str(out_dir)!r} holds no bench CSV ({', '.join(SECTIONS)}) and no threads-<count>/ folder of one")
+        raise ValueError(f"the folder {str(out_dir)!r} holds no bench CSV ({', '.join(SECTIONS)}) and no threads-<count>/ folder of one")
     if "overhead" in results:
         results["exponents"] = exponent_rows(results["overhead"])
         plot_overhead(results["overhead"], out_dir / "overhead.png")
