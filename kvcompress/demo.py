@@ -96,8 +96,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--methods", type=method_list, default=list(DEFAULT_METHODS),
                    help=f"comma-separated methods shown after the default and the full cache (default: {','.join(DEFAULT_METHODS)})")
     p.add_argument("--compression-ratio", type=float, default=0.75, help="fraction of the context removed (default 0.75 = 4x)")
-    p.add_argument("--tokens", type=int, default=700, help="context length in tokens (default 700)")
-    p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    p.add_argument("--tokens", type=int, default=700,
+                   help="context length in tokens, at most: whole sentences of prose up to it (default 700; the length built is printed)")
+    p.add_argument("--depth", type=float, default=0.5,
+                   help="needle depth in [0, 1], at the nearest sentence boundary (default 0.5; the depth reached is printed)")
     p.add_argument("--seed", type=seed, default=0, help="which sample of the prose needle task (default 0)")
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--scorer", default=None, help="KVzap scorer file for a --model none ships for (written by `kvcompress train-scorer`): "
