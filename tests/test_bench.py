@@ -388,3 +388,14 @@ def test_sections_kept_from_an_earlier_run_keep_that_runs_machine_line(tmp_path)
     assert "Machines (" not in page and f"Machine: {bench.read_machines(out)['overhead']}." in page
     (out / "machine.txt").write_text("one line naming no section\n")  # a folder written before sections had their own lines
     assert bench.read_machines(out) == dict.fromkeys(bench.SECTIONS, "one line naming no section")
+
+
+def test_the_attention_section_takes_kept(tmp_path):
+    """`--kept` sets the attention step's fractions too, which a run of the attention section alone refused (the flag
+    belonged to the decode section only)."""
+    from kvcompress.cli import main
+
+    assert main(["bench", "--sections", "attention", "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "1",
+                 "--kept", "0.5", "--threads", "1", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "attention.csv").open()))
+    assert {float(r["kept"]) for r in rows} == {1.0, 0.5}, rows

@@ -5,8 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (add_device_args, add_model_arg, count_list, float_list, given_flags, int_list, list_of, method_list, method_name,
-                     make_out_folder, one_of, resolve_device, seed)
+                     make_out_folder, one_of, resolve_device, results_folder, seed)
 from ..names import BENCH_SECTIONS, BENCH_SHAPES, BENCH_SIZES, DEFAULT_CHUNK_SIZE, MODES
+
+
+# the flags outside the sections' groups that only some sections read: a run of none of them refuses the flag
+_SECTIONS_READING = {"methods": ("overhead", "prefill", "throughput", "decode"), "seed": ("overhead", "throughput", "decode", "attention"),
+                     "model": ("prefill", "decode", "memory")}
+_GLOBAL_FLAGS_READ = {section: {dest for dest, sections in _SECTIONS_READING.items() if section in sections}
+                      for section in BENCH_SECTIONS}
 
 
 def add_cli(subparsers) -> None:
@@ -19,7 +26,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--sections", type=list_of(BENCH_SECTIONS, "section"), default=list(BENCH_SECTIONS),
                    help=f"comma-separated sections to run, among {','.join(BENCH_SECTIONS)} (default: all)")
     p.add_argument("--methods", type=method_list, default=None, help="comma-separated methods (default: every registered method)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="output directory (default benchmarks/results/bench)")
+    p.add_argument("--out", type=results_folder, default=Path("benchmarks/results/bench"), help="output directory (default benchmarks/results/bench)")
     p.add_argument("--threads", type=count_list, default=[],
                    help="torch CPU threads, or a comma-separated list to run everything once per count, into --out/threads-<count>/ "
                         "with one combined bench.md (default: torch's own choice)")
@@ -51,7 +58,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("--throughput-repeats", type=int, default=3, help="runs per method, min reported (default 3)")
     g = groups["decode"] = p.add_argument_group("decode: greedy tokens/s on the model")
     g.add_argument("--decode-context", type=int, default=8192, help="context tokens of the decode run (default 8192)")
-    g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
+    kept = g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
     g.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per run (default 32)")
     g = groups["attention"] = p.add_argument_group("attention: the attention-only decode step")
     g.add_argument("--step-shape", type=shape, default="llama8b", help=f"shape of the attention-only step, among {','.join(BENCH_SHAPES)} (default llama8b)")
@@ -65,7 +72,10 @@ def add_cli(subparsers) -> None:
     g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"prompt block size in chunked mode (default {DEFAULT_CHUNK_SIZE})")
     add_model_arg(p)
     add_device_args(p)
-    section_flags = {section: [*group._group_actions, *([block] if section == "throughput" else [])] for section, group in groups.items()}
+    shared = {"throughput": [block], "attention": [kept]}  # a flag of one section's group that another section reads too
+    shared |= {section: [*shared.get(section, []), *(a for a in p._actions if a.dest in dests)]
+               for section, dests in _GLOBAL_FLAGS_READ.items()}
+    section_flags = {section: [*group._group_actions, *shared.get(section, [])] for section, group in groups.items()}
     p.set_defaults(func=_run, measurement_flags=[a for a in p._actions if a.dest not in ("help", "out", "report_only")],
                    section_flags=section_flags)
 
@@ -86,12 +96,33 @@ def _run(args) -> int:
     unused = given_flags(args, dict.fromkeys(a for actions in args.section_flags.values() for a in actions if a.dest not in used))
     if unused:
         raise ValueError(f"{', '.join(unused)} set sections not run (--sections {','.join(args.sections)}); add their sections or leave them out")
+    if "chunk_size" in args.given and "memory" in args.sections and args.memory_modes == ["prefill"]:
+        raise ValueError("--chunk-size sets the blocks of a streaming mode; --memory-modes prefill streams nothing: leave it out")
     # every measurement flag is the BenchConfig field of its name; shape names become Shapes, --device/--dtype torch objects
     options = {action.dest: getattr(args, action.dest) for action in args.measurement_flags}
     device, dtype = resolve_device(args.device, args.dtype)
     options |= {"shapes": [bench.SHAPES[s] for s in args.shapes], "throughput_shape": bench.SHAPES[args.throughput_shape],
                 "step_shape": bench.SHAPES[args.step_shape], "device": device, "dtype": dtype}
     config = bench.BenchConfig(**options)
+    if "prefill" in args.sections:
+        _check_prefill_ratio(config)
     make_out_folder(args.out)
     bench.run(args.out, config)
     return 0
+
+
+def _check_prefill_ratio(config) -> None:
+    """Before anything is measured: the prefill section's ratio removes tokens every method can remove from a context of
+    --prefill-tokens (its sink and window stay exact); refused naming the section's flags (the library names the
+    --compression-ratio of the overhead section)."""
+    from ..options import CompressionOptions
+
+    for method in config.methods:
+        try:
+            CompressionOptions(method=method, compression_ratio=config.prefill_ratio).budget_for(config.prefill_tokens)
+        except ValueError as err:
+            if "cannot be honoured" not in str(err):
+                raise
+            raise ValueError(f"--prefill-ratio {config.prefill_ratio} cannot be honoured by {method!r} in a context of --prefill-tokens "
+                             f"{config.prefill_tokens}: its exact sink and window leave too few tokens to remove that share; raise "
+                             "--prefill-tokens or lower --prefill-ratio") from None

@@ -47,7 +47,9 @@ def _run(args) -> int:
 
     check_out_folder("--out", args.out)
     if args.kind == "linear" and (args.mlp_width is not None or args.steps is not None):
-        raise ValueError("--mlp-width and --steps set the MLP of --kind mlp; --kind linear (ridge regression) takes neither")
+        given = " and ".join(flag for flag, value in (("--mlp-width", args.mlp_width), ("--steps", args.steps)) if value is not None)
+        raise ValueError(f"{given} set{'s' if ' and ' not in given else ''} the MLP of --kind mlp; --kind linear (ridge regression) "
+                         "takes neither --mlp-width nor --steps")
     mlp_width, steps = args.mlp_width or MLP_WIDTH, args.steps or MLP_STEPS
     set_threads(args.threads)
     start = time.perf_counter()
@@ -75,5 +77,5 @@ def _run(args) -> int:
     surrogate.save(args.out)
     values = list(per_layer.values())
     print(f"{args.kind} surrogate of {len(values)} layers, Spearman on tuning text: mean {sum(values) / len(values):.3f}, "
-          f"min {min(values):.3f}; {meta['training_tokens']} training tokens, {seconds:.0f} s on {meta['threads']} threads -> {args.out}")
+          f"min {min(values):.3f}; {meta['training_tokens']} training tokens, {seconds:.0f} s on {meta['threads']} thread{'s' if meta['threads'] != 1 else ''} -> {args.out}")
     return 0

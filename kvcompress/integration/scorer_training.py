@@ -94,7 +94,7 @@ def text_contexts(tokenizer, paragraphs: list[str], tokens: int, count: int, see
             if len(contexts) == count:
                 return contexts
     raise ValueError(f"{flag} {count}: the text ({len(paragraphs)} paragraphs) fills {len(contexts)} contexts of {tokens} tokens; "
-                     f"ask for at most {len(contexts)} or fewer tokens per context" if contexts else
+                     f"ask for at most {len(contexts)} contexts, or fewer tokens per context (--tokens)" if contexts else
                      f"--tokens {tokens}: the text ({len(paragraphs)} paragraphs) fills no context of {tokens} tokens "
                      f"(it holds about {total} tokens); use fewer tokens per context")
 
