@@ -22,7 +22,7 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--kind", choices=("linear", "mlp"), default="linear", help="surrogate: ridge-regressed linear map or a "
                    "2-layer MLP (default linear)")
-    p.add_argument("--tokens", type=count(16), default=2048, help="tokens per training context, >= 16 (default 2048)")
+    p.add_argument("--tokens", type=count(16), default=2048, help="tokens per training context, >= 16: whole paragraphs up to at least that many, with the chat template around them (default 2048)")
     p.add_argument("--contexts", type=count(1), default=6, help="training contexts, >= 1 (default 6: the shipped scorer's; the "
                    "text holds 9 of the default 2048 tokens)")
     p.add_argument("--tuning-contexts", type=count(1), default=1, help="tuning contexts the fit is reported on (default 1)")
