@@ -4,18 +4,21 @@ All cases fail before a model is loaded, so the test needs no model and runs in 
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvcompress.calibration import Calibration
 from kvcompress.cli import main
 
+REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def context_file(tmp_path):
     path = tmp_path / "context.txt"
     path.write_text("The magic number is 42. " * 20)
     path.with_name("not-json.json").write_text("alpha=1\n")
+    path.with_name("empty.jsonl").write_text("")
     path.with_name("not-calibration.json").write_text(json.dumps({"method": "knorm", "alpha": 1.0}))
     Calibration("keydiff", alpha=1.0, beta=-2.0, method_params={"anchor": "mean"}).save(path.with_name("keydiff.json"))
     return path
@@ -238,6 +241,14 @@ CASES = {
     "bench out under a file": (["bench", "--out", "{ctx}/bench", "--sections", "overhead", "--repeats", "1"],
                                "--out '{ctx}/bench': the folder cannot be created (Not a directory)"),
     "bench report of an empty folder": (["bench", "--report-only", "--out", "{tmp}"], "--out: the folder '{tmp}' holds no bench CSV"),
+    "eval benchmark data file empty": (["eval", "--benchmark", "longbench", "--data", "{tmp}/empty.jsonl", "--out", "{tmp}/o"],
+                                       "--data file '{tmp}/empty.jsonl' is empty"),
+    "eval benchmark task not in the data": (["eval", "--benchmark", "longbench", "--data", str(REPO / "tests" / "fixtures" / "longbench"),
+                                             "--tasks", "nosuch", "--out", "{tmp}/o"],
+                                            "have no samples in '" + str(REPO / "tests" / "fixtures" / "longbench")
+                                            + "' (longbench); its tasks: hotpotqa, multifieldqa_zh, passage_retrieval_en, trec"),
+    "eval grid depth above one": (["eval", "--tasks", "niah_single", "--grid-lengths", "256", "--grid-depths", "1.5", "--out", "{tmp}/o"],
+                                  "--grid-depths must lie in [0, 1], got 1.5"),
     "no subcommand": ([], "command"),
 }
 

@@ -166,12 +166,14 @@ def load_benchmark(name: str, path: str | Path, tasks: list[str] | None = None, 
         raise ValueError(f"--data {str(root)!r} does not exist")
     items: list[BenchmarkItem] = []
     per_task: dict[str, int] = {}
+    found: set[str] = set()  # every task of the files, asked for or not
     for file, rows in _tables(root, name):
         for row_number, row in enumerate(rows):
             item = _PARSERS[name](_Row(file, row_number, row))
             problem = answer_problem(item.metric, item.answers)
             if problem is not None:
                 raise _Row(file, row_number).error(_ANSWER_FIELDS[name], problem)
+            found.add(item.task)
             if tasks is not None and item.task not in tasks:
                 continue
             if limit is not None and per_task.get(item.task, 0) >= limit:
@@ -182,7 +184,7 @@ def load_benchmark(name: str, path: str | Path, tasks: list[str] | None = None, 
     if tasks is not None:
         missing = sorted(set(tasks) - set(per_task))
         if missing:
-            raise ValueError(f"tasks {missing} have no samples in {str(root)!r} ({name}); found {sorted(per_task)}")
+            raise ValueError(f"tasks {missing} have no samples in {str(root)!r} ({name}); its tasks: {', '.join(sorted(found)) or 'none'}")
     if not items:
         raise ValueError(f"no {name} samples found in {str(root)!r}")
     for metric in sorted({item.metric for item in items}):
@@ -220,6 +222,8 @@ def _read(file: Path) -> list[dict]:
 
     datasets = require_package("datasets", "bench", "reading benchmark files")
 
+    if file.stat().st_size == 0:
+        raise ValueError(f"--data file {str(file)!r} is empty: a benchmark's data file holds one sample per row")
     datasets.disable_progress_bars()
     builder = "parquet" if file.suffix == ".parquet" else "json"
     verbosity = datasets.logging.get_verbosity()

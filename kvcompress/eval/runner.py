@@ -152,7 +152,7 @@ class SweepConfig:
                 raise ValueError(f"lengths must be >= 64 tokens, got {n}")
         for d in self.grid_depths:
             if not 0.0 <= d <= 1.0:
-                raise ValueError(f"grid depths must lie in [0, 1], got {d}")
+                raise ValueError(f"grid_depths must lie in [0, 1], got {d}")
         if bool(self.grid_lengths) != bool(self.grid_depths):
             raise ValueError("grid_lengths and grid_depths go together: pass both or neither")
         if (self.samples is None and self.benchmark is None) or (self.samples is not None and self.samples < 1):
