@@ -228,6 +228,8 @@ def test_decode_rows_on_the_default_model(default_model):
     assert rows[0]["speedup"] == pytest.approx(1.0)
     assert all(r["new_tokens"] == 3 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[1]["kv_bytes"] < rows[1]["kv_bytes_full"]
+    # what is held, the exact sink (4), window (64), question and answer included: more than half of a short context
+    assert rows[0]["kept_realised"] == 1.0 and 0.5 < rows[1]["kept_realised"] < 1.0, rows
 
 
 def test_synthetic_tensors_follow_the_requested_device_and_dtype():

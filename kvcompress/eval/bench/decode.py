@@ -47,7 +47,10 @@ def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
 
 
 def _decode_row(res, kept: float, full, model_name: str) -> dict:
-    return {"model": model_name, "method": res.method, "kept": kept, "context_tokens": res.context_tokens, "new_tokens": len(res.token_ids),
+    # kept_realised: what the compressed layers hold of the prompt and answer, their exact sink, window, question and
+    # answer included; a short context keeps more than `kept` asks
+    return {"model": model_name, "method": res.method, "kept": kept, "kept_realised": round(1.0 - res.realised_compression_ratio, 4),
+            "context_tokens": res.context_tokens, "new_tokens": len(res.token_ids),
             "decode_s": res.decode_seconds, "tokens_per_s": res.decode_tokens_per_second,
             "speedup": res.decode_tokens_per_second / full.decode_tokens_per_second,
             "kv_bytes": res.kv_bytes, "kv_bytes_full": res.kv_bytes_full}

@@ -89,7 +89,7 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
                 markdown_table(throughput, ["method", "stream", "runs", "min_s", "median_s", "tokens_per_s", "over_keydiff",
                                             *(["skipped"] if any("skipped" in r for r in throughput) else [])]), ""]
     if decode:
-        out += ["## Decode speed", "", markdown_table(decode, [*(["model"] if any("model" in r for r in decode) else []), "method", "kept", "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
+        out += ["## Decode speed", "", markdown_table(decode, [*(["model"] if any("model" in r for r in decode) else []), "method", "kept", *(["kept_realised"] if any("kept_realised" in r for r in decode) else []), "context_tokens", "new_tokens", "tokens_per_s", "speedup", "kv_bytes"]), ""]
     if step:
         out += ["## Attention-only decode step", "", markdown_table(step), ""]
     if memory:
