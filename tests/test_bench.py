@@ -304,6 +304,13 @@ def test_cli_runs_every_thread_count_into_its_own_directory(tmp_path):
         written.unlink()
     assert main(["bench", "--report-only", "--out", str(out)]) == 0  # each count's page and the page of both, from the CSVs
     assert (out / "bench.md").read_text() == page and all((out / f"threads-{count}" / "bench.md").is_file() for count in (1, 2))
+    # a run of one count into it wrote its CSVs beside the counts' folders, and the report then showed it alone
+    one = ["bench", "--sections", "attention", "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "1", "--threads", "1"]
+    assert main([*one, "--out", str(out)]) == 2
+    assert (out / "bench.md").read_text() == page and not list(out.glob("*.csv"))
+    assert main([*one, "--out", str(tmp_path / "one")]) == 0  # ... and the other way round
+    assert main([*argv[:-4], "--threads", "1,2", "--out", str(tmp_path / "one")]) == 2
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.smoke

@@ -106,6 +106,7 @@ def _run(args) -> int:
     config = bench.BenchConfig(**options)
     if "prefill" in args.sections:
         _check_prefill_ratio(config)
+    _check_thread_layout(args.out, len(config.threads) > 1)
     make_out_folder(args.out)
     bench.run(args.out, config)
     return 0
@@ -126,3 +127,16 @@ def _check_prefill_ratio(config) -> None:
             raise ValueError(f"--prefill-ratio {config.prefill_ratio} cannot be honoured by {method!r} in a context of --prefill-tokens "
                              f"{config.prefill_tokens}: its exact sink and window leave too few tokens to remove that share; raise "
                              "--prefill-tokens or lower --prefill-ratio") from None
+
+
+def _check_thread_layout(out: Path, several: bool) -> None:
+    """A run of one thread count writes its CSVs into --out, a run of several into --out/threads-<count>/; the report of a
+    folder reads one layout, so a run of the other kind into it would hide what is there (refused)."""
+    counts = sorted(p.name for p in out.glob("threads-*") if p.is_dir()) if out.is_dir() else []
+    csvs = sorted(p.name for p in out.glob("*.csv")) if out.is_dir() else []
+    if not several and counts:
+        raise ValueError(f"--out {str(out)!r} holds a run of several thread counts ({', '.join(counts)}), which a run of one count would "
+                         "hide from its report: give --threads as that list again, or write to another --out")
+    if several and csvs:
+        raise ValueError(f"--out {str(out)!r} holds a run of one thread count ({', '.join(csvs)}), which would hide the run of "
+                         "several counts from the report: write to another --out")
