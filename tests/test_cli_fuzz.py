@@ -201,6 +201,8 @@ CASES = {
     "bench prefill ratio a short context cannot honour": (["bench", "--sections", "prefill,throughput", "--methods", "keydiff,snapkv",
                                                            "--prefill-tokens", "128", "--out", "{tmp}/b"],
                                                           "--prefill-ratio 0.75 cannot be honoured by 'snapkv' in a context of --prefill-tokens 128"),
+    "bench kernel repeats without a mass method": (["bench", "--sections", "prefill", "--methods", "keydiff", "--kernel-repeats", "9",
+                                                    "--out", "{tmp}/b"], "--kernel-repeats times the attention-mass kernel of a method that needs it"),
     "bench out is a file": (["bench", "--sections", "overhead", "--out", "{ctx}"], "argument --out: "),
     "generate meta device": ([*GEN, "--budget", "8", "--device", "meta"], "--device: device must be 'cpu' or a CUDA device"),
     "generate mps device": ([*GEN, "--budget", "8", "--device", "mps"], "--device: device must be 'cpu' or a CUDA device"),

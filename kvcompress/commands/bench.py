@@ -82,6 +82,7 @@ def add_cli(subparsers) -> None:
 
 def _run(args) -> int:
     from ..eval import bench
+    from ..methods.registry import build_method
 
     if args.report_only:
         given = given_flags(args, args.measurement_flags)
@@ -106,6 +107,9 @@ def _run(args) -> int:
     config = bench.BenchConfig(**options)
     if "prefill" in args.sections:
         _check_prefill_ratio(config)
+        if "kernel_repeats" in args.given and not any(build_method(m).requirements.needs("attention_mass") for m in config.methods):
+            raise ValueError(f"--kernel-repeats times the attention-mass kernel of a method that needs it (H2O); --methods "
+                             f"{','.join(config.methods)} has none: leave it out")
     _check_thread_layout(args.out, len(config.threads) > 1)
     make_out_folder(args.out)
     bench.run(args.out, config)
