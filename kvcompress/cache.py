@@ -135,6 +135,7 @@ class CompressedLayer(CacheLayerMixin):
         self.tail: KVSummary | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pending_real: torch.Tensor | None = None
+        self.refused: str | None = None  # a crop refused (`crop`): later forwards are refused until restore or reset
         # the RoPE positions [B or 1, n] the model rotated the pending block's keys at, when its attention was told them
         self.pending_rope_positions: torch.Tensor | None = None
         # what the pending block's attention reads: `view` (the stored slots and the block last, one summary) beside the
@@ -184,6 +185,9 @@ class CompressedLayer(CacheLayerMixin):
         if self.rows == 1 and rows > 1:  # a shared context: each row goes on from a copy of it
             self.reorder_cache(torch.zeros(rows, dtype=torch.long, device=key_states.device))
         self.rows = rows
+        if self.refused is not None:
+            raise ValueError(f"layer {self.layer_idx} of a CompressedCache refused {self.refused} and still holds the tokens it was "
+                             "asked to drop: roll it back with cache.restore(snapshot) or start over with cache.reset()")
         if self.pending is not None:
             raise RuntimeError(
                 f"layer {self.layer_idx} of a CompressedCache got a new block before the previous one was committed: either the "
@@ -269,6 +273,9 @@ class CompressedLayer(CacheLayerMixin):
         hidden_states = per_head(hidden_states, keys.shape[1]) if self.cache.plan.hidden_states else None
         real, rope_positions = self.pending_real, self.pending_rope_positions
         view = self.view  # what the block's attention read (padding slots -inf, `mask_padding`)
+        streams = options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing)
+        if streams:
+            self._check_stream_block(real, keys.shape[0])  # refused before the block is forgotten: later forwards are too
         self._forget_block()
         start = time.perf_counter()
         if options.mode == "prefill" and self.front is None:
@@ -277,14 +284,7 @@ class CompressedLayer(CacheLayerMixin):
                 self._keep_rows(keys, values, positions, queries, scale, real, hidden_states, rope_positions)
             else:  # decode then appends in place, no copy of the state per step
                 self._compress_context(keys, values, positions, queries, scale, attention_mass, hidden_states=hidden_states)
-        elif options.mode == "decode" or (options.mode == "chunked" and self.cache.absorbing):
-            if has_padding(real):
-                raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
-            rows = keys.shape[0]
-            why = batch_coupling(options.compressor, rows, solo_draws=True) if self.front is None else None
-            if why is not None:
-                raise ValueError(f"method {options.method!r} {why}, unlike each row alone: in mode={options.mode!r} run one row at a "
-                                 "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
+        elif streams:
             if self.front is None:
                 budget, self.kv_bits = options.storage_for(self.cache.stream_length, keys.shape[-1], self.dtype)
                 self.budgets = [budget] * keys.shape[0]
@@ -300,6 +300,8 @@ class CompressedLayer(CacheLayerMixin):
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update(), with gradients on if they were
             self.front.detach_()
+            if real is not None:  # a padded block (a left-padded turn): its padding stays unattended, as in the view
+                self.front.hide_last(~real[:, None, :].expand(-1, keys.shape[1], -1))
             return
         elif isinstance(self.front, _PACKED_FRONTS):  # the view `update` joined is the tail then the block (gradients on if they were)
             self.tail = replace(view, keys=view.keys.detach(), values=view.values.detach())
@@ -312,6 +314,18 @@ class CompressedLayer(CacheLayerMixin):
             self.tail = block if self.tail is None else concat([self.tail, block])
             return
         self.stats.compress_seconds += time.perf_counter() - start
+
+    def _check_stream_block(self, real: torch.Tensor | None, rows: int) -> None:
+        """A ValueError for a block a stream cannot take: padding, or a batch whose rows the method would keep together
+        (`batch_coupling`). Raised while the block is still pending, so the cache refuses later forwards until
+        `restore` or `reset` (this layer has counted the block; the layers after it have not seen it)."""
+        options = self.cache.options
+        if has_padding(real):
+            raise ValueError(f"padded batches are supported in mode='prefill' only, got mode={options.mode!r}")
+        why = batch_coupling(options.compressor, rows, solo_draws=True) if self.front is None else None
+        if why is not None:
+            raise ValueError(f"method {options.method!r} {why}, unlike each row alone: in mode={options.mode!r} run one row at a "
+                             "time (kvc.generate does, for a list of contexts), or use mode='prefill', which compresses each row alone")
 
     def _stream_budget(self) -> int:
         """The middle budget of this layer's stream: its share of the options' budget (`Method.layer_budget`: the same
@@ -497,6 +511,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._forget_block()
+        self.refused = None
         self.front = self.tail = self.rows = None
         self.seen = 0
         self.budgets, self.kv_bits = [], None
@@ -516,13 +531,19 @@ class CompressedLayer(CacheLayerMixin):
         self.rows = beam_idx.shape[0] if self.rows is not None else None
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' `Cache.crop(-n)`, removing the last n tokens: refused for n > 0, because what compression dropped
-        cannot be told apart from what came after it (assisted generation, prompt lookup); crop(0) changes nothing."""
+        """transformers' `Cache.crop(-n)`, removing the last n tokens: refused but for crop(0), which changes nothing: what
+        compression dropped cannot be told apart from what came after it (assisted generation, prompt lookup). The layer
+        then holds tokens its caller meant to drop, so it refuses later forwards until `restore` or `reset`. A positive
+        count is refused as transformers refuses it."""
         if tokens_to_remove == 0:
             return
-        raise ValueError(f"a CompressedCache cannot remove its last {abs(tokens_to_remove)} tokens (crop({tokens_to_remove})): compression "
-                         "has dropped tokens, so it cannot roll back by a count (assisted generation and prompt_lookup_num_tokens crop "
-                         "the cache); generate without them, or roll back with cache.restore(cache.snapshot() taken earlier)")
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of tokens to remove (transformers refuses a positive count), got "
+                             f"crop({tokens_to_remove})")
+        self.refused = f"crop({tokens_to_remove})"
+        raise ValueError(f"a CompressedCache cannot remove its last {-tokens_to_remove} tokens (crop({tokens_to_remove})): compression "
+                         "drops tokens, so it cannot roll back by a count (assisted generation and prompt_lookup_num_tokens crop the "
+                         "cache); generate without them, or roll back with cache.restore(cache.snapshot() taken earlier)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Refused: the rows of a compressed cache are only reordered (`reorder_cache`), never repeated."""
@@ -542,6 +563,7 @@ class CompressedLayer(CacheLayerMixin):
         """Take back a `snapshot()`: what is stored, the tokens seen, the rows, the budgets it was compressed to and the
         bits it stores them in."""
         self._forget_block()
+        self.refused = None
         front, self.tail, self.seen, self.rows, budgets, self.kv_bits = state
         self.front, self.budgets = _frozen(front, self.cache.stream_links()), list(budgets)
         self.holds_inference_tensors = torch.is_inference_mode_enabled()
@@ -1072,6 +1094,17 @@ class CompressedCache(Cache):
         cache.token_ids = ids.long().to(devices[0])
         select_compressed_attention(model)
         return cache
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """`CompressedLayer.crop`'s refusal, before any layer is cropped (a sliding-window layer ahead of the first compressed
+        one would otherwise drop its tokens first): every compressed layer then refuses later forwards until `restore` or
+        `reset`."""
+        compressed = [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+        if tokens_to_remove < 0 and compressed:
+            for layer in compressed[1:]:
+                layer.refused = f"crop({tokens_to_remove})"
+            compressed[0].crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def _share_budget(self, layer: CompressedLayer, tokens: Tokens) -> None:
         """Hold `layer`'s context until every compressed layer has handed in its own, then compress them together

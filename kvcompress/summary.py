@@ -387,6 +387,15 @@ class SlotBuffer:
         self.eviction_only = self.eviction_only and part.eviction_only
         return self.summary()
 
+    def hide_last(self, hidden: torch.Tensor) -> None:
+        """Log-weight -inf, in place, for the last hidden.shape[-1] slots where hidden [B, H_kv, n] is True: padding of the
+        block just appended (a left-padded turn after a compressed context), never attended again."""
+        n = hidden.shape[-1]
+        for slots, log_weights in ((self.slots, 2), (self.denominator, 1)):
+            if slots is not None:
+                slots.tensors[log_weights][..., slots.length - n : slots.length].masked_fill_(hidden, float("-inf"))
+        self.eviction_only = False
+
     def detach_(self) -> None:
         """Keep the stored slots apart from the autograd graph of a forward with gradients on, whose block `append` wrote
         in place (a stored state never holds a graph: a second backward would run through the first's)."""

@@ -19,7 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcompress as kvc
 from kvcompress.calibration import Calibration
 from kvcompress.checks import check_finite
-from kvcompress.integration import generate, generate_ids
+from kvcompress.cache import CompressedCache
+from kvcompress.integration import generate, generate_ids, use_compressed_attention
 from kvcompress.checks import check_kv
 from kvcompress.methods.budget import DEFAULT_SLACK, resolve_budget, stream_split
 from kvcompress.methods.registry import build_method
@@ -885,3 +886,66 @@ def test_a_summary_refuses_integer_keys_mixed_dtypes_and_float_positions():
                        ((keys, keys, log_weights, positions.float()), r"positions must be int64 .* got torch.float32")]:
         with pytest.raises(ValueError, match=match):
             KVSummary(*bad)
+
+
+def _tiny_generating():
+    from test_integration import tiny
+
+    model = tiny()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 95, None
+    return model
+
+
+def test_a_left_padded_turn_after_a_compressed_context_keeps_its_padding_unattended():
+    """A batch's second turn, its follow-ups of different lengths left-padded after the first turn's answers: the
+    padding went into the stored context with log-weight 0 (only the forward's view hid it), so at ratio 0 later steps
+    attended it and row 1 answered other tokens than a DynamicCache. Prefill mode, several methods."""
+    from transformers import DynamicCache
+
+    model = _tiny_generating()
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(1, 91, (2, 150), generator=g)
+    follow_ups = [torch.randint(1, 91, (1, n), generator=g) for n in (62, 5)]
+    question = torch.cat([follow_ups[0], torch.cat([torch.full((1, 57), 95), follow_ups[1]], 1)])
+    question_mask = torch.cat([torch.ones(1, 62), torch.cat([torch.zeros(1, 57), torch.ones(1, 5)], 1)]).long()
+
+    def two_turns(cache):
+        first = model.generate(ctx, attention_mask=torch.ones_like(ctx), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                               return_dict_in_generate=True)
+        ids = torch.cat([first.sequences, question], 1)
+        mask = torch.cat([torch.ones_like(first.sequences), question_mask], 1)
+        second = model.generate(ids, attention_mask=mask, past_key_values=first.past_key_values, max_new_tokens=8, do_sample=False,
+                                return_dict_in_generate=True, output_logits=True)
+        return second.sequences[:, ids.shape[1]:], torch.stack(second.logits)
+
+    tokens, logits = two_turns(DynamicCache())
+    for method in ("snapkv", "knorm"):
+        got, got_logits = two_turns(CompressedCache(model, method, compression_ratio=0.0))
+        assert torch.equal(got, tokens), (method, got.tolist(), tokens.tolist())
+        assert torch.allclose(got_logits, logits, atol=1e-4), (method, float((got_logits - logits).abs().max()))
+
+
+def test_a_refused_block_or_crop_leaves_the_cache_refusing_until_reset():
+    """A padded block refused in decode mode had already been counted by layer 0, and a refused crop (prompt lookup)
+    left the draft tokens in the cache; the next forward ran anyway, at mismatched positions or after tokens its caller
+    had meant to drop. Both now leave the cache refusing forwards until `reset` (or `restore`)."""
+    from test_integration import _prompt
+
+    model = _tiny_generating()
+    ctx, _ = _prompt(n=150)
+    cache = CompressedCache(model, "snapkv", compression_ratio=0.0, mode="decode", stream_length=400)
+    with torch.no_grad(), use_compressed_attention(model):
+        model(ctx, past_key_values=cache)
+        with pytest.raises(ValueError, match=r"padded batches are supported in mode='prefill' only"):
+            model(ctx[:, :3], attention_mask=torch.cat([torch.ones(1, 150), torch.tensor([[0.0, 1, 1]])], 1).long(), past_key_values=cache)
+        with pytest.raises(RuntimeError, match=r"got a new block before the previous one was committed.* cache\.reset\(\)"):
+            model(ctx[:, :1], past_key_values=cache)
+    cache = CompressedCache(model, "snapkv", compression_ratio=0.5)
+    with pytest.raises(ValueError, match=r"cannot remove its last 3 tokens \(crop\(-3\)\)"):
+        model.generate(ctx, past_key_values=cache, prompt_lookup_num_tokens=3, max_new_tokens=10, do_sample=False)
+    with pytest.raises(ValueError, match=r"refused crop\(-3\) and still holds the tokens it was asked to drop: .* cache\.reset\(\)"):
+        model.generate(ctx, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match=r"crop takes minus the number of tokens to remove .* got crop\(150\)"):
+        cache.crop(150)
+    cache.reset()
+    assert model.generate(ctx, past_key_values=cache, max_new_tokens=2, min_new_tokens=2, do_sample=False).shape == (1, 152)

@@ -480,12 +480,15 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
     _greedy(model, ids, cache, new=2)
     cache.crop(0)  # transformers' no-op
-    with pytest.raises(ValueError, match=r"a CompressedCache cannot remove its last 5 tokens \(crop\(-5\)\): compression has dropped"):
+    snapshot = cache.snapshot()
+    with pytest.raises(ValueError, match=r"a CompressedCache cannot remove its last 5 tokens \(crop\(-5\)\): compression drops"):
         cache.crop(-5)
+    with pytest.raises(ValueError, match=r"refused crop\(-5\) and still holds the tokens it was asked to drop"):
+        _greedy(model, ids, cache, new=1)
+    cache.restore(snapshot)
     with pytest.raises(ValueError, match="cannot repeat its batch rows"):
         cache.batch_repeat_interleave(2)
     # two stored rows are each row's own context: one row would read both (broadcast), so it is refused
-    snapshot = cache.snapshot()
     with pytest.raises(ValueError, match=r"layer 0 holds 2 batch rows and got a block of 1: each row goes on from its own stored context"):
         _greedy(model, ids[:1], cache, new=1)
     cache.restore(snapshot)
