@@ -196,7 +196,11 @@ class CompressedLayer(CacheLayerMixin):
                 "layers at different tokens; roll it back with cache.restore(snapshot) or start over with cache.reset()"
             )
         n = key_states.shape[2]
-        if n == 1 and self.front is not None and self.cache.prompt_ends_at_first_step and self.cache.absorbing:
+        if n == 1 and self.cache.prompt_ends_at_first_step and self.cache.absorbing:
+            if self.front is None:  # one-token prompt blocks would end the prompt at its second token
+                raise ValueError("a chunked-mode cache built by name ends the prompt at its first one-token forward (model.generate's "
+                                 "first step), so it takes a prompt in blocks of at least 2 tokens: give prefill_chunk_size >= 2, or "
+                                 "build it from CompressionOptions and set cache.absorbing = False where the prompt ends")
             self.cache.absorbing = False  # model.generate's first step: the prompt has ended, the answer stays exact
         positions = torch.arange(self.seen, self.seen + n, device=key_states.device)
         self.pending = (key_states, value_states, positions)
@@ -296,7 +300,10 @@ class CompressedLayer(CacheLayerMixin):
                     f"the streams have taken {self.seen} tokens, more than stream_length={self.cache.stream_length}, which "
                     f"compression_ratio={options.compression_ratio} was resolved against: they stay within the budget it gave, so "
                     "they now keep less than the ratio says (at ratio 0 they compress too); pass the tokens they will take as "
-                    "stream_length (the prompt's and, in decode mode, the answer's)", stacklevel=2)
+                    "stream_length (the prompt's and, in decode mode, the answer's)"
+                    + ("; or the prompt never ended: a chunked cache built by name ends it at model.generate's first one-token "
+                       "step, which a call with max_new_tokens=1 (or an answer that stops at once) never takes, so a later turn "
+                       "is absorbed too" if options.mode == "chunked" and self.cache.prompt_ends_at_first_step else ""), stacklevel=2)
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update(), with gradients on if they were
             self.front.detach_()
@@ -836,7 +843,9 @@ class CompressedCache(Cache):
     for feeding a prompt (chunk_size, compress_question, prefill_approx) are refused here. In mode
     "chunked" the prompt ends (`absorbing` set False: what the streams keep stored, later tokens exact) when
     the caller says so or, in a cache built by name, at the first one-token forward: `model.generate`'s
-    first step, after the prompt, so the answer stays exact.
+    first step, after the prompt, so the answer stays exact. Such a cache therefore refuses a prompt in one-token
+    blocks (`prefill_chunk_size=1`), and a call that never takes a one-token step (`max_new_tokens=1`) leaves its
+    prompt open: a later turn is absorbed too.
 
     stream_length: in chunked and decode modes, the number of tokens the streams will take (prompt,
     and in decode mode the answer too): needed with a compression_ratio, which is resolved against

@@ -949,3 +949,20 @@ def test_a_refused_block_or_crop_leaves_the_cache_refusing_until_reset():
         cache.crop(150)
     cache.reset()
     assert model.generate(ctx, past_key_values=cache, max_new_tokens=2, min_new_tokens=2, do_sample=False).shape == (1, 152)
+
+
+def test_a_chunked_cache_by_name_refuses_one_token_prompt_blocks_and_says_when_its_prompt_never_ended():
+    """It ends the prompt at the first one-token forward (model.generate's first step): `prefill_chunk_size=1` ended it at
+    the prompt's second token and stored the rest exact (301 slots for a bound of 116). A first turn with no one-token
+    step leaves the prompt open; the warning that follows named only stream_length."""
+    from test_integration import _prompt
+
+    model = _tiny_generating()
+    ctx, _ = _prompt(n=150)
+    with pytest.raises(ValueError, match=r"takes a prompt in blocks of at least 2 tokens: give prefill_chunk_size >= 2"):
+        model.generate(ctx, past_key_values=CompressedCache(model, "snapkv", mode="chunked", budget=48), prefill_chunk_size=1,
+                       max_new_tokens=2, do_sample=False)
+    cache = CompressedCache(model, "snapkv", mode="chunked", compression_ratio=0.5, stream_length=160)
+    first = model.generate(ctx, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    with pytest.warns(UserWarning, match=r"or the prompt never ended: .* max_new_tokens=1"):
+        model.generate(torch.cat([first, ctx[:, :20]], 1), past_key_values=cache, max_new_tokens=2, do_sample=False)
