@@ -558,8 +558,12 @@ class CompressedLayer(CacheLayerMixin):
                          "the prompt): expand the prompt's rows before it is compressed, as beam search and num_return_sequences do")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Beam search's row selection (`reorder_cache`), under the name some decoding strategies use."""
-        self.reorder_cache(indices)
+        """Beam search's row selection (`reorder_cache`), under the name some decoding strategies use: `indices` as
+        transformers' layers take them, row numbers (a tensor or a list) or a boolean mask over the rows."""
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.reorder_cache(indices.long())
 
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live

@@ -493,6 +493,11 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
         _greedy(model, ids[:1], cache, new=1)
     cache.restore(snapshot)
     before = cache.layers[0].stored()
+    for index in ([1], torch.tensor([False, True])):  # a list and a mask, as transformers' own layers take them
+        cache.restore(snapshot)
+        cache.batch_select_indices(index)
+        assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
+    cache.restore(snapshot)
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
     with pytest.raises(ValueError, match=r"cannot remove its last \d+ tokens.*prompt_lookup_num_tokens"):
