@@ -178,6 +178,9 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx} got keys {describe(key_states)}: this cache was built for a model of "
                              f"{self.cache.num_layers} layers of {dims['H']} KV heads of dim {dims['D']}; build a CompressedCache "
                              "for the model it runs with")
+        if self.refused is not None:
+            raise ValueError(f"layer {self.layer_idx} of a CompressedCache refused {self.refused} and still holds the tokens it was "
+                             "asked to drop: roll it back with cache.restore(snapshot) or start over with cache.reset()")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._leave_inference_tensors()
@@ -185,9 +188,6 @@ class CompressedLayer(CacheLayerMixin):
         if self.rows == 1 and rows > 1:  # a shared context: each row goes on from a copy of it
             self.reorder_cache(torch.zeros(rows, dtype=torch.long, device=key_states.device))
         self.rows = rows
-        if self.refused is not None:
-            raise ValueError(f"layer {self.layer_idx} of a CompressedCache refused {self.refused} and still holds the tokens it was "
-                             "asked to drop: roll it back with cache.restore(snapshot) or start over with cache.reset()")
         if self.pending is not None:
             raise RuntimeError(
                 f"layer {self.layer_idx} of a CompressedCache got a new block before the previous one was committed: either the "
