@@ -335,10 +335,13 @@ def exact_attention(
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """‖approx − exact‖_F / ‖exact‖_F, in float64."""
+    """‖approx − exact‖_F / ‖exact‖_F, in float64; an exact tensor of zeros is refused (no relative error exists)."""
     if not isinstance(approx, torch.Tensor) or not isinstance(exact, torch.Tensor) or approx.shape != exact.shape:
         raise ValueError(f"approx and exact must be tensors of one shape, got {describe(approx)} and {describe(exact)}")
-    return float((approx.double() - exact.double()).norm() / exact.double().norm())
+    scale = exact.double().norm()
+    if scale == 0:
+        raise ValueError(f"exact is all zeros ({describe(exact)}): the error relative to it is undefined; compare absolute errors")
+    return float((approx.double() - exact.double()).norm() / scale)
 
 
 AVERAGES = ("group", "layer")

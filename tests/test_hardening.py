@@ -966,3 +966,12 @@ def test_a_chunked_cache_by_name_refuses_one_token_prompt_blocks_and_says_when_i
     first = model.generate(ctx, past_key_values=cache, max_new_tokens=1, do_sample=False)
     with pytest.warns(UserWarning, match=r"or the prompt never ended: .* max_new_tokens=1"):
         model.generate(torch.cat([first, ctx[:, :20]], 1), past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+def test_relative_error_refuses_an_exact_tensor_of_zeros():
+    """0 / 0 came back as NaN without a word."""
+    from kvcompress.attention import relative_error
+
+    assert relative_error(torch.ones(3), torch.ones(3)) == 0.0
+    with pytest.raises(ValueError, match=r"exact is all zeros .* the error relative to it is undefined"):
+        relative_error(torch.zeros(3), torch.zeros(3))
