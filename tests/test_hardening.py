@@ -975,3 +975,31 @@ def test_relative_error_refuses_an_exact_tensor_of_zeros():
     assert relative_error(torch.ones(3), torch.ones(3)) == 0.0
     with pytest.raises(ValueError, match=r"exact is all zeros .* the error relative to it is undefined"):
         relative_error(torch.zeros(3), torch.zeros(3))
+
+
+def test_a_method_that_keeps_more_than_its_budget_is_stopped(monkeypatch):
+    """A method registered from outside whose compress ignores its budget passed through `kvc.compress` (100 slots for a
+    budget of 8) and the cache; docs/extending.md says it must honour it, and only the property tests checked."""
+    from dataclasses import dataclass
+
+    from kvcompress.methods import registry
+    from kvcompress.methods.base import Method
+
+    @dataclass
+    class KeepsEverything(Method):
+        name = "keeps_everything"
+        default_sink = 0
+        default_window = 0
+
+        def compress(self, tokens, budget, generator):
+            return tokens.exact()
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register(KeepsEverything)
+    keys = torch.randn(1, 2, 100, 8)
+    with pytest.raises(RuntimeError, match=r"method 'keeps_everything' kept 100 slots per head for a budget of 8: its compress must keep"):
+        kvc.compress("keeps_everything", keys, keys, budget=8)
+    stream = kvc.stream("keeps_everything", budget=8)  # a block-wise stream's re-compressions too
+    with pytest.raises(RuntimeError, match=r"method 'keeps_everything' kept \d+ slots per head for a budget of \d+"):
+        for start in range(0, 100, 10):
+            stream.update(keys[:, :, start:start + 10], keys[:, :, start:start + 10])

@@ -458,6 +458,7 @@ class BlockwiseState(StreamState):
     def keep(self, held: Tokens) -> tuple[torch.Tensor, ...]:
         """The stored columns of the tokens the method keeps from `held` (more than the target)."""
         summary = self.method.compress_held(held, self.target, self.generator)
+        _check_kept(self.method, summary, self.target)
         extra = self.slots.view()[3:]
         weighted = self.log_weights is not None or not bool((summary.log_weights == 0).all())
         index = positions_index(held.positions, summary.positions) if extra or weighted else None
@@ -660,7 +661,17 @@ def compress_tokens(method: Method, tokens: Tokens, budget: int, sink: int, wind
         middle = _with_exact_neighbours(head, middle, tail)
         method.check_inputs(middle)
         middle = method.compress(middle, budget, generator)
+        _check_kept(method, middle, budget)
     return _assemble(head, middle, tail)
+
+
+def _check_kept(method: Method, summary, budget: int) -> None:
+    """A RuntimeError when `method.compress` kept more than `budget` slots per head (a method registered from outside
+    that ignores its budget; AdaKV's heads share theirs and PyramidKV's lower layers keep more, by design). A shape is
+    read, no value."""
+    if not method.requirements.ragged and not method.keeps_a_layer_share and isinstance(summary, KVSummary) and summary.num_slots > budget:
+        raise RuntimeError(f"method {method.name!r} kept {summary.num_slots} slots per head for a budget of {budget}: its compress "
+                           "must keep at most `budget` slots per head (docs/extending.md)")
 
 
 def compress_layers(method: Method, layers: list[Tokens], budget: int, sink: int, window: int, generators) -> list[KVSummary]:
