@@ -438,7 +438,8 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
         "the 95% interval a Student t interval over documents of their log-perplexity, exponentiated. × full cache: "
         "exp of the mean per-document difference of log-perplexity against the full cache on the same document, "
         "with its 95% t interval (1 = no loss, above 1 = compression costs perplexity). KV kept: stored KV bytes "
-        "after the last token over the full cache's (prefill mode: the compressed context plus the exact continuation; "
+        "after the last token over the full cache's (prefill mode: the compressed context, its method's exact sink and window "
+        "on top of the ratio, plus the exact continuation; "
         "decode mode: the stream, whose re-compression slack and block in progress come out of its budget). Prefill mode: the ratio applies to the context; decode mode: "
         "to the whole document, every token streamed. Documents overlap when there are more than the prose holds "
         "disjointly (`kvcompress.eval.perplexity`). `*`: some documents could not run (see results.jsonl); n/a: none could.", "",

@@ -788,7 +788,9 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
         parts += [f"`{DEFAULT}` is the library's default method, here: {resolved}.", ""]
     table = score_table(records)
     if table:
-        parts += ["### Task scores (%, 95% Wilson interval)", "", table, ""]
+        parts += ["### Task scores (%, 95% Wilson interval)", "", table, "",
+                  "A task scored in part (a share of its answers found) enters the interval as that many successes: an "
+                  "approximation there, exact for 0/1 scores.", ""]
     paired = paired_table(records)
     if paired:
         parts += ["### Paired comparison with the best single method (same samples)", "",
