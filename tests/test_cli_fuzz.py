@@ -203,6 +203,8 @@ CASES = {
                                                           "--prefill-ratio 0.75 cannot be honoured by 'snapkv' in a context of --prefill-tokens 128"),
     "bench kernel repeats without a mass method": (["bench", "--sections", "prefill", "--methods", "keydiff", "--kernel-repeats", "9",
                                                     "--out", "{tmp}/b"], "--kernel-repeats times the attention-mass kernel of a method that needs it"),
+    "bench block with no stream timed": (["bench", "--sections", "overhead", "--stream", "none", "--block", "7", "--out", "{tmp}/b"],
+                                         "--block sets the stream updates' size; --stream none times no stream"),
     "bench out is a file": (["bench", "--sections", "overhead", "--out", "{ctx}"], "argument --out: "),
     "generate meta device": ([*GEN, "--budget", "8", "--device", "meta"], "--device: device must be 'cpu' or a CUDA device"),
     "generate mps device": ([*GEN, "--budget", "8", "--device", "mps"], "--device: device must be 'cpu' or a CUDA device"),

@@ -97,6 +97,9 @@ def _run(args) -> int:
     unused = given_flags(args, dict.fromkeys(a for actions in args.section_flags.values() for a in actions if a.dest not in used))
     if unused:
         raise ValueError(f"{', '.join(unused)} set sections not run (--sections {','.join(args.sections)}); add their sections or leave them out")
+    if "block" in args.given and "throughput" not in args.sections and args.stream == "none":
+        raise ValueError("--block sets the stream updates' size; --stream none times no stream in the overhead section, and the "
+                         "throughput section is not run: leave it out")
     if "chunk_size" in args.given and "memory" in args.sections and args.memory_modes == ["prefill"]:
         raise ValueError("--chunk-size sets the blocks of a streaming mode; --memory-modes prefill streams nothing: leave it out")
     # every measurement flag is the BenchConfig field of its name; shape names become Shapes, --device/--dtype torch objects
