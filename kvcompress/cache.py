@@ -307,7 +307,7 @@ class CompressedLayer(CacheLayerMixin):
             self.front.update(keys, values, queries, None, positions, self.layer_idx, self.cache.num_layers, hidden_states)
         elif isinstance(self.front, SlotBuffer):  # the buffer took the block in update(), with gradients on if they were
             self.front.detach_()
-            if real is not None:  # a padded block (a left-padded turn): its padding stays unattended, as in the view
+            if has_padding(real):  # a left-padded turn: its padding stays unattended, as in the view
                 self.front.hide_last(~real[:, None, :].expand(-1, keys.shape[1], -1))
             return
         elif isinstance(self.front, _PACKED_FRONTS):  # the view `update` joined is the tail then the block (gradients on if they were)

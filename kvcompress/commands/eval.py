@@ -211,7 +211,9 @@ def _perplexity_config(args):
 
 def _check_chunk_size(args, modes: list[str]) -> None:
     """--chunk-size given to a run with no streaming mode is refused, as `generate` refuses it in --mode prefill."""
-    if "chunk_size" in args.given and all(mode == "prefill" for mode in modes):
+    from ..eval.runner import any_streams
+
+    if "chunk_size" in args.given and not any_streams(modes):
         raise ValueError(f"--chunk-size {args.chunk_size} is the prompt's block size in --modes chunked or decode; this run has "
                          "--modes prefill only, which prefills each context in one forward: leave it out")
 

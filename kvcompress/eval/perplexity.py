@@ -84,7 +84,7 @@ from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
 from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
-from .runner import DEFAULT_RATIOS, FULL, check_same_run, dtype_name, open_run, read_results, stream_budget, write_run_config
+from .runner import DEFAULT_RATIOS, FULL, any_streams, check_same_run, dtype_name, open_run, read_results, stream_budget, write_run_config
 from .stats import t_interval
 from . import tables
 
@@ -329,7 +329,7 @@ def check_perplexity_folder(config: PerplexityConfig, out_dir: str | Path, model
     """Refuse to add this run's records to `out_dir` when the run already there was a task sweep, or used another seed,
     context fraction, block, block size of the streams (where this run streams), model or dtype (`runner.check_same_run`). The
     command line checks this before loading the model."""
-    settings = ("seed", "context_fraction", "block") + (("chunk_size",) if any(m != "prefill" for m in config.modes) else ())
+    settings = ("seed", "context_fraction", "block") + (("chunk_size",) if any_streams(config.modes) else ())
     check_same_run(Path(out_dir) / "config.json", {name: getattr(config, name) for name in settings}, model_name, config.methods,
                    task=PERPLEXITY, dtype=dtype)
 

@@ -35,7 +35,6 @@ import fcntl
 import gzip
 import json
 import math
-import os
 import platform
 import time
 from collections import defaultdict
@@ -56,6 +55,7 @@ from ..names import SWEEP_LENGTHS as DEFAULT_LENGTHS
 from ..names import SWEEP_RATIOS as DEFAULT_RATIOS
 from ..names import SWEEP_SAMPLES as DEFAULT_SAMPLES
 from ..options import DEFAULT, KVZIP_REFIT, MODES, NAMED_SETTINGS, CompressionOptions, block_settings, resolve_method
+from ..saved_state import write_whole
 from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
@@ -444,6 +444,11 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
     return results, [(spec, cells) for spec, cells in todo if cells]
 
 
+def any_streams(modes) -> bool:
+    """Whether a run of `modes` streams a prompt (chunked or decode mode), so that its block size (`chunk_size`) acts."""
+    return any(mode != "prefill" for mode in modes)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A model's dtype as a results folder records it ("float32")."""
     return str(dtype).removeprefix("torch.")
@@ -474,15 +479,13 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
     path = out / "config.json"
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     settings = asdict(config)
-    if not any(mode != "prefill" for mode in config.modes) and "chunk_size" in earlier.get("config", {}):
+    if not any_streams(config.modes) and "chunk_size" in earlier.get("config", {}):
         settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
     named = earlier.get("named_settings", {}) | named_settings_of(config.methods)
     meta = extra | {"config": settings, "named_settings": named, "model": model_name, "host": platform.node(),
                     "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    partial = out / f".config.json-{os.getpid()}"
-    partial.write_text(json.dumps(meta, indent=1))
-    os.replace(partial, path)
+    write_whole(path, json.dumps(meta, indent=1).encode())
 
 
 def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "", dtype: str | None = None) -> None:
@@ -491,7 +494,7 @@ def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: s
     dtype; a folder with no run yet takes any. The command line checks this before loading the model."""
     path = Path(out_dir) / "config.json"
     check_same_run(path, {name: getattr(config, name) for name in _RUN_SETTINGS
-                          if name != "chunk_size" or any(mode != "prefill" for mode in config.modes)}, model_name, config.methods,
+                          if name != "chunk_size" or any_streams(config.modes)}, model_name, config.methods,
                    dtype=dtype)
     _check_prompt_layout(path, config.prompt_layout)
 
