@@ -89,6 +89,15 @@ def as_count(name: str, value, minimum: int, optional: bool = False) -> int | No
     return value
 
 
+def check_distinct(name: str, values) -> None:
+    """A ValueError naming `name` when `values` (a sweep's or benchmark's list of points) holds one twice: a repeat would
+    run and report one point twice."""
+    seen = [getattr(v, "name", v) for v in values]  # objects by name (a benchmark's shapes)
+    repeated = sorted({repr(v) for v in seen if seen.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{name} must not repeat a value, got {', '.join(repeated)} more than once in {seen}")
+
+
 def as_seed(value) -> int:
     """A seed: an integer from 0 to `names.MAX_SEED` (the seeds derived from it stay within a generator's 64 bits)."""
     seed = as_count("seed", value, 0)

@@ -111,7 +111,7 @@ def test_overhead_skips_larger_sizes_after_the_limit():
     ({"kept": [0.5, 0.0]}, r"kept must hold fractions of the context kept, in \(0, 1\], got \[0.0\]"),
     ({"max_seconds": -1}, "max_seconds must be a number of seconds >= 0, got -1"),
     ({"threads": [0]}, "threads must be an integer >= 1, got 0"),
-    ({"threads": [2, 2]}, r"threads must not repeat a value, got \[2, 2\]"),
+    ({"threads": [2, 2]}, r"threads must not repeat a value, got 2 more than once in \[2, 2\]"),
     ({"seed": -1}, "seed must be an integer >= 0, got -1"),
     ({"model": 3}, "model must be a checkpoint directory"),
     ({"device": "cpu"}, "device must be a torch.device, got 'cpu'"),

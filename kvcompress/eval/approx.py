@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..api import compress
 from ..attention import exact_attention, weighted_attention
+from ..checks import check_distinct
 from ..methods.registry import build_method, method_names
 from ..model_support import RotaryInverse, attention_scales
 from ..names import APPROX_LAYERS as DEFAULT_APPROX_LAYERS
@@ -61,6 +62,8 @@ class ApproxConfig:
         for r in self.ratios:
             if not 0.0 <= r < 1.0:
                 raise ValueError(f"ratios must lie in [0, 1), got {r}")
+        for name in ("methods", "ratios", "layers"):
+            check_distinct(name, getattr(self, name))
         if self.n_queries < 1 or self.sink < 0:
             raise ValueError(f"n_queries must be >= 1 and sink >= 0, got {self.n_queries}, {self.sink}")
         if self.tokens <= self.sink + self.n_queries:

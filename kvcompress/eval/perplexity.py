@@ -71,7 +71,7 @@ from tqdm.auto import tqdm
 
 from ..cache import CompressedCache
 from ..options import MODES
-from ..checks import as_count, describe
+from ..checks import as_count, check_distinct, describe
 from ..integration import use_compressed_attention
 from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length, logits_to_keep
@@ -133,6 +133,8 @@ class PerplexityConfig:
         for n in self.lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n < MIN_LENGTH:
                 raise ValueError(f"lengths must be integers >= {MIN_LENGTH} (tokens per document), got {n!r} in {list(self.lengths)}")
+        for name in ("methods", "ratios", "modes", "lengths"):
+            check_distinct(name, getattr(self, name))
         self.documents = as_count("documents", self.documents, 1)
         self.seed = as_count("seed", self.seed, 0)
         self.block = as_count("block", self.block, 1)

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import as_seed
+from ..checks import as_seed, check_distinct
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
@@ -142,6 +142,8 @@ class SweepConfig:
             bad = [v for v in values if v not in allowed]
             if bad:
                 raise ValueError(f"{name} must be among {sorted(allowed)}, got {bad}")
+        for name in ("methods", "ratios", "modes", "tasks", "lengths", "grid_lengths", "grid_depths", "grid_ratios"):
+            check_distinct(name, getattr(self, name) or ())
         if self.grid_task not in GENERATORS or "depth" not in task_parameters(self.grid_task):
             raise ValueError(f"grid_task must be a task with a depth, got {self.grid_task!r}")
         for r in list(self.ratios) + list(self.grid_ratios):

@@ -505,12 +505,10 @@ class BlockwiseState(StreamState):
         self.slots = self.slots.take(index, reserve=slots, most=slots)
 
     def compact(self) -> None:
-        """Give back the room reserved for further blocks (e.g. at the end of a prompt): the buffer is sized for what it
-        holds, already within the budget (a method that kept more than its target, PyramidKV's lower layers, is
-        compressed back to it when it holds more than the budget)."""
-        if self.slots.length > self.budget:
-            self.recompress(room=0)
-        elif self.slots.tensors:
+        """Give back the room reserved for further blocks (e.g. at the end of a prompt): the buffer is sized for exactly
+        what it holds, which stays (it is within the budget already; a lower layer of a method that keeps a layer's
+        share, PyramidKV, within its share and the slack, as while it streamed)."""
+        if self.slots.tensors:
             held = self.slots.view()
             self._refill(held, held[2], held[0].shape[2])
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checks import as_count, as_fraction, as_seed
+from ...checks import as_count, as_fraction, as_seed, check_distinct
 from ...methods.registry import method_names
 from ...names import BENCH_SECTIONS as SECTIONS
 from ...names import DEFAULT_CHUNK_SIZE
@@ -104,10 +104,8 @@ class BenchConfig:
                 object.__setattr__(self, name, tuple(as_count(name, v, minimum) for v in value))
             else:
                 object.__setattr__(self, name, as_count(name, value, minimum))
-        for name in _SEQUENCES:  # a repeat would measure a point twice
-            values = [getattr(v, "name", v) for v in getattr(self, name)]  # shapes by name
-            if len(set(values)) != len(values):
-                raise ValueError(f"{name} must not repeat a value, got {values}")
+        for name in _SEQUENCES:
+            check_distinct(name, getattr(self, name))
         object.__setattr__(self, "seed", as_seed(self.seed))
         object.__setattr__(self, "compression_ratio", as_fraction("compression_ratio", self.compression_ratio, "the fraction of the n tokens removed"))
         object.__setattr__(self, "prefill_ratio", as_fraction("prefill_ratio", self.prefill_ratio, "the fraction of the context removed"))
