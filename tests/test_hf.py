@@ -353,6 +353,50 @@ def test_pipeline_answers_like_kvc_generate():
     assert [r.token_ids for r in batch] == [kvc.generate(model, tokenizer, c, "w6", progress=False, **options).token_ids for c in (context, short)]
 
 
+def test_pipeline_settings_given_when_built_hold_and_reconstruction_gets_the_repeat_instruction():
+    """Settings given to `pipeline(...)` were dropped: transformers took max_new_tokens for a generate call the pipeline
+    does not make, and every call reset question, questions, answer_prefix and prompt_layout to their defaults. KVzip's
+    reconstruction lacked the repeat instruction kvc.generate gives it (other answers than kvc.generate's)."""
+    from transformers import pipeline
+
+    from kvcompress.integration import PIPELINE_TASK
+
+    model, tokenizer = tiny("qwen2"), _word_tokenizer()
+    g = torch.Generator().manual_seed(5)
+    context = " ".join(f"w{int(i)}" for i in torch.randint(0, 93, (120,), generator=g))
+    options = dict(method="snapkv", compression_ratio=0.5, window=8, stop_at_eos=False)
+    built = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, questions=["w5 w7", "w1 w2"], prompt_layout="newline",
+                     max_new_tokens=3, **options)
+    out = built(context)
+    direct = kvc.generate(model, tokenizer, context, questions=["w5 w7", "w1 w2"], prompt_layout="newline", max_new_tokens=3,
+                          progress=False, **options)
+    assert [r.token_ids for r in out["results"]] == [r.token_ids for r in direct] and all(len(r.token_ids) == 3 for r in direct)
+    called = built(context, questions=None, question="w1 w2", max_new_tokens=2)  # a call's setting replaces the built one
+    assert called["result"].token_ids == direct[1].token_ids[:2]
+    primed = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, question="w5", answer_prefix="w9 w8", max_new_tokens=2, **options)
+    unprimed = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, question="w5", max_new_tokens=2, **options)
+    from kvcompress.integration.model import build_prompt
+
+    prefixed = sum(t.shape[1] for t in build_prompt(tokenizer, context, "w5", "w9 w8"))
+    assert primed(context)["result"].prompt_tokens == prefixed > unprimed(context)["result"].prompt_tokens
+    with pytest.raises(ValueError, match="answer_prefix='w9' starts the answer in a primed prompt layout only; prompt_layout='newline'"):
+        built(context, answer_prefix="w9")
+    with pytest.raises(ValueError, match="answer_prefix must be a str"):
+        unprimed(context, answer_prefix=5)
+    with pytest.raises(ValueError, match="inputs must be a context string or a non-empty list of them, got"):
+        unprimed([])
+    for size, message in (("1", "batch_size must be an integer >= 1, got '1'"), (0, "batch_size must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            unprimed(context, batch_size=size)
+    with pytest.raises(ValueError, match="do_sample"):
+        pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, do_sample=True)(context, **options)
+    kvzip = dict(method="kvzip", compression_ratio=0.5, max_new_tokens=3, stop_at_eos=False)
+    via_pipe = unprimed(context, **kvzip)["result"]
+    alone = kvc.generate(model, tokenizer, context, "w5", progress=False, window=8, **kvzip)  # the built window holds
+    assert via_pipe.extra["reconstruction"]["tokens"] == alone.extra["reconstruction"]["tokens"]
+    assert via_pipe.token_ids == alone.token_ids
+
+
 @pytest.mark.parametrize("family", ["phi3", "gemma3"])
 def test_pre_rope_keys_are_recovered_for_partial_and_per_layer_type_rope(family):
     """Compactor scores pre-RoPE keys: Phi-3 rotates a prefix of each head (partial_rotary_factor), Gemma 3 has global and local RoPE."""

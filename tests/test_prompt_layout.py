@@ -105,9 +105,9 @@ def test_pipeline_takes_the_prompt_layout():
     options = dict(method="snapkv", compression_ratio=0.5, window=8, max_new_tokens=5, stop_at_eos=False)
     pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
     answers = {}
-    for name in ("newline", "newline_primed"):
-        out = pipe(context, question="w5 w7", answer_prefix="w11 w12 w13", prompt_layout=name, **options)
-        context_ids, question_ids = build_prompt(tokenizer, context, "w5 w7", "w11 w12 w13", name)
+    for name, prefix in (("newline", ""), ("newline_primed", "w11 w12 w13")):  # a prefix takes a primed layout
+        out = pipe(context, question="w5 w7", answer_prefix=prefix, prompt_layout=name, **options)
+        context_ids, question_ids = build_prompt(tokenizer, context, "w5 w7", prefix, name)
         (direct,) = answer_questions_ids(model, context_ids, [question_ids], **options)
         assert out["result"].token_ids == direct.token_ids
         answers[name] = out["result"].token_ids

@@ -280,6 +280,8 @@ def build_prompt(
     The context_ids do not depend on the layout, so one compressed context serves every layout.
     """
     layout = prompt_layout(layout)
+    if not isinstance(answer_prefix, str):
+        raise ValueError(f"answer_prefix must be a str ('' for none), got {answer_prefix!r}")
     for name, text in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
         if isinstance(text, str) and _QUESTION_MARK in text:
             raise ValueError(f"{name} holds {_QUESTION_MARK!r}, the marker build_prompt splits the rendered prompt at; remove it "
