@@ -725,7 +725,7 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if key_states.shape[2] > 1:
             self.keys, self.values = self.keys.clone(), self.values.clone()
-        self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes())  # what it stores, as the full cache's window is counted
         return keys, values
 
     def load_prefill(self, queries, keys, values, scale, attention_mass=None) -> None:
@@ -887,6 +887,12 @@ class CompressedCache(Cache):
             options = CompressionOptions.build(method=method, **settings)
         else:
             raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionOptions, got {method!r}")
+        if all(kind != "full_attention" for kind, _ in layer_types):
+            windows = sorted({window for _, window in layer_types})
+            raise ValueError(
+                f"every layer of this model slides (sliding_window={', '.join(map(str, windows))} tokens, below its "
+                f"max_position_embeddings={getattr(model.config, 'max_position_embeddings', None)}): kvcompress compresses "
+                "full-attention layers and keeps a sliding window exact, so nothing would be compressed; use the full cache")
         if options.streams and options.compression_ratio is not None and stream_length is None:
             raise ValueError(
                 f"mode={options.mode!r} with compression_ratio={options.compression_ratio}: pass stream_length (the tokens the "

@@ -90,11 +90,24 @@ def release_hidden_states(handles: list) -> None:
 
 
 def find_rotary_embedding(model):
-    """(rotary embedding module, extra forward kwargs for the full-attention layers' rotation)."""
+    """(rotary embedding module, extra forward kwargs for the full-attention layers' rotation, the rotation's
+    `attention_scaling`: the factor transformers multiplies its cos and sin by, 1 for plain RoPE, above 1 for YaRN and
+    LongRoPE). A model whose compressed layers include sliding layers promoted to full attention (`check_supported`: a
+    window as long as the positions) with a RoPE of their own (Gemma 3's local RoPE) is refused: one inverse cannot
+    serve both."""
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
-            takes_type = "layer_type" in inspect.signature(module.forward).parameters  # Gemma 3: local and global RoPE
-            return module, ({"layer_type": "full_attention"} if takes_type else {})
+            if "layer_type" not in inspect.signature(module.forward).parameters:
+                return module, {}, float(getattr(module, "attention_scaling", 1.0))
+            declared = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]  # Gemma 3: local and global RoPE
+            promoted = [i for i, ((kind, _), declared_kind) in enumerate(zip(check_supported(model), declared))
+                        if kind == "full_attention" and declared_kind == "sliding_attention"]
+            if promoted:
+                raise ValueError(f"layers {promoted} slide over a window as long as the model's positions, so kvcompress compresses "
+                                 "them as full attention, but they rotate keys with a RoPE of their own: their pre-RoPE keys "
+                                 "cannot be recovered with the full-attention layers' inverse; use a method that reads no "
+                                 "pre-RoPE keys")
+            return module, {"layer_type": "full_attention"}, float(getattr(module, "full_attention_attention_scaling", 1.0))
     raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
 
 
@@ -124,7 +137,10 @@ class RotaryInverse:
     """
 
     def __init__(self, model):
-        self.rotary, self.extra = find_rotary_embedding(model)
+        self.rotary, self.extra, scaling = find_rotary_embedding(model)
+        # transformers scales cos and sin by the rotation's attention_scaling s (YaRN, LongRoPE): the inverse of s·R is
+        # R⁻¹/s, which is the formula below with cos and sin divided by s²
+        self.unscale = 1.0 / scaling**2
         self._last_call: tuple | None = None  # (keys' [B,H,n] and dtype, positions' shape and device) of the last call
         self._last_positions: torch.Tensor | None = None
         self._last_angles: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -141,6 +157,8 @@ class RotaryInverse:
         else:
             cos, sin = self.rotary(keys, positions.reshape(b * h, n), **self.extra)
             cos, sin = cos.view(b, h, n, -1).to(keys.dtype), sin.view(b, h, n, -1).to(keys.dtype)
+        if self.unscale != 1.0:
+            cos, sin = cos * self.unscale, sin * self.unscale
         self._last_call, self._last_positions, self._last_angles = call, positions.clone(), (cos, sin)
         return cos, sin
 

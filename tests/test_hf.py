@@ -421,6 +421,52 @@ def test_pre_rope_keys_are_recovered_for_partial_and_per_layer_type_rope(family)
     assert torch.equal(_greedy(model, ids, CompressedCache(model, "compactor", compression_ratio=0.0)), plain)
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
+                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}])
+def test_pre_rope_keys_are_recovered_under_a_scaled_rope(rope):
+    """YaRN (and LongRoPE) multiply cos and sin by an attention scaling s: the inverse returned s² times the keys."""
+    model = LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=rope)).eval()
+    k = torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(100, 110)
+    cos, sin = model.model.rotary_emb(k, pos[None])
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
+    torch.testing.assert_close(CompressedCache(model, "compactor", budget=4).pre_rope_keys(rotated, pos), k, atol=1e-5, rtol=1e-5)
+
+
+def test_pre_rope_keys_of_local_rope_layers_compressed_as_full_attention_are_refused():
+    """A Gemma 3 whose window is as long as its positions compresses its sliding layers as full attention, but they rotate
+    with the local RoPE: un-rotated with the global one, their pre-RoPE keys were wrong (relative error 0.94)."""
+    config_cls, model_cls, extra = FAMILIES["gemma3"]
+    model = model_cls(config_cls(**SMALL, **{**extra, "sliding_window": SMALL["max_position_embeddings"]})).eval()
+    with pytest.raises(ValueError, match=r"layers \[0\] slide over a window as long as the model's positions"):
+        CompressedCache(model, "compactor", budget=4)
+    CompressedCache(model, "knorm", budget=4)  # a method that reads no pre-RoPE keys runs
+
+
+def test_scoring_pairs_are_recorded_for_a_fused_qkv_projection():
+    """train-scorer found a layer's inputs by a `k_proj` attribute, which Phi-3's fused qkv_proj lacks: it recorded no
+    layer and failed ("hidden and targets must cover the same layers, got [] and []")."""
+    from kvcompress.integration.scorer_training import record_scoring_pairs
+
+    model, tokenizer = tiny("phi3"), _word_tokenizer()
+    pairs = record_scoring_pairs(model, tokenizer, _ids(60))
+    assert sorted(pairs.hidden) == sorted(pairs.targets) == [0, 1]
+    assert all(pairs.hidden[i].shape == (60 - 4, SMALL["hidden_size"]) for i in pairs.hidden)
+
+
+def test_a_sliding_layers_peak_is_what_it_stores():
+    """In prefill mode a sliding-window layer counted the whole prompt block it hands attention in its peak, where the full
+    cache's figure counts the window it stores: the peak read above the full cache's."""
+    for family in ("gemma2", "gemma3"):
+        model = tiny(family)
+        ids = _ids(130)
+        res = generate_ids(model, ids[:, :120], ids[:, 120:], method="snapkv", compression_ratio=0.5, window=8, max_new_tokens=2,
+                           stop_at_eos=False)
+        assert res.kv_bytes < res.peak_kv_bytes <= res.kv_bytes_full
+
+
 def test_beam_search_with_a_ratio_zero_cache_equals_plain_beam_search():
     model = tiny("qwen2")
     ids = _ids(90)
@@ -444,15 +490,22 @@ def test_softcapped_attention_chunks_agree_with_one_pass(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["phi3", "mistral"])
-def test_sliding_window_checkpoints_keep_the_window_exact(family):
+def test_a_model_whose_every_layer_slides_is_refused_a_compressed_cache(family):
+    """Every layer sliding (Mistral-7B-v0.1, Phi-3-mini-4k: a window below the positions), a CompressedCache compressed
+    nothing and said nothing, and generate_ids failed dividing by zero: both now refuse, naming the window; the full
+    cache runs."""
     config_cls, model_cls, _ = FAMILIES[family]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**SMALL, "sliding_window": 32})).eval()
     ids = _ids(100)
-    plain = _greedy(model, ids)
-    cache = CompressedCache(model, "knorm", compression_ratio=0.5, window=8)
-    assert torch.equal(_greedy(model, ids, cache), plain)  # every layer slides: nothing to compress, windows exact
-    assert cache.slots_per_layer() == [31, 31]
+    message = "every layer of this model slides .sliding_window=32 tokens, below its max_position_embeddings=2048.: kvcompress compresses"
+    with pytest.raises(ValueError, match=message):
+        CompressedCache(model, "knorm", compression_ratio=0.5, window=8)
+    for mode in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=message):
+            generate_ids(model, ids[:, :90], ids[:, 90:], method="knorm", compression_ratio=0.5, mode=mode, max_new_tokens=2)
+    full = generate_ids(model, ids[:, :90], ids[:, 90:], method=None, max_new_tokens=2, stop_at_eos=False)
+    assert full.slots_per_layer == [31, 31] and full.realised_compression_ratio == 0.0
     torch.manual_seed(0)
     unbounded = model_cls(config_cls(**{**SMALL, "sliding_window": SMALL["max_position_embeddings"]})).eval()
     assert all(kind == "full_attention" for kind, _ in check_supported(unbounded))

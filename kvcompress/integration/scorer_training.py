@@ -16,7 +16,7 @@ import torch
 
 from ..cache import CompressedCache, CompressedLayer
 from ..methods.kvzip import reconstruction_scores
-from ..model_support import attention_scales
+from ..model_support import attention_modules, attention_scales
 from .model import build_prompt
 from .reconstruction import record_reconstruction, repeat_prompt_ids
 
@@ -58,8 +58,7 @@ def record_scoring_pairs(model, tokenizer, context_ids: torch.Tensor, sink: int 
             states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             hidden[module.layer_idx] = states[0, sink:].float().cpu()
 
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
-    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in modules]
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention_modules(model)]
     try:
         recorded = record_reconstruction(model, cache, context_ids, repeat_prompt_ids(tokenizer))
     finally:
