@@ -261,6 +261,11 @@ CASES = {
     "perplexity a length twice": (["eval", "--tasks", "perplexity", "--lengths", "256,256", "--out", "{tmp}/p"],
                                   "--lengths must not repeat a value, got 256 more than once"),
     "approx a layer twice": (["eval", "approx", "--layers", "1,1", "--out", "{tmp}/a"], "--layers must not repeat a value, got 1 more than once"),
+    "eval a shard with no sample": (["eval", "--tasks", "niah_single", "--samples", "1", "--lengths", "256", "--methods", "knorm",
+                                     "--shard", "1/2", "--out", "{tmp}/o"], "--shard 1/2 gets no sample: the sweep has 1 (give N <= 1)"),
+    "perplexity a shard with no document": (["eval", "--tasks", "perplexity", "--samples", "1", "--lengths", "256", "--methods", "knorm",
+                                             "--shard", "3/4", "--out", "{tmp}/o"], "--shard 3/4 gets no sample: the sweep has 1"),
+    "eval ray with a shard": (["eval", "--ray", "--shard", "0/2", "--out", "{tmp}/o"], "--shard and --ray exclude each other"),
     "no subcommand": ([], "command"),
 }
 

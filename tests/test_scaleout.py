@@ -57,8 +57,12 @@ def test_two_shards_match_the_local_run(tiny_checkpoint, local_records, tmp_path
     records = run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(1, 2))
     assert comparable(records) == comparable(local_records)
     assert sorted(recorded_keys(tmp_path)) == sorted(r["key"] for r in local_records)
-    with pytest.raises(ValueError, match="shard"):
+    with pytest.raises(ValueError, match=r"shard must be \(i, n\) with 0 <= i < n, got \(2, 2\)"):
         run_sweep(model, tokenizer, SweepConfig(**CONFIG), tmp_path, progress=False, shard=(2, 2))
+    empty = tmp_path / "empty"
+    with pytest.raises(ValueError, match=r"shard 2/4 gets no sample: the sweep has 2 \(give N <= 2\)"):  # it finished with no notice
+        run_sweep(model, tokenizer, SweepConfig(**CONFIG), empty, progress=False, shard=(2, 4))
+    assert not empty.exists()  # refused before the folder is made
     args = build_parser().parse_args(["eval", "--shard", "1/4"])
     assert args.shard == (1, 4)
     with pytest.raises(SystemExit):
@@ -117,6 +121,20 @@ def test_killed_worker_is_retried_and_a_resumed_sweep_records_every_cell_once(ra
     keys = recorded_keys(tmp_path / "b")
     assert sorted(keys) == sorted(r["key"] for r in local_records)  # every cell, exactly once
     assert comparable(records) == comparable(local_records)
+
+
+def test_a_failed_ray_task_is_reported_by_the_error_it_raised():
+    """A task's own error was shown as Ray's coloured banner line ("RayTaskError(KeyError): \\x1b[36mray::_sample_task()...")
+    and said "failed after 3 retries", though Ray retries crashed workers only."""
+    from kvcompress.eval.ray_sweep import failure_reason
+
+    class TaskError(Exception):
+        def __init__(self, cause):
+            super().__init__("\x1b[36mray::_sample_task()\x1b[39m (pid=1, ip=x)\n  File ...\nKeyError: 'boom'")
+            self.cause = cause
+
+    assert failure_reason(TaskError(KeyError("boom"))) == "KeyError: 'boom'"
+    assert failure_reason(TaskError(None)) == "TaskError: ray::_sample_task() (pid=1, ip=x)"
 
 
 def test_results_file_never_records_a_cell_twice(tmp_path):

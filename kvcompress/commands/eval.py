@@ -170,12 +170,13 @@ def run_cli(args) -> int:
 def _run_perplexity(args) -> int:
     """Language modelling under compression (`eval.perplexity`), then its summary and leaderboard."""
     from ..integration.model import DEFAULT_NAME
-    from ..eval.perplexity import check_perplexity_folder, run_perplexity, write_report
-    from ..eval.runner import dtype_name
+    from ..eval.perplexity import check_perplexity_folder, perplexity_documents, run_perplexity, write_report
+    from ..eval.runner import dtype_name, shard_specs
 
     config = _perplexity_config(args)
     device, dtype = resolve_device(args.device, args.dtype)
     check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME, dtype_name(dtype))  # before the model loads
+    shard_specs(perplexity_documents(config), args.shard)
     make_out_folder(args.out)
     model, tokenizer = load_cli_model(args, device, dtype)
     start = time.perf_counter()
@@ -242,20 +243,20 @@ def _run_sweep(args) -> int:
 
     from ..integration import load_model
     from ..integration.model import DEFAULT_NAME
-    from ..eval.runner import check_results_folder, dtype_name, run_sweep, sample_specs
+    from ..eval.runner import check_results_folder, dtype_name, run_sweep, sample_specs, shard_specs
 
+    if args.ray is not None and args.shard is not None:
+        raise ValueError("--shard and --ray exclude each other: Ray distributes the samples itself")
     config = _sweep_config(args)
     model_name = args.model or DEFAULT_NAME
     device, dtype = resolve_device(args.device, args.dtype)
     check_results_folder(config, args.out, model_name, dtype_name(dtype))  # before the model loads
-    if args.benchmark:
-        sample_specs(config)  # a missing or malformed data file fails here, before the model loads
+    # a missing or malformed data file, or a shard with no sample, fails here, before the model loads
+    shard_specs(sample_specs(config), args.shard)
     make_out_folder(args.out)
     start = time.perf_counter()
     failures: list[str] = []
     if args.ray is not None:
-        if args.shard is not None:
-            raise ValueError("--shard and --ray exclude each other: Ray distributes the samples itself")
         from ..eval.ray_sweep import run_sweep_ray
 
         records, failures = run_sweep_ray(functools.partial(load_model, args.model, device, dtype), config, args.out, address=args.ray or None,
@@ -277,7 +278,7 @@ def _run_sweep(args) -> int:
         print((args.out / "summary.md").read_text())
     _done(start, outputs)
     if failures:
-        print(f"{len(failures)} samples failed after their retries; rerun the same command to do their cells:\n" + "\n".join(failures))
+        print(f"{len(failures)} samples failed; rerun the same command to do their cells:\n" + "\n".join(failures))
         return 1
     return 0
 

@@ -84,7 +84,8 @@ from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
 from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
-from .runner import DEFAULT_RATIOS, FULL, any_streams, check_same_run, dtype_name, open_run, read_results, stream_budget, write_run_config
+from .runner import (DEFAULT_RATIOS, FULL, any_streams, check_same_run, dtype_name, open_run, read_results, shard_specs, stream_budget,
+                     write_run_config)
 from .stats import t_interval
 from . import tables
 
@@ -336,6 +337,11 @@ def check_perplexity_folder(config: PerplexityConfig, out_dir: str | Path, model
                    task=PERPLEXITY, dtype=dtype)
 
 
+def perplexity_documents(config: PerplexityConfig) -> list[tuple[int, int]]:
+    """The run's documents as (length, index), in the order shards split them."""
+    return [(length, i) for i in range(config.documents) for length in config.lengths]
+
+
 def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Path, progress: bool = True, model_name: str = "",
                    shard: tuple[int, int] | None = None) -> list[dict]:
     """Run every cell not yet in `out_dir/results.jsonl` (of shard (i, n) only: the documents at positions p with
@@ -345,14 +351,12 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
     """
     for n in config.lengths:
         check_context_length(model, n)
-    out, results = open_run(out_dir, shard)
+    documents = shard_specs(perplexity_documents(config), shard)
+    out, results = open_run(out_dir)
     done = results.keys()
     dtype = dtype_name(next(model.parameters()).dtype)
     check_perplexity_folder(config, out, model_name, dtype)
     write_run_config(out, config, model_name, shard, task=PERPLEXITY, dtype=dtype)
-    documents = [(length, i) for i in range(config.documents) for length in config.lengths]
-    if shard is not None:
-        documents = documents[shard[0] :: shard[1]]
     todo = [(doc, [c for c in cells_of(config, *doc) if c.key(config) not in done]) for doc in documents]
     todo = [(doc, cells) for doc, cells in todo if cells]
     bar = tqdm(total=sum(len(cells) for _, cells in todo), desc=PERPLEXITY, unit="cell", disable=not progress)

@@ -15,6 +15,7 @@ Install with `pip install kvcompress[ray]`.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,15 @@ def _sample_task(load: Callable, sweep_id: str, config: SweepConfig, spec, cells
     return list(run_sample(_WORKER_MODEL["model"], _WORKER_MODEL["tokenizer"], config, spec, cells))
 
 
+def failure_reason(err: Exception) -> str:
+    """One line saying why a task failed: the exception the task raised (a `RayTaskError`'s cause; Ray retries crashed
+    workers, not a task's own errors), else Ray's error and its first line, without Ray's terminal colours."""
+    cause = getattr(err, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else err
+    lines = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", str(shown)).splitlines() if line.strip()]
+    return f"{type(shown).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, address: str | None = None,
                   cpus_per_task: int = 1, max_retries: int = 3, progress: bool = True,
                   model_name: str = "", dtype: str | None = None) -> tuple[list[dict], list[str]]:
@@ -51,7 +61,7 @@ def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, addr
 
     address: a running cluster ("auto", "ray://host:10001", ...); None starts a local one (or
     joins the cluster Ray is already initialised with). Returns (every record of the file, one
-    message per sample whose task failed after its retries).
+    message per sample whose task failed: a crashed worker after its retries, an error the task raised at once).
     """
     ray = require_package("ray", "ray", "running a sweep as Ray tasks")
     from ray.exceptions import RayError
@@ -77,8 +87,8 @@ def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, addr
         try:
             records = ray.get(finished[0])
         except RayError as err:
-            failures.append(f"{spec.kind}|{spec.task}|{spec.length}|{spec.index}: {type(err).__name__}: {str(err).splitlines()[0]}")
-            bar.write(f"failed after {max_retries} retries, its {len(cells)} cells stay to do: {failures[-1]}")
+            failures.append(f"{spec.kind}|{spec.task}|{spec.length}|{spec.index}: {failure_reason(err)}")
+            bar.write(f"failed, its {len(cells)} cells stay to do: {failures[-1]}")
             continue
         for record in records:
             if record["error"]:

@@ -435,15 +435,26 @@ def pending_samples(config: SweepConfig, out_dir: str | Path, shard: tuple[int, 
     samples (with all their cells) without overlap. Writes `out_dir/config.json` (the config,
     model name and dtype, host, shard, start time).
     """
-    out, results = open_run(out_dir, shard)
+    specs = shard_specs(sample_specs(config), shard)
+    out, results = open_run(out_dir)
     done = results.keys()
     check_results_folder(config, out, model_name, dtype)
     write_run_config(out, config, model_name, shard, dtype=dtype)
-    specs = sample_specs(config)
-    if shard is not None:
-        specs = specs[shard[0]::shard[1]]
     todo = [(spec, [c for c in cells_for(spec, config) if c.key not in done]) for spec in specs]
     return results, [(spec, cells) for spec, cells in todo if cells]
+
+
+def shard_specs(specs: list, shard: tuple[int, int] | None) -> list:
+    """The samples of shard (i, n) of `specs`: those at positions p with p % n == i (all of them for shard None). A
+    shard that gets none is a ValueError: the sweep has fewer samples than shards."""
+    if shard is None:
+        return specs
+    if not (isinstance(shard, tuple) and len(shard) == 2 and all(isinstance(v, int) for v in shard) and 0 <= shard[0] < shard[1]):
+        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
+    mine = specs[shard[0]::shard[1]]
+    if not mine:
+        raise ValueError(f"shard {shard[0]}/{shard[1]} gets no sample: the sweep has {len(specs)} (give N <= {len(specs)})")
+    return mine
 
 
 def any_streams(modes) -> bool:
@@ -456,10 +467,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def open_run(out_dir: str | Path, shard: tuple[int, int] | None) -> tuple[Path, ResultsFile]:
-    """(the results folder, created if missing; its results file) of a run, or of its shard (i, n), checked."""
-    if shard is not None and not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
-        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
+def open_run(out_dir: str | Path) -> tuple[Path, ResultsFile]:
+    """(the results folder, created if missing; its results file) of a run."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return out, ResultsFile(out / RESULTS_FILE)
