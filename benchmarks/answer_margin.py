@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="a folder dumped by kvpress_side_by_side.py, its kvcompress full cache run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cells", default=None, help="kvcompress cells to feed the answer through, comma-separated, the first the reference")
-    parser.add_argument("--ratios", default=None, help="their compression ratios, comma-separated (with --cells)")
+    parser.add_argument("--ratios", type=harness.parse_ratios, default=None,
+                        help="their compression ratios, comma-separated, each in [0, 1) (with --cells)")
     parser.add_argument("--sample-indices", default=None, help="only these samples (their indices in the dump, comma-separated); default all")
     args = parser.parse_args(argv)
     if bool(args.cells) != bool(args.ratios):
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     cells = harness.parse_list(args.cells, harness.KVCOMPRESS_CELLS) if args.cells else []
     if harness.FULL in cells:
         parser.error("--cells takes compressed cells: the full cache is what they are measured against")
-    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else []
+    ratios = args.ratios or []
     args.cells, args.ratios, args.device, args.shard, args.skip_checkpoint_hash, args.full_cache_hits = (
         harness.FULL, None, "cpu", None, False, False)  # what open_run reads: the samples are --sample-indices
     run = harness.open_run(args, "kvcompress", harness.KVCOMPRESS_CELLS)

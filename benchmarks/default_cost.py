@@ -13,7 +13,8 @@ runs after another; `--pairing cell` measures every cell in this process, one af
 (the records before 2026-12-03) each round calls a plain generate and then every cell in turn, and every cell is
 divided by the one plain median. The median seconds per call, the plain median it is divided by (`plain_s`; the
 `plain` row: the median over the cells) and the ratio are written to OUT as CSV, with the KV bytes the answer's cache
-stored ÷ the full cache's for the same tokens (`GenerationResult.kv_bytes`, the peak), the machine, threads and date:
+stored after the answer ÷ the full cache's for the same tokens (`GenerationResult.kv_bytes`, not the peak), the machine,
+threads and date:
 
     .venv/bin/python benchmarks/default_cost.py --lengths 2048,4096,8192 --methods default,kvzap --threads 1 \\
         --out benchmarks/results/default_cost.csv
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import statistics
 import subprocess
 import sys
@@ -33,9 +35,13 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
+from kvcompress.commands.common import count_list, list_of, ratio_list
 from kvcompress.eval.bench.common import machine_description
 from kvcompress.eval.capture import prose_text
 from kvcompress.integration import build_prompt
+from kvcompress.methods.registry import build_method
+from kvcompress.names import MODES
+from kvcompress.options import NAMED_SETTINGS
 
 QUESTION = "What is the main subject of the text above? Answer in one sentence."
 # name -> (method, method_params, exact sink/window and chunk_size settings)
@@ -57,17 +63,41 @@ VARIANTS = {
 }
 
 
-def context_of(tokenizer, tokens: int) -> str:
-    ids = tokenizer(prose_text(n_chars=6 * tokens), add_special_tokens=False)["input_ids"][:tokens]
-    return tokenizer.decode(ids)
+# the cache settings that only a stream uses: a variant that sets one does not run in mode "prefill"
+STREAM_SETTINGS = ("slack", "chunk_size")
 
 
-def main() -> None:
+@functools.cache
+def mode_refusal(name: str, mode: str) -> str | None:
+    """Why the variant `name` (of VARIANTS) does not run in mode `mode`, None when it does: a named setting
+    (`options.NAMED_SETTINGS`, e.g. kvzip_refit) without an entry for the mode, a method that refuses the mode (its own
+    `check_mode`: KVzip needs the whole context), or a stream's slack or block size in mode "prefill"."""
+    method, params, exact = VARIANTS[name]
+    if method in NAMED_SETTINGS:
+        if mode not in NAMED_SETTINGS[method]:
+            return f"{method!r} runs in mode {' or '.join(map(repr, NAMED_SETTINGS[method]))} only"
+        method, params, _ = NAMED_SETTINGS[method][mode]
+    try:
+        build_method(method, **params).check_mode(mode)
+    except ValueError as error:
+        return str(error)
+    streamed = [key for key in STREAM_SETTINGS if key in exact]
+    if mode == "prefill" and streamed:
+        return f"it sets {' and '.join(streamed)}, which only the streams of modes 'chunked' and 'decode' use"
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked before any model loads: --methods among VARIANTS, --modes among `names.MODES`, --ratios in
+    [0, 1), --lengths integers >= 1, and at least one (method, mode) cell that runs (`mode_refusal`)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", default="2048,4096,8192")
-    p.add_argument("--methods", default="default", help=f"comma-separated, among {','.join(VARIANTS)}")
-    p.add_argument("--modes", default="prefill,chunked,decode")
-    p.add_argument("--ratios", default="0.75", help="comma-separated compression ratios (each a round of every cell)")
+    p.add_argument("--lengths", type=count_list, default="2048,4096,8192", help="comma-separated context lengths in tokens")
+    p.add_argument("--methods", type=list_of(list(VARIANTS), "variant"), default="default",
+                   help=f"comma-separated, among {','.join(VARIANTS)}")
+    p.add_argument("--modes", type=list_of(MODES, "mode"), default=",".join(MODES),
+                   help=f"comma-separated, among {','.join(MODES)} (a variant that does not run in a mode is left out of it, "
+                        "with the reason printed)")
+    p.add_argument("--ratios", type=ratio_list, default="0.75", help="comma-separated compression ratios (each a round of every cell)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1, help="untimed pairs (or rounds) of calls before the timed ones (default 1)")
@@ -76,13 +106,31 @@ def main() -> None:
                         "this process; round: one plain generate, then every cell, per round")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not cells_of(args):
+        p.error(f"no variant of --methods {','.join(args.methods)} runs in any of --modes {','.join(args.modes)}: "
+                + "; ".join(f"{name} in {mode}: {mode_refusal(name, mode)}" for name in args.methods for mode in args.modes))
+    return args
+
+
+def context_of(tokenizer, tokens: int) -> str:
+    ids = tokenizer(prose_text(n_chars=6 * tokens), add_special_tokens=False)["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    for name in args.methods:
+        for mode in args.modes:
+            reason = mode_refusal(name, mode)
+            if reason is not None:
+                print(f"{name} is not measured in mode {mode}: {reason}", file=sys.stderr, flush=True)
     if args.pairing == "process":
         return write_rows(args.out, rows_in_processes(args))
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
     rows = []
-    for length in map(int, args.lengths.split(",")):
+    for length in args.lengths:
         context = context_of(tokenizer, length)
         context_ids, question_ids = build_prompt(tokenizer, context, QUESTION)
         prompt = torch.cat([context_ids, question_ids], 1)
@@ -96,51 +144,39 @@ def main() -> None:
                                do_sample=False, pad_token_id=tokenizer.eos_token_id)
             return time.perf_counter() - start
 
-        def answer(cell) -> float | None:
-            """Seconds of one answer of the cell, None when its method does not run in its mode."""
+        def answer(cell) -> float:
+            """Seconds of one answer of the cell."""
             name, mode, ratio = cell
             method, params, exact = VARIANTS[name]
             start = time.perf_counter()
-            try:
-                res = kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=ratio,
-                                   mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
-            except ValueError as error:  # a variant that does not run in this mode (e.g. kvzip_refit streams not)
-                print(f"{name} {mode}: {error}")
-                return None
+            res = kvc.generate(model, tokenizer, context, QUESTION, method=method, method_params=params, compression_ratio=ratio,
+                               mode=mode, max_new_tokens=args.new_tokens, stop_at_eos=False, progress=False, **exact)
             seconds = time.perf_counter() - start
             stored[cell] = res.kv_bytes / res.kv_bytes_full
             return seconds
 
-        # cell -> (its timed answers, the timed plain generates it is divided by); cells that do not run are left out
+        # cell -> (its timed answers, the timed plain generates it is divided by)
         measured: dict[tuple, tuple[list[float], list[float]]] = {}
         if args.pairing == "cell":
             for cell in cells:
                 times, plains = [], []
                 for round_index in range(args.warmup + args.repeats):
                     plain_seconds, seconds = plain_generate(), answer(cell)
-                    if seconds is None:
-                        break
                     if round_index >= args.warmup:
                         plains.append(plain_seconds)
                         times.append(seconds)
-                else:
-                    measured[cell] = (times, plains)
+                measured[cell] = (times, plains)
             every_plain = [seconds for _, plains in measured.values() for seconds in plains]
         else:
-            every_plain, running = [], list(cells)
+            every_plain = []
             for round_index in range(args.warmup + args.repeats):
                 plain_seconds = plain_generate()
                 if round_index >= args.warmup:
                     every_plain.append(plain_seconds)
-                for cell in list(running):
+                for cell in cells:
                     seconds = answer(cell)
-                    if seconds is None:
-                        running.remove(cell)
-                    elif round_index >= args.warmup:
+                    if round_index >= args.warmup:
                         measured.setdefault(cell, ([], every_plain))[0].append(seconds)
-            measured = {cell: measured[cell] for cell in running if cell in measured}
-        if not measured:
-            continue
         for (name, mode, ratio), (seconds, plains) in {("plain", "generate", 0.0): (every_plain, every_plain), **measured}.items():
             plain = statistics.median(plains)
             row = {"tokens": prompt.shape[1], "context_tokens": length, "method": name, "mode": mode, "ratio": ratio,
@@ -156,8 +192,9 @@ def main() -> None:
 
 
 def cells_of(args) -> list[tuple[str, str, float]]:
-    """The (method, mode, ratio) cells the arguments name, ratio by ratio."""
-    return [(m, mode, float(r)) for r in args.ratios.split(",") for m in args.methods.split(",") for mode in args.modes.split(",")]
+    """The (method, mode, ratio) cells the arguments name, ratio by ratio, less those whose variant does not run in their
+    mode (`mode_refusal`)."""
+    return [(m, mode, r) for r in args.ratios for m in args.methods for mode in args.modes if mode_refusal(m, mode) is None]
 
 
 def rows_in_processes(args) -> list[dict]:
@@ -167,25 +204,23 @@ def rows_in_processes(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "cell.csv"
-        for length in args.lengths.split(","):
+        for length in args.lengths:
             plains, cells = [], []
             for name, mode, ratio in cells_of(args):
                 out.unlink(missing_ok=True)
-                subprocess.run([sys.executable, __file__, "--lengths", length, "--methods", name, "--modes", mode, "--ratios", str(ratio),
+                subprocess.run([sys.executable, __file__, "--lengths", str(length), "--methods", name, "--modes", mode, "--ratios", str(ratio),
                                 "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                                 "--threads", str(args.threads), "--pairing", "cell", "--out", str(out)], check=True)
-                measured = list(csv.DictReader(out.open()))
-                if measured:  # else the method does not run in this mode
-                    plains.append(measured[0])
-                    cells.append({**measured[1], "pairing": "process"})
-            if plains:
-                plain = round(statistics.median(float(row["plain_s"]) for row in plains), 3)
-                rows += [{**plains[0], "median_s": plain, "plain_s": plain, "pairing": "process"}, *cells]
+                plain_row, cell_row = csv.DictReader(out.open())  # the cell's process measures it or fails
+                plains.append(plain_row)
+                cells.append({**cell_row, "pairing": "process"})
+            plain = round(statistics.median(float(row["plain_s"]) for row in plains), 3)
+            rows += [{**plains[0], "median_s": plain, "plain_s": plain, "pairing": "process"}, *cells]
     return rows
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
-    """rows as CSV at path (an empty file when no cell ran)."""
+    """rows as CSV at path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])

@@ -305,6 +305,20 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return i, n
 
 
+def parse_ratios(text: str) -> list[float]:
+    """argparse type of --ratios: '0.5,0.75' -> [0.5, 0.75], each a compression ratio (the fraction of tokens removed) in
+    [0, 1)."""
+    try:
+        ratios = [float(r) for r in text.split(",")]
+    except ValueError:
+        ratios = []
+    bad = [r for r in ratios if not 0 <= r < 1]
+    if not ratios or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated compression ratios (the fraction of tokens removed), each in "
+                                         f"[0, 1), got {text!r}")
+    return ratios
+
+
 def parse_list(text: str, known: dict) -> list[str]:
     """Comma-separated cell labels, each checked against `known` (labels hold commas only inside [...])."""
     labels, depth, cur = [], 0, ""
@@ -385,7 +399,8 @@ def cell_key(library: str, label: str, ratio: float | None, sample_id: str) -> s
 
 def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
     """A model step's common start: threads set, the dumped samples, the checked checkpoint's model and tokenizer,
-    the cells and ratios asked for, this shard's results file and the cells already recorded."""
+    the cells and ratios asked for (args.ratios: a list, `parse_ratios`, or None for the manifest's), this shard's results
+    file and the cells already recorded."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -398,12 +413,12 @@ def open_run(args, library: str, known_cells: dict) -> SimpleNamespace:
     if args.full_cache_hits and args.sample_indices is not None:
         raise SystemExit("--full-cache-hits and --sample-indices both choose the samples: give one of them")
     indices = full_cache_hits(out, samples) if args.full_cache_hits else parse_sample_indices(args.sample_indices)
+    cells = parse_list(args.cells, known_cells)  # before the model loads
     return SimpleNamespace(
         manifest=manifest, samples=select_samples(samples, indices, shard), device=torch.device(args.device),
         model=AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True).to(args.device).eval(),
         tokenizer=AutoTokenizer.from_pretrained(checkpoint, local_files_only=True),
-        cells=parse_list(args.cells, known_cells),
-        ratios=[float(r) for r in args.ratios.split(",")] if args.ratios else manifest["ratios"],
+        cells=cells, ratios=args.ratios or manifest["ratios"],
         path=results_path(out, library, shard), done=done_keys(out, library),
     )
 
@@ -1249,12 +1264,12 @@ def main(argv=None) -> None:
     d.add_argument("--prompt-layout", default=None,
                    help="how context and question are joined (kvcompress.integration.model.PROMPT_LAYOUTS; default: the eval's default)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own answer limit")
-    d.add_argument("--ratios", type=lambda t: [float(x) for x in t.split(",")], default=[0.75], help="compression ratios (default 0.75)")
+    d.add_argument("--ratios", type=parse_ratios, default=[0.75], help="comma-separated compression ratios, each in [0, 1) (default 0.75)")
     d.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the dequantised default model under ~/.cache/kvcompress)")
     for name, cells, default in (("kvcompress", KVCOMPRESS_CELLS, DEFAULT_KVCOMPRESS), ("kvpress", KVPRESS_CELLS, DEFAULT_KVPRESS)):
         s = sub.add_parser(name, help=f"({name}'s venv) answer every sample with {name}")
         s.add_argument("--cells", default=",".join(default), help=f"comma-separated cells among {list(cells)}")
-        s.add_argument("--ratios", default=None, help="comma-separated ratios (default: the manifest's)")
+        s.add_argument("--ratios", type=parse_ratios, default=None, help="comma-separated compression ratios, each in [0, 1) (default: the manifest's)")
         s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
         s.add_argument("--device", default="cpu", help="torch device of the model and the prompts (default cpu; e.g. cuda)")
         s.add_argument("--shard", default=None, help="I/N: only samples I, I+N, ... (each shard writes its own file)")

@@ -11,9 +11,11 @@ end-of-sequence, so every decode does the same work):
 - questions: `kvc.generate(model, tokenizer, context, questions=[8 questions])`, wall clock;
 - pipeline: the `kvcompress-text-generation` pipeline with the same 8 questions, wall clock.
 The answers must agree where both exist (same cache, same greedy decoding). Target: questions and
-pipeline take at most 1.3x the reference. Writes benchmarks/results/many_questions.{csv,md}.
+pipeline take at most 1.3x the reference. Writes --out, by default benchmarks/results/many_questions.csv, and the
+table beside it (.md).
 
     python benchmarks/many_questions.py [--tokens 4096] [--method snapkv] [--ratio 0.5] [--threads 1]
+        [--out benchmarks/results/many_questions.csv]
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS / "many_questions.csv",
+                        help="the CSV of the runs; the page is written beside it as .md (default benchmarks/results/many_questions.csv)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = kvc.load_model()
@@ -98,14 +102,14 @@ def main() -> None:
     many_answers = [r.token_ids for r in many]
     agree = many_answers == [r.token_ids for r in piped["results"]] and single_answers == [many_answers[0], many_answers[-1]]
     rows = [
-        {"run": "reference: one prefill + 8 decodes", "seconds": reference, "ratio_to_reference": 1.0, "cpu_seconds": ""},
+        {"run": f"reference: one prefill + {len(QUESTIONS)} decodes", "seconds": reference, "ratio_to_reference": 1.0, "cpu_seconds": ""},
         {"run": "one question alone (mean of 2)", "seconds": prefill + decode, "ratio_to_reference": (prefill + decode) / reference, "cpu_seconds": single_cpu},
-        {"run": "8 x (prefill + decode), re-compressing per question", "seconds": independent, "ratio_to_reference": independent / reference, "cpu_seconds": len(QUESTIONS) * single_cpu},
-        {"run": "kvc.generate(questions=[8])", "seconds": questions_s, "ratio_to_reference": questions_s / reference, "cpu_seconds": questions_cpu},
+        {"run": f"{len(QUESTIONS)} x (prefill + decode), re-compressing per question", "seconds": independent, "ratio_to_reference": independent / reference, "cpu_seconds": len(QUESTIONS) * single_cpu},
+        {"run": f"kvc.generate(questions=[{len(QUESTIONS)}])", "seconds": questions_s, "ratio_to_reference": questions_s / reference, "cpu_seconds": questions_cpu},
         {"run": f"pipeline {PIPELINE_TASK!r}", "seconds": pipeline_s, "ratio_to_reference": pipeline_s / reference, "cpu_seconds": pipeline_cpu},
     ]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    write_csv(RESULTS / "many_questions.csv", rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out, rows)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Many questions about one context",
@@ -115,7 +119,7 @@ def main() -> None:
         f"(mean {sum(len(a) for a in many_answers) / len(many_answers):.1f}).",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (noisy), torch threads {args.threads}, {when}. "
         f"One run, all timings in the same process; the two questions run alone come first and last. "
-        f"CPU seconds (this process, 1 thread) are less sensitive to the other jobs than wall seconds.",
+        f"CPU seconds (this process, {torch.get_num_threads()} torch thread(s)) are less sensitive to the other jobs than wall seconds.",
         f"From {len(single)} questions run alone: context prefill + compression {prefill:.2f} s "
         f"(compression {single[0].compress_seconds:.2f} s), question forward + decode {decode:.2f} s.",
         f"Answers identical across the three ways: {agree}.",
@@ -125,7 +129,7 @@ def main() -> None:
         *[f"| {r['run']} | {r['seconds']:.2f} | {r['ratio_to_reference']:.2f} | {r['cpu_seconds'] if r['cpu_seconds'] == '' else format(r['cpu_seconds'], '.1f')} |" for r in rows],
         "",
     ]
-    (RESULTS / "many_questions.md").write_text("\n".join(lines))
+    args.out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

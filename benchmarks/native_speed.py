@@ -265,6 +265,22 @@ def weighted_path_rows(args, log) -> list[dict]:
     return rows
 
 
+def check_kept(p: argparse.ArgumentParser, args) -> None:
+    """Before any model loads: each fraction kept (--kept; --kept-fractions with --llama8b) is in (0, 1], and every context
+    of --contexts leaves the ratio-0 cache and each fraction kept room beyond the exact sink and window (`resolve_budget`,
+    the check the caches make), so that no run fails after its timed prefills."""
+    flag, fractions = ("--kept-fractions", args.kept_fractions) if args.llama8b else ("--kept", [args.kept])
+    wrong = [f for f in fractions if not 0 < f <= 1]
+    if wrong:
+        p.error(f"{flag} takes fractions of the context kept, each in (0, 1]; got {', '.join(map(str, wrong))}")
+    for n in args.contexts:
+        for kept in (1.0, *fractions):
+            try:
+                resolve_budget(n, None, 1.0 - kept, SINK, WINDOW)
+            except ValueError as error:
+                p.error(f"--contexts {n} with {flag} {kept:g}: {error}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 4096 16384; 32768 with --llama8b)")
@@ -283,17 +299,19 @@ def main(argv=None) -> None:
     p.add_argument("--weighted-paths", action="store_true", help="time one attention step: log-weight bias vs split + LSE merge (CPU)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/native"))
     args = p.parse_args(argv)
+    runs = [("--llama8b", args.llama8b, "llama8b", llama8b_rows), ("--weighted-paths", args.weighted_paths, "weighted_paths", weighted_path_rows),
+            ("--synthetic-cache", args.synthetic_cache, "synthetic_decode", synthetic_decode_rows)]
+    chosen = [(name, rows) for _, given, name, rows in runs if given]
+    if len(chosen) > 1:
+        p.error(f"pass at most one of {', '.join(flag for flag, *_ in runs)}; got {', '.join(flag for flag, given, *_ in runs if given)}")
+    name, run = chosen[0] if chosen else ("native_speed", default_model_rows)
+    args.contexts = args.contexts or ([32768] if args.llama8b else [4096, 16384])
+    if run is not weighted_path_rows:
+        check_kept(p, args)
     torch.set_num_threads(args.threads)
     args.device = parse_device(args.device)
     args.dtype = parse_dtype(args.dtype, args.device)
-    args.contexts = args.contexts or ([32768] if args.llama8b else [4096, 16384])
     machine = machine_description(args.threads)
-    chosen = [(flag, name, rows) for flag, name, rows in (
-        (args.llama8b, "llama8b", llama8b_rows), (args.weighted_paths, "weighted_paths", weighted_path_rows),
-        (args.synthetic_cache, "synthetic_decode", synthetic_decode_rows)) if flag]
-    if len(chosen) > 1:
-        raise ValueError("pass at most one of --llama8b, --weighted-paths, --synthetic-cache")
-    _, name, run = chosen[0] if chosen else (True, "native_speed", default_model_rows)
     log = print
     log(machine)
     with torch.inference_mode():

@@ -83,14 +83,16 @@ def compressed(model, tokenizer, options: CompressionOptions, context_ids: torch
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="a folder dumped by kvpress_side_by_side.py")
-    parser.add_argument("--cell", required=True, help=f"a kvcompress prefill cell among {sorted(set(harness.KVCOMPRESS_CELLS) - {harness.FULL})}")
-    parser.add_argument("--ratios", required=True, help="comma-separated compression ratios")
+    prefill_cells = sorted(label for label, (method, _) in harness.KVCOMPRESS_CELLS.items()
+                           if method is not None and not harness.streams(label))  # the cells that compress a recorded prefill
+    parser.add_argument("--cell", required=True, help=f"a compressing kvcompress prefill cell (no streaming one) among {prefill_cells}")
+    parser.add_argument("--ratios", type=harness.parse_ratios, required=True, help="comma-separated compression ratios, each in [0, 1)")
     parser.add_argument("--sample-indices", required=True, help="comma-separated sample indices of the folder")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.cell not in harness.KVCOMPRESS_CELLS or harness.KVCOMPRESS_CELLS[args.cell][0] is None or harness.streams(args.cell):
-        raise SystemExit(f"--cell must be a compressing prefill cell of the harness, got {args.cell!r}")
-    ratios = [float(r) for r in args.ratios.split(",")]
+    if args.cell not in prefill_cells:
+        parser.error(f"--cell must be a compressing prefill cell of the harness, among {prefill_cells}; got {args.cell!r}")
+    ratios = args.ratios
 
     # what open_run reads: the samples are --sample-indices
     args.cells, args.device, args.shard, args.skip_checkpoint_hash, args.full_cache_hits = args.cell, "cpu", None, False, False

@@ -95,8 +95,8 @@ def parse_args():
                         "in float32, 16,8,4,2 in bfloat16)")
     p.add_argument("--steps", type=int, default=32, help="single-token decode steps timed per cell on the first document")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="results path; .csv and .md are written beside it, any suffix replaced (default: results/quantized_storage[_needle|_decode])")
-    p.add_argument("--plot", action="store_true", help="only draw results/quantized_storage.png from the two result tables")
+    p.add_argument("--out", default=None, help="results path; .csv and .md are written beside it, any suffix replaced (default: benchmarks/results/quantized_storage[_needle|_decode])")
+    p.add_argument("--plot", action="store_true", help="only draw benchmarks/results/quantized_storage.png from the two result tables")
     args = p.parse_args()
     if args.out is None:
         name = {"needle": "quantized_storage_needle"}.get(args.task, "quantized_storage" if args.mode == "prefill" else "quantized_storage_decode")

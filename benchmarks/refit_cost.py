@@ -17,10 +17,11 @@ and checks that both ways give the same log-weights and values. The tensors are 
 shapes (SmolLM2-135M: 3 KV heads of 64 dimensions, 3 query heads each) and one reconstruction query per context token
 per query head; keys drawn near a few centres per head, as real keys cluster. Only shapes and kept counts set the cost,
 so the model's weights are not needed; on real scores the heads keep more unevenly than here, which makes the
-Gram products (the same in both ways) a larger share. Writes benchmarks/results/refit_cost_<refit>.{csv,md}.
+Gram products (the same in both ways) a larger share. Writes --out, by default benchmarks/results/refit_cost_<refit>.csv,
+and the table beside it (.md).
 
     python benchmarks/refit_cost.py [--refit log_weights] [--length 4096] [--layers 4] [--ratios 0.5 0.75 0.9]
-        [--repeats 3] [--threads 1]
+        [--repeats 3] [--threads 1] [--out benchmarks/results/refit_cost_<refit>.csv]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kvcompress.commands.common import ratio
 from kvcompress.eval.tables import markdown_table, write_csv
 from kvcompress.methods.adakv import REFITS, AdaKV
 from kvcompress.methods.tokens import Tokens
@@ -88,19 +90,30 @@ def medians(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, --ratios each checked to be a compression ratio in [0, 1), --out defaulting to
+    benchmarks/results/refit_cost_<refit>.csv."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refit", choices=[r for r in REFITS if r != "none"], default=KVZIP_REFIT["refit"],
                         help="the refit timed (default: kvzip_refit's)")
     parser.add_argument("--length", type=int, default=4096, help="middle tokens per layer (and reconstruction queries)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    parser.add_argument("--ratios", type=ratio, nargs="+", default=[0.5, 0.75, 0.9])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--group", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the CSV of every repeat; the table of medians is written beside it as .md (default "
+                             "benchmarks/results/refit_cost_<refit>.csv)")
+    args = parser.parse_args(argv)
+    args.out = args.out or RESULTS / f"refit_cost_{args.refit}.csv"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     layers = [layer_tokens(args.length, args.kv_heads, args.group, args.head_dim, seed) for seed in range(args.layers)]
     rows = []
@@ -111,12 +124,12 @@ def main() -> None:
     summary = medians(rows)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s), torch "
                f"{torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}")
-    RESULTS.mkdir(exist_ok=True)
-    write_csv(RESULTS / f"refit_cost_{args.refit}.csv", rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out, rows)
     text = (f"# refit={args.refit}: normalisers handed on by KVzip or formed by the fit\n\n{machine}; {args.layers} layers of "
             f"{args.length} middle tokens, {args.kv_heads} KV heads x {args.group} query heads, head dim {args.head_dim}; "
             f"medians of {args.repeats} repeats (seconds for all the layers)\n\n" + markdown_table(summary) + "\n")
-    (RESULTS / f"refit_cost_{args.refit}.md").write_text(text)
+    args.out.with_suffix(".md").write_text(text)
     print(text)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "tuning")]
 
 import kvpress_side_by_side as harness  # noqa: E402
+import default_cost  # noqa: E402
 import prompt_layout  # noqa: E402
 import quantized_storage  # noqa: E402
 import equal_memory  # noqa: E402
@@ -72,6 +74,7 @@ SUMMARY_ROWS = [
     ("SnapKV: the attention of the context's last tokens", "snapkv"),
 ]
 COST_BENCH = "benchmarks/results/bench/cost"
+KVZIP_REFIT_COST = "benchmarks/results/default_cost_kvzip_refit.csv"  # what one answer of `kvzip_refit` costs
 # The end-to-end prefill of every method at one thread: the summary's cost column
 PREFILL_BENCH = f"{COST_BENCH}/threads-1"
 # The fifth held-out set's rows at 2k, first in the summary: (use, library, cell, mode) (see heldout_section): the
@@ -557,10 +560,38 @@ def cost_section() -> list[str]:
         page = bench_markdown(memory=rows) if section == "memory" else bench_markdown(step=rows)
         lines += ["\n".join(page.splitlines()[2:]).strip(), ""]
     for path, title, note, table in CSV_TABLES:
+        rows = read_csv(ROOT / path)
         lines += [f"### {title}", "", note, ""]
         lines += meta_block(path)
-        lines += [table(read_csv(ROOT / path)), ""]
+        lines += cost_command_mismatch(path, rows)
+        lines += [table(rows), ""]
     return lines
+
+
+DEFAULT_COST_METHODS = re.compile(r"benchmarks/default_cost\.py\b.*?--methods (\S+)")
+
+
+def cost_command_mismatch(path: str, rows: list[dict]) -> list[str]:
+    """For a `default_cost.py` record: a line saying that its recorded commands (runs.json) no longer give its rows, where the
+    rows name variants that no `--methods` of the commands names, or a command names a variant `default_cost.py` no longer
+    has; nothing where they match, or for another script's record."""
+    named = {name for command in run_entry(path)["command"] for match in DEFAULT_COST_METHODS.finditer(command)
+             for name in match.group(1).split(",")}
+    if not named:
+        return []
+    measured = sorted({row["method"] for row in rows} - {"plain"})
+    unnamed = [name for name in measured if name not in named]
+    gone = sorted(named - set(default_cost.VARIANTS))
+    if not unnamed and not gone:
+        return []
+    why = []
+    if unnamed:
+        why.append(f"its rows are named {', '.join(f'`{n}`' for n in unnamed)}, which their `--methods` do not name "
+                   f"(`--methods {','.join(measured)}` names them)")
+    if gone:
+        why.append(f"{', '.join(f'`{n}`' for n in gone)} is no variant of `benchmarks/default_cost.py` now")
+    return [f"As recorded, the command{'s' if len(run_entry(path)['command']) > 1 else ''} above no longer reproduce"
+            f"{'' if len(run_entry(path)['command']) > 1 else 's'} this record: {'; '.join(why)}.", ""]
 
 
 COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "plain_s", "over_plain", "kv_over_full", "repeats", "new_tokens"]
@@ -591,7 +622,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "(`--pairing process`: an untimed pair, then pairs of a plain generate and the cell; what a process ran before can move "
      "a call's time by a tenth or more): the median seconds per answer, the median of its plain generates (`plain_s`), the "
      "ratio of the two (`over_plain`; the `plain` row's `plain_s` is the median over the cells), and the KV bytes the "
-     "answer's cache stored at its peak ÷ the full cache's for the same tokens (`kv_over_full`; the bound is 1 − ratio plus "
+     "answer's cache stored after the answer ÷ the full cache's for the same tokens (`kv_over_full`; the bound is 1 − ratio plus "
      "the exact sink and window, 68 tokens). The default itself quantizes in every mode (the two tables below).",
      cost_table),
     ("benchmarks/results/default_cost_streams.csv", "What one answer costs: the default in chunked and decode modes",
@@ -637,7 +668,7 @@ CSV_TABLES = [  # (record, title, what it measures, its table from the record's 
      "its `plain` row. In decode mode too the 4-bit streams (their kept slots packed, each slot quantized once) store about the "
      "default's bytes at 0.9. The 4-bit run is from commit cb48e26 on (the sink exact).",
      cost_table),
-    ("benchmarks/results/default_cost_kvzip_refit.csv", "What one answer costs: `kvzip_refit`",
+    (KVZIP_REFIT_COST, "What one answer costs: `kvzip_refit`",
      "`kvzip_refit` (prefill mode, ratio 0.75, 2k tokens), each round a plain generate and then the answer (`--pairing round`).",
      cost_table),
     ("benchmarks/results/kvzap_fidelity.csv", "KVzap's fidelity on held-out text",
@@ -742,8 +773,14 @@ def paired_cell(mine: dict[str, float], theirs: dict[str, float]) -> str:
         return "not run"
     first, second = [mine[k] for k in common], [theirs[k] for k in common]
     diff, low, high = paired_difference_interval(first, second)
-    won, lost = sum(a > b for a, b in zip(first, second)), sum(a < b for a, b in zip(first, second))
+    won, lost = won_lost(mine, theirs)
     return f"{won} / {lost}; {100 * diff:+.0f} ({100 * low:+.0f} to {100 * high:+.0f}); p {sign_test(won, lost):.2g}"
+
+
+def won_lost(mine: dict[str, float], theirs: dict[str, float]) -> tuple[int, int]:
+    """(needles `mine` finds and `theirs` misses, needles `theirs` finds and `mine` misses), on the samples both answered."""
+    common = set(mine) & set(theirs)
+    return sum(mine[k] > theirs[k] for k in common), sum(mine[k] < theirs[k] for k in common)
 
 
 def heldout_length(length: int, held_out_set: str = "heldout", cells: list = HELDOUT_CELLS, baselines: list = HELDOUT_BASELINES,
@@ -819,6 +856,14 @@ def held_out_set(title: str, intro: str, *args, **kwargs) -> list[str]:
     return [f"## {title}", "", intro, ""] + [line for length in HELDOUT_LENGTHS for line in heldout_length(length, *args, **kwargs)]
 
 
+def kvzip_refit_over_plain() -> float:
+    """`kvzip_refit`'s time per answer ÷ a plain generate's, from its cost record (`default_cost.py`, one row)."""
+    ratios = [float(row["over_plain"]) for row in read_csv(ROOT / KVZIP_REFIT_COST) if row["method"] == "kvzip_refit"]
+    if len(ratios) != 1:
+        raise ValueError(f"{KVZIP_REFIT_COST} holds {len(ratios)} kvzip_refit rows; the held-out sets' text quotes one")
+    return ratios[0]
+
+
 def heldout_section() -> list[str]:
     lines = held_out_set("The held-out needle set",
              f"The final check of the default, fixed in writing before any run on it ([{HELDOUT_PLAN}](../{HELDOUT_PLAN})): "
@@ -843,8 +888,8 @@ def heldout_section() -> list[str]:
               "(seeds 4000–4029) in another text the project used nowhere else (IDLE's news of its 2.x releases and "
               "IDLEfork's change log), with fact wordings, names and towns of their own, at 2048 and 4096 tokens, beside "
               "the same method at full precision with its ratio in tokens, the full cache under each layout and kvpress's "
-              "KVzip on the same prompt tokens. The streams, unchanged since the second set, and `kvzip_refit` (about 7× a "
-              "plain generate) are not in it. Each length runs once and is reported as it came out; nothing was chosen "
+              "KVzip on the same prompt tokens. The streams, unchanged since the second set, and `kvzip_refit` (about "
+              f"{kvzip_refit_over_plain():.0f}× a plain generate at 2k tokens) are not in it. Each length runs once and is reported as it came out; nothing was chosen "
               "on it.", "heldout3", HELDOUT3_CELLS, HELDOUT3_BASELINES, default_cells=1)
     lines += held_out_set("The fourth held-out needle set",
               f"The first three held-out sets have been run. This fourth set checks the prefill default with its bits picked "
@@ -899,13 +944,27 @@ def quality_bars(scores: dict[tuple, dict[str, float]]) -> list[str]:
     return ["The issue's quality bars (shown: the interval's low end is at or above the bar):", "", markdown_table(rows), ""]
 
 
+def full_cache_hits(held_out_set: str, length: int) -> tuple[int, int]:
+    """(needles kvcompress's full cache finds, needles it answered) at one length of the held-out set `held_out_set`
+    (`heldout_folder`'s name), on the plan's layout."""
+    _, _, records = harness_run(heldout_folder(length, name=held_out_set))
+    got = scores_by_cell(records).get(("kvcompress", harness.FULL, None), {})
+    return sum(score == 1.0 for score in got.values()), len(got)
+
+
 def heldout6_section() -> list[str]:
+    earlier = [full_cache_hits(name, length)[0] for name in ("heldout", "heldout2", "heldout3", "heldout4", "heldout5")
+               for length in HELDOUT_LENGTHS]
+    sixth = [full_cache_hits("heldout6", length) for length in HELDOUT_LENGTHS]
+    answered = " and ".join(f"{hits} of {n} at {length}" for (hits, n), length in zip(sixth, HELDOUT_LENGTHS))
     return held_out_set("The sixth held-out needle set",
-              f"The first five held-out sets have been run, each with too few of the full cache's hits (14–19 per length) for "
+              f"The first five held-out sets have been run, each with too few of the full cache's hits ({min(earlier)}–"
+              f"{max(earlier)} per length) for "
               f"a 95% interval to reach the issue's bars. This sixth set, sized for that and fixed in writing before any run "
               f"on it ([{HELDOUT6_PLAN}](../{HELDOUT6_PLAN})), checks the default in every mode as the fifth set did on 100 "
               "needles (seeds 7000–7099) in another text the project used nowhere else, with fact wordings, names and towns of "
-              "their own, at 2048 and 4096 tokens. The full cache answers all 100; the default's cells answer only the "
+              f"their own, at 2048 and 4096 tokens. The full cache ran on every needle and found {answered} tokens; the "
+              "default's cells answer only the "
               "needles the full cache found (`--full-cache-hits`), so their n is the full cache's hits and their \"found\" "
               "share is the share of those hits they keep. kvpress's KVzip ran on the same hits at 2048 tokens only, as an "
               f"addendum written after the plan's 2048-token cells had run and before any kvpress cell did "
@@ -928,6 +987,59 @@ def gpu_section() -> list[str]:
                                           lambda r: r["env"].get("gpu") or r["env"]["device"], "device")
         lines += ["\n".join(text.splitlines()[2:]).strip(), ""]
     return lines
+
+
+EQUAL_MEMORY = "benchmarks/results/tuning/equal_memory{}.jsonl"  # the equal-memory records by suffix ("", "_4k", "_exact_sink", "_exact_sink_4k")
+
+
+def equal_memory_hits(suffix: str, variant: str, mode: str = "prefill") -> dict[str, float]:
+    """{seed: hit} of one `equal_memory.py` variant in one mode, in the equal-memory record of `suffix` (at the variant's own
+    ratio, `equal_memory.VARIANTS`)."""
+    return needle_cells(EQUAL_MEMORY.format(suffix)).get((variant, mode, equal_memory.VARIANTS[variant][0]), {})
+
+
+def _won_and_lost(mine: dict[str, float], theirs: dict[str, float]) -> str:
+    won, lost = won_lost(mine, theirs)
+    return f"{won} won and {lost} lost"
+
+
+def equal_memory_note(suffix: str, length: str, sink: str) -> str:
+    """What the equal-memory table of `suffix` (at `length`, "2k" or "4k") measures, its figures read from the records: with
+    the sink exact, the groups of 16 against 32 and the streams' full-cache hits (at 4k), 2 bits' needles and 8 bits
+    against 4 (both lengths)."""
+    note = ("The default at full precision (`default_0.9`, `default_0.75`) against the same method and settings storing what it "
+            "keeps in 4 bits (`kv_bits=4`, each head's slots packed) at a lower compression ratio (`q4_R`: ratio R), so that both "
+            "store about the same bytes: `q4_0.6` and `q4_0.55` about the default's at 0.9 (`q4_0.5` a little more at 4k tokens, "
+            "within the 0.1 of the full cache's plus the exact sink and window that ratio allows), `q4_0` and `q4_0.4` less than its "
+            "at 0.75 (`median_kv_over_full`: the median over the answers of the bytes stored once the answer is written ÷ the "
+            "full cache's for the same tokens). "
+            f"`benchmarks/tuning/equal_memory.py` on the 30 tuning needles at {length} tokens in the default prompt layout. Paired "
+            "per needle against the default at the ratio whose memory the variant matches, in the same mode: won / lost, "
+            "Newcombe's 95% interval of the difference in % found, sign test. The runs went two processes side by side, so "
+            "the times are only indicative; the cost is measured apart, under \"What one answer costs\"." + sink)
+    if suffix == "_exact_sink_4k":
+        full_hits = sum(hit >= 1 for hit in equal_memory_hits(suffix, "full").values())
+        note += (" Also, at 4k: `q4m_0.9`, the default in prefill mode as it is at 0.9 (4 bits, the ratio read as memory), and "
+                 "`q4g16_0` and `q4g16m_0.9`, `q4_0` and `q4m_0.9` with groups of 16 (`kv_group_size=16`), paired against the "
+                 "default at full precision; against groups of 32, needle by needle, "
+                 f"{_won_and_lost(equal_memory_hits(suffix, 'q4g16_0'), equal_memory_hits(suffix, 'q4_0'))} at 0.75's bytes, "
+                 f"{_won_and_lost(equal_memory_hits(suffix, 'q4g16m_0.9'), equal_memory_hits(suffix, 'q4m_0.9'))} at 0.9's. "
+                 "And `q8m_0.9` (the streams' default at 0.9, 8-bit slots) and `q4m_0.9` (4-bit slots) in "
+                 f"chunked and decode mode, on the full cache's {full_hits} hits only; the default at full precision did not run in those "
+                 "modes at 4k, so their paired column reads \"not run\".")
+    if suffix.startswith("_exact_sink"):
+        two_bits = len(equal_memory_hits("_exact_sink_4k", "q2m_0.9"))
+        every_token, at_0_9 = [
+            ", ".join(f"{_won_and_lost(equal_memory_hits(at, eight), equal_memory_hits(at, four))} at {name}"
+                      for at, name in (("_exact_sink", "2k"), ("_exact_sink_4k", "4k")))
+            for eight, four in (("q8m_0.75", "q4_0"), ("q8m_0.9", "q4m_0.9"))]
+        note += (" Also: `q4m_0.9` (at 2k), `q8m_0.75` and `q8m_0.9`, the default in prefill mode at that ratio in 4 or 8 bits, the "
+                 "ratio read as memory (8-bit slots hold about 3 tokens in 4 at 0.75 and 3 in 10 at 0.9), and at 4k `q2m_0.9` in 2 "
+                 f"bits, stopped after {two_bits} needles. 8 bits against 4, needle by needle: at 0.75 (`q4_0`, every token) "
+                 f"{every_token}; at 0.9 (`q4m_0.9`) {at_0_9}. So the "
+                 "default picks its bits from the bytes (`kv_bits=\"auto\"`): 8 bits where 8-bit slots hold at least half the "
+                 "context, 0.75 here, else 4.")
+    return note
 
 
 # Paired-needle tables of `kvzap_default.py` records, under "Why the defaults are what they are": (record, title, what it
@@ -1056,29 +1168,7 @@ PAIRED_NEEDLE_TABLES = [
      ["variant", "mode"], "paired vs the default (won / lost; diff; p)",
      lambda variant: "adakv_kvzap_model_slack_0.1_block_then_room" if "_window_" in variant else None),
     *[(f"benchmarks/results/tuning/equal_memory{suffix}.jsonl", f"Fewer tokens or fewer bits, at equal memory ({length} tokens{title})",
-       "The default at full precision (`default_0.9`, `default_0.75`) against the same method and settings storing what it "
-       "keeps in 4 bits (`kv_bits=4`, each head's slots packed) at a lower compression ratio (`q4_R`: ratio R), so that both "
-       "store about the same bytes: `q4_0.6` and `q4_0.55` about the default's at 0.9 (`q4_0.5` a little more at 4k tokens, "
-       "within the 0.1 of the full cache's plus the exact sink and window that ratio allows), `q4_0` and `q4_0.4` less than its "
-       "at 0.75 (`median_kv_over_full`: the median over the answers of the bytes stored once the answer is written ÷ the "
-       "full cache's for the same tokens). "
-       f"`benchmarks/tuning/equal_memory.py` on the 30 tuning needles at {length} tokens in the default prompt layout. Paired "
-       "per needle against the default at the ratio whose memory the variant matches, in the same mode: won / lost, "
-       "Newcombe's 95% interval of the difference in % found, sign test. The runs went two processes side by side, so "
-       "the times are only indicative; the cost is measured apart, under \"What one answer costs\"." + sink
-       + (" Also, at 4k: `q4m_0.9`, the default in prefill mode as it is at 0.9 (4 bits, the ratio read as memory), and "
-          "`q4g16_0` and `q4g16m_0.9`, `q4_0` and `q4m_0.9` with groups of 16 (`kv_group_size=16`), paired against the "
-          "default at full precision; against groups of 32, needle by needle, 1 won and 2 lost at 0.75's bytes, 1 won "
-          "and 0 lost at 0.9's. And `q8m_0.9` (the streams' default at 0.9, 8-bit slots) and `q4m_0.9` (4-bit slots) in "
-          "chunked and decode mode, on the full cache's 17 hits only; the default at full precision did not run in those "
-          "modes at 4k, so their paired column reads \"not run\"."
-          if suffix == "_exact_sink_4k" else "")
-       + (" Also: `q4m_0.9` (at 2k), `q8m_0.75` and `q8m_0.9`, the default in prefill mode at that ratio in 4 or 8 bits, the "
-          "ratio read as memory (8-bit slots hold about 3 tokens in 4 at 0.75 and 3 in 10 at 0.9), and at 4k `q2m_0.9` in 2 "
-          "bits, stopped after 11 needles. 8 bits against 4, needle by needle: at 0.75 (`q4_0`, every token) 1 won and 0 "
-          "lost at 2k, 4 won and 1 lost at 4k; at 0.9 (`q4m_0.9`) 3 won and 6 lost at 2k, 2 won and 1 lost at 4k. So the "
-          "default picks its bits from the bytes (`kv_bits=\"auto\"`): 8 bits where 8-bit slots hold at least half the "
-          "context, 0.75 here, else 4." if suffix.startswith("_exact_sink") else ""),
+       functools.partial(equal_memory_note, suffix, length, sink),
        ["variant", "mode", "ratio", "median_kv_over_full"], "paired vs the default at equal memory (won / lost; diff; p)",
        equal_memory.default_of_equal_memory)
       for suffix, length, title, sink in (
@@ -1113,10 +1203,9 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
     `label`) against the variant `reference(variant)` names at the same ratio, in the same mode or, named as (variant,
     mode), in that mode, or, named as (variant, mode, ratio), at that ratio (mode None: the same mode; "–" where it
     names none); with `misses_of`, a variant of the record, the full cache's hits it misses and the other variants that
-    miss each too (`shared_misses`)."""
-    by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in map(json.loads, (ROOT / path).read_text().splitlines()):
-        by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
+    miss each too (`shared_misses`). `note` is the text, or a function giving it (its figures read from the records)."""
+    by_cell = needle_cells(path)
+    note = note() if callable(note) else note
     table = []
     for row in kvzap_default.summary_rows(ROOT / path):
         other = reference(row["variant"])
@@ -1128,6 +1217,15 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
                      {label: paired, "median_time_over_full": row["median_time_over_full"]})
     shared = [] if misses_of is None else [shared_misses(by_cell, misses_of), ""]
     return [f"### {title}", "", note, "", *meta_block(path), markdown_table(table), "", *shared]
+
+
+@functools.cache
+def needle_cells(path: str) -> dict[tuple, dict[str, float]]:
+    """A `kvzap_default.py`-format record's hits: (variant, mode, ratio) -> {seed: hit}."""
+    by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in map(json.loads, (ROOT / path).read_text().splitlines()):
+        by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
+    return by_cell
 
 
 def shared_misses(by_cell: dict[tuple, dict[str, float]], variant: str) -> str:

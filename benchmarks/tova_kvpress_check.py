@@ -8,13 +8,14 @@ context's prefill only, so "is prefilling" is always true there. The protocol is
 pipeline: the context (chat template prefix + context) prefilled under the press, then the
 question ids read exactly at the original positions, then greedy decoding (up to 32 tokens,
 stopping at end of sequence). The same samples, prompts and score as tova_needles.py.
-Writes benchmarks/results/tova_kvpress_check.{csv,md}.
+Writes tova_kvpress_check.{csv,md} into --out (default benchmarks/results).
 
-    PYTHONPATH=.:/path/to/kvpress python benchmarks/tova_kvpress_check.py
+    PYTHONPATH=.:/path/to/kvpress python benchmarks/tova_kvpress_check.py [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -60,7 +61,10 @@ def answer(model, press, context_ids: torch.Tensor, question_ids: torch.Tensor, 
     return ids, kept
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"folder of tova_kvpress_check.{{csv,md}} (default {RESULTS.relative_to(RESULTS.parent.parent)})")
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     machine = machine_description(1)
     model, tok = kvc.load_model()
@@ -74,8 +78,8 @@ def main() -> None:
         rows.append({"cell": "kvpress TOVAPress", "depth": depth, "context_tokens": context_ids.shape[1], "kept_tokens": kept,
                      "hit": score(sample, text), "answer": sample.answers[0], "prediction": text.strip().replace("\n", " ")})
         print(rows[-1], flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    write_csv(RESULTS / "tova_kvpress_check.csv", rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "tova_kvpress_check.csv", rows)
     hits = int(sum(r["hit"] for r in rows))
     low, high = wilson(hits, len(rows))
     missed = ", ".join(f"{r['depth']:g}" for r in rows if r["hit"] < 1) or "-"
@@ -89,7 +93,7 @@ def main() -> None:
         "|---|---|---|---|---|",
         f"| kvpress TOVAPress | {hits}/{len(rows)} | {hits / len(rows):.2f} | [{low:.2f}, {high:.2f}] | {missed} |",
     ]
-    (RESULTS / "tova_kvpress_check.md").write_text("\n".join(lines) + "\n")
+    (args.out / "tova_kvpress_check.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

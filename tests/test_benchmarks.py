@@ -616,3 +616,184 @@ def test_an_empty_answer_loads_where_its_metric_gives_it_no_marks(tmp_path):
     row = {"context": "c", "input": "q", "answers": ["", "Paris"], "length": 2, "dataset": "hotpotqa", "all_classes": None}
     (item,) = load_benchmark("longbench", write_rows(tmp_path / "hotpotqa.jsonl", [row]))
     assert item.score("Paris") == 1.0 and item.score("Rome") == 0.0
+
+
+def _usage_error(capsys, run) -> str:
+    """The one-line argparse error `run()` exits with (status 2), before any model loads."""
+    with pytest.raises(SystemExit) as exited:
+        run()
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_default_cost_refuses_unknown_variants_modes_and_ratios_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """benchmarks/default_cost.py: --methods, --modes and --ratios are checked when parsed (naming the flag, what it got and
+    what it takes), and a choice of variants and modes of which no cell runs is refused, all before any model loads."""
+    default_cost = _script("default_cost.py")
+    monkeypatch.setattr(default_cost.kvc, "load_model", lambda: pytest.fail("a model was loaded"))
+    out = ["--out", str(tmp_path / "cost.csv")]
+    error = _usage_error(capsys, lambda: default_cost.main(["--modes", "prefil", "--pairing", "cell", *out]))
+    assert "--modes" in error and "'prefil'" in error and "prefill, chunked, decode" in error
+    error = _usage_error(capsys, lambda: default_cost.main(["--methods", "default,bogus", *out]))
+    assert "--methods" in error and "'bogus'" in error and "kvzip_refit" in error
+    error = _usage_error(capsys, lambda: default_cost.main(["--ratios", "0.5,1.5", *out]))
+    assert "--ratios" in error and "1.5" in error and "[0, 1)" in error
+    error = _usage_error(capsys, lambda: default_cost.main(["--methods", "kvzip_refit", "--modes", "chunked,decode", *out]))
+    assert "--methods kvzip_refit" in error and "'prefill' only" in error
+    assert not (tmp_path / "cost.csv").exists()
+
+
+def test_default_cost_leaves_a_variant_out_of_exactly_the_modes_it_does_not_run_in():
+    """benchmarks/default_cost.py decides up front which (variant, mode) cells do not run (`mode_refusal`), as the library
+    decides when it builds the options: a prefill-only named setting in a stream, a stream's slack or block size in prefill
+    mode; every other cell is measured."""
+    default_cost = _script("default_cost.py")
+    from kvcompress.options import CompressionOptions
+
+    for name, (method, params, exact) in default_cost.VARIANTS.items():
+        for mode in ("prefill", "chunked", "decode"):
+            try:
+                CompressionOptions.build(method=method, method_params=params, compression_ratio=0.75, mode=mode, **exact)
+                refused = None
+            except ValueError as error:
+                refused = str(error)
+            assert (default_cost.mode_refusal(name, mode) is None) == (refused is None), (name, mode, refused)
+    args = default_cost.parse_args(["--methods", "default,kvzip_refit,streams_full_precision", "--modes", "prefill,chunked",
+                                    "--ratios", "0.5", "--out", "unused.csv"])
+    assert default_cost.cells_of(args) == [("default", "prefill", 0.5), ("default", "chunked", 0.5), ("kvzip_refit", "prefill", 0.5),
+                                           ("streams_full_precision", "chunked", 0.5)]
+
+
+def test_side_by_side_scripts_refuse_a_ratio_outside_0_to_1_when_parsed(capsys):
+    """benchmarks/kvpress_side_by_side.py's --ratios (dump and the model steps), and the scripts that read its folders,
+    take compression ratios in [0, 1) only: 1.5 is refused naming the flag, before the samples or the model are read."""
+    harness = _script("kvpress_side_by_side.py")
+    assert harness.parse_ratios("0,0.5,0.9") == [0.0, 0.5, 0.9]
+    for argv in (["kvcompress", "--cells", "knorm", "--ratios", "1.5"], ["dump", "--ratios", "0.5,-0.1"], ["kvpress", "--ratios", "x"]):
+        error = _usage_error(capsys, lambda: harness.main(argv))
+        assert "argument --ratios" in error and "[0, 1)" in error and repr(argv[-1]) in error
+    answer_margin, needle_retention = _script("answer_margin.py"), _script("needle_retention.py")
+    error = _usage_error(capsys, lambda: answer_margin.main(["--out", "x", "--cells", "knorm", "--ratios", "1.5"]))
+    assert "argument --ratios" in error and "'1.5'" in error
+    error = _usage_error(capsys, lambda: needle_retention.main(["--out", "x", "--cell", "knorm", "--ratios", "1", "--sample-indices", "0"]))
+    assert "argument --ratios" in error and "'1'" in error
+
+
+def test_needle_retention_offers_and_takes_the_compressing_prefill_cells_only(capsys):
+    """benchmarks/needle_retention.py's --cell: its help lists the cells it takes, and a streaming cell (or the full cache)
+    is refused naming the flag."""
+    needle_retention = _script("needle_retention.py")
+    harness = sys.modules["kvpress_side_by_side"]
+    streaming = sorted(label for label in harness.KVCOMPRESS_CELLS if harness.streams(label))
+    assert streaming
+    with pytest.raises(SystemExit):
+        needle_retention.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "adakv[scorer=kvzip,scope=model,window=0,alpha=0.05]" in help_text
+    assert not [label for label in streaming + [harness.FULL] if repr(label) in help_text]
+    for cell in (streaming[0], harness.FULL):
+        error = _usage_error(capsys, lambda: needle_retention.main(["--out", "x", "--cell", cell, "--ratios", "0.5", "--sample-indices", "0"]))
+        assert "error: --cell must be a compressing prefill cell" in error and repr(cell) in error
+
+
+def test_native_speed_refuses_contexts_too_short_for_the_kept_fraction_and_two_runs_at_once(capsys, monkeypatch):
+    """benchmarks/native_speed.py: a context that leaves the kept fraction no room beyond the exact sink and window, a fraction
+    kept outside (0, 1], and two of its runs at once are usage errors naming the flags, before any model loads."""
+    native_speed = _script("native_speed.py")
+    monkeypatch.setattr(native_speed, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    error = _usage_error(capsys, lambda: native_speed.main(["--contexts", "1024", "256"]))
+    assert "--contexts 256 with --kept 0.1" in error and "compression_ratio <=" in error
+    error = _usage_error(capsys, lambda: native_speed.main(["--llama8b", "--contexts", "512", "--kept-fractions", "0.5", "0.1"]))
+    assert "--contexts 512 with --kept-fractions 0.1" in error
+    assert "--kept takes fractions" in _usage_error(capsys, lambda: native_speed.main(["--kept", "1.5"]))
+    error = _usage_error(capsys, lambda: native_speed.main(["--synthetic-cache", "--weighted-paths"]))
+    assert error.endswith("got --weighted-paths, --synthetic-cache")
+
+
+def test_refit_cost_checks_its_ratios_and_writes_where_out_says(capsys):
+    """benchmarks/refit_cost.py: --ratios outside [0, 1) are refused naming the flag; --out defaults to the committed CSV of the
+    refit timed."""
+    refit_cost = _script("refit_cost.py")
+    error = _usage_error(capsys, lambda: refit_cost.parse_args(["--ratios", "0.5", "1.5"]))
+    assert "argument --ratios: expected compression ratios in [0, 1)" in error and "1.5" in error
+    assert refit_cost.parse_args([]).out == REPO / "benchmarks" / "results" / "refit_cost_log_weights_values.csv"
+    assert refit_cost.parse_args(["--refit", "log_weights", "--out", "x/r.csv"]).out == Path("x/r.csv")
+
+
+@pytest.mark.parametrize("script, argv, flag, got", [
+    ("tuning/equal_memory.py", ["--out", "x.jsonl", "--modes", "prefill,prefil"], "--modes", "prefil"),
+    ("tuning/kvzap_default.py", ["--out", "x.jsonl", "--modes", "decod"], "--modes", "decod"),
+    ("tuning/kvzap_default.py", ["--out", "x.jsonl", "--variants", "full,bogus"], "--variants", "bogus"),
+])
+def test_tuning_scripts_refuse_unknown_modes_and_variants_before_the_model_loads(capsys, monkeypatch, script, argv, flag, got):
+    module = _script(script)
+    monkeypatch.setattr(module.kvc, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    error = _usage_error(capsys, module.main)
+    assert f"argument {flag}" in error and repr(got) in error
+
+
+def test_scripts_that_write_committed_results_say_where_and_take_out(capsys, monkeypatch):
+    """tova_kvpress_check.py answers --help without running (and takes --out); many_questions.py takes --out, by default the
+    committed CSV; quantized_storage.py's help names its real default folder."""
+    for script, default in (("tova_kvpress_check.py", "benchmarks/results"), ("many_questions.py", "benchmarks/results/many_questions.csv"),
+                            ("quantized_storage.py", "benchmarks/results/quantized_storage")):
+        module = _script(script)
+        monkeypatch.setattr(module.kvc, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+        monkeypatch.setattr(sys, "argv", [script, "--help"])
+        with pytest.raises(SystemExit) as exited:
+            module.main() if script != "quantized_storage.py" else module.parse_args()
+        assert exited.value.code == 0
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert "--out" in help_text and f"(default {default}" in help_text.replace("(default: ", "(default "), script
+        if script == "tova_kvpress_check.py":  # its description is the module's docstring
+            assert " ".join(module.__doc__.split()) in help_text
+
+
+def test_report_quotes_the_held_out_sets_full_cache_hits_from_the_records(monkeypatch):
+    """benchmarks/report.py: the sixth held-out set's introduction gives the range of the full cache's hits over the first
+    five sets and the sixth's own hits out of its needles, as `full_cache_hits` reads them."""
+    report = _script("report.py")
+    hits = {("heldout", 2048): 19, ("heldout", 4096): 16, ("heldout2", 2048): 12, ("heldout2", 4096): 7, ("heldout3", 2048): 14,
+            ("heldout3", 4096): 9, ("heldout4", 2048): 20, ("heldout4", 4096): 14, ("heldout5", 2048): 19, ("heldout5", 4096): 16}
+    assert {key: report.full_cache_hits(*key)[0] for key in hits} == hits
+    assert [report.full_cache_hits("heldout6", length) for length in (2048, 4096)] == [(64, 100), (48, 100)]
+    intro = report.heldout6_section()[2]
+    assert "(7–20 per length)" in intro and "found 64 of 100 at 2048 and 48 of 100 at 4096 tokens" in intro
+    monkeypatch.setattr(report, "full_cache_hits", lambda name, length: (3, 50) if name == "heldout6" else (length // 1000, 30))
+    intro = report.heldout6_section()[2]
+    assert "(2–4 per length)" in intro and "found 3 of 50 at 2048 and 3 of 50 at 4096 tokens" in intro
+
+
+def test_report_equal_memory_notes_count_from_the_records(monkeypatch):
+    """benchmarks/report.py: the equal-memory tables' notes count won and lost needles (groups of 16 against 32, 8 bits
+    against 4), the full cache's hits and 2 bits' needles from the records they describe."""
+    report = _script("report.py")
+    note = report.equal_memory_note("_exact_sink_4k", "4k", "")
+    assert ("against groups of 32, needle by needle, 1 won and 2 lost at 0.75's bytes, 1 won and 0 lost at 0.9's" in note
+            and "on the full cache's 17 hits only" in note and "stopped after 11 needles" in note)
+    assert ("at 0.75 (`q4_0`, every token) 1 won and 0 lost at 2k, 4 won and 1 lost at 4k; at 0.9 (`q4m_0.9`) 3 won and 6 lost "
+            "at 2k, 2 won and 1 lost at 4k" in note)
+    hit, miss = {"1000": 1.0, "1001": 1.0, "1002": 0.0}, {"1000": 0.0, "1001": 0.0, "1002": 1.0}
+    monkeypatch.setattr(report, "equal_memory_hits", lambda suffix, variant, mode="prefill": hit if variant.startswith(("q8", "q4g16", "full", "q2")) else miss)
+    note = report.equal_memory_note("_exact_sink_4k", "4k", "")
+    assert "2 won and 1 lost at 0.75's bytes" in note and "full cache's 2 hits only" in note and "stopped after 3 needles" in note
+    assert report.equal_memory_note("", "2k", "") == report.equal_memory_note("_4k", "2k", "")  # no counts without the sink exact
+
+
+def test_report_says_when_a_cost_records_command_no_longer_reproduces_it(monkeypatch):
+    """benchmarks/report.py: a `default_cost.py` record whose rows name variants its recorded `--methods` do not, or whose
+    command names a variant the script no longer has, is said not to be reproduced by its command, with the variants
+    that are; a matching one gets no such line."""
+    report = _script("report.py")
+    command = ".venv/bin/python benchmarks/default_cost.py --lengths 2048 --methods {} --modes chunked --out x.csv"
+    rows = [{"method": "plain"}, {"method": "streams_full_precision"}, {"method": "default"}]
+    entries = {"a.csv": {"command": [command.format("default")]}, "b.csv": {"command": [command.format("default,streams_full_precision")]},
+               "c.csv": {"command": [command.format("default,default_chunk_128")]}, "d.csv": {"command": ["kvcompress bench --out d"]}}
+    monkeypatch.setattr(report, "run_entry", entries.__getitem__)
+    (line, _) = report.cost_command_mismatch("a.csv", rows)
+    assert line.startswith("As recorded, the command above no longer reproduces this record: its rows are named "
+                           "`streams_full_precision`") and "`--methods default,streams_full_precision` names them" in line
+    assert report.cost_command_mismatch("b.csv", rows) == [] and report.cost_command_mismatch("d.csv", rows) == []
+    (line, _) = report.cost_command_mismatch("c.csv", rows)
+    assert "`default_chunk_128` is no variant of `benchmarks/default_cost.py` now" in line

@@ -61,6 +61,7 @@ def test_ratio_zero_keeps_every_needle_slot_and_a_ratio_keeps_its_share(tiny_run
     assert len((tiny_run / "retention.jsonl").read_text().splitlines()) == len(rows)
 
 
-def test_a_cell_that_does_not_compress_a_prefill_is_refused(tiny_run):
-    with pytest.raises(SystemExit, match="--cell"):
+def test_a_cell_that_does_not_compress_a_prefill_is_refused(tiny_run, capsys):
+    with pytest.raises(SystemExit) as exited:
         retention.main(["--out", str(tiny_run), "--cell", "full", "--ratios", "0.5", "--sample-indices", "0"])
+    assert exited.value.code == 2 and "error: --cell must be a compressing prefill cell" in capsys.readouterr().err

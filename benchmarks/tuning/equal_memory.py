@@ -48,7 +48,8 @@ from pathlib import Path
 
 import kvcompress as kvc
 from kvcompress.eval.tasks import score
-from kvcompress.names import DEFAULT_PROMPT_LAYOUT
+from kvcompress.commands.common import list_of
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT, MODES
 from kvcompress.options import DEFAULT_METHODS, without_storage
 from kvzap_default import append_row, parsed_variants_run, recorded, summarise, tuning_needle
 
@@ -102,7 +103,8 @@ def main() -> None:
     p.add_argument("--lengths", default="2048")
     p.add_argument("--seeds", default="1000-1029")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--modes", default="prefill", help="comma-separated among prefill, chunked, decode (the full cache runs in prefill mode)")
+    p.add_argument("--modes", type=list_of(MODES, "mode"), default="prefill",
+                   help=f"comma-separated among {', '.join(MODES)} (the full cache runs in prefill mode)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=24)
     args, seeds, names = parsed_variants_run(p, VARIANTS)
@@ -113,7 +115,7 @@ def main() -> None:
             sample = tuning_needle(length, seed, tokenizer)
             for name in names:
                 ratio, bits, memory = VARIANTS[name]
-                for mode in ("prefill",) if name == "full" else args.modes.split(","):
+                for mode in ("prefill",) if name == "full" else args.modes:
                     if (name, mode, seed, length) in done:
                         continue
                     if name == "full":

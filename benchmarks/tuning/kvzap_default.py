@@ -22,7 +22,8 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.eval.tasks import TUNING_SEEDS, niah_prose, score
-from kvcompress.names import DEFAULT_PROMPT_LAYOUT
+from kvcompress.commands.common import list_of
+from kvcompress.names import DEFAULT_PROMPT_LAYOUT, MODES
 
 # name -> (method, method_params, exact sink/window, stream slack and chunk_size settings, modes)
 VARIANTS = {
@@ -184,23 +185,32 @@ def main() -> None:
     p.add_argument("--lengths", default="2048")
     p.add_argument("--seeds", default="1000-1011")
     p.add_argument("--ratio", type=float, default=0.75)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--modes", default="prefill,chunked")
+    p.add_argument("--variants", type=list_of(list(VARIANTS), "variant"), default=",".join(VARIANTS))
+    p.add_argument("--modes", type=list_of(MODES, "mode"), default="prefill,chunked",
+                   help=f"comma-separated among {', '.join(MODES)}; each variant runs in those of its own modes (VARIANTS) only")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=24, help="answer tokens (enough for the whole answer sentence)")
     p.add_argument("--prompt-layout", default="newline", help="how the question follows the context (kvc.generate's prompt_layout)")
     p.add_argument("--scorer", default="default", help="the KVzap surrogate of every variant that scores with one: 'default' "
                    "(the shipped weights) or a file `kvcompress train-scorer` wrote (each row records it; give each scorer its own OUT)")
     args = p.parse_args()
+    idle = [name for name in args.variants if not set(VARIANTS[name][3]) & set(args.modes)]
+    if idle:
+        p.error(f"--variants {','.join(idle)} run in none of --modes {','.join(args.modes)}: "
+                + "; ".join(f"{name} runs in {','.join(VARIANTS[name][3])}" for name in idle))
+    for name in args.variants:
+        left_out = [mode for mode in args.modes if mode not in VARIANTS[name][3]]
+        if left_out:
+            print(f"{name} is not run in mode {','.join(left_out)}: it runs in {','.join(VARIANTS[name][3])} only", flush=True)
     torch.set_num_threads(args.threads)
     seeds = tuning_seeds(args.seeds)
     model, tokenizer = kvc.load_model()
     done = recorded(args.out, ("variant", "mode", "seed", "length", "ratio"))
-    modes = args.modes.split(",")
+    modes = args.modes
     for length in map(int, args.lengths.split(",")):
         for seed in seeds:
             sample = tuning_needle(length, seed, tokenizer)
-            for name in args.variants.split(","):
+            for name in args.variants:
                 method, params, exact, variant_modes = VARIANTS[name]
                 for mode in (m for m in modes if m in variant_modes):
                     ratio = 0.0 if method is None else args.ratio

@@ -69,6 +69,22 @@ def float_list(text: str) -> list[float]:
     return _numbers(text, float, "numbers")
 
 
+def ratio_list(text: str) -> list[float]:
+    """argparse type: "0.5,0.75" -> [0.5, 0.75], each a compression ratio (the fraction of tokens removed) in [0, 1)."""
+    values = _numbers(text, float, "compression ratios")
+    if any(not 0.0 <= v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected compression ratios in [0, 1) (the fraction of tokens removed), got {text!r}")
+    return values
+
+
+def ratio(text: str) -> float:
+    """argparse type: one compression ratio in [0, 1)."""
+    values = ratio_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one compression ratio, got {text!r}")
+    return values[0]
+
+
 def name_list(text: str) -> list[str]:
     """argparse type: "a,b" -> ["a", "b"] (at least one name)."""
     names = _split(text)
