@@ -210,6 +210,8 @@ class CompressionOptions:
                                        ("repeat_prompt_ids", self.repeat_prompt_ids), ("prefill_approx", self.prefill_approx),
                                        ("budget_unit", self.budget_unit)) if v is not None}
             given.update({k: v for k, v in (("quality", self.quality), ("calibration", self.calibration)) if v is not None})
+            given.update({k: v for k, v, default in (("seed", self.seed, 0), ("compress_question", self.compress_question, False))
+                          if v != default})  # nothing is drawn, nothing compressed
             if given:
                 raise ValueError(f"method=None is the full cache: it takes no {', '.join(given)}")
             if self.method_params:

@@ -257,7 +257,7 @@ def test_stream_estimates_attention():
     exact = kvc.exact_attention(queries, keys, values)
     errors = []
     for seed in range(4):
-        st = kvc.stream("balancekv", budget=512, sink=0, window=0, block_size=64, batch=256, seed=seed)
+        st = kvc.stream("balancekv", budget=512, sink=0, window=0, batch=256, seed=seed)
         for start in range(0, 2048, 256):
             st.update(keys[:, :, start : start + 256], values[:, :, start : start + 256])
         summary = st.summary()
@@ -497,3 +497,27 @@ def test_the_joint_kernels_walk_does_not_see_the_values_scale():
     _, key_log_r2 = balance_kernel(keys, values, None, 0.35, "key")
     torch.testing.assert_close(log_r2, key_log_r2)
 
+
+
+def test_parameters_that_cannot_act_where_balancekv_runs_are_refused():
+    """delta at the default step, the stream's parameters in one shot and the one-shot rounds' in a stream were taken and
+    changed nothing (a probe compared every kept slot): each is refused, naming it; where it acts it is taken."""
+    from kvcompress.options import CompressionOptions
+
+    with pytest.raises(ValueError, match=r"delta=0.3 is the failure probability of the theoretical gain that step=None uses; step=4.0"):
+        build_method("balancekv", delta=0.3)
+    build_method("balancekv", delta=0.3, step=None)
+    keys, values = torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    for params in ({"levels": 3}, {"batch": 16}, {"stream_block": 32}, {"cascade_rounds": None}):
+        with pytest.raises(ValueError, match=f"{next(iter(params))}=.* cannot act in one shot"):
+            CompressionOptions.build(method="balancekv", budget=8, method_params=params)
+        with pytest.raises(ValueError, match="cannot act in one shot"):
+            kvc.compress("balancekv", keys, values, budget=8, **params)
+        CompressionOptions.build(method="balancekv", budget=8, mode="decode", method_params=params)
+    for params in ({"kernel": "key"}, {"block_size": 64}):
+        with pytest.raises(ValueError, match=f"{next(iter(params))}=.* cannot act in a stream"):
+            CompressionOptions.build(method="balancekv", budget=8, mode="chunked", method_params=params)
+        with pytest.raises(ValueError, match="cannot act in a stream"):
+            kvc.stream("balancekv", budget=8, **params)
+        CompressionOptions.build(method="balancekv", budget=8, method_params=params)
+    CompressionOptions.build(method="balancekv", budget=8, mode="decode", method_params={"block_size": 64, "step": None})  # the gain reads it

@@ -266,6 +266,11 @@ CASES = {
     "perplexity a shard with no document": (["eval", "--tasks", "perplexity", "--samples", "1", "--lengths", "256", "--methods", "knorm",
                                              "--shard", "3/4", "--out", "{tmp}/o"], "--shard 3/4 gets no sample: the sweep has 1"),
     "eval ray with a shard": (["eval", "--ray", "--shard", "0/2", "--out", "{tmp}/o"], "--shard and --ray exclude each other"),
+    "generate full cache with a seed": ([*GEN, "--method", "full", "--seed", "5"], "--method full keeps every token: it takes no --seed"),
+    "generate full cache compressing the question": ([*GEN, "--method", "full", "--compress-question"],
+                                                      "--method full keeps every token: it takes no --compress-question"),
+    "generate balancekv delta at the default step": ([*GEN, "--method", "balancekv", "--budget", "8", "--param", "delta=0.3"],
+                                                     "delta=0.3 is the failure probability of the theoretical gain that step=None uses"),
     "no subcommand": ([], "command"),
 }
 

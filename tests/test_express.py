@@ -8,6 +8,7 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.methods.base import make_generator
+from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 from kvcompress.methods.express import (
     ExpressState,
@@ -429,3 +430,11 @@ def test_output_matches_the_implementation_before_the_in_place_kernel(index):
         st.update(keys[:, :, start : start + block], values[:, :, start : start + block])
     one_shot = kvc.compress("express", keys, values, budget=budget, sink=0, window=0, seed=seed, **params)
     assert (_digest(st.summary()), _digest(one_shot)) == (stream_digest, one_shot_digest)
+
+
+def test_delta_with_greedy_halving_is_refused():
+    """delta is the failure probability of self-balancing halving; with greedy halving (the default) it was taken and
+    changed nothing."""
+    with pytest.raises(ValueError, match=r"delta=0.1 is the failure probability of halving='self-balancing'; halving='greedy' has none"):
+        build_method("express", delta=0.1)
+    build_method("express", delta=0.1, halving="self-balancing")

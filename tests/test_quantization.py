@@ -275,6 +275,9 @@ def test_storage_options_are_checked_when_built():
         assert CompressionOptions(method=method, budget=8, mode="decode", kv_bits=4).kv_bits == 4
     with pytest.raises(ValueError, match="method=None is the full cache: it takes no kv_bits"):
         CompressionOptions(method=None, kv_bits=4)
+    for setting in ({"seed": 5}, {"compress_question": True}):  # taken and unused before: nothing is drawn or compressed
+        with pytest.raises(ValueError, match=f"method=None is the full cache: it takes no {next(iter(setting))}"):
+            CompressionOptions(method=None, **setting)
 
 
 def _reference_budget(model, ctx, question, **kw):

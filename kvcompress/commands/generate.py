@@ -141,6 +141,7 @@ def options_of(args, full: bool = True):
         given = [flag for flag, value in (("--budget", args.budget), ("--compression-ratio", args.compression_ratio), ("--slack", args.slack),
                                           ("--sink", args.sink), ("--window", args.window), ("--param", args.param),
                                           ("--calibration", args.calibration), ("--quality", args.quality)) if value not in (None, [])]
+        given += [flag for flag, value in (("--seed", "seed" in args.given), ("--compress-question", args.compress_question)) if value]
         if given:
             raise ValueError(f"--method {FULL} keeps every token: it takes no {', '.join(given)}")
         if args.kv_bits is not None or args.kv_group_size is not None or args.budget_unit is not None:

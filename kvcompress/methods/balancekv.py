@@ -208,6 +208,9 @@ def _gather(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [take_slots(t, index) for t in tensors]
 
 
+_STREAM_ONLY = ("levels", "batch", "stream_block", "cascade_rounds")  # BalanceKV's parameters of MergeAndReduce
+
+
 @register
 @dataclass
 class BalanceKV(Method):
@@ -296,7 +299,25 @@ class BalanceKV(Method):
         if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 2 or self.batch % 2):
             raise ValueError(f"batch must be None or an even integer >= 2, got {self.batch!r}")
         self.cascade_rounds = as_count("cascade_rounds", self.cascade_rounds, 1, optional=True)
+        if self.step is not None and self.delta != BalanceKV.__dataclass_fields__["delta"].default:
+            raise ValueError(f"delta={self.delta!r} is the failure probability of the theoretical gain that step=None uses; step="
+                             f"{self.step!r} sets the gain itself: drop delta, or use step=None")
         self.fail_events = 0  # a 0-d tensor once counted: read through `failures` (no host sync per halving)
+
+    def check_acting(self, streams: bool) -> None:
+        """A ValueError naming the parameters set away from their defaults that cannot act where the method runs: the
+        stream's (levels, batch, stream_block, cascade_rounds) in one shot, and the one-shot rounds' (kernel, and
+        block_size unless step=None reads it) in a stream."""
+        names = ("kernel",) + (() if self.step is None else ("block_size",)) if streams else _STREAM_ONLY
+        unused = [f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != BalanceKV.__dataclass_fields__[name].default]
+        if unused:
+            where, other = ("a stream (mode 'chunked' or 'decode', kvc.stream)", "the one-shot rounds") if streams else \
+                ("one shot (mode 'prefill', kvc.compress, a hybrid's coreset)", "the stream")
+            raise ValueError(f"{', '.join(unused)} cannot act in {where}: they set {other} of method 'balancekv'; drop them")
+
+    def check_mode(self, mode: str) -> None:
+        super().check_mode(mode)
+        self.check_acting(streams=mode != "prefill")
 
     @property
     def failures(self) -> int:
@@ -319,6 +340,7 @@ class BalanceKV(Method):
         return log_r2 + math.log(self.step)
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
+        self.check_acting(streams=False)
         n = tokens.length
         if n <= budget:
             return tokens.exact()
@@ -374,6 +396,7 @@ class BalanceKV(Method):
     def new_stream(self, budget: int, generator: torch.Generator, slack: float | None = None) -> "BalanceKVStream":
         """Native stream (`BalanceKVStream`): at most `budget` slots per head at any time, its slack and the batch
         being added included; pending halvings wait until a head's pool is full."""
+        self.check_acting(streams=True)
         return BalanceKVStream(self, budget, generator, self.stream_slack(slack))
 
 

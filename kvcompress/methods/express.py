@@ -575,6 +575,9 @@ class Express(Method):
             raise ValueError(f"delta (Halve failure probability) must be in (0, 1], got {self.delta!r}")
         if isinstance(self.max_group, bool) or not isinstance(self.max_group, int) or self.max_group < 4 or self.max_group % 2:
             raise ValueError(f"max_group (largest Halve input) must be an even integer >= 4, got {self.max_group!r}")
+        if self.halving == "greedy" and self.delta != Express.__dataclass_fields__["delta"].default:
+            raise ValueError(f"delta={self.delta!r} is the failure probability of halving='self-balancing'; halving='greedy' has "
+                             "none: drop delta, or use halving='self-balancing'")
 
     @property
     def _delta(self) -> float | None:
