@@ -54,7 +54,9 @@ def compress(
     positions [n] or [B, H_kv, n] (>= 0, increasing; the same in every row and head for a method that reads queries)
     default to 0..n-1. layer: (layer_idx, num_layers), for a
     method that depends on the layer (PyramidKV). seed: an int from 0 to 2**63 - 1
-    (reproducible), a torch.Generator, or None for fresh randomness (a different draw each call).
+    (reproducible), a torch.Generator, or None for fresh randomness (a different draw each call). The rows of a
+    batch share it: a randomized method's row is a draw of its own tokens, reproducible for the same batch and seed,
+    not the draw that row gets alone (a cache, whose rows answer as alone, draws each row from its own generator).
     """
     size = {name: settings.pop(name, None) for name in SIZE_SETTINGS}
     m = build_method(method, **settings)

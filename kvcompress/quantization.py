@@ -247,7 +247,12 @@ def _scales(low: torch.Tensor, high: torch.Tensor, bits: int, dtype: torch.dtype
     steps, 1 where the scale is 0)."""
     empty = torch.isinf(low)
     low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
-    zero, scale = low.to(dtype), ((high - low) / ((1 << bits) - 1)).to(dtype)
+    levels = (1 << bits) - 1
+    zero, scale = low.to(dtype), ((high - low) / levels).to(dtype)
+    # a scale rounded up to `dtype` puts the top level above the group's maximum: near the end of `dtype`'s range (float16's
+    # 65504) past it, where dequantization gives inf; one step towards 0 keeps that level within the group's range
+    over = zero.float() + levels * scale.float() > torch.finfo(dtype).max
+    scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     float_scale = scale.float()
     return scale, zero, zero.float(), torch.where(float_scale > 0, float_scale, torch.ones_like(float_scale))
 

@@ -897,3 +897,21 @@ def test_a_layer_that_keeps_none_of_its_middle_stores_it_quantized():
     settings = dict(method="adakv", method_params={"scope": "model"}, kv_bits=4, budget=1, max_new_tokens=4, stop_at_eos=False)
     res = generate_ids(model, ids, question, **settings)
     assert len(res.token_ids) == 4 and min(res.slots_per_layer) >= 4 + 8  # the exact sink and window, at least
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_groups_at_the_end_of_float16s_range_dequantize_finite(bits, axis):
+    """A scale rounded up to float16 put a group's top level past 65504: finite keys came back inf (and attention NaN)."""
+    for low, high in ((-65504.0, 65504.0), (-30000.0, 65504.0), (-60000.0, 65472.0)):
+        x = torch.zeros(1, 2, 32, 32, dtype=torch.float16)
+        x[..., 0::2, :], x[..., 1::2, :] = low, high  # channel groups span both ends
+        x[..., 0::2] = torch.where(x[..., 0::2] == low, high, low)  # token groups too
+        back = quantize(x, bits, 32, axis).dequantize()
+        assert torch.isfinite(back).all()
+        assert float((back.float() - x.float()).abs().max()) <= (high - low) / ((1 << bits) - 1)  # within a step
+    keys = torch.zeros(1, 2, 50, 32, dtype=torch.float16)
+    keys[:, :, 7, 0::2], keys[:, :, 7, 1::2] = 65504.0, -65504.0  # one outlier token, through a stream's storage
+    stream = kvc.stream("keydiff", budget=40, sink=0, window=4, kv_bits=bits)
+    stream.update(keys, keys)
+    assert torch.isfinite(stream.summary().keys).all()
