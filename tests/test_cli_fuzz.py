@@ -265,6 +265,8 @@ CASES = {
                                      "--shard", "1/2", "--out", "{tmp}/o"], "--shard 1/2 gets no sample: the sweep has 1 (give N <= 1)"),
     "perplexity a shard with no document": (["eval", "--tasks", "perplexity", "--samples", "1", "--lengths", "256", "--methods", "knorm",
                                              "--shard", "3/4", "--out", "{tmp}/o"], "--shard 3/4 gets no sample: the sweep has 1"),
+    "eval shard with a sign": (["eval", "--shard", "0/+2", "--out", "{tmp}/o"], "argument --shard: --shard takes I/N with 0 <= I < N, got '0/+2'"),
+    "eval shard with a space": (["eval", "--shard", " 0/2", "--out", "{tmp}/o"], "--shard takes I/N"),
     "eval ray with a shard": (["eval", "--ray", "--shard", "0/2", "--out", "{tmp}/o"], "--shard and --ray exclude each other"),
     "generate full cache with a seed": ([*GEN, "--method", "full", "--seed", "5"], "--method full keeps every token: it takes no --seed"),
     "generate full cache compressing the question": ([*GEN, "--method", "full", "--compress-question"],

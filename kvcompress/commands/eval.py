@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -51,12 +52,10 @@ Offline evaluation on a real model (default SmolLM2-135M-Instruct, or --model PA
 
 
 def _shard(text: str) -> tuple[int, int]:
-    index, slash, count = text.partition("/")
-    try:
-        shard = (int(index), int(count))
-    except ValueError:
-        shard = None
-    if not slash or shard is None or not (shard[1] >= 1 and 0 <= shard[0] < shard[1]):
+    """argparse type: "I/N", two decimal integers with 0 <= I < N."""
+    match = re.fullmatch(r"([0-9]+)/([0-9]+)", text)
+    shard = (int(match[1]), int(match[2])) if match else None
+    if shard is None or not 0 <= shard[0] < shard[1]:
         raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {text!r}")
     return shard
 
