@@ -31,6 +31,7 @@ import torch
 from transformers import pipeline
 
 import kvcompress as kvc
+from kvcompress.commands.common import csv_path
 from kvcompress.eval.capture import prose_text
 from kvcompress.eval.tables import write_csv
 from kvcompress.integration import PIPELINE_TASK, answer_questions_ids, build_prompt
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "many_questions.csv",
+    parser.add_argument("--out", type=csv_path, default=RESULTS / "many_questions.csv",
                         help="the CSV of the runs; the page is written beside it as .md (default benchmarks/results/many_questions.csv)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

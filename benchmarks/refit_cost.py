@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.commands.common import ratio
+from kvcompress.commands.common import csv_path, ratio
 from kvcompress.eval.tables import markdown_table, write_csv
 from kvcompress.methods.adakv import REFITS, AdaKV
 from kvcompress.methods.tokens import Tokens
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--group", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=csv_path, default=None,
                         help="the CSV of every repeat; the table of medians is written beside it as .md (default "
                              "benchmarks/results/refit_cost_<refit>.csv)")
     args = parser.parse_args(argv)

@@ -23,7 +23,8 @@ Modes:
 Padded batches (left padding, prefill mode): the model's boolean mask tells each layer which
 tokens of a block are padding; they get log-weight -inf (never attended) and each padded row is
 compressed alone, so no padding is kept and every row equals its solo run. Sliding-window
-layers (Gemma 2/3, Phi-3/Mistral with a window) are transformers' exact sliding-window layers.
+layers (Gemma 2/3) are transformers' exact sliding-window layers; a model whose every layer slides
+(Mistral-7B-v0.1, Phi-3-mini-4k) has nothing to compress and is refused.
 A compressed context of one row is shared by every row of a later block (beam search,
 num_return_sequences): each row goes on from a copy of it, however it is stored, sliding windows
 included; several rows, or a live stream's, refuse another count before any layer takes the block.
@@ -705,7 +706,7 @@ def _frozen(front, shared: dict):
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):
-    """A sliding-window attention layer (Gemma 2/3, Phi-3): its window is kept exact, never compressed."""
+    """A sliding-window attention layer (Gemma 2/3): its window is kept exact, never compressed."""
 
     def __init__(self, sliding_window: int):
         super().__init__(sliding_window=sliding_window)
@@ -840,7 +841,7 @@ class CompressedCache(Cache):
     `CompressionOptions` as keyword settings
     (budget or compression_ratio, mode, sink, window, seed, slack, and the method's own
     parameters), or a ready `CompressionOptions` (then no settings). Sliding-window layers (Gemma
-    2/3, Phi-3 with a window) keep their window exact.
+    2/3) keep their window exact; a model whose every layer slides is refused (nothing to compress).
 
     The cache stores the blocks its caller's forwards give it: `model.generate` gives the prompt in one
     forward, or in blocks of N with `model.generate(..., prefill_chunk_size=N)`; kvc.generate's settings
@@ -890,8 +891,9 @@ class CompressedCache(Cache):
         if all(kind != "full_attention" for kind, _ in layer_types):
             windows = sorted({window for _, window in layer_types})
             raise ValueError(
-                f"every layer of this model slides (sliding_window={', '.join(map(str, windows))} tokens, below its "
-                f"max_position_embeddings={getattr(model.config, 'max_position_embeddings', None)}): kvcompress compresses "
+                f"every layer of this model slides (sliding_window={', '.join(map(str, windows))} tokens"
+                + ("" if getattr(model.config, "max_position_embeddings", None) is None else
+                   f", below its max_position_embeddings={model.config.max_position_embeddings}") + "): kvcompress compresses "
                 "full-attention layers and keeps a sliding window exact, so nothing would be compressed; use the full cache")
         if options.streams and options.compression_ratio is not None and stream_length is None:
             raise ValueError(

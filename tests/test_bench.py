@@ -220,6 +220,16 @@ def test_memory_chunked_flat_prefill_grows(default_model, tmp_path):
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
+def test_decode_rows_seed_the_compressed_runs_only(tiny_checkpoint):
+    """The decode section handed --seed to the full cache too, which draws nothing and (since it refuses a seed) failed
+    after the model loaded for any seed but 0."""
+    from kvcompress.integration import load_model
+
+    model, tokenizer = load_model(tiny_checkpoint)
+    rows = bench.decode_rows(model, tokenizer, config(methods=["random"], decode_context=200, kept=[0.5], decode_tokens=2, seed=3), **QUIET)
+    assert [(r["method"], r["kept"]) for r in rows] == [("full", 1.0), ("random", 0.5)]
+
+
 @pytest.mark.e2e
 def test_decode_rows_on_the_default_model(default_model):
     model, tokenizer = default_model

@@ -718,6 +718,8 @@ def test_refit_cost_checks_its_ratios_and_writes_where_out_says(capsys):
     assert "argument --ratios: expected compression ratios in [0, 1)" in error and "1.5" in error
     assert refit_cost.parse_args([]).out == REPO / "benchmarks" / "results" / "refit_cost_log_weights_values.csv"
     assert refit_cost.parse_args(["--refit", "log_weights", "--out", "x/r.csv"]).out == Path("x/r.csv")
+    error = _usage_error(capsys, lambda: refit_cost.parse_args(["--out", "x/r.md"]))  # the page beside it would replace it
+    assert "argument --out: expected the path of a .csv file" in error
 
 
 @pytest.mark.parametrize("script, argv, flag, got", [

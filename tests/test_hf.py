@@ -371,7 +371,7 @@ def test_pipeline_settings_given_when_built_hold_and_reconstruction_gets_the_rep
     direct = kvc.generate(model, tokenizer, context, questions=["w5 w7", "w1 w2"], prompt_layout="newline", max_new_tokens=3,
                           progress=False, **options)
     assert [r.token_ids for r in out["results"]] == [r.token_ids for r in direct] and all(len(r.token_ids) == 3 for r in direct)
-    called = built(context, questions=None, question="w1 w2", max_new_tokens=2)  # a call's setting replaces the built one
+    called = built(context, question="w1 w2", max_new_tokens=2)  # a call's setting replaces the built one (question: questions too)
     assert called["result"].token_ids == direct[1].token_ids[:2]
     primed = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, question="w5", answer_prefix="w9 w8", max_new_tokens=2, **options)
     unprimed = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer, question="w5", max_new_tokens=2, **options)

@@ -69,6 +69,14 @@ def float_list(text: str) -> list[float]:
     return _numbers(text, float, "numbers")
 
 
+def csv_path(text: str) -> Path:
+    """argparse type: the path of a CSV to write (a page may be written beside it as .md, which a .md path would lose)."""
+    path = Path(text)
+    if path.suffix != ".csv":
+        raise argparse.ArgumentTypeError(f"expected the path of a .csv file (the page is written beside it as .md), got {text!r}")
+    return path
+
+
 def ratio_list(text: str) -> list[float]:
     """argparse type: "0.5,0.75" -> [0.5, 0.75], each a compression ratio (the fraction of tokens removed) in [0, 1)."""
     values = _numbers(text, float, "compression ratios")

@@ -51,7 +51,7 @@ def failure_reason(err: Exception) -> str:
     cause = getattr(err, "cause", None)
     shown = cause if isinstance(cause, BaseException) else err
     lines = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", str(shown)).splitlines() if line.strip()]
-    return f"{type(shown).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return f"{type(shown).__name__}: {lines[0]}" if lines else type(shown).__name__
 
 
 def run_sweep_ray(load: Callable, config: SweepConfig, out_dir: str | Path, address: str | None = None,

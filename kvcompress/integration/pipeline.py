@@ -59,6 +59,9 @@ class CompressedTextGenerationPipeline(Pipeline):
         the prompt's (question, questions, answer_prefix, prompt_layout) and the generation's; defaults are applied in
         `preprocess` and `answer_questions_ids`, so a call's unset setting keeps what the pipeline was built with."""
         prompt = {k: settings.pop(k) for k in _PROMPT_SETTINGS if k in settings}
+        for one, other in (("question", "questions"), ("questions", "question")):  # alternatives: one given replaces both
+            if prompt.get(one) is not None and other not in prompt:
+                prompt[other] = None
         return prompt, settings, {}
 
     def preprocess(self, context, question=None, questions=None, answer_prefix="", prompt_layout=DEFAULT_PROMPT_LAYOUT):

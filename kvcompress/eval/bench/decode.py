@@ -32,15 +32,16 @@ def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
     ctx, question = build_prompt(tokenizer, text, "Summarise the text above in one sentence.")
     log(f"decode: context {ctx.shape[1]} tokens, question {question.shape[1]} tokens, {new_tokens} new tokens")
     prefill = capture_qkv(model, ctx)
-    common = {"max_new_tokens": new_tokens, "stop_at_eos": False, "seed": config.seed}
-    full = generate_ids(model, ctx, question, method=None, **common)
+    common = {"max_new_tokens": new_tokens, "stop_at_eos": False}
+    full = generate_ids(model, ctx, question, method=None, **common)  # draws nothing: no seed
     rows: list[dict] = []
     name = Path(getattr(model.config, "_name_or_path", "") or "").name
     add_row(rows, on_row, _decode_row(full, 1.0, full, name))
     log(f"decode full: {full.decode_tokens_per_second:.2f} tokens/s")
     for method in config.methods:
         for k in config.kept:
-            res = generate_ids(model, ctx, question, method=method, compression_ratio=1.0 - k, prefill=prefill, **common)
+            res = generate_ids(model, ctx, question, method=method, compression_ratio=1.0 - k, prefill=prefill, seed=config.seed,
+                               **common)
             add_row(rows, on_row, _decode_row(res, k, full, name))
             log(f"decode {method} kept={k}: {res.decode_tokens_per_second:.2f} tokens/s = {rows[-1]['speedup']:.2f}x full")
     return rows
