@@ -556,6 +556,17 @@ def test_code_run_scores_any_last_word_without_raising():
     ("infinitebench", "math_calc.jsonl", {"context": "c", "input": "q", "answer": [1.5, 2]}, "answer", "must be an integer, got '1.5'"),
     ("ruler", "niah_a.jsonl", {"input": "context\nquestion?", "outputs": [""], "length": 5}, "outputs", "must not hold an empty answer"),
     ("infinitebench", "passkey.jsonl", {"context": "c", "input": "q", "answer": " "}, "answer", "must not hold an empty answer"),
+    # answers that could never score: a count or a first integer that is none, a bool, a class not among the classes,
+    # an eleventh option (lettered past J), a dataset name that is no text (an AttributeError before)
+    ("longbench", "passage_count.jsonl", {"context": "c", "input": "q", "answers": [5.0], "length": 2}, "answers",
+     "must be an integer, got '5.0'"),
+    ("infinitebench", "passkey.jsonl", {"context": "c", "input": "q", "answer": "seventy"}, "answer", "must be an integer"),
+    ("infinitebench", "passkey.jsonl", {"context": "c", "input": "q", "answer": [True]}, "answer", "must be a non-empty list"),
+    ("longbench", "trec.jsonl", {"context": "c", "input": "q", "answers": ["Z"], "length": 2, "all_classes": ["A", "B"]},
+     "all_classes", r"must hold every answer \(one missing always scores 0\), lacks \['Z'\]"),
+    ("infinitebench", "longbook_choice_eng.jsonl", {"context": "c", "input": "q", "answer": "o10", "options": [f"o{i}" for i in range(11)]},
+     "options", "must hold at most 10 options"),
+    ("longbench", "trec.jsonl", {"context": "c", "input": "q", "answers": ["A"], "length": 2, "dataset": 5}, "dataset", "must be text, got int"),
 ])
 def test_answers_the_metric_cannot_score_against_are_refused_when_read(tmp_path, benchmark, file, row, field, problem):
     """An answer its metric reads as a number or a paragraph id that is none would crash scoring after the model ran; an
@@ -563,6 +574,15 @@ def test_answers_the_metric_cannot_score_against_are_refused_when_read(tmp_path,
     path = write_rows(tmp_path / file, [row])
     with pytest.raises(ValueError, match=rf"{file}: row 0: field '{field}' {problem}"):
         load_benchmark(benchmark, path)
+
+
+def test_kvpress_rows_of_longbench_keep_their_answers_field(tmp_path):
+    """kvpress's LongBench data keeps LongBench's `answers` column (RULER's and InfiniteBench's keep `answer`): the loader
+    refused it ("field 'answer' is missing")."""
+    path = write_rows(tmp_path / "kvp.jsonl", [{"context": "c", "question": "q", "answers": ["Paris", "paris"], "task": "hotpotqa",
+                                                "max_new_tokens": 8}])
+    (item,) = load_benchmark("kvpress", path)
+    assert item.answers == ("Paris", "paris") and item.metric == "qa_f1"
 
 
 def test_a_directory_of_parquet_files_is_read_for_every_benchmark(tmp_path):

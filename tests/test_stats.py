@@ -66,7 +66,7 @@ def test_tasks_carry_answer_limits_stop_strings_and_a_needle_answer_prefix():
     assert needle.answer_prefix.startswith("The special magic number for") and needle.answer_prefix.endswith(" is")
     assert needle.max_new_tokens == 14 and "." in needle.stop
     values = generate_sample("niah_multivalue", target_tokens=200, seed=1, kind="uuids", n_values=3)
-    assert values.answer_prefix.endswith(" are") and values.max_new_tokens == 3 * 32 + 4
+    assert values.answer_prefix.endswith(" are") and values.max_new_tokens == 3 * 40 + 4
     line = generate_sample("line_retrieval", target_tokens=200, seed=1, n_lines=1)
     assert line.max_new_tokens == 8 and ">" in line.stop
     assert generate_sample("common_words", target_tokens=1500, seed=1).stop == ()

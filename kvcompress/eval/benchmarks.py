@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .metrics import METRICS, answer_problem, require_metric_packages
+from .metrics import METRICS, OPTION_LETTERS, answer_problem, require_metric_packages
 from .tasks import Sample, token_counter
 
 BENCHMARKS = ("ruler", "longbench", "longbench-e", "infinitebench", "kvpress")
@@ -268,9 +268,9 @@ class _Row:
 
     def answers(self, name: str) -> tuple[str, ...]:
         value = self.data.get(name)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if _is_answer(value):
             return (str(value),)
-        if isinstance(value, list) and value and all(isinstance(v, (str, int, float)) for v in value):
+        if isinstance(value, list) and value and all(_is_answer(v) for v in value):
             return tuple(str(v) for v in value)
         raise self.error(name, "is missing" if value is None else f"must be a non-empty list of answers, got {value!r}")
 
@@ -289,6 +289,23 @@ class _Row:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.error(name, f"must be a list of strings, got {value!r}")
         return tuple(value)
+
+
+def _classes(row: _Row, task: str, answers: tuple[str, ...]) -> tuple:
+    """The extra field of a classification task: its class names (`all_classes`), which must list every answer (the
+    metric scores an answer by the class names the prediction holds: one not among them always scores 0)."""
+    classes = row.strings("all_classes")
+    if not classes:
+        raise row.error("all_classes", f"must list the class names for the classification task {task!r}")
+    missing = [a for a in answers if a not in classes]
+    if missing:
+        raise row.error("all_classes", f"must hold every answer (one missing always scores 0), lacks {missing}")
+    return (("all_classes", classes),)
+
+
+def _is_answer(value) -> bool:
+    """Whether one answer is text or a number (not a bool, which reads as 'True'; a float's decimals are kept)."""
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
 
 
 def _ruler_family(task: str, row: _Row) -> tuple[str, int]:
@@ -311,27 +328,25 @@ def _parse_ruler(row: _Row) -> BenchmarkItem:
 
 def _longbench_parser(benchmark: str):
     def parse(row: _Row) -> BenchmarkItem:
-        dataset = row.data.get("dataset") or row.file.stem
+        dataset = row.text("dataset", optional=True) or row.file.stem
         task = dataset.removesuffix("_e")
         if task not in LONGBENCH_TASKS:
             raise row.error("dataset", f"names an unknown LongBench dataset {dataset!r}; known: {sorted(LONGBENCH_TASKS)}")
         metric, max_new, template, first_line = LONGBENCH_TASKS[task]
-        classes = row.strings("all_classes")
-        if metric == "classification" and not classes:
-            raise row.error("all_classes", f"must list the class names for the classification dataset {task!r}")
+        answers = row.answers("answers")
         length = row.integer("length")
         return BenchmarkItem(
             benchmark, task, row.number, row.text("context"), template.format(input=row.text("input", optional=True)),
-            row.answers("answers"), metric, max_new, length=length,
+            answers, metric, max_new, length=length,
             bucket=longbench_e_bucket(length) if benchmark == "longbench-e" else None, first_line_only=first_line,
-            extra=(("all_classes", classes),) if metric == "classification" else (), source=row.source,
+            extra=_classes(row, task, answers) if metric == "classification" else (), source=row.source,
         )
 
     return parse
 
 
 def _option_lines(options: tuple[str, ...]) -> str:
-    return "\n".join(f"{letter}. {text}" for letter, text in zip("ABCDEFGHIJ", options))
+    return "\n".join(f"{letter}. {text}" for letter, text in zip(OPTION_LETTERS, options))
 
 
 def _parse_infinitebench(row: _Row) -> BenchmarkItem:
@@ -343,6 +358,9 @@ def _parse_infinitebench(row: _Row) -> BenchmarkItem:
     answers = row.answers("answer")
     extra: tuple = ()
     if metric == "option_choice":
+        if len(options) > len(OPTION_LETTERS):
+            raise row.error("options", f"must hold at most {len(OPTION_LETTERS)} options (lettered {OPTION_LETTERS[0]} to "
+                            f"{OPTION_LETTERS[-1]}), got {len(options)}")
         if answers[0] not in options:
             raise row.error("answer", f"must be one of the options {list(options)}, got {answers[0]!r}")
         extra = (("options", options),)
@@ -353,15 +371,14 @@ def _parse_infinitebench(row: _Row) -> BenchmarkItem:
 
 def _parse_kvpress(row: _Row) -> BenchmarkItem:
     task = row.text("task")
-    classes = row.strings("all_classes")
+    # kvpress keeps RULER's and InfiniteBench's `answer` and LongBench's own `answers`
+    answers = row.answers("answers" if "answer" not in row.data and "answers" in row.data else "answer")
     extra: tuple = ()
     first_line = False
     if task.removesuffix("_e") in LONGBENCH_TASKS:
         metric, _, _, first_line = LONGBENCH_TASKS[task.removesuffix("_e")]
         if metric == "classification":
-            if not classes:
-                raise row.error("all_classes", f"must list the class names for the classification task {task!r}")
-            extra = (("all_classes", classes),)
+            extra = _classes(row, task, answers)
     elif task in INFINITEBENCH_TASKS:
         metric = INFINITEBENCH_TASKS[task][0]
         if metric == "option_choice":
@@ -374,7 +391,7 @@ def _parse_kvpress(row: _Row) -> BenchmarkItem:
     if max_new < 1:
         raise row.error("max_new_tokens", f"must be >= 1, got {max_new}")
     return BenchmarkItem("kvpress", task, row.number, row.text("context"), row.text("question", optional=True),
-                         row.answers("answer"), metric, max_new, answer_prefix=row.text("answer_prefix", optional=True),
+                         answers, metric, max_new, answer_prefix=row.text("answer_prefix", optional=True),
                          first_line_only=first_line, extra=extra, length=row.integer("length", optional=True), source=row.source)
 
 

@@ -231,6 +231,9 @@ def number_prefix(prediction: str, answers: Sequence[str], **_) -> float:
     return matched / len(expected)
 
 
+OPTION_LETTERS = "ABCDEFGHIJ"  # the letters multiple-choice options are listed and chosen by
+
+
 def option_choice(prediction: str, answers: Sequence[str], options: Sequence[str] = (), **_) -> float:
     """InfiniteBench multiple choice (longbook_choice_eng, code_debug): the chosen option is right.
 
@@ -240,7 +243,9 @@ def option_choice(prediction: str, answers: Sequence[str], options: Sequence[str
     """
     if answers[0] not in options:
         raise ValueError(f"option_choice: the answer {answers[0]!r} must be one of the options {list(options)}")
-    letters = "ABCDEFGHIJ"[: len(options)]
+    if len(options) > len(OPTION_LETTERS):
+        raise ValueError(f"option_choice: at most {len(OPTION_LETTERS)} options, got {len(options)}")
+    letters = OPTION_LETTERS[: len(options)]
     right = letters[list(options).index(answers[0])]
     pred = prediction.strip()
     chosen = re.findall(rf"\b[{letters}]\b", pred)
@@ -275,6 +280,8 @@ _ANSWER_CHECKS: dict[str, Callable[[Sequence[str]], None]] = {
     "retrieval": _paragraphs(_PARAGRAPH),
     "retrieval_zh": _paragraphs(_PARAGRAPH_ZH),
     "first_number_match": _number,
+    "first_integer_match": lambda answers: _integers(answers[:1]),  # compared with the prediction's first integer as text
+    "count": _integers,  # compared with the prediction's numbers as text
     "last_word_integer": lambda answers: _integers(answers[:1]),
     "number_prefix": _integers,
 }
