@@ -163,3 +163,18 @@ def test_task_parameters_name_what_each_generator_takes():
     assert {"split", "answer_kind"} <= T.task_parameters("niah_prose") and "haystack" not in T.task_parameters("niah_prose")
     with pytest.raises(ValueError, match="task must be one of .* got 'nope'"):
         T.task_parameters("nope")
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+@pytest.mark.parametrize("task", ["frequent_words", "common_words"])
+def test_word_list_tasks_keep_to_their_length_with_the_default_tokenizer(default_model, task):
+    """frequent_words estimated a word's tokens as a plain mean over 50 words while Zipf's law draws the top one most
+    (8,513 tokens asked 8,000: past the model's 8,192 positions); common_words measured its labels at 100-149 where
+    they run into the thousands (+87 to +273). Both now measure what they build."""
+    _, tokenizer = default_model
+    for target in (2048, 8000):
+        for seed in range(3):
+            sample = T.generate_sample(task, target_tokens=target, seed=seed, tokenizer=tokenizer)
+            n = len(tokenizer(sample.context, add_special_tokens=False)["input_ids"])
+            assert target - 64 <= n <= target + 24, (target, seed, n)

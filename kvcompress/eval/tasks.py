@@ -328,8 +328,9 @@ def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, hay
 def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common_freq=30, rare_freq=3) -> Sample:
     """RULER CWE: n_common words appear common_freq times each, filler words rare_freq times each.
 
-    The rare words fill the rest of the length (estimated per word), shuffled with the common ones; a length shorter
-    than the common words alone is an error (with the defaults, about 1,700 tokens of the default model's tokenizer).
+    The rare words fill the rest of the length (estimated per numbered word, then measured on the list and estimated
+    again, so that the labels' growing digits count), shuffled with the common ones; a length shorter than the common
+    words alone is an error (with the defaults, about 1,700 tokens of the default model's tokenizer).
     """
     rng, count = _start(target_tokens, seed, tokenizer)
     _check("n_common", n_common, 1)
@@ -344,10 +345,12 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
         raise ValueError(f"target_tokens={target_tokens} is shorter than the common words alone: n_common={n_common} words "
                          f"× common_freq={common_freq} take about {round(floor)} tokens; lower them (a task parameter, "
                          f"--task-param common_words.common_freq=...) or ask for a longer context")
-    n_rare = max(0, (int(target_tokens / per_word) - n_common * common_freq) // rare_freq)
-    if n_rare > len(rare_pool):
-        raise ValueError(f"target_tokens too large for the vocabulary ({len(rare_pool)} rare words)")
-    words = common * common_freq + rare_pool[:n_rare] * rare_freq
+    for _ in range(2):  # the estimate per word, then the one measured on the list it gave
+        n_rare = max(0, (int(target_tokens / per_word) - n_common * common_freq) // rare_freq)
+        if n_rare > len(rare_pool):
+            raise ValueError(f"target_tokens too large for the vocabulary ({len(rare_pool)} rare words)")
+        words = common * common_freq + rare_pool[:n_rare] * rare_freq
+        per_word = count([" ".join(f"{i + 1}. {w}" for i, w in enumerate(words))])[0] / len(words)
     rng.shuffle(words)
     context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
     n_tokens = round(count([context])[0])
@@ -367,9 +370,11 @@ def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alph
     made_up = sorted(made_up)
     rng.shuffle(made_up)
     weights = [(r + 1) ** -alpha for r in range(vocab_size)]
-    per_word = sum(count([" " + w for w in made_up[:50]])) / 50
-    n_words = max(1, int(target_tokens / per_word))
-    words = rng.choices(made_up, weights=weights, k=n_words)
+    per_word = sum(w * n for w, n in zip(weights, count([" " + w for w in made_up]))) / sum(weights)  # as drawn: by Zipf weight
+    words = rng.choices(made_up, weights=weights, k=max(1, int(target_tokens / per_word)))
+    measured = count([" ".join(words)])[0]
+    if measured > target_tokens:  # the draw's own words ran long: the first that fit
+        words = words[: max(1, int(len(words) * target_tokens / measured))]
     freq = {w: words.count(w) for w in set(words)}
     ranked = sorted(freq, key=lambda w: (-freq[w], made_up.index(w)))
     while len(ranked) > n_answers and freq[ranked[n_answers - 1]] == freq[ranked[n_answers]]:
