@@ -567,6 +567,9 @@ def test_code_run_scores_any_last_word_without_raising():
     ("infinitebench", "longbook_choice_eng.jsonl", {"context": "c", "input": "q", "answer": "o10", "options": [f"o{i}" for i in range(11)]},
      "options", "must hold at most 10 options"),
     ("longbench", "trec.jsonl", {"context": "c", "input": "q", "answers": ["A"], "length": 2, "dataset": 5}, "dataset", "must be text, got int"),
+    # a question template that places the input, without the field, asked an empty question
+    ("longbench", "hotpotqa.jsonl", {"context": "c", "answers": ["A"], "length": 2}, "input", "is missing"),
+    ("infinitebench", "passkey.jsonl", {"context": "c", "answer": "12"}, "input", "is missing"),
 ])
 def test_answers_the_metric_cannot_score_against_are_refused_when_read(tmp_path, benchmark, file, row, field, problem):
     """An answer its metric reads as a number or a paragraph id that is none would crash scoring after the model ran; an

@@ -303,6 +303,12 @@ def _classes(row: _Row, task: str, answers: tuple[str, ...]) -> tuple:
     return (("all_classes", classes),)
 
 
+def _template_input(row: _Row, template: str) -> str:
+    """The row's `input` for a question template that places it: the field must be there (empty where the dataset's
+    own rows are, as a summary task's), since a missing one would ask an empty question."""
+    return row.text("input", optional="{input}" not in template)
+
+
 def _is_answer(value) -> bool:
     """Whether one answer is text or a number (not a bool, which reads as 'True'; a float's decimals are kept)."""
     return isinstance(value, (str, int, float)) and not isinstance(value, bool)
@@ -336,7 +342,7 @@ def _longbench_parser(benchmark: str):
         answers = row.answers("answers")
         length = row.integer("length")
         return BenchmarkItem(
-            benchmark, task, row.number, row.text("context"), template.format(input=row.text("input", optional=True)),
+            benchmark, task, row.number, row.text("context"), template.format(input=_template_input(row, template)),
             answers, metric, max_new, length=length,
             bucket=longbench_e_bucket(length) if benchmark == "longbench-e" else None, first_line_only=first_line,
             extra=_classes(row, task, answers) if metric == "classification" else (), source=row.source,
@@ -364,7 +370,7 @@ def _parse_infinitebench(row: _Row) -> BenchmarkItem:
         if answers[0] not in options:
             raise row.error("answer", f"must be one of the options {list(options)}, got {answers[0]!r}")
         extra = (("options", options),)
-    question = template.format(input=row.text("input", optional=True), options=_option_lines(options))
+    question = template.format(input=_template_input(row, template), options=_option_lines(options))
     return BenchmarkItem("infinitebench", task, row.number, row.text("context"), question, answers, metric, max_new,
                          extra=extra, source=row.source)
 
