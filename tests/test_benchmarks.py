@@ -579,6 +579,19 @@ def test_answers_the_metric_cannot_score_against_are_refused_when_read(tmp_path,
         load_benchmark(benchmark, path)
 
 
+def test_ruler_task_names_are_a_family_or_a_family_and_an_underscore(tmp_path):
+    """Task names were matched by prefix: a RULER folder or kvpress task "qaz" or "vtx" got RULER's string matching."""
+    for name in ("qaz", "vtx"):
+        path = write_rows(tmp_path / f"{name}.jsonl", [{"input": "context\nquestion?", "outputs": ["1"], "length": 5}])
+        with pytest.raises(ValueError, match=f"RULER task '{name}' is unknown"):
+            load_benchmark("ruler", path)
+        kvp = write_rows(tmp_path / f"kvp_{name}.jsonl", [{"context": "c", "question": "q", "answer": "1", "task": name, "max_new_tokens": 8}])
+        with pytest.raises(ValueError, match=f"'{name}' is not a RULER, LongBench or InfiniteBench task name"):
+            load_benchmark("kvpress", kvp)
+    path = write_rows(tmp_path / "qa_2.jsonl", [{"input": "context\nquestion?", "outputs": ["1"], "length": 5}])
+    assert load_benchmark("ruler", path)[0].metric == "string_match_part"
+
+
 def test_kvpress_rows_of_longbench_keep_their_answers_field(tmp_path):
     """kvpress's LongBench data keeps LongBench's `answers` column (RULER's and InfiniteBench's keep `answer`): the loader
     refused it ("field 'answer' is missing")."""

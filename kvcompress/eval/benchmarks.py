@@ -315,10 +315,17 @@ def _is_answer(value) -> bool:
 
 
 def _ruler_family(task: str, row: _Row) -> tuple[str, int]:
-    family = next((f for f in sorted(RULER_TASKS, key=len, reverse=True) if task.startswith(f)), None)
+    family = _ruler_family_of(task)
     if family is None:
-        raise ValueError(f"{row.file}: RULER task {task!r} is unknown; task names start with one of {sorted(RULER_TASKS)}")
+        raise ValueError(f"{row.file}: RULER task {task!r} is unknown; task names are one of {sorted(RULER_TASKS)} or one of them, "
+                         "an underscore and more (niah_single_1, qa_2)")
     return RULER_TASKS[family]
+
+
+def _ruler_family_of(task: str) -> str | None:
+    """The RULER task family (`RULER_TASKS`) a task name belongs to: the family's name itself or it followed by an
+    underscore (niah_single_1, qa_2; "qaz" is none), None for none."""
+    return next((f for f in RULER_TASKS if task == f or task.startswith(f + "_")), None)
 
 
 def _parse_ruler(row: _Row) -> BenchmarkItem:
@@ -390,7 +397,7 @@ def _parse_kvpress(row: _Row) -> BenchmarkItem:
         if metric == "option_choice":
             raise row.error("task", f"{task!r}: kvpress keeps only the letter of multiple-choice answers; use --benchmark infinitebench")
     else:
-        metric = _ruler_family(task, row)[0] if any(task.startswith(f) for f in RULER_TASKS) else None
+        metric = _ruler_family(task, row)[0] if _ruler_family_of(task) is not None else None
         if metric is None:
             raise row.error("task", f"{task!r} is not a RULER, LongBench or InfiniteBench task name, so it has no metric")
     max_new = row.integer("max_new_tokens")
