@@ -178,3 +178,11 @@ def test_word_list_tasks_keep_to_their_length_with_the_default_tokenizer(default
             sample = T.generate_sample(task, target_tokens=target, seed=seed, tokenizer=tokenizer)
             n = len(tokenizer(sample.context, add_special_tokens=False)["input_ids"])
             assert target - 64 <= n <= target + 24, (target, seed, n)
+
+
+def test_needle_values_are_distinct_from_each_other_and_the_keys():
+    """With kind='words', a value could be drawn twice (4 of 400 niah_multivalue samples with 4 values) or equal a key,
+    so that one answer stood for two needles."""
+    for seed in range(400):
+        s = T.niah_multivalue(256, seed=seed, kind="words", n_values=4)
+        assert len(set(s.answers)) == 4 and not set(s.answers) & set(re.findall(r"for (\w+) is", " ".join(s.needles)))

@@ -245,6 +245,22 @@ def _needle_value(kind: str, rng: random.Random) -> str:
     raise ValueError(f"kind must be one of {NEEDLE_KINDS}, got {kind!r}")
 
 
+def _distinct_values(kind: str, rng: random.Random, n_keys: int, n_values: int, taken: set[str]) -> list[list[str]]:
+    """n_values needle values for each of n_keys keys, none equal to another or to a `taken` word (the keys): a value
+    drawn twice is drawn again (a draw with no repeat is the plain draw)."""
+    values = []
+    for _ in range(n_keys):
+        row = []
+        for _ in range(n_values):
+            value = _needle_value(kind, rng)
+            while value in taken:
+                value = _needle_value(kind, rng)
+            taken.add(value)
+            row.append(value)
+        values.append(row)
+    return values
+
+
 def _keys(rng: random.Random, n: int) -> list[str]:
     return rng.sample(vocabulary(), n)
 
@@ -259,7 +275,7 @@ def _niah(task, target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, n
     _check("depth", depth, 0.0, 1.0)
     units = _haystack_units(haystack, rng)
     keys = _keys(rng, n_keys)
-    values = [[_needle_value(kind, rng) for _ in range(n_values)] for _ in keys]
+    values = _distinct_values(kind, rng, len(keys), n_values, taken=set(keys))
     needles = [_needle(kind, k, v) for k, vs in zip(keys, values) for v in vs]
     depths = [depth] + [rng.random() for _ in needles[1:]]
     context, measured, n_tokens = _assemble(units, needles, depths, target_tokens, count)
