@@ -939,8 +939,9 @@ def whole_words_found(answers: Sequence[str], prediction: str) -> float:
 
 def score(sample: Sample, prediction: str) -> float:
     """Task score in [0, 1]: the share of the answers found as whole words (`whole_words_found`), or for
-    line_retrieval whether the prediction's first integer is the answer (LongEval's scoring)."""
-    if sample.task == "line_retrieval":  # LongEval's scoring: the prediction's first integer
+    line_retrieval whether the prediction's first integer is the answer (LongEval's own scorer reads the last; the
+    primed answer starts with the number, so the first is the one answered, and a later one is the model's own text)."""
+    if sample.task == "line_retrieval":
         found = re.search(r"\d+", prediction)
         return float(found is not None and found.group(0) == sample.answers[0])
     return whole_words_found(sample.answers, prediction)
