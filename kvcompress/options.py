@@ -275,6 +275,10 @@ class CompressionOptions:
                     f"question exactly: it needs mode='prefill' and compress_question=False (got mode={self.mode!r}, "
                     f"compress_question={self.compress_question!r})"
                 )
+            if self.method is not None and self.compressor.requirements.needs("hidden_states"):
+                raise ValueError(f"prefill_approx={self.prefill_approx!r} records each layer's queries, keys and values, and method "
+                                 f"{self.method!r} scores the layers' hidden states (KVzap), which it does not keep: use a method "
+                                 "that reads no hidden states (e.g. 'snapkv'), or leave prefill_approx unset")
 
     def _resolve_calibration(self) -> None:
         """calibration loaded (`load_calibration`), and the method it was fitted for set with its parameters: method=DEFAULT

@@ -456,6 +456,24 @@ def test_scoring_pairs_are_recorded_for_a_fused_qkv_projection():
     assert all(pairs.hidden[i].shape == (60 - 4, SMALL["hidden_size"]) for i in pairs.hidden)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_recorded_prefill_is_the_models_own_on_sliding_and_soft_capped_layers(family):
+    """capture_qkv (the eval runner's shared prefill) gave sliding layers no window (no mask function was registered for
+    its attention), so a full layer after one saw other keys (3.36 off on a tiny Gemma 3); on Gemma 2 it failed, SDPA
+    taking no soft-capping. Its keys and values are now the plain forward's."""
+    from kvcompress.eval.capture import capture_qkv
+
+    model, ids = tiny(family), _ids(150)
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=plain, use_cache=True)
+    captured = capture_qkv(model, ids)
+    for i, layer in enumerate(plain.layers):
+        n = layer.keys.shape[2]  # a sliding layer stores its window's last tokens
+        torch.testing.assert_close(captured[i][1][:, :, -n:], layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(captured[i][2][:, :, -n:], layer.values, atol=1e-5, rtol=1e-5)
+
+
 def test_a_sliding_layers_peak_is_what_it_stores():
     """In prefill mode a sliding-window layer counted the whole prompt block it hands attention in its peak, where the full
     cache's figure counts the window it stores: the peak read above the full cache's."""

@@ -93,3 +93,25 @@ def test_approximate_prefill_rejects_bad_sizes():
     for kwargs, match in (({"budget": 0}, "budget"), ({"chunk_size": 0}, "chunk_size"), ({"prefill_approx": "exact"}, "prefill_approx")):
         with pytest.raises(ValueError, match=match):
             approximate_prefill(model, ctx, **kwargs)
+
+
+def test_what_the_approximate_prefill_cannot_record_is_refused_before_it_runs():
+    """KVzap's methods (the default's among them) ran the whole approximate prefill and then failed for the hidden states
+    it does not record; a model with sliding-window layers failed with a message about padding, or recorded keys its
+    windows never saw; bad context ids failed inside torch."""
+    import sys
+
+    from kvcompress.options import CompressionOptions
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_hf import _ids, tiny
+
+    for method in ("default", "kvzap"):
+        with pytest.raises(ValueError, match="prefill_approx='express' records each layer's queries, keys and values, and method"):
+            CompressionOptions.build(method=method, compression_ratio=0.9, prefill_approx="express")
+    with pytest.raises(ValueError, match=r"layers \[0\] of this model attend over a sliding window"):
+        approximate_prefill(tiny("gemma3"), _ids(100))
+    model = tiny("llama")
+    for bad in (_ids(100)[:, :0], _ids(100)[0], _ids(100).float()):
+        with pytest.raises(ValueError, match="context_ids must be an integer tensor"):
+            approximate_prefill(model, bad)

@@ -1,9 +1,10 @@
 """Real attention inputs: post-RoPE q/k/v of chosen layers, recorded during one full forward pass.
 
 `capture_qkv` runs one full-attention forward pass (no cache) with a temporary attention function
-registered through transformers' `AttentionInterface`: it records what each chosen layer's
-attention receives (queries [1, H_q, n, d] and keys/values [1, H_kv, n, d], after RoPE, before
-grouped-query repetition) and then computes the attention with the SDPA implementation, or, with
+registered through transformers' `AttentionInterface` (with SDPA's masks, sliding windows included): it records
+what each chosen layer's attention receives (queries [1, H_q, n, d] and keys/values [1, H_kv, n, d], after RoPE,
+before grouped-query repetition) and then computes the layer's exact attention (SDPA, or soft-capped scores where
+SDPA takes none: Gemma 2), or, with
 `attention_mass=True`, with `integration.attention.causal_attention_with_mass`, recording each key's
 received attention mass as a by-product (what H2O scores with; `Tokens.attention_mass`).
 """
@@ -32,12 +33,12 @@ def capture_qkv(
     the first tokens only. Tensors are detached CPU copies in the model's dtype. The model's own
     attention implementation is restored afterwards. attention_mass=True appends a fourth tensor,
     mass [1,H_kv,n] float32, to each full-causal layer's tuple (not to sliding-window or
-    soft-capped layers, whose attention is not one causal pass: they stay SDPA's, as without it).
+    soft-capped layers, whose attention is not one causal pass: they stay exact, as without it).
     """
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from .attention import causal_attention_with_mass
+    from .attention import causal_attention_with_mass, exact_attention_with_mask
     from .model import logits_to_keep
 
     if isinstance(tokenizer_or_ids, torch.Tensor):
@@ -62,9 +63,13 @@ def capture_qkv(
 
     captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+    def plain_attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+        """The layer's exact attention under the model's mask: SDPA, or soft-capped scores (Gemma 2), which SDPA refuses."""
+        return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+
     def recording_attention(module, query, key, value, attention_mask, **kwargs):
         if module.layer_idx not in wanted:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            return plain_attention(module, query, key, value, attention_mask, **kwargs)
         recorded = [query, key, value]
         fused = attention_mass and kwargs.get("softcap") is None and getattr(module, "sliding_window", None) is None
         if fused:  # one unpadded sequence: the model's mask is the causal one the kernel applies
@@ -72,11 +77,12 @@ def capture_qkv(
             recorded.append(mass)
             result = out.transpose(1, 2).contiguous(), None
         else:
-            result = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            result = plain_attention(module, query, key, value, attention_mask, **kwargs)
         captured[module.layer_idx] = tuple(t.detach().to("cpu", copy=True) for t in recorded)
         return result
 
     AttentionInterface.register(_CAPTURE_IMPL, recording_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_CAPTURE_IMPL, sdpa_mask)  # SDPA's masks, sliding windows included
     previous = model.config._attn_implementation
     model.set_attn_implementation(_CAPTURE_IMPL)
     try:

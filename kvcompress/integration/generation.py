@@ -458,7 +458,8 @@ def answer_questions_ids(
     no re-prefill, no re-compression. Every result carries the shared `prefill_seconds` (context
     prefill + compression, paid once) and its own `decode_seconds` (question forward + answer;
     `extra["question_seconds"]` is the question forward). Takes generate_ids' options except
-    compress_question (a compressed question would change the compressed context). In decode mode a
+    compress_question (a compressed question would change the compressed context) and prefill_approx (which reads one
+    question after the context it approximates: `generate_ids`). In decode mode a
     compression_ratio is resolved against the context, the longest question and max_new_tokens, as generate_ids
     resolves it for one question (ratio 0 compresses nothing).
     """
@@ -515,8 +516,8 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     Takes `generate_ids`' options. A chunked cache's prompt is ended (what its streams keep stored, with
     kv_bits quantized); a decode-mode cache's streams stay live, so every later token (question,
     answer) goes through them, and its compression_ratio is resolved against the context alone
-    (the questions to come are not known). The full cache (method=None) and compress_question (no
-    question here) are refused. Leaves the model on the 'kvcompress' attention implementation, as
+    (the questions to come are not known). The full cache (method=None), compress_question (no
+    question here) and prefill_approx (which reads one question after its context: `generate_ids`) are refused. Leaves the model on the 'kvcompress' attention implementation, as
     `CompressedCache(model, method)` does.
     """
     options = CompressionOptions.build(options, **settings)

@@ -20,7 +20,7 @@ import torch
 
 from ..cache import CompressedCache, CompressedLayer
 from ..checks import as_count
-from ..model_support import use_compressed_attention
+from ..model_support import check_supported, use_compressed_attention
 from ..names import PREFILL_APPROXIMATIONS
 from ..options import CompressionOptions
 from .model import logits_to_keep
@@ -62,6 +62,13 @@ def approximate_prefill(
     """
     if prefill_approx not in PREFILL_APPROXIMATIONS:
         raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS}, got {prefill_approx!r}")
+    from .generation import check_context_ids  # the generation path imports this module
+
+    check_context_ids(context_ids)
+    sliding = [i for i, (kind, _) in enumerate(check_supported(model)) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"prefill_approx={prefill_approx!r} runs every layer over an Express cache, and layers {sliding} of this "
+                         "model attend over a sliding window, which it does not keep: leave prefill_approx unset for this model")
     options = CompressionOptions(method="express", mode="chunked", budget=as_count("budget", budget, 1), sink=EXPRESS_SINK,
                                  window=EXPRESS_WINDOW, seed=seed, chunk_size=chunk_size)
     cache = CompressedCache(model, options)
