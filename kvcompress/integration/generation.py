@@ -31,7 +31,8 @@ from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
-from .model import DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_length, check_questions, logits_to_keep
+from .model import (DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_ids, check_context_length, check_questions,
+                    logits_to_keep)
 from .model import prompt_layout as as_prompt_layout
 
 # Prompts longer than this show a progress bar while they are processed, on a terminal (tqdm disable=None: not in a log).
@@ -119,12 +120,6 @@ def _eos_ignored(model, ignore: bool):
         yield
     finally:
         model.generation_config.eos_token_id = eos
-
-
-def check_context_ids(context_ids) -> None:
-    """Refuse anything but an integer token id tensor [B, n] with n >= 1, naming what was received."""
-    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
-        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [B, n] with n >= 1, got {describe(context_ids)}")
 
 
 @dataclass

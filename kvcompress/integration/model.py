@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..checks import MissingPackage
+from ..checks import MissingPackage, describe
 from ..names import DEFAULT_PROMPT_LAYOUT
 from ..names import DTYPES as DTYPE_NAMES
 from ..names import PROMPT_LAYOUTS as LAYOUT_FIELDS
@@ -182,6 +182,12 @@ def logits_to_keep(model, last: bool) -> dict:
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return {}
     return {"logits_to_keep": 1 if last else torch.empty(0, dtype=torch.long, device=next(model.parameters()).device)}
+
+
+def check_context_ids(context_ids) -> None:
+    """Refuse anything but an integer token id tensor [B, n] with n >= 1, naming what was received."""
+    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
+        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [B, n] with n >= 1, got {describe(context_ids)}")
 
 
 def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:

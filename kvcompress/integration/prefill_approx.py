@@ -23,7 +23,7 @@ from ..checks import as_count
 from ..model_support import check_supported, use_compressed_attention
 from ..names import PREFILL_APPROXIMATIONS
 from ..options import CompressionOptions
-from .model import logits_to_keep
+from .model import check_context_ids, logits_to_keep
 
 # The paper's Express settings for the prefill (App. I.2): 32 sink + 32 window tokens exact.
 EXPRESS_SINK, EXPRESS_WINDOW = 32, 32
@@ -62,8 +62,6 @@ def approximate_prefill(
     """
     if prefill_approx not in PREFILL_APPROXIMATIONS:
         raise ValueError(f"prefill_approx must be one of {PREFILL_APPROXIMATIONS}, got {prefill_approx!r}")
-    from .generation import check_context_ids  # the generation path imports this module
-
     check_context_ids(context_ids)
     sliding = [i for i, (kind, _) in enumerate(check_supported(model)) if kind != "full_attention"]
     if sliding:
