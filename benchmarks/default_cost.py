@@ -39,9 +39,8 @@ from kvcompress.commands.common import count_list, list_of, ratio_list
 from kvcompress.eval.bench.common import machine_description
 from kvcompress.eval.capture import prose_text
 from kvcompress.integration import build_prompt
-from kvcompress.methods.registry import build_method
 from kvcompress.names import MODES
-from kvcompress.options import NAMED_SETTINGS
+from kvcompress.options import CompressionOptions
 
 QUESTION = "What is the main subject of the text above? Answer in one sentence."
 # name -> (method, method_params, exact sink/window and chunk_size settings)
@@ -63,27 +62,16 @@ VARIANTS = {
 }
 
 
-# the cache settings that only a stream uses: a variant that sets one does not run in mode "prefill"
-STREAM_SETTINGS = ("slack", "chunk_size")
-
-
 @functools.cache
 def mode_refusal(name: str, mode: str) -> str | None:
-    """Why the variant `name` (of VARIANTS) does not run in mode `mode`, None when it does: a named setting
-    (`options.NAMED_SETTINGS`, e.g. kvzip_refit) without an entry for the mode, a method that refuses the mode (its own
-    `check_mode`: KVzip needs the whole context), or a stream's slack or block size in mode "prefill"."""
+    """Why the variant `name` (of VARIANTS) does not run in mode `mode` (what `CompressionOptions` says when it refuses the
+    variant's settings in that mode: a prefill-only named setting in a stream, a stream's slack or block size in mode
+    "prefill"), None when it runs. The variants' settings are this script's own, so a mode is the only thing refused."""
     method, params, exact = VARIANTS[name]
-    if method in NAMED_SETTINGS:
-        if mode not in NAMED_SETTINGS[method]:
-            return f"{method!r} runs in mode {' or '.join(map(repr, NAMED_SETTINGS[method]))} only"
-        method, params, _ = NAMED_SETTINGS[method][mode]
     try:
-        build_method(method, **params).check_mode(mode)
+        CompressionOptions.build(method=method, method_params=params, compression_ratio=0.75, mode=mode, **exact)
     except ValueError as error:
         return str(error)
-    streamed = [key for key in STREAM_SETTINGS if key in exact]
-    if mode == "prefill" and streamed:
-        return f"it sets {' and '.join(streamed)}, which only the streams of modes 'chunked' and 'decode' use"
     return None
 
 

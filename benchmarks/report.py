@@ -572,26 +572,22 @@ DEFAULT_COST_METHODS = re.compile(r"benchmarks/default_cost\.py\b.*?--methods (\
 
 
 def cost_command_mismatch(path: str, rows: list[dict]) -> list[str]:
-    """For a `default_cost.py` record: a line saying that its recorded commands (runs.json) no longer give its rows, where the
-    rows name variants that no `--methods` of the commands names, or a command names a variant `default_cost.py` no longer
-    has; nothing where they match, or for another script's record."""
+    """For a `default_cost.py` record whose rows carry variant names its recorded commands (runs.json) do not pass, or
+    whose commands pass a name that is not a variant of the script: a line giving the `--methods` that names its rows'
+    variants, and the names that are none; nothing where they match, or for another script's record."""
     named = {name for command in run_entry(path)["command"] for match in DEFAULT_COST_METHODS.finditer(command)
              for name in match.group(1).split(",")}
     if not named:
         return []
     measured = sorted({row["method"] for row in rows} - {"plain"})
     unnamed = [name for name in measured if name not in named]
-    gone = sorted(named - set(default_cost.VARIANTS))
-    if not unnamed and not gone:
+    unknown = sorted(named - set(default_cost.VARIANTS))
+    if not unnamed and not unknown:
         return []
-    why = []
-    if unnamed:
-        why.append(f"its rows are named {', '.join(f'`{n}`' for n in unnamed)}, which their `--methods` do not name "
-                   f"(`--methods {','.join(measured)}` names them)")
-    if gone:
-        why.append(f"{', '.join(f'`{n}`' for n in gone)} is no variant of `benchmarks/default_cost.py` now")
-    return [f"As recorded, the command{'s' if len(run_entry(path)['command']) > 1 else ''} above no longer reproduce"
-            f"{'' if len(run_entry(path)['command']) > 1 else 's'} this record: {'; '.join(why)}.", ""]
+    parts = [f"These rows' variants are `--methods {','.join(measured)}` of `benchmarks/default_cost.py`"]
+    if unknown:
+        parts.append(f"{', '.join(f'`{n}`' for n in unknown)} is not a variant of it")
+    return ["; ".join(parts) + ".", ""]
 
 
 COST_COLUMNS = ["context_tokens", "tokens", "method", "mode", "ratio", "median_s", "plain_s", "over_plain", "kv_over_full", "repeats", "new_tokens"]

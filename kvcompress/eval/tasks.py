@@ -361,14 +361,20 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
         raise ValueError(f"target_tokens={target_tokens} is shorter than the common words alone: n_common={n_common} words "
                          f"× common_freq={common_freq} take about {round(floor)} tokens; lower them (a task parameter, "
                          f"--task-param common_words.common_freq=...) or ask for a longer context")
-    for _ in range(2):  # the estimate per word, then the one measured on the list it gave
+
+    def listed(per_word: float) -> list[str]:
         n_rare = max(0, (int(target_tokens / per_word) - n_common * common_freq) // rare_freq)
         if n_rare > len(rare_pool):
             raise ValueError(f"target_tokens too large for the vocabulary ({len(rare_pool)} rare words)")
-        words = common * common_freq + rare_pool[:n_rare] * rare_freq
-        per_word = count([" ".join(f"{i + 1}. {w}" for i, w in enumerate(words))])[0] / len(words)
+        return common * common_freq + rare_pool[:n_rare] * rare_freq
+
+    def numbered(words: list[str]) -> str:
+        return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+
+    words = listed(per_word)  # by the estimate per word, then by the tokens a word took in the list it gave
+    words = listed(count([numbered(words)])[0] / len(words))
     rng.shuffle(words)
-    context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    context = numbered(words)
     n_tokens = round(count([context])[0])
     question = f"What are the {n_common} most common words in the numbered list above? Answer with the words only."
     return Sample("common_words", context, question, common, target_tokens, n_tokens, max_new_tokens=6 * n_common + 4)
