@@ -116,7 +116,6 @@ class Context:
     links: dict[str, Any] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     shared: dict[int, tuple[str, Any]] = field(default_factory=dict)  # id -> (kind, class name or built object)
-    used: set = field(default_factory=set)
 
 
 class Spec(ABC):
@@ -277,7 +276,6 @@ class Tensor(Spec):
     def check(self, v, ctx, scope, path):
         _expect(isinstance(v, str) and v in ctx.tensors, path, "the name of a tensor of the file", v)
         t = ctx.tensors[v]
-        ctx.used.add(v)
         dtype = str(t.dtype).removeprefix("torch.")
         _expect(dtype in self.allowed(), path, f"a tensor of dtype {' or '.join(sorted(self.allowed()))}", f"{dtype} tensor {v!r}")
         dims = self.shape.split()

@@ -296,6 +296,29 @@ def test_answer_log_probs_in_decode_mode_follow_the_streams_token_by_token(metho
 
 
 
+def test_attention_dropout_applies_on_the_exact_path_and_is_refused_over_a_compressed_layer():
+    """A model in training mode whose config sets attention dropout: through the 'kvcompress' attention without a
+    compressed cache, the dropout is SDPA's (the same draws give the same logits); over a compressed layer, which has
+    none, the forward is refused by name rather than run without it."""
+    config_cls, model_cls, extra = ARCHS["llama"]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL, **extra, attention_dropout=0.5)).train()
+    ids = _prompt(n=40)[0]
+    logits = []
+    for implementation in ("sdpa", "kvcompress"):
+        model.set_attn_implementation(implementation)
+        torch.manual_seed(1)
+        logits.append(model(ids).logits)
+    torch.testing.assert_close(logits[1], logits[0])
+    torch.manual_seed(2)
+    assert not torch.allclose(model(ids).logits, logits[1])  # dropout drew again: it acts
+    cache = CompressedCache(model, "snapkv", budget=16)
+    with pytest.raises(ValueError, match=r"attention dropout=0.5 .*call model.eval\(\)"):
+        model(ids, past_key_values=cache)
+    model.eval()
+    assert model(ids, past_key_values=CompressedCache(model, "snapkv", budget=16)).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])
 @pytest.mark.parametrize("method", sorted(set(kvc.methods()) - {"kvzip", "kvzap"}))  # KVzip: a reconstruction; KVzap: a scorer
 def test_a_forward_with_gradients_on_runs_through_a_compressed_cache(method, mode):

@@ -30,15 +30,18 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     the model's mask applies (`exact_attention_with_mask`). In the model's dtype; without soft-capping,
     causality comes from the view's layout (`causal_tail`: the block is its last slots), so a decode
     step reads no tensor value on the host. No attention weights are returned: output_attentions=True warns
-    (`NO_ATTENTION_WEIGHTS`).
+    (`NO_ATTENTION_WEIGHTS`). A model in training mode with attention dropout gets it on the exact path; over a
+    compressed layer or with soft-capping, which have none, it is refused (`refuse_dropout`).
     """
     layer = getattr(key, "kvcompress_layer", None)
     softcap = kwargs.pop("softcap", None)
     if kwargs.pop("output_attentions", False):
         warnings.warn(NO_ATTENTION_WEIGHTS, stacklevel=2)
     hidden_states = vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)  # kept by `keep_hidden_states`, for this forward only
+    if layer is not None or softcap is not None:
+        refuse_dropout(dropout, "the 'kvcompress' attention over a compressed layer or with soft-capping")
     if layer is None:
-        return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+        return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
     layer.mask_padding(attention_mask, kwargs.get("position_ids"))
     view, packed = layer.view, layer.view_packed
     progress = layer.cache.progress
@@ -61,6 +64,13 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if progress is not None:
         progress.update(1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def refuse_dropout(dropout: float, what: str) -> None:
+    """ValueError for a nonzero attention dropout (a model in training mode whose config sets one), which `what` has not."""
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} (the model is in training mode and its config sets attention_dropout): "
+                         f"{what} has no dropout; call model.eval(), or set the model's attention_dropout to 0")
 
 
 NO_ATTENTION_WEIGHTS = (
@@ -266,7 +276,8 @@ def softcapped_weighted_attention(query, summary, scaling, softcap, query_positi
 
 
 def exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs):
-    """Exact attention over every key with the model's boolean mask (None: causal) -> ([B,q,H_q,d], None); SDPA unless soft-capped."""
+    """Exact attention over every key with the model's boolean mask (None: causal) -> ([B,q,H_q,d], None); SDPA unless
+    soft-capped. A `dropout` probability goes to SDPA (`kvcompress_attention` refuses one with soft-capping)."""
     if softcap is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     n_q, n_k = query.shape[2], key.shape[2]

@@ -43,7 +43,7 @@ from ..checks import describe
 from ..methods.kvzip import own_lse
 from ..model_support import attention_scales
 from ..options import CompressionOptions
-from .attention import exact_attention_with_mask
+from .attention import exact_attention_with_mask, refuse_dropout
 from .model import build_prompt, logits_to_keep
 
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
@@ -100,6 +100,7 @@ class _Recorder:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         softcap = kwargs.pop("softcap", None)
+        refuse_dropout(dropout, "KVzip's scoring forward")
         if softcap is not None:
             raise ValueError("method 'kvzip' scores with plain softmax attention; this model soft-caps its attention logits "
                              "(Gemma 2), which KVzip's scores do not model: use another method")
