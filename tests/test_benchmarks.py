@@ -81,6 +81,10 @@ def test_infinitebench_loader_and_metrics():
     assert (kv.max_new_tokens, kv.score('"0c3d-value".'), kv.score("0c3d-value-x")) == (50, 1.0, 0.0)
     assert "\nA. To the city\nB. To the island\nC. Home\nD. Nowhere\n" in choice.question
     assert [choice.score(p) for p in ("B", "The answer is B. To the island", "A", "To the island", "Home")] == [1, 1, 0, 1, 0]
+    # read in InfiniteBench's order: the letter it starts with, then what follows an answer phrase, then the first letter
+    assert [choice.score(p) for p in ("B. Because option A is wrong.", "Alice sails. The answer is: B", "Answer: (B)",
+                                      "The answer is C, not B", "I think A, or B", "Bob says B", "The option is to the island")
+            ] == [1, 1, 1, 0, 0, 1, 0]
 
 
 def test_kvpress_parquet_loader_picks_each_tasks_metric():

@@ -237,9 +237,11 @@ OPTION_LETTERS = "ABCDEFGHIJ"  # the letters multiple-choice options are listed 
 def option_choice(prediction: str, answers: Sequence[str], options: Sequence[str] = (), **_) -> float:
     """InfiniteBench multiple choice (longbook_choice_eng, code_debug): the chosen option is right.
 
-    The choice is the last standalone option letter (A, B, ...) in the prediction; with none, the
-    prediction counts when it starts with the right option's text. answers[0] is the right
-    option's text, which must be one of `options`.
+    The choice is read in InfiniteBench's order: the option letter the prediction starts with (a letter followed by
+    no other letter, so "A" but not "Alice"); else what follows its first "answer is", "answer:" or "option is" (any
+    case), which is right when it starts with the right option's letter or text and wrong otherwise; else its first
+    standalone option letter; else whether it starts with the right option's text. answers[0] is the right option's
+    text, which must be one of `options`.
     """
     if answers[0] not in options:
         raise ValueError(f"option_choice: the answer {answers[0]!r} must be one of the options {list(options)}")
@@ -248,10 +250,21 @@ def option_choice(prediction: str, answers: Sequence[str], options: Sequence[str
     letters = OPTION_LETTERS[: len(options)]
     right = letters[list(options).index(answers[0])]
     pred = prediction.strip()
-    chosen = re.findall(rf"\b[{letters}]\b", pred)
+    first = re.match(rf"[{letters}](?![A-Za-z])", pred)
+    if first:
+        return float(first.group() == right)
+    phrase = _ANSWER_PHRASE.search(pred)
+    if phrase:
+        after = pred[phrase.end() :].lstrip(_AFTER_PHRASE)
+        return float(re.match(rf"{right}(?![A-Za-z])", after) is not None or after.startswith(answers[0]))
+    chosen = re.search(rf"\b[{letters}]\b", pred)
     if chosen:
-        return float(chosen[-1] == right)
+        return float(chosen.group() == right)
     return float(pred.startswith(answers[0]))
+
+
+_ANSWER_PHRASE = re.compile(r"answer is:?|answer:|option is:?", re.IGNORECASE)  # `option_choice`'s answer phrases
+_AFTER_PHRASE = " \t\n\"'`*(["  # what may stand between such a phrase and the choice
 
 
 def _integers(answers: Sequence[str]) -> None:
