@@ -489,7 +489,7 @@ class CompressedLayer(CacheLayerMixin):
         if not parts:
             return 0
         occupied = sum(occupied_slots(part) for part in parts)
-        return int((occupied if row is None else occupied[row]).mean().round())
+        return int((occupied if row is None else occupied[row]).double().mean().round())
 
     def get_seq_length(self) -> int:
         # Original positions: generation keeps counting tokens seen, not slots stored.

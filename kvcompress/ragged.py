@@ -205,11 +205,11 @@ def row_elements(counts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def occupied_slots(part: KVSummary | RaggedSummary) -> torch.Tensor:
-    """[B, H] float32: each head's slots of finite log-weight (a packed part stores only those: its counts), read
+    """[B, H] int64: each head's slots of finite log-weight (a packed part stores only those: its counts), read
     without unpacking."""
     if isinstance(part, RaggedSummary):
-        return part.counts.float()
-    return torch.isfinite(part.log_weights).float().sum(-1)
+        return part.counts.long()
+    return torch.isfinite(part.log_weights).sum(-1)
 
 
 def concat_parts(parts: list[KVSummary | RaggedSummary]) -> KVSummary:

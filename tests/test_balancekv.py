@@ -10,6 +10,7 @@ import kvcompress as kvc
 from kvcompress.methods.registry import build_method
 from kvcompress.methods.tokens import Tokens
 from kvcompress.methods.balancekv import _MAX_LOG_GAIN, BalanceKV, balance_kernel, balancing_walk, halve
+from kvcompress.methods import balancekv
 
 
 def _gen(seed=0):
@@ -118,6 +119,19 @@ def test_defaults_are_the_augmented_variant_without_exact_sink_or_window():
     s = kvc.compress("balancekv", keys, values, compression_ratio=0.5)
     assert s.num_slots == 1024
     assert torch.allclose(s.total_weight(), torch.full((1, 3), 2048.0, dtype=torch.float64))
+
+
+def test_the_exact_share_is_the_decimal_floor_of_augment_times_budget(monkeypatch):
+    """augment·budget read as the decimal says: 0.29·100 is 29 exact slots, not the 28 of its float product
+    28.999999999999996, in one shot and in a stream."""
+    keys, values = _kv(h=1, n=400, d=16, seed=2)
+    asked = []
+    outlier_mask = balancekv._outlier_mask
+    monkeypatch.setattr(balancekv, "_outlier_mask", lambda k, count: asked.append(count) or outlier_mask(k, count))
+    for augment, budget, want in ((0.29, 100, 29), (0.57, 100, 57), (0.58, 50, 29)):
+        kvc.compress("balancekv", keys, values, budget=budget, sink=0, window=0, augment=augment)
+        assert asked.pop() == want, (augment, budget)
+        assert BalanceKV(augment=augment).new_stream(budget, torch.Generator()).exact_count == want
 
 
 def test_augmented_default_keeps_the_most_anti_correlated_keys_exactly_for_every_seed():

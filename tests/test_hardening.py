@@ -22,9 +22,12 @@ from kvcompress.checks import check_finite
 from kvcompress.cache import CompressedCache
 from kvcompress.integration import generate, generate_ids, use_compressed_attention
 from kvcompress.checks import check_kv
-from kvcompress.methods.budget import DEFAULT_SLACK, resolve_budget, stream_split
+from kvcompress.eval.bench import kept_budget
+from kvcompress.methods.budget import DEFAULT_SLACK, floor_share, resolve_budget, round_share, stream_split, tokens_kept
 from kvcompress.methods.registry import build_method
 from kvcompress.options import CompressionOptions
+from kvcompress.ragged import occupied_slots
+from kvcompress.summary import KVSummary
 from test_integration import blocks
 
 
@@ -70,6 +73,22 @@ def test_a_ratio_too_high_for_sink_and_window_names_the_largest_ratio_that_works
 def test_a_ratio_that_removes_nothing_after_rounding_keeps_every_token():
     assert resolve_budget(40, None, 0.01, 4, 64) == 1  # ceil(0.99 * 40) = 40 tokens kept: nothing asked to go
     assert resolve_budget(40, None, 0.0, 4, 64) == 1
+
+
+def test_a_fraction_of_a_count_is_cut_to_slots_as_its_decimal_says():
+    """Every cut of a fraction times a count to whole slots reads the product to 9 decimals, so a float's rounding
+    just below an integer or a half is not a slot: the approximation benchmark's and the overhead bench's budgets are
+    `tokens_kept`'s, as `resolve_budget`'s are (ceil(0.3·10) = 3, which ceil of the float product made 4)."""
+    assert [tokens_kept(10, 0.7), tokens_kept(20, 0.95), tokens_kept(25, 0.44), tokens_kept(3, 1 / 3)] == [3, 1, 14, 2]
+    assert [floor_share(0.29, 100), floor_share(0.58, 50), floor_share(0.25, 7)] == [29, 29, 1]
+    assert [round_share(0.35, 90), round_share(0.1, 25), round_share(0.1, 15), round_share(0.3, 5)] == [32, 2, 2, 2]
+    assert kept_budget(10, 0.7) == 3 and kept_budget(10, 0.99) == 1
+
+
+def test_slots_are_counted_exactly_past_the_integers_float32_holds():
+    n = 2**24 + 1  # float32's first integer it cannot hold
+    part = KVSummary(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n), torch.arange(n).view(1, 1, n))
+    assert int(occupied_slots(part)) == n
 
 
 def test_generate_refuses_a_ratio_it_cannot_honour_instead_of_storing_more_than_the_full_cache():

@@ -58,6 +58,13 @@ def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
     assert (s.log_weights == 0).sum(-1).min() >= 4 + 16 + st.state.counts[0]
 
 
+def test_the_split_rounds_each_fraction_of_the_budget_as_the_decimal_says():
+    """round(f·budget), a half to even: 0.35·90 = 31.5 is 32 (its float product 31.499999999999996 rounded to 31), and
+    0.1·25 = 2.5 stays 2."""
+    assert Hybrid(score="tova", exact_fraction=0.35).split_budget(90)[0] == [32]
+    assert Hybrid(score="tova", exact_fraction=0.1).split_budget(25)[0] == [2]
+
+
 def test_top_splits_every_token_into_kept_and_others_in_order():
     k, v = _kv(n=200, h=3)
     q = torch.randn(1, 6, 8, 16)

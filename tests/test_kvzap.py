@@ -308,6 +308,20 @@ def test_a_threshold_stream_keeps_what_one_pass_over_every_token_keeps(budget, b
         Stream(method, budget, sink, window, torch.Generator(), slack=0.5)
 
 
+def test_a_threshold_stream_refuses_positions_past_int32_rather_than_wrapping_them():
+    """The kept positions are stored as int32 (a ragged summary); one past 2**31 - 1 is refused, as AdaKV's stream
+    refuses it, rather than wrapped to a negative position."""
+    s = _surrogate(layers=(0,), width=16)
+    method = KVzap.__new__(KVzap)
+    method.scorer, method.threshold, method.surrogate = "test", -100.0, s
+    st = Stream(method, 8, 0, 0, torch.Generator())
+    first = 2**31 - 20
+    keys = torch.randn(1, 2, 40, 8)
+    with pytest.raises(ValueError, match="do not fit the int32"):
+        st.update(keys, keys, positions=torch.arange(first, first + 40), layer_idx=0, num_layers=1,
+                  hidden_states=torch.randn(1, 2, 40, 16))
+
+
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 def test_a_threshold_decides_alone_at_ratio_zero_in_every_mode(tiny_checkpoint, tiny_scorer, mode):
     """`method="kvzap", method_params={"threshold": t}` in every mode, with no budget: at a threshold no score reaches, the

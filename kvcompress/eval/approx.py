@@ -21,7 +21,6 @@ mean and standard deviation over them (zero for deterministic methods).
 from __future__ import annotations
 
 import csv
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from tqdm.auto import tqdm
 from ..api import compress
 from ..attention import exact_attention, weighted_attention
 from ..checks import check_distinct
+from ..methods.budget import tokens_kept
 from ..methods.registry import build_method, method_names
 from ..model_support import RotaryInverse, attention_scales
 from ..names import APPROX_LAYERS as DEFAULT_APPROX_LAYERS
@@ -89,7 +89,7 @@ def layer_errors(method: str, queries, keys, values, scale: float, config: Appro
     exact = exact_attention(targets, keys, values, scale=scale, causal_offset=n - config.n_queries)
     out = {}
     for ratio in config.ratios:
-        budget = max(1, math.ceil((1.0 - ratio) * middle))
+        budget = max(1, tokens_kept(middle, ratio))
         errs = []
         for seed in range(config.seeds):
             summary = compress(

@@ -45,7 +45,7 @@ from ..saved_state import Instance, Maybe, Sequence, Tensor, saved
 from ..summary import KVSummary, _GrowingSlots, concat, take_slots
 from .attention_matching import refit_kept
 from .base import BlockwiseState, Method, ScoreMethod, check_params, first_true, is_pool_span, max_pool_scores
-from .budget import check_slack, stream_split
+from .budget import check_slack, floor_share, stream_split
 from .registry import build_method, get_method_class, method_names, register
 from .requirements import Requirements
 from .snapkv import SnapKV
@@ -314,7 +314,7 @@ class AdaKV(Method):
 
     def safeguard(self, budget: int) -> int:
         """Tokens every head keeps of its own at this budget: floor(alpha_safeguard·budget)."""
-        return math.floor(self.alpha_safeguard * budget + 1e-9)
+        return floor_share(self.alpha_safeguard, budget)
 
     def check_inputs(self, tokens: Tokens) -> None:
         self.scorer.check_inputs(tokens)

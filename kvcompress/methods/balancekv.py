@@ -23,7 +23,7 @@ from ..checks import as_count, as_fraction
 from ..saved_state import Choice, Count, Generator, Instance, Linked, Mapping, Maybe, Real, Record, Tensor, saved
 from ..summary import KVSummary, concat, take_slots
 from .base import Method, StreamState, first_true
-from .budget import check_slack, stream_split
+from .budget import check_slack, floor_share, stream_split
 from .clustergen import squared_norms
 from .registry import register
 from .tokens import Tokens, cat_tokens
@@ -347,7 +347,7 @@ class BalanceKV(Method):
         keys, values, positions = tokens.keys, tokens.values, tokens.positions
         # the rounds follow the slots as indices into the tokens; keys and values are gathered once at the end
         index = torch.arange(n, device=keys.device).expand(positions.shape)
-        exact_count = int(self.augment * budget)
+        exact_count = floor_share(self.augment, budget)
         if exact_count:
             outlier = _outlier_mask(keys, exact_count)
             outliers, index = first_true(outlier, exact_count, exact=True), first_true(~outlier, n - exact_count, exact=True)
@@ -482,7 +482,7 @@ class BalanceKVStream(StreamState):
     exact_within_budget = True  # no halving runs while every head's pool has room for the next tokens
 
     def __init__(self, method: BalanceKV, budget: int, generator: torch.Generator, slack: float):
-        self.exact_count = max(0, min(int(method.augment * budget), budget - 2))
+        self.exact_count = max(0, min(floor_share(method.augment, budget), budget - 2))
         # the pool's target, and the room beside it for the slack and the batch being added (`budget.stream_split`)
         target, self.slack_slots = stream_split(budget - self.exact_count, check_slack(slack))
         self.method, self.budget, self.generator = method, target, generator

@@ -22,6 +22,26 @@ class Streaming(Protocol):
     def new_stream(self, budget: int, generator: torch.Generator) -> object: ...
 
 
+# A fraction times a count is read to 9 decimals before it is cut to a whole number of slots: a float's rounding just
+# below an integer or a half (0.29 * 100 = 28.999999999999996) is not a slot.
+_TOLERANCE = 1e-9
+
+
+def tokens_kept(n: int, compression_ratio: float) -> int:
+    """ceil((1 - compression_ratio)·n): the tokens of n that a compression ratio keeps."""
+    return math.ceil((1.0 - compression_ratio) * n - _TOLERANCE)
+
+
+def floor_share(fraction: float, count: int) -> int:
+    """floor(fraction·count): the whole slots a fraction of `count` gives."""
+    return math.floor(fraction * count + _TOLERANCE)
+
+
+def round_share(fraction: float, count: int) -> int:
+    """round(fraction·count), a half to even: the nearest whole number of slots to a fraction of `count`."""
+    return round(round(fraction * count, 9))
+
+
 # Default re-compression slack of block-wise streams: the room a stream fills before re-compressing, as a fraction of
 # what it compresses back to, both within the budget (`stream_split`: 0.5 compresses to 2/3 of the budget and lets the
 # last third fill). Each token then takes part in about 1 + 1/slack re-compressions; time against it: docs/bench.md,
@@ -53,7 +73,7 @@ def stream_split(budget: int, slack: float) -> tuple[int, int]:
             f"a re-compressing stream needs a middle budget >= 2 per KV head (at least 1 slot kept and 1 for the next "
             f"token, both within the budget), got budget={budget}; use a larger budget or a lower compression_ratio"
         )
-    kept = math.floor(budget / (1.0 + slack) + 1e-9)
+    kept = math.floor(budget / (1.0 + slack) + _TOLERANCE)
     if kept < 1:
         raise ValueError(
             f"slack={slack!r} leaves less than one slot to compress back to in a stream's middle budget of {budget} per KV "
@@ -68,7 +88,7 @@ def _smallest_context(kept_needed: int, compression_ratio: float) -> int:
     """Smallest n with ceil((1 - ratio)·n) >= kept_needed: counted up from floor((kept_needed - 1) / (1 - ratio)), which
     is at most that (ceil reaches kept_needed as soon as (1 - ratio)·n passes kept_needed - 1)."""
     n = max(1, math.floor((kept_needed - 1) / (1.0 - compression_ratio)))
-    while math.ceil((1.0 - compression_ratio) * n - 1e-9) < kept_needed:
+    while tokens_kept(n, compression_ratio) < kept_needed:
         n += 1
     return n
 
@@ -114,7 +134,7 @@ def resolve_budget(
             raise ValueError(f"budget={middle}: streaming {method.name} (chunked/decode mode) needs a middle budget >= {least} per KV head")
         return middle
     ratio = as_fraction("compression_ratio", compression_ratio, "the fraction of tokens removed")
-    kept = math.ceil((1.0 - ratio) * n - 1e-9)
+    kept = tokens_kept(n, ratio)
     middle = kept - sink - window
     if kept >= n:  # nothing removed (ratio 0, or every token within sink + window): the smallest budget keeps them all
         return max(middle, least)

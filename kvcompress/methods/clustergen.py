@@ -56,9 +56,13 @@ def farthest_point(points: torch.Tensor, k: int, valid: torch.Tensor | None = No
     -inf for the centres themselves and for invalid points, so a centre is never chosen twice); the
     covering radius is the max of the latter. k must be at most the number of valid points.
     Squared distances ‖x‖² − 2<x, c> + ‖c‖² come from a table of all pairs when G·n² <= _MAX_GRAM
-    (one batched matmul up front, one gather per step), else from one matrix-vector product per step.
+    (one batched matmul up front, one gather per step), else from one matrix-vector product per step. Without
+    points_sq the points are first shifted by point 0 (distances do not move), so that a large part every point shares
+    does not cancel the digits of that difference.
     """
     x = points.float()
+    if points_sq is None:
+        x = x - x[:, :1]
     g, n, _ = x.shape
     rows = torch.arange(g, device=x.device)
     index = torch.zeros(g, k, dtype=torch.long, device=x.device)
@@ -157,7 +161,9 @@ class ClusterGen(Method):
         keys, values, positions = gather_slots(tokens.keys, tokens.values, tokens.positions, index)
         log_weights = torch.zeros(positions.shape, device=keys.device)
         if self.weighted:
-            owner = torch.cdist(tokens.keys.float(), keys.float()).argmin(dim=-1)
+            # keys shifted by the first (as `farthest_point`): cdist's |x|^2 + |c|^2 - 2<x, c> cancels on a large common part
+            origin = tokens.keys[:, :, :1].float()
+            owner = torch.cdist(tokens.keys.float() - origin, keys.float() - origin).argmin(dim=-1)
             sizes = torch.zeros(b, h, budget, device=keys.device).scatter_add_(2, owner, torch.ones_like(owner, dtype=torch.float32))
             log_weights = sizes.log()
         return KVSummary(keys, values, log_weights, positions)

@@ -44,7 +44,7 @@ from ..quantization import QuantizedSlots
 from ..saved_state import Count, Instance, Sequence, saved
 from ..summary import KVSummary, concat, take_slots
 from .base import BlockwiseState, Method, StreamState, first_true, is_pool_span, make_generator, max_pool_scores, top_index
-from .budget import stream_split
+from .budget import round_share, stream_split
 from .registry import build_method, register
 from .requirements import Requirements
 from .tokens import Tokens
@@ -193,7 +193,7 @@ class Hybrid(Method):
         """(exact slots per score method, coreset slots) per head; the coreset always gets at least one."""
         counts, left = [], budget - 1
         for f in self.fractions:
-            counts.append(min(round(f * budget), left))
+            counts.append(min(round_share(f, budget), left))
             left -= counts[-1]
         return counts, budget - sum(counts)
 

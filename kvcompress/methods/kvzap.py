@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from ..checks import as_real
-from ..ragged import RaggedSummary
+from ..ragged import RaggedSummary, int32_positions
 from ..saved_state import Count, Instance, Linked, Maybe, Tensor, saved, write_whole
 from ..summary import KVSummary
 from .adakv import kept_summary
@@ -433,7 +433,7 @@ class ThresholdState(StreamState):
         kept = torch.isfinite(scores)
         if scores.shape[2] > self.budget:
             kept &= torch.zeros_like(kept).scatter_(-1, top_index(scores, self.budget), True)
-        self.kept = RaggedSummary(keys[kept], values[kept], None, positions[kept].to(torch.int32), kept.sum(-1).to(torch.int32))
+        self.kept = RaggedSummary(keys[kept], values[kept], None, int32_positions(positions[kept]), kept.sum(-1).to(torch.int32))
         self.kept_scores = scores[kept]
 
     def summary(self) -> KVSummary | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Callable, Sequence
@@ -10,6 +9,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ...methods.budget import tokens_kept
 from .common import Shape, add_row, fit_exponent, save_figure, subplots, synthetic_layer, time_calls
 from .config import BenchConfig
 
@@ -58,7 +58,7 @@ def unfit_reason(method: str, shape: Shape) -> str | None:
 
 def kept_budget(n: int, compression_ratio: float) -> int:
     """Slots kept per head when `compression_ratio` of n tokens is removed (at least 1)."""
-    return max(1, math.ceil((1.0 - compression_ratio) * n - 1e-9))
+    return max(1, tokens_kept(n, compression_ratio))
 
 
 # The timed layer is the only layer of its model, so a method whose budget depends on the depth (PyramidKV) keeps the same budget as the others.
