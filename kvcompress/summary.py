@@ -69,6 +69,20 @@ class KVSummary(Saveable):
             raise ValueError("eviction_only is set but some log-weights are not 0")
 
     def __post_init__(self):
+        tensors = (self.keys, self.values, self.log_weights, self.positions)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            name, t = next((n, t) for n, t in zip(("keys", "values", "log_weights", "positions"), tensors) if not isinstance(t, torch.Tensor))
+            raise ValueError(f"{name} must be a tensor, got {describe(t)}")
+        if self.eviction_only is not True and self.eviction_only is not False:
+            raise ValueError(f"eviction_only must be True or False, got {self.eviction_only!r}")
+        if self.normalizer is not None:
+            if not isinstance(self.normalizer, Normalizer):
+                raise ValueError(f"normalizer must be a Normalizer or None, got {describe(self.normalizer)}")
+            tensors += (self.normalizer.keys, self.normalizer.log_weights, self.normalizer.positions)
+        device = self.keys.device
+        if any(t.device != device for t in tensors):
+            names = ("keys", "values", "log_weights", "positions", "normalizer.keys", "normalizer.log_weights", "normalizer.positions")
+            raise ValueError(f"a summary's tensors must be on one device, got {', '.join(f'{n} on {t.device}' for n, t in zip(names, tensors))}")
         if self.eviction_only and self.normalizer is not None:
             raise ValueError("eviction_only=True needs normalizer=None: a normalizer reweights the denominator")
         if self.keys.ndim != 4 or self.values.ndim != 4:
@@ -97,6 +111,9 @@ class KVSummary(Saveable):
                     f"{tuple(norm.positions.shape)} must be [B, H_kv, m, d], [B, H_kv, m] and [B, H_kv, m] with the "
                     f"summary's B, H_kv and d {(b, h, self.keys.shape[3])}"
                 )
+            if not norm.keys.is_floating_point() or not norm.log_weights.is_floating_point() or norm.positions.dtype != torch.long:
+                raise ValueError(f"normalizer keys and log_weights must be floating and its positions int64, got {norm.keys.dtype}, "
+                                 f"{norm.log_weights.dtype} and {norm.positions.dtype}")
 
     @classmethod
     def exact(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "KVSummary":

@@ -166,6 +166,16 @@ def test_bad_causality_and_summary_parts_are_refused():
         KVSummary(k, v, lw, pos, Normalizer(k, lw[:, :, :3], pos))
     with pytest.raises(ValueError, match="positions must be an integer tensor \\[n\\] = \\[6\\]"):
         KVSummary.exact(k, v, torch.arange(7))
+    with pytest.raises(ValueError, match="keys must be a tensor, got a list"):
+        KVSummary(k.tolist(), v, lw, pos)
+    with pytest.raises(ValueError, match="eviction_only must be True or False, got 'yes'"):
+        KVSummary(k, v, lw, pos, eviction_only="yes")
+    with pytest.raises(ValueError, match="normalizer must be a Normalizer or None, got a tuple"):
+        KVSummary(k, v, lw, pos, (k, lw, pos))
+    with pytest.raises(ValueError, match="normalizer keys and log_weights must be floating and its positions int64"):
+        KVSummary(k, v, lw, pos, Normalizer(k, lw, pos.float()))
+    with pytest.raises(ValueError, match="one device, got keys on cpu, .*log_weights on meta"):
+        KVSummary(k, v, lw.to("meta"), pos)
     with pytest.raises(ValueError, match="concat's parts must share .* part 1 keys tensor \\[2, 3, 6, 8\\] float16"):
         concat([s, s.to(torch.float16)])
     with pytest.raises(ValueError, match="concat's parts must share"):

@@ -58,6 +58,16 @@ def test_stream_is_bounded_and_weights_add_up_to_tokens_seen(coreset):
     assert (s.log_weights == 0).sum(-1).min() >= 4 + 16 + st.state.counts[0]
 
 
+def test_a_missing_input_of_a_part_is_refused_naming_the_method_called_and_its_part():
+    keys = torch.randn(1, 2, 300, 8)
+    with pytest.raises(ValueError, match=r"method 'hybrid' \(through its part 'tova'\): method 'tova' scores tokens with queries"):
+        kvc.compress("hybrid", keys, keys, budget=8)
+    with pytest.raises(ValueError, match=r"method 'adakv' \(through its part 'snapkv'\): .*pass queries"):
+        kvc.compress("adakv", keys, keys, budget=8, scorer="snapkv")
+    with pytest.raises(ValueError, match=r"layer_idx and num_layers must be given together.*num_layers=None"):
+        kvc.stream("knorm", budget=8).update(keys, keys, layer_idx=0)
+
+
 def test_the_split_rounds_each_fraction_of_the_budget_as_the_decimal_says():
     """round(f·budget), a half to even: 0.35·90 = 31.5 is 32 (its float product 31.499999999999996 rounded to 31), and
     0.1·25 = 2.5 stays 2."""

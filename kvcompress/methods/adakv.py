@@ -317,7 +317,7 @@ class AdaKV(Method):
         return floor_share(self.alpha_safeguard, budget)
 
     def check_inputs(self, tokens: Tokens) -> None:
-        self.scorer.check_inputs(tokens)
+        self.check_parts_inputs([self.scorer], tokens)
 
     def on_entry(self, tokens: Tokens) -> Tokens:
         """The scorer's (KVzap's scores a block as it enters a stream)."""

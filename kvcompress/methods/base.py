@@ -226,6 +226,14 @@ class Method:
                 "kvcompress.integration.reconstruction.reconstruct_context(model, cache, context_ids)"
             )
 
+    def check_parts_inputs(self, parts: list["Method"], tokens: Tokens) -> None:
+        """`check_inputs` of the methods this one is built from, an error naming this method before the part."""
+        for part in parts:
+            try:
+                part.check_inputs(tokens)
+            except ValueError as err:
+                raise ValueError(f"method {self.name!r} (through its part {part.name!r}): {err}") from None
+
     def check_inputs(self, tokens: Tokens) -> None:
         """Raise a clear error when the method's required inputs (`requirements.inputs`) are missing."""
         needs = self.requirements.needs

@@ -210,8 +210,7 @@ class Hybrid(Method):
                 for name, digest in method.file_digests().items()}
 
     def check_inputs(self, tokens: Tokens) -> None:
-        for method in self.components:
-            method.check_inputs(tokens)
+        self.check_parts_inputs(self.components, tokens)
 
     def top(self, tokens: Tokens, counts: list[int], generator: torch.Generator) -> tuple[Tokens, Tokens]:
         """(the tokens the score methods keep, `counts[i]` per head by method i among those the
