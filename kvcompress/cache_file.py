@@ -38,11 +38,24 @@ class CacheFileError(ValueError):
     """A saved cache that cannot be used: unreadable, foreign, of another version, corrupted, or from another model."""
 
 
+class CacheFileMissing(CacheFileError, FileNotFoundError):
+    """A saved cache's path that names no file (nothing there, or a folder): a CacheFileError and a FileNotFoundError."""
+
+
 def as_path(path) -> Path:
     """`path` (a str or os.PathLike) as a Path; anything else is refused, naming what was given."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file's path (a str or os.PathLike), got {type(path).__name__}")
     return Path(path)
+
+
+def existing_file(path, parameter: str = "path") -> Path:
+    """`path` as a Path (`as_path`) when it names a file; else CacheFileMissing naming `parameter` and the path."""
+    file = as_path(path)
+    if not file.is_file():
+        raise CacheFileMissing(f"{parameter}={str(path)!r}: {'a folder, not a file' if file.is_dir() else 'no such file'}; pass the "
+                               "path of a cache saved with CompressedCache.save (e.g. kvc.compress_context(...).save(path))")
+    return file
 
 
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: dict) -> None:
@@ -58,7 +71,7 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: d
 
 def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors on the CPU, the JSON document) of a file `write` wrote; CacheFileError for anything else."""
-    data = as_path(path).read_bytes()
+    data = existing_file(path).read_bytes()
     where = f"{str(path)!r}"
     if len(data) < 8:
         raise CacheFileError(f"{where} is not a kvcompress cache file: {len(data)} bytes, too short for a safetensors header (truncated?)")

@@ -9,6 +9,7 @@ resolves its middle budget from it once, where the number of tokens it compresse
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -181,6 +182,9 @@ class CompressionOptions:
     compressor: Method | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
+        if self.method is not None and not isinstance(self.method, str):  # named before it is looked up (a list is unhashable)
+            raise ValueError(f"method must be a method's name (a str: one of the named settings {', '.join(map(repr, NAMED_SETTINGS))} "
+                             f"or a registered method, kvc.methods()) or None for the full cache, got {self.method!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.compress_question, bool):
@@ -262,9 +266,9 @@ class CompressionOptions:
             if not self.compressor.requirements.needs("reconstruction"):
                 raise ValueError(f"repeat_prompt_ids is the instruction of a reconstruction forward (KVzip's); method {self.method!r} "
                                  "runs none: leave it unset")
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not len(ids) or \
-                    not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                raise ValueError(f"repeat_prompt_ids must be a non-empty sequence of token ids (ints >= 0), got {ids!r}")
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not len(ids) or \
+                    not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):  # a set or dict has no order
+                raise ValueError(f"repeat_prompt_ids must be a non-empty sequence (list or tuple) of token ids (ints >= 0), got {ids!r}")
             object.__setattr__(self, "repeat_prompt_ids", tuple(ids))
         if self.prefill_approx is not None:
             if self.prefill_approx not in PREFILL_APPROXIMATIONS:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .. import cache_file
 from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, describe
 from ..model_support import check_supported, select_compressed_attention, use_compressed_attention
@@ -32,7 +33,7 @@ from .attention import feeding_hidden_states  # the module registers the kvcompr
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
 from .model import (DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_ids, check_context_length, check_questions,
-                    logits_to_keep)
+                    check_token_ids, logits_to_keep)
 from .model import prompt_layout as as_prompt_layout
 
 # Prompts longer than this show a progress bar while they are processed, on a terminal (tqdm disable=None: not in a log).
@@ -156,7 +157,7 @@ class _Session:
 
     def __init__(self, model, prompt: _Prompt, options: CompressionOptions, max_new_tokens: int, prefill: dict | None = None):
         context_ids = prompt.context_ids
-        check_context_ids(context_ids)
+        check_context_ids(context_ids, model)  # and the ids' range: once per call
         check_supported(model)
         self.model, self.options, self.mode = model, options, options.mode
         self.device = next(model.parameters()).device
@@ -387,12 +388,12 @@ def generate_ids(
     rest comes from greedy `model.generate` on the same cache.
     """
     options = CompressionOptions.build(options, **settings)
-    _check_answer_settings(max_new_tokens, stop_at_eos)
+    _check_answer_settings(max_new_tokens, stop_at_eos, progress)
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"generate_ids takes one sequence (batch size 1), got batch size {context_ids.shape[0]}; use generate_batch_ids")
-    if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1 or question_ids.is_floating_point()):
-        raise ValueError(f"question_ids must be an integer tensor [1, m] or None, got {describe(question_ids)}")
+    if question_ids is not None:
+        check_token_ids("question_ids", question_ids, "[1, m] or None", model, rows=1, least=0)
     session = _Session(model, _Prompt(context_ids, question_ids), options, max_new_tokens, prefill)
     with _running(model, options):
         logits, prefill_seconds = session.run_context(progress)
@@ -426,8 +427,7 @@ def answer_log_probs_ids(
     if options.compress_question:
         raise ValueError("answer_log_probs_ids keeps the question out of compression, got compress_question=True")
     for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("answer_ids", answer_ids)):
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point():
-            raise ValueError(f"{name} must be an integer tensor [1, m] with m >= 1, got {describe(ids)}")
+        check_token_ids(name, ids, "[1, m] with m >= 1", None if name == "context_ids" else model, rows=1)  # the context's range: `_Session`
     session = _Session(model, _Prompt(context_ids, question_ids), options, answer_ids.shape[1], prefill)
     with _running(model, options):
         session.run_context(False)
@@ -459,13 +459,12 @@ def answer_questions_ids(
     resolves it for one question (ratio 0 compresses nothing).
     """
     options = CompressionOptions.build(options, **settings)
-    if not questions_ids:
-        raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
-    _check_answer_settings(max_new_tokens, stop_at_eos)
+    _check_answer_settings(max_new_tokens, stop_at_eos, progress)
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
+    check_context_ids(context_ids)
+    _check_questions(model, context_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
-    _check_questions(model, session.n_context, questions_ids, max_new_tokens)
     if session.mode == "decode":  # every question and answer streams too: a ratio is of the context, the longest question and answer
         session.stream_length += max(q.shape[1] for q in questions_ids)
     with _running(model, options):
@@ -474,11 +473,14 @@ def answer_questions_ids(
 
 
 def _check_questions(model, n_context: int, questions_ids: list[torch.Tensor], max_new_tokens: int) -> None:
-    """Raise before any work when a question is not an integer tensor [1, m] with m >= 1, or when the context, the longest
-    question and its answer need more positions than the model has."""
+    """Raise before any work when questions_ids is not a non-empty list, a question is not a token id tensor [1, m] with
+    m >= 1 in the model's vocabulary, or when the context, the longest question and its answer need more positions than
+    the model has."""
+    if not isinstance(questions_ids, (list, tuple)) or not questions_ids:
+        raise ValueError(f"questions_ids must be a non-empty list of [1, m] token id tensors, got {describe(questions_ids)}"
+                         + (f" {questions_ids!r}" if isinstance(questions_ids, (list, tuple)) else ""))
     for i, q in enumerate(questions_ids):
-        if not isinstance(q, torch.Tensor) or q.ndim != 2 or q.shape[0] != 1 or q.shape[1] == 0 or q.is_floating_point():
-            raise ValueError(f"questions_ids[{i}] must be an integer tensor [1, m] with m >= 1, got {describe(q)}")
+        check_token_ids(f"questions_ids[{i}]", q, "[1, m] with m >= 1", model, rows=1)
     check_context_length(model, n_context + max(q.shape[1] for q in questions_ids), max_new_tokens)
 
 
@@ -521,6 +523,7 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
             "compress_context compresses a context once for later questions: it takes a method and the question kept out of "
             f"compression; got method={options.method!r}, compress_question={options.compress_question!r}"
         )
+    _check_flag("progress", progress)
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"compress_context takes one context (batch size 1), got batch size {context_ids.shape[0]}")
@@ -545,6 +548,7 @@ def answer_from_cache_ids(
     prefill_seconds 0 (the context was compressed before).
     """
     if isinstance(cache, (str, os.PathLike)):
+        cache_file.existing_file(cache, "cache")
         cache = load_cache(cache, model)
     if not isinstance(cache, CompressedCache) or cache.token_ids is None:
         raise ValueError(f"cache must be a CompressedCache holding a compressed context with its token_ids (kvc.compress_context, "
@@ -553,11 +557,9 @@ def answer_from_cache_ids(
         raise ValueError(f"cache holds {cache.get_seq_length()} tokens, but its token_ids are the context's {cache.token_ids.shape[1]}: "
                          "later tokens were added since it was compressed (e.g. by model.generate); roll it back with "
                          "cache.restore(cache.snapshot() taken right after compressing), or compress the context again")
-    if not questions_ids:
-        raise ValueError("questions_ids must be a non-empty list of [1, m] token id tensors")
     _check_answer_settings(max_new_tokens, stop_at_eos)
+    _check_questions(model, cache.token_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
-    _check_questions(model, session.n_context, questions_ids, max_new_tokens)
     session.adopt(cache)
     with _running(model, cache.options):
         return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)
@@ -584,9 +586,19 @@ def generate_batch_ids(
     forward: there a stream, AdaKV with scope='model', KVzip and the default are refused with the cause.)
     """
     options = CompressionOptions.build(options, **settings)
-    if not contexts_ids:
-        raise ValueError("contexts_ids must be a non-empty list of [1, n] token id tensors")
-    _check_answer_settings(max_new_tokens, stop_at_eos)
+    if not isinstance(contexts_ids, (list, tuple)) or not contexts_ids:
+        raise ValueError(f"contexts_ids must be a non-empty list of [1, n] token id tensors, got {describe(contexts_ids)}"
+                         + (f" {contexts_ids!r}" if isinstance(contexts_ids, (list, tuple)) else ""))
+    for i, c in enumerate(contexts_ids):  # one row each: a row more would not be answered
+        check_token_ids(f"contexts_ids[{i}]", c, "[1, n] with n >= 1 (one context; a batch is a list of them)", model, rows=1)
+    if question_ids is not None:
+        check_token_ids("question_ids", question_ids, "[1, m] or None", model, rows=1, least=0)
+    pad_token_id = as_count("pad_token_id", pad_token_id, 0, optional=True)
+    vocab = model.get_input_embeddings().num_embeddings  # the model was checked with the contexts
+    if pad_token_id is not None and pad_token_id >= vocab:
+        raise ValueError(f"pad_token_id must be None or a token id from 0 to {vocab - 1} (the model's vocabulary of {vocab}), "
+                         f"got {pad_token_id}")
+    _check_answer_settings(max_new_tokens, stop_at_eos, progress)
     width = max(c.shape[1] for c in contexts_ids)
     padded = any(c.shape[1] != width for c in contexts_ids)
     batch = {"batch_size": len(contexts_ids)}
@@ -698,6 +710,7 @@ def generate(
     """
 
     check_questions(question, questions)
+    _check_flag("progress", progress)
     prompt_layout = as_prompt_layout(prompt_layout, parameter="prompt_layout")
     if cache is not None:
         if context is not None or options is not None or settings:
@@ -708,6 +721,11 @@ def generate(
         _check_model_and_tokenizer(model, tokenizer)
         asked = questions if questions is not None else [question]
         questions_ids = [build_prompt(tokenizer, "", q, layout=prompt_layout)[1] for q in asked]  # the question's ids do not depend on the context
+        for i, (q, ids) in enumerate(zip(asked, questions_ids)):
+            if ids.shape[1] == 0:  # question=None with a tokenizer without a chat template (whose closing tokens would follow)
+                raise ValueError(f"{'question' if questions is None else f'questions[{i}]'}={q!r} adds no tokens after the context with "
+                                 "this tokenizer, and an answer from a compressed context (cache=...) starts from the question's "
+                                 "forward: pass a question")
         results = answer_from_cache_ids(model, cache, questions_ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
         for res in results:
             res.text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
@@ -741,11 +759,17 @@ def generate(
     return results if (questions is not None or isinstance(context, list)) else results[0]
 
 
-def _check_answer_settings(max_new_tokens, stop_at_eos) -> None:
-    """Refuse a max_new_tokens below 1 or a stop_at_eos that is not a bool (a truthy string would be read as True)."""
+def _check_answer_settings(max_new_tokens, stop_at_eos, progress: bool = False) -> None:
+    """Refuse a max_new_tokens below 1 or a stop_at_eos or progress that is not a bool (a truthy string would be read as
+    True)."""
     as_count("max_new_tokens", max_new_tokens, 1)
-    if not isinstance(stop_at_eos, bool):
-        raise ValueError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
+    _check_flag("stop_at_eos", stop_at_eos)
+    _check_flag("progress", progress)
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_model_and_tokenizer(model, tokenizer) -> None:

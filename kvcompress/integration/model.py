@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..checks import MissingPackage, describe
+from ..model_support import check_supported
 from ..names import DEFAULT_PROMPT_LAYOUT
 from ..names import DTYPES as DTYPE_NAMES
 from ..names import PROMPT_LAYOUTS as LAYOUT_FIELDS
@@ -184,10 +185,32 @@ def logits_to_keep(model, last: bool) -> dict:
     return {"logits_to_keep": 1 if last else torch.empty(0, dtype=torch.long, device=next(model.parameters()).device)}
 
 
-def check_context_ids(context_ids) -> None:
-    """Refuse anything but an integer token id tensor [B, n] with n >= 1, naming what was received."""
-    if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[1] == 0 or context_ids.is_floating_point():
-        raise ValueError(f"empty context or bad ids: context_ids must be an integer tensor [B, n] with n >= 1, got {describe(context_ids)}")
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)  # what a model's input embedding takes
+
+
+def check_token_ids(name: str, ids, layout: str, model=None, rows: int | None = None, least: int = 1, prefix: str = "") -> None:
+    """Refuse anything but a token id tensor (int64 or int32) of `layout` (e.g. "[1, m] with m >= 1"): 2-D, `rows` rows
+    (any when None), at least `least` tokens; given `model`, also ids outside its vocabulary (its input embedding's
+    rows). The range is read once (a device synchronisation): check once per call, not per token. `prefix` starts the
+    messages about the ids."""
+    if (not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] < least or (rows is not None and ids.shape[0] != rows)
+            or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(f"{prefix}{name} must be an integer tensor {layout}, got {describe(ids)}")
+    if ids.dtype not in TOKEN_ID_DTYPES:
+        raise ValueError(f"{prefix}{name} must hold its token ids as int64 or int32 (what the model's embedding takes), got {describe(ids)}")
+    if model is not None and ids.numel():
+        check_supported(model)  # a model named as such before its embedding is read
+        vocab = model.get_input_embeddings().num_embeddings
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{prefix}{name} must hold token ids from 0 to {vocab - 1} (the model's vocabulary of {vocab}), "
+                             f"got ids from {low} to {high}")
+
+
+def check_context_ids(context_ids, model=None) -> None:
+    """Refuse anything but a token id tensor [B, n] with n >= 1 (`check_token_ids`; given `model`, ids in its vocabulary),
+    naming what was received."""
+    check_token_ids("context_ids", context_ids, "[B, n] with n >= 1", model, prefix="empty context or bad ids: ")
 
 
 def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:

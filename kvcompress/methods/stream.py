@@ -134,12 +134,10 @@ class Stream(Saveable):
         its sink).
         """
         check_kv(keys, values, queries, pre_rope_keys, sync=False, hidden_states=hidden_states)
-        if layer_idx is not None or num_layers is not None:
-            try:
-                check_layer((layer_idx, num_layers))
-            except ValueError:
-                raise ValueError(f"layer_idx and num_layers must be given together, with 0 <= layer_idx < num_layers, got "
-                                 f"layer_idx={layer_idx!r}, num_layers={num_layers!r}") from None
+        if (layer_idx is None) != (num_layers is None):
+            raise ValueError(f"layer_idx and num_layers must be given together, got layer_idx={layer_idx!r}, num_layers={num_layers!r}")
+        if layer_idx is not None:
+            check_layer((layer_idx, num_layers))
         if not self.method.requirements.needs("queries"):
             queries = None  # held with the latest block until the next one (and saved with it): only for a method that reads them
         b, h, n, d = keys.shape
