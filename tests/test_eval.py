@@ -375,3 +375,35 @@ def test_the_figure_legend_names_every_line_and_flags_partial_points():
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["keydiff", "snapkv", ERRORED_LABEL]
     hollow = [line for line in axes[0, 1].get_lines() if line.get_label() == ERRORED_LABEL]
     assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [0.5] and hollow[0].get_markerfacecolor() == "white"
+
+
+def test_task_param_values_are_checked_when_the_sweep_is_configured(tmp_path, capsys):
+    """A task parameter's value was checked, if at all, by its generator once the model had loaded: n_keys=2.5 ended in a
+    traceback, n_keys=1000000 in "Sample larger than population", n_chains=20000 never ended, true was taken as 1."""
+    for params, message in [({"niah_multikey": {"n_keys": 2.5}}, r"task_params\['niah_multikey'\]\['n_keys'\] must be an integer >= 2, got 2\.5"),
+                            ({"common_words": {"n_common": True}}, r"task_params\['common_words'\]\['n_common'\] must be an integer >= 1, got True"),
+                            ({"niah_multikey": {"n_keys": 1000}}, r"task_params\['niah_multikey'\]\['n_keys'\] must be at most \d+ with words")]:
+        with pytest.raises(ValueError, match=message):
+            SweepConfig(tasks=["niah_multikey", "common_words"], kind="words", task_params=params)
+    with pytest.raises(ValueError, match=r"kind must be one of \('numbers', 'words', 'uuids'\), got 'colors'"):
+        SweepConfig(kind="colors")
+    from kvcompress.cli import main
+
+    for param, tasks, message in [
+        ("niah_multikey.n_keys=2.5", "niah_multikey", "--task-param niah_multikey.n_keys must be an integer >= 2, got 2.5"),
+        ("frequent_words.vocab_size=None", "frequent_words", "--task-param frequent_words.vocab_size must be an integer in [4, "),
+        ("niah_multikey.n_keys=1000000", "niah_multikey", "--task-param niah_multikey.n_keys must be at most "),
+        ("frequent_words.alpha=nan", "frequent_words", "--task-param frequent_words.alpha must be a finite number >= 1.0, got nan"),
+        ("variable_tracking.n_chains=20000", "variable_tracking",
+         "--task-param variable_tracking.n_chains × (--task-param variable_tracking.n_hops + 1), the variables named, must be at most 10000"),
+        ("common_words.n_common=true", "common_words", "--task-param common_words.n_common must be an integer >= 1, got True"),
+    ]:
+        # refused before the model loads (which would fail on this path), on one line
+        assert main(["eval", "--model", str(tmp_path / "no-model"), "--tasks", tasks, "--methods", "knorm", "--task-param", param,
+                     "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvcompress eval: error: {message}") and err.count("\n") == 1, err
+    # with --kind words, niah_multikey's keys and values share the vocabulary: half as many keys
+    assert main(["eval", "--model", str(tmp_path / "no-model"), "--tasks", "niah_multikey", "--kind", "words", "--task-param",
+                 "niah_multikey.n_keys=1000", "--out", str(tmp_path / "out")]) == 2
+    assert "--task-param niah_multikey.n_keys must be at most" in capsys.readouterr().err

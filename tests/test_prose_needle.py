@@ -62,7 +62,7 @@ def test_same_seed_same_sample_and_mixed_draws_both_kinds():
 def test_bad_arguments_name_the_parameter():
     with pytest.raises(ValueError, match=r"answer_kind must be one of \('names', 'places', 'mixed'\), got 'towns'"):
         T.niah_prose(500, answer_kind="towns")
-    with pytest.raises(ValueError, match="depth must be in"):
+    with pytest.raises(ValueError, match=r"depth must be a finite number in \[0.0, 1.0\], got 1.5"):
         T.niah_prose(500, depth=1.5)
 
 

@@ -85,3 +85,34 @@ def test_wilson_interval_contains_the_proportion_at_zero_and_full_score(n):
     assert low <= 1.0 == high
     low, high = wilson(0, n)
     assert low == 0.0 <= high
+
+
+def test_bad_counts_and_quantiles_are_refused_by_name():
+    """sign_test(-1, 3) and (1.5, 3) raised scipy's errors naming no parameter; wilson(3, "10") a TypeError; z=-1 gave an
+    interval of width zero."""
+    for args, message in [((-1, 3), r"wins must be an integer >= 0, got -1"), ((1.5, 3), r"wins must be an integer >= 0, got 1\.5"),
+                          ((3, True), r"losses must be an integer >= 0, got True")]:
+        with pytest.raises(ValueError, match=message):
+            sign_test(*args)
+    with pytest.raises(ValueError, match=r"n must be an integer >= 0, got '10'"):
+        wilson(3, "10")
+    with pytest.raises(ValueError, match=r"successes must be a finite number \(the sum of the scores\), got nan"):
+        wilson(float("nan"), 10)
+    for z in (-1, 0, float("inf")):
+        with pytest.raises(ValueError, match=r"z must be .*\(the normal quantile of the confidence, 1\.96 for 95%\), got"):
+            wilson(3, 10, z=z)
+    low, high = wilson(2.5, 10)  # fractional successes: the sum of multi-answer scores
+    assert low < 0.25 < high
+
+
+def test_paired_comparisons_refuse_records_without_their_fields_and_a_bare_baseline_name():
+    """A record without 'ratio' raised KeyError: 'ratio'; baselines="full_cache" was tested as a substring ("a" in it)."""
+    records = [_rec("a", i, 1.0) for i in range(3)] + [_rec("b", i, 0.0) for i in range(3)]
+    broken = [r.copy() for r in records]
+    del broken[4]["ratio"]
+    with pytest.raises(ValueError, match=r"records\[4\] lacks \['ratio'\]: a scored record needs \['method', 'ratio', 'mode', 'task', "):
+        paired_comparisons(broken, ["a"])
+    with pytest.raises(ValueError, match=r"baselines must be a list of method names, got the string 'ab': pass \['ab'\] for one"):
+        paired_comparisons(records, "ab")
+    assert [r["baseline"] for r in paired_comparisons(records, ["a"])] == ["a"]
+    assert paired_comparisons([_rec("a", 0, None), {"grid": True, "score": 1.0}], ["a"]) == []  # unscored and grid records need nothing

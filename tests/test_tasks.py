@@ -1,6 +1,7 @@
 """Offline task generators: answers really sit in the context at the stated depth; scorers."""
 
 import re
+import signal
 
 import pytest
 
@@ -186,3 +187,86 @@ def test_needle_values_are_distinct_from_each_other_and_the_keys():
     for seed in range(400):
         s = T.niah_multivalue(256, seed=seed, kind="words", n_values=4)
         assert len(set(s.answers)) == 4 and not set(s.answers) & set(re.findall(r"for (\w+) is", " ".join(s.needles)))
+
+
+@pytest.mark.parametrize("task, kwargs, message", [
+    ("niah_multikey", {"n_keys": 2.5}, r"n_keys must be an integer >= 2, got 2\.5"),
+    ("frequent_words", {"vocab_size": None}, r"vocab_size must be an integer in \[4, \d+\] .*got None"),
+    ("frequent_words", {"alpha": float("nan")}, r"alpha must be a finite number >= 1\.0, got nan"),
+    ("common_words", {"n_common": True}, r"n_common must be an integer >= 1, got True"),
+    ("common_words", {"common_freq": 3, "rare_freq": 3}, r"common_freq must be an integer >= 4 \(more than rare_freq=3\), got 3"),
+    ("niah_single", {"seed": -1}, r"seed must be an integer >= 0, got -1"),
+    ("niah_single", {"seed": 1.5}, r"seed must be an integer >= 0, got 1\.5"),
+    ("niah_single", {"seed": "abc"}, r"seed must be an integer >= 0, got 'abc'"),
+    ("niah_single", {"seed": None}, r"seed must be an integer >= 0, got None"),
+    ("niah_single", {"depth": float("nan")}, r"depth must be a finite number in \[0\.0, 1\.0\], got nan"),
+    ("niah_single", {"target_tokens": 300.5}, r"target_tokens must be an integer >= 64, got 300\.5"),
+    ("niah_single", {"tokenizer": "gpt2"}, r"tokenizer must be None .* or a tokenizer .*got 'gpt2'"),
+    ("niah_prose", {"answer_kind": 3}, r"answer_kind must be one of \('names', 'places', 'mixed'\), got 3"),
+    ("line_retrieval", {"n_lines": 1.0}, r"n_lines must be an integer in \[1, \d+\] \(or None; .*got 1\.0"),
+])
+def test_generator_arguments_of_the_wrong_type_or_range_are_refused_by_name(task, kwargs, message):
+    """2.5 keys, vocab_size None and a string tokenizer raised TypeErrors; alpha nan 'cannot convert float NaN to integer';
+    True was taken as 1, seed -1 as seed 1 (random.Random takes its absolute value), seed None drew an unreproducible
+    sample, depth nan and 300.5 tokens were used as given."""
+    with pytest.raises(ValueError, match=message):
+        T.generate_sample(task, **kwargs)
+    with pytest.raises(ValueError, match=message.replace(list(kwargs)[0], "TASK." + list(kwargs)[0], 1)):
+        T.check_task_params(task, kwargs, named=lambda name: f"TASK.{name}")
+
+
+def _within(seconds, f):
+    """f(), or a TimeoutError after `seconds` (a generator that loops for ever fails its test instead of hanging it)."""
+    def stop(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        return f()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_more_than_a_generator_can_draw_is_refused_with_the_largest_that_works():
+    """n_keys=1000000 gave 'Sample larger than population or is negative'; 20,000 chains of variables redrew their names
+    for ever; words as values ran out of distinct words and drew for ever."""
+    n_words = len(T.vocabulary())
+    with pytest.raises(ValueError, match=rf"n_keys must be at most {n_words} with numbers as the values, got 1000000"):
+        _within(30, lambda: T.niah_multikey(n_keys=1_000_000))
+    with pytest.raises(ValueError, match=rf"n_keys must be at most {n_words // 2} with words as the values, got {n_words // 2 + 1}"):
+        _within(30, lambda: T.niah_multikey(n_keys=n_words // 2 + 1, kind="words"))
+    with pytest.raises(ValueError, match=r"n_values must be at most 9000000 with numbers as the values"):
+        _within(30, lambda: T.niah_multivalue(n_values=10**7))
+    with pytest.raises(ValueError, match=r"n_chains × \(n_hops \+ 1\), the variables named, must be at most 10000 .* got 20000 × "
+                                         r"\(4 \+ 1\) = 100000: at most 2000 chains of 4 hops"):
+        _within(30, lambda: T.variable_tracking(10**7, n_chains=20_000))
+
+
+def test_inserted_items_longer_than_the_context_are_refused_with_how_many_fit():
+    """100,000 lines in 2,048 tokens ran for hours (each line's depth searched a context of millions of characters) to
+    make a context far longer than asked; 300 needles made one of twice the length asked."""
+    with pytest.raises(ValueError, match=r"target_tokens=2048 is shorter than the 100000 items inserted alone \(about \d+ tokens; "
+                                         r"about \d+ fit\): lower n_lines=100000 or ask for a longer context"):
+        _within(60, lambda: T.line_retrieval(2048, n_lines=100_000))
+    with pytest.raises(ValueError, match=r"shorter than the 300 items .* lower n_queries=300"):
+        T.niah_multiquery(2048, n_queries=300)
+    with pytest.raises(ValueError, match=r"lower n_chains=200 or n_hops=4"):
+        T.variable_tracking(2048, n_chains=200)
+    fits = T.niah_multiquery(2048, n_queries=100)
+    assert fits.n_tokens <= 2048 + 8 and len(fits.needles) == 100
+
+
+def test_scorers_refuse_no_answers_and_a_prediction_that_is_no_string():
+    """An empty answer list divided by zero; a None prediction raised AttributeError."""
+    from kvcompress.eval.metrics import string_match_all
+
+    with pytest.raises(ValueError, match=r"answers must be a non-empty list of the expected answers, got \[\]"):
+        T.whole_words_found([], "anything")
+    with pytest.raises(ValueError, match=r"string_match_all: answers must be a non-empty list of the expected answers, got \[\]"):
+        string_match_all("anything", [])
+    for task in ("niah_single", "line_retrieval"):
+        with pytest.raises(ValueError, match=r"prediction must be a string \(the model's answer; '' for none\), got None"):
+            T.score(T.generate_sample(task, target_tokens=200), None)
+    assert T.whole_words_found(["a", "b"], "A, c") == 0.5 and string_match_all("xay", ["A", "b"]) == 0.5

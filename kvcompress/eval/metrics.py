@@ -169,7 +169,9 @@ def code_similarity(prediction: str, answer: str, **_) -> float:
 
 
 def string_match_all(prediction: str, answers: Sequence[str], **_) -> float:
-    """RULER: fraction of the answers contained in the prediction (case-insensitive substrings)."""
+    """RULER: fraction of the answers contained in the prediction (case-insensitive substrings); no answers is a ValueError."""
+    if isinstance(answers, str) or not answers:
+        raise ValueError(f"string_match_all: answers must be a non-empty list of the expected answers, got {answers!r}")
     pred = prediction.lower()
     return sum(a.lower() in pred for a in answers) / len(answers)
 

@@ -62,7 +62,7 @@ from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
 from .stats import paired_comparisons, wilson
 from .stopping import stop_token_ids
-from .tasks import GENERATORS, HAYSTACKS, TASKS, Sample, generate_sample, score, task_parameters
+from .tasks import GENERATORS, HAYSTACKS, NEEDLE_KINDS, TASKS, Sample, check_task_params, generate_sample, score, task_parameters
 
 # Methods built from other methods (the library's default is AdaKV over another method's scores): compared with the best
 # single method, never chosen as it.
@@ -70,7 +70,7 @@ COMPOSED = ("hybrid", DEFAULT, KVZIP_REFIT)
 # A task counts as a compression result only where the full cache scores at least this.
 FULL_CACHE_BAR = 0.9
 # Generator arguments the sweep sets itself (not settable through task_params).
-_SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
+SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
 RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
 # What changes every cell's answer but not its key: a results folder holds one value of each (`check_same_run`).
@@ -161,15 +161,20 @@ class SweepConfig:
             raise ValueError(f"samples must be >= 1 (None only with a benchmark), got {self.samples}")
         if self.haystack not in HAYSTACKS:
             raise ValueError(f"haystack must be one of {HAYSTACKS}, got {self.haystack!r}")
+        if self.kind not in NEEDLE_KINDS:
+            raise ValueError(f"kind must be one of {NEEDLE_KINDS}, got {self.kind!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         for task, params in self.task_params.items():
             if task not in GENERATORS:
                 raise ValueError(f"task_params: task must be one of {TASKS}, got {task!r}")
-            allowed = task_parameters(task) - set(_SWEEP_ARGUMENTS)
+            allowed = task_parameters(task) - set(SWEEP_ARGUMENTS)
             bad = sorted(set(params) - allowed)
             if bad:
                 raise ValueError(f"task_params[{task!r}]: parameters must be among {sorted(allowed)}, got {bad}")
+            # each value's type and range, with the sweep's haystack and kind where the task takes them (as `SampleSpec.build`)
+            settings = {name: getattr(self, name) for name in ("haystack", "kind") if name in allowed}
+            check_task_params(task, settings | params, named=lambda name, task=task: f"task_params[{task!r}][{name!r}]")
 
     def _check_benchmark(self):
         if self.benchmark not in BENCHMARKS:

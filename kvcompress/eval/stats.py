@@ -19,13 +19,20 @@ from collections import defaultdict
 from scipy.stats import binomtest
 from scipy.stats import t as student_t
 
+from ..checks import as_count, as_real
+
 Z95 = 1.959963984540054
 SAMPLE_KEY = ("task", "length", "index", "depth")
 
 
 def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """(low, high) Wilson score interval of successes / n; (nan, nan) for n = 0."""
-    if n < 0 or not 0 <= successes <= n:
+    """(low, high) Wilson score interval of successes / n; (nan, nan) for n = 0. z: the normal quantile of the
+    confidence, > 0 (the default gives 95%)."""
+    n = as_count("n", n, 0)
+    successes = as_real("successes", successes, "the sum of the scores")
+    if as_real("z", z, "the normal quantile of the confidence, 1.96 for 95%") <= 0:
+        raise ValueError(f"z must be > 0 (the normal quantile of the confidence, 1.96 for 95%), got {z!r}")
+    if not 0 <= successes <= n:
         raise ValueError(f"wilson needs 0 <= successes <= n, got successes={successes}, n={n}")
     if n == 0:
         return float("nan"), float("nan")
@@ -58,6 +65,7 @@ def t_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
 
 def sign_test(wins: int, losses: int) -> float:
     """Exact two-sided p-value of `wins` vs `losses` discordant pairs under no difference (1.0 when none)."""
+    wins, losses = as_count("wins", wins, 0), as_count("losses", losses, 0)
     if wins + losses == 0:
         return 1.0
     return float(binomtest(wins, wins + losses, 0.5).pvalue)
@@ -69,9 +77,19 @@ def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str,
     The best baseline of a group is the one with the highest mean score there (ties: the one with
     more answered samples, then the first by name).
     Returns rows: group fields, method, baseline, n_pairs, method / baseline mean on the pairs,
-    wins (method better), losses, p (exact sign test).
+    wins (method better), losses, p (exact sign test). A scored record (no error, a score, not of the needle grid)
+    must have a method, the fields `by` and `SAMPLE_KEY`.
     """
-    scored = [r for r in records if r.get("error") is None and r.get("score") is not None and not r.get("grid")]
+    if isinstance(baselines, str):
+        raise ValueError(f"baselines must be a list of method names, got the string {baselines!r}: pass [{baselines!r}] for one")
+    needed = list(dict.fromkeys(("method", *by, *SAMPLE_KEY)))
+    scored = []
+    for i, r in enumerate(records):
+        if r.get("error") is None and r.get("score") is not None and not r.get("grid"):
+            missing = [k for k in needed if k not in r]
+            if missing:
+                raise ValueError(f"records[{i}] lacks {missing}: a scored record needs {needed}, got one with {sorted(r)}")
+            scored.append(r)
     groups: dict[tuple, dict[str, dict[tuple, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in scored:
         groups[tuple(r[k] for k in by)][r["method"]][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]

@@ -60,6 +60,8 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
+import numbers
 import random
 import re
 import uuid
@@ -133,15 +135,92 @@ def token_counter(tokenizer=None) -> Callable[[Sequence[str]], list[float]]:
     return lambda texts: [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
-def _check(name: str, value, low, high=None):
-    if value < low or (high is not None and value > high):
+def _count(name: str, value, low: int, high: int | None = None, why: str = "") -> int:
+    """An integer (Python's or NumPy's; not a bool, not a float) in [low, high] as an int, else a ValueError naming `name`
+    and `why` (what the bound comes from)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
+            or (high is not None and value > high)):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise ValueError(f"{name} must be an integer {bound}{f' ({why})' if why else ''}, got {value!r}")
+    return int(value)
+
+
+def _real(name: str, value, low: float, high: float | None = None) -> float:
+    """A finite real number (not a bool) in [low, high] as a float, else a ValueError naming `name`."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < low
+            or (high is not None and value > high)):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+# The most variables variable_tracking names: their random 5-letter names are all drawn again until none repeats, about
+# exp(n² / (2 · 26⁵)) draws of n names (67 at 10,000; 10⁴⁰ at 100,000).
+MAX_VARIABLES = 10_000
+# frequent_words' made-up words: 3 consonants, a vowel, 2 consonants.
+_MADE_UP_WORDS = 18**3 * 5 * 14**2
+# The values kind "numbers" draws from (7 digits).
+_NUMBERS = 9_000_000
+_NEEDLE_COUNTS = ("n_keys", "n_values", "n_queries")
+
+
+def check_task_params(task: str, params: dict, named: Callable[[str], str] = str) -> None:
+    """A ValueError naming (as `named(name)`) the first of `params`, keyword arguments of the task's generator, that it
+    refuses: a value of the wrong type or out of range, or more than it can draw (more keys than its vocabulary has
+    words, more variables than `MAX_VARIABLES`). The generator's defaults stand for the arguments not given. What
+    depends on the length is checked when a sample is built (a `target_tokens` too short for what is inserted).
+
+    seed: an integer >= 0 (None would draw an unreproducible sample; -1 would repeat seed 1's). tokenizer: None (4
+    characters a token) or a callable tokenizer as transformers' (texts -> {"input_ids": [...]})."""
+    if task not in GENERATORS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    a = {name: p.default for name, p in inspect.signature(GENERATORS[task]).parameters.items()} | dict(params)
+    _count(named("target_tokens"), a["target_tokens"], 64)
+    _count(named("seed"), a["seed"], 0)
+    if "depth" in a:
+        _real(named("depth"), a["depth"], 0.0, 1.0)
+    if a["tokenizer"] is not None and not callable(a["tokenizer"]):
+        raise ValueError(f"{named('tokenizer')} must be None (4 characters a token) or a tokenizer called as transformers' "
+                         f"are (texts -> {{'input_ids': [...]}}), got {a['tokenizer']!r}")
+    for name, choices in (("haystack", HAYSTACKS), ("kind", NEEDLE_KINDS), ("answer_kind", PROSE_ANSWER_KINDS),
+                          ("split", tuple(PROSE_POOLS))):
+        if name in a and (not isinstance(a[name], str) or a[name] not in choices):
+            raise ValueError(f"{named(name)} must be one of {choices}, got {a[name]!r}")
+    for name, low in (("n_keys", 2), ("n_values", 2), ("n_queries", 2), ("n_hops", 1), ("n_chains", 1), ("n_common", 1),
+                      ("rare_freq", 1), ("n_answers", 1)):
+        if name in a:
+            _count(named(name), a[name], low)
+    if "common_freq" in a:
+        _count(named("common_freq"), a["common_freq"], a["rare_freq"] + 1, why=f"more than rare_freq={a['rare_freq']}")
+    if "alpha" in a:
+        _real(named("alpha"), a["alpha"], 1.0)
+    if "vocab_size" in a:
+        _count(named("vocab_size"), a["vocab_size"], a["n_answers"] + 1, _MADE_UP_WORDS,
+               why=f"more than n_answers={a['n_answers']}, at most the {_MADE_UP_WORDS} made-up words there are")
+    if a.get("n_lines") is not None:
+        n_words = len(vocabulary())
+        _count(named("n_lines"), a["n_lines"], 1, n_words**2, why=f"or None; each line's topic is a pair of the {n_words} vocabulary words")
+    if task == "variable_tracking" and a["n_chains"] * (a["n_hops"] + 1) > MAX_VARIABLES:
+        raise ValueError(f"{named('n_chains')} × ({named('n_hops')} + 1), the variables named, must be at most {MAX_VARIABLES} (their "
+                         f"random names are drawn again until all differ), got {a['n_chains']} × ({a['n_hops']} + 1) = "
+                         f"{a['n_chains'] * (a['n_hops'] + 1)}: at most {MAX_VARIABLES // (a['n_hops'] + 1)} chains of {a['n_hops']} hops")
+    counted = next((name for name in _NEEDLE_COUNTS if name in a), None)
+    if counted is not None:  # keys are distinct vocabulary words; "words" values are others, distinct too
+        n_words = len(vocabulary())
+        keys = counted != "n_values"  # n_keys and n_queries count keys, n_values one key's values
+        words = a["kind"] == "words"
+        if words:  # a key and its value(s) each take a word
+            largest = n_words // 2 if keys else n_words - 1
+        else:  # a key takes a word; uuids never run out
+            largest = n_words if keys else _NUMBERS if a["kind"] == "numbers" else None
+        if largest is not None and a[counted] > largest:
+            source = f"the {n_words} vocabulary words" if keys or words else f"the {_NUMBERS} 7-digit numbers"
+            raise ValueError(f"{named(counted)} must be at most {largest} with {a['kind']} as the values, got {a[counted]}: "
+                             f"{'keys and values' if words else 'keys' if keys else 'values'} are distinct, drawn from {source}")
 
 
 def _start(target_tokens, seed, tokenizer) -> tuple[random.Random, Callable[[Sequence[str]], list[float]]]:
-    """A generator's first step: target_tokens checked, then (its random stream for `seed`, its token counter)."""
-    _check("target_tokens", target_tokens, 64)
+    """A generator's first step after `check_task_params`: (its random stream for `seed`, its token counter)."""
     return random.Random(seed), token_counter(tokenizer)
 
 
@@ -199,13 +278,19 @@ def _haystack_units(haystack: str, rng: random.Random, split: str = "reported") 
     return lambda n: list(itertools.islice(cycle, n))
 
 
-def _assemble(units, items, item_depths, target_tokens, count, sep=" ") -> tuple[str, list[float], int]:
+def _assemble(units, items, item_depths, target_tokens, count, sep=" ", given="") -> tuple[str, list[float], int]:
     """Fill `target_tokens` with units from `units(n)` and insert `items` at `item_depths`.
 
     Returns (context, measured depth of each item, n_tokens). Items go between units, at the unit
-    boundary nearest to depth × (tokens of the filled haystack).
+    boundary nearest to depth × (tokens of the filled haystack). Items that alone take more than
+    `target_tokens` are a ValueError naming `given` (the generator's parameter that sets how many, "n_lines=...").
     """
     room = target_tokens - sum(count([sep + t for t in items]))
+    if room < 0:
+        need = target_tokens - room
+        raise ValueError(f"target_tokens={target_tokens} is shorter than the {len(items)} items inserted alone (about {round(need)} "
+                         f"tokens; about {int(target_tokens * len(items) / need)} fit): "
+                         f"{f'lower {given} or ' if given else ''}ask for a longer context")
     body: list[str] = []
     sizes: list[int] = []
     while sum(sizes) < room:
@@ -272,13 +357,13 @@ def _needle(kind: str, key: str, value: str) -> str:
 def _niah(task, target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, n_values, n_queries) -> Sample:
     """RULER needle-in-a-haystack: n_keys keys (the first n_queries asked), n_values values each."""
     rng, count = _start(target_tokens, seed, tokenizer)
-    _check("depth", depth, 0.0, 1.0)
     units = _haystack_units(haystack, rng)
     keys = _keys(rng, n_keys)
     values = _distinct_values(kind, rng, len(keys), n_values, taken=set(keys))
     needles = [_needle(kind, k, v) for k, vs in zip(keys, values) for v in vs]
     depths = [depth] + [rng.random() for _ in needles[1:]]
-    context, measured, n_tokens = _assemble(units, needles, depths, target_tokens, count)
+    given = {"niah_multikey": f"n_keys={n_keys}", "niah_multivalue": f"n_values={n_values}", "niah_multiquery": f"n_queries={n_queries}"}
+    context, measured, n_tokens = _assemble(units, needles, depths, target_tokens, count, given=given.get(task, ""))
     asked = keys[:n_queries]
     answers = [v for vs in values[:n_queries] for v in vs]
     several = n_values * n_queries > 1
@@ -291,24 +376,25 @@ def _niah(task, target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, n
 
 def niah_single(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers") -> Sample:
     """One needle at `depth` (0 = start of the context, 1 = end)."""
+    check_task_params("niah_single", locals())
     return _niah("niah_single", target_tokens, depth, seed, tokenizer, haystack, kind, 1, 1, 1)
 
 
 def niah_multikey(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_keys=2) -> Sample:
     """The asked needle at `depth` plus n_keys − 1 distractor needles with other keys at random depths."""
-    _check("n_keys", n_keys, 2)
+    check_task_params("niah_multikey", locals())
     return _niah("niah_multikey", target_tokens, depth, seed, tokenizer, haystack, kind, n_keys, 1, 1)
 
 
 def niah_multivalue(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_values=2) -> Sample:
     """n_values needles with the same key (the first at `depth`); all values are expected."""
-    _check("n_values", n_values, 2)
+    check_task_params("niah_multivalue", locals())
     return _niah("niah_multivalue", target_tokens, depth, seed, tokenizer, haystack, kind, 1, n_values, 1)
 
 
 def niah_multiquery(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, haystack="filler", kind="numbers", n_queries=2) -> Sample:
     """n_queries needles with different keys (the first at `depth`), all asked."""
-    _check("n_queries", n_queries, 2)
+    check_task_params("niah_multiquery", locals())
     return _niah("niah_multiquery", target_tokens, depth, seed, tokenizer, haystack, kind, n_queries, 1, n_queries)
 
 
@@ -317,10 +403,8 @@ def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, hay
 
     The asked chain's first assignment sits at `depth`, its later hops at increasing random depths.
     """
+    check_task_params("variable_tracking", locals())
     rng, count = _start(target_tokens, seed, tokenizer)
-    _check("depth", depth, 0.0, 1.0)
-    _check("n_hops", n_hops, 1)
-    _check("n_chains", n_chains, 1)
     names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in range(n_chains * (n_hops + 1))]
     while len(set(names)) < len(names):
         names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in names]
@@ -332,7 +416,8 @@ def variable_tracking(target_tokens=2048, depth=0.2, seed=0, tokenizer=None, hay
         hop_depths = sorted(rng.uniform(start, 1.0) for _ in range(n_hops))
         items += [f"VAR {chain[0]} = {values[c]}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
         depths += [start] + hop_depths
-    context, measured, n_tokens = _assemble(_haystack_units(haystack, rng), items, depths, target_tokens, count)
+    context, measured, n_tokens = _assemble(_haystack_units(haystack, rng), items, depths, target_tokens, count,
+                                            given=f"n_chains={n_chains} or n_hops={n_hops}")
     question = (
         f"Find all variables that are assigned the value {values[0]} in the text above, "
         "directly or through other variables. Answer with the variable names only."
@@ -348,10 +433,8 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
     again, so that the labels' growing digits count), shuffled with the common ones; a length shorter than the common
     words alone is an error (with the defaults, about 1,700 tokens of the default model's tokenizer).
     """
+    check_task_params("common_words", locals())
     rng, count = _start(target_tokens, seed, tokenizer)
-    _check("n_common", n_common, 1)
-    _check("rare_freq", rare_freq, 1)
-    _check("common_freq", common_freq, rare_freq + 1)
     vocab = list(vocabulary())
     rng.shuffle(vocab)
     common, rare_pool = vocab[:n_common], vocab[n_common:]
@@ -382,10 +465,8 @@ def common_words(target_tokens=2048, seed=0, tokenizer=None, n_common=10, common
 
 def frequent_words(target_tokens=2048, seed=0, tokenizer=None, n_answers=3, alpha=2.0, vocab_size=500) -> Sample:
     """RULER FWE: made-up words drawn from a Zipf law (P(rank r) ∝ r^-alpha); return the n_answers most frequent."""
+    check_task_params("frequent_words", locals())
     rng, count = _start(target_tokens, seed, tokenizer)
-    _check("n_answers", n_answers, 1)
-    _check("alpha", alpha, 1.0)
-    _check("vocab_size", vocab_size, n_answers + 1)
     made_up = set()
     while len(made_up) < vocab_size:
         made_up.add("".join(rng.choices("bcdfghjklmnprstvwz", k=3)) + rng.choice("aeiou") + "".join(rng.choices("bcdfghklmnprst", k=2)))
@@ -418,14 +499,13 @@ def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_line
     spread through a `haystack` (the asked one at `depth`, the others at random depths), for models
     too small to retrieve among hundreds of near-identical lines.
     """
+    check_task_params("line_retrieval", locals())
     rng, count = _start(target_tokens, seed, tokenizer)
-    _check("depth", depth, 0.0, 1.0)
     vocab = vocabulary()
     if n_lines is None:
         per_line = count([f"line {vocab[0]}-{vocab[1]}: REGISTER_CONTENT is <12345>"])[0] + 1
         wanted = max(2, int(target_tokens // per_line))
     else:
-        _check("n_lines", n_lines, 1)
         wanted = n_lines
     topics: set[str] = set()
     while len(topics) < wanted:
@@ -445,7 +525,8 @@ def line_retrieval(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, n_line
     else:
         target = 0
         depths = [depth] + [rng.random() for _ in lines[1:]]
-        text, found, n_tokens = _assemble(_haystack_units(haystack, rng), [ln + "." for ln in lines], depths, target_tokens, count)
+        text, found, n_tokens = _assemble(_haystack_units(haystack, rng), [ln + "." for ln in lines], depths, target_tokens, count,
+                                          given=f"n_lines={n_lines}")
         measured = found[0]
     question = f"What is the REGISTER_CONTENT in line {ordered[target]}? I need the number."
     prefix = f"line {ordered[target]}: REGISTER_CONTENT is <"
@@ -888,12 +969,7 @@ def niah_prose(target_tokens=2048, depth=0.5, seed=0, tokenizer=None, answer_kin
     of them: the docstrings of the modules of IDLE's features (its search dialogs, shell, debugger, ...), `HELDOUT6_PROSE_FACTS`,
     `HELDOUT6_FIRST_NAMES`, `HELDOUT6_SURNAMES`, `HELDOUT6_TOWNS`; seeds from `HELDOUT6_SEEDS` only.
     """
-    _check("target_tokens", target_tokens, 64)
-    _check("depth", depth, 0.0, 1.0)
-    if answer_kind not in PROSE_ANSWER_KINDS:
-        raise ValueError(f"answer_kind must be one of {PROSE_ANSWER_KINDS}, got {answer_kind!r}")
-    if split not in PROSE_POOLS:
-        raise ValueError(f"split must be one of {tuple(PROSE_POOLS)}, got {split!r}")
+    check_task_params("niah_prose", locals())
     if split in SPLIT_SEEDS and seed not in SPLIT_SEEDS[split]:
         seeds = SPLIT_SEEDS[split]
         raise ValueError(f"split={split!r} takes seeds from {split.upper()}_SEEDS ({seeds.start}..{seeds.stop - 1}), got seed={seed!r}")
@@ -935,9 +1011,17 @@ def generate_sample(task: str, **kwargs) -> Sample:
     return GENERATORS[task](**kwargs)
 
 
+def _check_prediction(prediction) -> None:
+    if not isinstance(prediction, str):
+        raise ValueError(f"prediction must be a string (the model's answer; '' for none), got {prediction!r}")
+
+
 def whole_words_found(answers: Sequence[str], prediction: str) -> float:
     """Fraction of expected answers found in the prediction as whole words (case-insensitive): the synthetic tasks'
-    score, stricter than RULER's `metrics.string_match_all`, which counts any substring."""
+    score, stricter than RULER's `metrics.string_match_all`, which counts any substring. No answers is a ValueError."""
+    _check_prediction(prediction)
+    if isinstance(answers, str) or not answers:
+        raise ValueError(f"answers must be a non-empty list of the expected answers, got {answers!r}")
     pred = prediction.lower()
     found = sum(bool(re.search(rf"(?<![\w-]){re.escape(a.lower())}(?![\w-])", pred)) for a in answers)
     return found / len(answers)
@@ -947,6 +1031,7 @@ def score(sample: Sample, prediction: str) -> float:
     """Task score in [0, 1]: the share of the answers found as whole words (`whole_words_found`), or for
     line_retrieval whether the prediction's first integer is the answer (LongEval's own scorer reads the last; the
     primed answer starts with the number, so the first is the one answered, and a later one is the model's own text)."""
+    _check_prediction(prediction)
     if sample.task == "line_retrieval":
         found = re.search(r"\d+", prediction)
         return float(found is not None and found.group(0) == sample.answers[0])
