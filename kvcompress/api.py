@@ -43,9 +43,9 @@ def compress(
 
     settings: exactly one of `budget` (middle slots kept per head; sink and window are extra and
     exact) or `compression_ratio` (fraction of the n tokens removed; an error when it would remove
-    tokens but sink + window leave no room); `sink` / `window` (default: the method's paper
-    defaults); any other name is a parameter of the method. queries [B, H_q, n_q, d] post-RoPE
-    for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid;
+    tokens but sink + window leave no room); `sink` / `window` (default: the method's own,
+    `default_sink` / `default_window`, listed in docs/methods.md); any other name is a parameter
+    of the method. queries [B, H_q, n_q, d] post-RoPE for query-aware methods; pre_rope_keys [B, H_kv, n, d] for Compactor and the hybrid;
     hidden_states [B, H_kv, n, d_model] (each token's hidden state at the layer's input) for KVzap.
     Each input is checked (shapes, device, finite values) whether or not the method reads it; one it does not read
     (`requirements.inputs`: queries for KnormPress, hidden states for SnapKV, `layer` for most) is then not used, so a

@@ -99,8 +99,9 @@ class Method:
     attribute, or a property where it depends on the parameters (AdaKV's on its scorer). The cache and the model
     integration read it and nothing else of the method. The other class attributes say how the method behaves,
     for the methods layer and the tests: `randomized`, `reads_keys_values`, `stream_recompresses`,
-    `keeps_a_layer_share`, `drops_within_budget`, and `default_sink` / `default_window` (the paper's where it sets them,
-    else a StreamingLLM sink of 4 and a recent window of 64).
+    `keeps_a_layer_share`, `drops_within_budget`, and `default_sink` / `default_window`, the exact sink and window the
+    method runs with when none is given: 4 and 64 here (a StreamingLLM sink and a recent window), which a method
+    overrides where its paper or this library sets others (docs/methods.md lists every method's).
     """
 
     name: ClassVar[str] = ""

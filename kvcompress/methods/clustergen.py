@@ -132,9 +132,10 @@ class ClusterGen(Method):
     tokens do not fit, O(budget²·d) per re-compression, each token in about 1 + 1/slack of them;
     storage at most `budget` slots.
 
+    weighted: False (default) or True, as above.
     block_size: None runs the paper's k-center over all n keys of a head: `budget` sequential
     farthest-point steps of O(n·d) each, O(budget·n·d) per head, quadratic when the budget is a
-    fixed share of n. An integer B (departure from the paper, default 256) runs k-center inside each
+    fixed share of n. An integer B >= 1 (departure from the paper, default 256) runs k-center inside each
     run of B consecutive keys, all blocks and heads as one batch: block j of c_j keys gets
     ⌊budget·C_j/n⌋ − ⌊budget·C_{j−1}/n⌋ centres (C_j = keys up to block j, so the quotas sum to
     `budget` and follow the share kept), the traversal takes max-quota ≈ B·budget/n sequential

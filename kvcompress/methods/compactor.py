@@ -165,6 +165,10 @@ class Compactor(Method):
     Defaults follow the paper: lambda 0.3 (None means that, with the attention term), k 64, C 256,
     and every token is scored (sink = window = 0).
 
+    Ranges: leverage_weight a number >= 0, or None (the default, meaning 0.3); sketch_dim and chunk_size
+    integers >= 1; kernel_size an odd integer >= 1 (centred pooling); leverage defaults to "sketch", sketch
+    to "gaussian", attention to True.
+
     Queries: a token's attention score uses the queries of its own chunk, so the queries of the
     tokens being compressed must be given (`query_positions` must cover their positions). In a
     model the prefill supplies them; the question is never seen (query-agnostic).

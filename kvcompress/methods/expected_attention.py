@@ -32,6 +32,14 @@ class ExpectedAttention(ScoreMethod):
     statistics come from the last `n_future_positions` post-RoPE queries, whose rotations average
     over a window of the same length just before the future one. kvpress's sink (4 tokens kept)
     is the framework's `sink` (default 4).
+
+    n_future_positions: how many of the latest queries the statistics are taken from, an integer >= 1
+    (default 512, kvpress's).
+    use_covariance: include the s² kᵀΣk / 2 term (default True); False scores with the mean query alone.
+    use_vnorm: multiply each score by ‖v‖ (default True).
+    epsilon: a number >= 0 added to each softmax score before it is multiplied by ‖v‖ (default 0.0), so a
+    token with a small score keeps a share of its value norm. It acts only through that product: a
+    non-zero epsilon with use_vnorm=False is refused (adding a constant to every score changes no ranking).
     """
 
     name = "expected_attention"

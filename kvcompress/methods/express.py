@@ -550,10 +550,12 @@ class Express(Method):
     phase); `fill_budget` halves a subset down to exactly min(budget, n) slots (any budget >= 1).
     The paper's defaults: 32 sink + 32 window tokens exact.
 
-    g: Compress2 oversampling (leaves of at least 4^g samples). halving: "greedy" (default, the
-    greedy self-balancing walk) or "self-balancing" (the randomised walk of Dwivedi & Mackey with
-    failure probability `delta`, used only then). max_group: the most points one Halve call sees
-    (even, >= 4; larger inputs are halved in consecutive chunks of this size).
+    g: Compress2 oversampling (leaves of at least 4^g samples), an integer in [0, 8] (default 0).
+    halving: "greedy" (default, the greedy self-balancing walk) or "self-balancing" (the randomised
+    walk of Dwivedi & Mackey). delta: that walk's failure probability, a number in (0, 1] (default 0.5);
+    read only with halving="self-balancing": with "greedy", which has none, a delta other than the
+    default is refused. max_group: the most points one Halve call sees, an even integer >= 4 (default
+    128; larger inputs are halved in consecutive chunks of this size).
     """
 
     name = "express"

@@ -1,6 +1,7 @@
 """H2O: heavy-hitter oracle, keep the tokens with the largest accumulated attention.
 
-Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models", NeurIPS 2023.
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models", NeurIPS 2023,
+arXiv:2306.14048.
 """
 
 from dataclasses import dataclass

@@ -101,11 +101,12 @@ def pairwise_scores(keys: torch.Tensor, metric: str = "cosine") -> torch.Tensor:
 class KeyDiff(ScoreMethod):
     """Keep the `budget` keys least similar to the anchor of the held keys, per KV head.
 
-    anchor: "mean" (the paper's Eq. 8) | "median" | "pairwise" (exact O(n²) Eq. 7, at most
-    PAIRWISE_MAX_TOKENS tokens per call); metric: "cosine" | "dot" | "euclidean";
-    normalize_anchor: build the anchor from unit keys (μ(K̂), default) or raw keys (μ(K));
-    block_size: None scores all tokens of a one-shot call at once, an int runs the block
-    recursion of Eq. 6 over them as chunked prefill does (the block-wise stream with its default
+    anchor: "mean" (default, the paper's Eq. 8) | "median" | "pairwise" (exact O(n²) Eq. 7, at most
+    PAIRWISE_MAX_TOKENS tokens per call); metric: "cosine" (default) | "dot" | "euclidean";
+    normalize_anchor: build the anchor from unit keys (μ(K̂), True, the default) or raw keys (μ(K), False;
+    refused with anchor="pairwise", which builds no anchor vector);
+    block_size: None (default) scores all tokens of a one-shot call at once, an integer >= 1 runs the block
+    recursion of Eq. 6 over them, blocks of that many tokens, as chunked prefill does (the block-wise stream with its default
     re-compression slack, within `budget` throughout, compacted at the end).
     """
 

@@ -1,6 +1,7 @@
 """Knorm: keep the keys with the smallest L2 norm.
 
-Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024.
+Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024,
+arXiv:2406.11430.
 """
 
 from dataclasses import dataclass

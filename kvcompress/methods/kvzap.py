@@ -1,8 +1,8 @@
 """KVzap: learned KVzip scores, computed from what a layer already has when a token enters the cache.
 
-Jégou and Jeblick, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arXiv 2601.07891.
+Jégou and Jeblick, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arXiv:2601.07891.
 
-KVzip (Kim et al., arXiv 2505.23416; `methods.kvzip`) scores a context token by the largest attention it receives
+KVzip (Kim et al., arXiv:2505.23416; `methods.kvzip`) scores a context token by the largest attention it receives
 while the model repeats the context: query-agnostic and accurate, but it costs a second forward over the whole
 context and needs the context at once. KVzap trains a small surrogate per layer to predict that score from the
 token's own layer input, so that a token is scored the moment it enters the cache, in one-shot and streaming modes

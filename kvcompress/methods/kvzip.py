@@ -166,11 +166,13 @@ class KVzip(ScoreMethod):
     attention probability any reconstruction query gives it (max over queries and the query heads of its
     KV group), normalised over the context and the reconstruction's own causal keys (module docstring).
 
-    reconstruction_chunk_size: tokens of the context reconstructed per forward in a model (the paper's 2k); the
-    scoring also takes at most this many queries at a time. scoring: "context" (every reconstruction query scores
-    every token) or "chunk" (a chunk's queries score only the tokens they repeat, the paper's; it needs one query per
-    context token, query j repeating position j, as the model's reconstruction gives). value_norm: "none", "absolute" or
-    "relative", how a token's value norm weighs its score (module docstring). Runs in mode "prefill" only.
+    reconstruction_chunk_size: tokens of the context reconstructed per forward in a model, an integer >= 1
+    (default 2048, the paper's 2k); the scoring also takes at most this many queries at a time.
+    scoring: "context" (the default: every reconstruction query scores every token) or "chunk" (a chunk's
+    queries score only the tokens they repeat, the paper's; it needs one query per context token, query j
+    repeating position j, as the model's reconstruction gives).
+    value_norm: "none" (the default), "absolute" or "relative", how a token's value norm weighs its score
+    (module docstring). Runs in mode "prefill" only.
     """
 
     name = "kvzip"

@@ -1,6 +1,7 @@
 """PyramidKV: layer budgets that shrink with depth, SnapKV scores inside each layer.
 
-Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024.
+Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+arXiv:2406.02069.
 """
 
 from dataclasses import dataclass
@@ -42,8 +43,13 @@ class PyramidKV(ScoreMethod):
     (`Tokens.layer_idx`, `Tokens.num_layers`): a cache gives it, `kvc.compress` takes it as
     `layer=(layer_idx, num_layers)`, and without it PyramidKV refuses to run (it would be SnapKV).
     Lower layers may therefore hold more than `budget` slots; the total over layers is L * budget
-    (up to rounding). Scores are SnapKV's (`pooled_observation_scores`): observation_window is how many of the
-    last queries vote, kernel_size the width of the pooling over their attention."""
+    (up to rounding). Scores are SnapKV's (`pooled_observation_scores`).
+
+    beta: the ratio of the first layer's budget to the last's before clamping, a number >= 1 (default 20.0;
+    1 gives every layer the same budget).
+    observation_window: how many of the latest queries vote, an integer >= 1 (default 32).
+    kernel_size: width of the average pooling over their attention, an odd integer >= 1 (default 7).
+    """
 
     name = "pyramidkv"
     requirements = Requirements(inputs={"queries"})

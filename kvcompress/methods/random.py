@@ -16,8 +16,8 @@ from .tokens import Tokens
 class Random(ScoreMethod):
     """Keep `budget` tokens per head drawn uniformly without replacement (seeded by `generator`).
 
-    weighted=True gives each kept slot log-weight log(n / budget), the unbiased uniform-sampling
-    estimator the coreset papers compare against; weighted=False is plain eviction.
+    weighted: True gives each kept slot log-weight log(n / budget), the unbiased uniform-sampling
+    estimator the coreset papers compare against; False (the default) is plain eviction.
     """
 
     name = "random"

@@ -1,6 +1,7 @@
 """SnapKV: keep the tokens the last queries attend to.
 
-Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024.
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
+arXiv:2404.14469.
 """
 
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class SnapKV(ScoreMethod):
     The softmax runs over every key the observation queries see, sink and window included (the
     paper's definition); the observation queries are the most recent queries given (in a model:
     those of the context's last tokens, i.e. the exact window).
+
+    observation_window: how many of the latest queries vote, an integer >= 1 (default 32).
+    kernel_size: width of the average pooling along the tokens, an odd integer >= 1 so the pooling is
+    centred on each token (default 7; 1: no pooling).
     """
 
     name = "snapkv"

@@ -1,6 +1,6 @@
 """StreamingLLM: attention sinks plus a recent window.
 
-Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024.
+Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024, arXiv:2309.17453.
 """
 
 from dataclasses import dataclass

@@ -340,17 +340,20 @@ class SubGen(Method):
     denominator share their slots, so the output is a convex combination of values: finite for any key scale.
 
     Parameters (defaults tuned on real layers of the default model, on other text than the
-    reported bench's; the ‖v‖² part gets the smallest share because it helped least): `s` ‖v‖² samples (default max(1, budget // 24)),
-    `max_clusters` cap on clusters (default max(1, min(16, budget // 8))), `delta` initial radius in raw
-    key space (default 0.0: every distinct key opens a cluster until the cap, the cap rule then
-    sets δ from the data and doubles it at later cap hits), `cluster_weight` in (0, 1) (default
-    0.95); the uniform reservoir takes
-    the rest: r = budget − s − max_clusters. Slots per head = s + r + max_clusters = budget.
-    Memory O(d·budget) whatever the stream length. Cost per block of b tokens O(b·cap·d) plus
-    `cap` vectorised steps. Window: the paper's recent window (64). Sink: 4 tokens kept exactly
-    (`default_sink = 4`; departure: the paper keeps none, but then the first token's large
-    attention mass enters only through whichever samples happen to hold it, and the model's
-    output degenerates end to end).
+    reported bench's; the ‖v‖² part gets the smallest share because it helped least):
+    `s`: ‖v‖² samples, an integer >= 1 or None (the default: max(1, budget // 24)).
+    `max_clusters`: cap on clusters, an integer >= 1 or None (the default: max(1, min(16, budget // 8))).
+    `delta`: initial radius in raw key space, a number >= 0 (default 0.0: every distinct key opens a
+    cluster until the cap, the cap rule then sets δ from the data and doubles it at later cap hits).
+    `cluster_weight`: a number in (0, 1) (default 0.95).
+    The uniform reservoir takes the rest: r = budget − s − max_clusters. Slots per head = s + r +
+    max_clusters = budget. Memory O(d·budget) whatever the stream length. Cost per block of b tokens
+    O(b·cap·d) plus `cap` vectorised steps.
+
+    Window: 64 tokens kept exactly (`default_window = 64`, this library's default; the paper's experiments
+    keep a window of recent tokens without giving its size). Sink: 4 tokens kept exactly (`default_sink = 4`;
+    departure: the paper keeps none, but then the first token's large attention mass enters only through
+    whichever samples happen to hold it, and the model's output degenerates end to end).
     """
 
     name = "subgen"

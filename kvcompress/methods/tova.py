@@ -1,6 +1,6 @@
 """TOVA: keep the tokens the current query attends to most.
 
-Oren et al., "Transformers are Multi-State RNNs", EMNLP 2024 (Sec. 3, the TOVA policy: at each
+Oren et al., "Transformers are Multi-State RNNs", EMNLP 2024, arXiv:2401.06104 (Sec. 3, the TOVA policy: at each
 step, drop the tokens with the lowest attention from the current query, averaged over the layer's
 heads; no protected sink or recent window). kvpress's TOVAPress scores the same way, with the last
 token of what it compresses: with the question kept out of compression, the last context token.
@@ -23,7 +23,7 @@ class TOVA(ScoreMethod):
     """Score = attention of the last query given, softmax over every key it sees (sink and window
     included), averaged over all query heads of the layer (`average="layer"`, the paper's
     definition: every KV head keeps the same tokens). `average="group"` averages over the query
-    heads of each KV head instead (per-head choices).
+    heads of each KV head instead (per-head choices). average: "layer" (the default) or "group".
 
     Defaults sink 0, window 0, as the paper: every token, the scoring query's own included,
     competes on its score (kvpress forces the last token in; `window=1` does the same).
