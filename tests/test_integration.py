@@ -296,21 +296,6 @@ def test_answer_log_probs_in_decode_mode_follow_the_streams_token_by_token(metho
 
 
 
-@pytest.mark.parametrize("method", [None, "knorm"])
-def test_a_stop_token_ends_the_answer_after_it_but_is_never_the_first_token(method):
-    """As LongBench decodes its one-line answers (a newline stops them, but not as the first token): the first token is
-    the most likely one that is not a stop token; a stop token later ends the answer after it."""
-    model = tiny()
-    ctx, question = _prompt()
-    size = {} if method is None else {"budget": 64}
-    plain = generate_ids(model, ctx, question, method=method, max_new_tokens=6, stop_at_eos=False, **size).token_ids
-    banned = generate_ids(model, ctx, question, method=method, max_new_tokens=6, stop_at_eos=False, stop_token_ids={plain[0]}, **size)
-    assert banned.token_ids[0] != plain[0] and len(banned.token_ids) >= 1
-    later = next(t for t in plain[1:] if t != plain[0])
-    stopped = generate_ids(model, ctx, question, method=method, max_new_tokens=6, stop_at_eos=False, stop_token_ids={later}, **size)
-    assert stopped.token_ids == plain[: plain.index(later) + 1]
-
-
 def test_attention_dropout_applies_on_the_exact_path_and_is_refused_over_a_compressed_layer():
     """A model in training mode whose config sets attention dropout: through the 'kvcompress' attention without a
     compressed cache, the dropout is SDPA's (the same draws give the same logits); over a compressed layer, which has

@@ -296,15 +296,12 @@ class _Session:
 
     def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool, stop_token_ids: Collection[int] = ()) -> tuple[list[list[int]], float, float]:
         """Append question_ids (exact) and decode greedily, stopping at EOS (if stop_at_eos) or any of
-        stop_token_ids after the first token, which is never one of them; -> (tokens per row, question seconds, decode
-        seconds)."""
+        stop_token_ids; -> (tokens per row, question seconds, decode seconds)."""
         start = time.perf_counter()
         if question_ids is not None:
             logits = self.forward(question_ids)
         question_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        if stop_token_ids:  # the first token is the most likely one that is not a stop token
-            logits = logits.index_fill(-1, torch.tensor(sorted(stop_token_ids), device=logits.device), float("-inf"))
         first = logits.argmax(-1, keepdim=True)
         eos = (_eos_ids(self.model) if stop_at_eos else set()) | set(stop_token_ids)
         tokens = first
@@ -387,9 +384,8 @@ def generate_ids(
     compress_seconds, not in prefill_seconds, which holds only this call's work. With the options'
     prefill_approx="express" the context's cache comes from a chunked forward with Thinformer Express attention
     (`integration.prefill_approx`), then the method compresses it. stop_token_ids: decoding also
-    stops after any of these tokens from the second answer token on; the first is never one of them (the most likely
-    other token), as LongBench decodes its one-line answers, so a leading newline does not end an answer empty. The
-    first answer token is the argmax after the prompt; the rest comes from greedy `model.generate` on the same cache.
+    stops after any of these tokens. The first answer token is the argmax after the prompt; the
+    rest comes from greedy `model.generate` on the same cache.
     """
     options = CompressionOptions.build(options, **settings)
     _check_answer_settings(max_new_tokens, stop_at_eos, progress)
