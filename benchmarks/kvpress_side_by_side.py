@@ -12,7 +12,7 @@ The harness is four steps with one file format between them (JSONL under one out
    tokenizer, the end-of-sequence ids and the sample settings.
 2. `kvcompress` (kvcompress's venv): `integration.generate_ids` in prefill mode at each compression
    ratio, question kept out of compression, greedy, up to the sample's `max_new_tokens`, stopping
-   after EOS or a stop token (the eval's own rules). The full cache is a plain `DynamicCache`
+   after EOS or a stop token that follows another token (the eval's own rules, `kvcompress/decoding.py`). The full cache is a plain `DynamicCache`
    (`method=None`); each method compresses one recorded full prefill of the context (`capture_qkv`,
    as the eval does: the prefill is exact before compression, so this equals a fresh prefill per
    method); KVzip-scored cells share one recorded reconstruction of the context
@@ -22,8 +22,8 @@ The harness is four steps with one file format between them (JSONL under one out
    ._forward` / `generate_answer`): a `DynamicCache`, `with press(model): model.model(input_ids=context_ids,
    past_key_values=cache)`, then the question ids at their original positions, then greedy decoding one
    token at a time. The only departures: our token ids are fed (nothing is re-tokenised), and decoding
-   also stops after a stop token and checks the first token too (the eval's rules; kvpress's pipeline
-   stops only at EOS and never checks its first token). By default (`--protocol shared`) one prefill
+   also stops where the eval's does (`kvcompress/decoding.py`, loaded by path: EOS, or a stop token after
+   another token; kvpress's pipeline stops only at EOS and never checks its first token). By default (`--protocol shared`) one prefill
    serves the full cache and every press that compresses through `BasePress.forward_hook`
    (`shared_prefill_answers`: the same `compress` calls on the same inputs); `--protocol pipeline`
    prefills once per press, and the `protocol-check` step compares the two runs token for token
@@ -337,22 +337,31 @@ def parse_list(text: str, known: dict) -> list[str]:
     return labels
 
 
-def trim_at_stop(tokens: list[int], stop_ids) -> list[int]:
-    """The answer up to and including its first stop token (the eval's rule: the stop token is kept, then decoded away or scored)."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1]
-    return tokens
+def trim_at_stop(tokens: list[int], stop: tuple[set[int], set[int]]) -> list[int]:
+    """The answer as the eval keeps it (`answer_end`: up to and including its first EOS, or its first stop token after
+    another token; the stop token is kept, then decoded away or scored). stop: (EOS ids, stop ids), `stop_ids_of`."""
+    return tokens[: answer_end(tokens, *stop) or len(tokens)]
 
 
-def load_task_scorer():
-    """kvcompress's `eval/tasks.py`, loaded by path without importing kvcompress (it needs the standard library only)."""
-    path = REPO / "kvcompress" / "eval" / "tasks.py"
-    spec = importlib.util.spec_from_file_location("_kvcompress_tasks_standalone", path)
+def load_standalone(relative: str):
+    """A kvcompress module that needs the standard library only, loaded by path without importing kvcompress."""
+    spec = importlib.util.spec_from_file_location(f"_kvcompress_standalone_{Path(relative).stem}", REPO / relative)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_task_scorer():
+    """kvcompress's `eval/tasks.py` (`load_standalone`)."""
+    return load_standalone("kvcompress/eval/tasks.py")
+
+
+def answer_end(tokens: list[int], eos_ids, stop_ids) -> int | None:
+    """kvcompress's `decoding.answer_end` (`load_standalone`): how many tokens the answer keeps, None while it goes on."""
+    if "_kvcompress_standalone_decoding" not in sys.modules:
+        load_standalone("kvcompress/decoding.py")
+    return sys.modules["_kvcompress_standalone_decoding"].answer_end(tokens, eos_ids, stop_ids)
 
 
 def score_prediction(tasks_module, sample: dict, prediction: str) -> float:
@@ -551,9 +560,9 @@ def dump(args) -> None:
           f"(context tokens {min(r['context_tokens'] for r in lines)}..{max(r['context_tokens'] for r in lines)})")
 
 
-def stop_ids_of(manifest: dict, sample: dict) -> set[int]:
-    """EOS plus every token containing one of the sample's stop strings (ids computed once by `dump`)."""
-    return set(manifest["eos_token_ids"]) | set(manifest["stop_token_ids"][json.dumps(sample["stop"])])
+def stop_ids_of(manifest: dict, sample: dict) -> tuple[set[int], set[int]]:
+    """(EOS ids, every token containing one of the sample's stop strings), the ids computed once by `dump`."""
+    return set(manifest["eos_token_ids"]), set(manifest["stop_token_ids"][json.dumps(sample["stop"])])
 
 
 # ---------------------------------------------------------------- step 2: kvcompress (kvcompress's venv)
@@ -594,12 +603,12 @@ def run_kvcompress(args) -> None:
             try:
                 if method is None:
                     res = generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=sample["max_new_tokens"],
-                                       stop_token_ids=stop)
+                                       stop_token_ids=stop[1])
                 else:
                     options = kvcompress_options(label, ratio, manifest, tokenizer)
                     own = recorded_inputs(model, options, context_ids, captured, reconstructions)
                     res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
-                                       stop_token_ids=stop, **own)
+                                       stop_token_ids=stop[1], **own)
             except (ValueError, RuntimeError) as err:
                 record["error"] = f"{type(err).__name__}: {err}"
                 print(f"[{record['key']}] {record['error']}", flush=True)
@@ -725,8 +734,8 @@ def _kept_tokens(model, cache) -> tuple[float, float]:
 
 def greedy_answer(model, cache, n_context: int, question_ids, max_new_tokens: int, stop_ids) -> list[int]:
     """kvpress's `generate_answer` on a prefilled cache: the question at its original positions
-    (n_context onwards, whatever the cache holds), then one greedy token at a time; stops after a token
-    in stop_ids (the first one included) or at max_new_tokens."""
+    (n_context onwards, whatever the cache holds), then one greedy token at a time; stops where kvcompress's
+    `answer_end` does (stop_ids: (EOS ids, stop ids), `stop_ids_of`) or at max_new_tokens."""
     import torch
 
     device = question_ids.device
@@ -734,7 +743,7 @@ def greedy_answer(model, cache, n_context: int, question_ids, max_new_tokens: in
     out = model(input_ids=question_ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
     ids = [int(out.logits[0, -1].argmax())]
     position = n_context + question_ids.shape[1]
-    while len(ids) < max_new_tokens and ids[-1] not in stop_ids:
+    while len(ids) < max_new_tokens and answer_end(ids, *stop_ids) is None:
         out = model(input_ids=torch.tensor([[ids[-1]]], device=device), past_key_values=cache,
                     position_ids=torch.tensor([[position]], device=device))
         position += 1

@@ -57,7 +57,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import cache_file
-from .checks import as_count, describe
+from .checks import as_count, check_token_ids, describe
 from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
@@ -1043,13 +1043,10 @@ class CompressedCache(Cache):
         ids = self.token_ids if token_ids is None else token_ids
         if ids is None:
             raise ValueError(f"the cache does not know the ids of the {seen} tokens it holds: pass token_ids=[1, {seen}]")
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or tuple(ids.shape) != (1, seen):
-            raise ValueError(f"token_ids must be an integer tensor [1, {seen}] (one context, the tokens the cache holds) of int64 or "
-                             f"int32 token ids, got {describe(ids)}")
-        low, high, vocab = *torch.stack(torch.aminmax(ids)).tolist(), self.saved_dims["vocab"]
-        if low < 0 or high >= vocab:  # what `load` refuses, refused before the file is written (and stored as int32)
-            raise ValueError(f"token_ids must hold token ids from 0 to {vocab - 1} (the model's vocabulary of {vocab}), got ids from "
-                             f"{low} to {high}")
+        # what `load` refuses, refused before the file is written (and stored as int32)
+        check_token_ids("token_ids", ids, f"[1, {seen}] (one context, the tokens the cache holds)", self.saved_dims["vocab"], rows=1)
+        if ids.shape[1] != seen:
+            raise ValueError(f"token_ids must be an integer tensor [1, {seen}] (one context, the tokens the cache holds), got {describe(ids)}")
         stored = next((layer.stored() for layer in self.layers if isinstance(layer, CompressedLayer)), None)
         if stored is not None and stored.keys.shape[0] != 1:
             raise ValueError(f"a saved cache holds one context (batch size 1), this cache holds a batch of {stored.keys.shape[0]}")

@@ -89,6 +89,26 @@ def as_count(name: str, value, minimum: int, optional: bool = False) -> int | No
     return value
 
 
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)  # what a model's input embedding takes
+
+
+def check_token_ids(name: str, ids, layout: str, vocab: int | None = None, rows: int | None = None, least: int = 1,
+                    prefix: str = "") -> None:
+    """Refuse anything but a token id tensor (int64 or int32) of `layout` (e.g. "[1, m] with m >= 1"): 2-D, `rows` rows
+    (any when None), at least `least` tokens; given `vocab`, also ids outside [0, vocab). The range is read once (a
+    device synchronisation): check once per call, not per token. `prefix` starts the messages."""
+    if (not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] < least or (rows is not None and ids.shape[0] != rows)
+            or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(f"{prefix}{name} must be an integer tensor {layout}, got {describe(ids)}")
+    if ids.dtype not in TOKEN_ID_DTYPES:
+        raise ValueError(f"{prefix}{name} must hold its token ids as int64 or int32 (what a model's embedding takes), got {describe(ids)}")
+    if vocab is not None and ids.numel():
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{prefix}{name} must hold token ids from 0 to {vocab - 1} (the model's vocabulary of {vocab}), "
+                             f"got ids from {low} to {high}")
+
+
 def check_distinct(name: str, values) -> None:
     """A ValueError naming `name` when `values` (a sweep's or benchmark's list of points) holds one twice: a repeat would
     run and report one point twice."""

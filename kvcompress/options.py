@@ -222,7 +222,7 @@ class CompressionOptions:
                 raise UnknownParameters(f"method=None is the full cache: it takes no parameters {sorted(self.method_params)}",
                                         sorted(self.method_params))
             return
-        if not isinstance(self.method, str) or self.method not in method_names():
+        if self.method not in method_names():
             raise ValueError(f"unknown method {self.method!r}; choose None (the full cache), one of the named settings "
                              f"{', '.join(map(repr, NAMED_SETTINGS))}, or a registered method: {', '.join(method_names())}")
         if self.budget_unit is None:

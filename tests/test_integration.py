@@ -19,6 +19,7 @@ import kvcompress as kvc
 from kvcompress.cache import CompressedCache
 from kvcompress.model_support import RotaryInverse
 from kvcompress.options import CompressionOptions, block_settings
+from kvcompress.decoding import answer_end
 from kvcompress.integration import generate_ids, use_compressed_attention
 from kvcompress.methods.budget import DEFAULT_SLACK, stream_split
 
@@ -294,6 +295,27 @@ def test_answer_log_probs_in_decode_mode_follow_the_streams_token_by_token(metho
     log_probs = answer_log_probs_ids(model, ctx, question, torch.tensor([res.token_ids]), **settings)
     assert log_probs.argmax(-1).tolist() == res.token_ids
 
+
+
+def test_an_answer_ends_at_eos_or_at_a_stop_token_after_another_token():
+    """`answer_end`: EOS ends an answer wherever it comes; a stop token only once another token came before it, so
+    leading ones (a newline before a one-line answer, as LongBench decodes them) do not end it."""
+    assert answer_end([7, 5, 7, 9], {9}, {7}) == 3 and answer_end([7, 7], set(), {7}) is None
+    assert answer_end([9, 5], {9}, {7}) == 1 and answer_end([5, 8], {9}, {7}) is None and answer_end([], {9}, {7}) is None
+
+
+@pytest.mark.parametrize("method", [None, "knorm"])
+def test_a_stop_token_ends_the_answer_once_another_token_came_before_it(method):
+    """generate_ids decodes as `answer_end` trims a free greedy answer (a stop id past the vocabulary is never met)."""
+    model = tiny()
+    ctx, question = _prompt()
+    size = {} if method is None else {"budget": 64}
+    plain = generate_ids(model, ctx, question, method=method, max_new_tokens=10, stop_at_eos=False, **size).token_ids
+    for stops in ({plain[0]}, {plain[0], plain[2]}, {plain[1]}, {10**6}):
+        got = generate_ids(model, ctx, question, method=method, max_new_tokens=10, stop_at_eos=False, stop_token_ids=stops, **size)
+        assert got.token_ids == plain[: answer_end(plain, set(), stops) or len(plain)], stops
+    leading = generate_ids(model, ctx, question, method=method, max_new_tokens=10, stop_at_eos=False, stop_token_ids={plain[0]}, **size)
+    assert len(leading.token_ids) > 1  # the old rule ended it at its first token
 
 
 def test_attention_dropout_applies_on_the_exact_path_and_is_refused_over_a_compressed_layer():

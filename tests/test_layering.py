@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 
 # Lowest first; a module's layer is the longest matching prefix of its dotted name (without "kvcompress.").
 LAYERS = [
-    ("core", ("names", "summary", "attention", "checks", "quantization", "ragged", "saved_state")),
+    ("core", ("names", "decoding", "summary", "attention", "checks", "quantization", "ragged", "saved_state")),
     ("methods", ("methods", "scorers")),
     ("api", ("api", "options", "calibration")),
     ("model support", ("model_support",)),

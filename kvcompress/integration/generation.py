@@ -23,10 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .. import cache_file
 from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, describe
+from ..decoding import answer_end
 from ..model_support import check_supported, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
@@ -295,32 +297,30 @@ class _Session:
         self.mask = torch.ones_like(self.ids)
 
     def answer(self, question_ids, logits, max_new_tokens: int, stop_at_eos: bool, stop_token_ids: Collection[int] = ()) -> tuple[list[list[int]], float, float]:
-        """Append question_ids (exact) and decode greedily, stopping at EOS (if stop_at_eos) or any of
-        stop_token_ids; -> (tokens per row, question seconds, decode seconds)."""
+        """Append question_ids (exact) and decode greedily, each row stopping where `answer_end` says (EOS if
+        stop_at_eos; a stop token after the row's first other token); -> (tokens per row, question seconds, decode seconds)."""
         start = time.perf_counter()
         if question_ids is not None:
             logits = self.forward(question_ids)
         question_seconds = time.perf_counter() - start
         start = time.perf_counter()
         first = logits.argmax(-1, keepdim=True)
-        eos = (_eos_ids(self.model) if stop_at_eos else set()) | set(stop_token_ids)
+        eos, stops = _eos_ids(self.model) if stop_at_eos else set(), set(stop_token_ids)
         tokens = first
-        if max_new_tokens > 1 and not all(int(t) in eos for t in first[:, 0]):
+        if max_new_tokens > 1 and not all(int(t) in eos for t in first[:, 0]):  # a stop token cannot end a row's first token
             seen = self.ids.shape[1]
             ids, mask = torch.cat([self.ids, first], 1), torch.cat([self.mask, torch.ones_like(first)], 1)
             pad = self.model.generation_config.pad_token_id
-            pad = pad if pad is not None else (min(eos) if eos else 0)
+            pad = pad if pad is not None else (min(eos | stops) if eos | stops else 0)
+            criteria = StoppingCriteriaList([_StopAfterOtherTokens(stops, first)] if stops else [])
             with _eos_ignored(self.model, not stop_at_eos):
                 out = self.model.generate(
                     ids, attention_mask=mask, past_key_values=self.cache, max_new_tokens=max_new_tokens - 1,
-                    do_sample=False, pad_token_id=pad, **({"eos_token_id": sorted(eos)} if eos else {}),
+                    do_sample=False, pad_token_id=pad, stopping_criteria=criteria, **({"eos_token_id": sorted(eos)} if eos else {}),
                 )
             tokens = out[:, seen:]
         decode_seconds = time.perf_counter() - start
-        answers = []
-        for row in tokens.tolist():
-            stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
-            answers.append(row[: stop + 1])
+        answers = [row[: answer_end(row, eos, stops) or len(row)] for row in tokens.tolist()]
         return answers, question_seconds, decode_seconds
 
     def result(self, tokens: list[int], prefill_seconds: float, decode_seconds: float, row: int, extra: dict) -> GenerationResult:
@@ -349,6 +349,21 @@ class _Session:
             prefill_seconds=prefill_seconds, compress_seconds=compress_seconds, decode_seconds=decode_seconds, extra=extra,
             realised_compression_ratio=realised, kv_bits=self.cache.kv_bits if isinstance(self.cache, CompressedCache) else None,
         )
+
+
+class _StopAfterOtherTokens(StoppingCriteria):
+    """`answer_end`'s stop-token rule inside `model.generate`, per row and on the device (no host synchronisation a
+    step): a row ends at a stop token once it holds another token; `first` [B, 1], the rows' first answer tokens."""
+
+    def __init__(self, stop_ids: Collection[int], first: torch.Tensor):
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=first.device)
+        self.other = ~torch.isin(first[:, 0], self.stop_ids)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        is_stop = torch.isin(input_ids[:, -1], self.stop_ids)
+        ended = is_stop & self.other
+        self.other = self.other | ~is_stop
+        return ended
 
 
 @torch.inference_mode()
@@ -384,7 +399,8 @@ def generate_ids(
     compress_seconds, not in prefill_seconds, which holds only this call's work. With the options'
     prefill_approx="express" the context's cache comes from a chunked forward with Thinformer Express attention
     (`integration.prefill_approx`), then the method compresses it. stop_token_ids: decoding also
-    stops after any of these tokens. The first answer token is the argmax after the prompt; the
+    stops after any of these tokens once the answer holds another token (`answer_end`: a leading newline does not end
+    an answer, as LongBench keeps an answer's first non-empty line). The first answer token is the argmax after the prompt; the
     rest comes from greedy `model.generate` on the same cache.
     """
     options = CompressionOptions.build(options, **settings)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..checks import MissingPackage, describe
+from ..checks import check_token_ids as token_ids
 from ..model_support import check_supported
 from ..names import DEFAULT_PROMPT_LAYOUT
 from ..names import DTYPES as DTYPE_NAMES
@@ -185,26 +186,13 @@ def logits_to_keep(model, last: bool) -> dict:
     return {"logits_to_keep": 1 if last else torch.empty(0, dtype=torch.long, device=next(model.parameters()).device)}
 
 
-TOKEN_ID_DTYPES = (torch.int64, torch.int32)  # what a model's input embedding takes
-
-
 def check_token_ids(name: str, ids, layout: str, model=None, rows: int | None = None, least: int = 1, prefix: str = "") -> None:
-    """Refuse anything but a token id tensor (int64 or int32) of `layout` (e.g. "[1, m] with m >= 1"): 2-D, `rows` rows
-    (any when None), at least `least` tokens; given `model`, also ids outside its vocabulary (its input embedding's
-    rows). The range is read once (a device synchronisation): check once per call, not per token. `prefix` starts the
-    messages about the ids."""
-    if (not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] < least or (rows is not None and ids.shape[0] != rows)
-            or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-        raise ValueError(f"{prefix}{name} must be an integer tensor {layout}, got {describe(ids)}")
-    if ids.dtype not in TOKEN_ID_DTYPES:
-        raise ValueError(f"{prefix}{name} must hold its token ids as int64 or int32 (what the model's embedding takes), got {describe(ids)}")
-    if model is not None and ids.numel():
+    """`checks.check_token_ids` against `model`'s vocabulary (its input embedding's rows) when one is given."""
+    vocab = None
+    if model is not None and isinstance(ids, torch.Tensor) and ids.numel():
         check_supported(model)  # a model named as such before its embedding is read
         vocab = model.get_input_embeddings().num_embeddings
-        low, high = torch.stack(torch.aminmax(ids)).tolist()
-        if low < 0 or high >= vocab:
-            raise ValueError(f"{prefix}{name} must hold token ids from 0 to {vocab - 1} (the model's vocabulary of {vocab}), "
-                             f"got ids from {low} to {high}")
+    token_ids(name, ids, layout, vocab, rows, least, prefix)
 
 
 def check_context_ids(context_ids, model=None) -> None:
