@@ -357,10 +357,15 @@ class _StopAfterOtherTokens(StoppingCriteria):
 
     def __init__(self, stop_ids: Collection[int], first: torch.Tensor):
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=first.device)
-        self.other = ~torch.isin(first[:, 0], self.stop_ids)
+        self.other = ~self.is_stop(first[:, 0])
+
+    def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B] bool: which tokens are stop tokens (an equality test against each: `torch.isin` sorts, and synchronises
+        on CUDA, from 10 ids on)."""
+        return (tokens[:, None] == self.stop_ids).any(-1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        is_stop = torch.isin(input_ids[:, -1], self.stop_ids)
+        is_stop = self.is_stop(input_ids[:, -1])
         ended = is_stop & self.other
         self.other = self.other | ~is_stop
         return ended
