@@ -8,6 +8,8 @@ by `kvcompress.integration` when that is imported (`kvc.CompressedCache` imports
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -57,34 +59,52 @@ def attention_scales(model) -> dict[int, float]:
     return {m.layer_idx: m.scaling for m in attention_modules(model)}
 
 
-# The attribute an attention module keeps its forward's input hidden states under (`keep_hidden_states`) until the
-# 'kvcompress' attention function of the same forward takes it (`kvcompress.integration.attention`).
-HIDDEN_STATES_ATTRIBUTE = "_kvcompress_hidden_states"
+# Each thread's {attention module: the hidden states its running forward received} (`keep_hidden_states`), until the
+# 'kvcompress' attention function of the same forward takes them (`take_hidden_states`): per thread, so that forwards
+# of one model in several threads each read their own; weakly keyed, so that a freed model leaves nothing behind.
+_KEPT = threading.local()
+
+
+def kept_hidden_states() -> weakref.WeakKeyDictionary:
+    """This thread's {attention module: hidden states} (`keep_hidden_states`)."""
+    kept = getattr(_KEPT, "by_module", None)
+    if kept is None:
+        kept = _KEPT.by_module = weakref.WeakKeyDictionary()
+    return kept
+
+
+def take_hidden_states(module):
+    """The hidden states `module`'s forward in this thread received (and forget them), or None."""
+    return kept_hidden_states().pop(module, None)
 
 
 def _keep(module, args, kwargs=None) -> None:
-    """The pre-hook of `keep_hidden_states`. A hook removed while a forward runs (`release_hidden_states` from another
-    cache's finalizer) may still be called by torch in that forward, without its kwargs: then it keeps the positional
-    hidden states, or nothing."""
+    """The pre-hook of `keep_hidden_states`: only while the module runs the 'kvcompress' attention, which takes them (a
+    plain forward of the same model keeps nothing). A hook removed while a forward runs (`release_hidden_states` from
+    another cache's finalizer) may still be called by torch in that forward, without its kwargs: then it keeps the
+    positional hidden states, or nothing."""
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", ATTENTION_NAME) != ATTENTION_NAME:
+        return
     kwargs = kwargs or {}
     if "hidden_states" in kwargs:
-        setattr(module, HIDDEN_STATES_ATTRIBUTE, kwargs["hidden_states"])
+        kept_hidden_states()[module] = kwargs["hidden_states"]
     elif args:
-        setattr(module, HIDDEN_STATES_ATTRIBUTE, args[0])
+        kept_hidden_states()[module] = args[0]
 
 
 def keep_hidden_states(model) -> list:
     """One forward pre-hook per attention module of `model` that keeps the hidden states the module receives (its
-    `hidden_states` argument, [B, n, d_model] after the layer's input norm, a reference, no copy) as
-    `HIDDEN_STATES_ATTRIBUTE`, for a method that reads them (`Requirements.inputs` "hidden_states"); the 'kvcompress'
-    attention function takes them off the module in the same forward. Returns the hooks' handles;
+    `hidden_states` argument, [B, n, d_model] after the layer's input norm, a reference, no copy) in this thread's
+    `kept_hidden_states`, for a method that reads them (`Requirements.inputs` "hidden_states"); the 'kvcompress'
+    attention function takes them (`take_hidden_states`) in the same forward. Returns the hooks' handles;
     `release_hidden_states` removes them."""
     return [m.register_forward_pre_hook(_keep, with_kwargs=True) for m in attention_modules(model)]
 
 
 def release_hidden_states(handles: list) -> None:
-    """Remove the hooks of `keep_hidden_states`. It leaves the modules' attributes alone: it may run at any moment (a
-    cache's finalizer, during another cache's forward), when a live hook's hidden states wait for their attention."""
+    """Remove the hooks of `keep_hidden_states`. It leaves what they kept alone: it may run at any moment (a cache's
+    finalizer, during another cache's forward), when a live hook's hidden states wait for their attention."""
     for handle in handles:
         handle.remove()
 
@@ -109,6 +129,21 @@ def find_rotary_embedding(model):
                                  "pre-RoPE keys")
             return module, {"layer_type": "full_attention"}, float(getattr(module, "full_attention_attention_scaling", 1.0))
     raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
+
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock kvcompress's calls hold while they run `model` (`integration.generation`): a call switches the model's
+    attention implementation and generation config for its duration, so calls on one model from several threads run
+    one at a time. Re-entrant (a call inside a call of the same thread)."""
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
 
 
 def select_compressed_attention(model) -> None:

@@ -588,13 +588,26 @@ def test_kvc_generate_runs_alone_the_batches_one_forward_would_draw_for_together
                                              **settings).token_ids
 
 
+def test_assisted_generation_is_refused_by_a_compressing_cache_and_runs_at_ratio_zero():
+    """transformers checks an assistant's draft tokens in the cache's forwards, so a compressing cache would compress them
+    with the prompt; when every draft is kept it only calls crop(0), which such a cache refuses by name (an identical
+    assistant keeps every draft). At ratio 0 the answer is the plain cache's."""
+    model, ids = tiny("llama"), _ids(150, 1)
+    draft = dict(assistant_model=tiny("llama"), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with pytest.raises(ValueError, match=r"compresses \(compression_ratio=0.5\) cannot check draft tokens \(assisted generation"):
+        model.generate(ids, past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8), **draft)
+    plain = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.0), **draft), plain)
+
+
 def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     """crop (assisted generation, prompt lookup) and batch_repeat_interleave are refused naming why; batch_select_indices
     selects rows as beam search's reorder does; reset starts a new prompt, which a chunked cache compresses again."""
     model, ids = tiny("llama"), torch.cat([_ids(150, 1), _ids(150, 2)])
     cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
     _greedy(model, ids, cache, new=2)
-    cache.crop(0)  # transformers' no-op
+    with pytest.raises(ValueError, match=r"a CompressedCache that compresses \(compression_ratio=0.5\) cannot check draft tokens"):
+        cache.crop(0)  # transformers' call after draft tokens that were all kept, compressed with the prompt
     snapshot = cache.snapshot()
     with pytest.raises(ValueError, match=r"a CompressedCache cannot remove its last 5 tokens \(crop\(-5\)\): compression drops"):
         cache.crop(-5)

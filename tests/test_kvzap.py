@@ -841,3 +841,56 @@ def test_a_scorer_file_is_written_whole_or_the_one_there_stays(tiny_scorer, tmp_
         surrogate.save(out)
     assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["scorer.safetensors"]
     Surrogate.load(out)
+
+
+def _in_threads(calls) -> list:
+    """Each call in its own thread, all started together; their results in order (an exception is re-raised)."""
+    import threading
+
+    results, start = [None] * len(calls), threading.Barrier(len(calls))
+
+    def run(i):
+        start.wait()
+        try:
+            results[i] = calls[i]()
+        except Exception as err:  # re-raised in the test's thread
+            results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+def test_threads_on_one_model_each_get_their_own_answer(tiny_checkpoint, tiny_scorer):
+    """One model, several threads at once: kvcompress's calls hold the model's lock (`model_support.model_lock`; a call
+    switches the model's attention and generation config while it runs), and the hidden states a method scores are kept
+    per thread (`kept_hidden_states`), so caches built by name and used through `model.generate` in two threads read
+    their own. Every answer equals the same call alone, and the model's settings come back as they were."""
+    from kvcompress.integration import generate_ids
+
+    model, _ = kvc.load_model(tiny_checkpoint)
+    eos, attention = model.generation_config.eos_token_id, model.config._attn_implementation
+    g = torch.Generator().manual_seed(5)
+    prompts = [(torch.randint(0, 200, (1, 150), generator=g), torch.randint(0, 200, (1, 6), generator=g)) for _ in range(2)]
+    kvzap = dict(method="kvzap", budget=24, method_params={"scorer": str(tiny_scorer)})
+
+    def answer(i, stop_at_eos):
+        return generate_ids(model, *prompts[i], max_new_tokens=6, stop_at_eos=stop_at_eos, **kvzap).token_ids
+
+    def by_name(i):
+        cache = kvc.CompressedCache(model, "kvzap", budget=24, scorer=str(tiny_scorer))
+        out = model.generate(torch.cat(prompts[i], 1), past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        return out[0, -6:].tolist()
+
+    alone = [answer(0, False), answer(1, True)]
+    named = [by_name(0), by_name(1)]
+    for _ in range(4):
+        assert _in_threads([lambda: answer(0, False), lambda: answer(1, True)]) == alone
+        assert _in_threads([lambda: by_name(0), lambda: by_name(1)]) == named
+    assert model.generation_config.eos_token_id == eos and model.config._attn_implementation in (attention, "kvcompress")

@@ -15,8 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import LOG2_E, exp_rows_, log2_range, packed_then_causal_attention, totals_in_range, weighted_attention
 from ..checks import as_count
-from ..model_support import ATTENTION_NAME, HIDDEN_STATES_ATTRIBUTE, attention_modules, has_padding, keep_hidden_states
-from ..model_support import release_hidden_states
+from ..model_support import ATTENTION_NAME, attention_modules, has_padding, keep_hidden_states, release_hidden_states, take_hidden_states
 from ..ragged import concat_parts
 
 
@@ -37,7 +36,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     softcap = kwargs.pop("softcap", None)
     if kwargs.pop("output_attentions", False):
         warnings.warn(NO_ATTENTION_WEIGHTS, stacklevel=2)
-    hidden_states = vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)  # kept by `keep_hidden_states`, for this forward only
+    hidden_states = take_hidden_states(module)  # kept by `keep_hidden_states` in this thread, for this forward only
     if layer is not None or softcap is not None:
         refuse_dropout(dropout, "the 'kvcompress' attention over a compressed layer or with soft-capping")
     if layer is None:
@@ -111,7 +110,7 @@ class feeding_hidden_states:
     def __exit__(self, *exc):
         release_hidden_states(self.handles)
         for module in attention_modules(self.model):  # a forward that stopped before its attention took them
-            vars(module).pop(HIDDEN_STATES_ATTRIBUTE, None)
+            take_hidden_states(module)
         return False
 
 

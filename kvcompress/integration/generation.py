@@ -29,7 +29,7 @@ from .. import cache_file
 from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, describe
 from ..decoding import answer_end
-from ..model_support import check_supported, select_compressed_attention, use_compressed_attention
+from ..model_support import check_supported, model_lock, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
@@ -138,13 +138,15 @@ class _Prompt:
 def _running(model, options: CompressionOptions):
     """While active, `model` runs what `options`' method needs (read once from its `Requirements`): the 'kvcompress'
     attention, and the hidden states captured for a method that reads them (`attention.feeding_hidden_states`); the
-    full cache (method None) runs the model as it is."""
-    if options.method is None:
-        yield
-        return
-    hidden = feeding_hidden_states(model) if options.compressor.requirements.needs("hidden_states") else nullcontext()
-    with use_compressed_attention(model), hidden:
-        yield
+    full cache (method None) runs the model as it is. It holds the model's lock (`model_support.model_lock`), so that
+    calls on one model from several threads run one at a time."""
+    with model_lock(model):
+        if options.method is None:
+            yield
+            return
+        hidden = feeding_hidden_states(model) if options.compressor.requirements.needs("hidden_states") else nullcontext()
+        with use_compressed_attention(model), hidden:
+            yield
 
 
 class _Session:
