@@ -539,18 +539,11 @@ class CompressedLayer(CacheLayerMixin):
         self.rows = beam_idx.shape[0] if self.rows is not None else None
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' `Cache.crop(-n)`, removing the last n tokens: refused, as what compression dropped cannot be told
-        apart from what came after it. The layer then holds tokens its caller meant to drop, so it refuses later forwards
-        until `restore` or `reset`. crop(0), which removes nothing, is taken at compression ratio 0 only: transformers
-        calls it after checking draft tokens that were all kept (assisted generation, prompt lookup), which a compressing
-        cache has compressed with the prompt they followed. A positive count is refused as transformers refuses it."""
+        """transformers' `Cache.crop(-n)`, removing the last n tokens: refused but for crop(0), which changes nothing: what
+        compression dropped cannot be told apart from what came after it (assisted generation, prompt lookup). The layer
+        then holds tokens its caller meant to drop, so it refuses later forwards until `restore` or `reset`. A positive
+        count is refused as transformers refuses it."""
         if tokens_to_remove == 0:
-            ratio = self.cache.options.compression_ratio
-            if ratio != 0:
-                setting = f"compression_ratio={ratio}" if ratio is not None else f"budget={self.cache.options.budget}"
-                raise ValueError(f"a CompressedCache that compresses ({setting}) cannot check draft tokens (assisted generation, "
-                                 "prompt_lookup_num_tokens: transformers verifies them in the cache's forwards, so they were compressed "
-                                 "with the prompt; crop(0) says they were kept): generate without them, or at compression_ratio=0")
             return
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of tokens to remove (transformers refuses a positive count), got "
@@ -1124,6 +1117,19 @@ class CompressedCache(Cache):
         cache.token_ids = ids.long().to(devices[0])
         select_compressed_attention(model)
         return cache
+
+    def activate_past_recording(self) -> None:
+        """transformers' call before assisted generation (an assistant model, `prompt_lookup_num_tokens`), which checks
+        draft tokens in the cache's forwards and crops the ones it rejects: refused unless the cache compresses nothing
+        (compression ratio 0), since a compressing cache would compress the drafts with the prompt they follow, before
+        any token is fed."""
+        ratio = self.options.compression_ratio
+        if ratio != 0:
+            setting = f"compression_ratio={ratio}" if ratio is not None else f"budget={self.options.budget}"
+            raise ValueError(f"a CompressedCache that compresses ({setting}) cannot serve assisted generation (assistant_model, "
+                             "prompt_lookup_num_tokens): transformers checks the draft tokens in the cache's forwards, so they would be "
+                             "compressed with the prompt, and a rejected one cannot be taken back; generate without them")
+        super().activate_past_recording()
 
     def crop(self, tokens_to_remove: int) -> None:
         """`CompressedLayer.crop`'s refusal, before any layer is cropped (a sliding-window layer ahead of the first compressed

@@ -590,12 +590,16 @@ def test_kvc_generate_runs_alone_the_batches_one_forward_would_draw_for_together
 
 def test_assisted_generation_is_refused_by_a_compressing_cache_and_runs_at_ratio_zero():
     """transformers checks an assistant's draft tokens in the cache's forwards, so a compressing cache would compress them
-    with the prompt; when every draft is kept it only calls crop(0), which such a cache refuses by name (an identical
-    assistant keeps every draft). At ratio 0 the answer is the plain cache's."""
+    with the prompt (an identical assistant, whose drafts are all kept, changed the answer without a word): refused before
+    any token is fed (`activate_past_recording`), for an assistant model and for prompt lookup. At ratio 0 the answer is
+    the plain cache's."""
     model, ids = tiny("llama"), _ids(150, 1)
     draft = dict(assistant_model=tiny("llama"), max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    with pytest.raises(ValueError, match=r"compresses \(compression_ratio=0.5\) cannot check draft tokens \(assisted generation"):
-        model.generate(ids, past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8), **draft)
+    for extra in (draft, dict(prompt_lookup_num_tokens=3, max_new_tokens=6, do_sample=False)):
+        cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
+        with pytest.raises(ValueError, match=r"compresses \(compression_ratio=0.5\) cannot serve assisted generation"):
+            model.generate(ids, past_key_values=cache, **extra)
+        assert cache.get_seq_length() == 0  # refused before the prompt's forward
     plain = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(model.generate(ids, past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.0), **draft), plain)
 
@@ -606,8 +610,7 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     model, ids = tiny("llama"), torch.cat([_ids(150, 1), _ids(150, 2)])
     cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
     _greedy(model, ids, cache, new=2)
-    with pytest.raises(ValueError, match=r"a CompressedCache that compresses \(compression_ratio=0.5\) cannot check draft tokens"):
-        cache.crop(0)  # transformers' call after draft tokens that were all kept, compressed with the prompt
+    cache.crop(0)  # transformers' no-op
     snapshot = cache.snapshot()
     with pytest.raises(ValueError, match=r"a CompressedCache cannot remove its last 5 tokens \(crop\(-5\)\): compression drops"):
         cache.crop(-5)
@@ -629,7 +632,7 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
     with pytest.raises(ValueError, match=r"cannot remove its last \d+ tokens.*prompt_lookup_num_tokens"):
-        model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8),
+        model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.0, sink=2, window=8),
                        max_new_tokens=4, prompt_lookup_num_tokens=2)
     chunked = CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8)
     fresh = [CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8) for _ in range(2)]
