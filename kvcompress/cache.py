@@ -937,7 +937,7 @@ class CompressedCache(Cache):
         # built by name, a cache of a method that reads the layers' inputs (KVzap) has the model keep them while it lives
         self.keeps_hidden_states = isinstance(method, str) and self.plan.hidden_states
         if isinstance(method, str):
-            select_compressed_attention(model)
+            select_compressed_attention(model, keep=True)
         self._hold_hidden_states()
 
     def _hold_hidden_states(self) -> None:
@@ -1115,7 +1115,7 @@ class CompressedCache(Cache):
         if cache.options.mode != "decode":
             cache.absorbing = False  # the prompt has ended: nothing streams any more, later tokens stay exact
         cache.token_ids = ids.long().to(devices[0])
-        select_compressed_attention(model)
+        select_compressed_attention(model, keep=True)
         return cache
 
     def activate_past_recording(self) -> None:

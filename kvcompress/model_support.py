@@ -146,14 +146,24 @@ def model_lock(model) -> threading.RLock:
         return lock
 
 
-def select_compressed_attention(model) -> None:
-    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration`)."""
+# How many times each model was switched to the 'kvcompress' attention for its other uses too (`select_compressed_attention`
+# with keep=True: a cache built by name, loaded, or compressed for later questions).
+_KEPT_SWITCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def select_compressed_attention(model, keep: bool = False) -> None:
+    """Switch the model to the 'kvcompress' attention implementation (registered by `kvcompress.integration`). keep: for
+    the model's other uses too, so that a `use_compressed_attention` running meanwhile (another thread's call) leaves it
+    switched when it ends."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
         raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
+    if keep:
+        with _MODEL_LOCKS_GUARD:
+            _KEPT_SWITCHES[model] = _KEPT_SWITCHES.get(model, 0) + 1
 
 
 def has_padding(real: torch.Tensor | None) -> bool:
@@ -210,16 +220,19 @@ class RotaryInverse:
 
 
 class use_compressed_attention:
-    """Context manager: run `model` with the 'kvcompress' attention implementation, restoring the old one after."""
+    """Context manager: run `model` with the 'kvcompress' attention implementation, restoring the old one after, unless
+    the model was switched for its other uses meanwhile (`select_compressed_attention(keep=True)`, in another thread)."""
 
     def __init__(self, model):
         self.model = model
 
     def __enter__(self):
         self.previous = self.model.config._attn_implementation
+        self.kept_switches = _KEPT_SWITCHES.get(self.model, 0)
         select_compressed_attention(self.model)
         return self.model
 
     def __exit__(self, *exc):
-        self.model.set_attn_implementation(self.previous)
+        if _KEPT_SWITCHES.get(self.model, 0) == self.kept_switches:
+            self.model.set_attn_implementation(self.previous)
         return False

@@ -894,3 +894,24 @@ def test_threads_on_one_model_each_get_their_own_answer(tiny_checkpoint, tiny_sc
         assert _in_threads([lambda: answer(0, False), lambda: answer(1, True)]) == alone
         assert _in_threads([lambda: by_name(0), lambda: by_name(1)]) == named
     assert model.generation_config.eos_token_id == eos and model.config._attn_implementation in (attention, "kvcompress")
+
+
+def test_a_call_ending_leaves_the_attention_a_cache_built_by_name_switched_to_meanwhile():
+    """A kvcompress call restores the attention implementation it found, unless a cache built by name (in another
+    thread, here inside the call) switched the model for its other uses meanwhile: that cache then still works."""
+    from kvcompress.model_support import use_compressed_attention
+    from test_integration import _prompt, tiny
+
+    model = tiny()
+    model.set_attn_implementation("sdpa")
+    ids = torch.cat(_prompt(n=100), 1)
+    with use_compressed_attention(model):
+        cache = kvc.CompressedCache(model, "knorm", budget=16)
+    assert model.config._attn_implementation == "kvcompress"
+    assert model.generate(ids, past_key_values=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 111)
+    with use_compressed_attention(model):  # nothing switched meanwhile: what it found comes back
+        pass
+    model.set_attn_implementation("sdpa")
+    with use_compressed_attention(model):
+        pass
+    assert model.config._attn_implementation == "sdpa"

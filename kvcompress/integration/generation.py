@@ -553,7 +553,7 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     session = _Session(model, _Prompt(context_ids, None), options, 0)  # no answer here
     with _running(model, options):
         session.run_context(progress)
-    select_compressed_attention(model)
+    select_compressed_attention(model, keep=True)
     return session.cache
 
 
