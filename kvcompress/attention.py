@@ -324,8 +324,10 @@ def exact_attention(
     relative to the first key (query i sees keys <= causal_offset + i); None for non-causal.
     """
     check_kv(keys, values, queries)
-    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
-        raise ValueError(f"causal_offset must be an integer (the first query's position less the first key's) or None, got {causal_offset!r}")
+    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)
+                                      or abs(causal_offset) >= 2**62):
+        raise ValueError(f"causal_offset must be an integer (the first query's position less the first key's, below 2**62 in "
+                         f"size) or None, got {causal_offset!r}")
     n, nq = keys.shape[2], queries.shape[2]
     summary = KVSummary.exact(keys, values, torch.arange(n, device=keys.device))
     if causal_offset is None or causal_offset == n - nq:
@@ -336,8 +338,9 @@ def exact_attention(
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     """‖approx − exact‖_F / ‖exact‖_F, in float64; an exact tensor of zeros is refused (no relative error exists)."""
-    if not isinstance(approx, torch.Tensor) or not isinstance(exact, torch.Tensor) or approx.shape != exact.shape:
-        raise ValueError(f"approx and exact must be tensors of one shape, got {describe(approx)} and {describe(exact)}")
+    if (not isinstance(approx, torch.Tensor) or not isinstance(exact, torch.Tensor) or approx.shape != exact.shape
+            or approx.device != exact.device or approx.is_complex() or exact.is_complex()):
+        raise ValueError(f"approx and exact must be real tensors of one shape on one device, got {describe(approx)} and {describe(exact)}")
     scale = exact.double().norm()
     if scale == 0:
         raise ValueError(f"exact is all zeros ({describe(exact)}): the error relative to it is undefined; compare absolute errors")

@@ -178,10 +178,12 @@ def test_the_attention_helpers_name_a_bad_argument():
             kvc.weighted_attention(q, s, query_positions=positions)
     with pytest.raises(ValueError, match="summary must be a KVSummary"):
         kvc.weighted_attention(q, (s.keys, s.values))
-    with pytest.raises(ValueError, match="causal_offset must be an integer"):
-        kvc.exact_attention(q, keys, values, causal_offset=1.5)
-    with pytest.raises(ValueError, match="approx and exact must be tensors of one shape"):
-        kvc.relative_error(q, q[:, :1])
+    for offset in (1.5, 10**20):  # (10**20 overflowed torch's int64 positions)
+        with pytest.raises(ValueError, match="causal_offset must be an integer"):
+            kvc.exact_attention(q, keys, values, causal_offset=offset)
+    for approx, exact in ((q, q[:, :1]), (q.to(torch.complex64), q.to(torch.complex64)), (q, q.to("meta"))):
+        with pytest.raises(ValueError, match="approx and exact must be real tensors of one shape on one device"):
+            kvc.relative_error(approx, exact)
 
 
 def test_empty_queries_a_huge_seed_bool_positions_and_3d_summary_keys_are_named():
