@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checks import check_kv, check_queries, check_scale, describe
+from .checks import check_bool, check_kv, check_queries, check_scale, describe
 from .ragged import RaggedSummary, concat_parts
 from .summary import KVSummary
 
@@ -129,8 +129,7 @@ def weighted_attention(
     scale = check_scale(scale)
     if query_positions is not None and causal_tail:
         raise ValueError("pass query_positions or causal_tail=True, not both")
-    if not isinstance(causal_tail, bool):
-        raise ValueError(f"causal_tail must be True or False, got {causal_tail!r}")
+    check_bool("causal_tail", causal_tail)
     if query_positions is not None and (not isinstance(query_positions, torch.Tensor) or query_positions.is_floating_point()
                                         or query_positions.dtype == torch.bool or tuple(query_positions.shape) not in ((nq,), (b, nq))):
         raise ValueError(f"query_positions must be an integer tensor [q] = [{nq}] or [B, q] = [{b}, {nq}], got {describe(query_positions)}")

@@ -89,6 +89,12 @@ def as_count(name: str, value, minimum: int, optional: bool = False) -> int | No
     return value
 
 
+def check_bool(name: str, value) -> None:
+    """ValueError naming `name` unless `value` is True or False (a truthy string or number would be read as True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 TOKEN_ID_DTYPES = (torch.int64, torch.int32)  # what a model's input embedding takes
 
 

@@ -62,10 +62,13 @@ def as_flag(message: str, subparser: ArgumentParser) -> str:
     """A library error with the Python names of the command's parameters replaced by their flags, as the user typed them:
     a name that starts the message ("compression_ratio must be in [0, 1), got 1.5" -> "--compression-ratio must be in
     [0, 1), got 1.5"), a name given with its value anywhere ("use kv_bits='auto'" -> "use --kv-bits auto"), and a name with
-    an underscore anywhere ("use compression_ratio <= 0.84" -> "use --compression-ratio <= 0.84") or before "unset". Words no flag of the
-    command has, and code in backticks, are left as they are."""
+    an underscore anywhere ("use compression_ratio <= 0.84" -> "use --compression-ratio <= 0.84") or before "unset"; a
+    task's parameter as `SweepConfig` names it ("task_params['niah_multikey']['n_keys']") as --task-param gives it
+    ("--task-param niah_multikey.n_keys"). Words no flag of the command has, and code in backticks, are left as they are."""
     flags = {action.dest: action.option_strings[-1] for action in subparser._actions
              if action.option_strings and action.option_strings[-1].startswith("--")}
+    if "task_param" in flags:
+        message = re.sub(r"task_params\['(\w+)'\]\['(\w+)'\]", rf"{flags['task_param']} \1.\2", message)
 
     def with_value(match: re.Match) -> str:
         value = match.group(3) if match.group(3) is not None else match.group(2)

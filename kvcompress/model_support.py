@@ -65,7 +65,7 @@ def attention_scales(model) -> dict[int, float]:
 _KEPT = threading.local()
 
 
-def kept_hidden_states() -> weakref.WeakKeyDictionary:
+def _kept_hidden_states() -> weakref.WeakKeyDictionary:
     """This thread's {attention module: hidden states} (`keep_hidden_states`)."""
     kept = getattr(_KEPT, "by_module", None)
     if kept is None:
@@ -75,7 +75,7 @@ def kept_hidden_states() -> weakref.WeakKeyDictionary:
 
 def take_hidden_states(module):
     """The hidden states `module`'s forward in this thread received (and forget them), or None."""
-    return kept_hidden_states().pop(module, None)
+    return _kept_hidden_states().pop(module, None)
 
 
 def _keep(module, args, kwargs=None) -> None:
@@ -86,17 +86,15 @@ def _keep(module, args, kwargs=None) -> None:
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "_attn_implementation", ATTENTION_NAME) != ATTENTION_NAME:
         return
-    kwargs = kwargs or {}
-    if "hidden_states" in kwargs:
-        kept_hidden_states()[module] = kwargs["hidden_states"]
-    elif args:
-        kept_hidden_states()[module] = args[0]
+    hidden = (kwargs or {}).get("hidden_states", args[0] if args else None)
+    if hidden is not None:
+        _kept_hidden_states()[module] = hidden
 
 
 def keep_hidden_states(model) -> list:
     """One forward pre-hook per attention module of `model` that keeps the hidden states the module receives (its
     `hidden_states` argument, [B, n, d_model] after the layer's input norm, a reference, no copy) in this thread's
-    `kept_hidden_states`, for a method that reads them (`Requirements.inputs` "hidden_states"); the 'kvcompress'
+    `_kept_hidden_states`, for a method that reads them (`Requirements.inputs` "hidden_states"); the 'kvcompress'
     attention function takes them (`take_hidden_states`) in the same forward. Returns the hooks' handles;
     `release_hidden_states` removes them."""
     return [m.register_forward_pre_hook(_keep, with_kwargs=True) for m in attention_modules(model)]

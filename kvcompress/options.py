@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .calibration import check_quality, load_calibration
-from .checks import as_count, as_fraction, as_seed
+from .checks import as_count, as_fraction, as_seed, check_bool
 from .methods.base import Method, UnknownParameters
 from .quantization import check_kv_bits, check_storage, slots_in_memory_of
 from .methods.budget import check_sink_window, resolve_budget
@@ -187,8 +187,7 @@ class CompressionOptions:
                              f"or a registered method, kvc.methods()) or None for the full cache, got {self.method!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.compress_question, bool):
-            raise ValueError(f"compress_question must be True or False, got {self.compress_question!r}")
+        check_bool("compress_question", self.compress_question)
         if self.compress_question and self.mode == "decode":
             raise ValueError("compress_question=True changes nothing in mode='decode', which streams the question (and the answer) "
                              "through compression anyway; leave it out")

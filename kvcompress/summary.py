@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .checks import check_positions, describe
+from .checks import check_bool, check_positions, describe
 from .saved_state import Count, Flag, Instance, Maybe, Saveable, Sequence, Tensor, saved
 
 
@@ -73,8 +73,7 @@ class KVSummary(Saveable):
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             name, t = next((n, t) for n, t in zip(("keys", "values", "log_weights", "positions"), tensors) if not isinstance(t, torch.Tensor))
             raise ValueError(f"{name} must be a tensor, got {describe(t)}")
-        if self.eviction_only is not True and self.eviction_only is not False:
-            raise ValueError(f"eviction_only must be True or False, got {self.eviction_only!r}")
+        check_bool("eviction_only", self.eviction_only)
         if self.normalizer is not None:
             if not isinstance(self.normalizer, Normalizer):
                 raise ValueError(f"normalizer must be a Normalizer or None, got {describe(self.normalizer)}")

@@ -870,7 +870,7 @@ def _in_threads(calls) -> list:
 def test_threads_on_one_model_each_get_their_own_answer(tiny_checkpoint, tiny_scorer):
     """One model, several threads at once: kvcompress's calls hold the model's lock (`model_support.model_lock`; a call
     switches the model's attention and generation config while it runs), and the hidden states a method scores are kept
-    per thread (`kept_hidden_states`), so caches built by name and used through `model.generate` in two threads read
+    per thread (`model_support.take_hidden_states`), so caches built by name and used through `model.generate` in two threads read
     their own. Every answer equals the same call alone, and the model's settings come back as they were."""
     from kvcompress.integration import generate_ids
 

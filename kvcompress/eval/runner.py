@@ -70,7 +70,7 @@ COMPOSED = ("hybrid", DEFAULT, KVZIP_REFIT)
 # A task counts as a compression result only where the full cache scores at least this.
 FULL_CACHE_BAR = 0.9
 # Generator arguments the sweep sets itself (not settable through task_params).
-SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
+_SWEEP_ARGUMENTS = ("target_tokens", "seed", "tokenizer", "depth")
 RESULTS_FILE = "results.jsonl"
 DEFAULT_TASKS = TASKS
 # What changes every cell's answer but not its key: a results folder holds one value of each (`check_same_run`).
@@ -168,7 +168,7 @@ class SweepConfig:
         for task, params in self.task_params.items():
             if task not in GENERATORS:
                 raise ValueError(f"task_params: task must be one of {TASKS}, got {task!r}")
-            allowed = task_parameters(task) - set(SWEEP_ARGUMENTS)
+            allowed = task_parameters(task) - set(_SWEEP_ARGUMENTS)
             bad = sorted(set(params) - allowed)
             if bad:
                 raise ValueError(f"task_params[{task!r}]: parameters must be among {sorted(allowed)}, got {bad}")

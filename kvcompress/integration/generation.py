@@ -27,7 +27,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .. import cache_file
 from ..cache import CompressedCache, CompressedLayer, load_cache
-from ..checks import as_count, describe
+from ..checks import as_count, check_bool
 from ..decoding import answer_end
 from ..model_support import check_supported, model_lock, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
@@ -35,7 +35,7 @@ from .attention import feeding_hidden_states  # the module registers the kvcompr
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
 from .model import (DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_ids, check_context_length, check_questions,
-                    check_token_ids, logits_to_keep)
+                    check_token_id_list, check_token_ids, logits_to_keep, vocabulary_size)
 from .model import prompt_layout as as_prompt_layout
 
 # Prompts longer than this show a progress bar while they are processed, on a terminal (tqdm disable=None: not in a log).
@@ -499,11 +499,7 @@ def _check_questions(model, n_context: int, questions_ids: list[torch.Tensor], m
     """Raise before any work when questions_ids is not a non-empty list, a question is not a token id tensor [1, m] with
     m >= 1 in the model's vocabulary, or when the context, the longest question and its answer need more positions than
     the model has."""
-    if not isinstance(questions_ids, (list, tuple)) or not questions_ids:
-        raise ValueError(f"questions_ids must be a non-empty list of [1, m] token id tensors, got {describe(questions_ids)}"
-                         + (f" {questions_ids!r}" if isinstance(questions_ids, (list, tuple)) else ""))
-    for i, q in enumerate(questions_ids):
-        check_token_ids(f"questions_ids[{i}]", q, "[1, m] with m >= 1", model, rows=1)
+    check_token_id_list("questions_ids", questions_ids, "[1, m]", model)
     check_context_length(model, n_context + max(q.shape[1] for q in questions_ids), max_new_tokens)
 
 
@@ -546,7 +542,7 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
             "compress_context compresses a context once for later questions: it takes a method and the question kept out of "
             f"compression; got method={options.method!r}, compress_question={options.compress_question!r}"
         )
-    _check_flag("progress", progress)
+    check_bool("progress", progress)
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
         raise ValueError(f"compress_context takes one context (batch size 1), got batch size {context_ids.shape[0]}")
@@ -609,15 +605,12 @@ def generate_batch_ids(
     forward: there a stream, AdaKV with scope='model', KVzip and the default are refused with the cause.)
     """
     options = CompressionOptions.build(options, **settings)
-    if not isinstance(contexts_ids, (list, tuple)) or not contexts_ids:
-        raise ValueError(f"contexts_ids must be a non-empty list of [1, n] token id tensors, got {describe(contexts_ids)}"
-                         + (f" {contexts_ids!r}" if isinstance(contexts_ids, (list, tuple)) else ""))
-    for i, c in enumerate(contexts_ids):  # one row each: a row more would not be answered
-        check_token_ids(f"contexts_ids[{i}]", c, "[1, n] with n >= 1 (one context; a batch is a list of them)", model, rows=1)
+    # one row each: a row more would not be answered
+    check_token_id_list("contexts_ids", contexts_ids, "[1, n]", model, note=" (one context; a batch is a list of them)")
     if question_ids is not None:
         check_token_ids("question_ids", question_ids, "[1, m] or None", model, rows=1, least=0)
     pad_token_id = as_count("pad_token_id", pad_token_id, 0, optional=True)
-    vocab = model.get_input_embeddings().num_embeddings  # the model was checked with the contexts
+    vocab = vocabulary_size(model)
     if pad_token_id is not None and pad_token_id >= vocab:
         raise ValueError(f"pad_token_id must be None or a token id from 0 to {vocab - 1} (the model's vocabulary of {vocab}), "
                          f"got {pad_token_id}")
@@ -733,7 +726,7 @@ def generate(
     """
 
     check_questions(question, questions)
-    _check_flag("progress", progress)
+    check_bool("progress", progress)
     prompt_layout = as_prompt_layout(prompt_layout, parameter="prompt_layout")
     if cache is not None:
         if context is not None or options is not None or settings:
@@ -786,13 +779,9 @@ def _check_answer_settings(max_new_tokens, stop_at_eos, progress: bool = False) 
     """Refuse a max_new_tokens below 1 or a stop_at_eos or progress that is not a bool (a truthy string would be read as
     True)."""
     as_count("max_new_tokens", max_new_tokens, 1)
-    _check_flag("stop_at_eos", stop_at_eos)
-    _check_flag("progress", progress)
+    check_bool("stop_at_eos", stop_at_eos)
+    check_bool("progress", progress)
 
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_model_and_tokenizer(model, tokenizer) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..checks import MissingPackage, describe
+from ..checks import MissingPackage, check_bool, describe
 from ..checks import check_token_ids as token_ids
 from ..model_support import check_supported
 from ..names import DEFAULT_PROMPT_LAYOUT
@@ -186,13 +186,26 @@ def logits_to_keep(model, last: bool) -> dict:
     return {"logits_to_keep": 1 if last else torch.empty(0, dtype=torch.long, device=next(model.parameters()).device)}
 
 
+def vocabulary_size(model) -> int:
+    """How many token ids `model` takes: its input embedding's rows (the model checked as supported first)."""
+    check_supported(model)
+    return model.get_input_embeddings().num_embeddings
+
+
 def check_token_ids(name: str, ids, layout: str, model=None, rows: int | None = None, least: int = 1, prefix: str = "") -> None:
-    """`checks.check_token_ids` against `model`'s vocabulary (its input embedding's rows) when one is given."""
-    vocab = None
-    if model is not None and isinstance(ids, torch.Tensor) and ids.numel():
-        check_supported(model)  # a model named as such before its embedding is read
-        vocab = model.get_input_embeddings().num_embeddings
+    """`checks.check_token_ids` against `model`'s vocabulary (`vocabulary_size`) when one is given."""
+    vocab = vocabulary_size(model) if model is not None and isinstance(ids, torch.Tensor) and ids.numel() else None
     token_ids(name, ids, layout, vocab, rows, least, prefix)
+
+
+def check_token_id_list(name: str, items, row: str, model, note: str = "") -> None:
+    """A non-empty list (or tuple) of one-row token id tensors `row` ("[1, m]"), each of at least one token and in
+    `model`'s vocabulary (`check_token_ids`); `note` follows the layout in an element's message."""
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"{name} must be a non-empty list of {row} token id tensors, got {describe(items)}"
+                         + (f" {items!r}" if isinstance(items, (list, tuple)) else ""))
+    for i, ids in enumerate(items):
+        check_token_ids(f"{name}[{i}]", ids, f"{row} with {row[-2]} >= 1{note}", model, rows=1)
 
 
 def check_context_ids(context_ids, model=None) -> None:
@@ -242,8 +255,7 @@ class PromptLayout:
     def __post_init__(self):
         if not isinstance(self.separator, str) or not self.separator or _QUESTION_MARK in self.separator:
             raise ValueError(f"PromptLayout separator must be a non-empty string such as '\\n' or '\\n\\n', got {self.separator!r}")
-        if not isinstance(self.primed, bool):
-            raise ValueError(f"PromptLayout primed must be True or False, got {self.primed!r}")
+        check_bool("PromptLayout primed", self.primed)
 
     @property
     def name(self) -> str:

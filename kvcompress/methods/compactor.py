@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import LOG2_E, exp_rows_, log2_range, totals_in_range
-from ..checks import as_count, as_real
+from ..checks import as_count, as_real, check_bool
 from ..saved_state import saved
 from ..summary import KVSummary, take_slots
 from .base import BlockwiseState, Method, StreamState, keep_top, top_index
@@ -209,8 +209,7 @@ class Compactor(Method):
         self.kernel_size = as_count("kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (centred pooling), got {self.kernel_size}")
-        if not isinstance(self.attention, bool):
-            raise ValueError(f"attention must be True or False, got {self.attention!r}")
+        check_bool("attention", self.attention)
         if self.leverage_weight is not None and not self.attention:
             raise ValueError(
                 f"leverage_weight={self.leverage_weight!r} weighs leverage against the attention term, which attention=False "

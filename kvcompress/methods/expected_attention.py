@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import as_count, as_real
+from ..checks import as_count, as_real, check_bool
 from .base import ScoreMethod
 from .registry import register
 from .requirements import Requirements
@@ -52,8 +52,7 @@ class ExpectedAttention(ScoreMethod):
     def __post_init__(self):
         self.n_future_positions = as_count("n_future_positions", self.n_future_positions, 1)
         for field in ("use_covariance", "use_vnorm"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
+            check_bool(field, getattr(self, field))
         self.epsilon = as_real("epsilon", self.epsilon, "added to each score before it is scaled by the value norm", minimum=0.0)
         if self.epsilon and not self.use_vnorm:
             raise ValueError(f"epsilon={self.epsilon!r} is added to the scores before the value-norm scaling, which "

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..checks import as_count
+from ..checks import as_count, check_bool
 from ..summary import KVSummary
 from .base import ScoreMethod
 from .registry import register
@@ -123,8 +123,7 @@ class KeyDiff(ScoreMethod):
             raise ValueError(f"anchor must be one of {ANCHORS}, got {self.anchor!r}")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
-        if not isinstance(self.normalize_anchor, bool):
-            raise ValueError(f"normalize_anchor must be True or False, got {self.normalize_anchor!r}")
+        check_bool("normalize_anchor", self.normalize_anchor)
         if self.anchor == "pairwise" and not self.normalize_anchor:
             raise ValueError("normalize_anchor=False builds an anchor vector from the raw keys, which anchor='pairwise' (every "
                              "token against every other, no anchor vector) does not use: use anchor='mean' or 'median' with it")
