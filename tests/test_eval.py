@@ -3,6 +3,7 @@
 import copy
 import csv
 import json
+import platform
 from dataclasses import replace
 
 import pytest
@@ -11,10 +12,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvcompress.cli import build_parser
-from kvcompress.eval import runner
+from kvcompress.eval import runner, tasks
 from kvcompress.eval.approx import ApproxConfig, run_approx, write_approx
 from kvcompress.eval.plots import plot_approx, plot_sweep
 from kvcompress.eval.runner import FULL, SweepConfig, read_results, run_sweep, write_summary
+from kvcompress.eval.stats import paired_comparisons
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,32 @@ def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path, capsys)
     grown = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm", "random"])
     assert {r["method"] for r in run_sweep(model, tokenizer, grown, tmp_path, progress=False, model_name="tiny")} >= {"knorm", "random"}
 
+
+
+def test_a_sample_whose_text_changed_is_refused_where_its_cells_are_recorded(tiny, tmp_path, monkeypatch):
+    """Every record holds the SHA-256 of the prompt it answered, and config.json the Python that ran: the prose tasks'
+    text is that Python's standard library's, so another Python builds other samples under the same keys. Adding
+    cells of such a sample to a folder is refused, writing nothing, and so is pairing records of the two texts; the
+    same text goes on."""
+    model, tokenizer = tiny
+    config = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm"])
+    first = run_sweep(model, tokenizer, config, tmp_path, progress=False)
+    digests = {r["index"]: r["prompt_sha256"] for r in first}
+    assert len(set(digests.values())) == 2 and all(len(d) == 64 for d in digests.values())
+    assert all(r["prompt_sha256"] == digests[r["index"]] for r in first)  # one prompt per sample, whatever its cell
+    assert json.loads((tmp_path / "config.json").read_text())["python"] == platform.python_version()
+    grown = replace(config, methods=["knorm", "random"])
+    monkeypatch.setattr(tasks, "FILLER", tasks.FILLER.replace("green", "red"))  # the text another Python might give
+    with pytest.raises(ValueError, match=r"results\.jsonl holds sample 'task\|niah_single\|200\|0\|0\.5' answered from "
+                                         r"another prompt \(token ids' sha256 [0-9a-f]{12}\.\.\., this run's [0-9a-f]{12}\.\.\.\).* "
+                                         r"write to a new folder \(--out\)"):
+        run_sweep(model, tokenizer, grown, tmp_path, progress=False)
+    assert len(read_results(tmp_path / runner.RESULTS_FILE)) == len(first)
+    elsewhere = [r for r in run_sweep(model, tokenizer, grown, tmp_path / "other", progress=False) if r["method"] == "random"]
+    with pytest.raises(ValueError, match=r"answered two prompts"):
+        paired_comparisons(first + elsewhere, ["knorm"])
+    monkeypatch.undo()
+    assert {r["method"] for r in run_sweep(model, tokenizer, grown, tmp_path, progress=False)} == {FULL, "knorm", "random"}
 
 def test_a_sweep_whose_every_cell_errored_still_reports(tiny, tmp_path, monkeypatch):
     """Every cell recorded with its error (e.g. a setting no method takes): the summary and the plots are written, the

@@ -44,6 +44,21 @@ def test_paired_comparison_uses_the_best_baseline_and_only_shared_samples():
     assert rows[(0.5, "a")]["baseline"] == "b" and (0.5, "b") not in rows
 
 
+
+def test_paired_comparisons_refuse_records_of_one_sample_from_two_prompts():
+    """Records of one sample pair only when they answered the same prompt (`prompt_sha256`): the prose tasks' text is the
+    running Python's standard library's, so two runs can hold one sample key over two texts. Records without the
+    field (those of earlier versions) are paired as before."""
+    records = [_rec("a", i, 1.0) | {"prompt_sha256": f"{i}" * 64} for i in range(3)]
+    records += [_rec("b", i, 0.0) | {"prompt_sha256": f"{i}" * 64} for i in range(3)]
+    assert [(r["wins"], r["losses"]) for r in paired_comparisons(records, ["a"])] == [(0, 3)]
+    other = records[:5] + [records[5] | {"prompt_sha256": "f" * 64}]
+    with pytest.raises(ValueError, match=r"the records of sample \{'task': 'niah_single', 'length': 2048, 'index': 2, 'depth': 0.5\} "
+                                         r"answered two prompts \(prompt_sha256 222222222222\.\.\. and ffffffffffff\.\.\.; method 'b'"):
+        paired_comparisons(other, ["a"])
+    unrecorded = records[:5] + [{k: v for k, v in records[5].items() if k != "prompt_sha256"}]
+    assert [(r["wins"], r["losses"]) for r in paired_comparisons(unrecorded, ["a"])] == [(0, 3)]
+
 class _Vocab:
     pieces = ["12", ".", "a", ">\n", "x>", "\n"]
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import gzip
+import hashlib
 import json
 import math
 import platform
@@ -60,7 +61,7 @@ from . import tables
 from .benchmarks import BENCHMARKS, BenchmarkItem, load_benchmark
 from .capture import capture_qkv
 from .prefill_replay import full_as_ratio_zero
-from .stats import paired_comparisons, wilson
+from .stats import PROMPT_DIGEST, paired_comparisons, wilson
 from .stopping import stop_token_ids
 from .tasks import GENERATORS, HAYSTACKS, NEEDLE_KINDS, TASKS, Sample, check_task_params, generate_sample, score, task_parameters
 
@@ -245,6 +246,25 @@ class Cell:
         return f"{s.kind}|{task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
 
 
+def sample_of(key: str) -> str:
+    """The sample part of a cell's `key` (kind, task with its parameters, length, index, depth): what every cell of one
+    sample shares."""
+    return key.rsplit("|", 3)[0]
+
+
+def prompt_sha256(context_ids: torch.Tensor, question_ids: torch.Tensor) -> str:
+    """SHA-256 of a prompt's token ids (the context's, then the question's, each as int64 after its length): what a
+    record keeps (`PROMPT_DIGEST`) so that a cell answering another prompt of the same sample is caught. The prose
+    tasks read text the running Python ships (its standard library's docstrings, the language reference), which
+    changes between Python versions, so one sample's text depends on the Python that builds it."""
+    digest = hashlib.sha256()
+    for ids in (context_ids, question_ids):
+        flat = ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+        digest.update(flat.numel().to_bytes(8, "little"))
+        digest.update(flat.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def check_task_settings(tasks: list[str], **given) -> None:
     """Refuse a generated-task setting (`haystack`, `kind`: the name and the value given, None when not given) that
     no task of `tasks` takes: it would change nothing. ValueError naming the setting, the tasks run and those it
@@ -364,7 +384,9 @@ class ResultsFile:
 
     Several writers (shards, the Ray driver) may share it. Under the lock each writer first reads
     what the others appended since its last write, so `write` skips a cell whose key is already in
-    the file and no cell is ever recorded twice. A last line torn by an interrupted writer (no
+    the file and no cell is ever recorded twice. A record whose sample is already in the file from
+    another prompt (`PROMPT_DIGEST`: another Python's text, another kvcompress's generator) is refused,
+    so every cell of a sample pairs with the others on the same prompt. A last line torn by an interrupted writer (no
     newline after it) is cut off before the next record is appended, so every line before the last
     is a whole record, and an undecodable one is corruption (`_parse_lines`).
     """
@@ -373,6 +395,7 @@ class ResultsFile:
         self.path = path
         self.path.touch()
         self._done: set[str] = set()
+        self._prompts: dict[str, str] = {}  # sample (`sample_of`) -> the prompt digest its first record holds
         self._offset = 0
         self._lines = 0  # whole lines read so far
 
@@ -381,7 +404,10 @@ class ResultsFile:
         f.seek(self._offset)
         tail = f.read()
         whole = tail.rfind(b"\n") + 1
-        self._done.update(r["key"] for r in _parse_lines(tail[:whole], self.path, self._lines + 1))
+        for record in _parse_lines(tail[:whole], self.path, self._lines + 1):
+            self._done.add(record["key"])
+            if record.get(PROMPT_DIGEST) is not None:
+                self._prompts.setdefault(sample_of(record["key"]), record[PROMPT_DIGEST])
         self._offset += whole
         self._lines += tail.count(b"\n")
         return len(tail) - whole
@@ -397,13 +423,15 @@ class ResultsFile:
         return set(self._done)
 
     def write(self, records: list[dict]) -> int:
-        """Append the records whose keys are not yet in the file; return how many were written."""
+        """Append the records whose keys are not yet in the file; return how many were written. ValueError, writing
+        none, when one's sample is in the file from another prompt."""
         with self.path.open("r+b") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 if self._catch_up(f):
                     f.truncate(self._offset)
                 fresh = [r for r in records if r["key"] not in self._done]
+                self._check_prompts(fresh)
                 f.seek(self._offset)
                 f.write("".join(json.dumps(r) + "\n" for r in fresh).encode())
                 f.flush()
@@ -412,6 +440,19 @@ class ResultsFile:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
         return len(fresh)
+
+
+    def _check_prompts(self, records: list[dict]) -> None:
+        for record in records:
+            sample, digest = sample_of(record["key"]), record.get(PROMPT_DIGEST)
+            recorded = self._prompts.get(sample)
+            if digest is not None and recorded is not None and digest != recorded:
+                raise ValueError(
+                    f"{self.path} holds sample {sample!r} answered from another prompt (token ids' sha256 {recorded[:12]}..., "
+                    f"this run's {digest[:12]}...): the sample's text changed (the prose tasks read the standard library of "
+                    f"the Python that builds them, here {platform.python_version()}; config.json names the Python of the "
+                    "folder's runs), so its cells would not pair; continue that folder with the Python and kvcompress "
+                    "that began it, or write to a new folder (--out)")
 
 
 def _parse_lines(text: bytes, path: Path, first_line: int = 1) -> list[dict]:
@@ -490,7 +531,8 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
     """`out/config.json`: `extra`, the latest run's config (a dataclass with `methods` and `modes`; a run that streams
     nothing keeps the block size recorded before, which it does not use), what the named settings among the
     methods of every run into the folder stand for (`named_settings_of`, merged with those recorded before, so that a
-    later run is checked against each), model name, host, threads, shard and start time. Written whole or not at all
+    later run is checked against each), model name, host, Python version (the prose tasks' text is its standard
+    library's), threads, shard and start time. Written whole or not at all
     (a shard beside it may be reading it)."""
     path = out / "config.json"
     earlier = json.loads(path.read_text()) if path.is_file() else {}
@@ -499,7 +541,7 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
         settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
     named = earlier.get("named_settings", {}) | named_settings_of(config.methods)
     meta = extra | {"config": settings, "named_settings": named, "model": model_name, "host": platform.node(),
-                    "threads": torch.get_num_threads(), "shard": shard,
+                    "python": platform.python_version(), "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     write_whole(path, json.dumps(meta, indent=1).encode())
 
@@ -582,8 +624,9 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         recordings[with_mass] = capture_qkv(model, context_ids, attention_mass=with_mass)
     capture_s = time.perf_counter() - start
     reconstructions = {} if config.reuse_prefill else None
+    prompt = prompt_sha256(context_ids, question_ids)
     for cell in cells:
-        record = _record(cell, sample, context_ids, capture_s if kinds[cell.key] is not None else 0.0, config.prompt_layout)
+        record = _record(cell, sample, context_ids, capture_s if kinds[cell.key] is not None else 0.0, config.prompt_layout, prompt)
         start = time.perf_counter()
         try:
             captured = recordings.get(kinds[cell.key])
@@ -616,14 +659,14 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
     return read_results(results.path)
 
 
-def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: PromptLayout) -> dict:
+def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: PromptLayout, prompt: str) -> dict:
     s = cell.sample
     return s.record_fields() | {
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
         "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
         "error": None, "capture_s": capture_s,
-        "prompt_layout": layout.name,
+        "prompt_layout": layout.name, PROMPT_DIGEST: prompt,
     } | ({} if cell.method == FULL else _resolved_fields(cell))
 
 

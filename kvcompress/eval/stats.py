@@ -23,6 +23,9 @@ from ..checks import as_count, as_real
 
 Z95 = 1.959963984540054
 SAMPLE_KEY = ("task", "length", "index", "depth")
+# The record field holding the SHA-256 of the prompt's token ids a cell answered (`runner.prompt_sha256`): records of one
+# sample pair only when they answered the same prompt.
+PROMPT_DIGEST = "prompt_sha256"
 
 
 def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
@@ -78,7 +81,9 @@ def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str,
     more answered samples, then the first by name).
     Returns rows: group fields, method, baseline, n_pairs, method / baseline mean on the pairs,
     wins (method better), losses, p (exact sign test). A scored record (no error, a score, not of the needle grid)
-    must have a method, the fields `by` and `SAMPLE_KEY`.
+    must have a method, the fields `by` and `SAMPLE_KEY`; two records of one sample that answered different prompts
+    (`PROMPT_DIGEST`, where both hold it: e.g. runs on two Python versions, whose standard library gives the prose tasks
+    their text, or two task parameters) are a ValueError, as they would not pair.
     """
     if isinstance(baselines, str):
         raise ValueError(f"baselines must be a list of method names, got the string {baselines!r}: pass [{baselines!r}] for one")
@@ -90,6 +95,14 @@ def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str,
             if missing:
                 raise ValueError(f"records[{i}] lacks {missing}: a scored record needs {needed}, got one with {sorted(r)}")
             scored.append(r)
+    prompts: dict[tuple, str] = {}
+    for r in scored:
+        sample, digest = tuple(r[k] for k in SAMPLE_KEY), r.get(PROMPT_DIGEST)
+        if digest is not None and prompts.setdefault(sample, digest) != digest:
+            raise ValueError(f"the records of sample {dict(zip(SAMPLE_KEY, sample))} answered two prompts ({PROMPT_DIGEST} "
+                             f"{prompts[sample][:12]}... and {digest[:12]}...; method {r['method']!r}, ratio {r.get('ratio')!r}): they "
+                             "come from runs that built the sample differently (another Python's standard library, other "
+                             "task parameters) and do not pair; compare records of one run")
     groups: dict[tuple, dict[str, dict[tuple, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in scored:
         groups[tuple(r[k] for k in by)][r["method"]][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]
