@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import platform
 import re
 from dataclasses import replace
 
@@ -181,12 +182,22 @@ def test_training_contexts_are_as_many_as_asked_or_an_error_says_how_many_fit(ti
         text_contexts(tokenizer, paragraphs, 10000, 1, seed=0, flag="--tuning-contexts")
 
 
-def test_train_scorer_runs_end_to_end_and_records_how(tiny_scorer, capsys):
+def test_train_scorer_runs_end_to_end_and_records_how(tiny_scorer, tiny_checkpoint, capsys):
     s = Surrogate.load(tiny_scorer)
     assert s.kind == "linear" and s.layers == (0, 1) and s.kv_heads == 2 and s.input_width == 64
     assert s.meta["seed"] == 0 and s.meta["contexts"] == 2 and s.meta["training_tokens"] > 100 and set(s.meta["tuning_spearman"]) == {"0", "1"}
     assert all(-1 <= v <= 1 for v in s.meta["tuning_spearman"].values()) and s.meta["seconds"] > 0
     assert s.score_quantiles.shape == (2, kvzap.SCORE_QUANTILES) and sum(s.layer_shares(0.5).values()) == pytest.approx(2.0)
+    # the training text is this Python's docstrings: the file names the Python and the token ids it read
+    from kvcompress.eval.capture import DOCSTRING_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
+    from kvcompress.integration.model import token_ids_sha256
+    from kvcompress.integration.scorer_training import text_contexts
+
+    held_apart = set(docstring_paragraphs(DOCSTRING_MODULES))
+    text = [p for p in docstring_paragraphs(SCORER_TRAINING_MODULES) if p not in held_apart]
+    contexts = text_contexts(kvc.load_model(tiny_checkpoint)[1], text, 96, 2, seed=0)
+    assert s.meta["python"] == platform.python_version() and s.meta["training_tokens_sha256"] == token_ids_sha256(*contexts)
+    assert token_ids_sha256(*contexts) != token_ids_sha256(*contexts[::-1]) != token_ids_sha256(torch.cat(contexts, 1))
 
 
 def test_train_scorer_refuses_a_missing_directory(tmp_path, capsys):

@@ -3,6 +3,7 @@ standard library ships, and save them as a scorer file for `--method kvzap --par
 
 from __future__ import annotations
 
+import platform
 import time
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def _run(args) -> int:
     import torch
 
     from ..eval.capture import DOCSTRING_MODULES, SCORER_TRAINING_MODULES, docstring_paragraphs
+    from ..integration.model import token_ids_sha256
     from ..integration.scorer_training import fidelity, scoring_pairs, text_contexts
     from ..methods.kvzap import fit_surrogate
 
@@ -69,6 +71,8 @@ def _run(args) -> int:
     seconds = time.perf_counter() - start
     meta = {"kind": args.kind, "seed": args.seed, "tokens_per_context": args.tokens, "contexts": args.contexts, "training_tokens": int(train.hidden[surrogate.layers[0]].shape[0]),
             "training_text": "eval.capture.SCORER_TRAINING_MODULES", "tuning_text": "eval.capture.DOCSTRING_MODULES",
+            # the text is the running Python's docstrings: another Python trains on other tokens
+            "python": platform.python_version(), "training_tokens_sha256": token_ids_sha256(*training_contexts),
             "tuning_tokens": int(tuning.hidden[surrogate.layers[0]].shape[0]),
             "tuning_spearman": {str(k): round(v, 4) for k, v in per_layer.items()}, "seconds": round(seconds, 1),
             "threads": torch.get_num_threads(), "mlp_width": mlp_width if args.kind == "mlp" else None,

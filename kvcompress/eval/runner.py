@@ -33,7 +33,6 @@ from __future__ import annotations
 import csv
 import fcntl
 import gzip
-import hashlib
 import json
 import math
 import platform
@@ -48,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checks import as_seed, check_distinct
-from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout
+from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout, token_ids_sha256
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
 from ..names import DEFAULT_CHUNK_SIZE, FULL, PERPLEXITY
@@ -253,16 +252,11 @@ def sample_of(key: str) -> str:
 
 
 def prompt_sha256(context_ids: torch.Tensor, question_ids: torch.Tensor) -> str:
-    """SHA-256 of a prompt's token ids (the context's, then the question's, each as int64 after its length): what a
-    record keeps (`PROMPT_DIGEST`) so that a cell answering another prompt of the same sample is caught. The prose
-    tasks read text the running Python ships (its standard library's docstrings, the language reference), which
-    changes between Python versions, so one sample's text depends on the Python that builds it."""
-    digest = hashlib.sha256()
-    for ids in (context_ids, question_ids):
-        flat = ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
-        digest.update(flat.numel().to_bytes(8, "little"))
-        digest.update(flat.numpy().tobytes())
-    return digest.hexdigest()
+    """SHA-256 of a prompt's token ids (`token_ids_sha256` of the context's, then the question's): what a record keeps
+    (`PROMPT_DIGEST`) so that a cell answering another prompt of the same sample is caught. The prose tasks read text
+    the running Python ships (its standard library's docstrings, the language reference), which changes between Python
+    versions, so one sample's text depends on the Python that builds it."""
+    return token_ids_sha256(context_ids, question_ids)
 
 
 def check_task_settings(tasks: list[str], **given) -> None:

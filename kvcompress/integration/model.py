@@ -208,6 +208,17 @@ def check_token_id_list(name: str, items, row: str, model, note: str = "") -> No
         check_token_ids(f"{name}[{i}]", ids, f"{row} with {row[-2]} >= 1{note}", model, rows=1)
 
 
+
+def token_ids_sha256(*ids: torch.Tensor) -> str:
+    """SHA-256 of token id tensors, in order, each as int64 after its element count: a record of which tokens a run
+    read (an evaluation's prompt, a scorer's training text), to tell them from another run's."""
+    digest = hashlib.sha256()
+    for tensor in ids:
+        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+        digest.update(flat.numel().to_bytes(8, "little"))
+        digest.update(flat.numpy().tobytes())
+    return digest.hexdigest()
+
 def check_context_ids(context_ids, model=None) -> None:
     """Refuse anything but a token id tensor [B, n] with n >= 1 (`check_token_ids`; given `model`, ids in its vocabulary),
     naming what was received."""
