@@ -4,6 +4,7 @@ import copy
 import csv
 import json
 import platform
+import re
 from dataclasses import replace
 
 import pytest
@@ -164,6 +165,42 @@ def test_a_sample_whose_text_changed_is_refused_where_its_cells_are_recorded(tin
         paired_comparisons(first + elsewhere, ["knorm"])
     monkeypatch.undo()
     assert {r["method"] for r in run_sweep(model, tokenizer, grown, tmp_path, progress=False)} == {FULL, "knorm", "random"}
+
+
+def test_a_length_the_model_cannot_take_is_refused_before_any_prefill(tiny, tmp_path, monkeypatch):
+    """A length past the model's max_position_embeddings was prefilled whole (70 s at 9k tokens on the real model)
+    before every cell recorded its refusal. Such a length is now refused by name before any sample runs, and a prompt
+    that only its question and answer push past the limit is every cell's error, with no prefill."""
+    model, tokenizer = tiny
+    monkeypatch.setattr(model.config, "max_position_embeddings", 220)
+    base = dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"])
+    with pytest.raises(ValueError, match=r"^lengths 300 exceeds the 220 positions the model takes "
+                                         r"\(max_position_embeddings\): give lengths of at most 220 tokens"):
+        run_sweep(model, tokenizer, small_config(**base | {"lengths": [200, 300]}), tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match=r"^grid_lengths 250, 260 exceed the 220 positions"):
+        run_sweep(model, tokenizer, small_config(grid_lengths=[150, 260, 250], grid_depths=[0.5]), tmp_path / "a", progress=False)
+    assert not (tmp_path / "a").exists()
+    monkeypatch.setattr(runner, "capture_qkv", lambda *a, **k: pytest.fail("the context was prefilled"))
+    records = run_sweep(model, tokenizer, small_config(**base), tmp_path / "b", progress=False)  # 200 tokens and the question
+    assert len(records) == 2 * 3 and all(r["capture_s"] == 0 and r["prompt_sha256"] for r in records)
+    assert all(re.fullmatch(r"ValueError: the prompt has \d+ tokens but the model takes at most max_position_embeddings=220; .*",
+                            r["error"]) for r in records)
+
+
+def test_the_command_line_names_a_length_past_the_model_and_fails_a_sweep_where_no_cell_answered(tiny_checkpoint, tmp_path, capsys):
+    """Lengths past the model (2048 positions) name --lengths, in the sweep and the perplexity run; a sweep where every
+    cell holds an error exits 1 (it exited 0), naming the first error."""
+    from kvcompress.cli import main
+
+    common = ["--model", str(tiny_checkpoint), "--methods", "knorm", "--no-progress", "--samples", "1"]
+    assert main(["eval", "--tasks", "niah_single", "--lengths", "3000", *common, "--out", str(tmp_path / "a")]) == 2
+    assert "error: --lengths 3000 exceeds the 2048 positions the model takes" in capsys.readouterr().err
+    assert main(["eval", "--tasks", "perplexity", "--lengths", "512,4096", *common, "--out", str(tmp_path / "p")]) == 2
+    assert "error: --lengths 4096 exceeds the 2048 positions the model takes" in capsys.readouterr().err
+    assert main(["eval", "--tasks", "niah_single", "--lengths", "2040", "--ratios", "0.5", *common, "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"kvcompress eval: no cell of .*/b answered: all 2 hold an error, the first: ValueError: the prompt has \d+ "
+                     r"tokens but the model takes at most max_position_embeddings=2048", err)
 
 def test_a_sweep_whose_every_cell_errored_still_reports(tiny, tmp_path, monkeypatch):
     """Every cell recorded with its error (e.g. a setting no method takes): the summary and the plots are written, the

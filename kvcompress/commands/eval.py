@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -278,6 +279,10 @@ def _run_sweep(args) -> int:
     _done(start, outputs)
     if failures:
         print(f"{len(failures)} samples failed; rerun the same command to do their cells:\n" + "\n".join(failures))
+        return 1
+    if records and all(r["error"] is not None for r in records):
+        print(f"kvcompress eval: no cell of {args.out} answered: all {len(records)} hold an error, the first: {records[0]['error']}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -84,7 +84,7 @@ from ..names import PERPLEXITY_BLOCK as DEFAULT_BLOCK
 from ..names import PERPLEXITY_CONTEXT_FRACTION as DEFAULT_CONTEXT_FRACTION
 from ..names import PERPLEXITY_DOCUMENTS as DEFAULT_DOCUMENTS
 from .capture import prose_paragraphs
-from .runner import (DEFAULT_RATIOS, FULL, any_streams, check_same_run, dtype_name, open_run, read_results, shard_specs, stream_budget,
+from .runner import (DEFAULT_RATIOS, FULL, any_streams, check_lengths_fit, check_same_run, dtype_name, open_run, read_results, shard_specs, stream_budget,
                      write_run_config)
 from .stats import t_interval
 from . import tables
@@ -349,8 +349,7 @@ def run_perplexity(model, tokenizer, config: PerplexityConfig, out_dir: str | Pa
 
     Writes `out_dir/config.json` (the config, model name, host, shard, start time).
     """
-    for n in config.lengths:
-        check_context_length(model, n)
+    check_lengths_fit(model, config.lengths)
     documents = shard_specs(perplexity_documents(config), shard)
     out, results = open_run(out_dir)
     done = results.keys()

@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checks import as_seed, check_distinct
-from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, prompt_layout, token_ids_sha256
+from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, check_context_length, prompt_layout, token_ids_sha256
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
 from ..names import DEFAULT_CHUNK_SIZE, FULL, PERPLEXITY
@@ -497,6 +497,17 @@ def shard_specs(specs: list, shard: tuple[int, int] | None) -> list:
     return mine
 
 
+
+def check_lengths_fit(model, lengths, setting: str = "lengths") -> None:
+    """Refuse, before any sample runs, context lengths longer than `model` takes (its `max_position_embeddings`),
+    naming `setting` and the model's limit: such a sample's prompt could only be refused after its context's prefill."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    over = sorted({n for n in lengths if limit is not None and n > limit})
+    if over:
+        raise ValueError(f"{setting} {', '.join(map(str, over))} exceed{'s' if len(over) == 1 else ''} the {limit} positions the "
+                         f"model takes (max_position_embeddings): give lengths of at most {limit} tokens (a task's question "
+                         "and answer take some of them too)")
+
 def any_streams(modes) -> bool:
     """Whether a run of `modes` streams a prompt (chunked or decode mode), so that its block size (`chunk_size`) acts."""
     return any(mode != "prefill" for mode in modes)
@@ -611,6 +622,16 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
     stop_ids = stop_token_ids(tokenizer, sample.stop)
+    prompt = prompt_sha256(context_ids, question_ids)
+    try:  # every cell would refuse this prompt: say so before the context's prefill
+        check_context_length(model, context_ids.shape[1] + question_ids.shape[1], max_new)
+    except ValueError as err:
+        for cell in cells:
+            record = _record(cell, sample, context_ids, 0.0, config.prompt_layout, prompt)
+            record |= {"error": f"{type(err).__name__}: {err}", "wall_s": 0.0}
+            log(f"[{cell.key}] {record['error']}")
+            yield record
+        return
     methods = {cell.key: _method_of(cell) for cell in cells if cell.method != FULL}
     kinds = {cell.key: _recording_kind(cell, methods.get(cell.key)) if config.reuse_prefill else None for cell in cells}
     recordings, start = {}, time.perf_counter()
@@ -618,7 +639,6 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
         recordings[with_mass] = capture_qkv(model, context_ids, attention_mass=with_mass)
     capture_s = time.perf_counter() - start
     reconstructions = {} if config.reuse_prefill else None
-    prompt = prompt_sha256(context_ids, question_ids)
     for cell in cells:
         record = _record(cell, sample, context_ids, capture_s if kinds[cell.key] is not None else 0.0, config.prompt_layout, prompt)
         start = time.perf_counter()
@@ -643,6 +663,9 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
               shard: tuple[int, int] | None = None) -> list[dict]:
     """Run every cell not yet in `out_dir/results.jsonl` (of shard (i, n) only, if given), appending
     one record per cell as it finishes; return all records of the file."""
+    if config.benchmark is None:
+        check_lengths_fit(model, config.lengths)
+        check_lengths_fit(model, config.grid_lengths, "grid_lengths")
     results, todo = pending_samples(config, out_dir, shard, model_name, dtype_name(next(model.parameters()).dtype))
     bar = tqdm(total=sum(len(cells) for _, cells in todo), desc="eval", unit="cell", disable=not progress)
     for spec, cells in todo:
