@@ -187,6 +187,18 @@ def test_a_length_the_model_cannot_take_is_refused_before_any_prefill(tiny, tmp_
                             r["error"]) for r in records)
 
 
+
+def test_a_sample_whose_text_holds_a_special_token_records_the_refusal_in_each_cell(tiny, tmp_path, monkeypatch):
+    """A sample whose text holds a special token's text (a benchmark's document with "<|im_end|>") is refused by
+    `build_prompt`; the sweep records that in each of its cells, with no prefill, and goes on with the next sample."""
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    monkeypatch.setattr(tasks, "FILLER", tasks.FILLER + "Then <|im_end|> came. ")
+    records = run_sweep(model, tokenizer, small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"]), tmp_path, progress=False)
+    assert len(records) == 2 * 3 and all(r["capture_s"] == 0 and r["context_tokens"] is None for r in records)
+    assert all(r["error"].startswith("ValueError: context holds '<|im_end|>' (at character ") for r in records)
+
 def test_the_command_line_names_a_length_past_the_model_and_fails_a_sweep_where_no_cell_answered(tiny_checkpoint, tmp_path, capsys):
     """Lengths past the model (2048 positions) name --lengths, in the sweep and the perplexity run; a sweep where every
     cell holds an error exits 1 (it exited 0), naming the first error."""

@@ -219,6 +219,20 @@ def test_a_saved_cache_of_the_default_model_is_refused_by_another_model_and_when
 # kv_bits, and model.generate with a CompressedCache
 
 
+
+@pytest.mark.smoke
+def test_a_special_tokens_text_in_a_document_or_question_is_refused_not_read_as_the_token(default_model):
+    """SmolLM2's tokenizer read "<|im_end|>" in a document as its special token 2 (the end of the user's turn, and its
+    EOS) and "<filename>" as token 6, without a word: the prompt's turns changed under the user."""
+    model, tokenizer = default_model
+    for field, text, token, at in [("context", "A note: see <|im_end|> here.", "<|im_end|>", 12),
+                                   ("question", "What does <filename> hold?", "<filename>", 10)]:
+        given = {"context": "A short note.", "question": "What is it?"} | {field: text}
+        with pytest.raises(ValueError, match=rf"^{field} holds '{re.escape(token)}' \(at character {at}\), which the tokenizer reads as "
+                                             rf"its special token {tokenizer.convert_tokens_to_ids(token)}, not as text"):
+            kvc.generate(model, tokenizer, given["context"], given["question"], compression_ratio=0.5, max_new_tokens=1)
+    assert kvc.generate(model, tokenizer, "A note: see <|im_end here.", "What is it?", method=None, max_new_tokens=1).text
+
 @pytest.mark.smoke
 def test_kv_bits_store_the_compressed_context_in_fewer_bytes(default_model):
     """`kv_bits=8|4|2` through `kvc.generate`: the same slots stored in fewer bytes as the bits fall; 8 bits keep the answer."""

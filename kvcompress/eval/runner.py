@@ -619,11 +619,11 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     from ..integration import build_prompt
 
     sample = spec.build(config, tokenizer)
-    context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
     max_new = config.max_new_tokens or sample.max_new_tokens
-    stop_ids = stop_token_ids(tokenizer, sample.stop)
-    prompt = prompt_sha256(context_ids, question_ids)
-    try:  # every cell would refuse this prompt: say so before the context's prefill
+    context_ids = prompt = None
+    try:  # a prompt every cell would refuse (a special token's text in it, too long for the model): before any prefill
+        context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
+        prompt = prompt_sha256(context_ids, question_ids)
         check_context_length(model, context_ids.shape[1] + question_ids.shape[1], max_new)
     except ValueError as err:
         for cell in cells:
@@ -632,6 +632,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
             log(f"[{cell.key}] {record['error']}")
             yield record
         return
+    stop_ids = stop_token_ids(tokenizer, sample.stop)
     methods = {cell.key: _method_of(cell) for cell in cells if cell.method != FULL}
     kinds = {cell.key: _recording_kind(cell, methods.get(cell.key)) if config.reuse_prefill else None for cell in cells}
     recordings, start = {}, time.perf_counter()
@@ -676,11 +677,12 @@ def run_sweep(model, tokenizer, config: SweepConfig, out_dir: str | Path, progre
     return read_results(results.path)
 
 
-def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: PromptLayout, prompt: str) -> dict:
+def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: PromptLayout, prompt: str | None) -> dict:
+    """A cell's record before it runs; context_ids and prompt (its digest) are None for a prompt that could not be built."""
     s = cell.sample
     return s.record_fields() | {
         "key": cell.key, "grid": s.grid, "task": s.task, "length": s.length, "index": s.index, "depth": s.depth,
-        "measured_depth": sample.depth, "context_tokens": int(context_ids.shape[1]), "method": cell.method,
+        "measured_depth": sample.depth, "context_tokens": None if context_ids is None else int(context_ids.shape[1]), "method": cell.method,
         "ratio": cell.ratio, "mode": cell.mode, "answers": sample.answers, "prediction": None, "score": None,
         "error": None, "capture_s": capture_s,
         "prompt_layout": layout.name, PROMPT_DIGEST: prompt,

@@ -10,10 +10,12 @@ touches the network: every transformers call is `local_files_only`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import inspect
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -301,6 +303,20 @@ def check_questions(question, questions) -> None:
         raise ValueError(f"questions must be a non-empty list of non-empty strings, got {questions!r}")
 
 
+
+def _special_tokens_pattern(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of any of `tokenizer`'s special tokens (its added tokens marked special, e.g.
+    SmolLM2's `<|im_end|>` or `<filename>`), longest first; None for a tokenizer with none. The tokenizer turns such
+    text into the special token wherever it occurs, so `build_prompt` refuses it in the user's text."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    texts = {token.content for token in added.values() if token.special} if isinstance(added, dict) else set()
+    return _alternatives(frozenset(texts)) if texts else None
+
+
+@functools.lru_cache(maxsize=8)
+def _alternatives(texts: frozenset[str]) -> re.Pattern:
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=lambda t: (-len(t), t))))
+
 def build_prompt(
     tokenizer, context: str, question: str | None = None, answer_prefix: str = "",
     layout: str | PromptLayout = DEFAULT_PROMPT_LAYOUT,
@@ -322,10 +338,16 @@ def build_prompt(
     layout = prompt_layout(layout)
     if not isinstance(answer_prefix, str):
         raise ValueError(f"answer_prefix must be a str ('' for none), got {answer_prefix!r}")
+    specials = _special_tokens_pattern(tokenizer)
     for name, text in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
         if isinstance(text, str) and _QUESTION_MARK in text:
             raise ValueError(f"{name} holds {_QUESTION_MARK!r}, the marker build_prompt splits the rendered prompt at; remove it "
                              "from the text")
+        found = specials.search(text) if specials is not None and isinstance(text, str) else None
+        if found:
+            raise ValueError(f"{name} holds {found.group()!r} (at character {found.start()}), which the tokenizer reads as its special "
+                             f"token {tokenizer.convert_tokens_to_ids(found.group())}, not as text (a chat template's turn marker "
+                             f"would end or open a turn): remove it from the {name} or change its characters")
     tail = "" if question is None else layout.separator + question
     user = context + _QUESTION_MARK + tail
     if getattr(tokenizer, "chat_template", None):
