@@ -209,6 +209,9 @@ CASES = {
     "generate meta device": ([*GEN, "--budget", "8", "--device", "meta"], "--device: device must be 'cpu' or a CUDA device"),
     "generate mps device": ([*GEN, "--budget", "8", "--device", "mps"], "--device: device must be 'cpu' or a CUDA device"),
     "generate question twice": ([*GEN, "--budget", "8", "--question", "One?", "--question", "Another?"], "--question given more than once; give each once"),
+    # it said "--question must be a non-empty str, or None for no question": None is no command-line value
+    "generate empty question": ([*GEN, "--budget", "8", "--question", ""], "argument --question: expected a question, got ''; leave --question out to ask none"),
+    "generate blank question": ([*GEN, "--budget", "8", "--question", " \n"], "argument --question: expected a question, got ' \\n'; leave --question out"),
     "generate param twice": ([*GEN, "--method", "snapkv", "--budget", "8", "--param", "kernel_size=3", "--param", "kernel_size=5"],
                              "'kernel_size' is given more than once"),
     "generate compress question in decode mode": ([*GEN, "--budget", "8", "--mode", "decode", "--compress-question"],
@@ -300,6 +303,14 @@ def test_a_context_file_that_is_not_utf8_names_the_flag_the_file_and_a_fix(tmp_p
     assert main(["generate", "--context-file", str(path), "--budget", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--context-file" in err[0] and "latin1.txt" in err[0] and "not UTF-8" in err[0] and "iconv" in err[0]
+    assert "iconv -f latin1 -t utf-8" in err[0]
+    # a UTF-16 or UTF-32 file (a Windows editor's "Unicode") was advised the Latin-1 conversion, which garbles it
+    for encoding, mark in [("utf-16", "UTF-16"), ("utf-16-be", None), ("utf-32", "UTF-32")]:
+        path = tmp_path / f"{encoding}.txt"
+        path.write_bytes(("\ufeff" if mark is None else "").encode(encoding) + "Caf\xe9 au lait. ".encode(encoding) * 10)
+        assert main(["generate", "--context-file", str(path), "--budget", "8"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"it starts with a {mark or 'UTF-16'} byte-order mark); convert it first, e.g. iconv -f {(mark or 'utf-16').lower()} -t utf-8" in err
 
 
 def test_a_context_file_is_read_without_its_byte_order_mark_and_an_empty_one_is_refused(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from .common import (add_device_args, add_model_arg, add_threads_arg, count, given_flags, kv_bits, load_cli_model, one_of, parse_params,
@@ -10,13 +11,20 @@ from ..names import AUTO_KV_BITS, BUDGET_UNITS, DEFAULT_CHUNK_SIZE, DEFAULT_METH
 
 
 
+def _question(text: str) -> str:
+    """--question's text: refused when empty or blank (leaving the flag out asks no question)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a question, got {text!r}; leave --question out to ask none")
+    return text
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer a question about a context through a compressed KV cache")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--context-file", type=Path, help="text file holding the context")
     source.add_argument("--cache", type=Path, default=None, metavar="FILE",
                         help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
-    p.add_argument("--question", default=None, help="question appended after the (compressed) context")
+    p.add_argument("--question", type=_question, default=None, help="question appended after the (compressed) context (leave it out to ask none)")
     p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
     add_run_args(p, _run)
 
@@ -166,6 +174,10 @@ def options_of(args, full: bool = True):
     return options
 
 
+# The byte-order marks of the encodings a text file that is not UTF-8 most often starts with, longest first.
+_BYTE_ORDER_MARKS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+
 def read_context(path: Path) -> str:
     if path.is_dir():
         raise ValueError(f"--context-file {str(path)!r} is a directory: pass a text file")
@@ -174,8 +186,12 @@ def read_context(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, if the file starts with one, is not context
     except UnicodeDecodeError as err:
-        raise ValueError(f"--context-file {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}); "
-                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+        head = path.read_bytes()[:4]
+        # a UTF-32 mark starts like a UTF-16 one: test it first
+        source = next((name for mark, name in _BYTE_ORDER_MARKS if head.startswith(mark)), "latin1")
+        found = "" if source == "latin1" else f"; it starts with a {source.upper()} byte-order mark"
+        raise ValueError(f"--context-file {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}{found}); "
+                         f"convert it first, e.g. iconv -f {source} -t utf-8") from None
     if not text.strip():
         raise ValueError(f"--context-file {str(path)!r} is empty{' but for white space' if text else ''}: pass a file holding the context")
     return text
