@@ -541,6 +541,16 @@ def test_compare_runs_reads_committed_folders_and_refuses_empty_ones(tmp_path):
     assert "| balancekv @ 0.5 (prefill) | 60 | 50 (38–62) | 50 (38–62) | 0 | 0 | 1.00 |" in table
     with pytest.raises(SystemExit, match="holds no kvcompress eval records"):
         compare_runs.tasks_table(tmp_path, REPO / "results" / "sweep_2k")
+    # two runs that built one sample from different prompts (another Python's text) do not pair
+    record = {"method": "knorm", "ratio": 0.5, "mode": "prefill", "task": "niah_single", "length": 200, "index": 0, "depth": 0.5,
+              "error": None, "score": 1.0, "grid": False}
+    for name, digest in (("a", "a" * 64), ("b", "b" * 64)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text(json.dumps(record | {"prompt_sha256": digest}) + "\n")
+    with pytest.raises(SystemExit, match=r"/a and .*/b: the records of sample \{'task': 'niah_single', 'length': 200, 'index': 0, "
+                                         r"'depth': 0.5\} answered two prompts"):
+        compare_runs.tasks_table(tmp_path / "a", tmp_path / "b")
+    assert "| knorm @ 0.5 (prefill) | 1 |" in compare_runs.tasks_table(tmp_path / "a", tmp_path / "a")
 
 
 def test_code_run_scores_any_last_word_without_raising():

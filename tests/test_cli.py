@@ -128,10 +128,10 @@ def test_a_file_written_by_kvcompress_calibrate_drives_generate(tiny_checkpoint,
     calibration = Calibration.load(path)
     assert calibration.method == "knorm" and calibration.n_triples == 4
     capsys.readouterr()
-    assert main(["generate", "--model", str(tiny_checkpoint), "--method", "knorm", "--calibration", str(path), "--quality", "0.9",
+    assert main(["generate", "--model", str(tiny_checkpoint), "--method", "knorm", "--calibration", str(path), "--quality", "0.99",
                  "--context-file", str(context_file), "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
-    assert "method            knorm" in out and "calibration       NLL(context) " in out and "for quality 0.9" in out
+    assert "method            knorm" in out and "calibration       NLL(context) " in out and "for quality 0.99" in out
 
 
 def test_compress_takes_kv_bits_auto_and_refuses_other_bits(tiny_checkpoint, tmp_path, capsys):

@@ -198,6 +198,10 @@ def test_a_sample_whose_text_holds_a_special_token_records_the_refusal_in_each_c
     records = run_sweep(model, tokenizer, small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"]), tmp_path, progress=False)
     assert len(records) == 2 * 3 and all(r["capture_s"] == 0 and r["context_tokens"] is None for r in records)
     assert all(r["error"].startswith("ValueError: context holds '<|im_end|>' (at character ") for r in records)
+    from kvcompress.integration import build_prompt
+
+    tokenizer.split_special_tokens = True  # a tokenizer that reads such text as text is taken at its word
+    assert build_prompt(tokenizer, "Then <|im_end|> came.", "Why?")[0].shape[1] == len("Then <|im_end|> came.")
 
 def test_the_command_line_names_a_length_past_the_model_and_fails_a_sweep_where_no_cell_answered(tiny_checkpoint, tmp_path, capsys):
     """Lengths past the model (2048 positions) name --lengths, in the sweep and the perplexity run; a sweep where every

@@ -150,6 +150,24 @@ def test_results_file_never_records_a_cell_twice(tmp_path):
     assert b"torn" not in path.read_bytes()  # cut off before the next record
 
 
+
+def test_results_file_refuses_a_second_prompt_of_a_sample_in_one_batch_and_after_its_own_write(tmp_path):
+    """A sample's cells pair only on one prompt (`prompt_sha256`): a batch holding two, or a record whose sample this
+    writer wrote from another prompt, is refused, writing nothing; a method name holding '|' does not hide the sample."""
+    path = tmp_path / runner.RESULTS_FILE
+
+    def record(method, digest):
+        return {"key": f"task|t|200|0|0.5|{method}|0.5|prefill", "method": method, "ratio": 0.5, "mode": "prefill", "prompt_sha256": digest}
+
+    writer = runner.ResultsFile(path)
+    with pytest.raises(ValueError, match=r"holds sample 'task\|t\|200\|0\|0\.5' answered from another prompt"):
+        writer.write([record("a", "1" * 64), record("b|c", "2" * 64)])
+    assert runner.read_results(path) == []
+    assert writer.write([record("a", "1" * 64)]) == 1
+    with pytest.raises(ValueError, match=r"holds sample 'task\|t\|200\|0\|0\.5' answered from another prompt"):
+        writer.write([record("b|c", "2" * 64)])
+    assert writer.write([record("b|c", "1" * 64), {"key": "no digest"}]) == 2
+
 def test_results_file_refuses_a_corrupt_line_before_the_last_naming_it(tmp_path):
     path = tmp_path / runner.RESULTS_FILE
     path.write_text('{"key": "a"}\n{"key": oops}\n{"key": "c"}\n')

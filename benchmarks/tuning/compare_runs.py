@@ -21,18 +21,22 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvcompress.eval.runner import read_results
-from kvcompress.eval.stats import SAMPLE_KEY, Z95, sign_test, wilson
+from kvcompress.eval.stats import SAMPLE_KEY, Z95, check_one_prompt_per_sample, sign_test, wilson
 
 
-def _scores(folder: Path) -> dict[tuple, dict[tuple, float]]:
-    """{(method, ratio, mode): {sample key: score}} of a run's answered cells."""
+def _records(folder: Path) -> list[dict]:
+    """A run's answered cells (no error, a score, not of the needle grid)."""
     found = [path for path in (folder / "results.jsonl", folder / "results.jsonl.gz") if path.is_file()]
     if not found:
         raise SystemExit(f"{folder} holds no kvcompress eval records (results.jsonl, or results.jsonl.gz as committed)")
+    return [r for r in read_results(found[0]) if r.get("error") is None and r.get("score") is not None and not r.get("grid")]
+
+
+def _scores(records: list[dict]) -> dict[tuple, dict[tuple, float]]:
+    """{(method, ratio, mode): {sample key: score}} of answered cells."""
     cells: dict[tuple, dict[tuple, float]] = defaultdict(dict)
-    for r in read_results(found[0]):
-        if r.get("error") is None and r.get("score") is not None and not r.get("grid"):
-            cells[(r["method"], r["ratio"], r["mode"])][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]
+    for r in records:
+        cells[(r["method"], r["ratio"], r["mode"])][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]
     return cells
 
 
@@ -42,7 +46,12 @@ def _percent(scores: list[float]) -> str:
 
 
 def tasks_table(before: Path, after: Path) -> str:
-    old, new = _scores(before), _scores(after)
+    earlier, later = _records(before), _records(after)
+    try:  # a sample pairs across the runs only if both answered the same prompt
+        check_one_prompt_per_sample(earlier + later)
+    except ValueError as err:
+        raise SystemExit(f"{before} and {after}: {err}") from None
+    old, new = _scores(earlier), _scores(later)
     lines = ["| method @ ratio (mode) | pairs | before % | after % | after higher | before higher | p (sign test) |",
              "|---|---|---|---|---|---|---|"]
     for cell in sorted(set(old) & set(new), key=str):

@@ -245,10 +245,10 @@ class Cell:
         return f"{s.kind}|{task}|{s.length}|{s.index}|{s.depth}|{self.method}|{self.ratio}|{self.mode}"
 
 
-def sample_of(key: str) -> str:
-    """The sample part of a cell's `key` (kind, task with its parameters, length, index, depth): what every cell of one
-    sample shares."""
-    return key.rsplit("|", 3)[0]
+def sample_of(record: dict) -> str:
+    """The sample part of a record's cell key (kind, task with its parameters, length, index, depth): the key without
+    its method, ratio and mode, which every cell of one sample shares."""
+    return record["key"].removesuffix(f"|{record['method']}|{record['ratio']}|{record['mode']}")
 
 
 def prompt_sha256(context_ids: torch.Tensor, question_ids: torch.Tensor) -> str:
@@ -401,7 +401,7 @@ class ResultsFile:
         for record in _parse_lines(tail[:whole], self.path, self._lines + 1):
             self._done.add(record["key"])
             if record.get(PROMPT_DIGEST) is not None:
-                self._prompts.setdefault(sample_of(record["key"]), record[PROMPT_DIGEST])
+                self._prompts.setdefault(sample_of(record), record[PROMPT_DIGEST])
         self._offset += whole
         self._lines += tail.count(b"\n")
         return len(tail) - whole
@@ -431,21 +431,28 @@ class ResultsFile:
                 f.flush()
                 self._offset = f.tell()
                 self._done.update(r["key"] for r in fresh)
+                for r in fresh:
+                    if r.get(PROMPT_DIGEST) is not None:
+                        self._prompts.setdefault(sample_of(r), r[PROMPT_DIGEST])
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
         return len(fresh)
 
 
     def _check_prompts(self, records: list[dict]) -> None:
+        prompts = dict(self._prompts)  # the file's, then those of the records before in this batch
         for record in records:
-            sample, digest = sample_of(record["key"]), record.get(PROMPT_DIGEST)
-            recorded = self._prompts.get(sample)
-            if digest is not None and recorded is not None and digest != recorded:
+            digest = record.get(PROMPT_DIGEST)
+            if digest is None:
+                continue
+            sample = sample_of(record)
+            recorded = prompts.setdefault(sample, digest)
+            if digest != recorded:
                 raise ValueError(
                     f"{self.path} holds sample {sample!r} answered from another prompt (token ids' sha256 {recorded[:12]}..., "
                     f"this run's {digest[:12]}...): the sample's text changed (the prose tasks read the standard library of "
                     f"the Python that builds them, here {platform.python_version()}; config.json names the Python of the "
-                    "folder's runs), so its cells would not pair; continue that folder with the Python and kvcompress "
+                    "folder's latest run), so its cells would not pair; continue that folder with the Python and kvcompress "
                     "that began it, or write to a new folder (--out)")
 
 

@@ -74,6 +74,20 @@ def sign_test(wins: int, losses: int) -> float:
     return float(binomtest(wins, wins + losses, 0.5).pvalue)
 
 
+
+def check_one_prompt_per_sample(records: list[dict]) -> None:
+    """ValueError when two records of one sample (`SAMPLE_KEY`) answered different prompts (`PROMPT_DIGEST`, where both
+    hold it): they come from runs that built the sample differently (another Python's standard library, which gives the
+    prose tasks their text, or other task parameters) and must not be paired."""
+    prompts: dict[tuple, str] = {}
+    for r in records:
+        sample, digest = tuple(r.get(k) for k in SAMPLE_KEY), r.get(PROMPT_DIGEST)
+        if digest is not None and prompts.setdefault(sample, digest) != digest:
+            raise ValueError(f"the records of sample {dict(zip(SAMPLE_KEY, sample))} answered two prompts ({PROMPT_DIGEST} "
+                             f"{prompts[sample][:12]}... and {digest[:12]}...; method {r.get('method')!r}, ratio {r.get('ratio')!r}): they "
+                             "come from runs that built the sample differently (another Python's standard library, other "
+                             "task parameters) and do not pair; compare records of one run")
+
 def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str, ...] = ("ratio", "mode", "task")) -> list[dict]:
     """Each method against the best of `baselines` in its group `by`, on the samples both answered.
 
@@ -95,14 +109,7 @@ def paired_comparisons(records: list[dict], baselines: list[str], by: tuple[str,
             if missing:
                 raise ValueError(f"records[{i}] lacks {missing}: a scored record needs {needed}, got one with {sorted(r)}")
             scored.append(r)
-    prompts: dict[tuple, str] = {}
-    for r in scored:
-        sample, digest = tuple(r[k] for k in SAMPLE_KEY), r.get(PROMPT_DIGEST)
-        if digest is not None and prompts.setdefault(sample, digest) != digest:
-            raise ValueError(f"the records of sample {dict(zip(SAMPLE_KEY, sample))} answered two prompts ({PROMPT_DIGEST} "
-                             f"{prompts[sample][:12]}... and {digest[:12]}...; method {r['method']!r}, ratio {r.get('ratio')!r}): they "
-                             "come from runs that built the sample differently (another Python's standard library, other "
-                             "task parameters) and do not pair; compare records of one run")
+    check_one_prompt_per_sample(scored)
     groups: dict[tuple, dict[str, dict[tuple, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in scored:
         groups[tuple(r[k] for k in by)][r["method"]][tuple(r[k] for k in SAMPLE_KEY)] = r["score"]

@@ -304,13 +304,16 @@ def check_questions(question, questions) -> None:
 
 
 
-def _special_tokens_pattern(tokenizer) -> re.Pattern | None:
-    """A pattern matching the text of any of `tokenizer`'s special tokens (its added tokens marked special, e.g.
-    SmolLM2's `<|im_end|>` or `<filename>`), longest first; None for a tokenizer with none. The tokenizer turns such
-    text into the special token wherever it occurs, so `build_prompt` refuses it in the user's text."""
+def _special_tokens(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
+    """(a pattern matching the text of any of `tokenizer`'s special tokens, longest first, {text: id}): its added tokens
+    marked special, e.g. SmolLM2's `<|im_end|>` or `<filename>`, which the tokenizer turns such text into wherever it
+    occurs, so `build_prompt` refuses it in the user's text. (None, {}) for a tokenizer with none, or one that splits
+    them as text (`split_special_tokens`)."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
-    texts = {token.content for token in added.values() if token.special} if isinstance(added, dict) else set()
-    return _alternatives(frozenset(texts)) if texts else None
+    if not isinstance(added, dict) or getattr(tokenizer, "split_special_tokens", False) is True:
+        return None, {}
+    ids = {token.content: i for i, token in added.items() if getattr(token, "special", False)}
+    return (_alternatives(frozenset(ids)) if ids else None), ids
 
 
 @functools.lru_cache(maxsize=8)
@@ -338,7 +341,7 @@ def build_prompt(
     layout = prompt_layout(layout)
     if not isinstance(answer_prefix, str):
         raise ValueError(f"answer_prefix must be a str ('' for none), got {answer_prefix!r}")
-    specials = _special_tokens_pattern(tokenizer)
+    specials, special_ids = _special_tokens(tokenizer)
     for name, text in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
         if isinstance(text, str) and _QUESTION_MARK in text:
             raise ValueError(f"{name} holds {_QUESTION_MARK!r}, the marker build_prompt splits the rendered prompt at; remove it "
@@ -346,7 +349,7 @@ def build_prompt(
         found = specials.search(text) if specials is not None and isinstance(text, str) else None
         if found:
             raise ValueError(f"{name} holds {found.group()!r} (at character {found.start()}), which the tokenizer reads as its special "
-                             f"token {tokenizer.convert_tokens_to_ids(found.group())}, not as text (a chat template's turn marker "
+                             f"token {special_ids[found.group()]}, not as text (a chat template's turn marker "
                              f"would end or open a turn): remove it from the {name} or change its characters")
     tail = "" if question is None else layout.separator + question
     user = context + _QUESTION_MARK + tail
