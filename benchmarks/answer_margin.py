@@ -161,14 +161,14 @@ def write_cell_tables(path: Path, rows: list[dict], cells: list[str], ratios: li
             held = sum(m > 0 for m in hits)
             lines.append(f"| {cell} | {ratio} | {len(samples)} | {kl[0]:.4f} ({kl[1]:.4f}–{kl[2]:.4f}) | {diff} | {held} of {len(hits)} | "
                          f"{statistics.median(hits) if hits else float('nan'):.2f} |")
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def write_tables(path: Path, rows: list[dict], records: list[dict]) -> None:
     """margin.md from margin.jsonl's `rows` and the folder's answer `records`: one line per compressed cell and ratio."""
     hits = sorted((r for r in rows if r["full_score"] == 1.0), key=lambda r: r["index"])
     if not hits:
-        path.write_text(f"The full cache finds none of the {len(rows)} samples: no hit to keep.\n")
+        path.write_text(f"The full cache finds none of the {len(rows)} samples: no hit to keep.\n", encoding="utf-8")
         return
     first = {r["sample"]: r["margins"][0] for r in hits}
     groups = thirds([first[r["sample"]] for r in hits])
@@ -194,7 +194,7 @@ def write_tables(path: Path, rows: list[dict], records: list[dict]) -> None:
                      f"{', '.join(f'{m:.2f}' for m in sorted(lost))} | {p} | {', '.join(per_third)} |")
     lines += ["", "| sample | full cache's answer | first-step margin | runner-up token |", "|---|---|---|---|"]
     lines += [f"| {r['index']} | {r['answer']!r} | {r['margins'][0]:.2f} | {r['runner_up'][0]!r} |" for r in hits]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def main() -> None:
                              "wall_s": wall, "decode_s": res.decode_seconds, "score": score(sample, prediction), "prediction": prediction})
         print(f"sample {i} done", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    with (RESULTS / "answer_stopping.csv").open("w", newline="") as f:
+    with (RESULTS / "answer_stopping.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -82,7 +82,7 @@ def main() -> None:
             mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
             lines.append(f"| {method} | {setting} | {len(rs)} | {mean('new_tokens'):.1f} | {mean('wall_s'):.2f} | "
                          f"{mean('decode_s'):.2f} | {sum(r['score'] for r in rs):g}/{len(rs)} |")
-    (RESULTS / "answer_stopping.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "answer_stopping.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 

@@ -95,7 +95,7 @@ def main():
             text = " | ".join(f"{cell[m]['error_mean']:.4f} ± {cell[m]['error_std']:.4f}" for m in METHODS)
             better = cell["balancekv"]["error_mean"] < cell["uniform"]["error_mean"]
             lines.append(f"| {layer} | 1/{round(1 / (1.0 - ratio))} | {text} | {'yes' if better else 'no'} |")
-    (RESULTS / "balancekv_attention_error.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "balancekv_attention_error.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     import matplotlib
 

@@ -124,7 +124,7 @@ def merge_parts(name: str) -> tuple[list[dict], list[dict]]:
     for stem in (name, f"{name}_leverage"):
         rows = []
         for path in sorted(RESULTS.glob(f"{stem}_part_*.csv")):
-            with path.open() as f:
+            with path.open(encoding="utf-8") as f:
                 rows += list(csv.DictReader(f))
         write_csv(RESULTS / f"{stem}.csv", rows)
         merged[stem] = [{k: _number(v) for k, v in r.items()} for r in rows]
@@ -179,7 +179,7 @@ def write_summary(rows, agreement, kept, args):
         f"Heads with Spearman < 0.8: {int((rho < 0.8).sum())} of {len(agreement)}, in layers {sorted({int(a['layer']) for a in agreement if a['spearman'] < 0.8})}; "
         f"without layer 0: min {min((a['spearman'] for a in agreement if a['layer'] != 0), default=float('nan')):.3f}.",
     ]
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     ax.set_xlabel("% of context kept")
     ax.set_ylabel("mean NLL ratio (1 = no loss)")
     ax.set_title("query-agnostic needle tasks, SmolLM2-135M")

@@ -188,7 +188,7 @@ def main(argv=None) -> None:
         kept = sum(1 for h, f in zip(hits, full) if h == 1 and f == 1)
         lines.append(f"| {label} | {100 * sum(hits) / len(hits):.0f} ({100 * low:.0f}–{100 * high:.0f}) | {kept} of {sum(full):g} |")
     text = "\n".join(lines) + "\n"
-    (out / "compactor_departures.md").write_text(text)
+    (out / "compactor_departures.md").write_text(text, encoding="utf-8")
     print(text)
 
 

@@ -199,7 +199,7 @@ def rows_in_processes(args) -> list[dict]:
                 subprocess.run([sys.executable, __file__, "--lengths", str(length), "--methods", name, "--modes", mode, "--ratios", str(ratio),
                                 "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                                 "--threads", str(args.threads), "--pairing", "cell", "--out", str(out)], check=True)
-                plain_row, cell_row = csv.DictReader(out.open())  # the cell's process measures it or fails
+                plain_row, cell_row = csv.DictReader(out.open(encoding="utf-8"))  # the cell's process measures it or fails
                 plains.append(plain_row)
                 cells.append({**cell_row, "pairing": "process"})
             plain = round(statistics.median(float(row["plain_s"]) for row in plains), 3)
@@ -210,7 +210,7 @@ def rows_in_processes(args) -> list[dict]:
 def write_rows(path: Path, rows: list[dict]) -> None:
     """rows as CSV at path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
+    with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
         writer.writerows(rows)

@@ -77,7 +77,7 @@ def main() -> None:
     capture = sum({(r["index"]): r["capture_s"] for r in rows if r["reuse_prefill"]}.values())
     lines += ["", f"Total wall time: reused {totals[True]:.1f} s (of which captures {capture:.1f} s), "
               f"re-prefilled {totals[False]:.1f} s: speed-up {totals[False] / totals[True]:.2f}x.", ""]
-    (OUT / "eval_prefill_reuse.md").write_text("\n".join(lines))
+    (OUT / "eval_prefill_reuse.md").write_text("\n".join(lines), encoding="utf-8")
     print("\n".join(lines))
 
 

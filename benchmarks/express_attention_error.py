@@ -142,7 +142,7 @@ def write(rows, summary):
         lines += [f"| {r['layer']} | {r['budget']} | {r['tokens']} | {r['method']} | {r['slots']} | "
                   f"{r['mean_error']:.4f} ± {r['std_error']:.4f} |" for r in sel]
         lines.append("")
-    (RESULTS / "express_attention_error.md").write_text("\n".join(lines))
+    (RESULTS / "express_attention_error.md").write_text("\n".join(lines), encoding="utf-8")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,7 +186,7 @@ def main():
         print(f"layer {layer} done", flush=True)
     summary = summarise(rows)
     write(rows, summary)
-    print((RESULTS / "express_attention_error.md").read_text())
+    print((RESULTS / "express_attention_error.md").read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":

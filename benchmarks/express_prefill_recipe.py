@@ -124,7 +124,7 @@ def spread_order(n: int) -> list[int]:
 
 def read_rows(path: Path) -> list[dict]:
     """Rows of an earlier run's CSV, numbers parsed."""
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     for row in rows:
         for key in ("score", "prefill_attention_s", "compress_s", "decode_attention_s", "total_attention_s", "prefill_s"):
@@ -210,7 +210,7 @@ def main() -> None:
     ]
     for row in table:
         lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 

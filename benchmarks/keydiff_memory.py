@@ -83,7 +83,7 @@ def main() -> None:
         f"{r['keydiff_prefill_s']} | {r['full_prefill_s']} |"
         for r in rows
     ]
-    (RESULTS / "keydiff_memory.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "keydiff_memory.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     fig, ax = plt.subplots(figsize=(5, 3.5))
     xs = [r["prompt_tokens"] for r in rows]
     ax.plot(xs, [r["full_bytes"] / mib for r in rows], "o-", label="full cache (prefill)")

@@ -470,7 +470,7 @@ def load_samples(out: Path) -> tuple[dict, list[dict]]:
         samples_path = out / (SAMPLES_FILE + ".gz")
     if not manifest_path.is_file() or not samples_path.is_file():
         raise SystemExit(f"{out} holds no dumped samples: run the `dump` step first (in kvcompress's venv)")
-    return json.loads(manifest_path.read_text()), read_jsonl(samples_path)
+    return json.loads(manifest_path.read_text(encoding="utf-8")), read_jsonl(samples_path)
 
 
 def environment(threads: int, device: str = "cpu") -> dict:
@@ -478,7 +478,7 @@ def environment(threads: int, device: str = "cpu") -> dict:
     import transformers
 
     cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device, "gpu": gpu,
@@ -555,7 +555,7 @@ def dump(args) -> None:
                     "depths": "eval.runner.sample_depth(index)" if takes_depth else None},
         "ratios": args.ratios, "dumped": environment(0) | {"threads": None},
     }
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     print(f"wrote {len(lines)} samples to {out / SAMPLES_FILE} "
           f"(context tokens {min(r['context_tokens'] for r in lines)}..{max(r['context_tokens'] for r in lines)})")
 
@@ -1236,7 +1236,7 @@ def agreement_markdown(out: Path, rerun: Path, library: str, label: Callable[[di
 def rerun_agreement(out: Path, rerun: Path, library: str, label: Callable[[dict], str], title: str, filename: str) -> None:
     """`agreement_markdown`, written as `filename` into `rerun` and printed."""
     text = agreement_markdown(out, rerun, library, label, title)
-    (rerun / filename).write_text(text)
+    (rerun / filename).write_text(text, encoding="utf-8")
     print(text)
 
 

@@ -45,7 +45,7 @@ def main() -> None:
                      "threads": args.threads, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                      "date": time.strftime("%Y-%m-%d")})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
+    with args.out.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

@@ -51,7 +51,7 @@ def done_rows() -> list[dict]:
     rows = []
     for path in [CSV, *sorted(RESULTS.glob("line_retrieval_part_*.csv"))]:
         if path.exists():
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 rows += list(csv.DictReader(f))
     return rows
 
@@ -63,7 +63,7 @@ def run(args) -> None:
     seen = {(r["lines"], r["length"], r["kept"], r["method"], r["sample"]) for r in done_rows()}
     out = RESULTS / f"line_retrieval_part_{args.part}.csv" if args.part else CSV
     new_file = not out.exists()
-    with open(out, "a", newline="") as f:
+    with open(out, "a", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new_file:
             writer.writeheader()
@@ -129,7 +129,7 @@ def summarize() -> None:
             cells.append(f"{sum(a) / len(a):.2f} ({int(sum(a))}/{len(a)}, kv {sum(frac[(lines, length, kept, m)]) / len(a):.2f})" if a else "-")
         mean_tokens = sum(tokens[length]) / len(tokens[length])
         table.append(f"| {lines} | {length} (~{mean_tokens:.0f}) | {kept:.0%} | " + " | ".join(cells) + " |")
-    (RESULTS / "line_retrieval.md").write_text("\n".join(table) + "\n")
+    (RESULTS / "line_retrieval.md").write_text("\n".join(table) + "\n", encoding="utf-8")
     print("\n".join(table))
     compared = [k for k in settings if k[0] == "1"]
     fig, ax = plt.subplots(figsize=(8, 4))

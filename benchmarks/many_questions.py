@@ -130,7 +130,7 @@ def main() -> None:
         *[f"| {r['run']} | {r['seconds']:.2f} | {r['ratio_to_reference']:.2f} | {r['cpu_seconds'] if r['cpu_seconds'] == '' else format(r['cpu_seconds'], '.1f')} |" for r in rows],
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
+    args.out.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
     print("\n".join(lines))
 
 

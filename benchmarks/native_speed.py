@@ -321,7 +321,7 @@ def main(argv=None) -> None:
     (args.out / f"{name}.md").write_text(
         f"# {name}\n\nMachine: {machine}, device {args.device}, dtype {str(args.dtype).removeprefix('torch.')}.\n"
         f"Command: `benchmarks/native_speed.py {' '.join(argv) if argv else ''}`\n\n{markdown_table(rows)}\n"
-    )
+    , encoding="utf-8")
     log(markdown_table(rows))
 
 

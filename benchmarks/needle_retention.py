@@ -150,7 +150,7 @@ def write_tables(path: Path, rows: list[dict]) -> None:
                 lines.append(f"- the full cache's hits {label}: {len(picked)}; mean kept: needle {mean['needle_kept']:.0f} %, "
                              f"answer {mean['answer_kept']:.0f} %, context {mean['context_kept']:.0f} %")
         lines.append("")
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ def main():
         write_results(args, summarize(grid, log_ppl, fraction, speed), f"{index + 1} of {args.documents} prose documents",
                       time.perf_counter() - started)
         print(f"document {index + 1}/{args.documents} done, {time.perf_counter() - started:.0f}s", flush=True)
-    print(Path(args.out).with_suffix(".md").read_text())
+    print(Path(args.out).with_suffix(".md").read_text(encoding="utf-8"))
 
 
 def summarize(grid, log_ppl: dict, fraction: dict, speed: dict) -> list[dict]:
@@ -239,7 +239,7 @@ def write_results(args, rows: list[dict], done: str, seconds: float) -> None:
     details = (f"context {args.context} tokens, {args.scored} scored; decode speed on document 0, median of {args.steps} "
                "single-token steps; intervals: 95% Student-t over documents")
     out.with_suffix(".md").write_text(header(args, "Quantized storage of the compressed context", done, details, seconds)
-                                      + perplexity_table(rows) + "\n")
+                                      + perplexity_table(rows) + "\n", encoding="utf-8")
 
 
 def perplexity_table(rows: list[dict]) -> str:
@@ -282,7 +282,7 @@ def needle(args) -> None:
         write_needle_results(args, needle_rows(grid, scores, fraction, FULL_BITS[args.dtype]), answers, expected,
                              time.perf_counter() - started)
         print(f"sample {index + 1}/{args.samples} done, {time.perf_counter() - started:.0f}s", flush=True)
-    print(Path(args.out).with_suffix(".md").read_text())
+    print(Path(args.out).with_suffix(".md").read_text(encoding="utf-8"))
 
 
 def needle_rows(grid, scores: dict, fraction: dict, full_bits: int) -> list[dict]:
@@ -315,7 +315,7 @@ def write_needle_results(args, rows: list[dict], answers: dict, expected: list[s
     for i, want in enumerate(expected):
         lines.append(f"| {i} | {want} | " + " | ".join(a[i].replace("|", "/").replace("\n", " ")[:40] for a in answers.values()) + " |")
     out.with_suffix(".md").write_text(header(args, "Quantized storage: needle retrieval", f"{len(expected)} of {args.samples} samples",
-                                             details, seconds) + "\n".join(lines) + "\n")
+                                             details, seconds) + "\n".join(lines) + "\n", encoding="utf-8")
 
 
 def needle_table(rows: list[dict]) -> str:

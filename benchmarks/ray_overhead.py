@@ -86,7 +86,7 @@ def main() -> None:
              "| run | cells | wall s | x local |", "|---|---|---|---|"]
     lines += [f"| {r['run']} | {r['cells']} | {r['wall_s']:.1f} | {r['vs_local']:.2f} |" for r in rows]
     lines += ["", "Local and Ray records agree apart from timings. Overhead only, not a speed-up claim."]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# refit={args.refit}: normalisers handed on by KVzip or formed by the fit\n\n{machine}; {args.layers} layers of "
             f"{args.length} middle tokens, {args.kv_heads} KV heads x {args.group} query heads, head dim {args.head_dim}; "
             f"medians of {args.repeats} repeats (seconds for all the layers)\n\n" + markdown_table(summary) + "\n")
-    args.out.with_suffix(".md").write_text(text)
+    args.out.with_suffix(".md").write_text(text, encoding="utf-8")
     print(text)
 
 

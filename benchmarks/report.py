@@ -407,7 +407,7 @@ def _env_known(folder: str, library: str) -> dict:
 
 def eval_known(folder: str) -> dict:
     """threads, date and n of a `kvcompress eval` folder, from its config.json."""
-    config = json.loads((ROOT / folder / "config.json").read_text())
+    config = json.loads((ROOT / folder / "config.json").read_text(encoding="utf-8"))
     settings = config["config"]
     n = f"{settings['samples']} samples per cell" if "samples" in settings else f"{settings['documents']} documents per cell"
     return {"threads": config["threads"], "date": config["started"][:10], "n": n}
@@ -1219,7 +1219,7 @@ def paired_needle_section(path: str, title: str, note: str, columns: list[str], 
 def needle_cells(path: str) -> dict[tuple, dict[str, float]]:
     """A `kvzap_default.py`-format record's hits: (variant, mode, ratio) -> {seed: hit}."""
     by_cell: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in map(json.loads, (ROOT / path).read_text().splitlines()):
+    for r in map(json.loads, (ROOT / path).read_text(encoding="utf-8").splitlines()):
         by_cell[(r["variant"], r["mode"], r["ratio"])][str(r["seed"])] = r["hit"]
     return by_cell
 

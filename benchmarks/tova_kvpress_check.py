@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|---|---|",
         f"| kvpress TOVAPress | {hits}/{len(rows)} | {hits / len(rows):.2f} | [{low:.2f}, {high:.2f}] | {missed} |",
     ]
-    (args.out / "tova_kvpress_check.md").write_text("\n".join(lines) + "\n")
+    (args.out / "tova_kvpress_check.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def question_label(compress_question: bool) -> str:
 
 def read_rows(path: Path) -> list[dict]:
     """Rows of an earlier run's CSV, the fields the summary reads parsed."""
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     for row in rows:
         row["depth"], row["hit"] = float(row["depth"]), float(row["hit"])
@@ -109,7 +109,7 @@ def main() -> None:
         low, high = wilson(hits, len(sel))
         missed = ", ".join(f"{r['depth']:g}" for r in sel if r["hit"] < 1) or "-"
         lines.append(f"| {question} | {label} | {hits}/{len(sel)} | {hits / len(sel):.2f} | [{low:.2f}, {high:.2f}] | {missed} |")
-    (RESULTS / "tova_needles.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "tova_needles.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

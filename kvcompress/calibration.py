@@ -112,11 +112,11 @@ class Calibration:
         return optimal_retention(self.kappa(nll_context), quality)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError(f"{path}: not a calibration file (a JSON object with method, alpha, beta)")
         missing = {"method", "alpha", "beta"} - set(data)

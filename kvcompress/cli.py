@@ -10,6 +10,7 @@ argument errors answer at once. No library module imports from here.
 from __future__ import annotations
 
 import importlib
+import io
 import re
 import sys
 
@@ -32,7 +33,11 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status; a usage error, or a bad input found when the command runs (ValueError,
     or a file that cannot be read/written, or an optional package not installed), is 2 with one line on stderr; Ctrl-C is
-    130 with one line."""
+    130 with one line. Files are written in UTF-8 whatever the locale; what the terminal's encoding cannot show is
+    printed as its escape."""
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character (an ASCII locale) gets its escape
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)

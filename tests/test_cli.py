@@ -6,6 +6,7 @@ what makes it fast (building the parser, --help and argument errors import neith
 """
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,19 @@ print(statuses, sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == f"{[0] * 6 + [2] * 8} []"
 
+
+
+def test_eval_under_an_ascii_locale_writes_its_reports_in_utf8_and_prints_what_the_terminal_cannot_show_escaped(tiny_checkpoint, tmp_path):
+    """Under an ASCII locale (LC_ALL=C with Python's UTF-8 mode and locale coercion off) the sweep ran and then stopped
+    with "'ascii' codec can't encode character '\\u2013'" writing summary.md: files are now UTF-8 and the terminal gets
+    escapes."""
+    out = tmp_path / "run"
+    env = os.environ | {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-m", "kvcompress", "eval", "--model", str(tiny_checkpoint), "--tasks", "niah_single",
+                           "--lengths", "128", "--samples", "1", "--methods", "knorm", "--ratios", "0.5", "--max-new-tokens", "2",
+                           "--no-progress", "--out", str(out)], capture_output=True, env=env, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert "\u2013" in (out / "summary.md").read_text(encoding="utf-8") and b"\\u2013" in done.stdout
 
 def test_the_method_names_the_parser_accepts_are_the_registered_methods():
     """The parser reads `kvcompress.names.METHODS`, the library the registry, which each method's module fills when it

@@ -1024,3 +1024,26 @@ def test_a_method_that_keeps_more_than_its_budget_is_stopped(monkeypatch):
     with pytest.raises(RuntimeError, match=r"method 'keeps_everything' kept \d+ slots per head for a budget of \d+"):
         for start in range(0, 100, 10):
             stream.update(keys[:, :, start:start + 10], keys[:, :, start:start + 10])
+
+
+def test_every_text_file_the_package_and_its_scripts_open_names_its_encoding():
+    """Reports, records and settings are read and written as UTF-8, not in the locale's encoding (an ASCII or Latin-1
+    locale failed on the reports' '–' and '×'): every `open`, `read_text` and `write_text` in text mode under
+    kvcompress/ and benchmarks/ passes `encoding`."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    missing = []
+    for path in sorted([*root.joinpath("kvcompress").rglob("*.py"), *root.joinpath("benchmarks").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("open", "read_text", "write_text")):
+                continue
+            if isinstance(node.func, ast.Attribute) and getattr(node.func.value, "id", None) in ("os", "gzip"):
+                continue  # file descriptors and gzip's binary streams
+            given = node.args[1:2] if isinstance(node.func, ast.Name) else node.args[:1] if node.func.attr == "open" else []
+            mode = [a.value for a in given if isinstance(a, ast.Constant)]  # open(file, mode) or Path.open(mode)
+            mode += [k.value.value for k in node.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)]
+            if not any("b" in m for m in mode) and not any(k.arg == "encoding" for k in node.keywords):
+                missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert missing == []

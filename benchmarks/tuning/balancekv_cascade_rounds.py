@@ -127,7 +127,7 @@ def main():
             f"{r[names[1] + ' error']:.4f} ± {r[names[1] + ' error ci95']:.4f} | {r['paired difference']:+.4f} ± {r['paired difference ci95']:.4f} | "
             f"{r[names[0] + ' min seconds'] / r[names[1] + ' min seconds']:.2f} |"
         )
-    (RESULTS / f"balancekv_{args.compare}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"balancekv_{args.compare}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 

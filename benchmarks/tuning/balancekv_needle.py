@@ -104,20 +104,20 @@ def write_tuning(rows: list[dict], note: str, name: str = "balancekv_needle_tuni
     if title is None:
         title = f"BalanceKV needle defaults: tuning on task seeds {seeds[0]}..{seeds[-1]} (niah_single, ratio {rows[-1]['ratio']})"
     lines = [f"# {title}", "", note, "", *hits_table(by)]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
 def report(run_dir: Path) -> None:
     """Needle hits of every (method, ratio) of a `kvcompress eval` run against the full cache on the same samples."""
-    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
     full = {r["index"]: r["score"] for r in records if r["method"] == "full" and r["error"] is None}
     by = defaultdict(list)
     for r in records:
         if r["error"] is None and r["index"] in full:
             by["full cache" if r["method"] == "full" else f"{r['method']} @ {r['ratio']}"].append(r["score"])
     full_hits = sum(s == 1.0 for s in full.values())
-    config = json.loads((run_dir / "config.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     lines = [
         f"# Augmented BalanceKV on the needle (niah_single, {config['config']['lengths']} tokens, prefill mode, question kept "
         f"out of compression), {len(full)} samples (task seeds {config['config']['seed']}..{config['config']['seed'] + len(full) - 1})",
@@ -133,7 +133,7 @@ def report(run_dir: Path) -> None:
     for label, scores in by.items():
         if label != "full cache":
             lines.append(f"| {label} | {sum(s == 1.0 for s in scores)}/{full_hits} = {sum(s == 1.0 for s in scores) / max(full_hits, 1):.2f} |")
-    (RESULTS / "balancekv_needle.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "balancekv_needle.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
@@ -174,7 +174,7 @@ def main():
                      f"niah_single at {args.length} tokens, task seeds {seeds[0]}..{seeds[-1]}")
         return
     if args.from_log is not None:
-        rows = [ast.literal_eval(line) for line in args.from_log.read_text().splitlines() if line.startswith("{'config'")]
+        rows = [ast.literal_eval(line) for line in args.from_log.read_text(encoding="utf-8").splitlines() if line.startswith("{'config'")]
         note = f"Rows from the log of a run stopped early ({args.from_log}); {args.threads} thread(s)."
     else:
         rows = tune(args, configurations(args))

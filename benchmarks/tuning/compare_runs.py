@@ -68,7 +68,7 @@ def tasks_table(before: Path, after: Path) -> str:
 def _layer_means(folder: Path, method: str) -> dict[float, tuple[float, float]]:
     """{ratio: (error averaged over layers, variance of that average)} from approx.csv."""
     cells: dict[float, list[tuple[float, float]]] = defaultdict(list)
-    with open(folder / "approx.csv") as f:
+    with open(folder / "approx.csv", encoding="utf-8") as f:
         for row in csv.DictReader(f):
             if row["method"] == method:
                 cells[float(row["ratio"])].append((float(row["error_mean"]), float(row["error_std"]) ** 2 / int(row["seeds"])))
@@ -96,7 +96,7 @@ def main() -> None:
     if args.kind == "tasks":
         print(tasks_table(args.before, args.after))
         return
-    with open(args.before / "approx.csv") as f:
+    with open(args.before / "approx.csv", encoding="utf-8") as f:
         methods = args.methods.split(",") if args.methods else list(dict.fromkeys(r["method"] for r in csv.DictReader(f)))
     for method in methods:
         print(approx_table(args.before, args.after, method) + "\n")

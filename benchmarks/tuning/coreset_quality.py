@@ -95,7 +95,7 @@ def main():
     for label, *_ in CONFIGS:
         cells = {(r["layer"], r["ratio"]): r for r in rows if r["config"] == label}
         lines.append(f"| {label} | " + " | ".join(f"{cells[c]['error_mean']:.4f} ± {cells[c]['error_std']:.4f}" for c in columns) + " |")
-    (RESULTS / "coreset_quality.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "coreset_quality.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 

@@ -118,7 +118,7 @@ class RowLog:
         self.path = path
         self.rows = []
         if path.is_file():
-            with path.open(newline="") as f:
+            with path.open(newline="", encoding="utf-8") as f:
                 for row in csv.DictReader(f):
                     row["ratio"] = float(row["ratio"])
                     row["sample"] = int(row["sample"]) if row["sample"] else ""
@@ -127,7 +127,7 @@ class RowLog:
                     self.rows.append(row)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("w", newline="") as f:
+            with path.open("w", newline="", encoding="utf-8") as f:
                 csv.DictWriter(f, fieldnames=self.FIELDS).writeheader()
         self.done = {(r["part"], r["entry"], r["case"], r["sample"], r["ratio"]) for r in self.rows}
 
@@ -135,7 +135,7 @@ class RowLog:
         return (part, entry, case, sample, ratio) in self.done
 
     def add(self, row: dict) -> None:
-        with self.path.open("a", newline="") as f:
+        with self.path.open("a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, fieldnames=self.FIELDS).writerow(row)
         self.rows.append(row)
         self.done.add((row["part"], row["entry"], row["case"], row["sample"], row["ratio"]))
@@ -367,12 +367,12 @@ def main() -> None:
     log = RowLog(args.csv)
     if args.diagnose_lines:
         table = diagnose_lines(model, tokenizer, args.diagnose_lines, log)
-        (RESULTS / "hybrid_tuning_lines.md").write_text("\n".join(table) + "\n")
+        (RESULTS / "hybrid_tuning_lines.md").write_text("\n".join(table) + "\n", encoding="utf-8")
         return
     if args.approx_only:
         run_approx(model, tokenizer, entries, log, args.approx_seeds)
         table = approx_table(log.rows, list(entries), args.approx_seeds)
-        (RESULTS / "hybrid_tuning_approx.md").write_text("\n".join(table) + "\n")
+        (RESULTS / "hybrid_tuning_approx.md").write_text("\n".join(table) + "\n", encoding="utf-8")
         print("\n".join(table))
         return
     run_tasks(model, tokenizer, {n: e for n, e in entries.items() if n not in APPROX_REFERENCES}, args.samples, log, args.tasks)
@@ -397,7 +397,7 @@ def main() -> None:
     text = header + table + ["", "Per cell (task score % (95% Wilson), n; attention error):", ""] + cell_table(rows, list(entries))
     if DEFAULT in entries:
         text += ["", "Paired with the hybrid without spans on the same samples:", ""] + paired_table(rows, list(entries), DEFAULT)
-    (RESULTS / "hybrid_tuning.md").write_text("\n".join(text) + "\n")
+    (RESULTS / "hybrid_tuning.md").write_text("\n".join(text) + "\n", encoding="utf-8")
     print("\n".join(text))
 
 

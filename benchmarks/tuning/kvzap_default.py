@@ -165,12 +165,12 @@ def recorded(path: Path, fields: tuple[str, ...]) -> set[tuple]:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         return set()
-    return {tuple(r[f] for f in fields) for r in map(json.loads, path.read_text().splitlines())}
+    return {tuple(r[f] for f in fields) for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())}
 
 
 def append_row(path: Path, row: dict) -> None:
     """One JSON line appended to the record at `path`."""
-    with path.open("a") as f:
+    with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
 
@@ -244,7 +244,7 @@ def summary_rows(path: Path) -> list[dict]:
     """Per (variant, mode, ratio): the needles the full cache finds that it also finds (paired per needle), the median
     of its time per answer ÷ the full cache's on the same needle, and the median of its stored KV bytes ÷ the full
     cache's ("–" where the rows do not record them)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     full = {(r["seed"], r["length"]): r for r in rows if r["variant"] == "full"}
     found = {k for k, r in full.items() if r["hit"] >= 1}
     out = []

@@ -101,9 +101,9 @@ def summary_rows(path: Path, hits_path: Path) -> list[dict]:
     variants, seeds and ratios), split by whether the variant found them there: how many (and how many lie in the exact
     window), and the median over the needles outside the window of the share of (layer, KV head) pairs keeping the least
     kept answer token, the answer's tokens, the fact's words before it and any context token."""
-    hits = {(r["variant"], r["seed"], r["length"], r["ratio"]): r["hit"] for r in map(json.loads, hits_path.read_text().splitlines())}
+    hits = {(r["variant"], r["seed"], r["length"], r["ratio"]): r["hit"] for r in map(json.loads, hits_path.read_text(encoding="utf-8").splitlines())}
     groups: dict[tuple, list[dict]] = {}
-    for r in map(json.loads, path.read_text().splitlines()):
+    for r in map(json.loads, path.read_text(encoding="utf-8").splitlines()):
         if hits.get(("full", r["seed"], r["length"], 0.0)) != 1.0 or (r["variant"], r["seed"], r["length"], r["ratio"]) not in hits:
             continue
         found = hits[(r["variant"], r["seed"], r["length"], r["ratio"])] == 1.0

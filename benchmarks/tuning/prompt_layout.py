@@ -74,7 +74,7 @@ def run(args) -> Path:
     machine = {"host": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(["benchmarks/tuning/prompt_layout.py", *sys.argv[1:]])}
-    with (folder / "machine.jsonl").open("a") as f:
+    with (folder / "machine.jsonl").open("a", encoding="utf-8") as f:
         f.write(json.dumps(machine) + "\n")
     method, ratio = full_as_ratio_zero(None, 0.0)
     for i in range(args.samples):
@@ -102,7 +102,7 @@ def run(args) -> Path:
                          "answer_prefix": sample.answer_prefix if layout.primed else "", "answers": sample.answers,
                          "prediction": prediction, "score": score(sample, prediction), "capture_s": capture_s,
                          "decode_s": res.decode_seconds})
-        with path.open("a") as f:
+        with path.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
         print(f"seed {seed}: {sample.answers[0]!r} " + " | ".join(f"{r['layout']}={r['score']:.0f} {r['prediction']!r}" for r in rows),
               flush=True)
@@ -110,7 +110,7 @@ def run(args) -> Path:
 
 
 def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] if path.is_file() else []
 
 
 def summary(out: Path) -> str:
@@ -169,8 +169,8 @@ def main(argv=None) -> None:
         p.error(f"--layouts must be among {','.join(PROMPT_LAYOUTS)}, got {','.join(bad)}")
     if not args.summary_only:
         run(args)
-    (args.out / "summary.md").write_text(summary(args.out))
-    print((args.out / "summary.md").read_text())
+    (args.out / "summary.md").write_text(summary(args.out), encoding="utf-8")
+    print((args.out / "summary.md").read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":

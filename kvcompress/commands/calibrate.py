@@ -65,7 +65,7 @@ def _run(args) -> int:
     calibration = calibrate(model, tokenizer, samples, args.method, args.retentions, args.asymmetry, seed=args.seed,
                             model_name=args.model or "SmolLM2-135M-Instruct", progress=progress)
     if args.triples is not None:
-        args.triples.write_text(json.dumps(triples, indent=1) + "\n")
+        args.triples.write_text(json.dumps(triples, indent=1) + "\n", encoding="utf-8")
     calibration.save(args.out)
     print(f"alpha={calibration.alpha:.4f} beta={calibration.beta:.4f} (loss {calibration.loss:.4g}, {calibration.n_triples} triples) -> {args.out}")
     return 0

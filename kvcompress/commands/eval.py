@@ -183,7 +183,7 @@ def _run_perplexity(args) -> int:
     records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
                              shard=args.shard)
     outputs = write_report(records, args.out)
-    print(outputs[0].read_text())
+    print(outputs[0].read_text(encoding="utf-8"))
     _done(start, outputs)
     return 0
 
@@ -269,13 +269,13 @@ def _run_sweep(args) -> int:
         from ..eval.leaderboard import write_leaderboard
 
         outputs = write_leaderboard(records, args.out)
-        print(outputs[0].read_text())
+        print(outputs[0].read_text(encoding="utf-8"))
     else:
         from ..eval.plots import plot_sweep
         from ..eval.runner import write_summary
 
         outputs = [*write_summary(records, args.out), *plot_sweep(records, args.out)]
-        print((args.out / "summary.md").read_text())
+        print((args.out / "summary.md").read_text(encoding="utf-8"))
     _done(start, outputs)
     if failures:
         print(f"{len(failures)} samples failed; rerun the same command to do their cells:\n" + "\n".join(failures))

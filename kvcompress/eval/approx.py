@@ -141,7 +141,7 @@ def write_approx(rows: list[dict], out_dir: str | Path, config: ApproxConfig | N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out / "approx.csv", out / "approx.md"
-    with csv_path.open("w", newline="") as f:
+    with csv_path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=APPROX_FIELDS)
         w.writeheader()
         w.writerows(rows)
@@ -156,5 +156,5 @@ def write_approx(rows: list[dict], out_dir: str | Path, config: ApproxConfig | N
         table.append(dict(zip(head, [method, f"{ratio:g}"] + [f"{c['error_mean']:.3f} ± {c['error_std']:.3f}" if c else "" for c in vals] + mean)))
     settings = "" if config is None else (f"Text seed {config.text_seed}, {config.tokens} tokens, the last {config.n_queries} "
                                           f"as queries, a sink of {config.sink}, {config.seeds} seeds per cell.\n\n")
-    md_path.write_text(settings + markdown_table(table, head) + "\n")
+    md_path.write_text(settings + markdown_table(table, head) + "\n", encoding="utf-8")
     return csv_path, md_path

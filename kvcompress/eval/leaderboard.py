@@ -262,7 +262,7 @@ def write_leaderboard(records: list[dict], out_dir: str | Path) -> list[Path]:
     for benchmark, rows in by_benchmark.items():
         stem = out / f"leaderboard_{benchmark}"
         md, page = stem.with_suffix(".md"), stem.with_suffix(".html")
-        md.write_text(markdown_leaderboard(benchmark, rows))
-        page.write_text(html_leaderboard(benchmark, rows))
+        md.write_text(markdown_leaderboard(benchmark, rows), encoding="utf-8")
+        page.write_text(html_leaderboard(benchmark, rows), encoding="utf-8")
         paths += [md, page, plot_leaderboard(benchmark, rows, stem.with_suffix(".png"))]
     return paths

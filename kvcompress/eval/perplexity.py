@@ -449,7 +449,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
         "to the whole document, every token streamed. Documents overlap when there are more than the prose holds "
         "disjointly (`kvcompress.eval.perplexity`). `*`: some documents could not run (see results.jsonl); n/a: none could.", "",
     ]
-    md_path.write_text("\n".join(parts))
+    md_path.write_text("\n".join(parts), encoding="utf-8")
     return csv_path, md_path
 
 

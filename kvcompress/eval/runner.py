@@ -547,7 +547,7 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
     library's), threads, shard and start time. Written whole or not at all
     (a shard beside it may be reading it)."""
     path = out / "config.json"
-    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    earlier = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     settings = asdict(config)
     if not any_streams(config.modes) and "chunk_size" in earlier.get("config", {}):
         settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
@@ -580,7 +580,7 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
     compared."""
     if not path.is_file():
         return
-    meta = json.loads(path.read_text())
+    meta = json.loads(path.read_text(encoding="utf-8"))
     if meta.get("task") != task:
         kinds = {None: "task sweep", PERPLEXITY: "perplexity run (--tasks perplexity)"}
         raise ValueError(f"{path.parent} holds the records of a {kinds.get(meta.get('task'), meta.get('task'))}, which a "
@@ -605,7 +605,7 @@ def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
     """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another."""
     if not path.is_file():
         return
-    recorded = json.loads(path.read_text()).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
+    recorded = json.loads(path.read_text(encoding="utf-8")).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
     earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
     if earlier != layout:
         raise ValueError(f"prompt_layout {layout.name!r} differs from {earlier.name!r}, the layout of the results already in "
@@ -855,7 +855,7 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     out = Path(out_dir)
     csv_path, md_path = out / "summary.csv", out / "summary.md"
     fields = ["kind", "method", "ratio", "mode", "task", "length", "depth", "n", "errors", "score", "sem", "ci_low", "ci_high", "wall_s"]
-    with csv_path.open("w", newline="") as f:
+    with csv_path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for kind, grid, by in (("task", False, ("method", "ratio", "mode", "task", "length")),
@@ -893,5 +893,5 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
         parts += ["### Needle grid (%)", "", grid, ""]
     if any(r["error"] for r in records):
         parts += ["`*`: some cells of this entry could not run (the error is in results.jsonl); `n/a`: none could.", ""]
-    md_path.write_text("\n".join(parts))
+    md_path.write_text("\n".join(parts), encoding="utf-8")
     return csv_path, md_path

@@ -15,7 +15,7 @@ def write_csv(path: str | Path, rows: Sequence[dict]) -> None:
     """Rows as a CSV file (its directory created), columns in first-seen order over all rows."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=_columns(rows))
         writer.writeheader()
         writer.writerows(rows)
@@ -36,7 +36,7 @@ def parse_scalar(text: str):
 
 def read_csv(path: str | Path) -> list[dict]:
     """Rows written by write_csv, numbers parsed back (int, float or bool: `parse_scalar`), empty cells dropped."""
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         return [{k: parse_scalar(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
 
 

@@ -110,7 +110,7 @@ def write_table(rows: Sequence[dict], out: Path, stem: str, heading: str, column
     """Rows as out/stem.csv and out/stem.md (the heading paragraphs, then a table of `columns`); returns the Markdown."""
     write_csv(out / f"{stem}.csv", rows)
     text = f"{heading}\n\n{markdown_table(rows, columns)}\n"
-    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.md").write_text(text, encoding="utf-8")
     return text
 
 
@@ -118,7 +118,7 @@ def machine_description(threads: int, device: torch.device | str = "cpu", dtype:
     """One line: CPU model, cores, torch threads, device and dtype, load, date, versions."""
     cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass

@@ -10,7 +10,7 @@ from .config import BenchConfig
 
 
 def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="utf-8") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
@@ -20,7 +20,7 @@ def _status_kib(field: str) -> int:
 def peak_process_memory(fn: Callable[[], object]) -> tuple[object, int, int]:
     """(fn(), peak resident bytes during the call, resident bytes before it), via Linux's VmHWM reset (clear_refs 5)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
             f.write("5")
     except OSError as err:
         raise RuntimeError(f"peak process memory needs Linux /proc/self/clear_refs (resetting VmHWM): {err}") from err

@@ -23,7 +23,7 @@ def read_machines(out_dir: Path) -> dict[str, str]:
     line naming no section, as a folder written before sections had their own lines, is every section's)."""
     path = Path(out_dir) / "machine.txt"
     machines: dict[str, str] = {}
-    for line in path.read_text().splitlines() if path.is_file() else ():
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else ():
         section, named, rest = line.partition(": ")
         if named and section in SECTIONS:
             machines[section] = rest.strip()
@@ -47,7 +47,7 @@ def write_markdown(path: Path, machines: dict[str, str], overhead=(), exponents=
     present = [name for name, rows in zip(("overhead", "decode", "attention", "memory", "prefill", "throughput"),
                                           (overhead, decode, step, memory, prefill, throughput)) if rows]
     path.write_text("\n".join(["# kvcompress bench", "", *machine_heading(machines, present), "",
-                               markdown(overhead, exponents, decode, step, memory, prefill, throughput)]))
+                               markdown(overhead, exponents, decode, step, memory, prefill, throughput)]), encoding="utf-8")
 
 
 def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(), throughput=()) -> str:
@@ -151,7 +151,7 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
     out_dir.mkdir(parents=True, exist_ok=True)
     kept = {section: line for section, line in read_machines(out_dir).items() if (out_dir / f"{section}.csv").is_file()}
     machines = kept | dict.fromkeys(config.sections, machine)
-    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()))
+    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
     sections = set(config.sections)
     if "overhead" in sections:
         results["overhead"] = overhead_rows(config, log, saver("overhead"))
@@ -188,7 +188,7 @@ def _write_thread_counts_page(out_dir: Path, counts) -> None:
     page = [f"# kvcompress bench at {', '.join(map(str, counts))} torch threads", "",
             "One run per thread count, in turn, in one process; each count's CSVs and plots are in threads-<count>/.", ""]
     for count in counts:
-        text = (out_dir / f"threads-{count}" / "bench.md").read_text().splitlines()
+        text = (out_dir / f"threads-{count}" / "bench.md").read_text(encoding="utf-8").splitlines()
         page += [f"## {count} thread{'s' if count > 1 else ''}", ""]
         page += ["#" + line if line.startswith("#") else line for line in text[1:]]
-    (out_dir / "bench.md").write_text("\n".join(page) + "\n")
+    (out_dir / "bench.md").write_text("\n".join(page) + "\n", encoding="utf-8")
