@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 from .model_support import check_supported
-from .saved_state import SchemaError, Spec, decode, encode, write_whole
+from .saved_state import SchemaError, Spec, canonical_safetensors, decode, encode, write_whole
 
 FORMAT = "kvcompress-cache"
 VERSION = 2
@@ -66,7 +66,7 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], document: d
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     text = json.dumps(document, sort_keys=True)
     metadata = {"format": FORMAT, "version": str(VERSION), "kvcompress": text, "sha256": _digest(text, tensors)}
-    write_whole(path, safetensors.torch.save(tensors, metadata))
+    write_whole(path, canonical_safetensors(safetensors.torch.save(tensors, metadata)))
 
 
 def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:

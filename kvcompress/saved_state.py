@@ -16,6 +16,7 @@ several places is written once and referred to ({"ref": k}) after that, so what 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -26,6 +27,20 @@ from typing import Any, ClassVar
 
 import torch
 
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """A safetensors file's bytes (`safetensors.torch.save`'s) with its metadata's keys in sorted order: safetensors keeps
+    them in a hash map, whose order changes from call to call, so the same tensors and metadata gave different bytes
+    (files that cannot be compared, checksummed or deduplicated by content). The tensors' entries and data are as
+    given; the header stays padded to a multiple of 8 bytes, as safetensors writes it."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    if "__metadata__" in header:
+        header = {"__metadata__": dict(sorted(header.pop("__metadata__").items()))} | header
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + size:]
 
 def write_whole(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` whole or not at all (a cache file, a scorer file): into a new file beside it, then renamed

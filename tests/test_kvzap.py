@@ -36,6 +36,9 @@ def _surrogate(kind="linear", layers=(0, 1), heads=2, width=8, hidden=4) -> Surr
 def test_a_scorer_file_round_trips_and_predicts_per_head(tmp_path, kind):
     s = _surrogate(kind)
     s.save(tmp_path / "s.safetensors")
+    for again in range(3):  # the same bytes each time: the file's metadata in sorted order, not a hash map's
+        s.save(tmp_path / "again.safetensors")
+        assert (tmp_path / "again.safetensors").read_bytes() == (tmp_path / "s.safetensors").read_bytes()
     t = Surrogate.load(tmp_path / "s.safetensors")
     assert (t.kind, t.layers, t.model, t.meta) == (kind, (0, 1), "tiny", {"seed": 0})
     x = torch.randn(1, 2, 5, 8)

@@ -98,6 +98,10 @@ def test_the_default_method_round_trips_in_every_mode(tiny_checkpoint, tiny_defa
     options = dict(method="default", mode=mode, budget=24, sink=2, window=8, kv_bits=bits, **blocks(mode))
     cache = compress_context_ids(model, ctx, **options)
     cache.save(tmp_path / "default.kvc")
+    # the same cache saves to the same bytes (safetensors kept its metadata in a hash map's order, new at each call)
+    for again in range(3):
+        cache.save(tmp_path / f"again{again}.kvc")
+        assert (tmp_path / f"again{again}.kvc").read_bytes() == (tmp_path / "default.kvc").read_bytes()
     (reference,) = answer_from_cache_ids(model, cache, [question], max_new_tokens=NEW, stop_at_eos=False)
     if mode != "decode":  # decode: each layer's share of the budget follows the stream's length, here the context's alone
         generated = generate_ids(model, ctx, question, max_new_tokens=NEW, stop_at_eos=False, **options)

@@ -51,7 +51,7 @@ import torch
 
 from ..checks import as_real
 from ..ragged import RaggedSummary, int32_positions
-from ..saved_state import Count, Instance, Linked, Maybe, Tensor, saved, write_whole
+from ..saved_state import Count, Instance, Linked, Maybe, Tensor, canonical_safetensors, saved, write_whole
 from ..summary import KVSummary
 from .adakv import kept_summary
 from .base import ScoreMethod, StreamState, top_index
@@ -196,7 +196,7 @@ class Surrogate:
                   "sha256": tensors_digest(tensors)}
         # written whole (a failed write leaves the file there before), with the umask's permissions (safetensors'
         # save_file makes the file private to its owner)
-        write_whole(path, save(tensors, metadata=header))
+        write_whole(path, canonical_safetensors(save(tensors, metadata=header)))
 
     @classmethod
     def load(cls, path: str | Path) -> "Surrogate":
