@@ -1171,6 +1171,8 @@ def overview_markdown(runs: list[tuple[int, int, list[dict]]], default_cell: str
             lines.append(f"| {length} | {ratio:g} | {score} | {best} | {_pct(pair['second_score'])} | {_signed(pair['difference'])} "
                          f"({_signed(pair['diff_low'])} to {_signed(pair['diff_high'])}) | {pair['wins']} / {pair['losses']} | "
                          f"{pair['p_sign']:.2g} | {share} |")
+    if not any(r["cell"] == default_cell for _, _, records in runs for r in records):
+        lines.append(f"| – | – | no folder holds the cell `{default_cell}` (--default-cell names another) | – | – | – | – | – | – |")
     return "\n".join(lines) + "\n"
 
 
