@@ -166,12 +166,12 @@ def main(argv=None) -> None:
         for label, (method, settings) in [("full", (None, None)), *VARIANTS.items()]:
             if method is None:
                 res = generate_ids(model, context_ids, question_ids, method=None, max_new_tokens=sample["max_new_tokens"],
-                                   stop_token_ids=stop)
+                                   stop_token_ids=stop[1])
             else:
                 options = CompressionOptions.build(method=method, compression_ratio=args.ratio, seed=manifest["samples"]["seed"],
                                                    **settings(args.ratio))
                 res = generate_ids(model, context_ids, question_ids, options, max_new_tokens=sample["max_new_tokens"],
-                                   stop_token_ids=stop, prefill=captured)
+                                   stop_token_ids=stop[1], prefill=captured)
             prediction = tokenizer.decode(harness.trim_at_stop(list(res.token_ids), stop), skip_special_tokens=True).strip()
             hit = float(task_score(SimpleNamespace(task=sample["task"], answers=sample["answers"]), prediction))
             record["answers"][label] = {"prediction": prediction, "score": hit}

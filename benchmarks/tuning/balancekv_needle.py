@@ -75,8 +75,9 @@ def tune(args, runs: list[tuple[str, str | None, dict]]) -> list[dict]:
         for label, method, params in runs:
             start = time.perf_counter()
             recorded = captured if method is not None and params.get("mode", "prefill") == "prefill" else None
+            seeded = {} if method is None else {"seed": args.seed + i}  # the full cache takes no seed (it is refused)
             res = generate_ids(model, context_ids, question_ids, method=method, max_new_tokens=sample.max_new_tokens,
-                               seed=args.seed + i, prefill=recorded, **params)
+                               prefill=recorded, **seeded, **params)
             prediction = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
             rows.append({"config": label, "task_seed": args.seed + i, "depth": sample_depth(i), "ratio": params.get("compression_ratio"),
                          "score": score(sample, prediction), "prediction": prediction, "wall_s": time.perf_counter() - start})
