@@ -251,14 +251,6 @@ def sample_of(record: dict) -> str:
     return record["key"].removesuffix(f"|{record['method']}|{record['ratio']}|{record['mode']}")
 
 
-def prompt_sha256(context_ids: torch.Tensor, question_ids: torch.Tensor) -> str:
-    """SHA-256 of a prompt's token ids (`token_ids_sha256` of the context's, then the question's): what a record keeps
-    (`PROMPT_DIGEST`) so that a cell answering another prompt of the same sample is caught. The prose tasks read text
-    the running Python ships (its standard library's docstrings, the language reference), which changes between Python
-    versions, so one sample's text depends on the Python that builds it."""
-    return token_ids_sha256(context_ids, question_ids)
-
-
 def check_task_settings(tasks: list[str], **given) -> None:
     """Refuse a generated-task setting (`haystack`, `kind`: the name and the value given, None when not given) that
     no task of `tasks` takes: it would change nothing. ValueError naming the setting, the tasks run and those it
@@ -398,10 +390,11 @@ class ResultsFile:
         f.seek(self._offset)
         tail = f.read()
         whole = tail.rfind(b"\n") + 1
-        for record in _parse_lines(tail[:whole], self.path, self._lines + 1):
-            self._done.add(record["key"])
-            if record.get(PROMPT_DIGEST) is not None:
-                self._prompts.setdefault(sample_of(record), record[PROMPT_DIGEST])
+        records = _parse_lines(tail[:whole], self.path, self._lines + 1)
+        self._done.update(r["key"] for r in records)
+        for r in records:  # the file's own prompts, taken as they are (a record's first digest stands for its sample)
+            if r.get(PROMPT_DIGEST) is not None:
+                self._prompts.setdefault(sample_of(r), r[PROMPT_DIGEST])
         self._offset += whole
         self._lines += tail.count(b"\n")
         return len(tail) - whole
@@ -425,22 +418,21 @@ class ResultsFile:
                 if self._catch_up(f):
                     f.truncate(self._offset)
                 fresh = [r for r in records if r["key"] not in self._done]
-                self._check_prompts(fresh)
+                prompts = self._prompts_with(fresh)
                 f.seek(self._offset)
                 f.write("".join(json.dumps(r) + "\n" for r in fresh).encode())
                 f.flush()
                 self._offset = f.tell()
                 self._done.update(r["key"] for r in fresh)
-                for r in fresh:
-                    if r.get(PROMPT_DIGEST) is not None:
-                        self._prompts.setdefault(sample_of(r), r[PROMPT_DIGEST])
+                self._prompts = prompts
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
         return len(fresh)
 
-
-    def _check_prompts(self, records: list[dict]) -> None:
-        prompts = dict(self._prompts)  # the file's, then those of the records before in this batch
+    def _prompts_with(self, records: list[dict]) -> dict[str, str]:
+        """The file's prompt digests per sample with those of `records` added; ValueError naming the sample when one of
+        `records` answered another prompt than the file's, or than a record before it, for its sample."""
+        prompts = dict(self._prompts)
         for record in records:
             digest = record.get(PROMPT_DIGEST)
             if digest is None:
@@ -454,6 +446,7 @@ class ResultsFile:
                     f"the Python that builds them, here {platform.python_version()}; config.json names the Python of the "
                     "folder's latest run), so its cells would not pair; continue that folder with the Python and kvcompress "
                     "that began it, or write to a new folder (--out)")
+        return prompts
 
 
 def _parse_lines(text: bytes, path: Path, first_line: int = 1) -> list[dict]:
@@ -504,7 +497,6 @@ def shard_specs(specs: list, shard: tuple[int, int] | None) -> list:
     return mine
 
 
-
 def check_lengths_fit(model, lengths, setting: str = "lengths") -> None:
     """Refuse, before any sample runs, context lengths longer than `model` takes (its `max_position_embeddings`),
     naming `setting` and the model's limit: such a sample's prompt could only be refused after its context's prefill."""
@@ -514,6 +506,7 @@ def check_lengths_fit(model, lengths, setting: str = "lengths") -> None:
         raise ValueError(f"{setting} {', '.join(map(str, over))} exceed{'s' if len(over) == 1 else ''} the {limit} positions the "
                          f"model takes (max_position_embeddings): give lengths of at most {limit} tokens (a task's question "
                          "and answer take some of them too)")
+
 
 def any_streams(modes) -> bool:
     """Whether a run of `modes` streams a prompt (chunked or decode mode), so that its block size (`chunk_size`) acts."""
@@ -630,7 +623,7 @@ def run_sample(model, tokenizer, config: SweepConfig, spec, cells: list[Cell], l
     context_ids = prompt = None
     try:  # a prompt every cell would refuse (a special token's text in it, too long for the model): before any prefill
         context_ids, question_ids = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, config.prompt_layout)
-        prompt = prompt_sha256(context_ids, question_ids)
+        prompt = token_ids_sha256(context_ids, question_ids)
         check_context_length(model, context_ids.shape[1] + question_ids.shape[1], max_new)
     except ValueError as err:
         for cell in cells:

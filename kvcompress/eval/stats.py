@@ -23,8 +23,9 @@ from ..checks import as_count, as_real
 
 Z95 = 1.959963984540054
 SAMPLE_KEY = ("task", "length", "index", "depth")
-# The record field holding the SHA-256 of the prompt's token ids a cell answered (`runner.prompt_sha256`): records of one
-# sample pair only when they answered the same prompt.
+# The record field holding the SHA-256 of the prompt's token ids a cell answered (`integration.model.token_ids_sha256` of
+# the context's, then the question's): records of one sample pair only when they answered the same prompt. The prose
+# tasks read the running Python's standard library, which changes between versions, so one sample's text can too.
 PROMPT_DIGEST = "prompt_sha256"
 
 
