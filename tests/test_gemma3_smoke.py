@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.smoke]
 FILLER = "The river runs past the old mill and the bridge. Children play by the water in the summer. "
 CONTEXT = FILLER * 20 + "The secret word is lantern. " + FILLER * 8  # ~570 tokens: past the 512-token sliding window
 QUESTION = "What is the secret word?"
-NEW = 8
+NEW = 4
 MODES = ("prefill", "chunked", "decode")
 
 
@@ -53,14 +53,17 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     per_token_layer = full.kv_bytes_full // (15 * 511 + 3 * (full.prompt_tokens + NEW - 1))
     assert full.kv_bytes_full == per_token_layer * (15 * 511 + 3 * (full.prompt_tokens + NEW - 1))
     assert n > 540 and full.slots_per_layer == [full.prompt_tokens + NEW - 1 if layer in full_layers else 511 for layer in range(18)]
-    for mode in MODES:  # (ratio 0 equals the full cache in every mode: the default's run below)
-        res = generate(method="keydiff", compression_ratio=0.75, mode=mode)
+
+    def assert_compressed(res, mode):  # the budget, plus the exact sink and window, plus the question and answer
         assert len(res.token_ids) == NEW and res.kv_bytes < 0.9 * res.kv_bytes_full, (mode, res.kv_bytes, res.kv_bytes_full)
         for layer, slots in enumerate(res.slots_per_layer):
-            if layer in full_layers:  # the budget, plus the exact sink and window, plus the question and answer
+            if layer in full_layers:
                 assert slots <= res.budget + 4 + 64 + (res.prompt_tokens - n) + NEW, (mode, layer, slots)
             else:  # a sliding layer keeps its window, exactly
                 assert slots == 511, (mode, layer, slots)
+
+    for mode in ("chunked", "decode"):  # prefill: the saved cache's answer below; ratio 0: the default's run at the end
+        assert_compressed(generate(method="keydiff", compression_ratio=0.75, mode=mode), mode)
 
     # compress once, save, load, ask: the same answer as the cache before saving
     cache = kvc.compress_context(model, tokenizer, CONTEXT, method="snapkv", compression_ratio=0.75, kv_bits=4, progress=False)
@@ -69,6 +72,7 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     (loaded,) = kvc.generate(model, tokenizer, cache=tmp_path / "doc.kvc", questions=[QUESTION], max_new_tokens=NEW,
                              progress=False, stop_at_eos=False)
     assert loaded.token_ids == direct.token_ids and loaded.kv_bits == 4
+    assert_compressed(direct, "prefill")
     # what the compressed context holds is what it reports, sliding-window layers' windows included; beams from it share
     # its one row in every layer, sliding ones too
     assert_holds_what_it_reports(cache, "prefill", "gemma3 snapkv kv_bits=4")
@@ -92,7 +96,7 @@ def test_gemma3_from_its_gguf_in_every_mode_saved_and_with_a_scorer_trained_for_
     # an eval sweep compresses one recorded prefill per context (`CompressedCache.from_prefill`), sliding layers included
     out = tmp_path / "sweep"
     assert main(["eval", "--model", str(gguf), "--tasks", "niah_single", "--lengths", "600", "--samples", "1", "--methods", "knorm",
-                 "--ratios", "0.5", "--no-progress", "--out", str(out)]) == 0
+                 "--ratios", "0.5", "--max-new-tokens", str(NEW), "--no-progress", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in records} == {"full", "knorm"} and all(r["error"] is None for r in records), records
     # the demo on this model: refused without a scorer, naming --scorer; with the trained one, the default's row first
