@@ -502,19 +502,19 @@ def dump(args) -> None:
     from kvcompress.integration.model import DEFAULT_PROMPT_LAYOUT, cache_dir
 
     args.prompt_layout = args.prompt_layout or DEFAULT_PROMPT_LAYOUT
-    checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir()
-    if not (checkpoint / "model.safetensors").is_file():
-        import kvcompress as kvc
-
-        kvc.load_model()  # builds the dequantised default checkpoint on first use
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    check_task_settings([args.task], haystack=args.haystack, kind=args.kind)
+    check_task_settings([args.task], haystack=args.haystack, kind=args.kind)  # the settings before the model loads
     takes = task_parameters(args.task)
     settings = {name: value or default for name, value, default in (("haystack", args.haystack, "prose"), ("kind", args.kind, "numbers"))
                 if name in takes}
     task_params = parse_params(args.task_param, flag="--task-param")
     config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
                          prompt_layout=args.prompt_layout, task_params={args.task: task_params} if task_params else {}, **settings)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir()
+    if not (checkpoint / "model.safetensors").is_file():
+        import kvcompress as kvc
+
+        kvc.load_model()  # builds the dequantised default checkpoint on first use
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     takes_depth = "depth" in takes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1315,4 +1315,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as error:  # a setting refused: its one line, not a traceback (tests call main() and see the error)
+        raise SystemExit(f"{Path(sys.argv[0]).name} {sys.argv[1]}: error: {error}") from None

@@ -266,10 +266,22 @@ def test_dump_records_only_the_settings_its_task_takes_and_refuses_the_others(ti
     with pytest.raises(ValueError, match="split='tuning' takes seeds from TUNING_SEEDS"):
         h.main(["dump", "--task", "niah_prose", "--out", str(tuning / "x"), "--checkpoint", str(tiny_checkpoint), "--samples", "1",
                 "--length", "200", "--ratios", "0.5", "--task-param", "split=tuning"])
-    for flag, value in (("--haystack", "prose"), ("--kind", "words")):
+    for flag, value in (("--haystack", "prose"), ("--kind", "words")):  # refused before any model loads (no checkpoint here)
         with pytest.raises(ValueError, match=f"{flag[2:]}='{value}' applies to the tasks niah_single.*none of them is run"):
-            h.main(["dump", "--task", "niah_prose", "--out", str(tmp_path / "x"), "--checkpoint", str(tiny_checkpoint),
+            h.main(["dump", "--task", "niah_prose", "--out", str(tmp_path / "x"), "--checkpoint", str(tmp_path / "missing"),
                     "--samples", "1", "--length", "200", "--ratios", "0.5", flag, value])
+
+
+def test_the_script_prints_a_refused_setting_as_one_line(tmp_path, monkeypatch, capsys):
+    """Run as a script, a setting the library refuses ends the step with its message on one line, not a traceback."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "dump", "--task", "niah_prose", "--haystack", "filler", "--out", str(tmp_path),
+                                      "--checkpoint", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert str(exit_.value.code).startswith("kvpress_side_by_side.py dump: error: haystack='filler' applies to the tasks niah_single")
+    assert not list(tmp_path.iterdir())
 
 
 def test_kvcompress_step_records_every_cell_and_resumes(tiny_run):
