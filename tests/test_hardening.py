@@ -794,6 +794,21 @@ def test_a_cache_refuses_pickle_and_offloading_naming_what_works_and_deepcopy_st
     assert torch.equal(copied.layers[0].stored().keys, cache.layers[0].stored().keys)
 
 
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_options_of_every_method_and_the_default_pickle_and_copy(mode):
+    """Options are plain settings, sent to other processes (a process pool, Ray): every method's and the default's pickle
+    and copy to equal options; KVzap's (the default's scorer) with its surrogate, giving the same budget shares (its
+    memo of them, a cache around a bound method, could not be pickled)."""
+    for method in [m for m in kvc.methods() if mode == "prefill" or m != "kvzip"] + ["default"]:
+        options = CompressionOptions.build(method=method, compression_ratio=0.5, mode=mode)
+        for copied in (pickle.loads(pickle.dumps(options)), copy.deepcopy(options), copy.copy(options)):
+            assert copied == options, (method, mode)
+    default = CompressionOptions.build(compression_ratio=0.5, mode=mode)
+    scorer, copied = default.compressor.scorer, pickle.loads(pickle.dumps(default)).compressor.scorer
+    assert type(scorer).__name__ == "KVzap" and scorer.layer_shares(0.3) == copied.layer_shares(0.3) == copied.layer_shares(0.3)
+    assert torch.equal(scorer.surrogate.first_weight, copied.surrogate.first_weight)
+
+
 def test_output_attentions_under_the_kvcompress_attention_warns_that_no_weights_come_back():
     model = _tiny_model()
     kvc.CompressedCache(model, "snapkv", compression_ratio=0.5)  # switches the model to the 'kvcompress' attention

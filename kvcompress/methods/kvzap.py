@@ -314,8 +314,20 @@ class KVzap(ScoreMethod):
         if self.threshold is not None:
             self.threshold = as_real("threshold", self.threshold, "a log-score, e.g. -6.0, or None")
         self.surrogate = load_surrogate(self.scorer)
+        self._memoize_layer_shares()
+
+    def _memoize_layer_shares(self) -> None:
         # every layer's stream of a cache asks for the shares at the same kept fraction: computed once per fraction
         self._layer_shares = functools.lru_cache(maxsize=16)(self.surrogate.layer_shares)
+
+    def __getstate__(self) -> dict:
+        """Pickled (options sent to another process) with its surrogate, without the memo of `layer_shares` (a cache
+        around a bound method, which pickle cannot write); unpickling builds a new one."""
+        return {name: value for name, value in self.__dict__.items() if name != "_layer_shares"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._memoize_layer_shares()
 
     @property
     def requirements(self) -> Requirements:
