@@ -80,7 +80,9 @@ class Calibration:
     model: str | None = None  # the model it was measured on (`kvcompress generate` refuses a file fitted on another)
     method_params: dict = field(default_factory=dict)  # the method's parameters in the measurement, applied with it
     n_triples: int = 0  # how many (retention, NLL(c), NLL ratio) triples the fit saw
-    loss: float = float("nan")  # the fit's weighted mean squared residual
+    # the fit's weighted mean squared residual: a record of the fit, not compared (NaN, for a curve not fitted by `fit`,
+    # equals nothing, not even a pickled copy of itself)
+    loss: float = field(default=float("nan"), compare=False)
 
     def __post_init__(self):
         if not isinstance(self.method, str) or self.method not in method_names():

@@ -93,6 +93,20 @@ def test_json_round_trip_and_choose_ratio(tmp_path):
         cal.Calibration.load(tmp_path / "bad.json")
 
 
+def test_a_calibration_without_a_fit_equals_its_copies(tmp_path):
+    """A curve built by hand has no fit's loss (NaN, which equals nothing): its copies, pickled or saved, still equal it;
+    the loss is a record of the fit, not part of the curve."""
+    import copy
+    import pickle
+
+    c = cal.Calibration("snapkv", alpha=1.5, beta=-7.0)
+    c.save(tmp_path / "cal.json")
+    loaded = cal.Calibration.load(tmp_path / "cal.json")
+    assert math.isnan(c.loss) and math.isnan(loaded.loss)
+    assert pickle.loads(pickle.dumps(c)) == copy.deepcopy(c) == loaded == c
+    assert cal.Calibration("snapkv", alpha=1.5, beta=-7.0, loss=0.5) == c != cal.Calibration("snapkv", alpha=1.5, beta=-6.0)
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("alpha", "x", "alpha must be a finite number"), ("alpha", None, "alpha must be a finite number"),
     ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a number from 1 to 1e"), ("asymmetry", 1e308, r"asymmetry must be a number from 1 to 1e\+06"),

@@ -38,6 +38,31 @@ def _feed(st, layer, sizes):
         yield start
 
 
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_a_stream_refuses_a_shallow_copy_and_deep_copies_continue_alone(kv_bits):
+    """copy.copy would share a stream's state with the original (updating the copy corrupted the original: wrong
+    summaries, IndexError, a quantized buffer's RuntimeError): refused, naming copy.deepcopy. A deep copy or a pickled
+    stream taken mid-stream and the original, fed the same blocks apart, end as a stream never copied, every method."""
+    import copy
+    import pickle
+
+    layer = _layer(n=160)
+    half = tuple(t[:, :, :96] for t in layer)
+    rest = tuple(t[:, :, 96:] for t in layer)
+    for method in [m for m in kvc.methods() if m not in ("kvzip", "kvzap")]:  # KVzip has no stream; KVzap reads hidden states
+        window = 0 if method in ("compactor", "hybrid") else 8  # they score a token with its own query
+        reference, original = (kvc.stream(method, budget=24, sink=2, window=window, seed=1, kv_bits=kv_bits) for _ in range(2))
+        list(_feed(reference, layer, [16]))
+        list(_feed(original, half, [16]))
+        with pytest.raises(TypeError, match=r"cannot be shallow-copied.*copy\.deepcopy\(stream\)"):
+            copy.copy(original)
+        copies = [copy.deepcopy(original), pickle.loads(pickle.dumps(original))]
+        for stream in (*copies, original):
+            list(_feed(stream, rest, [16]))
+            got, want = stream.summary(), reference.summary()
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.log_weights, want.log_weights), (method, kv_bits)
+
+
 @pytest.mark.parametrize("method", ["keydiff", "snapkv", "h2o", "compactor", "pyramidkv"])
 @pytest.mark.parametrize("slack", [0.0, 0.25, 1.0])
 def test_peak_slots_stay_within_the_budget(method, slack):

@@ -119,6 +119,12 @@ class Stream(Saveable):
                 if part.keys.shape[:2] != (b, h) or part.keys.shape[-1] != d or part.values.shape[-1] != dv or part.keys.dtype != dtype:
                     raise ValueError(f"tokens {list(part.keys.shape)} {part.keys.dtype} do not match the stream's layout {self.layout}")
 
+    def __copy__(self):
+        """Refused: a shallow copy would share the method's state and buffers with the original, so updating one would
+        corrupt the other."""
+        raise TypeError("a Stream cannot be shallow-copied: the copy would share its state with the original, which updating "
+                        "either would corrupt; copy.deepcopy(stream) copies it (and a stream pickles whole)")
+
     def update(self, keys, values, queries=None, pre_rope_keys=None, positions=None, layer_idx=None, num_layers=None,
                hidden_states=None) -> None:
         """Take the next block: keys/values [B,H_kv,b,d]; queries [B,H_q,q,d] (dropped unless the method's requirements name
