@@ -262,7 +262,7 @@ def _packed_parts(queries, packed: RaggedSummary, scale) -> list[tuple[torch.Ten
     group, dv = hq // hkv, packed.values.shape[-1]
     folded = queries.reshape(b, hkv, group * nq, d)
     out = queries.new_zeros(b, hkv, group * nq, dv)
-    lse = torch.full((b, hkv, group * nq), float("-inf"), device=queries.device)
+    lse = torch.full((b, hkv, group * nq), float("-inf"), device=queries.device, dtype=torch.float32)
     keys, values = packed.keys.to(queries.dtype), packed.values.to(queries.dtype)
     start = 0
     for run, count in enumerate(packed.run_counts):  # the counts, read from the device once per packing
@@ -382,7 +382,7 @@ def received_attention(
     exact_pos = exact_positions if exact_keys is not None else positions[:, :, :0]
     exact_keys = exact_keys.float() if exact_keys is not None else keys.new_zeros(b, hkv, 0, d)
     q = (queries.float() * (scale * LOG2_E)).reshape(b, hkv, group, nq, d).transpose(2, 3)  # [B, H_kv, n_q, group, d], base-2 logits
-    mass = torch.zeros(b, hkv, n_keys, device=keys.device)
+    mass = torch.zeros(b, hkv, n_keys, device=keys.device, dtype=torch.float32)
     # |logit| <= ‖q‖·max‖k‖ (Cauchy-Schwarz): below 80, and below 88 - ln(keys) so that a row's total of
     # n exponentials cannot overflow either (natural units; the logits here are base 2, `LOG2_E`), every
     # exp stays finite and non-zero in float32 and the per-query max shift can be skipped.

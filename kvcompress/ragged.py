@@ -153,7 +153,8 @@ class RaggedSummary(PackedByHead, Saveable):
         values) up to the longest head; keys and values in the stored dtype, positions int64."""
         if self._uniform and self.log_weights is None:
             return KVSummary.exact(*self.padded())
-        weights = self.log_weights if self.log_weights is not None else torch.zeros(self.keys.shape[0], device=self.keys.device)
+        weights = (self.log_weights if self.log_weights is not None
+                   else torch.zeros(self.keys.shape[0], device=self.keys.device, dtype=torch.float32))
         keys, values, positions, log_weights = self.padded(weights, fill=float("-inf"))
         return KVSummary(keys, values, log_weights, positions)
 

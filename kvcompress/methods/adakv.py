@@ -405,7 +405,7 @@ def kept_summary(tokens: Tokens, kept: torch.Tensor) -> KVSummary:
     keys = take_slots(tokens.keys, index).masked_fill(empty.unsqueeze(-1), 0)
     values = take_slots(tokens.values, index).masked_fill(empty.unsqueeze(-1), 0)
     positions = take_slots(tokens.positions, index).masked_fill(empty, -1)
-    log_weights = torch.zeros(real.shape, device=keys.device).masked_fill(empty, float("-inf"))
+    log_weights = torch.zeros(real.shape, device=keys.device, dtype=torch.float32).masked_fill(empty, float("-inf"))
     return KVSummary(keys, values, log_weights, positions)
 
 

@@ -82,7 +82,7 @@ def fit_log_weights(kept: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     the middle's mass for the reference queries: min over w >= `MIN_WEIGHT` of Σ_i (Σ_j kept_ij w_j - 1)^2 (module
     docstring). Each head is solved over its own slots (heads keep very different numbers of them)."""
     gram, target = _gram(kept, real), kept.sum(2)
-    log_weights = torch.full(real.shape, float("-inf"), device=kept.device)
+    log_weights = torch.full(real.shape, float("-inf"), device=kept.device, dtype=torch.float32)
     for row, heads in enumerate(real.sum(-1).tolist()):
         for head, count in enumerate(heads):
             weights = _mass_weights(gram[row, head, :count, :count], target[row, head, :count])

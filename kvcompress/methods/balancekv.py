@@ -114,12 +114,12 @@ def balancing_walk(kernel: torch.Tensor, valid: torch.Tensor, log_gain: torch.Te
     device = kernel.device
     half = valid.sum(-1, keepdim=True) // 2
     gain = torch.exp(log_gain.clamp_max(_MAX_LOG_GAIN)).to(device)
-    uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device).to(device)
+    uniform = torch.rand(n_blocks, b, generator=generator, device=generator.device, dtype=torch.float32).to(device)
     scaled = kernel.mul_(gain[:, None, None]).triu_(1)  # the walk's drift in units of the push x_j·gain, on later tokens
     # +1 ⇔ push < ½ − u: gap = push − (½ − u) starts at u − ½ and takes the walk's steps
     gap = uniform - 0.5
-    step_minus = torch.empty(n_blocks, 1, device=device)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
-    one = torch.ones((), device=device)
+    step_minus = torch.empty(n_blocks, 1, device=device, dtype=gap.dtype)  # +1 where the walk says −1 (gap >= 0: ties go to −1)
+    one = torch.ones((), device=device, dtype=gap.dtype)
     for column, row in zip(gap.unsqueeze(-1).unbind(1), scaled.unbind(1)):
         torch.copysign(one, column, out=step_minus)
         gap.addcmul_(step_minus, row, value=-1.0)
@@ -189,7 +189,7 @@ def halve_mask(
     for start in range(0, k.shape[0], chunk):
         stop = min(start + chunk, k.shape[0])
         blocks_valid = valid[start:stop]
-        kern = torch.empty(stop - start, block_size, block_size, device=keys.device)
+        kern = torch.empty(stop - start, block_size, block_size, device=keys.device, dtype=torch.float32)
         log_r2 = []
         for low in range(start, stop, piece):
             high = min(low + piece, stop)
@@ -197,7 +197,7 @@ def halve_mask(
             part_valid = valid[low:high] if padded else None
             log_r2.append(balance_kernel(k[low:high], part_values, part_valid, scale, kernel, kern[low - start : high - start])[1])
         signs, failed = balancing_walk(kern, blocks_valid, method.log_gain(torch.cat(log_r2)), generator)
-        side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device) < 0.5, 1.0, -1.0)
+        side = torch.where(torch.rand(signs.shape[0], generator=generator, device=generator.device, dtype=torch.float32) < 0.5, 1.0, -1.0)
         keep.append(signs == side.to(signs.device)[:, None])
         fails += failed
     return torch.cat(keep).reshape(rows, -1)[:, :m], fails
@@ -355,12 +355,12 @@ class BalanceKV(Method):
         if exact_count:
             outlier = _outlier_mask(keys, exact_count)
             outliers, index = first_true(outlier, exact_count, exact=True), first_true(~outlier, n - exact_count, exact=True)
-        log_weights = torch.zeros(index.shape, device=keys.device)
+        log_weights = torch.zeros(index.shape, device=keys.device, dtype=torch.float32)
         self.fail_events = 0
         index, log_weights = self._rounds(keys, values, index, log_weights, budget - exact_count, tokens.scale, generator)
         if exact_count:
             index = torch.cat([outliers, index], -1)
-            log_weights = torch.cat([torch.zeros(outliers.shape, device=keys.device), log_weights], -1)
+            log_weights = torch.cat([torch.zeros(outliers.shape, device=keys.device, dtype=torch.float32), log_weights], -1)
         order = take_slots(positions, index).argsort(-1)
         index = index.gather(-1, order)
         keys, values, positions = _gather(index, keys, values, positions)
@@ -380,7 +380,7 @@ class BalanceKV(Method):
                 index, log_weights = _merge_lightest(index, log_weights, generator)
                 continue
             # drawn in every round, so the generator's stream does not depend on which rounds select
-            draw = torch.rand(level.shape, generator=generator, device=generator.device)
+            draw = torch.rand(level.shape, generator=generator, device=generator.device, dtype=torch.float32)
             if 2 * pairs == current:  # every slot is halved (the first rounds): nothing to select
                 chosen, halved = None, index
             else:
@@ -410,7 +410,7 @@ def _merge_lightest(index: torch.Tensor, log_weights: torch.Tensor, generator: t
     w1 + w2 (unbiased). Returns (index, log_weights) [B,H,m-1]: the other slots in order, then the merged one."""
     lightest = log_weights.topk(2, dim=-1, largest=False).indices
     pair_weights = log_weights.gather(-1, lightest)
-    first = torch.rand(pair_weights.shape[:-1], generator=generator, device=generator.device).to(index.device)
+    first = torch.rand(pair_weights.shape[:-1], generator=generator, device=generator.device, dtype=torch.float32).to(index.device)
     keep_first = first < pair_weights.softmax(-1)[..., 0]
     kept = torch.where(keep_first, lightest[..., 0], lightest[..., 1]).unsqueeze(-1)
     rest = first_true(torch.ones_like(log_weights, dtype=torch.bool).scatter(-1, lightest, False), log_weights.shape[-1] - 2,
@@ -812,7 +812,7 @@ class BalanceKVStream(StreamState):
         first = ordered[starts.clamp_max(len(ordered) - 1)][heads]
         second = ordered[(starts + 1).clamp_max(len(ordered) - 1)][heads]
         merged_weight = torch.logaddexp(pool["log_weight"][first], pool["log_weight"][second])
-        draw = torch.rand(first.shape, generator=self.generator, device=self.generator.device).to(first.device)
+        draw = torch.rand(first.shape, generator=self.generator, device=self.generator.device, dtype=torch.float32).to(first.device)
         keep_first = draw < torch.exp(pool["log_weight"][first] - merged_weight)
         kept, dropped = torch.where(keep_first, first, second), torch.where(keep_first, second, first)
         pool["log_weight"][kept] = merged_weight

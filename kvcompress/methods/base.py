@@ -350,7 +350,7 @@ def keep_top(tokens: Tokens, scores: torch.Tensor, budget: int) -> KVSummary:
     """
     index = top_index(scores, budget)
     keys, values, positions = gather_slots(tokens.keys, tokens.values, tokens.positions, index)
-    return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
+    return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device, dtype=torch.float32), positions)
 
 
 @saved("blockwise_state", 2)
@@ -472,7 +472,8 @@ class BlockwiseState(StreamState):
         weighted = self.log_weights is not None or not bool((summary.log_weights == 0).all())
         index = positions_index(held.positions, summary.positions) if extra or weighted else None
         if weighted:
-            before = self.log_weights if self.log_weights is not None else torch.zeros(held.positions.shape, device=held.keys.device)
+            before = (self.log_weights if self.log_weights is not None
+                      else torch.zeros(held.positions.shape, device=held.keys.device, dtype=torch.float32))
             kept = take_slots(before, index) + summary.log_weights
             self.log_weights = kept + (before.logsumexp(-1) - kept.logsumexp(-1)).unsqueeze(-1)
         return (summary.keys, summary.values, summary.positions, *(take_slots(t, index) for t in extra))

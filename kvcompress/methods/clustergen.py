@@ -160,7 +160,7 @@ class ClusterGen(Method):
         chosen = farthest_point(keys, budget)[0] if self.block_size is None or self.block_size >= n else block_centres(keys, budget, self.block_size)
         index = chosen.reshape(b, h, budget).sort(dim=-1).values
         keys, values, positions = gather_slots(tokens.keys, tokens.values, tokens.positions, index)
-        log_weights = torch.zeros(positions.shape, device=keys.device)
+        log_weights = torch.zeros(positions.shape, device=keys.device, dtype=torch.float32)
         if self.weighted:
             # keys shifted by the first (as `farthest_point`): cdist's |x|^2 + |c|^2 - 2<x, c> cancels on a large common part
             origin = tokens.keys[:, :, :1].float()
@@ -278,7 +278,7 @@ class ClusterGenState(StreamState):
         kept = cat_tokens(parts)
         order = kept.positions.argsort(dim=-1)
         keys, values, positions = gather_slots(kept.keys, kept.values, kept.positions, order)
-        return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device), positions)
+        return KVSummary(keys, values, torch.zeros(positions.shape, device=keys.device, dtype=torch.float32), positions)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         parts = [*self.runs, *self.waiting, *([self.pending] if self.pending is not None else [])]

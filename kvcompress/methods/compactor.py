@@ -32,7 +32,7 @@ _SIGMA2_FLOOR = 1e-6
 
 def hadamard(n: int, device=None) -> torch.Tensor:
     """[n, n] Walsh-Hadamard matrix with +-1 entries (Sylvester construction; n a power of two)."""
-    h = torch.ones(1, 1, device=device)
+    h = torch.ones(1, 1, device=device, dtype=torch.float32)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h
@@ -49,7 +49,7 @@ def sketch_matrix(d: int, p: int, kind: str, generator: torch.Generator) -> torc
     """
     device = generator.device
     if kind == "gaussian":
-        return torch.randn(d, p, generator=generator, device=device) / math.sqrt(p)
+        return torch.randn(d, p, generator=generator, device=device, dtype=torch.float32) / math.sqrt(p)
     size = 1 << max(0, (d - 1).bit_length())
     signs = torch.randint(0, 2, (size,), generator=generator, device=device).float() * 2 - 1
     cols = torch.randperm(size, generator=generator, device=device)[: min(p, size)]
@@ -118,9 +118,9 @@ def _chunk_column_sums(q: torch.Tensor, k: torch.Tensor, chunk_size: int, shifte
     queries of one KV group are the rows of one matrix (a copy of group x chunk_size rows), so each KV head's
     logits are one product."""
     b, hkv, group, n, d = q.shape
-    out = torch.empty(b, hkv, n, device=q.device)
-    workspace = torch.empty(b * hkv * group * chunk_size * chunk_size, device=q.device)
-    total_range = torch.zeros((), device=q.device)
+    out = torch.empty(b, hkv, n, device=q.device, dtype=q.dtype)
+    workspace = torch.empty(b * hkv * group * chunk_size * chunk_size, device=q.device, dtype=q.dtype)
+    total_range = torch.zeros((), device=q.device, dtype=q.dtype)
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         rows = group * (hi - lo)

@@ -146,7 +146,7 @@ def kernel_halving(
             torch.where(columns[i] > limits[i], minus, plus, out=sign_columns[i])
             target, row = rows[i]
             target.addcmul_(sign_columns[i], row)
-    complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device) < 0.5
+    complement = torch.rand(kdiffs[0].shape[:-2], generator=generator, device=generator.device, dtype=torch.float32) < 0.5
     swap = (signs < 0) ^ complement.to(k.device).unsqueeze(-1)
     return 2 * torch.arange(pairs, device=k.device) + swap.long()
 
@@ -346,13 +346,14 @@ class ExpressState(StreamState):
         lo = (edges[:-1] - seen_before).clamp_min(0)
         hi = (edges[1:] - seen_before).clamp_max(t)
         b, h = part.keys.shape[:2]
-        u = torch.rand(b, h, strata, generator=self.generator, device=self.generator.device).to(part.keys.device)
+        u = torch.rand(b, h, strata, generator=self.generator, device=self.generator.device, dtype=torch.float32).to(part.keys.device)
         index = (lo + (u * (hi - lo)).long()).clamp_max(hi - 1)
         keys, values, positions = gather_slots(part.keys, part.values, part.positions, index)
-        picked = KVSummary(keys, values, torch.zeros(index.shape, device=keys.device), positions)
+        picked = KVSummary(keys, values, torch.zeros(index.shape, device=keys.device, dtype=torch.float32), positions)
         if self.candidate is not None:
             first = min(total, s)
-            keep_old = torch.rand(b, h, 1, generator=self.generator, device=self.generator.device) < seen_before / first
+            draw = torch.rand(b, h, 1, generator=self.generator, device=self.generator.device, dtype=torch.float32)
+            keep_old = draw < seen_before / first
             picked = _replace_first(picked, self.candidate, keep_old.to(part.keys.device))
         last_count = total - (strata - 1) * s
         picked.log_weights[:] = math.log(s)
@@ -368,7 +369,7 @@ class ExpressState(StreamState):
         """One token inside the stratum in progress (decode): it replaces the candidate with probability 1/count."""
         self.count += 1
         if self.candidate is not None:
-            u = torch.rand(token.positions.shape, generator=self.generator, device=self.generator.device)
+            u = torch.rand(token.positions.shape, generator=self.generator, device=self.generator.device, dtype=torch.float32)
             new = (u.to(token.positions.device) * self.count < 1.0)
             c, mask = self.candidate, new.unsqueeze(-1)
             token = KVSummary(torch.where(mask, token.keys, c.keys), torch.where(mask, token.values, c.values),
@@ -466,7 +467,7 @@ def fill_budget(
 def _merge_weighted_pair(pair: KVSummary, generator: torch.Generator) -> KVSummary:
     """One slot per head out of two: slot j kept with probability w_j / (w_0 + w_1), weighing w_0 + w_1."""
     w = pair.log_weights.exp()
-    u = torch.rand(w.shape[:2], generator=generator, device=generator.device).to(w.device)
+    u = torch.rand(w.shape[:2], generator=generator, device=generator.device, dtype=torch.float32).to(w.device)
     index = (u * w.sum(-1) >= w[..., 0]).long().unsqueeze(-1)
     keys, values, positions = gather_slots(pair.keys, pair.values, pair.positions, index)
     return KVSummary(keys, values, w.sum(-1, keepdim=True).log(), positions)

@@ -488,14 +488,14 @@ def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tens
         z = (x - mean) / std
         heads, n, d = y.shape[1], x.shape[0], x.shape[1]
         if kind == "linear":
-            gram = z.T @ z + ridge * n * torch.eye(d)
+            gram = z.T @ z + ridge * n * torch.eye(d, dtype=torch.float32)
             w = torch.cholesky_solve((z.T @ (y - y.mean(0))), torch.linalg.cholesky(gram))  # [d, H]
             w1, b1 = w.T.unsqueeze(-1), y.mean(0).unsqueeze(-1)  # [H, d, 1], [H, 1]
             w2 = b2 = None
         else:
-            w1 = (torch.randn(heads, d, mlp_width, generator=generator) / math.sqrt(d)).requires_grad_()
-            b1 = torch.zeros(heads, mlp_width, requires_grad=True)
-            w2 = (torch.randn(heads, mlp_width, 1, generator=generator) / math.sqrt(mlp_width)).requires_grad_()
+            w1 = (torch.randn(heads, d, mlp_width, generator=generator, dtype=torch.float32) / math.sqrt(d)).requires_grad_()
+            b1 = torch.zeros(heads, mlp_width, requires_grad=True, dtype=torch.float32)
+            w2 = (torch.randn(heads, mlp_width, 1, generator=generator, dtype=torch.float32) / math.sqrt(mlp_width)).requires_grad_()
             b2 = y.mean(0).unsqueeze(-1).clone().requires_grad_()
             optimiser = torch.optim.Adam([w1, b1, w2, b2], lr=1e-2)
             with torch.enable_grad():
@@ -521,7 +521,7 @@ def fit_surrogate(hidden: dict[int, torch.Tensor], targets: dict[int, torch.Tens
 def score_quantiles(surrogate: Surrogate, hidden: dict[int, torch.Tensor], levels: int = SCORE_QUANTILES) -> torch.Tensor:
     """[L, levels] float32: per layer of `surrogate`, the quantiles at 0, 1/(levels-1), ..., 1 of its predicted scores of
     hidden {layer: [N, d_model]} (every KV head's and token's, pooled): `Surrogate.score_quantiles`."""
-    grid = torch.linspace(0.0, 1.0, levels)
+    grid = torch.linspace(0.0, 1.0, levels, dtype=torch.float32)
     rows = []
     for layer in surrogate.layers:
         x = hidden[layer].float()

@@ -126,8 +126,8 @@ def reconstruction_scores(
     q = (queries.float() * scale).reshape(b, hkv, group, nq, d)
     lse_extra = extra_lse.float().reshape(b, hkv, group, nq) if extra_lse is not None else None
     step = max(1, min(chunk_size, max_logits // max(1, b * hq * width)))
-    best = torch.full((b, hkv, n), float("-inf"), device=keys.device)
-    middle_lse = torch.empty(b, hkv, group, nq, device=keys.device) if chunk_local is None else None
+    best = torch.full((b, hkv, n), float("-inf"), device=keys.device, dtype=torch.float32)
+    middle_lse = torch.empty(b, hkv, group, nq, device=keys.device, dtype=torch.float32) if chunk_local is None else None
     for first in range(0, nq, chunk_size):
         scored, block_keys, block_exact = slice(None), k, ex
         if chunk_local is not None:

@@ -25,10 +25,10 @@ class Random(ScoreMethod):
     weighted: bool = False
 
     def score(self, tokens: Tokens, generator: torch.Generator) -> torch.Tensor:
-        return torch.rand(tokens.positions.shape, generator=generator, device=generator.device).to(tokens.keys.device)
+        return torch.rand(tokens.positions.shape, generator=generator, device=generator.device, dtype=torch.float32).to(tokens.keys.device)
 
     def compress(self, tokens: Tokens, budget: int, generator: torch.Generator) -> KVSummary:
         summary = super().compress(tokens, budget, generator)
         if self.weighted and tokens.length > budget:
-            summary.log_weights.fill_(float(torch.tensor(tokens.length / budget).log()))
+            summary.log_weights.fill_(float(torch.tensor(tokens.length / budget, dtype=torch.float32).log()))
         return summary

@@ -171,7 +171,8 @@ class SubGenState(StreamState):
         if weights is None:
             return rows, which, (u * n).long().clamp_max(n - 1)
         cdf = weights.double().cumsum(-1)
-        cdf = torch.where(block[:, None] > 0, cdf / block.clamp_min(1e-300)[:, None], torch.arange(1, weights.shape[1] + 1, device=device) / weights.shape[1])
+        uniform = torch.arange(1, weights.shape[1] + 1, device=device, dtype=torch.float32) / weights.shape[1]
+        cdf = torch.where(block[:, None] > 0, cdf / block.clamp_min(1e-300)[:, None], uniform)
         draws = torch.zeros(g, slots, dtype=cdf.dtype, device=device)
         draws[rows, which] = u.to(cdf.dtype)  # each row's draws searched in its own cdf: no [K, n] copy of cdf rows
         pick = torch.searchsorted(cdf, draws, right=True)[rows, which]

@@ -74,19 +74,19 @@ def synthetic_layer(shape: Shape, n: int, generator: torch.Generator, dtype=torc
     for the exact pass.
     """
     h, hq, d = shape.kv_heads, shape.query_heads, shape.head_dim
-    channel_scale = torch.ones(d)
+    channel_scale = torch.ones(d, dtype=torch.float32)
     channel_scale[: max(1, d // 16)] = 4.0
 
     def draw(heads: int) -> torch.Tensor:
-        offset = torch.randn(1, heads, 1, d, generator=generator)
-        return (torch.randn(1, heads, n, d, generator=generator) * channel_scale + offset).to(device, dtype)
+        offset = torch.randn(1, heads, 1, d, generator=generator, dtype=torch.float32)
+        return (torch.randn(1, heads, n, d, generator=generator, dtype=torch.float32) * channel_scale + offset).to(device, dtype)
 
     return {
         "keys": draw(h),
-        "values": torch.randn(1, h, n, shape.head_dim, generator=generator).to(device, dtype),
+        "values": torch.randn(1, h, n, shape.head_dim, generator=generator, dtype=torch.float32).to(device, dtype),
         "queries": draw(hq),
         "pre_rope_keys": draw(h),
-        "hidden_states": torch.randn(1, 1, n, hq * d, generator=generator).to(device, dtype).expand(1, h, n, hq * d),
+        "hidden_states": torch.randn(1, 1, n, hq * d, generator=generator, dtype=torch.float32).to(device, dtype).expand(1, h, n, hq * d),
     }
 
 
