@@ -1183,12 +1183,18 @@ class CompressedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`Cache.update`; the first layer's block first checks that every compressed layer can take its batch rows
-        (`CompressedLayer.check_rows`), so a refused block changes no layer, sliding-window layers included."""
+        (`CompressedLayer.check_rows`), so a refused block changes no layer, sliding-window layers included. Keys and
+        values of two dtypes (under `torch.autocast` the model's rotary embedding returns the keys in its own dtype
+        beside values in the autocast dtype) are both stored in the wider one, as one summary holds one dtype."""
+        if key_states.dtype != value_states.dtype:
+            common = torch.promote_types(key_states.dtype, value_states.dtype)
+            key_states, value_states = key_states.to(common), value_states.to(common)
         if layer_idx == 0:
             for layer in self.layers:
                 if isinstance(layer, CompressedLayer):
                     layer.check_rows(key_states.shape[0])
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        with torch.autocast(key_states.device.type, enabled=False):  # the stored dtype's arithmetic, as the attention's
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def stream_links(self) -> dict:
         """What a live stream holds of the cache itself (its method and the methods it is made of, its rotary inverse),

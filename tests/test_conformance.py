@@ -6,7 +6,7 @@ import torch
 
 import kvcompress as kvc
 from registered import SHARED
-from kvcompress.integration import generate_ids
+from kvcompress.integration import compress_context_ids, generate_ids
 from kvcompress.integration.reconstruction import reconstruct_context
 from kvcompress.methods.registry import build_method
 from kvcompress.options import DEFAULT, CompressionOptions
@@ -223,3 +223,23 @@ def test_ratio_zero_logits_equal_the_full_cache_fed_the_same_blocks(method, mode
                 reference = model(ids, past_key_values=full, use_cache=True).logits
             torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
     assert cache.slots_per_layer() == [ctx.shape[1] + 4] * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_under_autocast_every_method_runs_and_ratio_zero_is_the_full_cache(mode, tiny_default_scorer):
+    """Under `torch.autocast("cpu", dtype=torch.bfloat16)` the model's rotary embedding returns float32 keys beside
+    bfloat16 values; a compressed cache stores both in float32 and compresses and attends in it (every compressed cache
+    refused the mixed pair, and SnapKV's scores overflowed bfloat16): at ratio 0 every method answers as the full cache
+    under the same autocast, and compressed it runs, storing float32."""
+    model = tiny("llama")
+    ctx, question = _prompt()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _reference(model, ctx, question, NEW)
+        for method in [m for m in METHODS if not _refused(m, mode)] + [DEFAULT]:
+            res = generate_ids(model, ctx, question, method=method, mode=mode, compression_ratio=0.0, max_new_tokens=NEW,
+                               stop_at_eos=False, **blocks(mode))
+            assert res.token_ids == ref, method
+            cache = compress_context_ids(model, ctx, method=method, mode=mode, budget=16, sink=2,
+                                         window=0 if method in ("compactor", "hybrid") and mode != "prefill" else 4, **blocks(mode))
+            stored = [layer.stored() for layer in cache.layers]
+            assert all(s.keys.dtype == s.values.dtype == torch.float32 and s.keys.shape[2] < ctx.shape[1] for s in stored), method

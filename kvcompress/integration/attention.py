@@ -42,6 +42,15 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
     layer.mask_padding(attention_mask, kwargs.get("position_ids"))
+    # in the stored dtype, under torch.autocast too: the attention over a summary and the compression of the block
+    # compute in their own precision (their logits, masses and scores assume it), not in the autocast dtype
+    with torch.autocast(query.device.type, enabled=False):
+        return _over_compressed_layer(layer, query.to(layer.view.keys.dtype), scaling, softcap, hidden_states)
+
+
+def _over_compressed_layer(layer, query, scaling, softcap, hidden_states):
+    """`kvcompress_attention` over a CompressedLayer's view (its packed slots, then the view), then the layer absorbs
+    the block."""
     view, packed = layer.view, layer.view_packed
     progress = layer.cache.progress
     mass = None
