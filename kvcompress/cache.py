@@ -62,7 +62,7 @@ from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
-from .model_support import select_compressed_attention
+from .model_support import autocast_off, select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
 from .quantization import QuantizedRaggedSummary, QuantizedSummary
@@ -1193,7 +1193,7 @@ class CompressedCache(Cache):
             for layer in self.layers:
                 if isinstance(layer, CompressedLayer):
                     layer.check_rows(key_states.shape[0])
-        with torch.autocast(key_states.device.type, enabled=False):  # the stored dtype's arithmetic, as the attention's
+        with autocast_off(key_states.device):  # the stored dtype's arithmetic, as the attention's
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def stream_links(self) -> dict:

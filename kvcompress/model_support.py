@@ -7,6 +7,7 @@ by `kvcompress.integration` when that is imported (`kvc.CompressedCache` imports
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import weakref
@@ -162,6 +163,14 @@ def select_compressed_attention(model, keep: bool = False) -> None:
     if keep:
         with _MODEL_LOCKS_GUARD:
             _KEPT_SWITCHES[model] = _KEPT_SWITCHES.get(model, 0) + 1
+
+
+def autocast_off(device: torch.device):
+    """A context with torch.autocast off on `device`'s type (a compressed layer stores, attends and compresses in its
+    stored dtype), or one that does nothing where autocast is not on (a check, not a context switch, per call)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def has_padding(real: torch.Tensor | None) -> bool:

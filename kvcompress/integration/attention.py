@@ -15,7 +15,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention import LOG2_E, exp_rows_, log2_range, packed_then_causal_attention, totals_in_range, weighted_attention
 from ..checks import as_count
-from ..model_support import ATTENTION_NAME, attention_modules, has_padding, keep_hidden_states, release_hidden_states, take_hidden_states
+from ..model_support import ATTENTION_NAME, attention_modules, autocast_off, has_padding, keep_hidden_states, release_hidden_states
+from ..model_support import take_hidden_states
 from ..ragged import concat_parts
 
 
@@ -44,7 +45,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     layer.mask_padding(attention_mask, kwargs.get("position_ids"))
     # in the stored dtype, under torch.autocast too: the attention over a summary and the compression of the block
     # compute in their own precision (their logits, masses and scores assume it), not in the autocast dtype
-    with torch.autocast(query.device.type, enabled=False):
+    with autocast_off(query.device):
         return _over_compressed_layer(layer, query.to(layer.view.keys.dtype), scaling, softcap, hidden_states)
 
 
