@@ -62,7 +62,7 @@ from .methods.base import compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
-from .model_support import autocast_off, select_compressed_attention
+from .model_support import autocast_off, common_dtype, select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
 from .quantization import QuantizedRaggedSummary, QuantizedSummary
@@ -349,15 +349,17 @@ class CompressedLayer(CacheLayerMixin):
         `_keep` stores one; else its summary in storage of its own, later tokens joining the exact tail (as a loaded
         chunked cache stores it). The stream goes with its workspace (the latest block's queries), which nothing reads
         once the prompt has ended."""
-        if isinstance(self.front, Stream):
-            start = time.perf_counter()
+        if not isinstance(self.front, Stream):
+            return
+        start = time.perf_counter()
+        with autocast_off(self.device):  # in the stored dtype, as the stream's updates (`CompressedCache.update`)
             self.front.compact()
             summary, head, recent = self.front.summary(), self.front.head, self.front.recent
             if self.kv_bits is not None or (self.cache.plan.ragged and has_empty_slots(summary)):
                 self._keep(summary, (head.length if head is not None else 0, recent.length if recent is not None else 0))
             else:
                 self.front = summary.clone()
-            self.stats.compress_seconds += time.perf_counter() - start
+        self.stats.compress_seconds += time.perf_counter() - start
 
     def _keep(self, summary: KVSummary, exact: tuple[int, int]) -> None:
         """Store the compressed context `summary` (the front), whose first and last slots, `exact` = (sink, window) of
@@ -469,11 +471,14 @@ class CompressedLayer(CacheLayerMixin):
         if self.cache.options.mode != "prefill" or self.front is not None or self.seen:
             raise ValueError("load_prefill needs a fresh layer of a prefill-mode cache")
         self.cache.options.compressor.check_context(reconstructed=extra_lse is not None)
+        keys, values = common_dtype(keys, values)
         self.lazy_initialization(keys, values)
         positions = torch.arange(keys.shape[2], device=keys.device)
         start = time.perf_counter()
         self.seen, self.rows = keys.shape[2], keys.shape[0]
-        self._compress_context(keys, values, positions, queries, scale, attention_mass, extra_lse)
+        with autocast_off(keys.device):  # as `CompressedCache.update`
+            queries = None if queries is None else queries.to(keys.dtype)
+            self._compress_context(keys, values, positions, queries, scale, attention_mass, extra_lse)
         self.stats.compress_seconds += time.perf_counter() - start
         self.stats.peak_bytes = max(self.stats.peak_bytes, 2 * keys.numel() * keys.element_size())
 
@@ -1186,9 +1191,7 @@ class CompressedCache(Cache):
         (`CompressedLayer.check_rows`), so a refused block changes no layer, sliding-window layers included. Keys and
         values of two dtypes (under `torch.autocast` the model's rotary embedding returns the keys in its own dtype
         beside values in the autocast dtype) are both stored in the wider one, as one summary holds one dtype."""
-        if key_states.dtype != value_states.dtype:
-            common = torch.promote_types(key_states.dtype, value_states.dtype)
-            key_states, value_states = key_states.to(common), value_states.to(common)
+        key_states, value_states = common_dtype(key_states, value_states)
         if layer_idx == 0:
             for layer in self.layers:
                 if isinstance(layer, CompressedLayer):

@@ -173,6 +173,15 @@ def autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
+def common_dtype(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values in one dtype, the wider of theirs: under torch.autocast a model's rotary embedding returns keys in
+    the model's dtype beside values in the autocast dtype, and a summary holds one."""
+    if keys.dtype == values.dtype:
+        return keys, values
+    common = torch.promote_types(keys.dtype, values.dtype)
+    return keys.to(common), values.to(common)
+
+
 def has_padding(real: torch.Tensor | None) -> bool:
     """Whether a block's real-token flags [B, n] (None: no mask) mark any padding (one device sync)."""
     return real is not None and not bool(real.all())

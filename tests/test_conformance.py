@@ -243,3 +243,10 @@ def test_under_autocast_every_method_runs_and_ratio_zero_is_the_full_cache(mode,
                                          window=0 if method in ("compactor", "hybrid") and mode != "prefill" else 4, **blocks(mode))
             stored = [layer.stored() for layer in cache.layers]
             assert all(s.keys.dtype == s.values.dtype == torch.float32 and s.keys.shape[2] < ctx.shape[1] for s in stored), method
+        if mode == "prefill":  # a recorded prefill compressed afterwards (`CompressedCache.from_prefill`, as the eval's and the
+            # approximate prefill's), handed autocast's pair: float32 queries and keys, bfloat16 values
+            g = torch.Generator().manual_seed(0)
+            captured = {layer: (torch.randn(1, 4, 150, 16, generator=g), torch.randn(1, 2, 150, 16, generator=g),
+                                torch.randn(1, 2, 150, 16, generator=g).bfloat16()) for layer in range(2)}
+            cache = kvc.CompressedCache.from_prefill(model, CompressionOptions(method="snapkv", compression_ratio=0.5), captured)
+            assert all(layer.stored().values.dtype == torch.float32 for layer in cache.layers)
