@@ -490,6 +490,11 @@ def environment(threads: int, device: str = "cpu") -> dict:
 # ---------------------------------------------------------------- step 1: dump (kvcompress's venv)
 
 
+class SettingRefused(ValueError):
+    """A step's setting refused before it runs: the script prints its message as one line (other errors keep their
+    traceback)."""
+
+
 def dump(args) -> None:
 
     from transformers import AutoTokenizer
@@ -502,13 +507,16 @@ def dump(args) -> None:
     from kvcompress.integration.model import DEFAULT_PROMPT_LAYOUT, cache_dir
 
     args.prompt_layout = args.prompt_layout or DEFAULT_PROMPT_LAYOUT
-    check_task_settings([args.task], haystack=args.haystack, kind=args.kind)  # the settings before the model loads
-    takes = task_parameters(args.task)
-    settings = {name: value or default for name, value, default in (("haystack", args.haystack, "prose"), ("kind", args.kind, "numbers"))
-                if name in takes}
-    task_params = parse_params(args.task_param, flag="--task-param")
-    config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
-                         prompt_layout=args.prompt_layout, task_params={args.task: task_params} if task_params else {}, **settings)
+    try:  # the settings before the model loads
+        check_task_settings([args.task], haystack=args.haystack, kind=args.kind)
+        takes = task_parameters(args.task)
+        settings = {name: value or default for name, value, default in (("haystack", args.haystack, "prose"), ("kind", args.kind, "numbers"))
+                    if name in takes}
+        task_params = parse_params(args.task_param, flag="--task-param")
+        config = SweepConfig(methods=[], tasks=[args.task], lengths=[args.length], samples=args.samples, seed=args.seed,
+                             prompt_layout=args.prompt_layout, task_params={args.task: task_params} if task_params else {}, **settings)
+    except ValueError as error:
+        raise SettingRefused(str(error)) from None
     checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir()
     if not (checkpoint / "model.safetensors").is_file():
         import kvcompress as kvc
@@ -1317,5 +1325,5 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as error:  # a setting refused: its one line, not a traceback (tests call main() and see the error)
+    except SettingRefused as error:  # its one line, not a traceback (tests call main() and see the error)
         raise SystemExit(f"{Path(sys.argv[0]).name} {sys.argv[1]}: error: {error}") from None

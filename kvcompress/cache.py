@@ -174,6 +174,15 @@ class CompressedLayer(CacheLayerMixin):
         return front + ([self.tail] if self.tail is not None else [])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take the next block (`Cache.update`): keys and values of two dtypes (under `torch.autocast` the model's rotary
+        embedding returns the keys in the model's dtype beside values in the autocast dtype) are stored in one that holds
+        both (`common_dtype`), and the block is stored and compressed with autocast off, in that dtype, as the attention
+        over the layer runs (`integration.attention`)."""
+        key_states, value_states = common_dtype(key_states, value_states)
+        with autocast_off(key_states.device):
+            return self._update(key_states, value_states)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         dims = self.cache.saved_dims
         if key_states.shape[1] != dims["H"] or key_states.shape[3] != dims["D"]:
             raise ValueError(f"layer {self.layer_idx} got keys {describe(key_states)}: this cache was built for a model of "
@@ -1188,16 +1197,12 @@ class CompressedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`Cache.update`; the first layer's block first checks that every compressed layer can take its batch rows
-        (`CompressedLayer.check_rows`), so a refused block changes no layer, sliding-window layers included. Keys and
-        values of two dtypes (under `torch.autocast` the model's rotary embedding returns the keys in its own dtype
-        beside values in the autocast dtype) are both stored in the wider one, as one summary holds one dtype."""
-        key_states, value_states = common_dtype(key_states, value_states)
+        (`CompressedLayer.check_rows`), so a refused block changes no layer, sliding-window layers included."""
         if layer_idx == 0:
             for layer in self.layers:
                 if isinstance(layer, CompressedLayer):
                     layer.check_rows(key_states.shape[0])
-        with autocast_off(key_states.device):  # the stored dtype's arithmetic, as the attention's
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def stream_links(self) -> dict:
         """What a live stream holds of the cache itself (its method and the methods it is made of, its rotary inverse),

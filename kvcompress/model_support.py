@@ -168,14 +168,17 @@ def select_compressed_attention(model, keep: bool = False) -> None:
 def autocast_off(device: torch.device):
     """A context with torch.autocast off on `device`'s type (a compressed layer stores, attends and compresses in its
     stored dtype), or one that does nothing where autocast is not on (a check, not a context switch, per call)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device type autocast does not know (meta): nothing to turn off
+        enabled = False
+    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def common_dtype(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values in one dtype, the wider of theirs: under torch.autocast a model's rotary embedding returns keys in
-    the model's dtype beside values in the autocast dtype, and a summary holds one."""
+    """Keys and values in one dtype that holds both (`torch.promote_types`: the wider of the two, float32 for bfloat16
+    beside float16): under torch.autocast a model's rotary embedding returns keys in the model's dtype beside values in
+    the autocast dtype, and a summary holds one."""
     if keys.dtype == values.dtype:
         return keys, values
     common = torch.promote_types(keys.dtype, values.dtype)

@@ -1,6 +1,7 @@
 """The library's results do not depend on torch's default dtype: every method, one-shot and streamed, gives the same
 keys, values, log-weights and positions, bit for bit and in the inputs' dtype (log-weights float32), for float32
-inputs under `torch.set_default_dtype(torch.float64)` or bfloat16 as under the float32 default (tensors the library
+inputs under `torch.set_default_dtype(torch.float64)` or bfloat16, and for bfloat16 inputs under float64, as under the
+float32 default (tensors the library
 makes itself, buffers, scores and seeded draws alike, carry their own dtype)."""
 
 import pytest
@@ -20,21 +21,23 @@ def _layer(n=160, h=2, hq=4, d=16, d_model=None, seed=0):
     return (*layer, draw(1, 1, n, d_model).expand(1, h, n, d_model) if d_model else None)
 
 
-def _inputs(method):
+def _inputs(method, dtype):
     if method == "kvzap":
         # the shipped scorer reads SmolLM2-135M's hidden states: 3 KV heads, d_model 576 (still small tensors)
-        return _layer(h=3, hq=9, d_model=576), (0, 30)
-    return _layer(), ((0, 2) if method == "pyramidkv" else None)
+        layer, position = _layer(h=3, hq=9, d_model=576), (0, 30)
+    else:
+        layer, position = _layer(), ((0, 2) if method == "pyramidkv" else None)
+    return tuple(None if t is None else t.to(dtype) for t in layer), position
 
 
-def _compressed(method):
-    (keys, values, queries, pre, hidden), layer = _inputs(method)
+def _compressed(method, dtype):
+    (keys, values, queries, pre, hidden), layer = _inputs(method, dtype)
     extra = {"layer": layer} if layer else {}
     return kvc.compress(method, keys, values, queries, pre_rope_keys=pre, hidden_states=hidden, **ARGS, **extra)
 
 
-def _streamed(method):
-    (keys, values, queries, pre, hidden), layer = _inputs(method)
+def _streamed(method, dtype):
+    (keys, values, queries, pre, hidden), layer = _inputs(method, dtype)
     window = 0 if method in ("compactor", "hybrid") else ARGS["window"]  # they score a token with its own query
     st = kvc.stream(method, ARGS["budget"], ARGS["sink"], window, seed=SEED)
     layer_idx, num_layers = layer if layer else (0, 1)
@@ -45,11 +48,11 @@ def _streamed(method):
     return st.summary()
 
 
-def _under_default(dtype, run, method):
+def _under_default(default, run, method, dtype):
     before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(default)
     try:
-        return run(method)
+        return run(method, dtype)
     finally:
         torch.set_default_dtype(before)
 
@@ -58,16 +61,17 @@ RUNS = [("compress", _compressed, m) for m in kvc.methods()] + \
        [("stream", _streamed, m) for m in kvc.methods() if m != "kvzip"]  # KVzip has no stream
 
 
-@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("default, dtype", [(torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.float64, torch.bfloat16)], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("mode, run, method", RUNS, ids=[f"{mode}-{m}" for mode, _, m in RUNS])
-def test_results_do_not_depend_on_the_default_dtype(default, mode, run, method):
-    """The same inputs and seed give the same summary, bit for bit, under `default` as under float32."""
+def test_results_do_not_depend_on_the_default_dtype(default, dtype, mode, run, method):
+    """The same inputs (of `dtype`) and seed give the same summary, bit for bit, under `default` as under float32."""
     assert torch.get_default_dtype() == torch.float32
-    reference = run(method)
-    got = _under_default(default, run, method)
+    reference = run(method, dtype)
+    got = _under_default(default, run, method, dtype)
     assert torch.get_default_dtype() == torch.float32
     for name in ("keys", "values", "log_weights", "positions"):
         want, have = getattr(reference, name), getattr(got, name)
         assert have.dtype == want.dtype, f"{name}: {have.dtype} under {default}, {want.dtype} under float32"
         assert torch.equal(have, want), f"{name} differ under {default}"
-    assert (got.keys.dtype, got.values.dtype, got.log_weights.dtype) == (torch.float32,) * 3
+    assert (got.keys.dtype, got.values.dtype, got.log_weights.dtype) == (dtype, dtype, torch.float32)

@@ -27,7 +27,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     by original positions, padding slots ignored; packed slots read where they are stored,
     `packed_then_causal_attention`), then the layer absorbs the new block with these queries.
     Without one (a sliding-window layer, no cache, a plain forward) the keys are exact and
-    the model's mask applies (`exact_attention_with_mask`). In the model's dtype; without soft-capping,
+    the model's mask applies (`exact_attention_with_mask`). In the stored dtype (autocast off); without soft-capping,
     causality comes from the view's layout (`causal_tail`: the block is its last slots), so a decode
     step reads no tensor value on the host. No attention weights are returned: output_attentions=True warns
     (`NO_ATTENTION_WEIGHTS`). A model in training mode with attention dropout gets it on the exact path; over a
