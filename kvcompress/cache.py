@@ -177,8 +177,14 @@ class CompressedLayer(CacheLayerMixin):
         """Take the next block (`Cache.update`): keys and values of two dtypes (under `torch.autocast` the model's rotary
         embedding returns the keys in the model's dtype beside values in the autocast dtype) are stored in one that holds
         both (`common_dtype`), and the block is stored and compressed with autocast off, in that dtype, as the attention
-        over the layer runs (`integration.attention`)."""
+        over the layer runs (`integration.attention`). A block in another dtype than the layer stores (the model cast
+        since) is refused."""
         key_states, value_states = common_dtype(key_states, value_states)
+        if self.is_initialized and key_states.dtype != self.dtype:
+            raise ValueError(f"layer {self.layer_idx} stores {self.dtype} and got a block in {key_states.dtype}: the model's dtype "
+                             "changed since this cache was built (model.to(...), model.half()); compress the context again with "
+                             "the model as it is, or save the cache and load it for the model (kvc.load_cache casts a prefill- "
+                             "or chunked-mode file to the model's dtype)")
         with autocast_off(key_states.device):
             return self._update(key_states, value_states)
 

@@ -809,6 +809,42 @@ def test_options_of_every_method_and_the_default_pickle_and_copy(mode):
     assert torch.equal(scorer.surrogate.first_weight, copied.surrogate.first_weight)
 
 
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_the_answer_is_greedy_whatever_the_models_generation_config_holds(mode):
+    """`generate_ids` decodes greedily, as documented: settings a user put on `model.generation_config` (a repetition
+    penalty, suppressed and banned tokens, beams, a cache implementation, which made transformers refuse the compressed
+    cache) change nothing, and the model's generation config is the same object with the same values afterwards."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model = _tiny_model()
+    ctx, question = _ids(120), _ids(6, seed=2)
+    settings = dict(method="snapkv", mode=mode, budget=24, sink=2, window=8, **blocks(mode))
+    plain = generate_ids(model, ctx, question, max_new_tokens=10, stop_at_eos=False, **settings).token_ids
+    config = model.generation_config
+    config.repetition_penalty, config.no_repeat_ngram_size, config.num_beams = 5.0, 1, 3
+    config.suppress_tokens, config.bad_words_ids, config.cache_implementation = plain[1:3], [[plain[3]]], "static"
+    before = config.to_dict()
+    assert generate_ids(model, ctx, question, max_new_tokens=10, stop_at_eos=False, **settings).token_ids == plain
+    (from_cache,) = answer_from_cache_ids(model, compress_context_ids(model, ctx, **settings), [question], max_new_tokens=10,
+                                         stop_at_eos=False)
+    assert from_cache.token_ids == plain
+    assert model.generation_config is config and config.to_dict() == before
+
+
+def test_a_cache_refuses_a_block_after_the_model_changed_dtype():
+    """A cache built on the float32 model, asked on after `model.to(torch.bfloat16)`: refused, naming what changed and
+    what to do (concat's error about its parts, or a raw matmul error, came before)."""
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model = _tiny_model()
+    for mode in ("prefill", "chunked", "decode"):
+        cache = compress_context_ids(model.float(), _ids(120), method="keydiff", mode=mode, budget=24, sink=2, window=8, **blocks(mode))
+        model.to(torch.bfloat16)
+        with pytest.raises(ValueError, match=r"layer 0 stores torch.float32 and got a block in torch.bfloat16: the model's dtype "
+                                             r"changed .* compress the context again"):
+            answer_from_cache_ids(model, cache, [_ids(6, seed=2)], max_new_tokens=4, stop_at_eos=False)
+
+
 def test_output_attentions_under_the_kvcompress_attention_warns_that_no_weights_come_back():
     model = _tiny_model()
     kvc.CompressedCache(model, "snapkv", compression_ratio=0.5)  # switches the model to the 'kvcompress' attention

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from .. import cache_file
 from ..cache import CompressedCache, CompressedLayer, load_cache
@@ -114,15 +114,18 @@ def _eos_ids(model) -> set[int]:
 
 
 @contextmanager
-def _eos_ignored(model, ignore: bool):
-    """While active, model.generate does not stop at the end-of-sequence token (when `ignore`)."""
-    eos = model.generation_config.eos_token_id
-    if ignore:
-        model.generation_config.eos_token_id = None
+def _greedy_generation_config(model, stop_at_eos: bool):
+    """While active, `model.generation_config` holds only the model's token ids (BOS, padding, and end-of-sequence when
+    `stop_at_eos`), so model.generate decodes greedily, as `generate_ids` promises, whatever else the user set on the
+    model's generation config: a repetition penalty, suppressed or banned tokens, beams or a cache implementation would
+    change the answer or refuse the compressed cache."""
+    original = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=original.bos_token_id, pad_token_id=original.pad_token_id,
+                                               eos_token_id=original.eos_token_id if stop_at_eos else None)
     try:
         yield
     finally:
-        model.generation_config.eos_token_id = eos
+        model.generation_config = original
 
 
 @dataclass
@@ -315,7 +318,7 @@ class _Session:
             pad = self.model.generation_config.pad_token_id
             pad = pad if pad is not None else (min(eos | stops) if eos | stops else 0)
             criteria = StoppingCriteriaList([_StopAfterOtherTokens(stops, first)] if stops else [])
-            with _eos_ignored(self.model, not stop_at_eos):
+            with _greedy_generation_config(self.model, stop_at_eos):
                 out = self.model.generate(
                     ids, attention_mask=mask, past_key_values=self.cache, max_new_tokens=max_new_tokens - 1,
                     do_sample=False, pad_token_id=pad, stopping_criteria=criteria, **({"eos_token_id": sorted(eos)} if eos else {}),
