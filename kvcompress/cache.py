@@ -1038,6 +1038,14 @@ class CompressedCache(Cache):
             cache.layers[layer].load_prefill(queries, keys.to(device), values.to(device), scales[layer], mass)
         return cache
 
+    def check_same_model(self, model) -> None:
+        """CacheFileError when `model` is another model object than the one this cache was built (or loaded) for and
+        their fingerprints differ (`cache_file.check_model`, as a saved file is checked: shapes, RoPE, sampled weights);
+        a second instance of the same weights passes. Nothing to compare once that model is gone."""
+        built = self._model()
+        if built is not None and built is not model:
+            cache_file.check_model(cache_file.model_fingerprint(built), model, None)
+
     def save(self, path: str | os.PathLike, token_ids: torch.Tensor | None = None) -> None:
         """Write the compressed context to `path`, one safetensors file (docs/design.md, "Saved caches").
 

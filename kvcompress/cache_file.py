@@ -163,18 +163,20 @@ def _plain(value):
 
 
 def check_model(saved: dict, model, path) -> None:
-    """CacheFileError unless `model` matches the fingerprint `saved` (`model_fingerprint`), naming what differs."""
+    """CacheFileError unless `model` matches the fingerprint `saved` (`model_fingerprint`), naming what differs. path:
+    the file's, or None for a cache held in memory (`CompressedCache.check_model`), which the messages then name."""
     current = model_fingerprint(model)
-    where = f"{str(path)!r}"
+    where = f"{str(path)!r}" if path is not None else "the compressed context"
+    made, advice = ("was saved from", "load it with") if path is not None else ("was built with", "answer from it with")
     if not isinstance(saved, dict) or not isinstance(saved.get("weights"), dict):
         raise CacheFileError(f"{where} has no model fingerprint (its 'model' field is not one): remake the file with kvcompress compress")
     for key in sorted(set(saved) | set(current)):
         if key != "weights" and saved.get(key) != current.get(key):
-            raise CacheFileError(f"{where} was saved from another model: its {key} is {saved.get(key)!r}, this model's is {current.get(key)!r}; "
-                                 "load it with the model it was made with")
+            raise CacheFileError(f"{where} {made} another model: its {key} is {saved.get(key)!r}, this model's is {current.get(key)!r}; "
+                                 f"{advice} the model it was made with")
     weights, ours = saved["weights"], current["weights"]
     if weights.get("parameters") != ours["parameters"]:
-        raise CacheFileError(f"{where} was saved from another model: its parameters (names and shapes) differ from this model's")
+        raise CacheFileError(f"{where} {made} another model: its parameters (names and shapes) differ from this model's")
     names = [name for name, _ in model.named_parameters()]
     samples = weights.get("samples")
     shapes_agree = isinstance(samples, list) and len(samples) == len(ours["samples"]) and all(
@@ -185,8 +187,8 @@ def check_model(saved: dict, model, path) -> None:
     for name, theirs, mine in zip(names, samples, ours["samples"]):
         a, b = torch.tensor(theirs, dtype=torch.float32), torch.tensor(mine, dtype=torch.float32)
         if not torch.allclose(a, b, rtol=WEIGHT_RTOL, atol=1e-6):
-            raise CacheFileError(f"{where} was saved from another model: its weights differ from this model's ({name}: {theirs} in the file, "
-                                 f"{mine} here); load it with the checkpoint it was made with")
+            raise CacheFileError(f"{where} {made} another model: its weights differ from this model's ({name}: {theirs} there, "
+                                 f"{mine} here); {advice} the checkpoint it was made with")
 
 
 def state_tensors(prefix: str, spec: Spec, state, links: dict) -> tuple[dict[str, torch.Tensor], dict]:

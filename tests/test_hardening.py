@@ -845,6 +845,32 @@ def test_a_cache_refuses_a_block_after_the_model_changed_dtype():
             answer_from_cache_ids(model, cache, [_ids(6, seed=2)], max_new_tokens=4, stop_at_eos=False)
 
 
+def test_a_cache_in_memory_answers_on_another_instance_of_its_model_and_refuses_other_weights():
+    """A compressed context answers on a second instance of the same weights (even once its own model is gone), and is
+    refused, as a saved file of it is, on a model whose weights differ (it answered there before, from keys and values
+    that model never computed)."""
+    import gc
+
+    from kvcompress.cache_file import CacheFileError
+    from kvcompress.integration import answer_from_cache_ids, compress_context_ids
+
+    model, twin, other = _tiny_model(), _tiny_model(), _tiny_model()
+    with torch.no_grad():
+        next(other.parameters()).mul_(0.5)
+    question = [_ids(6, seed=2)]
+    cache = compress_context_ids(model, _ids(120), method="keydiff", budget=24, sink=2, window=8)
+    (own,) = answer_from_cache_ids(model, cache, question, max_new_tokens=4, stop_at_eos=False)
+    (on_twin,) = answer_from_cache_ids(twin, cache, question, max_new_tokens=4, stop_at_eos=False)
+    assert on_twin.token_ids == own.token_ids
+    with pytest.raises(CacheFileError, match=r"the compressed context was built with another model: its weights differ .*"
+                                             r"answer from it with the checkpoint it was made with"):
+        answer_from_cache_ids(other, cache, question, max_new_tokens=4, stop_at_eos=False)
+    del model
+    gc.collect()
+    (alone,) = answer_from_cache_ids(twin, cache, question, max_new_tokens=4, stop_at_eos=False)
+    assert alone.token_ids == own.token_ids
+
+
 def test_output_attentions_under_the_kvcompress_attention_warns_that_no_weights_come_back():
     model = _tiny_model()
     kvc.CompressedCache(model, "snapkv", compression_ratio=0.5)  # switches the model to the 'kvcompress' attention

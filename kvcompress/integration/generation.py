@@ -579,6 +579,7 @@ def answer_from_cache_ids(
         raise ValueError(f"cache holds {cache.get_seq_length()} tokens, but its token_ids are the context's {cache.token_ids.shape[1]}: "
                          "later tokens were added since it was compressed (e.g. by model.generate); roll it back with "
                          "cache.restore(cache.snapshot() taken right after compressing), or compress the context again")
+    cache.check_same_model(model)
     _check_answer_settings(max_new_tokens, stop_at_eos)
     _check_questions(model, cache.token_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
