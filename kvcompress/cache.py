@@ -181,10 +181,11 @@ class CompressedLayer(CacheLayerMixin):
         since) is refused."""
         key_states, value_states = common_dtype(key_states, value_states)
         if self.is_initialized and key_states.dtype != self.dtype:
-            raise ValueError(f"layer {self.layer_idx} stores {self.dtype} and got a block in {key_states.dtype}: the model's dtype "
-                             "changed since this cache was built (model.to(...), model.half()); compress the context again with "
-                             "the model as it is, or save the cache and load it for the model (kvc.load_cache casts a prefill- "
-                             "or chunked-mode file to the model's dtype)")
+            raise ValueError(f"layer {self.layer_idx} stores {self.dtype} and got a block in {key_states.dtype}: the model runs in "
+                             "another dtype than the cache was built in (cast since with model.to(...) or model.half(), or another "
+                             "instance loaded in another dtype); compress the context again with the model as it is, or save the "
+                             "cache and load it for the model (kvc.load_cache casts a prefill- or chunked-mode file to the model's "
+                             "dtype)")
         with autocast_off(key_states.device):
             return self._update(key_states, value_states)
 
