@@ -164,7 +164,7 @@ def _plain(value):
 
 def check_model(saved: dict, model, path) -> None:
     """CacheFileError unless `model` matches the fingerprint `saved` (`model_fingerprint`), naming what differs. path:
-    the file's, or None for a cache held in memory (`CompressedCache.check_model`), which the messages then name."""
+    the file's, or None for a cache held in memory (`CompressedCache.check_same_model`), which the messages then name."""
     current = model_fingerprint(model)
     where = f"{str(path)!r}" if path is not None else "the compressed context"
     made, advice = ("was saved from", "load it with") if path is not None else ("was built with", "answer from it with")

@@ -390,10 +390,9 @@ class ResultsFile:
         f.seek(self._offset)
         tail = f.read()
         whole = tail.rfind(b"\n") + 1
-        records = _parse_lines(tail[:whole], self.path, self._lines + 1)
-        self._done.update(r["key"] for r in records)
-        for r in records:  # the file's own prompts, taken as they are (a record's first digest stands for its sample)
-            if r.get(PROMPT_DIGEST) is not None:
+        for r in _parse_lines(tail[:whole], self.path, self._lines + 1):
+            self._done.add(r["key"])
+            if r.get(PROMPT_DIGEST) is not None:  # the file's own prompts, as they are (a sample's first digest stands)
                 self._prompts.setdefault(sample_of(r), r[PROMPT_DIGEST])
         self._offset += whole
         self._lines += tail.count(b"\n")

@@ -46,7 +46,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     # in the stored dtype, under torch.autocast too: the attention over a summary and the compression of the block
     # compute in their own precision (their logits, masses and scores assume it), not in the autocast dtype
     with autocast_off(query.device):
-        return _over_compressed_layer(layer, query.to(layer.view.keys.dtype), scaling, softcap, hidden_states)
+        return _over_compressed_layer(layer, query.to(layer.dtype), scaling, softcap, hidden_states)
 
 
 def _over_compressed_layer(layer, query, scaling, softcap, hidden_states):
