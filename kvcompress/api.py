@@ -1,4 +1,5 @@
-"""The public tensor-level functions: methods(), compress(), stream() (docs/design.md, "Public API")."""
+"""The public tensor-level functions: compress() and stream() (docs/design.md, "Public API"); `kvc.methods()`, the list
+of registered methods, is the callable package `kvcompress.methods`."""
 
 from __future__ import annotations
 
@@ -10,16 +11,11 @@ from . import methods as _methods  # noqa: F401  (registers every method)
 from .checks import as_seed, check_kv, check_layer, check_positions, check_scale
 from .methods.base import compress_tokens, make_generator
 from .methods.budget import check_sink_window, resolve_budget
-from .methods.registry import build_method, default_sink_window, method_names
+from .methods.registry import build_method, default_sink_window
 from .methods.stream import Stream
 from .methods.tokens import Tokens, query_positions_for
 from .quantization import check_storage
 from .summary import KVSummary
-
-
-def methods() -> list[str]:
-    """Names of all registered methods."""
-    return method_names()
 
 
 SIZE_SETTINGS = ("budget", "compression_ratio", "sink", "window")

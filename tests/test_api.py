@@ -27,6 +27,20 @@ def test_registry_lists_the_baselines():
     assert set(BASELINES) <= set(kvc.methods())
 
 
+@pytest.mark.parametrize("first", ["import kvcompress.methods.budget as budget", "import kvcompress as kvc; kvc.methods()"])
+def test_kvc_methods_lists_the_methods_and_the_method_modules_import_by_their_full_names(first):
+    """`kvc.methods` is the package `kvcompress.methods`, callable: `import kvcompress.methods.budget as budget` and
+    `kvcompress.methods.budget.stream_split` work whichever is imported first (a fresh process each: the order matters)."""
+    import subprocess
+    import sys
+
+    script = (f"{first}\nimport kvcompress as kvc\nimport kvcompress.methods.budget\nimport kvcompress.methods.budget as budget\n"
+              "assert kvc.methods is kvcompress.methods and kvc.methods.budget is budget and kvcompress.methods.budget.stream_split\n"
+              "from kvcompress import methods\nassert methods() == kvc.methods() and 'snapkv' in methods() and 'methods' in kvc.__all__\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("name", BASELINES)
 def test_budget_sink_window_exact(name):
     k, v, q = _kv()
