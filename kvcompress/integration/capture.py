@@ -1,7 +1,7 @@
 """Real attention inputs: post-RoPE q/k/v of chosen layers, recorded during one full forward pass.
 
-`capture_qkv` runs one full-attention forward pass (no cache) with a temporary attention function
-registered through transformers' `AttentionInterface` (with SDPA's masks, sliding windows included): it records
+`capture_qkv` runs one full-attention forward pass (no cache) with a recording attention function
+(`model_support.recording_attention`, under SDPA's masks, sliding windows included): it records
 what each chosen layer's attention receives (queries [1, H_q, n, d] and keys/values [1, H_kv, n, d], after RoPE,
 before grouped-query repetition) and then computes the layer's exact attention (SDPA, or soft-capped scores where
 SDPA takes none: Gemma 2), or, with
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-_CAPTURE_IMPL = "kvcompress_capture"
+from ..model_support import recording_attention
 
 
 def capture_qkv(
@@ -35,9 +35,6 @@ def capture_qkv(
     mass [1,H_kv,n] float32, to each full-causal layer's tuple (not to sliding-window or
     soft-capped layers, whose attention is not one causal pass: they stay exact, as without it).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     from .attention import causal_attention_with_mass, exact_attention_with_mask
     from .model import logits_to_keep
 
@@ -67,7 +64,7 @@ def capture_qkv(
         """The layer's exact attention under the model's mask: SDPA, or soft-capped scores (Gemma 2), which SDPA refuses."""
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
 
-    def recording_attention(module, query, key, value, attention_mask, **kwargs):
+    def recording(module, query, key, value, attention_mask, **kwargs):
         if module.layer_idx not in wanted:
             return plain_attention(module, query, key, value, attention_mask, **kwargs)
         recorded = [query, key, value]
@@ -81,13 +78,6 @@ def capture_qkv(
         captured[module.layer_idx] = tuple(t.detach().to("cpu", copy=True) for t in recorded)
         return result
 
-    AttentionInterface.register(_CAPTURE_IMPL, recording_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(_CAPTURE_IMPL, sdpa_mask)  # SDPA's masks, sliding windows included
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_CAPTURE_IMPL)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(model.device), use_cache=False, **logits_to_keep(model, last=False))
-    finally:
-        model.set_attn_implementation(previous)
+    with recording_attention(model, recording), torch.no_grad():
+        model(input_ids=ids.to(model.device), use_cache=False, **logits_to_keep(model, last=False))
     return dict(sorted(captured.items()))

@@ -41,13 +41,12 @@ import torch
 from ..cache import CompressedCache, CompressedLayer
 from ..checks import describe
 from ..methods.kvzip import own_lse
-from ..model_support import attention_scales
+from ..model_support import attention_scales, recording_attention
 from ..options import CompressionOptions
 from .attention import exact_attention_with_mask, refuse_dropout
 from .model import build_prompt, logits_to_keep
 
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
-_RECONSTRUCT_IMPL = "kvcompress_reconstruct"
 
 
 @dataclass
@@ -178,8 +177,7 @@ def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tens
     (`repeat_prompt_ids`); None: the one the cache's options name (`CompressionOptions.repeat_prompt_ids`; without
     one, the context is repeated with no instruction).
     """
-    from transformers import AttentionInterface, DynamicCache
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers import DynamicCache
 
     prefix_ids = options_prompt_ids(cache.options) if prefix_ids is None else prefix_ids
     _check(cache, context_ids, prefix_ids)
@@ -189,11 +187,7 @@ def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tens
     prefix = (prefix_ids if prefix_ids is not None else context_ids[:, :0]).to(device).expand(rows, -1)
     chunk_size = cache.options.compressor.reconstruction_chunk_size
     recorder = _Recorder(_compressed_layers(cache))
-    AttentionInterface.register(_RECONSTRUCT_IMPL, recorder)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(_RECONSTRUCT_IMPL, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_RECONSTRUCT_IMPL)
-    try:
+    with recording_attention(model, recorder):
         start = time.perf_counter()
         past = DynamicCache()
         logits = model(context_ids, past_key_values=past, use_cache=True, **logits_to_keep(model, last=True)).logits[:, -1]
@@ -207,8 +201,6 @@ def record_reconstruction(model, cache: CompressedCache, context_ids: torch.Tens
             past.crop(n - past.get_seq_length())  # back to the context (a negative count removes the chunk's tokens)
             forwards += 1
         seconds = time.perf_counter() - start
-    finally:
-        model.set_attn_implementation(previous)
     del past
     return RecordedReconstruction(
         context_ids=context_ids, prefix_ids=prefix, chunk_size=chunk_size, logits=logits,
