@@ -34,6 +34,7 @@ import torch
 
 from .checks import as_count, as_real
 from .methods.registry import build_method, method_names
+from .saved_state import write_whole
 
 
 # |k| below this is treated as 0 (f(r) = r); the error of doing so is below 1e-7.
@@ -114,7 +115,7 @@ class Calibration:
         return optimal_retention(self.kappa(nll_context), quality)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+        write_whole(path, json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":

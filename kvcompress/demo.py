@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from .commands.common import add_threads_arg, method_list, seed, set_threads
+from .commands.common import add_threads_arg, method_list, seed, set_threads, user_path_text
 
 DEFAULT_METHODS = ("snapkv", "keydiff", "kvzip")
 
@@ -101,8 +101,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--depth", type=float, default=0.5,
                    help="needle depth in [0, 1], at the nearest sentence boundary (default 0.5; the depth reached is printed)")
     p.add_argument("--seed", type=seed, default=0, help="which sample of the prose needle task (default 0)")
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--scorer", default=None, help="KVzap scorer file for a --model none ships for (written by `kvcompress train-scorer`): "
+    p.add_argument("--model", type=user_path_text, default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--scorer", type=user_path_text, default=None, help="KVzap scorer file for a --model none ships for (written by `kvcompress train-scorer`): "
                    "the default's scores come from it")
     add_threads_arg(p)
     p.set_defaults(func=_run)

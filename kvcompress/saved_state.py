@@ -20,13 +20,13 @@ import json
 import math
 import os
 import secrets
+import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
 
 
 def canonical_safetensors(data: bytes) -> bytes:
@@ -42,21 +42,27 @@ def canonical_safetensors(data: bytes) -> bytes:
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + data[8 + size:]
 
-def write_whole(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` whole or not at all (a cache file, a scorer file): into a new file beside it, then renamed
-    over it, so that a failed write (a full disk, an interrupt) leaves what was there before. Its folder must exist. A
-    symbolic link is written through (its target is the file written); a path that is not a regular file (a device, a
-    pipe) is refused, as renaming over it would replace it."""
+
+def write_whole(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write `data` (text as UTF-8) to `path` whole or not at all (a cache, scorer or calibration file, a table): into a
+    new file beside it, then renamed over it, so that a failed write (a full disk, an interrupt) leaves what was there
+    before. Its folder must exist. A file written over keeps its permissions (a private one stays private). A symbolic
+    link is written through (its target is the file written); a path that is not a regular file (a device, a pipe) is
+    refused, as renaming over it would replace it."""
     path = Path(os.path.realpath(path))
     if path.exists() and not path.is_file() and not path.is_dir():
         raise ValueError(f"cannot write {str(path)!r}: it is not a regular file (a device, a pipe or a socket); name a file")
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} does not exist")
+        what = "is not a folder" if path.parent.exists() else "does not exist"
+        raise FileNotFoundError(f"cannot write {str(path)!r}: its folder {str(path.parent)!r} {what}")
+    mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else None
     partial = path.parent / f".{path.name}-{secrets.token_hex(8)}"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as any file the user writes
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        if mode is not None:
+            os.chmod(partial, mode)
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -412,3 +412,52 @@ def test_ctrl_c_ends_a_command_with_one_line_and_how_to_go_on(monkeypatch, tmp_p
     assert main(["eval", "--methods", "knorm", "--tasks", "niah_single", "--out", str(tmp_path)]) == 130
     err = capsys.readouterr().err
     assert err == "kvcompress eval: interrupted; run the same command again to go on: the cells already recorded in --out are kept\n"
+
+
+def test_damaged_results_and_an_unwritable_one_are_refused_naming_the_file_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """A results folder's config.json that is empty or not an object ("Expecting value: line 1 column 1", or a traceback
+    "'list' object has no attribute 'get'"), a bench CSV cut short (a traceback from --report-only) or holding no rows,
+    and an eval --out whose earlier records cannot be written (found by the first write, after the model loaded): one
+    line each, naming the file, before any model loads. `--out=~/x` (no shell expands that `~`) is the home folder's x,
+    not a folder named "~"."""
+    import os
+
+    from kvcompress.commands import common
+    from kvcompress.eval.tables import write_csv
+    from kvcompress.integration import model as model_module
+
+    monkeypatch.setattr(model_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    sweep = ["eval", "--tasks", "niah_single", "--methods", "knorm", "--samples", "1", "--lengths", "256"]
+
+    def refused(argv) -> str:
+        assert main([str(a) for a in argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        return err[0]
+
+    for name, text, what in (("empty", "", "Expecting value"), ("list", "[1]", "got a list")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        line = refused([*sweep, "--out", tmp_path / name])
+        assert f"{str(tmp_path / name / 'config.json')!r} is not the JSON of a run's settings" in line and what in line, line
+    rows = [{"method": "knorm", "n": 64, "seconds": 0.5}, {"method": "snapkv", "n": 64, "seconds": 0.25}]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cut = tmp_path / "home" / "cut" / "overhead.csv"
+    write_csv(cut, rows)
+    whole = cut.read_text()
+    cut.write_text(whole[: whole.index("snapkv") + 9])
+    assert refused(["bench", "--report-only", "--out=~/cut"]).endswith(
+        f"--out: {str(cut)!r} line 3 has 2 cells where its header has 3 (a file cut short or edited?)")
+    assert not (tmp_path / "~").exists()
+    cut.write_text(whole.splitlines()[0] + "\n")
+    assert f"overhead.csv in {str(cut.parent)!r} holds no rows" in refused(["bench", "--report-only", "--out", cut.parent])
+    # an earlier run's records this user may not write (what os.access says for a user other than root)
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "results.jsonl").write_text("")
+    writable = os.access
+    monkeypatch.setattr(common.os, "access", lambda path, mode: Path(path).name != "results.jsonl" and writable(path, mode))
+    assert refused([*sweep, "--out", tmp_path / "done"]).endswith(
+        f"--out {str(tmp_path / 'done')!r}: results.jsonl cannot be written (an earlier run's files, which this one adds to or "
+        "rewrites); make them writable or write to a new folder")
+    monkeypatch.undo()

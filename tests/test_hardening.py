@@ -1124,3 +1124,42 @@ def test_every_text_file_the_package_and_its_scripts_open_names_its_encoding():
             if not any("b" in m for m in mode) and not any(k.arg == "encoding" for k in node.keywords):
                 missing.append(f"{path.relative_to(root)}:{node.lineno}")
     assert missing == []
+
+
+def test_a_file_written_over_keeps_its_permissions_and_a_failed_write_leaves_it_whole(tmp_path, monkeypatch):
+    """`saved_state.write_whole` gave the file it renamed over a private cache (mode 600) the umask's permissions (644:
+    the document's tokens readable by every user), and a calibration, its command's triples and the bench's tables
+    were written in place, so a full disk or an interrupt left a truncated file where a good one was."""
+    import os
+    import stat
+
+    from kvcompress import saved_state
+    from kvcompress.calibration import Calibration
+    from kvcompress.eval.tables import read_csv, write_csv
+
+    private = tmp_path / "private.kvc"
+    private.write_bytes(b"old")
+    private.chmod(0o600)
+    saved_state.write_whole(private, b"new")
+    assert private.read_bytes() == b"new" and stat.S_IMODE(private.stat().st_mode) == 0o600
+    under_a_file = tmp_path / "private.kvc" / "x.kvc"
+    with pytest.raises(FileNotFoundError, match=r"its folder '.*private.kvc' is not a folder$"):
+        saved_state.write_whole(under_a_file, b"data")
+
+    calibration, table = tmp_path / "calibration.json", tmp_path / "rows.csv"
+    Calibration(alpha=1.5, beta=0.25, method="snapkv").save(calibration)
+    write_csv(table, [{"method": "snapkv", "score": 0.5}])
+    before = calibration.read_bytes(), table.read_bytes()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saved_state.os, "replace", full_disk)
+    for write in (lambda: Calibration(alpha=2.0, beta=0.5, method="snapkv").save(calibration),
+                  lambda: write_csv(table, [{"method": "knorm", "score": 0.25}])):
+        with pytest.raises(OSError, match="No space left on device"):
+            write()
+    monkeypatch.undo()
+    assert (calibration.read_bytes(), table.read_bytes()) == before
+    assert Calibration.load(calibration).alpha == 1.5 and read_csv(table) == [{"method": "snapkv", "score": 0.5}]
+    assert sorted(os.listdir(tmp_path)) == ["calibration.json", "private.kvc", "rows.csv"]

@@ -204,3 +204,42 @@ def test_capture_reproduces_attention_default_model():
     _check_capture_reproduces_attention(model, ids, [0, 14, 29])
     cap = capture_qkv(model, tok, prose_text(1500), layers=[3], max_tokens=256)
     assert torch.equal(cap[3][1], capture_qkv(model, ids, layers=[3])[3][1])
+
+
+def test_a_first_load_replaces_an_incomplete_cache_shares_its_files_and_names_kvcompress_cache(tiny_checkpoint, tmp_path, monkeypatch):
+    """The model cache (`$KVCOMPRESS_CACHE`): a folder left incomplete (a file of it deleted) failed every later load
+    with "[Errno 39] Directory not empty"; the weights were written private (600) in a folder made readable to all
+    (a shared cache read "No such file or directory" for other users); `~` was a folder named "~" in the working
+    folder; a cache folder that cannot be written failed after the dequantising with a bare OS error; and a first load
+    killed part way left its temporary folder for good."""
+    import os
+    import stat
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # the dequantising stands in: a tiny checkpoint's model and tokenizer
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", staticmethod(lambda *a, **k: LlamaForCausalLM.from_pretrained(tiny_checkpoint)))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: PreTrainedTokenizerFast.from_pretrained(tiny_checkpoint)))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = tmp_path / "cache" / "model"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # incomplete: no weights, no tokenizer
+    abandoned = tmp_path / "cache" / ".model-killed"
+    abandoned.mkdir()
+    (abandoned / "model.safetensors").write_bytes(b"partial")
+    os.utime(abandoned, (0, 0))
+    fresh = tmp_path / "cache" / ".model-building"  # another process's first load, under way: left alone
+    fresh.mkdir()
+    kvmodel._build_cache(target, gguf)
+    assert kvmodel._is_checkpoint(target) and sorted(p.name for p in target.parent.iterdir()) == [".model-building", "model"]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}["model.safetensors"] == 0o644
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in target.iterdir()) and stat.S_IMODE(target.stat().st_mode) == 0o755
+
+    monkeypatch.setenv("KVCOMPRESS_CACHE", "~/kvc")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kvmodel.cache_dir() == tmp_path / "home" / "kvc" / "SmolLM2-135M-Instruct"
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match=r"^the model cache '.*a_file' \(KVCOMPRESS_CACHE, default ~/.cache/kvcompress\), where a GGUF "
+                                      r"model is kept dequantised, cannot be written: File exists; set KVCOMPRESS_CACHE to a folder you can write$"):
+        kvmodel._build_cache(tmp_path / "a_file" / "model", gguf)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..eval.tasks import TASKS
 from .common import (add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, float_list, list_of, method_name,
-                     load_cli_model, seed, set_threads)
+                     load_cli_model, seed, set_threads, user_path)
 from ..names import CALIBRATION_RETENTIONS
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "frequent_words")  # each honours a short --tokens
@@ -28,8 +27,8 @@ def add_cli(subparsers) -> None:
                    help=f"fractions of the context kept, in (0, 1] (default {','.join(map(str, CALIBRATION_RETENTIONS))})")
     p.add_argument("--asymmetry", type=float, default=4.0, help="weight of residuals where the curve over-promises, from 1 to 1e6 (default 4)")
     p.add_argument("--seed", type=seed, default=0, help="first task seed and the method's seed")
-    p.add_argument("--triples", type=Path, default=None, help="also write the measured triples to this JSON file")
-    p.add_argument("--out", type=Path, required=True, help="where to write the calibration JSON")
+    p.add_argument("--triples", type=user_path, default=None, help="also write the measured triples to this JSON file")
+    p.add_argument("--out", type=user_path, required=True, help="where to write the calibration JSON")
     add_model_arg(p)
     add_device_args(p)
     add_threads_arg(p)
@@ -65,7 +64,9 @@ def _run(args) -> int:
     calibration = calibrate(model, tokenizer, samples, args.method, args.retentions, args.asymmetry, seed=args.seed,
                             model_name=args.model or "SmolLM2-135M-Instruct", progress=progress)
     if args.triples is not None:
-        args.triples.write_text(json.dumps(triples, indent=1) + "\n", encoding="utf-8")
+        from ..saved_state import write_whole
+
+        write_whole(args.triples, json.dumps(triples, indent=1) + "\n")
     calibration.save(args.out)
     print(f"alpha={calibration.alpha:.4f} beta={calibration.beta:.4f} (loss {calibration.loss:.4g}, {calibration.n_triples} triples) -> {args.out}")
     return 0

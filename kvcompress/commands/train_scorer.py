@@ -7,7 +7,7 @@ import platform
 import time
 from pathlib import Path
 
-from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, load_cli_model, seed, set_threads
+from .common import add_device_args, add_model_arg, add_threads_arg, check_out_folder, count, load_cli_model, seed, set_threads, user_path
 
 
 MLP_WIDTH, MLP_STEPS = 16, 300  # --kind mlp's defaults
@@ -30,7 +30,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--mlp-width", type=count(1), default=None, help=f"hidden units per head of --kind mlp (default {MLP_WIDTH})")
     p.add_argument("--steps", type=count(1), default=None, help=f"Adam steps of --kind mlp (default {MLP_STEPS})")
     p.add_argument("--seed", type=seed, default=0, help="order of the training paragraphs and the MLP's initialisation")
-    p.add_argument("--out", type=Path, required=True, help="where to write the scorer (safetensors)")
+    p.add_argument("--out", type=user_path, required=True, help="where to write the scorer (safetensors)")
     add_model_arg(p)
     add_device_args(p)
     add_threads_arg(p)

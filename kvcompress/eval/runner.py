@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import as_seed, check_distinct
+from ..checks import as_seed, check_distinct, describe
 from ..integration.model import DEFAULT_PROMPT_LAYOUT, PromptLayout, check_context_length, prompt_layout, token_ids_sha256
 from ..methods.base import Method
 from ..methods.registry import build_method, method_names
@@ -539,7 +539,7 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
     library's), threads, shard and start time. Written whole or not at all
     (a shard beside it may be reading it)."""
     path = out / "config.json"
-    earlier = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    earlier = read_run_config(path)
     settings = asdict(config)
     if not any_streams(config.modes) and "chunk_size" in earlier.get("config", {}):
         settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
@@ -548,6 +548,21 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
                     "python": platform.python_version(), "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     write_whole(path, json.dumps(meta, indent=1).encode())
+
+
+def read_run_config(path: Path) -> dict:
+    """A results folder's `config.json` (what `write_meta` wrote), {} where there is none yet; a file that is not a JSON
+    object is refused, naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{str(path)!r} is not the JSON of a run's settings ({err}): restore it, or write to a new folder (--out)") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict):
+        raise ValueError(f"{str(path)!r} is not the JSON of a run's settings (an object with a 'config' object), got "
+                         f"{describe(meta)}: restore it, or write to a new folder (--out)")
+    return meta
 
 
 def check_results_folder(config: SweepConfig, out_dir: str | Path, model_name: str = "", dtype: str | None = None) -> None:
@@ -572,7 +587,7 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
     compared."""
     if not path.is_file():
         return
-    meta = json.loads(path.read_text(encoding="utf-8"))
+    meta = read_run_config(path)
     if meta.get("task") != task:
         kinds = {None: "task sweep", PERPLEXITY: "perplexity run (--tasks perplexity)"}
         raise ValueError(f"{path.parent} holds the records of a {kinds.get(meta.get('task'), meta.get('task'))}, which a "
@@ -597,7 +612,7 @@ def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
     """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another."""
     if not path.is_file():
         return
-    recorded = json.loads(path.read_text(encoding="utf-8")).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
+    recorded = read_run_config(path).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
     earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
     if earlier != layout:
         raise ValueError(f"prompt_layout {layout.name!r} differs from {earlier.name!r}, the layout of the results already in "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,13 +13,17 @@ def _columns(rows: Sequence[dict]) -> list[str]:
 
 
 def write_csv(path: str | Path, rows: Sequence[dict]) -> None:
-    """Rows as a CSV file (its directory created), columns in first-seen order over all rows."""
+    """Rows as a CSV file (its directory created), columns in first-seen order over all rows; written whole or not at
+    all (`saved_state.write_whole`: an interrupted rewrite leaves the rows that were there)."""
+    from ..saved_state import write_whole  # imports torch, which the command line's parsing must not
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=_columns(rows))
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=_columns(rows))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_whole(path, text.getvalue())
 
 
 def parse_scalar(text: str):
@@ -35,9 +40,18 @@ def parse_scalar(text: str):
 
 
 def read_csv(path: str | Path) -> list[dict]:
-    """Rows written by write_csv, numbers parsed back (int, float or bool: `parse_scalar`), empty cells dropped."""
+    """Rows written by write_csv, numbers parsed back (int, float or bool: `parse_scalar`), empty cells dropped. A row
+    with more or fewer cells than the header (a file cut short or edited) is refused, naming the file and line."""
     with open(path, newline="", encoding="utf-8") as f:
-        return [{k: parse_scalar(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+        lines = csv.reader(f)
+        header = next(lines, [])
+        rows = []
+        for row in lines:
+            if len(row) != len(header):
+                raise ValueError(f"{str(path)!r} line {lines.line_num} has {len(row)} cells where its header has {len(header)} "
+                                 "(a file cut short or edited?)")
+            rows.append({k: parse_scalar(v) for k, v in zip(header, row) if v != ""})
+    return rows
 
 
 def _cell(v) -> str:

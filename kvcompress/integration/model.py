@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,10 @@ _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def cache_dir(name: str = DEFAULT_NAME) -> Path:
-    """Where a dequantised GGUF model is kept: `$KVCOMPRESS_CACHE/<name>` (default `~/.cache/kvcompress`), by default
-    the default model's, `SmolLM2-135M-Instruct`."""
+    """Where a dequantised GGUF model is kept: `$KVCOMPRESS_CACHE/<name>` (default `~/.cache/kvcompress`; a leading `~`
+    is the home folder), by default the default model's, `SmolLM2-135M-Instruct`."""
     root = os.environ.get("KVCOMPRESS_CACHE") or os.path.join(Path.home(), ".cache", "kvcompress")
-    return Path(root) / name
+    return Path(root).expanduser() / name
 
 
 def default_gguf_path() -> Path:
@@ -78,14 +79,39 @@ def _is_checkpoint(path: Path) -> bool:
     return all((path / f).is_file() for f in _CHECKPOINT_FILES)
 
 
+# A temporary folder of a first load older than this was left by a process that died (a first load takes about a
+# minute): the next first load of the same model removes it.
+_ABANDONED_AFTER_S = 3600
+
+
+def _cache_root(target: Path) -> Path:
+    """The model cache's folder (`target`'s parent), created; an error naming KVCOMPRESS_CACHE if it cannot be, before
+    any dequantising."""
+    root = target.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(f"[Errno 13] Permission denied: {str(root)!r}")
+    except OSError as err:
+        raise OSError(f"the model cache {str(root)!r} (KVCOMPRESS_CACHE, default ~/.cache/kvcompress), where a GGUF model is kept "
+                      f"dequantised, cannot be written: {err.strerror or err}; set KVCOMPRESS_CACHE to a folder you can write") from None
+    return root
+
+
 def _build_cache(target: Path, gguf: Path) -> None:
     """Dequantise the GGUF file once and save it as a safetensors checkpoint at `target`.
 
     Written into a temporary sibling directory and renamed into place, so concurrent first loads
-    never see a half-written checkpoint (the loser of the race discards its copy).
+    never see a half-written checkpoint (the loser of the race discards its copy). An incomplete
+    folder at `target` (a file of it removed) is replaced. The folder and its files are readable
+    by every user (a shared KVCOMPRESS_CACHE), as the checkpoint holds only public weights.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    root = _cache_root(target)
+    for abandoned in root.glob(f".{target.name}-*"):
+        if abandoned.is_dir() and time.time() - abandoned.stat().st_mtime > _ABANDONED_AFTER_S:
+            shutil.rmtree(abandoned, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
@@ -97,17 +123,22 @@ def _build_cache(target: Path, gguf: Path) -> None:
         raise RuntimeError(f"{gguf.name} did not load as plain float weights (packed modules: {packed[:3]})")
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    tmp.chmod(0o755)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)  # safetensors writes its file private
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_checkpoint(target):
-                raise
+            if _is_checkpoint(target):  # another process's first load finished first
+                return
+            incomplete = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+            os.rename(target, incomplete / "old")
+            os.rename(tmp, target)
+            shutil.rmtree(incomplete)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

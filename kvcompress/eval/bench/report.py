@@ -104,6 +104,10 @@ def report(out_dir: Path) -> dict:
     the page of them all, the counts in increasing order. Returns the rows of every CSV, or {count: those rows} for several counts."""
     out_dir = Path(out_dir)
     results = {name: read_csv(out_dir / f"{name}.csv") for name in SECTIONS if (out_dir / f"{name}.csv").is_file()}
+    empty = [f"{name}.csv" for name, rows in results.items() if not rows]
+    if empty:
+        raise ValueError(f"{', '.join(empty)} in {str(out_dir)!r} holds no rows (a run interrupted before its first row?): rerun "
+                         "its section, or remove the file")
     counts = sorted(int(p.name.removeprefix("threads-")) for p in out_dir.glob("threads-*") if p.name.removeprefix("threads-").isdigit())
     if not results and counts:
         by_count = {count: report(out_dir / f"threads-{count}") for count in counts}
