@@ -76,6 +76,9 @@ def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     if len(data) < 8:
         raise CacheFileError(f"{where} is not a kvcompress cache file: {len(data)} bytes, too short for a safetensors header (truncated?)")
     size = int.from_bytes(data[:8], "little")
+    if data[8:9] != b"{":  # a safetensors file: its header's length, then the header's JSON object
+        raise CacheFileError(f"{where} is not a kvcompress cache file: it does not start as a safetensors file does (its header's "
+                             f"length, then a JSON object); it starts with {data[:12]!r}")
     if 8 + size > len(data):
         raise CacheFileError(f"{where} is truncated or not a safetensors file: its header announces {size} bytes, the file has {len(data) - 8} after it")
     try:

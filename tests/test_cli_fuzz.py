@@ -185,6 +185,7 @@ CASES = {
                                "kvcompress compress: error: unrecognized arguments: --compress-question"),
     "compress out folder missing": (["compress", "--context-file", "{ctx}", "--out", "{tmp}/no/c.kvc", "--budget", "8"],
                                     "--out '{tmp}/no/c.kvc': directory '{tmp}/no' does not exist"),
+    "compress empty out": (["compress", "--context-file", "{ctx}", "--out", "", "--budget", "8"], "argument --out: takes a path, got ''"),
     "compress out is a folder": (["compress", "--context-file", "{ctx}", "--out", "{tmp}", "--budget", "8"],
                                  "--out '{tmp}' is a directory; give the path of the file to write"),
     "calibrate out is a folder": (["calibrate", "--out", "{tmp}"], "--out '{tmp}' is a directory"),

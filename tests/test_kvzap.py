@@ -53,6 +53,8 @@ def test_a_scorer_file_round_trips_and_predicts_per_head(tmp_path, kind):
 def test_a_missing_or_wrong_scorer_file_is_a_clear_error(tmp_path):
     with pytest.raises(SurrogateError, match=r"does not exist.*kvcompress train-scorer"):
         build_method("kvzap", scorer=str(tmp_path / "none.safetensors"))
+    with pytest.raises(SurrogateError, match=r"is a directory; train one with `kvcompress train-scorer"):
+        Surrogate.load(tmp_path)  # it said "does not exist"
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(SurrogateError, match=r"not a readable safetensors file .*train one with `kvcompress train-scorer"):

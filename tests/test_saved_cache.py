@@ -347,8 +347,13 @@ def test_a_foreign_file_is_refused(saved, tiny_checkpoint, tmp_path):
         kvc.load_cache(tiny_checkpoint / "model.safetensors", model)
     text = tmp_path / "notes.txt"
     text.write_text("just some text, long enough to have a header length " * 4)
+    with pytest.raises(CacheFileError, match=r"is not a kvcompress cache file: it does not start as a safetensors file does .*; "
+                                             r"it starts with b'just some te'$"):
+        kvc.load_cache(text, model)  # it said "its header announces 8387229874382703227 bytes"
+    whole = (tiny_checkpoint / "model.safetensors").read_bytes()
+    (tmp_path / "cut.kvc").write_bytes(whole[:200])
     with pytest.raises(CacheFileError, match="truncated or not a safetensors file"):
-        kvc.load_cache(text, model)
+        kvc.load_cache(tmp_path / "cut.kvc", model)
 
 
 def test_another_format_version_is_refused(tmp_path, monkeypatch):

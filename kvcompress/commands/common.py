@@ -72,6 +72,8 @@ def float_list(text: str) -> list[float]:
 
 def user_path(text: str) -> Path:
     """argparse type: a path, a leading `~` the home folder, as the shell expands it where it can (not after `--out=`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"takes a path, got {text!r}")
     return Path(text).expanduser()
 
 

@@ -205,7 +205,8 @@ class Surrogate:
 
         path = Path(path)
         if not path.is_file():
-            raise SurrogateError(f"KVzap scorer file {str(path)!r} does not exist; train one with `{TRAIN_COMMAND}`")
+            raise SurrogateError(f"KVzap scorer file {str(path)!r} {'is a directory' if path.is_dir() else 'does not exist'}; train "
+                                 f"one with `{TRAIN_COMMAND}`")
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = f.metadata() or {}
