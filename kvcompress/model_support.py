@@ -155,7 +155,10 @@ def select_compressed_attention(model, keep: bool = False) -> None:
     model's lock (`model_lock`: it waits for another thread's kvcompress call on the model to end). keep: for the
     model's other uses too, so that a `use_compressed_attention` around it (a call of this thread) leaves it switched
     when it ends."""
-    _check_registered()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
     with model_lock(model):
         if model.config._attn_implementation != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
@@ -237,71 +240,63 @@ class RotaryInverse:
         return out
 
 
-def _check_registered() -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+class use_compressed_attention:
+    """Context manager: run `model` with the 'kvcompress' attention implementation, restoring the old one after, unless
+    the model was switched for its other uses meanwhile (`select_compressed_attention(keep=True)`). It does not hold
+    the model's lock (`model_lock`): a caller that runs kvcompress forwards beside other threads' calls on the model
+    holds it around the block, as `kvc.generate` and `kvc.calibrate` do."""
 
-    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS.valid_keys():
-        raise ValueError(f"the {ATTENTION_NAME!r} attention is registered by kvcompress.integration: import it first (kvc.CompressedCache does)")
+    def __init__(self, model):
+        self.model = model
 
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        self.kept_switches = _KEPT_SWITCHES.get(self.model, 0)
+        select_compressed_attention(self.model)
+        return self.model
 
-@contextlib.contextmanager
-def _switched(model, name: str):
-    """Run `model` with the attention implementation `name` for the duration, holding its lock (`model_lock`), then
-    restore the one it had, unless it was switched to 'kvcompress' for its other uses meanwhile
-    (`select_compressed_attention(keep=True)`, by this thread)."""
-    with model_lock(model):
-        previous, kept_switches = model.config._attn_implementation, _KEPT_SWITCHES.get(model, 0)
-        if previous != name:
-            model.set_attn_implementation(name)
-        try:
-            yield model
-        finally:
-            if _KEPT_SWITCHES.get(model, 0) == kept_switches:
-                model.set_attn_implementation(previous)
-            elif model.config._attn_implementation != ATTENTION_NAME:
-                model.set_attn_implementation(ATTENTION_NAME)
-
-
-def use_compressed_attention(model):
-    """Context manager: run `model` with the 'kvcompress' attention implementation, holding the model's lock
-    (`model_lock`, so kvcompress calls on one model from several threads run one at a time), restoring the old
-    implementation after, unless the model was switched for its other uses meanwhile
-    (`select_compressed_attention(keep=True)`)."""
-    _check_registered()
-    return _switched(model, ATTENTION_NAME)
+    def __exit__(self, *exc):
+        if _KEPT_SWITCHES.get(self.model, 0) == self.kept_switches:
+            self.model.set_attn_implementation(self.previous)
+        return False
 
 
 RECORDING_ATTENTION_NAME = "kvcompress_recording"  # the implementation `recording_attention` switches a model to
-_RECORDING = threading.local()  # .functions: the calling thread's recording attention functions, innermost last
+_RECORDING = threading.local()  # .recordings: the calling thread's [(its model's module ids, attention function)], innermost last
 
 
 def _recording_dispatch(module, query, key, value, attention_mask, **kwargs):
-    """The implementation registered as RECORDING_ATTENTION_NAME: the recording attention of the thread running the
-    forward (each thread's `recording_attention`), so that two models recorded in two threads record each its own."""
-    functions = getattr(_RECORDING, "functions", None)
-    if not functions:
-        raise RuntimeError("this model runs kvcompress's recording attention for a call in another thread (KVzip's scores, a "
-                           "capture of queries, keys and values); a forward of it from this thread meanwhile would be recorded "
-                           "there: give this thread a model of its own")
-    return functions[-1](module, query, key, value, attention_mask, **kwargs)
+    """The implementation registered as RECORDING_ATTENTION_NAME: the recording attention that the thread running the
+    forward switched this layer's model to (`recording_attention`), so that two models recorded in two threads record
+    each its own."""
+    for modules, attention in reversed(getattr(_RECORDING, "recordings", ())):
+        if id(module) in modules:
+            return attention(module, query, key, value, attention_mask, **kwargs)
+    raise RuntimeError("this model runs kvcompress's recording attention for a call in another thread (KVzip's scores, a "
+                       "capture of queries, keys and values); a forward of it from this thread meanwhile would be recorded "
+                       "there: give this thread a model of its own")
 
 
 @contextlib.contextmanager
 def recording_attention(model, attention):
     """Context manager: run `model` with `attention(module, query, key, value, attention_mask, **kwargs)` (a transformers
     attention function, under SDPA's masks, sliding windows included) as every layer's attention, for forwards this
-    thread runs, holding the model's lock (`model_lock`); the old implementation is restored after. What is
-    registered with transformers (one process-wide name, RECORDING_ATTENTION_NAME) dispatches to the function of the
-    thread that runs the forward, so recordings of two models in two threads never see each other's layers."""
+    thread runs, holding the model's lock (`model_lock`); the old implementation is restored after (or 'kvcompress', if
+    a cache built by name in the block switched the model for its other uses). What is registered with transformers
+    (one process-wide name, RECORDING_ATTENTION_NAME) dispatches to the function this thread gave for the layer's
+    model, so recordings of two models in two threads never see each other's layers."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(RECORDING_ATTENTION_NAME, _recording_dispatch)
     ALL_MASK_ATTENTION_FUNCTIONS.register(RECORDING_ATTENTION_NAME, sdpa_mask)
-    functions = _RECORDING.__dict__.setdefault("functions", [])
-    functions.append(attention)
-    try:
-        with _switched(model, RECORDING_ATTENTION_NAME):
+    recordings = _RECORDING.__dict__.setdefault("recordings", [])
+    with model_lock(model):
+        previous, kept_switches = model.config._attn_implementation, _KEPT_SWITCHES.get(model, 0)
+        recordings.append(({id(m) for m in model.modules()}, attention))
+        try:
+            model.set_attn_implementation(RECORDING_ATTENTION_NAME)
             yield model
-    finally:
-        functions.pop()
+        finally:
+            recordings.pop()
+            model.set_attn_implementation(previous if _KEPT_SWITCHES.get(model, 0) == kept_switches else ATTENTION_NAME)

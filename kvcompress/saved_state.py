@@ -62,7 +62,10 @@ def write_whole(path: str | os.PathLike, data: bytes | str) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         if mode is not None:
-            os.chmod(partial, mode)
+            try:
+                os.chmod(partial, mode)
+            except PermissionError:  # a filesystem that keeps no permissions (some network or FUSE mounts): nothing to keep
+                pass
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -231,3 +231,14 @@ def test_a_library_error_names_the_flag_of_the_parameter_it_starts_with():
     for unchanged in ("the context is empty", "context_fraction must be in (0, 1)", "the method keeps a budget",
                       "calibrate it (`kvc.calibrate(model, tokenizer, samples, method='snapkv')`)", ""):
         assert as_flag(unchanged, generate) == unchanged
+
+
+def test_path_flags_expand_a_leading_tilde_and_keep_the_rest_as_typed(monkeypatch, tmp_path):
+    """`--out=~/x` (no shell expands that `~`) is the home folder's x; --model and --scorer, names a run records and
+    compares, keep the rest as typed (`./ckpt/` stayed `./ckpt/` before; a rewritten `ckpt` refused resuming the run)."""
+    from kvcompress.commands.common import results_folder, user_path, user_path_text
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert user_path("~/x.kvc") == tmp_path / "x.kvc" and results_folder("~/runs") == tmp_path / "runs"
+    assert user_path_text("~/ckpt/") == f"{tmp_path}/ckpt/" and user_path_text("./ckpt/") == "./ckpt/"
+    assert user_path_text("models//x") == "models//x"

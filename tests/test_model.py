@@ -208,12 +208,15 @@ def test_capture_reproduces_attention_default_model():
 
 def test_a_first_load_replaces_an_incomplete_cache_shares_its_files_and_names_kvcompress_cache(tiny_checkpoint, tmp_path, monkeypatch):
     """The model cache (`$KVCOMPRESS_CACHE`): a folder left incomplete (a file of it deleted) failed every later load
-    with "[Errno 39] Directory not empty"; the weights were written private (600) in a folder made readable to all
-    (a shared cache read "No such file or directory" for other users); `~` was a folder named "~" in the working
-    folder; a cache folder that cannot be written failed after the dequantising with a bare OS error; and a first load
-    killed part way left its temporary folder for good."""
+    with "[Errno 39] Directory not empty", and so did one of two first loads replacing it at once; the weights were
+    written private (600) whatever the umask, in a folder made readable to all (a shared cache read "No such file or
+    directory" for other users); `~` was a folder named "~" in the working folder; a cache folder that cannot be
+    written failed after the dequantising with a bare OS error; and a first load killed part way left its temporary
+    folder for good."""
     import os
     import stat
+    import threading
+    from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -231,10 +234,54 @@ def test_a_first_load_replaces_an_incomplete_cache_shares_its_files_and_names_kv
     os.utime(abandoned, (0, 0))
     fresh = tmp_path / "cache" / ".model-building"  # another process's first load, under way: left alone
     fresh.mkdir()
-    kvmodel._build_cache(target, gguf)
-    assert kvmodel._is_checkpoint(target) and sorted(p.name for p in target.parent.iterdir()) == [".model-building", "model"]
-    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}["model.safetensors"] == 0o644
-    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in target.iterdir()) and stat.S_IMODE(target.stat().st_mode) == 0o755
+    umask = os.umask(0o022)
+    try:
+        kvmodel._build_cache(target, gguf)
+        os.umask(0o077)
+        kvmodel._build_cache(tmp_path / "cache" / "private", gguf)
+    finally:
+        os.umask(umask)
+    assert kvmodel._is_checkpoint(target) and sorted(p.name for p in target.parent.iterdir()) == [".model-building", "model", "private"]
+    for folder, files, itself in ((target, 0o644, 0o755), (tmp_path / "cache" / "private", 0o600, 0o700)):
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(os.listdir(folder), files)
+        assert stat.S_IMODE(folder.stat().st_mode) == itself and "model.safetensors" in os.listdir(folder)
+
+    # two first loads replace one incomplete folder: the first moves it aside, the second's finished one lands before
+    # the first renames its own (the first then keeps the second's)
+    (target / "model.safetensors").unlink()
+    rename, moved, landed = os.rename, threading.Event(), threading.Event()
+
+    def interleaved(src, dst):
+        if threading.current_thread().name == "first" and Path(src) == target:
+            rename(src, dst)
+            moved.set()
+            landed.wait(30)
+            return None
+        if threading.current_thread().name == "second" and Path(dst) == target:
+            moved.wait(30)
+            try:
+                return rename(src, dst)
+            finally:
+                landed.set()
+        return rename(src, dst)
+
+    monkeypatch.setattr(kvmodel.os, "rename", interleaved)
+    errors = []
+
+    def load():
+        try:
+            kvmodel._build_cache(target, gguf)
+        except Exception as err:  # asserted below
+            errors.append(repr(err))
+
+    loads = [threading.Thread(target=load, name=name) for name in ("first", "second")]
+    for load in loads:
+        load.start()
+    for load in loads:
+        load.join()
+    monkeypatch.setattr(kvmodel.os, "rename", rename)
+    assert errors == [] and kvmodel._is_checkpoint(target)
+    assert sorted(p.name for p in target.parent.iterdir()) == [".model-building", "model", "private"]
 
     monkeypatch.setenv("KVCOMPRESS_CACHE", "~/kvc")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

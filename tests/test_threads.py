@@ -79,19 +79,29 @@ def test_two_models_recorded_in_two_threads_each_record_their_own(call):
         assert same, (name, call)
 
 
-@pytest.mark.parametrize("first, second", [("capture", "generate"), ("generate", "capture"), ("capture", "capture")])
-def test_a_capture_and_a_generation_on_one_model_wait_for_each_other(first, second):
-    """On one model, a capture of queries and keys (what `kvc.calibrate` and a recorded prefill run) and a generation
-    hold the model's lock: started in another thread while the first is inside its forward, the second waits for it
-    (the model keeps the first's attention implementation meanwhile), then both give what they give alone."""
-    model = tiny("llama")
+@pytest.mark.parametrize("first, second", [("capture", "generate"), ("generate", "capture"), ("capture", "capture"),
+                                           ("calibrate", "generate"), ("generate", "calibrate")])
+def test_a_capture_a_calibration_and_a_generation_on_one_model_wait_for_each_other(tiny_checkpoint, first, second):
+    """On one model, a capture of queries and keys (what a recorded prefill runs), `kvc.calibrate` (a capture, then
+    forwards through compressed caches) and a generation hold the model's lock: started in another thread while the
+    first is inside its forward, the second waits for it (the model keeps the first's attention implementation
+    meanwhile), then both give what they give alone. (A calibration ran beside a generation: each switched the
+    model's attention under the other's forwards: wrong answers, refused masks, missing layers.)"""
+    import kvcompress as kvc
+
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
     model.set_attn_implementation("sdpa")
     prompts = [_prompt(n=120, seed=1), _prompt(n=100, seed=3)]
+    samples = [("The river runs past the old mill. " * 6, "Where does the river run?", "Past the mill.")]
 
     def run(kind, i):
         ctx, question = prompts[i]
         if kind == "capture":
             return _captured(model, torch.cat([ctx, question], 1))
+        if kind == "calibrate":
+            triples = []
+            kvc.calibrate(model, tokenizer, samples, "snapkv", retentions=(0.5, 1.0), progress=triples.append)
+            return [t["nll_compressed"] for t in triples]
         return generate_ids(model, ctx, question, method="snapkv", budget=24, max_new_tokens=6, stop_at_eos=False).token_ids
 
     alone = [run(first, 0), run(second, 1)]
@@ -121,3 +131,40 @@ def test_a_capture_and_a_generation_on_one_model_wait_for_each_other(first, seco
     assert model.config._attn_implementation == "sdpa"
     assert model_lock(model).acquire(blocking=False)  # nothing left holding it
     model_lock(model).release()
+
+
+def test_a_thread_a_compressed_attention_block_waits_on_may_build_a_cache_by_name():
+    """`use_compressed_attention` does not hold the model's lock, so code in the block that waits on another thread
+    building a cache by name (which takes it, to switch the model) finishes; holding it there deadlocked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kvcompress as kvc
+    from kvcompress.model_support import use_compressed_attention
+
+    model = tiny("llama")
+    with use_compressed_attention(model), ThreadPoolExecutor(1) as pool:
+        built = pool.submit(kvc.CompressedCache, model, "knorm", budget=16)
+        cache = built.result(timeout=60)
+    assert model.config._attn_implementation == "kvcompress" and cache.options.method == "knorm"
+
+
+def test_a_forward_of_another_model_inside_a_recording_is_not_recorded():
+    """The recording attention runs what the thread gave for the forward's own model: a plain forward of model B inside
+    a capture of model A (one thread) is refused by name rather than recorded as A's; A's capture is whole."""
+    from kvcompress.integration.attention import exact_attention_with_mask
+    from kvcompress.model_support import RECORDING_ATTENTION_NAME, recording_attention
+
+    a, b = tiny("llama"), tiny("llama", seed=1)
+    ids = torch.cat(_prompt(n=40), 1)
+    recorded = []
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        recorded.append(module.layer_idx)
+        return exact_attention_with_mask(module, query, key, value, attention_mask, kwargs.pop("scaling", None), kwargs.pop("softcap", None), **kwargs)
+
+    with recording_attention(a, record), torch.no_grad():
+        b.set_attn_implementation(RECORDING_ATTENTION_NAME)  # as another thread's recording of B switches it
+        with pytest.raises(RuntimeError, match="recording attention .*give this thread a model of its own"):
+            b(ids)
+        a(ids)
+    assert recorded == [0, 1]

@@ -78,8 +78,9 @@ def user_path(text: str) -> Path:
 
 
 def user_path_text(text: str) -> str:
-    """argparse type: `user_path` as text (--model, --scorer: names a run records as given)."""
-    return str(user_path(text))
+    """argparse type: text whose leading `~` is the home folder, the rest as given (--model, --scorer: names a run
+    records and compares as typed, so `./ckpt/` stays `./ckpt/`)."""
+    return os.path.expanduser(text)
 
 
 def csv_path(text: str) -> Path:

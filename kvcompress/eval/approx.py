@@ -20,7 +20,6 @@ mean and standard deviation over them (zero for deterministic methods).
 
 from __future__ import annotations
 
-import csv
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from ..model_support import RotaryInverse, attention_scales
 from ..names import APPROX_LAYERS as DEFAULT_APPROX_LAYERS
 from ..names import APPROX_RATIOS as DEFAULT_APPROX_RATIOS
 from .capture import capture_qkv, prose_text
-from .tables import markdown_table
+from .tables import markdown_table, write_csv
 
 
 @dataclass
@@ -141,10 +140,7 @@ def write_approx(rows: list[dict], out_dir: str | Path, config: ApproxConfig | N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out / "approx.csv", out / "approx.md"
-    with csv_path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=APPROX_FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(csv_path, rows, APPROX_FIELDS)
     layers = sorted({r["layer"] for r in rows})
     cells = {(r["method"], r["ratio"], r["layer"]): r for r in rows}
     with_mean = len(layers) > 1

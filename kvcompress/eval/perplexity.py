@@ -73,6 +73,7 @@ from ..cache import CompressedCache
 from ..options import MODES
 from ..checks import as_count, check_distinct, describe
 from ..integration import use_compressed_attention
+from ..model_support import model_lock
 from ..integration.generation import full_kv_bytes
 from ..integration.model import check_context_length, logits_to_keep
 from ..integration.reconstruction import reconstruct_context
@@ -236,7 +237,7 @@ def _continuation(model, ids, n_context, method, compression_ratio, budget, mode
     check_context_length(model, n - 1)
     ids = ids.to(next(model.parameters()).device)
     streamed = method is not None and mode != "prefill"
-    with use_compressed_attention(model) if method is not None else nullcontext():
+    with model_lock(model), use_compressed_attention(model) if method is not None else nullcontext():
         if method is None:
             from transformers import DynamicCache
 

@@ -30,7 +30,6 @@ tokens a ratio keeps) is recorded with its error message and no score, and shown
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import gzip
 import json
@@ -862,13 +861,9 @@ def write_summary(records: list[dict], out_dir: str | Path) -> tuple[Path, Path]
     out = Path(out_dir)
     csv_path, md_path = out / "summary.csv", out / "summary.md"
     fields = ["kind", "method", "ratio", "mode", "task", "length", "depth", "n", "errors", "score", "sem", "ci_low", "ci_high", "wall_s"]
-    with csv_path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for kind, grid, by in (("task", False, ("method", "ratio", "mode", "task", "length")),
-                               ("grid", True, ("method", "ratio", "mode", "task", "length", "depth"))):
-            for row in aggregate(records, grid=grid, by=by):
-                w.writerow({"kind": kind, "depth": ""} | row)
+    kinds = (("task", False, ("method", "ratio", "mode", "task", "length")), ("grid", True, ("method", "ratio", "mode", "task", "length", "depth")))
+    tables.write_csv(csv_path, [{"kind": kind, "depth": ""} | row for kind, grid, by in kinds for row in aggregate(records, grid=grid, by=by)],
+                     fields)
     captures = {}
     for r in records:  # a sample's recorded prefills, timed once in every cell that answered from them
         key = (r["grid"], r["task"], r["length"], r["index"], r["depth"])

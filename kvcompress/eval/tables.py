@@ -12,15 +12,16 @@ def _columns(rows: Sequence[dict]) -> list[str]:
     return list(dict.fromkeys(k for r in rows for k in r))
 
 
-def write_csv(path: str | Path, rows: Sequence[dict]) -> None:
-    """Rows as a CSV file (its directory created), columns in first-seen order over all rows; written whole or not at
-    all (`saved_state.write_whole`: an interrupted rewrite leaves the rows that were there)."""
+def write_csv(path: str | Path, rows: Sequence[dict], columns: Sequence[str] | None = None) -> None:
+    """Rows as a CSV file (its directory created), of `columns` (default: every key, in first-seen order over all rows; a
+    row's missing key an empty cell); written whole or not at all (`saved_state.write_whole`: an interrupted rewrite
+    leaves the rows that were there)."""
     from ..saved_state import write_whole  # imports torch, which the command line's parsing must not
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=_columns(rows))
+    writer = csv.DictWriter(text, fieldnames=_columns(rows) if columns is None else columns)
     writer.writeheader()
     writer.writerows(rows)
     write_whole(path, text.getvalue())
@@ -47,6 +48,8 @@ def read_csv(path: str | Path) -> list[dict]:
         header = next(lines, [])
         rows = []
         for row in lines:
+            if not row:  # a blank line
+                continue
             if len(row) != len(header):
                 raise ValueError(f"{str(path)!r} line {lines.line_num} has {len(row)} cells where its header has {len(header)} "
                                  "(a file cut short or edited?)")

@@ -15,6 +15,7 @@ import torch
 
 from ..calibration import Calibration, as_asymmetry, context_nll, fit, mean_nll
 from ..methods.registry import build_method
+from ..model_support import model_lock
 from ..options import CompressionOptions
 from ..names import CALIBRATION_RETENTIONS as DEFAULT_RETENTIONS
 from .model import build_prompt
@@ -148,5 +149,6 @@ def calibrate(
     for i, sample in enumerate(samples):
         _unpack(sample, i)
     _check_retentions_fit(tokenizer, samples, method, retentions, method_params)
-    triples = make_triples(model, tokenizer, samples, method, retentions, seed=seed, progress=progress, **method_params)
+    with model_lock(model):  # its forwards switch the model's attention: kvcompress calls of other threads wait
+        triples = make_triples(model, tokenizer, samples, method, retentions, seed=seed, progress=progress, **method_params)
     return fit(triples, method, asymmetry, model=model_name, method_params=method_params)

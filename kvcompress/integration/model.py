@@ -17,6 +17,7 @@ import inspect
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -70,8 +71,8 @@ def gguf_cache_name(gguf: Path) -> str:
     """The folder name a GGUF file's dequantised checkpoint is kept under: the file's name without `.gguf`, then 12 hex
     digits of a hash of its absolute path, size and modification time, so another file of the same name, or this one
     replaced, is dequantised again rather than read from a stale copy."""
-    stat = gguf.stat()
-    identity = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    info = gguf.stat()
+    identity = f"{gguf.resolve()}\0{info.st_size}\0{info.st_mtime_ns}".encode()
     return f"{gguf.stem}-{hashlib.sha256(identity).hexdigest()[:12]}"
 
 
@@ -103,15 +104,19 @@ def _build_cache(target: Path, gguf: Path) -> None:
 
     Written into a temporary sibling directory and renamed into place, so concurrent first loads
     never see a half-written checkpoint (the loser of the race discards its copy). An incomplete
-    folder at `target` (a file of it removed) is replaced. The folder and its files are readable
-    by every user (a shared KVCOMPRESS_CACHE), as the checkpoint holds only public weights.
+    folder at `target` (a file of it removed) is replaced. The files take the permissions the
+    user's umask gives new files (safetensors writes its own private), the folder those of a new
+    folder, so a cache shared under a umask of 022 is readable by its other users.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = _cache_root(target)
     for abandoned in root.glob(f".{target.name}-*"):
-        if abandoned.is_dir() and time.time() - abandoned.stat().st_mtime > _ABANDONED_AFTER_S:
-            shutil.rmtree(abandoned, ignore_errors=True)
+        try:
+            if abandoned.is_dir() and time.time() - abandoned.stat().st_mtime > _ABANDONED_AFTER_S:
+                shutil.rmtree(abandoned, ignore_errors=True)
+        except OSError:  # removed meanwhile by another first load
+            pass
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
@@ -127,21 +132,45 @@ def _build_cache(target: Path, gguf: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for path in tmp.rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)  # safetensors writes its file private
-        tmp.chmod(0o755)
+        _umask_permissions(tmp)
+        _move_into_place(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask_permissions(folder: Path) -> None:
+    """Give `folder` and what it holds the permissions the user's umask gives a new file or folder (read from a file
+    created here as any file is: a umask of 022 makes them readable by all, 077 private)."""
+    probe = folder / ".umask"
+    probe.touch()
+    file_mode = stat.S_IMODE(probe.stat().st_mode) & 0o666
+    probe.unlink()
+    folder_mode = file_mode | (file_mode & 0o444) >> 2  # searchable where readable
+    for path in [folder, *folder.rglob("*")]:
         try:
-            os.rename(tmp, target)
+            path.chmod(folder_mode if path.is_dir() else file_mode)
+        except PermissionError:  # a filesystem that keeps no permissions (some network or FUSE mounts): nothing to set
+            pass
+
+
+def _move_into_place(folder: Path, target: Path) -> None:
+    """Rename the finished `folder` to `target`: done if another first load's checkpoint got there first; an incomplete
+    folder there (or one another load is replacing meanwhile) is moved aside and removed, a few times at most."""
+    for _ in range(3):
+        try:
+            os.rename(folder, target)
+            return
         except OSError:
             if _is_checkpoint(target):  # another process's first load finished first
                 return
-            incomplete = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-            os.rename(target, incomplete / "old")
-            os.rename(tmp, target)
-            shutil.rmtree(incomplete)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            os.rename(target, aside / "incomplete")
+        except FileNotFoundError:  # another first load moved it aside first
+            pass
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+    os.rename(folder, target)
 
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
