@@ -129,7 +129,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(self, cache: "CompressedCache", layer_idx: int):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        self._cache, self.layer_idx = weakref.ref(cache), layer_idx
         # KVSummary: a padded batch's stacked rows; RaggedSummary: a compressed context whose heads keep different numbers
         # of slots; QuantizedSummary / QuantizedRaggedSummary: a compressed context stored with kv_bits (`_stored_front`)
         self.front: SlotBuffer | KVSummary | QuantizedSummary | QuantizedRaggedSummary | RaggedSummary | Stream | None = None
@@ -151,6 +151,12 @@ class CompressedLayer(CacheLayerMixin):
         self.kv_bits: int | None = None  # the bits the compressed context is stored in (`CompressionOptions.bits_for`)
         self.stats = LayerStats()
 
+    @property
+    def cache(self) -> "CompressedCache":
+        """The cache this layer belongs to, held weakly so that the two form no reference cycle: a dropped cache frees
+        its tensors (and takes the default's hooks off the model) at once, not at the garbage collector's next full
+        pass."""
+        return self._cache()
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
@@ -974,6 +980,9 @@ class CompressedCache(Cache):
         memo[id(self)] = copied
         for name, value in self.__dict__.items():
             setattr(copied, name, copy.deepcopy(value, memo))
+        for layer in copied.layers:  # a weak reference is copied as it is: each copied layer belongs to the copy
+            if isinstance(layer, CompressedLayer):
+                layer._cache = weakref.ref(copied)
         copied._hold_hidden_states()
         return copied
 

@@ -939,3 +939,38 @@ def test_a_call_ending_leaves_the_attention_a_cache_built_by_name_switched_to_me
     with use_compressed_attention(model):
         pass
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_dropped_cache_is_freed_at_once_with_the_defaults_hooks_and_a_copy_owns_its_layers(tiny_default_scorer):
+    """A cache's layers referred back to it strongly, a cycle: a dropped cache kept its tensors, and the default's 2
+    forward pre-hooks per model (30 on SmolLM2), until the garbage collector's next full pass (SmolLM2 reached 180
+    hooks over six dropped caches). With the collector off, dropping the cache now frees it and takes its hooks off;
+    a deep copy's layers belong to the copy."""
+    import copy
+    import gc
+    import weakref
+
+    from test_integration import _prompt, tiny
+
+    model = tiny()
+    ids = torch.cat(_prompt(n=200), 1)
+
+    def hooks() -> int:
+        return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+    before = hooks()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            cache = kvc.CompressedCache(model, compression_ratio=0.5)
+            model.generate(ids, past_key_values=cache, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+            assert hooks() == before + 2
+            copied = copy.deepcopy(cache)
+            assert all(layer.cache is copied for layer in copied.layers) and all(layer.cache is cache for layer in cache.layers)
+            assert hooks() == before + 4
+            dropped = weakref.ref(cache)
+            del cache, copied
+            assert dropped() is None and hooks() == before
+    finally:
+        gc.enable()

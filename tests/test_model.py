@@ -246,8 +246,9 @@ def test_a_first_load_replaces_an_incomplete_cache_shares_its_files_and_names_kv
         assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(os.listdir(folder), files)
         assert stat.S_IMODE(folder.stat().st_mode) == itself and "model.safetensors" in os.listdir(folder)
 
-    # two first loads replace one incomplete folder: the first moves it aside, the second's finished one lands before
-    # the first renames its own (the first then keeps the second's)
+    # two first loads replace one incomplete folder: the first moves it aside, and the second, run whole meanwhile
+    # (transformers' loading is not thread-safe: the two never load at once), lands its checkpoint before the first
+    # renames its own; the first then keeps the second's
     (target / "model.safetensors").unlink()
     rename, moved, landed = os.rename, threading.Event(), threading.Event()
 
@@ -258,7 +259,6 @@ def test_a_first_load_replaces_an_incomplete_cache_shares_its_files_and_names_kv
             landed.wait(30)
             return None
         if threading.current_thread().name == "second" and Path(dst) == target:
-            moved.wait(30)
             try:
                 return rename(src, dst)
             finally:
@@ -269,6 +269,8 @@ def test_a_first_load_replaces_an_incomplete_cache_shares_its_files_and_names_kv
     errors = []
 
     def load():
+        if threading.current_thread().name == "second":
+            moved.wait(30)
         try:
             kvmodel._build_cache(target, gguf)
         except Exception as err:  # asserted below
