@@ -9,8 +9,9 @@ docs/design.md, "KVzip: scoring by reconstruction".
 2. the context is fed back in chunks of the method's `reconstruction_chunk_size` tokens, each forward over
    [repeat instruction + chunk] with the whole context cache in place (positions continue after
    the context); the cache is cropped back to the context after each chunk, so each chunk's
-   queries see the context and their own forward only. A temporary attention function records,
-   for every compressed layer, the post-RoPE queries of the chunk's tokens and the log-sum-exp of
+   queries see the context and their own forward only. A recording attention function
+   (`model_support.recording_attention`) records, for every compressed layer, the post-RoPE
+   queries of the chunk's tokens and the log-sum-exp of
    their scores over their own forward's causal keys (`methods.kvzip.own_lse`), and computes the
    attention exactly as the model's own (SDPA with the model's masks);
 3. each layer is compressed from the context's keys and values with those queries
