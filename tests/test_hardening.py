@@ -903,6 +903,35 @@ def test_the_prompt_progress_bar_shows_on_a_terminal_only(monkeypatch):
         assert ("prefill (chunked)" in stderr.getvalue()) == tty
 
 
+def test_a_prompt_that_fails_part_way_closes_its_progress_bar(monkeypatch):
+    """A long prompt whose forward raised part way (a refused block, an interrupt) left its bar open until collected,
+    and its cache still ticking it."""
+    from tqdm import tqdm
+
+    from kvcompress.cache import CompressedLayer
+
+    class Stderr(io.StringIO):
+        def isatty(self):
+            return True
+
+    model = _tiny_model()
+    update, calls = CompressedLayer.update, []
+
+    def failing(layer, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the second block's first layer
+            raise KeyboardInterrupt
+        return update(layer, *args, **kwargs)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.setattr(CompressedLayer, "update", failing)
+    before = len(tqdm._instances)
+    with pytest.raises(KeyboardInterrupt) as raised:  # its traceback keeps the call's frames, and so the bar, alive
+        generate_ids(model, _ids(1100), _ids(3, 2), method="snapkv", mode="chunked", compression_ratio=0.5, chunk_size=256,
+                     max_new_tokens=1, progress=True)
+    assert len(calls) == 3 and len(tqdm._instances) == before, raised
+
+
 @pytest.mark.parametrize("field", ["context", "question", "answer_prefix"])
 def test_a_prompt_holding_build_prompts_internal_marker_is_refused_naming_the_text(field):
     from kvcompress.integration.model import _QUESTION_MARK, build_prompt

@@ -269,22 +269,25 @@ class _Session:
             self.cache.progress = bar
         start = time.perf_counter()
         logits = None
-        for i, block in enumerate(blocks):
-            mask = None
-            if i == 0 and self.context_mask is not None:
-                mask = torch.cat([self.context_mask, torch.ones_like(block[:, self.context_mask.shape[1] :])], 1)
-            # the first answer token comes from the prompt's last block: the question's forward (`answer`) when it is kept
-            # out of compression, else the context's (or the absorbed question's) last block
-            last = i == len(blocks) - 1 and (absorbed is not None or self.question_ids is None)
-            logits = self.reconstruct(block) if self.reconstructs else self.forward(block, mask, logits=last)
-            if bar is not None and not compressed:
-                bar.update(1)
+        try:  # the bar is closed however the prompt ends (a refused block, an interrupt)
+            for i, block in enumerate(blocks):
+                mask = None
+                if i == 0 and self.context_mask is not None:
+                    mask = torch.cat([self.context_mask, torch.ones_like(block[:, self.context_mask.shape[1] :])], 1)
+                # the first answer token comes from the prompt's last block: the question's forward (`answer`) when it is
+                # kept out of compression, else the context's (or the absorbed question's) last block
+                last = i == len(blocks) - 1 and (absorbed is not None or self.question_ids is None)
+                logits = self.reconstruct(block) if self.reconstructs else self.forward(block, mask, logits=last)
+                if bar is not None and not compressed:
+                    bar.update(1)
+        finally:
+            if compressed:
+                self.cache.progress = None
+            if bar is not None:
+                bar.close()
         if compressed:
-            self.cache.progress = None
             self.cache.absorbing = self.mode == "decode"
             self.cache.token_ids = self.ids
-        if bar is not None:
-            bar.close()
         return logits, approx_seconds + time.perf_counter() - start
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
