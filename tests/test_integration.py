@@ -3,6 +3,7 @@
 import pytest
 import torch
 from transformers import (
+    GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -339,6 +340,23 @@ def test_attention_dropout_applies_on_the_exact_path_and_is_refused_over_a_compr
         model(ids, past_key_values=cache)
     model.eval()
     assert model(ids, past_key_values=CompressedCache(model, "snapkv", budget=16)).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_compressed_cache_under_use_cache_false_is_refused_by_name(arch):
+    """`model.generate(..., past_key_values=cache, use_cache=False)` (or the setting on the model's configs): transformers
+    fed the whole sequence again at every step and the cache stored it again each time, compressing nothing (SmolLM2:
+    1,462 slots a layer after 6 tokens of a 273-token prompt, 5.6 times the full cache's bytes, the full cache's answer)
+    without a word. It is refused naming use_cache; with it on, the same cache runs."""
+    model = tiny(arch)
+    ids = torch.cat(_prompt(n=120), 1)
+    for setting in ({"use_cache": False}, {"generation_config": GenerationConfig(use_cache=False)}):
+        with pytest.raises(ValueError, match=r"^a CompressedCache was given to a forward with use_cache=False: .*use_cache=True"):
+            model.generate(ids, past_key_values=CompressedCache(model, "snapkv", budget=16), max_new_tokens=3, do_sample=False,
+                           **setting)
+    out = model.generate(ids, past_key_values=CompressedCache(model, "snapkv", budget=16), max_new_tokens=3, min_new_tokens=3,
+                         do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 3)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked"])

@@ -31,7 +31,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     causality comes from the view's layout (`causal_tail`: the block is its last slots), so a decode
     step reads no tensor value on the host. No attention weights are returned: output_attentions=True warns
     (`NO_ATTENTION_WEIGHTS`). A model in training mode with attention dropout gets it on the exact path; over a
-    compressed layer or with soft-capping, which have none, it is refused (`refuse_dropout`).
+    compressed layer or with soft-capping, which have none, it is refused (`refuse_dropout`). A forward over a
+    compressed layer with use_cache=False (as the model passes it down) is refused (`USE_CACHE_OFF`).
     """
     layer = getattr(key, "kvcompress_layer", None)
     softcap = kwargs.pop("softcap", None)
@@ -42,6 +43,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         refuse_dropout(dropout, "the 'kvcompress' attention over a compressed layer or with soft-capping")
     if layer is None:
         return exact_attention_with_mask(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
+    if kwargs.get("use_cache") is False:
+        raise ValueError(USE_CACHE_OFF)
     layer.mask_padding(attention_mask, kwargs.get("position_ids"))
     # in the stored dtype, under torch.autocast too: the attention over a summary and the compression of the block
     # compute in their own precision (their logits, masses and scores assume it), not in the autocast dtype
@@ -82,6 +85,11 @@ def refuse_dropout(dropout: float, what: str) -> None:
                          f"{what} has no dropout; call model.eval(), or set the model's attention_dropout to 0")
 
 
+USE_CACHE_OFF = (
+    "a CompressedCache was given to a forward with use_cache=False: transformers then feeds the whole sequence again at "
+    "every generation step, and the cache would store every token again each time (more than the full cache holds, "
+    "nothing compressed); generate or run the model with use_cache=True, the default (and a new cache, or cache.reset())"
+)
 NO_ATTENTION_WEIGHTS = (
     "output_attentions=True: the 'kvcompress' attention returns no attention weights (as SDPA returns none), so the "
     "attentions come back empty; a CompressedCache built by name set the model to it. For the weights, run the model "
