@@ -1,5 +1,6 @@
 """Model inspection: which models and layers kvcompress supports, their attention scales and rotary embedding,
-and switching a model to the kvcompress attention implementation.
+switching a model to the kvcompress attention implementation, the per-model lock kvcompress's calls hold
+(`model_lock`), and the recording attention captures and KVzip's scoring run under (`recording_attention`).
 
 What the cache must know about a model, and nothing that generates: it sits below `kvcompress.cache`
 (docs/layout.md, layer "model support"). The attention implementation it switches to is registered
