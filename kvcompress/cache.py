@@ -157,6 +157,7 @@ class CompressedLayer(CacheLayerMixin):
         its tensors (and takes the default's hooks off the model) at once, not at the garbage collector's next full
         pass."""
         return self._cache()
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True

@@ -257,9 +257,17 @@ class use_compressed_attention:
         return self.model
 
     def __exit__(self, *exc):
-        if _KEPT_SWITCHES.get(self.model, 0) == self.kept_switches:
-            self.model.set_attn_implementation(self.previous)
+        _switch_back(self.model, self.previous, self.kept_switches)
         return False
+
+
+def _switch_back(model, previous: str, kept_switches: int) -> None:
+    """Give the model back the attention implementation `previous` it had when a call switched it, unless a cache built
+    by name switched it to 'kvcompress' for its other uses since (`_KEPT_SWITCHES` moved from `kept_switches`): then
+    it keeps that one."""
+    wanted = previous if _KEPT_SWITCHES.get(model, 0) == kept_switches else ATTENTION_NAME
+    if model.config._attn_implementation != wanted:
+        model.set_attn_implementation(wanted)
 
 
 RECORDING_ATTENTION_NAME = "kvcompress_recording"  # the implementation `recording_attention` switches a model to
@@ -300,4 +308,4 @@ def recording_attention(model, attention):
             yield model
         finally:
             recordings.pop()
-            model.set_attn_implementation(previous if _KEPT_SWITCHES.get(model, 0) == kept_switches else ATTENTION_NAME)
+            _switch_back(model, previous, kept_switches)

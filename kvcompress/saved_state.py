@@ -43,6 +43,15 @@ def canonical_safetensors(data: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + data[8 + size:]
 
 
+def set_mode(path: str | os.PathLike, mode: int) -> None:
+    """chmod `path` to `mode`, where its filesystem keeps permissions (some network or FUSE mounts refuse any: nothing
+    to set there)."""
+    try:
+        os.chmod(path, mode)
+    except PermissionError:
+        pass
+
+
 def write_whole(path: str | os.PathLike, data: bytes | str) -> None:
     """Write `data` (text as UTF-8) to `path` whole or not at all (a cache, scorer or calibration file, a table): into a
     new file beside it, then renamed over it, so that a failed write (a full disk, an interrupt) leaves what was there
@@ -62,10 +71,7 @@ def write_whole(path: str | os.PathLike, data: bytes | str) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         if mode is not None:
-            try:
-                os.chmod(partial, mode)
-            except PermissionError:  # a filesystem that keeps no permissions (some network or FUSE mounts): nothing to keep
-                pass
+            set_mode(partial, mode)
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)

