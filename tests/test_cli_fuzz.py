@@ -330,6 +330,38 @@ def test_a_context_file_is_read_without_its_byte_order_mark_and_an_empty_one_is_
             assert len(err) == 1 and f"--context-file {str(tmp_path / name)!r} is empty" in err[0], err
 
 
+def test_a_context_piped_to_standard_input_is_the_file_s_context(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """`--context-file -` reads the context from standard input (generate and compress): the same answer and the same
+    saved cache as the file; empty or non-UTF-8 input is refused naming standard input, before the model loads."""
+    import io
+
+    text = "w1 w2 w3 w4 w5 w6 w7 w8 w9 " * 20 + "\r\n"
+    (tmp_path / "doc.txt").write_bytes(text.encode())
+
+    def piped(data: bytes):
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+    flags = ["--model", str(tiny_checkpoint), "--method", "knorm", "--budget", "8", "--sink", "2", "--window", "4"]
+    outputs = []
+    for source in (str(tmp_path / "doc.txt"), "-"):
+        piped(text.encode())
+        capsys.readouterr()
+        assert main(["generate", "--context-file", source, *flags, "--question", "w3 w4", "--max-new-tokens", "3"]) == 0
+        outputs.append(capsys.readouterr().out.splitlines()[0])
+        piped(text.encode())
+        out = tmp_path / f"{'stdin' if source == '-' else 'file'}.kvc"
+        assert main(["compress", "--context-file", source, *flags, "--out", str(out)]) == 0
+    assert outputs[0] == outputs[1]
+    assert (tmp_path / "file.kvc").read_bytes() == (tmp_path / "stdin.kvc").read_bytes()
+    for data, expected in ((b" \n", "--context-file '-' (standard input) is empty but for white space: pass text holding the context"),
+                           ("Caf\xe9".encode("latin-1"), "--context-file '-' (standard input) is not UTF-8 text")):
+        piped(data)
+        capsys.readouterr()
+        assert main(["generate", "--context-file", "-", "--model", str(tmp_path / "no-such-model"), "--budget", "8"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+
+
 def test_compress_without_a_size_does_not_suggest_the_method_it_refuses(context_file, tmp_path, capsys):
     assert main(["compress", "--context-file", str(context_file), "--out", str(tmp_path / "c.kvc")]) == 2
     assert capsys.readouterr().err.strip() == "kvcompress compress: error: pass --compression-ratio, --budget or --calibration with --quality"

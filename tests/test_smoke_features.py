@@ -351,10 +351,11 @@ def test_a_forward_with_gradients_on_through_a_compressed_cache(default_model, m
 
 
 @pytest.mark.smoke
-def test_cli_generate_reads_the_ratio_as_memory(cli, doc):
+def test_cli_generate_reads_the_ratio_as_memory(cli, doc, monkeypatch):
     """docs/cli.md's `--budget-unit memory` with `--kv-bits 4`: SnapKV keeps more tokens, in 4 bits, than at the same
     ratio in tokens; the default in prefill mode stores 8 bits at 0.5 with neither flag (`--kv-bits auto`), and finds the
-    needle."""
+    needle (its context piped in: `--context-file -`)."""
+    import io
     import re
 
     ask = ["--context-file", doc, "--question", QUESTION, "--max-new-tokens", NEW, "--compression-ratio", "0.5"]
@@ -362,7 +363,8 @@ def test_cli_generate_reads_the_ratio_as_memory(cli, doc):
     tokens = cli("generate", *ask, "--method", "snapkv", "--kv-bits", 4)
     kept = [int(re.search(r"\(mean (\d+)\)", answer_and_kept(out)[1]).group(1)) for out in (memory, tokens)]
     assert "4-bit storage" in memory and kept[0] > kept[1], (memory, tokens)
-    default = cli("generate", *ask)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(doc.read_bytes())))
+    default = cli("generate", *ask[:1], "-", *ask[2:])
     assert "8-bit storage" in default and NEEDLE in answer_and_kept(default)[0], default
 
 

@@ -8,7 +8,7 @@ from .generate import add_run_args, options_of, read_context
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("compress", help="compress a context file once and save the cache, for `generate --cache`")
-    p.add_argument("--context-file", required=True, type=user_path, help="text file holding the context")
+    p.add_argument("--context-file", required=True, type=user_path, help="text file holding the context (- reads standard input)")
     p.add_argument("--out", required=True, type=user_path, metavar="FILE", help="where the compressed cache is written (one safetensors file)")
     add_run_args(p, _run, later_questions=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .common import (add_device_args, add_model_arg, add_threads_arg, count, given_flags, kv_bits, load_cli_model, one_of, parse_params,
@@ -21,7 +22,7 @@ def _question(text: str) -> str:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer a question about a context through a compressed KV cache")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--context-file", type=user_path, help="text file holding the context")
+    source.add_argument("--context-file", type=user_path, help="text file holding the context (- reads standard input)")
     source.add_argument("--cache", type=user_path, default=None, metavar="FILE",
                         help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
     p.add_argument("--question", type=_question, default=None, help="question appended after the (compressed) context (leave it out to ask none)")
@@ -179,19 +180,27 @@ _BYTE_ORDER_MARKS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf
 
 
 def read_context(path: Path) -> str:
-    if path.is_dir():
-        raise ValueError(f"--context-file {str(path)!r} is a directory: pass a text file")
-    if not path.exists():
-        raise ValueError(f"--context-file {str(path)!r} does not exist")
+    """--context-file's text: a UTF-8 file (a leading byte-order mark dropped), or standard input for `-`."""
+    stdin = str(path) == "-"
+    name = "'-' (standard input)" if stdin else repr(str(path))
+    if stdin:
+        data = sys.stdin.buffer.read()
+    elif path.is_dir():
+        raise ValueError(f"--context-file {name} is a directory: pass a text file")
+    elif not path.exists():
+        raise ValueError(f"--context-file {name} does not exist")
+    else:
+        data = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, if the file starts with one, is not context
+        # a byte-order mark, if the text starts with one, is not context; line ends read as a text file's (universal newlines)
+        text = data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as err:
-        head = path.read_bytes()[:4]
         # a UTF-32 mark starts like a UTF-16 one: test it first
-        source = next((name for mark, name in _BYTE_ORDER_MARKS if head.startswith(mark)), "latin1")
+        source = next((encoding for mark, encoding in _BYTE_ORDER_MARKS if data.startswith(mark)), "latin1")
         found = "" if source == "latin1" else f"; it starts with a {source.upper()} byte-order mark"
-        raise ValueError(f"--context-file {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}{found}); "
+        raise ValueError(f"--context-file {name} is not UTF-8 text (byte {err.start}: {err.reason}{found}); "
                          f"convert it first, e.g. iconv -f {source} -t utf-8") from None
     if not text.strip():
-        raise ValueError(f"--context-file {str(path)!r} is empty{' but for white space' if text else ''}: pass a file holding the context")
+        raise ValueError(f"--context-file {name} is empty{' but for white space' if text else ''}: pass "
+                         f"{'text' if stdin else 'a file'} holding the context")
     return text
