@@ -27,6 +27,14 @@ __all__ = sorted([*_EXPORTS, "methods"])
 
 
 def __getattr__(name):
+    if name == "__version__":  # the installed distribution's (pyproject.toml's when installed from this tree)
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("kvcompress")
+        except PackageNotFoundError:
+            raise AttributeError("kvcompress has no __version__: it is imported from a source tree that is not installed "
+                                 "(pip install -e . records it)") from None
     if name == "methods":  # the subpackage, which is callable: `kvc.methods()` lists the registered methods
         return import_module("kvcompress.methods")
     if name not in _EXPORTS:

@@ -9,6 +9,7 @@ argument errors answer at once. No library module imports from here.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import io
 import re
@@ -21,8 +22,22 @@ _SUBCOMMAND_MODULES = ("kvcompress.commands.generate", "kvcompress.commands.comp
                        "kvcompress.commands.eval")
 
 
+class _PrintVersion(argparse.Action):
+    """`--version`: prints `kvcompress <version>` (the installed distribution's) and exits 0; the version is read only then."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import kvcompress
+
+        print(f"kvcompress {kvcompress.__version__}")
+        parser.exit()
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="kvcompress", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action=_PrintVersion)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).add_cli(subparsers)

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcompress"
 
 
 def test_parser_help_and_argument_errors_import_nothing_heavy():
-    argv = [["--help"], *[[command, "--help"] for command in ("generate", "demo", "calibrate", "bench", "eval")],
+    argv = [["--help"], ["--version"], *[[command, "--help"] for command in ("generate", "demo", "calibrate", "bench", "eval")],
             ["generate", "--context-file", "c.txt", "--budget", "many"], ["generate", "--context-file", "c.txt", "--method", "zip"],
             ["generate", "--context-file", "c.txt", "--threads", "0"], ["bench", "--sections", "speed"], ["bench", "--memory-method", "zip"],
             ["eval", "--modes", "fast"], ["calibrate", "--out", "c.json", "--tasks", "haystack"], ["demo", "--methods", "zip"]]
@@ -37,7 +37,21 @@ print(statuses, sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == f"{[0] * 6 + [2] * 8} []"
+    assert done.stdout.splitlines()[-1] == f"{[0] * 7 + [2] * 8} []"
+
+
+def test_the_version_is_the_installed_distributions_on_the_command_line_and_in_python(capsys):
+    """`kvcompress --version` prints `kvcompress <version>` on stdout and exits 0; `kvcompress.__version__` is the same, the
+    version pyproject.toml declares (the package is installed from this tree)."""
+    import tomllib
+
+    import kvcompress
+
+    declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["version"]
+    capsys.readouterr()
+    assert main(["--version"]) == 0
+    assert capsys.readouterr() == (f"kvcompress {declared}\n", "")
+    assert kvcompress.__version__ == declared
 
 
 
