@@ -73,9 +73,12 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> list
 
 
 def _root_export(name: str) -> str:
-    """The kvcompress-relative module that `kvcompress.<name>` loads (the root's lazy `_EXPORTS`), or a submodule's name."""
+    """The kvcompress-relative module that `kvcompress.<name>` loads (the root's lazy `_EXPORTS`), or a submodule's name;
+    "" for a dunder (`__version__` loads no module)."""
     import kvcompress
 
+    if name.startswith("__"):
+        return ""
     return kvcompress._EXPORTS.get(name, f"kvcompress.{name}").removeprefix("kvcompress").lstrip(".")
 
 
