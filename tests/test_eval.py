@@ -152,7 +152,12 @@ def test_a_sample_whose_text_changed_is_refused_where_its_cells_are_recorded(tin
     digests = {r["index"]: r["prompt_sha256"] for r in first}
     assert len(set(digests.values())) == 2 and all(len(d) == 64 for d in digests.values())
     assert all(r["prompt_sha256"] == digests[r["index"]] for r in first)  # one prompt per sample, whatever its cell
-    assert json.loads((tmp_path / "config.json").read_text())["python"] == platform.python_version()
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["python"] == platform.python_version()
+    import kvcompress
+    import transformers
+
+    assert recorded["versions"] == {"kvcompress": kvcompress.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
     grown = replace(config, methods=["knorm", "random"])
     monkeypatch.setattr(tasks, "FILLER", tasks.FILLER.replace("green", "red"))  # the text another Python might give
     with pytest.raises(ValueError, match=r"results\.jsonl holds sample 'task\|niah_single\|200\|0\|0\.5' answered from "

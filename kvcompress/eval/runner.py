@@ -40,6 +40,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -535,7 +536,7 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
     nothing keeps the block size recorded before, which it does not use), what the named settings among the
     methods of every run into the folder stand for (`named_settings_of`, merged with those recorded before, so that a
     later run is checked against each), model name, host, Python version (the prose tasks' text is its standard
-    library's), threads, shard and start time. Written whole or not at all
+    library's), the versions of kvcompress, torch and transformers, threads, shard and start time. Written whole or not at all
     (a shard beside it may be reading it)."""
     path = out / "config.json"
     earlier = read_run_config(path)
@@ -544,7 +545,8 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
         settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
     named = earlier.get("named_settings", {}) | named_settings_of(config.methods)
     meta = extra | {"config": settings, "named_settings": named, "model": model_name, "host": platform.node(),
-                    "python": platform.python_version(), "threads": torch.get_num_threads(), "shard": shard,
+                    "python": platform.python_version(), "versions": {name: version(name) for name in ("kvcompress", "torch", "transformers")},
+                    "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     write_whole(path, json.dumps(meta, indent=1).encode())
 
