@@ -23,6 +23,7 @@ from .methods.budget import check_sink_window, resolve_budget
 from .methods.registry import build_method, default_sink_window, method_names
 from .names import AUTO_KV_BITS, BUDGET_UNITS, DEFAULT_CHUNK_SIZE, KV_BITS, MODES, PREFILL_APPROXIMATIONS
 from .names import DEFAULT_METHOD as DEFAULT
+from .names import FULL
 from .names import KVZIP_REFIT
 
 # method=DEFAULT, what CompressionOptions is given when no method is named, is by mode the method (name, its parameters,
@@ -105,7 +106,7 @@ class CompressionOptions:
     calibration, the method the calibration was fitted for), KVZIP_REFIT ("kvzip_refit": the slow,
     prefill-only default before KVzap, `NAMED_SETTINGS`), or
     None for the full, uncompressed cache (which then takes no budget, ratio, slack or method
-    parameters). method_params: the method's own parameters (its dataclass fields), checked by
+    parameters; FULL, "full", its name on the command line and in an evaluation's records, is read as None). method_params: the method's own parameters (its dataclass fields), checked by
     building it (`compressor`); the default method takes none (name the method to set them).
     budget / compression_ratio: exactly one for a method. budget is the middle budget per KV head
     (sink and window come on top); compression_ratio is the fraction of the tokens removed (both
@@ -185,6 +186,9 @@ class CompressionOptions:
         if self.method is not None and not isinstance(self.method, str):  # named before it is looked up (a list is unhashable)
             raise ValueError(f"method must be a method's name (a str: one of the named settings {', '.join(map(repr, NAMED_SETTINGS))} "
                              f"or a registered method, kvc.methods()) or None for the full cache, got {self.method!r}")
+        asked = self.method
+        if self.method == FULL:
+            object.__setattr__(self, "method", None)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_bool("compress_question", self.compress_question)
@@ -216,13 +220,13 @@ class CompressionOptions:
             given.update({k: v for k, v, default in (("seed", self.seed, 0), ("compress_question", self.compress_question, False))
                           if v != default})  # nothing is drawn, nothing compressed
             if given:
-                raise ValueError(f"method=None is the full cache: it takes no {', '.join(given)}")
+                raise ValueError(f"method={asked!r} is the full cache: it takes no {', '.join(given)}")
             if self.method_params:
-                raise UnknownParameters(f"method=None is the full cache: it takes no parameters {sorted(self.method_params)}",
+                raise UnknownParameters(f"method={asked!r} is the full cache: it takes no parameters {sorted(self.method_params)}",
                                         sorted(self.method_params))
             return
         if self.method not in method_names():
-            raise ValueError(f"unknown method {self.method!r}; choose None (the full cache), one of the named settings "
+            raise ValueError(f"unknown method {self.method!r}; choose None or {FULL!r} (the full cache), one of the named settings "
                              f"{', '.join(map(repr, NAMED_SETTINGS))}, or a registered method: {', '.join(method_names())}")
         if self.budget_unit is None:
             object.__setattr__(self, "budget_unit", "tokens")

@@ -685,7 +685,7 @@ def test_a_scorers_own_unknown_parameter_is_named_as_the_scorers():
 
 
 def test_an_unknown_method_lists_the_named_settings_too():
-    with pytest.raises(ValueError, match=r"unknown method 'zip'; choose None \(the full cache\), one of the named settings 'default', "
+    with pytest.raises(ValueError, match=r"unknown method 'zip'; choose None or 'full' \(the full cache\), one of the named settings 'default', "
                                          r"'kvzip_refit', or a registered method: adakv, "):
         CompressionOptions(method="zip", compression_ratio=0.5)
 

@@ -382,3 +382,25 @@ def test_a_forward_with_gradients_on_runs_through_a_compressed_cache(method, mod
     stored = [t for layer in cache.layers for part in layer._stored_parts() for t in (part.keys, part.values)]
     assert stored and not any(t.requires_grad for t in stored)
     model(ids[:, 96:], past_key_values=cache).logits.sum().backward()  # the next block's own graph
+
+
+def test_the_full_cache_by_its_name_full_is_method_none():
+    """"full", the full cache's name on the command line (`--method full`) and in an evaluation's records, is taken by the
+    library too, as method=None: it was refused there as an unknown method. Settings it cannot take are refused naming it;
+    a CompressedCache and compress_context, which compress, refuse it as they refuse None."""
+    from test_hf import _word_tokenizer
+
+    model, tokenizer = tiny("llama"), _word_tokenizer()
+    context = " ".join(f"w{i % 90}" for i in range(200))
+    answers = [kvc.generate(model, tokenizer, context, "w1 w2", method=method, max_new_tokens=4, progress=False, stop_at_eos=False)
+               for method in (None, "full")]
+    assert answers[0].token_ids == answers[1].token_ids and answers[1].report().startswith("method            full (")
+    assert all(CompressionOptions.build(method="full", mode=mode).method is None for mode in ("prefill", "chunked", "decode"))
+    with pytest.raises(ValueError, match="method='full' is the full cache: it takes no compression_ratio"):
+        CompressionOptions.build(method="full", compression_ratio=0.5)
+    with pytest.raises(ValueError, match="method='full': a CompressedCache compresses"):
+        CompressedCache(model, "full")
+    with pytest.raises(ValueError, match=r"it takes a method .* got method=None \(the full cache\)"):
+        kvc.compress_context(model, tokenizer, context, method="full")
+    with pytest.raises(ValueError, match=r"unknown method 'ful'; choose None or 'full' \(the full cache\)"):
+        CompressionOptions.build(method="ful")

@@ -546,7 +546,8 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     if options.method is None or options.compress_question:
         raise ValueError(
             "compress_context compresses a context once for later questions: it takes a method and the question kept out of "
-            f"compression; got method={options.method!r}, compress_question={options.compress_question!r}"
+            f"compression; got method={options.method!r}{' (the full cache)' if options.method is None else ''}, "
+            f"compress_question={options.compress_question!r}"
         )
     check_bool("progress", progress)
     check_context_ids(context_ids)
