@@ -404,3 +404,24 @@ def test_the_full_cache_by_its_name_full_is_method_none():
         kvc.compress_context(model, tokenizer, context, method="full")
     with pytest.raises(ValueError, match=r"unknown method 'ful'; choose None or 'full' \(the full cache\)"):
         CompressionOptions.build(method="ful")
+
+
+def test_model_generates_decoding_settings_are_refused_naming_model_generate():
+    """kvc.generate and the pipeline decode greedily: do_sample, temperature, num_beams or a streamer (model.generate's) were
+    refused as unknown settings and method parameters; they are refused naming model.generate with a CompressedCache,
+    which takes them, before any forward."""
+    from transformers import pipeline
+
+    from kvcompress.integration import PIPELINE_TASK
+    from test_hf import _word_tokenizer
+
+    model, tokenizer = tiny("qwen2"), _word_tokenizer()
+    context = " ".join(f"w{i % 90}" for i in range(200))
+    pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
+    for settings, named in ((dict(temperature=0.7), "temperature is one of"), (dict(do_sample=True, top_p=0.9), "do_sample, top_p are"),
+                            (dict(num_beams=2), "num_beams is one of"), (dict(streamer=object()), "streamer is one of")):
+        expected = rf"{named} model\.generate's decoding settings: .* pass a kvc\.CompressedCache to model\.generate as past_key_values"
+        with pytest.raises(ValueError, match=expected):
+            kvc.generate(model, tokenizer, context, "w1", method="snapkv", compression_ratio=0.5, progress=False, **settings)
+        with pytest.raises(ValueError, match=expected):
+            pipe(context, questions=["w1"], method="snapkv", compression_ratio=0.5, **settings)

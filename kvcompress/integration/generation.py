@@ -695,6 +695,20 @@ def compress_context(model, tokenizer, context: str, options: CompressionOptions
     return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress)
 
 
+# model.generate's own arguments beside its GenerationConfig's fields
+_GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "streamer", "assistant_model", "negative_prompt_ids")
+
+
+def refuse_decoding_settings(settings: dict) -> None:
+    """Settings of `kvc.generate` or the pipeline that are `model.generate`'s decoding settings, refused naming where they apply."""
+    decoding = sorted(name for name in settings if name in _GENERATE_ARGUMENTS or hasattr(GenerationConfig(), name))
+    if decoding:
+        raise ValueError(f"{', '.join(decoding)} {'is one of' if len(decoding) == 1 else 'are'} model.generate's decoding settings: "
+                         "kvc.generate and the kvcompress pipeline decode greedily, up to max_new_tokens or, with stop_at_eos, the "
+                         "end of the answer; to sample, search beams or stream, pass a kvc.CompressedCache to model.generate as "
+                         "past_key_values")
+
+
 def generate(
     model,
     tokenizer,
@@ -731,9 +745,14 @@ def generate(
     would be after that context compressed here (`answer_from_cache_ids`).
 
     prompt_layout: how the question follows the context (`build_prompt`, docs/prompt_layout.md).
+
+    Decoding is greedy, up to `max_new_tokens` or (stop_at_eos) the end of the answer, so a run gives the same answer
+    each time; `model.generate` with a `CompressedCache` samples, searches beams and streams, and `model.generate`'s
+    decoding settings (do_sample, temperature, num_beams, ...) are refused here, naming it.
     """
 
     check_questions(question, questions)
+    refuse_decoding_settings(settings)
     check_bool("progress", progress)
     prompt_layout = as_prompt_layout(prompt_layout, parameter="prompt_layout")
     if cache is not None:
