@@ -203,6 +203,33 @@ def test_compress_saves_a_cache_that_generate_answers_from(tiny_checkpoint, tmp_
     assert "is a directory" in capsys.readouterr().err
 
 
+def test_generate_json_prints_one_object_with_the_answer_and_every_statistic(tiny_checkpoint, tmp_path, capsys):
+    """`generate --json`, from a context file and from a saved cache: stdout is one JSON object, `GenerationResult.to_dict()`
+    (every field, `decode_tokens_per_second` beside them), whose answer is the text mode's."""
+    import dataclasses
+    import json
+
+    from kvcompress.cli import main
+    from kvcompress.integration.generation import GenerationResult
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The archivist was Margaret Okafor. " * 20)
+    flags = ["--method", "knorm", "--compression-ratio", "0.5", "--sink", "2", "--window", "4", "--model", str(tiny_checkpoint),
+             "--question", "Who was the archivist?", "--max-new-tokens", "4"]
+    assert main(["generate", "--context-file", str(doc), *flags]) == 0
+    text = capsys.readouterr().out.split("\n")[0]
+    assert main(["generate", "--context-file", str(doc), *flags, "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out)
+    assert out.count("\n") == 1 and result["text"] == text and len(result["token_ids"]) == 4
+    assert set(result) == {f.name for f in dataclasses.fields(GenerationResult)} | {"decode_tokens_per_second"}
+    assert result["method"] == "knorm" and result["mode"] == "prefill" and 0 < result["kv_bytes"] < result["kv_bytes_full"]
+    assert main(["compress", "--context-file", str(doc), *flags[:-4], "--out", str(tmp_path / "doc.kvc")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--cache", str(tmp_path / "doc.kvc"), *flags[8:], "--json"]) == 0  # --model and the question
+    assert json.loads(capsys.readouterr().out)["token_ids"] == result["token_ids"]
+
+
 def test_eval_checks_its_results_folder_before_loading_the_model(tmp_path, capsys):
     """A results folder holding another run is refused before the model loads (here the model does not even exist)."""
     import json

@@ -354,7 +354,7 @@ def test_a_forward_with_gradients_on_through_a_compressed_cache(default_model, m
 def test_cli_generate_reads_the_ratio_as_memory(cli, doc, monkeypatch):
     """docs/cli.md's `--budget-unit memory` with `--kv-bits 4`: SnapKV keeps more tokens, in 4 bits, than at the same
     ratio in tokens; the default in prefill mode stores 8 bits at 0.5 with neither flag (`--kv-bits auto`), and finds the
-    needle (its context piped in: `--context-file -`)."""
+    needle (its context piped in, `--context-file -`, and its result printed as JSON, `--json`)."""
     import io
     import re
 
@@ -364,8 +364,8 @@ def test_cli_generate_reads_the_ratio_as_memory(cli, doc, monkeypatch):
     kept = [int(re.search(r"\(mean (\d+)\)", answer_and_kept(out)[1]).group(1)) for out in (memory, tokens)]
     assert "4-bit storage" in memory and kept[0] > kept[1], (memory, tokens)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(doc.read_bytes())))
-    default = cli("generate", *ask[:1], "-", *ask[2:])
-    assert "8-bit storage" in default and NEEDLE in answer_and_kept(default)[0], default
+    default = json.loads(cli("generate", *ask[:1], "-", *ask[2:], "--json"))
+    assert default["kv_bits"] == 8 and NEEDLE in default["text"] and default["method"] == "adakv", default
 
 
 @pytest.mark.smoke

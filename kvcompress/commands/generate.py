@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def add_cli(subparsers) -> None:
                         help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
     p.add_argument("--question", type=_question, default=None, help="question appended after the (compressed) context (leave it out to ask none)")
     p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
+    p.add_argument("--json", action="store_true",
+                   help="print the answer and its statistics as one JSON object (GenerationResult.to_dict()) in place of the text")
     add_run_args(p, _run)
 
 
@@ -110,15 +113,20 @@ def _run(args) -> int:
         except (ValueError, OSError) as err:  # saved for another model, or settings this version refuses
             raise ValueError(f"--cache {str(args.cache)!r}: {err}") from err
         res = generate(model, tokenizer, question=args.question, cache=cache, max_new_tokens=args.max_new_tokens)
-        print(res.text)
-        print()
-        print(res.report())
-        return 0
+        return _print_result(res, args)
     options = options_of(args)  # every flag checked before the model loads
     context = read_context(args.context_file)
     set_threads(args.threads)
     model, tokenizer = load_cli_model(args)
     res = generate(model, tokenizer, context, args.question, options, max_new_tokens=args.max_new_tokens)
+    return _print_result(res, args)
+
+
+def _print_result(res, args) -> int:
+    """The answer, a blank line and the statistics (with a calibration, its choice); with --json, one JSON object."""
+    if args.json:
+        print(json.dumps(res.to_dict(), ensure_ascii=False))
+        return 0
     print(res.text)
     print()
     print(res.report())

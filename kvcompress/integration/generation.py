@@ -15,6 +15,7 @@ be compressed alone (`compress_context`), saved (`CompressedCache.save`) and ans
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Collection
@@ -72,6 +73,12 @@ class GenerationResult:
         `prefill_seconds`) over `decode_seconds`; NaN for an answer of one token."""
         steps = len(self.token_ids) - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        """Every field as plain JSON values (`dataclasses.asdict`, `extra` included), with `decode_tokens_per_second` (None
+        for an answer of one token): what `kvcompress generate --json` prints."""
+        rate = self.decode_tokens_per_second
+        return asdict(self) | {"decode_tokens_per_second": None if math.isnan(rate) else rate}
 
     def report(self) -> str:
         """Human-readable stats block."""
