@@ -708,7 +708,8 @@ _GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criter
 
 def refuse_decoding_settings(settings: dict) -> None:
     """Settings of `kvc.generate` or the pipeline that are `model.generate`'s decoding settings, refused naming where they apply."""
-    decoding = sorted(name for name in settings if name in _GENERATE_ARGUMENTS or hasattr(GenerationConfig(), name))
+    fields = GenerationConfig().to_dict()  # its settings (not its methods' names)
+    decoding = sorted(name for name in settings if name in _GENERATE_ARGUMENTS or name in fields)
     if decoding:
         raise ValueError(f"{', '.join(decoding)} {'is one of' if len(decoding) == 1 else 'are'} model.generate's decoding settings: "
                          "kvc.generate and the kvcompress pipeline decode greedily, up to max_new_tokens or, with stop_at_eos, the "
