@@ -31,7 +31,10 @@ class _PrintVersion(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         import kvcompress
 
-        print(f"kvcompress {kvcompress.__version__}")
+        try:
+            print(f"kvcompress {kvcompress.__version__}")
+        except AttributeError as err:  # a source tree imported without being installed
+            parser.exit(2, f"kvcompress: error: {err}\n")
         parser.exit()
 
 

@@ -367,7 +367,8 @@ class CompressionOptions:
             if not set(err.names) <= set(params):  # not a keyword of this call's (a scorer's own parameters)
                 raise
             # a misspelt option would otherwise be reported as a method parameter alone
-            raise ValueError(f"unknown setting(s) {err.names}: not an option ({', '.join(sorted(names))}), and {err}") from None
+            raise UnknownParameters(f"unknown setting(s) {err.names}: not an option ({', '.join(sorted(names))}), and {err}",
+                                    err.names) from None
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by field name (what `CompressionOptions(**d)` builds again), e.g. to save with a cache."""

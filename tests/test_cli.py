@@ -54,6 +54,31 @@ def test_the_version_is_the_installed_distributions_on_the_command_line_and_in_p
     assert kvcompress.__version__ == declared
 
 
+def test_a_source_tree_not_installed_has_no_version_and_says_so(monkeypatch, capsys, tmp_path):
+    """Imported from a source tree without `pip install`, there is no package metadata: `kvcompress.__version__` is an
+    AttributeError saying how to record it, `--version` one error line (exit 2, not a traceback), and an eval folder's
+    config.json records the kvcompress version as null beside torch's and transformers'."""
+    import importlib.metadata
+    import json
+
+    import kvcompress
+    from kvcompress.eval.runner import SweepConfig, write_run_config
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(AttributeError, match=r"kvcompress has no __version__: .* \(pip install -e \. records it\)"):
+        kvcompress.__version__
+    capsys.readouterr()
+    assert main(["--version"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvcompress: error: kvcompress has no __version__") and err.count("\n") == 1
+    write_run_config(tmp_path, SweepConfig(methods=["knorm"], ratios=[0.5], tasks=["niah_single"], lengths=[200], samples=1), "tiny", None)
+    recorded = json.loads((tmp_path / "config.json").read_text())["versions"]
+    assert recorded["kvcompress"] is None and recorded["torch"] == torch.__version__ and recorded["transformers"]
+
+
 
 def test_eval_under_an_ascii_locale_writes_its_reports_in_utf8_and_prints_what_the_terminal_cannot_show_escaped(tiny_checkpoint, tmp_path):
     """Under an ASCII locale (LC_ALL=C with Python's UTF-8 mode and locale coercion off) the sweep ran and then stopped
@@ -224,6 +249,15 @@ def test_generate_json_prints_one_object_with_the_answer_and_every_statistic(tin
     assert out.count("\n") == 1 and result["text"] == text and len(result["token_ids"]) == 4
     assert set(result) == {f.name for f in dataclasses.fields(GenerationResult)} | {"decode_tokens_per_second"}
     assert result["method"] == "knorm" and result["mode"] == "prefill" and 0 < result["kv_bytes"] < result["kv_bytes_full"]
+    # an answer the terminal's encoding may not show is escaped as JSON escapes it (valid JSON in any encoding)
+    from types import SimpleNamespace
+
+    from kvcompress.commands.generate import _print_result
+
+    fields = {f.name: result[f.name] for f in dataclasses.fields(GenerationResult)}
+    assert _print_result(GenerationResult(**fields | {"text": "Caf\u00e9 \U0001f600"}), SimpleNamespace(json=True)) == 0
+    line = capsys.readouterr().out
+    assert line.isascii() and json.loads(line)["text"] == "Caf\u00e9 \U0001f600"
     assert main(["compress", "--context-file", str(doc), *flags[:-4], "--out", str(tmp_path / "doc.kvc")]) == 0
     capsys.readouterr()
     assert main(["generate", "--cache", str(tmp_path / "doc.kvc"), *flags[8:], "--json"]) == 0  # --model and the question

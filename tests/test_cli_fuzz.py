@@ -362,6 +362,31 @@ def test_a_context_piped_to_standard_input_is_the_file_s_context(tiny_checkpoint
         assert len(err) == 1 and expected in err[0], err
 
 
+def test_standard_input_closed_a_terminal_or_without_bytes(monkeypatch, capsys):
+    """`--context-file -` with standard input closed is one error line (it was an AttributeError traceback); a terminal
+    gets a hint on stderr that the context is read until Ctrl-D; a text-only stdin (no `.buffer`) is read; line ends are
+    a text file's (CRLF and CR read as LF)."""
+    import io
+
+    from kvcompress.commands.generate import read_context
+
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["generate", "--context-file", "-", "--budget", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvcompress generate: error: --context-file '-' reads standard input, which is closed: pipe the context in, or "
+                   "name a file"]
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal(io.BytesIO(b"typed\r\ncontext\rhere")))
+    assert read_context(Path("-")) == "typed\ncontext\nhere"
+    assert "reading the context from standard input; end it with Ctrl-D" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("no bytes layer\r\n"))
+    assert read_context(Path("-")) == "no bytes layer\n"
+
+
 def test_compress_without_a_size_does_not_suggest_the_method_it_refuses(context_file, tmp_path, capsys):
     assert main(["compress", "--context-file", str(context_file), "--out", str(tmp_path / "c.kvc")]) == 2
     assert capsys.readouterr().err.strip() == "kvcompress compress: error: pass --compression-ratio, --budget or --calibration with --quality"

@@ -400,8 +400,12 @@ def test_the_full_cache_by_its_name_full_is_method_none():
         CompressionOptions.build(method="full", compression_ratio=0.5)
     with pytest.raises(ValueError, match="method='full': a CompressedCache compresses"):
         CompressedCache(model, "full")
-    with pytest.raises(ValueError, match=r"it takes a method .* got method=None \(the full cache\)"):
+    with pytest.raises(ValueError, match=r"it takes a method .* got the full cache \(method=None or 'full'\)"):
         kvc.compress_context(model, tokenizer, context, method="full")
+    from kvcompress.integration.prefill import SharedPrefill
+
+    shared = SharedPrefill(model, tokenizer(context, return_tensors="pt").input_ids)
+    assert [shared.cache(method).get_seq_length() for method in (None, "full")] == [shared.n] * 2
     with pytest.raises(ValueError, match=r"unknown method 'ful'; choose None or 'full' \(the full cache\)"):
         CompressionOptions.build(method="ful")
 
@@ -419,8 +423,9 @@ def test_model_generates_decoding_settings_are_refused_naming_model_generate():
     context = " ".join(f"w{i % 90}" for i in range(200))
     pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
     for settings, named in ((dict(temperature=0.7), "temperature is one of"), (dict(do_sample=True, top_p=0.9), "do_sample, top_p are"),
-                            (dict(num_beams=2), "num_beams is one of"), (dict(streamer=object()), "streamer is one of")):
-        expected = rf"{named} model\.generate's decoding settings: .* pass a kvc\.CompressedCache to model\.generate as past_key_values"
+                            (dict(num_beams=2), "num_beams is one of"), (dict(streamer=object()), "streamer is one of"),
+                            (dict(generate_kwargs={"do_sample": True}), "generate_kwargs is one of")):
+        expected = rf"^{named} model\.generate's decoding settings: kvcompress answers greedily.* pass a kvc\.CompressedCache to model\.generate as past_key_values$"
         with pytest.raises(ValueError, match=expected):
             kvc.generate(model, tokenizer, context, "w1", method="snapkv", compression_ratio=0.5, progress=False, **settings)
         with pytest.raises(ValueError, match=expected):

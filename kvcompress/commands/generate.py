@@ -125,7 +125,7 @@ def _run(args) -> int:
 def _print_result(res, args) -> int:
     """The answer, a blank line and the statistics (with a calibration, its choice); with --json, one JSON object."""
     if args.json:
-        print(json.dumps(res.to_dict(), ensure_ascii=False))
+        print(json.dumps(res.to_dict(), allow_nan=False))  # ASCII escapes: valid JSON whatever the terminal's encoding
         return 0
     print(res.text)
     print()
@@ -192,7 +192,11 @@ def read_context(path: Path) -> str:
     stdin = str(path) == "-"
     name = "'-' (standard input)" if stdin else repr(str(path))
     if stdin:
-        data = sys.stdin.buffer.read()
+        if sys.stdin is None or sys.stdin.closed:
+            raise ValueError("--context-file '-' reads standard input, which is closed: pipe the context in, or name a file")
+        if sys.stdin.isatty():
+            print("kvcompress: reading the context from standard input; end it with Ctrl-D", file=sys.stderr)
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
     elif path.is_dir():
         raise ValueError(f"--context-file {name} is a directory: pass a text file")
     elif not path.exists():

@@ -40,7 +40,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -545,10 +544,19 @@ def write_run_config(out: Path, config, model_name: str, shard: tuple[int, int] 
         settings["chunk_size"] = earlier["config"]["chunk_size"]  # unused by this run: the streamed cells' stays the folder's
     named = earlier.get("named_settings", {}) | named_settings_of(config.methods)
     meta = extra | {"config": settings, "named_settings": named, "model": model_name, "host": platform.node(),
-                    "python": platform.python_version(), "versions": {name: version(name) for name in ("kvcompress", "torch", "transformers")},
+                    "python": platform.python_version(), "versions": _versions(),
                     "threads": torch.get_num_threads(), "shard": shard,
                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     write_whole(path, json.dumps(meta, indent=1).encode())
+
+
+def _versions() -> dict:
+    """The versions of kvcompress (None for a source tree imported without being installed), torch and transformers."""
+    import transformers
+
+    import kvcompress
+
+    return {"kvcompress": getattr(kvcompress, "__version__", None), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def read_run_config(path: Path) -> dict:

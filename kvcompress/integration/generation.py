@@ -30,6 +30,7 @@ from .. import cache_file
 from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, check_bool
 from ..decoding import answer_end
+from ..methods.base import UnknownParameters
 from ..model_support import check_supported, model_lock, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
@@ -423,7 +424,7 @@ def generate_ids(
     an answer, as LongBench keeps an answer's first non-empty line). The first answer token is the argmax after the prompt; the
     rest comes from greedy `model.generate` on the same cache.
     """
-    options = CompressionOptions.build(options, **settings)
+    options = build_options(options, **settings)
     _check_answer_settings(max_new_tokens, stop_at_eos, progress)
     check_context_ids(context_ids)
     if context_ids.shape[0] != 1:
@@ -459,7 +460,7 @@ def answer_log_probs_ids(
     token passes through the streams, a token at a time, as `generate_ids` feeds it. With the answer `generate_ids`
     gave, each row's argmax is that answer's token.
     """
-    options = CompressionOptions.build(options, **settings)
+    options = build_options(options, **settings)
     if options.compress_question:
         raise ValueError("answer_log_probs_ids keeps the question out of compression, got compress_question=True")
     for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("answer_ids", answer_ids)):
@@ -494,7 +495,7 @@ def answer_questions_ids(
     compression_ratio is resolved against the context, the longest question and max_new_tokens, as generate_ids
     resolves it for one question (ratio 0 compresses nothing).
     """
-    options = CompressionOptions.build(options, **settings)
+    options = build_options(options, **settings)
     _check_answer_settings(max_new_tokens, stop_at_eos, progress)
     if options.compress_question:
         raise ValueError("many questions share one compressed context: compress_question=True is not possible")
@@ -549,12 +550,12 @@ def compress_context_ids(model, context_ids: torch.Tensor, options: CompressionO
     question here) and prefill_approx (which reads one question after its context: `generate_ids`) are refused. Leaves the model on the 'kvcompress' attention implementation, as
     `CompressedCache(model, method)` does.
     """
-    options = CompressionOptions.build(options, **settings)
+    options = build_options(options, **settings)
     if options.method is None or options.compress_question:
+        given = "the full cache (method=None or 'full')" if options.method is None else f"method={options.method!r}"
         raise ValueError(
             "compress_context compresses a context once for later questions: it takes a method and the question kept out of "
-            f"compression; got method={options.method!r}{' (the full cache)' if options.method is None else ''}, "
-            f"compress_question={options.compress_question!r}"
+            f"compression; got {given}, compress_question={options.compress_question!r}"
         )
     check_bool("progress", progress)
     check_context_ids(context_ids)
@@ -619,7 +620,7 @@ def generate_batch_ids(
     number of contexts. (A padded batch through one `CompressedCache`, as `model.generate` runs it, is always one
     forward: there a stream, AdaKV with scope='model', KVzip and the default are refused with the cause.)
     """
-    options = CompressionOptions.build(options, **settings)
+    options = build_options(options, **settings)
     # one row each: a row more would not be answered
     check_token_id_list("contexts_ids", contexts_ids, "[1, n]", model, note=" (one context; a batch is a list of them)")
     if question_ids is not None:
@@ -698,23 +699,29 @@ def compress_context(model, tokenizer, context: str, options: CompressionOptions
 
     if not isinstance(context, str) or not context.strip():
         raise ValueError(f"context must be a non-empty str, got {context!r}")
-    options = with_repeat_prompt(CompressionOptions.build(options, **settings), tokenizer)
+    options = with_repeat_prompt(build_options(options, **settings), tokenizer)
     return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress)
 
 
-# model.generate's own arguments beside its GenerationConfig's fields
-_GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "streamer", "assistant_model", "negative_prompt_ids")
+# model.generate's own arguments beside its GenerationConfig's fields, and a transformers pipeline's way of passing them
+_GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "streamer", "assistant_model", "negative_prompt_ids",
+                       "generate_kwargs")
 
 
-def refuse_decoding_settings(settings: dict) -> None:
-    """Settings of `kvc.generate` or the pipeline that are `model.generate`'s decoding settings, refused naming where they apply."""
-    fields = GenerationConfig().to_dict()  # its settings (not its methods' names)
-    decoding = sorted(name for name in settings if name in _GENERATE_ARGUMENTS or name in fields)
-    if decoding:
+def build_options(options: CompressionOptions | None, **settings) -> CompressionOptions:
+    """`CompressionOptions.build`, where settings that are neither options nor the method's parameters but are
+    `model.generate`'s decoding settings (do_sample, temperature, num_beams, a streamer, ...) are refused as such,
+    naming where they apply; a method's own parameter of such a name is the method's."""
+    try:
+        return CompressionOptions.build(options, **settings)
+    except UnknownParameters as err:
+        fields = GenerationConfig().to_dict()  # its settings (not its methods' names)
+        decoding = [name for name in err.names if name in _GENERATE_ARGUMENTS or name in fields]
+        if not decoding:
+            raise
         raise ValueError(f"{', '.join(decoding)} {'is one of' if len(decoding) == 1 else 'are'} model.generate's decoding settings: "
-                         "kvc.generate and the kvcompress pipeline decode greedily, up to max_new_tokens or, with stop_at_eos, the "
-                         "end of the answer; to sample, search beams or stream, pass a kvc.CompressedCache to model.generate as "
-                         "past_key_values")
+                         "kvcompress answers greedily, up to max_new_tokens or, with stop_at_eos, the end of the answer; to sample, "
+                         "search beams or stream, pass a kvc.CompressedCache to model.generate as past_key_values") from None
 
 
 def generate(
@@ -756,11 +763,11 @@ def generate(
 
     Decoding is greedy, up to `max_new_tokens` or (stop_at_eos) the end of the answer, so a run gives the same answer
     each time; `model.generate` with a `CompressedCache` samples, searches beams and streams, and `model.generate`'s
-    decoding settings (do_sample, temperature, num_beams, ...) are refused here, naming it.
+    decoding settings (do_sample, temperature, num_beams, ...) are refused here, naming it (`build_options`; a method's own
+    parameter of such a name is the method's).
     """
 
     check_questions(question, questions)
-    refuse_decoding_settings(settings)
     check_bool("progress", progress)
     prompt_layout = as_prompt_layout(prompt_layout, parameter="prompt_layout")
     if cache is not None:
@@ -793,7 +800,7 @@ def generate(
     if questions is not None and isinstance(context, list):
         raise ValueError("questions=[...] asks many questions about one context: pass one context string")
     _check_model_and_tokenizer(model, tokenizer)
-    options = with_repeat_prompt(CompressionOptions.build(options, **settings), tokenizer)
+    options = with_repeat_prompt(build_options(options, **settings), tokenizer)
     run = dict(max_new_tokens=max_new_tokens, progress=progress, stop_at_eos=stop_at_eos)
     if questions is not None:
         context_ids, _ = build_prompt(tokenizer, contexts[0], questions[0], layout=prompt_layout)

@@ -78,13 +78,11 @@ class CompressedTextGenerationPipeline(Pipeline):
                 "single": questions is None}
 
     def _forward(self, inputs, **settings):
-        from ..options import CompressionOptions
-        from .generation import refuse_decoding_settings, answer_questions_ids  # loaded on first use, not at registration
+        from .generation import answer_questions_ids, build_options  # loaded on first use, not at registration
         from .reconstruction import with_repeat_prompt
 
         run = {k: settings.pop(k) for k in _RUN_SETTINGS if k in settings}
-        refuse_decoding_settings(settings)
-        options = with_repeat_prompt(CompressionOptions.build(**settings), self.tokenizer)  # as kvc.generate builds them
+        options = with_repeat_prompt(build_options(None, **settings), self.tokenizer)  # as kvc.generate builds them
         results = answer_questions_ids(self.model, inputs["context_ids"], inputs["questions_ids"], options, **run)
         return {"results": results, "single": inputs["single"]}
 

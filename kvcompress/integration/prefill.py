@@ -14,6 +14,7 @@ import torch
 
 from ..cache import CompressedCache
 from ..model_support import RotaryInverse, use_compressed_attention
+from ..names import FULL
 from ..options import CompressionOptions
 from .capture import capture_qkv
 from .generation import generate_ids
@@ -28,7 +29,7 @@ class SharedPrefill:
         self.captured = capture_qkv(model, context_ids)
 
     def cache(self, method: str | None, compression_ratio: float = 0.0, sink=None, window=None, seed: int = 0, **params) -> CompressedCache:
-        """A prefill-mode cache holding `method`'s compression of the context (None: the exact, full cache)."""
+        """A prefill-mode cache holding `method`'s compression of the context (None or "full": the exact, full cache)."""
         method, compression_ratio = full_as_ratio_zero(method, compression_ratio)
         options = CompressionOptions(method=method, method_params=params, compression_ratio=compression_ratio, sink=sink, window=window, seed=seed)
         return CompressedCache.from_prefill(self.model, options, self.captured)
@@ -55,5 +56,5 @@ def continuation_logits(model, cache: CompressedCache, ids: torch.Tensor) -> tor
 
 
 def full_as_ratio_zero(method: str | None, compression_ratio: float) -> tuple[str, float]:
-    """The full cache from a record: any method at ratio 0 keeps every token exactly."""
-    return ("streamingllm", 0.0) if method is None else (method, compression_ratio)
+    """The full cache (None or FULL, "full") from a record: any method at ratio 0 keeps every token exactly."""
+    return ("streamingllm", 0.0) if method in (None, FULL) else (method, compression_ratio)
