@@ -229,8 +229,9 @@ def test_compress_saves_a_cache_that_generate_answers_from(tiny_checkpoint, tmp_
 
 
 def test_generate_json_prints_one_object_with_the_answer_and_every_statistic(tiny_checkpoint, tmp_path, capsys):
-    """`generate --json`, from a context file and from a saved cache: stdout is one JSON object, `GenerationResult.to_dict()`
-    (every field, `decode_tokens_per_second` beside them), whose answer is the text mode's."""
+    """`generate --json`, from a context file and from a saved cache: stdout is one JSON object a question, the question
+    and `GenerationResult.to_dict()` (every field, `decode_tokens_per_second` beside them), whose answer is the text
+    mode's. Several --question flags are answered from one compressed context, each as it is alone, in order."""
     import dataclasses
     import json
 
@@ -247,21 +248,37 @@ def test_generate_json_prints_one_object_with_the_answer_and_every_statistic(tin
     out = capsys.readouterr().out
     result = json.loads(out)
     assert out.count("\n") == 1 and result["text"] == text and len(result["token_ids"]) == 4
-    assert set(result) == {f.name for f in dataclasses.fields(GenerationResult)} | {"decode_tokens_per_second"}
+    assert set(result) == {f.name for f in dataclasses.fields(GenerationResult)} | {"decode_tokens_per_second", "question"}
+    assert result["question"] == "Who was the archivist?"
     assert result["method"] == "knorm" and result["mode"] == "prefill" and 0 < result["kv_bytes"] < result["kv_bytes_full"]
     # an answer the terminal's encoding may not show is escaped as JSON escapes it (valid JSON in any encoding)
     from types import SimpleNamespace
 
-    from kvcompress.commands.generate import _print_result
+    from kvcompress.commands.generate import _print_results
 
     fields = {f.name: result[f.name] for f in dataclasses.fields(GenerationResult)}
-    assert _print_result(GenerationResult(**fields | {"text": "Caf\u00e9 \U0001f600"}), SimpleNamespace(json=True)) == 0
+    printed = _print_results(GenerationResult(**fields | {"text": "Caf\u00e9 \U0001f600"}), SimpleNamespace(json=True, question=None))
+    assert printed == 0
     line = capsys.readouterr().out
     assert line.isascii() and json.loads(line)["text"] == "Caf\u00e9 \U0001f600"
     assert main(["compress", "--context-file", str(doc), *flags[:-4], "--out", str(tmp_path / "doc.kvc")]) == 0
     capsys.readouterr()
     assert main(["generate", "--cache", str(tmp_path / "doc.kvc"), *flags[8:], "--json"]) == 0  # --model and the question
     assert json.loads(capsys.readouterr().out)["token_ids"] == result["token_ids"]
+    # several questions, one compressed context: each answer as the question's alone, from the file and from the cache
+    others = ["--question", "Who?", "--question", "What was the archivist's name?"]
+    alone = []
+    for question in ("Who was the archivist?", "Who?", "What was the archivist's name?"):
+        assert main(["generate", "--context-file", str(doc), *flags[:10], "--question", question, "--max-new-tokens", "4", "--json"]) == 0
+        alone.append(json.loads(capsys.readouterr().out))
+    for source in (["--context-file", str(doc), *flags[:10]], ["--cache", str(tmp_path / "doc.kvc"), *flags[8:10]]):
+        assert main(["generate", *source, *flags[10:], *others, "--json"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [(r["question"], r["token_ids"]) for r in map(json.loads, lines)] == [(r["question"], r["token_ids"]) for r in alone]
+    assert main(["generate", "--context-file", str(doc), *flags, *others]) == 0
+    blocks = capsys.readouterr().out.split("\n\nquestion          ")
+    assert len(blocks) == 3 and blocks[0].startswith("question          Who was the archivist?\n" + alone[0]["text"] + "\n\nmethod ")
+    assert blocks[2].startswith("What was the archivist's name?\n" + alone[2]["text"] + "\n\nmethod ")
 
 
 def test_eval_checks_its_results_folder_before_loading_the_model(tmp_path, capsys):

@@ -209,7 +209,9 @@ CASES = {
     "bench out is a file": (["bench", "--sections", "overhead", "--out", "{ctx}"], "argument --out: "),
     "generate meta device": ([*GEN, "--budget", "8", "--device", "meta"], "--device: device must be 'cpu' or a CUDA device"),
     "generate mps device": ([*GEN, "--budget", "8", "--device", "mps"], "--device: device must be 'cpu' or a CUDA device"),
-    "generate question twice": ([*GEN, "--budget", "8", "--question", "One?", "--question", "Another?"], "--question given more than once; give each once"),
+    "generate two questions, each compressed": ([*GEN, "--budget", "8", "--question", "One?", "--question", "Another?", "--compress-question"],
+                                                "--compress-question compresses one question with its context, and several --question flags "
+                                                "share one compressed context"),
     # it said "--question must be a non-empty str, or None for no question": None is no command-line value
     "generate empty question": ([*GEN, "--budget", "8", "--question", ""], "argument --question: expected a question, got ''; leave --question out to ask none"),
     "generate blank question": ([*GEN, "--budget", "8", "--question", " \n"], "argument --question: expected a question, got ' \\n'; leave --question out"),

@@ -116,6 +116,13 @@ def test_cli_compress_then_generate_from_the_cache_answers_as_generate_on_the_co
     assert NEEDLE in answer_and_kept(direct)[0], direct
     assert f"mode={mode}" in from_cache and (f"{bits}-bit storage" in from_cache) == bool(bits), from_cache
     assert f"method            {method or 'adakv'} " in from_cache, from_cache  # the default: AdaKV over KVzap's scores
+    if (method, mode) == (None, "prefill"):  # several questions from the one saved context (docs/cli.md), as JSON lines
+        lines = cli("generate", "--cache", tmp_path / "doc.kvc", "--question", QUESTION, "--question", SECOND, "--max-new-tokens", NEW,
+                    "--json").splitlines()
+        answers = [json.loads(line) for line in lines]
+        assert [a["question"] for a in answers] == [QUESTION, SECOND] and answers[0]["text"] == answer_and_kept(from_cache)[0], answers
+        alone = cli("generate", "--cache", tmp_path / "doc.kvc", "--question", SECOND, "--max-new-tokens", NEW, "--json")
+        assert answers[1]["token_ids"] == json.loads(alone)["token_ids"], (answers, alone)
 
 
 # ---------------------------------------------------------------------------------------------------------------

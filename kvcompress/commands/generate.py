@@ -26,10 +26,13 @@ def add_cli(subparsers) -> None:
     source.add_argument("--context-file", type=user_path, help="text file holding the context (- reads standard input)")
     source.add_argument("--cache", type=user_path, default=None, metavar="FILE",
                         help="a compressed context saved by `kvcompress compress` (in place of --context-file; its own settings apply)")
-    p.add_argument("--question", type=_question, default=None, help="question appended after the (compressed) context (leave it out to ask none)")
+    p.add_argument("--question", type=_question, action="append", default=None,
+                   help="question appended after the (compressed) context (leave it out to ask none); given several times, "
+                        "each is answered from the one compressed context, in order")
     p.add_argument("--max-new-tokens", type=count(1), default=64, help="answer tokens at most (default 64)")
     p.add_argument("--json", action="store_true",
-                   help="print the answer and its statistics as one JSON object (GenerationResult.to_dict()) in place of the text")
+                   help="print each answer and its statistics as one JSON object a line (the question and "
+                        "GenerationResult.to_dict()) in place of the text")
     add_run_args(p, _run)
 
 
@@ -112,28 +115,44 @@ def _run(args) -> int:
             cache = load_cache(args.cache, model)
         except (ValueError, OSError) as err:  # saved for another model, or settings this version refuses
             raise ValueError(f"--cache {str(args.cache)!r}: {err}") from err
-        res = generate(model, tokenizer, question=args.question, cache=cache, max_new_tokens=args.max_new_tokens)
-        return _print_result(res, args)
+        results = generate(model, tokenizer, cache=cache, max_new_tokens=args.max_new_tokens, **_asked(args))
+        return _print_results(results, args)
     options = options_of(args)  # every flag checked before the model loads
+    if args.compress_question and len(args.question or []) > 1:
+        raise ValueError("--compress-question compresses one question with its context, and several --question flags share one "
+                         "compressed context: ask them without it, or one per run")
     context = read_context(args.context_file)
     set_threads(args.threads)
     model, tokenizer = load_cli_model(args)
-    res = generate(model, tokenizer, context, args.question, options, max_new_tokens=args.max_new_tokens)
-    return _print_result(res, args)
+    results = generate(model, tokenizer, context, options=options, max_new_tokens=args.max_new_tokens, **_asked(args))
+    return _print_results(results, args)
 
 
-def _print_result(res, args) -> int:
-    """The answer, a blank line and the statistics (with a calibration, its choice); with --json, one JSON object."""
-    if args.json:
-        print(json.dumps(res.to_dict(), allow_nan=False))  # ASCII escapes: valid JSON whatever the terminal's encoding
-        return 0
-    print(res.text)
-    print()
-    print(res.report())
-    if "calibration" in res.extra:
-        chosen = res.extra["calibration"]
-        print(f"calibration       NLL(context) {chosen['nll_context']:.3f} -> keep {chosen['retention']:.1%} "
-              f"(compression ratio {chosen['compression_ratio']:.3f}) for quality {args.quality:g}")
+def _asked(args) -> dict:
+    """`kvc.generate`'s question (none or one --question) or questions (several, the context compressed once)."""
+    asked = args.question or [None]
+    return {"question": asked[0]} if len(asked) == 1 else {"questions": asked}
+
+
+def _print_results(results, args) -> int:
+    """Per question: the answer, a blank line and the statistics (with a calibration, its choice), several questions'
+    blocks each headed by its question and apart by a blank line; with --json, one JSON object a line, the question and
+    `GenerationResult.to_dict()`."""
+    asked = args.question or [None]
+    results = results if isinstance(results, list) else [results]
+    for i, (question, res) in enumerate(zip(asked, results)):
+        if args.json:
+            print(json.dumps({"question": question} | res.to_dict(), allow_nan=False))  # ASCII escapes: valid JSON in any encoding
+            continue
+        if len(asked) > 1:
+            print(("\n" if i else "") + f"question          {question}")
+        print(res.text)
+        print()
+        print(res.report())
+        if "calibration" in res.extra:
+            chosen = res.extra["calibration"]
+            print(f"calibration       NLL(context) {chosen['nll_context']:.3f} -> keep {chosen['retention']:.1%} "
+                  f"(compression ratio {chosen['compression_ratio']:.3f}) for quality {args.quality:g}")
     return 0
 
 
