@@ -1250,6 +1250,15 @@ class CompressedCache(Cache):
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def __repr__(self) -> str:
+        """What the cache holds: its method and mode, the tokens it has seen, the slots per KV head its layers keep and the
+        bytes it stores (transformers' own repr lists the layers' class names only)."""
+        slots = self.slots_per_layer()
+        kept = f"{min(slots):g}..{max(slots):g}" if slots else "-"
+        storage = "" if self.options.kv_bits is None else f", kv_bits={self.options.kv_bits}"
+        return (f"CompressedCache(method={self.options.method!r}, mode={self.options.mode!r}{storage}, tokens={self.get_seq_length()}, "
+                f"slots per KV head {kept}, stored {self.nbytes()} bytes)")
+
     def peak_bytes(self) -> int:
         return sum(layer.stats.peak_bytes for layer in self.layers)
 

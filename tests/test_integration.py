@@ -430,3 +430,20 @@ def test_model_generates_decoding_settings_are_refused_naming_model_generate():
             kvc.generate(model, tokenizer, context, "w1", method="snapkv", compression_ratio=0.5, progress=False, **settings)
         with pytest.raises(ValueError, match=expected):
             pipe(context, questions=["w1"], method="snapkv", compression_ratio=0.5, **settings)
+
+
+def test_a_compressed_cache_shows_what_it_holds():
+    """repr(cache) names the method, mode and storage, the tokens seen, the slots per KV head kept and the bytes stored
+    (transformers' repr listed `CompressedLayer` once per layer), before and after compression, in every mode."""
+    from test_hf import _word_tokenizer
+
+    model, tokenizer = tiny("llama"), _word_tokenizer()
+    context = " ".join(f"w{i % 90}" for i in range(200))
+    assert repr(CompressedCache(model, "snapkv", compression_ratio=0.5)) == (
+        "CompressedCache(method='snapkv', mode='prefill', tokens=0, slots per KV head 0..0, stored 0 bytes)")
+    for mode in ("prefill", "chunked", "decode"):
+        cache = kvc.compress_context(model, tokenizer, context, method="keydiff", budget=16, mode=mode, kv_bits=4)
+        slots = cache.slots_per_layer()
+        assert repr(cache) == (f"CompressedCache(method='keydiff', mode='{mode}', kv_bits=4, tokens={cache.get_seq_length()}, "
+                               f"slots per KV head {min(slots):g}..{max(slots):g}, stored {cache.nbytes()} bytes)")
+        assert cache.get_seq_length() == cache.token_ids.shape[1] and 0 < cache.nbytes()
