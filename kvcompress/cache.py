@@ -104,12 +104,14 @@ class CachePlan:
 @dataclass
 class CacheSnapshot:
     """What `CompressedCache.snapshot` keeps: each layer's state, whether the prompt was still streaming (`absorbing`),
-    the contexts waiting for a joint compression, and the token ids the cache stood for."""
+    the contexts waiting for a joint compression, the token ids the cache stood for, and each layer's costs so far
+    (`LayerStats`, copies)."""
 
     layers: list
     absorbing: bool
     waiting: dict
     token_ids: torch.Tensor | None
+    stats: list
 
 
 @dataclass
@@ -1209,15 +1211,18 @@ class CompressedCache(Cache):
     def snapshot(self) -> "CacheSnapshot":
         """Every layer's state (cheap: stored tensors are shared) and where the prompt stands, for restore(): e.g. right
         after a context is compressed."""
-        return CacheSnapshot([layer.snapshot() for layer in self.layers], self._absorbing, dict(self._waiting), self.token_ids)
+        return CacheSnapshot([layer.snapshot() for layer in self.layers], self._absorbing, dict(self._waiting), self.token_ids,
+                             [replace(layer.stats) for layer in self.layers])
 
     def restore(self, snapshot: "CacheSnapshot") -> None:
-        """Roll the cache back to a snapshot(): later tokens are forgotten, the compressed context is reused as is, and a
-        chunked prompt that was still streaming when the snapshot was taken streams again."""
+        """Roll the cache back to a snapshot(): later tokens are forgotten, and so are their costs (the peak bytes and
+        compression seconds since), the compressed context is reused as is, and a chunked prompt that was still
+        streaming when the snapshot was taken streams again."""
         if not isinstance(snapshot, CacheSnapshot):
             raise ValueError(f"snapshot must be what cache.snapshot() returned, got {type(snapshot).__name__}")
-        for layer, state in zip(self.layers, snapshot.layers):
+        for layer, state, stats in zip(self.layers, snapshot.layers, snapshot.stats):
             layer.restore(state)
+            layer.stats = replace(stats)
         self._absorbing, self._waiting, self.token_ids = snapshot.absorbing, dict(snapshot.waiting), snapshot.token_ids
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -1251,13 +1256,15 @@ class CompressedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     def __repr__(self) -> str:
-        """What the cache holds: its method and mode, the tokens it has seen, the slots per KV head its layers keep and the
-        bytes it stores (transformers' own repr lists the layers' class names only)."""
-        slots = self.slots_per_layer()
-        kept = f"{min(slots):g}..{max(slots):g}" if slots else "-"
-        storage = "" if self.options.kv_bits is None else f", kv_bits={self.options.kv_bits}"
-        return (f"CompressedCache(method={self.options.method!r}, mode={self.options.mode!r}{storage}, tokens={self.get_seq_length()}, "
-                f"slots per KV head {kept}, stored {self.nbytes()} bytes)")
+        """What the cache holds: its method and mode, the bits it stores (as set before anything is stored, as resolved
+        after), the tokens it has seen, the slots per KV head its layers keep (least..most over the layers) and the bytes
+        it stores (transformers' own repr lists the layers' class names only)."""
+        slots, tokens = self.slots_per_layer(), self.get_seq_length()
+        kept = f"{min(slots):.0f}..{max(slots):.0f}" if slots else "-"  # a batch's: the mean over its rows
+        bits = self.kv_bits if tokens else self.options.kv_bits  # once compressed, what is stored ("auto" resolved)
+        storage = "" if bits is None else f", kv_bits={bits}"
+        return (f"CompressedCache(method={self.options.method!r}, mode={self.options.mode!r}{storage}, tokens={tokens}, "
+                f"slots={kept} per KV head, stored_bytes={self.nbytes()})")
 
     def peak_bytes(self) -> int:
         return sum(layer.stats.peak_bytes for layer in self.layers)

@@ -277,8 +277,12 @@ def test_generate_json_prints_one_object_with_the_answer_and_every_statistic(tin
         assert [(r["question"], r["token_ids"]) for r in map(json.loads, lines)] == [(r["question"], r["token_ids"]) for r in alone]
     assert main(["generate", "--context-file", str(doc), *flags, *others]) == 0
     blocks = capsys.readouterr().out.split("\n\nquestion          ")
-    assert len(blocks) == 3 and blocks[0].startswith("question          Who was the archivist?\n" + alone[0]["text"] + "\n\nmethod ")
-    assert blocks[2].startswith("What was the archivist's name?\n" + alone[2]["text"] + "\n\nmethod ")
+    assert len(blocks) == 3 and blocks[0].startswith('question          "Who was the archivist?"\n' + alone[0]["text"] + "\n\nmethod ")
+    assert blocks[2].startswith('"What was the archivist\'s name?"\n' + alone[2]["text"] + "\n\nmethod ")
+    # a question holding a line break stays on its line
+    assert main(["generate", "--context-file", str(doc), *flags[:10], "--question", "Who\nwas it?", "--question", "Who?",
+                 "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith('question          "Who\\nwas it?"\n')
 
 
 def test_eval_checks_its_results_folder_before_loading_the_model(tmp_path, capsys):

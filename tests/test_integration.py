@@ -440,10 +440,29 @@ def test_a_compressed_cache_shows_what_it_holds():
     model, tokenizer = tiny("llama"), _word_tokenizer()
     context = " ".join(f"w{i % 90}" for i in range(200))
     assert repr(CompressedCache(model, "snapkv", compression_ratio=0.5)) == (
-        "CompressedCache(method='snapkv', mode='prefill', tokens=0, slots per KV head 0..0, stored 0 bytes)")
+        "CompressedCache(method='snapkv', mode='prefill', tokens=0, slots=0..0 per KV head, stored_bytes=0)")
+    assert "kv_bits=auto, tokens=0" in repr(CompressedCache(model, "knorm", compression_ratio=0.5, kv_bits="auto", budget_unit="memory"))
     for mode in ("prefill", "chunked", "decode"):
         cache = kvc.compress_context(model, tokenizer, context, method="keydiff", budget=16, mode=mode, kv_bits=4)
         slots = cache.slots_per_layer()
         assert repr(cache) == (f"CompressedCache(method='keydiff', mode='{mode}', kv_bits=4, tokens={cache.get_seq_length()}, "
-                               f"slots per KV head {min(slots):g}..{max(slots):g}, stored {cache.nbytes()} bytes)")
+                               f"slots={min(slots)}..{max(slots)} per KV head, stored_bytes={cache.nbytes()})")
         assert cache.get_seq_length() == cache.token_ids.shape[1] and 0 < cache.nbytes()
+    auto = kvc.compress_context(model, tokenizer, context, method="knorm", compression_ratio=0.5, kv_bits="auto", budget_unit="memory")
+    assert auto.kv_bits == 8 and ", kv_bits=8, " in repr(auto)  # what "auto" resolved to, as stored
+
+
+def test_each_of_several_questions_reports_its_own_costs():
+    """Several questions of one compressed context (`answer_questions_ids`, a snapshot restored after each): a question's
+    peak bytes and compression seconds were those of every question before it too (the snapshot put back the layers'
+    contents, not their costs); each now reports what it reports asked alone."""
+    from test_hf import _word_tokenizer
+
+    model, tokenizer = tiny("llama"), _word_tokenizer()
+    context = " ".join(f"w{i % 90}" for i in range(200))
+    long, short = " ".join(f"w{i % 90}" for i in range(300)), "w3"  # the long one stores more than the context's prefill
+    settings = dict(method="snapkv", budget=16, window=8, max_new_tokens=3, progress=False, stop_at_eos=False)
+    for mode in ("prefill", "decode"):
+        both = kvc.generate(model, tokenizer, context, questions=[long, short], mode=mode, **settings)
+        alone = kvc.generate(model, tokenizer, context, short, mode=mode, **settings)
+        assert both[1].token_ids == alone.token_ids and both[1].peak_kv_bytes == alone.peak_kv_bytes < both[0].peak_kv_bytes, mode
