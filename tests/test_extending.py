@@ -54,11 +54,11 @@ def test_a_method_parameter_named_like_a_decoding_setting_is_the_method_s(method
     import kvcompress as kvc
     from kvcompress.integration import PIPELINE_TASK
     from test_hf import _word_tokenizer
-    from test_integration import tiny
+    from test_integration import _words, tiny
 
     run_python(method_snippets()[0], method_module.__dict__)
     model, tokenizer = tiny("llama"), _word_tokenizer()
-    context = " ".join(f"w{i % 90}" for i in range(200))
+    context = _words(200)
     settings = dict(compression_ratio=0.5, max_new_tokens=3, progress=False, stop_at_eos=False)
     answers = [kvc.generate(model, tokenizer, context, "w1", method="mymethod", temperature=t, **settings) for t in (1.0, 2.0)]
     assert answers[0].token_ids == answers[1].token_ids and answers[0].method == "mymethod"  # a divisor of every score

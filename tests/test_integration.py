@@ -49,6 +49,11 @@ def _prompt(n=150, m=8, seed=1):
     return torch.randint(0, 96, (1, n), generator=g), torch.randint(0, 96, (1, m), generator=g)
 
 
+def _words(n: int) -> str:
+    """A text of n tokens of the word tokenizer (`test_hf._word_tokenizer`): w0, w1, ..., cycling over 90 words."""
+    return " ".join(f"w{i % 90}" for i in range(n))
+
+
 def _reference(model, ctx, question, new=12):
     out = model.generate(torch.cat([ctx, question], 1), max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return out[0, ctx.shape[1] + question.shape[1] :].tolist()
@@ -391,7 +396,7 @@ def test_the_full_cache_by_its_name_full_is_method_none():
     from test_hf import _word_tokenizer
 
     model, tokenizer = tiny("llama"), _word_tokenizer()
-    context = " ".join(f"w{i % 90}" for i in range(200))
+    context = _words(200)
     answers = [kvc.generate(model, tokenizer, context, "w1 w2", method=method, max_new_tokens=4, progress=False, stop_at_eos=False)
                for method in (None, "full")]
     assert answers[0].token_ids == answers[1].token_ids and answers[1].report().startswith("method            full (")
@@ -420,7 +425,7 @@ def test_model_generates_decoding_settings_are_refused_naming_model_generate():
     from test_hf import _word_tokenizer
 
     model, tokenizer = tiny("qwen2"), _word_tokenizer()
-    context = " ".join(f"w{i % 90}" for i in range(200))
+    context = _words(200)
     pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
     for settings, named in ((dict(temperature=0.7), "temperature is one of"), (dict(do_sample=True, top_p=0.9), "do_sample, top_p are"),
                             (dict(num_beams=2), "num_beams is one of"), (dict(streamer=object()), "streamer is one of"),
@@ -438,7 +443,7 @@ def test_a_compressed_cache_shows_what_it_holds():
     from test_hf import _word_tokenizer
 
     model, tokenizer = tiny("llama"), _word_tokenizer()
-    context = " ".join(f"w{i % 90}" for i in range(200))
+    context = _words(200)
     assert repr(CompressedCache(model, "snapkv", compression_ratio=0.5)) == (
         "CompressedCache(method='snapkv', mode='prefill', tokens=0, slots=0..0 per KV head, stored_bytes=0)")
     assert "kv_bits=auto, tokens=0" in repr(CompressedCache(model, "knorm", compression_ratio=0.5, kv_bits="auto", budget_unit="memory"))
@@ -459,8 +464,8 @@ def test_each_of_several_questions_reports_its_own_costs():
     from test_hf import _word_tokenizer
 
     model, tokenizer = tiny("llama"), _word_tokenizer()
-    context = " ".join(f"w{i % 90}" for i in range(200))
-    long, short = " ".join(f"w{i % 90}" for i in range(300)), "w3"  # the long one stores more than the context's prefill
+    context = _words(200)
+    long, short = _words(300), "w3"  # the long one stores more than the context's prefill
     settings = dict(method="snapkv", budget=16, window=8, max_new_tokens=3, progress=False, stop_at_eos=False)
     for mode in ("prefill", "decode"):
         both = kvc.generate(model, tokenizer, context, questions=[long, short], mode=mode, **settings)

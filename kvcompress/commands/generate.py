@@ -115,7 +115,7 @@ def _run(args) -> int:
             cache = load_cache(args.cache, model)
         except (ValueError, OSError) as err:  # saved for another model, or settings this version refuses
             raise ValueError(f"--cache {str(args.cache)!r}: {err}") from err
-        results = generate(model, tokenizer, cache=cache, max_new_tokens=args.max_new_tokens, **_asked(args.question))
+        results = generate(model, tokenizer, cache=cache, max_new_tokens=args.max_new_tokens, **_asked(args))
         return _print_results(results, args)
     options = options_of(args)  # every flag checked before the model loads
     if args.compress_question and len(args.question or []) > 1:
@@ -124,20 +124,26 @@ def _run(args) -> int:
     context = read_context(args.context_file)
     set_threads(args.threads)
     model, tokenizer = load_cli_model(args)
-    results = generate(model, tokenizer, context, options=options, max_new_tokens=args.max_new_tokens, **_asked(args.question))
+    results = generate(model, tokenizer, context, options=options, max_new_tokens=args.max_new_tokens, **_asked(args))
     return _print_results(results, args)
 
 
-def _asked(questions: list[str] | None) -> dict:
+def _questions(args) -> list[str | None]:
+    """The questions asked, in order: [None] when --question is not given."""
+    return args.question or [None]
+
+
+def _asked(args) -> dict:
     """`kvc.generate`'s question (--question given once, or not at all) or questions (several, the context compressed once)."""
-    return {"question": questions[0] if questions else None} if len(questions or []) < 2 else {"questions": questions}
+    asked = _questions(args)
+    return {"question": asked[0]} if len(asked) == 1 else {"questions": asked}
 
 
 def _print_results(results, args) -> int:
     """Per question: the answer, a blank line and the statistics (with a calibration, its choice), several questions'
     blocks each headed by its question as a JSON string (one line whatever it holds) and apart by a blank line; with
     --json, one JSON object a line, the question and `GenerationResult.to_dict()`."""
-    asked = args.question or [None]
+    asked = _questions(args)
     for i, (question, res) in enumerate(zip(asked, results if isinstance(results, list) else [results], strict=True)):
         if args.json:
             print(json.dumps({"question": question} | res.to_dict(), allow_nan=False))  # ASCII escapes: valid JSON in any encoding
