@@ -58,11 +58,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from . import cache_file
 from .checks import as_count, check_token_ids, describe
-from .methods.base import compress_layers, compress_tokens, make_generator
+from .methods.base import UnknownParameters, compress_layers, compress_tokens, make_generator
 from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
-from .model_support import autocast_off, common_dtype, select_compressed_attention
+from .model_support import autocast_off, common_dtype, decoding_settings, select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
 from .quantization import QuantizedRaggedSummary, QuantizedSummary
@@ -911,13 +911,20 @@ class CompressedCache(Cache):
         if method is None or method == FULL or (isinstance(method, CompressionOptions) and method.method is None):
             raise ValueError(f"method={method!r}: a CompressedCache compresses, and the full cache is transformers' own DynamicCache (what "
                              "model.generate uses when no past_key_values is passed); name a method: 'default' or one of kvcompress.methods()")
-        if isinstance(method, CompressionOptions):
-            options = CompressionOptions.build(method, **settings)
-        elif isinstance(method, str):
-            refuse_feeding_settings(settings)
-            options = CompressionOptions.build(method=method, **settings)
-        else:
+        if not isinstance(method, (str, CompressionOptions)):
             raise ValueError(f"method must be a method name (one of kvcompress.methods()) or a CompressionOptions, got {method!r}")
+        if isinstance(method, str):
+            refuse_feeding_settings(settings)
+        try:
+            options = CompressionOptions.build(method, **settings) if isinstance(method, CompressionOptions) else CompressionOptions.build(method=method, **settings)
+        except UnknownParameters as err:
+            decoding, others = decoding_settings(err.names)
+            if not decoding:
+                raise
+            raise ValueError(f"CompressedCache(..., {', '.join(f'{name}={settings[name]!r}' for name in decoding)}): "
+                             f"{'it is one of' if len(decoding) == 1 else 'they are'} model.generate's decoding settings, not the "
+                             "cache's: pass them to the model.generate call the cache goes to, model.generate(..., past_key_values=cache, "
+                             + ", ".join(f"{name}=..." for name in decoding) + ")" + others) from None
         if all(kind != "full_attention" for kind, _ in layer_types):
             windows = sorted({window for _, window in layer_types})
             raise ValueError(

@@ -14,6 +14,7 @@ import threading
 import weakref
 
 import torch
+from transformers import GenerationConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 ATTENTION_NAME = "kvcompress"  # the attention implementation a CompressedCache needs (kvcompress.integration.attention)
@@ -186,6 +187,21 @@ def common_dtype(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor
         return keys, values
     common = torch.promote_types(keys.dtype, values.dtype)
     return keys.to(common), values.to(common)
+
+
+# model.generate's own arguments beside its GenerationConfig's fields, and a transformers pipeline's way of passing them
+_GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "streamer", "assistant_model", "negative_prompt_ids",
+                       "generate_kwargs")
+
+
+def decoding_settings(names) -> tuple[list[str], str]:
+    """Which of `names` are `model.generate`'s decoding settings (a `GenerationConfig` field such as do_sample,
+    temperature or num_beams, or one of generate's own arguments such as a streamer), in their order; -> (those names,
+    what a message says of the others: "" when there are none)."""
+    fields = GenerationConfig().to_dict()  # its settings (not its methods' names)
+    decoding = [name for name in names if name in _GENERATE_ARGUMENTS or name in fields]
+    rest = [name for name in names if name not in decoding]
+    return decoding, f"; {', '.join(rest)} {'is' if len(rest) == 1 else 'are'} not an option or a parameter of the method either" if rest else ""
 
 
 def has_padding(real: torch.Tensor | None) -> bool:

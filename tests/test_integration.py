@@ -435,6 +435,25 @@ def test_model_generates_decoding_settings_are_refused_naming_model_generate():
             kvc.generate(model, tokenizer, context, "w1", method="snapkv", compression_ratio=0.5, progress=False, **settings)
         with pytest.raises(ValueError, match=expected):
             pipe(context, questions=["w1"], method="snapkv", compression_ratio=0.5, **settings)
+    with pytest.raises(ValueError, match=r"^temperature is one of .*past_key_values; anchor is not an option or a parameter of the method either$"):
+        kvc.generate(model, tokenizer, context, "w1", method="snapkv", compression_ratio=0.5, temperature=0.7, anchor="mean")
+
+
+def test_a_cache_built_with_a_decoding_setting_names_the_generate_call_it_belongs_to():
+    """CompressedCache(model, method, temperature=...) is a sampling setting given to the cache: the refusal names
+    model.generate, where it goes, as kvc.generate's does (it was the generic unknown-setting message); an unknown
+    name beside it is named too, and a name that is neither keeps the unknown-setting message."""
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"^CompressedCache\(\.\.\., temperature=0\.7\): it is one of model\.generate's decoding "
+                                         r"settings, not the cache's: .*model\.generate\(\.\.\., past_key_values=cache, temperature=\.\.\.\)$"):
+        kvc.CompressedCache(model, "snapkv", compression_ratio=0.5, temperature=0.7)
+    options = kvc.CompressionOptions(method="keydiff", compression_ratio=0.5)
+    with pytest.raises(ValueError, match=r"do_sample=True, top_k=5\): they are .*do_sample=\.\.\., top_k=\.\.\.\); "
+                                         r"anchor2 is not an option or a parameter of the method either$"):
+        kvc.CompressedCache(model, "keydiff", compression_ratio=0.5, do_sample=True, top_k=5, anchor2=1)
+    with pytest.raises(ValueError, match="unknown setting"):
+        kvc.CompressedCache(model, "keydiff", compression_ratio=0.5, anchor2=1)
+    assert kvc.CompressedCache(model, options).options.method == "keydiff"
 
 
 def test_a_compressed_cache_shows_what_it_holds():

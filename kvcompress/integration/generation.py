@@ -31,7 +31,7 @@ from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, check_bool
 from ..decoding import answer_end
 from ..methods.base import UnknownParameters
-from ..model_support import check_supported, model_lock, select_compressed_attention, use_compressed_attention
+from ..model_support import check_supported, decoding_settings, model_lock, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
@@ -703,11 +703,6 @@ def compress_context(model, tokenizer, context: str, options: CompressionOptions
     return compress_context_ids(model, build_prompt(tokenizer, context)[0], options, progress=progress)
 
 
-# model.generate's own arguments beside its GenerationConfig's fields, and a transformers pipeline's way of passing them
-_GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "streamer", "assistant_model", "negative_prompt_ids",
-                       "generate_kwargs")
-
-
 def build_options(options: CompressionOptions | None, **settings) -> CompressionOptions:
     """`CompressionOptions.build`, where settings that are neither options nor the method's parameters but are
     `model.generate`'s decoding settings (do_sample, temperature, num_beams, a streamer, ...) are refused as such,
@@ -715,13 +710,12 @@ def build_options(options: CompressionOptions | None, **settings) -> Compression
     try:
         return CompressionOptions.build(options, **settings)
     except UnknownParameters as err:
-        fields = GenerationConfig().to_dict()  # its settings (not its methods' names)
-        decoding = [name for name in err.names if name in _GENERATE_ARGUMENTS or name in fields]
+        decoding, others = decoding_settings(err.names)
         if not decoding:
             raise
         raise ValueError(f"{', '.join(decoding)} {'is one of' if len(decoding) == 1 else 'are'} model.generate's decoding settings: "
                          "kvcompress answers greedily, up to max_new_tokens or, with stop_at_eos, the end of the answer; to sample, "
-                         "search beams or stream, pass a kvc.CompressedCache to model.generate as past_key_values") from None
+                         "search beams or stream, pass a kvc.CompressedCache to model.generate as past_key_values" + others) from None
 
 
 def generate(
