@@ -548,18 +548,25 @@ class CompressedLayer(CacheLayerMixin):
         self.pending, self.pending_real, self.pending_rope_positions, self.view, self.view_packed = None, None, None, None, []
 
     def reset(self) -> None:
+        """Empty the layer as a fresh one is: its dtype and device too are taken from the next block."""
         self._forget_block()
         self.refused = None
         self.front = self.tail = self.rows = None
         self.seen = 0
         self.budgets, self.kv_bits = [], None
         self.stats = LayerStats()
+        self.is_initialized = False
+
+    def check_rows_can_change(self) -> None:
+        """ValueError when the layer's batch rows cannot be selected or repeated: a live stream (decode mode, or a chunked
+        prompt) scores its rows as it goes."""
+        if isinstance(self.front, Stream):
+            raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: keep the batch rows `beam_idx` [B] (a live stream, decode mode or a chunked prompt, cannot be
         reordered)."""
-        if isinstance(self.front, Stream):
-            raise ValueError(f"beam search reorders the cache rows: supported in mode='prefill', got mode={self.cache.options.mode!r}")
+        self.check_rows_can_change()
         if isinstance(self.front, _STORED_FRONTS):
             self.front = self.front.select_rows(beam_idx)
         else:
@@ -584,9 +591,11 @@ class CompressedLayer(CacheLayerMixin):
                          "cache); generate without them, or roll back with cache.restore(cache.snapshot() taken earlier)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Refused: the rows of a compressed cache are only reordered (`reorder_cache`), never repeated."""
-        raise ValueError(f"a CompressedCache cannot repeat its batch rows ({repeats}×, a decoding strategy that expands the cache after "
-                         "the prompt): expand the prompt's rows before it is compressed, as beam search and num_return_sequences do")
+        """Each stored batch row `repeats` times in a row, as transformers' layers repeat theirs (a decoding strategy that
+        expands the cache after the prompt): the rows `reorder_cache` keeps. A fresh layer has no rows to repeat."""
+        self.check_rows_can_change()
+        if self.rows is not None:
+            self.reorder_cache(torch.arange(self.rows, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Beam search's row selection (`reorder_cache`), under the name some decoding strategies use: `indices` as
@@ -595,6 +604,12 @@ class CompressedLayer(CacheLayerMixin):
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
         self.reorder_cache(indices.long())
+
+    def offload(self):
+        """Refused, as `CompressedCache.offload` is."""
+        self.cache.offload(self.layer_idx)
+
+    prefetch = offload
 
     def snapshot(self):
         """The layer's state, to restore() later: a summary is shared (never modified in place), any other front (a live
@@ -758,6 +773,11 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
             self.keys, self.values = self.keys.clone(), self.values.clone()
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes())  # what it stores, as the full cache's window is counted
         return keys, values
+
+    def reset(self) -> None:
+        """Empty the window as a fresh one is, its costs too."""
+        super().reset()
+        self.stats = LayerStats()
 
     def load_prefill(self, queries, keys, values, scale, attention_mass=None) -> None:
         """Take a recorded prefill of the context: the window keeps its last tokens (the queries and the attention mass,
@@ -1011,6 +1031,35 @@ class CompressedCache(Cache):
 
     prefetch = offload
 
+    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
+        """Refused: transformers' export recipes initialise a cache's tensors before the first forward, and a compressed
+        cache's storage is shaped by what its method keeps, known only once blocks come (it is built lazily)."""
+        raise NotImplementedError("a CompressedCache shapes its storage from the blocks it is given (what its method keeps), so it "
+                                  "cannot be initialised in advance (early_initialization, for torch.export recipes); run the model "
+                                  "with it as it is")
+
+    def _rows_can_change(self) -> None:
+        """ValueError, before any layer changes, when a compressed layer's rows cannot be selected or repeated."""
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                layer.check_rows_can_change()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: keep the batch rows `beam_idx` [B] in every layer (refused before any layer changes in a streaming
+        mode: `CompressedLayer.reorder_cache`)."""
+        self._rows_can_change()
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """`reorder_cache` under the name some decoding strategies use (`CompressedLayer.batch_select_indices`)."""
+        self._rows_can_change()
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each batch row `repeats` times in every layer (`CompressedLayer.batch_repeat_interleave`)."""
+        self._rows_can_change()
+        super().batch_repeat_interleave(repeats)
+
     def reset(self) -> None:
         """Empty every layer and start a new prompt: a chunked cache absorbs the next prompt into its streams again."""
         super().reset()
@@ -1168,22 +1217,22 @@ class CompressedCache(Cache):
 
     def activate_past_recording(self) -> None:
         """transformers' call before assisted generation (an assistant model, `prompt_lookup_num_tokens`), which checks
-        draft tokens in the cache's forwards and crops the ones it rejects: refused unless the cache compresses nothing
-        (compression ratio 0), since a compressing cache would compress the drafts with the prompt they follow, before
-        any token is fed."""
+        draft tokens in the cache's forwards and crops the ones it rejects: refused before any token is fed, since a
+        compressing cache would compress the drafts with the prompt they follow, and no cache of this kind takes a
+        token back (`crop`), not even at ratio 0."""
         ratio = self.options.compression_ratio
-        if ratio != 0:
-            setting = f"compression_ratio={ratio}" if ratio is not None else f"budget={self.options.budget}"
-            raise ValueError(f"a CompressedCache that compresses ({setting}) cannot serve assisted generation (assistant_model, "
-                             "prompt_lookup_num_tokens): transformers checks the draft tokens in the cache's forwards, so they would be "
-                             "compressed with the prompt, and a rejected one cannot be taken back; generate without them")
-        super().activate_past_recording()
+        setting = f"compression_ratio={ratio}" if ratio is not None else f"budget={self.options.budget}"
+        raise ValueError(f"a CompressedCache ({setting}) cannot serve assisted generation (assistant_model, prompt_lookup_num_tokens): "
+                         "transformers checks the draft tokens in the cache's forwards, so they would be compressed with the prompt, "
+                         "and a rejected one cannot be taken back; generate without them, or with transformers' own cache")
 
     def crop(self, tokens_to_remove: int) -> None:
         """`CompressedLayer.crop`'s refusal, before any layer is cropped (a sliding-window layer ahead of the first compressed
         one would otherwise drop its tokens first): every compressed layer then refuses later forwards until `restore` or
         `reset`."""
         compressed = [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+        if tokens_to_remove < 0 and compressed and self.get_seq_length() == 0:
+            return  # nothing held, nothing to remove (as transformers' caches do)
         if tokens_to_remove < 0 and compressed:
             for layer in compressed[1:]:
                 layer.refused = f"crop({tokens_to_remove})"

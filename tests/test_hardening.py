@@ -1067,9 +1067,10 @@ def test_a_refused_block_or_crop_leaves_the_cache_refusing_until_reset():
             model(ctx[:, :3], attention_mask=torch.cat([torch.ones(1, 150), torch.tensor([[0.0, 1, 1]])], 1).long(), past_key_values=cache)
         with pytest.raises(RuntimeError, match=r"got a new block before the previous one was committed.* cache\.reset\(\)"):
             model(ctx[:, :1], past_key_values=cache)
-    cache = CompressedCache(model, "snapkv", compression_ratio=0.0)  # (a compressing cache refuses prompt lookup before it runs)
+    cache = CompressedCache(model, "snapkv", compression_ratio=0.0)  # (assisted generation is refused before it runs)
+    model.generate(ctx, past_key_values=cache, max_new_tokens=4, do_sample=False)
     with pytest.raises(ValueError, match=r"cannot remove its last 3 tokens \(crop\(-3\)\)"):
-        model.generate(ctx, past_key_values=cache, prompt_lookup_num_tokens=3, max_new_tokens=10, do_sample=False)
+        cache.crop(-3)
     with pytest.raises(ValueError, match=r"refused crop\(-3\) and still holds the tokens it was asked to drop: .* cache\.reset\(\)"):
         model.generate(ctx, past_key_values=cache, max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match=r"crop takes minus the number of tokens to remove .* got crop\(150\)"):

@@ -588,25 +588,27 @@ def test_kvc_generate_runs_alone_the_batches_one_forward_would_draw_for_together
                                              **settings).token_ids
 
 
-def test_assisted_generation_is_refused_by_a_compressing_cache_and_runs_at_ratio_zero():
+def test_assisted_generation_is_refused_before_any_token_is_fed():
     """transformers checks an assistant's draft tokens in the cache's forwards, so a compressing cache would compress them
-    with the prompt (an identical assistant, whose drafts are all kept, changed the answer without a word): refused before
-    any token is fed (`activate_past_recording`), for an assistant model and for prompt lookup. At ratio 0 the answer is
-    the plain cache's."""
+    with the prompt (an identical assistant, whose drafts are all kept, changed the answer without a word), and crops the
+    drafts it rejects, which no compressed cache takes back: refused before any token is fed (`activate_past_recording`),
+    for an assistant model and for prompt lookup, at ratio 0 too (it ran there until the first rejected draft, then
+    failed part way through the answer)."""
     model, ids = tiny("llama"), _ids(150, 1)
     draft = dict(assistant_model=tiny("llama"), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     for extra in (draft, dict(prompt_lookup_num_tokens=3, max_new_tokens=6, do_sample=False)):
-        cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
-        with pytest.raises(ValueError, match=r"compresses \(compression_ratio=0.5\) cannot serve assisted generation"):
-            model.generate(ids, past_key_values=cache, **extra)
-        assert cache.get_seq_length() == 0  # refused before the prompt's forward
-    plain = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    assert torch.equal(model.generate(ids, past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.0), **draft), plain)
+        for settings, named in ((dict(compression_ratio=0.5), r"compression_ratio=0\.5"), (dict(compression_ratio=0.0), r"compression_ratio=0\.0"),
+                                (dict(budget=16), "budget=16")):
+            cache = CompressedCache(model, "keydiff", sink=2, window=8, **settings)
+            with pytest.raises(ValueError, match=rf"^a CompressedCache \({named}\) cannot serve assisted generation"):
+                model.generate(ids, past_key_values=cache, **extra)
+            assert cache.get_seq_length() == 0  # refused before the prompt's forward
 
 
 def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
-    """crop (assisted generation, prompt lookup) and batch_repeat_interleave are refused naming why; batch_select_indices
-    selects rows as beam search's reorder does; reset starts a new prompt, which a chunked cache compresses again."""
+    """crop (assisted generation, prompt lookup) is refused naming why; batch_select_indices selects rows as beam
+    search's reorder does, and batch_repeat_interleave repeats them as transformers' layers do; reset starts a new
+    prompt, which a chunked cache compresses again."""
     model, ids = tiny("llama"), torch.cat([_ids(150, 1), _ids(150, 2)])
     cache = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
     _greedy(model, ids, cache, new=2)
@@ -617,8 +619,13 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     with pytest.raises(ValueError, match=r"refused crop\(-5\) and still holds the tokens it was asked to drop"):
         _greedy(model, ids, cache, new=1)
     cache.restore(snapshot)
-    with pytest.raises(ValueError, match="cannot repeat its batch rows"):
-        cache.batch_repeat_interleave(2)
+    cache.batch_repeat_interleave(2)
+    stored, before = cache.layers[0].stored(), snapshot.layers[0]
+    assert cache.layers[0].rows == 4 and torch.equal(stored.keys, cache.layers[0].stored().keys)
+    restored = CompressedCache(model, "keydiff", compression_ratio=0.5, sink=2, window=8)
+    restored.restore(snapshot)
+    assert torch.equal(stored.keys, restored.layers[0].stored().keys.repeat_interleave(2, dim=0))
+    cache.restore(snapshot)
     # two stored rows are each row's own context: one row would read both (broadcast), so it is refused
     with pytest.raises(ValueError, match=r"layer 0 holds 2 batch rows and got a block of 1: each row goes on from its own stored context"):
         _greedy(model, ids[:1], cache, new=1)
@@ -631,9 +638,6 @@ def test_cache_operations_transformers_calls_answer_or_are_refused_clearly():
     cache.restore(snapshot)
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].stored().keys[0], before.keys[1])
-    with pytest.raises(ValueError, match=r"cannot remove its last \d+ tokens.*prompt_lookup_num_tokens"):
-        model.generate(ids[:1], past_key_values=CompressedCache(model, "keydiff", compression_ratio=0.0, sink=2, window=8),
-                       max_new_tokens=4, prompt_lookup_num_tokens=2)
     chunked = CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8)
     fresh = [CompressedCache(model, "snapkv", mode="chunked", budget=32, sink=2, window=8) for _ in range(2)]
     first = model.generate(ids[:1], past_key_values=chunked, max_new_tokens=3, do_sample=False, prefill_chunk_size=64)
@@ -905,3 +909,47 @@ def test_a_context_held_only_exactly_is_shared_by_beams_and_a_restored_snapshot_
     (loaded,) = answer_from_cache_ids(model, kvc.load_cache(tmp_path / "fresh.kvc", model), [_ids(6, 3)], max_new_tokens=4,
                                       stop_at_eos=False)
     assert loaded.token_ids == here.token_ids
+
+
+def test_the_cache_protocol_on_a_model_with_sliding_window_layers():
+    """What transformers' `Cache` offers, on Gemma 3 (a sliding-window layer ahead of the compressed one): a refused row
+    change (a stream's rows) changes no layer (the sliding window's rows were reordered or repeated first, and the
+    answer after it silently changed); rows repeat as transformers' layers repeat theirs; `reset` empties a cache as a
+    fresh one is (its dtype and the window's peak bytes were kept); `crop` of an empty cache changes nothing (it was
+    refused, and refused every forward after); early initialisation and a layer's offload are refused by name (an
+    internal AttributeError, or a window left unusable)."""
+    model, ids = tiny("gemma3"), torch.cat([_ids(70, 1), _ids(70, 2)])
+    fresh = lambda **settings: CompressedCache(model, "knorm", compression_ratio=0.0, **settings)  # noqa: E731
+    with torch.no_grad():
+        for settings in (dict(mode="decode", stream_length=200), dict(mode="chunked", stream_length=200)):
+            cache = fresh(**settings)
+            if settings["mode"] == "chunked":
+                model(ids[:, :40], past_key_values=cache)  # the prompt still streams
+            else:
+                model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+            window = cache.layers[0].keys.clone()
+            for change, argument in (("reorder_cache", torch.tensor([1, 0])), ("batch_select_indices", [1]), ("batch_repeat_interleave", 2)):
+                with pytest.raises(ValueError, match="beam search reorders the cache rows: supported in mode='prefill'"):
+                    getattr(cache, change)(argument)
+                assert torch.equal(cache.layers[0].keys, window), (settings, change)
+        cache = fresh()
+        prompt = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        cache.batch_repeat_interleave(2)
+        assert cache.layers[1].rows == 4 and cache.layers[0].keys.shape[0] == 4
+        plain = model.generate(prompt.repeat_interleave(2, 0), max_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(prompt.repeat_interleave(2, 0), past_key_values=cache, max_new_tokens=3, do_sample=False), plain)
+        peak = fresh()
+        model.generate(ids[:1], past_key_values=peak, max_new_tokens=2, do_sample=False)
+        cache.reset()
+        assert not cache.is_initialized and cache.peak_bytes() == 0 and cache.nbytes() == 0
+        cache.crop(-3)  # nothing held: nothing to remove
+        model.generate(ids[:1], past_key_values=cache, max_new_tokens=2, do_sample=False)
+        assert cache.peak_bytes() == peak.peak_bytes() and cache.slots_per_layer() == peak.slots_per_layer()
+        cache.reset()
+        model.to(torch.bfloat16)  # an empty cache takes the model as it is now
+        assert model.generate(ids[:1], past_key_values=cache, max_new_tokens=2, do_sample=False).shape == (1, 72)
+    with pytest.raises(NotImplementedError, match=r"cannot be initialised in advance \(early_initialization"):
+        cache.early_initialization(1, 1, 16, torch.float32, "cpu")
+    for move in ("offload", "prefetch"):
+        with pytest.raises(NotImplementedError, match="does not offload or prefetch"):
+            getattr(cache.layers[1], move)()

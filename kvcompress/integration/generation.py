@@ -613,7 +613,8 @@ def generate_batch_ids(
     cannot compress its rows apart (`_runs_one_by_one`), each context is compressed and answered as its own context
     through `generate_ids`, one after the other, giving exactly its solo answer: a padded batch in mode 'chunked' or
     'decode' (a stream takes no padding), any batch of a randomized method there or with one budget over every layer (it
-    draws for all the rows at once), any batch with an approximate prefill (prefill_approx), or a padded batch with a
+    draws for all the rows at once), any batch streamed by a method whose stream scores its rows together
+    (`Method.stream_rows_apart` False: AdaKV over SnapKV's scores), any batch with an approximate prefill (prefill_approx), or a padded batch with a
     method scored by its own reconstruction forward (KVzip), with one budget over every layer (budget scope "model": AdaKV with scope='model', the default) or with its budget read as memory in quantized storage; and any batch with context-calibrated compression (quality +
     calibration: each context's ratio is chosen from its own NLL). Those results are `generate_ids`' own (each with
     its own times and KV bytes) and extra["batch_run"] is "one_by_one". Every result's extra["batch_size"] is the
@@ -744,9 +745,9 @@ def generate(
     text and stats (tokens kept per layer, KV bytes full/stored/peak, prefill, compression and
     decode time). `questions=[...]` (instead of question): one answer per question, the context
     compressed once (`answer_questions_ids`). A list of contexts: one answer per context, the one it
-    gets alone, from one left-padded batch, or, where one forward cannot compress the rows apart (a
+    gets alone, from one left-padded batch, or, where one forward cannot compress the rows apart (e.g. a
     padded batch with KVzip, the default method in mode 'prefill', or a stream; any batch with a
-    calibration), from each context run alone; extra["batch_run"] says which (`generate_batch_ids`).
+    calibration; `generate_batch_ids` lists every case), from each context run alone; extra["batch_run"] says which.
 
     cache (instead of context, options and settings): a compressed context made earlier, by
     `compress_context` or saved and given as its path (`load_cache`): `question` or
