@@ -62,7 +62,7 @@ from .methods.base import UnknownParameters, compress_layers, compress_tokens, m
 from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
-from .model_support import autocast_off, common_dtype, decoding_settings, select_compressed_attention
+from .model_support import autocast_off, common_dtype, decoding_settings, length_dependent_rope, select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
 from .quantization import QuantizedRaggedSummary, QuantizedSummary
@@ -983,6 +983,13 @@ class CompressedCache(Cache):
         self._waiting: dict[int, Tokens] = {}  # layer -> its context, until every layer has one (`_share_budget`)
         self.progress = None  # a tqdm bar ticked once per layer forward, set by kvc.generate on long prompts
         self.plan = CachePlan.of(options.compressor)
+        rope = length_dependent_rope(model)
+        if self.plan.pre_rope_keys and options.streams and rope is not None and (stream_length is None or stream_length > rope[1]):
+            raise ValueError(
+                f"method {options.method!r} in mode={options.mode!r} un-rotates the keys its streams hold, and this model's RoPE "
+                f"({rope[0]!r}) picks its frequencies from the length each forward reaches, switching past {rope[1]} positions: "
+                f"keys rotated by the forwards before that could not be un-rotated; pass a stream_length within {rope[1]} tokens "
+                f"(got {stream_length}), use mode='prefill', or a method that reads no pre-RoPE keys")
         self._unrotate = RotaryInverse(model) if self.plan.pre_rope_keys else None
         layers = [
             CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)

@@ -132,6 +132,26 @@ def find_rotary_embedding(model):
     raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
 
 
+def length_dependent_rope(model) -> tuple[str, int] | None:
+    """(RoPE type, original context length) when the full-attention layers' rotation picks its frequencies from the
+    length each forward reaches, else None: LongRoPE rotates a forward that ends within `original_max_position_embeddings`
+    with its short factors and one beyond with its long ones; dynamic NTK rescales beyond the original length. Keys
+    fed in blocks are then rotated otherwise than by one forward over the same tokens, and keys rotated by an earlier,
+    shorter forward cannot be un-rotated with the frequencies of a later one."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            rope_type = getattr(module, "rope_type", "default")
+            rope_type = rope_type.get("full_attention", "default") if isinstance(rope_type, dict) else rope_type
+            if rope_type == "longrope":  # the length transformers' LongRoPE switches factors at
+                params = module.config.rope_parameters
+                params = params.get("full_attention", params) if "rope_type" not in params else params
+                return rope_type, int(params.get("original_max_position_embeddings") or module.config.original_max_position_embeddings)
+            if "dynamic" in rope_type:  # rescaled beyond the length it was built for
+                return rope_type, int(module.original_max_seq_len)
+            return None
+    return None
+
+
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 

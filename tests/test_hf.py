@@ -953,3 +953,49 @@ def test_the_cache_protocol_on_a_model_with_sliding_window_layers():
     for move in ("offload", "prefetch"):
         with pytest.raises(NotImplementedError, match="does not offload or prefetch"):
             getattr(cache.layers[1], move)()
+
+
+def _longrope_phi3():
+    """A tiny Phi-3 with LongRoPE (Phi-3-mini-128k's rotation): short factors for forwards within 64 positions, long
+    factors beyond; weights large enough that the two rotations give other tokens."""
+    torch.manual_seed(0)
+    config = Phi3Config(**SMALL | {"max_position_embeddings": 256, "initializer_range": 0.2}, original_max_position_embeddings=64,
+                        rope_parameters=dict(rope_type="longrope", rope_theta=1e4, original_max_position_embeddings=64,
+                                             short_factor=[1.0] * 8, long_factor=[2.0 + i for i in range(8)]))
+    return Phi3ForCausalLM(config).eval()
+
+
+def test_a_longrope_prompt_is_fed_as_model_generate_rotates_it_or_refused():
+    """LongRoPE (Phi-3-mini-128k, Phi-3.5) rotates a forward within original_max_position_embeddings with its short
+    factors and a longer one with its long factors. A prompt past that length fed in blocks (chunked and decode modes),
+    or its question after a context within it, had its first tokens rotated with the short factors, where
+    model.generate's one forward uses the long ones: at ratio 0 every method and the full cache gave other tokens than
+    model.generate, without a word. Such feeding is refused before any work, naming what to do; what it names, and a
+    prompt within the length, give model.generate's tokens. A method that un-rotates a stream's keys (Compactor) is
+    refused a stream that may reach past the length (it un-rotated short-factor keys with the long factors)."""
+    model, ids = _longrope_phi3(), _ids(160, 1)
+    plain = lambda prompt: _greedy(model, prompt, new=6)[0].tolist()  # noqa: E731
+    run = dict(max_new_tokens=6, stop_at_eos=False)
+    context, question = ids[:, :150], ids[:, 150:]
+    for method, settings in ((None, {}), ("snapkv", dict(compression_ratio=0.0))):
+        for mode in ("chunked", "decode"):
+            with pytest.raises(ValueError, match=r"LongRoPE .* a prompt of 160 tokens fed in blocks of chunk_size=32 \(mode='" + mode +
+                               r"'\) would have its first 32 rotated .* a chunk_size above 64, or a prompt within 64 tokens$"):
+                generate_ids(model, context, question, method=method, mode=mode, chunk_size=32, **settings, **run)
+            assert generate_ids(model, context, question, method=method, mode=mode, chunk_size=80, **settings, **run).token_ids == plain(ids)
+            assert generate_ids(model, ids[:, :50], ids[:, 50:60], method=method, mode=mode, chunk_size=16, **settings,
+                                **run).token_ids == plain(ids[:, :60])
+        with pytest.raises(ValueError, match=r"fed as the context's forward and then the question's .* \(compress_question=True\)"):
+            generate_ids(model, ids[:, :60], ids[:, 60:70], method=method, **settings, **run)
+        if method is not None:
+            assert generate_ids(model, ids[:, :60], ids[:, 60:70], method=method, compress_question=True, **settings,
+                                **run).token_ids == plain(ids[:, :70])
+        assert generate_ids(model, context, question, method=method, **settings, **run).token_ids == plain(ids)
+    with pytest.raises(ValueError, match="a prompt of 70 tokens fed as the context's forward and then the question's"):
+        answer_questions_ids(model, ids[:, :60], [ids[:, 60:62], ids[:, 60:70]], method="snapkv", compression_ratio=0.0, **run)
+    for stream_length in (None, 65):
+        with pytest.raises(ValueError, match=r"method 'compactor' in mode='chunked' un-rotates the keys its streams hold, and this "
+                                             r"model's RoPE \('longrope'\) .* switching past 64 positions"):
+            CompressedCache(model, "compactor", mode="chunked", budget=16, stream_length=stream_length)
+    CompressedCache(model, "compactor", mode="chunked", budget=16, stream_length=64)
+    CompressedCache(model, "compactor", budget=16)  # one forward rotates and un-rotates alike

@@ -36,7 +36,7 @@ from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
 from .reconstruction import RecordedReconstruction, load_reconstruction, options_prompt_ids, record_reconstruction, with_repeat_prompt
-from .model import (DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_ids, check_context_length, check_questions,
+from .model import (DEFAULT_PROMPT_LAYOUT, PromptLayout, build_prompt, check_context_ids, check_context_length, check_questions, check_rope_forwards,
                     check_token_id_list, check_token_ids, logits_to_keep, vocabulary_size)
 from .model import prompt_layout as as_prompt_layout
 
@@ -185,6 +185,7 @@ class _Session:
         check_context_length(model, n_prompt, max_new_tokens)
         self.n_context, self.n_prompt, self.method_name = n_context, n_prompt, options.method
         self.compress_question = options.compress_question
+        self.check_rope(n_prompt - n_context)
         self.chosen = None
         if options.quality is not None:
             from ..calibration import calibrated_ratio
@@ -222,6 +223,20 @@ class _Session:
                              "pass a recorded full prefill (`capture_qkv`) instead")
         if self.recorded is not None:
             self.recorded.check_matches(self.context_ids, options_prompt_ids(options))
+
+    def check_rope(self, n_question: int) -> None:
+        """`check_rope_forwards` for the context followed by a question of n_question tokens (0: none), fed as the options
+        feed them: in blocks in a streaming mode; in prefill mode in one forward, the question after it unless compressed
+        with it."""
+        mode, chunk = self.options.mode, self.options.chunk_size
+        if self.options.streams:
+            check_rope_forwards(self.model, min(chunk, self.n_context), self.n_context + n_question, f"in blocks of chunk_size={chunk} "
+                                f"(mode={mode!r})", "use mode='prefill' with compress_question=True, a chunk_size above {switch}, "
+                                "or a prompt within {switch} tokens")
+        elif n_question and not self.options.compress_question:
+            check_rope_forwards(self.model, self.n_context, self.n_context + n_question, "as the context's forward and then the "
+                                "question's", "compress the question with the context (compress_question=True), or keep the prompt "
+                                "within {switch} tokens")
 
     def new_cache(self):
         if self.method_name is None:
@@ -502,6 +517,7 @@ def answer_questions_ids(
     check_context_ids(context_ids)
     _check_questions(model, context_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
+    session.check_rope(max(q.shape[1] for q in questions_ids))
     if session.mode == "decode":  # every question and answer streams too: a ratio is of the context, the longest question and answer
         session.stream_length += max(q.shape[1] for q in questions_ids)
     with _running(model, options):
@@ -595,6 +611,7 @@ def answer_from_cache_ids(
     _check_answer_settings(max_new_tokens, stop_at_eos)
     _check_questions(model, cache.token_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
+    session.check_rope(max(q.shape[1] for q in questions_ids))
     session.adopt(cache)
     with _running(model, cache.options):
         return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)

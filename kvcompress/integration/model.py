@@ -29,7 +29,7 @@ import torch
 
 from ..checks import MissingPackage, check_bool, describe
 from ..checks import check_token_ids as token_ids
-from ..model_support import check_supported
+from ..model_support import check_supported, length_dependent_rope
 from ..names import DEFAULT_PROMPT_LAYOUT
 from ..names import DTYPES as DTYPE_NAMES
 from ..names import PROMPT_LAYOUTS as LAYOUT_FIELDS
@@ -315,6 +315,22 @@ def check_context_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:
         f"but the model takes at most max_position_embeddings={limit}; lower max_new_tokens to {max(limit - n_tokens + 1, 1)} "
         f"or fewer, or shorten the prompt"
     )
+
+
+def check_rope_forwards(model, first_forward: int, n_prompt: int, fed: str, instead: str) -> None:
+    """Raise before any work when the model's LongRoPE would rotate a prompt of n_prompt tokens otherwise than
+    `model.generate`'s one forward over it does: it rotates a forward that ends within `original_max_position_embeddings`
+    with its short factors and a longer one with its long factors, so a first forward of `first_forward` tokens within
+    that length, in a prompt past it, leaves them rotated with the short ones. fed: how the prompt is fed (for the
+    message); instead: what to do instead, where "{switch}" stands for that length."""
+    rope = length_dependent_rope(model)
+    if rope is not None and rope[0] == "longrope" and first_forward <= rope[1] < n_prompt:
+        raise ValueError(
+            f"this model's LongRoPE rotates a forward that ends within original_max_position_embeddings={rope[1]} positions with its "
+            f"short factors and a longer one with its long factors: a prompt of {n_prompt} tokens fed {fed} would have its first "
+            f"{first_forward} rotated with the short factors, where model.generate's one forward over the prompt rotates every "
+            f"token with the long ones, and the answer would not be the model's; {instead.format(switch=rope[1])}"
+        )
 
 
 _QUESTION_MARK = "\x00KVC_QUESTION\x00"
