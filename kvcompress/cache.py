@@ -237,6 +237,7 @@ class CompressedLayer(CacheLayerMixin):
         if isinstance(self.front, SlotBuffer):  # compressed once: the block is stored in place, no copy
             view = self.front.append(new, most=self.seen)
             self.view_packed = []
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes())  # grown with headroom for later tokens
         elif isinstance(self.front, QuantizedSummary):  # dequantized straight into the view, the exact tail and block after it
             view = self.front.summary_then([p for p in (self.tail, new) if p is not None])
             self.view_packed = []

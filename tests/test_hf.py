@@ -485,6 +485,17 @@ def test_a_sliding_layers_peak_is_what_it_stores():
         assert res.kv_bytes < res.peak_kv_bytes <= res.kv_bytes_full
 
 
+def test_the_peak_counts_the_headroom_a_growing_buffer_takes():
+    """A compressed context stores later tokens in place, in a buffer grown with headroom; the peak was taken before the
+    growth, so a cache keeping almost every token reported a peak below what it stored after the answer."""
+    model = tiny("llama")
+    for n, ratio in ((150, 0.03), (300, 0.006), (300, 0.03)):
+        cache = CompressedCache(model, "compactor", compression_ratio=ratio)
+        _greedy(model, _ids(n), cache, new=22)
+        assert cache.nbytes() <= cache.peak_bytes(), (n, ratio)
+        assert all(layer.nbytes() <= layer.stats.peak_bytes for layer in cache.layers), (n, ratio)
+
+
 def test_beam_search_with_a_ratio_zero_cache_equals_plain_beam_search():
     model = tiny("qwen2")
     ids = _ids(90)
