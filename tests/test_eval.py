@@ -113,6 +113,36 @@ def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeyp
     assert calls == []
 
 
+def test_a_results_folder_whose_run_recorded_nothing_takes_another_run(tiny, tmp_path, monkeypatch):
+    """A run that stopped before its first cell (refused, interrupted) left its config.json and an empty results file,
+    and the folder then refused the corrected run as "another run"; it holds no record to protect, so it takes it. The
+    benchmark's data is compared as the place it names: the same folder written relative or absolute continues a run."""
+    from kvcompress.eval.runner import check_same_run
+
+    model, tokenizer = tiny
+    config = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm"])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_answer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(model, tokenizer, config, tmp_path, progress=False, model_name="tiny")
+    assert (tmp_path / "config.json").is_file() and (tmp_path / runner.RESULTS_FILE).stat().st_size == 0
+    monkeypatch.undo()
+    records = run_sweep(model, tokenizer, small_config(**{**dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"],
+                                                              methods=["knorm"]), "seed": 7}), tmp_path, progress=False, model_name="tiny")
+    assert records and json.loads((tmp_path / "config.json").read_text())["config"]["seed"] == 7
+    (tmp_path / "data").mkdir()
+    meta = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(meta | {"config": meta["config"] | {"data": "data"}}))  # as typed, relative
+    monkeypatch.chdir(tmp_path)
+    check_same_run(tmp_path / "config.json", {"data": str(tmp_path / "data")})
+    check_same_run(tmp_path / "config.json", {"data": "./data/"})
+    with pytest.raises(ValueError, match=r"data \(--data\) .*'other', there 'data'"):
+        check_same_run(tmp_path / "config.json", {"data": "other"})
+
+
 def test_a_results_folder_refuses_records_of_another_run(tiny, tmp_path, capsys):
     """Cells are keyed by task, length, sample, method, ratio and mode: a rerun into the same folder with another seed,
     haystack, answer length, ... (or another model) would find its cells done and report the old run's answers, so it

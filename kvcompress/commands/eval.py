@@ -307,7 +307,7 @@ def _sweep_config(args):
         methods=args.methods, ratios=args.ratios or list(SWEEP_RATIOS), modes=args.modes or ["prefill"], tasks=args.tasks,
         lengths=args.lengths or list(SWEEP_LENGTHS), samples=args.samples if args.samples is not None else (None if args.benchmark else SWEEP_SAMPLES), seed=args.seed,
         haystack=args.haystack or "filler", kind=args.kind or "numbers", benchmark=args.benchmark,
-        data=None if args.data is None else str(args.data),
+        data=None if args.data is None else str(args.data.resolve()),  # the place, however it was written
         grid_task=args.grid_task, grid_lengths=args.grid_lengths, grid_depths=args.grid_depths, grid_ratios=args.grid_ratios,
         include_full=not args.no_full, reuse_prefill=not args.no_reuse_prefill, max_new_tokens=args.max_new_tokens,
         chunk_size=args.chunk_size, task_params=_task_params(args.task_param), prompt_layout=args.prompt_layout,

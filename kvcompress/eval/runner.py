@@ -593,8 +593,9 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
     the old value would not run again), another model or dtype (its numbers differ: a float32 full cache's bytes are
     twice a bfloat16 cell's), or another meaning of a named setting among `methods`
     (`named_settings_of`: the library's default of another version); what the earlier run did not record is not
-    compared."""
-    if not path.is_file():
+    compared. A folder whose run recorded nothing (it stopped before its first cell, e.g. refused) takes any run.
+    The benchmark's data (`data`) is compared as the place it names, however the path was written."""
+    if not _recorded(path):
         return
     meta = read_run_config(path)
     if meta.get("task") != task:
@@ -604,7 +605,7 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
                          "folder (--out)")
     earlier = meta.get("config", {})
     changed = [f"{name} (--{name.replace('_', '-')}) {value!r}, there {earlier[name]!r}"
-               for name, value in json.loads(json.dumps(settings)).items() if name in earlier and earlier[name] != value]
+               for name, value in json.loads(json.dumps(settings)).items() if name in earlier and not _same_setting(name, value, earlier[name])]
     recorded = meta.get("named_settings", {})
     changed += [f"method {name!r} (--methods) stands for {value!r} in this kvcompress, there for {recorded[name]!r}"
                 for name, value in named_settings_of(methods).items() if name in recorded and recorded[name] != value]
@@ -617,9 +618,24 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
                          "continue it, or write to a new folder")
 
 
+def _recorded(path: Path) -> bool:
+    """Whether the run whose `config.json` is `path` recorded anything: its results file is there and not empty."""
+    results = path.parent / RESULTS_FILE
+    return path.is_file() and results.is_file() and results.stat().st_size > 0
+
+
+def _same_setting(name: str, value, earlier) -> bool:
+    """Whether a run's setting equals the one recorded: the benchmark's data as the place its path names (a run records
+    it absolute; an earlier one may have recorded it as typed, relative to where it ran)."""
+    if name == "data" and isinstance(value, str) and isinstance(earlier, str):
+        return Path(value).resolve() == Path(earlier).resolve()
+    return value == earlier
+
+
 def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
-    """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another."""
-    if not path.is_file():
+    """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another and
+    recorded something."""
+    if not _recorded(path):
         return
     recorded = read_run_config(path).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
     earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
