@@ -1,6 +1,7 @@
 """Cost-benchmark machinery (kvcompress.eval.bench): runs on tiny sizes and writes its files. No timing is asserted."""
 
 import csv
+import importlib
 import math
 import mmap
 import os
@@ -418,3 +419,44 @@ def test_the_attention_section_takes_kept(tmp_path):
                  "--kept", "0.5", "--threads", "1", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "attention.csv").open()))
     assert {float(r["kept"]) for r in rows} == {1.0, 0.5}, rows
+
+
+def test_an_interrupted_run_reports_what_it_wrote(tmp_path, monkeypatch):
+    """A run stopped part way (Ctrl-C) into a folder holding an earlier run left the new overhead.csv beside the earlier
+    run's bench.md, exponents.csv and plot, and a machine line for a section it never wrote: the report is rebuilt from
+    what was written, and machine.txt names only sections with a CSV. One size gives no exponent, but exponents.csv
+    keeps its header (it was an empty file no CSV reader takes)."""
+    out = tmp_path / "bench"
+    first = ["bench", "--sections", "overhead", "--methods", "knorm", "--shapes", "smollm2", "--sizes", "32", "--repeats", "1", "--out", str(out)]
+    assert main(first) == 0
+    assert read_csv(out / "exponents.csv") == [] and (out / "exponents.csv").read_text().startswith("shape,method,kind,n_min,n_max")
+    bench_report = importlib.import_module("kvcompress.eval.bench.report")  # the package's `report` is the function
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_report, "attention_step_rows", interrupted)
+    second = ["bench", "--sections", "overhead,attention", "--methods", "knorm,keydiff", "--shapes", "smollm2", "--sizes", "32,64",
+              "--repeats", "1", "--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "1", "--out", str(out)]
+    assert main(second) == 130
+    assert {r["method"] for r in read_csv(out / "exponents.csv")} == {"exact", "knorm", "keydiff"}
+    assert "| keydiff |" in (out / "bench.md").read_text()
+    assert list(bench.read_machines(out)) == ["overhead"] and not (out / "attention.csv").exists()
+
+
+@pytest.mark.smoke
+def test_the_decode_section_fits_the_model_or_is_refused_before_anything_runs(default_model, tiny_checkpoint, tmp_path, capsys):
+    """The decode section's default context (8192 tokens) plus the chat template, question and answer passed the default
+    model's 8192 positions: the default run was refused only after its 8k-token prefill. The default now fits, and a
+    context that does not is refused, naming --decode-context, before any section runs."""
+    from kvcompress.eval.bench.decode import decode_prompt
+
+    model, tokenizer = default_model
+    ctx, question = decode_prompt(tokenizer, config())
+    assert ctx.shape[1] + question.shape[1] + config().decode_tokens - 1 <= model.config.max_position_embeddings
+    out = tmp_path / "bench"
+    argv = ["bench", "--sections", "overhead,decode", "--methods", "knorm", "--shapes", "smollm2", "--sizes", "32", "--repeats", "1",
+            "--model", str(tiny_checkpoint), "--decode-context", "2050", "--decode-tokens", "2", "--kept", "0.5", "--out", str(out)]
+    assert main(argv) == 2
+    assert "--decode-context 2050 with --decode-tokens 2 (the chat template and question add" in capsys.readouterr().err
+    assert not (out / "overhead.csv").exists()

@@ -369,6 +369,11 @@ def test_approx_bench_rows_error_bars_and_exactness(tiny, tmp_path):
     knorm = [cell[("knorm", 0.75, layer)]["error_mean"] for layer in (0, 1)]
     assert table[-1].endswith(f"| {(knorm[0] + knorm[1]) / 2:.3f} |")
     assert plot_approx(rows, tmp_path / "approx.png").stat().st_size > 1000
+    # past the model's positions: refused before any capture (it ran, and reported the length it was given)
+    too_long = model.config.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=rf"^tokens {too_long} exceeds the {too_long - 1} positions the model takes"):
+        run_approx(model, tokenizer, ApproxConfig(methods=["knorm"], ratios=[0.5], layers=[0], tokens=too_long, n_queries=32, sink=16,
+                                                  seeds=1), progress=False)
 
 
 def test_eval_help_documents_every_option(capsys):

@@ -57,7 +57,9 @@ def add_cli(subparsers) -> None:
     g.add_argument("--throughput-tokens", type=int, default=8192, help="tokens streamed, half of them kept (default 8192)")
     g.add_argument("--throughput-repeats", type=int, default=3, help="runs per method, min reported (default 3)")
     g = groups["decode"] = p.add_argument_group("decode: greedy tokens/s on the model")
-    g.add_argument("--decode-context", type=int, default=8192, help="context tokens of the decode run (default 8192)")
+    g.add_argument("--decode-context", type=int, default=8000,
+                   help="context tokens of the decode run (default 8000: with the chat template, question and answer, within the "
+                        "default model's 8192 positions)")
     kept = g.add_argument("--kept", type=float_list, default=[0.25, 0.5], help="comma-separated fractions of the context kept (default 0.25,0.5)")
     g.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per run (default 32)")
     g = groups["attention"] = p.add_argument_group("attention: the attention-only decode step")

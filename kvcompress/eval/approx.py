@@ -36,6 +36,7 @@ from ..model_support import RotaryInverse, attention_scales
 from ..names import APPROX_LAYERS as DEFAULT_APPROX_LAYERS
 from ..names import APPROX_RATIOS as DEFAULT_APPROX_RATIOS
 from .capture import capture_qkv, prose_text
+from .runner import check_lengths_fit
 from .tables import markdown_table, write_csv
 
 
@@ -103,6 +104,7 @@ def layer_errors(method: str, queries, keys, values, scale: float, config: Appro
 
 def run_approx(model, tokenizer, config: ApproxConfig, progress: bool = True) -> list[dict]:
     """Rows {method, ratio, layer, tokens, seeds, error_mean, error_std, seconds} for every method × ratio × layer."""
+    check_lengths_fit(model, [config.tokens], "tokens")
     text = prose_text(n_chars=8 * config.tokens, seed=config.text_seed)
     captured = capture_qkv(model, tokenizer, text, layers=config.layers, max_tokens=config.tokens)
     n = next(iter(captured.values()))[1].shape[2]

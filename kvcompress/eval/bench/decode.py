@@ -14,6 +14,28 @@ from .common import add_row, context_ids, save_figure, subplots, synthetic_layer
 from .config import BenchConfig
 
 
+def decode_prompt(tokenizer, config: BenchConfig) -> tuple:
+    """(context ids [1, n], question ids [1, m]) of the decode run: config.decode_context tokens of real prose in the chat
+    template, then the question."""
+    from ...integration import build_prompt
+
+    text = tokenizer.decode(context_ids(tokenizer, config.decode_context)[0])
+    return build_prompt(tokenizer, text, "Summarise the text above in one sentence.")
+
+
+def check_decode_fits(model, tokenizer, config: BenchConfig) -> None:
+    """ValueError naming --decode-context and --decode-tokens when the decode run's prompt and answer need more positions than
+    the model has (`check_context_length`), before anything is measured."""
+    from ...integration.model import check_context_length
+
+    ctx, question = decode_prompt(tokenizer, config)
+    try:
+        check_context_length(model, ctx.shape[1] + question.shape[1], config.decode_tokens)
+    except ValueError as err:
+        raise ValueError(f"--decode-context {config.decode_context} with --decode-tokens {config.decode_tokens} (the chat template "
+                         f"and question add {ctx.shape[1] + question.shape[1] - config.decode_context} tokens): {err}") from None
+
+
 def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None] = print,
                 on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Rows {model, method, kept, context_tokens, new_tokens, decode_s, tokens_per_s, speedup, kv_bytes, kv_bytes_full} for config's
@@ -24,12 +46,11 @@ def decode_rows(model, tokenizer, config: BenchConfig, log: Callable[[str], None
     config.decode_tokens greedy tokens are decoded without stopping at EOS. speedup is tokens/s over
     the full cache's tokens/s (full cache: transformers' DynamicCache and SDPA).
     """
-    from ...integration import build_prompt, generate_ids
+    from ...integration import generate_ids
     from ..capture import capture_qkv
 
     new_tokens = config.decode_tokens
-    text = tokenizer.decode(context_ids(tokenizer, config.decode_context)[0])
-    ctx, question = build_prompt(tokenizer, text, "Summarise the text above in one sentence.")
+    ctx, question = decode_prompt(tokenizer, config)
     log(f"decode: context {ctx.shape[1]} tokens, question {question.shape[1]} tokens, {new_tokens} new tokens")
     prefill = capture_qkv(model, ctx)
     common = {"max_new_tokens": new_tokens, "stop_at_eos": False}

@@ -174,6 +174,9 @@ def overhead_rows(config: BenchConfig, log: Callable[[str], None] = print, on_ro
     return rows
 
 
+EXPONENT_COLUMNS = ["shape", "method", "kind", "n_min", "n_max", "time_exponent", "ratio_exponent"]
+
+
 def exponent_rows(rows: Sequence[dict]) -> list[dict]:
     """Per (shape, method, kind): growth exponents of time and of the ratio to exact attention, over the sizes measured."""
     groups: dict[tuple, list[dict]] = {}

@@ -11,9 +11,9 @@ import torch
 from ..tables import markdown_table, read_csv, write_csv
 from .common import machine_description
 from .config import SECTIONS, BenchConfig
-from .decode import attention_step_rows, decode_rows, plot_decode
+from .decode import attention_step_rows, check_decode_fits, decode_rows, plot_decode
 from .memory import memory_rows, plot_memory
-from .overhead import exponent_rows, overhead_pivot, overhead_rows, plot_overhead, unfit_reasons
+from .overhead import EXPONENT_COLUMNS, exponent_rows, overhead_pivot, overhead_rows, plot_overhead, unfit_reasons
 from .prefill import prefill_rows
 from .throughput import throughput_rows
 
@@ -72,7 +72,7 @@ def markdown(overhead=(), exponents=(), decode=(), step=(), memory=(), prefill=(
             out += [*(f"- n/a, {method}: {reason}" for method, reason in unfit.items()), ""] if unfit else []
     if exponents:
         out += ["### Growth exponents (time ≈ c·n^a; ratio ≈ c·n^b)", "",
-                markdown_table(exponents, ["shape", "method", "kind", "n_min", "n_max", "time_exponent", "ratio_exponent"]), ""]
+                markdown_table(exponents, EXPONENT_COLUMNS), ""]
     if prefill:
         out += ["## End to end: `generate` prefill with compression ÷ plain transformers prefill", "",
                 f"{prefill[0]['tokens']} tokens of real prose, {prefill[-1]['ratio_removed']:.0%} of the context removed, prefill mode, "
@@ -118,7 +118,7 @@ def report(out_dir: Path) -> dict:
     if "overhead" in results:
         results["exponents"] = exponent_rows(results["overhead"])
         plot_overhead(results["overhead"], out_dir / "overhead.png")
-        write_csv(out_dir / "exponents.csv", results["exponents"])
+        write_csv(out_dir / "exponents.csv", results["exponents"], EXPONENT_COLUMNS)  # its header even when one size gives no fit
     if "decode" in results or "attention" in results:
         plot_decode(results.get("decode", []), results.get("attention", []), out_dir / "decode.png")
     if "memory" in results:
@@ -157,27 +157,44 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
     machines = kept | dict.fromkeys(config.sections, machine)
     (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
     sections = set(config.sections)
-    if "overhead" in sections:
-        results["overhead"] = overhead_rows(config, log, saver("overhead"))
-    if "throughput" in sections:
-        results["throughput"] = throughput_rows(config, log)
-        saver("throughput")(results["throughput"])
-    if "attention" in sections:
-        results["attention"] = attention_step_rows(config, log)
-        saver("attention")(results["attention"])
     model = tokenizer = None
-    if {"decode", "memory", "prefill"} & sections:
+    if {"decode", "memory", "prefill"} & sections:  # loaded first: a decode run the model cannot take is refused before anything runs
         from ...integration import load_model
 
         model, tokenizer = load_model(config.model, dtype=config.dtype)
         model.to(config.device)
-    if "prefill" in sections:
-        results["prefill"] = prefill_rows(model, tokenizer, config, log, saver("prefill"))
-    if "decode" in sections:
-        results["decode"] = decode_rows(model, tokenizer, config, log, saver("decode"))
-    if "memory" in sections:
-        results["memory"] = memory_rows(model, tokenizer, config, log, saver("memory"))
+        if "decode" in sections:
+            check_decode_fits(model, tokenizer, config)
+    try:
+        if "overhead" in sections:
+            results["overhead"] = overhead_rows(config, log, saver("overhead"))
+        if "throughput" in sections:
+            results["throughput"] = throughput_rows(config, log)
+            saver("throughput")(results["throughput"])
+        if "attention" in sections:
+            results["attention"] = attention_step_rows(config, log)
+            saver("attention")(results["attention"])
+        if "prefill" in sections:
+            results["prefill"] = prefill_rows(model, tokenizer, config, log, saver("prefill"))
+        if "decode" in sections:
+            results["decode"] = decode_rows(model, tokenizer, config, log, saver("decode"))
+        if "memory" in sections:
+            results["memory"] = memory_rows(model, tokenizer, config, log, saver("memory"))
+    except BaseException:  # an interrupt or an error part way: the report shows the rows written, not an earlier run's
+        _report_what_was_written(out_dir)
+        raise
     return report(out_dir)
+
+
+def _report_what_was_written(out_dir: Path) -> None:
+    """After a run that stopped part way: machine.txt keeps the lines of the sections that have a CSV, and bench.md, the
+    exponents and the plots are rebuilt from the CSVs there (left as they are when there is none to rebuild from)."""
+    machines = {section: line for section, line in read_machines(out_dir).items() if (out_dir / f"{section}.csv").is_file()}
+    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
+    try:
+        report(out_dir)
+    except ValueError:
+        pass  # no CSV yet: nothing to report
 
 
 def _run_thread_counts(out_dir: Path, config: BenchConfig, log: Callable[[str], None]) -> dict[int, dict[str, list[dict]]]:
