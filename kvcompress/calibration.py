@@ -27,6 +27,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -81,6 +82,8 @@ class Calibration:
     model: str | None = None  # the model it was measured on (`kvcompress generate` refuses a file fitted on another)
     method_params: dict = field(default_factory=dict)  # the method's parameters in the measurement, applied with it
     n_triples: int = 0  # how many (retention, NLL(c), NLL ratio) triples the fit saw
+    # [lowest, highest] NLL(c) of the contexts the fit saw: a context outside it is an extrapolation (None: not recorded)
+    nll_context_range: list[float] | None = None
     # the fit's weighted mean squared residual: a record of the fit, not compared (NaN, for a curve not fitted by `fit`,
     # equals nothing, not even a pickled copy of itself)
     loss: float = field(default=float("nan"), compare=False)
@@ -100,6 +103,14 @@ class Calibration:
         except ValueError as error:
             raise ValueError(f"method_params {self.method_params} are not {self.method!r}'s ({error})") from None
         self.n_triples = as_count("n_triples", self.n_triples, 0)
+        if self.nll_context_range is not None:
+            bounds = self.nll_context_range
+            if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
+                raise ValueError(f"nll_context_range must be None or [lowest, highest] NLL(c), got {bounds!r}")
+            low, high = (as_real("nll_context_range", value, "an NLL(c) the fit saw") for value in bounds)
+            if low > high:
+                raise ValueError(f"nll_context_range must be [lowest, highest] NLL(c), got {bounds!r}")
+            self.nll_context_range = [low, high]
         if isinstance(self.loss, bool) or not isinstance(self.loss, numbers.Real):
             raise ValueError(f"loss must be a number, got {self.loss!r}")
 
@@ -201,7 +212,8 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
         if math.isfinite(loss) and (best is None or loss < best[0]):
             best = (loss, params)
     loss, (alpha, beta) = best[0], best[1].tolist()
-    return Calibration(method, alpha, beta, asymmetry, model, dict(method_params or {}), len(rows), loss)
+    return Calibration(method, alpha, beta, asymmetry, model, dict(method_params or {}), len(rows), [float(nll.min()), float(nll.max())],
+                       loss)
 
 
 def levenberg_marquardt(residuals, params: torch.Tensor, iterations: int = 200, h: float = 1e-6) -> torch.Tensor:
@@ -241,8 +253,17 @@ def context_nll(model, context_ids: torch.Tensor) -> float:
 def calibrated_ratio(model, context_ids: torch.Tensor, calibration: Calibration | str | Path, quality: float) -> dict:
     """Run-time choice for one context: one plain prefill gives NLL(c), the curve gives r*.
 
-    Returns {"nll_context", "retention", "compression_ratio"}; pass compression_ratio to generate.
+    Returns {"nll_context", "retention", "compression_ratio", "extrapolated"}; pass compression_ratio to generate.
+    extrapolated: NLL(c) lies outside the range of the contexts the curve was fitted on (`Calibration.nll_context_range`),
+    so the choice rests on the curve's form alone; a UserWarning says so (None: the file records no range).
     """
+    calibration = load_calibration(calibration)
     nll = context_nll(model, context_ids)
     ratio = choose_ratio(calibration, nll, quality)
-    return {"nll_context": nll, "retention": 1.0 - ratio, "compression_ratio": ratio}
+    bounds = calibration.nll_context_range
+    extrapolated = None if bounds is None else not bounds[0] <= nll <= bounds[1]
+    if extrapolated:
+        warnings.warn(f"the context's NLL {nll:.3f} lies outside the range the calibration was fitted on ({bounds[0]:.3f} to "
+                      f"{bounds[1]:.3f}), so its compression ratio {ratio:.3f} extrapolates the curve; calibrate on texts like "
+                      "this one (kvcompress calibrate) for a choice it measured", UserWarning, stacklevel=2)
+    return {"nll_context": nll, "retention": 1.0 - ratio, "compression_ratio": ratio, "extrapolated": extrapolated}

@@ -112,7 +112,8 @@ def test_a_calibration_without_a_fit_equals_its_copies(tmp_path):
     ("beta", float("nan"), "beta must be a finite number"), ("asymmetry", 0.5, "asymmetry must be a number from 1 to 1e"), ("asymmetry", 1e308, r"asymmetry must be a number from 1 to 1e\+06"),
     ("method", "", "method must be a registered method's name"), ("method", "nosuch", "method must be a registered method's name .* got 'nosuch'"), ("method_params", [1], "method_params must be a dict"),
     ("method_params", {"bogus": 1}, r"method_params \{'bogus': 1\} are not 'snapkv''s \(method 'snapkv' has no parameter"),
-    ("n_triples", -1, "n_triples must be"),
+    ("n_triples", -1, "n_triples must be"), ("nll_context_range", [2.0], r"nll_context_range must be None or \[lowest, highest\]"),
+    ("nll_context_range", [3.0, 1.0], r"nll_context_range must be \[lowest, highest\]"), ("nll_context_range", [1.0, "x"], "nll_context_range must be a finite"),
 ])
 def test_a_calibration_file_with_a_bad_value_is_refused_when_loaded(tmp_path, field, value, match):
     """A file that loads must give a ratio: a NaN slope had turned compression off (r* = 1), a text one failed after
@@ -189,6 +190,33 @@ def test_with_no_method_named_the_calibrations_method_and_parameters_run(tmp_pat
     assert CompressionOptions(**options.to_dict()) == options
     # a method named is the file's: its parameters fill those not given
     assert CompressionOptions.build(method="keydiff", metric="dot", quality=0.8, calibration=path).method_params == {"anchor": "median", "metric": "dot"}
+
+
+def test_a_context_outside_the_fitted_nll_range_is_said_to_extrapolate(tmp_path, tiny_checkpoint):
+    """A fit records the range of NLL(c) its contexts spanned; a context outside it gets the curve's ratio with a warning
+    that the choice extrapolates (extra["calibration"]["extrapolated"]), which a context inside it does not; a file that
+    records no range warns of nothing (None). A fit on one sample had chosen 4 % of a context far outside its range,
+    and the answer looped, without a word."""
+    import warnings
+
+    import kvcompress as kvc
+
+    fitted = cal.fit(_synthetic_triples(1.0, -5.0, 0.0), "keydiff")
+    assert fitted.nll_context_range == pytest.approx([1.0, 4.0])  # the triples' NLL(c) run over linspace(1, 4)
+    model, tokenizer = kvc.load_model(tiny_checkpoint)
+    context, question = "The magic number is 42. The sky is green today. " * 6, "What is the magic number?"
+    run = dict(max_new_tokens=2, stop_at_eos=False, progress=False, quality=0.8)
+    nll = kvc.generate(model, tokenizer, context, question, calibration=cal.Calibration("keydiff", 0.0, -3.0), **run).extra["calibration"]
+    assert nll["extrapolated"] is None
+    for bounds, outside in (([nll["nll_context"] + 1, nll["nll_context"] + 2], True), ([nll["nll_context"] - 1, nll["nll_context"] + 1], False)):
+        path = tmp_path / "keydiff.json"
+        cal.Calibration("keydiff", alpha=0.0, beta=-3.0, nll_context_range=bounds).save(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            chosen = kvc.generate(model, tokenizer, context, question, calibration=path, **run).extra["calibration"]
+        said = [str(w.message) for w in caught if "outside the range the calibration was fitted on" in str(w.message)]
+        assert chosen["extrapolated"] is outside and len(said) == outside, (bounds, said)
+        assert chosen["compression_ratio"] == pytest.approx(nll["compression_ratio"])
 
 
 def test_a_batch_with_a_calibration_runs_each_context_alone_at_its_own_ratio(tmp_path, tiny_checkpoint):

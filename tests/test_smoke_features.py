@@ -387,8 +387,13 @@ def test_cli_calibrate_then_generate_with_calibration(cli, doc, tmp_path):
     out = cli("generate", "--calibration", tmp_path / "compactor.json", "--quality", "0.9", "--context-file", doc, "--question", QUESTION,
               "--max-new-tokens", NEW)
     assert out.splitlines()[0].strip() and "method            compactor (mode=prefill" in out, out
-    chosen = re.search(r"^calibration       NLL\(context\) \S+ -> keep (\S+)% \(compression ratio (\S+)\) for quality 0.9$", out, re.M)
-    assert chosen and 0 < float(chosen.group(1)) <= 100 and 0 <= float(chosen.group(2)) < 1, out
+    chosen = re.search(r"^calibration       NLL\(context\) (\S+) -> keep (\S+)% \(compression ratio (\S+)\) for quality 0.9(.*)$", out, re.M)
+    assert chosen and 0 < float(chosen.group(2)) <= 100 and 0 <= float(chosen.group(3)) < 1, out
+    low, high = fit["nll_context_range"]  # one sample: the doc's NLL is an extrapolation unless it is that sample's
+    outside = not low <= float(chosen.group(1)) <= high
+    assert chosen.group(4) == (" (extrapolated: outside the NLL range the calibration was fitted on)" if outside else ""), out
+    out = cli("compress", "--calibration", tmp_path / "compactor.json", "--quality", "0.9", "--context-file", doc, "--out", tmp_path / "c.kvc")
+    assert f"compression ratio {chosen.group(3)} chosen by the calibration for quality 0.9)" in out, out
 
 
 @pytest.mark.smoke

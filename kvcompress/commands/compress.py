@@ -24,6 +24,8 @@ def _run(args) -> int:
     cache = compress_context(model, tokenizer, context, options)
     cache.save(args.out)
     slots = cache.slots_per_layer()
+    chosen = "" if args.calibration is None else (f", compression ratio {cache.options.compression_ratio:.3f} chosen by the calibration "
+                                                   f"for quality {args.quality:g}")
     print(f"saved {args.out}: {cache.nbytes() / 2**20:.2f} MiB of KV, {sum(slots) / len(slots):.0f} slots per layer and KV head "
-          f"(method {options.method}{'' if cache.kv_bits is None else f', {cache.kv_bits}-bit'})")
+          f"(method {options.method}{'' if cache.kv_bits is None else f', {cache.kv_bits}-bit'}{chosen})")
     return 0

@@ -156,7 +156,8 @@ def _print_results(results, args) -> int:
         if "calibration" in res.extra:
             chosen = res.extra["calibration"]
             print(f"calibration       NLL(context) {chosen['nll_context']:.3f} -> keep {chosen['retention']:.1%} "
-                  f"(compression ratio {chosen['compression_ratio']:.3f}) for quality {args.quality:g}")
+                  f"(compression ratio {chosen['compression_ratio']:.3f}) for quality {args.quality:g}"
+                  + (" (extrapolated: outside the NLL range the calibration was fitted on)" if chosen.get("extrapolated") else ""))
     return 0
 
 
