@@ -92,6 +92,7 @@ def as_flag(message: str, subparser: ArgumentParser) -> str:
              if action.option_strings and action.option_strings[-1].startswith("--")}
     if "task_param" in flags:
         message = re.sub(r"task_params\['(\w+)'\]\['(\w+)'\]", rf"{flags['task_param']} \1.\2", message)
+        message = re.sub(r"task_params\['(\w+)'\]", rf"{flags['task_param']} \1.NAME", message)
 
     def with_value(match: re.Match) -> str:
         value = match.group(3) if match.group(3) is not None else match.group(2)
@@ -107,8 +108,10 @@ def as_flag(message: str, subparser: ArgumentParser) -> str:
                       lambda m: with_value(m) if m.group(1) in flags else m.group(0), text)
         return re.sub(r"(?<![\w.'-])([a-z][a-z0-9_]*)(?=[ (:<>,;.)]|$)", bare, text)
 
-    # code the message quotes in backticks (a Python call it advises) stays as it is
-    return "`".join(prose(part) if i % 2 == 0 else part for i, part in enumerate(message.split("`")))
+    # code the message quotes in backticks (a Python call it advises) stays as it is; a name followed by its flag in
+    # parentheses ("max_new_tokens (--max-new-tokens)") is said once
+    message = "`".join(prose(part) if i % 2 == 0 else part for i, part in enumerate(message.split("`")))
+    return re.sub(r"(--[\w-]+) \(\1\)", r"\1", message)
 
 
 if __name__ == "__main__":

@@ -328,6 +328,13 @@ def test_a_library_error_names_the_flag_of_the_parameter_it_starts_with():
     for unchanged in ("the context is empty", "context_fraction must be in (0, 1)", "the method keeps a budget",
                       "calibrate it (`kvc.calibrate(model, tokenizer, samples, method='snapkv')`)", ""):
         assert as_flag(unchanged, generate) == unchanged
+    # a name followed by its flag is said once (it read "--max-new-tokens (--max-new-tokens) 2, there None"); a task's
+    # parameters named by the task alone name the flag too
+    evaluate = build_parser().subcommands["eval"]
+    assert (as_flag("runs holds the results of another run: max_new_tokens (--max-new-tokens) 2, there not given", evaluate)
+            == "runs holds the results of another run: --max-new-tokens 2, there not given")
+    assert (as_flag("task_params['niah_single']: parameters must be among ['haystack', 'kind']", evaluate)
+            == "--task-param niah_single.NAME: parameters must be among ['haystack', 'kind']")
 
 
 def test_path_flags_expand_a_leading_tilde_and_keep_the_rest_as_typed(monkeypatch, tmp_path):

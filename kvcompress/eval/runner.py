@@ -595,16 +595,18 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
     (`named_settings_of`: the library's default of another version); what the earlier run did not record is not
     compared. A folder whose run recorded nothing (it stopped before its first cell, e.g. refused) takes any run.
     The benchmark's data (`data`) is compared as the place it names, however the path was written."""
+    if not path.is_file():
+        return
+    meta = read_run_config(path)  # a damaged file is refused, recorded or not
     if not _recorded(path):
         return
-    meta = read_run_config(path)
     if meta.get("task") != task:
         kinds = {None: "task sweep", PERPLEXITY: "perplexity run (--tasks perplexity)"}
         raise ValueError(f"{path.parent} holds the records of a {kinds.get(meta.get('task'), meta.get('task'))}, which a "
                          f"{kinds.get(task, task)} must not add to (their records and summaries differ): write to another "
                          "folder (--out)")
     earlier = meta.get("config", {})
-    changed = [f"{name} (--{name.replace('_', '-')}) {value!r}, there {earlier[name]!r}"
+    changed = [f"{name} (--{name.replace('_', '-')}) {_shown(value)}, there {_shown(earlier[name])}"
                for name, value in json.loads(json.dumps(settings)).items() if name in earlier and not _same_setting(name, value, earlier[name])]
     recorded = meta.get("named_settings", {})
     changed += [f"method {name!r} (--methods) stands for {value!r} in this kvcompress, there for {recorded[name]!r}"
@@ -616,6 +618,11 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
     if changed:
         raise ValueError(f"{path.parent} holds the results of another run: {'; '.join(changed)}. Rerun with that run's settings to "
                          "continue it, or write to a new folder")
+
+
+def _shown(value) -> str:
+    """A setting's value as a refusal shows it: None (left to each task, or not given) as "not given"."""
+    return "not given" if value is None else repr(value)
 
 
 def _recorded(path: Path) -> bool:
