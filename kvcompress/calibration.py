@@ -265,5 +265,5 @@ def calibrated_ratio(model, context_ids: torch.Tensor, calibration: Calibration 
     if extrapolated:
         warnings.warn(f"the context's NLL {nll:.3f} lies outside the range the calibration was fitted on ({bounds[0]:.3f} to "
                       f"{bounds[1]:.3f}), so its compression ratio {ratio:.3f} extrapolates the curve; calibrate on texts like "
-                      "this one (kvcompress calibrate) for a choice it measured", UserWarning, stacklevel=2)
+                      "this one (kvcompress calibrate) for a choice it measured", UserWarning, stacklevel=3)  # the caller of the inference-mode wrapper
     return {"nll_context": nll, "retention": 1.0 - ratio, "compression_ratio": ratio, "extrapolated": extrapolated}
