@@ -62,7 +62,7 @@ from .methods.base import UnknownParameters, compress_layers, compress_tokens, m
 from .methods.stream import Stream, batch_coupling
 from .methods.tokens import Tokens, exact_ends, per_head, query_positions_for
 from .model_support import RotaryInverse, attention_scales, check_supported, has_padding, keep_hidden_states, release_hidden_states
-from .model_support import autocast_off, common_dtype, decoding_settings, length_dependent_rope, select_compressed_attention
+from .model_support import autocast_off, cache_dropping_length, common_dtype, decoding_settings, length_dependent_rope, select_compressed_attention
 from .names import DEFAULT_METHOD, FULL
 from .options import CompressionOptions
 from .quantization import QuantizedRaggedSummary, QuantizedSummary
@@ -939,7 +939,7 @@ class CompressedCache(Cache):
         try:
             options = CompressionOptions.build(method, **settings) if isinstance(method, CompressionOptions) else CompressionOptions.build(method=method, **settings)
         except UnknownParameters as err:
-            decoding, others = decoding_settings(err.names)
+            decoding, others = decoding_settings(err.names, settings)
             if not decoding:
                 raise
             raise ValueError(f"CompressedCache(..., {', '.join(f'{name}={settings[name]!r}' for name in decoding)}): "
@@ -987,10 +987,17 @@ class CompressedCache(Cache):
         rope = length_dependent_rope(model)
         if self.plan.pre_rope_keys and options.streams and rope is not None and (stream_length is None or stream_length > rope[1]):
             raise ValueError(
-                f"method {options.method!r} in mode={options.mode!r} un-rotates the keys its streams hold, and this model's RoPE "
-                f"({rope[0]!r}) picks its frequencies from the length each forward reaches, switching past {rope[1]} positions: "
-                f"keys rotated by the forwards before that could not be un-rotated; pass a stream_length within {rope[1]} tokens "
-                f"(got {stream_length}), use mode='prefill', or a method that reads no pre-RoPE keys")
+                f"method {options.method!r} in mode={options.mode!r} un-rotates the keys its streams hold, piece by piece with the "
+                f"frequencies the pieces' own positions select, and this model's RoPE ({rope[0]!r}) picks its frequencies from "
+                f"the length a forward reaches, switching past {rope[1]} positions: keys rotated for one side of that length "
+                f"would be un-rotated with the other's; pass a stream_length within {rope[1]} tokens (got {stream_length}), use "
+                "mode='prefill', or a method that reads no pre-RoPE keys")
+        drop = cache_dropping_length(model)
+        if isinstance(method, str) and drop is not None:
+            warnings.warn(f"this model's model.generate drops the cache it is given when the sequence first passes "
+                          f"original_max_position_embeddings={drop} tokens, to recompute it with its long RoPE factors: a prompt "
+                          f"past {drop} tokens is then not compressed at all, and an answer crossing it goes on uncompressed; "
+                          f"kvc.generate refuses what would cross it", UserWarning, stacklevel=2)
         self._unrotate = RotaryInverse(model) if self.plan.pre_rope_keys else None
         layers = [
             CompressedLayer(self, i) if kind == "full_attention" else SlidingWindowLayer(window)

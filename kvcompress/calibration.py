@@ -82,11 +82,11 @@ class Calibration:
     model: str | None = None  # the model it was measured on (`kvcompress generate` refuses a file fitted on another)
     method_params: dict = field(default_factory=dict)  # the method's parameters in the measurement, applied with it
     n_triples: int = 0  # how many (retention, NLL(c), NLL ratio) triples the fit saw
-    # [lowest, highest] NLL(c) of the contexts the fit saw: a context outside it is an extrapolation (None: not recorded)
-    nll_context_range: list[float] | None = None
     # the fit's weighted mean squared residual: a record of the fit, not compared (NaN, for a curve not fitted by `fit`,
     # equals nothing, not even a pickled copy of itself)
     loss: float = field(default=float("nan"), compare=False)
+    # [lowest, highest] NLL(c) of the contexts the fit saw: a context outside it is an extrapolation (None: not recorded)
+    nll_context_range: list[float] | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str) or self.method not in method_names():
@@ -212,8 +212,8 @@ def fit(triples, method: str, asymmetry: float = 4.0, model: str | None = None, 
         if math.isfinite(loss) and (best is None or loss < best[0]):
             best = (loss, params)
     loss, (alpha, beta) = best[0], best[1].tolist()
-    return Calibration(method, alpha, beta, asymmetry, model, dict(method_params or {}), len(rows), [float(nll.min()), float(nll.max())],
-                       loss)
+    return Calibration(method, alpha, beta, asymmetry, model, dict(method_params or {}), len(rows), loss,
+                       nll_context_range=[float(nll.min()), float(nll.max())])
 
 
 def levenberg_marquardt(residuals, params: torch.Tensor, iterations: int = 200, h: float = 1e-6) -> torch.Tensor:

@@ -152,6 +152,19 @@ def length_dependent_rope(model) -> tuple[str, int] | None:
     return None
 
 
+def cache_dropping_length(model) -> int | None:
+    """The sequence length whose first crossing makes transformers' `model.generate` drop the cache it was given and
+    recompute the sequence in a fresh one, else None: Phi-3 (`Phi3ForCausalLM.prepare_inputs_for_generation`) does so
+    when the sequence first passes `original_max_position_embeddings` below `max_position_embeddings`, so that every key
+    is rotated with its long-context factors. A compressed cache cannot be recomputed: the rest of the answer would come
+    from an uncompressed cache."""
+    config = model.config
+    switch, limit = getattr(config, "original_max_position_embeddings", None), getattr(config, "max_position_embeddings", None)
+    if getattr(config, "model_type", None) != "phi3" or switch is None or (limit is not None and limit <= switch):
+        return None
+    return int(switch)
+
+
 _MODEL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 
@@ -214,12 +227,13 @@ _GENERATE_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criter
                        "generate_kwargs")
 
 
-def decoding_settings(names) -> tuple[list[str], str]:
-    """Which of `names` are `model.generate`'s decoding settings (a `GenerationConfig` field such as do_sample,
-    temperature or num_beams, or one of generate's own arguments such as a streamer), in their order; -> (those names,
-    what a message says of the others: "" when there are none)."""
+def decoding_settings(names, given) -> tuple[list[str], str]:
+    """Which of `names` are `model.generate`'s decoding settings given as settings (keys of `given`; not a name inside
+    `method_params`, which the user meant for the method): a `GenerationConfig` field such as do_sample, temperature or
+    num_beams, or one of generate's own arguments such as a streamer, in their order; -> (those names, what a message
+    says of the others: "" when there are none)."""
     fields = GenerationConfig().to_dict()  # its settings (not its methods' names)
-    decoding = [name for name in names if name in _GENERATE_ARGUMENTS or name in fields]
+    decoding = [name for name in names if name in given and (name in _GENERATE_ARGUMENTS or name in fields)]
     rest = [name for name in names if name not in decoding]
     return decoding, f"; {', '.join(rest)} {'is' if len(rest) == 1 else 'are'} not an option or a parameter of the method either" if rest else ""
 

@@ -442,6 +442,15 @@ def test_an_interrupted_run_reports_what_it_wrote(tmp_path, monkeypatch):
     assert {r["method"] for r in read_csv(out / "exponents.csv")} == {"exact", "knorm", "keydiff"}
     assert "| keydiff |" in (out / "bench.md").read_text()
     assert list(bench.read_machines(out)) == ["overhead"] and not (out / "attention.csv").exists()
+    # a section an earlier run wrote and this one never reached keeps that run's machine line
+    monkeypatch.undo()
+    attention = ["--step-shape", "smollm2", "--step-contexts", "64", "--step-repeats", "1"]
+    assert main(["bench", "--sections", "attention", *attention, "--out", str(out)]) == 0
+    lines = (out / "machine.txt").read_text()
+    (out / "machine.txt").write_text(lines.replace("attention: ", "attention: an earlier machine, ", 1))
+    monkeypatch.setattr(bench_report, "overhead_rows", interrupted)
+    assert main(["bench", "--sections", "overhead,attention", *attention, *second[3:11], "--out", str(out)]) == 130
+    assert bench.read_machines(out)["attention"].startswith("an earlier machine, ")
 
 
 @pytest.mark.smoke

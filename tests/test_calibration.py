@@ -202,6 +202,7 @@ def test_a_context_outside_the_fitted_nll_range_is_said_to_extrapolate(tmp_path,
     import kvcompress as kvc
 
     fitted = cal.fit(_synthetic_triples(1.0, -5.0, 0.0), "keydiff")
+    assert cal.Calibration("keydiff", 0.0, -3.0, 4.0, None, {}, 10, 0.01).loss == 0.01  # the fields' order as before the range
     assert fitted.nll_context_range == pytest.approx([1.0, 4.0])  # the triples' NLL(c) run over linspace(1, 4)
     model, tokenizer = kvc.load_model(tiny_checkpoint)
     context, question = "The magic number is 42. The sky is green today. " * 6, "What is the magic number?"

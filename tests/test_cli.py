@@ -293,7 +293,6 @@ def test_eval_checks_its_results_folder_before_loading_the_model(tmp_path, capsy
     out = tmp_path / "sweep"
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"config": {"seed": 0}, "model": "SmolLM2-135M-Instruct"}))
-    (out / "results.jsonl").write_text('{"key": "a cell"}\n')
     assert main(["eval", "--seed", "3", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 2
     assert "holds the results of another run: seed (--seed) 3, there 0" in capsys.readouterr().err
 

@@ -418,12 +418,10 @@ def test_a_results_folder_takes_one_kind_of_run_refused_before_the_model_loads(f
 
     kinds = {"sweep": (SweepConfig(methods=["knorm"], tasks=["niah_single"]), {}),
              "perplexity": (PerplexityConfig(methods=["knorm"]), {"task": "perplexity"})}
-    check = {"sweep": check_results_folder, "perplexity": check_perplexity_folder}
     config, extra = kinds[first]
     write_run_config(tmp_path, config, "m", None, **extra)
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # written whole: no partial file left
-    check[second](kinds[second][0], tmp_path, "m")  # a run that recorded nothing protects nothing
-    _record_a_cell(tmp_path)
+    check = {"sweep": check_results_folder, "perplexity": check_perplexity_folder}
     with pytest.raises(ValueError, match=r"holds the records of a .* which a .* must not add to .* write to another folder \(--out\)"):
         check[second](kinds[second][0], tmp_path, "m")
     check[first](config, tmp_path, "m")  # the same kind goes on
@@ -435,11 +433,6 @@ def test_a_results_folder_takes_one_kind_of_run_refused_before_the_model_loads(f
     assert "must not add to" in capsys.readouterr().err
 
 
-def _record_a_cell(folder) -> None:
-    """A results file holding one record: a run that recorded something, whose settings a later run must keep."""
-    (folder / "results.jsonl").write_text('{"key": "a cell"}\n')
-
-
 def test_a_resumed_run_keeps_what_every_earlier_run_s_named_settings_stood_for(tmp_path):
     """config.json is rewritten by each run into a folder: the named settings of a first run with `default` must stay, or a
     third run whose `default` stands for another method would not be refused."""
@@ -449,7 +442,6 @@ def test_a_resumed_run_keeps_what_every_earlier_run_s_named_settings_stood_for(t
 
     write_run_config(tmp_path, SweepConfig(methods=["default"], tasks=["niah_single"]), "m", None)
     write_run_config(tmp_path, SweepConfig(methods=["knorm"], tasks=["niah_single"]), "m", None)
-    _record_a_cell(tmp_path)
     meta = json.loads((tmp_path / "config.json").read_text())
     assert meta["config"]["methods"] == ["knorm"] and "default" in meta["named_settings"]
     meta["named_settings"]["default"] = {"prefill": ["snapkv", {}, {}]}  # as another version of kvcompress recorded it
@@ -462,7 +454,6 @@ def test_a_resumed_prefill_only_run_is_not_refused_for_the_streams_block_size(tm
     from kvcompress.eval.runner import SweepConfig, check_results_folder, write_run_config
 
     write_run_config(tmp_path, SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["chunked"], chunk_size=64), "m", None)
-    _record_a_cell(tmp_path)
     prefill_only = SweepConfig(methods=["knorm"], tasks=["niah_single"], modes=["prefill"])
     check_results_folder(prefill_only, tmp_path, "m")
     write_run_config(tmp_path, prefill_only, "m", None)  # ... and its config.json keeps the streams' block size

@@ -113,26 +113,20 @@ def test_interrupted_sweep_resumes_without_redoing_cells(tiny, tmp_path, monkeyp
     assert calls == []
 
 
-def test_a_results_folder_whose_run_recorded_nothing_takes_another_run(tiny, tmp_path, monkeypatch):
-    """A run that stopped before its first cell (refused, interrupted) left its config.json and an empty results file,
-    and the folder then refused the corrected run as "another run"; it holds no record to protect, so it takes it. The
-    benchmark's data is compared as the place it names: the same folder written relative or absolute continues a run."""
+def test_a_named_setting_a_mode_cannot_run_is_recorded_per_cell_and_data_is_compared_as_a_place(tiny, tmp_path, monkeypatch):
+    """`kvzip_refit` (prefill only) in a streaming mode failed the whole run before its first cell, after config.json
+    was written, so the folder then refused the corrected run as another run: its streamed cells now record the
+    refusal, as a prefill-only method's do, and its prefill cells run. The benchmark's data is compared as the place it
+    names: the same folder written relative or absolute continues a run."""
     from kvcompress.eval.runner import check_same_run
 
     model, tokenizer = tiny
-    config = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["knorm"])
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runner, "_answer", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run_sweep(model, tokenizer, config, tmp_path, progress=False, model_name="tiny")
-    assert (tmp_path / "config.json").is_file() and (tmp_path / runner.RESULTS_FILE).stat().st_size == 0
-    monkeypatch.undo()
-    records = run_sweep(model, tokenizer, small_config(**{**dict(grid_lengths=[], grid_depths=[], tasks=["niah_single"],
-                                                              methods=["knorm"]), "seed": 7}), tmp_path, progress=False, model_name="tiny")
-    assert records and json.loads((tmp_path / "config.json").read_text())["config"]["seed"] == 7
+    config = small_config(grid_lengths=[], grid_depths=[], tasks=["niah_single"], methods=["kvzip_refit"], modes=["prefill", "chunked"],
+                          include_full=False, samples=1)
+    records = run_sweep(model, tokenizer, config, tmp_path, progress=False, model_name="tiny")
+    by_mode = {r["mode"]: r for r in records}
+    assert by_mode["chunked"]["error"] == "ValueError: method 'kvzip_refit' runs in mode 'prefill' only, got mode='chunked'"
+    assert by_mode["prefill"]["error"] is None and by_mode["prefill"]["resolved_method"] == "adakv", by_mode["prefill"]
     (tmp_path / "data").mkdir()
     meta = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(meta | {"config": meta["config"] | {"data": "data"}}))  # as typed, relative

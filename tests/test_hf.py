@@ -994,8 +994,8 @@ def test_a_longrope_prompt_is_fed_as_model_generate_rotates_it_or_refused():
                                r"'\) would have its first 32 rotated .* a chunk_size above 64, or a prompt within 64 tokens$"):
                 generate_ids(model, context, question, method=method, mode=mode, chunk_size=32, **settings, **run)
             assert generate_ids(model, context, question, method=method, mode=mode, chunk_size=80, **settings, **run).token_ids == plain(ids)
-            assert generate_ids(model, ids[:, :50], ids[:, 50:60], method=method, mode=mode, chunk_size=16, **settings,
-                                **run).token_ids == plain(ids[:, :60])
+            assert generate_ids(model, ids[:, :40], ids[:, 40:50], method=method, mode=mode, chunk_size=16, **settings,
+                                **run).token_ids == plain(ids[:, :50])
         with pytest.raises(ValueError, match=r"fed as the context's forward and then the question's .* \(compress_question=True\)"):
             generate_ids(model, ids[:, :60], ids[:, 60:70], method=method, **settings, **run)
         if method is not None:
@@ -1005,8 +1005,33 @@ def test_a_longrope_prompt_is_fed_as_model_generate_rotates_it_or_refused():
     with pytest.raises(ValueError, match="a prompt of 70 tokens fed as the context's forward and then the question's"):
         answer_questions_ids(model, ids[:, :60], [ids[:, 60:62], ids[:, 60:70]], method="snapkv", compression_ratio=0.0, **run)
     for stream_length in (None, 65):
-        with pytest.raises(ValueError, match=r"method 'compactor' in mode='chunked' un-rotates the keys its streams hold, and this "
+        with pytest.raises(ValueError, match=r"method 'compactor' in mode='chunked' un-rotates the keys its streams hold, .* this "
                                              r"model's RoPE \('longrope'\) .* switching past 64 positions"):
-            CompressedCache(model, "compactor", mode="chunked", budget=16, stream_length=stream_length)
-    CompressedCache(model, "compactor", mode="chunked", budget=16, stream_length=64)
-    CompressedCache(model, "compactor", budget=16)  # one forward rotates and un-rotates alike
+            CompressedCache(model, CompressionOptions(method="compactor", mode="chunked", budget=16), stream_length=stream_length)
+    options = CompressionOptions(method="compactor", mode="chunked", budget=16)
+    CompressedCache(model, options, stream_length=64)
+    CompressedCache(model, CompressionOptions(method="compactor", budget=16))  # one forward rotates and un-rotates alike
+    # a method that un-rotates a stream's keys is not advised a larger chunk_size (the cache refuses it whatever the blocks)
+    with pytest.raises(ValueError, match=r"would have its first 32 rotated .* use mode='prefill' with compress_question=True or a prompt within 64 tokens$"):
+        generate_ids(model, context, question, method="compactor", mode="chunked", chunk_size=32, compression_ratio=0.5, **run)
+
+
+def test_a_compressed_answer_phi3_would_recompute_uncompressed_is_refused():
+    """transformers' Phi-3 drops the cache `model.generate` decodes from when the sequence first passes
+    original_max_position_embeddings, to recompute it with its long RoPE factors: a compressed answer crossing that
+    length went on from an uncompressed cache while its result reported the compressed bytes, and a compressed cache
+    given to `model.generate` with a longer prompt was never used. `kvc.generate` refuses an answer that would cross it
+    (naming the max_new_tokens that fits), the full cache (transformers' own) is not refused, and a cache built by name
+    for such a model warns."""
+    model, ids = _longrope_phi3(), _ids(160, 1)
+    run = dict(compression_ratio=0.5, sink=2, window=4, stop_at_eos=False)
+    with pytest.raises(ValueError, match=r"drops the cache it decodes from when the sequence first passes original_max_position_embeddings=64 "
+                                         r"tokens.* a prompt of 60 tokens .* lower max_new_tokens to 5 or fewer, or give a prompt of more than 64 tokens$"):
+        generate_ids(model, ids[:, :50], ids[:, 50:60], method="snapkv", max_new_tokens=20, **run)
+    with pytest.raises(ValueError, match="a prompt of 64 tokens .* lower max_new_tokens to 1 or fewer"):
+        answer_questions_ids(model, ids[:, :50], [ids[:, 50:52], ids[:, 50:64]], method="snapkv", max_new_tokens=2, **run)
+    assert len(generate_ids(model, ids[:, :50], ids[:, 50:60], method="snapkv", max_new_tokens=5, **run).token_ids) == 5
+    assert len(generate_ids(model, ids[:, :50], ids[:, 50:60], method=None, max_new_tokens=20, stop_at_eos=False).token_ids) == 20
+    assert len(generate_ids(model, ids[:, :140], ids[:, 140:150], method="snapkv", max_new_tokens=20, **run).token_ids) == 20
+    with pytest.warns(UserWarning, match="drops the cache it is given when the sequence first passes original_max_position_embeddings=64"):
+        CompressedCache(model, "snapkv", compression_ratio=0.5)

@@ -439,6 +439,11 @@ def test_model_generates_decoding_settings_are_refused_naming_model_generate():
         kvc.generate(model, tokenizer, context, "w1", method="snapkv", compression_ratio=0.5, temperature=0.7, anchor="mean")
 
 
+def _ids_of(n: int) -> torch.Tensor:
+    """[1, n] token ids of a tiny model's vocabulary."""
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(0))
+
+
 def test_a_cache_built_with_a_decoding_setting_names_the_generate_call_it_belongs_to():
     """CompressedCache(model, method, temperature=...) is a sampling setting given to the cache: the refusal names
     model.generate, where it goes, as kvc.generate's does (it was the generic unknown-setting message); an unknown
@@ -453,6 +458,11 @@ def test_a_cache_built_with_a_decoding_setting_names_the_generate_call_it_belong
         kvc.CompressedCache(model, "keydiff", compression_ratio=0.5, do_sample=True, top_k=5, anchor2=1)
     with pytest.raises(ValueError, match="unknown setting"):
         kvc.CompressedCache(model, "keydiff", compression_ratio=0.5, anchor2=1)
+    # a name inside method_params was meant for the method: the method's refusal, not the decoding message (a KeyError)
+    for build in (lambda: kvc.CompressedCache(model, "snapkv", compression_ratio=0.5, method_params={"temperature": 0.7}),
+                  lambda: generate_ids(model, _ids_of(40), None, method="snapkv", compression_ratio=0.5, method_params={"top_k": 5})):
+        with pytest.raises(ValueError, match=r"method 'snapkv' has no parameter\(s\) \['(temperature|top_k)'\]"):
+            build()
     assert kvc.CompressedCache(model, options).options.method == "keydiff"
 
 

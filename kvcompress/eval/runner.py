@@ -351,10 +351,21 @@ def _recording_kind(cell: Cell, method: Method | None) -> bool | None:
     return needs.needs("attention_mass") if needs.compresses_a_recorded_prefill else None
 
 
-def _method_of(cell: Cell) -> Method:
-    """The method a (not full) cell runs, its name resolved for its mode (the default: the mode's default method)."""
-    name, params, _ = resolve_method(cell.method, cell.mode)
-    return build_method(name, **params)
+def _resolved(cell: Cell) -> tuple[str, dict, dict] | None:
+    """`resolve_method` of a (not full) cell's method name in its mode; None for a named setting with no method in that
+    mode (`kvzip_refit` streamed), whose cell records the refusal when it runs, as a prefill-only method's streamed
+    cell does (the whole run failed before its first cell)."""
+    try:
+        return resolve_method(cell.method, cell.mode)
+    except ValueError:
+        return None
+
+
+def _method_of(cell: Cell) -> Method | None:
+    """The method a (not full) cell runs, its name resolved for its mode (the default: the mode's default method); None
+    where the name has none in that mode (`_resolved`)."""
+    resolved = _resolved(cell)
+    return None if resolved is None else build_method(resolved[0], **resolved[1])
 
 
 def stream_budget(method: str, ratio: float, n_tokens: int) -> int:
@@ -593,13 +604,10 @@ def check_same_run(path: Path, settings: dict, model_name: str = "", methods: li
     the old value would not run again), another model or dtype (its numbers differ: a float32 full cache's bytes are
     twice a bfloat16 cell's), or another meaning of a named setting among `methods`
     (`named_settings_of`: the library's default of another version); what the earlier run did not record is not
-    compared. A folder whose run recorded nothing (it stopped before its first cell, e.g. refused) takes any run.
-    The benchmark's data (`data`) is compared as the place it names, however the path was written."""
+    compared. The benchmark's data (`data`) is compared as the place it names, however the path was written."""
     if not path.is_file():
         return
-    meta = read_run_config(path)  # a damaged file is refused, recorded or not
-    if not _recorded(path):
-        return
+    meta = read_run_config(path)
     if meta.get("task") != task:
         kinds = {None: "task sweep", PERPLEXITY: "perplexity run (--tasks perplexity)"}
         raise ValueError(f"{path.parent} holds the records of a {kinds.get(meta.get('task'), meta.get('task'))}, which a "
@@ -625,12 +633,6 @@ def _shown(value) -> str:
     return "not given" if value is None else repr(value)
 
 
-def _recorded(path: Path) -> bool:
-    """Whether the run whose `config.json` is `path` recorded anything: its results file is there and not empty."""
-    results = path.parent / RESULTS_FILE
-    return path.is_file() and results.is_file() and results.stat().st_size > 0
-
-
 def _same_setting(name: str, value, earlier) -> bool:
     """Whether a run's setting equals the one recorded: the benchmark's data as the place its path names (a run records
     it absolute; an earlier one may have recorded it as typed, relative to where it ran)."""
@@ -640,9 +642,8 @@ def _same_setting(name: str, value, earlier) -> bool:
 
 
 def _check_prompt_layout(path: Path, layout: PromptLayout) -> None:
-    """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another and
-    recorded something."""
-    if not _recorded(path):
+    """Refuse to add records in `layout` to a results folder whose earlier run (its `config.json`) used another."""
+    if not path.is_file():
         return
     recorded = read_run_config(path).get("config", {}).get("prompt_layout", UNRECORDED_PROMPT_LAYOUT)
     earlier = prompt_layout(PromptLayout(**recorded) if isinstance(recorded, dict) else recorded)
@@ -737,8 +738,12 @@ def _record(cell: Cell, sample: Sample, context_ids, capture_s: float, layout: P
 
 def _resolved_fields(cell: Cell) -> dict:
     """What a cell's method name stood for when it ran: the registered method, its parameters and any cache settings
-    (sink, window, slack) the name fixes (for the default, whatever `options.DEFAULT_METHODS` held then)."""
-    name, params, settings = resolve_method(cell.method, cell.mode)
+    (sink, window, slack) the name fixes (for the default, whatever `options.DEFAULT_METHODS` held then); None and {}
+    where the name has none in the cell's mode."""
+    resolved = _resolved(cell)
+    if resolved is None:
+        return {"resolved_method": None, "method_params": {}}
+    name, params, settings = resolved
     return {"resolved_method": name, "method_params": params | settings}
 
 

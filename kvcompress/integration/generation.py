@@ -31,7 +31,7 @@ from ..cache import CompressedCache, CompressedLayer, load_cache
 from ..checks import as_count, check_bool
 from ..decoding import answer_end
 from ..methods.base import UnknownParameters
-from ..model_support import check_supported, decoding_settings, model_lock, select_compressed_attention, use_compressed_attention
+from ..model_support import cache_dropping_length, check_supported, decoding_settings, model_lock, select_compressed_attention, use_compressed_attention
 from ..options import CompressionOptions
 from .attention import feeding_hidden_states  # the module registers the kvcompress attention
 from .prefill_approx import approximate_prefill
@@ -184,7 +184,7 @@ class _Session:
         n_prompt = n_context + (self.question_ids.shape[1] if self.question_ids is not None else 0)
         check_context_length(model, n_prompt, max_new_tokens)
         self.n_context, self.n_prompt, self.method_name = n_context, n_prompt, options.method
-        self.compress_question = options.compress_question
+        self.compress_question, self.max_new_tokens = options.compress_question, max_new_tokens
         self.check_rope(n_prompt - n_context)
         self.chosen = None
         if options.quality is not None:
@@ -229,14 +229,32 @@ class _Session:
         feed them: in blocks in a streaming mode; in prefill mode in one forward, the question after it unless compressed
         with it."""
         mode, chunk = self.options.mode, self.options.chunk_size
+        n_prompt = self.n_context + n_question
         if self.options.streams:
-            check_rope_forwards(self.model, min(chunk, self.n_context), self.n_context + n_question, f"in blocks of chunk_size={chunk} "
-                                f"(mode={mode!r})", "use mode='prefill' with compress_question=True, a chunk_size above {switch}, "
-                                "or a prompt within {switch} tokens")
+            pre_rope = self.method_name is not None and self.options.compressor.requirements.needs("pre_rope_keys")
+            check_rope_forwards(self.model, min(chunk, self.n_context), n_prompt, f"in blocks of chunk_size={chunk} (mode={mode!r})",
+                                "use mode='prefill' with compress_question=True" + ("" if pre_rope else ", a chunk_size above {switch},")
+                                + " or a prompt within {switch} tokens")
         elif n_question and not self.options.compress_question:
             check_rope_forwards(self.model, self.n_context, self.n_context + n_question, "as the context's forward and then the "
                                 "question's", "compress the question with the context (compress_question=True), or keep the prompt "
                                 "within {switch} tokens")
+
+    def check_answers_stay_compressed(self, n_prompts) -> None:
+        """Refuse, before any work, a compressed cache's answer (greedy through `model.generate`, up to the session's
+        max_new_tokens) after a prompt of any of `n_prompts` tokens that would cross the length where `model.generate`
+        drops the cache it decodes from (`cache_dropping_length`: Phi-3): the rest of the answer would come from an
+        uncompressed recomputation."""
+        drop = cache_dropping_length(self.model)
+        if self.method_name is None or drop is None:
+            return
+        for n_prompt in n_prompts:
+            if n_prompt <= drop < n_prompt + self.max_new_tokens - 1:
+                raise ValueError(f"this model's model.generate drops the cache it decodes from when the sequence first passes "
+                                 f"original_max_position_embeddings={drop} tokens, to recompute it with its long RoPE factors, which a "
+                                 f"compressed cache cannot give: the answer to a prompt of {n_prompt} tokens would go on from an "
+                                 f"uncompressed cache past that point; lower max_new_tokens to {drop - n_prompt + 1} or fewer, or give "
+                                 f"a prompt of more than {drop} tokens")
 
     def new_cache(self):
         if self.method_name is None:
@@ -447,6 +465,7 @@ def generate_ids(
     if question_ids is not None:
         check_token_ids("question_ids", question_ids, "[1, m] or None", model, rows=1, least=0)
     session = _Session(model, _Prompt(context_ids, question_ids), options, max_new_tokens, prefill)
+    session.check_answers_stay_compressed([session.n_prompt])
     with _running(model, options):
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not options.compress_question else None
@@ -518,6 +537,7 @@ def answer_questions_ids(
     _check_questions(model, context_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
     session.check_rope(max(q.shape[1] for q in questions_ids))
+    session.check_answers_stay_compressed([session.n_context + q.shape[1] for q in questions_ids])
     if session.mode == "decode":  # every question and answer streams too: a ratio is of the context, the longest question and answer
         session.stream_length += max(q.shape[1] for q in questions_ids)
     with _running(model, options):
@@ -612,6 +632,7 @@ def answer_from_cache_ids(
     _check_questions(model, cache.token_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
     session.check_rope(max(q.shape[1] for q in questions_ids))
+    session.check_answers_stay_compressed([session.n_context + q.shape[1] for q in questions_ids])
     session.adopt(cache)
     with _running(model, cache.options):
         return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)
@@ -662,6 +683,7 @@ def generate_batch_ids(
     ids = torch.stack([torch.cat([c.new_full((width - c.shape[1],), pad), c[0]]) for c in contexts_ids])
     mask = torch.stack([torch.arange(width) >= width - c.shape[1] for c in contexts_ids]).long()
     session = _Session(model, _Prompt(ids, question_ids, mask if padded else None), options, max_new_tokens)
+    session.check_answers_stay_compressed([session.n_prompt])
     with _running(model, options):
         logits, prefill_seconds = session.run_context(progress)
         question = session.question_ids if not session.compress_question else None
@@ -728,7 +750,7 @@ def build_options(options: CompressionOptions | None, **settings) -> Compression
     try:
         return CompressionOptions.build(options, **settings)
     except UnknownParameters as err:
-        decoding, others = decoding_settings(err.names)
+        decoding, others = decoding_settings(err.names, settings)
         if not decoding:
             raise
         raise ValueError(f"{', '.join(decoding)} {'is one of' if len(decoding) == 1 else 'are'} model.generate's decoding settings: "

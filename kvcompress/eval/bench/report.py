@@ -149,8 +149,14 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
     out_dir = Path(out_dir)
     results: dict[str, list[dict]] = {}
 
+    written: set[str] = set()  # the sections this run has written a CSV of
+
     def saver(name: str) -> Callable[[list[dict]], None]:
-        return lambda rows: write_csv(out_dir / f"{name}.csv", rows)
+        def save(rows: list[dict]) -> None:
+            write_csv(out_dir / f"{name}.csv", rows)
+            written.add(name)
+
+        return save
 
     out_dir.mkdir(parents=True, exist_ok=True)
     kept = {section: line for section, line in read_machines(out_dir).items() if (out_dir / f"{section}.csv").is_file()}
@@ -181,15 +187,16 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
         if "memory" in sections:
             results["memory"] = memory_rows(model, tokenizer, config, log, saver("memory"))
     except BaseException:  # an interrupt or an error part way: the report shows the rows written, not an earlier run's
-        _report_what_was_written(out_dir)
+        _report_what_was_written(out_dir, {section: machine if section in written else kept.get(section) for section in SECTIONS})
         raise
     return report(out_dir)
 
 
-def _report_what_was_written(out_dir: Path) -> None:
-    """After a run that stopped part way: machine.txt keeps the lines of the sections that have a CSV, and bench.md, the
-    exponents and the plots are rebuilt from the CSVs there (left as they are when there is none to rebuild from)."""
-    machines = {section: line for section, line in read_machines(out_dir).items() if (out_dir / f"{section}.csv").is_file()}
+def _report_what_was_written(out_dir: Path, machines: dict[str, str | None]) -> None:
+    """After a run that stopped part way: machine.txt names, for each section with a CSV, the machine `machines` gives
+    it (this run's where it wrote the CSV, the earlier run's where the CSV is that run's), and bench.md, the exponents and
+    the plots are rebuilt from the CSVs there (left as they are when there is none to rebuild from)."""
+    machines = {section: line for section, line in machines.items() if line is not None and (out_dir / f"{section}.csv").is_file()}
     (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
     try:
         report(out_dir)
