@@ -521,3 +521,27 @@ def test_damaged_results_and_an_unwritable_one_are_refused_naming_the_file_befor
         f"--out {str(tmp_path / 'done')!r}: results.jsonl cannot be written (an earlier run's files, which this one adds to or "
         "rewrites); make them writable or write to a new folder")
     monkeypatch.undo()
+
+
+def test_a_results_folder_of_another_command_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """`bench --out` an eval folder, `eval --out` a bench folder and `eval approx --out` a task sweep's folder were taken,
+    and mixed the commands' files and reports in one folder: each is refused naming the other command's files, before
+    any model loads; a folder of the command's own kind goes on."""
+    from kvcompress.integration import model as model_module
+
+    monkeypatch.setattr(model_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    folders = {"eval": ("results.jsonl", "config.json"), "bench": ("machine.txt", "bench.md"), "eval approx": ("approx.csv", "approx.md")}
+    for command, files in folders.items():
+        (tmp_path / command).mkdir()
+        for name in files:
+            (tmp_path / command / name).write_text("")
+    runs = {"eval": ["eval", "--tasks", "niah_single", "--methods", "knorm", "--samples", "1", "--lengths", "256"],
+            "bench": ["bench", "--sections", "overhead", "--methods", "knorm", "--shapes", "smollm2", "--sizes", "32", "--repeats", "1"],
+            "eval approx": ["eval", "approx", "--methods", "knorm", "--ratios", "0.5", "--layers", "0", "--tokens", "1024"]}
+    for command, argv in runs.items():
+        for other in folders:
+            if other == command:
+                continue
+            assert main([*argv, "--out", str(tmp_path / other)]) == 2, (command, other)
+            err = capsys.readouterr().err
+            assert f"holds the results of `kvcompress {other}`" in err and f"`kvcompress {command}` writes into a folder of its own" in err, err

@@ -116,7 +116,7 @@ def _run(args) -> int:
             raise ValueError(f"--kernel-repeats times the attention-mass kernel of a method that needs it (H2O); --methods "
                              f"{','.join(config.methods)} has none: leave it out")
     _check_thread_layout(args.out, len(config.threads) > 1)
-    make_out_folder(args.out)
+    make_out_folder(args.out, "bench")
     bench.run(args.out, config)
     return 0
 

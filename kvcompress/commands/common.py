@@ -236,9 +236,21 @@ def _check_takes_a_new_file(folder: Path, naming: str) -> None:
         raise ValueError(f"{naming} takes no new file ({err.strerror or err})") from err
 
 
-def make_out_folder(path: Path) -> None:
-    """Create the results folder --out names (and its parents) before the work, and check that it takes new files and
-    that the files already in it can be written (an earlier run's records, resumed); an error names --out."""
+# What each command's results folder holds, by which another command's run is told apart: runs of two commands in one
+# folder would mix their files and reports.
+_FOLDER_KINDS = {"eval": ("results.jsonl", "config.json"), "bench": ("machine.txt", "bench.md"), "eval approx": ("approx.csv", "approx.md")}
+
+
+def make_out_folder(path: Path, command: str) -> None:
+    """Create the results folder --out names (and its parents) before the work, and check that it takes new files, that
+    the files already in it can be written (an earlier run's records, resumed) and that none is another command's
+    (`command`: "eval", "bench" or "eval approx"); an error names --out."""
+    if path.is_dir():
+        for other, marks in _FOLDER_KINDS.items():
+            found = [name for name in marks if (path / name).is_file()]
+            if other != command and found:
+                raise ValueError(f"--out {str(path)!r} holds the results of `kvcompress {other}` ({', '.join(found)}): "
+                                 f"`kvcompress {command}` writes into a folder of its own; give another --out")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -177,7 +177,7 @@ def _run_perplexity(args) -> int:
     device, dtype = resolve_device(args.device, args.dtype)
     check_perplexity_folder(config, args.out, args.model or DEFAULT_NAME, dtype_name(dtype))  # before the model loads
     shard_specs(perplexity_documents(config), args.shard)
-    make_out_folder(args.out)
+    make_out_folder(args.out, "eval")
     model, tokenizer = load_cli_model(args, device, dtype)
     start = time.perf_counter()
     records = run_perplexity(model, tokenizer, config, args.out, progress=not args.no_progress, model_name=args.model or DEFAULT_NAME,
@@ -224,7 +224,7 @@ def _run_approx(args) -> int:
     from ..eval.plots import plot_approx
 
     config = _approx_config(args)
-    make_out_folder(args.out)
+    make_out_folder(args.out, "eval approx")
     model, tokenizer = load_cli_model(args)
     start = time.perf_counter()
     rows = run_approx(model, tokenizer, config, progress=not args.no_progress)
@@ -253,7 +253,7 @@ def _run_sweep(args) -> int:
     check_results_folder(config, args.out, model_name, dtype_name(dtype))  # before the model loads
     # a missing or malformed data file, or a shard with no sample, fails here, before the model loads
     shard_specs(sample_specs(config), args.shard)
-    make_out_folder(args.out)
+    make_out_folder(args.out, "eval")
     start = time.perf_counter()
     failures: list[str] = []
     if args.ray is not None:
