@@ -116,20 +116,25 @@ def find_rotary_embedding(model):
     LongRoPE). A model whose compressed layers include sliding layers promoted to full attention (`check_supported`: a
     window as long as the positions) with a RoPE of their own (Gemma 3's local RoPE) is refused: one inverse cannot
     serve both."""
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            if "layer_type" not in inspect.signature(module.forward).parameters:
-                return module, {}, float(getattr(module, "attention_scaling", 1.0))
-            declared = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]  # Gemma 3: local and global RoPE
-            promoted = [i for i, ((kind, _), declared_kind) in enumerate(zip(check_supported(model), declared))
-                        if kind == "full_attention" and declared_kind == "sliding_attention"]
-            if promoted:
-                raise ValueError(f"layers {promoted} slide over a window as long as the model's positions, so kvcompress compresses "
-                                 "them as full attention, but they rotate keys with a RoPE of their own: their pre-RoPE keys "
-                                 "cannot be recovered with the full-attention layers' inverse; use a method that reads no "
-                                 "pre-RoPE keys")
-            return module, {"layer_type": "full_attention"}, float(getattr(module, "full_attention_attention_scaling", 1.0))
-    raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
+    module = rotary_embedding(model)
+    if module is None:
+        raise ValueError("the model has no rotary embedding module: cannot recover pre-RoPE keys")
+    if "layer_type" not in inspect.signature(module.forward).parameters:
+        return module, {}, float(getattr(module, "attention_scaling", 1.0))
+    declared = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]  # Gemma 3: local and global RoPE
+    promoted = [i for i, ((kind, _), declared_kind) in enumerate(zip(check_supported(model), declared))
+                if kind == "full_attention" and declared_kind == "sliding_attention"]
+    if promoted:
+        raise ValueError(f"layers {promoted} slide over a window as long as the model's positions, so kvcompress compresses "
+                         "them as full attention, but they rotate keys with a RoPE of their own: their pre-RoPE keys "
+                         "cannot be recovered with the full-attention layers' inverse; use a method that reads no "
+                         "pre-RoPE keys")
+    return module, {"layer_type": "full_attention"}, float(getattr(module, "full_attention_attention_scaling", 1.0))
+
+
+def rotary_embedding(model):
+    """The model's rotary embedding module (the first whose class name ends in "RotaryEmbedding"), or None."""
+    return next((module for module in model.modules() if type(module).__name__.endswith("RotaryEmbedding")), None)
 
 
 def length_dependent_rope(model) -> tuple[str, int] | None:
@@ -138,17 +143,15 @@ def length_dependent_rope(model) -> tuple[str, int] | None:
     with its short factors and one beyond with its long ones; dynamic NTK rescales beyond the original length. Keys
     fed in blocks are then rotated otherwise than by one forward over the same tokens, and keys rotated by an earlier,
     shorter forward cannot be un-rotated with the frequencies of a later one."""
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            rope_type = getattr(module, "rope_type", "default")
-            rope_type = rope_type.get("full_attention", "default") if isinstance(rope_type, dict) else rope_type
-            if rope_type == "longrope":  # the length transformers' LongRoPE switches factors at
-                params = module.config.rope_parameters
-                params = params.get("full_attention", params) if "rope_type" not in params else params
-                return rope_type, int(params.get("original_max_position_embeddings") or module.config.original_max_position_embeddings)
-            if "dynamic" in rope_type:  # rescaled beyond the length it was built for
-                return rope_type, int(module.original_max_seq_len)
-            return None
+    module = rotary_embedding(model)
+    rope_type = "default" if module is None else getattr(module, "rope_type", "default")
+    rope_type = rope_type.get("full_attention", "default") if isinstance(rope_type, dict) else rope_type
+    if rope_type == "longrope":  # the length transformers' LongRoPE switches factors at
+        params = module.config.rope_parameters
+        params = params.get("full_attention", params) if "rope_type" not in params else params
+        return rope_type, int(params.get("original_max_position_embeddings") or module.config.original_max_position_embeddings)
+    if "dynamic" in rope_type:  # rescaled beyond the length it was built for
+        return rope_type, int(module.original_max_seq_len)
     return None
 
 

@@ -245,12 +245,11 @@ def make_out_folder(path: Path, command: str) -> None:
     """Create the results folder --out names (and its parents) before the work, and check that it takes new files, that
     the files already in it can be written (an earlier run's records, resumed) and that none is another command's
     (`command`: "eval", "bench" or "eval approx"); an error names --out."""
-    if path.is_dir():
-        for other, marks in _FOLDER_KINDS.items():
-            found = [name for name in marks if (path / name).is_file()]
-            if other != command and found:
-                raise ValueError(f"--out {str(path)!r} holds the results of `kvcompress {other}` ({', '.join(found)}): "
-                                 f"`kvcompress {command}` writes into a folder of its own; give another --out")
+    for other in sorted(_FOLDER_KINDS.keys() - {command}):
+        found = [name for name in _FOLDER_KINDS[other] if (path / name).is_file()]
+        if found:
+            raise ValueError(f"--out {str(path)!r} holds the results of `kvcompress {other}` ({', '.join(found)}): "
+                             f"`kvcompress {command}` writes into a folder of its own; give another --out")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -240,6 +240,12 @@ class _Session:
                                 "question's", "compress the question with the context (compress_question=True), or keep the prompt "
                                 "within {switch} tokens")
 
+    def check_questions(self, questions_ids: list[torch.Tensor]) -> None:
+        """`check_rope` and `check_answers_stay_compressed` for the session's context followed by each of several questions
+        [1, m_i], before any work."""
+        self.check_rope(max(q.shape[1] for q in questions_ids))
+        self.check_answers_stay_compressed([self.n_context + q.shape[1] for q in questions_ids])
+
     def check_answers_stay_compressed(self, n_prompts) -> None:
         """Refuse, before any work, a compressed cache's answer (greedy through `model.generate`, up to the session's
         max_new_tokens) after a prompt of any of `n_prompts` tokens that would cross the length where `model.generate`
@@ -536,8 +542,7 @@ def answer_questions_ids(
     check_context_ids(context_ids)
     _check_questions(model, context_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(context_ids, None), options, max_new_tokens)
-    session.check_rope(max(q.shape[1] for q in questions_ids))
-    session.check_answers_stay_compressed([session.n_context + q.shape[1] for q in questions_ids])
+    session.check_questions(questions_ids)
     if session.mode == "decode":  # every question and answer streams too: a ratio is of the context, the longest question and answer
         session.stream_length += max(q.shape[1] for q in questions_ids)
     with _running(model, options):
@@ -631,8 +636,7 @@ def answer_from_cache_ids(
     _check_answer_settings(max_new_tokens, stop_at_eos)
     _check_questions(model, cache.token_ids.shape[1], questions_ids, max_new_tokens)
     session = _Session(model, _Prompt(cache.token_ids, None), cache.options, max_new_tokens)
-    session.check_rope(max(q.shape[1] for q in questions_ids))
-    session.check_answers_stay_compressed([session.n_context + q.shape[1] for q in questions_ids])
+    session.check_questions(questions_ids)
     session.adopt(cache)
     with _running(model, cache.options):
         return _answer_each(session, questions_ids, 0.0, max_new_tokens, stop_at_eos)

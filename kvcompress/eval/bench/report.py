@@ -160,8 +160,7 @@ def run(out_dir: Path, config: BenchConfig, log: Callable[[str], None] = print) 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     kept = {section: line for section, line in read_machines(out_dir).items() if (out_dir / f"{section}.csv").is_file()}
-    machines = kept | dict.fromkeys(config.sections, machine)
-    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
+    _write_machines(out_dir, kept | dict.fromkeys(config.sections, machine))
     sections = set(config.sections)
     model = tokenizer = None
     if {"decode", "memory", "prefill"} & sections:  # loaded first: a decode run the model cannot take is refused before anything runs
@@ -197,11 +196,14 @@ def _report_what_was_written(out_dir: Path, machines: dict[str, str | None]) -> 
     it (this run's where it wrote the CSV, the earlier run's where the CSV is that run's), and bench.md, the exponents and
     the plots are rebuilt from the CSVs there (left as they are when there is none to rebuild from)."""
     machines = {section: line for section, line in machines.items() if line is not None and (out_dir / f"{section}.csv").is_file()}
-    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
-    try:
+    _write_machines(out_dir, machines)
+    if machines:  # a section's CSV to rebuild the report from (a run stopped before its first row leaves none)
         report(out_dir)
-    except ValueError:
-        pass  # no CSV yet: nothing to report
+
+
+def _write_machines(out_dir: Path, machines: dict[str, str]) -> None:
+    """out_dir/machine.txt: one `section: machine line` per section (`read_machines` reads it back)."""
+    (out_dir / "machine.txt").write_text("".join(f"{section}: {line}\n" for section, line in machines.items()), encoding="utf-8")
 
 
 def _run_thread_counts(out_dir: Path, config: BenchConfig, log: Callable[[str], None]) -> dict[int, dict[str, list[dict]]]:
